@@ -1,0 +1,327 @@
+"""Acceptance rules: pick the accepted path in a candidate tree from the base model's logits.
+
+Conventions shared by the tree rules (``n`` = ``buffers.num_nodes``, node 0 = root):
+
+* ``logits``: ``[batch, n, vocab]`` base-model logits at each node; node i's logits predict
+  the token that follows node i.
+* ``tokens``: ``[batch, n]`` long, the token placed at each node (node 0 is already committed).
+* ``buffers``: :class:`~medusa_infer.trees.TreeBuffers` on the same device as ``logits``.
+
+Each rule returns an :class:`Acceptance`. Three rules are offered:
+
+* :func:`accept_greedy`: exact match with the base model's argmax (temperature 0).
+* :func:`accept_typical`: Medusa-2 typical acceptance (fast, not distribution-preserving).
+* :func:`accept_lossless`: recursive rejection sampling over the tree; the emitted tokens
+  follow exactly the distribution of plain sampling with :func:`warp_logits`.
+
+:func:`accept_draft_lossless` is the classic chain rule for a stochastic draft model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from medusa_infer.trees import TreeBuffers
+
+__all__ = [
+    "Acceptance",
+    "accept_draft_lossless",
+    "accept_greedy",
+    "accept_lossless",
+    "accept_typical",
+    "warp_logits",
+]
+
+
+@dataclass(frozen=True, eq=False)
+class Acceptance:
+    """Result of one verification step.
+
+    Fields:
+        accept_length: ``[batch]`` long, accepted tree tokens beyond the root (0..max_depth).
+        path_nodes: ``[batch, max_depth + 1]`` long, node indices of the accepted path starting
+            with the root (0), padded with -1.
+        next_token: ``[batch]`` long, the bonus token drawn at the last accepted node.
+    """
+
+    accept_length: torch.Tensor
+    path_nodes: torch.Tensor
+    next_token: torch.Tensor
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks
+# ---------------------------------------------------------------------------------------------
+
+def _check_sampling_args(temperature: float, top_k: int, top_p: float) -> None:
+    """Raise ``ValueError`` naming the value when a sampling setting is out of range."""
+    if not 0.0 <= temperature < math.inf:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {top_k!r}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must lie in (0, 1] (1 disables it), got {top_p!r}")
+
+
+def _check_inputs(logits: torch.Tensor, tokens: torch.Tensor, buffers: TreeBuffers) -> None:
+    """Raise ``ValueError`` when logits, tokens and tree buffers do not fit together."""
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [batch, nodes, vocab], got shape {tuple(logits.shape)}")
+    if tokens.shape != logits.shape[:2]:
+        raise ValueError(f"tokens must be [batch, nodes] = {tuple(logits.shape[:2])} to match logits, "
+                         f"got shape {tuple(tokens.shape)}")
+    if tokens.dtype != torch.long:
+        raise ValueError(f"tokens must be torch.long token ids, got {tokens.dtype}")
+    if logits.shape[1] != buffers.num_nodes:
+        raise ValueError(f"logits cover {logits.shape[1]} nodes but the tree has {buffers.num_nodes} "
+                         "(root included); pass one row per tree node")
+    if buffers.parents.device != logits.device:
+        raise ValueError(f"tree buffers are on {buffers.parents.device} but logits are on "
+                         f"{logits.device}; call buffers.to(logits.device) once per request")
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling distribution
+# ---------------------------------------------------------------------------------------------
+
+def warp_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Sampling distribution ``[..., vocab]`` (float32) from logits ``[..., vocab]``.
+
+    Applies temperature, then top-k, then top-p (nucleus), in the order of transformers'
+    ``generate``: top-k keeps every token scoring at least the k-th best; top-p keeps the smallest
+    set of most probable tokens whose mass reaches ``top_p``. ``temperature == 0`` gives a
+    one-hot on the argmax (first one on ties). ``top_k == 0`` and ``top_p == 1`` disable them.
+    """
+    _check_sampling_args(temperature, top_k, top_p)
+    scores = logits.float()
+    vocab = scores.shape[-1]
+    if temperature == 0:
+        return F.one_hot(scores.argmax(-1), vocab).float()
+    scores = scores / temperature
+    if 0 < top_k < vocab:
+        kth_best = scores.topk(top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth_best, -math.inf)
+    probs = scores.softmax(-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(-1, descending=True)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        drop_sorted = mass_before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def _acceptance_probability(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
+    """Speculative-sampling acceptance probability ``min(1, p(x) / q(x))``, elementwise.
+
+    ``p_x`` is the target probability of the drafted token, ``q_x`` its draft probability.
+    """
+    return torch.where(p_x >= q_x, torch.ones_like(p_x), p_x / q_x)
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Distribution ``norm(max(0, p - q))`` ``[..., vocab]`` to sample from after a rejection."""
+    leftover = (p - q).clamp(min=0.0)
+    return leftover / leftover.sum(-1, keepdim=True).clamp(min=torch.finfo(leftover.dtype).tiny)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tree rules
+# ---------------------------------------------------------------------------------------------
+
+def _select_path(
+    accepted: torch.Tensor, buffers: TreeBuffers, score: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Longest accepted root-to-leaf prefix.
+
+    Args:
+        accepted: ``[batch, n]`` bool, whether each node passes its parent's test (root ignored).
+        buffers: the tree.
+        score: optional ``[batch, n]`` per-node log-likelihood (root ignored); among equally long
+            prefixes the highest total wins. Remaining ties go to the first leaf of
+            ``retrieve_indices``.
+
+    Returns:
+        accept_length ``[batch]``, path_nodes ``[batch, max_depth + 1]`` (-1 padded) and the
+        last accepted node ``[batch]``.
+    """
+    retrieve = buffers.retrieve_indices  # [leaves, max_depth + 1]
+    on_path = retrieve >= 0
+    node_ok = accepted[:, retrieve.clamp(min=0)] & on_path  # [batch, leaves, max_depth + 1]
+    node_ok[:, :, 0] = True
+    prefix = node_ok.long().cumprod(-1).bool()
+    lengths = prefix.sum(-1) - 1  # [batch, leaves]
+    if score is None:
+        best = lengths.argmax(-1)
+    else:
+        below_root = retrieve[:, 1:].clamp(min=0)
+        prefix_score = torch.where(prefix[:, :, 1:], score[:, below_root], 0.0).sum(-1)
+        longest = lengths == lengths.max(-1, keepdim=True).values
+        best = torch.where(longest, prefix_score, -math.inf).argmax(-1)
+    rows = torch.arange(accepted.shape[0], device=accepted.device)
+    accept_length = lengths[rows, best]
+    path_nodes = torch.where(prefix[rows, best], retrieve[best], -1)
+    last_node = path_nodes[rows, accept_length]
+    return accept_length, path_nodes, last_node
+
+
+def accept_greedy(logits: torch.Tensor, tokens: torch.Tensor, buffers: TreeBuffers) -> Acceptance:
+    """Accept a node iff its token is the argmax of its parent's logits; keep the longest path.
+
+    ``next_token`` is the argmax at the last accepted node. Ties between equally long paths go to
+    the first leaf in ``buffers.retrieve_indices``; the result is deterministic.
+    """
+    _check_inputs(logits, tokens, buffers)
+    prediction = logits.argmax(-1)  # [batch, n]
+    accepted = tokens == prediction[:, buffers.parents.clamp(min=0)]
+    accept_length, path_nodes, last_node = _select_path(accepted, buffers)
+    next_token = prediction.gather(1, last_node[:, None]).squeeze(1)
+    return Acceptance(accept_length, path_nodes, next_token)
+
+
+def accept_typical(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    buffers: TreeBuffers,
+    temperature: float,
+    epsilon: float = 0.09,
+    delta: float = 0.3,
+    generator: torch.Generator | None = None,
+) -> Acceptance:
+    """Medusa-2 typical acceptance: accept token x when ``p(x) > min(epsilon, delta * exp(-H(p)))``.
+
+    ``p = softmax(parent logits / temperature)`` and ``H`` is its entropy (``epsilon`` is Medusa's
+    ``posterior_threshold``, ``delta`` its ``posterior_alpha``, usually ``sqrt(epsilon)``). The
+    longest accepted path wins, ties broken by higher path log-likelihood. ``next_token`` is sampled
+    from ``p`` at the last accepted node. ``temperature == 0`` is :func:`accept_greedy`.
+    Faster than lossless sampling but does not preserve the base model's distribution.
+    """
+    _check_sampling_args(temperature, 0, 1.0)
+    if not 0.0 < epsilon <= 1.0:
+        raise ValueError(f"epsilon (posterior threshold) must lie in (0, 1], got {epsilon!r}")
+    if not 0.0 < delta < math.inf:
+        raise ValueError(f"delta (posterior alpha) must be a finite number > 0, got {delta!r}")
+    _check_inputs(logits, tokens, buffers)
+    if temperature == 0:
+        return accept_greedy(logits, tokens, buffers)
+    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)  # [batch, n, vocab]
+    probs = log_probs.exp()
+    entropy = torch.special.entr(probs).sum(-1)  # [batch, n]
+    threshold = torch.clamp(delta * torch.exp(-entropy), max=epsilon)
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    parents = buffers.parents.clamp(min=0)
+    node_log_prob = log_probs[rows[:, None], parents[None, :], tokens]  # [batch, n]
+    accepted = node_log_prob.exp() > threshold[:, parents]
+    accept_length, path_nodes, last_node = _select_path(accepted, buffers, score=node_log_prob)
+    next_token = torch.multinomial(probs[rows, last_node], 1, generator=generator).squeeze(1)
+    return Acceptance(accept_length, path_nodes, next_token)
+
+
+def accept_lossless(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    buffers: TreeBuffers,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> Acceptance:
+    """Recursive rejection sampling over the tree (SpecInfer / EAGLE multi-draft style).
+
+    Each child token is a deterministic draft (q = point mass). At the current node, with target
+    ``p = warp_logits(node logits, temperature, top_k, top_p)``, the children are tried in rank
+    order: child token x is accepted with probability ``p(x)``; on rejection ``p`` becomes the
+    residual ``norm(max(0, p - q))`` (x's mass removed) before the next sibling, so a repeated
+    token can never be accepted after its rejection. An accepted child becomes the current node;
+    when every child is rejected, or at a leaf, ``next_token`` is sampled from the current
+    (residual) ``p``. The emitted tokens follow exactly the distribution of plain sampling.
+    ``temperature == 0`` is :func:`accept_greedy`.
+    """
+    _check_sampling_args(temperature, top_k, top_p)
+    _check_inputs(logits, tokens, buffers)
+    if temperature == 0:
+        return accept_greedy(logits, tokens, buffers)
+    target = warp_logits(logits, temperature, top_k, top_p)  # [batch, n, vocab]
+    batch, _, vocab = target.shape
+    device = logits.device
+    rows = torch.arange(batch, device=device)
+
+    node = torch.zeros(batch, dtype=torch.long, device=device)
+    probs = target[:, 0]  # current (residual) target distribution, [batch, vocab]
+    path_nodes = torch.full((batch, buffers.max_depth + 1), -1, dtype=torch.long, device=device)
+    path_nodes[:, 0] = 0
+    descending = torch.ones(batch, dtype=torch.bool, device=device)
+    for depth in range(1, buffers.max_depth + 1):
+        moved = torch.zeros(batch, dtype=torch.bool, device=device)
+        for slot in range(buffers.children.shape[1]):
+            child = buffers.children[node, slot]  # [batch], -1 when there is no such child
+            trial = descending & ~moved & (child >= 0)
+            draft = tokens[rows, child.clamp(min=0)]
+            p_x = probs[rows, draft]
+            uniform = torch.rand(batch, generator=generator, device=device)
+            accept = trial & (uniform < _acceptance_probability(p_x, torch.ones_like(p_x)))
+            reject = trial & ~accept
+            point_mass = F.one_hot(draft, vocab).to(probs.dtype)
+            probs = torch.where(reject[:, None], _residual(probs, point_mass), probs)
+            node = torch.where(accept, child, node)
+            moved |= accept
+        probs = torch.where(moved[:, None], target[rows, node], probs)
+        path_nodes[:, depth] = torch.where(moved, node, -1)
+        descending = moved
+    accept_length = (path_nodes[:, 1:] >= 0).sum(-1)
+    next_token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    return Acceptance(accept_length, path_nodes, next_token)
+
+
+# ---------------------------------------------------------------------------------------------
+# Chain rule for a stochastic draft model
+# ---------------------------------------------------------------------------------------------
+
+def accept_draft_lossless(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling of a drafted chain (Leviathan et al. / Chen et al.).
+
+    Args:
+        target_probs: ``[batch, k + 1, vocab]`` target distributions after each drafted prefix
+            (position i predicts the token after i drafted tokens).
+        draft_probs: ``[batch, k, vocab]`` draft distributions the tokens were sampled from.
+        draft_tokens: ``[batch, k]`` long, the drafted tokens.
+        generator: random source.
+
+    Token i is accepted with probability ``min(1, p(x) / q(x))``; at the first rejection the next
+    token is drawn from ``norm(max(0, p - q))``; if all k are accepted it is drawn from
+    ``target_probs[:, k]``.
+
+    Returns:
+        accept_length ``[batch]`` (0..k) and next_token ``[batch]``.
+    """
+    if draft_tokens.dim() != 2 or draft_tokens.shape[1] < 1:
+        raise ValueError(f"draft_tokens must be [batch, k] with k >= 1, got shape {tuple(draft_tokens.shape)}")
+    batch, k = draft_tokens.shape
+    if draft_probs.dim() != 3 or draft_probs.shape[:2] != (batch, k):
+        raise ValueError(f"draft_probs must be [batch, k, vocab] with batch, k = {batch}, {k}, "
+                         f"got shape {tuple(draft_probs.shape)}")
+    if target_probs.shape != (batch, k + 1, draft_probs.shape[2]):
+        raise ValueError(f"target_probs must be [batch, k + 1, vocab] = {(batch, k + 1, draft_probs.shape[2])}, "
+                         f"got shape {tuple(target_probs.shape)}")
+    target = target_probs.float()
+    draft = draft_probs.float()
+    p_x = target[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [batch, k]
+    q_x = draft.gather(-1, draft_tokens[..., None]).squeeze(-1)
+    uniform = torch.rand((batch, k), generator=generator, device=target.device)
+    accepted = uniform < _acceptance_probability(p_x, q_x)
+    accept_length = accepted.long().cumprod(-1).sum(-1)  # [batch]
+    rows = torch.arange(batch, device=target.device)
+    p = target[rows, accept_length]
+    q = draft[rows, accept_length.clamp(max=k - 1)] * (accept_length < k)[:, None]
+    next_token = torch.multinomial(_residual(p, q), 1, generator=generator).squeeze(1)
+    return accept_length, next_token

@@ -1,0 +1,136 @@
+"""Reading and writing heads checkpoints: ``config.json``, ``model.safetensors``, ``README.md``.
+
+A checkpoint folder holds the heads only. With ``shared`` projection the base model's ``lm_head``
+is not stored; it comes from the base model named in the config when the heads are loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from medusa_infer.config import MedusaConfig
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+CARD_NAME = "README.md"
+
+
+def save_heads(
+    directory: str | Path,
+    config: MedusaConfig,
+    state_dict: dict[str, torch.Tensor],
+    base_model_id: str | None = None,
+) -> Path:
+    """Write ``config.json``, ``model.safetensors`` and a model card into ``directory``.
+
+    Args:
+        directory: created if missing.
+        config: the heads' configuration.
+        state_dict: the heads' tensors (``MedusaHeads.state_dict()``).
+        base_model_id: Hub id for the card's ``base_model`` field (defaults to the config's).
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config.save(directory / CONFIG_NAME)
+    tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in state_dict.items()}
+    save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "library": "medusa-forge"})
+    (directory / CARD_NAME).write_text(model_card(config, base_model_id))
+    return directory
+
+
+def load_heads_state(directory: str | Path) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
+    """Read a medusa-forge checkpoint folder; corrupted or missing files raise ``ValueError``."""
+    directory = Path(directory)
+    config_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            raise ValueError(f"{path} is missing: {directory} is not a medusa-forge heads checkpoint")
+    try:
+        config = MedusaConfig.load(config_path)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{config_path} is not valid JSON ({err}); re-export or re-download it") from err
+    try:
+        state_dict = load_file(str(weights_path))
+    except (SafetensorError, OSError) as err:
+        raise ValueError(
+            f"{weights_path} could not be read ({err}): the file is truncated or corrupted; "
+            "re-download it or export the heads again"
+        ) from err
+    return config, state_dict
+
+
+def check_state_dict(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor], source: str) -> None:
+    """Raise ``ValueError`` naming every missing, unexpected or mis-shaped tensor."""
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    shapes = [
+        f"{name}: checkpoint {tuple(found[name].shape)}, heads {tuple(t.shape)}"
+        for name, t in expected.items()
+        if name in found and found[name].shape != t.shape
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors {missing}")
+    if unexpected:
+        problems.append(f"unexpected tensors {unexpected}")
+    if shapes:
+        problems.append("shape mismatches " + "; ".join(shapes))
+    if problems:
+        raise ValueError(
+            f"{source} does not fit the heads its config describes: " + ", ".join(problems)
+            + ". The checkpoint is incomplete or was written for another configuration; re-export it."
+        )
+
+
+def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
+    """A Hugging Face model card with front matter, usage and the measured figures when known."""
+    base = base_model_id or config.base_model_name_or_path or "unknown"
+    lines = ["---"]
+    if base != "unknown":
+        lines.append(f"base_model: {base}")
+    lines += [
+        "library_name: medusa-forge",
+        "tags:",
+        "- medusa",
+        "- speculative-decoding",
+        "---",
+        "",
+        f"# Medusa heads for {base}",
+        "",
+        f"{config.num_heads} Medusa heads, {config.num_layers} residual block(s) each, "
+        f"{config.projection} vocabulary projection"
+        + (f" over a reduced vocabulary of {config.reduced_vocab_size} tokens" if config.reduced_vocab_size else "")
+        + ", trained with [medusa-forge](https://pypi.org/project/medusa-forge/).",
+        "",
+        "## Usage",
+        "",
+        "```python",
+        "from medusa_infer import MedusaModel",
+        "",
+        'model = MedusaModel.from_pretrained("<this repo or folder>")',
+        'out = model.generate_text("What is the capital of France?", max_new_tokens=64)',
+        "```",
+        "",
+    ]
+    if config.head_accuracies:
+        width = max(len(a) for a in config.head_accuracies)
+        shown = [k for k in (1, 3, 5, 10) if k <= width]
+        lines += ["## Measured head accuracy (held-out data)", ""]
+        lines.append("| head | " + " | ".join(f"top-{k}" for k in shown) + " |")
+        lines.append("|---|" + "---|" * len(shown))
+        for i, acc in enumerate(config.head_accuracies):
+            lines.append(f"| {i + 1} | " + " | ".join(f"{acc[k - 1]:.3f}" for k in shown) + " |")
+        lines.append("")
+    if config.acceptance:
+        lines += ["## Measured acceptance", "", "| metric | value |", "|---|---|"]
+        for key, value in config.acceptance.items():
+            lines.append(f"| {key} | {value} |")
+        lines.append("")
+    if config.training:
+        lines += ["## Training", "", "```json", json.dumps(config.training, indent=2), "```", ""]
+    return "\n".join(lines)

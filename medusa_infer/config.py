@@ -1,0 +1,102 @@
+"""The heads' configuration: what a checkpoint's ``config.json`` holds."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PROJECTIONS = ("shared", "own")
+FORMAT_VERSION = 1
+
+
+@dataclass
+class MedusaConfig:
+    """Configuration of a set of Medusa heads.
+
+    Attributes:
+        num_heads: K, the number of heads; head k predicts the token k + 2 positions ahead of the
+            hidden state it reads (head 0 predicts the token after the base model's next token).
+        num_layers: L, residual blocks ``x + SiLU(Linear(x))`` per head.
+        hidden_size: the base model's hidden size (checked against the base model on load).
+        vocab_size: the base model's vocabulary size (rows of its ``lm_head``).
+        projection: ``"shared"`` reuses the base model's frozen ``lm_head`` (not stored in the
+            checkpoint); ``"own"`` gives each head its own projection, initialised from it.
+        reduced_vocab_size: when set, the heads score only this many token ids (the most frequent
+            ones in the training data); the checkpoint then stores the ``token_map`` tensor.
+        base_model_name_or_path: the base model the heads were trained for.
+        base_model_type: ``config.model_type`` of that base model (checked on load).
+        tree: the default candidate tree, a list of paths of top-k ranks (Medusa's format).
+        top_k: candidates taken from each head when building trees.
+        head_accuracies: measured top-k accuracy per head, ``[num_heads][k]``.
+        acceptance: measured acceptance figures (tokens per step, per-depth rates, ...).
+        cost_profile: measured verification cost per tree size on some device.
+        training: free-form training metadata (recipe, data, steps, ...).
+    """
+
+    num_heads: int = 4
+    num_layers: int = 1
+    hidden_size: int = 0
+    vocab_size: int = 0
+    projection: str = "shared"
+    reduced_vocab_size: int | None = None
+    base_model_name_or_path: str | None = None
+    base_model_type: str | None = None
+    tree: list[list[int]] | None = None
+    top_k: int = 10
+    head_accuracies: list[list[float]] | None = None
+    acceptance: dict[str, Any] | None = None
+    cost_profile: dict[str, Any] | None = None
+    training: dict[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if self.num_heads < 1:
+            raise ValueError(f"num_heads must be >= 1, got {self.num_heads}")
+        if self.num_layers < 0:
+            raise ValueError(f"num_layers must be >= 0, got {self.num_layers}")
+        if self.projection not in PROJECTIONS:
+            raise ValueError(f"projection must be one of {PROJECTIONS}, got {self.projection!r}")
+        if self.reduced_vocab_size is not None and not 0 < self.reduced_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"reduced_vocab_size must be in (0, vocab_size={self.vocab_size}], "
+                f"got {self.reduced_vocab_size}"
+            )
+        if self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+        if self.tree is not None:
+            self.tree = [list(p) for p in self.tree]
+
+    @property
+    def head_vocab_size(self) -> int:
+        """Width of each head's logits: the reduced vocabulary when set, else the full one."""
+        return self.reduced_vocab_size or self.vocab_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "MedusaConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown keys {unknown} in a medusa-forge heads config; known keys: {sorted(known)}. "
+                "For a FasterDecoding/Medusa checkpoint use medusa_infer.interop.import_medusa_checkpoint."
+            )
+        version = data.get("format_version", FORMAT_VERSION)
+        if version > FORMAT_VERSION:
+            raise ValueError(
+                f"heads config format_version {version} is newer than this medusa-forge supports "
+                f"({FORMAT_VERSION}); upgrade medusa-forge"
+            )
+        return cls(**data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "MedusaConfig":
+        return cls.from_dict(json.loads(Path(path).read_text()))

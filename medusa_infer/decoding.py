@@ -1,0 +1,468 @@
+"""The speculative decoding loop: prefill, then propose -> verify -> accept -> commit.
+
+One step, for every active row of the batch at once::
+
+    proposal = proposer.propose(roots)              # [batch, n] tree of candidates, node 0 = root
+    out = model(proposal.tokens, tree mask, positions = root position + node depth)
+    acc = acceptance rule(out.logits, proposal)     # longest accepted path + the next root
+    keep only the accepted path's KV slots          # a gather, no second forward
+    proposer.observe(accepted tokens, hidden state at the last accepted node)
+
+The proposer decides what is proposed (Medusa heads, a draft model, prompt lookup, nothing at
+all for plain decoding); everything else is shared. All state lives in ``_Generation``, one object
+per call, never on the model.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from medusa_infer import acceptance as rules
+from medusa_infer.kv_cache import AttentionLayout, KVState
+from medusa_infer.metrics import GenerationMetrics
+from medusa_infer.proposers.base import Proposal, Proposer, StepContext
+from medusa_infer.proposers.medusa import MedusaProposer
+from medusa_infer.trees import get_tree
+
+ACCEPTANCE_RULES = ("greedy", "typical", "lossless")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How tokens are chosen. ``acceptance`` greedy needs no sampling; typical and lossless sample
+    at ``temperature`` (lossless also applies ``top_k``/``top_p`` exactly as plain sampling)."""
+
+    acceptance: str = "greedy"
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    typical_epsilon: float = 0.09
+    typical_delta: float = 0.3
+
+    def __post_init__(self) -> None:
+        if self.acceptance not in ACCEPTANCE_RULES:
+            raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {self.acceptance!r}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.acceptance == "greedy" or self.temperature == 0
+
+    def first_token(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """Choose ``[batch]`` tokens from ``[batch, vocab]`` logits, as plain decoding would."""
+        if self.greedy:
+            return logits.argmax(dim=-1)
+        top_k, top_p = (self.top_k, self.top_p) if self.acceptance == "lossless" else (0, 1.0)
+        probs = rules.warp_logits(logits.float(), self.temperature, top_k, top_p)
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+    def accept(self, logits: torch.Tensor, proposal: Proposal, generator: torch.Generator | None) -> rules.Acceptance:
+        logits = logits.float()
+        if self.greedy:
+            return rules.accept_greedy(logits, proposal.tokens, proposal.tree)
+        if self.acceptance == "typical":
+            return rules.accept_typical(
+                logits, proposal.tokens, proposal.tree, self.temperature,
+                epsilon=self.typical_epsilon, delta=self.typical_delta, generator=generator,
+            )
+        if proposal.draft_probs is not None:
+            return rules.accept_chain_lossless(
+                logits, proposal.tokens, proposal.draft_probs, self.temperature, self.top_k, self.top_p, generator
+            )
+        return rules.accept_lossless(
+            logits, proposal.tokens, proposal.tree, self.temperature, self.top_k, self.top_p, generator=generator
+        )
+
+
+@dataclass
+class StopConfig:
+    """When a row stops: any of ``eos_token_ids``, a stop string, ``max_new_tokens``."""
+
+    max_new_tokens: int = 128
+    eos_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+
+
+@dataclass
+class GenerationOutput:
+    """Result of ``generate``.
+
+    Attributes:
+        sequences: ``[batch, prompt + new]`` prompt (left-padded as given) and new tokens, rows
+            that stopped early padded with the pad token, as ``model.generate`` returns them.
+        metrics: the call's counters and timings.
+        finish_reasons: per row, ``"eos"``, ``"stop"``, ``"length"`` or ``"context"``.
+        new_tokens: per row, the generated token ids (no padding).
+    """
+
+    sequences: torch.Tensor
+    metrics: GenerationMetrics
+    finish_reasons: list[str]
+    new_tokens: list[list[int]] = field(default_factory=list)
+
+
+@dataclass
+class StreamChunk:
+    """Tokens a row committed in one step, and the text they complete (batch 1: ``row`` 0)."""
+
+    row: int
+    token_ids: list[int]
+    text: str = ""
+
+
+class _Generation:
+    """All mutable state of one generation call."""
+
+    def __init__(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, proposer: Proposer,
+                 sampling: SamplingConfig, stop: StopConfig, tokenizer: Any, generator: torch.Generator | None):
+        self.model, self.proposer, self.sampling, self.stop = model, proposer, sampling, stop
+        self.tokenizer, self.generator = tokenizer, generator
+        self.input_ids, self.attention_mask = input_ids, attention_mask
+        batch = input_ids.shape[0]
+        self.context_length = _context_length(model)
+        self.rows = list(range(batch))  # original index of each active row
+        self.histories = [input_ids[b][attention_mask[b].bool()].tolist() for b in range(batch)]
+        self.generated: list[list[int]] = [[] for _ in range(batch)]
+        self.finish: list[str | None] = [None] * batch
+        self.metrics = GenerationMetrics(rows=batch)
+        self.kv = KVState.empty(batch, AttentionLayout.from_config(model.base_model.config), model.device)
+        self.roots = torch.zeros(batch, dtype=torch.long, device=model.device)
+        self.root_pos = attention_mask.sum(dim=1).to(model.device)
+
+    # -- phases -------------------------------------------------------------------------------
+
+    def prefill(self) -> dict[int, list[int]]:
+        start = time.perf_counter()
+        ids, mask = self.input_ids.to(self.model.device), self.attention_mask.to(self.model.device).bool()
+        positions = (mask.long().cumsum(1) - 1).clamp(min=0)
+        causal = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=ids.device).tril()
+        attn = self.kv.attention_mask(positions, mask, causal, self.model.dtype)
+        out = self.model(ids, attention_mask=attn, position_ids=positions, cache=self.kv.cache,
+                         logits_positions=slice(-1, None))
+        self.kv.append(mask, positions)
+        self.roots = self.sampling.first_token(out.logits[:, -1], self.generator)
+        self.metrics.prefill_s = time.perf_counter() - start
+        self.proposer.start(self._context(), out.hidden_states[:, -1])
+        emitted = self._emit([[int(t)] for t in self.roots])
+        self.metrics.new_tokens += sum(len(t) for t in emitted.values())
+        self.metrics.ttft_s = time.perf_counter() - start
+        return emitted
+
+    def step(self) -> dict[int, list[int]]:
+        metrics, model = self.metrics, self.model
+        with metrics.phase("propose"):
+            proposal = self.proposer.propose(self.roots, self._context())
+        tree, n = proposal.tree, proposal.tree.num_nodes
+        with metrics.phase("verify"):
+            positions = self.root_pos[:, None] + tree.depths[None]
+            valid = torch.ones_like(positions, dtype=torch.bool)
+            attn = self.kv.attention_mask(positions, valid, tree.attn_mask, model.dtype)
+            out = model(proposal.tokens, attention_mask=attn, position_ids=positions, cache=self.kv.cache)
+            self.kv.append(valid, positions)
+        with metrics.phase("accept"):
+            acc = self.sampling.accept(out.logits, proposal, self.generator)
+        with metrics.phase("commit"):
+            self.kv.keep_new(n, acc.path_nodes)
+            rows = torch.arange(len(self.rows), device=positions.device)
+            last = acc.path_nodes[rows, acc.accept_length]
+            hidden = out.hidden_states[rows, last]
+            path_tokens = proposal.tokens.gather(1, acc.path_nodes.clamp(min=0))
+            lengths = acc.accept_length.tolist()
+            accepted = [
+                path_tokens[i, 1 : 1 + lengths[i]].tolist() + [int(acc.next_token[i])] for i in range(len(self.rows))
+            ]
+            self.roots = acc.next_token
+            self.root_pos = self.root_pos + acc.accept_length + 1
+            self.proposer.observe(accepted, hidden, self._context(accepted))
+            emitted = self._emit(accepted)
+            metrics.record_step(acc.accept_length, tree.max_depth, sum(len(t) for t in emitted.values()), n)
+        return emitted
+
+    # -- bookkeeping --------------------------------------------------------------------------
+
+    def _context(self, accepted: list[list[int]] | None = None) -> StepContext:
+        room_context = self.context_length - 1 - int(self.root_pos.max())
+        room_tokens = min(self.stop.max_new_tokens - len(self.generated[r]) for r in self.rows) - 1
+        return StepContext([self.histories[r] for r in self.rows], max(0, min(room_context, room_tokens)))
+
+    def _emit(self, tokens: list[list[int]]) -> dict[int, list[int]]:
+        """Append each active row's new tokens up to its stopping point; drop finished rows."""
+        emitted: dict[int, list[int]] = {}
+        keep = []
+        for i, (row, new) in enumerate(zip(self.rows, tokens)):
+            kept: list[int] = []
+            for token in new:
+                kept.append(token)
+                reason = self._stop_reason(row, kept, token)
+                if reason:
+                    self.finish[row] = reason
+                    break
+            self.generated[row].extend(kept)
+            self.histories[row].extend(kept)
+            emitted[row] = kept
+            if self.finish[row] is None and int(self.root_pos[i]) >= self.context_length:
+                self.finish[row] = "context"
+            if self.finish[row] is None:
+                keep.append(i)
+        if len(keep) < len(self.rows):
+            index = torch.tensor(keep, dtype=torch.long, device=self.roots.device)
+            self.rows = [self.rows[i] for i in keep]
+            self.roots, self.root_pos = self.roots[index], self.root_pos[index]
+            self.kv.select_rows(index)
+            self.proposer.select_rows(index)
+            self.kv.compact()
+        return emitted
+
+    def _stop_reason(self, row: int, kept: list[int], token: int) -> str | None:
+        if token in self.stop.eos_token_ids:
+            return "eos"
+        if self.stop.stop_strings:
+            tail = self.tokenizer.decode((self.generated[row] + kept)[-32:])
+            if any(s in tail for s in self.stop.stop_strings):
+                return "stop"
+        if len(self.generated[row]) + len(kept) >= self.stop.max_new_tokens:
+            return "length"
+        return None
+
+    @property
+    def done(self) -> bool:
+        return not self.rows
+
+    def output(self, pad_token_id: int) -> GenerationOutput:
+        width = max(len(g) for g in self.generated)
+        new = torch.full((len(self.generated), width), pad_token_id, dtype=torch.long)
+        for row, tokens in enumerate(self.generated):
+            new[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        sequences = torch.cat([self.input_ids.cpu(), new], dim=1)
+        return GenerationOutput(sequences, self.metrics, [r or "length" for r in self.finish], self.generated)
+
+
+def _context_length(model) -> int:
+    config = model.base_model.config.get_text_config()
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, name, None)
+        if value:
+            return int(value)
+    raise ValueError(f"{type(model.base_model).__name__}'s config states no context length (max_position_embeddings)")
+
+
+def _prepare_inputs(model, tokenizer, input_ids, attention_mask, prompt, messages) -> tuple[torch.Tensor, torch.Tensor]:
+    given = [x is not None for x in (input_ids, prompt, messages)]
+    if sum(given) != 1:
+        raise ValueError("pass exactly one of input_ids, prompt or messages")
+    if input_ids is None:
+        if tokenizer is None:
+            raise ValueError("prompt= and messages= need a tokenizer; load the model with one or pass tokenizer=")
+        texts = encode_chat(tokenizer, messages) if messages is not None else prompt
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        if any(not t for t in texts):
+            raise ValueError("empty prompt: give at least one token of input")
+        tokenizer.padding_side = "left"
+        batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=messages is None)
+        input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+    input_ids = torch.as_tensor(input_ids, dtype=torch.long)
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    attention_mask = torch.as_tensor(attention_mask, dtype=torch.long)
+    if attention_mask.dim() == 1:
+        attention_mask = attention_mask[None]
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
+    if input_ids.numel() == 0 or bool((attention_mask.sum(1) == 0).any()):
+        raise ValueError("empty prompt: every row needs at least one token of input")
+    if bool((attention_mask[:, -1] == 0).any()):
+        raise ValueError("input is right-padded; pad on the left (tokenizer.padding_side = 'left')")
+    limit = _context_length(model)
+    longest = int(attention_mask.sum(1).max())
+    if longest >= limit:
+        raise ValueError(f"prompt of {longest} tokens does not fit the model's context of {limit} tokens; shorten it")
+    vocab = model.base_model.get_output_embeddings().weight.shape[0]
+    if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
+        raise ValueError(f"input_ids hold token ids outside [0, {vocab})")
+    return input_ids, attention_mask
+
+
+def encode_chat(tokenizer, messages) -> list[str]:
+    """Render chat ``messages`` (one conversation, or a list of them) with the chat template."""
+    if not messages:
+        raise ValueError("messages is empty")
+    conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("this tokenizer has no chat template; pass prompt= or input_ids= instead")
+    return [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
+
+
+class GenerationStream:
+    """An iterator of ``StreamChunk`` as tokens are accepted; ``result()`` gives the final
+    ``GenerationOutput`` (draining the iterator first if needed)."""
+
+    def __init__(self, state: "_Generation", pad_token_id: int) -> None:
+        self.state, self.pad_token_id = state, pad_token_id
+        self.input_ids = state.input_ids
+        self._texts = _TextTracker(state.tokenizer, len(state.rows))
+        self._chunks = self._run()
+        self._output: GenerationOutput | None = None
+
+    def __iter__(self) -> Iterator[StreamChunk]:
+        return self._chunks
+
+    def _run(self) -> Iterator[StreamChunk]:
+        state, start = self.state, time.perf_counter()
+        with torch.inference_mode():
+            emitted = state.prefill()
+        while True:
+            for row, tokens in emitted.items():
+                if tokens:
+                    yield StreamChunk(row, tokens, self._texts.update(row, state.generated[row]))
+            if state.done:
+                break
+            with torch.inference_mode():
+                emitted = state.step()
+        state.metrics.total_s = time.perf_counter() - start
+        self._output = state.output(self.pad_token_id)
+
+    def result(self) -> GenerationOutput:
+        for _ in self._chunks:
+            pass
+        assert self._output is not None
+        return self._output
+
+
+def stream(
+    model,
+    input_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    prompt: str | Sequence[str] | None = None,
+    messages: Any = None,
+    max_new_tokens: int = 128,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    acceptance: str | None = None,
+    tree: str | Sequence[Sequence[int]] | None = None,
+    proposer: Proposer | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    stop_strings: Sequence[str] = (),
+    seed: int | None = None,
+    tokenizer: Any = None,
+    typical_epsilon: float = 0.09,
+    typical_delta: float = 0.3,
+) -> GenerationStream:
+    """Start a generation whose tokens (and text, with a tokenizer) are yielded as they are
+    accepted. Arguments as ``generate``; nothing runs until the stream is iterated."""
+    tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+    input_ids, attention_mask = _prepare_inputs(model, tokenizer, input_ids, attention_mask, prompt, messages)
+    if acceptance is None:
+        acceptance = "lossless" if do_sample else "greedy"
+    if not do_sample and acceptance != "greedy":
+        raise ValueError(f"acceptance={acceptance!r} samples; pass do_sample=True (or acceptance='greedy')")
+    sampling = SamplingConfig(acceptance, temperature if do_sample else 0.0, top_k, top_p,
+                              typical_epsilon, typical_delta)
+    stop = StopConfig(max_new_tokens, _eos_ids(model, tokenizer, eos_token_id), tuple(stop_strings))
+    if stop.stop_strings and tokenizer is None:
+        raise ValueError("stop_strings need a tokenizer; pass tokenizer=")
+    if proposer is None:
+        paths = get_tree(_default_tree(model) if tree is None else tree, model.config.num_heads, model.config.top_k)
+        proposer = MedusaProposer(model, paths)
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=model.device).manual_seed(seed)
+    state = _Generation(model, input_ids, attention_mask, proposer, sampling, stop, tokenizer, generator)
+    return GenerationStream(state, _pad_id(model, tokenizer, stop))
+
+
+def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> GenerationOutput:
+    """Speculative generation, shaped like Hugging Face's ``generate``.
+
+    Args:
+        model: a ``MedusaModel``.
+        input_ids: ``[batch, seq]`` left-padded token ids (or pass ``prompt=`` / ``messages=``).
+        attention_mask: ``[batch, seq]`` 1 for tokens, 0 for left padding.
+        prompt: a string or list of strings, tokenised with the model's tokenizer.
+        messages: a chat (list of ``{"role", "content"}``) or a list of chats; the tokenizer's
+            chat template is applied with the generation prompt.
+        max_new_tokens: at most this many new tokens per row.
+        do_sample: sample instead of greedy decoding.
+        temperature, top_p, top_k: the sampling distribution (lossless keeps it exactly).
+        acceptance: ``"greedy"`` (default without sampling; output identical to greedy
+            decoding), ``"typical"`` (Medusa-2 typical acceptance) or ``"lossless"`` (default with
+            sampling; the output has exactly the model's sampling distribution).
+        tree: a preset name or a list of paths; default: the heads' stored tree.
+        proposer: another proposer (draft model, prompt lookup, plain decoding).
+        eos_token_id: one id or several; default: all of the model's EOS ids.
+        stop_strings: stop a row once its text contains one of these.
+        seed: seed for sampling.
+        streamer: an object with ``put(token_ids)`` / ``end()`` (e.g. transformers'
+            ``TextStreamer``); batch size 1. The prompt is put first, as transformers does.
+
+    Returns:
+        ``GenerationOutput`` with ``sequences`` as ``model.generate`` returns them and ``metrics``.
+    """
+    chunks = stream(model, *args, **kwargs)
+    if streamer is None:
+        return chunks.result()
+    if chunks.input_ids.shape[0] != 1:
+        raise ValueError("streamer= supports batch size 1; iterate medusa_infer.decoding.stream() for batches")
+    streamer.put(chunks.input_ids)
+    for chunk in chunks:
+        streamer.put(torch.tensor(chunk.token_ids))
+    streamer.end()
+    return chunks.result()
+
+
+class _TextTracker:
+    """Incremental detokenisation: the text a row's new tokens add (empty without a tokenizer)."""
+
+    def __init__(self, tokenizer: Any, rows: int) -> None:
+        self.tokenizer, self.sent = tokenizer, [""] * rows
+
+    def update(self, row: int, tokens: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
+            return ""
+        new, self.sent[row] = text[len(self.sent[row]):], text
+        return new
+
+
+def _eos_ids(model, tokenizer, eos_token_id) -> tuple[int, ...]:
+    if eos_token_id is not None:
+        return tuple([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+    ids: set[int] = set()
+    for source in (getattr(model.base_model, "generation_config", None), model.base_model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if value is not None:
+            ids.update([value] if isinstance(value, int) else value)
+    return tuple(sorted(ids))
+
+
+def _pad_id(model, tokenizer, stop: StopConfig) -> int:
+    for source in (getattr(model.base_model, "generation_config", None), tokenizer, model.base_model.config):
+        value = getattr(source, "pad_token_id", None) if source is not None else None
+        if value is not None:
+            return int(value)
+    return stop.eos_token_ids[0] if stop.eos_token_ids else 0
+
+
+def _default_tree(model) -> Sequence[Sequence[int]] | str:
+    if model.config.tree:
+        return model.config.tree
+    return f"chain-{min(model.config.num_heads, 4)}" if model.config.num_heads < 4 else "tree-16"

@@ -1,0 +1,135 @@
+"""Medusa heads: K small residual MLPs on the base model's last hidden state.
+
+Head k maps the hidden state at position t to logits for the token at position t + k + 2 (the base
+model's own ``lm_head`` predicts t + 1). Each head is ``num_layers`` residual blocks
+``x + SiLU(Linear(x))`` followed by a vocabulary projection:
+
+* ``shared``: the base model's ``lm_head`` (frozen, owned by the base model, not by the heads);
+* ``own``: a per-head ``Linear(hidden, vocab)`` initialised from the base ``lm_head``.
+
+Every block's Linear starts at zero (weight and bias), so at initialisation each block is the
+identity and every head's logits equal the base model's next-token logits.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from medusa_infer.config import MedusaConfig
+
+
+class ResBlock(nn.Module):
+    """``x + SiLU(Linear(x))`` with a zero-initialised Linear (the identity at start)."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHead(nn.Module):
+    """One head: ``num_layers`` residual blocks and, for ``own`` projection, a vocabulary projection."""
+
+    def __init__(self, hidden_size: int, num_layers: int, proj_size: int | None) -> None:
+        super().__init__()
+        # A fresh module per layer: `[ResBlock(h)] * n` would share one module n times.
+        self.blocks = nn.ModuleList(ResBlock(hidden_size) for _ in range(num_layers))
+        self.proj = nn.Linear(hidden_size, proj_size, bias=False) if proj_size else None
+
+    def transform(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class MedusaHeads(nn.Module):
+    """The K heads of a Medusa checkpoint.
+
+    Args:
+        config: the heads' configuration.
+        lm_head_weight: ``[vocab, hidden]`` base ``lm_head`` weight; with ``own`` projection each
+            head's projection is initialised from it (rows ``token_map`` with a reduced vocabulary).
+        token_map: ``[reduced_vocab]`` token ids the heads score, required when
+            ``config.reduced_vocab_size`` is set.
+    """
+
+    def __init__(
+        self,
+        config: MedusaConfig,
+        lm_head_weight: torch.Tensor | None = None,
+        token_map: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        own = config.projection == "own"
+        self.heads = nn.ModuleList(
+            MedusaHead(config.hidden_size, config.num_layers, config.head_vocab_size if own else None)
+            for _ in range(config.num_heads)
+        )
+        if config.reduced_vocab_size is not None:
+            if token_map is None:
+                token_map = torch.arange(config.reduced_vocab_size)
+            token_map = torch.as_tensor(token_map, dtype=torch.long)
+            if token_map.shape != (config.reduced_vocab_size,):
+                raise ValueError(
+                    f"token_map has shape {tuple(token_map.shape)}, expected ({config.reduced_vocab_size},) "
+                    "to match reduced_vocab_size"
+                )
+            if token_map.min() < 0 or token_map.max() >= config.vocab_size:
+                raise ValueError(f"token_map ids must lie in [0, {config.vocab_size})")
+            self.register_buffer("token_map", token_map)
+        elif token_map is not None:
+            raise ValueError("a token_map was given but config.reduced_vocab_size is None; set it")
+        else:
+            self.token_map = None
+        if own and lm_head_weight is not None:
+            self.init_projections(lm_head_weight)
+
+    @torch.no_grad()
+    def init_projections(self, lm_head_weight: torch.Tensor) -> None:
+        """Copy the base ``lm_head`` weight (``[vocab, hidden]``) into every ``own`` projection."""
+        if self.config.projection != "own":
+            raise ValueError("init_projections applies to projection='own' heads only")
+        weight = lm_head_weight if self.token_map is None else lm_head_weight[self.token_map.to(lm_head_weight.device)]
+        for head in self.heads:
+            head.proj.weight.copy_(weight)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        lm_head: nn.Module,
+        logit_softcap: float | None = None,
+    ) -> torch.Tensor:
+        """Heads' logits.
+
+        Args:
+            hidden: ``[..., hidden]`` base hidden states after the final norm.
+            lm_head: the base model's output projection (used by ``shared`` heads).
+            logit_softcap: the base model's final logit soft-cap, applied as it applies it.
+
+        Returns:
+            ``[num_heads, ..., head_vocab]`` logits; with a reduced vocabulary column j scores token
+            ``token_map[j]``.
+        """
+        x = torch.stack([head.transform(hidden) for head in self.heads])
+        if self.config.projection == "shared":
+            weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+            if self.token_map is not None:
+                weight = weight[self.token_map]
+                bias = None if bias is None else bias[self.token_map]
+            logits = F.linear(x, weight, bias)
+        else:
+            logits = torch.stack([head.proj(x[k]) for k, head in enumerate(self.heads)])
+        if logit_softcap:
+            logits = torch.tanh(logits / logit_softcap) * logit_softcap
+        return logits
+
+    def to_full_vocab(self, ids: torch.Tensor) -> torch.Tensor:
+        """Map head-vocabulary indices (e.g. a top-k) to base token ids."""
+        return ids if self.token_map is None else self.token_map[ids]

@@ -1,0 +1,291 @@
+"""Import and export of the FasterDecoding/Medusa heads layout, which TGI and TensorRT-LLM read.
+
+A FasterDecoding-layout folder holds:
+
+* ``config.json`` with ``medusa_num_heads``, ``medusa_num_layers`` and ``base_model_name_or_path``
+  (TGI finds the base model through it); we also write ``hidden_size``, ``vocab_size`` and
+  ``version``. No ``architectures`` or ``model_type``: TGI reads a speculator config that names
+  ``architectures`` as some other kind of speculator.
+* ``medusa_lm_head.safetensors`` (read by TGI) or ``medusa_lm_head.pt`` (the original trainer's
+  output; TensorRT-LLM reads either, ``.pt`` first) with, for head ``k`` and block ``l``:
+  ``{k}.{l}.linear.weight`` ``[hidden, hidden]``, ``{k}.{l}.linear.bias`` ``[hidden]`` and, in
+  version 1, the head's own bias-free vocabulary projection ``{k}.{num_layers}.weight``
+  ``[vocab, hidden]``. Version 2 stores no projection: the heads reuse the base model's
+  ``lm_head`` (our ``shared`` projection). TGI reads version 2 only with one block per head and
+  TensorRT-LLM not at all.
+
+Which variant a folder holds is decided by its tensors, as TGI decides, not by ``version``.
+Everything is checked strictly: a missing, unexpected or mis-shaped tensor raises ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from medusa_infer.checkpoint import check_state_dict
+from medusa_infer.config import MedusaConfig
+from medusa_infer.heads import MedusaHeads
+
+CONFIG_NAME = "config.json"
+SAFETENSORS_NAME = "medusa_lm_head.safetensors"
+PT_NAME = "medusa_lm_head.pt"
+WEIGHTS_NAMES = {"safetensors": SAFETENSORS_NAME, "pt": PT_NAME}
+
+_BLOCK = re.compile(r"heads\.(\d+)\.blocks\.(\d+)\.linear\.(weight|bias)")
+_PROJ = re.compile(r"heads\.(\d+)\.proj\.weight")
+_HEAD_INDEX = re.compile(r"(\d+)\.")
+
+
+def is_medusa_layout(path: str | Path) -> bool:
+    """Whether ``path`` is a folder with a FasterDecoding-style ``config.json`` and weights file."""
+    path = Path(path)
+    if not (path / SAFETENSORS_NAME).is_file() and not (path / PT_NAME).is_file():
+        return False
+    try:
+        data = json.loads((path / CONFIG_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "medusa_num_heads" in data and "medusa_num_layers" in data
+
+
+def read_medusa_layout(
+    path: str | Path,
+    hidden_size: int | None = None,
+    vocab_size: int | None = None,
+) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
+    """Read a FasterDecoding-layout folder as our config and state dict.
+
+    ``medusa_lm_head.safetensors`` is read when present, else ``medusa_lm_head.pt`` (only with
+    ``torch.load(weights_only=True)``). Heads with projection tensors become ``projection="own"``;
+    heads without (version 2) become ``"shared"``. Tensor dtypes are kept.
+
+    Args:
+        path: the folder.
+        hidden_size: the base model's hidden size; checked against the tensors and ``config.json``,
+            needed only when neither tells it (shared heads with no blocks).
+        vocab_size: the base model's vocabulary size; checked likewise, needed for shared heads
+            when ``config.json`` has no ``vocab_size`` (the original trainer never wrote it).
+
+    Returns:
+        ``(config, state_dict)``, the state dict in our naming, ready for
+        ``MedusaHeads(config).load_state_dict(state_dict)``.
+    """
+    path = Path(path)
+    data = _read_config_json(path / CONFIG_NAME)
+    num_heads, num_layers = data["medusa_num_heads"], data["medusa_num_layers"]
+    weights_path = path / SAFETENSORS_NAME
+    if not weights_path.is_file():
+        weights_path = path / PT_NAME
+    if not weights_path.is_file():
+        raise ValueError(f"{path} holds neither {SAFETENSORS_NAME} nor {PT_NAME}: it is not a Medusa heads folder")
+    tensors = _load_weights(weights_path)
+
+    heads_found = sorted({int(m[1]) for m in map(_HEAD_INDEX.match, tensors) if m})
+    if heads_found and heads_found[-1] + 1 != num_heads:
+        raise ValueError(
+            f"{weights_path} holds heads {heads_found} but {path / CONFIG_NAME} says medusa_num_heads={num_heads}; "
+            f"if the weights are complete, set medusa_num_heads to {heads_found[-1] + 1} in config.json "
+            "(some early FasterDecoding uploads understate it)"
+        )
+    proj_names = [f"{k}.{num_layers}.weight" for k in range(num_heads)]
+    block_names = [f"{k}.{l}.linear.weight" for k in range(num_heads) for l in range(num_layers)]
+    has_projections = any(name in tensors for name in proj_names)
+    found = [tensors[name] for name in proj_names + block_names if name in tensors]  # projections first
+    config = MedusaConfig(
+        num_heads=num_heads,
+        num_layers=num_layers,
+        hidden_size=_agree("hidden_size", weights_path, found[0].shape[-1] if found else None,
+                           data.get("hidden_size"), hidden_size),
+        vocab_size=_agree("vocab_size", weights_path, found[0].shape[0] if has_projections else None,
+                          data.get("vocab_size"), vocab_size),
+        projection="own" if has_projections else "shared",
+        base_model_name_or_path=data.get("base_model_name_or_path"),
+    )
+    expected = _expected(config)
+    ours_to_theirs = {name: _their_name(name, num_layers) for name in expected}
+    check_state_dict({ours_to_theirs[name]: t for name, t in expected.items()}, tensors, str(weights_path))
+    return config, {ours: tensors[theirs] for ours, theirs in ours_to_theirs.items()}
+
+
+def write_medusa_layout(
+    config: MedusaConfig,
+    state_dict: dict[str, torch.Tensor],
+    path: str | Path,
+    lm_head_weight: torch.Tensor | None = None,
+    fmt: Literal["safetensors", "pt"] = "safetensors",
+    version: Literal["1", "2"] | None = None,
+) -> Path:
+    """Write heads as a FasterDecoding-layout folder (``config.json`` + ``medusa_lm_head.*``).
+
+    Args:
+        config: the heads' configuration; ``base_model_name_or_path`` must be set (readers load the
+            base model through it) and the vocabulary must be full (the layout has no token map).
+        state_dict: the heads' tensors in our naming (``MedusaHeads.state_dict()``).
+        path: the folder, created if missing.
+        lm_head_weight: ``[vocab, hidden]`` base ``lm_head`` weight, required for (and only for)
+            version 1 of ``shared`` heads, which stores a copy of it as every head's projection.
+        fmt: ``"safetensors"`` (what TGI reads) or ``"pt"`` (the original trainer's format).
+        version: ``"1"`` stores a projection per head (what TensorRT-LLM reads), ``"2"`` none (the
+            heads reuse the base ``lm_head``). Defaults to ``"1"`` for ``own`` heads and ``"2"``
+            for ``shared`` ones; ``own`` heads can only be written as version 1.
+
+    Returns:
+        The folder. Tensors are written contiguous, in their own float dtype.
+    """
+    if config.reduced_vocab_size is not None:
+        raise ValueError(
+            f"heads over a reduced vocabulary ({config.reduced_vocab_size} of {config.vocab_size} tokens) cannot be "
+            "written in the FasterDecoding layout, which has no token map; save them with save_pretrained instead"
+        )
+    if config.base_model_name_or_path is None:
+        raise ValueError(
+            "config.base_model_name_or_path is None; TGI and FasterDecoding's loader find the base model through it, "
+            "so set it before exporting"
+        )
+    if fmt not in WEIGHTS_NAMES:
+        raise ValueError(f"fmt must be one of {sorted(WEIGHTS_NAMES)}, got {fmt!r}")
+    version = version or ("1" if config.projection == "own" else "2")
+    if version not in ("1", "2"):
+        raise ValueError(f"version must be '1' or '2', got {version!r}")
+    if config.projection == "own" and version == "2":
+        raise ValueError("heads with their own projections can only be written as version '1'")
+    copies_lm_head = config.projection == "shared" and version == "1"
+    if copies_lm_head and lm_head_weight is None:
+        raise ValueError("version '1' of shared heads stores a copy of the base lm_head per head: pass lm_head_weight")
+    if not copies_lm_head and lm_head_weight is not None:
+        raise ValueError(
+            f"lm_head_weight is only used for version '1' of shared heads, not for version {version!r} "
+            f"of {config.projection!r} heads; leave it out"
+        )
+
+    expected = _expected(config)
+    check_state_dict(expected, state_dict, "the state dict to export")
+    tensors = {_their_name(name, config.num_layers): _plain(name, state_dict[name]) for name in expected}
+    if copies_lm_head:
+        if lm_head_weight.shape != (config.vocab_size, config.hidden_size):
+            raise ValueError(
+                f"lm_head_weight has shape {tuple(lm_head_weight.shape)}, expected "
+                f"({config.vocab_size}, {config.hidden_size}) (vocab_size, hidden_size) from the config"
+            )
+        for k in range(config.num_heads):
+            tensors[f"{k}.{config.num_layers}.weight"] = _plain("lm_head_weight", lm_head_weight)
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    for other in set(WEIGHTS_NAMES.values()) - {WEIGHTS_NAMES[fmt]}:
+        if (path / other).exists():
+            raise ValueError(
+                f"{path / other} already exists and readers would pick one of the two files; "
+                "remove it or write into another folder"
+            )
+    data: dict[str, Any] = {
+        "medusa_num_heads": config.num_heads,
+        "medusa_num_layers": config.num_layers,
+        "base_model_name_or_path": config.base_model_name_or_path,
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+        "version": version,
+    }
+    (path / CONFIG_NAME).write_text(json.dumps(data, indent=2) + "\n")
+    if fmt == "safetensors":
+        save_file(tensors, str(path / SAFETENSORS_NAME), metadata={"format": "pt"})
+    else:
+        torch.save(tensors, path / PT_NAME)
+    return path
+
+
+def _read_config_json(config_path: Path) -> dict[str, Any]:
+    """The folder's ``config.json``, with integer ``medusa_num_heads`` and ``medusa_num_layers``."""
+    try:
+        data = json.loads(config_path.read_text())
+    except OSError as err:
+        raise ValueError(f"cannot read {config_path} ({err}): not a FasterDecoding Medusa heads folder") from err
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{config_path} is not valid JSON ({err}); re-download or re-export it") from err
+    for key in ("medusa_num_heads", "medusa_num_layers"):
+        if not isinstance(data, dict) or not isinstance(data.get(key), int):
+            raise ValueError(f"{config_path} has no integer {key!r}: not a FasterDecoding Medusa heads config")
+    return data
+
+
+def _load_weights(weights_path: Path) -> dict[str, torch.Tensor]:
+    """Float tensors of ``medusa_lm_head.safetensors`` or ``.pt`` (the latter unpickled tensors-only)."""
+    if weights_path.suffix == ".safetensors":
+        try:
+            loaded = load_file(str(weights_path))
+        except (SafetensorError, OSError) as err:
+            raise ValueError(
+                f"{weights_path} could not be read ({err}): the file is truncated or corrupted; "
+                "re-download it or export the heads again"
+            ) from err
+    else:
+        try:
+            loaded = torch.load(weights_path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise ValueError(
+                f"{weights_path} holds objects other than tensors, which torch.load(weights_only=True) refuses to "
+                "unpickle (they could run arbitrary code); if you trust the file, convert it to "
+                f"{SAFETENSORS_NAME} holding only the tensors"
+            ) from err
+        except (RuntimeError, EOFError, OSError) as err:
+            raise ValueError(
+                f"{weights_path} could not be read ({err}): the file is truncated or corrupted; "
+                "re-download it or export the heads again"
+            ) from err
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{weights_path} holds a {type(loaded).__name__}, expected a dict of tensors")
+    bad = sorted(
+        str(k) for k, v in loaded.items()
+        if not isinstance(k, str) or not isinstance(v, torch.Tensor) or not v.is_floating_point()
+    )
+    if bad:
+        raise ValueError(f"{weights_path} holds entries that are not named float tensors: {bad}")
+    return loaded
+
+
+def _agree(name: str, weights_path: Path, from_tensors: int | None, from_config: int | None, given: int | None) -> int:
+    """The one value of ``name`` that the tensors, ``config.json`` and the caller agree on."""
+    sources = {"the tensors": from_tensors, "config.json": from_config, f"the {name} argument": given}
+    known = {source: value for source, value in sources.items() if value is not None}
+    if not known:
+        raise ValueError(
+            f"nothing in {weights_path.parent} tells the heads' {name} (neither the tensors nor config.json); "
+            f"pass {name}= from the base model's config"
+        )
+    if len(set(known.values())) > 1:
+        raise ValueError(
+            f"{name} disagrees for {weights_path.parent}: "
+            + ", ".join(f"{source}: {value}" for source, value in known.items())
+            + "; the heads were made for another base model or the folder is inconsistent"
+        )
+    return next(iter(known.values()))
+
+
+def _expected(config: MedusaConfig) -> dict[str, torch.Tensor]:
+    """Our state dict for ``config`` as shape-only meta tensors (names and shapes from ``MedusaHeads``)."""
+    with torch.device("meta"):
+        return MedusaHeads(config).state_dict()
+
+
+def _their_name(name: str, num_layers: int) -> str:
+    """FasterDecoding name of one of our tensors: ``heads.k.blocks.l.linear.weight`` -> ``k.l.linear.weight``."""
+    if block := _BLOCK.fullmatch(name):
+        return f"{block[1]}.{block[2]}.linear.{block[3]}"
+    if proj := _PROJ.fullmatch(name):
+        return f"{proj[1]}.{num_layers}.weight"
+    raise ValueError(f"tensor {name!r} has no counterpart in the FasterDecoding layout")
+
+
+def _plain(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU copy of a float tensor, in its own dtype."""
+    if not tensor.is_floating_point():
+        raise ValueError(f"{name} has dtype {tensor.dtype}; Medusa head weights must be floating point")
+    return tensor.detach().to("cpu").clone(memory_format=torch.contiguous_format)

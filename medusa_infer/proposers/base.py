@@ -1,0 +1,67 @@
+"""The contract between proposers and the verifier.
+
+A proposer suggests candidate tokens after the current root (the last emitted token, not yet in
+the target's KV cache) as a tree of ``n`` nodes, node 0 being the root itself. The verifier runs
+the target once over the tree, an acceptance rule picks the accepted path, and the proposer is
+told what was committed. A chain (draft model, prompt lookup) is a tree with one child per node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from medusa_infer.trees import TreeBuffers
+
+
+@dataclass
+class Proposal:
+    """Candidates for one step.
+
+    Attributes:
+        tokens: ``[batch, n]`` token at each tree node; column 0 holds the roots.
+        tree: the tree's buffers (one shape for the whole batch), on the model's device.
+        draft_probs: ``[batch, n - 1, vocab]`` draft distribution each chain token was sampled
+            from, for stochastic drafts verified with ``min(1, p/q)``; None for deterministic ones.
+    """
+
+    tokens: torch.Tensor
+    tree: TreeBuffers
+    draft_probs: torch.Tensor | None = None
+
+
+@dataclass
+class StepContext:
+    """What a proposer may read when proposing or observing.
+
+    Attributes:
+        sequences: per active row, the whole token history (prompt and output, no padding),
+            the current roots included.
+        max_depth: deepest candidate the target can still verify this step (context and
+            ``max_new_tokens`` limits); proposals must not exceed it.
+    """
+
+    sequences: list[list[int]]
+    max_depth: int
+
+
+class Proposer(Protocol):
+    """What the decoding loop needs from a proposer; all state lives in the proposer object,
+    which belongs to one generation call."""
+
+    def start(self, context: StepContext, hidden: torch.Tensor) -> None:
+        """Called after the prefill; ``hidden`` ``[batch, hidden]`` is the target's final hidden
+        state at each row's last prompt token."""
+
+    def propose(self, roots: torch.Tensor, context: StepContext) -> Proposal:
+        """Candidates after ``roots`` ``[batch]``."""
+
+    def observe(self, accepted: list[list[int]], hidden: torch.Tensor, context: StepContext) -> None:
+        """After verification: ``accepted[row]`` are the tokens committed this step (the accepted
+        candidates and the new root); ``hidden`` ``[batch, hidden]`` is the target's hidden state
+        at the last accepted node."""
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the rows ``rows`` ``[k]`` (the others finished)."""

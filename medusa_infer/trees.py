@@ -1,0 +1,335 @@
+"""Candidate trees for Medusa decoding: validation, presets, fitting and tensor buffers.
+
+A tree is a list of paths in Medusa's ``medusa_choices`` format. Each path is a tuple
+of top-k ranks, one per depth: ``(0, 1)`` is "rank 0 of head 0, then rank 1 of head 1".
+The root (the token the base model already chose) is implicit and is node 0 of the
+buffers; path ``i`` of the validated, sorted list is node ``i + 1``.
+
+Example, ``[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]``::
+
+    node:   0     1     2     3       4       5       6
+    path:  root  (0,)  (1,)  (0, 0)  (0, 1)  (1, 0)  (0, 0, 0)
+
+Everything here is pure: functions take data and return new data or CPU tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import numbers
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+Path = tuple[int, ...]
+
+__all__ = [
+    "Path",
+    "REFERENCE_HEAD_ACCURACY",
+    "TREE_PRESETS",
+    "TreeBuffers",
+    "build_tree_buffers",
+    "expected_accept_length",
+    "get_tree",
+    "greedy_tree",
+    "tree_float_mask",
+    "validate_tree",
+]
+
+
+def validate_tree(paths: Iterable[Sequence[int]], num_heads: int, top_k: int) -> list[Path]:
+    """Check a tree and return it normalised: tuples, duplicates dropped, sorted by (len, path).
+
+    Raises ``ValueError`` naming the bad path when a path is empty, deeper than
+    ``num_heads``, holds a rank that is not an integer in ``[0, top_k)``, or when a
+    path's parent (the path minus its last rank) is missing from the tree.
+    """
+    _check_sizes(num_heads, top_k)
+    if isinstance(paths, str):
+        raise ValueError(f"a tree is a list of rank tuples, got the string {paths!r}; "
+                         "use get_tree() to resolve a preset name")
+    normalised: set[Path] = set()
+    for raw in paths:
+        path = _as_path(raw)
+        if not path:
+            raise ValueError("empty path () in tree: the root is implicit, remove the empty path")
+        if len(path) > num_heads:
+            raise ValueError(f"path {path} has depth {len(path)} but there are only {num_heads} "
+                             f"heads; shorten it to at most {num_heads} ranks or use more heads")
+        for rank in path:
+            if not 0 <= rank < top_k:
+                raise ValueError(f"path {path} has rank {rank} outside [0, {top_k}); "
+                                 f"use ranks below top_k={top_k} or raise top_k")
+        normalised.add(path)
+    if not normalised:
+        raise ValueError("tree has no paths; give at least one, e.g. [(0,)]")
+    for path in normalised:
+        if len(path) > 1 and path[:-1] not in normalised:
+            raise ValueError(f"path {path} has no parent {path[:-1]} in the tree; "
+                             f"add {path[:-1]} or remove {path}")
+    return sorted(normalised, key=lambda p: (len(p), p))
+
+
+def _check_sizes(num_heads: int, top_k: int) -> None:
+    """Raise unless ``num_heads`` and ``top_k`` are positive integers."""
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(f"num_heads must be a positive integer, got {num_heads!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
+
+
+def _as_path(raw: Sequence[int]) -> Path:
+    """Turn one user-given path into a tuple of ints, rejecting non-integer ranks."""
+    if isinstance(raw, (str, bytes)) or not isinstance(raw, Sequence):
+        raise ValueError(f"path {raw!r} is not a sequence of ranks; write it as a tuple like (0, 1)")
+    for rank in raw:
+        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral):
+            raise ValueError(f"path {tuple(raw)!r} has non-integer rank {rank!r}; "
+                             "ranks are integer top-k positions like 0, 1, 2")
+    return tuple(int(rank) for rank in raw)
+
+
+@dataclass(frozen=True, eq=False)
+class TreeBuffers:
+    """Tensors describing one candidate tree; ``n = num_nodes = 1 + len(paths)``, node 0 is the root.
+
+    Fields:
+        paths: validated paths sorted by (len, path); path ``i`` is node ``i + 1``.
+        attn_mask: ``[n, n]`` bool, True where node i may attend node j (j is i or an ancestor).
+        depths: ``[n]`` long, depth of each node (root 0); position id = current length + depth.
+        candidate_index: ``[n]`` long, index of each node's token in the flat candidate vector
+            ``concat([root_token], topk[head 0], topk[head 1], ...)``:
+            ``1 + (depth - 1) * top_k + rank`` for depth >= 1, 0 for the root.
+        parents: ``[n]`` long, parent node of each node (-1 for the root).
+        children: ``[n, max_children]`` long, child nodes of each node in rank order, padded with -1.
+        retrieve_indices: ``[num_leaves, max_depth + 1]`` long, node indices from the root to each
+            leaf, padded with -1; leaves are in lexicographic path order (low ranks first).
+        num_nodes, max_depth, top_k: sizes.
+    """
+
+    paths: tuple[Path, ...]
+    attn_mask: torch.Tensor
+    depths: torch.Tensor
+    candidate_index: torch.Tensor
+    parents: torch.Tensor
+    children: torch.Tensor
+    retrieve_indices: torch.Tensor
+    num_nodes: int
+    max_depth: int
+    top_k: int
+
+    def to(self, device: torch.device | str) -> TreeBuffers:
+        """Return a copy with every tensor on ``device``."""
+        moved = {
+            field.name: getattr(self, field.name).to(device)
+            for field in dataclasses.fields(self)
+            if isinstance(getattr(self, field.name), torch.Tensor)
+        }
+        return dataclasses.replace(self, **moved)
+
+
+def build_tree_buffers(paths: Iterable[Sequence[int]], num_heads: int, top_k: int) -> TreeBuffers:
+    """Validate ``paths`` and build the CPU tensors that drive tree decoding and acceptance."""
+    tree = validate_tree(paths, num_heads, top_k)
+    node_of: dict[Path, int] = {(): 0}
+    node_of.update({path: i + 1 for i, path in enumerate(tree)})
+    n = len(node_of)
+
+    parents = [-1] + [node_of[path[:-1]] for path in tree]
+    depths = [0] + [len(path) for path in tree]
+    candidate_index = [0] + [1 + (len(path) - 1) * top_k + path[-1] for path in tree]
+
+    attn_mask = torch.zeros(n, n, dtype=torch.bool)
+    attn_mask[0, 0] = True
+    for node in range(1, n):  # parents precede children in the sorted order
+        attn_mask[node] = attn_mask[parents[node]]
+        attn_mask[node, node] = True
+
+    child_lists: list[list[int]] = [[] for _ in range(n)]
+    for node in range(1, n):  # siblings arrive in rank order
+        child_lists[parents[node]].append(node)
+    max_children = max(len(kids) for kids in child_lists)
+    children = torch.full((n, max_children), -1, dtype=torch.long)
+    for node, kids in enumerate(child_lists):
+        children[node, : len(kids)] = torch.tensor(kids, dtype=torch.long)
+
+    max_depth = max(depths)
+    leaves = sorted(path for path in tree if not child_lists[node_of[path]])
+    retrieve_indices = torch.full((len(leaves), max_depth + 1), -1, dtype=torch.long)
+    for row, leaf in enumerate(leaves):
+        chain = [node_of[leaf[:depth]] for depth in range(len(leaf) + 1)]
+        retrieve_indices[row, : len(chain)] = torch.tensor(chain, dtype=torch.long)
+
+    return TreeBuffers(
+        paths=tuple(tree),
+        attn_mask=attn_mask,
+        depths=torch.tensor(depths, dtype=torch.long),
+        candidate_index=torch.tensor(candidate_index, dtype=torch.long),
+        parents=torch.tensor(parents, dtype=torch.long),
+        children=children,
+        retrieve_indices=retrieve_indices,
+        num_nodes=n,
+        max_depth=max_depth,
+        top_k=top_k,
+    )
+
+
+def tree_float_mask(buffers: TreeBuffers, dtype: torch.dtype) -> torch.Tensor:
+    """Additive attention mask ``[n, n]``: 0.0 where allowed, ``finfo(dtype).min`` elsewhere."""
+    mask = torch.zeros(buffers.attn_mask.shape, dtype=dtype, device=buffers.attn_mask.device)
+    return mask.masked_fill(~buffers.attn_mask, torch.finfo(dtype).min)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fitting a tree to measured head accuracies
+# ---------------------------------------------------------------------------------------------
+
+def _check_accuracies(head_topk_acc: Sequence[Sequence[float]]) -> None:
+    """Raise if ``head_topk_acc[d][r]`` is not a table of probabilities, one row per head."""
+    if not head_topk_acc or any(len(row) == 0 for row in head_topk_acc):
+        raise ValueError("head_topk_acc needs one non-empty row of top-k accuracies per head, "
+                         f"got {head_topk_acc!r}")
+    for head, row in enumerate(head_topk_acc):
+        if any(not 0.0 <= acc <= 1.0 for acc in row):
+            raise ValueError(f"head {head} accuracies {list(row)} must lie in [0, 1]")
+        if sum(row) > 1.0 + 1e-6:
+            raise ValueError(f"head {head} accuracies {list(row)} sum to {sum(row):.4f} > 1; "
+                             "rank-r accuracies are disjoint events, pass P(rank r is correct)")
+
+
+def _path_probability(path: Path, head_topk_acc: Sequence[Sequence[float]]) -> float:
+    """Probability that every rank along ``path`` is correct (heads independent)."""
+    return math.prod(head_topk_acc[depth][rank] for depth, rank in enumerate(path))
+
+
+def expected_accept_length(paths: Iterable[Sequence[int]],
+                           head_topk_acc: Sequence[Sequence[float]]) -> float:
+    """Expected tokens per step under greedy decoding: 1 (bonus) + sum of path probabilities.
+
+    ``head_topk_acc[d][r]`` is the probability that head ``d``'s rank-``r`` candidate is the
+    correct token, assumed independent across depths (Medusa's calibration model). A node is
+    accepted iff its whole path is correct, so the expected accept length is the sum over nodes.
+    """
+    _check_accuracies(head_topk_acc)
+    tree = validate_tree(paths, len(head_topk_acc), min(len(row) for row in head_topk_acc))
+    return 1.0 + sum(_path_probability(path, head_topk_acc) for path in tree)
+
+
+def greedy_tree(head_topk_acc: Sequence[Sequence[float]], num_nodes: int) -> list[Path]:
+    """The ``num_nodes``-node tree maximising :func:`expected_accept_length` (Medusa's method).
+
+    Repeatedly adds the most probable path whose parent is already in the tree. A child is never
+    more probable than its parent, so this picks the ``num_nodes`` most probable paths overall,
+    which is optimal. Ties go to the shorter, then lexicographically smaller path.
+    """
+    _check_accuracies(head_topk_acc)
+    num_heads = len(head_topk_acc)
+    top_k = min(len(row) for row in head_topk_acc)
+    capacity = sum(top_k ** depth for depth in range(1, num_heads + 1))
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or not 1 <= num_nodes <= capacity:
+        raise ValueError(f"num_nodes={num_nodes!r} must be an integer in [1, {capacity}] for "
+                         f"{num_heads} heads with top_k={top_k}")
+
+    def entry(path: Path) -> tuple[float, int, Path]:
+        return (-_path_probability(path, head_topk_acc), len(path), path)
+
+    frontier = [entry((rank,)) for rank in range(top_k)]
+    heapq.heapify(frontier)
+    tree: list[Path] = []
+    while len(tree) < num_nodes:
+        _, depth, path = heapq.heappop(frontier)
+        tree.append(path)
+        if depth < num_heads:
+            for rank in range(top_k):
+                heapq.heappush(frontier, entry(path + (rank,)))
+    return sorted(tree, key=lambda p: (len(p), p))
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets
+# ---------------------------------------------------------------------------------------------
+
+#: Accuracy profile the ``tree-*`` presets were fitted to: ``[head][rank]`` probability that the
+#: rank-r candidate of the head is correct. Head 0 matches a typical Medusa-1 head 0
+#: ([0.6, 0.1, 0.05, ...]); each later head is scaled down. ``greedy_tree(REFERENCE_HEAD_ACCURACY,
+#: size)`` reproduces each ``tree-<size>`` preset (checked by the tests).
+REFERENCE_HEAD_ACCURACY: tuple[tuple[float, ...], ...] = tuple(
+    tuple(round(scale * acc, 6) for acc in (0.6, 0.1, 0.05, 0.03, 0.02, 0.015, 0.012, 0.01, 0.008, 0.006))
+    for scale in (1.0, 0.7, 0.53, 0.42)
+)
+
+TREE_PRESETS: dict[str, list[Path]] = {
+    "chain-1": [(0,)],
+    "chain-2": [(0,), (0, 0)],
+    "chain-3": [(0,), (0, 0), (0, 0, 0)],
+    "chain-4": [(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)],
+    "tree-8": [
+        (0,), (1,), (2,), (3,),
+        (0, 0), (0, 1), (1, 0),
+        (0, 0, 0),
+    ],
+    "tree-16": [
+        (0,), (1,), (2,), (3,), (4,), (5,),
+        (0, 0), (0, 1), (0, 2), (1, 0), (2, 0),
+        (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0),
+        (0, 0, 0, 0),
+    ],
+    "tree-32": [
+        (0,), (1,), (2,), (3,), (4,), (5,), (6,), (7,), (8,), (9,),
+        (0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (0, 5), (0, 6), (1, 0), (1, 1), (2, 0), (3, 0),
+        (4, 0), (5, 0), (6, 0),
+        (0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 0), (0, 2, 0), (1, 0, 0), (2, 0, 0),
+        (0, 0, 0, 0),
+    ],
+    "tree-64": [
+        (0,), (1,), (2,), (3,), (4,), (5,), (6,), (7,), (8,), (9,),
+        (0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (0, 5), (0, 6), (0, 7), (0, 8), (0, 9), (1, 0),
+        (1, 1), (1, 2), (1, 3), (2, 0), (2, 1), (2, 2), (3, 0), (3, 1), (4, 0), (5, 0), (6, 0),
+        (7, 0), (8, 0), (9, 0),
+        (0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 0, 3), (0, 0, 4), (0, 0, 5), (0, 1, 0), (0, 1, 1),
+        (0, 2, 0), (0, 3, 0), (0, 4, 0), (0, 5, 0), (1, 0, 0), (1, 0, 1), (1, 1, 0), (2, 0, 0),
+        (3, 0, 0), (4, 0, 0), (5, 0, 0), (6, 0, 0),
+        (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 2), (0, 0, 1, 0), (0, 0, 2, 0), (0, 1, 0, 0),
+        (0, 2, 0, 0), (1, 0, 0, 0), (2, 0, 0, 0),
+    ],
+}
+"""Named trees. ``chain-k``: one candidate per depth (k nodes). ``tree-n``: n nodes fitted by
+:func:`greedy_tree` to :data:`REFERENCE_HEAD_ACCURACY`; tree-8 needs 3 heads and top_k >= 4,
+tree-16 needs 4 heads and top_k >= 6, tree-32 and tree-64 need 4 heads and top_k >= 10."""
+
+
+def get_tree(name_or_paths: str | Iterable[Sequence[int]], num_heads: int, top_k: int) -> list[Path]:
+    """Resolve a preset name (see :data:`TREE_PRESETS`) or explicit paths to a validated tree."""
+    if not isinstance(name_or_paths, str):
+        return validate_tree(name_or_paths, num_heads, top_k)
+    if name_or_paths not in TREE_PRESETS:
+        raise ValueError(f"unknown tree preset {name_or_paths!r}; known presets: "
+                         f"{', '.join(TREE_PRESETS)} (or pass explicit paths)")
+    _check_sizes(num_heads, top_k)
+    preset = TREE_PRESETS[name_or_paths]
+    needed_heads = max(len(path) for path in preset)
+    needed_top_k = 1 + max(max(path) for path in preset)
+    if num_heads < needed_heads or top_k < needed_top_k:
+        raise ValueError(f"tree preset {name_or_paths!r} needs {needed_heads} heads and "
+                         f"top_k >= {needed_top_k}, got num_heads={num_heads}, top_k={top_k}; "
+                         "pick a smaller preset or raise top_k")
+    return validate_tree(preset, num_heads, top_k)
+
+
+def root_only_tree(top_k: int = 1) -> TreeBuffers:
+    """The empty tree: the root alone (plain decoding, one token a step)."""
+    return TreeBuffers(
+        paths=(),
+        attn_mask=torch.ones(1, 1, dtype=torch.bool),
+        depths=torch.zeros(1, dtype=torch.long),
+        candidate_index=torch.zeros(1, dtype=torch.long),
+        parents=torch.full((1,), -1, dtype=torch.long),
+        children=torch.full((1, 1), -1, dtype=torch.long),
+        retrieve_indices=torch.zeros(1, 1, dtype=torch.long),
+        num_nodes=1,
+        max_depth=0,
+        top_k=top_k,
+    )

@@ -1,0 +1,446 @@
+"""Tests for medusa_infer.acceptance: greedy, typical and lossless tree acceptance."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from transformers.generation.logits_process import (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from medusa_infer import acceptance
+from medusa_infer.acceptance import (
+    accept_draft_lossless,
+    accept_greedy,
+    accept_lossless,
+    accept_typical,
+    warp_logits,
+)
+from medusa_infer.trees import build_tree_buffers
+
+# node:   0     1     2     3       4       5       6
+# path:  root  (0,)  (1,)  (0, 0)  (0, 1)  (1, 0)  (0, 0, 0)
+EXAMPLE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+VOCAB = 8
+
+
+@pytest.fixture
+def example():
+    return build_tree_buffers(EXAMPLE, num_heads=3, top_k=2)
+
+
+def _logits_with_argmax(argmax: list[list[int]], vocab: int = VOCAB, seed: int = 0) -> torch.Tensor:
+    """Noisy logits ``[batch, n, vocab]`` whose argmax at each node is ``argmax[b][i]``."""
+    noise = torch.rand(len(argmax), len(argmax[0]), vocab, generator=torch.Generator().manual_seed(seed))
+    return noise + 5.0 * torch.nn.functional.one_hot(torch.tensor(argmax), vocab)
+
+
+# --------------------------------------------------------------------------------------------
+# Greedy
+# --------------------------------------------------------------------------------------------
+
+def test_greedy_hand_built(example):
+    argmax = [
+        [3, 0, 6, 0, 0, 1, 0],  # node 2 (token 3) then node 5 (token 6): leaf at depth 2
+        [4, 7, 0, 2, 0, 0, 0],  # nodes 1 and 2 both match; 1 -> 3 -> 6 reaches depth 3
+        [5, 0, 0, 0, 0, 0, 0],  # nothing matches
+        [4, 1, 3, 0, 0, 0, 0],  # nodes 4 and 5 tie at depth 2: the first leaf, (0, 1), wins
+    ]
+    tokens = torch.tensor([
+        [0, 5, 3, 0, 0, 6, 0],
+        [0, 4, 4, 7, 1, 1, 2],
+        [0, 1, 2, 3, 4, 6, 7],
+        [0, 4, 4, 5, 1, 3, 5],
+    ])
+    result = accept_greedy(_logits_with_argmax(argmax), tokens, example)
+    assert result.accept_length.tolist() == [2, 3, 0, 2]
+    assert result.path_nodes.tolist() == [
+        [0, 2, 5, -1],
+        [0, 1, 3, 6],
+        [0, -1, -1, -1],
+        [0, 1, 4, -1],
+    ]
+    assert result.next_token.tolist() == [1, 0, 5, 0]
+
+
+def _reference_greedy(logits: torch.Tensor, tokens: torch.Tensor, paths) -> list[tuple[int, int]]:
+    """Per row: (accept length, next token) by walking nodes one at a time."""
+    node_of = {(): 0, **{path: i + 1 for i, path in enumerate(paths)}}
+    results = []
+    for row_logits, row_tokens in zip(logits, tokens):
+        prediction = row_logits.argmax(-1).tolist()
+        ok = {(): True}
+        for path in paths:
+            parent = path[:-1]
+            ok[path] = ok[parent] and row_tokens[node_of[path]].item() == prediction[node_of[parent]]
+        deepest = min((p for p in ok if ok[p]), key=lambda p: (-len(p), p))
+        results.append((len(deepest), prediction[node_of[deepest]]))
+    return results
+
+
+def test_greedy_matches_reference_and_rows_are_independent():
+    paths = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0), (0, 0, 0, 0)]
+    buffers = build_tree_buffers(paths, num_heads=4, top_k=3)
+    gen = torch.Generator().manual_seed(1)
+    batch, vocab = 64, 5
+    logits = torch.randn(batch, buffers.num_nodes, vocab, generator=gen)
+    prediction = logits.argmax(-1)
+    # make acceptance likely: each node carries its parent's argmax with probability 0.7
+    hit = torch.rand(batch, buffers.num_nodes, generator=gen) < 0.7
+    tokens = torch.where(hit, prediction[:, buffers.parents.clamp(min=0)],
+                         torch.randint(vocab, (batch, buffers.num_nodes), generator=gen))
+    result = accept_greedy(logits, tokens, buffers)
+    assert list(zip(result.accept_length.tolist(), result.next_token.tolist())) == \
+        _reference_greedy(logits, tokens, paths)
+    assert result.accept_length.max() == 4  # the test reaches the deepest leaf
+    for row in (0, 17, 63):
+        alone = accept_greedy(logits[row:row + 1], tokens[row:row + 1], buffers)
+        assert torch.equal(alone.path_nodes[0], result.path_nodes[row])
+        assert alone.next_token.item() == result.next_token[row].item()
+
+
+def test_input_checks(example):
+    logits = torch.zeros(1, 7, VOCAB)
+    tokens = torch.zeros(1, 7, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"tree has 7 \(root included\)"):
+        accept_greedy(logits[:, :6], tokens[:, :6], example)
+    with pytest.raises(ValueError, match=r"tokens must be \[batch, nodes\] = \(1, 7\)"):
+        accept_greedy(logits, tokens[:, :6], example)
+    with pytest.raises(ValueError, match=r"torch.long"):
+        accept_greedy(logits, tokens.int(), example)
+    with pytest.raises(ValueError, match=r"logits must be \[batch, nodes, vocab\]"):
+        accept_greedy(logits[0], tokens, example)
+    with pytest.raises(ValueError, match=r"call buffers.to\(logits.device\)"):
+        accept_greedy(logits, tokens, example.to("meta"))
+
+
+# --------------------------------------------------------------------------------------------
+# Typical acceptance
+# --------------------------------------------------------------------------------------------
+
+CHAIN_1 = [(0,)]
+
+
+def _typical_single(root_probs: list[float], token: int, **kwargs):
+    """Typical acceptance of one candidate ``token`` under a root distribution ``root_probs``."""
+    buffers = build_tree_buffers(CHAIN_1, num_heads=1, top_k=1)
+    probs = torch.tensor(root_probs)
+    logits = torch.stack([probs.log(), torch.zeros_like(probs)])[None]
+    tokens = torch.tensor([[0, token]])
+    return accept_typical(logits, tokens, buffers, temperature=1.0, **kwargs).accept_length.item()
+
+
+def test_typical_epsilon_caps_threshold_for_peaked_distribution():
+    peaked = [0.97, 0.01, 0.01, 0.01]  # entropy 0.17: delta * exp(-H) = 0.25 > epsilon = 0.09
+    assert _typical_single(peaked, 0) == 1
+    assert _typical_single(peaked, 1) == 0
+    assert _typical_single(peaked, 1, epsilon=0.005) == 1
+
+
+def test_typical_entropy_lowers_threshold_for_flat_distribution():
+    flat = [0.05] * 20  # entropy ln 20: delta * exp(-H) = 0.3 / 20 = 0.015 < epsilon
+    assert _typical_single(flat, 7) == 1
+    assert _typical_single(flat, 7, delta=1.2) == 0  # threshold min(0.09, 0.06) = 0.06 > 0.05
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_typical_matches_formula_on_random_distributions(temperature):
+    gen = torch.Generator().manual_seed(2)
+    batch, vocab = 2000, 12
+    buffers = build_tree_buffers(CHAIN_1, num_heads=1, top_k=1)
+    logits = 2.0 * torch.randn(batch, 2, vocab, generator=gen)
+    tokens = torch.randint(vocab, (batch, 2), generator=gen)
+    result = accept_typical(logits, tokens, buffers, temperature=temperature, generator=gen)
+    p = torch.softmax(logits[:, 0].double() / temperature, -1)
+    entropy = -(p * p.log()).sum(-1)
+    threshold = torch.minimum(torch.full_like(entropy, 0.09), 0.3 * torch.exp(-entropy))
+    p_token = p.gather(1, tokens[:, 1:]).squeeze(1)
+    clear = (p_token - threshold).abs() > 1e-5
+    expected = (p_token > threshold).long()
+    assert torch.equal(result.accept_length[clear], expected[clear])
+    assert 0 < expected.sum() < batch  # both outcomes occur
+
+
+def test_typical_prefers_more_likely_path_among_equally_long():
+    buffers = build_tree_buffers([(0,), (1,)], num_heads=1, top_k=2)
+    root = torch.tensor([0.1, 0.4, 0.5, 1e-9]).log()
+    at_node_2 = torch.tensor([0.0, 0.0, 0.0, 50.0])
+    logits = torch.stack([root, torch.zeros(4), at_node_2])[None]
+    tokens = torch.tensor([[0, 1, 2]])  # both children pass; node 2 (p = 0.5) is more likely
+    result = accept_typical(logits, tokens, buffers, temperature=1.0)
+    assert result.accept_length.tolist() == [1]
+    assert result.path_nodes.tolist() == [[0, 2]]
+    assert result.next_token.tolist() == [3]
+
+
+def test_typical_next_token_follows_last_node_distribution():
+    buffers = build_tree_buffers(CHAIN_1, num_heads=1, top_k=1)
+    batch = 20_000
+    root = torch.tensor([1.0, 0.5, 0.0, -0.5, 3.0])
+    logits = torch.stack([root, torch.zeros(5)])[None].expand(batch, -1, -1)
+    tokens = torch.tensor([[0, 2]]).expand(batch, -1)  # p(2) = 0.02 < 0.09: rejected
+    result = accept_typical(logits, tokens, buffers, temperature=0.8,
+                            generator=torch.Generator().manual_seed(3))
+    assert result.accept_length.sum() == 0
+    counts = torch.bincount(result.next_token, minlength=5).numpy()
+    assert _chi2_pvalue(counts, torch.softmax(root / 0.8, -1).numpy()) > 1e-3
+
+
+def test_typical_temperature_zero_is_greedy(example):
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(16, 7, VOCAB, generator=gen)
+    tokens = torch.randint(VOCAB, (16, 7), generator=gen)
+    typical = accept_typical(logits, tokens, example, temperature=0.0)
+    greedy = accept_greedy(logits, tokens, example)
+    assert torch.equal(typical.path_nodes, greedy.path_nodes)
+    assert torch.equal(typical.next_token, greedy.next_token)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": -0.5}, r"temperature must be a finite number >= 0.*-0.5"),
+    ({"temperature": 1.0, "epsilon": 0.0}, r"epsilon .* got 0.0"),
+    ({"temperature": 1.0, "epsilon": 1.5}, r"epsilon .* got 1.5"),
+    ({"temperature": 1.0, "delta": 0.0}, r"delta .* got 0.0"),
+])
+def test_typical_argument_errors(example, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        accept_typical(torch.zeros(1, 7, VOCAB), torch.zeros(1, 7, dtype=torch.long), example, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# warp_logits
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [
+    (1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.8), (0.6, 10, 0.9), (1.0, 100, 0.5),
+])
+def test_warp_logits_matches_transformers(temperature, top_k, top_p):
+    logits = torch.randn(32, 50, generator=torch.Generator().manual_seed(5))
+    scores = TemperatureLogitsWarper(temperature)(None, logits)
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1.0:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    expected = scores.softmax(-1)
+    probs = warp_logits(logits, temperature, top_k, top_p)
+    assert torch.equal(probs > 0, expected > 0)
+    torch.testing.assert_close(probs, expected)
+
+
+def test_warp_logits_temperature_zero_is_one_hot_argmax():
+    logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 3.0, 0.0]])
+    assert warp_logits(logits, 0.0, top_k=2, top_p=0.5).tolist() == [[0, 1, 0], [1, 0, 0]]
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p, message", [
+    (-1.0, 0, 1.0, r"temperature .* got -1.0"),
+    (math.inf, 0, 1.0, r"temperature .* got inf"),
+    (1.0, -1, 1.0, r"top_k must be an integer >= 0.* got -1"),
+    (1.0, 2.5, 1.0, r"top_k .* got 2.5"),
+    (1.0, 0, 0.0, r"top_p must lie in \(0, 1\].* got 0.0"),
+    (1.0, 0, 1.2, r"top_p .* got 1.2"),
+])
+def test_sampling_argument_errors(example, temperature, top_k, top_p, message):
+    with pytest.raises(ValueError, match=message):
+        warp_logits(torch.zeros(3), temperature, top_k, top_p)
+    with pytest.raises(ValueError, match=message):
+        accept_lossless(torch.zeros(1, 7, VOCAB), torch.zeros(1, 7, dtype=torch.long), example,
+                        temperature, top_k, top_p)
+
+
+# --------------------------------------------------------------------------------------------
+# Lossless tree acceptance
+# --------------------------------------------------------------------------------------------
+
+def _chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Chi-square goodness of fit of ``counts`` to ``probs``; cells expecting < 5 are pooled.
+
+    Cells with zero probability must be empty (anything else is an outright failure).
+    """
+    counts = np.asarray(counts, dtype=float).ravel()
+    probs = np.asarray(probs, dtype=float).ravel()
+    impossible = probs <= 0
+    assert counts[impossible].sum() == 0, "a zero-probability outcome was sampled"
+    counts, probs = counts[~impossible], probs[~impossible]
+    expected = probs / probs.sum() * counts.sum()
+    small = expected < 5
+    observed = np.append(counts[~small], counts[small].sum())
+    pooled = np.append(expected[~small], expected[small].sum())
+    keep = pooled > 0
+    return float(stats.chisquare(observed[keep], pooled[keep]).pvalue)
+
+
+LOSSLESS_VOCAB = 6
+LOSSLESS_PATHS = [(0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (2, 0), (0, 0, 0), (0, 1, 0)]
+# Tokens per node (node 0 = root, then LOSSLESS_PATHS in order), chosen arbitrarily with
+# duplicate siblings: (0,) and (1,) both carry 2; (0, 0) and (0, 1) both carry 3.
+LOSSLESS_TOKENS = [0, 2, 2, 5, 0, 3, 3, 1, 4, 5, 0, 2]
+SAMPLES = 40_000
+
+
+def _target_tables(seed: int, depth: int) -> list[torch.Tensor]:
+    """Target model as lookup tables: ``tables[d]`` has shape ``[vocab] * d + [vocab]``."""
+    gen = torch.Generator().manual_seed(seed)
+    return [1.5 * torch.randn([LOSSLESS_VOCAB] * (d + 1), generator=gen) for d in range(depth + 1)]
+
+
+def _tree_inputs(tables: list[torch.Tensor]):
+    """Buffers, node logits ``[n, vocab]`` and node tokens ``[n]`` of the lossless test tree."""
+    buffers = build_tree_buffers(LOSSLESS_PATHS, num_heads=3, top_k=4)
+    tokens = torch.tensor(LOSSLESS_TOKENS)
+    node_logits = []
+    for node in range(buffers.num_nodes):
+        context = []  # tokens after the root on the way to this node
+        walk = node
+        while walk > 0:
+            context.insert(0, tokens[walk].item())
+            walk = buffers.parents[walk].item()
+        node_logits.append(tables[len(context)][tuple(context)])
+    return buffers, torch.stack(node_logits), tokens
+
+
+def _first_two_tokens(accept_lengths, path_tokens, next_token, second_probs, gen):
+    """First two emitted tokens of each row; a row that emitted one draws the second from
+    ``second_probs(first_token) -> [batch, vocab]``, as the next decoding step would."""
+    first = torch.where(accept_lengths >= 1, path_tokens[:, 0], next_token)
+    fallback = torch.multinomial(second_probs(first), 1, generator=gen).squeeze(1)
+    second = torch.where(accept_lengths >= 2, path_tokens[:, 1],
+                         torch.where(accept_lengths == 1, next_token, fallback))
+    return first, second
+
+
+def _lossless_pvalue(temperature: float, top_k: int, top_p: float, seed: int) -> float:
+    """Sample one tree step SAMPLES times; chi-square p-value of the first two emitted tokens."""
+    tables = _target_tables(seed, depth=3)
+    buffers, node_logits, node_tokens = _tree_inputs(tables)
+    logits = node_logits.expand(SAMPLES, -1, -1)
+    tokens = node_tokens.expand(SAMPLES, -1)
+    gen = torch.Generator().manual_seed(seed)
+    result = accept_lossless(logits, tokens, buffers, temperature, top_k, top_p, generator=gen)
+
+    def warp(x):
+        return warp_logits(x, temperature, top_k, top_p)
+
+    path_tokens = tokens.gather(1, result.path_nodes[:, 1:3].clamp(min=0))
+    first, second = _first_two_tokens(result.accept_length, path_tokens, result.next_token,
+                                      lambda t: warp(tables[1][t]), gen)
+    counts = torch.bincount(first * LOSSLESS_VOCAB + second, minlength=LOSSLESS_VOCAB ** 2)
+    exact = warp(tables[0])[:, None] * warp(tables[1])  # [first, second]
+    return _chi2_pvalue(counts.numpy(), exact.numpy())
+
+
+SAMPLING_SETTINGS = [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 0, 0.8), (1.0, 3, 1.0), (0.8, 4, 0.9)]
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", SAMPLING_SETTINGS)
+def test_lossless_preserves_target_distribution(temperature, top_k, top_p):
+    assert _lossless_pvalue(temperature, top_k, top_p, seed=11) > 1e-3
+
+
+def test_lossless_accepts_deep_paths_in_the_test_tree():
+    """The statistical test must exercise acceptance, not only the bonus token."""
+    tables = _target_tables(11, depth=3)
+    buffers, node_logits, node_tokens = _tree_inputs(tables)
+    result = accept_lossless(node_logits.expand(4000, -1, -1), node_tokens.expand(4000, -1),
+                             buffers, 1.0, generator=torch.Generator().manual_seed(0))
+    lengths = torch.bincount(result.accept_length, minlength=4)
+    assert (lengths[:3] > 100).all() and lengths[3] > 0
+    visited = set(result.path_nodes[result.path_nodes >= 0].tolist())
+    # node 4 = (3,) is reached only after (0,), its duplicate (1,) and (2,) are all rejected
+    assert {1, 3, 4, 5, 7, 10} <= visited
+    # (1,) and (0, 1) repeat a rejected sibling's token: they and their subtrees never pass
+    assert not visited & {2, 6, 8, 11}
+
+
+@pytest.mark.parametrize("wrong", ["double_acceptance", "residual_not_removed", "residual_not_normalised"])
+def test_lossless_test_detects_wrong_rules(monkeypatch, wrong):
+    if wrong == "double_acceptance":
+        monkeypatch.setattr(acceptance, "_acceptance_probability",
+                            lambda p_x, q_x: torch.clamp(2 * p_x / q_x, max=1.0))
+    elif wrong == "residual_not_removed":
+        monkeypatch.setattr(acceptance, "_residual", lambda p, q: p)
+    else:
+        monkeypatch.setattr(acceptance, "_residual", lambda p, q: (p - q).clamp(min=0.0))
+    assert _lossless_pvalue(1.0, 0, 1.0, seed=11) < 1e-3
+
+
+def test_lossless_temperature_zero_is_greedy(example):
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(16, 7, VOCAB, generator=gen)
+    tokens = torch.randint(VOCAB, (16, 7), generator=gen)
+    lossless = accept_lossless(logits, tokens, example, temperature=0.0)
+    greedy = accept_greedy(logits, tokens, example)
+    assert torch.equal(lossless.path_nodes, greedy.path_nodes)
+    assert torch.equal(lossless.next_token, greedy.next_token)
+
+
+def test_lossless_is_deterministic_and_paths_are_consistent(example):
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(256, 7, 3, generator=gen)
+    tokens = torch.randint(3, (256, 7), generator=gen)
+    first = accept_lossless(logits, tokens, example, 1.0, generator=torch.Generator().manual_seed(8))
+    again = accept_lossless(logits, tokens, example, 1.0, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(first.path_nodes, again.path_nodes)
+    assert torch.equal(first.next_token, again.next_token)
+    for nodes, length in zip(first.path_nodes.tolist(), first.accept_length.tolist()):
+        assert nodes[0] == 0 and all(n == -1 for n in nodes[length + 1:])
+        for depth in range(1, length + 1):
+            assert example.parents[nodes[depth]].item() == nodes[depth - 1]
+
+
+# --------------------------------------------------------------------------------------------
+# Lossless chain acceptance with a stochastic draft
+# --------------------------------------------------------------------------------------------
+
+def _draft_pvalue(seed: int) -> float:
+    """Chain of k = 2 drafted tokens; chi-square p-value of the first two emitted tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    v = LOSSLESS_VOCAB
+    target = [torch.softmax(1.5 * torch.randn([v] * (d + 1), generator=gen), -1) for d in range(3)]
+    draft = [torch.softmax(1.5 * torch.randn([v] * (d + 1), generator=gen), -1) for d in range(2)]
+    d1 = torch.multinomial(draft[0].expand(SAMPLES, -1), 1, generator=gen).squeeze(1)
+    d2 = torch.multinomial(draft[1][d1], 1, generator=gen).squeeze(1)
+    target_probs = torch.stack([target[0].expand(SAMPLES, -1), target[1][d1], target[2][d1, d2]], 1)
+    draft_probs = torch.stack([draft[0].expand(SAMPLES, -1), draft[1][d1]], 1)
+    drafted = torch.stack([d1, d2], 1)
+    accept_length, next_token = accept_draft_lossless(target_probs, draft_probs, drafted, generator=gen)
+    first, second = _first_two_tokens(accept_length, drafted, next_token, lambda t: target[1][t], gen)
+    counts = torch.bincount(first * v + second, minlength=v * v)
+    exact = target[0][:, None] * target[1]
+    return _chi2_pvalue(counts.numpy(), exact.numpy())
+
+
+def test_draft_lossless_preserves_target_distribution():
+    assert _draft_pvalue(seed=21) > 1e-3
+
+
+@pytest.mark.parametrize("wrong", ["double_acceptance", "residual_not_removed"])
+def test_draft_test_detects_wrong_rules(monkeypatch, wrong):
+    if wrong == "double_acceptance":
+        monkeypatch.setattr(acceptance, "_acceptance_probability",
+                            lambda p_x, q_x: torch.clamp(2 * p_x / q_x, max=1.0))
+    else:
+        monkeypatch.setattr(acceptance, "_residual", lambda p, q: p)
+    assert _draft_pvalue(seed=21) < 1e-3
+
+
+def test_draft_equal_to_target_is_always_accepted():
+    gen = torch.Generator().manual_seed(9)
+    probs = torch.softmax(torch.randn(100, 4, 7, generator=gen), -1)
+    drafted = torch.multinomial(probs[:, :3].reshape(-1, 7), 1, generator=gen).view(100, 3)
+    accept_length, next_token = accept_draft_lossless(probs, probs[:, :3], drafted, generator=gen)
+    assert accept_length.tolist() == [3] * 100
+    assert next_token.shape == (100,)
+
+
+def test_draft_shape_errors():
+    with pytest.raises(ValueError, match=r"k >= 1"):
+        accept_draft_lossless(torch.zeros(2, 1, 5), torch.zeros(2, 0, 5), torch.zeros(2, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"target_probs must be \[batch, k \+ 1, vocab\] = \(2, 3, 5\)"):
+        accept_draft_lossless(torch.zeros(2, 2, 5), torch.zeros(2, 2, 5), torch.zeros(2, 2, dtype=torch.long))

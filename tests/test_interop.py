@@ -1,0 +1,327 @@
+"""Import and export of the FasterDecoding/Medusa layout: bit-identical round trips and strict errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch.nn import functional as F
+
+from medusa_infer.config import MedusaConfig
+from medusa_infer.heads import MedusaHeads
+from medusa_infer.interop import is_medusa_layout, read_medusa_layout, write_medusa_layout
+
+HIDDEN, VOCAB, HEADS, LAYERS = 16, 50, 3, 2
+BASE = "tiny/base-model"
+
+
+def tiny_config(projection: str, **overrides) -> MedusaConfig:
+    fields = dict(num_heads=HEADS, num_layers=LAYERS, hidden_size=HIDDEN, vocab_size=VOCAB,
+                  projection=projection, base_model_name_or_path=BASE)
+    return MedusaConfig(**{**fields, **overrides})
+
+
+def random_state(config: MedusaConfig, dtype: torch.dtype = torch.float32, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Our state dict for ``config`` with random values (zero-initialised blocks would hide mix-ups)."""
+    generator = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(t.shape, generator=generator).to(dtype) if t.is_floating_point() else t
+            for name, t in MedusaHeads(config).state_dict().items()}
+
+
+def fd_tensors(projections: bool, dtype: torch.dtype = torch.float32, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Tensors as FasterDecoding names them: ``{head}.{layer}.linear.*`` and ``{head}.{LAYERS}.weight``."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for k in range(HEADS):
+        for l in range(LAYERS):
+            tensors[f"{k}.{l}.linear.weight"] = torch.randn(HIDDEN, HIDDEN, generator=generator).to(dtype)
+            tensors[f"{k}.{l}.linear.bias"] = torch.randn(HIDDEN, generator=generator).to(dtype)
+        if projections:
+            tensors[f"{k}.{LAYERS}.weight"] = torch.randn(VOCAB, HIDDEN, generator=generator).to(dtype)
+    return tensors
+
+
+def make_fd_folder(path: Path, tensors: dict[str, torch.Tensor], fmt: str = "safetensors", **config) -> Path:
+    """A folder as FasterDecoding's trainer leaves it: its config keys, and the heads' weights file."""
+    path.mkdir(parents=True, exist_ok=True)
+    data = {"base_model_name_or_path": BASE, "medusa_num_heads": HEADS, "medusa_num_layers": LAYERS,
+            "transformers_version": "4.38.1", **config}
+    (path / "config.json").write_text(json.dumps(data))
+    if fmt == "safetensors":
+        save_file(tensors, str(path / "medusa_lm_head.safetensors"))
+    else:
+        torch.save(tensors, path / "medusa_lm_head.pt")
+    return path
+
+
+def load_fd_weights(path: Path) -> dict[str, torch.Tensor]:
+    if (path / "medusa_lm_head.safetensors").exists():
+        return load_file(str(path / "medusa_lm_head.safetensors"))
+    return torch.load(path / "medusa_lm_head.pt", map_location="cpu", weights_only=True)
+
+
+def assert_identical(found: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert sorted(found) == sorted(expected)
+    for name, tensor in expected.items():
+        assert found[name].dtype == tensor.dtype, name
+        assert torch.equal(found[name], tensor), name
+
+
+# ----- ours -> FasterDecoding -> ours
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "pt"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("projection", ["own", "shared"])
+def test_ours_round_trip_in_natural_version(tmp_path, fmt, dtype, projection):
+    config = tiny_config(projection)
+    state = random_state(config, dtype)
+    write_medusa_layout(config, state, tmp_path, fmt=fmt)
+
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["version"] == ("1" if projection == "own" else "2")
+    assert (written["medusa_num_heads"], written["medusa_num_layers"]) == (HEADS, LAYERS)
+    assert written["base_model_name_or_path"] == BASE
+    assert "architectures" not in written and "model_type" not in written  # TGI would take another path
+    raw = load_fd_weights(tmp_path)
+    assert all(t.is_contiguous() for t in raw.values())
+    assert ("0.2.weight" in raw) == (projection == "own")
+
+    read_config, read_state = read_medusa_layout(tmp_path)
+    assert (read_config.num_heads, read_config.num_layers) == (HEADS, LAYERS)
+    assert (read_config.hidden_size, read_config.vocab_size) == (HIDDEN, VOCAB)
+    assert read_config.projection == projection
+    assert read_config.base_model_name_or_path == BASE
+    assert_identical(read_state, state)
+    MedusaHeads(read_config).load_state_dict(read_state)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "pt"])
+def test_shared_heads_as_version_1_carry_lm_head_copies(tmp_path, fmt):
+    config = tiny_config("shared")
+    state = random_state(config, torch.bfloat16)
+    lm_head = torch.randn(VOCAB, HIDDEN).to(torch.bfloat16)
+    write_medusa_layout(config, state, tmp_path, lm_head_weight=lm_head, fmt=fmt, version="1")
+
+    assert json.loads((tmp_path / "config.json").read_text())["version"] == "1"
+    read_config, read_state = read_medusa_layout(tmp_path)
+    assert read_config.projection == "own"
+    projections = {f"heads.{k}.proj.weight": lm_head for k in range(HEADS)}
+    assert_identical(read_state, {**state, **projections})
+
+
+def test_export_writes_independent_tensors_from_views(tmp_path):
+    config = tiny_config("own")
+    state = random_state(config)
+    state["heads.0.blocks.0.linear.weight"] = torch.randn(HIDDEN, HIDDEN).t()  # a non-contiguous view
+    write_medusa_layout(config, state, tmp_path)
+    assert_identical(read_medusa_layout(tmp_path)[1], state)
+
+
+# ----- FasterDecoding -> ours -> FasterDecoding
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "pt"])
+@pytest.mark.parametrize("projections", [True, False])
+def test_fd_round_trip(tmp_path, fmt, projections):
+    tensors = fd_tensors(projections, torch.float16)
+    extra = {} if projections else {"version": "2"}
+    source = make_fd_folder(tmp_path / "fd", tensors, fmt, **extra)
+    assert is_medusa_layout(source)
+
+    config, state = read_medusa_layout(source, vocab_size=None if projections else VOCAB)
+    assert config.projection == ("own" if projections else "shared")
+    assert (config.hidden_size, config.vocab_size) == (HIDDEN, VOCAB)
+    MedusaHeads(config).load_state_dict(state)
+
+    write_medusa_layout(config, state, tmp_path / "again", fmt=fmt)
+    assert_identical(load_fd_weights(tmp_path / "again"), tensors)
+
+
+def test_fd_pt_with_one_block_shared_across_layers(tmp_path):
+    """FasterDecoding builds heads from ``[ResBlock(h)] * n``: every layer of a head is one module."""
+    tensors = fd_tensors(projections=True)
+    for k in range(HEADS):
+        for part in ("weight", "bias"):
+            tensors[f"{k}.1.linear.{part}"] = tensors[f"{k}.0.linear.{part}"]  # same storage, as torch.save keeps it
+    config, state = read_medusa_layout(make_fd_folder(tmp_path / "fd", tensors, "pt"))
+    write_medusa_layout(config, state, tmp_path / "again")  # safetensors refuses shared storage unless copied
+    assert_identical(load_fd_weights(tmp_path / "again"), tensors)
+
+
+def test_imported_heads_compute_what_fasterdecoding_computes(tmp_path):
+    tensors = fd_tensors(projections=True)
+    config, state = read_medusa_layout(make_fd_folder(tmp_path, tensors))
+    heads = MedusaHeads(config)
+    heads.load_state_dict(state)
+    hidden = torch.randn(2, 5, HIDDEN)
+    expected = []
+    for k in range(HEADS):
+        x = hidden
+        for l in range(LAYERS):  # nn.Sequential(ResBlock, ..., Linear)
+            x = x + F.silu(F.linear(x, tensors[f"{k}.{l}.linear.weight"], tensors[f"{k}.{l}.linear.bias"]))
+        expected.append(F.linear(x, tensors[f"{k}.{LAYERS}.weight"]))
+    torch.testing.assert_close(heads(hidden, lm_head=torch.nn.Identity()), torch.stack(expected))
+
+
+def test_shared_fd_folder_needs_the_vocab_size_from_somewhere(tmp_path):
+    source = make_fd_folder(tmp_path, fd_tensors(projections=False), version="2")
+    with pytest.raises(ValueError, match="pass vocab_size="):
+        read_medusa_layout(source)
+    assert read_medusa_layout(source, vocab_size=VOCAB)[0].vocab_size == VOCAB
+
+
+def test_sizes_that_disagree_are_refused(tmp_path):
+    source = make_fd_folder(tmp_path, fd_tensors(projections=True), hidden_size=HIDDEN, vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="hidden_size disagrees.*the tensors: 16.*the hidden_size argument: 576"):
+        read_medusa_layout(source, hidden_size=576)
+    make_fd_folder(tmp_path, fd_tensors(projections=True), vocab_size=32000)
+    with pytest.raises(ValueError, match="vocab_size disagrees.*config.json: 32000"):
+        read_medusa_layout(source)
+
+
+def test_is_medusa_layout(tmp_path):
+    assert not is_medusa_layout(tmp_path / "absent")
+    assert not is_medusa_layout(tmp_path)
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    (ours / "config.json").write_text(json.dumps(tiny_config("own").to_dict()))
+    save_file(fd_tensors(projections=True), str(ours / "medusa_lm_head.safetensors"))
+    assert not is_medusa_layout(ours)
+    (ours / "config.json").write_text("{not json")
+    assert not is_medusa_layout(ours)
+    assert is_medusa_layout(make_fd_folder(tmp_path / "pt", fd_tensors(projections=True), "pt"))
+
+
+# ----- strict import errors
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "pt"])
+def test_missing_tensor_is_named(tmp_path, fmt):
+    tensors = fd_tensors(projections=True)
+    del tensors["1.1.linear.bias"]
+    with pytest.raises(ValueError, match=r"missing tensors \['1.1.linear.bias'\]"):
+        read_medusa_layout(make_fd_folder(tmp_path, tensors, fmt))
+
+
+def test_head_missing_a_layer_is_named(tmp_path):
+    tensors = fd_tensors(projections=True)
+    del tensors["2.1.linear.weight"], tensors["2.1.linear.bias"]
+    with pytest.raises(ValueError, match=r"missing tensors \['2.1.linear.bias', '2.1.linear.weight'\]"):
+        read_medusa_layout(make_fd_folder(tmp_path, tensors))
+
+
+def test_head_missing_its_projection_is_named(tmp_path):
+    tensors = fd_tensors(projections=True)
+    del tensors["1.2.weight"]
+    with pytest.raises(ValueError, match=r"missing tensors \['1.2.weight'\]"):
+        read_medusa_layout(make_fd_folder(tmp_path, tensors))
+
+
+def test_unexpected_tensor_is_named(tmp_path):
+    tensors = {**fd_tensors(projections=True), "lm_head.weight": torch.zeros(VOCAB, HIDDEN)}
+    with pytest.raises(ValueError, match=r"unexpected tensors \['lm_head.weight'\]"):
+        read_medusa_layout(make_fd_folder(tmp_path, tensors))
+
+
+def test_mis_shaped_tensor_is_named(tmp_path):
+    tensors = {**fd_tensors(projections=True), "0.0.linear.bias": torch.zeros(HIDDEN + 1)}
+    with pytest.raises(ValueError, match=r"0.0.linear.bias: checkpoint \(17,\), heads \(16,\)"):
+        read_medusa_layout(make_fd_folder(tmp_path, tensors))
+
+
+def test_more_heads_than_the_config_says_are_refused(tmp_path):
+    source = make_fd_folder(tmp_path, fd_tensors(projections=True), medusa_num_heads=2)
+    with pytest.raises(ValueError, match=r"holds heads \[0, 1, 2\].*medusa_num_heads=2.*set medusa_num_heads to 3"):
+        read_medusa_layout(source)
+
+
+def test_non_float_tensor_is_refused(tmp_path):
+    tensors = {**fd_tensors(projections=True), "0.0.linear.bias": torch.zeros(HIDDEN, dtype=torch.long)}
+    with pytest.raises(ValueError, match=r"not named float tensors: \['0.0.linear.bias'\]"):
+        read_medusa_layout(make_fd_folder(tmp_path, tensors))
+
+
+def test_truncated_safetensors_names_the_file(tmp_path):
+    source = make_fd_folder(tmp_path, fd_tensors(projections=True))
+    weights = source / "medusa_lm_head.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"medusa_lm_head.safetensors could not be read.*re-download"):
+        read_medusa_layout(source)
+
+
+def test_truncated_pt_names_the_file(tmp_path):
+    source = make_fd_folder(tmp_path, fd_tensors(projections=True), "pt")
+    weights = source / "medusa_lm_head.pt"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"medusa_lm_head.pt could not be read.*re-download"):
+        read_medusa_layout(source)
+
+
+@dataclasses.dataclass
+class NotATensor:
+    payload: str = "anything a pickle can carry"
+
+
+def test_pt_with_pickled_objects_is_refused_by_weights_only(tmp_path):
+    tensors = {**fd_tensors(projections=True), "0.0.linear.bias": NotATensor()}
+    source = make_fd_folder(tmp_path, tensors, "pt")
+    refused = r"medusa_lm_head.pt holds objects other than tensors.*weights_only=True"
+    with pytest.raises(ValueError, match=refused) as info:
+        read_medusa_layout(source)
+    assert "Weights only load failed" in str(info.value.__cause__)
+
+
+def test_config_without_medusa_keys_is_refused(tmp_path):
+    source = make_fd_folder(tmp_path, fd_tensors(projections=True))
+    (source / "config.json").write_text(json.dumps({"medusa_num_heads": HEADS}))
+    with pytest.raises(ValueError, match="no integer 'medusa_num_layers'"):
+        read_medusa_layout(source)
+
+
+# ----- export errors
+
+
+def test_reduced_vocabulary_export_is_refused(tmp_path):
+    config = tiny_config("own", reduced_vocab_size=20)
+    with pytest.raises(ValueError, match="reduced vocabulary.*save_pretrained"):
+        write_medusa_layout(config, random_state(config), tmp_path)
+    assert not (tmp_path / "config.json").exists()
+
+
+def test_version_and_lm_head_arguments_must_fit_the_projection(tmp_path):
+    own, shared = tiny_config("own"), tiny_config("shared")
+    lm_head = torch.randn(VOCAB, HIDDEN)
+    with pytest.raises(ValueError, match="only be written as version '1'"):
+        write_medusa_layout(own, random_state(own), tmp_path, version="2")
+    with pytest.raises(ValueError, match="pass lm_head_weight"):
+        write_medusa_layout(shared, random_state(shared), tmp_path, version="1")
+    with pytest.raises(ValueError, match="lm_head_weight is only used"):
+        write_medusa_layout(shared, random_state(shared), tmp_path, lm_head_weight=lm_head)
+    with pytest.raises(ValueError, match=r"lm_head_weight has shape \(16, 50\)"):
+        write_medusa_layout(shared, random_state(shared), tmp_path, lm_head_weight=lm_head.t(), version="1")
+
+
+def test_export_checks_the_state_dict(tmp_path):
+    config = tiny_config("own")
+    state = random_state(config)
+    del state["heads.2.proj.weight"]
+    with pytest.raises(ValueError, match=r"missing tensors \['heads.2.proj.weight'\]"):
+        write_medusa_layout(config, state, tmp_path)
+
+
+def test_export_needs_the_base_model_name(tmp_path):
+    config = tiny_config("own", base_model_name_or_path=None)
+    with pytest.raises(ValueError, match="base_model_name_or_path"):
+        write_medusa_layout(config, random_state(config), tmp_path)
+
+
+def test_export_refuses_a_folder_holding_the_other_weights_file(tmp_path):
+    config = tiny_config("own")
+    write_medusa_layout(config, random_state(config), tmp_path, fmt="pt")
+    with pytest.raises(ValueError, match="medusa_lm_head.pt already exists"):
+        write_medusa_layout(config, random_state(config), tmp_path, fmt="safetensors")

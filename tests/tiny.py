@@ -1,0 +1,53 @@
+"""Tiny random causal LMs of several architectures, built from configs (no downloads)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import GPT2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+VOCAB = 96
+
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+)
+
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt2")
+
+
+def tiny_config(arch: str):
+    if arch == "llama":
+        return LlamaConfig(**_COMMON)
+    if arch == "mistral":
+        return MistralConfig(**_COMMON, sliding_window=None)
+    if arch == "qwen2":
+        return Qwen2Config(**_COMMON)
+    if arch == "qwen3":
+        return Qwen3Config(**_COMMON, head_dim=8)
+    if arch == "gemma3_text":
+        return Gemma3TextConfig(**_COMMON, head_dim=8, sliding_window=512, final_logit_softcapping=30.0)
+    if arch == "gpt2":
+        return GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        )
+    raise ValueError(f"unknown tiny architecture {arch!r}; known: {ARCHITECTURES}")
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, attn_implementation: str = "eager") -> PreTrainedModel:
+    """A float32 tiny model with random weights; larger-than-default init so its outputs vary."""
+    torch.manual_seed(seed)
+    config = tiny_config(arch)
+    config.initializer_range = 0.2
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    return model.eval()
