@@ -14,7 +14,8 @@ Each rule returns an :class:`Acceptance`. Three rules are offered:
 * :func:`accept_lossless`: recursive rejection sampling over the tree; the emitted tokens
   follow exactly the distribution of plain sampling with :func:`warp_logits`.
 
-:func:`accept_draft_lossless` is the classic chain rule for a stochastic draft model.
+:func:`accept_draft_lossless` is the classic chain rule for a stochastic draft model, and
+:func:`accept_chain_lossless` applies it to a chain proposal's logits.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from medusa_infer.trees import TreeBuffers
 
 __all__ = [
     "Acceptance",
+    "accept_chain_lossless",
     "accept_draft_lossless",
     "accept_greedy",
     "accept_lossless",
@@ -116,20 +118,6 @@ def warp_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p:
     return probs
 
 
-def _acceptance_probability(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
-    """Speculative-sampling acceptance probability ``min(1, p(x) / q(x))``, elementwise.
-
-    ``p_x`` is the target probability of the drafted token, ``q_x`` its draft probability.
-    """
-    return torch.where(p_x >= q_x, torch.ones_like(p_x), p_x / q_x)
-
-
-def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Distribution ``norm(max(0, p - q))`` ``[..., vocab]`` to sample from after a rejection."""
-    leftover = (p - q).clamp(min=0.0)
-    return leftover / leftover.sum(-1, keepdim=True).clamp(min=torch.finfo(leftover.dtype).tiny)
-
-
 # ---------------------------------------------------------------------------------------------
 # Tree rules
 # ---------------------------------------------------------------------------------------------
@@ -199,7 +187,7 @@ def accept_typical(
     ``posterior_threshold``, ``delta`` its ``posterior_alpha``, usually ``sqrt(epsilon)``). The
     longest accepted path wins, ties broken by higher path log-likelihood. ``next_token`` is sampled
     from ``p`` at the last accepted node. ``temperature == 0`` is :func:`accept_greedy`.
-    Faster than lossless sampling but does not preserve the base model's distribution.
+    Accepts more than lossless sampling but does not preserve the base model's distribution.
     """
     _check_sampling_args(temperature, 0, 1.0)
     if not 0.0 < epsilon <= 1.0:
@@ -233,13 +221,18 @@ def accept_lossless(
 ) -> Acceptance:
     """Recursive rejection sampling over the tree (SpecInfer / EAGLE multi-draft style).
 
-    Each child token is a deterministic draft (q = point mass). At the current node, with target
-    ``p = warp_logits(node logits, temperature, top_k, top_p)``, the children are tried in rank
-    order: child token x is accepted with probability ``p(x)``; on rejection ``p`` becomes the
-    residual ``norm(max(0, p - q))`` (x's mass removed) before the next sibling, so a repeated
-    token can never be accepted after its rejection. An accepted child becomes the current node;
-    when every child is rejected, or at a leaf, ``next_token`` is sampled from the current
-    (residual) ``p``. The emitted tokens follow exactly the distribution of plain sampling.
+    The rule: each child token is a deterministic draft (q = point mass). At the current node,
+    with target ``p = warp_logits(node logits, temperature, top_k, top_p)``, the children are tried
+    in rank order: child token x is accepted with probability ``p(x)``; on rejection ``p`` becomes
+    the residual ``norm(max(0, p - q))`` (x's mass removed) before the next sibling, so a repeated
+    token is never accepted after its rejection. An accepted child becomes the current node; when
+    every child is rejected, or at a leaf, ``next_token`` is drawn from the current (residual) ``p``.
+
+    Computed in closed form, for all nodes at once: trying point-mass drafts in turn accepts the
+    first child carrying token x with probability exactly ``p(x)``, and leaves, on rejection of all,
+    the residual ``p`` restricted to the other tokens. That is the law of "draw y ~ p at every node;
+    descend into the first child whose token is y; otherwise y is the next token". The emitted
+    tokens therefore follow exactly the distribution of plain sampling with :func:`warp_logits`.
     ``temperature == 0`` is :func:`accept_greedy`.
     """
     _check_sampling_args(temperature, top_k, top_p)
@@ -247,40 +240,42 @@ def accept_lossless(
     if temperature == 0:
         return accept_greedy(logits, tokens, buffers)
     target = warp_logits(logits, temperature, top_k, top_p)  # [batch, n, vocab]
-    batch, _, vocab = target.shape
-    device = logits.device
-    rows = torch.arange(batch, device=device)
-
-    node = torch.zeros(batch, dtype=torch.long, device=device)
-    probs = target[:, 0]  # current (residual) target distribution, [batch, vocab]
-    path_nodes = torch.full((batch, buffers.max_depth + 1), -1, dtype=torch.long, device=device)
-    path_nodes[:, 0] = 0
-    descending = torch.ones(batch, dtype=torch.bool, device=device)
-    for depth in range(1, buffers.max_depth + 1):
-        moved = torch.zeros(batch, dtype=torch.bool, device=device)
-        for slot in range(buffers.children.shape[1]):
-            child = buffers.children[node, slot]  # [batch], -1 when there is no such child
-            trial = descending & ~moved & (child >= 0)
-            draft = tokens[rows, child.clamp(min=0)]
-            p_x = probs[rows, draft]
-            uniform = torch.rand(batch, generator=generator, device=device)
-            accept = trial & (uniform < _acceptance_probability(p_x, torch.ones_like(p_x)))
-            reject = trial & ~accept
-            point_mass = F.one_hot(draft, vocab).to(probs.dtype)
-            probs = torch.where(reject[:, None], _residual(probs, point_mass), probs)
-            node = torch.where(accept, child, node)
-            moved |= accept
-        probs = torch.where(moved[:, None], target[rows, node], probs)
-        path_nodes[:, depth] = torch.where(moved, node, -1)
-        descending = moved
-    accept_length = (path_nodes[:, 1:] >= 0).sum(-1)
-    next_token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    batch, n, vocab = target.shape
+    draws = torch.multinomial(target.reshape(batch * n, vocab), 1, generator=generator).view(batch, n)
+    matches_parent_draw = tokens == draws[:, buffers.parents.clamp(min=0)]
+    accepted = matches_parent_draw & ~_repeats_earlier_sibling(tokens, buffers)
+    accept_length, path_nodes, last_node = _select_path(accepted, buffers)
+    next_token = draws.gather(1, last_node[:, None]).squeeze(1)
     return Acceptance(accept_length, path_nodes, next_token)
+
+
+def _repeats_earlier_sibling(tokens: torch.Tensor, buffers: TreeBuffers) -> torch.Tensor:
+    """``[batch, n]`` bool: True where a node's token already sits on an earlier sibling."""
+    nodes = torch.arange(buffers.num_nodes, device=tokens.device)
+    same_parent = buffers.parents[:, None] == buffers.parents[None, :]
+    earlier_sibling = same_parent & (nodes[None, :] < nodes[:, None])  # [n, n]: j is before i
+    same_token = tokens[:, :, None] == tokens[:, None, :]  # [batch, n, n]
+    return (same_token & earlier_sibling).any(-1)
 
 
 # ---------------------------------------------------------------------------------------------
 # Chain rule for a stochastic draft model
 # ---------------------------------------------------------------------------------------------
+
+def _acceptance_probability(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
+    """Speculative-sampling acceptance probability ``min(1, p(x) / q(x))``, elementwise.
+
+    ``p_x`` is the target probability of the drafted token, ``q_x`` its draft probability. A token
+    the target rules out (``p_x == 0``) is never accepted, even if the draft gave it ``q_x == 0``.
+    """
+    return (p_x / q_x.clamp(min=torch.finfo(q_x.dtype).tiny)).clamp(max=1.0)
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Distribution ``norm(max(0, p - q))`` ``[..., vocab]`` to sample from after a rejection."""
+    leftover = (p - q).clamp(min=0.0)
+    return leftover / leftover.sum(-1, keepdim=True).clamp(min=torch.finfo(leftover.dtype).tiny)
+
 
 def accept_draft_lossless(
     target_probs: torch.Tensor,
@@ -294,7 +289,7 @@ def accept_draft_lossless(
         target_probs: ``[batch, k + 1, vocab]`` target distributions after each drafted prefix
             (position i predicts the token after i drafted tokens).
         draft_probs: ``[batch, k, vocab]`` draft distributions the tokens were sampled from.
-        draft_tokens: ``[batch, k]`` long, the drafted tokens.
+        draft_tokens: ``[batch, k]`` long, the drafted tokens (k may be 0).
         generator: random source.
 
     Token i is accepted with probability ``min(1, p(x) / q(x))``; at the first rejection the next
@@ -304,24 +299,58 @@ def accept_draft_lossless(
     Returns:
         accept_length ``[batch]`` (0..k) and next_token ``[batch]``.
     """
-    if draft_tokens.dim() != 2 or draft_tokens.shape[1] < 1:
-        raise ValueError(f"draft_tokens must be [batch, k] with k >= 1, got shape {tuple(draft_tokens.shape)}")
+    if draft_tokens.dim() != 2 or draft_tokens.dtype != torch.long:
+        raise ValueError(f"draft_tokens must be a [batch, k] torch.long tensor, got shape "
+                         f"{tuple(draft_tokens.shape)} and dtype {draft_tokens.dtype}")
     batch, k = draft_tokens.shape
     if draft_probs.dim() != 3 or draft_probs.shape[:2] != (batch, k):
         raise ValueError(f"draft_probs must be [batch, k, vocab] with batch, k = {batch}, {k}, "
                          f"got shape {tuple(draft_probs.shape)}")
-    if target_probs.shape != (batch, k + 1, draft_probs.shape[2]):
-        raise ValueError(f"target_probs must be [batch, k + 1, vocab] = {(batch, k + 1, draft_probs.shape[2])}, "
+    vocab = draft_probs.shape[2]
+    if target_probs.shape != (batch, k + 1, vocab):
+        raise ValueError(f"target_probs must be [batch, k + 1, vocab] = {(batch, k + 1, vocab)}, "
                          f"got shape {tuple(target_probs.shape)}")
     target = target_probs.float()
-    draft = draft_probs.float()
+    # a zero draft after the last token makes "all accepted" sample from the target itself
+    draft = torch.cat([draft_probs.float(), target.new_zeros(batch, 1, vocab)], dim=1)
     p_x = target[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [batch, k]
-    q_x = draft.gather(-1, draft_tokens[..., None]).squeeze(-1)
+    q_x = draft[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
     uniform = torch.rand((batch, k), generator=generator, device=target.device)
     accepted = uniform < _acceptance_probability(p_x, q_x)
     accept_length = accepted.long().cumprod(-1).sum(-1)  # [batch]
     rows = torch.arange(batch, device=target.device)
-    p = target[rows, accept_length]
-    q = draft[rows, accept_length.clamp(max=k - 1)] * (accept_length < k)[:, None]
-    next_token = torch.multinomial(_residual(p, q), 1, generator=generator).squeeze(1)
+    residual = _residual(target[rows, accept_length], draft[rows, accept_length])
+    next_token = torch.multinomial(residual, 1, generator=generator).squeeze(1)
     return accept_length, next_token
+
+
+def accept_chain_lossless(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> Acceptance:
+    """:func:`accept_draft_lossless` for a chain proposal, target warped by :func:`warp_logits`.
+
+    Args:
+        logits: ``[batch, n, vocab]`` target logits at the root and at each drafted token.
+        tokens: ``[batch, n]`` long, the root then the ``n - 1`` drafted tokens.
+        draft_probs: ``[batch, n - 1, vocab]`` draft distributions the tokens were sampled from.
+        temperature, top_k, top_p: the target's sampling settings; ``temperature == 0`` makes the
+            target a point mass on the argmax, which turns the rule into greedy acceptance.
+        generator: random source.
+
+    Returns:
+        An :class:`Acceptance` whose ``path_nodes`` are ``0, 1, ..., accept_length`` then -1.
+    """
+    if logits.dim() != 3 or tokens.shape != logits.shape[:2]:
+        raise ValueError(f"logits [batch, n, vocab] and tokens [batch, n] must agree, got shapes "
+                         f"{tuple(logits.shape)} and {tuple(tokens.shape)}")
+    target = warp_logits(logits, temperature, top_k, top_p)
+    accept_length, next_token = accept_draft_lossless(target, draft_probs, tokens[:, 1:], generator)
+    nodes = torch.arange(tokens.shape[1], device=tokens.device)
+    path_nodes = torch.where(nodes[None] <= accept_length[:, None], nodes[None], -1)
+    return Acceptance(accept_length, path_nodes, next_token)

@@ -110,10 +110,11 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
         "## Usage",
         "",
         "```python",
-        "from medusa_infer import MedusaModel",
+        "from medusa_infer.model import MedusaModel",
         "",
         'model = MedusaModel.from_pretrained("<this repo or folder>")',
-        'out = model.generate_text("What is the capital of France?", max_new_tokens=64)',
+        'out = model.generate(prompt="What is the capital of France?", max_new_tokens=64)',
+        "print(model.tokenizer.decode(out.new_tokens[0]))",
         "```",
         "",
     ]

@@ -84,7 +84,7 @@ class MedusaConfig:
         if unknown:
             raise ValueError(
                 f"unknown keys {unknown} in a medusa-forge heads config; known keys: {sorted(known)}. "
-                "For a FasterDecoding/Medusa checkpoint use medusa_infer.interop.import_medusa_checkpoint."
+                "For a FasterDecoding/Medusa checkpoint use MedusaModel.from_pretrained (it reads that layout) or medusa_infer.interop.read_medusa_layout."
             )
         version = data.get("format_version", FORMAT_VERSION)
         if version > FORMAT_VERSION:

@@ -194,7 +194,7 @@ class _Generation:
     # -- bookkeeping --------------------------------------------------------------------------
 
     def _context(self, accepted: list[list[int]] | None = None) -> StepContext:
-        room_context = self.context_length - 1 - int(self.root_pos.max())
+        room_context = self.context_length - 2 - int(self.root_pos.max())  # the bonus token must fit too
         room_tokens = min(self.stop.max_new_tokens - len(self.generated[r]) for r in self.rows) - 1
         return StepContext([self.histories[r] for r in self.rows], max(0, min(room_context, room_tokens)))
 
@@ -213,7 +213,7 @@ class _Generation:
             self.generated[row].extend(kept)
             self.histories[row].extend(kept)
             emitted[row] = kept
-            if self.finish[row] is None and int(self.root_pos[i]) >= self.context_length:
+            if self.finish[row] is None and int(self.root_pos[i]) >= self.context_length - 1:
                 self.finish[row] = "context"
             if self.finish[row] is None:
                 keep.append(i)

@@ -10,6 +10,7 @@ decoding loop's own objects.
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import tempfile
 from dataclasses import dataclass
@@ -154,9 +155,11 @@ class MedusaModel(nn.Module):
 
         directory = _local_folder(heads_path_or_repo_id, revision)
         if interop.is_medusa_layout(directory):
-            base_model, tokenizer, _ = _load_base(
-                base_model or interop.read_base_model_name(directory), tokenizer
-            )
+            if base_model is None:
+                base_model = json.loads((directory / "config.json").read_text()).get("base_model_name_or_path")
+                if not base_model:
+                    raise ValueError(f"{directory}/config.json names no base_model_name_or_path; pass base_model=")
+            base_model, tokenizer, _ = _load_base(base_model, tokenizer)
             lm_weight = base_model.get_output_embeddings().weight
             config, state = interop.read_medusa_layout(
                 directory, hidden_size=lm_weight.shape[1], vocab_size=lm_weight.shape[0]
@@ -179,6 +182,17 @@ class MedusaModel(nn.Module):
     def save_pretrained(self, directory: str | os.PathLike, base_model_id: str | None = None) -> Path:
         """Write the heads (not the base model) as ``config.json``, ``model.safetensors``, ``README.md``."""
         return save_heads(directory, self.config, self.heads.state_dict(), base_model_id)
+
+    def export_medusa_layout(
+        self, directory: str | os.PathLike, fmt: str = "safetensors", version: str | None = None
+    ) -> Path:
+        """Write the heads in the FasterDecoding/Medusa layout (read by TGI and TensorRT-LLM);
+        see ``medusa_infer.interop.write_medusa_layout``."""
+        from medusa_infer.interop import write_medusa_layout
+
+        lm_weight = self.lm_head.weight if version == "1" and self.config.projection == "shared" else None
+        return write_medusa_layout(self.config, self.heads.state_dict(), directory, lm_head_weight=lm_weight,
+                                   fmt=fmt, version=version)
 
     def push_to_hub(
         self,

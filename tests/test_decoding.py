@@ -1,0 +1,285 @@
+"""The decoding loop on tiny models: exactness, batching, tree attention, stopping, errors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from medusa_infer.decoding import generate, stream
+from medusa_infer.kv_cache import AttentionLayout, KVState
+from medusa_infer.model import MedusaModel
+from medusa_infer.proposers.base import Proposal, StepContext
+from medusa_infer.trees import TREE_PRESETS, build_tree_buffers, root_only_tree
+from tiny import ARCHITECTURES, VOCAB, tiny_config, tiny_model
+
+EXACT_ARCHS = ("llama", "qwen3", "gemma3_text", "gpt2")
+NO_EOS: list[int] = []
+
+
+def medusa(arch: str, seed: int = 0, num_heads: int = 4, **kwargs) -> MedusaModel:
+    """A tiny model with random (untrained) heads, so that proposals are partly right."""
+    model = MedusaModel.from_base(tiny_model(arch, seed=seed, **kwargs), num_heads=num_heads, num_layers=1)
+    torch.manual_seed(seed + 1)
+    for p in model.heads.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return model
+
+
+def reference(model: MedusaModel, prompt: torch.Tensor, max_new_tokens: int, eos: int | None = None) -> list[int]:
+    """Hugging Face greedy decoding of one unpadded prompt ``[seq]``."""
+    out = model.base_model.generate(
+        prompt[None], attention_mask=torch.ones_like(prompt)[None], max_new_tokens=max_new_tokens,
+        do_sample=False, eos_token_id=eos, pad_token_id=0,
+    )
+    tokens = out[0, len(prompt):].tolist()
+    if eos is not None and eos in tokens:
+        tokens = tokens[: tokens.index(eos) + 1]
+    return tokens
+
+
+def left_pad(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = p
+        mask[row, width - len(p):] = 1
+    return ids, mask
+
+
+class OracleProposer:
+    """Proposes a tree in which the target's own greedy continuation sits at a random rank of each
+    depth (or, with ``rank=0``, a chain of exactly that continuation); other nodes get random tokens."""
+
+    def __init__(self, futures: list[list[int]], paths, seed: int = 0) -> None:
+        self.futures, self.paths = futures, [tuple(p) for p in paths]
+        self.rng = random.Random(seed)
+        self.rows = list(range(len(futures)))
+        self.emitted = [0] * len(futures)
+
+    def start(self, context: StepContext, hidden: torch.Tensor) -> None:
+        pass
+
+    def propose(self, roots: torch.Tensor, context: StepContext) -> Proposal:
+        paths = [p for p in self.paths if len(p) <= context.max_depth]
+        tree = build_tree_buffers(paths, 4, 10) if paths else root_only_tree()
+        tokens = torch.zeros(len(self.rows), tree.num_nodes, dtype=torch.long)
+        for i, row in enumerate(self.rows):
+            future = self.futures[row][self.emitted[row] + 1:]
+            truth_rank = [self.rng.randrange(2) for _ in range(4)]
+            tokens[i, 0] = roots[i]
+            for node, path in enumerate(tree.paths, start=1):
+                on_truth = all(r == truth_rank[d] for d, r in enumerate(path))
+                depth = len(path)
+                tokens[i, node] = future[depth - 1] if on_truth and depth <= len(future) else self.rng.randrange(3, VOCAB)
+        return Proposal(tokens, tree)
+
+    def observe(self, accepted, hidden, context) -> None:
+        for row, tokens in zip(self.rows, accepted):
+            self.emitted[row] += len(tokens)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.rows = [self.rows[i] for i in rows.tolist()]
+
+
+@pytest.mark.parametrize("arch", EXACT_ARCHS)
+def test_greedy_identical_to_generate_on_50_prompts(arch):
+    model = medusa(arch)
+    gen = torch.Generator().manual_seed(0)
+    for i in range(50):
+        prompt = torch.randint(3, VOCAB, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen)
+        tree = ("tree-8", "tree-16", "chain-3")[i % 3]
+        out = generate(model, prompt[None], max_new_tokens=16, tree=tree, eos_token_id=5)
+        assert out.new_tokens[0] == reference(model, prompt, 16, eos=5), f"prompt {i}"
+        assert torch.equal(out.sequences[0, : len(prompt)], prompt)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_batched_rows_identical_to_running_alone(arch, batch):
+    model = medusa(arch)
+    gen = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(3, VOCAB, (int(torch.randint(1, 14, (1,), generator=gen)),), generator=gen)
+               for _ in range(batch)]
+    ids, mask = left_pad(prompts)
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=20, tree="tree-16", eos_token_id=7)
+    for row, prompt in enumerate(prompts):
+        assert out.new_tokens[row] == reference(model, prompt, 20, eos=7), f"row {row}"
+        alone = generate(model, prompt[None], max_new_tokens=20, tree="tree-16", eos_token_id=7)
+        assert out.new_tokens[row] == alone.new_tokens[0]
+    # sequences are laid out as model.generate lays them out: prompt, new tokens, pad
+    hf = model.base_model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
+                                   eos_token_id=7, pad_token_id=0)
+    assert torch.equal(out.sequences[:, : hf.shape[1]], hf)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("depth", [1, 2, 4])
+def test_oracle_chain_reaches_depth_plus_one(arch, depth):
+    model = medusa(arch)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (4, 9, 6)]
+    max_new = 4 * (depth + 1) + 1  # the prefill token, then whole steps
+    futures = [reference(model, p, max_new) for p in prompts]
+    ids, mask = left_pad(prompts)
+    chain = TREE_PRESETS[f"chain-{depth}"]
+    oracle = OracleProposer(futures, chain)
+    oracle.rng = _ZeroRng()
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=max_new, proposer=oracle, eos_token_id=NO_EOS)
+    assert out.new_tokens == futures
+    assert out.metrics.tau == pytest.approx(depth + 1)
+    assert out.metrics.acceptance_by_depth == [1.0] * depth
+
+
+class _ZeroRng(random.Random):
+    """Puts the truth at rank 0 every time (a pure chain oracle)."""
+
+    def randrange(self, *args):  # noqa: D401 - same signature as random.Random
+        return 0 if args == (2,) else super().randrange(*args)
+
+
+@pytest.mark.parametrize("arch", EXACT_ARCHS)
+def test_partial_oracle_trees_stay_exact_in_batches(arch):
+    """Truth hidden at random ranks: rows accept different lengths every step, all stay exact."""
+    model = medusa(arch)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (2, 11, 5, 8)]
+    futures = [reference(model, p, 30) for p in prompts]
+    ids, mask = left_pad(prompts)
+    oracle = OracleProposer(futures, TREE_PRESETS["tree-16"], seed=3)
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=30, proposer=oracle, eos_token_id=NO_EOS)
+    assert out.new_tokens == futures
+    assert out.metrics.tau > 1.5
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_tree_forward_matches_sequential_paths(arch):
+    model = medusa(arch)
+    prompt = torch.randint(3, VOCAB, (1, 7), generator=torch.Generator().manual_seed(1))
+    tree = build_tree_buffers(TREE_PRESETS["tree-16"], 4, 10)
+    tokens = torch.randint(3, VOCAB, (1, tree.num_nodes), generator=torch.Generator().manual_seed(2))
+    kv = KVState.empty(1, AttentionLayout.from_config(model.base_model.config), model.device)
+    with torch.no_grad():
+        ids = prompt[:, :-1]
+        positions = torch.arange(ids.shape[1])[None]
+        causal = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).tril()
+        mask = kv.attention_mask(positions, torch.ones_like(ids, dtype=torch.bool), causal, model.dtype)
+        model(ids, attention_mask=mask, position_ids=positions, cache=kv.cache)
+        kv.append(torch.ones_like(ids, dtype=torch.bool), positions)
+        tokens[0, 0] = prompt[0, -1]
+        positions = ids.shape[1] + tree.depths[None]
+        valid = torch.ones_like(positions, dtype=torch.bool)
+        mask = kv.attention_mask(positions, valid, tree.attn_mask, model.dtype)
+        tree_logits = model(tokens, attention_mask=mask, position_ids=positions, cache=kv.cache).logits[0]
+        for node in range(tree.num_nodes):
+            chain = [node]
+            while tree.parents[chain[-1]] >= 0:
+                chain.append(int(tree.parents[chain[-1]]))
+            path = torch.cat([ids[0], tokens[0, list(reversed(chain))]])[None]
+            sequential = model.base_model(path).logits[0, -1]
+            assert (tree_logits[node] - sequential).abs().max() <= 1e-4, f"node {node}"
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "mistral"])
+def test_sliding_window_models_stay_exact_past_the_window(arch):
+    config = tiny_config(arch)
+    config.sliding_window = 6
+    if arch == "gemma3_text":
+        config.layer_types = ["sliding_attention", "full_attention"]
+    torch.manual_seed(0)
+    config.initializer_range = 0.2
+    base = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    model = MedusaModel.from_base(base, num_heads=4)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 10)]
+    futures = [reference(model, p, 24) for p in prompts]
+    ids, mask = left_pad(prompts)
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=24, eos_token_id=NO_EOS,
+                   proposer=OracleProposer(futures, TREE_PRESETS["tree-8"], seed=1))
+    assert out.new_tokens == futures
+
+
+def test_streaming_yields_the_same_tokens_in_order():
+    model = medusa("llama")
+    prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 6)]
+    ids, mask = left_pad(prompts)
+    chunks = stream(model, ids, attention_mask=mask, max_new_tokens=12, tree="tree-8", eos_token_id=NO_EOS)
+    seen: dict[int, list[int]] = {0: [], 1: []}
+    for chunk in chunks:
+        seen[chunk.row].extend(chunk.token_ids)
+    result = chunks.result()
+    assert seen == {0: result.new_tokens[0], 1: result.new_tokens[1]}
+    assert all(len(t) == 12 for t in seen.values())
+
+
+def test_stops_at_any_eos_and_at_max_new_tokens():
+    model = medusa("qwen2")
+    prompt = torch.randint(3, VOCAB, (5,), generator=torch.Generator().manual_seed(4))
+    free = reference(model, prompt, 30)
+    eos_a, eos_b = free[6], free[3]
+    out = generate(model, prompt[None], max_new_tokens=30, eos_token_id=[eos_a, eos_b])
+    assert out.new_tokens[0] == free[: free.index(eos_b) + 1] and out.finish_reasons == ["eos"]
+    out = generate(model, prompt[None], max_new_tokens=9, eos_token_id=NO_EOS)
+    assert out.new_tokens[0] == free[:9] and out.finish_reasons == ["length"]
+
+
+def test_context_limit_is_a_clean_stop():
+    model = medusa("llama")
+    limit = model.base_model.config.max_position_embeddings
+    prompt = torch.randint(3, VOCAB, (limit - 10,), generator=torch.Generator().manual_seed(0))
+    out = generate(model, prompt[None], max_new_tokens=50, tree="tree-16", eos_token_id=NO_EOS)
+    assert out.finish_reasons == ["context"]
+    assert len(prompt) + len(out.new_tokens[0]) == limit
+    assert out.new_tokens[0] == reference(model, prompt, 10)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(input_ids=torch.zeros(1, 0, dtype=torch.long)), "empty prompt"),
+        (dict(input_ids=torch.full((1, 300), 5)), "does not fit the model's context of 256"),
+        (dict(tree=[(0,), (0, 0, 0, 0)]), "no parent"),
+        (dict(tree=[(0, 0, 0, 0, 0)]), "depth 5 but there are only 4 heads"),
+        (dict(do_sample=True, temperature=-0.5), "temperature must be >= 0"),
+        (dict(do_sample=True, top_p=0.0), "top_p must be in"),
+        (dict(do_sample=True, top_p=1.5), "top_p must be in"),
+        (dict(do_sample=True, top_k=-1), "top_k must be >= 0"),
+        (dict(max_new_tokens=0), "max_new_tokens must be a positive integer"),
+        (dict(acceptance="typical"), "pass do_sample=True"),
+        (dict(do_sample=True, acceptance="beam"), "acceptance must be one of"),
+        (dict(tree="tree-1000"), "tree-1000"),
+    ],
+)
+def test_bad_input_is_a_clear_value_error(kwargs, message):
+    model = medusa("llama")
+    kwargs.setdefault("input_ids", torch.tensor([[5, 6, 7]]))
+    with pytest.raises(ValueError, match=message):
+        generate(model, **kwargs)
+
+
+def test_right_padding_is_refused():
+    model = medusa("llama")
+    with pytest.raises(ValueError, match="pad on the left"):
+        generate(model, torch.tensor([[5, 6, 0]]), attention_mask=torch.tensor([[1, 1, 0]]))
+
+
+def test_typical_and_lossless_sampling_run_and_are_reproducible():
+    model = medusa("llama")
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    for acceptance in ("typical", "lossless"):
+        a = generate(model, prompt, max_new_tokens=20, do_sample=True, temperature=0.8, top_p=0.9,
+                     acceptance=acceptance, seed=11, eos_token_id=NO_EOS)
+        b = generate(model, prompt, max_new_tokens=20, do_sample=True, temperature=0.8, top_p=0.9,
+                     acceptance=acceptance, seed=11, eos_token_id=NO_EOS)
+        assert a.new_tokens == b.new_tokens and len(a.new_tokens[0]) == 20
+
+
+def test_metrics_are_filled():
+    model = medusa("llama")
+    out = generate(model, torch.tensor([[5, 6, 7]]), max_new_tokens=12, tree="tree-8", eos_token_id=NO_EOS)
+    m = out.metrics
+    assert m.new_tokens == 12 and m.steps >= 1 and m.tau >= 1.0
+    assert len(m.acceptance_by_depth) == 3
+    assert m.ttft_s > 0 and m.total_s >= m.ttft_s and m.tokens_per_s > 0
+    assert set(m.phase_s) == {"propose", "verify", "accept", "commit"} and m.phase_s["verify"] > 0
+    assert "tau" in m.to_dict() and "tokens_per_s" in m.to_dict()

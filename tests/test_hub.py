@@ -1,0 +1,216 @@
+"""MedusaModel.push_to_hub against a loopback stand-in for the Hub API (no network)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Iterator
+from urllib.parse import unquote, urlsplit
+
+import pytest
+import torch
+from huggingface_hub import constants
+from huggingface_hub.utils._http import close_session
+from safetensors.torch import load as load_safetensors
+
+from medusa_infer.model import MedusaModel
+from tiny import tiny_model
+
+REPO_ID = "tester/tiny-medusa"
+TOKEN = "hf_dummy"
+COMMIT_OID = "c0ffee" + "0" * 34
+
+
+@dataclass
+class FakeHub:
+    """What the loopback Hub was asked to do."""
+
+    endpoint: str = ""
+    repos: dict[str, dict[str, Any]] = field(default_factory=dict)  # repo id -> create payload
+    branches: dict[str, set[str]] = field(default_factory=dict)  # repo id -> branch names
+    commits: list[dict[str, Any]] = field(default_factory=list)  # revision, header, files {path: bytes}
+    calls: list[str] = field(default_factory=list)  # "create", "branch", "preupload", "commit", ...
+    unexpected: list[str] = field(default_factory=list)  # requests the stand-in does not implement
+    authorizations: set[str] = field(default_factory=set)
+
+
+def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
+    """Just enough of the Hub API for create_repo, create_branch, upload_folder (regular files only)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:  # keep pytest output clean
+            pass
+
+        def reply(self, status: int, body: Any) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def body(self) -> bytes:
+            if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                chunks = []
+                while size := int(self.rfile.readline().split(b";")[0], 16):
+                    chunks.append(self.rfile.read(size))
+                    self.rfile.readline()
+                self.rfile.readline()
+                return b"".join(chunks)
+            return self.rfile.read(int(self.headers.get("Content-Length", 0)))
+
+        def do_GET(self) -> None:
+            hub.unexpected.append(f"GET {self.path}")
+            self.reply(404, {"error": "not implemented by the test Hub"})
+
+        def do_POST(self) -> None:
+            hub.authorizations.add(self.headers.get("Authorization", ""))
+            path, raw = unquote(urlsplit(self.path).path), self.body()
+            parts = path.removeprefix("/api/").split("/")
+            if path == "/api/repos/create":
+                payload = json.loads(raw)
+                repo_id = f"{payload['organization']}/{payload['name']}"
+                hub.calls.append("create")
+                if repo_id in hub.repos:
+                    return self.reply(409, {"error": "You already created this model repo"})
+                hub.repos[repo_id] = payload
+                hub.branches[repo_id] = {"main"}
+                return self.reply(200, {"url": f"{hub.endpoint}/{repo_id}", "name": repo_id})
+            if path == "/api/validate-yaml":
+                hub.calls.append("validate-yaml")
+                return self.reply(200, {"errors": [], "warnings": []})
+            if len(parts) == 5 and parts[0] == "models":
+                repo_id, action, revision = f"{parts[1]}/{parts[2]}", parts[3], parts[4]
+                if repo_id not in hub.repos:
+                    return self.reply(404, {"error": "Repository not found"})
+                if action == "branch":
+                    hub.calls.append("branch")
+                    if revision in hub.branches[repo_id]:
+                        return self.reply(409, {"error": "Reference already exists"})
+                    hub.branches[repo_id].add(revision)
+                    return self.reply(200, {})
+                if revision not in hub.branches[repo_id]:
+                    return self.reply(404, {"error": f"Invalid rev id: {revision}"})
+                if action == "preupload":
+                    hub.calls.append("preupload")
+                    files = json.loads(raw)["files"]
+                    return self.reply(200, {"files": [
+                        {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files
+                    ]})
+                if action == "commit":
+                    hub.calls.append("commit")
+                    if self.headers.get("Content-Type") != "application/x-ndjson":
+                        hub.unexpected.append(f"commit with Content-Type {self.headers.get('Content-Type')}")
+                    lines = [json.loads(line) for line in raw.splitlines() if line.strip()]
+                    commit = {"revision": revision, "header": None, "files": {}, "other": []}
+                    for line in lines:
+                        if line["key"] == "header":
+                            commit["header"] = line["value"]
+                        elif line["key"] == "file" and line["value"]["encoding"] == "base64":
+                            commit["files"][line["value"]["path"]] = base64.b64decode(line["value"]["content"])
+                        else:
+                            commit["other"].append(line)
+                    hub.commits.append(commit)
+                    return self.reply(200, {"commitUrl": f"{hub.endpoint}/{repo_id}/commit/{COMMIT_OID}",
+                                            "commitOid": COMMIT_OID})
+            hub.unexpected.append(f"POST {self.path}")
+            self.reply(404, {"error": "not implemented by the test Hub"})
+
+    return Handler
+
+
+@pytest.fixture
+def hub(monkeypatch) -> Iterator[FakeHub]:
+    """A Hub stand-in on 127.0.0.1 at a free port; huggingface_hub is pointed at it for the test."""
+    fake = FakeHub()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(fake))
+    server.daemon_threads = True
+    host, port = server.server_address
+    fake.endpoint = f"http://{host}:{port}"
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    # huggingface_hub read HF_ENDPOINT at import: patch the constant that HfApi() reads.
+    monkeypatch.setenv("HF_ENDPOINT", fake.endpoint)
+    monkeypatch.setattr(constants, "ENDPOINT", fake.endpoint)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # only loopback is reached
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    close_session()  # the shared HTTP client reads proxy settings when it is created
+    try:
+        yield fake
+    finally:
+        close_session()
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def _xet_installed() -> bool:
+    from huggingface_hub.utils._runtime import is_package_available
+
+    return is_package_available("hf_xet")
+
+
+def tiny_heads() -> MedusaModel:
+    base = tiny_model("llama")
+    base.name_or_path = "tiny-random/llama"
+    model = MedusaModel.from_base(base, num_heads=3, num_layers=2, projection="own")
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.heads.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator))
+    return model
+
+
+@pytest.mark.parametrize("upload", [
+    pytest.param("xet-pipeline", marks=pytest.mark.skipif(not _xet_installed(), reason="hf_xet not installed")),
+    "create-commit",
+])
+@pytest.mark.parametrize(("private", "revision"), [(True, None), (False, "medusa-v1")])
+def test_push_to_hub_uploads_what_save_pretrained_writes(hub, monkeypatch, tmp_path, private, revision, upload):
+    # With hf_xet installed, upload_folder streams through its xet pipeline; else through create_commit.
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", upload == "create-commit")
+    model = tiny_heads()
+
+    url = model.push_to_hub(REPO_ID, private=private, revision=revision, token=TOKEN)
+
+    assert urlsplit(hub.endpoint).hostname == "127.0.0.1"
+    assert not hub.unexpected
+    assert hub.authorizations == {f"Bearer {TOKEN}"}
+    assert hub.repos[REPO_ID]["visibility"] == ("private" if private else "public")
+    assert hub.calls[0] == "create" and hub.calls[-1] == "commit"
+    assert hub.calls.count("branch") == (revision is not None)
+    assert url == f"{hub.endpoint}/{REPO_ID}/commit/{COMMIT_OID}"
+
+    [commit] = hub.commits
+    assert commit["revision"] == (revision or "main")
+    assert commit["header"]["summary"] == "Upload Medusa heads with medusa-forge"
+    assert not commit["other"]
+    uploaded = commit["files"]
+    assert sorted(uploaded) == ["README.md", "config.json", "model.safetensors"]
+
+    model.save_pretrained(tmp_path)
+    for name in ("README.md", "config.json"):
+        assert uploaded[name] == (tmp_path / name).read_bytes(), name
+    tensors = load_safetensors(uploaded["model.safetensors"])
+    expected = model.heads.state_dict()
+    assert sorted(tensors) == sorted(expected)
+    for name, tensor in expected.items():
+        assert tensors[name].dtype == tensor.dtype and torch.equal(tensors[name], tensor), name
+    assert uploaded["model.safetensors"] == (tmp_path / "model.safetensors").read_bytes()
+
+
+def test_push_to_existing_repo_and_branch_succeeds(hub, monkeypatch):
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    model = tiny_heads()
+    model.push_to_hub(REPO_ID, revision="medusa-v1", token=TOKEN)
+    model.push_to_hub(REPO_ID, revision="medusa-v1", token=TOKEN, commit_message="Retrain heads")
+
+    assert not hub.unexpected
+    assert hub.calls.count("create") == hub.calls.count("branch") == 2  # the second pair answered 409
+    assert [c["header"]["summary"] for c in hub.commits] == ["Upload Medusa heads with medusa-forge", "Retrain heads"]
+    assert "visibility" not in hub.repos[REPO_ID]  # private=None leaves the Hub's default
+

@@ -1,0 +1,368 @@
+"""MedusaModel on stock tiny models: exact logits, independent heads, checkpoints and clear errors."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
+
+from medusa_infer.model import MedusaModel
+from tiny import ARCHITECTURES, VOCAB, tiny_config, tiny_model
+
+HEADS, LAYERS = 3, 2
+TREE = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
+# Projection variants: "reduced" is shared projection over a 40-token vocabulary.
+VARIANTS = ("shared", "own", "reduced")
+
+
+def base_model(arch: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """A tiny model named as if it came from the Hub (from_config leaves ``name_or_path`` empty)."""
+    model = tiny_model(arch).to(dtype)
+    model.name_or_path = f"tiny-random/{arch}"
+    return model
+
+
+def token_map() -> torch.Tensor:
+    """40 distinct, unsorted ids: a mix-up of columns and ids cannot go unnoticed."""
+    return torch.randperm(VOCAB, generator=torch.Generator().manual_seed(7))[:40]
+
+
+def medusa(base: PreTrainedModel, variant: str = "shared", **kwargs) -> MedusaModel:
+    projection = "shared" if variant == "reduced" else variant
+    ids = token_map() if variant == "reduced" else None
+    return MedusaModel.from_base(base, num_heads=HEADS, num_layers=LAYERS, projection=projection,
+                                 token_map=ids, **kwargs)
+
+
+@torch.no_grad()
+def randomize(model: MedusaModel, seed: int = 0) -> MedusaModel:
+    """Random values in every head parameter: zero-initialised blocks would hide mix-ups."""
+    generator = torch.Generator().manual_seed(seed)
+    for param in model.heads.parameters():
+        param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    return model
+
+
+def input_ids(batch: int = 2, seq: int = 7) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(0))
+
+
+@torch.no_grad()
+def all_logits(model: MedusaModel, ids: torch.Tensor):
+    out = model(ids, head_positions=None)
+    return out.logits, out.head_logits
+
+
+def assert_identical(found: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert sorted(found) == sorted(expected)
+    for name, tensor in expected.items():
+        assert found[name].dtype == tensor.dtype, name
+        assert torch.equal(found[name], tensor), name
+
+
+def front_matter(card: str) -> dict:
+    assert card.startswith("---\n"), card[:80]
+    return yaml.safe_load(card.split("---\n")[1])
+
+
+# ----- logits
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_base_logits_are_the_plain_models(arch):
+    base = base_model(arch)
+    ids = input_ids()
+    with torch.no_grad():
+        expected = base(ids).logits
+    logits, heads = all_logits(medusa(base), ids)
+    assert torch.equal(logits, expected)
+    assert heads.shape == (HEADS, *expected.shape)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_heads_start_as_the_base_models_next_token_logits(arch, variant):
+    model = medusa(base_model(arch), variant)
+    logits, heads = all_logits(model, input_ids())
+    expected = logits[..., token_map()] if variant == "reduced" else logits
+    assert heads.shape == (HEADS, *expected.shape)
+    for k in range(HEADS):
+        assert torch.equal(heads[k], expected), f"head {k}"
+
+
+def test_reduced_vocabulary_maps_columns_to_token_ids():
+    model = medusa(base_model("llama"), "reduced")
+    columns = torch.tensor([[0, 5, 39]])
+    assert torch.equal(model.heads.to_full_vocab(columns), token_map()[columns])
+
+
+# ----- independent parameters
+
+
+@pytest.mark.parametrize("variant", ["shared", "own"])
+def test_every_block_has_its_own_parameters(variant):
+    model = medusa(base_model("llama"), variant)
+    blocks = [block for head in model.heads.heads for block in head.blocks]
+    assert len(blocks) == HEADS * LAYERS
+    tensors = [t for block in blocks for t in (block.linear.weight, block.linear.bias)]
+    assert len({t.data_ptr() for t in tensors}) == len(tensors)
+
+    with torch.no_grad():
+        blocks[0].linear.weight.fill_(1.0)
+        blocks[0].linear.bias.fill_(1.0)
+    assert all(torch.count_nonzero(t) == 0 for t in tensors[2:])
+
+
+def test_own_projections_are_copies_not_views_of_lm_head():
+    model = medusa(base_model("llama"), "own")
+    lm_weight = model.lm_head.weight
+    projections = [head.proj.weight for head in model.heads.heads]
+    ptrs = {p.data_ptr() for p in projections}
+    assert len(ptrs) == HEADS and lm_weight.data_ptr() not in ptrs
+
+    with torch.no_grad():
+        projections[0].zero_()
+    assert all(torch.equal(p, lm_weight) for p in projections[1:])
+    assert torch.count_nonzero(lm_weight) > 0
+
+
+@pytest.mark.parametrize("variant", ["shared", "reduced"])
+def test_shared_heads_hold_no_copy_of_lm_head(variant, tmp_path):
+    model = medusa(base_model("llama"), variant)
+    hidden = model.config.hidden_size
+    state = model.heads.state_dict()
+    expected = {f"heads.{k}.blocks.{l}.linear.{p}" for k in range(HEADS) for l in range(LAYERS)
+                for p in ("weight", "bias")}
+    assert set(state) == expected | ({"token_map"} if variant == "reduced" else set())
+    assert all(t.shape in ((hidden, hidden), (hidden,), (40,)) for t in state.values())
+    lm_ptr = model.lm_head.weight.data_ptr()
+    assert all(p.data_ptr() != lm_ptr for p in model.heads.parameters())
+
+    model.save_pretrained(tmp_path)
+    assert set(load_file(str(tmp_path / "model.safetensors"))) == set(state)
+
+
+# ----- save_pretrained / from_pretrained
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_save_and_load_round_trip(tmp_path, arch, variant):
+    model = randomize(medusa(base_model(arch), variant, tree=TREE))
+    model.save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+
+    loaded = MedusaModel.from_pretrained(tmp_path, base_model=model.base_model)
+    assert loaded.base_model is model.base_model
+    assert loaded.config == model.config
+    assert_identical(loaded.heads.state_dict(), model.heads.state_dict())
+    ids = input_ids()
+    assert torch.equal(all_logits(loaded, ids)[1], all_logits(model, ids)[1])
+
+
+def test_round_trip_keeps_bfloat16(tmp_path):
+    model = randomize(medusa(base_model("qwen3", torch.bfloat16), "own"))
+    assert all(t.dtype == torch.bfloat16 for t in model.heads.state_dict().values())
+    model.save_pretrained(tmp_path)
+    loaded = MedusaModel.from_pretrained(tmp_path, base_model=model.base_model)
+    assert_identical(loaded.heads.state_dict(), model.heads.state_dict())
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_config_json_describes_heads_and_base_model(tmp_path, arch):
+    model = medusa(base_model(arch), "own", tree=TREE)
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["base_model_name_or_path"] == f"tiny-random/{arch}"
+    assert config["base_model_type"] == arch
+    assert (config["hidden_size"], config["vocab_size"]) == (32, VOCAB)
+    assert (config["num_heads"], config["num_layers"]) == (HEADS, LAYERS)
+    assert config["projection"] == "own"
+    assert config["tree"] == TREE
+
+
+def test_model_card_front_matter_and_usage(tmp_path, monkeypatch, capsys):
+    model = medusa(base_model("llama"))
+    model.save_pretrained(tmp_path)
+    card = (tmp_path / "README.md").read_text()
+    meta = front_matter(card)
+    assert meta["base_model"] == "tiny-random/llama"
+    assert meta["library_name"] == "medusa-forge"
+    assert {"medusa", "speculative-decoding"} <= set(meta["tags"])
+    assert "## Measured" not in card
+
+    # The usage snippet runs as written, with the Hub replaced by this folder and the tiny model.
+    usage = card.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "MedusaModel.from_pretrained(" in usage
+    load = MedusaModel.from_pretrained
+    tokenizer = word_tokenizer()
+    monkeypatch.setattr(MedusaModel, "from_pretrained", staticmethod(
+        lambda *args, **kwargs: load(tmp_path, base_model=model.base_model, tokenizer=tokenizer)))
+    exec(compile(usage.replace("max_new_tokens=64", "max_new_tokens=4"), "README.md", "exec"), {})
+    assert capsys.readouterr().out.strip()
+
+    model.save_pretrained(tmp_path / "named", base_model_id="org/real-base")
+    assert front_matter((tmp_path / "named" / "README.md").read_text())["base_model"] == "org/real-base"
+
+
+def word_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over the tiny vocabulary (``w4`` is token 4)."""
+    words = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": i for i in range(4, VOCAB)}}
+    backend = Tokenizer(WordLevel(words, unk_token="<unk>"))
+    backend.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>",
+                                   bos_token="<s>", eos_token="</s>")
+
+
+def test_model_card_shows_measured_figures(tmp_path):
+    model = medusa(base_model("llama"))
+    model.config.head_accuracies = [[0.5 + 0.04 * j - 0.1 * k for j in range(10)] for k in range(HEADS)]
+    model.config.acceptance = {"mean_accepted_tokens": 2.31, "tokens_per_step": 3.31}
+    model.save_pretrained(tmp_path)
+    card = (tmp_path / "README.md").read_text()
+
+    assert "| head | top-1 | top-3 | top-5 | top-10 |" in card
+    assert "| 1 | 0.500 | 0.580 | 0.660 | 0.860 |" in card
+    assert "| 3 | 0.300 | 0.380 | 0.460 | 0.660 |" in card
+    assert "| mean_accepted_tokens | 2.31 |" in card
+    assert "| tokens_per_step | 3.31 |" in card
+    loaded = MedusaModel.from_pretrained(tmp_path, base_model=model.base_model)
+    assert loaded.config.head_accuracies == model.config.head_accuracies
+    assert loaded.config.acceptance == model.config.acceptance
+
+
+# ----- FasterDecoding layout
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "pt"])
+@pytest.mark.parametrize(("projection", "version"), [("shared", "2"), ("own", "1")])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_faster_decoding_export_round_trip(tmp_path, arch, projection, version, fmt):
+    model = randomize(medusa(base_model(arch), projection))
+    model.export_medusa_layout(tmp_path, fmt=fmt, version=version)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["version"] == version
+    assert written["base_model_name_or_path"] == f"tiny-random/{arch}"
+
+    loaded = MedusaModel.from_pretrained(tmp_path, base_model=model.base_model)
+    assert loaded.config.projection == projection
+    assert loaded.config.base_model_type == arch
+    assert_identical(loaded.heads.state_dict(), model.heads.state_dict())
+    ids = input_ids()
+    assert torch.equal(all_logits(loaded, ids)[1], all_logits(model, ids)[1])
+
+
+def test_shared_heads_exported_as_version_1_give_the_same_logits(tmp_path):
+    model = randomize(medusa(base_model("mistral"), "shared"))
+    model.export_medusa_layout(tmp_path, version="1")
+    loaded = MedusaModel.from_pretrained(tmp_path, base_model=model.base_model)
+    assert loaded.config.projection == "own"
+    ids = input_ids()
+    assert torch.equal(all_logits(loaded, ids)[1], all_logits(model, ids)[1])
+
+
+def test_export_defaults_to_the_projections_natural_version(tmp_path):
+    for projection, version in (("shared", "2"), ("own", "1")):
+        out = medusa(base_model("llama"), projection).export_medusa_layout(tmp_path / projection)
+        assert json.loads((out / "config.json").read_text())["version"] == version
+
+
+# ----- errors
+
+
+def modified_model(arch: str, **changes) -> PreTrainedModel:
+    """A tiny model of ``arch`` with some config values changed."""
+    torch.manual_seed(0)
+    config = tiny_config(arch)
+    for name, value in changes.items():
+        setattr(config, name, value)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    model.name_or_path = f"tiny-random/{arch}-modified"
+    return model
+
+
+@pytest.mark.parametrize(("source", "target", "message"), [
+    (lambda: modified_model("llama", hidden_size=48), lambda: base_model("llama"),
+     r"hidden size 48, this model has 32"),
+    (lambda: modified_model("qwen2", vocab_size=128), lambda: base_model("qwen2"),
+     r"vocabulary of 128 tokens, this model has 96"),
+    (lambda: base_model("llama"), lambda: base_model("qwen2"),
+     r"model type 'llama', this model is 'qwen2'"),
+], ids=["hidden_size", "vocab_size", "model_type"])
+def test_heads_for_another_base_model_are_refused(tmp_path, source, target, message):
+    medusa(source(), "own").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        MedusaModel.from_pretrained(tmp_path, base_model=target())
+
+
+def test_heads_for_another_hidden_size_are_refused_from_faster_decoding_layout(tmp_path):
+    medusa(modified_model("llama", hidden_size=48), "own").export_medusa_layout(tmp_path)
+    with pytest.raises(ValueError, match=r"hidden_size disagrees.*the tensors: 48.*argument: 32"):
+        MedusaModel.from_pretrained(tmp_path, base_model=base_model("llama"))
+
+
+def edit_weights(directory: Path, edit) -> None:
+    path = directory / "model.safetensors"
+    tensors = load_file(str(path))
+    edit(tensors)
+    save_file(tensors, str(path))
+
+
+@pytest.fixture
+def saved(tmp_path) -> tuple[Path, PreTrainedModel]:
+    model = medusa(base_model("llama"))
+    model.save_pretrained(tmp_path)
+    return tmp_path, model.base_model
+
+
+def test_missing_tensor_is_named(saved):
+    directory, base = saved
+    edit_weights(directory, lambda t: t.pop("heads.2.blocks.1.linear.bias"))
+    with pytest.raises(ValueError, match=re.escape(str(directory)) + r".*missing tensors \['heads\.2\.blocks\.1\.linear\.bias'\]"):
+        MedusaModel.from_pretrained(directory, base_model=base)
+
+
+def test_unexpected_tensor_is_named(saved):
+    directory, base = saved
+    edit_weights(directory, lambda t: t.update({"heads.3.blocks.0.linear.bias": torch.zeros(32)}))
+    with pytest.raises(ValueError, match=r"unexpected tensors \['heads\.3\.blocks\.0\.linear\.bias'\]"):
+        MedusaModel.from_pretrained(directory, base_model=base)
+
+
+def test_misshaped_tensor_is_named(saved):
+    directory, base = saved
+    edit_weights(directory, lambda t: t.update({"heads.0.blocks.0.linear.weight": torch.zeros(32, 16)}))
+    with pytest.raises(ValueError, match=r"heads\.0\.blocks\.0\.linear\.weight: checkpoint \(32, 16\), heads \(32, 32\)"):
+        MedusaModel.from_pretrained(directory, base_model=base)
+
+
+def test_truncated_weights_file_is_reported(saved):
+    directory, base = saved
+    path = directory / "model.safetensors"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"model\.safetensors could not be read.*truncated or corrupted"):
+        MedusaModel.from_pretrained(directory, base_model=base)
+
+
+def test_unknown_config_key_is_named(saved):
+    directory, base = saved
+    path = directory / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "medusa_choices": [[0]]}))
+    with pytest.raises(ValueError, match=r"unknown keys \['medusa_choices'\].*known keys: \[.*'num_heads'"):
+        MedusaModel.from_pretrained(directory, base_model=base)
+
+
+def test_missing_weights_file_is_reported(saved):
+    directory, base = saved
+    (directory / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"model\.safetensors is missing"):
+        MedusaModel.from_pretrained(directory, base_model=base)
