@@ -228,34 +228,38 @@ def accept_lossless(
     token is never accepted after its rejection. An accepted child becomes the current node; when
     every child is rejected, or at a leaf, ``next_token`` is drawn from the current (residual) ``p``.
 
-    Computed in closed form, for all nodes at once: trying point-mass drafts in turn accepts the
-    first child carrying token x with probability exactly ``p(x)``, and leaves, on rejection of all,
-    the residual ``p`` restricted to the other tokens. That is the law of "draw y ~ p at every node;
-    descend into the first child whose token is y; otherwise y is the next token". The emitted
-    tokens therefore follow exactly the distribution of plain sampling with :func:`warp_logits`.
-    ``temperature == 0`` is :func:`accept_greedy`.
+    Computed one depth at a time in closed form: trying point-mass drafts in turn accepts the
+    first child carrying token x with probability exactly ``p(x)`` and, once all are rejected,
+    leaves ``p`` restricted to the other tokens. That is the law of "draw y ~ p; descend into the
+    first child whose token is y; if there is none, y is the next token", so only the nodes on the
+    accepted path are warped and sampled. The emitted tokens follow exactly the distribution of
+    plain sampling with :func:`warp_logits`. ``temperature == 0`` is :func:`accept_greedy`.
     """
     _check_sampling_args(temperature, top_k, top_p)
     _check_inputs(logits, tokens, buffers)
     if temperature == 0:
         return accept_greedy(logits, tokens, buffers)
-    target = warp_logits(logits, temperature, top_k, top_p)  # [batch, n, vocab]
-    batch, n, vocab = target.shape
-    draws = torch.multinomial(target.reshape(batch * n, vocab), 1, generator=generator).view(batch, n)
-    matches_parent_draw = tokens == draws[:, buffers.parents.clamp(min=0)]
-    accepted = matches_parent_draw & ~_repeats_earlier_sibling(tokens, buffers)
-    accept_length, path_nodes, last_node = _select_path(accepted, buffers)
-    next_token = draws.gather(1, last_node[:, None]).squeeze(1)
+    batch, device = tokens.shape[0], tokens.device
+    rows = torch.arange(batch, device=device)
+    node = torch.zeros(batch, dtype=torch.long, device=device)
+    path_nodes = torch.full((batch, buffers.max_depth + 1), -1, dtype=torch.long, device=device)
+    path_nodes[:, 0] = 0
+    next_token = torch.zeros(batch, dtype=torch.long, device=device)
+    descending = torch.ones(batch, dtype=torch.bool, device=device)
+    for depth in range(buffers.max_depth + 1):
+        probs = warp_logits(logits[rows, node], temperature, top_k, top_p)  # [batch, vocab]
+        draw = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        children = buffers.children[node]  # [batch, max_children], -1 padded
+        matches = (tokens.gather(1, children.clamp(min=0)) == draw[:, None]) & (children >= 0)
+        found = descending & matches.any(-1)
+        first_match = children.gather(1, matches.long().argmax(-1, keepdim=True)).squeeze(1)
+        next_token = torch.where(descending & ~found, draw, next_token)
+        if depth < buffers.max_depth:
+            path_nodes[:, depth + 1] = torch.where(found, first_match, -1)
+        node = torch.where(found, first_match, node)
+        descending = found
+    accept_length = (path_nodes[:, 1:] >= 0).sum(-1)
     return Acceptance(accept_length, path_nodes, next_token)
-
-
-def _repeats_earlier_sibling(tokens: torch.Tensor, buffers: TreeBuffers) -> torch.Tensor:
-    """``[batch, n]`` bool: True where a node's token already sits on an earlier sibling."""
-    nodes = torch.arange(buffers.num_nodes, device=tokens.device)
-    same_parent = buffers.parents[:, None] == buffers.parents[None, :]
-    earlier_sibling = same_parent & (nodes[None, :] < nodes[:, None])  # [n, n]: j is before i
-    same_token = tokens[:, :, None] == tokens[:, None, :]  # [batch, n, n]
-    return (same_token & earlier_sibling).any(-1)
 
 
 # ---------------------------------------------------------------------------------------------

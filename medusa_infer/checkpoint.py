@@ -38,7 +38,9 @@ def save_heads(
     directory.mkdir(parents=True, exist_ok=True)
     config.save(directory / CONFIG_NAME)
     tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in state_dict.items()}
-    save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "library": "medusa-forge"})
+    # One metadata key: safetensors writes the metadata map in random order, and identical heads
+    # must give identical bytes (the Hub skips unchanged files by their hash).
+    save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
     (directory / CARD_NAME).write_text(model_card(config, base_model_id))
     return directory
 

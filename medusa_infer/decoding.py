@@ -378,9 +378,12 @@ def stream(
     stop = StopConfig(max_new_tokens, _eos_ids(model, tokenizer, eos_token_id), tuple(stop_strings))
     if stop.stop_strings and tokenizer is None:
         raise ValueError("stop_strings need a tokenizer; pass tokenizer=")
-    if proposer is None:
-        paths = get_tree(_default_tree(model) if tree is None else tree, model.config.num_heads, model.config.top_k)
-        proposer = MedusaProposer(model, paths)
+    if proposer is None and model.heads is None:
+        if tree is not None:
+            raise ValueError("tree= needs Medusa heads; this model has none (load heads or pass a proposer)")
+        proposer = MedusaProposer(model, [])  # no heads: plain decoding, one token a step
+    elif proposer is None:
+        proposer = MedusaProposer(model, resolve_tree(model, tree))
     generator = None
     if seed is not None:
         generator = torch.Generator(device=model.device).manual_seed(seed)
@@ -462,7 +465,10 @@ def _pad_id(model, tokenizer, stop: StopConfig) -> int:
     return stop.eos_token_ids[0] if stop.eos_token_ids else 0
 
 
-def _default_tree(model) -> Sequence[Sequence[int]] | str:
-    if model.config.tree:
-        return model.config.tree
-    return f"chain-{min(model.config.num_heads, 4)}" if model.config.num_heads < 4 else "tree-16"
+def resolve_tree(model, tree: str | Sequence[Sequence[int]] | None) -> list[tuple[int, ...]]:
+    """Validated paths for ``tree`` (a preset name or paths); None: the heads' stored tree, else
+    a preset that fits the number of heads."""
+    config = model.config
+    if tree is None:
+        tree = config.tree or (f"chain-{config.num_heads}" if config.num_heads < 4 else "tree-16")
+    return get_tree(tree, config.num_heads, config.top_k)

@@ -70,15 +70,18 @@ class MedusaModel(nn.Module):
         base_model: any transformers ``*ForCausalLM`` whose ``base_model`` returns the final
             hidden state after its last norm (Llama, Mistral, Qwen2/3, Gemma3, GPT-2, ...).
         heads: the heads; their config must match the base model's hidden size, vocabulary
-            and model type.
+            and model type. None gives the bare target model, for the proposers that need no
+            heads (plain decoding, draft model, prompt lookup).
         tokenizer: optional tokenizer, used by text-level helpers and the CLIs.
     """
 
-    def __init__(self, base_model: PreTrainedModel, heads: MedusaHeads, tokenizer: Any = None) -> None:
+    def __init__(self, base_model: PreTrainedModel, heads: MedusaHeads | None, tokenizer: Any = None) -> None:
         super().__init__()
-        check_compatible(heads.config, base_model)
+        if heads is not None:
+            check_compatible(heads.config, base_model)
+            heads = heads.to(device=base_model.device, dtype=base_model.dtype)
         self.base_model = base_model
-        self.heads = heads.to(device=base_model.device, dtype=base_model.dtype)
+        self.heads = heads
         self.tokenizer = tokenizer
         self._decoder = base_model.base_model
         self._cache_kw = _cache_keyword(self._decoder)
@@ -93,7 +96,15 @@ class MedusaModel(nn.Module):
 
     @property
     def config(self) -> MedusaConfig:
+        if self.heads is None:
+            raise ValueError("this MedusaModel has no heads; load some with MedusaModel.from_pretrained")
         return self.heads.config
+
+    @classmethod
+    def without_heads(cls, base_model: PreTrainedModel | str, tokenizer: Any = None) -> "MedusaModel":
+        """The bare target model (given as an object, a default-model name, a folder or a Hub id)."""
+        base_model, tokenizer, _ = _load_base(base_model, tokenizer)
+        return cls(base_model, None, tokenizer)
 
     @property
     def lm_head(self) -> nn.Module:
@@ -258,7 +269,7 @@ class MedusaModel(nn.Module):
         hidden = outputs.last_hidden_state
         logits = self.project(_select(hidden, logits_positions))
         head_hidden = _select(hidden, head_positions)
-        heads = self.head_logits(head_hidden) if head_hidden.shape[1] else None
+        heads = self.head_logits(head_hidden) if head_hidden.shape[1] and self.heads is not None else None
         return MedusaOutput(logits, heads, hidden, cache)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:

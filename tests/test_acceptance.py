@@ -42,6 +42,24 @@ def _logits_with_argmax(argmax: list[list[int]], vocab: int = VOCAB, seed: int =
     return noise + 5.0 * torch.nn.functional.one_hot(torch.tensor(argmax), vocab)
 
 
+def _chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Chi-square goodness of fit of ``counts`` to ``probs``; cells expecting < 5 are pooled.
+
+    Cells with zero probability must be empty (anything else is an outright failure).
+    """
+    counts = np.asarray(counts, dtype=float).ravel()
+    probs = np.asarray(probs, dtype=float).ravel()
+    impossible = probs <= 0
+    assert counts[impossible].sum() == 0, "a zero-probability outcome was sampled"
+    counts, probs = counts[~impossible], probs[~impossible]
+    expected = probs / probs.sum() * counts.sum()
+    small = expected < 5
+    observed = np.append(counts[~small], counts[small].sum())
+    pooled = np.append(expected[~small], expected[small].sum())
+    keep = pooled > 0
+    return float(stats.chisquare(observed[keep], pooled[keep]).pvalue)
+
+
 # --------------------------------------------------------------------------------------------
 # Greedy
 # --------------------------------------------------------------------------------------------
@@ -259,24 +277,6 @@ def test_sampling_argument_errors(example, temperature, top_k, top_p, message):
 # Lossless tree acceptance
 # --------------------------------------------------------------------------------------------
 
-def _chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
-    """Chi-square goodness of fit of ``counts`` to ``probs``; cells expecting < 5 are pooled.
-
-    Cells with zero probability must be empty (anything else is an outright failure).
-    """
-    counts = np.asarray(counts, dtype=float).ravel()
-    probs = np.asarray(probs, dtype=float).ravel()
-    impossible = probs <= 0
-    assert counts[impossible].sum() == 0, "a zero-probability outcome was sampled"
-    counts, probs = counts[~impossible], probs[~impossible]
-    expected = probs / probs.sum() * counts.sum()
-    small = expected < 5
-    observed = np.append(counts[~small], counts[small].sum())
-    pooled = np.append(expected[~small], expected[small].sum())
-    keep = pooled > 0
-    return float(stats.chisquare(observed[keep], pooled[keep]).pvalue)
-
-
 LOSSLESS_VOCAB = 6
 LOSSLESS_PATHS = [(0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (2, 0), (0, 0, 0), (0, 1, 0)]
 # Which target rank each node's token has at its parent's context, like good heads would propose,
@@ -405,15 +405,17 @@ def _bonus_redrawn_from_target(logits, tokens, buffers, temperature, top_k, top_
     return acceptance.Acceptance(result.accept_length, result.path_nodes, next_token)
 
 
-@pytest.mark.parametrize("wrong", ["duplicates_not_excluded", "bonus_redrawn_from_target"])
-def test_lossless_test_detects_wrong_rules(monkeypatch, wrong):
-    rule = accept_lossless
-    if wrong == "duplicates_not_excluded":  # a repeated sibling may win and offer its subtree
-        monkeypatch.setattr(acceptance, "_repeats_earlier_sibling",
-                            lambda tokens, buffers: torch.zeros_like(tokens, dtype=torch.bool))
-    else:
-        rule = _bonus_redrawn_from_target
-    assert _lossless_pvalue(1.0, 0, 1.0, seed=11, rule=rule) < 1e-3
+def _sample_then_longest_match(logits, tokens, buffers, temperature, top_k, top_p, generator):
+    """Wrong rule: draw at every node, then keep the longest path of children matching their
+    parent's draw. Among duplicate siblings it peeks at which subtree goes deeper."""
+    probs = warp_logits(logits, temperature, top_k, top_p)
+    draws = torch.multinomial(probs.flatten(0, 1), 1, generator=generator).view(tokens.shape)
+    return accept_greedy(torch.nn.functional.one_hot(draws, probs.shape[-1]).float(), tokens, buffers)
+
+
+@pytest.mark.parametrize("wrong_rule", [_bonus_redrawn_from_target, _sample_then_longest_match])
+def test_lossless_test_detects_wrong_rules(wrong_rule):
+    assert _lossless_pvalue(1.0, 0, 1.0, seed=11, rule=wrong_rule) < 1e-3
 
 
 def test_lossless_temperature_zero_is_greedy(example):

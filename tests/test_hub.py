@@ -63,7 +63,12 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             return self.rfile.read(int(self.headers.get("Content-Length", 0)))
 
         def do_GET(self) -> None:
-            hub.unexpected.append(f"GET {self.path}")
+            if self.path == "/api/agent-harnesses":
+                # huggingface_hub's best-effort agent-detection registry (fetched from ENDPOINT by its
+                # progress display); a 404 makes it fall back to "no agent" and cache nothing.
+                hub.calls.append("agent-harnesses")
+            else:
+                hub.unexpected.append(f"GET {self.path}")
             self.reply(404, {"error": "not implemented by the test Hub"})
 
         def do_POST(self) -> None:
@@ -75,7 +80,8 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 repo_id = f"{payload['organization']}/{payload['name']}"
                 hub.calls.append("create")
                 if repo_id in hub.repos:
-                    return self.reply(409, {"error": "You already created this model repo"})
+                    return self.reply(409, {"error": "You already created this model repo",
+                                            "url": f"{hub.endpoint}/{repo_id}"})
                 hub.repos[repo_id] = payload
                 hub.branches[repo_id] = {"main"}
                 return self.reply(200, {"url": f"{hub.endpoint}/{repo_id}", "name": repo_id})
@@ -181,8 +187,9 @@ def test_push_to_hub_uploads_what_save_pretrained_writes(hub, monkeypatch, tmp_p
     assert not hub.unexpected
     assert hub.authorizations == {f"Bearer {TOKEN}"}
     assert hub.repos[REPO_ID]["visibility"] == ("private" if private else "public")
-    assert hub.calls[0] == "create" and hub.calls[-1] == "commit"
-    assert hub.calls.count("branch") == (revision is not None)
+    api_calls = [c for c in hub.calls if c != "agent-harnesses"]
+    assert api_calls[0] == "create" and api_calls[-1] == "commit"
+    assert api_calls.count("branch") == (revision is not None)
     assert url == f"{hub.endpoint}/{REPO_ID}/commit/{COMMIT_OID}"
 
     [commit] = hub.commits

@@ -169,6 +169,14 @@ def test_save_and_load_round_trip(tmp_path, arch, variant):
     assert torch.equal(all_logits(loaded, ids)[1], all_logits(model, ids)[1])
 
 
+def test_saving_the_same_heads_twice_writes_the_same_bytes(tmp_path):
+    model = randomize(medusa(base_model("llama"), "reduced", tree=TREE))
+    for run in range(8):  # safetensors once wrote its metadata map in random order
+        model.save_pretrained(tmp_path / str(run))
+    for name in ("config.json", "model.safetensors", "README.md"):
+        assert len({(tmp_path / str(run) / name).read_bytes() for run in range(8)}) == 1, name
+
+
 def test_round_trip_keeps_bfloat16(tmp_path):
     model = randomize(medusa(base_model("qwen3", torch.bfloat16), "own"))
     assert all(t.dtype == torch.bfloat16 for t in model.heads.state_dict().values())

@@ -38,7 +38,8 @@ class MedusaProposer:
 
     def __init__(self, model, tree: Sequence[Sequence[int]]) -> None:
         self.model = model
-        self.trees = TreeCache(tree, model.config.num_heads, _top_k(tree), model.device)
+        num_heads = model.config.num_heads if model.heads is not None else 0
+        self.trees = TreeCache(tree, max(num_heads, 1), _top_k(tree), model.device)
         self.topk: torch.Tensor | None = None  # [batch, heads, top_k] token ids
 
     def _update(self, hidden: torch.Tensor) -> None:

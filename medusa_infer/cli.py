@@ -1,0 +1,122 @@
+"""``medusa-generate``: speculative generation from the command line, streamed to the terminal.
+
+    medusa-generate "What is the capital of France?"                      # plain decoding
+    medusa-generate --heads runs/demo/heads "Explain speculative decoding"  # Medusa heads
+    medusa-generate --method lookup "Repeat after me: ..."                # prompt lookup
+    medusa-generate --heads runs/demo/heads --chat                        # interactive chat
+
+The run's metrics (tokens per step, tokens/s, ...) are printed to stderr at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from medusa_infer.proposers import METHODS, build_proposer
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="medusa-generate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("prompt", nargs="?", help="the prompt (omit with --chat)")
+    parser.add_argument("--model", default=None,
+                        help=f"base model: a default-model name, folder or Hub id (default {DEFAULT_MODEL}, "
+                             "or the one the heads were trained for)")
+    parser.add_argument("--heads", help="Medusa heads folder or Hub repo (needed by --method medusa)")
+    parser.add_argument("--method", choices=METHODS, default=None,
+                        help="how candidates are proposed (default: medusa with --heads, else autoregressive)")
+    parser.add_argument("--draft-model", help="draft model for --method draft")
+    parser.add_argument("--draft-tokens", type=int, default=4, help="draft / lookup tokens a step")
+    parser.add_argument("--layerskip-layers", type=int, default=None,
+                        help="target layers used as the draft by --method layerskip")
+    parser.add_argument("--tree", help="tree preset for --method medusa (default: the heads' own tree)")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--acceptance", choices=("greedy", "typical", "lossless"), default=None,
+                        help="acceptance rule (default: greedy, or lossless with --do-sample)")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--system", help="system prompt for the chat template")
+    parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    parser.add_argument("--chat", action="store_true", help="interactive chat (empty line or Ctrl-D ends it)")
+    args = parser.parse_args(argv)
+    if args.prompt is None and not args.chat:
+        parser.error("give a prompt, or --chat for an interactive chat")
+    if args.method is None:
+        args.method = "medusa" if args.heads else "autoregressive"
+    if args.method == "medusa" and not args.heads:
+        parser.error("--method medusa needs --heads (train some with train_heads.py or `make demo`)")
+    if args.method == "draft" and not args.draft_model:
+        parser.error("--method draft needs --draft-model")
+    return args
+
+
+def load(args: argparse.Namespace):
+    from medusa_infer.model import MedusaModel
+
+    if args.heads:
+        return MedusaModel.from_pretrained(args.heads, base_model=args.model)
+    return MedusaModel.without_heads(args.model or DEFAULT_MODEL)
+
+
+def run_turn(model, args: argparse.Namespace, messages: list[dict] | None, prompt: str | None):
+    from medusa_infer.decoding import stream
+
+    proposer = build_proposer(args.method, model, args)
+    chunks = stream(
+        model,
+        messages=messages,
+        prompt=prompt,
+        max_new_tokens=args.max_new_tokens,
+        do_sample=args.do_sample,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        acceptance=args.acceptance,
+        tree=args.tree if args.method == "medusa" else None,
+        proposer=proposer,
+        seed=args.seed,
+    )
+    for chunk in chunks:
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    result = chunks.result()
+    print(f"[{args.method}] {result.metrics.summary()}", file=sys.stderr)
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    model = load(args)
+    tokenizer = model.tokenizer
+    use_template = not args.raw and getattr(tokenizer, "chat_template", None) is not None
+    history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    if not args.chat:
+        if use_template:
+            run_turn(model, args, history + [{"role": "user", "content": args.prompt}], None)
+        else:
+            run_turn(model, args, None, args.prompt)
+        return 0
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        history.append({"role": "user", "content": line})
+        result = run_turn(model, args, history if use_template else None, None if use_template else line)
+        answer = tokenizer.decode(result.new_tokens[0], skip_special_tokens=True)
+        history.append({"role": "assistant", "content": answer})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
