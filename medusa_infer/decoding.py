@@ -270,8 +270,8 @@ def _prepare_inputs(model, tokenizer, input_ids, attention_mask, prompt, message
         texts = [texts] if isinstance(texts, str) else list(texts)
         if any(not t for t in texts):
             raise ValueError("empty prompt: give at least one token of input")
-        tokenizer.padding_side = "left"
-        batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=messages is None)
+        batch = tokenizer(texts, return_tensors="pt", padding=len(texts) > 1, padding_side="left",
+                          add_special_tokens=messages is None)
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
     input_ids = torch.as_tensor(input_ids, dtype=torch.long)
     if input_ids.dim() == 1:

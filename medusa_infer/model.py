@@ -9,6 +9,7 @@ decoding loop's own objects.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import os
@@ -129,11 +130,14 @@ class MedusaModel(nn.Module):
         projection: str = "shared",
         token_map: torch.Tensor | None = None,
         tokenizer: Any = None,
+        base_model_name_or_path: str | None = None,
         **config_kwargs: Any,
     ) -> "MedusaModel":
         """Fresh (untrained) heads on a base model given as an object, a default-model name, a
-        local folder or a Hub id. ``token_map`` (``[n]`` token ids) selects a reduced vocabulary."""
+        local folder or a Hub id. ``token_map`` (``[n]`` token ids) selects a reduced vocabulary;
+        ``base_model_name_or_path`` overrides the name recorded for the base model."""
         base_model, tokenizer, name = _load_base(base_model, tokenizer)
+        name = base_model_name_or_path or name
         lm_weight = base_model.get_output_embeddings().weight
         config = MedusaConfig(
             num_heads=num_heads,
@@ -192,7 +196,10 @@ class MedusaModel(nn.Module):
 
     def save_pretrained(self, directory: str | os.PathLike, base_model_id: str | None = None) -> Path:
         """Write the heads (not the base model) as ``config.json``, ``model.safetensors``, ``README.md``."""
-        return save_heads(directory, self.config, self.heads.state_dict(), base_model_id)
+        from medusa_infer.models import hub_id
+
+        return save_heads(directory, self.config, self.heads.state_dict(),
+                          base_model_id or hub_id(self.config.base_model_name_or_path))
 
     def export_medusa_layout(
         self, directory: str | os.PathLike, fmt: str = "safetensors", version: str | None = None
@@ -201,8 +208,12 @@ class MedusaModel(nn.Module):
         see ``medusa_infer.interop.write_medusa_layout``."""
         from medusa_infer.interop import write_medusa_layout
 
+        from medusa_infer.models import hub_id
+
         lm_weight = self.lm_head.weight if version == "1" and self.config.projection == "shared" else None
-        return write_medusa_layout(self.config, self.heads.state_dict(), directory, lm_head_weight=lm_weight,
+        # Other engines load the base model by this name: write a Hub id, not a local name.
+        config = dataclasses.replace(self.config, base_model_name_or_path=hub_id(self.config.base_model_name_or_path))
+        return write_medusa_layout(config, self.heads.state_dict(), directory, lm_head_weight=lm_weight,
                                    fmt=fmt, version=version)
 
     def push_to_hub(
@@ -216,12 +227,12 @@ class MedusaModel(nn.Module):
         """Create ``repo_id`` if needed and upload the saved heads folder; returns the commit URL."""
         from huggingface_hub import HfApi
 
-        api = HfApi(token=token)
-        api.create_repo(repo_id, private=private, exist_ok=True)
-        if revision is not None:
-            api.create_branch(repo_id, branch=revision, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:
-            self.save_pretrained(tmp)
+            self.save_pretrained(tmp)  # first: a model that cannot be saved leaves no empty repo behind
+            api = HfApi(token=token)
+            api.create_repo(repo_id, private=private, exist_ok=True)
+            if revision is not None:
+                api.create_branch(repo_id, branch=revision, exist_ok=True)
             info = api.upload_folder(
                 repo_id=repo_id, folder_path=tmp, revision=revision, commit_message=commit_message
             )

@@ -289,14 +289,27 @@ def load_base_model(
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
 ) -> PreTrainedModel:
-    """Load a causal language model (names as in ``resolve_model``) in eval mode on ``device``."""
+    """Load a causal language model (names as in ``resolve_model``) in eval mode on ``device``.
+
+    A default model keeps its short name as ``name_or_path`` (not the cache folder), so heads
+    trained on it record a name that resolves on any machine.
+    """
     model = AutoModelForCausalLM.from_pretrained(
         resolve_model(name_or_path),
         dtype=dtype,
         attn_implementation=attn_implementation,
         trust_remote_code=trust_remote_code,
     )
+    if name_or_path in DEFAULT_MODELS:
+        model.name_or_path = name_or_path
     return model.to(device).eval()
+
+
+def hub_id(name_or_path: str | None) -> str | None:
+    """The Hub id a model name stands for: a default model's original repository, else the name."""
+    if name_or_path in DEFAULT_MODELS:
+        return DEFAULT_MODELS[name_or_path].hub_id
+    return name_or_path
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:

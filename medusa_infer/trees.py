@@ -35,6 +35,7 @@ __all__ = [
     "expected_accept_length",
     "get_tree",
     "greedy_tree",
+    "root_only_tree",
     "tree_float_mask",
     "validate_tree",
 ]

@@ -335,7 +335,8 @@ def saved(tmp_path) -> tuple[Path, PreTrainedModel]:
 def test_missing_tensor_is_named(saved):
     directory, base = saved
     edit_weights(directory, lambda t: t.pop("heads.2.blocks.1.linear.bias"))
-    with pytest.raises(ValueError, match=re.escape(str(directory)) + r".*missing tensors \['heads\.2\.blocks\.1\.linear\.bias'\]"):
+    message = re.escape(str(directory)) + r".*missing tensors \['heads\.2\.blocks\.1\.linear\.bias'\]"
+    with pytest.raises(ValueError, match=message):
         MedusaModel.from_pretrained(directory, base_model=base)
 
 
@@ -349,7 +350,8 @@ def test_unexpected_tensor_is_named(saved):
 def test_misshaped_tensor_is_named(saved):
     directory, base = saved
     edit_weights(directory, lambda t: t.update({"heads.0.blocks.0.linear.weight": torch.zeros(32, 16)}))
-    with pytest.raises(ValueError, match=r"heads\.0\.blocks\.0\.linear\.weight: checkpoint \(32, 16\), heads \(32, 32\)"):
+    message = r"heads\.0\.blocks\.0\.linear\.weight: checkpoint \(32, 16\), heads \(32, 32\)"
+    with pytest.raises(ValueError, match=message):
         MedusaModel.from_pretrained(directory, base_model=base)
 
 
@@ -374,3 +376,10 @@ def test_missing_weights_file_is_reported(saved):
     (directory / "model.safetensors").unlink()
     with pytest.raises(ValueError, match=r"model\.safetensors is missing"):
         MedusaModel.from_pretrained(directory, base_model=base)
+
+
+def test_a_model_without_heads_cannot_be_saved(tmp_path):
+    model = MedusaModel.without_heads(base_model("llama"))
+    with pytest.raises(ValueError, match="has no heads"):
+        model.save_pretrained(tmp_path / "heads")
+    assert not (tmp_path / "heads").exists()

@@ -1,0 +1,54 @@
+"""End-to-end checks on the real default model, SmolLM2-135M-Instruct (fetched once, then cached)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from medusa_infer.decoding import encode_chat, generate
+from medusa_infer.model import MedusaModel
+from medusa_infer.models import load_base_model, load_tokenizer
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers and explain why each is prime.",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    base = load_base_model("smollm2-135m-instruct")
+    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    model = MedusaModel.from_base(base, num_heads=4, tokenizer=tokenizer)
+    torch.manual_seed(0)
+    for head in model.heads.heads:  # perturb the heads so that proposals differ from the base head
+        for block in head.blocks:
+            torch.nn.init.normal_(block.linear.weight, std=0.02)
+    return model
+
+
+def test_wrapper_base_logits_identical_to_plain_model(smollm2):
+    tokenizer = smollm2.tokenizer
+    batch = tokenizer(encode_chat(tokenizer, [[{"role": "user", "content": p}] for p in PROMPTS]),
+                      return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        plain = smollm2.base_model(**batch).logits
+        ours = smollm2(batch["input_ids"], attention_mask=batch["attention_mask"], head_positions=None)
+    assert torch.equal(ours.logits, plain)
+    assert ours.head_logits.shape == (4, *plain.shape)
+
+
+def test_greedy_identical_to_generate_batched_chat(smollm2):
+    tokenizer = smollm2.tokenizer
+    chats = [[{"role": "user", "content": p}] for p in PROMPTS]
+    batch = tokenizer(encode_chat(tokenizer, chats), return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        reference = smollm2.base_model.generate(**batch, max_new_tokens=40, do_sample=False)
+    out = generate(smollm2, messages=chats, max_new_tokens=40, tree="tree-16")
+    assert torch.equal(out.sequences[:, : reference.shape[1]], reference)
+    answer = tokenizer.decode(out.new_tokens[0], skip_special_tokens=True)
+    assert "Paris" in answer
+    assert out.metrics.steps < sum(len(t) for t in out.new_tokens)
