@@ -9,7 +9,7 @@ One step, for every active row of the batch at once::
     proposer.observe(accepted tokens, hidden state at the last accepted node)
 
 The proposer decides what is proposed (Medusa heads, a draft model, prompt lookup, nothing at
-all for plain decoding); everything else is shared. All state lives in ``_Generation``, one object
+all for plain decoding); everything else is shared. All state lives in ``DecodeBatch``, one object
 per call, never on the model.
 """
 
@@ -123,20 +123,31 @@ class StreamChunk:
     text: str = ""
 
 
-class _Generation:
-    """All mutable state of one generation call."""
+class DecodeBatch:
+    """All mutable state of the rows being decoded together; one object per generation call
+    (or per server batch, which other batches can join between steps with ``merge``).
+
+    Rows are numbered in the order they were added (``0..``); ``rows`` lists the active ones.
+    """
 
     def __init__(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, proposer: Proposer,
-                 sampling: SamplingConfig, stop: StopConfig, tokenizer: Any, generator: torch.Generator | None):
-        self.model, self.proposer, self.sampling, self.stop = model, proposer, sampling, stop
+                 sampling: SamplingConfig, stop: StopConfig | Sequence[StopConfig], tokenizer: Any,
+                 generator: torch.Generator | None):
+        self.model, self.proposer, self.sampling = model, proposer, sampling
         self.tokenizer, self.generator = tokenizer, generator
         self.input_ids, self.attention_mask = input_ids, attention_mask
         batch = input_ids.shape[0]
+        self.stops = list(stop) if isinstance(stop, Sequence) else [stop] * batch
+        if len(self.stops) != batch:
+            raise ValueError(f"{len(self.stops)} stop configs for {batch} rows")
         self.context_length = _context_length(model)
-        self.rows = list(range(batch))  # original index of each active row
+        self.rows = list(range(batch))  # index of each active row
         self.histories = [input_ids[b][attention_mask[b].bool()].tolist() for b in range(batch)]
+        self.prompt_lengths = [len(h) for h in self.histories]
         self.generated: list[list[int]] = [[] for _ in range(batch)]
         self.finish: list[str | None] = [None] * batch
+        self.row_steps = [0] * batch
+        self.row_accepted = [0] * batch
         self.metrics = GenerationMetrics(rows=batch)
         self.kv = KVState.empty(batch, AttentionLayout.from_config(model.base_model.config), model.device)
         self.roots = torch.zeros(batch, dtype=torch.long, device=model.device)
@@ -187,6 +198,9 @@ class _Generation:
             self.roots = acc.next_token
             self.root_pos = self.root_pos + acc.accept_length + 1
             self.proposer.observe(accepted, hidden, self._context(accepted))
+            for row, length in zip(self.rows, lengths):
+                self.row_steps[row] += 1
+                self.row_accepted[row] += length
             emitted = self._emit(accepted)
             metrics.record_step(acc.accept_length, tree.max_depth, sum(len(t) for t in emitted.values()), n)
         return emitted
@@ -195,7 +209,7 @@ class _Generation:
 
     def _context(self, accepted: list[list[int]] | None = None) -> StepContext:
         room_context = self.context_length - 2 - int(self.root_pos.max())  # the bonus token must fit too
-        room_tokens = min(self.stop.max_new_tokens - len(self.generated[r]) for r in self.rows) - 1
+        room_tokens = min(self.stops[r].max_new_tokens - len(self.generated[r]) for r in self.rows) - 1
         return StepContext([self.histories[r] for r in self.rows], max(0, min(room_context, room_tokens)))
 
     def _emit(self, tokens: list[list[int]]) -> dict[int, list[int]]:
@@ -218,22 +232,57 @@ class _Generation:
             if self.finish[row] is None:
                 keep.append(i)
         if len(keep) < len(self.rows):
-            index = torch.tensor(keep, dtype=torch.long, device=self.roots.device)
-            self.rows = [self.rows[i] for i in keep]
-            self.roots, self.root_pos = self.roots[index], self.root_pos[index]
-            self.kv.select_rows(index)
-            self.proposer.select_rows(index)
-            self.kv.compact()
+            self._keep(keep)
         return emitted
 
+    def _keep(self, keep: list[int]) -> None:
+        """Keep only the active rows at positions ``keep`` of ``self.rows``."""
+        index = torch.tensor(keep, dtype=torch.long, device=self.roots.device)
+        self.rows = [self.rows[i] for i in keep]
+        self.roots, self.root_pos = self.roots[index], self.root_pos[index]
+        self.kv.select_rows(index)
+        self.proposer.select_rows(index)
+        self.kv.compact()
+
+    def cancel(self, row: int) -> None:
+        """Stop decoding ``row`` now (e.g. its client went away); its KV slots are freed."""
+        if row in self.rows:
+            self.finish[row] = "cancelled"
+            self._keep([i for i, r in enumerate(self.rows) if r != row])
+
+    def merge(self, other: "DecodeBatch") -> list[int]:
+        """Let the active rows of ``other`` (prefilled, same model and sampling) join this batch
+        between steps; returns their row numbers here."""
+        if other.model is not self.model or other.sampling != self.sampling:
+            raise ValueError("only batches of the same model and sampling settings can be merged")
+        if type(other.proposer) is not type(self.proposer) or not hasattr(self.proposer, "merge"):
+            raise ValueError(f"{type(self.proposer).__name__} batches cannot be merged")
+        offset = len(self.generated)
+        for name in ("histories", "prompt_lengths", "generated", "finish", "stops", "row_steps", "row_accepted"):
+            getattr(self, name).extend(getattr(other, name))
+        joined = [offset + r for r in other.rows]
+        self.rows += joined
+        self.roots = torch.cat([self.roots, other.roots])
+        self.root_pos = torch.cat([self.root_pos, other.root_pos])
+        self.kv.merge(other.kv)
+        self.proposer.merge(other.proposer)
+        self.metrics.rows += other.metrics.rows
+        return joined
+
+    def row_tau(self, row: int) -> float:
+        """Tokens per step of one row, bonus included (1.0 before its first step)."""
+        steps = self.row_steps[row]
+        return (self.row_accepted[row] + steps) / steps if steps else 1.0
+
     def _stop_reason(self, row: int, kept: list[int], token: int) -> str | None:
-        if token in self.stop.eos_token_ids:
+        stop = self.stops[row]
+        if token in stop.eos_token_ids:
             return "eos"
-        if self.stop.stop_strings:
+        if stop.stop_strings:
             tail = self.tokenizer.decode((self.generated[row] + kept)[-32:])
-            if any(s in tail for s in self.stop.stop_strings):
+            if any(s in tail for s in stop.stop_strings):
                 return "stop"
-        if len(self.generated[row]) + len(kept) >= self.stop.max_new_tokens:
+        if len(self.generated[row]) + len(kept) >= stop.max_new_tokens:
             return "length"
         return None
 
@@ -246,8 +295,19 @@ class _Generation:
         new = torch.full((len(self.generated), width), pad_token_id, dtype=torch.long)
         for row, tokens in enumerate(self.generated):
             new[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        sequences = torch.cat([self.input_ids.cpu(), new], dim=1)
+        prompts = self.input_ids.cpu()
+        if prompts.shape[0] != len(self.generated):  # rows joined by merge: lay prompts out anew
+            prompts = _left_pad([h[:n] for h, n in zip(self.histories, self.prompt_lengths)], pad_token_id)
+        sequences = torch.cat([prompts, new], dim=1)
         return GenerationOutput(sequences, self.metrics, [r or "length" for r in self.finish], self.generated)
+
+
+def _left_pad(rows: list[list[int]], pad_token_id: int) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    out = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+    return out
 
 
 def _context_length(model) -> int:
@@ -311,7 +371,7 @@ class GenerationStream:
     """An iterator of ``StreamChunk`` as tokens are accepted; ``result()`` gives the final
     ``GenerationOutput`` (draining the iterator first if needed)."""
 
-    def __init__(self, state: "_Generation", pad_token_id: int) -> None:
+    def __init__(self, state: "DecodeBatch", pad_token_id: int) -> None:
         self.state, self.pad_token_id = state, pad_token_id
         self.input_ids = state.input_ids
         self._texts = _TextTracker(state.tokenizer, len(state.rows))
@@ -387,7 +447,7 @@ def stream(
     generator = None
     if seed is not None:
         generator = torch.Generator(device=model.device).manual_seed(seed)
-    state = _Generation(model, input_ids, attention_mask, proposer, sampling, stop, tokenizer, generator)
+    state = DecodeBatch(model, input_ids, attention_mask, proposer, sampling, stop, tokenizer, generator)
     return GenerationStream(state, _pad_id(model, tokenizer, stop))
 
 

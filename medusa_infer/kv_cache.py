@@ -147,6 +147,18 @@ class KVState:
         self.valid = self.valid.index_select(0, rows)
         self.positions = self.positions.index_select(0, rows)
 
+    def merge(self, other: "KVState") -> None:
+        """Append the rows of ``other`` (same model); the shorter side is left-padded with holes."""
+        mine, theirs = _layers(self.cache), _layers(other.cache)
+        if len(mine) != len(theirs):
+            raise ValueError(f"cannot merge caches of {len(mine)} and {len(theirs)} layers")
+        width = max(self.num_slots, other.num_slots)
+        for a, b in zip(mine, theirs):
+            a.keys = torch.cat([_pad_slots(a.keys, width), _pad_slots(b.keys, width)])
+            a.values = torch.cat([_pad_slots(a.values, width), _pad_slots(b.values, width)])
+        self.valid = torch.cat([_pad_slots(self.valid, width), _pad_slots(other.valid, width)])
+        self.positions = torch.cat([_pad_slots(self.positions, width), _pad_slots(other.positions, width)])
+
     def compact(self) -> None:
         """Drop slot columns that are holes in every row (keeps the cache from growing needlessly)."""
         used = self.valid.any(dim=0)
@@ -158,6 +170,17 @@ class KVState:
             layer.values = layer.values.index_select(2, columns)
         self.valid = self.valid.index_select(1, columns)
         self.positions = self.positions.index_select(1, columns)
+
+
+def _pad_slots(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """Left-pad the slot axis (2 for ``[batch, heads, slots, dim]``, 1 for ``[batch, slots]``) with zeros."""
+    axis = 2 if tensor.dim() == 4 else 1
+    missing = width - tensor.shape[axis]
+    if missing == 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[axis] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=axis)
 
 
 def _layers(cache: Any) -> list[Any]:

@@ -283,3 +283,34 @@ def test_metrics_are_filled():
     assert m.ttft_s > 0 and m.total_s >= m.ttft_s and m.tokens_per_s > 0
     assert set(m.phase_s) == {"propose", "verify", "accept", "commit"} and m.phase_s["verify"] > 0
     assert "tau" in m.to_dict() and "tokens_per_s" in m.to_dict()
+
+
+def test_batches_merge_between_steps_and_rows_can_be_cancelled():
+    """Rows joining a running batch (as the server does) and leaving it stay exact."""
+    from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig
+    from medusa_infer.proposers.medusa import MedusaProposer
+
+    model = medusa("llama")
+    prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (4, 9, 6)]
+    futures = [reference(model, p, 20) for p in prompts]
+    tree = TREE_PRESETS["tree-8"]
+
+    def batch(rows):
+        ids, mask = left_pad([prompts[r] for r in rows])
+        return DecodeBatch(model, ids, mask, MedusaProposer(model, tree), SamplingConfig(),
+                           StopConfig(20), None, None)
+
+    with torch.no_grad():
+        running = batch([0])
+        running.prefill()
+        running.step()
+        late = batch([1, 2])
+        late.prefill()
+        assert running.merge(late) == [1, 2]
+        running.step()
+        running.cancel(2)
+        while not running.done:
+            running.step()
+    assert running.generated[0] == futures[0] and running.generated[1] == futures[1]
+    assert running.finish[2] == "cancelled" and futures[2][: len(running.generated[2])] == running.generated[2]
+    assert running.row_tau(0) >= 1.0

@@ -67,6 +67,13 @@ class MedusaProposer:
         if self.topk is not None:
             self.topk = self.topk.index_select(0, rows)
 
+    def merge(self, other: "MedusaProposer") -> None:
+        """Append the rows of another proposer of the same tree (batches joining)."""
+        if other.trees.paths != self.trees.paths:
+            raise ValueError("cannot merge Medusa proposers with different trees")
+        if self.topk is not None:
+            self.topk = torch.cat([self.topk, other.topk])
+
 
 def _top_k(tree: Sequence[Sequence[int]]) -> int:
     return max((rank for path in tree for rank in path), default=0) + 1
