@@ -22,10 +22,12 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from medusa_infer import acceptance as rules
+from medusa_infer.adaptive import TreeController, tree_ladder
 from medusa_infer.kv_cache import AttentionLayout, KVState
 from medusa_infer.metrics import GenerationMetrics
 from medusa_infer.proposers.base import Proposal, Proposer, StepContext
 from medusa_infer.proposers.medusa import MedusaProposer
+from medusa_infer.tree_fit import CostProfile
 from medusa_infer.trees import get_tree
 
 ACCEPTANCE_RULES = ("greedy", "typical", "lossless")
@@ -152,6 +154,8 @@ class DecodeBatch:
         self.kv = KVState.empty(batch, AttentionLayout.from_config(model.base_model.config), model.device)
         self.roots = torch.zeros(batch, dtype=torch.long, device=model.device)
         self.root_pos = attention_mask.sum(dim=1).to(model.device)
+        if hasattr(proposer, "configure"):  # a draft samples exactly when the verifier does
+            proposer.configure(sampling, generator)
 
     # -- phases -------------------------------------------------------------------------------
 
@@ -424,6 +428,7 @@ def stream(
     tokenizer: Any = None,
     typical_epsilon: float = 0.09,
     typical_delta: float = 0.3,
+    adaptive: bool | None = None,
 ) -> GenerationStream:
     """Start a generation whose tokens (and text, with a tokenizer) are yielded as they are
     accepted. Arguments as ``generate``; nothing runs until the stream is iterated."""
@@ -443,7 +448,8 @@ def stream(
             raise ValueError("tree= needs Medusa heads; this model has none (load heads or pass a proposer)")
         proposer = MedusaProposer(model, [])  # no heads: plain decoding, one token a step
     elif proposer is None:
-        proposer = MedusaProposer(model, resolve_tree(model, tree))
+        paths = resolve_tree(model, tree)
+        proposer = MedusaProposer(model, paths, controller=make_controller(model, paths, adaptive))
     generator = None
     if seed is not None:
         generator = torch.Generator(device=model.device).manual_seed(seed)
@@ -468,6 +474,9 @@ def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> Generati
             decoding), ``"typical"`` (Medusa-2 typical acceptance) or ``"lossless"`` (default with
             sampling; the output has exactly the model's sampling distribution).
         tree: a preset name or a list of paths; default: the heads' stored tree.
+        adaptive: shrink the tree (down to plain decoding) while acceptance is too low for
+            speculation to pay under the heads' measured cost profile, and grow it back; default:
+            on when the heads' config holds head accuracies and a cost profile.
         proposer: another proposer (draft model, prompt lookup, plain decoding).
         eos_token_id: one id or several; default: all of the model's EOS ids.
         stop_strings: stop a row once its text contains one of these.
@@ -523,6 +532,23 @@ def _pad_id(model, tokenizer, stop: StopConfig) -> int:
         if value is not None:
             return int(value)
     return stop.eos_token_ids[0] if stop.eos_token_ids else 0
+
+
+def make_controller(model, paths: Sequence[Sequence[int]], adaptive: bool | None) -> TreeController | None:
+    """The adaptive-fallback controller for ``paths``, or None when ``adaptive`` is off."""
+    config = model.config
+    known = bool(config.head_accuracies and config.cost_profile)
+    if adaptive is None:
+        adaptive = known
+    if not adaptive:
+        return None
+    if not known:
+        raise ValueError(
+            "adaptive=True needs the heads' measured accuracies and cost profile in their config; "
+            "run `medusa-bench --calibrate` or train with train_heads.py first"
+        )
+    return TreeController(tree_ladder(paths), config.head_accuracies, CostProfile.from_dict(config.cost_profile),
+                          head_overhead=float(config.cost_profile.get("head_overhead", 0.0)))
 
 
 def resolve_tree(model, tree: str | Sequence[Sequence[int]] | None) -> list[tuple[int, ...]]:

@@ -58,6 +58,11 @@ class GenerationMetrics:
         return [a / o if o else 0.0 for a, o in zip(self.accepted_by_depth, self.offered_by_depth)]
 
     @property
+    def fallback_fraction(self) -> float:
+        """Share of steps decoded without speculation (tree of the root alone)."""
+        return self.tree_sizes.count(1) / len(self.tree_sizes) if self.tree_sizes else 0.0
+
+    @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.total_s if self.total_s else 0.0
 
@@ -104,6 +109,7 @@ class GenerationMetrics:
             "tokens_per_s": round(self.tokens_per_s, 2),
             "total_s": round(self.total_s, 4),
             "mean_tree_size": round(sum(self.tree_sizes) / len(self.tree_sizes), 2) if self.tree_sizes else 0,
+            "fallback_fraction": round(self.fallback_fraction, 4),
         }
 
     def summary(self) -> str:

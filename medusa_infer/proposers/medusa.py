@@ -6,6 +6,7 @@ from typing import Sequence
 
 import torch
 
+from medusa_infer.adaptive import TreeController
 from medusa_infer.proposers.base import Proposal, StepContext
 from medusa_infer.trees import TreeBuffers, build_tree_buffers, root_only_tree
 
@@ -29,50 +30,55 @@ class TreeCache:
 
 
 class MedusaProposer:
-    """Proposes ``tree`` over the heads' top-k candidates at the last accepted position.
+    """Proposes a tree over the heads' top-k candidates at the last accepted position.
 
     Args:
         model: a ``MedusaModel``.
         tree: validated paths (an empty list means plain decoding: the root alone).
+        controller: optional adaptive controller; it then picks, every step, one of its ladder's
+            nested trees (plain decoding included) and ``tree`` is ignored.
     """
 
-    def __init__(self, model, tree: Sequence[Sequence[int]]) -> None:
+    def __init__(self, model, tree: Sequence[Sequence[int]], controller: TreeController | None = None) -> None:
         self.model = model
-        num_heads = model.config.num_heads if model.heads is not None else 0
-        self.trees = TreeCache(tree, max(num_heads, 1), _top_k(tree), model.device)
-        self.topk: torch.Tensor | None = None  # [batch, heads, top_k] token ids
+        self.controller = controller
+        num_heads = max(model.config.num_heads if model.heads is not None else 0, 1)
+        ladder = controller.ladder if controller is not None else [list(tree)]
+        self.trees = [TreeCache(t, num_heads, _top_k(t), model.device) for t in ladder]
+        self.hidden: torch.Tensor | None = None  # [batch, hidden] at the last accepted position
+        self.rung = 0
 
-    def _update(self, hidden: torch.Tensor) -> None:
-        if self.trees.full.max_depth == 0:
-            return
-        depth, k = self.trees.full.max_depth, self.trees.top_k
-        logits = self.model.head_logits(hidden)[:depth]  # [depth, batch, head_vocab]
-        ids = logits.topk(k, dim=-1).indices
-        self.topk = self.model.heads.to_full_vocab(ids).transpose(0, 1)
+    def _candidates(self, cache: TreeCache, depth: int) -> torch.Tensor:
+        """``[batch, depth * top_k]`` token ids: the heads' top-k, head after head."""
+        logits = self.model.head_logits(self.hidden)[:depth]  # [depth, batch, head_vocab]
+        ids = logits.topk(cache.top_k, dim=-1).indices
+        return self.model.heads.to_full_vocab(ids).transpose(0, 1).flatten(1)
 
     def start(self, context: StepContext, hidden: torch.Tensor) -> None:
-        self._update(hidden)
+        self.hidden = hidden
 
     def propose(self, roots: torch.Tensor, context: StepContext) -> Proposal:
-        tree = self.trees.at_depth(min(context.max_depth, self.trees.full.max_depth))
+        self.rung = self.controller.choose() if self.controller is not None else 0
+        cache = self.trees[self.rung]
+        tree = cache.at_depth(min(context.max_depth, cache.full.max_depth))
         if tree.max_depth == 0:
             return Proposal(roots[:, None], tree)
-        flat = torch.cat([roots[:, None], self.topk[:, : tree.max_depth].flatten(1)], dim=1)
+        flat = torch.cat([roots[:, None], self._candidates(cache, tree.max_depth)], dim=1)
         return Proposal(flat[:, tree.candidate_index], tree)
 
     def observe(self, accepted: list[list[int]], hidden: torch.Tensor, context: StepContext) -> None:
-        self._update(hidden)
+        self.hidden = hidden
+        if self.controller is not None:
+            self.controller.observe(self.rung, sum(len(a) - 1 for a in accepted) / len(accepted))
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        if self.topk is not None:
-            self.topk = self.topk.index_select(0, rows)
+        self.hidden = self.hidden.index_select(0, rows)
 
     def merge(self, other: "MedusaProposer") -> None:
-        """Append the rows of another proposer of the same tree (batches joining)."""
-        if other.trees.paths != self.trees.paths:
+        """Append the rows of another proposer of the same trees (batches joining)."""
+        if [t.paths for t in other.trees] != [t.paths for t in self.trees]:
             raise ValueError("cannot merge Medusa proposers with different trees")
-        if self.topk is not None:
-            self.topk = torch.cat([self.topk, other.topk])
+        self.hidden = torch.cat([self.hidden, other.hidden])
 
 
 def _top_k(tree: Sequence[Sequence[int]]) -> int:

@@ -1,0 +1,92 @@
+"""Adaptive fallback: shrink the tree, down to plain decoding, when speculation stops paying.
+
+The controller holds a ladder of nested trees (rung 0 is plain decoding, the root alone). For each
+rung it knows the expected tokens per step under the heads' calibration, ``tau_cal(r)``, and the
+verification cost ratio ``c(r) = t(nodes + 1) / t(1)``. While generating it tracks how the observed
+accepted tokens compare with what the calibration predicted for the trees actually used
+(``scale``, an exponential moving average), predicts ``tau(r) = 1 + scale * (tau_cal(r) - 1)``
+and picks the rung with the highest ``tau(r) / c(r)``. On rung 0 nothing is observed, so every
+``probe_every`` steps it tries the smallest tree once to see whether acceptance has recovered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from medusa_infer.tree_fit import CostProfile
+from medusa_infer.trees import Path, expected_accept_length
+
+
+def tree_ladder(paths: Sequence[Path], sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64)) -> list[list[Path]]:
+    """Nested sub-trees of ``paths`` (sorted by depth then rank, so every prefix is a valid tree):
+    ``[[], first 1 path, first 2, first 4, ...]`` up to the whole tree."""
+    ordered = sorted((tuple(p) for p in paths), key=lambda p: (len(p), p))
+    ladder: list[list[Path]] = [[]]
+    for n in sizes:
+        if n < len(ordered):
+            ladder.append(ordered[:n])
+    ladder.append(ordered)
+    return ladder
+
+
+@dataclass
+class TreeController:
+    """Chooses the rung of ``ladder`` to use at each step from the running acceptance.
+
+    Args:
+        ladder: nested trees, ``ladder[0] == []`` (plain decoding).
+        head_topk_acc: the heads' calibrated top-k accuracies ``[num_heads][k]``.
+        cost: the device's verification cost profile.
+        smoothing: weight of the newest observation in the moving average.
+        probe_every: steps between probes while on plain decoding.
+        head_overhead: cost of one heads' forward as a fraction of ``t(1)``.
+    """
+
+    ladder: list[list[Path]]
+    head_topk_acc: Sequence[Sequence[float]]
+    cost: CostProfile
+    smoothing: float = 0.2
+    probe_every: int = 16
+    head_overhead: float = 0.0
+    scale: float = 1.0
+    rung: int = field(init=False)
+    history: list[int] = field(default_factory=list)
+    _since_probe: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.ladder or self.ladder[0]:
+            raise ValueError("the ladder must start with the empty tree (plain decoding)")
+        self.tau_cal = [expected_accept_length(t, self.head_topk_acc) if t else 1.0 for t in self.ladder]
+        self.cost_ratio = [1.0] + [self.cost.ratio(len(t) + 1) + self.head_overhead for t in self.ladder[1:]]
+        self.rung = self._best()
+
+    def _best(self) -> int:
+        speeds = [(1 + self.scale * (tau - 1)) / c for tau, c in zip(self.tau_cal, self.cost_ratio)]
+        return max(range(len(speeds)), key=speeds.__getitem__)
+
+    def choose(self) -> int:
+        """The rung for the next step (records it in ``history``)."""
+        rung = self.rung
+        if rung == 0:
+            self._since_probe += 1
+            if self._since_probe >= self.probe_every and len(self.ladder) > 1:
+                self._since_probe = 0
+                rung = 1
+        self.history.append(rung)
+        return rung
+
+    def observe(self, rung: int, mean_accepted: float) -> None:
+        """Record the mean accepted tokens (bonus excluded) of a step taken on ``rung``."""
+        if rung == 0:
+            return
+        expected = self.tau_cal[rung] - 1
+        if expected > 0:
+            ratio = mean_accepted / expected
+            self.scale = (1 - self.smoothing) * self.scale + self.smoothing * ratio
+        self.rung = self._best()
+
+    @property
+    def fallback_fraction(self) -> float:
+        """Share of steps decoded without speculation."""
+        return self.history.count(0) / len(self.history) if self.history else 0.0

@@ -1,0 +1,183 @@
+"""Trees fitted to the heads and to the hardware.
+
+Two measurements decide the best tree on a device:
+
+* the heads' top-k accuracy per depth (from training's held-out evaluation or a calibration run),
+  which gives, for each tree, the expected tokens per step (``trees.expected_accept_length``);
+* the device's verification cost ``t(n)``: one forward of ``n`` tokens at a typical context length.
+
+The tree of each size that maximises the expected tokens is built greedily (``trees.greedy_tree``);
+the size chosen maximises expected tokens per second, ``tau(n) / t(n + 1)``, against plain
+decoding's ``1 / t(1)``. The same heads therefore get a small tree on a CPU, whose cost grows
+quickly with n, and a large one on a GPU, where verifying 64 tokens costs about as much as one.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from medusa_infer.kv_cache import AttentionLayout, KVState
+from medusa_infer.trees import Path, expected_accept_length, greedy_tree
+
+DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass
+class CostProfile:
+    """Measured seconds of one verification forward of ``sizes[i]`` new tokens.
+
+    Attributes:
+        sizes: tokens per forward, ascending, starting at 1.
+        seconds: median seconds per forward for each size.
+        device: where it was measured (e.g. ``"cpu"``, ``"cuda:NVIDIA H200"``), with the dtype.
+        context: cached tokens before the new ones during the measurement.
+    """
+
+    sizes: list[int]
+    seconds: list[float]
+    device: str = ""
+    context: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.sizes or self.sizes[0] != 1 or list(self.sizes) != sorted(set(self.sizes)):
+            raise ValueError(f"sizes must be ascending, distinct and start at 1, got {self.sizes}")
+        if len(self.seconds) != len(self.sizes) or min(self.seconds) <= 0:
+            raise ValueError("seconds must hold one positive time per size")
+
+    def ratio(self, n: int) -> float:
+        """``t(n) / t(1)``, linearly interpolated (extrapolated past the largest size)."""
+        sizes, secs = self.sizes, self.seconds
+        if n <= 1:
+            return 1.0
+        for i in range(1, len(sizes)):
+            if n <= sizes[i]:
+                lo, hi = sizes[i - 1], sizes[i]
+                t = secs[i - 1] + (secs[i] - secs[i - 1]) * (n - lo) / (hi - lo)
+                return t / secs[0]
+        if len(sizes) == 1:
+            return float(n)
+        slope = (secs[-1] - secs[-2]) / (sizes[-1] - sizes[-2])
+        return (secs[-1] + slope * (n - sizes[-1])) / secs[0]
+
+    def to_dict(self) -> dict:
+        return {"sizes": list(self.sizes), "seconds": list(self.seconds), "device": self.device, "context": self.context}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CostProfile":
+        return cls(list(data["sizes"]), list(data["seconds"]), data.get("device", ""), data.get("context", 0))
+
+
+@torch.inference_mode()
+def measure_verify_cost(
+    model,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    context: int = 256,
+    repeats: int = 5,
+) -> CostProfile:
+    """Time one forward of ``n`` new tokens over ``context`` cached ones, for each ``n`` in ``sizes``.
+
+    The sizes are interleaved within each repeat (so a noisy machine slows them alike) and the
+    median is kept. ``model`` is a ``MedusaModel``; a causal mask stands in for the tree mask
+    (the cost does not depend on the mask's pattern).
+    """
+    sizes = sorted(set(int(n) for n in sizes) | {1})
+    device, dtype = model.device, model.dtype
+    vocab = model.lm_head.weight.shape[0]
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (1, context), generator=generator).to(device)
+    layout = AttentionLayout.from_config(model.base_model.config)
+
+    def prefilled() -> KVState:
+        kv = KVState.empty(1, layout, device)
+        positions = torch.arange(context, device=device)[None]
+        valid = torch.ones_like(positions, dtype=torch.bool)
+        causal = torch.ones(context, context, dtype=torch.bool, device=device).tril()
+        model(prompt, attention_mask=kv.attention_mask(positions, valid, causal, dtype), position_ids=positions,
+              cache=kv.cache, logits_positions=slice(-1, None))
+        kv.append(valid, positions)
+        return kv
+
+    base = prefilled()
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for repeat in range(repeats + 1):  # the first round warms up and is discarded
+        for n in sizes:
+            kv = KVState(_copy_cache(base.cache), base.valid.clone(), base.positions.clone(), layout)
+            tokens = torch.randint(0, vocab, (1, n), generator=generator).to(device)
+            positions = context + torch.arange(n, device=device)[None]
+            valid = torch.ones_like(positions, dtype=torch.bool)
+            causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+            mask = kv.attention_mask(positions, valid, causal, dtype)
+            _sync(device)
+            start = time.perf_counter()
+            model(tokens, attention_mask=mask, position_ids=positions, cache=kv.cache)
+            _sync(device)
+            if repeat:
+                times[n].append(time.perf_counter() - start)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return CostProfile(sizes, [statistics.median(times[n]) for n in sizes], f"{name} {dtype}".replace("torch.", ""),
+                       context)
+
+
+def _copy_cache(cache):
+    from transformers import DynamicCache
+
+    copy = DynamicCache()
+    for index, layer in enumerate(cache.layers):
+        copy.update(layer.keys.clone(), layer.values.clone(), index)
+    return copy
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class FittedTree:
+    """The chosen tree and the table it was chosen from.
+
+    Attributes:
+        paths: the chosen tree (empty: plain decoding is expected to be fastest).
+        expected_tau: expected tokens per step of the chosen tree (bonus included).
+        expected_speedup: expected tokens/s relative to plain decoding.
+        table: per candidate size, ``{"nodes", "tau", "cost_ratio", "speedup"}``.
+    """
+
+    paths: list[Path]
+    expected_tau: float
+    expected_speedup: float
+    table: list[dict] = field(default_factory=list)
+
+
+def fit_tree(
+    head_topk_acc: Sequence[Sequence[float]],
+    cost: CostProfile,
+    sizes: Sequence[int] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64),
+    head_overhead: float = 0.0,
+) -> FittedTree:
+    """Pick the tree size (nodes beyond the root) that maximises expected tokens per second.
+
+    Args:
+        head_topk_acc: ``[num_heads][k]`` probability that head d's rank-r token is right.
+        cost: the device's verification cost profile.
+        sizes: candidate numbers of tree nodes.
+        head_overhead: cost of running the heads once per step, as a fraction of ``t(1)``.
+    """
+    table = [{"nodes": 0, "tau": 1.0, "cost_ratio": 1.0, "speedup": 1.0}]
+    best = (1.0, [], 1.0)
+    for n in sizes:
+        paths = greedy_tree(head_topk_acc, n)
+        if len(paths) < n:  # the accuracies allow no larger tree
+            break
+        tau = expected_accept_length(paths, head_topk_acc)
+        ratio = cost.ratio(n + 1) + head_overhead
+        speedup = tau / ratio
+        table.append({"nodes": n, "tau": round(tau, 4), "cost_ratio": round(ratio, 4), "speedup": round(speedup, 4)})
+        if speedup > best[0]:
+            best = (speedup, paths, tau)
+    return FittedTree(best[1], best[2], best[0], table)

@@ -1,0 +1,113 @@
+"""Tree fitting to accuracies and cost, and the adaptive fallback."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from medusa_infer.adaptive import TreeController, tree_ladder
+from medusa_infer.decoding import generate
+from medusa_infer.model import MedusaModel
+from medusa_infer.tree_fit import CostProfile, fit_tree, measure_verify_cost
+from medusa_infer.trees import REFERENCE_HEAD_ACCURACY, expected_accept_length, greedy_tree, validate_tree
+from tiny import VOCAB, tiny_model
+
+FLAT = CostProfile([1, 2, 4, 8, 16, 32, 64], [1.0, 1.0, 1.0, 1.0, 1.0, 1.05, 1.1], "gpu-like")
+STEEP = CostProfile([1, 2, 4, 8, 16, 32, 64], [1.0, 1.7, 1.7, 1.8, 2.1, 2.7, 4.3], "cpu-like")
+
+
+def brute_force_tau(paths, acc) -> float:
+    """Exact expectation by enumerating which rank (or none) is right at every depth."""
+    depth = max(len(p) for p in paths)
+    outcomes = [list(range(len(acc[d]))) + [None] for d in range(depth)]
+    tree = set(paths)
+    total = 0.0
+    for truth in itertools.product(*outcomes):
+        prob = 1.0
+        for d, r in enumerate(truth):
+            prob *= (1 - sum(acc[d])) if r is None else acc[d][r]
+        accepted = 0
+        while accepted < depth and truth[accepted] is not None and tuple(truth[: accepted + 1]) in tree:
+            accepted += 1
+        total += prob * (1 + accepted)
+    return total
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 3, 5, 8])
+def test_expected_accept_length_equals_brute_force(nodes):
+    acc = [[0.5, 0.2, 0.1], [0.4, 0.15, 0.05], [0.3, 0.1, 0.05]]
+    paths = greedy_tree(acc, nodes)
+    assert expected_accept_length(paths, acc) == pytest.approx(brute_force_tau(paths, acc), abs=1e-12)
+
+
+def test_chosen_tree_changes_with_the_cost_curve():
+    flat = fit_tree(REFERENCE_HEAD_ACCURACY, FLAT)
+    steep = fit_tree(REFERENCE_HEAD_ACCURACY, STEEP)
+    assert len(flat.paths) > len(steep.paths) >= 1
+    assert flat.expected_speedup > steep.expected_speedup > 1.0
+    useless = [[0.01] * 4] * 4
+    assert fit_tree(useless, STEEP).paths == []  # speculation cannot pay: plain decoding
+
+
+def test_cost_profile_interpolates_and_round_trips():
+    assert STEEP.ratio(1) == 1.0 and STEEP.ratio(12) == pytest.approx((1.8 + 2.1) / 2)
+    assert STEEP.ratio(128) > STEEP.ratio(64)
+    assert CostProfile.from_dict(STEEP.to_dict()) == STEEP
+    with pytest.raises(ValueError, match="start at 1"):
+        CostProfile([2, 4], [1.0, 2.0])
+
+
+def test_measured_cost_profile_on_a_tiny_model():
+    model = MedusaModel.without_heads(tiny_model("llama"))
+    profile = measure_verify_cost(model, sizes=(1, 4, 16), context=32, repeats=2)
+    assert profile.sizes == [1, 4, 16] and all(s > 0 for s in profile.seconds)
+    assert profile.device.startswith("cpu")
+
+
+def test_ladder_is_nested_and_valid():
+    ladder = tree_ladder(greedy_tree(REFERENCE_HEAD_ACCURACY, 20))
+    assert ladder[0] == [] and len(ladder[-1]) == 20
+    for small, large in zip(ladder[1:], ladder[2:]):
+        assert set(small) < set(large)
+        validate_tree(small, 4, 10)
+
+
+def test_controller_falls_back_and_recovers():
+    ladder = tree_ladder(fit_tree(REFERENCE_HEAD_ACCURACY, STEEP, sizes=(16,)).paths or greedy_tree(REFERENCE_HEAD_ACCURACY, 16))
+    control = TreeController(ladder, REFERENCE_HEAD_ACCURACY, STEEP, probe_every=8)
+    initial = control.rung
+    assert initial > 0
+    for _ in range(30):  # nothing accepted: fall back to plain decoding, probing now and then
+        control.observe(control.choose(), 0.0)
+    assert control.rung == 0
+    tail = control.history[-16:]
+    assert tail.count(0) >= 14 and 1 in tail
+    for _ in range(30):  # acceptance recovers: the tree grows back
+        rung = control.choose()
+        control.observe(rung, control.tau_cal[rung] - 1 + 0.5)
+    assert control.rung >= initial and control.history[-1] == control.rung
+
+
+def test_useless_heads_engage_the_fallback_and_output_stays_exact():
+    base = tiny_model("llama")
+    model = MedusaModel.from_base(base, num_heads=4)
+    torch.manual_seed(0)
+    for p in model.heads.parameters():
+        torch.nn.init.normal_(p, std=2.0)  # heads that propose noise
+    model.config.head_accuracies = [list(row) for row in REFERENCE_HEAD_ACCURACY]
+    model.config.cost_profile = STEEP.to_dict()
+    prompt = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    out = generate(model, prompt, max_new_tokens=60, tree="tree-16", eos_token_id=[])
+    reference = base.generate(prompt, max_new_tokens=60, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(out.sequences, reference)
+    assert out.metrics.fallback_fraction > 0.6
+    fixed = generate(model, prompt, max_new_tokens=60, tree="tree-16", eos_token_id=[], adaptive=False)
+    assert fixed.metrics.fallback_fraction == 0.0
+
+
+def test_adaptive_without_calibration_is_a_clear_error():
+    model = MedusaModel.from_base(tiny_model("llama"), num_heads=4)
+    with pytest.raises(ValueError, match="cost profile"):
+        generate(model, torch.tensor([[5, 6]]), max_new_tokens=4, adaptive=True)
