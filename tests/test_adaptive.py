@@ -104,7 +104,7 @@ def test_useless_heads_engage_the_fallback_and_output_stays_exact():
     assert torch.equal(out.sequences, reference)
     assert out.metrics.fallback_fraction > 0.6
     fixed = generate(model, prompt, max_new_tokens=60, tree="tree-16", eos_token_id=[], adaptive=False)
-    assert fixed.metrics.fallback_fraction == 0.0
+    assert fixed.metrics.fallback_fraction < 0.05  # only the last step, cut short by max_new_tokens
 
 
 def test_adaptive_without_calibration_is_a_clear_error():
