@@ -213,7 +213,8 @@ class DecodeBatch:
 
     def _context(self, accepted: list[list[int]] | None = None) -> StepContext:
         room_context = self.context_length - 2 - int(self.root_pos.max())  # the bonus token must fit too
-        room_tokens = min(self.stops[r].max_new_tokens - len(self.generated[r]) for r in self.rows) - 1
+        # The row with the most room sets the depth; rows with less drop the surplus when emitting.
+        room_tokens = max(self.stops[r].max_new_tokens - len(self.generated[r]) for r in self.rows) - 1
         return StepContext([self.histories[r] for r in self.rows], max(0, min(room_context, room_tokens)))
 
     def _emit(self, tokens: list[list[int]]) -> dict[int, list[int]]:
@@ -283,7 +284,8 @@ class DecodeBatch:
         if token in stop.eos_token_ids:
             return "eos"
         if stop.stop_strings:
-            tail = self.tokenizer.decode((self.generated[row] + kept)[-32:])
+            window = 8 + max(len(text) for text in stop.stop_strings)  # a token holds >= 1 character
+            tail = self.tokenizer.decode((self.generated[row] + kept)[-window:])
             if any(s in tail for s in stop.stop_strings):
                 return "stop"
         if len(self.generated[row]) + len(kept) >= stop.max_new_tokens:

@@ -7,10 +7,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from medusa_infer.proposers.autoregressive import AutoregressiveProposer
 from medusa_infer.proposers.base import Proposal, Proposer, StepContext
+from medusa_infer.proposers.draft import DraftProposer
+from medusa_infer.proposers.layerskip import LayerSkipProposer
+from medusa_infer.proposers.lookup import LookupProposer
 from medusa_infer.proposers.medusa import MedusaProposer
 
-METHODS = ("medusa", "autoregressive")
+METHODS = ("medusa", "draft", "lookup", "layerskip", "autoregressive")
+
+DEFAULT_DRAFT_TOKENS = {"draft": 4, "layerskip": 4, "lookup": 8}
 
 
 def build_proposer(method: str, model: Any, options: Any = None) -> Proposer:
@@ -19,16 +25,48 @@ def build_proposer(method: str, model: Any, options: Any = None) -> Proposer:
     Args:
         method: one of ``METHODS``.
         model: the target ``MedusaModel``.
-        options: an object with the method's settings as attributes (e.g. CLI arguments):
-            ``tree`` for medusa.
+        options: an object with the method's settings as attributes (e.g. CLI arguments), each
+            optional: ``tree`` (medusa); ``draft_model`` (draft: a name or a loaded model);
+            ``draft_tokens`` (k for draft, layerskip and lookup); ``draft_schedule``
+            (``heuristic`` or ``constant``); ``lookup_max_ngram``; ``layerskip_layers``.
+
+    The decoding loop tells the proposer its sampling settings (``configure``), so a draft samples
+    exactly when the verifier does.
     """
+
+    def option(name: str, default: Any = None) -> Any:
+        value = getattr(options, name, None)
+        return default if value is None else value
+
     if method == "medusa":
         from medusa_infer.decoding import resolve_tree
 
-        return MedusaProposer(model, resolve_tree(model, getattr(options, "tree", None)))
+        return MedusaProposer(model, resolve_tree(model, option("tree")))
     if method == "autoregressive":
-        return MedusaProposer(model, [])
-    raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
+        return AutoregressiveProposer(model)
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
+    k = option("draft_tokens", DEFAULT_DRAFT_TOKENS[method])
+    if method == "lookup":
+        return LookupProposer(model, num_tokens=k, max_ngram=option("lookup_max_ngram", 3))
+    schedule = option("draft_schedule", "heuristic")
+    if method == "layerskip":
+        return LayerSkipProposer(model, option("layerskip_layers"), num_tokens=k, schedule=schedule)
+    draft = option("draft_model")
+    if draft is None:
+        raise ValueError("method 'draft' needs a draft model (options.draft_model, --draft-model)")
+    return DraftProposer(model, draft, num_tokens=k, schedule=schedule)
 
 
-__all__ = ["METHODS", "Proposal", "Proposer", "StepContext", "MedusaProposer", "build_proposer"]
+__all__ = [
+    "METHODS",
+    "AutoregressiveProposer",
+    "DraftProposer",
+    "LayerSkipProposer",
+    "LookupProposer",
+    "MedusaProposer",
+    "Proposal",
+    "Proposer",
+    "StepContext",
+    "build_proposer",
+]

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from medusa_infer.trees import TreeBuffers
+from medusa_infer.trees import TreeBuffers, build_tree_buffers, root_only_tree
 
 
 @dataclass
@@ -49,7 +49,13 @@ class StepContext:
 
 class Proposer(Protocol):
     """What the decoding loop needs from a proposer; all state lives in the proposer object,
-    which belongs to one generation call."""
+    which belongs to one generation call.
+
+    A proposer may also define ``configure(sampling, generator)``: the loop then calls it once,
+    before ``start``, with its ``SamplingConfig`` and random generator, so that a draft can sample
+    from the same warped distribution the verifier uses (and report it as ``draft_probs``).
+    Without it, or before it is called, a proposer must draft deterministically.
+    """
 
     def start(self, context: StepContext, hidden: torch.Tensor) -> None:
         """Called after the prefill; ``hidden`` ``[batch, hidden]`` is the target's final hidden
@@ -65,3 +71,21 @@ class Proposer(Protocol):
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only the rows ``rows`` ``[k]`` (the others finished)."""
+
+
+class ChainTrees:
+    """Chain trees (one candidate per depth, for draft models and prompt lookup) by depth, each
+    built once on ``device``; depth 0 is the root alone."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._by_depth: dict[int, TreeBuffers] = {}
+
+    def at_depth(self, depth: int) -> TreeBuffers:
+        if depth not in self._by_depth:
+            if depth == 0:
+                tree = root_only_tree()
+            else:
+                tree = build_tree_buffers([(0,) * d for d in range(1, depth + 1)], depth, 1)
+            self._by_depth[depth] = tree.to(self.device)
+        return self._by_depth[depth]

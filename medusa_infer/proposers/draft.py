@@ -1,0 +1,218 @@
+"""A draft model as a proposer: a second, smaller causal LM drafts ``k`` tokens a step.
+
+One step, for every active row at once::
+
+    catch up: feed the tokens the draft has not seen (the new root, maybe the last accepted
+              draft), left-aligned with holes so rows of different lengths share one forward
+    draft:    k tokens, one forward each (argmax when the verifier is greedy; else sampled from
+              the draft's distribution warped like the target's, and reported as draft_probs)
+    observe:  keep the KV slots of the accepted drafts, drop the others (no second forward);
+              adapt k to the acceptance
+
+The draft has its own ``KVState``, so left padding, rows that accept different lengths and rows
+that leave the batch work as in the target's cache. The draft must share the target's tokenizer:
+its tokens are the target's token ids, and ``draft_probs`` must be over the same vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from medusa_infer.acceptance import warp_logits
+from medusa_infer.kv_cache import AttentionLayout, KVState
+from medusa_infer.proposers.base import ChainTrees, Proposal, StepContext
+
+SCHEDULES = ("heuristic", "constant")
+
+
+class DraftProposer:
+    """Speculative decoding with a draft model (Leviathan et al. / Chen et al., 2023).
+
+    Args:
+        target: the target ``MedusaModel``.
+        draft: the draft: a ``MedusaModel`` (heads ignored), a transformers causal LM, or a name
+            (default-model name, folder or Hub id) to load.
+        num_tokens: tokens drafted a step at first (k).
+        schedule: ``"heuristic"`` (transformers' rule: k + 2 after a step in which the rows fully
+            accepted the draft, k - 1 otherwise) or ``"constant"``.
+        max_tokens: the heuristic never drafts more than this.
+        draft_tokenizer: the draft's tokenizer, for the vocabulary check (default: the draft's own).
+    """
+
+    def __init__(self, target, draft: Any, num_tokens: int = 4, schedule: str = "heuristic",
+                 max_tokens: int = 16, draft_tokenizer: Any = None) -> None:
+        if num_tokens < 1:
+            raise ValueError(f"a draft model needs num_tokens >= 1, got {num_tokens}")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        self.draft = as_draft_model(draft, draft_tokenizer)
+        check_same_vocabulary(target, self.draft)
+        self.k, self.schedule, self.max_tokens = num_tokens, schedule, max(max_tokens, num_tokens)
+        self.trees = ChainTrees(target.device)
+        self.device = self.draft.device
+        from medusa_infer.decoding import _context_length
+
+        self.context_length = _context_length(self.draft)
+        self.layout = AttentionLayout.from_config(self.draft.base_model.config)
+        self.sampling: Any = None  # drafts are argmax until configure() asks for sampling
+        self.generator: torch.Generator | None = None
+        self.kv = KVState.empty(0, self.layout, self.device)
+        self.cached: list[int] = []  # per row: history tokens in the draft's cache
+        self.drafted = 0  # tokens drafted in the current step
+        self.k_per_step: list[int] = []  # k at every step (for inspection and tests)
+
+    # -- the Proposer protocol --------------------------------------------------------------
+
+    def configure(self, sampling, generator: torch.Generator | None) -> None:
+        """Sample drafts (and report ``draft_probs``) when the verifier samples losslessly."""
+        lossless = sampling.acceptance == "lossless" and not sampling.greedy
+        self.sampling = sampling if lossless else None
+        self.generator = generator
+
+    def start(self, context: StepContext, hidden: torch.Tensor) -> None:
+        batch = len(context.sequences)
+        self.kv = KVState.empty(batch, self.layout, self.device)
+        self.cached = [0] * batch
+        if self._room(context) > 0:
+            self._catch_up(context.sequences)  # the draft's prefill
+
+    def propose(self, roots: torch.Tensor, context: StepContext) -> Proposal:
+        depth = max(0, min(self.k, context.max_depth, self._room(context)))
+        self.drafted = depth
+        tree = self.trees.at_depth(depth)
+        if depth == 0:
+            return Proposal(roots[:, None], tree)
+        logits = self._catch_up(context.sequences)
+        positions = torch.tensor([len(s) for s in context.sequences], device=self.device)
+        tokens, probs = [], []
+        for step in range(depth):
+            token, q = self._choose(logits)
+            tokens.append(token)
+            probs.append(q)
+            if step + 1 < depth:  # the last draft is fed at the next catch-up, if accepted
+                logits = self._feed_one(token, positions + step)
+        chain = torch.stack([roots.to(self.device)] + tokens, dim=1).to(roots.device)
+        draft_probs = None if self.sampling is None else torch.stack(probs, dim=1).to(roots.device)
+        return Proposal(chain, tree, draft_probs)
+
+    def observe(self, accepted: list[list[int]], hidden: torch.Tensor, context: StepContext) -> None:
+        fed = max(self.drafted - 1, 0)
+        lengths = [len(tokens) - 1 for tokens in accepted]  # accepted drafts per row
+        if fed:
+            slot = torch.arange(fed, device=self.device)
+            kept = torch.tensor(lengths, device=self.device)[:, None].clamp(max=fed)
+            self.kv.keep_new(fed, torch.where(slot[None] < kept, slot[None], -1))
+            self.cached = [c + min(n, fed) for c, n in zip(self.cached, lengths)]
+            self.kv.compact()
+        if self.drafted:
+            self.k_per_step.append(self.drafted)
+        if self.schedule == "heuristic" and self.drafted == self.k:
+            full = sum(n == self.k for n in lengths)
+            self.k = min(self.k + 2, self.max_tokens) if 2 * full > len(lengths) else max(self.k - 1, 1)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.kv.select_rows(rows.to(self.device))
+        self.cached = [self.cached[i] for i in rows.tolist()]
+        self.kv.compact()
+
+    def merge(self, other: "DraftProposer") -> None:
+        """Append the rows of another proposer with the same draft (batches joining)."""
+        if not _same_model(self.draft, other.draft):
+            raise ValueError("cannot merge draft proposers with different draft models")
+        self.kv.merge(other.kv)
+        self.cached += other.cached
+
+    # -- draft forwards ---------------------------------------------------------------------
+
+    def _room(self, context: StepContext) -> int:
+        """Deepest draft whose fed tokens stay inside the draft's context."""
+        longest = max((len(s) for s in context.sequences), default=0)
+        return self.context_length + 1 - longest
+
+    def _catch_up(self, sequences: list[list[int]]) -> torch.Tensor:
+        """Feed every row's unseen history tokens in one forward; ``[batch, vocab]`` logits after
+        each row's last token. Shorter rows are left-padded with holes."""
+        pending = [seq[done:] for seq, done in zip(sequences, self.cached)]
+        width = max(len(p) for p in pending)
+        ids = torch.zeros(len(pending), width, dtype=torch.long)
+        valid = torch.zeros(len(pending), width, dtype=torch.bool)
+        positions = torch.zeros(len(pending), width, dtype=torch.long)
+        for row, (tokens, done) in enumerate(zip(pending, self.cached)):
+            if tokens:
+                ids[row, width - len(tokens):] = torch.tensor(tokens)
+                valid[row, width - len(tokens):] = True
+                positions[row, width - len(tokens):] = torch.arange(done, done + len(tokens))
+        ids, valid, positions = ids.to(self.device), valid.to(self.device), positions.to(self.device)
+        causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
+        logits = self._forward(ids, valid, positions, causal)
+        self.cached = [len(seq) for seq in sequences]
+        return logits
+
+    def _feed_one(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Feed one drafted token per row at ``positions`` ``[batch]``; the logits after it."""
+        valid = torch.ones(len(tokens), 1, dtype=torch.bool, device=self.device)
+        one = torch.ones(1, 1, dtype=torch.bool, device=self.device)
+        return self._forward(tokens[:, None], valid, positions[:, None], one)
+
+    def _forward(self, ids, valid, positions, new_mask) -> torch.Tensor:
+        mask = self.kv.attention_mask(positions, valid, new_mask, self.draft.dtype)
+        out = self.draft(ids, attention_mask=mask, position_ids=positions, cache=self.kv.cache,
+                         logits_positions=slice(-1, None))
+        self.kv.append(valid, positions)
+        return out.logits[:, -1].float()
+
+    def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A draft token per row: argmax, or a sample from the warped distribution (returned)."""
+        if self.sampling is None:
+            return logits.argmax(-1), None
+        s = self.sampling
+        probs = warp_logits(logits, s.temperature, s.top_k, s.top_p)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(1), probs
+
+
+def as_draft_model(draft: Any, tokenizer: Any = None):
+    """A ``MedusaModel`` wrapping ``draft`` (a ``MedusaModel``, a causal LM, or a name to load)."""
+    from transformers import PreTrainedModel
+
+    from medusa_infer.model import MedusaModel
+
+    if isinstance(draft, MedusaModel):
+        return draft
+    if isinstance(draft, PreTrainedModel):
+        return MedusaModel(draft.eval(), None, tokenizer)
+    if isinstance(draft, str):
+        return MedusaModel.without_heads(draft, tokenizer)
+    raise TypeError(f"draft must be a model or a model name, got {type(draft).__name__}")
+
+
+def _same_model(a, b) -> bool:
+    """Same weights and depth (two layerskip views of one target are the same draft)."""
+    config_a, config_b = a.base_model.config, b.base_model.config
+    return a.lm_head.weight is b.lm_head.weight and config_a.num_hidden_layers == config_b.num_hidden_layers
+
+
+def model_name(model) -> str:
+    base = model.base_model
+    return getattr(base, "name_or_path", None) or f"a {type(base).__name__}"
+
+
+def check_same_vocabulary(target, draft) -> None:
+    """Raise ``ValueError`` naming both models when the draft's vocabulary is not the target's."""
+    target_vocab = target.lm_head.weight.shape[0]
+    draft_vocab = draft.lm_head.weight.shape[0]
+    if target_vocab != draft_vocab:
+        raise ValueError(
+            f"draft model {model_name(draft)} predicts {draft_vocab} tokens but target {model_name(target)} "
+            f"predicts {target_vocab}: a draft must share the target's tokenizer and vocabulary"
+        )
+    if target.tokenizer is None or draft.tokenizer is None:
+        return
+    ours, theirs = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if ours != theirs:
+        differing = len(set(ours.items()) ^ set(theirs.items()))
+        raise ValueError(
+            f"draft model {model_name(draft)} has a different tokenizer from target {model_name(target)} "
+            f"({differing} token entries differ): a draft must share the target's tokenizer and vocabulary"
+        )

@@ -1,0 +1,92 @@
+"""LayerSkip-style self-speculation: the target's first N layers are the draft.
+
+The draft is the target's embedding, its first ``N`` decoder layers, its final norm and its
+``lm_head`` (an early exit, as in LayerSkip, Elhoushi et al. 2024). It is built as a *view*: a
+shallow copy of the stock model whose decoder holds ``layers[:N]`` and a config copy with
+``num_hidden_layers = N``; every parameter tensor is the target's own (no copies, no checkpoint,
+no forked modeling code). The draft keeps its own KV cache for its N layers and drafts like any
+draft model (``DraftProposer``). Models not trained for early exit accept fewer drafts than
+LayerSkip checkpoints do; the output is exact (greedy) or lossless (sampling) either way.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from torch import nn
+from transformers import PreTrainedModel
+
+from medusa_infer.proposers.draft import DraftProposer
+
+_LAYER_LISTS = ("layers", "h", "blocks", "layer")
+
+
+def default_num_layers(total: int) -> int:
+    """A third of the layers, at least one."""
+    return max(1, total // 3)
+
+
+def decoder_layers(decoder: nn.Module, total: int) -> str:
+    """The name of ``decoder``'s list of ``total`` decoder layers (``layers``, GPT-2's ``h``, ...)."""
+    for name in _LAYER_LISTS:
+        layers = getattr(decoder, name, None)
+        if isinstance(layers, nn.ModuleList) and len(layers) == total:
+            return name
+    found = [n for n, m in decoder.named_children() if isinstance(m, nn.ModuleList) and len(m) == total]
+    if len(found) != 1:
+        raise ValueError(f"cannot tell which module list of {type(decoder).__name__} holds its {total} "
+                         "decoder layers; layerskip supports decoders with one such list")
+    return found[0]
+
+
+def _shallow_copy(module: nn.Module) -> nn.Module:
+    """A new module object sharing ``module``'s submodules and parameters (own registries)."""
+    view = copy.copy(module)
+    view._modules = type(module._modules)(module._modules)
+    view._parameters = type(module._parameters)(module._parameters)
+    view._buffers = type(module._buffers)(module._buffers)
+    return view
+
+
+def truncated_model(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
+    """A view of causal LM ``model`` that runs only its first ``num_layers`` decoder layers (then
+    its final norm and ``lm_head``), sharing every parameter tensor with ``model``."""
+    config = model.config
+    total = config.num_hidden_layers
+    if not 1 <= num_layers <= total:
+        raise ValueError(f"layerskip needs 1 <= layers <= {total} ({type(model).__name__} has {total} layers), "
+                         f"got {num_layers}")
+    decoder = model.base_model
+    if decoder is model:
+        raise ValueError(f"{type(model).__name__} has no separate decoder module; layerskip needs a *ForCausalLM model")
+    name = decoder_layers(decoder, total)
+    view_config = copy.deepcopy(config)
+    view_config.num_hidden_layers = num_layers
+    if getattr(view_config, "layer_types", None) is not None:
+        view_config.layer_types = list(view_config.layer_types[:num_layers])
+    view_decoder = _shallow_copy(decoder)
+    setattr(view_decoder, name, getattr(decoder, name)[:num_layers])
+    view_decoder.config = view_config
+    view = _shallow_copy(model)
+    setattr(view, model.base_model_prefix, view_decoder)
+    view.config = view_config
+    return view
+
+
+class LayerSkipProposer(DraftProposer):
+    """A ``DraftProposer`` whose draft is the target's first ``num_layers`` layers.
+
+    Args:
+        target: the target ``MedusaModel``.
+        num_layers: layers of the draft (default: a third of the target's, at least one).
+        num_tokens, schedule, max_tokens: as for ``DraftProposer``.
+    """
+
+    def __init__(self, target, num_layers: int | None = None, num_tokens: int = 4, schedule: str = "heuristic",
+                 max_tokens: int = 16) -> None:
+        from medusa_infer.model import MedusaModel
+
+        total = target.base_model.config.num_hidden_layers
+        self.num_layers = default_num_layers(total) if num_layers is None else num_layers
+        view = truncated_model(target.base_model, self.num_layers)
+        super().__init__(target, MedusaModel(view, None, target.tokenizer), num_tokens, schedule, max_tokens)

@@ -1,0 +1,400 @@
+"""The HTTP side: OpenAI-compatible routes over the engine.
+
+    GET  /v1/models             the one served model
+    POST /v1/completions        text completion, streamed (SSE) or not
+    POST /v1/chat/completions   chat, rendered with the tokenizer's chat template
+    GET  /health                200 while the engine runs
+    GET  /metrics               Prometheus text format
+
+Requests are validated by ``protocol`` before anything is queued; every failure is answered with
+an OpenAI-style error body. ``--api-key`` guards the ``/v1`` routes (``/health`` and ``/metrics``
+stay open, as in vLLM). A client that goes away, streaming or not, has its row cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from medusa_infer.decoding import SamplingConfig, StopConfig
+from medusa_infer.serving import protocol
+from medusa_infer.serving.protocol import APIError, GenerationParams, ModelInfo, Speculation
+from medusa_infer.serving.scheduler import ABORT_REASONS, Engine, EngineStopped, QueueFull, Update
+from medusa_infer.serving.scheduler import Request as EngineRequest
+
+log = logging.getLogger(__name__)
+
+TIMEOUT_GRACE_S = 10.0
+"""Past its timeout plus this, a request whose engine has not answered is failed by the HTTP side."""
+
+ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """How the routes behave.
+
+    Attributes:
+        method: the proposer method, reported in each response's ``usage.speculative``.
+        eos_token_ids: ids that end a request (unless it asks for ``ignore_eos``).
+        api_key: required as ``Authorization: Bearer KEY`` on ``/v1`` routes when set.
+        request_timeout: seconds a request may take in all (queued and decoding); None: no limit.
+        acceptance: acceptance rule of sampled requests that do not choose one (greedy requests
+            always use ``greedy``).
+    """
+
+    method: str
+    eos_token_ids: tuple[int, ...]
+    api_key: str | None = None
+    request_timeout: float | None = 120.0
+    acceptance: str = "lossless"
+
+
+def create_app(engine: Engine, model: ModelInfo, settings: ServerSettings) -> FastAPI:
+    """The FastAPI application; it starts the engine with the server and stops it at shutdown."""
+
+    model.tokenizer("warm-up")  # a tokenizer may reset its settings on first use: not concurrently, later
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if not engine.alive:
+            engine.start()
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    app = FastAPI(title="medusa-serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_CountRequests, count=lambda method, path, status: engine.metrics.http_requests.inc(
+        method=method, path=path, status=status))
+    _add_error_handlers(app)
+
+    async def check_api_key(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
+            raise APIError(401, "Incorrect or missing API key; send the header 'Authorization: Bearer <key>'.",
+                           "invalid_request_error", None, "invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+    @v1.get("/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model.name, "object": "model", "created": 0,
+                                            "owned_by": "medusa-forge", "max_model_len": model.context_length}]}
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        # tokenising off the event loop (the tokenizer releases the GIL) keeps other streams flowing
+        params = await asyncio.to_thread(protocol.parse_completion, await _read_json(request), model)
+        return await _generate(request, params)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        params = await asyncio.to_thread(protocol.parse_chat, await _read_json(request), model)
+        return await _generate(request, params)
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.alive:
+            raise APIError(503, "the engine is not running", "server_error", None, "engine_unavailable")
+        return JSONResponse({"status": "ok", **engine.snapshot()})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return PlainTextResponse(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def _generate(request: Request, params: GenerationParams) -> Response:
+        loop = asyncio.get_running_loop()
+        updates: asyncio.Queue[Update] = asyncio.Queue()
+
+        def on_update(update: Update) -> None:  # called on the engine thread
+            loop.call_soon_threadsafe(updates.put_nowait, update)
+
+        stop = StopConfig(params.max_tokens, () if params.ignore_eos else settings.eos_token_ids, params.stop)
+        job = EngineRequest(params.prompt_ids, _sampling(params, settings.acceptance), stop, on_update,
+                            seed=params.seed, timeout=settings.request_timeout)
+        try:
+            engine.submit(job)
+        except QueueFull as error:
+            raise APIError(503, f"The server is overloaded: {error}. Retry later.", "server_error", None,
+                           "queue_full") from None
+        except EngineStopped as error:
+            raise APIError(503, f"The server cannot take requests: {error}.", "server_error", None,
+                           "engine_unavailable") from None
+        answer = _Answer(engine, job, params, model, settings.method, updates, settings.request_timeout)
+        if params.stream:
+            return _EventStream(answer.events(), on_close=lambda: engine.cancel(job, "disconnect"),
+                                media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await answer.whole(request)
+
+    return app
+
+
+def _sampling(params: GenerationParams, default_acceptance: str) -> SamplingConfig:
+    """Greedy for temperature 0 (top-p/top-k do not matter then, so all greedy requests batch together)."""
+    if params.temperature == 0:
+        return SamplingConfig("greedy", 0.0, 0, 1.0)
+    return SamplingConfig(params.acceptance or default_acceptance, params.temperature, params.top_k, params.top_p)
+
+
+class _Answer:
+    """Turns one request's engine updates into an OpenAI response, whole or as server-sent events."""
+
+    def __init__(self, engine: Engine, job: EngineRequest, params: GenerationParams, model: ModelInfo,
+                 method: str, updates: asyncio.Queue[Update], timeout: float | None) -> None:
+        self.engine, self.job, self.params, self.model = engine, job, params, model
+        self.updates = updates
+        self.deadline = job.arrival + timeout + TIMEOUT_GRACE_S if timeout else None
+        self.text = TextAssembler(model.tokenizer, params.stop)
+        self.speculation = Speculation(method)
+        self.id, self.created = protocol.new_id(params.kind), protocol.now()
+        self.completion_tokens = 0
+
+    async def _next(self, disconnected: asyncio.Future | None = None) -> Update:
+        """The next update; raises ``APIError`` when the engine took far longer than allowed."""
+        timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+        waiters: set[asyncio.Future] = {asyncio.ensure_future(self.updates.get())}
+        if disconnected is not None:
+            waiters.add(disconnected)
+        done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        getter = next(w for w in waiters if w is not disconnected)
+        if getter in done:
+            update = getter.result()
+            self.completion_tokens += len(update.token_ids)
+            self.speculation.draft_steps, self.speculation.accepted_tokens = update.draft_steps, update.accepted_tokens
+            return update
+        getter.cancel()
+        if disconnected is not None and disconnected in done:
+            raise _ClientGone
+        self.engine.cancel(self.job, "timeout")
+        raise _timeout_error("the engine did not answer in time")
+
+    def _stop_early(self) -> None:
+        """The text holds a stop string the engine has not seen yet (it only looks at the last
+        tokens): end the request there, as a normal stop."""
+        if self.text.stopped and not self.job.done:
+            self.engine.cancel(self.job, "stop")
+
+    def _usage(self) -> dict[str, Any]:
+        return protocol.usage(len(self.params.prompt_ids), self.completion_tokens, self.speculation)
+
+    async def whole(self, request: Request) -> Response:
+        disconnected = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            text = ""
+            while True:
+                update = await self._next(disconnected)
+                text += self.text.add(update.token_ids, final=update.finish is not None)
+                if update.finish is not None:
+                    break
+                self._stop_early()
+        except _ClientGone:
+            return Response(status_code=499)  # nobody reads it
+        finally:
+            disconnected.cancel()
+            self.engine.cancel(self.job, "disconnect")  # no-op once finished
+        if update.finish in ABORT_REASONS:
+            raise _abort_error(update)
+        body = protocol.response_body(self.params.kind, self.id, self.model.name, self.created, text,
+                                      protocol.FINISH_REASONS[update.finish], self._usage())
+        return JSONResponse(body)
+
+    async def events(self) -> AsyncIterator[str]:
+        kind, name = self.params.kind, self.model.name
+        if kind == "chat":
+            yield _sse(protocol.chunk_body(kind, self.id, name, self.created, "", first=True))
+        while True:
+            try:
+                update = await self._next()
+            except APIError as error:
+                yield _sse(error.body())
+                break
+            delta = self.text.add(update.token_ids, final=update.finish is not None)
+            if delta:
+                yield _sse(protocol.chunk_body(kind, self.id, name, self.created, delta))
+            self._stop_early()
+            if update.finish in ABORT_REASONS:
+                yield _sse(_abort_error(update).body())
+                break
+            if update.finish is not None:
+                usage = self._usage()
+                finish = protocol.FINISH_REASONS[update.finish]
+                yield _sse(protocol.chunk_body(kind, self.id, name, self.created, None, finish, usage))
+                if self.params.include_usage:
+                    yield _sse(protocol.chunk_body(kind, self.id, name, self.created, None, usage_=usage,
+                                                   choices=False))
+                break
+        yield "data: [DONE]\n\n"
+
+
+class TextAssembler:
+    """A request's text as its tokens arrive, decoded incrementally (a window of recent tokens,
+    not the whole output each time). The text is cut before the first stop string; until the
+    request ends, text that may be the start of a stop string or of a multi-byte character is
+    held back, so a stream never shows what the final text will not contain."""
+
+    def __init__(self, tokenizer: Any, stops: tuple[str, ...] = ()) -> None:
+        self.tokenizer, self.stops = tokenizer, stops
+        self.tokens: list[int] = []
+        self.prefix_offset = self.read_offset = 0
+        self.text = ""  # decoded so far
+        self.sent = 0  # characters of ``text`` handed out
+        self.stopped = False
+
+    def add(self, token_ids: list[int], final: bool = False) -> str:
+        """The new text these tokens complete; ``final`` flushes everything held back."""
+        if self.stopped:
+            return ""
+        self.tokens.extend(token_ids)
+        self._decode(final)
+        end = len(self.text)
+        longest = max((len(s) for s in self.stops), default=0)
+        for stop in self.stops:
+            found = self.text.find(stop, max(0, self.sent - longest))
+            if found >= 0:
+                end = min(end, found)
+                self.stopped = True
+        if not self.stopped and not final:
+            end -= _partial_stop(self.text, self.stops)
+        delta = self.text[self.sent:end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return delta
+
+    def _decode(self, final: bool) -> None:
+        decode = self.tokenizer.decode
+        before = decode(self.tokens[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        after = decode(self.tokens[self.prefix_offset :], skip_special_tokens=True)
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            self.text += after[len(before):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+
+
+def _partial_stop(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest end of ``text`` that begins some stop string."""
+    best = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:n]):
+                best = n
+                break
+    return best
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def _abort_error(update: Update) -> APIError:
+    if update.finish == "timeout":
+        return _timeout_error(update.error or "timed out")
+    if update.finish == "shutdown":
+        return APIError(503, update.error or "the server is shutting down", "server_error", None, "shutdown")
+    return APIError(500, update.error or "generation failed", "server_error", None, update.finish)
+
+
+def _timeout_error(message: str) -> APIError:
+    return APIError(504, f"The request timed out: {message}.", "timeout_error", None, "request_timeout")
+
+
+def _sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _read_json(request: Request) -> dict[str, Any]:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > protocol.MAX_BODY_BYTES:
+        raise _too_large()
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > protocol.MAX_BODY_BYTES:
+            raise _too_large()
+        chunks.append(chunk)
+    return protocol.parse_json(b"".join(chunks))
+
+
+def _too_large() -> APIError:
+    return APIError(413, f"the request body is larger than {protocol.MAX_BODY_BYTES} bytes",
+                    "invalid_request_error", None, "request_too_large")
+
+
+class _EventStream(StreamingResponse):
+    """A streaming response that calls ``on_close`` however it ends (done, client gone, error),
+    even when the client leaves before the first event."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+class _CountRequests:
+    """ASGI middleware: counts HTTP requests by method, route and status (streams included)."""
+
+    def __init__(self, app: Any, count: Callable[[str, str, str], None]) -> None:
+        self.app, self.count = app, count
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_and_note(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            method = scope.get("method", "")
+            self.count(method if method in ("GET", "POST") else "other",
+                       scope["path"] if scope["path"] in ROUTES else "other", str(status))
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        if error.status_code == 404:
+            message = f"Unknown route {request.method} {request.url.path}; see /v1/models, /v1/completions, " \
+                      "/v1/chat/completions, /health, /metrics"
+        else:
+            message = str(error.detail)
+        return JSONResponse(protocol.error_body(message, "invalid_request_error"), status_code=error.status_code,
+                            headers=getattr(error, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, error: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse(protocol.error_body("internal server error", "server_error"), status_code=500)

@@ -1,0 +1,178 @@
+"""``medusa-serve``: an OpenAI-compatible HTTP server with speculative decoding.
+
+    medusa-serve                                          # the default model, plain decoding
+    medusa-serve --method lookup                          # prompt lookup, no extra weights
+    medusa-serve --heads runs/demo/heads                  # Medusa heads (and their base model)
+    medusa-serve --api-key "$KEY" --port 8001             # clients send Authorization: Bearer KEY
+
+Then point any OpenAI client at http://127.0.0.1:8000/v1. The server listens on 127.0.0.1 unless
+--host says otherwise; model code from the Hub runs only with --trust-remote-code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import sys
+from typing import Any, Sequence
+
+from medusa_infer.proposers import METHODS
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+API_KEY_ENV = "MEDUSA_SERVE_API_KEY"
+
+log = logging.getLogger("medusa_infer.serving")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="medusa-serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None,
+                        help=f"base model: a default-model name, folder or Hub id (default {DEFAULT_MODEL}, "
+                             "or the one the heads were trained for)")
+    parser.add_argument("--heads", help="Medusa heads folder or Hub repo (safetensors; needed by --method medusa)")
+    parser.add_argument("--method", choices=METHODS, default=None,
+                        help="how candidates are proposed (default: medusa with --heads, else autoregressive)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model id clients send (default: --model, or the heads' base model)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                        help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV})")
+    parser.add_argument("--max-batch", type=int, default=16, help="rows decoded at once, all batches together")
+    parser.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get HTTP 503")
+    parser.add_argument("--request-timeout", type=float, default=120.0,
+                        help="seconds a request may take, queued and decoding (0: no limit)")
+    parser.add_argument("--acceptance", choices=("lossless", "typical"), default="lossless",
+                        help="acceptance rule of sampled requests (greedy requests are exact anyway)")
+    parser.add_argument("--tree", help="tree preset for --method medusa (default: the heads' own tree)")
+    parser.add_argument("--draft-model", help="draft model for --method draft")
+    parser.add_argument("--draft-tokens", type=int, default=None, help="draft / lookup tokens a step")
+    parser.add_argument("--layerskip-layers", type=int, default=None,
+                        help="target layers used as the draft by --method layerskip")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="allow model code from the Hub to run (off by default)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for torch (default: torch's choice; 1 is faster on a busy machine)")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    args = parser.parse_args(argv)
+    if args.method is None:
+        args.method = "medusa" if args.heads else "autoregressive"
+    if args.method == "medusa" and not args.heads:
+        parser.error("--method medusa needs --heads (or use --method lookup, which needs no weights)")
+    if args.method == "draft" and not args.draft_model:
+        parser.error("--method draft needs --draft-model")
+    if args.heads and args.trust_remote_code and not args.model:
+        parser.error("--trust-remote-code applies to --model: name the base model with --model")
+    if args.max_batch < 1 or args.max_queue < 1:
+        parser.error(f"--max-batch and --max-queue must be >= 1, got {args.max_batch} and {args.max_queue}")
+    if not 0 < args.port < 65536:
+        parser.error(f"--port must be in 1..65535, got {args.port}")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    if args.request_timeout < 0:
+        parser.error(f"--request-timeout must be >= 0, got {args.request_timeout}")
+    if args.api_key is not None and not args.api_key.strip():
+        parser.error("--api-key is empty")
+    return args
+
+
+def load_model(args: argparse.Namespace):
+    """The target ``MedusaModel`` (with heads when ``--heads`` is given) and its tokenizer."""
+    from medusa_infer.model import MedusaModel
+    from medusa_infer.models import load_base_model, load_tokenizer
+
+    def base(name: str):
+        trust = args.trust_remote_code
+        return load_base_model(name, trust_remote_code=trust), load_tokenizer(name, trust_remote_code=trust)
+
+    if args.heads:
+        model, tokenizer = base(args.model) if args.model else (None, None)
+        model = MedusaModel.from_pretrained(args.heads, base_model=model, tokenizer=tokenizer)
+    else:
+        base_model, tokenizer = base(args.model or DEFAULT_MODEL)
+        model = MedusaModel(base_model, None, tokenizer)
+    if model.tokenizer is None:
+        raise ValueError("the model was loaded without a tokenizer; pass --model")
+    if args.draft_model:  # loaded once here, not for every batch
+        draft, draft_tokenizer = base(args.draft_model)
+        args.draft_model = MedusaModel(draft, None, draft_tokenizer)
+    return model
+
+
+def served_name(args: argparse.Namespace, model) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model:
+        return args.model
+    return getattr(model.base_model, "name_or_path", None) or DEFAULT_MODEL
+
+
+def build_app(model, name: str, method: str, *, options: Any = None, api_key: str | None = None,
+              max_batch: int = 16, max_queue: int = 64, request_timeout: float | None = 120.0,
+              acceptance: str = "lossless"):
+    """The FastAPI app and its engine for a loaded ``model`` (tests use it with tiny models).
+
+    Args:
+        name: the model id clients send.
+        method: the proposer method; ``options`` its settings (see ``build_proposer``).
+        request_timeout: seconds a request may take in all; None or 0: no limit.
+    """
+    from medusa_infer.decoding import _context_length, _eos_ids
+    from medusa_infer.serving.app import ServerSettings, create_app
+    from medusa_infer.serving.metrics import ServingMetrics
+    from medusa_infer.serving.protocol import ModelInfo
+    from medusa_infer.serving.scheduler import Engine
+
+    tokenizer = model.tokenizer
+    engine = Engine(model, tokenizer, method, options, max_batch=max_batch, max_queue=max_queue,
+                    metrics=ServingMetrics(name))
+    info = ModelInfo(name, tokenizer, _context_length(model), model.lm_head.weight.shape[0])
+    settings = ServerSettings(method, _eos_ids(model, tokenizer, None), api_key, request_timeout or None, acceptance)
+    return create_app(engine, info, settings), engine
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvicorn
+    except ImportError:
+        print("medusa-serve: error: the server needs the serve extra: pip install 'medusa-forge[serve]'",
+              file=sys.stderr)
+        return 1
+    if not _is_loopback(args.host) and args.api_key is None:
+        log.warning("listening on %s without --api-key: anyone who can reach this address can use the model",
+                    args.host)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    try:
+        model = load_model(args)
+    except (ValueError, RuntimeError, OSError) as error:
+        print(f"medusa-serve: error: {error}", file=sys.stderr)
+        return 1
+    name = served_name(args, model)
+    app, _ = build_app(model, name, args.method, options=args, api_key=args.api_key, max_batch=args.max_batch,
+                       max_queue=args.max_queue, request_timeout=args.request_timeout, acceptance=args.acceptance)
+    log.info("serving %s with %s on http://%s:%d/v1", name, args.method, args.host, args.port)
+    limit = 2 * (args.max_batch + args.max_queue) + 32  # open connections; beyond them uvicorn answers 503
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, limit_concurrency=limit,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,432 @@
+"""The OpenAI wire format: request validation and response bodies.
+
+Every request is checked here before it reaches the engine; anything wrong becomes an
+``APIError`` whose body has OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
+Parsing is strict where OpenAI's is (types, ranges, ``n``), and refuses the features this server
+does not have (log-probabilities, tools, penalties) instead of silently ignoring them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+MAX_BODY_BYTES = 8 << 20
+MAX_STOP_STRINGS = 4
+MAX_STOP_LENGTH = 512
+MAX_CHARS_PER_TOKEN = 64  # a prompt with more characters than this per context token cannot fit
+MAX_SEED = 2**64 - 1
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+ACCEPTANCE_CHOICES = ("lossless", "typical")
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
+
+# Parameters the server does not implement, and the values that mean "not used".
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "audio": (None,),
+    "prediction": (None,),
+}
+
+
+class APIError(Exception):
+    """An error answered to the client as ``status`` with an OpenAI-style body."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What validation needs to know about the served model.
+
+    Attributes:
+        name: the model id clients must send.
+        tokenizer: the model's tokenizer (fast tokenizers are safe to call from the event loop).
+        context_length: prompt plus completion may hold at most this many tokens.
+        vocab_size: token ids must be below this.
+    """
+
+    name: str
+    tokenizer: Any
+    context_length: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """A validated request. ``acceptance`` is None for greedy requests and for the server default."""
+
+    kind: str  # "completion" or "chat"
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    ignore_eos: bool
+    acceptance: str | None
+
+
+# -- reading the body ---------------------------------------------------------------------------
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object (NaN and Infinity refused, as JSON has none)."""
+    if not raw.strip():
+        raise invalid("the request body is empty; send a JSON object")
+    try:
+        body = json.loads(raw, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError
+        raise invalid(f"the request body is not valid JSON: {_short(error)}") from None
+    if not isinstance(body, dict):
+        raise invalid(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_completion(body: dict[str, Any], model: ModelInfo) -> GenerationParams:
+    """Validate a ``/v1/completions`` body and tokenise its prompt."""
+    _check_common(body, model)
+    prompt_ids = _prompt_ids(body, model)
+    return _params("completion", body, model, prompt_ids, "max_tokens", DEFAULT_COMPLETION_TOKENS)
+
+
+def parse_chat(body: dict[str, Any], model: ModelInfo) -> GenerationParams:
+    """Validate a ``/v1/chat/completions`` body and render its messages with the chat template."""
+    _check_common(body, model)
+    messages = _messages(body)
+    _response_format(body)
+    tokenizer = model.tokenizer
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise invalid("this model's tokenizer has no chat template; use /v1/completions instead", "messages")
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as error:  # a template may refuse a conversation (e.g. roles not alternating)
+        raise invalid(f"the chat template refused these messages: {_short(error)}", "messages") from None
+    prompt_ids = _tokenize(model, text, False, "messages")
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    return _params("chat", body, model, prompt_ids, name, None)
+
+
+def _check_common(body: dict[str, Any], model: ModelInfo) -> None:
+    name = body.get("model")
+    if name is None:
+        raise invalid("you must provide a model parameter", "model")
+    if not isinstance(name, str):
+        raise invalid(f"model must be a string, got {_type(name)}", "model")
+    if name != model.name:
+        raise APIError(404, f"The model `{_clip(name)}` does not exist; this server serves `{model.name}`.",
+                       "invalid_request_error", "model", "model_not_found")
+    n = _integer(body, "n", 1, None)
+    if n != 1:
+        raise invalid(f"n must be 1 (this server returns one choice per request), got {n}; "
+                      "send separate requests for more", "n")
+    for param, unused in UNSUPPORTED.items():
+        if body.get(param) not in unused:
+            raise invalid(f"{param} is not supported by this server; leave it out", param, "unsupported_parameter")
+
+
+def _params(kind: str, body: dict[str, Any], model: ModelInfo, prompt_ids: list[int],
+            max_tokens_name: str, default_max_tokens: int | None) -> GenerationParams:
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, exclusive_minimum=True)
+    top_k = _integer(body, "top_k", 0, -1, model.vocab_size) or 0
+    seed = _integer(body, "seed", None, 0, MAX_SEED)
+    stream = _boolean(body, "stream", False)
+    ignore_eos = _boolean(body, "ignore_eos", False)
+    include_usage = _stream_options(body, stream)
+    stop = _stop(body)
+    acceptance = _choice(body, "acceptance", ACCEPTANCE_CHOICES)
+    room = model.context_length - len(prompt_ids)
+    if room < 1:
+        raise invalid(f"This model's maximum context length is {model.context_length} tokens, and the prompt "
+                      f"has {len(prompt_ids)} tokens; shorten the prompt.", "messages" if kind == "chat" else "prompt",
+                      "context_length_exceeded")
+    max_tokens = _integer(body, max_tokens_name, None, 1, None)
+    if max_tokens is None:
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    elif max_tokens > room:
+        raise invalid(f"This model's maximum context length is {model.context_length} tokens. However, you "
+                      f"requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, "
+                      f"{max_tokens} for the completion). Lower {max_tokens_name} to at most {room} or shorten "
+                      "the prompt.", max_tokens_name, "context_length_exceeded")
+    return GenerationParams(kind, prompt_ids, max_tokens, temperature, top_p, max(top_k, 0), seed, stop,
+                            stream, include_usage, ignore_eos, acceptance)
+
+
+# -- fields -------------------------------------------------------------------------------------
+
+
+def _prompt_ids(body: dict[str, Any], model: ModelInfo) -> list[int]:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise invalid("you must provide a prompt", "prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise invalid("prompt must not be empty", "prompt")
+        ids = _tokenize(model, prompt, True, "prompt")
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        ids = list(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise invalid(f"send one prompt per request (got {len(prompt)})", "prompt")
+    else:
+        raise invalid("prompt must be a string, a list of token ids, or a list with one of these", "prompt")
+    if not ids:
+        raise invalid("the prompt has no tokens", "prompt")
+    bad = next((t for t in ids if not 0 <= t < model.vocab_size), None)
+    if bad is not None:
+        raise invalid(f"token id {bad} is outside the vocabulary [0, {model.vocab_size})", "prompt")
+    return ids
+
+
+def _tokenize(model: ModelInfo, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    """Token ids of ``text``; text far too long for the context is refused before tokenising it."""
+    if len(text) > model.context_length * MAX_CHARS_PER_TOKEN:
+        raise invalid(f"This model's maximum context length is {model.context_length} tokens, and the prompt "
+                      f"has {len(text)} characters, far more than fit; shorten the prompt.", param,
+                      "context_length_exceeded")
+    return list(model.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if messages is None:
+        raise invalid("you must provide messages", "messages")
+    if not isinstance(messages, list):
+        raise invalid(f"messages must be a list of message objects, got {_type(messages)}", "messages")
+    if not messages:
+        raise invalid("messages must not be empty", "messages")
+    out = []
+    for i, message in enumerate(messages):
+        param = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise invalid(f"{param} must be an object with role and content, got {_type(message)}", param)
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise invalid(f"{param}.role must be one of {', '.join(CHAT_ROLES)}; got {_clip(repr(role))}",
+                          f"{param}.role")
+        content = _content(message.get("content"), f"{param}.content")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+def _content(content: Any, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise invalid(f"{param}: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported", param)
+            texts.append(part["text"])
+        return "\n".join(texts)
+    if content is None:
+        raise invalid(f"{param} is required", param)
+    raise invalid(f"{param} must be a string or a list of text parts, got {_type(content)}", param)
+
+
+def _response_format(body: dict[str, Any]) -> None:
+    value = body.get("response_format")
+    if value is None or value == {"type": "text"}:
+        return
+    raise invalid("response_format other than {\"type\": \"text\"} is not supported", "response_format",
+                  "unsupported_parameter")
+
+
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise invalid("stop must be a string or a list of strings", "stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise invalid(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}", "stop")
+    if any(not s for s in stop):
+        raise invalid("stop strings must not be empty", "stop")
+    if any(len(s) > MAX_STOP_LENGTH for s in stop):
+        raise invalid(f"stop strings may be at most {MAX_STOP_LENGTH} characters long", "stop")
+    return tuple(stop)
+
+
+def _stream_options(body: dict[str, Any], stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise invalid("stream_options is only allowed with stream: true", "stream_options")
+    if not isinstance(options, dict):
+        raise invalid(f"stream_options must be an object, got {_type(options)}", "stream_options")
+    return _boolean(options, "include_usage", False, "stream_options.include_usage")
+
+
+def _integer(body: dict[str, Any], name: str, default: int | None, minimum: int | None,
+             maximum: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_int(value):
+        raise invalid(f"{name} must be an integer, got {_type(value)} {_clip(repr(value))}", name)
+    if minimum is not None and value < minimum:
+        raise invalid(f"{name} must be at least {minimum}, got {value}", name)
+    if maximum is not None and value > maximum:
+        raise invalid(f"{name} must be at most {maximum}, got {_clip(str(value))}", name)
+    return value
+
+
+def _number(body: dict[str, Any], name: str, default: float, minimum: float, maximum: float,
+            exclusive_minimum: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise invalid(f"{name} must be a number, got {_type(value)} {_clip(repr(value))}", name)
+    low_ok = value > minimum if exclusive_minimum else value >= minimum
+    if not low_ok or value > maximum:
+        interval = f"({minimum}, {maximum}]" if exclusive_minimum else f"[{minimum}, {maximum}]"
+        raise invalid(f"{name} must be in {interval}, got {value}", name)
+    return float(value)
+
+
+def _boolean(body: dict[str, Any], name: str, default: bool, param: str | None = None) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise invalid(f"{param or name} must be true or false, got {_type(value)} {_clip(repr(value))}", param or name)
+    return value
+
+
+def _choice(body: dict[str, Any], name: str, choices: tuple[str, ...]) -> str | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if value not in choices:
+        raise invalid(f"{name} must be one of {', '.join(choices)}; got {_clip(repr(value))}", name)
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _type(value: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null",
+            int: "integer", float: "number"}.get(type(value), type(value).__name__)
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _short(error: BaseException) -> str:
+    return _clip(str(error) or type(error).__name__, 200)
+
+
+# -- responses ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Speculation:
+    """A request's speculative statistics: ``draft_steps`` decoding steps (after the prefill) in
+    which ``accepted_tokens`` draft tokens were accepted; ``tau`` counts the bonus token."""
+
+    method: str
+    draft_steps: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def tau(self) -> float:
+        return (self.accepted_tokens + self.draft_steps) / self.draft_steps if self.draft_steps else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"method": self.method, "tau": round(self.tau, 4), "accepted_tokens": self.accepted_tokens,
+                "draft_steps": self.draft_steps}
+
+
+def usage(prompt_tokens: int, completion_tokens: int, speculation: Speculation) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens_details": {"accepted_prediction_tokens": speculation.accepted_tokens},
+        "speculative": speculation.to_dict(),
+    }
+
+
+def new_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+def response_body(kind: str, request_id: str, model: str, created: int, text: str, finish_reason: str,
+                  usage_: dict[str, Any]) -> dict[str, Any]:
+    """The whole (non-streamed) answer."""
+    if kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish_reason}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return {"id": request_id, "object": "chat.completion" if kind == "chat" else "text_completion",
+            "created": created, "model": model, "choices": [choice], "usage": usage_}
+
+
+def chunk_body(kind: str, request_id: str, model: str, created: int, text: str | None,
+               finish_reason: str | None = None, usage_: dict[str, Any] | None = None,
+               first: bool = False, choices: bool = True) -> dict[str, Any]:
+    """One streamed chunk; ``choices=False`` gives the usage-only chunk of ``include_usage``."""
+    body: dict[str, Any] = {"id": request_id, "created": created, "model": model,
+                            "object": "chat.completion.chunk" if kind == "chat" else "text_completion"}
+    if not choices:
+        body["choices"] = []
+    elif kind == "chat":
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if text is not None:
+            delta["content"] = text
+        body["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+    else:
+        body["choices"] = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]
+    if usage_ is not None:
+        body["usage"] = usage_
+    return body
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,434 @@
+"""The engine: one thread owns the model and decodes every request, batched.
+
+Each turn of the engine loop::
+
+    apply cancellations and timeouts      # rows leave their batch (DecodeBatch.cancel)
+    admit queued requests                 # up to max_batch rows in all; those with equal sampling
+                                          # settings are prefilled together, then merged into a
+                                          # running batch of the same settings if the proposer can
+    step every running batch once         # each row's new tokens go to its request's callback
+    drop finished batches
+
+Batches are grouped by sampling settings (a ``SamplingConfig``), because one ``DecodeBatch``
+samples all its rows alike. A sampled request with a seed gets a batch of its own with its own
+``torch.Generator``, so its output depends on nothing else the server is doing.
+
+The engine knows nothing of HTTP: a ``Request`` carries token ids in and hands ``Update`` objects
+to its ``on_update`` callback, called on the engine thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Iterator
+
+import torch
+
+from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig, _context_length
+from medusa_infer.metrics import GenerationMetrics
+from medusa_infer.proposers import build_proposer
+from medusa_infer.serving.metrics import ServingMetrics
+
+log = logging.getLogger(__name__)
+
+ABORT_REASONS = ("disconnect", "timeout", "error", "shutdown")
+"""``Update.finish`` of a request that did not finish by itself (see ``DecodeBatch.finish`` for the rest)."""
+
+
+CANCEL_MESSAGES = {"disconnect": "the client went away", "shutdown": "the server is shutting down",
+                   "timeout": "the request timed out", "error": "the request failed"}
+
+
+class QueueFull(Exception):
+    """The queue of waiting requests is full."""
+
+
+class EngineStopped(Exception):
+    """The engine is shutting down (or its thread died) and takes no requests."""
+
+
+@dataclass
+class Update:
+    """What the engine tells a request after a step.
+
+    Attributes:
+        token_ids: tokens generated since the last update.
+        finish: None while running; then ``DecodeBatch``'s reason (``eos``, ``stop``, ``length``,
+            ``context``) or one of ``ABORT_REASONS``.
+        error: a message when ``finish`` is an abort reason.
+        draft_steps: decoding steps the request has been through (after its prefill).
+        accepted_tokens: draft tokens accepted over those steps.
+    """
+
+    token_ids: list[int]
+    finish: str | None = None
+    error: str | None = None
+    draft_steps: int = 0
+    accepted_tokens: int = 0
+
+
+_request_ids = itertools.count()
+
+
+class Request:
+    """One generation as the engine sees it.
+
+    Args:
+        prompt_ids: the prompt's token ids.
+        sampling: how tokens are chosen.
+        stop: when the request stops (max tokens, EOS ids, stop strings).
+        on_update: called on the engine thread with every ``Update``; must not block.
+        seed: seeds the request's own random generator (sampled requests only).
+        timeout: seconds from now after which the request is aborted with ``timeout``.
+    """
+
+    def __init__(self, prompt_ids: list[int], sampling: SamplingConfig, stop: StopConfig,
+                 on_update: Callable[[Update], None], seed: int | None = None, timeout: float | None = None) -> None:
+        if not prompt_ids:
+            raise ValueError("a request needs at least one prompt token")
+        self.id = next(_request_ids)
+        self.prompt_ids, self.sampling, self.stop, self.seed = list(prompt_ids), sampling, stop, seed
+        self.on_update = on_update
+        self.arrival = time.monotonic()
+        self.deadline = self.arrival + timeout if timeout else None
+        self.first_token_at: float | None = None
+        self.generated = 0
+        self.finish: str | None = None
+        self.slot: tuple[_Running, int] | None = None  # (batch, row) once decoding
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+    @property
+    def batch_key(self) -> Hashable:
+        """Requests with equal keys may share a batch."""
+        if self.seed is not None and not self.sampling.greedy:
+            return ("seeded", self.id)
+        return self.sampling
+
+
+@dataclass(eq=False)
+class _Running:
+    key: Hashable
+    batch: DecodeBatch
+    requests: dict[int, Request] = field(default_factory=dict)  # row -> request
+
+    @property
+    def can_merge(self) -> bool:
+        return not isinstance(self.key, tuple) and hasattr(self.batch.proposer, "merge")
+
+
+class Engine:
+    """Decodes requests on a thread of its own.
+
+    Args:
+        model: a ``MedusaModel`` (with heads for ``method="medusa"``).
+        tokenizer: its tokenizer (stop strings are matched on decoded text).
+        method: a proposer method of ``medusa_infer.proposers.METHODS``.
+        options: the method's settings (see ``build_proposer``).
+        max_batch: at most this many rows are decoded at once, all batches together.
+        max_queue: at most this many requests wait; ``submit`` raises ``QueueFull`` beyond.
+        metrics: where counters go (a fresh ``ServingMetrics`` by default).
+    """
+
+    def __init__(self, model, tokenizer, method: str = "autoregressive", options: Any = None, *,
+                 max_batch: int = 16, max_queue: int = 64, metrics: ServingMetrics | None = None) -> None:
+        if max_batch < 1 or max_queue < 1:  # every request passes through the queue
+            raise ValueError(f"need max_batch >= 1 and max_queue >= 1, got {max_batch} and {max_queue}")
+        build_proposer(method, model, options)  # fail now, not on the first request
+        self.model, self.tokenizer, self.method, self.options = model, tokenizer, method, options
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.metrics = metrics or ServingMetrics("model")
+        self.context_length = _context_length(model)
+        pad = getattr(tokenizer, "pad_token_id", None)
+        self.pad_token_id = int(pad) if pad is not None else 0
+        self._lock = threading.Lock()  # guards everything below that other threads touch
+        self._wake = threading.Condition(self._lock)
+        self._waiting: deque[Request] = deque()
+        self._cancels: dict[Request, str] = {}
+        self._holds = 0
+        self._in_turn = False
+        self._stopping = False
+        self._batches: list[_Running] = []  # engine thread only
+        self._active: dict[int, Request] = {}  # engine thread only: id -> request, waiting or decoding
+        self._num_batches = 0
+        self._thread = threading.Thread(target=self._run, name="medusa-engine", daemon=True)
+
+    # -- the public surface (any thread) ------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort what is left (``shutdown``) and end the engine thread."""
+        with self._lock:
+            self._stopping = True
+            self._wake.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def submit(self, request: Request) -> None:
+        """Queue ``request``; raises ``QueueFull`` or ``EngineStopped``."""
+        with self._lock:
+            if not self.alive:
+                raise EngineStopped("the engine is not running")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are already waiting (--max-queue {self.max_queue})")
+            self._waiting.append(request)
+            self.metrics.waiting.set(len(self._waiting))
+            self._wake.notify_all()
+
+    def cancel(self, request: Request, reason: str = "disconnect") -> None:
+        """End ``request`` between steps (no-op once it has finished): one of ``ABORT_REASONS``,
+        or ``stop`` when the caller found a stop string the engine did not (a normal finish)."""
+        if reason not in ABORT_REASONS + ("stop",):
+            raise ValueError(f"reason must be one of {ABORT_REASONS + ('stop',)}, got {reason!r}")
+        with self._lock:
+            if not request.done:
+                self._cancels.setdefault(request, reason)  # the first reason given wins
+                self._wake.notify_all()
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        """Pause the engine between two turns while the block runs (for tests and maintenance):
+        requests can still be queued and cancelled, and take effect once the block ends."""
+        with self._lock:
+            self._holds += 1
+            while self._in_turn:
+                self._wake.wait()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._holds -= 1
+                self._wake.notify_all()
+
+    def snapshot(self) -> dict[str, int]:
+        """Counts for health checks and tests: rows decoding, requests waiting, cancels pending."""
+        with self._lock:
+            return {"running": int(self.metrics.running.value()), "waiting": len(self._waiting),
+                    "pending_cancels": len(self._cancels), "batches": self._num_batches}
+
+    # -- the engine thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not self._stopping and (self._holds or not self._has_work()):
+                        self._wake.wait()
+                    if self._stopping:
+                        break
+                    self._in_turn = True
+                try:
+                    with torch.inference_mode():
+                        self._turn()
+                except Exception as error:  # a bug must not leave clients waiting forever
+                    log.exception("engine turn failed; aborting the requests being decoded")
+                    for running in list(self._batches):
+                        self._fail_batch(running, error)
+                finally:
+                    with self._lock:
+                        self._in_turn = False
+                        self._wake.notify_all()
+        finally:
+            with self._lock:
+                self._stopping = True
+                waiting, self._waiting = list(self._waiting), deque()
+            for request in list(self._active.values()) + waiting:
+                self._finish(request, "shutdown", error="the server is shutting down")
+            self._batches.clear()
+            self._publish_counts()
+
+    def _has_work(self) -> bool:
+        return bool(self._waiting or self._cancels or self._batches)
+
+    def _turn(self) -> None:
+        with self._lock:
+            cancels, self._cancels = self._cancels, {}
+        for request, reason in cancels.items():
+            self._abort(request, reason, CANCEL_MESSAGES.get(reason))
+        now = time.monotonic()
+        with self._lock:
+            overdue = [r for r in self._waiting if r.deadline is not None and r.deadline <= now]
+        overdue += [r for r in self._active.values() if r.deadline is not None and r.deadline <= now]
+        for request in overdue:
+            timeout = (request.deadline or now) - request.arrival
+            self._abort(request, "timeout", f"the request did not finish within its {timeout:g} s timeout")
+        self._admit()
+        for running in list(self._batches):
+            if not running.batch.done:
+                self._step(running)
+        self._batches = [r for r in self._batches if not r.batch.done]
+        self._publish_counts()
+
+    def _admit(self) -> None:
+        room = self.max_batch - sum(len(r.batch.rows) for r in self._batches)
+        with self._lock:
+            admitted = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+            self.metrics.waiting.set(len(self._waiting))
+        groups: dict[Hashable, list[Request]] = {}
+        for request in admitted:
+            self._active[request.id] = request
+            groups.setdefault(request.batch_key, []).append(request)
+        for key, requests in groups.items():
+            try:
+                self._start_batch(key, requests)
+            except Exception as error:  # a batch it was merging into fails at its next step
+                log.exception("prefill failed")
+                for request in requests:
+                    if request.slot is not None:
+                        running, row = request.slot
+                        running.requests.pop(row, None)
+                        request.slot = None
+                    self._finish(request, "error", error=f"prefill failed: {error}")
+
+    def _start_batch(self, key: Hashable, requests: list[Request]) -> None:
+        sampling, seed = requests[0].sampling, requests[0].seed
+        ids, mask = _left_pad([r.prompt_ids for r in requests], self.pad_token_id)
+        generator = None
+        if isinstance(key, tuple) and seed is not None:  # a seeded request: its own generator
+            generator = torch.Generator(device=self.model.device).manual_seed(seed)
+        proposer = build_proposer(self.method, self.model, self.options)
+        batch = DecodeBatch(self.model, ids, mask, proposer, sampling, [r.stop for r in requests],
+                            self.tokenizer, generator)
+        self.metrics.prompt_tokens.inc(sum(len(r.prompt_ids) for r in requests))
+        fresh = _Running(key, batch, dict(enumerate(requests)))
+        for row, request in fresh.requests.items():
+            request.slot = (fresh, row)
+        emitted = batch.prefill()
+        self._deliver(fresh, emitted)
+        if batch.done:
+            return
+        target = next((r for r in self._batches if r.key == key and r.can_merge and not r.batch.done), None)
+        if target is None:
+            self._batches.append(fresh)
+            return
+        joined = target.batch.merge(batch)
+        self.metrics.batch_joins.inc(len(joined))
+        for row, new_row in zip(batch.rows, joined):
+            request = fresh.requests[row]
+            target.requests[new_row] = request
+            request.slot = (target, new_row)
+
+    def _step(self, running: _Running) -> None:
+        before = _spec_counts(running.batch.metrics)
+        self.metrics.batch_steps.inc()
+        self.metrics.batch_row_steps.inc(len(running.batch.rows))
+        try:
+            emitted = running.batch.step()
+        except Exception as error:
+            log.exception("decoding step failed")
+            self._fail_batch(running, error)
+            return
+        self._record_speculation(before, _spec_counts(running.batch.metrics))
+        self._deliver(running, emitted)
+
+    def _deliver(self, running: _Running, emitted: dict[int, list[int]]) -> None:
+        batch, now = running.batch, time.monotonic()
+        for row, tokens in emitted.items():
+            request = running.requests.get(row)
+            if request is None:
+                continue
+            if tokens and request.first_token_at is None:
+                request.first_token_at = now
+                self.metrics.ttft.observe(now - request.arrival)
+            request.generated += len(tokens)
+            self.metrics.generation_tokens.inc(len(tokens))
+            finish = batch.finish[row]
+            if finish is None:
+                _notify(request, Update(tokens, None, None, batch.row_steps[row], batch.row_accepted[row]))
+            else:
+                del running.requests[row]
+                self._finish(request, finish, tokens)
+
+    def _abort(self, request: Request, reason: str, message: str | None) -> None:
+        if request.done:
+            return
+        if request.slot is None:
+            with self._lock:
+                if request in self._waiting:
+                    self._waiting.remove(request)
+                self.metrics.waiting.set(len(self._waiting))
+        else:
+            running, row = request.slot
+            running.batch.cancel(row)
+            running.requests.pop(row, None)
+        self._finish(request, reason, error=message)
+
+    def _fail_batch(self, running: _Running, error: Exception) -> None:
+        for request in list(running.requests.values()):
+            self._finish(request, "error", error=f"decoding failed: {error}")
+        running.requests.clear()
+        if running in self._batches:
+            self._batches.remove(running)
+
+    def _finish(self, request: Request, finish: str, tokens: list[int] | None = None,
+                error: str | None = None) -> None:
+        if request.done:
+            return
+        request.finish = finish
+        self._active.pop(request.id, None)
+        steps = accepted = 0
+        if request.slot is not None:
+            running, row = request.slot
+            steps, accepted = running.batch.row_steps[row], running.batch.row_accepted[row]
+        now = time.monotonic()
+        if finish in ABORT_REASONS:
+            self.metrics.aborted.inc(reason=finish)
+        else:
+            self.metrics.request_success.inc(finished_reason="length" if finish in ("length", "context") else "stop")
+            self.metrics.e2e.observe(now - request.arrival)
+            if request.first_token_at is not None and request.generated > 1:
+                self.metrics.tpot.observe((now - request.first_token_at) / (request.generated - 1))
+        _notify(request, Update(tokens or [], finish, error, steps, accepted))
+
+    def _record_speculation(self, before: tuple[list[int], list[int]], after: tuple[list[int], list[int]]) -> None:
+        offered = [a - (before[0][i] if i < len(before[0]) else 0) for i, a in enumerate(after[0])]
+        accepted = [a - (before[1][i] if i < len(before[1]) else 0) for i, a in enumerate(after[1])]
+        if not offered or offered[0] == 0:
+            return
+        self.metrics.spec_drafts.inc(offered[0])
+        self.metrics.spec_draft_tokens.inc(sum(offered))
+        self.metrics.spec_accepted_tokens.inc(sum(accepted))
+        for position, count in enumerate(accepted):
+            self.metrics.spec_accepted_per_pos.inc(count, position=position)
+
+    def _publish_counts(self) -> None:
+        self.metrics.running.set(sum(len(r.requests) for r in self._batches))
+        with self._lock:
+            self.metrics.waiting.set(len(self._waiting))
+            self._num_batches = len(self._batches)
+
+
+def _notify(request: Request, update: Update) -> None:
+    try:
+        request.on_update(update)
+    except Exception:  # the client's side is gone (e.g. its event loop closed): nothing to tell
+        log.debug("could not deliver an update to request %s", request.id, exc_info=True)
+
+
+def _spec_counts(metrics: GenerationMetrics) -> tuple[list[int], list[int]]:
+    return list(metrics.offered_by_depth), list(metrics.accepted_by_depth)
+
+
+def _left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[batch, longest]`` token ids and attention mask, padded on the left."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+        mask[row, width - len(prompt):] = 1
+    return ids, mask

@@ -1,0 +1,302 @@
+"""Serving benchmark: throughput and latency of ``medusa-serve`` with speculation on and off.
+
+For each method (the speculative one, then ``autoregressive``) the script starts a server on
+127.0.0.1 in a subprocess, sends ``--requests`` streamed chat requests at each concurrency level
+(at most that many in flight), and measures per request the time to first token (TTFT), the time
+per output token after the first (TPOT) and the end-to-end latency; per level the output
+throughput. Requests are greedy, so both methods must produce the same text: the table says
+whether they did.
+
+    python scripts/bench_serving.py --method lookup --requests 16 --max-tokens 64 --output bench.json
+    python scripts/bench_serving.py --method medusa --heads runs/demo/heads --output bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the river bank.",
+    "Write a Python function that returns the factorial of a number.",
+    "Summarize in one sentence: Speculative decoding lets a small proposer suggest several tokens that "
+    "the large model then checks in a single forward pass, so more than one token can be produced per step.",
+    "List three fruits that are red.",
+    "Fix the spelling in this sentence: I recieved the pakage yesterday and it was definately broken.",
+    "Explain what a hash table is in two sentences.",
+    "Translate to French: Good morning, how are you today?",
+    "Rewrite this in the past tense: She walks to the market, buys bread and comes home.",
+    "Give me a short poem about the sea.",
+    "What are the three primary colors?",
+    "Copy the following list and number each item: apples, bananas, cherries, dates, elderberries.",
+    "How many days are there in a leap year?",
+    "Write a SQL query that selects all users older than 30 from a table named users.",
+    "Continue the sequence: Monday, Tuesday, Wednesday,",
+    "Describe a cat to someone who has never seen one.",
+]
+SERVER_START_TIMEOUT_S = 600
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    tokens: int = 0
+    tau: float = 1.0
+    text: str = ""
+    error: str = ""
+
+    @property
+    def tpot_s(self) -> float:
+        return (self.e2e_s - self.ttft_s) / (self.tokens - 1) if self.tokens > 1 else 0.0
+
+
+@dataclass
+class LevelResult:
+    method: str
+    concurrency: int
+    requests: int
+    ok: int
+    wall_s: float
+    output_tokens: int
+    throughput_tok_s: float
+    requests_per_s: float
+    tau: float
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    tpot_p50_ms: float
+    tpot_p90_ms: float
+    e2e_p50_s: float
+    e2e_p90_s: float
+    texts: list[str] = field(default_factory=list, repr=False)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct",
+                        help="base model (default-model name, folder, Hub id)")
+    parser.add_argument("--heads", help="Medusa heads folder (for --method medusa)")
+    parser.add_argument("--method", default=None,
+                        help="speculative method compared with autoregressive (default: medusa with --heads, "
+                             "else lookup)")
+    parser.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads of each server")
+    parser.add_argument("--server-arg", action="append", default=[],
+                        help="extra argument for medusa-serve (repeatable), e.g. --server-arg=--draft-tokens=4")
+    parser.add_argument("--output", type=Path, default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    if args.method is None:
+        args.method = "medusa" if args.heads else "lookup"
+    if args.method == "medusa" and not args.heads:
+        parser.error("--method medusa needs --heads (or use --method lookup)")
+    if args.requests < 1 or min(args.concurrency) < 1 or args.max_tokens < 1:
+        parser.error("--requests, --concurrency and --max-tokens must be positive")
+    return args
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """``python -m medusa_infer.serving`` on a free loopback port, its output in a log file."""
+
+    def __init__(self, args: argparse.Namespace, method: str, log_dir: Path) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        command = [sys.executable, "-m", "medusa_infer.serving", "--model", args.model, "--method", method,
+                   "--host", "127.0.0.1", "--port", str(self.port), "--max-batch", str(max(args.concurrency)),
+                   "--max-queue", str(args.requests + 8), "--request-timeout", "0", "--log-level", "warning",
+                   "--served-model-name", "bench"]
+        if method == "medusa":
+            command += ["--heads", args.heads]
+        if args.threads:
+            command += ["--threads", str(args.threads)]
+        command += args.server_arg
+        self.log_path = log_dir / f"server-{method}.log"
+        self.log = self.log_path.open("w")
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited ({self.process.returncode}):\n{self.tail()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"the server did not become healthy in {SERVER_START_TIMEOUT_S} s:\n{self.tail()}")
+
+    def metrics(self) -> str:
+        return httpx.get(self.base_url + "/metrics", timeout=10).text
+
+    def tail(self, lines: int = 30) -> str:
+        self.log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+
+async def one_request(client: httpx.AsyncClient, prompt: str, args: argparse.Namespace) -> RequestResult:
+    body = {"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": args.max_tokens,
+            "temperature": 0, "stream": True, "ignore_eos": args.ignore_eos}
+    start = time.perf_counter()
+    result = RequestResult(ok=False)
+    text: list[str] = []
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    result.error = event["error"]["message"]
+                    return result
+                choice = event["choices"][0] if event["choices"] else {}
+                if choice.get("delta", {}).get("content"):
+                    if not text:
+                        result.ttft_s = time.perf_counter() - start
+                    text.append(choice["delta"]["content"])
+                if event.get("usage"):
+                    result.tokens = event["usage"]["completion_tokens"]
+                    result.tau = event["usage"]["speculative"]["tau"]
+    except httpx.HTTPError as error:
+        result.error = f"{type(error).__name__}: {error}"
+        return result
+    result.e2e_s = time.perf_counter() - start
+    result.text = "".join(text)
+    result.ok = True
+    if not text:  # nothing but an end of sequence: the first token is the end
+        result.ttft_s = result.e2e_s
+    return result
+
+
+async def run_level(base_url: str, args: argparse.Namespace, concurrency: int) -> tuple[list[RequestResult], float]:
+    limit = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(None, connect=10), limits=limits) as client:
+        async def bounded(i: int) -> RequestResult:
+            async with limit:
+                return await one_request(client, PROMPTS[i % len(PROMPTS)], args)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(bounded(i) for i in range(args.requests)))
+        return list(results), time.perf_counter() - start
+
+
+def summarize(method: str, concurrency: int, results: list[RequestResult], wall_s: float) -> LevelResult:
+    ok = [r for r in results if r.ok]
+
+    def pct(values: list[float], q: float, scale: float = 1.0) -> float:
+        return round(float(np.percentile(values, q)) * scale, 3) if values else float("nan")
+
+    ttft, tpot, e2e = [r.ttft_s for r in ok], [r.tpot_s for r in ok if r.tokens > 1], [r.e2e_s for r in ok]
+    tokens = sum(r.tokens for r in ok)
+    return LevelResult(
+        method=method, concurrency=concurrency, requests=len(results), ok=len(ok), wall_s=round(wall_s, 3),
+        output_tokens=tokens, throughput_tok_s=round(tokens / wall_s, 2), requests_per_s=round(len(ok) / wall_s, 3),
+        tau=round(float(np.mean([r.tau for r in ok])), 3) if ok else float("nan"),
+        ttft_p50_ms=pct(ttft, 50, 1000), ttft_p90_ms=pct(ttft, 90, 1000),
+        tpot_p50_ms=pct(tpot, 50, 1000), tpot_p90_ms=pct(tpot, 90, 1000),
+        e2e_p50_s=pct(e2e, 50), e2e_p90_s=pct(e2e, 90), texts=[r.text for r in results],
+    )
+
+
+def bench_method(args: argparse.Namespace, method: str, log_dir: Path) -> list[LevelResult]:
+    server = Server(args, method, log_dir)
+    try:
+        print(f"[bench] starting {method} server on port {server.port} ...", file=sys.stderr, flush=True)
+        server.wait_ready()
+        asyncio.run(run_level(server.base_url, argparse.Namespace(**{**vars(args), "requests": 2}), 2))  # warm-up
+        levels = []
+        for concurrency in args.concurrency:
+            results, wall = asyncio.run(run_level(server.base_url, args, concurrency))
+            level = summarize(method, concurrency, results, wall)
+            failed = [r.error for r in results if not r.ok]
+            if failed:
+                print(f"[bench] {method} c={concurrency}: {len(failed)} failed, e.g. {failed[0]}", file=sys.stderr)
+            print(f"[bench] {method} c={concurrency}: {level.throughput_tok_s} tok/s, tau {level.tau}",
+                  file=sys.stderr, flush=True)
+            levels.append(level)
+        return levels
+    finally:
+        server.stop()
+
+
+def markdown(levels: list[LevelResult], baseline: dict[int, LevelResult], same: dict[tuple[str, int], int]) -> str:
+    rows = ["| method | conc. | ok | tok/s | speed-up | tau | TTFT p50 / p90 (ms) | TPOT p50 / p90 (ms) "
+            "| E2E p50 / p90 (s) | same text as AR |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for level in levels:
+        base = baseline.get(level.concurrency)
+        speedup = f"{level.throughput_tok_s / base.throughput_tok_s:.2f}x" if base and base.throughput_tok_s else "-"
+        rows.append(
+            f"| {level.method} | {level.concurrency} | {level.ok}/{level.requests} | {level.throughput_tok_s:.1f} "
+            f"| {speedup} | {level.tau:.2f} | {level.ttft_p50_ms:.0f} / {level.ttft_p90_ms:.0f} "
+            f"| {level.tpot_p50_ms:.1f} / {level.tpot_p90_ms:.1f} | {level.e2e_p50_s:.2f} / {level.e2e_p90_s:.2f} "
+            f"| {same.get((level.method, level.concurrency), '-')}/{level.requests} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    methods = [args.method] if args.method == "autoregressive" else [args.method, "autoregressive"]
+    with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
+        try:
+            levels = [level for method in methods for level in bench_method(args, method, Path(tmp))]
+        except RuntimeError as error:
+            print(f"bench_serving: error: {error}", file=sys.stderr)
+            return 1
+    baseline = {lv.concurrency: lv for lv in levels if lv.method == "autoregressive"}
+    same = {(lv.method, lv.concurrency): sum(a == b for a, b in zip(lv.texts, baseline[lv.concurrency].texts))
+            for lv in levels if lv.concurrency in baseline}
+    table = markdown(levels, baseline, same)
+    print(table)
+    if args.output:
+        settings = {k: v for k, v in vars(args).items() if k != "output"}
+        record = {"settings": settings, "cpu_count": os.cpu_count(),
+                  "results": [{k: v for k, v in asdict(lv).items() if k != "texts"} for lv in levels],
+                  "same_text_as_autoregressive": {f"{m}@{c}": n for (m, c), n in same.items()},
+                  "table": table}
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(record, indent=2, default=str) + "\n")
+        print(f"[bench] wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

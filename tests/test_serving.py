@@ -1,0 +1,226 @@
+"""The OpenAI-compatible server, driven by the official ``openai`` client against a live uvicorn
+server on loopback: a tiny random llama with a word-level tokenizer (no downloads), Medusa heads."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+import torch
+
+from medusa_infer.decoding import generate
+from medusa_infer.model import MedusaModel
+from medusa_infer.serving import cli
+from medusa_infer.serving.app import TextAssembler
+from medusa_infer.serving.testing import ServerThread, metric_value, serve, torch_threads, word_tokenizer
+from tiny import tiny_model
+
+PROMPT = "the cat sat on the mat and the dog ran to the house"
+MESSAGES = [{"role": "system", "content": "you are a good dog"}, {"role": "user", "content": "hello world"}]
+NO_EOS = {"ignore_eos": True}
+
+
+def tiny_medusa(seed: int = 0) -> MedusaModel:
+    tokenizer = word_tokenizer()
+    model = MedusaModel.from_base(tiny_model("llama", seed=seed, vocab_size=len(tokenizer)), num_heads=3,
+                                  tokenizer=tokenizer)
+    torch.manual_seed(seed + 1)
+    for p in model.heads.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return model
+
+
+@pytest.fixture(scope="module")
+def model():
+    with torch_threads(1):
+        yield tiny_medusa()
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    with serve(model, "medusa") as (server, engine):
+        yield server, engine
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server[0].base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        yield client
+
+
+def metrics_text(server) -> str:
+    return httpx.get(server[0].base_url + "/metrics", timeout=10).text
+
+
+def test_models_list(client, model):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert models.data[0].model_extra["max_model_len"] == model.base_model.config.max_position_embeddings
+
+
+def test_greedy_completion_equals_library_generate(client, model):
+    tokenizer = model.tokenizer
+    answer = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, extra_body=NO_EOS)
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    expected = generate(model, ids, max_new_tokens=12, eos_token_id=[])
+    assert answer.choices[0].text == tokenizer.decode(expected.new_tokens[0], skip_special_tokens=True)
+    assert answer.choices[0].finish_reason == "length"
+    assert answer.object == "text_completion" and answer.id.startswith("cmpl-")
+
+
+def test_chat_streamed_equals_whole(client):
+    whole = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, temperature=0,
+                                           extra_body=NO_EOS)
+    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, temperature=0,
+                                                 stream=True, extra_body=NO_EOS))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert whole.choices[0].message.role == "assistant"
+    assert streamed == whole.choices[0].message.content and len(streamed.split()) == 10
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+def test_streamed_completion_with_include_usage(client):
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body=NO_EOS))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    assert chunks[-2].choices[0].finish_reason == "length"
+    speculative = chunks[-2].usage.model_extra["speculative"]
+    assert speculative["method"] == "medusa" and speculative["tau"] >= 1.0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_cut_the_text(client, stream):
+    free = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, extra_body=NO_EOS)
+    words = free.choices[0].text.split()
+    stop = words[3]
+    expected = free.choices[0].text[: free.choices[0].text.index(stop)]
+    kwargs = dict(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop, "no such words"])
+    if stream:
+        chunks = list(client.completions.create(stream=True, **kwargs))
+        text = "".join(c.choices[0].text for c in chunks)
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        answer = client.completions.create(**kwargs)
+        text, finish = answer.choices[0].text, answer.choices[0].finish_reason
+    assert text == expected and stop not in text
+    assert finish == "stop"
+
+
+def test_a_stop_string_too_long_for_the_engine_still_stops(client):
+    """The engine looks for stop strings in its last 32 tokens only; the server finds longer ones."""
+    free = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=60, temperature=0, extra_body=NO_EOS)
+    words = free.choices[0].text.split(" ")
+    stop = " ".join(words[5:45])
+    answer = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=60, temperature=0, stop=stop,
+                                       extra_body=NO_EOS)
+    assert answer.choices[0].text == free.choices[0].text[: free.choices[0].text.index(stop)]
+    assert answer.choices[0].finish_reason == "stop"
+
+
+def test_text_assembler_holds_back_what_may_become_a_stop_string(model):
+    ids = model.tokenizer.convert_tokens_to_ids
+    text = TextAssembler(model.tokenizer, ("cat sat", "dog"))
+    assert text.add([ids("the")]) == "the"
+    assert text.add([ids("cat")]) == " "  # "cat" may begin "cat sat": held back
+    assert text.add([ids("ran")]) == "cat ran"
+    assert text.add([ids("cat"), ids("sat"), ids("on")]) == " "
+    assert text.stopped and text.add([ids("mat")], final=True) == ""
+    flushed = TextAssembler(model.tokenizer, ("cat sat",))
+    assert flushed.add([ids("the"), ids("cat")]) == "the " and flushed.add([], final=True) == "cat"
+
+
+def test_usage_carries_speculative_statistics(client, model):
+    answer = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0, extra_body=NO_EOS)
+    usage = answer.usage
+    prompt_tokens = len(model.tokenizer(PROMPT)["input_ids"])
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (prompt_tokens, 16, prompt_tokens + 16)
+    spec = usage.model_extra["speculative"]
+    assert set(spec) == {"method", "tau", "accepted_tokens", "draft_steps"}
+    # the first token comes from the prefill; each step adds its accepted drafts plus one token
+    assert 1 <= spec["draft_steps"] <= 15 and spec["accepted_tokens"] >= 0
+    assert spec["draft_steps"] + spec["accepted_tokens"] >= 15
+    assert spec["tau"] == pytest.approx((spec["accepted_tokens"] + spec["draft_steps"]) / spec["draft_steps"], abs=1e-3)
+    assert usage.completion_tokens_details.accepted_prediction_tokens == spec["accepted_tokens"]
+
+
+def test_seeded_sampling_is_reproducible(client):
+    def sample(seed):
+        answer = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0.9,
+                                                top_p=0.95, seed=seed, extra_body=NO_EOS)
+        return answer.choices[0].message.content
+
+    assert sample(7) == sample(7)
+
+
+def test_health_and_metrics_counters_increase(server, client):
+    health = httpx.get(server[0].base_url + "/health", timeout=10)
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    before = metrics_text(server)
+    answer = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, extra_body=NO_EOS)
+    after = metrics_text(server)
+
+    def grew(name, **labels):
+        return metric_value(after, name, **labels) - metric_value(before, name, **labels)
+
+    assert grew("vllm:request_success_total", finished_reason="length") == 1
+    assert grew("vllm:generation_tokens_total") == 8
+    assert grew("vllm:prompt_tokens_total") == answer.usage.prompt_tokens
+    assert grew("medusa:http_requests_total", path="/v1/completions", status="200") == 1
+    spec = answer.usage.model_extra["speculative"]
+    assert 1 <= grew("vllm:spec_decode_num_drafts_total") <= spec["draft_steps"]
+    assert grew("vllm:spec_decode_num_draft_tokens_total") >= grew("vllm:spec_decode_num_drafts_total")
+    assert grew("vllm:spec_decode_num_accepted_tokens_total") == spec["accepted_tokens"]
+    per_position = sum(grew("vllm:spec_decode_num_accepted_tokens_per_pos_total", position=p) for p in range(3))
+    assert per_position == spec["accepted_tokens"]
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}' in after
+    assert grew("vllm:e2e_request_latency_seconds_count") == 1
+    assert "# TYPE vllm:time_to_first_token_seconds histogram" in after
+
+
+def test_api_key_is_required_when_set(model):
+    with serve(model, "medusa", api_key="s3cret") as (server, _):
+        base = server.base_url
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            answer = httpx.get(base + "/v1/models", headers=headers, timeout=10)
+            assert answer.status_code == 401
+            assert answer.json()["error"]["code"] == "invalid_api_key"
+        with openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0) as bad:
+            with pytest.raises(openai.AuthenticationError):
+                bad.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+        with openai.OpenAI(base_url=base + "/v1", api_key="s3cret", max_retries=0) as good:
+            assert good.completions.create(model="tiny", prompt=PROMPT, max_tokens=2).usage.completion_tokens >= 1
+        assert httpx.get(base + "/health", timeout=10).status_code == 200  # open, as in vLLM
+
+
+def test_cli_serves_heads_loaded_from_a_folder(model, tmp_path):
+    model.base_model.save_pretrained(tmp_path / "base")
+    model.tokenizer.save_pretrained(tmp_path / "base")
+    model.save_pretrained(tmp_path / "heads")
+    args = cli.parse_args(["--model", str(tmp_path / "base"), "--heads", str(tmp_path / "heads"), "--max-batch", "4"])
+    assert args.method == "medusa" and args.host == "127.0.0.1" and not args.trust_remote_code
+    loaded = cli.load_model(args)
+    assert loaded.config.num_heads == 3 and loaded.tokenizer is not None
+    app, engine = cli.build_app(loaded, cli.served_name(args, loaded), args.method, options=args,
+                                max_batch=args.max_batch)
+    with ServerThread(app) as server:
+        answer = httpx.post(server.base_url + "/v1/completions", timeout=30,
+                            json={"model": str(tmp_path / "base"), "prompt": PROMPT, "max_tokens": 5, "temperature": 0})
+    assert answer.status_code == 200 and answer.json()["usage"]["speculative"]["method"] == "medusa"
+    assert not engine.alive  # stopped with the server
+
+
+@pytest.mark.slow
+def test_default_model_answers_a_chat_with_prompt_lookup():
+    with torch_threads(2):
+        model = MedusaModel.without_heads("smollm2-135m-instruct")
+        with serve(model, "lookup", name="smollm2-135m-instruct") as (server, _):
+            base_url = server.base_url + "/v1"
+            with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=300) as client:
+                answer = client.chat.completions.create(
+                    model="smollm2-135m-instruct", temperature=0, max_tokens=24,
+                    messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in answer.choices[0].message.content
+    assert answer.choices[0].finish_reason == "stop"
+    assert answer.usage.model_extra["speculative"]["method"] == "lookup"

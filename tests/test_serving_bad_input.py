@@ -1,0 +1,160 @@
+"""Malformed requests: each is answered 4xx with an OpenAI-style error body naming what is wrong,
+and the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from medusa_infer.model import MedusaModel
+from medusa_infer.serving import protocol
+from medusa_infer.serving.testing import serve, torch_threads, word_tokenizer
+from tiny import tiny_model
+
+CONTEXT = 256  # tiny_model's max_position_embeddings
+OK = {"model": "tiny", "prompt": "the cat", "max_tokens": 4}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+
+
+def completion(**changes):
+    return {k: v for k, v in {**OK, **changes}.items() if v is not ...}
+
+
+def chat(**changes):
+    return {k: v for k, v in {**CHAT, **changes}.items() if v is not ...}
+
+
+# (name, path, body: a dict sent as JSON or raw bytes, status, param named in the error or None)
+CASES = [
+    ("invalid JSON", "/v1/completions", b'{"model": "tiny", "prompt": ', 400, None),
+    ("empty body", "/v1/completions", b"", 400, None),
+    ("invalid UTF-8", "/v1/completions", b'{"model": "\xff\xfe"}', 400, None),
+    ("body is an array", "/v1/completions", b"[1, 2]", 400, None),
+    ("NaN temperature", "/v1/completions", b'{"model": "tiny", "prompt": "a", "temperature": NaN}', 400, None),
+    ("deeply nested JSON", "/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, None),
+    ("unknown model", "/v1/completions", completion(model="gpt-17"), 404, "model"),
+    ("missing model", "/v1/completions", completion(model=...), 400, "model"),
+    ("model not a string", "/v1/completions", completion(model=123), 400, "model"),
+    ("missing prompt", "/v1/completions", completion(prompt=...), 400, "prompt"),
+    ("prompt not text", "/v1/completions", completion(prompt={"text": "a"}), 400, "prompt"),
+    ("empty prompt", "/v1/completions", completion(prompt=""), 400, "prompt"),
+    ("two prompts", "/v1/completions", completion(prompt=["the cat", "the dog"]), 400, "prompt"),
+    ("token id outside the vocabulary", "/v1/completions", completion(prompt=[5, 99999]), 400, "prompt"),
+    ("negative max_tokens", "/v1/completions", completion(max_tokens=-5), 400, "max_tokens"),
+    ("zero max_tokens", "/v1/completions", completion(max_tokens=0), 400, "max_tokens"),
+    ("max_tokens as a string", "/v1/completions", completion(max_tokens="10"), 400, "max_tokens"),
+    ("max_tokens as a fraction", "/v1/completions", completion(max_tokens=10.5), 400, "max_tokens"),
+    ("max_tokens as a boolean", "/v1/completions", completion(max_tokens=True), 400, "max_tokens"),
+    ("max_tokens beyond the context", "/v1/completions", completion(max_tokens=10**9), 400, "max_tokens"),
+    ("prompt longer than the context", "/v1/completions", completion(prompt="the " * (CONTEXT + 10)), 400, "prompt"),
+    ("prompt of far too many characters", "/v1/completions", completion(prompt="the " * 5000), 400, "prompt"),
+    ("chat far too long", "/v1/chat/completions", chat(messages=[{"role": "user", "content": "the " * 5000}]), 400,
+     "messages"),
+    ("temperature below 0", "/v1/completions", completion(temperature=-0.1), 400, "temperature"),
+    ("temperature above 2", "/v1/completions", completion(temperature=2.5), 400, "temperature"),
+    ("temperature as a string", "/v1/completions", completion(temperature="hot"), 400, "temperature"),
+    ("top_p of 0", "/v1/completions", completion(top_p=0), 400, "top_p"),
+    ("top_p above 1", "/v1/completions", completion(top_p=1.5), 400, "top_p"),
+    ("n above 1", "/v1/completions", completion(n=2), 400, "n"),
+    ("stream not a boolean", "/v1/completions", completion(stream="yes"), 400, "stream"),
+    ("five stop strings", "/v1/completions", completion(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
+    ("empty stop string", "/v1/completions", completion(stop=""), 400, "stop"),
+    ("stop not text", "/v1/completions", completion(stop=123), 400, "stop"),
+    ("stop string too long", "/v1/completions", completion(stop="x" * 10_000), 400, "stop"),
+    ("negative seed", "/v1/completions", completion(seed=-1), 400, "seed"),
+    ("log-probabilities asked for", "/v1/completions", completion(logprobs=5), 400, "logprobs"),
+    ("stream_options without stream", "/v1/completions", completion(stream_options={"include_usage": True}), 400,
+     "stream_options"),
+    ("unknown acceptance rule", "/v1/completions", completion(temperature=0.5, acceptance="beam"), 400, "acceptance"),
+    ("missing messages", "/v1/chat/completions", chat(messages=...), 400, "messages"),
+    ("empty messages", "/v1/chat/completions", chat(messages=[]), 400, "messages"),
+    ("messages not a list", "/v1/chat/completions", chat(messages="hello"), 400, "messages"),
+    ("message not an object", "/v1/chat/completions", chat(messages=["hello"]), 400, "messages[0]"),
+    ("bad role", "/v1/chat/completions", chat(messages=[{"role": "wizard", "content": "hi"}]), 400,
+     "messages[0].role"),
+    ("missing role", "/v1/chat/completions", chat(messages=[{"content": "hi"}]), 400, "messages[0].role"),
+    ("missing content", "/v1/chat/completions", chat(messages=[{"role": "user"}]), 400, "messages[0].content"),
+    ("image content", "/v1/chat/completions",
+     chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400,
+     "messages[0].content"),
+    ("max_completion_tokens beyond the context", "/v1/chat/completions", chat(max_completion_tokens=CONTEXT), 400,
+     "max_completion_tokens"),
+    ("tools asked for", "/v1/chat/completions", chat(tools=[{"type": "function"}]), 400, "tools"),
+    ("chat n above 1", "/v1/chat/completions", chat(n=3), 400, "n"),
+    ("chat top_p negative", "/v1/chat/completions", chat(top_p=-1), 400, "top_p"),
+]
+
+
+@pytest.fixture(scope="module")
+def server():
+    tokenizer = word_tokenizer()
+    with torch_threads(1):
+        model = MedusaModel.from_base(tiny_model("llama", vocab_size=len(tokenizer)), num_heads=2, tokenizer=tokenizer)
+        with serve(model, "medusa") as (server, engine):
+            with httpx.Client(base_url=server.base_url, timeout=30) as client:
+                yield client, engine
+
+
+def assert_error_body(answer: httpx.Response) -> dict:
+    body = answer.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["type"]
+    return error
+
+
+@pytest.mark.parametrize("name, path, body, status, param", CASES, ids=[c[0] for c in CASES])
+def test_malformed_request_is_a_4xx_with_an_openai_error(server, name, path, body, status, param):
+    client, _ = server
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    answer = client.post(path, content=content, headers={"Content-Type": "application/json"})
+    assert answer.status_code == status, answer.text
+    error = assert_error_body(answer)
+    assert error["param"] == param
+    assert error["type"] == "invalid_request_error"
+
+
+def test_clear_messages_for_context_limits(server):
+    client, _ = server
+    error = client.post("/v1/completions", json=completion(max_tokens=10**9)).json()["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert f"maximum context length is {CONTEXT} tokens" in error["message"] and "at most 254" in error["message"]
+    error = client.post("/v1/completions", json=completion(prompt="the " * 300)).json()["error"]
+    assert "the prompt has 300 tokens" in error["message"]
+
+
+@pytest.mark.parametrize("method, path, status", [
+    ("GET", "/v1/completions", 405),
+    ("PUT", "/v1/chat/completions", 405),
+    ("GET", "/v1/no/such/route", 404),
+    ("POST", "/admin", 404),
+])
+def test_wrong_routes_and_methods(server, method, path, status):
+    client, _ = server
+    answer = client.request(method, path)
+    assert answer.status_code == status
+    assert_error_body(answer)
+
+
+def test_oversized_body_is_refused(server):
+    client, _ = server
+    answer = client.post("/v1/completions", content=b" " * (protocol.MAX_BODY_BYTES + 1),
+                         headers={"Content-Type": "application/json"})
+    assert answer.status_code == 413
+    assert assert_error_body(answer)["code"] == "request_too_large"
+
+
+def test_server_still_serves_after_bad_input(server):
+    client, engine = server
+    for _ in range(3):  # a burst of garbage
+        assert client.post("/v1/completions", content=b"\x00garbage").status_code == 400
+    assert client.get("/health").json()["status"] == "ok"
+    answer = client.post("/v1/completions", json=completion(max_tokens=3, temperature=0))
+    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] >= 1
+    answer = client.post("/v1/chat/completions", json=chat(max_tokens=3))
+    assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["role"] == "assistant"
+    assert engine.snapshot() == {"running": 0, "waiting": 0, "pending_cancels": 0, "batches": 0}

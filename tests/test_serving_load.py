@@ -1,0 +1,180 @@
+"""The server under load: concurrent streams batched together and still exact, a full queue,
+timeouts, and clients that go away. The engine is paused (``Engine.hold``) where a test needs
+requests to sit still, so nothing here depends on how fast the machine is."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from medusa_infer.model import MedusaModel
+from medusa_infer.serving.testing import metric_value, serve, torch_threads, wait_until, word_tokenizer
+from tiny import tiny_model
+
+WORDS = word_tokenizer().get_vocab()
+
+
+def tiny_medusa() -> MedusaModel:
+    tokenizer = word_tokenizer()
+    model = MedusaModel.from_base(tiny_model("llama", vocab_size=len(tokenizer)), num_heads=3, tokenizer=tokenizer)
+    torch.manual_seed(1)
+    for p in model.heads.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return model
+
+
+@pytest.fixture(scope="module")
+def model():
+    with torch_threads(1):
+        yield tiny_medusa()
+
+
+def prompts(n: int) -> list[str]:
+    words = sorted(w for w in WORDS if not w.startswith("<"))
+    return [" ".join(words[(7 * i + j * 3) % len(words)] for j in range(2 + i % 9)) for i in range(n)]
+
+
+def test_32_concurrent_streams_are_batched_and_match_single_requests(model):
+    texts = prompts(32)
+    with serve(model, "medusa", max_batch=16) as (server, engine):
+        base = server.base_url + "/v1"
+
+        def request(i: int) -> dict:
+            # greedy, but every eighth sampled with a seed and every eighth without: three kinds of batch
+            sampling = {0: dict(temperature=0.8, seed=i), 4: dict(temperature=0.8)}.get(i % 8, dict(temperature=0))
+            kwargs = dict(model="tiny", max_tokens=6 + i % 11, **sampling)
+            if i % 2:
+                return dict(prompt=texts[i], **kwargs)
+            return dict(messages=[{"role": "user", "content": texts[i]}], **kwargs)
+
+        with openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=60) as client:
+            alone = []
+            for i in range(32):
+                kwargs = request(i)
+                if "prompt" in kwargs:
+                    answer = client.completions.create(**kwargs)
+                    alone.append((answer.choices[0].text, answer.choices[0].finish_reason))
+                else:
+                    answer = client.chat.completions.create(**kwargs)
+                    alone.append((answer.choices[0].message.content, answer.choices[0].finish_reason))
+        steps_before = metric_value(_metrics(server), "medusa:batch_steps_total")
+        rows_before = metric_value(_metrics(server), "medusa:batch_row_steps_total")
+
+        async def stream_one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str]:
+            kwargs = request(i)
+            text, finish = "", None
+            if "prompt" in kwargs:
+                async for chunk in await client.completions.create(stream=True, **kwargs):
+                    text += chunk.choices[0].text
+                    finish = chunk.choices[0].finish_reason or finish
+            else:
+                async for chunk in await client.chat.completions.create(stream=True, **kwargs):
+                    text += chunk.choices[0].delta.content or ""
+                    finish = chunk.choices[0].finish_reason or finish
+            return text, finish
+
+        async def all_at_once() -> list[tuple[str, str]]:
+            async with openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120) as client:
+                return await asyncio.gather(*(stream_one(client, i) for i in range(32)))
+
+        together = asyncio.run(asyncio.wait_for(all_at_once(), timeout=120))
+        metrics = _metrics(server)
+        assert engine.snapshot()["running"] == 0
+    unseeded = [i for i in range(32) if i % 8 == 4]  # sampled without a seed: no single-request twin
+    assert [t for i, t in enumerate(together) if i not in unseeded] == [
+        a for i, a in enumerate(alone) if i not in unseeded]
+    assert all(together[i][1] in ("stop", "length") for i in unseeded)
+    assert metric_value(metrics, "medusa:batch_joins_total") > 0, "requests should have joined running batches"
+    assert metric_value(metrics, "vllm:request_success_total") == 64
+    steps = metric_value(metrics, "medusa:batch_steps_total") - steps_before
+    rows = metric_value(metrics, "medusa:batch_row_steps_total") - rows_before
+    assert rows / steps > 2, "concurrent requests should have been decoded in shared batches"
+
+
+def test_full_queue_answers_503_and_the_queued_requests_still_finish(model):
+    with serve(model, "medusa", max_batch=1, max_queue=2) as (server, engine):
+        url = server.base_url + "/v1/completions"
+        body = {"model": "tiny", "prompt": "the cat", "max_tokens": 4, "temperature": 0}
+        answers: list[httpx.Response] = []
+        with engine.hold():
+            threads = [threading.Thread(target=lambda: answers.append(httpx.post(url, json=body, timeout=60)))
+                       for _ in range(2)]
+            for thread in threads:
+                thread.start()
+            wait_until(lambda: engine.snapshot()["waiting"] == 2, message="two requests should be queued")
+            full = httpx.post(url, json=body, timeout=10)
+            assert full.status_code == 503
+            assert full.json()["error"]["code"] == "queue_full" and full.json()["error"]["type"] == "server_error"
+            with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as client:
+                with pytest.raises(openai.InternalServerError, match="overloaded"):
+                    client.completions.create(**body)
+        for thread in threads:
+            thread.join(60)
+        assert [a.status_code for a in answers] == [200, 200]
+        assert metric_value(_metrics(server), "medusa:http_requests_total", status="503") == 2
+
+
+def test_timeouts_abort_queued_and_running_requests(model):
+    with serve(model, "medusa", request_timeout=1.0) as (server, engine):
+        url = server.base_url + "/v1/completions"
+        body = {"model": "tiny", "prompt": "the cat", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+        # queued past its deadline
+        answers: list[httpx.Response] = []
+        with engine.hold():
+            thread = threading.Thread(target=lambda: answers.append(httpx.post(url, json=body, timeout=60)))
+            start = time.monotonic()
+            thread.start()
+            wait_until(lambda: engine.snapshot()["waiting"] == 1)
+            wait_until(lambda: time.monotonic() - start > 1.05, timeout=5)
+        thread.join(30)
+        assert answers[0].status_code == 504
+        assert answers[0].json()["error"]["type"] == "timeout_error"
+        # decoding past its deadline, streamed: the stream ends with an error event
+        with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as client:
+            start = time.monotonic()
+            stream = client.completions.create(stream=True, **{k: v for k, v in body.items() if k != "ignore_eos"},
+                                               extra_body={"ignore_eos": True})
+            first = next(iter(stream))
+            assert first.choices[0].text
+            with engine.hold():
+                wait_until(lambda: time.monotonic() - start > 1.05, timeout=5)
+            with pytest.raises(openai.APIError, match="timed out"):
+                for _ in stream:
+                    pass
+        wait_until(lambda: engine.snapshot()["running"] == 0)
+        assert metric_value(_metrics(server), "medusa:requests_aborted_total", reason="timeout") == 2
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_goes_away_frees_its_row(model, stream):
+    with serve(model, "medusa") as (server, engine):
+        body = {"model": "tiny", "prompt": "the cat sat", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+                "stream": stream}
+        url = server.base_url + "/v1/completions"
+        with contextlib.ExitStack() as paused:
+            if stream:
+                with httpx.Client(timeout=30) as client, client.stream("POST", url, json=body) as response:
+                    assert response.status_code == 200
+                    next(response.iter_lines())  # the first event: the request is decoding
+                    paused.enter_context(engine.hold())
+            else:
+                paused.enter_context(engine.hold())
+                with pytest.raises(httpx.ReadTimeout):
+                    httpx.post(url, json=body, timeout=0.5)  # gives up while the request waits
+            wait_until(lambda: engine.snapshot()["pending_cancels"] == 1, message="the server missed the disconnect")
+        wait_until(lambda: engine.snapshot()["running"] == 0 and engine.snapshot()["waiting"] == 0)
+        metrics = _metrics(server)
+        assert metric_value(metrics, "medusa:requests_aborted_total", reason="disconnect") == 1
+        assert metric_value(metrics, "vllm:request_success_total") == 0
+        assert metric_value(metrics, "vllm:generation_tokens_total") < 200
+
+
+def _metrics(server) -> str:
+    return httpx.get(server.base_url + "/metrics", timeout=10).text
