@@ -1,0 +1,422 @@
+"""Tokenised training examples: chat rendering, assistant-only labels, packing, caching, splits.
+
+An example is a dict ``{"id": str, "input_ids": [seq], "labels": [seq]}``. ``labels`` are the input
+ids with every token that is not written by the assistant set to ``IGNORE_INDEX`` (system and user
+turns, the template's markup around them, the assistant header of the generation prompt). The
+assistant's end-of-turn token (``<|im_end|>``, ``<|eot_id|>``, ``</s>``...) stays in the labels so
+the heads learn to predict the end of an answer. Labels are not shifted: position ``t`` holds the
+token at ``t``, as in Hugging Face causal-LM losses.
+
+Assistant spans are found without knowing the template: the conversation is rendered up to each
+assistant turn with ``add_generation_prompt=True`` and then including that turn; the difference is
+the turn. Both renderings must be prefixes of the full conversation ("prefix-stable"), otherwise
+``TemplateError`` is raised.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from datasets import Dataset, load_from_disk
+from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+CACHE_FORMAT_VERSION = 1
+"""Bump when the tokenisation or the example layout changes: old caches are then ignored."""
+
+ROLES = ("system", "user", "assistant")
+
+
+class TemplateError(ValueError):
+    """The tokenizer's chat template cannot be used to find the assistant tokens."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering
+
+
+def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def row_messages(row: dict[str, Any], system_prompt: str | None = None) -> list[dict[str, str]]:
+    """The chat messages of a row: its ``messages``, or ``prompt`` (+ ``response`` if present).
+
+    ``system_prompt`` is put first unless the conversation already starts with a system message.
+    """
+    if "messages" in row and row["messages"] is not None:
+        messages = [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
+    elif "prompt" in row:
+        messages = [{"role": "user", "content": row["prompt"]}]
+        if row.get("response") is not None:
+            messages.append({"role": "assistant", "content": row["response"]})
+    else:
+        raise ValueError(
+            f"row {row.get('id', '?')!r} has neither 'messages' nor 'prompt' (keys: {sorted(row)})"
+        )
+    for message in messages:
+        if message["role"] not in ROLES:
+            raise ValueError(
+                f"row {row.get('id', '?')!r}: unknown role {message['role']!r}, expected one of {ROLES}"
+            )
+    if system_prompt is not None and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[dict[str, str]],
+    add_generation_prompt: bool = False,
+) -> str:
+    """The chat template applied to ``messages``, as text."""
+    return tokenizer.apply_chat_template(
+        list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+
+
+def render_prompt(
+    tokenizer: PreTrainedTokenizerBase, prompt: str, system_prompt: str | None = None
+) -> str:
+    """Text the model continues to answer ``prompt``: the chat template with the generation
+    prompt, or the plain prompt text when the tokenizer has no template."""
+    if not has_chat_template(tokenizer):
+        return prompt
+    return render_chat(tokenizer, row_messages({"prompt": prompt}, system_prompt), True)
+
+
+def encode_rendered(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Token ids of rendered text. A chat template writes its own BOS, so no special tokens are
+    added; plain text gets the tokenizer's usual ones."""
+    return tokenizer(text, add_special_tokens=not has_chat_template(tokenizer))["input_ids"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Labels
+
+
+def assistant_char_spans(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]]
+) -> tuple[str, list[tuple[int, int]]]:
+    """The full rendered conversation and the ``[start, end)`` character span of each assistant
+    turn in it: its content and end-of-turn markup, without trailing whitespace separators.
+
+    Raises:
+        TemplateError: the template is not prefix-stable for this conversation.
+    """
+    full = render_chat(tokenizer, messages)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = render_chat(tokenizer, messages[:i], add_generation_prompt=True)
+        through = render_chat(tokenizer, messages[: i + 1])
+        for name, text in (("up to", before), ("through", through)):
+            if not full.startswith(text):
+                raise TemplateError(
+                    f"the chat template is not prefix-stable: the conversation rendered {name} "
+                    f"assistant turn {i} is not a prefix of the whole conversation (templates that "
+                    "rewrite earlier turns, e.g. dropping reasoning, are not supported). Rendered "
+                    f"prefix ends with {text[-60:]!r}, whole conversation there reads "
+                    f"{full[len(text) - 60:len(text)]!r}."
+                )
+        if not through.startswith(before):
+            raise TemplateError(
+                f"the chat template's generation prompt for assistant turn {i} ({before[-40:]!r}) is "
+                "not how the template renders that turn; pass a template whose "
+                "add_generation_prompt output is the start of the assistant turn."
+            )
+        end = len(before) + len(through[len(before):].rstrip())
+        spans.append((len(before), end))
+    return full, spans
+
+
+def tokenize_chat(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]]
+) -> tuple[list[int], list[int]]:
+    """``(input_ids, labels)`` of a whole conversation, labels masked outside assistant turns."""
+    full, spans = assistant_char_spans(tokenizer, messages)
+    try:
+        encoding = tokenizer(
+            full, add_special_tokens=False, return_offsets_mapping=True
+        )
+    except NotImplementedError:  # tokenizers without offsets (pure-Python or SentencePiece)
+        return _tokenize_chat_by_prefix(tokenizer, messages, full)
+    input_ids = list(encoding["input_ids"])
+    labels = [IGNORE_INDEX] * len(input_ids)
+    for start, end in spans:
+        for t, (tok_start, tok_end) in enumerate(encoding["offset_mapping"]):
+            # A token straddling the header/content boundary holds content: it is labelled.
+            if tok_start < end and tok_end > start:
+                labels[t] = input_ids[t]
+    return input_ids, labels
+
+
+def _tokenize_chat_by_prefix(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]], full: str
+) -> tuple[list[int], list[int]]:
+    """Labels from token prefixes, for tokenizers that give no character offsets."""
+
+    def encode(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    input_ids = encode(full)
+    labels = [IGNORE_INDEX] * len(input_ids)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = encode(render_chat(tokenizer, messages[:i], add_generation_prompt=True))
+        through_text = render_chat(tokenizer, messages[: i + 1])
+        through = encode(through_text.rstrip())
+        if input_ids[: len(before)] != before or input_ids[: len(through)] != through:
+            raise TemplateError(
+                f"assistant turn {i} does not tokenise as a prefix of the whole conversation "
+                "(tokens merge across the turn boundary); use a tokenizer with offsets (fast) "
+                "or a template that separates turns with special tokens."
+            )
+        labels[len(before) : len(through)] = input_ids[len(before) : len(through)]
+    return input_ids, labels
+
+
+@dataclass
+class BuildStats:
+    """Counters of one ``build_examples`` call."""
+
+    rows: int = 0
+    examples: int = 0
+    truncated: int = 0
+    dropped_no_assistant: int = 0
+    tokens: int = 0
+    label_tokens: int = 0
+
+
+def build_examples(
+    rows: Iterable[dict[str, Any]],
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int,
+    system_prompt: str | None = None,
+    stats: BuildStats | None = None,
+) -> list[dict[str, Any]]:
+    """Tokenise rows into examples with assistant-only labels.
+
+    Args:
+        rows: dicts with ``prompt`` and ``response`` (a distillation row) or ``messages`` (a list
+            of ``{"role", "content"}``, multi-turn allowed); ``id`` is kept when present.
+        tokenizer: a tokenizer with a chat template.
+        max_length: longer examples are cut to this many tokens (counted); an example left with
+            no assistant token is dropped (counted).
+        system_prompt: put first in conversations that have no system message.
+        stats: filled with the counts when given.
+
+    Raises:
+        TemplateError: the tokenizer has no chat template, or it is not prefix-stable.
+    """
+    if not has_chat_template(tokenizer):
+        raise TemplateError(
+            f"tokenizer {tokenizer.name_or_path!r} has no chat template; set "
+            "`tokenizer.chat_template` to a jinja template before building examples"
+        )
+    if max_length < 2:
+        raise ValueError(f"max_length must be >= 2, got {max_length}")
+    stats = stats if stats is not None else BuildStats()
+    examples = []
+    for index, row in enumerate(rows):
+        stats.rows += 1
+        messages = row_messages(row, system_prompt)
+        if not any(m["role"] == "assistant" for m in messages):
+            stats.dropped_no_assistant += 1
+            continue
+        input_ids, labels = tokenize_chat(tokenizer, messages)
+        if len(input_ids) > max_length:
+            stats.truncated += 1
+            input_ids, labels = input_ids[:max_length], labels[:max_length]
+        n_label = sum(label != IGNORE_INDEX for label in labels)
+        if n_label == 0:
+            stats.dropped_no_assistant += 1
+            continue
+        stats.examples += 1
+        stats.tokens += len(input_ids)
+        stats.label_tokens += n_label
+        examples.append(
+            {"id": str(row.get("id", index)), "input_ids": input_ids, "labels": labels}
+        )
+    logger.info(
+        "built %d examples from %d rows (%d tokens, %d labelled); %d truncated to %d tokens, "
+        "%d dropped with no assistant token",
+        stats.examples, stats.rows, stats.tokens, stats.label_tokens, stats.truncated,
+        max_length, stats.dropped_no_assistant,
+    )
+    return examples
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing
+
+
+def pack_examples(
+    examples: Sequence[dict[str, Any]], max_length: int, boundary_mask: int = 1
+) -> list[dict[str, Any]]:
+    """Pack consecutive examples greedily into sequences of at most ``max_length`` tokens.
+
+    Each packed sequence holds ``input_ids``, ``labels``, ``position_ids`` (restarting at 0 for
+    each example, so attention can be kept per example downstream), ``lengths`` (token count of
+    each example, in order) and ``ids``. The first ``boundary_mask`` labels of every example after
+    the first are ``IGNORE_INDEX`` so that no position predicts across a boundary; use
+    ``num_heads + 1`` when heads predicting further ahead must not see the next example either.
+    Examples longer than ``max_length`` are refused (``build_examples`` truncates them).
+    """
+    if boundary_mask < 0:
+        raise ValueError(f"boundary_mask must be >= 0, got {boundary_mask}")
+    packs: list[dict[str, Any]] = []
+    current: dict[str, Any] | None = None
+    for example in examples:
+        length = len(example["input_ids"])
+        if length > max_length:
+            raise ValueError(
+                f"example {example.get('id')!r} has {length} tokens, more than max_length="
+                f"{max_length}; build the examples with the same max_length"
+            )
+        if current is None or sum(current["lengths"]) + length > max_length:
+            current = {"ids": [], "input_ids": [], "labels": [], "position_ids": [], "lengths": []}
+            packs.append(current)
+        labels = list(example["labels"])
+        if current["lengths"]:
+            labels[:boundary_mask] = [IGNORE_INDEX] * min(boundary_mask, length)
+        current["ids"].append(str(example.get("id", "")))
+        current["input_ids"].extend(example["input_ids"])
+        current["labels"].extend(labels)
+        current["position_ids"].extend(range(length))
+        current["lengths"].append(length)
+    return packs
+
+
+# ---------------------------------------------------------------------------------------------
+# Datasets and caching
+
+
+def to_dataset(examples: Sequence[dict[str, Any]]) -> Dataset:
+    """A ``datasets.Dataset`` with one row per example (or packed sequence)."""
+    if not examples:
+        raise ValueError("no examples to put in a dataset")
+    return Dataset.from_list(list(examples))
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a JSONL file, or of a ``datasets`` folder saved with ``save_to_disk``."""
+    path = Path(path)
+    if path.is_dir():
+        return list(load_from_disk(str(path)))
+    rows = []
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{number} is not valid JSON ({err})") from err
+    return rows
+
+
+def _content_hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for file in files:
+        digest.update(str(file.relative_to(path) if path.is_dir() else "").encode())
+        with file.open("rb") as handle:
+            while block := handle.read(1 << 20):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """A hash of what decides tokenisation: name, class, vocabulary, special tokens, template."""
+    digest = hashlib.sha256()
+    digest.update(type(tokenizer).__name__.encode())
+    digest.update(str(tokenizer.name_or_path).encode())
+    digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    digest.update(json.dumps(tokenizer.all_special_tokens).encode())
+    digest.update(str(getattr(tokenizer, "chat_template", None)).encode())
+    return digest.hexdigest()
+
+
+def dataset_cache_key(
+    rows_path: str | Path,
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int,
+    system_prompt: str | None = None,
+    pack: bool = False,
+) -> str:
+    """The cache key of a tokenised dataset (hex): rows content, tokenizer, settings, format."""
+    parts = {
+        "format": CACHE_FORMAT_VERSION,
+        "rows": _content_hash(Path(rows_path)),
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "max_length": max_length,
+        "system_prompt": system_prompt,
+        "pack": pack,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def load_or_build_dataset(
+    rows_path: str | Path,
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int,
+    cache_dir: str | Path,
+    system_prompt: str | None = None,
+    pack: bool = False,
+) -> Dataset:
+    """The tokenised dataset of ``rows_path`` (JSONL or a saved ``datasets`` folder), from the
+    cache when it holds one for the same rows, tokenizer, template and settings; otherwise built
+    and saved to ``cache_dir/tokenized-<key>`` (written aside, then renamed into place)."""
+    key = dataset_cache_key(rows_path, tokenizer, max_length, system_prompt, pack)
+    target = Path(cache_dir) / f"tokenized-{key[:24]}"
+    if (target / "dataset_info.json").is_file():
+        logger.info("loading tokenised dataset from cache %s", target)
+        return load_from_disk(str(target))
+    examples = build_examples(read_rows(rows_path), tokenizer, max_length, system_prompt)
+    if pack:
+        examples = pack_examples(examples, max_length)
+    dataset = to_dataset(examples)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    try:
+        dataset.save_to_disk(str(work / "data"))
+        if target.exists():  # an incomplete folder (no dataset_info.json) from a killed run
+            shutil.rmtree(target)
+        os.replace(work / "data", target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    logger.info("saved tokenised dataset (%d rows) to %s", len(dataset), target)
+    return load_from_disk(str(target))
+
+
+def split_heldout(dataset: Dataset, fraction: float, seed: int = 0) -> tuple[Dataset, Dataset]:
+    """``(train, heldout)``: a deterministic random split by example, each keeping file order.
+
+    ``heldout`` gets ``round(fraction * len(dataset))`` examples, at least one when
+    ``fraction > 0`` and the dataset has two or more.
+    """
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"held-out fraction must be in [0, 1), got {fraction}")
+    n = len(dataset)
+    n_heldout = round(fraction * n)
+    if fraction > 0 and n >= 2:
+        n_heldout = min(max(n_heldout, 1), n - 1)
+    order = np.random.default_rng(seed).permutation(n)
+    heldout = sorted(order[:n_heldout].tolist())
+    train = sorted(order[n_heldout:].tolist())
+    return dataset.select(train), dataset.select(heldout)

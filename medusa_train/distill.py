@@ -1,0 +1,982 @@
+"""Self-distillation data: the target model answers training prompts; its answers become the labels.
+
+Prompts come from a JSONL file of ``{"id", "source", "prompt"}`` rows, sampled evenly across
+sources. Two backends write the same rows:
+
+- ``local``: Hugging Face ``generate`` in float32, batched with left padding, prompts sorted by
+  length to cut padding; greedy by default. Several processes (``accelerate launch``) split the
+  prompts, process ``i`` taking prompts ``i::world_size``.
+- ``openai``: an OpenAI-compatible ``/v1/chat/completions`` endpoint (vLLM, TGI), a bounded number
+  of requests at a time, retried with backoff on 5xx, 429 and connection errors.
+
+Each process appends rows to ``<output>.rank{i}.jsonl`` (flushed and fsynced per batch). A
+restarted run skips ids already written (a half-written last line is dropped), so a killed run
+continues without duplicates or gaps. At the end the main process merges everything into
+``<output>`` in prompt order (and, with ``format="arrow"``, also saves a ``datasets`` folder).
+
+Row: ``{"id", "source", "prompt", "response", "model", "generation": {"max_new_tokens",
+"do_sample", "temperature", "top_p", "seed"}, "finish_reason": "eos" | "length",
+"response_tokens"}``. For greedy rows ``temperature`` is recorded as 0.0 and ``top_p`` as 1.0.
+``prompt`` is the text the model answered (shortened when ``prompt_overflow="truncate"`` cut it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import http.client
+import json
+import logging
+import os
+import random
+import shutil
+import sys
+import time
+import urllib.error
+import urllib.request
+import zlib
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+from transformers import GenerationConfig, PreTrainedTokenizerBase
+
+from medusa_train.dataset import encode_rendered, has_chat_template, render_prompt, row_messages
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("local", "openai")
+FORMATS = ("jsonl", "arrow")
+OVERFLOW = ("skip", "truncate")
+FINISH_REASONS = {"stop": "eos", "eos": "eos", "eos_token": "eos", "length": "length"}
+"""OpenAI-style ``finish_reason`` values mapped to ours."""
+
+BatchHook = Callable[[int, list[dict[str, Any]]], None]
+"""Called after each batch is written and synced: ``hook(batch_index, rows)``."""
+
+
+@dataclass
+class DistillConfig:
+    """What to distil and how.
+
+    Attributes:
+        model: the target model (default-model name, folder or Hub id); for ``backend="openai"``
+            also the tokenizer used to check prompt lengths (when ``max_prompt_tokens`` is set).
+        prompts: JSONL file of ``{"id", "source", "prompt"}`` rows.
+        output: the merged JSONL file; shards are ``<output>.rank{i}.jsonl`` next to it.
+        n: prompts to sample (``None``: all of them, or the sum of ``per_source``).
+        per_source: quotas ``{source: count}``; sources not named are not used. Without it,
+            sources take turns (round robin) so that large sources do not dominate.
+        exclude_ids: ids never sampled (e.g. a held-out set).
+        max_new_tokens, do_sample, temperature, top_p, seed: generation settings; ``seed`` also
+            drives prompt sampling. Greedy rows do not depend on batching (float32); sampled rows
+            are reproducible for the same batches (each batch is seeded from ``seed`` and its
+            ids), so a resumed run, which re-batches what is left, draws other samples.
+        batch_size: prompts per ``generate`` call (local) or rows per sync (openai).
+        format: ``"jsonl"``, or ``"arrow"`` to also save a ``datasets`` folder
+            (``arrow_path(output)``) once the JSONL is complete.
+        max_prompt_tokens: longer rendered prompts are skipped or truncated
+            (``prompt_overflow``), counted and logged; ``None``: no limit.
+        system_prompt: a system message put before each prompt.
+        backend: ``"local"`` or ``"openai"``.
+        endpoint: base URL of the OpenAI-compatible server (``http://host:8000`` or ``.../v1``).
+        api_key_env: environment variable holding the API key (no key sent when unset).
+        endpoint_model: model name sent to the endpoint (default: ``model``).
+        concurrency: requests in flight at once (openai).
+        request_timeout_s, max_retries, retry_backoff_s: per request; the wait before retry ``k``
+            is ``retry_backoff_s * 2**k`` (capped at 60 s).
+        device: where the local model runs (default: the accelerator's device, else CPU).
+        threads: CPU threads torch uses while generating (``None``: torch's default). On a CPU
+            shared with other work one thread can be several times faster than two (threads
+            spin-waiting on each other); the rows do not change.
+        progress: show a progress bar.
+    """
+
+    prompts: str = ""
+    output: str = "distill.jsonl"
+    model: str = "smollm2-135m-instruct"
+    n: int | None = None
+    per_source: dict[str, int] | None = None
+    exclude_ids: list[str] = field(default_factory=list)
+    max_new_tokens: int = 256
+    batch_size: int = 16
+    do_sample: bool = False
+    temperature: float = 0.7
+    top_p: float = 1.0
+    seed: int = 0
+    format: str = "jsonl"
+    max_prompt_tokens: int | None = 1024
+    prompt_overflow: str = "skip"
+    system_prompt: str | None = None
+    backend: str = "local"
+    endpoint: str | None = None
+    api_key_env: str = "OPENAI_API_KEY"
+    endpoint_model: str | None = None
+    concurrency: int = 8
+    request_timeout_s: float = 300.0
+    max_retries: int = 5
+    retry_backoff_s: float = 1.0
+    device: str | None = None
+    threads: int | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        checks = (
+            (self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}"),
+            (self.format in FORMATS, f"format must be one of {FORMATS}, got {self.format!r}"),
+            (self.prompt_overflow in OVERFLOW,
+             f"prompt_overflow must be one of {OVERFLOW}, got {self.prompt_overflow!r}"),
+            (self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}"),
+            (self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}"),
+            (self.concurrency >= 1, f"concurrency must be >= 1, got {self.concurrency}"),
+            (self.threads is None or self.threads >= 1, f"threads must be >= 1, got {self.threads}"),
+            (self.n is None or self.n >= 0, f"n must be >= 0, got {self.n}"),
+            (not self.do_sample or self.temperature > 0,
+             f"sampling needs temperature > 0, got {self.temperature}; use do_sample=False for greedy"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.max_prompt_tokens is None or self.max_prompt_tokens >= 1,
+             f"max_prompt_tokens must be >= 1 or None, got {self.max_prompt_tokens}"),
+            (self.backend != "openai" or bool(self.endpoint),
+             "backend 'openai' needs endpoint, e.g. http://127.0.0.1:8000"),
+            (bool(self.prompts), "prompts (a JSONL file of {id, source, prompt} rows) is required"),
+        )
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def model_label(self) -> str:
+        """The ``model`` field of the rows."""
+        if self.backend == "openai" and self.endpoint_model:
+            return self.endpoint_model
+        return self.model
+
+    def generation_record(self) -> dict[str, Any]:
+        """The ``generation`` field of the rows."""
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "do_sample": self.do_sample,
+            "temperature": float(self.temperature) if self.do_sample else 0.0,
+            "top_p": float(self.top_p) if self.do_sample else 1.0,
+            "seed": self.seed,
+        }
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> DistillConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown distill settings {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+
+@dataclass
+class ShardStats:
+    """What one process did."""
+
+    rank: int = 0
+    already_done: int = 0
+    rows: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    eos: int = 0
+    length: int = 0
+    skipped_too_long: int = 0
+    truncated_prompts: int = 0
+    failed: int = 0
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.rows += 1
+        self.tokens += row["response_tokens"]
+        if row["finish_reason"] == "eos":
+            self.eos += 1
+        else:
+            self.length += 1
+
+    def summary(self) -> str:
+        rate = self.tokens / self.seconds if self.seconds > 0 else 0.0
+        return (
+            f"distill rank {self.rank}: {self.rows} rows written ({self.already_done} already "
+            f"done), {self.tokens} response tokens in {self.seconds:.1f} s = {rate:.1f} tokens/s; "
+            f"finish eos {self.eos} / length {self.length}; prompts skipped as too long "
+            f"{self.skipped_too_long}, truncated {self.truncated_prompts}; failed {self.failed}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts
+
+
+def read_prompts(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a prompts JSONL file; each needs ``id`` and ``prompt`` (``source`` defaults to "")."""
+    path = Path(path)
+    rows = []
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{number} is not valid JSON ({err})") from err
+            if "id" not in row or "prompt" not in row:
+                raise ValueError(f"{path}:{number} needs 'id' and 'prompt', has {sorted(row)}")
+            rows.append({"id": str(row["id"]), "source": row.get("source", ""), "prompt": row["prompt"]})
+    return rows
+
+
+def sample_prompts(
+    path: str | Path,
+    n: int | None,
+    per_source: dict[str, int] | None = None,
+    seed: int = 0,
+    exclude_ids: Iterable[str] = (),
+) -> list[dict[str, Any]]:
+    """A deterministic sample of prompts, balanced by ``source``.
+
+    Each source's prompts are shuffled with ``seed``; sources (sorted by name) then take turns,
+    so every source gives the same number of prompts until it runs out. With ``per_source``
+    quotas, only the named sources are used, each up to its quota (still interleaved). The
+    result is cut to ``n`` (``None``: no cut). For a fixed seed a smaller ``n`` gives a prefix
+    of a larger one (without quotas).
+    """
+    excluded = {str(i) for i in exclude_ids}
+    by_source: dict[str, list[dict[str, Any]]] = {}
+    for row in read_prompts(path):
+        if row["id"] not in excluded:
+            by_source.setdefault(row["source"], []).append(row)
+    if per_source is not None:
+        unknown = sorted(set(per_source) - set(by_source))
+        if unknown:
+            raise ValueError(
+                f"per_source names sources not in {path}: {unknown}; sources there: {sorted(by_source)}"
+            )
+        for source, quota in per_source.items():
+            if quota > len(by_source[source]):
+                logger.warning(
+                    "source %s has %d prompts, fewer than its quota %d", source,
+                    len(by_source[source]), quota,
+                )
+    queues = []
+    for source in sorted(by_source):
+        rows = list(by_source[source])
+        random.Random(f"{seed}:{source}").shuffle(rows)
+        if per_source is not None:
+            rows = rows[: per_source.get(source, 0)]
+        queues.append(rows)
+    sample: list[dict[str, Any]] = []
+    depth = 0
+    while any(depth < len(q) for q in queues) and (n is None or len(sample) < n):
+        for queue in queues:
+            if depth < len(queue) and (n is None or len(sample) < n):
+                sample.append(queue[depth])
+        depth += 1
+    if n is not None and len(sample) < n:
+        logger.warning("asked for %d prompts, %s holds only %d eligible", n, path, len(sample))
+    return sample
+
+
+# ---------------------------------------------------------------------------------------------
+# Shard files
+
+
+def shard_path(output: str | Path, rank: int) -> Path:
+    return Path(f"{output}.rank{rank}.jsonl")
+
+
+def arrow_path(output: str | Path) -> Path:
+    """Folder of the ``datasets`` copy written with ``format="arrow"``."""
+    output = Path(output)
+    folder = output.with_suffix(".arrow")
+    return folder if folder != output else output.with_name(output.name + ".arrow")
+
+
+def read_jsonl_tolerant(path: Path, repair: bool = False) -> list[dict[str, Any]]:
+    """Rows of a JSONL file that a killed writer may have left with a half-written last line.
+
+    An unterminated or undecodable last line is dropped (and with ``repair`` cut off the file so
+    that appending continues on a clean line); an undecodable line elsewhere is an error.
+    """
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    rows, good_end, offset = [], 0, 0
+    for index, line in enumerate(lines):
+        terminated = index < len(lines) - 1
+        offset += len(line) + (1 if terminated else 0)
+        if not line.strip():
+            if terminated:
+                good_end = offset
+            continue
+        row = None
+        if terminated:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                row = None
+        if row is None:
+            is_last = all(not rest.strip() for rest in lines[index + 1 :])
+            if not is_last:
+                raise ValueError(
+                    f"{path}: line {index + 1} is not valid JSON and is not the last line; the "
+                    "file is damaged beyond a killed write. Fix or remove that line."
+                )
+            logger.warning("%s: dropping a half-written last line (%d bytes)", path, len(line))
+            break
+        rows.append(row)
+        good_end = offset
+    if repair and good_end < len(data):
+        with path.open("r+b") as handle:
+            handle.truncate(good_end)
+            handle.flush()
+            os.fsync(handle.fileno())
+    return rows
+
+
+def existing_rows(output: str | Path, repair_rank: int | None = None) -> list[dict[str, Any]]:
+    """Rows already written: the merged output, then every shard file (any world size).
+
+    ``repair_rank``: that rank's shard is repaired (its half-written line cut off) while read.
+    """
+    output = Path(output)
+    rows = read_jsonl_tolerant(output)
+    for path in sorted(output.parent.glob(f"{output.name}.rank*.jsonl")):
+        own = repair_rank is not None and path == shard_path(output, repair_rank)
+        rows.extend(read_jsonl_tolerant(path, repair=own))
+    return rows
+
+
+def check_resumable(rows: Sequence[dict[str, Any]], config: DistillConfig) -> None:
+    """Refuse to mix rows made with another model or other generation settings."""
+    expected = (config.model_label, config.generation_record())
+    for row in rows:
+        found = (row.get("model"), row.get("generation"))
+        if found != expected:
+            raise ValueError(
+                f"{config.output} already holds row {row.get('id')!r} made with model "
+                f"{found[0]!r} and generation {found[1]}, but this run uses {expected[0]!r} and "
+                f"{expected[1]}. Use another output path, or the same settings to resume."
+            )
+
+
+class ShardWriter:
+    """Appends rows to one shard file; ``sync`` flushes and fsyncs (once per batch)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.handle = path.open("a", encoding="utf-8")
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+    def sync(self) -> None:
+        self.handle.flush()
+        os.fsync(self.handle.fileno())
+
+    def close(self) -> None:
+        self.sync()
+        self.handle.close()
+
+
+def merge_shards(
+    output: str | Path, prompts: Sequence[dict[str, Any]], fmt: str = "jsonl"
+) -> Path:
+    """Merge the output and all shard files into ``output``, in the order of ``prompts``.
+
+    Duplicated ids keep their first row; rows whose id is not in ``prompts`` (from an earlier
+    run with other prompts) follow, in file order. The file is replaced atomically and the shard
+    files are removed afterwards. With ``fmt="arrow"`` a ``datasets`` folder is saved too.
+    """
+    output = Path(output)
+    rows_by_id: dict[str, dict[str, Any]] = {}
+    for row in existing_rows(output):
+        rows_by_id.setdefault(str(row["id"]), row)
+    order = {p["id"]: i for i, p in enumerate(prompts)}
+    rows = sorted(
+        rows_by_id.values(), key=lambda r: (order.get(str(r["id"]), len(order)),)
+    )
+    missing = [p["id"] for p in prompts if p["id"] not in rows_by_id]
+    tmp = output.with_name(output.name + ".merging")
+    with tmp.open("w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, output)
+    for path in output.parent.glob(f"{output.name}.rank*.jsonl"):
+        path.unlink()
+    logger.info(
+        "merged %d rows into %s (%d sampled prompts without a row: skipped or failed)",
+        len(rows), output, len(missing),
+    )
+    if fmt == "arrow":
+        save_arrow(rows, arrow_path(output))
+    return output
+
+
+def save_arrow(rows: Sequence[dict[str, Any]], folder: Path) -> Path:
+    """Save rows as a ``datasets`` folder (``load_from_disk``), replacing an older one."""
+    from datasets import Dataset
+
+    work = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(work, ignore_errors=True)
+    Dataset.from_list(list(rows)).save_to_disk(str(work))
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(work, folder)
+    logger.info("saved %d rows as a datasets folder: %s", len(rows), folder)
+    return folder
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompt preparation
+
+
+def prepare_prompt(
+    tokenizer: PreTrainedTokenizerBase, prompt: str, config: DistillConfig
+) -> tuple[str, list[int]] | None:
+    """``(prompt text, rendered prompt ids)`` within ``max_prompt_tokens``, or ``None`` to skip.
+
+    With ``prompt_overflow="truncate"`` the prompt text (not the template around it) is cut.
+    """
+    ids = encode_rendered(tokenizer, render_prompt(tokenizer, prompt, config.system_prompt))
+    limit = config.max_prompt_tokens
+    if limit is None or len(ids) <= limit:
+        return prompt, ids
+    if config.prompt_overflow == "skip":
+        return None
+    content = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    keep = limit - (len(ids) - len(content))
+    while keep > 0:
+        text = tokenizer.decode(content[:keep], skip_special_tokens=True)
+        ids = encode_rendered(tokenizer, render_prompt(tokenizer, text, config.system_prompt))
+        if len(ids) <= limit:
+            return text, ids
+        keep -= max(1, len(ids) - limit)
+    return None
+
+
+def make_row(
+    prompt: dict[str, Any], text: str, response: str, finish: str, n_tokens: int,
+    config: DistillConfig,
+) -> dict[str, Any]:
+    return {
+        "id": prompt["id"],
+        "source": prompt["source"],
+        "prompt": text,
+        "response": response,
+        "model": config.model_label,
+        "generation": config.generation_record(),
+        "finish_reason": finish,
+        "response_tokens": int(n_tokens),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Local backend
+
+
+def eos_token_ids(model: Any, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """End-of-sequence ids: the model's generation config's and the tokenizer's."""
+    ids: list[int] = []
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    for value in (configured, tokenizer.eos_token_id):
+        for token in value if isinstance(value, list) else [value]:
+            if token is not None and token not in ids:
+                ids.append(int(token))
+    if not ids:
+        raise ValueError("neither the model nor the tokenizer defines an EOS token id")
+    return ids
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)``, both ``[batch, max_len]``, padded on the left."""
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        input_ids[i, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+        attention_mask[i, width - len(seq) :] = 1
+    return input_ids, attention_mask
+
+
+def generate_batch(
+    model: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt_ids: Sequence[Sequence[int]],
+    config: DistillConfig,
+    eos_ids: Sequence[int],
+) -> list[tuple[list[int], str]]:
+    """Answers to a batch of tokenised prompts: ``[(response ids without EOS, finish_reason)]``."""
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    input_ids, attention_mask = left_pad(prompt_ids, pad_id)
+    device = next(model.parameters()).device
+    settings: dict[str, Any] = {"do_sample": config.do_sample}
+    if config.do_sample:
+        settings.update(temperature=config.temperature, top_p=config.top_p, top_k=0)
+    generation_config = GenerationConfig(
+        max_new_tokens=config.max_new_tokens,
+        pad_token_id=pad_id,
+        eos_token_id=list(eos_ids),
+        **settings,
+    )
+    with torch.inference_mode():
+        output = model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            generation_config=generation_config,
+        )
+    answers = []
+    eos = set(eos_ids)
+    for new_tokens in output[:, input_ids.shape[1] :].tolist():
+        stop = next((t for t, token in enumerate(new_tokens) if token in eos), None)
+        if stop is None:
+            answers.append((new_tokens, "length"))
+        else:
+            answers.append((new_tokens[:stop], "eos"))
+    return answers
+
+
+def _batch_seed(seed: int, ids: Sequence[str]) -> int:
+    return (seed * 1_000_003 + zlib.crc32("\n".join(ids).encode())) % (2**63)
+
+
+def run_local(
+    config: DistillConfig,
+    pending: Sequence[dict[str, Any]],
+    writer: ShardWriter,
+    stats: ShardStats,
+    device: str | torch.device,
+    on_batch: BatchHook | None = None,
+) -> None:
+    """Answer ``pending`` prompts with the local model, a batch at a time, into ``writer``."""
+    from medusa_infer.models import load_base_model, load_tokenizer
+
+    tokenizer = load_tokenizer(config.model)
+    if not has_chat_template(tokenizer):
+        logger.info("tokenizer of %s has no chat template: prompts are given as plain text", config.model)
+    prepared = []
+    for prompt in pending:
+        result = prepare_prompt(tokenizer, prompt["prompt"], config)
+        if result is None:
+            stats.skipped_too_long += 1
+            continue
+        if result[0] != prompt["prompt"]:
+            stats.truncated_prompts += 1
+        prepared.append((prompt, *result))
+    if stats.skipped_too_long or stats.truncated_prompts:
+        logger.warning(
+            "rank %d: %d prompts over max_prompt_tokens=%s skipped, %d truncated",
+            stats.rank, stats.skipped_too_long, config.max_prompt_tokens, stats.truncated_prompts,
+        )
+    if not prepared:
+        return
+    # Longest first: similar lengths share a batch (less padding), and the ETA errs high.
+    prepared.sort(key=lambda item: -len(item[2]))
+    model = load_base_model(config.model, dtype=torch.float32, device=device)
+    eos_ids = eos_token_ids(model, tokenizer)
+    threads = torch.get_num_threads()
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    try:
+        _generate_all(config, prepared, model, tokenizer, eos_ids, writer, stats, on_batch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _generate_all(
+    config: DistillConfig,
+    prepared: Sequence[tuple[dict[str, Any], str, list[int]]],
+    model: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    eos_ids: Sequence[int],
+    writer: ShardWriter,
+    stats: ShardStats,
+    on_batch: BatchHook | None,
+) -> None:
+    """The batch loop of ``run_local``: generate, write, sync, report."""
+    device = next(model.parameters()).device
+    rng_devices = [device.index or 0] if device.type == "cuda" else []
+    bar = tqdm(total=len(prepared), unit="prompt", desc=f"distill rank {stats.rank}",
+               disable=not config.progress, dynamic_ncols=True)
+    start = time.perf_counter()
+    try:
+        for batch_index, first in enumerate(range(0, len(prepared), config.batch_size)):
+            batch = prepared[first : first + config.batch_size]
+            with torch.random.fork_rng(devices=rng_devices):
+                torch.manual_seed(_batch_seed(config.seed, [p["id"] for p, _, _ in batch]))
+                answers = generate_batch(model, tokenizer, [ids for _, _, ids in batch], config, eos_ids)
+            rows = []
+            for (prompt, text, _), (tokens, finish) in zip(batch, answers):
+                response = tokenizer.decode(tokens, skip_special_tokens=False)
+                row = make_row(prompt, text, response, finish, len(tokens), config)
+                writer.write(row)
+                rows.append(row)
+                stats.add(row)
+            writer.sync()
+            stats.seconds = time.perf_counter() - start
+            bar.update(len(batch))
+            bar.set_postfix(tok_s=f"{stats.tokens / max(stats.seconds, 1e-9):.1f}")
+            if on_batch is not None:
+                on_batch(batch_index, rows)
+    finally:
+        bar.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# OpenAI-compatible backend
+
+
+def chat_completions_url(endpoint: str) -> str:
+    """``.../v1/chat/completions`` from a server root, a ``/v1`` base or the full URL."""
+    url = endpoint.rstrip("/")
+    if url.endswith("/chat/completions"):
+        return url
+    if url.endswith("/v1"):
+        return url + "/chat/completions"
+    return url + "/v1/chat/completions"
+
+
+class RetryableError(RuntimeError):
+    """A failure worth retrying: 5xx, 429, a dropped connection, a timeout."""
+
+
+def post_json(url: str, body: dict[str, Any], headers: dict[str, str], timeout: float) -> dict[str, Any]:
+    """One POST; raises ``RetryableError`` for transient failures, ``RuntimeError`` otherwise."""
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), method="POST",
+        headers={"Content-Type": "application/json", **headers},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            payload = response.read()
+    except urllib.error.HTTPError as err:
+        detail = err.read()[:500].decode(errors="replace")
+        if err.code >= 500 or err.code == 429:
+            raise RetryableError(f"HTTP {err.code} from {url}: {detail}") from err
+        raise RuntimeError(f"HTTP {err.code} from {url}: {detail}") from err
+    except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError) as err:
+        raise RetryableError(f"{type(err).__name__} talking to {url}: {err}") from err
+    try:
+        return json.loads(payload)
+    except json.JSONDecodeError as err:
+        raise RetryableError(f"{url} answered with non-JSON: {payload[:200]!r}") from err
+
+
+def request_completion(
+    url: str, body: dict[str, Any], headers: dict[str, str], config: DistillConfig
+) -> dict[str, Any]:
+    """``post_json`` with up to ``max_retries`` retries and exponential backoff."""
+    for attempt in range(config.max_retries + 1):
+        try:
+            return post_json(url, body, headers, config.request_timeout_s)
+        except RetryableError as err:
+            if attempt == config.max_retries:
+                raise RuntimeError(f"giving up after {attempt + 1} attempts: {err}") from err
+            delay = min(60.0, config.retry_backoff_s * 2**attempt)
+            logger.debug("retrying in %.2f s after: %s", delay, err)
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+def completion_row(
+    prompt: dict[str, Any], text: str, reply: dict[str, Any], config: DistillConfig,
+    tokenizer: PreTrainedTokenizerBase | None,
+) -> dict[str, Any]:
+    """A row from an OpenAI-style chat completion reply."""
+    try:
+        choice = reply["choices"][0]
+        response = choice["message"]["content"] or ""
+    except (KeyError, IndexError, TypeError) as err:
+        raise RuntimeError(f"unexpected reply for prompt {prompt['id']!r}: {str(reply)[:300]}") from err
+    finish = FINISH_REASONS.get(choice.get("finish_reason") or "", None)
+    if finish is None:
+        raise RuntimeError(
+            f"prompt {prompt['id']!r}: unexpected finish_reason {choice.get('finish_reason')!r}"
+        )
+    n_tokens = (reply.get("usage") or {}).get("completion_tokens")
+    if n_tokens is None:  # the server's count when it reports usage; else the tokenizer's
+        n_tokens = len(tokenizer(response, add_special_tokens=False)["input_ids"]) if tokenizer else 0
+    return make_row(prompt, text, response, finish, n_tokens, config)
+
+
+def run_openai(
+    config: DistillConfig,
+    pending: Sequence[dict[str, Any]],
+    writer: ShardWriter,
+    stats: ShardStats,
+    on_batch: BatchHook | None = None,
+) -> None:
+    """Answer ``pending`` prompts through the endpoint, ``concurrency`` requests at a time."""
+    tokenizer = None
+    if config.max_prompt_tokens is not None:
+        from medusa_infer.models import load_tokenizer
+
+        tokenizer = load_tokenizer(config.model)
+    url = chat_completions_url(config.endpoint or "")
+    headers = {}
+    api_key = os.environ.get(config.api_key_env)
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    else:
+        logger.info("$%s is not set: no API key sent to %s", config.api_key_env, url)
+
+    def body_for(text: str) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": config.model_label,
+            "messages": row_messages({"prompt": text}, config.system_prompt),
+            "max_tokens": config.max_new_tokens,
+            "seed": config.seed,
+            "n": 1,
+        }
+        record = config.generation_record()
+        body.update(temperature=record["temperature"], top_p=record["top_p"])
+        return body
+
+    jobs = []
+    for prompt in pending:
+        text = prompt["prompt"]
+        if tokenizer is not None:
+            result = prepare_prompt(tokenizer, text, config)
+            if result is None:
+                stats.skipped_too_long += 1
+                continue
+            if result[0] != text:
+                stats.truncated_prompts += 1
+            text = result[0]
+        jobs.append((prompt, text))
+    bar = tqdm(total=len(jobs), unit="prompt", desc=f"distill {url}",
+               disable=not config.progress, dynamic_ncols=True)
+    start = time.perf_counter()
+    batch: list[dict[str, Any]] = []
+    batch_index = 0
+    errors: list[str] = []
+    executor = ThreadPoolExecutor(max_workers=config.concurrency)
+    try:
+        queue = iter(jobs)
+        in_flight = {}
+
+        def submit_next() -> bool:
+            job = next(queue, None)
+            if job is None:
+                return False
+            prompt, text = job
+            future = executor.submit(request_completion, url, body_for(text), headers, config)
+            in_flight[future] = job
+            return True
+
+        while len(in_flight) < config.concurrency and submit_next():
+            pass
+        while in_flight:
+            done, _ = wait(list(in_flight), return_when=FIRST_COMPLETED)
+            for future in done:
+                prompt, text = in_flight.pop(future)
+                submit_next()
+                try:
+                    row = completion_row(prompt, text, future.result(), config, tokenizer)
+                except RuntimeError as err:
+                    stats.failed += 1
+                    errors.append(f"{prompt['id']}: {err}")
+                    logger.error("prompt %s failed: %s", prompt["id"], err)
+                    continue
+                writer.write(row)
+                stats.add(row)
+                batch.append(row)
+                bar.update(1)
+                if len(batch) >= config.batch_size:
+                    writer.sync()
+                    if on_batch is not None:
+                        on_batch(batch_index, batch)
+                    batch, batch_index = [], batch_index + 1
+            stats.seconds = time.perf_counter() - start
+            bar.set_postfix(tok_s=f"{stats.tokens / max(stats.seconds, 1e-9):.1f}")
+        writer.sync()
+        if batch and on_batch is not None:
+            on_batch(batch_index, batch)
+    finally:
+        executor.shutdown(wait=False, cancel_futures=True)
+        bar.close()
+    if errors:
+        raise RuntimeError(
+            f"{len(errors)} of {len(jobs)} requests failed (rows written so far are kept; rerun "
+            f"to retry the rest). First: {errors[0]}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver
+
+
+def distill_shard(
+    config: DistillConfig,
+    prompts: Sequence[dict[str, Any]],
+    rank: int = 0,
+    world_size: int = 1,
+    device: str | torch.device | None = None,
+    on_batch: BatchHook | None = None,
+) -> ShardStats:
+    """Answer prompts ``rank::world_size`` not yet written; append them to ``shard_path``."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    done = existing_rows(config.output, repair_rank=rank)
+    check_resumable(done, config)
+    done_ids = {str(row["id"]) for row in done}
+    mine = list(prompts[rank::world_size])
+    pending = [p for p in mine if p["id"] not in done_ids]
+    stats = ShardStats(rank=rank, already_done=len(mine) - len(pending))
+    if stats.already_done:
+        logger.info("rank %d: resuming, %d of %d prompts already done", rank, stats.already_done, len(mine))
+    writer = ShardWriter(shard_path(config.output, rank))
+    try:
+        if pending and config.backend == "local":
+            run_local(config, pending, writer, stats, device or config.device or "cpu", on_batch)
+        elif pending:
+            run_openai(config, pending, writer, stats, on_batch)
+    finally:
+        writer.close()
+        logger.info(stats.summary())
+    return stats
+
+
+def distill(
+    config: DistillConfig, accelerator: Any = None, on_batch: BatchHook | None = None
+) -> Path:
+    """Run self-distillation; return the merged JSONL path (``config.output``).
+
+    Args:
+        config: what to distil.
+        accelerator: an ``accelerate`` ``Accelerator`` or ``PartialState`` for several processes
+            (each takes its share of the prompts; the main one merges); ``None``: one process.
+        on_batch: called after each batch is synced, e.g. to stop a run in tests.
+    """
+    rank = accelerator.process_index if accelerator is not None else 0
+    world_size = accelerator.num_processes if accelerator is not None else 1
+    device = config.device or (accelerator.device if accelerator is not None else "cpu")
+    Path(config.output).parent.mkdir(parents=True, exist_ok=True)
+    prompts = sample_prompts(
+        config.prompts, config.n, config.per_source, config.seed, config.exclude_ids
+    )
+    if rank == 0:
+        sources: dict[str, int] = {}
+        for prompt in prompts:
+            sources[prompt["source"]] = sources.get(prompt["source"], 0) + 1
+        logger.info("sampled %d prompts from %s: %s", len(prompts), config.prompts, sources)
+    distill_shard(config, prompts, rank, world_size, device, on_batch)
+    if accelerator is not None:
+        accelerator.wait_for_everyone()
+    if rank == 0:
+        merge_shards(config.output, prompts, config.format)
+    if accelerator is not None:
+        accelerator.wait_for_everyone()
+    return Path(config.output)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def _parse_quota(text: str) -> tuple[str, int]:
+    source, sep, count = text.rpartition("=")
+    if not sep or not source:
+        raise argparse.ArgumentTypeError(f"expected SOURCE=COUNT, got {text!r}")
+    try:
+        return source, int(count)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"count in {text!r} is not an integer") from err
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m medusa_train.distill",
+        description="Let a model answer training prompts (self-distillation) into a JSONL file.",
+    )
+    add = parser.add_argument
+    add("--recipe", help="YAML file of DistillConfig keys (top level or under 'distill'); flags override it")
+    add("--model", help="target model: default-model name, folder or Hub id")
+    add("--prompts", help="JSONL file of {id, source, prompt} rows")
+    add("--n", "--num-prompts", dest="n", type=int,
+        help="number of prompts to sample (balanced by source); under torchrun, spell it --num-prompts")
+    add("--output", help="merged JSONL output file")
+    add("--per-source", type=_parse_quota, action="append", metavar="SOURCE=COUNT",
+        help="quota for one source (repeatable); only named sources are used")
+    add("--exclude-ids", metavar="FILE", help="JSONL (with 'id') or text file of ids never to sample")
+    add("--max-new-tokens", type=int)
+    add("--batch-size", type=int)
+    add("--do-sample", action=argparse.BooleanOptionalAction, default=None)
+    add("--temperature", type=float)
+    add("--top-p", type=float)
+    add("--seed", type=int)
+    add("--format", choices=FORMATS)
+    add("--max-prompt-tokens", type=int, help="longer prompts are skipped or truncated (0: no limit)")
+    add("--prompt-overflow", choices=OVERFLOW)
+    add("--system-prompt")
+    add("--backend", choices=BACKENDS)
+    add("--endpoint", help="OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    add("--api-key-env", help="environment variable holding the API key")
+    add("--endpoint-model", help="model name sent to the endpoint")
+    add("--concurrency", type=int)
+    add("--max-retries", type=int)
+    add("--device")
+    add("--threads", type=int, help="CPU threads for generation (default: torch's choice)")
+    add("--no-progress", dest="progress", action="store_false", default=None)
+    add("--log-level", default="INFO")
+    return parser
+
+
+def read_ids(path: str | Path) -> list[str]:
+    """Ids from a JSONL file with an ``id`` key per row, or a text file with one id per line."""
+    ids = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if line:
+            ids.append(str(json.loads(line)["id"]) if line.startswith("{") else line)
+    return ids
+
+
+def config_from_args(args: argparse.Namespace) -> DistillConfig:
+    values: dict[str, Any] = {}
+    if args.recipe:
+        import yaml
+
+        loaded = yaml.safe_load(Path(args.recipe).read_text()) or {}
+        values.update(loaded.get("distill", loaded))
+    skip = {"recipe", "log_level", "exclude_ids", "per_source"}
+    values.update({k: v for k, v in vars(args).items() if k not in skip and v is not None})
+    if args.per_source:
+        values["per_source"] = dict(args.per_source)
+    if args.exclude_ids:
+        values["exclude_ids"] = read_ids(args.exclude_ids)
+    if values.get("max_prompt_tokens") == 0:
+        values["max_prompt_tokens"] = None
+    return DistillConfig.from_dict(values)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        config = config_from_args(args)
+    except (ValueError, OSError) as err:
+        parser.error(str(err))
+    from accelerate import PartialState
+
+    # On a machine without CUDA, processes started by torchrun or `accelerate launch` only form a
+    # group (over gloo) when asked for CPU explicitly.
+    state = PartialState(cpu=not torch.cuda.is_available())
+    accelerator = state if state.num_processes > 1 else None
+    output = distill(config, accelerator)
+    if state.is_main_process:
+        print(output)
+
+
+if __name__ == "__main__":
+    main()

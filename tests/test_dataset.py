@@ -1,0 +1,229 @@
+"""Tests for medusa_train.dataset: assistant-only labels on any template, truncation, packing,
+caching and held-out splits. Uses the real SmolLM2 tokenizer (no model weights)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+
+import pytest
+
+from medusa_infer.models import load_tokenizer
+from medusa_train import dataset as dataset_module
+from medusa_train.dataset import (
+    IGNORE_INDEX,
+    BuildStats,
+    TemplateError,
+    _tokenize_chat_by_prefix,
+    build_examples,
+    load_or_build_dataset,
+    pack_examples,
+    render_chat,
+    split_heldout,
+    to_dataset,
+    tokenize_chat,
+)
+
+CONVERSATION = [
+    {"role": "system", "content": "You are a terse pirate."},
+    {"role": "user", "content": "Where is the treasure?"},
+    {"role": "assistant", "content": "Under the old oak, matey."},
+    {"role": "user", "content": "How deep?\nBe precise."},
+    {"role": "assistant", "content": "Six feet.\n\nDig at dawn."},
+]
+ASSISTANT = [m["content"] for m in CONVERSATION if m["role"] == "assistant"]
+
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+ZEPHYR_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+NOT_PREFIX_STABLE = (
+    "Conversation of {{ messages | length }} messages\n"
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return load_tokenizer("smollm2-135m-instruct")
+
+
+def with_template(tokenizer, template, special_tokens=()):
+    other = copy.deepcopy(tokenizer)
+    other.chat_template = template
+    if special_tokens:
+        other.add_tokens(list(special_tokens), special_tokens=True)
+    return other
+
+
+def labelled_runs(tokenizer, input_ids, labels) -> list[str]:
+    """Decoded text of each contiguous run of unmasked labels."""
+    runs, current = [], []
+    for token, label in zip(input_ids, labels):
+        if label == IGNORE_INDEX:
+            if current:
+                runs.append(current)
+            current = []
+        else:
+            assert label == token
+            current.append(label)
+    if current:
+        runs.append(current)
+    return [tokenizer.decode(run) for run in runs]
+
+
+def test_multi_turn_labels_are_exactly_the_assistant_turns(smol):
+    input_ids, labels = tokenize_chat(smol, CONVERSATION)
+    assert smol.decode(input_ids) == render_chat(smol, CONVERSATION)
+    runs = labelled_runs(smol, input_ids, labels)
+    assert runs == [f"{text}<|im_end|>" for text in ASSISTANT]
+    unmasked = "".join(runs)
+    for message in CONVERSATION:
+        if message["role"] != "assistant":
+            assert message["content"] not in unmasked
+    assert "<|im_start|>" not in unmasked and "assistant\n" not in unmasked
+    # The tokens before the first label are exactly the generation prompt.
+    first = labels.index(next(label for label in labels if label != IGNORE_INDEX))
+    assert smol.decode(input_ids[:first]) == render_chat(smol, CONVERSATION[:2], add_generation_prompt=True)
+
+
+def test_prompt_response_row_with_default_system_prompt(smol):
+    [example] = build_examples([{"id": "x", "prompt": "Hi?", "response": "Hello."}], smol, 256)
+    assert example["id"] == "x"
+    assert "SmolLM" in smol.decode(example["input_ids"])  # the template's own system prompt
+    assert labelled_runs(smol, example["input_ids"], example["labels"]) == ["Hello.<|im_end|>"]
+    [example] = build_examples(
+        [{"prompt": "Hi?", "response": "Hello."}], smol, 256, system_prompt="Be kind."
+    )
+    assert "Be kind." in smol.decode(example["input_ids"])
+    assert "SmolLM" not in smol.decode(example["input_ids"])
+
+
+@pytest.mark.parametrize(
+    "template, special_tokens, end_of_turn",
+    [
+        (LLAMA3_TEMPLATE, ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"), "<|eot_id|>"),
+        (ZEPHYR_TEMPLATE, (), "<|im_end|>"),  # role tags are plain text, as in Zephyr
+    ],
+    ids=["llama3-like", "zephyr-like"],
+)
+def test_other_templates(smol, template, special_tokens, end_of_turn):
+    tokenizer = with_template(smol, template, special_tokens)
+    [example] = build_examples([{"id": "c", "messages": CONVERSATION}], tokenizer, 512)
+    runs = labelled_runs(tokenizer, example["input_ids"], example["labels"])
+    assert [run.strip() for run in runs] == [f"{text}{end_of_turn}" for text in ASSISTANT]
+    assert "<|assistant|>" not in "".join(runs) and "end_header_id" not in "".join(runs)
+
+
+def test_prefix_fallback_matches_offsets(smol):
+    full = render_chat(smol, CONVERSATION)
+    assert _tokenize_chat_by_prefix(smol, CONVERSATION, full) == tokenize_chat(smol, CONVERSATION)
+
+
+def test_template_errors(smol):
+    with pytest.raises(TemplateError, match="not prefix-stable"):
+        build_examples([{"messages": CONVERSATION}], with_template(smol, NOT_PREFIX_STABLE), 512)
+    with pytest.raises(TemplateError, match="no chat template"):
+        build_examples([{"messages": CONVERSATION}], with_template(smol, None), 512)
+    with pytest.raises(ValueError, match="unknown role"):
+        build_examples([{"messages": [{"role": "tool", "content": "x"}]}], smol, 512)
+
+
+def test_truncation_and_dropping(smol, caplog):
+    full_ids, full_labels = tokenize_chat(smol, CONVERSATION)
+    last_label = max(i for i, label in enumerate(full_labels) if label != IGNORE_INDEX)
+    cut = last_label - 2  # inside the second assistant turn
+    rows = [
+        {"id": "long", "messages": CONVERSATION},
+        {"id": "no-room", "prompt": "Q " * 200, "response": "A."},
+        {"id": "unanswered", "prompt": "Q?"},
+    ]
+    stats = BuildStats()
+    with caplog.at_level(logging.INFO, logger="medusa_train.dataset"):
+        examples = build_examples(rows, smol, cut, stats=stats)
+    assert [e["id"] for e in examples] == ["long"]
+    assert examples[0]["input_ids"] == full_ids[:cut] and examples[0]["labels"] == full_labels[:cut]
+    runs = labelled_runs(smol, examples[0]["input_ids"], examples[0]["labels"])
+    assert runs[0] == f"{ASSISTANT[0]}<|im_end|>" and ASSISTANT[1].startswith(runs[1]) and runs[1]
+    assert (stats.rows, stats.examples, stats.truncated, stats.dropped_no_assistant) == (3, 1, 2, 2)
+    assert "2 truncated" in caplog.text and "2 dropped with no assistant token" in caplog.text
+
+
+def test_packing_boundaries(smol):
+    rows = [{"id": str(i), "prompt": f"Question {i}?", "response": "Answer " * (i + 1)} for i in range(5)]
+    examples = build_examples(rows, smol, 256)
+    lengths = [len(e["input_ids"]) for e in examples]
+    max_length = lengths[0] + lengths[1] + 1
+    packs = pack_examples(examples, max_length, boundary_mask=3)
+    assert sum(len(p["lengths"]) for p in packs) == 5
+    assert [i for p in packs for i in p["ids"]] == [e["id"] for e in examples]
+    assert packs[0]["ids"] == ["0", "1"]
+    k = 0
+    for pack in packs:
+        assert len(pack["input_ids"]) == len(pack["labels"]) == len(pack["position_ids"]) <= max_length
+        start = 0
+        for doc, length in enumerate(pack["lengths"]):
+            example = examples[k]
+            span = slice(start, start + length)
+            assert pack["input_ids"][span] == example["input_ids"]
+            assert pack["position_ids"][span] == list(range(length))
+            expected = list(example["labels"])
+            if doc > 0:
+                expected[:3] = [IGNORE_INDEX] * 3
+                # No position of the previous example predicts into this one.
+                assert pack["labels"][start] == IGNORE_INDEX
+            assert pack["labels"][span] == expected
+            start += length
+            k += 1
+    with pytest.raises(ValueError, match="more than max_length"):
+        pack_examples(examples, lengths[0] - 1)
+    assert to_dataset(packs).column_names == ["ids", "input_ids", "labels", "position_ids", "lengths"]
+
+
+def test_load_or_build_dataset_caches(tmp_path, smol, monkeypatch):
+    rows_path = tmp_path / "rows.jsonl"
+    rows = [{"id": str(i), "prompt": f"Q{i}?", "response": f"A{i}."} for i in range(6)]
+    rows_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cache = tmp_path / "cache"
+    built = load_or_build_dataset(rows_path, smol, 128, cache)
+    assert built["id"] == [str(i) for i in range(6)]
+    assert len(list(cache.glob("tokenized-*"))) == 1
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("should have come from the cache")
+
+    monkeypatch.setattr(dataset_module, "build_examples", refuse)
+    cached = load_or_build_dataset(rows_path, smol, 128, cache)
+    assert cached["input_ids"] == built["input_ids"] and cached["labels"] == built["labels"]
+    monkeypatch.undo()
+    # Any change of rows, length or template is a new entry.
+    load_or_build_dataset(rows_path, smol, 64, cache)
+    load_or_build_dataset(rows_path, with_template(smol, ZEPHYR_TEMPLATE), 128, cache)
+    rows_path.write_text(rows_path.read_text() + json.dumps({"id": "6", "prompt": "Q", "response": "A"}) + "\n")
+    assert len(load_or_build_dataset(rows_path, smol, 128, cache)) == 7
+    packed = load_or_build_dataset(rows_path, smol, 128, cache, pack=True)
+    assert len(packed) < 7 and "position_ids" in packed.column_names
+    assert len(list(cache.glob("tokenized-*"))) == 5
+    assert not list(cache.glob(".tokenized-*"))  # no leftover partial folders
+
+
+def test_split_heldout_deterministic():
+    data = to_dataset([{"id": str(i), "input_ids": [i], "labels": [i]} for i in range(50)])
+    train, heldout = split_heldout(data, 0.1, seed=3)
+    assert len(heldout) == 5 and len(train) == 45
+    assert set(train["id"]).isdisjoint(heldout["id"]) and set(train["id"]) | set(heldout["id"]) == set(data["id"])
+    again = split_heldout(data, 0.1, seed=3)
+    assert again[1]["id"] == heldout["id"] and again[0]["id"] == train["id"]
+    assert split_heldout(data, 0.1, seed=4)[1]["id"] != heldout["id"]
+    assert train["id"] == sorted(train["id"], key=int)  # file order kept
+    assert len(split_heldout(data, 0.001)[1]) == 1
+    assert len(split_heldout(data, 0.0)[1]) == 0
+    with pytest.raises(ValueError, match="fraction"):
+        split_heldout(data, 1.0)

@@ -1,0 +1,440 @@
+"""Tests for medusa_train.distill: sampling, batched greedy rows, resume, sharding, HTTP backend."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import load_from_disk
+
+from medusa_infer.models import load_base_model, load_tokenizer
+from medusa_train import distill as distill_module
+from medusa_train.dataset import encode_rendered, render_prompt
+from medusa_train.distill import (
+    DistillConfig,
+    distill,
+    distill_shard,
+    merge_shards,
+    prepare_prompt,
+    read_jsonl_tolerant,
+    sample_prompts,
+    shard_path,
+)
+from tiny import tiny_model
+
+ROW_KEYS = {
+    "id", "source", "prompt", "response", "model", "generation", "finish_reason", "response_tokens",
+}
+SOURCES = {"big": 20, "mid": 6, "small": 4}
+WORDS = "cat dog bird fish tree rock cloud river stone lamp book door".split()
+EOS_SCALE = 2.8
+"""Scales the tiny model's EOS row of lm_head so that some answers stop early and some do not."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matrices: one thread avoids OpenMP spin-waits when other work shares the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer) -> Path:
+    """A tiny random Llama with the SmolLM2 tokenizer (EOS id 2 in both), saved as a folder."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    model = tiny_model("llama", vocab_size=len(tokenizer))
+    with torch.no_grad():
+        model.lm_head.weight[2] *= EOS_SCALE
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory) -> Path:
+    """30 prompts of varied lengths from three unbalanced sources."""
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    with path.open("w") as handle:
+        k = 0
+        for source, count in SOURCES.items():
+            for i in range(count):
+                words = " ".join(WORDS[(k + j) % len(WORDS)] for j in range(1 + (k * 7) % 13))
+                row = {"id": f"{source}:{i}", "source": source, "prompt": f"Tell me about {words}."}
+                handle.write(json.dumps(row) + "\n")
+                k += 1
+    return path
+
+
+def make_config(model_dir: Path, prompts_file: Path, output: Path, **overrides) -> DistillConfig:
+    settings = dict(
+        model=str(model_dir), prompts=str(prompts_file), output=str(output), n=12,
+        max_new_tokens=16, batch_size=4, progress=False,
+    )
+    return DistillConfig(**{**settings, **overrides})
+
+
+def read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference_rows(tmp_path_factory, model_dir, prompts_file) -> list[dict]:
+    """An uninterrupted single-process run over 12 prompts, batches of 4."""
+    output = tmp_path_factory.mktemp("reference") / "rows.jsonl"
+    distill(make_config(model_dir, prompts_file, output))
+    return read_rows(output)
+
+
+def test_sample_prompts_balanced_and_deterministic(prompts_file):
+    sample = sample_prompts(prompts_file, 9)
+    counts = {s: sum(r["source"] == s for r in sample) for s in SOURCES}
+    assert counts == {"big": 3, "mid": 3, "small": 3}
+    assert sample == sample_prompts(prompts_file, 9)
+    assert sample_prompts(prompts_file, 15)[:9] == sample  # a larger n extends a smaller one
+    assert sample != sample_prompts(prompts_file, 9, seed=1)
+    # "small" runs out after 4: the rest is shared by the others.
+    counts = {s: sum(r["source"] == s for r in sample_prompts(prompts_file, 20)) for s in SOURCES}
+    assert counts == {"big": 10, "mid": 6, "small": 4}
+    assert len(sample_prompts(prompts_file, None)) == 30
+    excluded = sample_prompts(prompts_file, 9, exclude_ids=[sample[0]["id"]])
+    assert sample[0]["id"] not in {r["id"] for r in excluded} and len(excluded) == 9
+    quotas = sample_prompts(prompts_file, None, per_source={"big": 5, "small": 2})
+    assert sorted(r["source"] for r in quotas) == ["big"] * 5 + ["small"] * 2
+    with pytest.raises(ValueError, match="not in"):
+        sample_prompts(prompts_file, 4, per_source={"nope": 1})
+
+
+def test_batched_rows_equal_unbatched_greedy(reference_rows, model_dir, prompts_file, tokenizer):
+    expected_ids = [p["id"] for p in sample_prompts(prompts_file, 12)]
+    assert [r["id"] for r in reference_rows] == expected_ids
+    model = load_base_model(str(model_dir))
+    for row in reference_rows:
+        assert set(row) == ROW_KEYS
+        assert row["model"] == str(model_dir)
+        assert row["generation"] == {
+            "max_new_tokens": 16, "do_sample": False, "temperature": 0.0, "top_p": 1.0, "seed": 0,
+        }
+        ids = encode_rendered(tokenizer, render_prompt(tokenizer, row["prompt"]))
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor([ids]), max_new_tokens=16, do_sample=False, pad_token_id=0,
+            )[0, len(ids):].tolist()
+        stop = out.index(2) if 2 in out else len(out)
+        assert row["response"] == tokenizer.decode(out[:stop])
+        assert row["response_tokens"] == stop
+        assert row["finish_reason"] == ("eos" if stop < len(out) else "length")
+    reasons = {r["finish_reason"] for r in reference_rows}
+    assert reasons == {"eos", "length"}, "the tiny model should give both kinds of ending"
+
+
+def test_resume_after_exception(tmp_path, model_dir, prompts_file, reference_rows):
+    output = tmp_path / "rows.jsonl"
+    config = make_config(model_dir, prompts_file, output)
+
+    def crash(batch_index, rows):
+        if batch_index == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        distill(config, on_batch=crash)
+    assert len(read_rows(shard_path(output, 0))) == 8 and not output.exists()
+    distill(config)
+    assert read_rows(output) == reference_rows
+    assert not shard_path(output, 0).exists()
+
+
+def test_resume_after_sigkill_with_half_written_line(tmp_path, model_dir, prompts_file, reference_rows):
+    output = tmp_path / "rows.jsonl"
+    config = make_config(model_dir, prompts_file, output)
+    script = textwrap.dedent(
+        """
+        import json, os, signal, sys
+        from medusa_train.distill import DistillConfig, distill, shard_path
+        config = DistillConfig(**json.loads(sys.argv[1]))
+        def die(batch_index, rows):
+            if batch_index == 1:
+                with open(shard_path(config.output, 0), "a") as handle:
+                    handle.write('{"id": "big:3", "response": "half wr')
+                os.kill(os.getpid(), signal.SIGKILL)
+        distill(config, on_batch=die)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(dataclasses.asdict(config))],
+        capture_output=True, text=True, timeout=120, check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
+    shard = shard_path(output, 0)
+    assert shard.read_text().count("\n") == 8 and not shard.read_text().endswith("\n")
+    distill(config)
+    rows = read_rows(output)
+    assert [r["id"] for r in rows] == [r["id"] for r in reference_rows]
+    assert rows == reference_rows
+
+
+def test_read_jsonl_tolerant(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"id": 1}\n{"id": 2}\n{"id": 3, "resp')
+    assert read_jsonl_tolerant(path) == [{"id": 1}, {"id": 2}]
+    assert path.read_text().endswith("resp")  # reading alone leaves the file untouched
+    assert read_jsonl_tolerant(path, repair=True) == [{"id": 1}, {"id": 2}]
+    assert path.read_text() == '{"id": 1}\n{"id": 2}\n'
+    path.write_text('{"id": 1}\n{"id": 2}')  # complete JSON but no newline: not trusted
+    assert read_jsonl_tolerant(path, repair=True) == [{"id": 1}]
+    path.write_text('{"id": 1}\n{"id": \n{"id": 3}\n')
+    with pytest.raises(ValueError, match="line 2"):
+        read_jsonl_tolerant(path)
+
+
+def test_two_rank_shards_merge_in_prompt_order(tmp_path, model_dir, prompts_file, reference_rows):
+    output = tmp_path / "rows.jsonl"
+    config = make_config(model_dir, prompts_file, output, format="arrow")
+    prompts = sample_prompts(prompts_file, 12)
+    stats = [distill_shard(config, prompts, rank, 2) for rank in (1, 0)]
+    assert [s.rows for s in stats] == [6, 6]
+    assert {r["id"] for r in read_rows(shard_path(output, 1))} == {p["id"] for p in prompts[1::2]}
+    merge_shards(output, prompts, config.format)
+    assert read_rows(output) == reference_rows
+    dataset = load_from_disk(str(output.with_suffix(".arrow")))
+    assert dataset["id"] == [r["id"] for r in reference_rows]
+    assert dataset[0]["generation"] == reference_rows[0]["generation"]
+    # A rerun finds everything done and changes nothing.
+    assert distill_shard(config, prompts, 0, 2).rows == 0
+
+
+def test_resume_refuses_other_generation_settings(tmp_path, model_dir, prompts_file):
+    output = tmp_path / "rows.jsonl"
+    distill(make_config(model_dir, prompts_file, output, n=2))
+    with pytest.raises(ValueError, match="Use another output path"):
+        distill(make_config(model_dir, prompts_file, output, n=4, max_new_tokens=8))
+
+
+def test_sampling_option_is_reproducible(tmp_path, model_dir, prompts_file, reference_rows):
+    rows = []
+    for name in ("a", "b"):
+        output = tmp_path / f"{name}.jsonl"
+        distill(make_config(model_dir, prompts_file, output, n=4, do_sample=True, temperature=0.9, top_p=0.9))
+        rows.append(read_rows(output))
+    assert rows[0] == rows[1]
+    assert [r["response"] for r in rows[0]] != [r["response"] for r in reference_rows[:4]]
+    assert rows[0][0]["generation"]["do_sample"] is True and rows[0][0]["generation"]["top_p"] == 0.9
+
+
+def test_long_prompts_skipped_or_truncated(tmp_path, model_dir, prompts_file, tokenizer, caplog):
+    config = make_config(model_dir, prompts_file, tmp_path / "x.jsonl", max_prompt_tokens=40)
+    long_prompt = "Tell me about " + " ".join(WORDS * 3)
+    assert prepare_prompt(tokenizer, long_prompt, config) is None
+    truncate = dataclasses.replace(config, prompt_overflow="truncate")
+    text, ids = prepare_prompt(tokenizer, long_prompt, truncate)
+    assert len(ids) <= 40 and long_prompt.startswith(text) and len(text) < len(long_prompt)
+    # Through a whole run: the rendered prompts are 34 to 46 tokens long.
+    prompts = sample_prompts(prompts_file, 12)
+    lengths = [len(encode_rendered(tokenizer, render_prompt(tokenizer, p["prompt"]))) for p in prompts]
+    too_long = sum(n > 40 for n in lengths)
+    assert 0 < too_long < 12
+    with caplog.at_level(logging.INFO, logger="medusa_train.distill"):
+        distill(dataclasses.replace(config, n=12))
+    assert len(read_rows(tmp_path / "x.jsonl")) == 12 - too_long
+    assert f"{too_long} prompts over max_prompt_tokens=40 skipped" in caplog.text
+    assert "rows written" in caplog.text and "tokens/s" in caplog.text
+
+
+def test_plain_prompt_without_chat_template(tmp_path, model_dir, prompts_file, tokenizer, caplog):
+    folder = tmp_path / "no-template"
+    folder.mkdir()
+    for file in model_dir.iterdir():
+        if file.name != "chat_template.jinja":
+            (folder / file.name).symlink_to(file)
+    plain = load_tokenizer(str(folder))
+    assert not plain.chat_template
+    assert render_prompt(plain, "Hello there") == "Hello there"
+    with caplog.at_level(logging.INFO, logger="medusa_train.distill"):
+        distill(make_config(folder, prompts_file, tmp_path / "rows.jsonl", n=2))
+    assert "no chat template" in caplog.text
+    assert [r["prompt"] for r in read_rows(tmp_path / "rows.jsonl")] == [
+        p["prompt"] for p in sample_prompts(prompts_file, 2)
+    ]
+
+
+def test_cli_with_recipe(tmp_path, model_dir, prompts_file, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"distill:\n  model: {model_dir}\n  n: 3\n  max_new_tokens: 4\n  batch_size: 2\n")
+    output = tmp_path / "cli.jsonl"
+    distill_module.main(
+        ["--recipe", str(recipe), "--prompts", str(prompts_file), "--output", str(output),
+         "--n", "5", "--per-source", "mid=2", "--per-source", "small=3", "--no-progress",
+         "--threads", "2"]
+    )
+    assert torch.get_num_threads() == 1  # restored after generation
+    assert capsys.readouterr().out.strip() == str(output)
+    rows = read_rows(output)
+    assert sorted(r["source"] for r in rows) == ["mid", "mid", "small", "small", "small"]
+    assert all(r["generation"]["max_new_tokens"] == 4 for r in rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# OpenAI-compatible backend against a loopback server
+
+
+class FakeServer:
+    """A chat-completions server on 127.0.0.1 answering canned completions.
+
+    The first request for each prompt in ``flaky`` gets a 503; prompts containing "forbidden" get
+    a 400 (not retried). It records every request body, headers and the peak concurrency.
+    """
+
+    def __init__(self, flaky: set[str] = frozenset()):
+        self.flaky = set(flaky)
+        self.requests: list[dict] = []
+        self.headers: list[dict] = []
+        self.lock = threading.Lock()
+        self.in_flight = 0
+        self.peak = 0
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                with server.lock:
+                    server.in_flight += 1
+                    server.peak = max(server.peak, server.in_flight)
+                try:
+                    self.answer()
+                finally:
+                    with server.lock:
+                        server.in_flight -= 1
+
+            def answer(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                prompt = body["messages"][-1]["content"]
+                with server.lock:
+                    server.requests.append(body)
+                    server.headers.append(dict(self.headers))
+                    fail = prompt in server.flaky
+                    server.flaky.discard(prompt)
+                if self.path != "/v1/chat/completions":
+                    return self.reply(404, {"error": "not found"})
+                if fail:
+                    return self.reply(503, {"error": "overloaded"})
+                if "forbidden" in prompt:
+                    return self.reply(400, {"error": "bad prompt"})
+                words = prompt.split()
+                finish = "length" if len(words) > 8 else "stop"
+                self.reply(200, {
+                    "id": "cmpl-1", "object": "chat.completion", "model": body["model"],
+                    "choices": [{"index": 0, "finish_reason": finish,
+                                 "message": {"role": "assistant", "content": f"Answer: {words[-1]}"}}],
+                    "usage": {"prompt_tokens": len(words), "completion_tokens": len(words)},
+                })
+
+            def reply(self, status, payload):
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join()
+
+
+def openai_config(prompts_file: Path, output: Path, url: str, **overrides) -> DistillConfig:
+    settings = dict(
+        backend="openai", endpoint=url, endpoint_model="served-model", prompts=str(prompts_file),
+        output=str(output), n=12, batch_size=4, concurrency=3, max_prompt_tokens=None,
+        retry_backoff_s=0.001, progress=False, api_key_env="MEDUSA_TEST_KEY",
+    )
+    return DistillConfig(**{**settings, **overrides})
+
+
+def test_openai_backend_rows_retries_and_resume(tmp_path, prompts_file, monkeypatch):
+    monkeypatch.setenv("MEDUSA_TEST_KEY", "secret")
+    prompts = sample_prompts(prompts_file, 12)
+    output = tmp_path / "rows.jsonl"
+    with FakeServer(flaky={p["prompt"] for p in prompts[:5]}) as server:
+        config = openai_config(prompts_file, output, server.url + "/v1")
+
+        def stop(batch_index, rows):
+            raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            distill(config, on_batch=stop)
+        written = {r["prompt"] for r in read_rows(shard_path(output, 0))}
+        assert len(written) >= 4
+        asked_before = len(server.requests)
+        distill(config)
+        asked_after = [b["messages"][-1]["content"] for b in server.requests[asked_before:]]
+        asked = [b["messages"][-1]["content"] for b in server.requests]
+    rows = read_rows(output)
+    assert [r["id"] for r in rows] == [p["id"] for p in prompts]
+    for row, prompt in zip(rows, prompts):
+        words = prompt["prompt"].split()
+        assert set(row) == ROW_KEYS and row["model"] == "served-model"
+        assert row["response"] == f"Answer: {words[-1]}"
+        assert row["finish_reason"] == ("length" if len(words) > 8 else "eos")
+        assert row["response_tokens"] == len(words)
+    body = server.requests[0]
+    assert body["model"] == "served-model" and body["max_tokens"] == 256
+    assert body["temperature"] == 0.0 and body["messages"] == [{"role": "user", "content": body["messages"][0]["content"]}]
+    assert all(h["Authorization"] == "Bearer secret" for h in server.headers)
+    assert 1 <= server.peak <= 3
+    # Flaky prompts were retried after their 503; rows written before the stop were not asked
+    # for again (requests in flight at the stop are, as their answers were never written).
+    assert all(asked.count(p["prompt"]) >= 2 for p in prompts[:5])
+    assert not written & set(asked_after)
+    assert set(asked_after) | written == {p["prompt"] for p in prompts}
+
+
+def test_openai_backend_client_errors_are_not_retried(tmp_path):
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text(
+        "".join(json.dumps({"id": str(i), "source": "s", "prompt": p}) + "\n"
+                for i, p in enumerate(["hello there", "forbidden words", "good day"]))
+    )
+    output = tmp_path / "rows.jsonl"
+    with FakeServer() as server:
+        config = openai_config(prompts_file, output, server.url, n=None, max_retries=3)
+        with pytest.raises(RuntimeError, match="1 of 3 requests failed"):
+            distill(config)
+        assert sum("forbidden" in b["messages"][-1]["content"] for b in server.requests) == 1
+    assert sorted(r["id"] for r in read_rows(shard_path(output, 0))) == ["0", "2"]
+
+
+def test_openai_backend_gives_up_on_dead_server(tmp_path, prompts_file):
+    with FakeServer() as server:
+        url = server.url
+    config = openai_config(prompts_file, tmp_path / "rows.jsonl", url, n=2, max_retries=2)
+    with pytest.raises(RuntimeError, match="giving up after 3 attempts"):
+        distill(config)
