@@ -3,6 +3,8 @@
     medusa-generate "What is the capital of France?"                      # plain decoding
     medusa-generate --heads runs/demo/heads "Explain speculative decoding"  # Medusa heads
     medusa-generate --method lookup "Repeat after me: ..."                # prompt lookup
+    medusa-generate --method layerskip "Explain speculative decoding"     # first layers as the draft
+    medusa-generate --method draft --draft-model SMALL_MODEL "..."         # a draft model
     medusa-generate --heads runs/demo/heads --chat                        # interactive chat
 
 The run's metrics (tokens per step, tokens/s, ...) are printed to stderr at the end.
@@ -15,6 +17,7 @@ import sys
 from typing import Sequence
 
 from medusa_infer.proposers import METHODS, build_proposer
+from medusa_infer.proposers.draft import SCHEDULES, as_draft_model
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -29,10 +32,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heads", help="Medusa heads folder or Hub repo (needed by --method medusa)")
     parser.add_argument("--method", choices=METHODS, default=None,
                         help="how candidates are proposed (default: medusa with --heads, else autoregressive)")
-    parser.add_argument("--draft-model", help="draft model for --method draft")
-    parser.add_argument("--draft-tokens", type=int, default=4, help="draft / lookup tokens a step")
+    parser.add_argument("--draft-model", help="draft model for --method draft (same tokenizer as the model)")
+    parser.add_argument("--draft-tokens", type=int, default=None,
+                        help="tokens proposed a step by draft, layerskip (the first k) and lookup (default 4)")
+    parser.add_argument("--draft-schedule", choices=SCHEDULES, default="heuristic",
+                        help="draft and layerskip: adapt k to the acceptance (heuristic) or keep it (constant)")
+    parser.add_argument("--lookup-max-ngram", type=int, default=3,
+                        help="longest n-gram --method lookup searches for (then shorter ones)")
+    parser.add_argument("--lookup-min-ngram", type=int, default=1,
+                        help="shortest n-gram --method lookup accepts as a match (longer: fewer, surer drafts)")
     parser.add_argument("--layerskip-layers", type=int, default=None,
-                        help="target layers used as the draft by --method layerskip")
+                        help="target layers used as the draft by --method layerskip (default: a third)")
     parser.add_argument("--tree", help="tree preset for --method medusa (default: the heads' own tree)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
@@ -54,6 +64,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--method medusa needs --heads (train some with train_heads.py or `make demo`)")
     if args.method == "draft" and not args.draft_model:
         parser.error("--method draft needs --draft-model")
+    if args.draft_model and args.method != "draft":
+        parser.error(f"--draft-model is used by --method draft only, not --method {args.method}")
+    for flag, value in (("--draft-tokens", args.draft_tokens), ("--lookup-max-ngram", args.lookup_max_ngram),
+                        ("--layerskip-layers", args.layerskip_layers), ("--max-new-tokens", args.max_new_tokens)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
+    if args.lookup_min_ngram < 1 or args.lookup_min_ngram > args.lookup_max_ngram:
+        parser.error(f"--lookup-min-ngram must lie in [1, --lookup-max-ngram={args.lookup_max_ngram}], "
+                     f"got {args.lookup_min_ngram}")
     return args
 
 
@@ -95,6 +114,13 @@ def run_turn(model, args: argparse.Namespace, messages: list[dict] | None, promp
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     model = load(args)
+    try:
+        if args.method == "draft":
+            args.draft_model = as_draft_model(args.draft_model)  # loaded once, shared by the turns
+        build_proposer(args.method, model, args)  # checks the options against the model
+    except ValueError as error:
+        print(f"medusa-generate: error: {error}", file=sys.stderr)
+        return 2
     tokenizer = model.tokenizer
     use_template = not args.raw and getattr(tokenizer, "chat_template", None) is not None
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []

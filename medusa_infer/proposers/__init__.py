@@ -16,7 +16,9 @@ from medusa_infer.proposers.medusa import MedusaProposer
 
 METHODS = ("medusa", "draft", "lookup", "layerskip", "autoregressive")
 
-DEFAULT_DRAFT_TOKENS = {"draft": 4, "layerskip": 4, "lookup": 8}
+DEFAULT_DRAFT_TOKENS = 4
+"""k for draft, layerskip (first k) and lookup: on CPU, verifying 2 to 5 tokens costs about the
+same (1.7x one token), 9 tokens about 2x (docs/NOTES), so short chains pay off first."""
 
 
 def build_proposer(method: str, model: Any, options: Any = None) -> Proposer:
@@ -28,7 +30,8 @@ def build_proposer(method: str, model: Any, options: Any = None) -> Proposer:
         options: an object with the method's settings as attributes (e.g. CLI arguments), each
             optional: ``tree`` (medusa); ``draft_model`` (draft: a name or a loaded model);
             ``draft_tokens`` (k for draft, layerskip and lookup); ``draft_schedule``
-            (``heuristic`` or ``constant``); ``lookup_max_ngram``; ``layerskip_layers``.
+            (``heuristic`` or ``constant``); ``lookup_max_ngram``, ``lookup_min_ngram``;
+            ``layerskip_layers``.
 
     The decoding loop tells the proposer its sampling settings (``configure``), so a draft samples
     exactly when the verifier does.
@@ -46,9 +49,10 @@ def build_proposer(method: str, model: Any, options: Any = None) -> Proposer:
         return AutoregressiveProposer(model)
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
-    k = option("draft_tokens", DEFAULT_DRAFT_TOKENS[method])
+    k = option("draft_tokens", DEFAULT_DRAFT_TOKENS)
     if method == "lookup":
-        return LookupProposer(model, num_tokens=k, max_ngram=option("lookup_max_ngram", 3))
+        return LookupProposer(model, num_tokens=k, max_ngram=option("lookup_max_ngram", 3),
+                              min_ngram=option("lookup_min_ngram", 1))
     schedule = option("draft_schedule", "heuristic")
     if method == "layerskip":
         return LayerSkipProposer(model, option("layerskip_layers"), num_tokens=k, schedule=schedule)

@@ -35,8 +35,9 @@ class DraftProposer:
         draft: the draft: a ``MedusaModel`` (heads ignored), a transformers causal LM, or a name
             (default-model name, folder or Hub id) to load.
         num_tokens: tokens drafted a step at first (k).
-        schedule: ``"heuristic"`` (transformers' rule: k + 2 after a step in which the rows fully
-            accepted the draft, k - 1 otherwise) or ``"constant"``.
+        schedule: ``"heuristic"`` (transformers' rule: k + 2 after a step in which the draft was
+            accepted whole, k - 1 otherwise, at least 1; in a batch, "accepted whole" by most
+            rows) or ``"constant"``.
         max_tokens: the heuristic never drafts more than this.
         draft_tokenizer: the draft's tokenizer, for the vocabulary check (default: the draft's own).
     """
@@ -134,17 +135,15 @@ class DraftProposer:
     def _catch_up(self, sequences: list[list[int]]) -> torch.Tensor:
         """Feed every row's unseen history tokens in one forward; ``[batch, vocab]`` logits after
         each row's last token. Shorter rows are left-padded with holes."""
-        pending = [seq[done:] for seq, done in zip(sequences, self.cached)]
-        width = max(len(p) for p in pending)
-        ids = torch.zeros(len(pending), width, dtype=torch.long)
-        valid = torch.zeros(len(pending), width, dtype=torch.bool)
-        positions = torch.zeros(len(pending), width, dtype=torch.long)
-        for row, (tokens, done) in enumerate(zip(pending, self.cached)):
-            if tokens:
-                ids[row, width - len(tokens):] = torch.tensor(tokens)
-                valid[row, width - len(tokens):] = True
-                positions[row, width - len(tokens):] = torch.arange(done, done + len(tokens))
-        ids, valid, positions = ids.to(self.device), valid.to(self.device), positions.to(self.device)
+        pending = [len(seq) - done for seq, done in zip(sequences, self.cached)]
+        width = max(pending)
+        ids = torch.tensor([[0] * (width - n) + seq[done:] for seq, done, n in zip(sequences, self.cached, pending)],
+                           dtype=torch.long, device=self.device)
+        pad = width - torch.tensor(pending, device=self.device)[:, None]  # [batch, 1]
+        column = torch.arange(width, device=self.device)[None]
+        valid = column >= pad
+        done = torch.tensor(self.cached, device=self.device)[:, None]
+        positions = torch.where(valid, done + column - pad, 0)
         causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
         logits = self._forward(ids, valid, positions, causal)
         self.cached = [len(seq) for seq in sequences]

@@ -43,7 +43,7 @@ class LookupProposer:
         min_ngram: shortest suffix searched for.
     """
 
-    def __init__(self, model, num_tokens: int = 8, max_ngram: int = 3, min_ngram: int = 1) -> None:
+    def __init__(self, model, num_tokens: int = 4, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if num_tokens < 1:
             raise ValueError(f"prompt lookup needs num_tokens >= 1, got {num_tokens}")
         if not 1 <= min_ngram <= max_ngram:

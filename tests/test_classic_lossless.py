@@ -1,0 +1,83 @@
+"""Lossless sampling with classic proposers through the whole engine.
+
+The chi-square test of ``test_lossless_engine``: a tiny 8-token target, 20,000 rows of one prompt
+in one batch, the law of the first generated tokens compared with the exact law by enumeration.
+A draft model (a different random 8-token model) is verified with ``min(1, p/q)`` and the residual
+``norm(max(0, p - q))``; prompt lookup with the tree rule for deterministic drafts. Two broken
+variants (a draft that misreports q, a rule without the residual) must fail the same test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from medusa_infer import acceptance
+from medusa_infer.decoding import generate
+from medusa_infer.model import MedusaModel
+from medusa_infer.proposers import DraftProposer, LookupProposer
+from test_lossless_engine import PROMPT, SAMPLES, VOCAB, chi_square_p, exact_law
+from tiny import tiny_model
+
+
+@pytest.fixture(scope="module")
+def target() -> MedusaModel:
+    return MedusaModel.without_heads(tiny_model("llama", seed=3, vocab_size=VOCAB))
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return tiny_model("llama", seed=17, vocab_size=VOCAB)
+
+
+def sample(target, proposer, temperature: float, top_k: int, top_p: float, length: int, seed: int = 17):
+    out = generate(
+        target, PROMPT.expand(SAMPLES, -1), max_new_tokens=length + 2, do_sample=True, acceptance="lossless",
+        temperature=temperature, top_k=top_k, top_p=top_p, proposer=proposer, seed=seed, eos_token_id=[],
+    )
+    assert out.metrics.acceptance_by_depth[0] > 0.15, "drafts must get accepted for the test to mean anything"
+    return torch.tensor([t[:length] for t in out.new_tokens])
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p, length",
+    [(1.0, 0, 1.0, 3), (0.7, 0, 1.0, 3), (1.0, 0, 0.8, 3), (1.0, 3, 1.0, 2)],
+)
+def test_draft_model_sampling_has_the_target_distribution(target, draft, temperature, top_k, top_p, length):
+    proposer = DraftProposer(target, draft, num_tokens=3, schedule="constant")
+    samples = sample(target, proposer, temperature, top_k, top_p, length)
+    assert proposer.sampling is not None, "the engine must have told the draft to sample"
+    assert chi_square_p(samples, exact_law(target, length, temperature, top_k, top_p)) > 0.001
+
+
+def test_the_heuristic_schedule_stays_lossless(target, draft):
+    proposer = DraftProposer(target, draft, num_tokens=2)
+    samples = sample(target, proposer, 1.0, 0, 1.0, 3, seed=5)
+    assert chi_square_p(samples, exact_law(target, 3, 1.0, 0, 1.0)) > 0.001
+
+
+def test_prompt_lookup_sampling_has_the_target_distribution(target):
+    proposer = LookupProposer(target, num_tokens=3, max_ngram=2)
+    samples = sample(target, proposer, 1.0, 0, 1.0, 3)
+    assert chi_square_p(samples, exact_law(target, 3, 1.0, 0, 1.0)) > 0.001
+
+
+class MisreportingDraft(DraftProposer):
+    """Samples its drafts from the draft model but claims they came from the uniform law."""
+
+    def _choose(self, logits):
+        token, probs = super()._choose(logits)
+        return token, torch.full_like(probs, 1.0 / probs.shape[-1])
+
+
+def test_the_test_rejects_a_draft_that_misreports_q(target, draft):
+    proposer = MisreportingDraft(target, draft, num_tokens=3, schedule="constant")
+    samples = sample(target, proposer, 1.0, 0, 1.0, 3)
+    assert chi_square_p(samples, exact_law(target, 3, 1.0, 0, 1.0)) < 0.001
+
+
+def test_the_test_rejects_acceptance_without_the_residual(target, draft, monkeypatch):
+    monkeypatch.setattr(acceptance, "_residual", lambda p, q: p)  # after a rejection, sample p itself
+    proposer = DraftProposer(target, draft, num_tokens=3, schedule="constant")
+    samples = sample(target, proposer, 1.0, 0, 1.0, 3)
+    assert chi_square_p(samples, exact_law(target, 3, 1.0, 0, 1.0)) < 0.001

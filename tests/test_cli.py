@@ -1,0 +1,70 @@
+"""``medusa-generate`` / ``python -m medusa_infer``: argument errors (no model load) and one real run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from medusa_infer.cli import parse_args
+
+
+def parse_error(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--method", "draft", "hi"], "--method draft needs --draft-model"),
+        (["--method", "lookup", "--draft-model", "x", "hi"], "--draft-model is used by --method draft only"),
+        (["--method", "beam", "hi"], "invalid choice: 'beam'"),
+        (["--method", "lookup", "--draft-tokens", "0", "hi"], "--draft-tokens must be at least 1, got 0"),
+        (["--method", "lookup", "--lookup-max-ngram", "0", "hi"], "--lookup-max-ngram must be at least 1"),
+        (["--method", "layerskip", "--layerskip-layers", "-2", "hi"], "--layerskip-layers must be at least 1"),
+        (["--method", "lookup", "--lookup-min-ngram", "4", "hi"], "--lookup-min-ngram must lie in [1, --lookup-max"),
+        (["--method", "draft", "--draft-model", "x", "--draft-schedule", "fast", "hi"], "invalid choice: 'fast'"),
+        (["--method", "medusa", "hi"], "--method medusa needs --heads"),
+        (["--method", "lookup"], "give a prompt"),
+    ],
+)
+def test_bad_arguments_are_refused_before_loading_anything(capsys, argv, message):
+    assert message in parse_error(capsys, argv)
+
+
+def test_methods_and_options_are_parsed():
+    args = parse_args(["--method", "lookup", "--draft-tokens", "6", "--lookup-max-ngram", "4",
+                       "--lookup-min-ngram", "2", "hi"])
+    assert (args.method, args.draft_tokens, args.lookup_max_ngram, args.lookup_min_ngram) == ("lookup", 6, 4, 2)
+    args = parse_args(["--method", "layerskip", "--layerskip-layers", "8", "--draft-schedule", "constant",
+                       "--do-sample", "--temperature", "0.7", "--top-p", "0.9", "hi"])
+    assert (args.layerskip_layers, args.draft_schedule, args.do_sample, args.top_p) == (8, "constant", True, 0.9)
+    assert parse_args(["hi"]).method == "autoregressive"
+    assert parse_args(["--method", "draft", "--draft-model", "small", "hi"]).draft_model == "small"
+
+
+def test_module_entry_point_reports_argument_errors():
+    result = subprocess.run([sys.executable, "-m", "medusa_infer", "--method", "draft", "hi"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "--method draft needs --draft-model" in result.stderr
+
+
+@pytest.mark.slow
+def test_lookup_run_streams_the_answer_and_prints_metrics():
+    prompt = "Repeat this sentence: the quick brown fox jumps over the lazy dog."
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run(
+        [sys.executable, "-m", "medusa_infer", "--method", "lookup", "--max-new-tokens", "24", prompt],
+        capture_output=True, text=True, timeout=600, env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "quick brown fox" in result.stdout
+    metrics = [line for line in result.stderr.splitlines() if line.startswith("[lookup]")]
+    assert metrics, result.stderr
+    assert "tau" in metrics[0] and "tok/s" in metrics[0]

@@ -1,0 +1,320 @@
+"""Classic speculative decoding beside Medusa: plain decoding, a draft model, prompt lookup and
+LayerSkip-style self-speculation, all verified by the shared engine.
+
+Greedy output must equal Hugging Face ``generate`` token for token, at batch 1 and in left-padded
+batches whose rows accept different lengths and stop at different times.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from medusa_infer.decoding import generate
+from medusa_infer.model import MedusaModel
+from medusa_infer.proposers import (
+    AutoregressiveProposer,
+    DraftProposer,
+    LayerSkipProposer,
+    LookupProposer,
+    build_proposer,
+)
+from medusa_infer.proposers.base import StepContext
+from medusa_infer.proposers.layerskip import default_num_layers, truncated_model
+from medusa_infer.proposers.lookup import find_continuation
+from test_decoding import NO_EOS, left_pad, reference
+from tiny import VOCAB, tiny_config, tiny_model
+
+ARCHS = ("llama", "gpt2")
+VIEW_ARCHS = ("llama", "qwen3", "gemma3_text", "gpt2")
+
+
+def target_model(arch: str) -> MedusaModel:
+    return MedusaModel.without_heads(tiny_model(arch, seed=0))
+
+
+METHODS = {
+    "autoregressive": lambda target, arch: AutoregressiveProposer(target),
+    "draft": lambda target, arch: DraftProposer(target, tiny_model(arch, seed=5), num_tokens=3),
+    "self-draft": lambda target, arch: DraftProposer(target, target.base_model, num_tokens=3),
+    "lookup": lambda target, arch: LookupProposer(target, num_tokens=5, max_ngram=3),
+    "layerskip": lambda target, arch: LayerSkipProposer(target, num_layers=1, num_tokens=3),
+}
+
+
+def prompts_of(lengths, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=gen) for n in lengths]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("method", list(METHODS))
+def test_greedy_identical_to_generate_batch_1_and_4(arch, method):
+    target = target_model(arch)
+    prompts = prompts_of((2, 11, 5, 8))
+    futures = [reference(target, p, 24) for p in prompts]
+    eos = futures[0][5]  # row 0 stops early; the others carry on without it
+    expected = [f[: f.index(eos) + 1] if eos in f else f for f in futures]
+    ids, mask = left_pad(prompts)
+    out = generate(target, ids, attention_mask=mask, max_new_tokens=24, eos_token_id=eos,
+                   proposer=METHODS[method](target, arch))
+    assert out.new_tokens == expected
+    assert out.finish_reasons[0] == "eos"
+    alone = generate(target, prompts[1][None], max_new_tokens=24, eos_token_id=NO_EOS,
+                     proposer=METHODS[method](target, arch))
+    assert alone.new_tokens[0] == futures[1]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("batch", [1, 4])
+def test_the_target_as_its_own_draft_accepts_every_token(arch, batch):
+    target = target_model(arch)
+    k = 3
+    prompts = prompts_of((4, 9, 6, 2)[:batch], seed=1)
+    max_new = 4 * (k + 1) + 1  # the prefill token, then whole steps
+    ids, mask = left_pad(prompts)
+    for proposer in (DraftProposer(target, target.base_model, num_tokens=k, schedule="constant"),
+                     LayerSkipProposer(target, num_layers=2, num_tokens=k, schedule="constant")):
+        out = generate(target, ids, attention_mask=mask, max_new_tokens=max_new, eos_token_id=NO_EOS,
+                       proposer=proposer)
+        assert out.new_tokens == [reference(target, p, max_new) for p in prompts]
+        assert out.metrics.tau == pytest.approx(k + 1)
+        assert out.metrics.acceptance_by_depth == [1.0] * k
+
+
+def test_lookup_accepts_drafts_on_a_repetitive_prompt():
+    target = target_model("llama")
+    prompt = torch.tensor([5, 6, 7, 8, 9, 10] * 4)
+    out = generate(target, prompt[None], max_new_tokens=40, eos_token_id=NO_EOS,
+                   proposer=LookupProposer(target, num_tokens=6))
+    assert out.new_tokens[0] == reference(target, prompt, 40)
+    assert out.metrics.tau > 1.5
+
+
+def test_find_continuation_takes_the_longest_most_recent_match():
+    history = [1, 2, 3, 9, 2, 3, 4, 5, 1, 2, 3]
+    assert find_continuation(history, 3, 1, 4) == [9, 2, 3, 4]  # "1 2 3" occurred once before
+    assert find_continuation(history, 2, 1, 3) == [4, 5, 1]  # "2 3": the most recent occurrence
+    assert find_continuation([1, 2, 3, 4], 3, 1, 5) == []
+    assert find_continuation([7, 7, 7], 2, 1, 5) == [7]  # overlapping match
+    assert find_continuation(history, 3, 1, 0) == []
+
+
+def test_lookup_without_a_match_proposes_the_root_alone():
+    target = target_model("llama")
+    prompt = torch.arange(3, 13)  # no token repeats, and the output does not repeat early
+    proposer = LookupProposer(target)
+    proposal = proposer.propose(torch.tensor([50]), StepContext([prompt.tolist() + [50]], 8))
+    assert proposal.tree.num_nodes == 1 and proposal.tokens.tolist() == [[50]]
+    proposal = LookupProposer(target, num_tokens=8).propose(torch.tensor([5]), StepContext([prompt.tolist() + [5]], 8))
+    assert proposal.tokens.tolist() == [[5, 6, 7, 8, 9, 10, 11, 12, 5]]  # at most 8 tokens
+    proposal = proposer.propose(torch.tensor([5]), StepContext([prompt.tolist() + [5]], 3))
+    assert proposal.tokens.tolist() == [[5, 6, 7, 8]]  # at most max_depth
+    rows = StepContext([[1, 2, 3, 4, 5, 1], [9, 8, 7, 9, 8]], 8)  # one chain for the batch, padded
+    assert proposer.propose(torch.tensor([1, 8]), rows).tokens.tolist() == [[1, 2, 3, 4, 5], [8, 7, 9, 8, 8]]
+    rows = StepContext([[1, 2, 3, 1], [4, 5, 6]], 8)
+    assert proposer.propose(torch.tensor([1, 6]), rows).tokens.tolist() == [[1, 2, 3, 1], [6, 6, 6, 6]]
+
+
+def test_heuristic_schedule_grows_and_shrinks_k():
+    target = target_model("llama")
+    prompt = prompts_of((6,))[0][None]
+    perfect = DraftProposer(target, target.base_model, num_tokens=2, max_tokens=8)
+    generate(target, prompt, max_new_tokens=40, eos_token_id=NO_EOS, proposer=perfect)
+    assert perfect.k_per_step[:4] == [2, 4, 6, 8]
+    poor = DraftProposer(target, tiny_model("llama", seed=5), num_tokens=4)
+    generate(target, prompt, max_new_tokens=30, eos_token_id=NO_EOS, proposer=poor)
+    assert poor.k_per_step[0] == 4 and poor.k_per_step[-1] < 4 and min(poor.k_per_step) == 1
+    constant = DraftProposer(target, tiny_model("llama", seed=5), num_tokens=4, schedule="constant")
+    generate(target, prompt, max_new_tokens=20, eos_token_id=NO_EOS, proposer=constant)
+    assert constant.k_per_step[:8] == [4] * 8
+
+
+class DepthSpy:
+    """Wraps a proposer and records (proposed depth, allowed depth) at every step."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.depths = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, roots, context):
+        proposal = self.inner.propose(roots, context)
+        self.depths.append((proposal.tree.max_depth, context.max_depth))
+        assert proposal.tokens.shape[1] == proposal.tree.num_nodes
+        return proposal
+
+
+@pytest.mark.parametrize("method", ["self-draft", "lookup", "layerskip"])
+def test_proposals_respect_max_depth_near_the_end(method):
+    target = target_model("llama")
+    prompt = torch.tensor([5, 6, 7, 8] * 5)
+    for max_new in (2, 5, 9):
+        inner = METHODS[method](target, "llama")
+        if hasattr(inner, "k"):
+            inner.k = inner.max_tokens = 8
+        spy = DepthSpy(inner)
+        out = generate(target, prompt[None], max_new_tokens=max_new, eos_token_id=NO_EOS, proposer=spy)
+        assert out.new_tokens[0] == reference(target, prompt, max_new)
+        assert all(depth <= allowed for depth, allowed in spy.depths), spy.depths
+    if method == "self-draft":
+        assert spy.depths[0] == (7, 7)  # as deep as allowed: 9 tokens = the prefill's + 8 in one step
+
+
+def test_drafts_stop_cleanly_at_the_context_limit():
+    target = target_model("llama")
+    limit = target.base_model.config.max_position_embeddings
+    prompt = prompts_of((limit - 12,))[0]
+    out = generate(target, prompt[None], max_new_tokens=50, eos_token_id=NO_EOS,
+                   proposer=DraftProposer(target, target.base_model, num_tokens=5))
+    assert out.finish_reasons == ["context"]
+    assert out.new_tokens[0] == reference(target, prompt, 12)
+
+
+def test_rows_can_join_a_draft_batch_between_steps():
+    from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig
+
+    target = target_model("llama")
+    draft = tiny_model("llama", seed=0)  # same weights as the target, another object
+    prompts = prompts_of((4, 9, 6), seed=2)
+    futures = [reference(target, p, 20) for p in prompts]
+
+    def batch(rows):
+        ids, mask = left_pad([prompts[r] for r in rows])
+        proposer = LayerSkipProposer(target, num_layers=1, num_tokens=3)
+        return DecodeBatch(target, ids, mask, proposer, SamplingConfig(), StopConfig(20), None, None)
+
+    with torch.no_grad():
+        running = batch([0])
+        running.prefill()
+        running.step()
+        late = batch([1, 2])
+        late.prefill()
+        assert running.merge(late) == [1, 2]
+        while not running.done:
+            running.step()
+    assert running.generated == futures
+    with pytest.raises(ValueError, match="different draft models"):
+        DraftProposer(target, draft).merge(LayerSkipProposer(target, num_layers=1))
+
+
+# -- the draft must share the target's vocabulary --------------------------------------------------
+
+def word_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
+    vocab = {w: i for i, w in enumerate(words)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token=words[0])))
+
+
+def test_a_draft_with_another_vocabulary_is_refused():
+    target = target_model("llama")
+    small = tiny_model("llama", seed=5, vocab_size=64)
+    with pytest.raises(ValueError, match=r"predicts 64 tokens but target .* predicts 96"):
+        DraftProposer(target, small)
+    words = [f"w{i}" for i in range(VOCAB)]
+    ours = MedusaModel(tiny_model("llama", seed=0), None, word_tokenizer(words))
+    theirs = MedusaModel(tiny_model("llama", seed=5), None, word_tokenizer(words[::-1]))
+    with pytest.raises(ValueError, match="different tokenizer from target"):
+        DraftProposer(ours, theirs)
+    DraftProposer(ours, MedusaModel(tiny_model("llama", seed=5), None, word_tokenizer(words)))  # same: fine
+
+
+# -- LayerSkip: a view of the first layers, sharing the weights --------------------------------------
+
+def three_layer_model(arch: str):
+    config = tiny_config(arch)
+    config.num_hidden_layers = 3
+    if arch == "gemma3_text":
+        config.layer_types = ["sliding_attention", "full_attention", "sliding_attention"]
+    elif getattr(config, "layer_types", None) is not None:
+        config.layer_types = ["full_attention"] * 3
+    config.initializer_range = 0.2
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("arch", VIEW_ARCHS)
+def test_truncated_view_equals_a_shallower_model_and_copies_nothing(arch):
+    model = three_layer_model(arch)
+    ids = prompts_of((12,))[0][None]
+    with torch.no_grad():
+        full_before = model(ids).logits
+        view = truncated_model(model, 2)
+        shallow_config = tiny_config(arch)
+        shallow_config.num_hidden_layers = 2
+        if getattr(model.config, "layer_types", None) is not None:
+            shallow_config.layer_types = model.config.layer_types[:2]
+        shallow = AutoModelForCausalLM.from_config(shallow_config, attn_implementation="eager").eval()
+        missing, _ = shallow.load_state_dict(model.state_dict(), strict=False)
+        assert not missing
+        assert torch.allclose(view(ids).logits, shallow(ids).logits, atol=1e-5)
+        assert torch.equal(model(ids).logits, full_before)  # the target is untouched
+    ours = {p.data_ptr() for p in model.parameters()}
+    assert {p.data_ptr() for p in view.parameters()} <= ours
+    assert sum(p.numel() for p in view.parameters()) < sum(p.numel() for p in model.parameters())
+    assert model.config.num_hidden_layers == 3
+
+
+@pytest.mark.parametrize("arch", ("qwen3", "gemma3_text"))
+def test_layerskip_greedy_exact_on_more_architectures(arch):
+    target = MedusaModel.without_heads(three_layer_model(arch))
+    prompts = prompts_of((3, 10, 6))
+    ids, mask = left_pad(prompts)
+    proposer = LayerSkipProposer(target, num_tokens=3)
+    assert proposer.num_layers == 1
+    out = generate(target, ids, attention_mask=mask, max_new_tokens=20, eos_token_id=NO_EOS, proposer=proposer)
+    assert out.new_tokens == [reference(target, p, 20) for p in prompts]
+
+
+def test_layerskip_layers_are_checked():
+    target = target_model("llama")
+    with pytest.raises(ValueError, match=r"1 <= layers <= 2"):
+        LayerSkipProposer(target, num_layers=3)
+    assert default_num_layers(30) == 10 and default_num_layers(2) == 1
+
+
+def test_build_proposer_maps_every_method():
+    target = target_model("llama")
+    assert isinstance(build_proposer("autoregressive", target), AutoregressiveProposer)
+    lookup = build_proposer("lookup", target, SimpleNamespace(draft_tokens=3, lookup_max_ngram=2))
+    assert (lookup.num_tokens, lookup.max_ngram, lookup.min_ngram) == (3, 2, 1)
+    with pytest.raises(ValueError, match="1 <= min_ngram <= max_ngram"):
+        build_proposer("lookup", target, SimpleNamespace(lookup_max_ngram=2, lookup_min_ngram=3))
+    skip = build_proposer("layerskip", target, SimpleNamespace(layerskip_layers=None, draft_schedule="constant"))
+    assert skip.num_layers == 1 and skip.schedule == "constant" and skip.k == 4
+    draft = build_proposer("draft", target, SimpleNamespace(draft_model=tiny_model("llama", seed=5), draft_tokens=2))
+    assert isinstance(draft, DraftProposer) and draft.k == 2
+    with pytest.raises(ValueError, match="needs a draft model"):
+        build_proposer("draft", target)
+    with pytest.raises(ValueError, match="unknown method 'beam'"):
+        build_proposer("beam", target)
+
+
+# -- the default model ---------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_layerskip_and_lookup_on_smollm2_are_exact():
+    from medusa_infer.decoding import encode_chat
+
+    target = MedusaModel.without_heads("smollm2-135m-instruct")
+    tokenizer = target.tokenizer
+    chats = [[{"role": "user", "content": "Repeat this sentence: the quick brown fox jumps over the lazy dog."}],
+             [{"role": "user", "content": "What is the capital of France?"}]]
+    batch = tokenizer(encode_chat(tokenizer, chats), return_tensors="pt", padding=True, padding_side="left",
+                      add_special_tokens=False)
+    with torch.no_grad():
+        hf = target.base_model.generate(**batch, max_new_tokens=32, do_sample=False)
+    taus = {}
+    for method, layers in (("layerskip", None), ("layerskip", 25), ("lookup", None)):
+        proposer = build_proposer(method, target, SimpleNamespace(layerskip_layers=layers))
+        out = generate(target, messages=chats, max_new_tokens=32, proposer=proposer)
+        assert torch.equal(out.sequences[:, : hf.shape[1]], hf), (method, layers)
+        taus[method, layers] = out.metrics.tau
+    assert taus["layerskip", 25] > 1.0 and taus["lookup", None] > 1.0, taus  # 10 layers: rarely right
+    view = truncated_model(target.base_model, 10)
+    assert len(view.model.layers) == 10 and len(target.base_model.model.layers) == 30
