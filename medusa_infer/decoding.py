@@ -26,6 +26,7 @@ from medusa_infer.adaptive import TreeController, tree_ladder
 from medusa_infer.kv_cache import AttentionLayout, KVState
 from medusa_infer.metrics import GenerationMetrics
 from medusa_infer.proposers.base import Proposal, Proposer, StepContext
+from medusa_infer.proposers.autoregressive import AutoregressiveProposer
 from medusa_infer.proposers.medusa import MedusaProposer
 from medusa_infer.tree_fit import CostProfile
 from medusa_infer.trees import get_tree
@@ -448,7 +449,7 @@ def stream(
     if proposer is None and model.heads is None:
         if tree is not None:
             raise ValueError("tree= needs Medusa heads; this model has none (load heads or pass a proposer)")
-        proposer = MedusaProposer(model, [])  # no heads: plain decoding, one token a step
+        proposer = AutoregressiveProposer(model)  # no heads: plain decoding, one token a step
     elif proposer is None:
         paths = resolve_tree(model, tree)
         proposer = MedusaProposer(model, paths, controller=make_controller(model, paths, adaptive))

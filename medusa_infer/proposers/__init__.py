@@ -42,9 +42,10 @@ def build_proposer(method: str, model: Any, options: Any = None) -> Proposer:
         return default if value is None else value
 
     if method == "medusa":
-        from medusa_infer.decoding import resolve_tree
+        from medusa_infer.decoding import make_controller, resolve_tree
 
-        return MedusaProposer(model, resolve_tree(model, option("tree")))
+        paths = resolve_tree(model, option("tree"))
+        return MedusaProposer(model, paths, controller=make_controller(model, paths, option("adaptive")))
     if method == "autoregressive":
         return AutoregressiveProposer(model)
     if method not in METHODS:
