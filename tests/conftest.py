@@ -1,0 +1,23 @@
+"""Test-wide settings: no network, and torch threads sized to the work.
+
+Tiny models run fastest on one thread (thread start-up dominates their matrix products, and on a
+busy 2-core machine two threads wait on each other); the real default model uses two.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads(request):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(min(2, os.cpu_count() or 1) if request.node.get_closest_marker("slow") else 1)
+    yield
+    torch.set_num_threads(previous)
