@@ -1,0 +1,507 @@
+"""``medusa-bench``: speed and acceptance on Spec-Bench-format questions, methods interleaved.
+
+Protocol (Spec-Bench's): every question's turns are answered in the conversation so far; speed is
+new tokens over wall-clock time; speedup is the ratio of speeds against Hugging Face ``generate``
+measured in the same run; tau (mean tokens per target forward) counts the bonus token, so plain
+decoding scores 1.0. Methods run one after the other on each question (interleaved), so a noisy
+machine slows all of them alike.
+
+    medusa-bench --heads runs/demo/heads --questions specbench.jsonl --limit 80 \\
+        --methods hf,hf-lookup,ar,medusa,lookup --output runs/bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+HF_METHODS = ("hf", "hf-lookup", "hf-assisted")
+OUR_METHODS = ("ar", "medusa", "medusa-typical", "medusa-lossless", "draft", "lookup", "layerskip")
+ALL_METHODS = HF_METHODS + OUR_METHODS
+SAMPLING_METHODS = ("medusa-typical", "medusa-lossless")
+DEFAULT_METHODS = ("hf", "hf-lookup", "ar", "medusa", "lookup")
+
+
+@dataclass
+class Turn:
+    """One answered turn: new tokens, seconds, target forwards after the prefill, TTFT."""
+
+    tokens: list[int]
+    seconds: float
+    steps: int
+    ttft_s: float
+    peak_mem_mb: float
+
+
+@dataclass
+class MethodTotals:
+    tokens: int = 0
+    seconds: float = 0.0
+    steps: int = 0
+    ttft: list[float] = field(default_factory=list)
+    peak_mem_mb: float = 0.0
+    exact: bool | None = None
+
+    def add(self, turn: Turn) -> None:
+        self.tokens += len(turn.tokens)
+        self.seconds += turn.seconds
+        self.steps += turn.steps
+        self.ttft.append(turn.ttft_s)
+        self.peak_mem_mb = max(self.peak_mem_mb, turn.peak_mem_mb)
+
+    def summary(self, baseline_speed: float | None) -> dict[str, Any]:
+        speed = self.tokens / self.seconds if self.seconds else 0.0
+        later = self.tokens - len(self.ttft)
+        return {
+            "tokens": self.tokens,
+            "seconds": round(self.seconds, 3),
+            "tau": round(self.tokens / (self.steps + len(self.ttft)), 3) if self.steps else 1.0,
+            "tokens_per_s": round(speed, 3),
+            "speedup": round(speed / baseline_speed, 3) if baseline_speed else None,
+            "exact": self.exact,
+            "ttft_s": round(sum(self.ttft) / len(self.ttft), 4) if self.ttft else None,
+            "tpot_s": round((self.seconds - sum(self.ttft)) / later, 5) if later > 0 else None,
+            "peak_mem_mb": round(self.peak_mem_mb, 1),
+        }
+
+
+class _PeakMemory:
+    """Peak resident memory (CPU) or peak allocated memory (CUDA) while the block runs, in MB."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.peak = device, 0.0
+
+    def __enter__(self) -> "_PeakMemory":
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return self
+        import psutil
+
+        process = psutil.Process()
+        self._stop = threading.Event()
+        self.peak = process.memory_info().rss / 2**20
+
+        def sample() -> None:
+            while not self._stop.wait(0.01):
+                self.peak = max(self.peak, process.memory_info().rss / 2**20)
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.device.type == "cuda":
+            self.peak = torch.cuda.max_memory_allocated(self.device) / 2**20
+        else:
+            self._stop.set()
+            self._thread.join()
+
+
+class _FirstTokenTimer:
+    """A ``generate`` streamer that records when the first new token arrives."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.first: float | None = None
+        self._puts = 0
+
+    def put(self, value: torch.Tensor) -> None:
+        self._puts += 1
+        if self._puts == 2 and self.first is None:  # the first put is the prompt
+            self.first = time.perf_counter() - self.start
+
+    def end(self) -> None:
+        pass
+
+
+class _ForwardCounter:
+    """Counts forwards of a module (the target's verification steps)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.count = 0
+        self._handle = module.register_forward_pre_hook(self._hook)
+
+    def _hook(self, *args: Any) -> None:
+        self.count += 1
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+def load_questions(path: str | Path, limit: int | None = None, seed: int = 0,
+                   exclude_ids: Sequence[Any] = ()) -> list[dict]:
+    """Spec-Bench-format questions (``id``, ``category``, ``turns``); with ``limit``, a sample
+    balanced across categories (round robin in a seeded shuffle), in file order."""
+    rows = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        missing = {"id", "category", "turns"} - set(row)
+        if missing or not isinstance(row["turns"], list) or not row["turns"]:
+            raise ValueError(f"{path}:{number}: a question needs id, category and a non-empty turns list "
+                             f"(missing {sorted(missing)})")
+        if row["id"] not in set(exclude_ids):
+            rows.append(row)
+    if limit is None or limit >= len(rows):
+        return rows
+    by_category: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        by_category[row["category"]].append(row)
+    rng = random.Random(seed)
+    for items in by_category.values():
+        rng.shuffle(items)
+    chosen: list[dict] = []
+    while len(chosen) < limit:
+        for items in by_category.values():
+            if items and len(chosen) < limit:
+                chosen.append(items.pop())
+    order = {id(row): i for i, row in enumerate(rows)}
+    return sorted(chosen, key=lambda row: order[id(row)])
+
+
+class Runner:
+    """Answers one turn with one method; holds the loaded models."""
+
+    def __init__(self, model, args: argparse.Namespace) -> None:
+        self.model, self.args = model, args
+        self.tokenizer = model.tokenizer
+        self.assistant = None
+        if "hf-assisted" in args.methods or "draft" in args.methods:
+            if not args.draft_model:
+                raise ValueError("methods hf-assisted and draft need --draft-model")
+            from medusa_infer.models import load_base_model
+
+            self.assistant = load_base_model(args.draft_model, dtype=model.dtype, device=model.device)
+
+    def run(self, method: str, messages: list[dict]) -> Turn:
+        from medusa_infer.decoding import encode_chat
+
+        text = encode_chat(self.tokenizer, messages)[0]
+        ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"].to(self.model.device)
+        with _PeakMemory(self.model.device) as memory:
+            if method in HF_METHODS:
+                turn = self._run_hf(method, ids)
+            else:
+                turn = self._run_ours(method, ids)
+        turn.peak_mem_mb = memory.peak
+        return turn
+
+    def _run_hf(self, method: str, ids: torch.Tensor) -> Turn:
+        extra: dict[str, Any] = {}
+        if method == "hf-lookup":
+            extra["prompt_lookup_num_tokens"] = self.args.lookup_tokens
+        elif method == "hf-assisted":
+            extra["assistant_model"] = self.assistant
+        base = self.model.base_model
+        counter = _ForwardCounter(base)
+        timer = _FirstTokenTimer()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.args.max_new_tokens,
+                                do_sample=False, streamer=timer, pad_token_id=self.tokenizer.pad_token_id, **extra)
+        seconds = time.perf_counter() - start
+        counter.close()
+        tokens = out[0, ids.shape[1]:].tolist()
+        pad = self.tokenizer.pad_token_id
+        while tokens and tokens[-1] == pad and pad not in _eos(base):
+            tokens.pop()
+        return Turn(tokens, seconds, max(counter.count - 1, 0), timer.first or seconds, 0.0)
+
+    def _run_ours(self, method: str, ids: torch.Tensor) -> Turn:
+        from medusa_infer.decoding import generate
+        from medusa_infer.proposers import build_proposer
+
+        options = argparse.Namespace(
+            tree=self.args.tree, draft_model=self.assistant, draft_tokens=None, layerskip_layers=None,
+        )
+        sampling: dict[str, Any] = {}
+        if method == "medusa-typical":
+            sampling = dict(do_sample=True, acceptance="typical", temperature=self.args.temperature)
+        elif method == "medusa-lossless":
+            sampling = dict(do_sample=True, acceptance="lossless", temperature=self.args.temperature)
+        if method.startswith("medusa"):
+            proposer = None  # generate() builds the Medusa proposer, adaptive when calibrated
+            sampling["tree"] = self.args.tree
+        else:
+            proposer = build_proposer("autoregressive" if method == "ar" else method, self.model, options)
+        out = generate(self.model, ids, max_new_tokens=self.args.max_new_tokens, proposer=proposer,
+                       seed=self.args.seed, **sampling)
+        m = out.metrics
+        return Turn(out.new_tokens[0], m.total_s, m.steps, m.ttft_s, 0.0)
+
+
+def _eos(model) -> set[int]:
+    value = model.generation_config.eos_token_id
+    return set([value] if isinstance(value, int) else (value or []))
+
+
+def benchmark(model, questions: list[dict], args: argparse.Namespace,
+              progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Run every method on every question (interleaved) and return the report dictionary."""
+    runner = Runner(model, args)
+    methods = list(args.methods)
+    totals: dict[str, MethodTotals] = {m: MethodTotals() for m in methods}
+    per_category: dict[str, dict[str, MethodTotals]] = defaultdict(lambda: {m: MethodTotals() for m in methods})
+    answers: dict[str, list[list[int]]] = {m: [] for m in methods}
+    from tqdm import tqdm
+
+    bar = tqdm(questions, desc="benchmark", unit="question", file=sys.stderr)
+    for question in bar:
+        for method in methods:
+            messages: list[dict] = []
+            for text in question["turns"]:
+                messages.append({"role": "user", "content": text})
+                turn = runner.run(method, messages)
+                totals[method].add(turn)
+                per_category[question["category"]][method].add(turn)
+                answers[method].append(turn.tokens)
+                messages.append({"role": "assistant",
+                                 "content": runner.tokenizer.decode(turn.tokens, skip_special_tokens=True)})
+        bar.set_postfix({m: f"{t.tokens / t.seconds:.1f}" for m, t in totals.items() if t.seconds})
+    reference = "ar" if "ar" in methods else ("hf" if "hf" in methods else None)
+    for method in methods:
+        if method in SAMPLING_METHODS or reference is None:
+            continue
+        exact = answers[method] == answers[reference]
+        totals[method].exact = exact
+        for cat in per_category.values():
+            cat[method].exact = exact
+
+    def summarise(group: dict[str, MethodTotals]) -> dict[str, Any]:
+        base = group["hf"].tokens / group["hf"].seconds if "hf" in group and group["hf"].seconds else None
+        return {m: t.summary(base) for m, t in group.items()}
+
+    return {
+        "settings": {
+            "model": args.model, "heads": args.heads, "questions": str(args.questions), "limit": args.limit,
+            "turns": sum(len(q["turns"]) for q in questions), "max_new_tokens": args.max_new_tokens,
+            "device": str(model.device), "dtype": str(model.dtype).replace("torch.", ""),
+            "torch_threads": torch.get_num_threads(), "methods": methods,
+            "tree": _tree_note(model, args.tree),
+        },
+        "methods": summarise(totals),
+        "categories": {cat: summarise(group) for cat, group in sorted(per_category.items())},
+    }
+
+
+def _tree_note(model, tree) -> Any:
+    if model.heads is None:
+        return None
+    return tree or model.config.tree
+
+
+def report_markdown(report: dict[str, Any]) -> str:
+    s = report["settings"]
+    lines = [
+        f"# medusa-bench: {s['model']}" + (f" + {s['heads']}" if s["heads"] else ""),
+        "",
+        f"{s['turns']} turns from {s['questions']} (limit {s['limit']}), max {s['max_new_tokens']} new tokens, "
+        f"{s['device']} {s['dtype']}, {s['torch_threads']} threads.",
+        "",
+        "| method | tokens/s | speedup vs hf | tau | exact | TTFT s | TPOT s | peak MB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for method, r in report["methods"].items():
+        lines.append(f"| {method} | {r['tokens_per_s']:.2f} | {_fmt(r['speedup'])} | {r['tau']:.2f} | "
+                     f"{_fmt(r['exact'])} | {_fmt(r['ttft_s'])} | {_fmt(r['tpot_s'])} | {r['peak_mem_mb']:.0f} |")
+    methods = list(report["methods"])
+    lines += ["", "## Speedup vs hf by category (tau in brackets)", "",
+              "| category | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
+    for cat, group in report["categories"].items():
+        cells = [f"{_fmt(group[m]['speedup'])} ({group[m]['tau']:.2f})" for m in methods]
+        lines.append(f"| {cat} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    if isinstance(value, float):
+        return f"{value:.3f}" if value < 10 else f"{value:.1f}"
+    return str(value)
+
+
+def report_png(report: dict[str, Any], path: Path) -> None:
+    """Tokens/s and tau per method, overall and per category."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(report["methods"])
+    groups = ["all"] + list(report["categories"])
+    data = {"all": report["methods"], **report["categories"]}
+    fig, axes = plt.subplots(1, 2, figsize=(max(10, 1.4 * len(groups)), 4.5))
+    width = 0.8 / len(methods)
+    for i, method in enumerate(methods):
+        xs = [g + (i - (len(methods) - 1) / 2) * width for g in range(len(groups))]
+        axes[0].bar(xs, [data[g][method]["tokens_per_s"] for g in groups], width, label=method)
+        axes[1].bar(xs, [data[g][method]["tau"] for g in groups], width, label=method)
+    for ax, title in zip(axes, ("tokens/s", "tau (tokens per target forward)")):
+        ax.set_xticks(range(len(groups)), groups, rotation=30, ha="right")
+        ax.set_title(title)
+    axes[0].legend(fontsize=8)
+    s = report["settings"]
+    fig.suptitle(f"{s['model']} on {s['device']} {s['dtype']}, {s['turns']} turns")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[str, Any]:
+    """Measure the heads' top-k accuracy on greedy answers to ``questions`` and this device's
+    verification cost; fit the tree; store all three in the heads' config (and folder)."""
+    from medusa_infer.decoding import encode_chat, generate
+    from medusa_infer.tree_fit import fit_tree, measure_verify_cost
+
+    if model.heads is None:
+        raise ValueError("--calibrate needs --heads")
+    sequences = []
+    for question in questions:
+        text = encode_chat(model.tokenizer, [{"role": "user", "content": question["turns"][0]}])[0]
+        ids = model.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        out = generate(model, ids, max_new_tokens=args.max_new_tokens, tree="chain-1", adaptive=False)
+        sequences.append((out.sequences[0], ids.shape[1]))
+    accuracy = head_topk_accuracy(model, sequences, top_k=model.config.top_k)
+    cost = measure_verify_cost(model, context=args.calibrate_context)
+    overhead = measure_head_overhead(model, cost)
+    fitted = fit_tree(accuracy, cost, head_overhead=overhead)
+    config = model.config
+    config.head_accuracies = [[round(a, 5) for a in row] for row in accuracy]
+    config.cost_profile = {**cost.to_dict(), "head_overhead": round(overhead, 4)}
+    config.tree = [list(p) for p in fitted.paths] or None
+    return {"head_accuracies": config.head_accuracies, "cost_profile": config.cost_profile,
+            "tree_nodes": len(fitted.paths), "expected_tau": fitted.expected_tau,
+            "expected_speedup": fitted.expected_speedup, "table": fitted.table}
+
+
+@torch.inference_mode()
+def head_topk_accuracy(model, sequences: list[tuple[torch.Tensor, int]], top_k: int = 10) -> list[list[float]]:
+    """``[num_heads][k]``: how often head d's rank-r token is the token ``d + 2`` ahead, over the
+    generated part of each ``(sequence [seq], prompt_length)``."""
+    heads = model.config.num_heads
+    hits = torch.zeros(heads, top_k, dtype=torch.float64)
+    counts = torch.zeros(heads, dtype=torch.float64)
+    for seq, start in sequences:
+        seq = seq.to(model.device)
+        out = model(seq[None], head_positions=None, logits_positions=slice(0, 0))
+        ranks = model.heads.to_full_vocab(out.head_logits[:, 0].topk(top_k, dim=-1).indices)  # [K, seq, k]
+        for d in range(heads):
+            positions = torch.arange(max(start - 1, 0), len(seq) - d - 2, device=seq.device)
+            if len(positions) == 0:
+                continue
+            target = seq[positions + d + 2]
+            match = ranks[d, positions] == target[:, None]
+            hits[d] += match.double().sum(0).cpu()
+            counts[d] += len(positions)
+    return (hits / counts.clamp(min=1)[:, None]).tolist()
+
+
+@torch.inference_mode()
+def measure_head_overhead(model, cost, repeats: int = 20) -> float:
+    """Seconds of one heads' forward at one position, as a fraction of ``t(1)``."""
+    hidden = torch.randn(1, model.lm_head.weight.shape[1], device=model.device, dtype=model.dtype)
+    model.head_logits(hidden)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        model.head_logits(hidden).topk(model.config.top_k, dim=-1)
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return times[len(times) // 2] / cost.seconds[0]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="medusa-bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="base model (default: the heads' base, else smollm2-135m-instruct)")
+    parser.add_argument("--heads", help="Medusa heads folder or Hub repo (needed by the medusa methods)")
+    parser.add_argument("--questions", required=True, help="Spec-Bench-format JSONL (id, category, turns)")
+    parser.add_argument("--limit", type=int, default=None, help="questions to use, balanced across categories")
+    parser.add_argument("--exclude-ids", default="", help="comma-separated question ids to leave out")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                        help=f"comma-separated, from: {', '.join(ALL_METHODS)}")
+    parser.add_argument("--draft-model", help="draft model for hf-assisted and draft")
+    parser.add_argument("--tree", help="tree preset or JSON list of paths (default: the heads' own)")
+    parser.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for hf-lookup")
+    parser.add_argument("--temperature", type=float, default=0.7, help="for the sampling methods")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--output", default="runs/bench", help="folder for report.json, report.md, report.png")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure head accuracy and verification cost, fit the tree, save it with the heads")
+    parser.add_argument("--calibrate-questions", type=int, default=16)
+    parser.add_argument("--calibrate-context", type=int, default=256)
+    args = parser.parse_args(argv)
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in args.methods if m not in ALL_METHODS]
+    if unknown:
+        parser.error(f"unknown methods {unknown}; choose from {', '.join(ALL_METHODS)}")
+    if any(m.startswith("medusa") for m in args.methods) and not args.heads:
+        parser.error("the medusa methods need --heads")
+    if args.tree and args.tree.startswith("["):
+        args.tree = [tuple(p) for p in json.loads(args.tree)]
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from medusa_infer.model import MedusaModel
+    from medusa_infer.models import load_base_model, load_tokenizer
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, args.dtype)
+    if args.heads:
+        base_name = args.model
+        if base_name is None:
+            base_name = json.loads((Path(args.heads) / "config.json").read_text())["base_model_name_or_path"]
+        model = MedusaModel.from_pretrained(args.heads, base_model=load_base_model(base_name, dtype=dtype, device=device),
+                                            tokenizer=load_tokenizer(base_name))
+    else:
+        base_name = args.model or "smollm2-135m-instruct"
+        model = MedusaModel.without_heads(load_base_model(base_name, dtype=dtype, device=device),
+                                          tokenizer=load_tokenizer(base_name))
+    args.model = base_name
+    exclude = [int(x) if x.strip().isdigit() else x.strip() for x in args.exclude_ids.split(",") if x.strip()]
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    if args.calibrate:
+        calib_questions = load_questions(args.questions, args.calibrate_questions, seed=args.seed + 1,
+                                         exclude_ids=exclude)
+        result = calibrate(model, calib_questions, args)
+        model.save_pretrained(args.heads)
+        (output / "calibration.json").write_text(json.dumps(result, indent=2))
+        print(f"calibrated: tree of {result['tree_nodes']} nodes, expected tau {result['expected_tau']:.2f}, "
+              f"expected speedup {result['expected_speedup']:.2f}x; saved into {args.heads}", file=sys.stderr)
+        exclude += [q["id"] for q in calib_questions]
+    questions = load_questions(args.questions, args.limit, seed=args.seed, exclude_ids=exclude)
+    report = benchmark(model, questions, args)
+    (output / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    markdown = report_markdown(report)
+    (output / "report.md").write_text(markdown)
+    report_png(report, output / "report.png")
+    print(markdown)
+    print(f"wrote {output}/report.json, report.md, report.png", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
