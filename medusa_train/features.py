@@ -1,0 +1,483 @@
+"""Medusa-1 feature cache: the frozen backbone runs once over the data; the heads train from disk.
+
+For each example (``input_ids`` and unshifted ``labels``, -100 outside assistant tokens) the cache
+keeps:
+
+* ``hidden``: the final (post-norm) hidden state at every position ``t`` where head 0 has a
+  target, i.e. ``labels[t + 2] != -100``;
+* ``labels``: the whole label row, so the targets of any number of heads can be derived
+  (head ``k`` at ``t`` predicts ``labels[t + k + 2]``);
+* ``soft_ids`` / ``soft_probs``: the base model's top-k next-token distribution at every position
+  ``t`` where the base model predicts an assistant token (``labels[t + 1] != -100``). Head ``k``'s
+  soft target at ``t`` is the entry at ``t + k + 1``, the base model's own prediction of token
+  ``t + k + 2``.
+
+A cache is a folder ``<root>/<key>/`` of safetensors shards, ``lm_head.safetensors`` (the base
+output projection, so head training never loads the backbone) and ``manifest.json`` (written last:
+a folder without it is incomplete). The key hashes the model, the examples and the settings, so a
+second run, or another recipe over the same data, reuses it.
+
+Tensors of a *block* (one shard, or one live batch), for E examples, R hidden rows, P soft rows:
+``example_index [E]``, ``label_start [E]``, ``label_length [E]``, ``labels [sum L]``,
+``row_example [R]``, ``row_position [R]``, ``hidden [R, H]``, ``soft_example [P]``,
+``soft_position [P]``, ``soft_ids [P, k]``, ``soft_probs [P, k]``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from medusa_train.losses import IGNORE, to_head_vocab
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+LM_HEAD = "lm_head.safetensors"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+Block = dict[str, torch.Tensor]
+
+
+# ---------------------------------------------------------------------------------------------
+# Targets
+
+
+def head_targets(labels: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """``[..., L, K]`` targets: entry ``[t, k]`` is ``labels[t + k + 2]``, ``IGNORE`` past the end."""
+    length = labels.shape[-1]
+    pad = torch.full((*labels.shape[:-1], num_heads + 1), IGNORE, dtype=labels.dtype, device=labels.device)
+    padded = torch.cat([labels, pad], dim=-1)
+    return torch.stack([padded[..., k + 2 : k + 2 + length] for k in range(num_heads)], dim=-1)
+
+
+def _as_long(values: Any) -> torch.Tensor:
+    return torch.as_tensor(values, dtype=torch.long)
+
+
+def examples_hash(examples: Sequence[Mapping[str, Any]]) -> str:
+    """SHA-256 of the examples' ``input_ids`` and ``labels``, in order."""
+    digest = hashlib.sha256()
+    for example in examples:
+        for name in ("input_ids", "labels"):
+            digest.update(_as_long(example[name]).numpy().tobytes())
+            digest.update(b"|")
+    return digest.hexdigest()
+
+
+def model_fingerprint(name_or_path: str) -> dict[str, Any]:
+    """What identifies a base model without loading it: its name and, for a local folder, its
+    ``config.json`` and each weight file's size and first and last MiB."""
+    from medusa_infer.models import resolve_model
+
+    resolved = Path(resolve_model(name_or_path))
+    found: dict[str, Any] = {"name": name_or_path}
+    if resolved.is_dir():
+        digest = hashlib.sha256()
+        config = resolved / "config.json"
+        if config.is_file():
+            digest.update(config.read_bytes())
+        for weights in sorted(resolved.glob("*.safetensors")) + sorted(resolved.glob("*.bin")):
+            size = weights.stat().st_size
+            digest.update(f"{weights.name}:{size}".encode())
+            with weights.open("rb") as handle:
+                digest.update(handle.read(1 << 20))
+                handle.seek(max(0, size - (1 << 20)))
+                digest.update(handle.read(1 << 20))
+        found["content"] = digest.hexdigest()
+    return found
+
+
+def cache_key(model: Mapping[str, Any], data_hash: str, topk: int, dtype: str) -> str:
+    parts = {"format": FORMAT_VERSION, "model": dict(model), "data": data_hash, "topk": topk, "dtype": dtype}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
+
+
+# ---------------------------------------------------------------------------------------------
+# Blocks: features of a batch of examples
+
+
+def pad_batch(examples: Sequence[Mapping[str, Any]], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-padded ``input_ids``, ``labels`` (``IGNORE`` on padding), ``attention_mask``,
+    ``position_ids``, all ``[B, L]``, and ``lengths`` ``[B]``."""
+    lengths = [len(e["input_ids"]) for e in examples]
+    width = max(lengths)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for row, (example, length) in enumerate(zip(examples, lengths)):
+        ids[row, :length] = _as_long(example["input_ids"])
+        labels[row, :length] = _as_long(example["labels"])
+        mask[row, :length] = 1
+    positions = torch.arange(width).expand(len(examples), width).clone()
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask, "position_ids": positions,
+            "lengths": torch.tensor(lengths, dtype=torch.long)}
+
+
+def block_from_hidden(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    lengths: torch.Tensor,
+    project: Any = None,
+    topk: int = 0,
+    example_index: torch.Tensor | None = None,
+    hidden_dtype: torch.dtype | None = None,
+    soft_hidden: torch.Tensor | None = None,
+) -> Block:
+    """A block from a padded batch's final hidden states.
+
+    Args:
+        hidden: ``[B, L, H]`` final hidden states (may carry gradients: Medusa-2 uses this too).
+        labels: ``[B, L]`` unshifted labels, ``IGNORE`` outside assistant tokens and on padding.
+        lengths: ``[B]`` real lengths.
+        project: ``hidden [P, H] -> logits [P, V]`` of the base (or teacher) model; with ``topk``
+            it gives the soft labels.
+        topk: soft-label candidates per position (0: none).
+        example_index: ``[B]`` dataset indices (default ``0..B-1``).
+        hidden_dtype: dtype the hidden rows are stored in (default: unchanged).
+        soft_hidden: ``[B, L, H]`` hidden states the soft labels are projected from (default
+            ``hidden``; Medusa-2 passes the original model's while training the adapted one).
+    """
+    batch, width = labels.shape
+    device = hidden.device
+    labels = labels.to(device)
+    lengths = lengths.to(device)
+    nxt = torch.full_like(labels, IGNORE)
+    nxt[:, :-1] = labels[:, 1:]
+    nxt2 = torch.full_like(labels, IGNORE)
+    nxt2[:, :-2] = labels[:, 2:]
+    row_b, row_t = (nxt2 != IGNORE).nonzero(as_tuple=True)
+    soft_b, soft_t = (nxt != IGNORE).nonzero(as_tuple=True)
+    valid = torch.arange(width, device=device).unsqueeze(0) < lengths.unsqueeze(1)
+    starts = torch.cumsum(lengths, 0) - lengths
+    rows = hidden[row_b, row_t]
+    block: Block = {
+        "example_index": (torch.arange(batch) if example_index is None else example_index).long().to(device),
+        "label_start": starts,
+        "label_length": lengths.clone(),
+        "labels": labels[valid],
+        "row_example": row_b,
+        "row_position": row_t,
+        "hidden": rows if hidden_dtype is None else rows.to(hidden_dtype),
+        "soft_example": soft_b,
+        "soft_position": soft_t,
+    }
+    if topk:
+        with torch.no_grad():
+            source = hidden if soft_hidden is None else soft_hidden
+            probs = torch.softmax(project(source[soft_b, soft_t].detach()).float(), dim=-1)
+            top = probs.topk(topk, dim=-1)
+        block["soft_ids"] = top.indices.to(torch.int32)
+        block["soft_probs"] = top.values
+    return block
+
+
+def concat_blocks(blocks: Sequence[Block]) -> Block:
+    """One block from several, with example and label offsets shifted."""
+    if len(blocks) == 1:
+        return dict(blocks[0])
+    out: dict[str, list[torch.Tensor]] = {name: [] for name in blocks[0]}
+    examples = labels = 0
+    for block in blocks:
+        for name, tensor in block.items():
+            if name == "label_start":
+                tensor = tensor + labels
+            elif name in ("row_example", "soft_example"):
+                tensor = tensor + examples
+            out[name].append(tensor)
+        examples += len(block["example_index"])
+        labels += len(block["labels"])
+    return {name: torch.cat(parts) for name, parts in out.items()}
+
+
+@dataclass
+class Rows:
+    """Training rows of a block for K heads.
+
+    Attributes:
+        hidden: ``[R, H]``.
+        targets: ``[R, K]`` base token ids, ``IGNORE`` where head k has no target.
+        soft_row: ``[R, K]`` index into the block's soft table for head k's soft target, -1: none.
+    """
+
+    hidden: torch.Tensor
+    targets: torch.Tensor
+    soft_row: torch.Tensor
+
+
+def rows_from_block(block: Block, num_heads: int) -> Rows:
+    """Every hidden row of ``block`` with the K heads' targets (see the module docstring)."""
+    example, position = block["row_example"], block["row_position"]
+    start = block["label_start"][example].unsqueeze(1)
+    length = block["label_length"][example].unsqueeze(1)
+    ahead = torch.arange(num_heads, device=position.device).unsqueeze(0)
+    labels = block["labels"]
+
+    def lookup(table: torch.Tensor, offset: int, missing: int) -> torch.Tensor:
+        where = position.unsqueeze(1) + ahead + offset
+        inside = where < length
+        values = table[(start + where.clamp(max=length - 1)).clamp(max=len(table) - 1)]
+        return torch.where(inside, values, torch.full_like(values, missing))
+
+    targets = lookup(labels, 2, IGNORE)
+    soft_index = torch.full((len(labels),), -1, dtype=torch.long, device=labels.device)
+    soft_at = block["label_start"][block["soft_example"]] + block["soft_position"]
+    soft_index[soft_at] = torch.arange(len(soft_at), device=labels.device)
+    soft_row = lookup(soft_index, 1, -1)
+    return Rows(block["hidden"], targets, soft_row)
+
+
+def soft_labels(block: Block, soft_row: torch.Tensor, token_map: torch.Tensor | None,
+                vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, probs)`` ``[N, K, k]`` soft targets for rows' ``soft_row`` ``[N, K]``, ids as
+    head-vocabulary columns (negative where missing or outside a reduced vocabulary)."""
+    present = soft_row >= 0
+    index = soft_row.clamp(min=0)
+    ids = block["soft_ids"][index].long()
+    probs = block["soft_probs"][index].float() * present.unsqueeze(-1)
+    ids = torch.where(present.unsqueeze(-1), ids, torch.full_like(ids, IGNORE))
+    return to_head_vocab(ids, token_map, vocab_size), probs
+
+
+# ---------------------------------------------------------------------------------------------
+# Building a cache
+
+
+def _backbone_block(model: Any, batch: dict[str, torch.Tensor], topk: int, example_index: torch.Tensor,
+                    hidden_dtype: torch.dtype) -> Block:
+    """Run ``model`` (a ``MedusaModel``) on a padded batch and make its block on the CPU."""
+    device = model.device
+    with torch.no_grad():
+        out = model(
+            batch["input_ids"].to(device),
+            attention_mask=batch["attention_mask"].to(device),
+            position_ids=batch["position_ids"].to(device),
+            logits_positions=slice(0, 0),
+        )
+        block = block_from_hidden(out.hidden_states, batch["labels"], batch["lengths"], model.project,
+                                  topk, example_index, hidden_dtype)
+    return {name: tensor.cpu() for name, tensor in block.items()}
+
+
+def build_feature_cache(
+    model: Any,
+    examples: Sequence[Mapping[str, Any]],
+    root: str | Path,
+    model_info: Mapping[str, Any],
+    topk: int = 20,
+    batch_size: int = 8,
+    shard_examples: int = 256,
+    dtype: str = "float32",
+    rank: int = 0,
+    world_size: int = 1,
+    barrier: Any = None,
+    progress: bool = True,
+) -> Path:
+    """Extract (or find) the feature cache of ``examples``; return its folder.
+
+    Args:
+        model: a ``MedusaModel`` on the base model (its heads are not used).
+        examples: dicts with ``input_ids`` and ``labels``.
+        root: the caches' folder; the cache is ``root/<key>``.
+        model_info: ``model_fingerprint(...)`` of the base model (part of the key).
+        topk: soft-label candidates per position (0: none).
+        batch_size: sequences per forward; examples are sorted by length to cut padding.
+        shard_examples: examples per shard file.
+        dtype: stored hidden states' dtype.
+        rank, world_size, barrier: several processes share the shards (shard ``i`` is made by
+            process ``i % world_size``); ``barrier()`` waits for all of them; rank 0 writes the
+            manifest.
+    """
+    start_time = time.perf_counter()
+    folder = Path(root) / cache_key(model_info, examples_hash(examples), topk, dtype)
+    if (folder / MANIFEST).is_file():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    order = sorted(range(len(examples)), key=lambda i: -len(examples[i]["input_ids"]))
+    shards = [order[i : i + shard_examples] for i in range(0, len(order), shard_examples)]
+    mine = [i for i in range(len(shards)) if i % world_size == rank]
+    total = sum(len(shards[i]) for i in mine)
+    bar = tqdm(total=total, unit="ex", desc="features", disable=not progress, dynamic_ncols=True)
+    pad_id = 0
+    for shard_id in mine:
+        path = folder / f"shard-{shard_id:05d}.safetensors"
+        if path.is_file():  # written by an earlier, interrupted run (same key: same content)
+            bar.update(len(shards[shard_id]))
+            continue
+        blocks = []
+        for i in range(0, len(shards[shard_id]), batch_size):
+            chosen = shards[shard_id][i : i + batch_size]
+            batch = pad_batch([examples[j] for j in chosen], pad_id)
+            blocks.append(_backbone_block(model, batch, topk, _as_long(chosen), DTYPES[dtype]))
+            bar.update(len(chosen))
+        block = {name: tensor.contiguous() for name, tensor in concat_blocks(blocks).items()}
+        tmp = path.with_suffix(".tmp")
+        save_file(block, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, path)
+    bar.close()
+    if barrier is not None:
+        barrier()
+    if rank == 0 and not (folder / MANIFEST).is_file():
+        _write_manifest(model, folder, len(shards), len(examples), topk, dtype, model_info,
+                        time.perf_counter() - start_time)
+    if barrier is not None:
+        barrier()
+    return folder
+
+
+def _write_manifest(model: Any, folder: Path, num_shards: int, num_examples: int, topk: int, dtype: str,
+                    model_info: Mapping[str, Any], seconds: float) -> None:
+    lm_head = model.lm_head
+    tensors = {"weight": lm_head.weight.detach().cpu().contiguous()}
+    if getattr(lm_head, "bias", None) is not None:
+        tensors["bias"] = lm_head.bias.detach().cpu().contiguous()
+    save_file(tensors, str(folder / LM_HEAD), metadata={"format": "pt"})
+    shards, rows, soft = [], 0, 0
+    for shard_id in range(num_shards):
+        name = f"shard-{shard_id:05d}.safetensors"
+        block = load_file(str(folder / name))
+        shards.append({"file": name, "examples": len(block["example_index"]), "rows": len(block["hidden"])})
+        rows += len(block["hidden"])
+        soft += len(block["soft_position"])
+    base = model.base_model
+    vocab, hidden = lm_head.weight.shape
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "model": dict(model_info),
+        "base_model_name_or_path": model_info.get("name"),
+        "model_type": base.config.model_type,
+        "hidden_size": hidden,
+        "vocab_size": vocab,
+        "logit_softcap": model.logit_softcap,
+        "eos_token_ids": eos_token_ids(base),
+        "topk": topk,
+        "dtype": dtype,
+        "num_examples": num_examples,
+        "num_rows": rows,
+        "num_soft": soft,
+        "shards": shards,
+        "seconds": round(seconds, 1),
+    }
+    tmp = folder / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(tmp, folder / MANIFEST)
+
+
+def eos_token_ids(base_model: Any) -> list[int]:
+    """End-of-sequence ids of a transformers model (generation config and model config)."""
+    ids: set[int] = set()
+    for source in (getattr(base_model, "generation_config", None), base_model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if value is not None:
+            ids.update([value] if isinstance(value, int) else value)
+    return sorted(ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading a cache
+
+
+@dataclass
+class FeatureCache:
+    """A loaded cache: its manifest, one block with every shard, and the base ``lm_head``."""
+
+    folder: Path
+    manifest: dict[str, Any]
+    block: Block
+    lm_head: dict[str, torch.Tensor]
+
+    @classmethod
+    def load(cls, folder: str | Path) -> "FeatureCache":
+        folder = Path(folder)
+        if not (folder / MANIFEST).is_file():
+            raise ValueError(f"{folder} holds no {MANIFEST}: not a feature cache, or an interrupted one; "
+                             "run the features stage again (it resumes from the finished shards)")
+        manifest = json.loads((folder / MANIFEST).read_text())
+        if manifest.get("format_version", 0) > FORMAT_VERSION:
+            raise ValueError(f"{folder} was written by a newer medusa-forge (format "
+                             f"{manifest['format_version']} > {FORMAT_VERSION}); upgrade or rebuild it")
+        blocks = [load_file(str(folder / shard["file"])) for shard in manifest["shards"]]
+        return cls(folder, manifest, concat_blocks(blocks), load_file(str(folder / LM_HEAD)))
+
+    def end_of_turn_ids(self) -> list[int]:
+        """EOS ids plus every token that ends an assistant span in the data."""
+        labels = self.block["labels"]
+        is_label = labels != IGNORE
+        after = torch.cat([is_label[1:], torch.zeros(1, dtype=torch.bool)])
+        ends = self.block["label_start"] + self.block["label_length"] - 1
+        after[ends] = False  # an example's last token ends its span
+        last = labels[is_label & ~after]
+        return sorted(set(self.manifest.get("eos_token_ids", [])) | set(last.tolist()))
+
+
+class FeatureDataset:
+    """Training rows from a feature cache (or any block): one item per cached position.
+
+    Args:
+        block: a block (``FeatureCache.block`` or ``concat_blocks`` of live ones).
+        num_heads: K.
+        token_map: ``[V]`` head-vocabulary ids (reduced vocabulary) or None.
+        vocab_size: the base vocabulary size.
+        soft: also give soft labels (needs ``soft_ids`` in the block).
+    """
+
+    def __init__(self, block: Block, num_heads: int, token_map: torch.Tensor | None, vocab_size: int,
+                 soft: bool = False) -> None:
+        if soft and "soft_ids" not in block:
+            raise ValueError("this feature cache holds no soft labels (built with features.topk=0); "
+                             "use training.loss=ce or rebuild it with features.topk > 0")
+        self.block, self.soft = block, soft
+        self.token_map, self.vocab_size = token_map, vocab_size
+        rows = rows_from_block(block, num_heads)
+        self.hidden = rows.hidden
+        self.targets = to_head_vocab(rows.targets, token_map, vocab_size)
+        self.soft_row = rows.soft_row
+
+    def __len__(self) -> int:
+        return len(self.hidden)
+
+    def batch(self, index: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``hidden [N, H]``, ``targets [N, K]`` (head columns), and with ``soft``:
+        ``soft_ids``/``soft_probs`` ``[N, K, k]``."""
+        out = {"hidden": self.hidden[index], "targets": self.targets[index]}
+        if self.soft:
+            out["soft_ids"], out["soft_probs"] = soft_labels(
+                self.block, self.soft_row[index], self.token_map, self.vocab_size)
+        return out
+
+    def sequential(self, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
+        for start in range(0, len(self), batch_size):
+            yield self.batch(torch.arange(start, min(start + batch_size, len(self))))
+
+
+def token_counts(labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[V]`` how often each id appears among the labels (``IGNORE`` left out)."""
+    labels = labels[labels != IGNORE].long()
+    return torch.bincount(labels, minlength=vocab_size)
+
+
+def choose_token_map(counts: torch.Tensor, size: int, always: Sequence[int] = ()) -> torch.Tensor:
+    """The reduced vocabulary: ``always`` (EOS, end-of-turn) then the most frequent ids, ``[size]``.
+
+    Ties go to the smaller id, so the map is the same on every process and every resume.
+    """
+    if size > len(counts):
+        raise ValueError(f"reduced_vocab_size {size} exceeds the vocabulary ({len(counts)})")
+    keep = list(dict.fromkeys(int(i) for i in always))[:size]
+    chosen = set(keep)
+    for token in torch.argsort(-counts.long(), stable=True).tolist():
+        if len(keep) >= size:
+            break
+        if token not in chosen:
+            keep.append(token)
+            chosen.add(token)
+    return torch.tensor(keep, dtype=torch.long)

@@ -1,0 +1,46 @@
+"""Medusa-2's LoRA adapter on the backbone (peft).
+
+The adapter is injected into the base model in place, so ``peft_model.get_base_model()`` is the
+same stock ``*ForCausalLM`` object, now with LoRA layers, and ``MedusaModel`` wraps it unchanged.
+LoRA's B matrices start at zero: at step 0 the adapted model computes exactly the original one.
+``peft_model.disable_adapter()`` gives the original model back for the KL teacher.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+ADAPTER_DIR = "adapter"
+
+
+def add_lora(base_model: nn.Module, r: int, alpha: int, dropout: float, target_modules: list[str]) -> Any:
+    """Wrap ``base_model`` with a fresh LoRA adapter; only the adapter's weights require grad.
+
+    Raises:
+        ValueError: none of ``target_modules`` names a module of the model.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    names = {name.rsplit(".", 1)[-1] for name, _ in base_model.named_modules()}
+    if not names & set(target_modules):
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in base_model.named_modules() if isinstance(m, nn.Linear)})
+        raise ValueError(f"lora.target_modules {target_modules} match no module of "
+                         f"{type(base_model).__name__}; its linear layers are named {linear}")
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
+                        target_modules=[t for t in target_modules if t in names], bias="none",
+                        task_type="CAUSAL_LM")
+    return get_peft_model(base_model, config)
+
+
+def load_lora(base_model: nn.Module, folder: str | Path) -> Any:
+    """The base model with a trained adapter from ``folder`` (frozen, for evaluation)."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(base_model, str(folder), is_trainable=False)
+
+
+def lora_parameters(peft_model: Any) -> list[nn.Parameter]:
+    return [p for n, p in peft_model.named_parameters() if "lora_" in n and p.requires_grad]

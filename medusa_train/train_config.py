@@ -1,0 +1,696 @@
+"""The configuration of a training run: dataclasses loaded from a YAML recipe plus ``key=value``
+overrides, and ``plan()``, which lays out the run (stages, sizes, steps) without loading a model.
+
+A recipe mirrors the dataclasses::
+
+    output_dir: runs/smollm2-135m
+    model: {name: smollm2-135m-instruct}
+    data: {prompts: ../shared/data/train_prompts.jsonl, n: 300}
+    heads: {num_heads: 4, reduced_vocab_size: 8192}
+    training: {mode: medusa1, lr: 1.0e-3, epochs: 3}
+
+and ``training.lr=3e-4`` on the command line overrides one key (dotted path, value converted to the
+field's type; an unknown key is an error that lists the valid ones).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+MODES = ("medusa1", "medusa2")
+LOSSES = ("ce", "kl")
+PRECISIONS = ("no", "bf16", "fp16")
+SCHEDULERS = ("cosine", "linear", "constant")
+HEADS_WEIGHT_SCHEDULES = ("linear", "sine", "constant")
+DTYPES = ("float32", "bfloat16", "float16")
+PROJECTIONS = ("shared", "own")
+
+
+@dataclass
+class ModelSection:
+    """The base model.
+
+    Attributes:
+        name: default-model name (``smollm2-135m-instruct``), local folder or Hub id.
+        dtype: weights' dtype while training and extracting features.
+        attn_implementation: ``eager``, ``sdpa``, ``flash_attention_2`` or None (transformers picks).
+        trust_remote_code: run the model repository's own code (only for models that need it).
+        hub_id: the base model's Hub id written into the heads' model card.
+        chat_template: a jinja chat template for tokenizers that ship none (e.g. Vicuna).
+    """
+
+    name: str = "smollm2-135m-instruct"
+    dtype: str = "float32"
+    attn_implementation: str | None = None
+    trust_remote_code: bool = False
+    hub_id: str | None = None
+    chat_template: str | None = None
+
+
+@dataclass
+class DataSection:
+    """Self-distilled training data.
+
+    Attributes:
+        prompts: JSONL of ``{"id", "source", "prompt"}`` rows the base model answers.
+        rows: the distilled rows (JSONL); made from ``prompts`` when missing. Default:
+            ``<output_dir>/data/distilled.jsonl``.
+        tokenized: a JSONL of ready examples ``{"input_ids", "labels"}`` (labels -100 outside
+            assistant tokens, not shifted); when set, distillation and tokenisation are skipped.
+        n: prompts to distil (balanced over sources).
+        per_source: quotas ``{source: count}`` instead of ``n``'s round robin.
+        max_new_tokens: longest distilled answer.
+        distill_batch_size: prompts per ``generate`` call.
+        max_length: longest tokenised example (longer ones are cut).
+        system_prompt: system message put before each prompt.
+        heldout_fraction: share of the examples kept for evaluation.
+        distill_options: further ``medusa_train.distill.DistillConfig`` settings, e.g.
+            ``{backend: openai, endpoint: http://127.0.0.1:8000}`` to distil through vLLM.
+    """
+
+    prompts: str | None = None
+    rows: str | None = None
+    tokenized: str | None = None
+    n: int | None = 300
+    per_source: dict[str, int] | None = None
+    max_new_tokens: int = 256
+    distill_batch_size: int = 16
+    max_length: int = 1024
+    system_prompt: str | None = None
+    heldout_fraction: float = 0.1
+    distill_options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class HeadsSection:
+    """The heads (see ``medusa_infer.config.MedusaConfig``).
+
+    Attributes:
+        reduced_vocab_size: score only the N most frequent target tokens (plus end-of-turn ids);
+            much cheaper on CPU. None: the full vocabulary.
+    """
+
+    num_heads: int = 4
+    num_layers: int = 1
+    projection: str = "shared"
+    reduced_vocab_size: int | None = None
+
+
+@dataclass
+class FeaturesSection:
+    """Medusa-1 feature cache: the frozen backbone runs once over the data.
+
+    Attributes:
+        enabled: train from cached hidden states (else run the backbone every step).
+        dir: where caches live (``<dir>/<key>/``, key = model + data + settings); share it
+            between runs. Default ``<output_dir>/features``.
+        topk: base-model candidates kept per position for soft labels (0: none; ``loss: kl``
+            needs them).
+        batch_size: sequences per backbone forward while extracting.
+        shard_examples: examples per safetensors shard.
+        dtype: stored hidden states' dtype.
+    """
+
+    enabled: bool = True
+    dir: str | None = None
+    topk: int = 20
+    batch_size: int = 8
+    shard_examples: int = 256
+    dtype: str = "float32"
+
+
+@dataclass
+class TrainingSection:
+    """Optimisation.
+
+    Attributes:
+        mode: ``medusa1`` (heads only, frozen backbone) or ``medusa2`` (LoRA backbone + heads).
+        lr: learning rate (the heads' in Medusa-1; the LoRA adapter's in Medusa-2).
+        heads_lr: the heads' learning rate in Medusa-2 (default ``lr``).
+        epochs: passes over the training data (fractions allowed) unless ``max_steps`` is set.
+        batch_size: sequences per process per micro-step (live backbone, Medusa-2).
+        batch_tokens: cached positions per process per micro-step (Medusa-1 with features).
+        grad_accum: micro-steps per optimizer step.
+        warmup_ratio: share of the steps with a linear LR warm-up.
+        loss: ``ce`` against the data's tokens or ``kl`` against the base model's top-k.
+        head_decay: head k's loss weighs ``head_decay**k`` (normalised).
+        mixed_precision: ``no``, ``bf16`` or ``fp16`` (accelerate's autocast).
+        save_every: checkpoint every N optimizer steps (0: only at the end).
+        keep_checkpoints: newest checkpoints kept.
+        stage1_steps: Medusa-2: steps training the heads alone before the joint stage.
+        kl_weight: Medusa-2: weight of KL(original model || adapted model) on the base logits.
+        heads_loss_weight: Medusa-2: the heads' loss weight once warmed up.
+        heads_warmup_steps: Medusa-2: steps of the joint stage over which that weight rises.
+        heads_weight_schedule: ``linear``, ``sine`` or ``constant`` rise.
+        gradient_checkpointing: Medusa-2: recompute the backbone's activations in backward.
+        cpu: force the CPU even where an accelerator exists.
+    """
+
+    mode: str = "medusa1"
+    lr: float = 1e-3
+    heads_lr: float | None = None
+    weight_decay: float = 0.0
+    epochs: float = 1.0
+    max_steps: int | None = None
+    batch_size: int = 4
+    batch_tokens: int = 1024
+    grad_accum: int = 1
+    warmup_ratio: float = 0.05
+    scheduler: str = "cosine"
+    max_grad_norm: float = 1.0
+    loss: str = "ce"
+    head_decay: float = 0.8
+    mixed_precision: str = "no"
+    seed: int = 0
+    save_every: int = 0
+    keep_checkpoints: int = 2
+    stage1_steps: int = 0
+    kl_weight: float = 1.0
+    heads_loss_weight: float = 0.2
+    heads_warmup_steps: int = 0
+    heads_weight_schedule: str = "linear"
+    gradient_checkpointing: bool = False
+    cpu: bool = False
+
+
+@dataclass
+class LoraSection:
+    """Medusa-2's LoRA adapter on the backbone (peft)."""
+
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+
+@dataclass
+class LogSection:
+    """Where training metrics go: stdout and ``<output_dir>/logs/train.jsonl`` always (jsonl may be
+    turned off), TensorBoard and wandb on request (``WANDB_MODE=offline`` works)."""
+
+    jsonl: bool = True
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "medusa-forge"
+    every: int = 10
+    progress: bool = True
+
+
+@dataclass
+class EvalSection:
+    """Held-out evaluation and the fitted tree.
+
+    Attributes:
+        tree_size: nodes of the tree fitted to the measured accuracies (16 suits a CPU).
+        top_k: accuracies measured for ranks 1..top_k.
+        push_to_hub: Hub repo id to upload the heads to (``--push-to-hub`` sets it).
+    """
+
+    tree_size: int = 16
+    top_k: int = 10
+    push_to_hub: str | None = None
+
+
+@dataclass
+class TrainConfig:
+    """A whole run; ``output_dir`` gets ``data/ features/ checkpoints/ heads/ logs/``."""
+
+    output_dir: str = "runs/smollm2-135m"
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    heads: HeadsSection = field(default_factory=HeadsSection)
+    features: FeaturesSection = field(default_factory=FeaturesSection)
+    training: TrainingSection = field(default_factory=TrainingSection)
+    lora: LoraSection = field(default_factory=LoraSection)
+    log: LogSection = field(default_factory=LogSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self, *sections: str) -> str:
+        """Short hash of the named sections (all when none): what must not change on resume."""
+        data = self.to_dict()
+        picked = {name: data[name] for name in sections} if sections else data
+        return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def uses_feature_cache(self) -> bool:
+        return self.training.mode == "medusa1" and self.features.enabled
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def _is_section(tp: Any) -> bool:
+    return dataclasses.is_dataclass(tp) and isinstance(tp, type)
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    """``value`` (from YAML or a command-line string) as type ``tp``; ``ValueError`` naming ``key``."""
+    if tp is Any:
+        return yaml.safe_load(value) if isinstance(value, str) else value
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "~")):
+            if type(None) in options:
+                return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _convert(value, option, key)
+            except ValueError as err:
+                errors.append(str(err))
+        raise ValueError(errors[0] if errors else f"{key}: cannot be {value!r}")
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if isinstance(value, str):
+            parsed = yaml.safe_load(value) if value.strip().startswith("[") else [
+                v.strip() for v in value.split(",") if v.strip()
+            ]
+            value = parsed
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{key}: expected a list, got {value!r}")
+        return [_convert(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        key_type, value_type = typing.get_args(tp)
+        if isinstance(value, str):
+            value = yaml.safe_load(value)
+        if not isinstance(value, dict):
+            raise ValueError(f"{key}: expected a mapping like {{a: 1, b: 2}}, got {value!r}")
+        return {_convert(k, key_type, key): _convert(v, value_type, f"{key}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "on", "1", "false", "no", "off", "0"):
+            return value.lower() in ("true", "yes", "on", "1")
+        raise ValueError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ValueError(f"{key}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                number = float(value)
+            except ValueError:
+                number = math.nan
+            if number.is_integer():
+                return int(number)
+        raise ValueError(f"{key}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ValueError(f"{key}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{key}: expected a number, got {value!r}") from None
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ValueError(f"{key}: expected a string, got {value!r}")
+        return str(value)
+    raise TypeError(f"{key}: unsupported field type {tp!r}")
+
+
+def _fields(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def valid_keys(cls: type = TrainConfig, prefix: str = "") -> list[str]:
+    """Every dotted key a recipe or override may set."""
+    keys = []
+    for name, tp in _fields(cls).items():
+        if _is_section(tp):
+            keys += valid_keys(tp, f"{prefix}{name}.")
+        else:
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
+    if not isinstance(values, dict):
+        raise ValueError(f"{prefix.rstrip('.') or 'the recipe'}: expected a mapping, got {values!r}")
+    fields = _fields(cls)
+    kwargs = {}
+    for key, value in values.items():
+        dotted = f"{prefix}{key}"
+        if key not in fields:
+            raise ValueError(
+                f"unknown key {dotted!r}; valid keys: {', '.join(valid_keys(cls, prefix))}"
+            )
+        tp = fields[key]
+        kwargs[key] = _build(tp, value or {}, f"{dotted}.") if _is_section(tp) else _convert(value, tp, dotted)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: str) -> None:
+    """Put an override's raw string into the nested recipe dict (converted later with the rest)."""
+    parts = dotted.split(".")
+    node: Any = tree
+    cls: Any = TrainConfig
+    for i, part in enumerate(parts):
+        fields = _fields(cls) if _is_section(cls) else {}
+        if part not in fields:
+            raise ValueError(f"unknown key {dotted!r}; valid keys: {', '.join(valid_keys())}")
+        cls = fields[part]
+        if i == len(parts) - 1:
+            if _is_section(cls):
+                raise ValueError(f"{dotted!r} is a section; set one of its keys, e.g. {dotted}.{next(iter(_fields(cls)))}=...")
+            node[part] = value
+        else:
+            if not _is_section(cls):
+                raise ValueError(f"{'.'.join(parts[: i + 1])!r} is not a section; valid keys: {', '.join(valid_keys())}")
+            if node.get(part) is None:
+                node[part] = {}
+            node = node[part]
+            if not isinstance(node, dict):
+                raise ValueError(f"{'.'.join(parts[: i + 1])!r} in the recipe is not a mapping")
+
+
+def parse_overrides(overrides: list[str] | tuple[str, ...]) -> list[tuple[str, str]]:
+    pairs = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"override {item!r} is not key=value (e.g. training.lr=3e-4)")
+        pairs.append((key.strip(), value))
+    return pairs
+
+
+def config_from_dict(values: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    tree = json.loads(json.dumps(values or {}))  # a deep copy holding plain containers
+    for key, value in parse_overrides(overrides):
+        _set_dotted(tree, key, value)
+    config = _build(TrainConfig, tree)
+    validate(config)
+    return config
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """A recipe (None: the defaults) with ``key=value`` overrides applied, validated."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"recipe {path} does not exist; see recipes/ for the shipped ones")
+        values = yaml.safe_load(path.read_text()) or {}
+    return config_from_dict(values, overrides)
+
+
+def save_config(config: TrainConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+
+
+def validate(config: TrainConfig) -> None:
+    """Raise ``ValueError`` naming the first bad value and what it may be."""
+    t, h, d, f, lora = config.training, config.heads, config.data, config.features, config.lora
+    choices = (
+        ("training.mode", t.mode, MODES),
+        ("training.loss", t.loss, LOSSES),
+        ("training.mixed_precision", t.mixed_precision, PRECISIONS),
+        ("training.scheduler", t.scheduler, SCHEDULERS),
+        ("training.heads_weight_schedule", t.heads_weight_schedule, HEADS_WEIGHT_SCHEDULES),
+        ("model.dtype", config.model.dtype, DTYPES),
+        ("features.dtype", f.dtype, DTYPES),
+        ("heads.projection", h.projection, PROJECTIONS),
+    )
+    for key, value, allowed in choices:
+        if value not in allowed:
+            raise ValueError(f"{key} must be one of {allowed}, got {value!r}")
+    positive = (
+        ("heads.num_heads", h.num_heads), ("training.batch_size", t.batch_size),
+        ("training.batch_tokens", t.batch_tokens), ("training.grad_accum", t.grad_accum),
+        ("features.batch_size", f.batch_size), ("features.shard_examples", f.shard_examples),
+        ("data.max_length", d.max_length), ("data.max_new_tokens", d.max_new_tokens),
+        ("data.distill_batch_size", d.distill_batch_size), ("eval.tree_size", config.eval.tree_size),
+        ("eval.top_k", config.eval.top_k), ("log.every", config.log.every), ("lora.r", lora.r),
+        ("training.keep_checkpoints", t.keep_checkpoints),
+    )
+    for key, value in positive:
+        if value < 1:
+            raise ValueError(f"{key} must be >= 1, got {value}")
+    non_negative = (
+        ("heads.num_layers", h.num_layers), ("training.weight_decay", t.weight_decay),
+        ("training.save_every", t.save_every), ("training.stage1_steps", t.stage1_steps),
+        ("training.kl_weight", t.kl_weight), ("training.heads_loss_weight", t.heads_loss_weight),
+        ("training.heads_warmup_steps", t.heads_warmup_steps), ("features.topk", f.topk),
+        ("training.max_grad_norm", t.max_grad_norm),
+    )
+    for key, value in non_negative:
+        if value < 0:
+            raise ValueError(f"{key} must be >= 0, got {value}")
+    if not t.lr > 0 or (t.heads_lr is not None and not t.heads_lr > 0):
+        raise ValueError(f"learning rates must be > 0, got training.lr={t.lr}, training.heads_lr={t.heads_lr}")
+    if t.max_steps is None and not t.epochs > 0:
+        raise ValueError(f"training.epochs must be > 0 (or set training.max_steps), got {t.epochs}")
+    if t.max_steps is not None and t.max_steps < 1:
+        raise ValueError(f"training.max_steps must be >= 1 or null, got {t.max_steps}")
+    if not 0 <= t.warmup_ratio < 1:
+        raise ValueError(f"training.warmup_ratio must be in [0, 1), got {t.warmup_ratio}")
+    if not 0 < t.head_decay <= 1:
+        raise ValueError(f"training.head_decay must be in (0, 1], got {t.head_decay}")
+    if not 0 < d.heldout_fraction < 1:
+        raise ValueError(f"data.heldout_fraction must be in (0, 1) (the evaluation and the tree need held-out "
+                         f"examples), got {d.heldout_fraction}")
+    if h.reduced_vocab_size is not None and h.reduced_vocab_size < 2:
+        raise ValueError(f"heads.reduced_vocab_size must be >= 2 or null, got {h.reduced_vocab_size}")
+    if t.loss == "kl" and config.uses_feature_cache and f.topk < 1:
+        raise ValueError("training.loss=kl from the feature cache needs soft labels: set features.topk >= 1 (e.g. 20)")
+    if t.mode == "medusa1" and t.stage1_steps:
+        raise ValueError("training.stage1_steps applies to training.mode=medusa2 only; set it to 0")
+    if config.model.dtype != "float32" and t.mixed_precision == "no" and t.mode == "medusa2":
+        raise ValueError(
+            f"model.dtype={config.model.dtype} with trainable float32 heads and adapter needs "
+            "training.mixed_precision=bf16 (or fp16)"
+        )
+    if d.tokenized is None and d.rows is None and d.prompts is None:
+        raise ValueError("set data.prompts (prompts to distil), data.rows (distilled rows) or data.tokenized")
+
+
+# ---------------------------------------------------------------------------------------------
+# Plan
+
+
+@dataclass
+class Stage:
+    """One step of the pipeline and the output that lets a later run skip it."""
+
+    name: str
+    output: str
+    done: bool
+    detail: str
+
+
+@dataclass
+class Plan:
+    """What a run will do, computed from the config (and the files already present) alone.
+
+    Token and step counts are estimates until the data exist: each example is taken to have
+    ``data.max_new_tokens`` assistant tokens (an upper bound). Once the feature cache or the
+    tokenised data exist, ``plan`` counts them instead (``exact`` is then True).
+    """
+
+    mode: str
+    num_processes: int
+    stages: list[Stage]
+    examples: int
+    train_examples: int
+    heldout_examples: int
+    train_units: int
+    unit: str
+    est_train_tokens: int
+    micro_batch: int
+    global_batch: int
+    micro_steps_per_epoch: int
+    steps_per_epoch: int
+    total_steps: int
+    stage1_steps: int
+    warmup_steps: int
+    head_vocab: str
+    exact: bool
+
+    def summary(self) -> str:
+        rows = [
+            ("mode", f"{self.mode} on {self.num_processes} process(es)"),
+            ("examples", f"{self.examples} ({self.train_examples} train, {self.heldout_examples} held out)"),
+            ("train tokens", f"{'' if self.exact else '<= '}{self.est_train_tokens:,} assistant tokens"),
+            ("batch", f"{self.micro_batch} {self.unit} x {self.num_processes} process(es) x accumulation = "
+                      f"{self.global_batch} {self.unit} per step"),
+            ("steps", f"{self.total_steps} ({self.steps_per_epoch} per epoch, {self.warmup_steps} warm-up"
+                      + (f", {self.stage1_steps} heads-only" if self.stage1_steps else "") + ")"),
+            ("head vocabulary", self.head_vocab),
+        ]
+        width = max(len(name) for name, _ in rows)
+        lines = [f"{name:<{width}}  {value}" for name, value in rows]
+        lines.append("stages:")
+        for stage in self.stages:
+            lines.append(f"  {'[done] ' if stage.done else '[todo] '}{stage.name:<9} -> {stage.output}  ({stage.detail})")
+        return "\n".join(lines)
+
+
+@dataclass
+class RunPaths:
+    """The output folder's layout."""
+
+    root: Path
+
+    @property
+    def data(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def features(self) -> Path:
+        return self.root / "features"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def final(self) -> Path:
+        """The trained heads (and Medusa-2 adapter) before evaluation."""
+        return self.checkpoints / "final"
+
+    @property
+    def heads(self) -> Path:
+        return self.root / "heads"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+
+def run_paths(config: TrainConfig) -> RunPaths:
+    return RunPaths(Path(config.output_dir))
+
+
+def rows_path(config: TrainConfig) -> Path:
+    return Path(config.data.rows) if config.data.rows else run_paths(config).data / "distilled.jsonl"
+
+
+def features_root(config: TrainConfig) -> Path:
+    return Path(config.features.dir) if config.features.dir else run_paths(config).features
+
+
+def _count_lines(path: Path) -> int:
+    with path.open("rb") as handle:
+        return sum(1 for line in handle if line.strip())
+
+
+def _split_sizes(n: int, fraction: float) -> tuple[int, int]:
+    """``(train, heldout)`` as ``dataset.split_heldout`` makes them."""
+    heldout = round(fraction * n)
+    if fraction > 0 and n >= 2:
+        heldout = min(max(heldout, 1), n - 1)
+    return n - heldout, heldout
+
+
+def _feature_rows(config: TrainConfig) -> int | None:
+    """Cached positions of the training split, when a run already wrote its feature index."""
+    index = run_paths(config).features / "index.json"
+    if not index.is_file():
+        return None
+    manifest = features_root(config) / json.loads(index.read_text())["train"] / "manifest.json"
+    return json.loads(manifest.read_text())["num_rows"] if manifest.is_file() else None
+
+
+def step_counts(config: TrainConfig, units: int, num_processes: int) -> tuple[int, int, int, int]:
+    """``(micro_steps_per_epoch, steps_per_epoch, total_steps, warmup_steps)`` for ``units``
+    training items (positions with the feature cache, else sequences); an incomplete last
+    micro-batch of an epoch is dropped."""
+    t = config.training
+    micro = t.batch_tokens if config.uses_feature_cache else t.batch_size
+    unit = "positions" if config.uses_feature_cache else "sequences"
+    micro_per_epoch = units // (micro * num_processes)
+    steps_per_epoch = micro_per_epoch // t.grad_accum
+    if micro_per_epoch < 1:
+        raise ValueError(
+            f"{units} training {unit} do not fill one micro-batch of {micro} x {num_processes} "
+            "process(es); lower the batch size or add data"
+        )
+    total = t.max_steps if t.max_steps is not None else math.ceil(t.epochs * micro_per_epoch / t.grad_accum)
+    if total < 1:
+        raise ValueError(f"the run would take 0 optimizer steps ({micro_per_epoch} micro-batches per epoch, "
+                         f"grad_accum {t.grad_accum}); raise training.epochs or set training.max_steps")
+    if t.mode == "medusa2" and t.stage1_steps >= total:
+        raise ValueError(f"training.stage1_steps={t.stage1_steps} leaves no joint stage in {total} steps")
+    return micro_per_epoch, steps_per_epoch, total, math.floor(t.warmup_ratio * total)
+
+
+def plan(config: TrainConfig, num_processes: int = 1) -> Plan:
+    """Lay out the run from the config alone: no model, tokenizer or data is loaded."""
+    validate(config)
+    t, d = config.training, config.data
+    paths = run_paths(config)
+    rows_file = rows_path(config)
+    exact = False
+    if d.tokenized and Path(d.tokenized).is_file():
+        examples, exact = _count_lines(Path(d.tokenized)), True
+    elif rows_file.is_file():
+        examples = _count_lines(rows_file)
+    elif d.n is not None:
+        examples = d.n
+    elif d.per_source:
+        examples = sum(d.per_source.values())
+    else:
+        examples = _count_lines(Path(d.prompts)) if d.prompts and Path(d.prompts).is_file() else 0
+    train_examples, heldout_examples = _split_sizes(examples, d.heldout_fraction)
+    est_tokens = train_examples * min(d.max_new_tokens, d.max_length)
+
+    if config.uses_feature_cache:
+        unit, micro = "positions", t.batch_tokens
+        cached = _feature_rows(config)
+        units = cached if cached is not None else est_tokens
+        exact = exact and cached is not None
+        if cached is not None:
+            est_tokens = cached
+    else:
+        unit, micro, units = "sequences", t.batch_size, train_examples
+    micro_per_epoch, steps_per_epoch, total, warmup = step_counts(config, units, num_processes)
+
+    h = config.heads
+    head_vocab = f"{h.reduced_vocab_size} most frequent target tokens" if h.reduced_vocab_size else "full"
+    feats = features_root(config)
+    stages = [
+        Stage("distill", str(rows_file), bool(d.tokenized) or rows_file.is_file(),
+              "skipped: data.tokenized given" if d.tokenized else
+              f"{config.model.name} answers {examples} prompts, <= {d.max_new_tokens} new tokens"),
+        Stage("dataset", str(d.tokenized or paths.data), bool(d.tokenized) or any(paths.data.glob("tokenized-*")),
+              f"tokenise, max_length {d.max_length}, hold out {d.heldout_fraction:.0%}"),
+    ]
+    if config.uses_feature_cache:
+        stages.append(Stage("features", str(feats), _feature_rows(config) is not None,
+                            f"backbone once over the data, top-{config.features.topk} soft labels"))
+    stages += [
+        Stage("train", str(paths.final), (paths.final / "config.json").is_file(),
+              f"{t.mode}, {total} steps, loss {t.loss}"),
+        Stage("evaluate", str(paths.heads), (paths.heads / "config.json").is_file(),
+              f"top-1..{config.eval.top_k} accuracy on held-out data, {config.eval.tree_size}-node tree"),
+    ]
+    return Plan(
+        mode=t.mode, num_processes=num_processes, stages=stages, examples=examples,
+        train_examples=train_examples, heldout_examples=heldout_examples, train_units=units, unit=unit,
+        est_train_tokens=est_tokens, micro_batch=micro, global_batch=micro * num_processes * t.grad_accum,
+        micro_steps_per_epoch=micro_per_epoch, steps_per_epoch=steps_per_epoch, total_steps=total,
+        stage1_steps=t.stage1_steps if t.mode == "medusa2" else 0, warmup_steps=warmup,
+        head_vocab=head_vocab, exact=exact,
+    )

@@ -1,0 +1,611 @@
+"""Training Medusa heads with accelerate.
+
+* **Medusa-1**: the heads learn on a frozen backbone. With the feature cache the backbone is not
+  even loaded: batches are cached hidden states (``medusa_train.features``). Without it, the
+  frozen backbone runs under ``no_grad`` for every batch. Either way only the heads are in the
+  optimizer; the base ``lm_head`` is a non-persistent buffer of the trained module, never updated.
+* **Medusa-2**: a LoRA adapter on the backbone and the heads train together. The backbone's loss
+  is KL(original model || adapted model) on its next-token logits, the original being the same
+  model with the adapter disabled; the heads' loss weight warms up; ``stage1_steps`` first train
+  the heads alone.
+
+The data order is a pure function of ``(seed, epoch)``: a global micro-batch ``g`` is a fixed
+slice of the epoch's permutation and process ``r`` takes its ``r``-th part. A checkpoint
+(``accelerator.save_state`` plus ``trainer_state.json``) therefore only needs the step number to
+resume exactly; RNG, optimizer and scheduler states come from accelerate. Losses are divided by
+the number of targets in the *global* micro-batch, so N processes compute the same gradients as
+one process with an N-times larger batch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from tqdm.auto import tqdm
+
+from medusa_infer.checkpoint import save_heads
+from medusa_infer.config import MedusaConfig
+from medusa_infer.heads import MedusaHeads
+from medusa_train.features import (
+    FeatureDataset,
+    block_from_hidden,
+    pad_batch,
+    rows_from_block,
+    soft_labels,
+)
+from medusa_train.losses import HeadLoss, head_ce_loss, head_kl_loss, logits_kl, to_head_vocab, topk_correct
+from medusa_train.train_config import RunPaths, TrainConfig, step_counts
+
+STATE_NAME = "trainer_state.json"
+CHECKPOINT_PREFIX = "step-"
+# Keys whose change would make a resumed run differ from an uninterrupted one.
+_RESUME_IGNORES = ("save_every", "keep_checkpoints", "cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# Modules
+
+
+class FrozenProjection(nn.Module):
+    """The base ``lm_head`` as buffers (not parameters, not saved): it cannot be trained."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight.detach(), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class HeadsModule(nn.Module):
+    """Trainable heads over the frozen base projection: ``[N, hidden] -> [K, N, head_vocab]``."""
+
+    def __init__(self, heads: MedusaHeads, lm_weight: torch.Tensor, lm_bias: torch.Tensor | None = None,
+                 logit_softcap: float | None = None) -> None:
+        super().__init__()
+        self.heads = heads.float()
+        self.lm_head = FrozenProjection(lm_weight.float(), None if lm_bias is None else lm_bias.float())
+        self.logit_softcap = logit_softcap
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.heads(hidden.float(), self.lm_head, self.logit_softcap)
+
+
+class JointModule(nn.Module):
+    """Medusa-2: a ``MedusaModel`` whose base carries a LoRA adapter, trained with its heads.
+
+    ``forward`` runs the original model (adapter disabled, no grad) as the teacher and the adapted
+    model as the student, and returns what the losses need. In the heads-only stage the adapted
+    model runs without grad and no teacher is needed.
+    """
+
+    def __init__(self, medusa: nn.Module, peft_model: Any, topk: int) -> None:
+        super().__init__()
+        self.medusa = medusa
+        self._peft = [peft_model]  # a list: not registered twice as a submodule
+        self.topk = topk
+
+    def _hidden(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return self.medusa(batch["input_ids"], attention_mask=batch["attention_mask"],
+                           position_ids=batch["position_ids"], logits_positions=slice(0, 0)).hidden_states
+
+    def forward(self, batch: Mapping[str, torch.Tensor], joint: bool, num_heads: int) -> dict[str, torch.Tensor]:
+        medusa = self.medusa
+        if joint:
+            with torch.no_grad(), self._peft[0].disable_adapter():
+                teacher = self._hidden(batch)
+            student = self._hidden(batch)
+        else:
+            with torch.no_grad():
+                student = teacher = self._hidden(batch)
+        block = block_from_hidden(student, batch["labels"], batch["lengths"], medusa.project, self.topk,
+                                  soft_hidden=teacher)
+        rows = rows_from_block(block, num_heads)
+        out = {"head_logits": medusa.head_logits(rows.hidden), "targets": rows.targets}
+        if self.topk:
+            out["soft_ids"], out["soft_probs"] = soft_labels(block, rows.soft_row, None, 0)
+        if joint:
+            at = (block["soft_example"], block["soft_position"])
+            out["student_logits"] = medusa.project(student[at])
+            with torch.no_grad():
+                out["teacher_logits"] = medusa.project(teacher[at])
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Tasks: what is trained and how a micro-batch becomes a loss
+
+
+class LiveFeatures:
+    """Medusa-1 rows computed on the fly by a frozen backbone (``MedusaModel``), per sequence."""
+
+    unit = "sequences"
+
+    def __init__(self, model: Any, examples: Sequence[Mapping[str, Any]], num_heads: int,
+                 token_map: torch.Tensor | None, topk: int) -> None:
+        self.model, self.examples, self.num_heads = model, examples, num_heads
+        self.token_map, self.topk = token_map, topk
+        self.vocab_size = model.lm_head.weight.shape[0]
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def batch(self, index: torch.Tensor) -> dict[str, torch.Tensor]:
+        batch = pad_batch([self.examples[i] for i in index.tolist()])
+        with torch.no_grad():
+            hidden = self.model(
+                batch["input_ids"].to(self.model.device),
+                attention_mask=batch["attention_mask"].to(self.model.device),
+                position_ids=batch["position_ids"].to(self.model.device),
+                logits_positions=slice(0, 0),
+            ).hidden_states
+            block = block_from_hidden(hidden, batch["labels"], batch["lengths"], self.model.project, self.topk)
+        rows = FeatureDataset(block, self.num_heads, self.token_map, self.vocab_size, soft=self.topk > 0)
+        return rows.batch(torch.arange(len(rows), device=hidden.device))
+
+
+def _global_denominators(accelerator: Any, counts: torch.Tensor) -> torch.Tensor:
+    """Per-process divisors making N processes' averaged gradients those of one global batch."""
+    if accelerator.num_processes == 1:
+        return counts
+    total = accelerator.reduce(counts.to(accelerator.device).float(), reduction="sum")
+    return total.to(counts.device) / accelerator.num_processes
+
+
+def _heads_loss(config: TrainConfig, accelerator: Any, logits: torch.Tensor, targets: torch.Tensor,
+                soft_ids: torch.Tensor | None, soft_probs: torch.Tensor | None) -> HeadLoss:
+    decay = config.training.head_decay
+    if config.training.loss == "ce":
+        counts = (targets >= 0).sum(dim=0)
+        return head_ce_loss(logits, targets, decay, _global_denominators(accelerator, counts))
+    counts = ((soft_probs * (soft_ids >= 0)).sum(-1) > 0).sum(dim=0)
+    return head_kl_loss(logits, soft_ids, soft_probs, decay, _global_denominators(accelerator, counts))
+
+
+def _lr_factor(step: int, start: int, total: int, warmup: int, kind: str) -> float:
+    """LR multiplier: 0 before ``start``, then linear warm-up and cosine/linear/constant decay."""
+    if step < start:
+        return 0.0
+    step, total = step - start, max(1, total - start)
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if kind == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    if kind == "linear":
+        return 1.0 - progress
+    return 1.0
+
+
+def heads_loss_weight(config: TrainConfig, step: int) -> float:
+    """Medusa-2's heads' loss weight: 1 in the heads-only stage, then warming up to
+    ``heads_loss_weight`` over ``heads_warmup_steps`` (linear or sine)."""
+    t = config.training
+    if step < t.stage1_steps:
+        return 1.0
+    if not t.heads_warmup_steps or t.heads_weight_schedule == "constant":
+        return t.heads_loss_weight
+    frac = min(1.0, (step - t.stage1_steps + 1) / t.heads_warmup_steps)
+    if t.heads_weight_schedule == "sine":
+        frac = math.sin(0.5 * math.pi * frac)
+    return t.heads_loss_weight * frac
+
+
+class Medusa1Task:
+    """Heads only, on cached (``FeatureDataset``) or live (``LiveFeatures``) backbone features."""
+
+    def __init__(self, config: TrainConfig, module: HeadsModule, source: FeatureDataset | LiveFeatures) -> None:
+        self.config, self.module, self.source = config, module, source
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [{"params": [p for p in self.module.parameters() if p.requires_grad], "lr": self.config.training.lr}]
+
+    def lr_lambdas(self, total: int, warmup: int) -> list[Callable[[int], float]]:
+        kind = self.config.training.scheduler
+        return [lambda step: _lr_factor(step, 0, total, warmup, kind)]
+
+    def loss(self, module: nn.Module, accelerator: Any, index: torch.Tensor, step: int
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        batch = {k: v.to(accelerator.device) for k, v in self.source.batch(index).items()}
+        logits = module(batch["hidden"])
+        out = _heads_loss(self.config, accelerator, logits, batch["targets"], batch.get("soft_ids"),
+                          batch.get("soft_probs"))
+        hits, totals = topk_correct(logits.detach(), batch["targets"], 1)
+        return out.loss, {"head_loss": out.per_head, "top1_hits": hits[:, 0], "top1_total": totals}
+
+    def heads_state(self, accelerator: Any, module: nn.Module) -> dict[str, torch.Tensor]:
+        state = accelerator.get_state_dict(module)
+        return {k[len("heads."):]: v for k, v in state.items() if k.startswith("heads.")}
+
+    def save_extra(self, accelerator: Any, module: nn.Module, folder: Path) -> None:
+        """Nothing besides the heads in Medusa-1."""
+
+
+class Medusa2Task:
+    """LoRA backbone + heads (``JointModule``) over padded sequences."""
+
+    def __init__(self, config: TrainConfig, module: JointModule, examples: Sequence[Mapping[str, Any]],
+                 token_map: torch.Tensor | None, pad_id: int = 0) -> None:
+        self.config, self.module, self.examples = config, module, examples
+        self.source = examples
+        self.token_map, self.pad_id = token_map, pad_id
+        self.vocab_size = module.medusa.config.vocab_size
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        t = self.config.training
+        heads = [p for p in self.module.medusa.heads.parameters() if p.requires_grad]
+        head_ids = {id(p) for p in heads}
+        lora = [p for p in self.module.parameters() if p.requires_grad and id(p) not in head_ids]
+        return [{"params": heads, "lr": t.heads_lr or t.lr}, {"params": lora, "lr": t.lr}]
+
+    def lr_lambdas(self, total: int, warmup: int) -> list[Callable[[int], float]]:
+        t = self.config.training
+        joint_warmup = math.floor(t.warmup_ratio * (total - t.stage1_steps))
+        return [lambda step: _lr_factor(step, 0, total, warmup, t.scheduler),
+                lambda step: _lr_factor(step, t.stage1_steps, total, joint_warmup, t.scheduler)]
+
+    def loss(self, module: nn.Module, accelerator: Any, index: torch.Tensor, step: int
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        t = self.config.training
+        joint = step >= t.stage1_steps
+        batch = {k: v.to(accelerator.device) for k, v in pad_batch([self.examples[i] for i in index.tolist()],
+                                                                     self.pad_id).items()}
+        out = module(batch, joint, self.config.heads.num_heads)
+        targets = to_head_vocab(out["targets"], self.token_map, self.vocab_size)
+        soft_ids = out.get("soft_ids")
+        if soft_ids is not None:
+            soft_ids = to_head_vocab(soft_ids, self.token_map, self.vocab_size)
+        heads = _heads_loss(self.config, accelerator, out["head_logits"], targets, soft_ids, out.get("soft_probs"))
+        hits, totals = topk_correct(out["head_logits"].detach(), targets, 1)
+        metrics = {"head_loss": heads.per_head, "top1_hits": hits[:, 0], "top1_total": totals}
+        weight = heads_loss_weight(self.config, step)
+        metrics["heads_weight"] = torch.tensor(weight)
+        if not joint:
+            return heads.loss, metrics
+        positions = torch.tensor(len(out["student_logits"]), device=accelerator.device)
+        base_kl = logits_kl(out["student_logits"], out["teacher_logits"],
+                            denominator=_global_denominators(accelerator, positions))
+        metrics["base_kl"] = base_kl.detach()
+        return t.kl_weight * base_kl + weight * heads.loss, metrics
+
+    def heads_state(self, accelerator: Any, module: nn.Module) -> dict[str, torch.Tensor]:
+        state = accelerator.get_state_dict(module)
+        return {k[len("medusa.heads."):]: v for k, v in state.items() if k.startswith("medusa.heads.")}
+
+    def save_extra(self, accelerator: Any, module: nn.Module, folder: Path) -> None:
+        """The LoRA adapter, as peft writes it, in ``folder/adapter``."""
+        from medusa_train.lora import ADAPTER_DIR
+
+        state = accelerator.get_state_dict(module)
+        if accelerator.is_main_process:
+            prefix = "medusa.base_model."
+            adapter = {"base_model.model." + k[len(prefix):]: v for k, v in state.items()
+                       if k.startswith(prefix) and "lora_" in k}
+            accelerator.unwrap_model(module)._peft[0].save_pretrained(str(folder / ADAPTER_DIR), state_dict=adapter)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def _resume_fingerprint(config: TrainConfig) -> dict[str, Any]:
+    data = config.to_dict()
+    training = {k: v for k, v in data["training"].items() if k not in _RESUME_IGNORES}
+    return {"model": data["model"], "data": data["data"], "heads": data["heads"], "training": training,
+            "lora": data["lora"] if config.training.mode == "medusa2" else None,
+            "features_topk": config.features.topk}
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def latest_checkpoint(folder: Path) -> Path | None:
+    """The newest complete checkpoint (one holding ``trainer_state.json``) in ``folder``."""
+    found = sorted(p for p in folder.glob(f"{CHECKPOINT_PREFIX}*") if (p / STATE_NAME).is_file())
+    return found[-1] if found else None
+
+
+def _save_checkpoint(accelerator: Any, folder: Path, state: dict[str, Any], keep: int) -> Path:
+    """``save_state`` into a side folder, then rename: a killed run never leaves a half checkpoint."""
+    final = folder / f"{CHECKPOINT_PREFIX}{state['step']:08d}"
+    partial = final.with_name(final.name + ".partial")
+    if accelerator.is_main_process:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(partial))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (partial / STATE_NAME).write_text(json.dumps(state, indent=2) + "\n")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
+        complete = sorted(p for p in folder.glob(f"{CHECKPOINT_PREFIX}*") if (p / STATE_NAME).is_file())
+        for old in complete[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _trainable_checkpointing(accelerator: Any, module: nn.Module) -> None:
+    """Checkpoints of a module with a large frozen part hold only what trains (and the heads'
+    buffers); loading checks that every such tensor is there."""
+    keep = {n for n, p in module.named_parameters() if p.requires_grad}
+    keep |= {n for n, _ in module.named_buffers() if ".heads." in f".{n}"}
+
+    def strip(name: str) -> str:
+        return name[len("module."):] if name.startswith("module.") else name
+
+    def save_hook(models: list, weights: list, output_dir: str) -> None:
+        for i, state in enumerate(weights):
+            weights[i] = {k: v for k, v in state.items() if strip(k) in keep}
+
+    def load_hook(models: list, input_dir: str) -> None:
+        from safetensors.torch import load_file
+
+        if not models:
+            return  # DeepSpeed / FSDP load their own way
+        model = models.pop(0)
+        state = load_file(str(Path(input_dir) / "model.safetensors"))
+        params = dict(accelerator.unwrap_model(model).named_parameters())
+        params.update(dict(accelerator.unwrap_model(model).named_buffers()))
+        loaded = {strip(k): v for k, v in state.items()}
+        missing = sorted(keep - set(loaded))
+        unexpected = sorted(set(loaded) - set(params))
+        if missing or unexpected:
+            raise ValueError(f"checkpoint {input_dir} does not fit this run: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}; it was written by another configuration")
+        with torch.no_grad():
+            for name, tensor in loaded.items():
+                params[name].copy_(tensor)
+
+    accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)
+
+
+# ---------------------------------------------------------------------------------------------
+# Logging
+
+
+class MetricLogger:
+    """Stdout, ``logs/train.jsonl`` and accelerate's trackers (TensorBoard, wandb); main process."""
+
+    def __init__(self, config: TrainConfig, paths: RunPaths, accelerator: Any, resume_step: int) -> None:
+        self.accelerator, self.config = accelerator, config
+        self.path = paths.logs / "train.jsonl" if config.log.jsonl else None
+        self.trackers = bool(accelerator.log_with)
+        if not accelerator.is_main_process:
+            return
+        paths.logs.mkdir(parents=True, exist_ok=True)
+        if self.path is not None and self.path.is_file():  # drop lines a killed run wrote after its checkpoint
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        if self.trackers:
+            flat = {}
+            for section, values in config.to_dict().items():
+                items = values.items() if isinstance(values, dict) else [("", values)]
+                for key, value in items:
+                    name = f"{section}.{key}" if key else section
+                    flat[name] = value if isinstance(value, (int, float, str, bool)) else str(value)
+            accelerator.init_trackers(  # TensorBoard writes into logs/<wandb_project>/
+                config.log.wandb_project, config=flat,
+                init_kwargs={"wandb": {"dir": str(paths.logs), "name": Path(config.output_dir).name}},
+            )
+
+    def log(self, record: dict[str, Any], bar: Any) -> None:
+        if not self.accelerator.is_main_process:
+            return
+        if self.path is not None:
+            with self.path.open("a") as handle:
+                handle.write(json.dumps(record) + "\n")
+        heads = " ".join(f"{a:.2f}" for a in record["head_top1"])
+        line = (f"step {record['step']}/{record['total_steps']} epoch {record['epoch']:.2f} "
+                f"loss {record['loss']:.4f} lr {record['lr']:.2e} top1 [{heads}]")
+        if "base_kl" in record:
+            line += f" base_kl {record['base_kl']:.2e} heads_w {record['heads_weight']:.3f}"
+        line += f" {record['units_per_s']:.0f} {record['unit']}/s"
+        if bar is not None and not bar.disable:
+            bar.write(line)
+        else:
+            print(line, flush=True)
+        if self.trackers:
+            scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+            for k, acc in enumerate(record["head_top1"]):
+                scalars[f"head{k + 1}_top1"] = acc
+            self.accelerator.log(scalars, step=record["step"])
+
+    def close(self) -> None:
+        if self.trackers:
+            self.accelerator.end_training()
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+
+
+@dataclass
+class TrainResult:
+    """What ``train`` leaves: the final heads' state (on every process), the prepared module and
+    the run's figures."""
+
+    heads_state: dict[str, torch.Tensor]
+    module: nn.Module
+    steps: int
+    resumed_from: int
+    seconds: float
+    last_record: dict[str, Any] | None
+
+
+def micro_batch_index(g: int, n: int, micro: int, micro_per_epoch: int, seed: int, rank: int, world: int,
+                      cache: dict[int, torch.Tensor]) -> tuple[int, torch.Tensor]:
+    """``(epoch, indices)`` of global micro-batch ``g`` for process ``rank``."""
+    epoch = g // micro_per_epoch
+    if epoch not in cache:
+        cache.clear()
+        cache[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+    start = (g % micro_per_epoch) * micro * world + rank * micro
+    return epoch, cache[epoch][start : start + micro]
+
+
+def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any, paths: RunPaths) -> TrainResult:
+    """Run (or resume from the newest checkpoint) the optimisation; return the final heads' state."""
+    t = config.training
+    world, rank = accelerator.num_processes, accelerator.process_index
+    cached = isinstance(task.source, FeatureDataset)
+    micro, unit = (t.batch_tokens, "positions") if cached else (t.batch_size, "sequences")
+    n = len(task.source)
+    micro_per_epoch, steps_per_epoch, total, warmup = step_counts(config, n, world)
+
+    if accelerator.gradient_accumulation_steps != t.grad_accum:
+        raise ValueError(f"the accelerator accumulates {accelerator.gradient_accumulation_steps} micro-batches, "
+                         f"training.grad_accum is {t.grad_accum}; create it with gradient_accumulation_steps")
+    deepspeed = getattr(accelerator.state, "deepspeed_plugin", None)
+    if deepspeed is not None:  # no dataloader is prepared, so DeepSpeed cannot infer it
+        deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = micro
+    module = task.module
+    optimizer = torch.optim.AdamW(task.param_groups(), weight_decay=t.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, task.lr_lambdas(total, warmup))
+    if isinstance(task, Medusa2Task):
+        _trainable_checkpointing(accelerator, module)
+    module, optimizer = accelerator.prepare(module, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+
+    start_step = 0
+    checkpoint = latest_checkpoint(paths.checkpoints)
+    if checkpoint is not None:
+        state = json.loads((checkpoint / STATE_NAME).read_text())
+        expected = {"world_size": world, "micro_batch": micro, "grad_accum": t.grad_accum,
+                    **_flatten(_resume_fingerprint(config))}
+        found = {"world_size": state.get("world_size"), "micro_batch": state.get("micro_batch"),
+                 "grad_accum": state.get("grad_accum"), **_flatten(state.get("fingerprint", {}))}
+        differ = sorted(k for k in set(expected) | set(found) if expected.get(k) != found.get(k))
+        if differ:
+            raise ValueError(
+                f"{checkpoint} was written by a different run: "
+                + ", ".join(f"{k} was {found.get(k)!r}, now {expected.get(k)!r}" for k in differ[:5])
+                + f"; resume with the same recipe and number of processes, or remove {paths.checkpoints}"
+            )
+        accelerator.load_state(str(checkpoint))
+        start_step = state["step"]
+        if accelerator.is_main_process:
+            print(f"resuming from {checkpoint} (step {start_step} of {total})", flush=True)
+
+    logger = MetricLogger(config, paths, accelerator, start_step)
+    bar = tqdm(total=total, initial=start_step, desc=f"train {t.mode}", unit="step", dynamic_ncols=True,
+               disable=not (accelerator.is_main_process and config.log.progress))
+    perm_cache: dict[int, torch.Tensor] = {}
+    window: dict[str, torch.Tensor] = {}
+    window_steps, window_units, window_start = 0, 0, time.perf_counter()
+    record = None
+    start_time = time.perf_counter()
+    module.train()
+    step = start_step
+    while step < total:
+        for a in range(t.grad_accum):  # accelerate syncs, clips and steps on the last micro-batch
+            epoch, index = micro_batch_index(step * t.grad_accum + a, n, micro, micro_per_epoch, t.seed,
+                                             rank, world, perm_cache)
+            with accelerator.accumulate(module):
+                loss, metrics = task.loss(module, accelerator, index, step)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and t.max_grad_norm:
+                    accelerator.clip_grad_norm_(module.parameters(), t.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            metrics["loss"] = loss.detach()
+            for key, value in metrics.items():
+                value = value.detach().float().to(accelerator.device)
+                window[key] = window.get(key, 0) + value
+            window_units += len(index)
+        scheduler.step()
+        step += 1
+        window_steps += 1
+        bar.update(1)
+        if step % config.log.every == 0 or step == total:
+            record = _summarise(accelerator, window, window_steps * t.grad_accum, window_units, window_start)
+            record.update(step=step, total_steps=total, epoch=(step * t.grad_accum) / micro_per_epoch,
+                          lr=scheduler.get_last_lr()[-1], unit=unit,
+                          elapsed_s=round(time.perf_counter() - start_time, 2))
+            logger.log(record, bar)
+            bar.set_postfix(loss=f"{record['loss']:.3f}")
+            window, window_steps, window_units, window_start = {}, 0, 0, time.perf_counter()
+        if t.save_every and step % t.save_every == 0 and step < total:
+            _save_checkpoint(accelerator, paths.checkpoints, {
+                "step": step, "epoch": (step * t.grad_accum) // micro_per_epoch,
+                "micro_step": step * t.grad_accum, "micro_steps_per_epoch": micro_per_epoch,
+                "world_size": world, "micro_batch": micro, "grad_accum": t.grad_accum, "total_steps": total,
+                "fingerprint": _resume_fingerprint(config),
+            }, t.keep_checkpoints)
+    bar.close()
+    logger.close()
+    heads_state = {k: v.detach().cpu().clone() for k, v in task.heads_state(accelerator, module).items()}
+    return TrainResult(heads_state, module, step, start_step, time.perf_counter() - start_time, record)
+
+
+def _summarise(accelerator: Any, window: dict[str, torch.Tensor], micro_steps: int, units: int,
+               started: float) -> dict[str, Any]:
+    """Means over the window's micro-steps, reduced over processes."""
+    world = accelerator.num_processes
+    out: dict[str, Any] = {}
+    hits = accelerator.reduce(window.pop("top1_hits"), reduction="sum") if world > 1 else window.pop("top1_hits")
+    totals = accelerator.reduce(window.pop("top1_total"), reduction="sum") if world > 1 else window.pop("top1_total")
+    out["head_top1"] = [round(float(x), 4) for x in (hits / totals.clamp(min=1)).tolist()]
+    for key, value in window.items():
+        value = value / micro_steps
+        if world > 1:
+            value = accelerator.reduce(value, reduction="mean")
+        out[key] = [round(float(x), 5) for x in value.tolist()] if value.dim() else float(value)
+    units_total = units * world
+    out["units_per_s"] = units_total / max(time.perf_counter() - started, 1e-9)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Building the pieces
+
+
+def heads_config(config: TrainConfig, hidden_size: int, vocab_size: int, model_type: str | None,
+                 token_map: torch.Tensor | None) -> MedusaConfig:
+    h = config.heads
+    return MedusaConfig(
+        num_heads=h.num_heads, num_layers=h.num_layers, hidden_size=hidden_size, vocab_size=vocab_size,
+        projection=h.projection, reduced_vocab_size=None if token_map is None else len(token_map),
+        base_model_name_or_path=config.model.hub_id or config.model.name, base_model_type=model_type,
+        top_k=config.eval.top_k,
+    )
+
+
+def new_heads_module(config: TrainConfig, lm_weight: torch.Tensor, lm_bias: torch.Tensor | None,
+                     logit_softcap: float | None, model_type: str | None,
+                     token_map: torch.Tensor | None) -> HeadsModule:
+    """Fresh heads (seeded by ``training.seed``) over a frozen projection."""
+    torch.manual_seed(config.training.seed)
+    vocab, hidden = lm_weight.shape
+    heads = MedusaHeads(heads_config(config, hidden, vocab, model_type, token_map),
+                        lm_head_weight=lm_weight.detach().float(), token_map=token_map)
+    return HeadsModule(heads, lm_weight, lm_bias, logit_softcap)
+
+
+def save_trained(folder: Path, config: MedusaConfig, heads_state: Mapping[str, torch.Tensor],
+                 info: dict[str, Any]) -> Path:
+    """Write the trained heads (not yet evaluated) with the run's metadata."""
+    config.training = dict(info)
+    return save_heads(folder, config, dict(heads_state))

@@ -1,0 +1,131 @@
+"""Every recipe parses and plans without downloading anything; overrides are typed and checked."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from medusa_train.train_config import (
+    TrainConfig,
+    config_from_dict,
+    load_config,
+    plan,
+    save_config,
+    valid_keys,
+)
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+TRAINING_RECIPES = sorted(RECIPES.glob("*.yaml"))
+ACCELERATE_CONFIGS = sorted((RECIPES / "accelerate").glob("*.yaml"))
+
+
+def test_recipes_exist_for_every_gpu_model_and_mode():
+    names = {p.stem for p in TRAINING_RECIPES}
+    assert {"smollm2-135m", "smollm2-135m-large"} <= names
+    for model in ("llama-3.1-8b-instruct", "qwen2.5-7b-instruct", "mistral-7b-instruct-v0.3", "vicuna-7b-v1.3"):
+        assert {f"{model}-medusa1", f"{model}-medusa2"} <= names
+
+
+@pytest.mark.parametrize("path", TRAINING_RECIPES, ids=lambda p: p.stem)
+def test_recipe_parses_and_plans_offline(path, monkeypatch, tmp_path):
+    # Any attempt to fetch or load a model fails the test.
+    import huggingface_hub
+    import transformers
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("plan() must not download or load anything")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", refuse)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
+    config = load_config(path, [f"output_dir={tmp_path / 'run'}"])
+    assert config.model.name and config.output_dir == str(tmp_path / "run")
+    assert (config.training.mode == "medusa2") == path.stem.endswith("medusa2")
+    for processes in (1, 8):
+        result = plan(config, processes)
+        assert result.total_steps >= 1 and result.examples > 0
+        assert [s.name for s in result.stages][-2:] == ["train", "evaluate"]
+        assert "features" in [s.name for s in result.stages] or not config.uses_feature_cache
+        assert not any(s.done for s in result.stages if s.name in ("train", "evaluate"))
+    text = result.summary()
+    assert "steps" in text and "evaluate" in text
+    saved = tmp_path / "again.yaml"
+    save_config(config, saved)
+    assert load_config(saved) == config  # a saved config reloads to the same run
+
+
+@pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=lambda p: p.stem)
+def test_accelerate_configs_parse_and_name_existing_files(path):
+    values = yaml.safe_load(path.read_text())
+    assert values["distributed_type"] in ("MULTI_GPU", "FSDP", "DEEPSPEED")
+    assert values["num_processes"] >= 2
+    ds_file = values.get("deepspeed_config", {}).get("deepspeed_config_file")
+    if ds_file:
+        ds = json.loads((RECIPES.parent / ds_file).read_text())
+        assert ds["zero_optimization"]["stage"] == (2 if "zero2" in path.stem else 3)
+
+
+def test_cpu_ddp_config_starts_two_processes_on_the_cpu():
+    values = yaml.safe_load((RECIPES / "accelerate" / "cpu-ddp-2proc.yaml").read_text())
+    # MULTI_CPU with `accelerate launch` starts one process; MULTI_GPU + use_cpu starts two.
+    assert values["distributed_type"] == "MULTI_GPU" and values["use_cpu"] is True
+    assert values["num_processes"] == 2
+
+
+def test_overrides_are_typed_and_dotted():
+    config = load_config(RECIPES / "smollm2-135m.yaml", [
+        "training.lr=3e-4", "training.epochs=2", "heads.reduced_vocab_size=null", "log.wandb=true",
+        "lora.target_modules=q_proj,v_proj", "data.per_source={gsm8k_train: 10}", "training.max_steps=5",
+    ])
+    assert config.training.lr == 3e-4 and isinstance(config.training.lr, float)
+    assert config.training.epochs == 2.0 and config.training.max_steps == 5
+    assert config.heads.reduced_vocab_size is None and config.log.wandb is True
+    assert config.lora.target_modules == ["q_proj", "v_proj"]
+    assert config.data.per_source == {"gsm8k_train": 10}
+    assert plan(config).total_steps == 5
+
+
+@pytest.mark.parametrize("override, message", [
+    ("training.lrr=1", "unknown key 'training.lrr'"),
+    ("trainng.lr=1", "unknown key 'trainng.lr'"),
+    ("training.epochs=many", "training.epochs: expected a number"),
+    ("heads.num_heads=2.5", "heads.num_heads: expected an integer"),
+    ("training.mode=medusa3", "training.mode must be one of"),
+    ("training.lr", "is not key=value"),
+    ("training=1", "is a section"),
+])
+def test_bad_overrides_name_the_key(override, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")) as err:
+        load_config(RECIPES / "smollm2-135m.yaml", [override])
+    if "unknown key" in message:
+        assert "training.lr" in str(err.value) and "heads.num_heads" in str(err.value)  # lists the valid keys
+
+
+def test_unknown_recipe_key_is_an_error():
+    with pytest.raises(ValueError, match="unknown key 'heads.num_head'"):
+        config_from_dict({"heads": {"num_head": 3}, "data": {"prompts": "p.jsonl"}})
+
+
+def test_plan_counts_existing_data_and_features(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"id": i, "prompt": "p", "response": "r"}) + "\n" for i in range(50)))
+    config = config_from_dict({"output_dir": str(tmp_path / "run"), "data": {"rows": str(rows), "heldout_fraction": 0.1},
+                               "training": {"batch_tokens": 100}})
+    before = plan(config)
+    assert before.examples == 50 and before.train_examples == 45 and before.stages[0].done
+    features = tmp_path / "run" / "features"
+    (features / "abc").mkdir(parents=True)
+    (features / "abc" / "manifest.json").write_text(json.dumps({"num_rows": 1000}))
+    (features / "index.json").write_text(json.dumps({"train": "abc", "heldout": "def"}))
+    after = plan(config)
+    assert after.train_units == 1000 and after.steps_per_epoch == 10
+    assert [s.done for s in after.stages if s.name == "features"] == [True]
+
+
+def test_every_valid_key_has_a_default():
+    keys = valid_keys()
+    assert "training.mode" in keys and "lora.r" in keys and "eval.tree_size" in keys
+    assert isinstance(TrainConfig().training.lr, float)

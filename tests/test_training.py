@@ -1,0 +1,467 @@
+"""Training Medusa heads on tiny models: losses, targets, the feature cache, frozen weights,
+exact resume after kill -9, Medusa-2 at step 0, and multi-process launches."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from medusa_infer.model import MedusaModel
+from medusa_train import trainer as tr
+from medusa_train.features import (
+    FeatureCache,
+    FeatureDataset,
+    build_feature_cache,
+    choose_token_map,
+    head_targets,
+    model_fingerprint,
+    pad_batch,
+    token_counts,
+)
+from medusa_train.losses import (
+    IGNORE,
+    OUT_OF_VOCAB,
+    head_ce_loss,
+    head_kl_loss,
+    head_weights,
+    logits_kl,
+    to_head_vocab,
+    topk_correct,
+)
+from medusa_train.train_config import config_from_dict, run_paths
+from tiny import tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENS = 24  # the counting task uses ids 3..26
+
+
+def counting_examples(n: int, seed: int = 0) -> list[dict]:
+    """Sequences that count upward modulo 24 from a random start; the first few are the prompt."""
+    rng = random.Random(seed)
+    examples = []
+    for _ in range(n):
+        start, length, prompt = rng.randrange(TOKENS), rng.randrange(20, 40), rng.randrange(3, 8)
+        ids = [3 + (start + j) % TOKENS for j in range(length)]
+        examples.append({"input_ids": ids, "labels": [IGNORE] * prompt + ids[prompt:]})
+    return examples
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    """A tiny llama saved as a model folder, and counting examples as a tokenised JSONL."""
+    folder = tmp_path_factory.mktemp("tiny")
+    tiny_model("llama").save_pretrained(folder / "model")
+    with (folder / "examples.jsonl").open("w") as handle:
+        for example in counting_examples(64):
+            handle.write(json.dumps(example) + "\n")
+    return folder
+
+
+def recipe(tiny_dir: Path, out: Path, **sections) -> dict:
+    values = {
+        "output_dir": str(out),
+        "model": {"name": str(tiny_dir / "model")},
+        "data": {"tokenized": str(tiny_dir / "examples.jsonl"), "heldout_fraction": 0.2},
+        "heads": {"num_heads": 3, "num_layers": 1, "projection": "own"},
+        "features": {"topk": 5, "batch_size": 8},
+        "training": {"lr": 0.01, "epochs": 2, "batch_tokens": 128, "warmup_ratio": 0.0},
+        "log": {"every": 1, "progress": False},
+        "eval": {"tree_size": 8},
+    }
+    for name, updates in sections.items():
+        values[name] = {**values.get(name, {}), **updates} if isinstance(updates, dict) else updates
+    return values
+
+
+def write_recipe(path: Path, values: dict) -> Path:
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+def quiet_env(tmp_path: Path) -> dict[str, str]:
+    """Keep wandb, torchrun, DeepSpeed and caches out of $HOME and the shared /tmp."""
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    env = dict(os.environ)
+    env.update(HOME=str(home), TMPDIR=str(home), WANDB_MODE="offline", WANDB_DIR=str(home),
+               TORCH_EXTENSIONS_DIR=str(home / "torch_extensions"), TRITON_CACHE_DIR=str(home / "triton"),
+               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), TOKENIZERS_PARALLELISM="false",
+               MEDUSA_FORGE_CACHE=env.get("MEDUSA_FORGE_CACHE", str(Path("~/.cache/medusa-forge").expanduser())))
+    return env
+
+
+def run_script(args: list[str], env: dict[str, str], timeout: int = 600) -> subprocess.CompletedProcess:
+    result = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result
+
+
+def train_log(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "logs" / "train.jsonl").read_text().splitlines()]
+
+
+def final_heads(out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "checkpoints" / "final" / "model.safetensors"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses and targets, by hand
+
+
+def test_head_targets_are_labels_k_plus_2_ahead():
+    labels = torch.tensor([IGNORE, IGNORE, 10, 11, 12, 13])
+    targets = head_targets(labels, 3)
+    assert targets.shape == (6, 3)
+    assert targets[0].tolist() == [10, 11, 12]  # head k at t=0 predicts position k + 2
+    assert targets[2].tolist() == [12, 13, IGNORE]
+    assert targets[4].tolist() == [IGNORE, IGNORE, IGNORE]
+
+
+def test_head_weights_decay_and_normalise():
+    weights = head_weights(3, 0.5)
+    assert torch.allclose(weights, torch.tensor([1.0, 0.5, 0.25]) / 1.75)
+
+
+def test_ce_loss_matches_hand_computation():
+    logits = torch.zeros(2, 3, 4)  # K=2 heads, N=3 positions, V=4
+    logits[0, 0] = torch.tensor([2.0, 0.0, 0.0, 0.0])
+    logits[1, 1] = torch.tensor([0.0, 1.0, 0.0, 0.0])
+    targets = torch.tensor([[0, IGNORE], [1, 1], [IGNORE, OUT_OF_VOCAB]])
+    out = head_ce_loss(logits, targets, decay=0.5)
+    ce_head0 = (-math.log(math.e**2 / (math.e**2 + 3)) + math.log(4)) / 2  # positions 0 and 1
+    ce_head1 = -math.log(math.e / (math.e + 3))  # position 1 only
+    assert out.counts.tolist() == [2, 1]
+    assert torch.allclose(out.per_head, torch.tensor([ce_head0, ce_head1]), atol=1e-6)
+    assert math.isclose(float(out.loss), (ce_head0 + 0.5 * ce_head1) / 1.5, rel_tol=1e-6)
+    halved = head_ce_loss(logits, targets, decay=0.5, denominators=torch.tensor([4.0, 2.0]))
+    assert torch.allclose(halved.per_head, out.per_head / 2, atol=1e-6)
+
+
+def test_kl_loss_matches_hand_computation_and_drops_missing_candidates():
+    q = torch.tensor([0.5, 0.25, 0.125, 0.125])
+    logits = q.log().view(1, 1, 4)  # one head, one position
+    soft_ids = torch.tensor([[[0, 1, -1]]])  # the third candidate is outside the head vocabulary
+    soft_probs = torch.tensor([[[0.3, 0.3, 0.4]]])
+    out = head_kl_loss(logits, soft_ids, soft_probs)
+    p = torch.tensor([0.5, 0.5])  # renormalised over the candidates the head can score
+    expected = float((p * (p.log() - q[:2].log())).sum())
+    assert math.isclose(float(out.loss), expected, rel_tol=1e-5)
+    exact = head_kl_loss(logits, torch.tensor([[[0, 1, 2, 3]]]), q.view(1, 1, 4))
+    assert abs(float(exact.loss)) < 1e-6
+    empty = head_kl_loss(logits, soft_ids, torch.zeros(1, 1, 3))
+    assert out.counts.tolist() == [1] and empty.counts.tolist() == [0] and float(empty.loss) == 0.0
+
+
+def test_logits_kl_and_topk_accuracy():
+    a = torch.randn(5, 7)
+    assert float(logits_kl(a, a)) == pytest.approx(0.0, abs=1e-6)
+    assert float(logits_kl(a, a + torch.randn(5, 7))) > 0
+    logits = torch.tensor([[[0.1, 0.9, 0.0], [0.8, 0.1, 0.1]]])  # K=1, N=2, V=3
+    hits, totals = topk_correct(logits, torch.tensor([[1], [2]]), max_k=3)
+    assert hits.tolist() == [[1, 1, 2]] and totals.tolist() == [2]
+    hits, totals = topk_correct(logits, torch.tensor([[OUT_OF_VOCAB], [IGNORE]]), max_k=2)
+    assert hits.tolist() == [[0, 0]] and totals.tolist() == [1]
+
+
+def test_reduced_vocabulary_keeps_end_of_turn_and_most_frequent():
+    labels = torch.tensor([5, 5, 5, 7, 7, 9, IGNORE, 2])
+    token_map = choose_token_map(token_counts(labels, 12), 3, always=[11])
+    assert token_map.tolist() == [11, 5, 7]
+    columns = to_head_vocab(torch.tensor([7, 9, IGNORE, 11]), token_map, 12)
+    assert columns.tolist() == [2, OUT_OF_VOCAB, IGNORE, 0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Feature cache
+
+
+def test_feature_cache_round_trip_equals_live_forward(tiny_dir, tmp_path):
+    model = MedusaModel.from_base(tiny_model("llama"), num_heads=1)
+    examples = counting_examples(11, seed=3)
+    info = model_fingerprint(str(tiny_dir / "model"))
+    folder = build_feature_cache(model, examples, tmp_path, info, topk=4, batch_size=4, shard_examples=5,
+                                 progress=False)
+    assert len(list(folder.glob("shard-*.safetensors"))) == 3
+    cache = FeatureCache.load(folder)
+    data = FeatureDataset(cache.block, 3, None, model.config.vocab_size, soft=True)
+    block = cache.block
+    assert torch.equal(cache.lm_head["weight"], model.lm_head.weight)
+    for e in range(len(block["example_index"])):
+        example = examples[int(block["example_index"][e])]
+        ids = torch.tensor([example["input_ids"]])
+        with torch.no_grad():
+            out = model(ids)
+            logits = model.project(out.hidden_states[0])
+        rows = (block["row_example"] == e).nonzero().squeeze(1)
+        positions = block["row_position"][rows]
+        labels = torch.tensor(example["labels"])
+        assert positions.tolist() == [t for t in range(len(labels) - 2) if labels[t + 2] != IGNORE]
+        torch.testing.assert_close(data.hidden[rows], out.hidden_states[0, positions], atol=1e-5, rtol=1e-5)
+        assert torch.equal(data.targets[rows], head_targets(labels, 3)[positions])
+        batch = data.batch(rows)
+        for k in range(3):  # head k's soft target is the base distribution at t + k + 1
+            for r, t in enumerate(positions.tolist()):
+                if t + k + 2 < len(labels) and labels[t + k + 2] != IGNORE:
+                    probs = torch.softmax(logits[t + k + 1], -1).topk(4)
+                    assert batch["soft_ids"][r, k].tolist() == probs.indices.tolist()
+                    torch.testing.assert_close(batch["soft_probs"][r, k], probs.values, atol=1e-5, rtol=1e-4)
+                else:
+                    assert float(batch["soft_probs"][r, k].sum()) == 0.0
+    # The same model and data find the same cache again without running the model.
+    again = build_feature_cache(None, examples, tmp_path, info, topk=4, progress=False)
+    assert again == folder
+
+
+# ---------------------------------------------------------------------------------------------
+# Medusa-1: what trains and what must not
+
+
+def _accelerator():
+    from accelerate import Accelerator
+
+    return Accelerator(cpu=True)  # grad_accum 1, as in the recipes below
+
+
+def test_medusa1_keeps_backbone_and_lm_head_bitwise_and_trains_every_block(tiny_dir, tmp_path):
+    config = config_from_dict(recipe(tiny_dir, tmp_path / "run", heads={"num_layers": 2, "projection": "shared"},
+                                     features={"enabled": False}, training={"batch_size": 4, "max_steps": 6}))
+    base = tiny_model("llama")
+    base.requires_grad_(False)
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    medusa = MedusaModel.from_base(base, num_heads=1)
+    module = tr.new_heads_module(config, medusa.lm_head.weight, None, None, "llama", None)
+    task = tr.Medusa1Task(config, module, tr.LiveFeatures(medusa, counting_examples(32), 3, None, 0))
+    optimized = {id(p) for group in task.param_groups() for p in group["params"]}
+    assert id(base.lm_head.weight) not in optimized
+    assert not any(id(p) in optimized for p in base.parameters())
+    result = tr.train(config, task, _accelerator(), run_paths(config))
+    for name, tensor in base.state_dict().items():
+        assert torch.equal(tensor, before[name]), f"{name} changed"
+    blocks = [b.linear.weight for head in module.heads.heads for b in head.blocks]
+    assert len(blocks) == 6 and len({w.data_ptr() for w in blocks}) == 6, "blocks share parameters"
+    assert all(float(w.detach().abs().sum()) > 0 for w in blocks), "a block did not move from its zero init"
+    assert set(result.heads_state) == set(module.heads.state_dict())
+
+
+def test_medusa1_from_cache_learns_head_k_predicts_t_plus_k_plus_2(tiny_dir, tmp_path):
+    import train_heads
+
+    out = tmp_path / "run"
+    values = recipe(tiny_dir, out, training={"epochs": 8, "lr": 0.03}, log={"every": 20})
+    train_heads.main(["--config", str(write_recipe(tmp_path / "r.yaml", values))])
+    accuracies = json.loads((out / "heads" / "config.json").read_text())["head_accuracies"]
+    assert [row[0] for row in accuracies] == pytest.approx([1.0, 1.0, 1.0], abs=0.05)
+    # Check the alignment against the sequence itself, not against our own targets: on a fresh
+    # counting sequence head k's top token at position t >= 3 (the shortest prompt the heads
+    # trained after) must be token t + k + 2.
+    model = MedusaModel.from_pretrained(out / "heads", base_model=tiny_model("llama"))
+    ids = torch.tensor([[3 + (5 + j) % TOKENS for j in range(30)]])
+    with torch.no_grad():
+        heads = model(ids, head_positions=None).head_logits[:, 0].argmax(-1)  # [K, seq]
+    for k in range(3):
+        expected = ids[0, 3 + k + 2 :]
+        agree = (heads[k, 3 : 3 + len(expected)] == expected).float().mean()
+        assert agree > 0.9, f"head {k} agrees with t + {k + 2} only {agree:.2f} of the time"
+    lm_head = FeatureCache.load(next(p for p in (out / "features").iterdir() if p.is_dir())).lm_head["weight"]
+    assert torch.equal(lm_head, tiny_model("llama").lm_head.weight), "the cached lm_head changed"
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact resume after kill -9
+
+KILL_SCRIPT = """
+import os, signal, sys
+from medusa_train import trainer
+kill_at = int(sys.argv[1])
+log = trainer.MetricLogger.log
+def log_then_die(self, record, bar):
+    log(self, record, bar)
+    if record["step"] == kill_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+trainer.MetricLogger.log = log_then_die
+import train_heads
+sys.exit(train_heads.main(sys.argv[2:]))
+"""
+
+
+def test_kill_9_then_resume_equals_uninterrupted_run(tiny_dir, tmp_path):
+    import train_heads
+
+    env = quiet_env(tmp_path)
+    # Soft labels, a reduced vocabulary and two checkpoints: everything a resume must restore.
+    values = {"training": {"max_steps": 12, "save_every": 4, "seed": 3, "loss": "kl"},
+              "heads": {"reduced_vocab_size": 30}}
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    train_heads.main(["--config", str(write_recipe(tmp_path / "a.yaml", recipe(tiny_dir, whole, **values)))])
+    killed_recipe = str(write_recipe(tmp_path / "b.yaml", recipe(tiny_dir, killed, **values)))
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_SCRIPT)
+    result = subprocess.run([sys.executable, str(script), "6", "--config", killed_recipe], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    assert tr.latest_checkpoint(killed / "checkpoints").name == "step-00000004"
+    assert not (killed / "checkpoints" / "final").exists()
+    train_heads.main(["--config", killed_recipe])
+    final = json.loads((killed / "checkpoints" / "final" / "config.json").read_text())
+    assert final["training"]["resumed_from_step"] == 4
+    a, b = final_heads(whole), final_heads(killed)
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=1e-6)
+    assert [r["step"] for r in train_log(killed)] == list(range(1, 13))
+    for x, y in zip(train_log(whole), train_log(killed)):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Medusa-2
+
+
+def test_medusa2_step0_kl_is_zero_and_base_logits_unchanged(tiny_dir, tmp_path):
+    from medusa_infer.heads import MedusaHeads
+    from medusa_train.lora import add_lora
+
+    config = config_from_dict(recipe(tiny_dir, tmp_path / "run", training={"mode": "medusa2", "loss": "kl"},
+                                     lora={"target_modules": ["q_proj", "v_proj", "up_proj"]}))
+    base = tiny_model("llama")
+    batch = pad_batch(counting_examples(3, seed=5))
+    with torch.no_grad():
+        original = base(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    base.requires_grad_(False)
+    peft_model = add_lora(base, 8, 16, 0.0, config.lora.target_modules)
+    heads = MedusaHeads(tr.heads_config(config, 32, 96, "llama", None), lm_head_weight=base.lm_head.weight)
+    medusa = MedusaModel(peft_model.get_base_model(), heads)
+    task = tr.Medusa2Task(config, tr.JointModule(medusa, peft_model, 5), [], None)
+    trainable = {n for n, p in task.module.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n or n.startswith("medusa.heads.") for n in trainable)
+    out = task.module(batch, joint=True, num_heads=3)
+    assert float(logits_kl(out["student_logits"], out["teacher_logits"]).detach()) == pytest.approx(0.0, abs=1e-7)
+    torch.testing.assert_close(out["student_logits"], out["teacher_logits"], atol=0, rtol=0)
+    with torch.no_grad():
+        adapted = medusa.base_model(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    mask = batch["attention_mask"].bool()
+    torch.testing.assert_close(adapted[mask], original[mask], atol=0, rtol=0)
+    assert tr.heads_loss_weight(config, 0) == config.training.heads_loss_weight
+
+
+def test_medusa2_trains_adapter_and_heads_then_evaluates(tiny_dir, tmp_path):
+    import train_heads
+
+    out = tmp_path / "run"
+    values = recipe(tiny_dir, out, training={"mode": "medusa2", "batch_size": 4, "max_steps": 6, "stage1_steps": 2,
+                                             "heads_warmup_steps": 2, "loss": "ce"},
+                    lora={"r": 4, "target_modules": ["q_proj", "v_proj"]}, heads={"reduced_vocab_size": 30})
+    train_heads.main(["--config", str(write_recipe(tmp_path / "r.yaml", values))])
+    log = train_log(out)
+    assert "base_kl" not in log[0] and log[-1]["base_kl"] > 0  # heads alone first, then joint
+    assert [r["heads_weight"] for r in log] == pytest.approx([1, 1, 0.1, 0.2, 0.2, 0.2])
+    assert (out / "heads" / "adapter" / "adapter_config.json").is_file()
+    config = json.loads((out / "heads" / "config.json").read_text())
+    assert config["reduced_vocab_size"] == 30 and len(config["head_accuracies"]) == 3 and config["tree"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Several processes
+
+
+@pytest.mark.slow
+def test_two_process_cpu_launch_matches_one_process(tiny_dir, tmp_path):
+    env = quiet_env(tmp_path)
+    values = {"training": {"max_steps": 6, "batch_tokens": 64, "seed": 1}, "heads": {"reduced_vocab_size": 40}}
+    two = recipe(tiny_dir, tmp_path / "two", **values)
+    one = recipe(tiny_dir, tmp_path / "one", **values)
+    one["training"]["batch_tokens"] = 128  # the same global batch on one process
+    run_script([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                "recipes/accelerate/cpu-ddp-2proc.yaml", "train_heads.py", "--config",
+                str(write_recipe(tmp_path / "two.yaml", two))], env)
+    run_script([sys.executable, "train_heads.py", "--config", str(write_recipe(tmp_path / "one.yaml", one))], env)
+    state = json.loads((tmp_path / "two" / "checkpoints" / "final" / "config.json").read_text())
+    assert state["training"]["num_processes"] == 2, "the launch did not start two ranks"
+    for a, b in zip(train_log(tmp_path / "one"), train_log(tmp_path / "two")):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-5)
+        assert a["head_top1"] == pytest.approx(b["head_top1"], abs=1e-6)
+    a, b = final_heads(tmp_path / "one"), final_heads(tmp_path / "two")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4)
+
+
+DEEPSPEED_SCRIPT = """
+import json, sys, torch, deepspeed
+from medusa_train import trainer as tr
+from medusa_train.features import FeatureCache, FeatureDataset
+from medusa_train.train_config import config_from_dict
+from medusa_train.losses import head_ce_loss
+values, cache_dir, ds_json, out = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+config = config_from_dict(values)
+deepspeed.init_distributed(dist_backend="gloo")
+rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+cache = FeatureCache.load(cache_dir)
+module = tr.new_heads_module(config, cache.lm_head["weight"], None, None, "llama", None)
+data = FeatureDataset(cache.block, config.heads.num_heads, None, cache.manifest["vocab_size"])
+ds_config = json.loads(open(ds_json).read())
+micro = config.training.batch_tokens
+ds_config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=1, train_batch_size=micro * world)
+ds_config.pop("bf16", None)
+ds_config.update(zero_allow_untested_optimizer=True)  # torch's AdamW: DeepSpeed's own needs CUDA
+optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=config.training.lr)
+engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config)
+cache_perm, losses = {}, []
+for step in range(8):
+    _, index = tr.micro_batch_index(step, len(data), micro, len(data) // (micro * world), 0, rank, world, cache_perm)
+    batch = data.batch(index)
+    loss = head_ce_loss(engine(batch["hidden"]), batch["targets"]).loss
+    engine.backward(loss)
+    engine.step()
+    losses.append(float(loss))
+if rank == 0:
+    json.dump({"losses": losses, "zero_stage": engine.zero_optimization_stage()}, open(out, "w"))
+"""
+
+
+@pytest.mark.slow
+def test_deepspeed_zero2_on_cpu_trains_heads(tiny_dir, tmp_path):
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install deepspeed)")
+    env = quiet_env(tmp_path)
+    env["DS_ACCELERATOR"] = "cpu"
+    model = MedusaModel.from_base(tiny_model("llama"), num_heads=1)
+    cache = build_feature_cache(model, counting_examples(32), tmp_path / "features",
+                                model_fingerprint(str(tiny_dir / "model")), topk=0, progress=False)
+    values = recipe(tiny_dir, tmp_path / "run", training={"batch_tokens": 64, "lr": 0.01})
+    script = tmp_path / "ds.py"
+    script.write_text(DEEPSPEED_SCRIPT)
+    out = tmp_path / "losses.json"
+    run_script([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+                str(script), json.dumps(values), str(cache), str(REPO / "recipes/accelerate/deepspeed-zero2.json"),
+                str(out)], env)
+    result = json.loads(out.read_text())
+    assert result["zero_stage"] == 2
+    assert result["losses"][-1] < result["losses"][0]
+
+
+def test_logs_to_jsonl_tensorboard_and_offline_wandb(tiny_dir, tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="wandb is not installed (pip install wandb)")
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install tensorboard)")
+    import train_heads
+
+    for name, value in quiet_env(tmp_path).items():
+        if name in ("HOME", "TMPDIR", "WANDB_MODE", "WANDB_DIR"):
+            monkeypatch.setenv(name, value)
+    out = tmp_path / "run"
+    values = recipe(tiny_dir, out, training={"max_steps": 3}, log={"tensorboard": True, "wandb": True})
+    train_heads.main(["--config", str(write_recipe(tmp_path / "r.yaml", values))])
+    assert [r["step"] for r in train_log(out)] == [1, 2, 3]
+    assert list((out / "logs" / "medusa-forge").glob("events.out.tfevents.*"))
+    assert list((out / "logs" / "wandb").glob("offline-run-*"))

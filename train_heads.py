@@ -1,0 +1,353 @@
+#!/usr/bin/env python
+"""Train Medusa heads end to end: distil -> dataset -> features -> train -> evaluate.
+
+    python train_heads.py --config recipes/smollm2-135m.yaml [key=value ...] [--push-to-hub REPO]
+    accelerate launch --config_file recipes/accelerate/ddp.yaml train_heads.py --config recipes/X.yaml
+    python train_heads.py --config recipes/X.yaml --plan      # print the plan, load nothing
+
+Every stage writes into ``<output_dir>/{data,features,checkpoints,heads,logs}`` and is skipped when
+its output is already there, so a second run reuses the first one's work and a killed run resumes
+from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from medusa_train.train_config import (
+    TrainConfig,
+    features_root,
+    load_config,
+    plan,
+    rows_path,
+    run_paths,
+    save_config,
+)
+
+
+def make_accelerator(config: TrainConfig) -> Any:
+    from accelerate import Accelerator, DistributedDataParallelKwargs, InitProcessGroupKwargs
+
+    log_with = [name for name, on in (("tensorboard", config.log.tensorboard), ("wandb", config.log.wandb)) if on]
+    # Extracting features or distilling on the main process can outlast the default timeout.
+    handlers: list[Any] = [InitProcessGroupKwargs(timeout=timedelta(hours=6))]
+    if config.training.mode == "medusa2":  # the adapter gets no gradient in the heads-only stage
+        handlers.append(DistributedDataParallelKwargs(find_unused_parameters=True))
+    return Accelerator(
+        cpu=config.training.cpu or not torch.cuda.is_available(),
+        mixed_precision=config.training.mixed_precision,
+        gradient_accumulation_steps=config.training.grad_accum,
+        log_with=log_with or None,
+        project_dir=str(run_paths(config).logs),
+        kwargs_handlers=handlers,
+    )
+
+
+def say(accelerator: Any, message: str) -> None:
+    if accelerator.is_main_process:
+        print(f"[train_heads] {message}", flush=True)
+
+
+def _atomic_folder(final: Path) -> Path:
+    partial = final.with_name(final.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    return partial
+
+
+def _commit_folder(partial: Path, final: Path) -> None:
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(partial, final)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stages
+
+
+def stage_data(config: TrainConfig, accelerator: Any) -> tuple[list[dict], list[dict]]:
+    """(a) distil if the rows are missing, (b) tokenise and split; returns (train, heldout) examples."""
+    paths = run_paths(config)
+    d = config.data
+    try:
+        from medusa_train import dataset as ds
+    except ImportError as err:
+        raise SystemExit(f"medusa_train.dataset is not available ({err}); it builds the training examples") from err
+    if d.tokenized:
+        examples = ds.read_rows(d.tokenized)
+        dataset = ds.to_dataset([{"input_ids": e["input_ids"], "labels": e["labels"]} for e in examples])
+    else:
+        rows = rows_path(config)
+        if not rows.is_file():
+            if not d.prompts:
+                raise SystemExit(f"{rows} does not exist and data.prompts is not set: give prompts to distil")
+            try:
+                from medusa_train.distill import DistillConfig, distill
+            except ImportError as err:
+                raise SystemExit(
+                    f"{rows} does not exist and medusa_train.distill cannot be imported ({err}); "
+                    "distil the data first or set data.rows to an existing file"
+                ) from err
+            say(accelerator, f"distilling {d.n or 'all'} prompts from {d.prompts} into {rows}")
+            distill(DistillConfig(
+                prompts=d.prompts, output=str(rows), model=config.model.name, n=d.n, per_source=d.per_source,
+                max_new_tokens=d.max_new_tokens, batch_size=d.distill_batch_size, seed=config.training.seed,
+                system_prompt=d.system_prompt, progress=config.log.progress, **d.distill_options,
+            ), accelerator if accelerator.num_processes > 1 else None)
+        from medusa_infer.models import load_tokenizer
+
+        tokenizer = load_tokenizer(config.model.name, trust_remote_code=config.model.trust_remote_code)
+        if config.model.chat_template:
+            tokenizer.chat_template = config.model.chat_template
+        with accelerator.main_process_first():
+            dataset = ds.load_or_build_dataset(rows, tokenizer, d.max_length, paths.data, d.system_prompt)
+    train, heldout = ds.split_heldout(dataset, d.heldout_fraction, config.training.seed)
+
+    def plain(split: Any) -> list[dict]:
+        return [{"input_ids": list(r["input_ids"]), "labels": list(r["labels"])} for r in split]
+
+    return plain(train), plain(heldout)
+
+
+def load_base(config: TrainConfig, accelerator: Any) -> Any:
+    from medusa_infer.models import load_base_model
+
+    return load_base_model(config.model.name, dtype=getattr(torch, config.model.dtype), device=accelerator.device,
+                           attn_implementation=config.model.attn_implementation,
+                           trust_remote_code=config.model.trust_remote_code)
+
+
+def stage_features(config: TrainConfig, accelerator: Any, train: list[dict], heldout: list[dict]) -> dict[str, Path]:
+    """(c) Medusa-1: the frozen backbone's features of both splits, cached on disk."""
+    from medusa_infer.model import MedusaModel
+    from medusa_train.features import MANIFEST, build_feature_cache, cache_key, examples_hash, model_fingerprint
+
+    f = config.features
+    root = features_root(config)
+    info = model_fingerprint(config.model.name)
+    splits = {"train": train, "heldout": heldout}
+    folders = {name: root / cache_key(info, examples_hash(ex), f.topk, f.dtype) for name, ex in splits.items()}
+    if all((folder / MANIFEST).is_file() for folder in folders.values()):
+        say(accelerator, f"features: reusing {', '.join(str(p) for p in folders.values())}")
+    else:
+        model = MedusaModel.from_base(load_base(config, accelerator), num_heads=1)
+        for name, examples in splits.items():
+            say(accelerator, f"features: {name} split, {len(examples)} examples -> {folders[name]}")
+            build_feature_cache(model, examples, root, info, topk=f.topk, batch_size=f.batch_size,
+                                shard_examples=f.shard_examples, dtype=f.dtype, rank=accelerator.process_index,
+                                world_size=accelerator.num_processes, barrier=accelerator.wait_for_everyone,
+                                progress=config.log.progress and accelerator.is_main_process)
+        del model
+    if accelerator.is_main_process:
+        index = run_paths(config).features
+        index.mkdir(parents=True, exist_ok=True)
+        (index / "index.json").write_text(json.dumps({k: v.name for k, v in folders.items()}, indent=2) + "\n")
+    return folders
+
+
+def _token_map(config: TrainConfig, labels: torch.Tensor, vocab_size: int, always: list[int]) -> torch.Tensor | None:
+    from medusa_train.features import choose_token_map, token_counts
+
+    size = config.heads.reduced_vocab_size
+    return None if size is None else choose_token_map(token_counts(labels, vocab_size), size, always)
+
+
+def _end_of_turn_ids(examples: list[dict], eos: list[int]) -> list[int]:
+    """EOS ids plus the last token of every assistant span in the examples."""
+    ids = set(eos)
+    for example in examples:
+        labels = example["labels"]
+        for t, label in enumerate(labels):
+            if label != -100 and (t + 1 == len(labels) or labels[t + 1] == -100):
+                ids.add(label)
+    return sorted(ids)
+
+
+def stage_train(config: TrainConfig, accelerator: Any, train: list[dict], folders: dict[str, Path] | None) -> None:
+    """(d) Train (or resume); writes ``checkpoints/final``."""
+    from medusa_infer.heads import MedusaHeads
+    from medusa_infer.model import MedusaModel
+    from medusa_train import trainer as tr
+    from medusa_train.features import FeatureCache, FeatureDataset, eos_token_ids
+
+    paths = run_paths(config)
+    t, h = config.training, config.heads
+    kl = t.loss == "kl"
+    topk = config.features.topk if kl else 0
+    from accelerate.utils import set_seed
+
+    set_seed(t.seed)
+    if config.uses_feature_cache:
+        cache = FeatureCache.load(folders["train"])
+        m = cache.manifest
+        vocab = m["vocab_size"]
+        token_map = _token_map(config, cache.block["labels"], vocab, cache.end_of_turn_ids())
+        module = tr.new_heads_module(config, cache.lm_head["weight"], cache.lm_head.get("bias"), m["logit_softcap"],
+                                     m["model_type"], token_map)
+        task: Any = tr.Medusa1Task(config, module, FeatureDataset(cache.block, h.num_heads, token_map, vocab, soft=kl))
+        hidden, model_type = m["hidden_size"], m["model_type"]
+    else:
+        base = load_base(config, accelerator)
+        base.requires_grad_(False)
+        vocab, hidden = base.get_output_embeddings().weight.shape
+        model_type = base.config.model_type
+        labels = torch.tensor([x for e in train for x in e["labels"]], dtype=torch.long)
+        token_map = _token_map(config, labels, vocab, _end_of_turn_ids(train, eos_token_ids(base)))
+        if t.mode == "medusa1":
+            medusa = MedusaModel.from_base(base, num_heads=1)
+            module = tr.new_heads_module(config, medusa.lm_head.weight, getattr(medusa.lm_head, "bias", None),
+                                         medusa.logit_softcap, model_type, token_map)
+            task = tr.Medusa1Task(config, module, tr.LiveFeatures(medusa, train, h.num_heads, token_map, topk))
+        else:
+            from medusa_train.lora import add_lora
+
+            if t.gradient_checkpointing:
+                base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                base.config.use_cache = False
+            peft_model = add_lora(base, config.lora.r, config.lora.alpha, config.lora.dropout,
+                                  config.lora.target_modules)
+            lm = base.get_output_embeddings().weight
+            heads = MedusaHeads(tr.heads_config(config, hidden, vocab, model_type, token_map),
+                                lm_head_weight=lm.detach().float(), token_map=token_map)
+            medusa = MedusaModel(peft_model.get_base_model(), heads)
+            medusa.heads.float()
+            task = tr.Medusa2Task(config, tr.JointModule(medusa, peft_model, topk), train, token_map)
+    result = tr.train(config, task, accelerator, paths)
+    info = {"recipe": config.to_dict(), "steps": result.steps, "train_seconds": round(result.seconds, 1),
+            "resumed_from_step": result.resumed_from, "num_processes": accelerator.num_processes,
+            "final_train_record": result.last_record}
+    partial = paths.final.with_name(paths.final.name + ".partial")
+    if accelerator.is_main_process:
+        _atomic_folder(paths.final)
+    accelerator.wait_for_everyone()
+    task.save_extra(accelerator, result.module, partial)
+    if accelerator.is_main_process:
+        tr.save_trained(partial, tr.heads_config(config, hidden, vocab, model_type, token_map),
+                        result.heads_state, info)
+        _commit_folder(partial, paths.final)
+    accelerator.wait_for_everyone()
+
+
+def stage_evaluate(config: TrainConfig, accelerator: Any, heldout: list[dict], folders: dict[str, Path] | None,
+                   timings: dict[str, float]) -> None:
+    """(e) Held-out accuracies, the fitted tree, the final heads folder; optional upload."""
+    from medusa_infer.checkpoint import load_heads_state
+    from medusa_infer.heads import MedusaHeads
+    from medusa_infer.model import MedusaModel
+    from medusa_train import evaluate as ev
+    from medusa_train import trainer as tr
+    from medusa_train.features import FeatureCache, FeatureDataset
+
+    paths = run_paths(config)
+    if accelerator.is_main_process:
+        mconfig, state = load_heads_state(paths.final)
+        heads = MedusaHeads(mconfig)
+        heads.load_state_dict(state)
+        token_map = heads.token_map
+        if config.uses_feature_cache:
+            cache = FeatureCache.load(folders["heldout"])
+            module = tr.HeadsModule(heads, cache.lm_head["weight"], cache.lm_head.get("bias"),
+                                    cache.manifest["logit_softcap"]).eval()
+            data = FeatureDataset(cache.block, mconfig.num_heads, token_map, mconfig.vocab_size)
+            batches = data.sequential(config.training.batch_tokens)
+            accuracy = ev.head_accuracy(module, batches, config.eval.top_k)
+        else:
+            base = load_base(config, accelerator)
+            if config.training.mode == "medusa2":
+                from medusa_train.lora import ADAPTER_DIR, load_lora
+
+                base = load_lora(base, paths.final / ADAPTER_DIR).get_base_model()
+            medusa = MedusaModel(base, heads).eval()
+            source = tr.LiveFeatures(medusa, heldout, mconfig.num_heads, token_map, 0)
+            size = config.training.batch_size
+            batches = (source.batch(torch.arange(i, min(i + size, len(source)))) for i in range(0, len(source), size))
+            accuracy = ev.head_accuracy(medusa.head_logits, batches, config.eval.top_k, device=medusa.device)
+        partial = _atomic_folder(paths.heads)
+        ev.finalize(partial, mconfig, heads.state_dict(), accuracy, config.eval.tree_size,
+                    base_model_id=config.model.hub_id, extra={"stage_seconds": timings})
+        if config.training.mode == "medusa2":
+            from medusa_train.lora import ADAPTER_DIR
+
+            shutil.copytree(paths.final / ADAPTER_DIR, partial / ADAPTER_DIR)
+        _commit_folder(partial, paths.heads)
+        print(ev.summary_table(accuracy, [tuple(p) for p in mconfig.tree]), flush=True)
+    accelerator.wait_for_everyone()
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="recipe YAML (recipes/*.yaml); default: built-in defaults")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, e.g. training.lr=3e-4")
+    parser.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the final heads to this Hub repo")
+    parser.add_argument("--plan", action="store_true", help="print the plan and exit (loads no model)")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config, args.overrides)
+    except ValueError as err:
+        parser.error(str(err))
+    if args.push_to_hub:
+        config.eval.push_to_hub = args.push_to_hub
+    if args.plan:
+        print(plan(config, int(os.environ.get("WORLD_SIZE", "1"))).summary())
+        return 0
+
+    accelerator = make_accelerator(config)
+    paths = run_paths(config)
+    if accelerator.is_main_process:
+        for folder in (paths.data, paths.checkpoints, paths.logs):
+            folder.mkdir(parents=True, exist_ok=True)
+        save_config(config, paths.root / "config.yaml")
+        print(plan(config, accelerator.num_processes).summary(), flush=True)
+    accelerator.wait_for_everyone()
+
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
+    train, heldout = stage_data(config, accelerator)
+    timings["data"] = round(time.perf_counter() - started, 1)
+    say(accelerator, f"data: {len(train)} train and {len(heldout)} held-out examples ({timings['data']} s)")
+
+    folders = None
+    if config.uses_feature_cache:
+        started = time.perf_counter()
+        folders = stage_features(config, accelerator, train, heldout)
+        timings["features"] = round(time.perf_counter() - started, 1)
+        say(accelerator, f"features ready ({timings['features']} s)")
+
+    started = time.perf_counter()
+    if (paths.final / "config.json").is_file():
+        say(accelerator, f"train: {paths.final} exists, skipping")
+    else:
+        stage_train(config, accelerator, train, folders)
+    timings["train"] = round(time.perf_counter() - started, 1)
+
+    started = time.perf_counter()
+    if (paths.heads / "config.json").is_file():
+        say(accelerator, f"evaluate: {paths.heads} exists, skipping")
+    else:
+        stage_evaluate(config, accelerator, heldout, folders, timings)
+    timings["evaluate"] = round(time.perf_counter() - started, 1)
+    if accelerator.is_main_process:
+        (paths.logs / "stages.json").write_text(json.dumps(timings, indent=2) + "\n")
+        say(accelerator, "stage seconds: " + ", ".join(f"{k} {v}" for k, v in timings.items()))
+        if config.eval.push_to_hub:
+            from medusa_train.evaluate import push_to_hub
+
+            say(accelerator, f"uploaded to {push_to_hub(paths.heads, config.eval.push_to_hub)}")
+    accelerator.end_training()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
