@@ -304,17 +304,20 @@ class DecodeBatch:
             new[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         prompts = self.input_ids.cpu()
         if prompts.shape[0] != len(self.generated):  # rows joined by merge: lay prompts out anew
-            prompts = _left_pad([h[:n] for h, n in zip(self.histories, self.prompt_lengths)], pad_token_id)
+            prompts, _ = left_pad([h[:n] for h, n in zip(self.histories, self.prompt_lengths)], pad_token_id)
         sequences = torch.cat([prompts, new], dim=1)
         return GenerationOutput(sequences, self.metrics, [r or "length" for r in self.finish], self.generated)
 
 
-def _left_pad(rows: list[list[int]], pad_token_id: int) -> torch.Tensor:
+def left_pad(rows: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)``, both ``[batch, longest]``, padded on the left."""
     width = max(len(r) for r in rows)
-    out = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
-        out[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
-    return out
+        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r):] = 1
+    return ids, mask
 
 
 def _context_length(model) -> int:

@@ -45,6 +45,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
+from medusa_infer.decoding import left_pad
 from medusa_train.dataset import encode_rendered, has_chat_template, render_prompt, row_messages
 
 logger = logging.getLogger(__name__)
@@ -492,17 +493,6 @@ def eos_token_ids(model: Any, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     if not ids:
         raise ValueError("neither the model nor the tokenizer defines an EOS token id")
     return ids
-
-
-def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids, attention_mask)``, both ``[batch, max_len]``, padded on the left."""
-    width = max(len(s) for s in sequences)
-    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, seq in enumerate(sequences):
-        input_ids[i, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
-        attention_mask[i, width - len(seq) :] = 1
-    return input_ids, attention_mask
 
 
 def generate_batch(

@@ -30,7 +30,7 @@ from typing import Any, Callable, Hashable, Iterator
 
 import torch
 
-from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig, _context_length
+from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig, _context_length, left_pad
 from medusa_infer.metrics import GenerationMetrics
 from medusa_infer.proposers import build_proposer
 from medusa_infer.serving.metrics import ServingMetrics
@@ -296,7 +296,7 @@ class Engine:
 
     def _start_batch(self, key: Hashable, requests: list[Request]) -> None:
         sampling, seed = requests[0].sampling, requests[0].seed
-        ids, mask = _left_pad([r.prompt_ids for r in requests], self.pad_token_id)
+        ids, mask = left_pad([r.prompt_ids for r in requests], self.pad_token_id)
         generator = None
         if isinstance(key, tuple) and seed is not None:  # a seeded request: its own generator
             generator = torch.Generator(device=self.model.device).manual_seed(seed)
@@ -423,12 +423,3 @@ def _spec_counts(metrics: GenerationMetrics) -> tuple[list[int], list[int]]:
     return list(metrics.offered_by_depth), list(metrics.accepted_by_depth)
 
 
-def _left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[batch, longest]`` token ids and attention mask, padded on the left."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-        mask[row, width - len(prompt):] = 1
-    return ids, mask
