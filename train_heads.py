@@ -102,6 +102,7 @@ def stage_data(config: TrainConfig, accelerator: Any) -> tuple[list[dict], list[
                 prompts=d.prompts, output=str(rows), model=config.model.name, n=d.n, per_source=d.per_source,
                 max_new_tokens=d.max_new_tokens, batch_size=d.distill_batch_size, seed=config.training.seed,
                 system_prompt=d.system_prompt, progress=config.log.progress, **d.distill_options,
+                chat_template=config.model.chat_template,
             ), accelerator if accelerator.num_processes > 1 else None)
         from medusa_infer.models import load_tokenizer
 

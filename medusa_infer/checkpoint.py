@@ -1,7 +1,9 @@
 """Reading and writing heads checkpoints: ``config.json``, ``model.safetensors``, ``README.md``.
 
 A checkpoint folder holds the heads only. With ``shared`` projection the base model's ``lm_head``
-is not stored; it comes from the base model named in the config when the heads are loaded.
+is not stored; it comes from the base model named in the config when the heads are loaded. Heads
+trained in Medusa-2 mode also have a peft LoRA adapter for the base model in ``ADAPTER_DIR``
+inside the folder; ``MedusaModel.from_pretrained`` merges it into the base model.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from medusa_infer.config import MedusaConfig
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 CARD_NAME = "README.md"
+ADAPTER_DIR = "adapter"
+"""Sub-folder of a heads folder holding the Medusa-2 LoRA adapter, as peft saves it."""
+DEFAULT_COMMIT_MESSAGE = "Upload Medusa heads with medusa-forge"
 
 
 def save_heads(
@@ -64,6 +69,31 @@ def load_heads_state(directory: str | Path) -> tuple[MedusaConfig, dict[str, tor
             "re-download it or export the heads again"
         ) from err
     return config, state_dict
+
+
+def push_folder_to_hub(
+    folder: str | Path,
+    repo_id: str,
+    private: bool | None = None,
+    revision: str | None = None,
+    token: str | None = None,
+    commit_message: str = DEFAULT_COMMIT_MESSAGE,
+) -> str:
+    """Upload a saved heads folder (with its adapter, if any) to the Hub; returns the commit URL.
+
+    Creates ``repo_id`` (``private=None``: the Hub's default visibility) and the ``revision``
+    branch when missing. ``token=None`` uses the locally stored login.
+    """
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    api.create_repo(repo_id, private=private, exist_ok=True)
+    if revision is not None:
+        api.create_branch(repo_id, branch=revision, exist_ok=True)
+    info = api.upload_folder(
+        repo_id=repo_id, folder_path=str(folder), revision=revision, commit_message=commit_message
+    )
+    return str(getattr(info, "commit_url", info))
 
 
 def check_state_dict(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor], source: str) -> None:

@@ -143,7 +143,7 @@ class DecodeBatch:
         self.stops = list(stop) if isinstance(stop, Sequence) else [stop] * batch
         if len(self.stops) != batch:
             raise ValueError(f"{len(self.stops)} stop configs for {batch} rows")
-        self.context_length = _context_length(model)
+        self.context_length = context_length(model)
         self.rows = list(range(batch))  # index of each active row
         self.histories = [input_ids[b][attention_mask[b].bool()].tolist() for b in range(batch)]
         self.prompt_lengths = [len(h) for h in self.histories]
@@ -320,7 +320,12 @@ def left_pad(rows: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Te
     return ids, mask
 
 
-def _context_length(model) -> int:
+def context_length(model) -> int:
+    """The most tokens (prompt plus completion) ``model`` (a ``MedusaModel``) can attend over.
+
+    Read from the base model's text config: ``max_position_embeddings``, else ``n_positions``
+    (GPT-2), else ``max_sequence_length``. Raises ``ValueError`` when the config states none.
+    """
     config = model.base_model.config.get_text_config()
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
         value = getattr(config, name, None)
@@ -357,7 +362,7 @@ def _prepare_inputs(model, tokenizer, input_ids, attention_mask, prompt, message
         raise ValueError("empty prompt: every row needs at least one token of input")
     if bool((attention_mask[:, -1] == 0).any()):
         raise ValueError("input is right-padded; pad on the left (tokenizer.padding_side = 'left')")
-    limit = _context_length(model)
+    limit = context_length(model)
     longest = int(attention_mask.sum(1).max())
     if longest >= limit:
         raise ValueError(f"prompt of {longest} tokens does not fit the model's context of {limit} tokens; shorten it")

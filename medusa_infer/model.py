@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import logging
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,9 +24,18 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from medusa_infer.checkpoint import check_state_dict, load_heads_state, save_heads
+from medusa_infer.checkpoint import (
+    ADAPTER_DIR,
+    DEFAULT_COMMIT_MESSAGE,
+    check_state_dict,
+    load_heads_state,
+    push_folder_to_hub,
+    save_heads,
+)
 from medusa_infer.config import MedusaConfig
 from medusa_infer.heads import MedusaHeads
+
+logger = logging.getLogger(__name__)
 
 Positions = torch.Tensor | slice | None
 
@@ -74,6 +85,10 @@ class MedusaModel(nn.Module):
             and model type. None gives the bare target model, for the proposers that need no
             heads (plain decoding, draft model, prompt lookup).
         tokenizer: optional tokenizer, used by text-level helpers and the CLIs.
+
+    Attributes:
+        merged_adapter: the Medusa-2 adapter folder ``from_pretrained`` merged into the base
+            model, or None.
     """
 
     def __init__(self, base_model: PreTrainedModel, heads: MedusaHeads | None, tokenizer: Any = None) -> None:
@@ -84,6 +99,7 @@ class MedusaModel(nn.Module):
         self.base_model = base_model
         self.heads = heads
         self.tokenizer = tokenizer
+        self.merged_adapter: Path | None = None  # the Medusa-2 adapter folder from_pretrained merged
         self._decoder = base_model.base_model
         self._cache_kw = _cache_keyword(self._decoder)
         text_config = base_model.config.get_text_config()
@@ -160,11 +176,19 @@ class MedusaModel(nn.Module):
         base_model: PreTrainedModel | str | None = None,
         tokenizer: Any = None,
         revision: str | None = None,
+        adapter: bool = True,
     ) -> "MedusaModel":
         """Load heads from a folder or Hub repo (medusa-forge or FasterDecoding/Medusa layout).
 
         The base model named in the heads' config is loaded unless ``base_model`` is given (an
         object, a default-model name such as ``smollm2-135m-instruct``, a folder or a Hub id).
+
+        Heads trained in Medusa-2 mode come with the LoRA adapter they were trained on, in
+        ``<heads folder>/adapter`` (``checkpoint.ADAPTER_DIR``). With ``adapter=True`` (the
+        default) it is loaded with peft and merged into the base model's weights, which stays a
+        stock transformers model (no peft wrapper while decoding); a ``base_model`` given as an
+        object is changed in place. ``adapter=False`` keeps the plain base model. Folders without
+        an adapter load the same either way.
         """
         from medusa_infer import interop
 
@@ -187,29 +211,46 @@ class MedusaModel(nn.Module):
                     f"{directory}/config.json names no base_model_name_or_path; pass base_model="
                 )
             base_model, tokenizer, _ = _load_base(base_model or config.base_model_name_or_path, tokenizer)
+        adapter_folder = directory / ADAPTER_DIR
+        merge = adapter and adapter_folder.is_dir()
+        if merge:
+            base_model = merge_adapter(base_model, adapter_folder)
         heads = MedusaHeads(config)
         check_state_dict(heads.state_dict(), state, str(directory))
         heads.load_state_dict(state, strict=True)
-        return cls(base_model, heads, tokenizer)
+        model = cls(base_model, heads, tokenizer)
+        model.merged_adapter = adapter_folder if merge else None
+        return model
 
     # ------------------------------------------------------------------ saving
 
     def save_pretrained(self, directory: str | os.PathLike, base_model_id: str | None = None) -> Path:
-        """Write the heads (not the base model) as ``config.json``, ``model.safetensors``, ``README.md``."""
+        """Write the heads (not the base model) as ``config.json``, ``model.safetensors``, ``README.md``.
+
+        A Medusa-2 adapter merged at load time (``merged_adapter``) is copied along into
+        ``directory/adapter``: the heads were trained for the adapted base model, so the folder
+        (and what ``push_to_hub`` uploads) keeps both.
+        """
         from medusa_infer.models import hub_id
 
-        return save_heads(directory, self.config, self.heads.state_dict(),
-                          base_model_id or hub_id(self.config.base_model_name_or_path))
+        out = save_heads(directory, self.config, self.heads.state_dict(),
+                         base_model_id or hub_id(self.config.base_model_name_or_path))
+        if self.merged_adapter is not None:
+            target = out / ADAPTER_DIR
+            if not target.exists() or not os.path.samefile(target, self.merged_adapter):
+                shutil.copytree(self.merged_adapter, target, dirs_exist_ok=True)
+        return out
 
     def export_medusa_layout(
         self, directory: str | os.PathLike, fmt: str = "safetensors", version: str | None = None
     ) -> Path:
         """Write the heads in the FasterDecoding/Medusa layout (read by TGI and TensorRT-LLM);
-        see ``medusa_infer.interop.write_medusa_layout``."""
+        see ``medusa_infer.interop.write_medusa_layout``. As with ``save_pretrained``, a merged
+        Medusa-2 adapter is not written; those engines need the base model with it merged."""
         from medusa_infer.interop import write_medusa_layout
-
         from medusa_infer.models import hub_id
 
+        self._warn_heads_only(directory)
         lm_weight = self.lm_head.weight if version == "1" and self.config.projection == "shared" else None
         # Other engines load the base model by this name: write a Hub id, not a local name.
         config = dataclasses.replace(self.config, base_model_name_or_path=hub_id(self.config.base_model_name_or_path))
@@ -222,21 +263,20 @@ class MedusaModel(nn.Module):
         private: bool | None = None,
         revision: str | None = None,
         token: str | None = None,
-        commit_message: str = "Upload Medusa heads with medusa-forge",
+        commit_message: str = DEFAULT_COMMIT_MESSAGE,
     ) -> str:
-        """Create ``repo_id`` if needed and upload the saved heads folder; returns the commit URL."""
-        from huggingface_hub import HfApi
-
+        """Create ``repo_id`` if needed and upload the saved heads folder (``save_pretrained``);
+        returns the commit URL."""
         with tempfile.TemporaryDirectory() as tmp:
             self.save_pretrained(tmp)  # first: a model that cannot be saved leaves no empty repo behind
-            api = HfApi(token=token)
-            api.create_repo(repo_id, private=private, exist_ok=True)
-            if revision is not None:
-                api.create_branch(repo_id, branch=revision, exist_ok=True)
-            info = api.upload_folder(
-                repo_id=repo_id, folder_path=tmp, revision=revision, commit_message=commit_message
-            )
-        return str(getattr(info, "commit_url", info))
+            return push_folder_to_hub(tmp, repo_id, private=private, revision=revision, token=token,
+                                      commit_message=commit_message)
+
+    def _warn_heads_only(self, directory: str | os.PathLike) -> None:
+        if self.merged_adapter is not None:
+            logger.warning("writing the heads only to %s: the Medusa-2 adapter merged from %s is not included "
+                           "in this layout; engines that read it need the base model with the adapter merged",
+                           directory, self.merged_adapter)
 
     # ------------------------------------------------------------------ forward
 
@@ -312,6 +352,16 @@ def check_compatible(config: MedusaConfig, base_model: PreTrainedModel) -> None:
             f"heads were trained for model type {config.base_model_type!r}, this model is {model_type!r}: "
             f"load the base model they were trained for ({config.base_model_name_or_path})"
         )
+
+
+def merge_adapter(base_model: PreTrainedModel, folder: str | os.PathLike) -> PreTrainedModel:
+    """``base_model`` with the peft LoRA adapter saved in ``folder`` merged into its weights.
+
+    The model is changed in place and returned as the same stock transformers class.
+    """
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(base_model, str(folder), is_trainable=False).merge_and_unload()
 
 
 def _local_folder(path_or_repo_id: str | os.PathLike, revision: str | None) -> Path:

@@ -83,6 +83,10 @@ class DistillConfig:
         max_prompt_tokens: longer rendered prompts are skipped or truncated
             (``prompt_overflow``), counted and logged; ``None``: no limit.
         system_prompt: a system message put before each prompt.
+        chat_template: a jinja chat template that replaces the tokenizer's own (e.g. Vicuna's
+            v1.1 template, whose tokenizer ships none) when prompts are rendered. The ``openai``
+            backend sends messages, so the server applies its own template; there this one only
+            renders prompts to check ``max_prompt_tokens``.
         backend: ``"local"`` or ``"openai"``.
         endpoint: base URL of the OpenAI-compatible server (``http://host:8000`` or ``.../v1``).
         api_key_env: environment variable holding the API key (no key sent when unset).
@@ -113,6 +117,7 @@ class DistillConfig:
     max_prompt_tokens: int | None = 1024
     prompt_overflow: str = "skip"
     system_prompt: str | None = None
+    chat_template: str | None = None
     backend: str = "local"
     endpoint: str | None = None
     api_key_env: str = "OPENAI_API_KEY"
@@ -438,12 +443,24 @@ def save_arrow(rows: Sequence[dict[str, Any]], folder: Path) -> Path:
 # Prompt preparation
 
 
+def load_distill_tokenizer(config: DistillConfig) -> PreTrainedTokenizerBase:
+    """The tokenizer of ``config.model``, with ``config.chat_template`` installed when set."""
+    from medusa_infer.models import load_tokenizer
+
+    tokenizer = load_tokenizer(config.model)
+    if config.chat_template:
+        tokenizer.chat_template = config.chat_template
+    return tokenizer
+
+
 def prepare_prompt(
     tokenizer: PreTrainedTokenizerBase, prompt: str, config: DistillConfig
 ) -> tuple[str, list[int]] | None:
     """``(prompt text, rendered prompt ids)`` within ``max_prompt_tokens``, or ``None`` to skip.
 
-    With ``prompt_overflow="truncate"`` the prompt text (not the template around it) is cut.
+    The prompt is rendered with the tokenizer's chat template: load it with
+    ``load_distill_tokenizer`` so that it carries ``config.chat_template``. With
+    ``prompt_overflow="truncate"`` the prompt text (not the template around it) is cut.
     """
     ids = encode_rendered(tokenizer, render_prompt(tokenizer, prompt, config.system_prompt))
     limit = config.max_prompt_tokens
@@ -545,9 +562,9 @@ def run_local(
     on_batch: BatchHook | None = None,
 ) -> None:
     """Answer ``pending`` prompts with the local model, a batch at a time, into ``writer``."""
-    from medusa_infer.models import load_base_model, load_tokenizer
+    from medusa_infer.models import load_base_model
 
-    tokenizer = load_tokenizer(config.model)
+    tokenizer = load_distill_tokenizer(config)
     if not has_chat_template(tokenizer):
         logger.info("tokenizer of %s has no chat template: prompts are given as plain text", config.model)
     prepared = []
@@ -705,9 +722,7 @@ def run_openai(
     """Answer ``pending`` prompts through the endpoint, ``concurrency`` requests at a time."""
     tokenizer = None
     if config.max_prompt_tokens is not None:
-        from medusa_infer.models import load_tokenizer
-
-        tokenizer = load_tokenizer(config.model)
+        tokenizer = load_distill_tokenizer(config)
     url = chat_completions_url(config.endpoint or "")
     headers = {}
     api_key = os.environ.get(config.api_key_env)
@@ -905,6 +920,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-prompt-tokens", type=int, help="longer prompts are skipped or truncated (0: no limit)")
     add("--prompt-overflow", choices=OVERFLOW)
     add("--system-prompt")
+    add("--chat-template", metavar="FILE_OR_TEMPLATE",
+        help="jinja chat template replacing the tokenizer's: a file, or the template itself")
     add("--backend", choices=BACKENDS)
     add("--endpoint", help="OpenAI-compatible server, e.g. http://127.0.0.1:8000")
     add("--api-key-env", help="environment variable holding the API key")
@@ -941,6 +958,9 @@ def config_from_args(args: argparse.Namespace) -> DistillConfig:
         values["per_source"] = dict(args.per_source)
     if args.exclude_ids:
         values["exclude_ids"] = read_ids(args.exclude_ids)
+    template = values.get("chat_template")
+    if template and Path(template).is_file():
+        values["chat_template"] = Path(template).read_text(encoding="utf-8")
     if values.get("max_prompt_tokens") == 0:
         values["max_prompt_tokens"] = None
     return DistillConfig.from_dict(values)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from medusa_infer.checkpoint import save_heads
+from medusa_infer.checkpoint import push_folder_to_hub, save_heads
 from medusa_infer.config import MedusaConfig
 from medusa_infer.trees import expected_accept_length, greedy_tree
 from medusa_train.losses import topk_correct
@@ -98,10 +98,4 @@ def finalize(folder: str | Path, config: MedusaConfig, heads_state: Mapping[str,
 
 def push_to_hub(folder: str | Path, repo_id: str, private: bool | None = None) -> str:
     """Upload a saved heads folder (as ``MedusaModel.push_to_hub`` does); returns the commit URL."""
-    from huggingface_hub import HfApi
-
-    api = HfApi()
-    api.create_repo(repo_id, private=private, exist_ok=True)
-    info = api.upload_folder(repo_id=repo_id, folder_path=str(folder),
-                             commit_message="Upload Medusa heads with medusa-forge")
-    return str(getattr(info, "commit_url", info))
+    return push_folder_to_hub(folder, repo_id, private=private)

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-ADAPTER_DIR = "adapter"
+from medusa_infer.checkpoint import ADAPTER_DIR  # noqa: F401  (where heads folders keep the adapter)
 
 
 def add_lora(base_model: nn.Module, r: int, alpha: int, dropout: float, target_modules: list[str]) -> Any:

@@ -23,6 +23,8 @@ from medusa_train import distill as distill_module
 from medusa_train.dataset import encode_rendered, render_prompt
 from medusa_train.distill import (
     DistillConfig,
+    build_parser,
+    config_from_args,
     distill,
     distill_shard,
     merge_shards,
@@ -438,3 +440,43 @@ def test_openai_backend_gives_up_on_dead_server(tmp_path, prompts_file):
     config = openai_config(prompts_file, tmp_path / "rows.jsonl", url, n=2, max_retries=2)
     with pytest.raises(RuntimeError, match="giving up after 3 attempts"):
         distill(config)
+
+
+# ---------------------------------------------------------------------------------------------
+# Chat template override
+
+VICUNA_LIKE = (
+    "{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+
+def test_chat_template_option_renders_prompts(tmp_path, model_dir, prompts_file, tokenizer, monkeypatch):
+    seen: list[list[int]] = []
+    generate = distill_module.generate_batch
+
+    def spy(model, tok, prompt_ids, config, eos_ids):
+        seen.extend(list(ids) for ids in prompt_ids)
+        return generate(model, tok, prompt_ids, config, eos_ids)
+
+    monkeypatch.setattr(distill_module, "generate_batch", spy)
+    config = make_config(model_dir, prompts_file, tmp_path / "rows.jsonl", n=2, max_new_tokens=2,
+                         chat_template=VICUNA_LIKE)
+    distill(config)
+    expected = [
+        tokenizer(f"USER: {p['prompt']}\nASSISTANT:", add_special_tokens=False)["input_ids"]
+        for p in sample_prompts(prompts_file, 2)
+    ]
+    assert sorted(seen) == sorted(expected)
+    own = encode_rendered(tokenizer, render_prompt(tokenizer, sample_prompts(prompts_file, 1)[0]["prompt"]))
+    assert own not in seen, "without the option the tokenizer's own template renders the prompt"
+
+
+def test_chat_template_flag_takes_a_file_or_the_template(tmp_path, prompts_file):
+    template_file = tmp_path / "vicuna.jinja"
+    template_file.write_text(VICUNA_LIKE)
+    parser = build_parser()
+    for given in (str(template_file), VICUNA_LIKE):
+        args = parser.parse_args(["--prompts", str(prompts_file), "--chat-template", given])
+        assert config_from_args(args).chat_template == VICUNA_LIKE
+    assert config_from_args(parser.parse_args(["--prompts", str(prompts_file)])).chat_template is None

@@ -53,9 +53,9 @@ class DraftProposer:
         self.k, self.schedule, self.max_tokens = num_tokens, schedule, max(max_tokens, num_tokens)
         self.trees = ChainTrees(target.device)
         self.device = self.draft.device
-        from medusa_infer.decoding import _context_length
+        from medusa_infer.decoding import context_length
 
-        self.context_length = _context_length(self.draft)
+        self.context_length = context_length(self.draft)
         self.layout = AttentionLayout.from_config(self.draft.base_model.config)
         self.sampling: Any = None  # drafts are argmax until configure() asks for sampling
         self.generator: torch.Generator | None = None

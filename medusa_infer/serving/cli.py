@@ -120,7 +120,7 @@ def build_app(model, name: str, method: str, *, options: Any = None, api_key: st
         method: the proposer method; ``options`` its settings (see ``build_proposer``).
         request_timeout: seconds a request may take in all; None or 0: no limit.
     """
-    from medusa_infer.decoding import _context_length, _eos_ids
+    from medusa_infer.decoding import context_length, _eos_ids
     from medusa_infer.serving.app import ServerSettings, create_app
     from medusa_infer.serving.metrics import ServingMetrics
     from medusa_infer.serving.protocol import ModelInfo
@@ -129,7 +129,7 @@ def build_app(model, name: str, method: str, *, options: Any = None, api_key: st
     tokenizer = model.tokenizer
     engine = Engine(model, tokenizer, method, options, max_batch=max_batch, max_queue=max_queue,
                     metrics=ServingMetrics(name))
-    info = ModelInfo(name, tokenizer, _context_length(model), model.lm_head.weight.shape[0])
+    info = ModelInfo(name, tokenizer, context_length(model), model.lm_head.weight.shape[0])
     settings = ServerSettings(method, _eos_ids(model, tokenizer, None), api_key, request_timeout or None, acceptance)
     return create_app(engine, info, settings), engine
 

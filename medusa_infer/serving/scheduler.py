@@ -30,7 +30,7 @@ from typing import Any, Callable, Hashable, Iterator
 
 import torch
 
-from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig, _context_length, left_pad
+from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig, context_length, left_pad
 from medusa_infer.metrics import GenerationMetrics
 from medusa_infer.proposers import build_proposer
 from medusa_infer.serving.metrics import ServingMetrics
@@ -146,7 +146,7 @@ class Engine:
         self.model, self.tokenizer, self.method, self.options = model, tokenizer, method, options
         self.max_batch, self.max_queue = max_batch, max_queue
         self.metrics = metrics or ServingMetrics("model")
-        self.context_length = _context_length(model)
+        self.context_length = context_length(model)
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else 0
         self._lock = threading.Lock()  # guards everything below that other threads touch

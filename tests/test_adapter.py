@@ -1,0 +1,101 @@
+"""Medusa-2 heads folders: ``MedusaModel.from_pretrained`` merges the LoRA adapter saved beside them."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import LlamaForCausalLM
+
+from medusa_infer.checkpoint import ADAPTER_DIR
+from medusa_infer.model import MedusaModel
+from medusa_train import lora
+from tiny import VOCAB, tiny_model
+
+TARGETS = ["q_proj", "v_proj", "down_proj"]
+R, ALPHA = 4, 8
+
+
+@pytest.fixture(scope="module")
+def heads_folder(tmp_path_factory) -> tuple[Path, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """Heads for the tiny Llama with a trained-looking adapter (nonzero B) in ``adapter/``.
+
+    Returns the folder and ``{module name: (A, B)}`` of the adapter's LoRA matrices.
+    """
+    folder = tmp_path_factory.mktemp("medusa2-heads")
+    MedusaModel.from_base(tiny_model("llama"), num_heads=2).save_pretrained(folder)
+    peft_model = get_peft_model(tiny_model("llama"), LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TARGETS))
+    generator = torch.Generator().manual_seed(3)
+    pairs = {}
+    with torch.no_grad():
+        for name, module in peft_model.get_base_model().named_modules():
+            if hasattr(module, "lora_B"):
+                module.lora_B["default"].weight.normal_(0, 0.2, generator=generator)
+                pairs[name] = (module.lora_A["default"].weight.clone(), module.lora_B["default"].weight.clone())
+    peft_model.save_pretrained(str(folder / ADAPTER_DIR))
+    return folder, pairs
+
+
+def merged_by_hand(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> LlamaForCausalLM:
+    """The tiny Llama with ``W + alpha / r * B @ A`` written into each adapted linear layer."""
+    model = tiny_model("llama")
+    with torch.no_grad():
+        for name, (a, b) in pairs.items():
+            model.get_submodule(name).weight += ALPHA / R * b @ a
+    return model
+
+
+def logits(model: MedusaModel) -> torch.Tensor:
+    ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_adapter_is_merged_into_a_stock_model(heads_folder):
+    folder, pairs = heads_folder
+    assert len(pairs) == 3 * 2  # three target modules in each of the two layers
+    model = MedusaModel.from_pretrained(folder, base_model=tiny_model("llama"))
+    assert type(model.base_model) is LlamaForCausalLM
+    assert not [name for name, _ in model.base_model.named_modules() if "lora" in name]
+    assert model.merged_adapter == folder / ADAPTER_DIR
+    expected = logits(MedusaModel.without_heads(merged_by_hand(pairs)))
+    plain = logits(MedusaModel.without_heads(tiny_model("llama")))
+    got = logits(model)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert (got - plain).abs().max() > 1e-2, "the adapter should change the base model's logits"
+
+
+def test_adapter_false_keeps_the_plain_base(heads_folder):
+    folder, _ = heads_folder
+    model = MedusaModel.from_pretrained(folder, base_model=tiny_model("llama"), adapter=False)
+    assert model.merged_adapter is None
+    torch.testing.assert_close(logits(model), logits(MedusaModel.without_heads(tiny_model("llama"))),
+                               atol=0, rtol=0)
+
+
+def test_saving_keeps_the_merged_adapter_beside_the_heads(heads_folder, tmp_path):
+    folder, _ = heads_folder
+    model = MedusaModel.from_pretrained(folder, base_model=tiny_model("llama"))
+    model.save_pretrained(tmp_path / "out")
+    saved = sorted(p.name for p in (tmp_path / "out" / ADAPTER_DIR).iterdir())
+    assert saved == sorted(p.name for p in (folder / ADAPTER_DIR).iterdir())
+    model.save_pretrained(folder)  # saving over the folder it came from keeps the adapter intact
+    again = MedusaModel.from_pretrained(tmp_path / "out", base_model=tiny_model("llama"))
+    x = torch.tensor([[1, 2, 3]])
+    torch.testing.assert_close(again.base_model(x).logits, model.base_model(x).logits)
+
+
+def test_faster_decoding_export_warns_that_the_adapter_is_left_out(heads_folder, tmp_path, caplog):
+    folder, _ = heads_folder
+    model = MedusaModel.from_pretrained(folder, base_model=tiny_model("llama"))
+    model.config.base_model_name_or_path = "org/tiny-llama"
+    with caplog.at_level(logging.WARNING, logger="medusa_infer.model"):
+        model.export_medusa_layout(tmp_path / "fd")
+    assert "not included" in caplog.text
+
+
+def test_training_uses_the_same_adapter_folder_name():
+    assert lora.ADAPTER_DIR == ADAPTER_DIR
