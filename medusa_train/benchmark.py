@@ -6,8 +6,26 @@ measured in the same run; tau (mean tokens per target forward) counts the bonus 
 decoding scores 1.0. Methods run one after the other on each question (interleaved), so a noisy
 machine slows all of them alike.
 
+With ``--batch-size B`` the questions are answered in groups of B: for each turn index, the rows of
+the group that have that turn are decoded together as one left-padded batch, and each row's answer
+goes on in its own conversation. Speed is still all new tokens over all wall-clock seconds, a
+batch's seconds counted once (per category, a batch's seconds are shared among its rows in
+proportion to their tokens). tau is per row: a row's tokens over the target forwards it took part
+in (its prefill plus the decoding steps while it was unfinished), so a batch that decodes plainly
+still scores 1.0. TTFT is the batch's time to its first tokens and TPOT the time per token of one
+row (the batch's decoding seconds over a row's later tokens), as a user of one row would see them.
+``hf-lookup`` and ``hf-assisted`` run at batch size 1 only (Hugging Face's assisted generation
+refuses larger batches). On CUDA every method first answers one short turn untimed (``warm_up``).
+
+``--time-budget S`` starts no new question once S seconds have passed since medusa-bench started
+(model loading and calibration included), and takes the questions round robin across categories,
+so the report (written as usual, when the questions being answered are done) still covers every
+category; it says how many questions were answered. A caller with a hard time limit keeps a report.
+
     medusa-bench --heads runs/demo/heads --questions specbench.jsonl --limit 80 \\
         --methods hf,hf-lookup,ar,medusa,lookup --output runs/bench
+    medusa-bench --heads runs/demo/heads --questions specbench.jsonl --limit 80 --batch-size 8 \\
+        --methods hf,ar,medusa,lookup --output runs/bench-b8
 """
 
 from __future__ import annotations
@@ -30,25 +48,40 @@ OUR_METHODS = ("ar", "medusa", "medusa-typical", "medusa-lossless", "draft", "lo
 ALL_METHODS = HF_METHODS + OUR_METHODS
 SAMPLING_METHODS = ("medusa-typical", "medusa-lossless")
 DEFAULT_METHODS = ("hf", "hf-lookup", "ar", "medusa", "lookup")
+UNBATCHED_METHODS = ("hf-lookup", "hf-assisted")  # Hugging Face's assisted generation: batch size 1 only
 
 
 @dataclass
 class Turn:
-    """One answered turn: new tokens, seconds, target forwards after the prefill, TTFT."""
+    """One row's answered turn.
+
+    Attributes:
+        tokens: the new tokens.
+        seconds: the row's share of the call's wall-clock seconds (all of it at batch size 1).
+        steps: target forwards the row took part in after the prefill.
+        ttft_s: the call's time to its first tokens.
+        peak_mem_mb: the call's peak memory.
+        call_s: wall-clock seconds of the whole call (equal to ``seconds`` at batch size 1).
+    """
 
     tokens: list[int]
     seconds: float
     steps: int
     ttft_s: float
     peak_mem_mb: float
+    call_s: float
 
 
 @dataclass
 class MethodTotals:
+    """Sums over row-turns; ``decode_s`` sums each row's decoding time (its call's seconds after
+    the first token), the numerator of the per-row TPOT."""
+
     tokens: int = 0
     seconds: float = 0.0
     steps: int = 0
     ttft: list[float] = field(default_factory=list)
+    decode_s: float = 0.0
     peak_mem_mb: float = 0.0
     exact: bool | None = None
 
@@ -57,6 +90,7 @@ class MethodTotals:
         self.seconds += turn.seconds
         self.steps += turn.steps
         self.ttft.append(turn.ttft_s)
+        self.decode_s += turn.call_s - turn.ttft_s
         self.peak_mem_mb = max(self.peak_mem_mb, turn.peak_mem_mb)
 
     def summary(self, baseline_speed: float | None) -> dict[str, Any]:
@@ -70,7 +104,7 @@ class MethodTotals:
             "speedup": round(speed / baseline_speed, 3) if baseline_speed else None,
             "exact": self.exact,
             "ttft_s": round(sum(self.ttft) / len(self.ttft), 4) if self.ttft else None,
-            "tpot_s": round((self.seconds - sum(self.ttft)) / later, 5) if later > 0 else None,
+            "tpot_s": round(self.decode_s / later, 5) if later > 0 else None,
             "peak_mem_mb": round(self.peak_mem_mb, 1),
         }
 
@@ -171,7 +205,7 @@ def load_questions(path: str | Path, limit: int | None = None, seed: int = 0,
 
 
 class Runner:
-    """Answers one turn with one method; holds the loaded models."""
+    """Answers one turn of a batch of conversations with one method; holds the loaded models."""
 
     def __init__(self, model, args: argparse.Namespace) -> None:
         self.model, self.args = model, args
@@ -185,19 +219,32 @@ class Runner:
             self.assistant = load_base_model(args.draft_model, dtype=model.dtype, device=model.device)
 
     def run(self, method: str, messages: list[dict]) -> Turn:
-        from medusa_infer.decoding import encode_chat
+        """The next turn of one conversation."""
+        return self.run_batch(method, [messages])[0]
 
-        text = encode_chat(self.tokenizer, messages)[0]
-        ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"].to(self.model.device)
+    def run_batch(self, method: str, conversations: list[list[dict]], max_new_tokens: int | None = None
+                  ) -> list[Turn]:
+        """The next turn of each conversation, decoded together as one left-padded batch; one
+        ``Turn`` per conversation, in order. ``max_new_tokens`` overrides ``args.max_new_tokens``."""
+        limit = max_new_tokens or self.args.max_new_tokens
+        from medusa_infer.decoding import encode_chat, left_pad
+
+        rows = [self.tokenizer(text, add_special_tokens=False)["input_ids"]
+                for text in encode_chat(self.tokenizer, conversations)]
+        ids, mask = left_pad(rows, self.tokenizer.pad_token_id)
+        ids, mask = ids.to(self.model.device), mask.to(self.model.device)
         with _PeakMemory(self.model.device) as memory:
             if method in HF_METHODS:
-                turn = self._run_hf(method, ids)
+                tokens, steps, ttft, seconds = self._run_hf(method, ids, mask, limit)
             else:
-                turn = self._run_ours(method, ids)
-        turn.peak_mem_mb = memory.peak
-        return turn
+                tokens, steps, ttft, seconds = self._run_ours(method, ids, mask, limit)
+        total = sum(len(t) for t in tokens)
+        shares = [seconds] if len(tokens) == 1 else [seconds * len(t) / max(total, 1) for t in tokens]
+        return [Turn(t, share, s, ttft, memory.peak, seconds) for t, share, s in zip(tokens, shares, steps)]
 
-    def _run_hf(self, method: str, ids: torch.Tensor) -> Turn:
+    def _run_hf(self, method: str, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int
+                ) -> tuple[list[list[int]], list[int], float, float]:
+        """Per row: new tokens and target forwards after the prefill; the call's TTFT and seconds."""
         extra: dict[str, Any] = {}
         if method == "hf-lookup":
             extra["prompt_lookup_num_tokens"] = self.args.lookup_tokens
@@ -208,18 +255,29 @@ class Runner:
         timer = _FirstTokenTimer()
         start = time.perf_counter()
         with torch.inference_mode():
-            out = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.args.max_new_tokens,
+            out = base.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                                 do_sample=False, streamer=timer, pad_token_id=self.tokenizer.pad_token_id, **extra)
+        _sync(self.model.device)
         seconds = time.perf_counter() - start
         counter.close()
-        tokens = out[0, ids.shape[1]:].tolist()
-        pad = self.tokenizer.pad_token_id
-        while tokens and tokens[-1] == pad and pad not in _eos(base):
-            tokens.pop()
-        return Turn(tokens, seconds, max(counter.count - 1, 0), timer.first or seconds, 0.0)
+        pad, eos = self.tokenizer.pad_token_id, _eos(base)
+        answers = []
+        for row in out[:, ids.shape[1]:].tolist():
+            if len(out) > 1:  # a row that finished before the others is padded after its EOS
+                row = row[: next((i + 1 for i, t in enumerate(row) if t in eos), len(row))]
+            while row and row[-1] == pad and pad not in eos:
+                row.pop()
+            answers.append(row)
+        if len(answers) == 1:
+            steps = [max(counter.count - 1, 0)]
+        else:  # plain decoding (the only batched HF method): one forward per token of a row
+            steps = [max(len(row) - 1, 0) for row in answers]
+        return answers, steps, timer.first or seconds, seconds
 
-    def _run_ours(self, method: str, ids: torch.Tensor) -> Turn:
-        from medusa_infer.decoding import generate
+    def _run_ours(self, method: str, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int
+                  ) -> tuple[list[list[int]], list[int], float, float]:
+        """As ``_run_hf``; a row's steps are the decoding steps it was unfinished in."""
+        from medusa_infer.decoding import stream
         from medusa_infer.proposers import build_proposer
 
         options = argparse.Namespace(
@@ -231,14 +289,21 @@ class Runner:
         elif method == "medusa-lossless":
             sampling = dict(do_sample=True, acceptance="lossless", temperature=self.args.temperature)
         if method.startswith("medusa"):
-            proposer = None  # generate() builds the Medusa proposer, adaptive when calibrated
+            proposer = None  # stream() builds the Medusa proposer, adaptive when calibrated
             sampling["tree"] = self.args.tree
         else:
             proposer = build_proposer("autoregressive" if method == "ar" else method, self.model, options)
-        out = generate(self.model, ids, max_new_tokens=self.args.max_new_tokens, proposer=proposer,
-                       seed=self.args.seed, **sampling)
+        run = stream(self.model, ids, mask, max_new_tokens=max_new_tokens, proposer=proposer,
+                     seed=self.args.seed, **sampling)
+        out = run.result()  # what generate() returns; the stream also keeps each row's step count
         m = out.metrics
-        return Turn(out.new_tokens[0], m.total_s, m.steps, m.ttft_s, 0.0)
+        return out.new_tokens, list(run.state.row_steps), m.ttft_s, m.total_s
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for the accelerator's queued work, so wall-clock timings cover it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _eos(model) -> set[int]:
@@ -247,28 +312,52 @@ def _eos(model) -> set[int]:
 
 
 def benchmark(model, questions: list[dict], args: argparse.Namespace,
-              progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    """Run every method on every question (interleaved) and return the report dictionary."""
-    runner = Runner(model, args)
+              progress: Callable[[str], None] = lambda s: None, started: float | None = None) -> dict[str, Any]:
+    """Run every method on every question (interleaved) and return the report dictionary.
+
+    With ``args.batch_size`` B > 1 the questions go in groups of B (in order), and for each method
+    and turn index the group's rows that have that turn are decoded as one batch. With
+    ``args.time_budget`` (seconds since ``started``, a ``time.perf_counter()`` value; default: this
+    call) no group but the first starts after the budget is spent.
+    """
+    started = time.perf_counter() if started is None else started
     methods = list(args.methods)
+    check_batch_size(methods, args.batch_size)
+    runner = Runner(model, args)
+    if args.time_budget is not None:
+        questions = interleave_categories(questions)
+    if model.device.type == "cuda":
+        warm_up(runner, methods, questions, args.batch_size)
+    planned = len(questions)
     totals: dict[str, MethodTotals] = {m: MethodTotals() for m in methods}
     per_category: dict[str, dict[str, MethodTotals]] = defaultdict(lambda: {m: MethodTotals() for m in methods})
     answers: dict[str, list[list[int]]] = {m: [] for m in methods}
     from tqdm import tqdm
 
-    bar = tqdm(questions, desc="benchmark", unit="question", file=sys.stderr)
-    for question in bar:
+    bar = tqdm(total=planned, desc="benchmark", unit="question", file=sys.stderr)
+    for first in range(0, planned, args.batch_size):
+        if first and args.time_budget is not None and time.perf_counter() - started > args.time_budget:
+            print(f"\ntime budget of {args.time_budget:g} s spent: stopping after {first} of {planned} questions",
+                  file=sys.stderr)
+            questions = questions[:first]
+            break
+        group = questions[first : first + args.batch_size]
         for method in methods:
-            messages: list[dict] = []
-            for text in question["turns"]:
-                messages.append({"role": "user", "content": text})
-                turn = runner.run(method, messages)
-                totals[method].add(turn)
-                per_category[question["category"]][method].add(turn)
-                answers[method].append(turn.tokens)
-                messages.append({"role": "assistant",
-                                 "content": runner.tokenizer.decode(turn.tokens, skip_special_tokens=True)})
+            conversations: list[list[dict]] = [[] for _ in group]
+            for index in range(max(len(q["turns"]) for q in group)):
+                rows = [i for i, q in enumerate(group) if index < len(q["turns"])]
+                for i in rows:
+                    conversations[i].append({"role": "user", "content": group[i]["turns"][index]})
+                turns = runner.run_batch(method, [conversations[i] for i in rows])
+                for i, turn in zip(rows, turns):
+                    totals[method].add(turn)
+                    per_category[group[i]["category"]][method].add(turn)
+                    answers[method].append(turn.tokens)
+                    conversations[i].append({"role": "assistant",
+                                             "content": runner.tokenizer.decode(turn.tokens, skip_special_tokens=True)})
+        bar.update(len(group))
         bar.set_postfix({m: f"{t.tokens / t.seconds:.1f}" for m, t in totals.items() if t.seconds})
+    bar.close()
     reference = "ar" if "ar" in methods else ("hf" if "hf" in methods else None)
     for method in methods:
         if method in SAMPLING_METHODS or reference is None:
@@ -286,6 +375,7 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
         "settings": {
             "model": args.model, "heads": args.heads, "questions": str(args.questions), "limit": args.limit,
             "turns": sum(len(q["turns"]) for q in questions), "max_new_tokens": args.max_new_tokens,
+            "batch_size": args.batch_size, "time_budget_s": args.time_budget, "questions_answered": len(questions),
             "device": str(model.device), "dtype": str(model.dtype).replace("torch.", ""),
             "torch_threads": torch.get_num_threads(), "methods": methods,
             "tree": _tree_note(model, args.tree),
@@ -293,6 +383,40 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
         "methods": summarise(totals),
         "categories": {cat: summarise(group) for cat, group in sorted(per_category.items())},
     }
+
+
+def warm_up(runner: Runner, methods: Sequence[str], questions: list[dict], batch_size: int,
+            max_new_tokens: int = 8) -> None:
+    """Each method answers the first question's first turn once, ``batch_size`` times over, untimed,
+    so that one-time costs (CUDA context, library handles, kernel loading) do not land on the first
+    method measured."""
+    if not questions:
+        return
+    batch = [[{"role": "user", "content": questions[0]["turns"][0]}]] * batch_size
+    for method in methods:
+        runner.run_batch(method, batch, max_new_tokens=max_new_tokens)
+
+
+def interleave_categories(questions: list[dict]) -> list[dict]:
+    """The questions round robin across categories (each category in its own order), so that every
+    prefix covers the categories evenly."""
+    by_category: dict[str, list[dict]] = defaultdict(list)
+    for question in questions:
+        by_category[question["category"]].append(question)
+    queues = list(by_category.values())
+    longest = max((len(q) for q in queues), default=0)
+    return [queue[i] for i in range(longest) for queue in queues if i < len(queue)]
+
+
+def check_batch_size(methods: Sequence[str], batch_size: int) -> None:
+    """Raise ``ValueError`` unless every method can run at ``batch_size``."""
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {batch_size}")
+    unbatched = [m for m in methods if m in UNBATCHED_METHODS]
+    if batch_size > 1 and unbatched:
+        raise ValueError(f"method(s) {', '.join(unbatched)} cannot run at --batch-size {batch_size}: Hugging Face's "
+                         f"assisted generation supports batch size 1 only; drop {', '.join(unbatched)} from "
+                         f"--methods or use --batch-size 1")
 
 
 def _tree_note(model, tree) -> Any:
@@ -307,7 +431,10 @@ def report_markdown(report: dict[str, Any]) -> str:
         f"# medusa-bench: {s['model']}" + (f" + {s['heads']}" if s["heads"] else ""),
         "",
         f"{s['turns']} turns from {s['questions']} (limit {s['limit']}), max {s['max_new_tokens']} new tokens, "
-        f"{s['device']} {s['dtype']}, {s['torch_threads']} threads.",
+        f"{s['device']} {s['dtype']}, {s['torch_threads']} threads"
+        + (f", batch size {s['batch_size']}." if s.get("batch_size", 1) > 1 else ".")
+        + (f" Time budget {s['time_budget_s']:g} s: {s['questions_answered']} questions answered."
+           if s.get("time_budget_s") is not None else ""),
         "",
         "| method | tokens/s | speedup vs hf | tau | exact | TTFT s | TPOT s | peak MB |",
         "|---|---|---|---|---|---|---|---|",
@@ -355,7 +482,8 @@ def report_png(report: dict[str, Any], path: Path) -> None:
         ax.set_title(title)
     axes[0].legend(fontsize=8)
     s = report["settings"]
-    fig.suptitle(f"{s['model']} on {s['device']} {s['dtype']}, {s['turns']} turns")
+    batch = f", batch size {s['batch_size']}" if s.get("batch_size", 1) > 1 else ""
+    fig.suptitle(f"{s['model']} on {s['device']} {s['dtype']}, {s['turns']} turns{batch}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -417,8 +545,10 @@ def measure_head_overhead(model, cost, repeats: int = 20) -> float:
     model.head_logits(hidden)
     times = []
     for _ in range(repeats):
+        _sync(model.device)
         start = time.perf_counter()
         model.head_logits(hidden).topk(model.config.top_k, dim=-1)
+        _sync(model.device)
         times.append(time.perf_counter() - start)
     times.sort()
     return times[len(times) // 2] / cost.seconds[0]
@@ -433,6 +563,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--limit", type=int, default=None, help="questions to use, balanced across categories")
     parser.add_argument("--exclude-ids", default="", help="comma-separated question ids to leave out")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=1,
+                        help="questions answered together, turn by turn, as one left-padded batch "
+                             f"(not with {', '.join(UNBATCHED_METHODS)})")
+    parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                        help="start no new question this many seconds after starting, loading and calibration "
+                             "included (the report covers the questions answered, taken round robin across "
+                             "categories)")
     parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                         help=f"comma-separated, from: {', '.join(ALL_METHODS)}")
     parser.add_argument("--draft-model", help="draft model for hf-assisted and draft")
@@ -455,12 +592,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"unknown methods {unknown}; choose from {', '.join(ALL_METHODS)}")
     if any(m.startswith("medusa") for m in args.methods) and not args.heads:
         parser.error("the medusa methods need --heads")
+    try:
+        check_batch_size(args.methods, args.batch_size)
+    except ValueError as error:
+        parser.error(str(error))
     if args.tree and args.tree.startswith("["):
         args.tree = [tuple(p) for p in json.loads(args.tree)]
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    started = time.perf_counter()
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -487,13 +629,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         calib_questions = load_questions(args.questions, args.calibrate_questions, seed=args.seed + 1,
                                          exclude_ids=exclude)
         result = calibrate(model, calib_questions, args)
+        result["question_ids"] = [q["id"] for q in calib_questions]  # left out of the benchmark
         model.save_pretrained(args.heads)
         (output / "calibration.json").write_text(json.dumps(result, indent=2))
         print(f"calibrated: tree of {result['tree_nodes']} nodes, expected tau {result['expected_tau']:.2f}, "
               f"expected speedup {result['expected_speedup']:.2f}x; saved into {args.heads}", file=sys.stderr)
         exclude += [q["id"] for q in calib_questions]
     questions = load_questions(args.questions, args.limit, seed=args.seed, exclude_ids=exclude)
-    report = benchmark(model, questions, args)
+    report = benchmark(model, questions, args, started=started)
     (output / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     markdown = report_markdown(report)
     (output / "report.md").write_text(markdown)

@@ -11,10 +11,12 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from medusa_infer.model import MedusaModel
 from medusa_infer.serving.testing import word_tokenizer
+from medusa_train import benchmark as bench
 from medusa_train.benchmark import (
     benchmark,
     calibrate,
     head_topk_accuracy,
+    interleave_categories,
     load_questions,
     main,
     report_markdown,
@@ -47,7 +49,8 @@ def model() -> MedusaModel:
 def args(**overrides) -> argparse.Namespace:
     values = dict(methods=["hf", "hf-lookup", "ar", "medusa", "medusa-lossless", "lookup"], max_new_tokens=8,
                   tree="tree-8", lookup_tokens=4, temperature=0.7, seed=0, draft_model=None, model="tiny",
-                  heads="tiny-heads", questions="q.jsonl", limit=None, calibrate_context=16)
+                  heads="tiny-heads", questions="q.jsonl", limit=None, calibrate_context=16, batch_size=1,
+                  time_budget=None)
     values.update(overrides)
     return argparse.Namespace(**values)
 
@@ -125,3 +128,137 @@ def test_cli_writes_the_report_files(model, tmp_path, monkeypatch):
     assert set(report["methods"]) == {"hf", "ar", "medusa"}
     assert (out / "report.md").read_text().startswith("# medusa-bench")
     assert (out / "report.png").stat().st_size > 1000
+
+RUN_BATCH = bench.Runner.run_batch
+
+
+def answers_by_turn(monkeypatch, model, batch_size: int, methods: list[str]) -> tuple[dict, dict]:
+    """The report and each method's answer to each (question, turn), recorded as the runner gives them."""
+    answers: dict[tuple[str, str, int], list[int]] = {}
+
+    def record(self, method, conversations):
+        turns = RUN_BATCH(self, method, conversations)
+        for messages, turn in zip(conversations, turns):
+            answers[method, messages[0]["content"], len(messages) // 2] = turn.tokens  # turn index from 0
+        return turns
+
+    monkeypatch.setattr(bench.Runner, "run_batch", record)
+    report = benchmark(model, QUESTIONS, args(methods=methods, batch_size=batch_size))
+    return report, answers
+
+
+def test_batch_2_answers_every_question_as_batch_1(model, monkeypatch):
+    """Questions 1 and 2 share a batch for their first turns, then question 1's second turn runs
+    alone; question 5 is a batch of one. Greedy answers do not depend on the batch."""
+    for name in ("head_accuracies", "cost_profile"):  # calibrated by an earlier test: not adaptive here
+        monkeypatch.setattr(model.config, name, None)
+    methods = ["hf", "ar", "medusa", "lookup"]
+    single, one = answers_by_turn(monkeypatch, model, 1, methods)
+    batched, two = answers_by_turn(monkeypatch, model, 2, methods)
+    assert len(one) == len(two) == 6 * len(methods)
+    assert two == one
+    assert batched["settings"]["batch_size"] == 2 and single["settings"]["batch_size"] == 1
+    assert batched["settings"]["turns"] == 6
+    for method in methods:
+        row = batched["methods"][method]
+        assert row["tokens"] == single["methods"][method]["tokens"]
+        assert row["tokens_per_s"] > 0 and row["ttft_s"] > 0 and row["tpot_s"] > 0
+        if method != "ar":
+            assert row["exact"] is True, method
+    # tau per row: plain decoding stays 1.0 in a batch, and Medusa's matches batch 1 (same steps per row)
+    assert batched["methods"]["ar"]["tau"] == batched["methods"]["hf"]["tau"] == 1.0
+    assert batched["methods"]["medusa"]["tau"] == single["methods"]["medusa"]["tau"] > 1.0
+    assert "batch size 2" in report_markdown(batched) and "batch size" not in report_markdown(single)
+
+
+def test_batch_seconds_are_counted_once(model, monkeypatch):
+    """A batch's wall time goes to its rows in proportion to their tokens, summing to the call's time."""
+    runner = bench.Runner(model, args(methods=["ar"], max_new_tokens=6))
+    chats = [[{"role": "user", "content": q["turns"][0]}] for q in QUESTIONS[:3]]
+    turns = runner.run_batch("ar", chats)
+    assert len(turns) == 3
+    call = turns[0].call_s
+    assert all(t.call_s == call and t.ttft_s == turns[0].ttft_s for t in turns)
+    assert sum(t.seconds for t in turns) == pytest.approx(call)
+    assert [t.steps for t in turns] == [len(t.tokens) - 1 for t in turns]
+    assert all(len(t.tokens) <= 2 for t in runner.run_batch("ar", chats, max_new_tokens=2))
+
+
+def test_warm_up_runs_each_method_once_at_the_batch_size(model, monkeypatch):
+    calls = []
+    monkeypatch.setattr(bench.Runner, "run_batch", lambda self, method, chats, max_new_tokens=None:
+                        calls.append((method, len(chats), max_new_tokens)))
+    bench.warm_up(bench.Runner(model, args()), ["hf", "medusa"], QUESTIONS, 3)
+    assert calls == [("hf", 3, 8), ("medusa", 3, 8)]
+
+
+@pytest.mark.parametrize("method", ["hf-lookup", "hf-assisted"])
+def test_methods_that_cannot_batch_fail_early(model, method, capsys, monkeypatch):
+    monkeypatch.setattr(bench.Runner, "run_batch", lambda *a: pytest.fail("ran before checking the batch size"))
+    with pytest.raises(ValueError, match=f"{method} cannot run at --batch-size 2.*--batch-size 1"):
+        benchmark(model, QUESTIONS, args(methods=["hf", method], batch_size=2, draft_model="tiny"))
+    with pytest.raises(SystemExit):
+        main(["--questions", "q.jsonl", "--methods", f"ar,{method}", "--batch-size", "2"])
+    error = capsys.readouterr().err
+    assert method in error and "drop" in error and "--batch-size 1" in error
+    with pytest.raises(SystemExit):
+        main(["--questions", "q.jsonl", "--methods", "ar", "--batch-size", "0"])
+
+
+def test_rows_that_stop_early_keep_their_own_answers(model, monkeypatch):
+    """With the pad token among the EOS ids (as when a tokenizer pads with its EOS), a row that
+    stops before the others ends at its EOS, in Hugging Face's padded output as in ours."""
+    for name in ("head_accuracies", "cost_profile"):
+        monkeypatch.setattr(model.config, name, None)
+    key = QUESTIONS[0]["turns"][0], 0  # question 1's first turn, batched with question 2's
+    _, plain = answers_by_turn(monkeypatch, model, 1, ["ar"])
+    first = plain[("ar",) + key]
+    cut = next(i for i in range(2, len(first)) if first[i] not in first[:i])  # now its last token
+    pad = model.tokenizer.pad_token_id
+    monkeypatch.setattr(model.base_model.generation_config, "eos_token_id", [2, first[cut], pad])
+    methods = ["hf", "ar", "medusa"]
+    _, one = answers_by_turn(monkeypatch, model, 1, methods)
+    report, two = answers_by_turn(monkeypatch, model, 2, methods)
+    assert one[("ar",) + key] == first[: cut + 1]
+    assert len(two["ar", QUESTIONS[1]["turns"][0], 0]) > cut + 1  # its batch mate goes on
+    assert two == one
+    assert all(report["methods"][m]["exact"] for m in ("hf", "medusa"))
+
+
+def test_time_budget_stops_between_groups_and_keeps_categories_even(model):
+    report = benchmark(model, QUESTIONS, args(methods=["ar"], time_budget=0.0))
+    s = report["settings"]
+    assert s["questions_answered"] == 1 and s["turns"] == 2  # the first group always runs
+    assert "Time budget 0 s: 1 questions answered." in report_markdown(report)
+    assert [q["id"] for q in interleave_categories(QUESTIONS)] == [1, 3, 5, 2, 4]
+    assert interleave_categories([]) == []
+    full = benchmark(model, QUESTIONS, args(methods=["ar"], time_budget=1e9))["settings"]
+    assert full["questions_answered"] == 5 and full["turns"] == 6
+
+
+def test_cli_calibrates_then_benchmarks_in_batches(model, tmp_path, monkeypatch):
+    """The flow of scripts/gpu_bench.sh: calibrate the heads with the batch-1 run, then a batched run
+    on the same questions, leaving out the ones calibration used (named in calibration.json)."""
+    heads = tmp_path / "heads"
+    model.save_pretrained(heads)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
+    import medusa_infer.models as models
+
+    monkeypatch.setattr(models, "load_base_model", lambda name, **kw: model.base_model)
+    monkeypatch.setattr(models, "load_tokenizer", lambda name, **kw: model.tokenizer)
+    common = ["--heads", str(heads), "--questions", str(questions), "--max-new-tokens", "6", "--device", "cpu",
+              "--dtype", "float32", "--methods", "hf,ar,medusa"]
+    assert main(common + ["--calibrate", "--calibrate-questions", "2", "--calibrate-context", "16",
+                          "--output", str(tmp_path / "b1")]) == 0
+    used = json.loads((tmp_path / "b1" / "calibration.json").read_text())["question_ids"]
+    assert len(used) == 2 and "cost_profile" in json.loads((heads / "config.json").read_text())
+    first = json.loads((tmp_path / "b1" / "report.json").read_text())["settings"]
+    assert first["batch_size"] == 1 and first["questions_answered"] == 3
+    assert main(common + ["--batch-size", "2", "--exclude-ids", ",".join(map(str, used)), "--time-budget", "600",
+                          "--output", str(tmp_path / "b2")]) == 0
+    report = json.loads((tmp_path / "b2" / "report.json").read_text())
+    assert report["settings"]["batch_size"] == 2 and report["settings"]["questions_answered"] == 3
+    assert report["settings"]["turns"] == first["turns"]
+    assert report["methods"]["medusa"]["exact"] is True
+    assert "batch size 2" in (tmp_path / "b2" / "report.md").read_text()

@@ -1,0 +1,163 @@
+#!/usr/bin/env bash
+# medusa-bench on a GPU: trained heads against Hugging Face generate, bfloat16 on CUDA, at batch
+# size 1 and 8. One prepared run, from the repo root:
+#
+#     bash scripts/gpu_bench.sh [HEADS_DIR] [OUT_DIR]      # defaults: runs/demo/heads runs/gpu_bench
+#
+# Stages, each under its own `timeout` (about 7.5 minutes in all with the defaults, 8.5 at worst):
+#   1. nvidia-smi, Python, torch and transformers versions; stop unless torch sees a CUDA device.
+#   2. Find the base model the heads name (default smollm2-135m-instruct) in the model cache.
+#   3. Copy HEADS_DIR to OUT_DIR/heads and calibrate the copy (`medusa-bench --calibrate`): the same
+#      heads get another tree on a GPU than on the CPU, and HEADS_DIR keeps its CPU-calibrated one.
+#      Then batch 1 with hf,hf-lookup,ar,medusa,lookup -> OUT_DIR/batch1/ (and calibration.json).
+#   4. Batch 8 with hf,ar,medusa,lookup on the same questions -> OUT_DIR/batch8/ (hf-lookup cannot
+#      run batched). Skipped if stage 3 left no calibration.
+#   5. Print both report.md. The exit status is 1 if a stage failed or timed out.
+#
+# Nothing here needs the internet (the GPU machine has none; HF_HUB_OFFLINE and PIP_NO_INDEX are
+# set so nothing tries). The base model must already be in the model cache: set MEDUSA_FORGE_CACHE
+# to a carried copy of the cache (default ~/.cache/medusa-forge) holding
+# models/smollm2-135m-instruct as `medusa-fetch-model smollm2-135m-instruct` leaves it on a machine
+# with internet. That folder is about 520 MB in float32 (about 270 MB with its weights saved in
+# bfloat16, which is what the benchmark runs in anyway). A carrier with a size limit can bring the
+# weights in pieces (`split -b 60M model.safetensors model.safetensors.part-`): pieces found in the
+# folder without a model.safetensors are joined first. MODEL=<folder> uses a model folder instead.
+#
+# Knobs (environment), so a shorter rerun is one variable away, e.g. `LIMIT=24 TOKENS=64 bash ...`:
+#   LIMIT (80 questions, balanced across categories), TOKENS (128 new tokens a turn),
+#   B1_BUDGET_S (240, calibration included) and B8_BUDGET_S (140): seconds after which medusa-bench
+#   starts no new question; it then writes its report on the questions answered (taken round robin
+#   across categories; report.md says how many), so a slow GPU still leaves both reports,
+#   SLACK_S (45: the question group under way when the budget ends; each stage's `timeout` is its
+#   budget plus this), CALIBRATE_QUESTIONS (16), BATCH (8), B1_METHODS, B8_METHODS, QUESTIONS
+#   (data/specbench.jsonl), PYTHON (.venv/bin/python when present, else python3).
+#   DEVICE=cpu DTYPE=float32 (defaults cuda, bfloat16) is a dry run of the plumbing on a machine
+#   without a GPU, with tiny settings: `DEVICE=cpu DTYPE=float32 LIMIT=3 TOKENS=8 BATCH=2 ...`.
+set -euo pipefail
+
+HEADS_DIR=${1:-runs/demo/heads}
+OUT_DIR=${2:-runs/gpu_bench}
+LIMIT=${LIMIT:-80}
+TOKENS=${TOKENS:-128}
+BATCH=${BATCH:-8}
+B1_BUDGET_S=${B1_BUDGET_S:-240}
+B8_BUDGET_S=${B8_BUDGET_S:-140}
+CALIBRATE_QUESTIONS=${CALIBRATE_QUESTIONS:-16}
+SLACK_S=${SLACK_S:-45}
+B1_METHODS=${B1_METHODS:-hf,hf-lookup,ar,medusa,lookup}
+B8_METHODS=${B8_METHODS:-hf,ar,medusa,lookup}
+QUESTIONS=${QUESTIONS:-data/specbench.jsonl}
+DEVICE=${DEVICE:-cuda}
+DTYPE=${DTYPE:-bfloat16}
+if [[ -z ${PYTHON:-} ]]; then
+    if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_NO_INDEX=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export TQDM_MININTERVAL=${TQDM_MININTERVAL:-20}  # fewer progress lines in a captured log
+
+die() { echo "gpu_bench: error: $*" >&2; exit 1; }
+say() { echo; echo "== $* [$(date +%T), ${SECONDS}s]"; }
+
+[[ -f medusa_train/benchmark.py ]] || die "run from the repo root: bash scripts/gpu_bench.sh [HEADS_DIR] [OUT_DIR]"
+[[ -f $HEADS_DIR/config.json ]] || die "no heads in $HEADS_DIR (config.json missing); pass the trained heads folder"
+[[ -f $QUESTIONS ]] || die "no questions file $QUESTIONS"
+[[ $(realpath -m "$HEADS_DIR") != "$(realpath -m "$OUT_DIR/heads")" ]] \
+    || die "HEADS_DIR is OUT_DIR/heads, which this script replaces by a fresh copy; pick another OUT_DIR"
+
+say "1. machine"
+if [[ $DEVICE == cuda ]]; then
+    timeout 30 nvidia-smi || die "nvidia-smi failed or is missing: this script is for a machine with an NVIDIA GPU"
+fi
+echo "python: $PYTHON"
+timeout 60 "$PYTHON" - "$DEVICE" <<'EOF' || die "torch sees no CUDA device; set PYTHON to a CUDA build of torch, or run medusa-bench on the CPU"
+import sys
+import torch
+import transformers
+
+print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+      f"transformers {transformers.__version__}")
+if sys.argv[1] == "cuda":
+    if not torch.cuda.is_available():
+        sys.exit(1)
+    print(f"device: {torch.cuda.get_device_name(0)}, bfloat16 supported: {torch.cuda.is_bf16_supported()}")
+EOF
+
+say "2. base model"
+MODEL=${MODEL:-$("$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1]))["base_model_name_or_path"])' \
+    "$HEADS_DIR/config.json")}
+CACHE=${MEDUSA_FORGE_CACHE:-$HOME/.cache/medusa-forge}
+echo "model: $MODEL; model cache: $CACHE (MEDUSA_FORGE_CACHE)"
+FOLDER=$CACHE/models/$MODEL
+if [[ -d $FOLDER && ! -f $FOLDER/model.safetensors ]] && compgen -G "$FOLDER/model.safetensors.part-*" >/dev/null; then
+    echo "joining $(compgen -G "$FOLDER/model.safetensors.part-*" | wc -l) pieces into $FOLDER/model.safetensors"
+    cat "$FOLDER"/model.safetensors.part-* >"$FOLDER/model.safetensors.joining"
+    mv "$FOLDER/model.safetensors.joining" "$FOLDER/model.safetensors"
+fi
+timeout 60 "$PYTHON" -m medusa_infer.models "$MODEL" \
+    || die "$MODEL is not in the model cache $CACHE and cannot be fetched offline; set MEDUSA_FORGE_CACHE to a carried cache holding models/$MODEL, or MODEL to a model folder"
+
+mkdir -p "$OUT_DIR"
+rm -rf "$OUT_DIR/heads"
+cp -r "$HEADS_DIR" "$OUT_DIR/heads"
+COMMON=(--heads "$OUT_DIR/heads" --model "$MODEL" --questions "$QUESTIONS" --limit "$LIMIT"
+        --max-new-tokens "$TOKENS" --device "$DEVICE" --dtype "$DTYPE")
+failed=()
+
+# run_stage NAME SECONDS LOG COMMAND...: the command under `timeout`, its output also in LOG; a
+# failure is recorded and the script goes on.
+run_stage() {
+    local name=$1 seconds=$2 log=$3 status=0
+    shift 3
+    echo "(timeout ${seconds}s; log $log)"
+    timeout --kill-after=10 "$seconds" "$@" 2>&1 | tee "$log" || status=$?
+    if ((status == 124 || status == 137)); then
+        echo "gpu_bench: $name timed out after ${seconds}s (a question group outlasted SLACK_S=$SLACK_S);" \
+            "rerun with fewer TOKENS or a larger SLACK_S" >&2
+        failed+=("$name (timed out)")
+    elif ((status != 0)); then
+        echo "gpu_bench: $name failed (exit status $status); see $log" >&2
+        failed+=("$name (exit status $status)")
+    fi
+}
+
+say "3. calibrate a copy of $HEADS_DIR on this $DEVICE device, then batch 1: $B1_METHODS"
+rm -rf "$OUT_DIR/batch1" "$OUT_DIR/batch$BATCH"
+run_stage "calibration + batch 1" $((B1_BUDGET_S + SLACK_S)) "$OUT_DIR/batch1.log" \
+    "$PYTHON" -m medusa_train.benchmark "${COMMON[@]}" --calibrate --calibrate-questions "$CALIBRATE_QUESTIONS" \
+    --methods "$B1_METHODS" --batch-size 1 --time-budget "$B1_BUDGET_S" --output "$OUT_DIR/batch1"
+
+say "4. batch $BATCH: $B8_METHODS"
+CALIBRATION=$OUT_DIR/batch1/calibration.json
+if [[ -f $CALIBRATION ]]; then
+    # the questions calibration used stay out of this run too, as they did in batch 1
+    EXCLUDE=$("$PYTHON" -c 'import json, sys; print(",".join(map(str, json.load(open(sys.argv[1]))["question_ids"])))' \
+        "$CALIBRATION")
+    run_stage "batch $BATCH" $((B8_BUDGET_S + SLACK_S)) "$OUT_DIR/batch$BATCH.log" \
+        "$PYTHON" -m medusa_train.benchmark "${COMMON[@]}" --exclude-ids "$EXCLUDE" \
+        --methods "$B8_METHODS" --batch-size "$BATCH" --time-budget "$B8_BUDGET_S" --output "$OUT_DIR/batch$BATCH"
+else
+    echo "gpu_bench: no $CALIBRATION (calibration did not finish), so batch $BATCH is skipped" >&2
+    failed+=("batch $BATCH (skipped: no calibration)")
+fi
+
+say "5. reports"
+if [[ -f $CALIBRATION ]]; then
+    "$PYTHON" - "$CALIBRATION" <<'EOF'
+import json
+import sys
+
+r = json.load(open(sys.argv[1]))
+print(f"calibrated here: tree of {r['tree_nodes']} nodes, expected tau {r['expected_tau']:.2f}, "
+      f"expected speedup {r['expected_speedup']:.2f}x")
+EOF
+fi
+for run in batch1 "batch$BATCH"; do
+    echo
+    if [[ -f $OUT_DIR/$run/report.md ]]; then cat "$OUT_DIR/$run/report.md"; else echo "($OUT_DIR/$run/report.md missing)"; fi
+done
+echo
+echo "reports: $OUT_DIR/batch1/ and $OUT_DIR/batch$BATCH/ (report.json, report.md, report.png); logs: $OUT_DIR/*.log; ${SECONDS}s in all"
+if ((${#failed[@]})); then
+    printf 'gpu_bench: failed: %s\n' "${failed[@]}" >&2
+    exit 1
+fi
