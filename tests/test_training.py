@@ -465,3 +465,13 @@ def test_logs_to_jsonl_tensorboard_and_offline_wandb(tiny_dir, tmp_path, monkeyp
     assert [r["step"] for r in train_log(out)] == [1, 2, 3]
     assert list((out / "logs" / "medusa-forge").glob("events.out.tfevents.*"))
     assert list((out / "logs" / "wandb").glob("offline-run-*"))
+
+
+@pytest.mark.parametrize("name, hub_id, recorded", [
+    ("smollm2-135m-instruct", "HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m-instruct"),  # loads offline
+    ("/models/llama-local", "meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.1-8B-Instruct"),
+    ("org/model", None, "org/model"),
+])
+def test_heads_config_names_the_base_model_the_way_it_loads_again(name, hub_id, recorded):
+    config = config_from_dict({"model": {"name": name, "hub_id": hub_id}, "data": {"rows": "rows.jsonl"}})
+    assert tr.heads_config(config, 8, 32, "llama", None).base_model_name_or_path == recorded
