@@ -44,6 +44,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layerskip-layers", type=int, default=None,
                         help="target layers used as the draft by --method layerskip (default: a third)")
     parser.add_argument("--tree", help="tree preset for --method medusa (default: the heads' own tree)")
+    parser.add_argument("--lookup-tokens", type=int, default=0,
+                        help="--method medusa: also graft a prompt-lookup chain of up to N tokens onto the tree "
+                             "(0: heads only)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -70,6 +73,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         ("--layerskip-layers", args.layerskip_layers), ("--max-new-tokens", args.max_new_tokens)):
         if value is not None and value < 1:
             parser.error(f"{flag} must be at least 1, got {value}")
+    if args.lookup_tokens < 0:
+        parser.error(f"--lookup-tokens must be >= 0 (0 turns the grafted lookup off), got {args.lookup_tokens}")
+    if args.lookup_tokens and args.method != "medusa":
+        parser.error(f"--lookup-tokens grafts lookup onto the Medusa tree (--method medusa); with --method "
+                     f"{args.method} use --draft-tokens")
     if args.lookup_min_ngram < 1 or args.lookup_min_ngram > args.lookup_max_ngram:
         parser.error(f"--lookup-min-ngram must lie in [1, --lookup-max-ngram={args.lookup_max_ngram}], "
                      f"got {args.lookup_min_ngram}")

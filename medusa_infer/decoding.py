@@ -440,6 +440,7 @@ def stream(
     typical_epsilon: float = 0.09,
     typical_delta: float = 0.3,
     adaptive: bool | None = None,
+    lookup_tokens: int = 0,
 ) -> GenerationStream:
     """Start a generation whose tokens (and text, with a tokenizer) are yielded as they are
     accepted. Arguments as ``generate``; nothing runs until the stream is iterated."""
@@ -460,7 +461,11 @@ def stream(
         proposer = AutoregressiveProposer(model)  # no heads: plain decoding, one token a step
     elif proposer is None:
         paths = resolve_tree(model, tree)
-        proposer = MedusaProposer(model, paths, controller=make_controller(model, paths, adaptive))
+        proposer = MedusaProposer(model, paths, controller=make_controller(model, paths, adaptive),
+                                  lookup_tokens=lookup_tokens)
+    elif lookup_tokens:
+        raise ValueError("lookup_tokens= grafts prompt lookup onto the Medusa tree; it does not apply to a "
+                         "proposer passed in (use the lookup proposer's own num_tokens)")
     generator = None
     if seed is not None:
         generator = torch.Generator(device=model.device).manual_seed(seed)
@@ -488,6 +493,8 @@ def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> Generati
         adaptive: shrink the tree (down to plain decoding) while acceptance is too low for
             speculation to pay under the heads' measured cost profile, and grow it back; default:
             on when the heads' config holds head accuracies and a cost profile.
+        lookup_tokens: also graft a prompt-lookup chain of at most this many tokens onto the
+            Medusa tree each step (0: heads only); see ``proposers.medusa``.
         proposer: another proposer (draft model, prompt lookup, plain decoding).
         eos_token_id: one id or several; default: all of the model's EOS ids.
         stop_strings: stop a row once its text contains one of these.

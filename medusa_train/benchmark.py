@@ -44,7 +44,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 HF_METHODS = ("hf", "hf-lookup", "hf-assisted")
-OUR_METHODS = ("ar", "medusa", "medusa-typical", "medusa-lossless", "draft", "lookup", "layerskip")
+OUR_METHODS = ("ar", "medusa", "medusa-lookup", "medusa-typical", "medusa-lossless", "draft", "lookup", "layerskip")
 ALL_METHODS = HF_METHODS + OUR_METHODS
 SAMPLING_METHODS = ("medusa-typical", "medusa-lossless")
 DEFAULT_METHODS = ("hf", "hf-lookup", "ar", "medusa", "lookup")
@@ -278,7 +278,7 @@ class Runner:
                   ) -> tuple[list[list[int]], list[int], float, float]:
         """As ``_run_hf``; a row's steps are the decoding steps it was unfinished in."""
         from medusa_infer.decoding import stream
-        from medusa_infer.proposers import build_proposer
+        from medusa_infer.proposers import DEFAULT_DRAFT_TOKENS, build_proposer
 
         options = argparse.Namespace(
             tree=self.args.tree, draft_model=self.assistant, draft_tokens=None, layerskip_layers=None,
@@ -288,6 +288,8 @@ class Runner:
             sampling = dict(do_sample=True, acceptance="typical", temperature=self.args.temperature)
         elif method == "medusa-lossless":
             sampling = dict(do_sample=True, acceptance="lossless", temperature=self.args.temperature)
+        elif method == "medusa-lookup":  # the heads' tree plus a grafted prompt-lookup chain
+            sampling = dict(lookup_tokens=DEFAULT_DRAFT_TOKENS)
         if method.startswith("medusa"):
             proposer = None  # stream() builds the Medusa proposer, adaptive when calibrated
             sampling["tree"] = self.args.tree

@@ -15,7 +15,7 @@ import torch
 from medusa_infer import acceptance
 from medusa_infer.decoding import generate
 from medusa_infer.model import MedusaModel
-from medusa_infer.proposers import DraftProposer, LookupProposer
+from medusa_infer.proposers import DraftProposer, LookupProposer, MedusaProposer
 from test_lossless_engine import PROMPT, SAMPLES, VOCAB, chi_square_p, exact_law
 from tiny import tiny_model
 
@@ -58,6 +58,17 @@ def test_the_heuristic_schedule_stays_lossless(target, draft):
 
 def test_prompt_lookup_sampling_has_the_target_distribution(target):
     proposer = LookupProposer(target, num_tokens=3, max_ngram=2)
+    samples = sample(target, proposer, 1.0, 0, 1.0, 3)
+    assert chi_square_p(samples, exact_law(target, 3, 1.0, 0, 1.0)) > 0.001
+
+
+def test_medusa_with_grafted_lookup_sampling_has_the_target_distribution(target):
+    model = MedusaModel.from_base(target.base_model, num_heads=2)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(1)
+        for p in model.heads.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.5)
+    proposer = MedusaProposer(model, [(0,), (1,), (0, 0)], lookup_tokens=3, lookup_ngram=(2, 1))
     samples = sample(target, proposer, 1.0, 0, 1.0, 3)
     assert chi_square_p(samples, exact_law(target, 3, 1.0, 0, 1.0)) > 0.001
 

@@ -30,6 +30,8 @@ def parse_error(capsys, argv: list[str]) -> str:
         (["--method", "lookup", "--lookup-min-ngram", "4", "hi"], "--lookup-min-ngram must lie in [1, --lookup-max"),
         (["--method", "draft", "--draft-model", "x", "--draft-schedule", "fast", "hi"], "invalid choice: 'fast'"),
         (["--method", "medusa", "hi"], "--method medusa needs --heads"),
+        (["--method", "lookup", "--lookup-tokens", "3", "hi"], "--lookup-tokens grafts lookup onto the Medusa"),
+        (["--heads", "h", "--lookup-tokens", "-1", "hi"], "--lookup-tokens must be >= 0"),
         (["--method", "lookup"], "give a prompt"),
     ],
 )

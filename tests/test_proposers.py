@@ -22,6 +22,7 @@ from medusa_infer.proposers import (
     DraftProposer,
     LayerSkipProposer,
     LookupProposer,
+    MedusaProposer,
     build_proposer,
 )
 from medusa_infer.proposers.base import StepContext
@@ -38,8 +39,22 @@ def target_model(arch: str) -> MedusaModel:
     return MedusaModel.without_heads(tiny_model(arch, seed=0))
 
 
+def random_heads(target: MedusaModel, num_heads: int = 3, seed: int = 0) -> MedusaModel:
+    """Heads with random (not zero) residual blocks on the target's own base model."""
+    model = MedusaModel.from_base(target.base_model, num_heads=num_heads)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.heads.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.5)
+    return model
+
+
+GRAFT_TREE = [(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]
+
 METHODS = {
     "autoregressive": lambda target, arch: AutoregressiveProposer(target),
+    "medusa+lookup": lambda target, arch: MedusaProposer(random_heads(target), GRAFT_TREE, lookup_tokens=4,
+                                                         lookup_ngram=(3, 1)),
     "draft": lambda target, arch: DraftProposer(target, tiny_model(arch, seed=5), num_tokens=3),
     "self-draft": lambda target, arch: DraftProposer(target, target.base_model, num_tokens=3),
     "lookup": lambda target, arch: LookupProposer(target, num_tokens=5, max_ngram=3),
@@ -276,6 +291,38 @@ def test_layerskip_layers_are_checked():
     with pytest.raises(ValueError, match=r"1 <= layers <= 2"):
         LayerSkipProposer(target, num_layers=3)
     assert default_num_layers(30) == 10 and default_num_layers(2) == 1
+
+
+def test_grafted_lookup_adds_a_chain_beside_the_heads_tree():
+    model = random_heads(target_model("llama"))
+    proposer = MedusaProposer(model, GRAFT_TREE, lookup_tokens=3, lookup_ngram=(3, 1))
+    proposer.start(None, torch.randn(2, model.config.hidden_size))
+    context = StepContext([[1, 2, 3, 4, 5, 1], [9, 8, 9]], 8)  # row 1's match is shorter
+    proposal = proposer.propose(torch.tensor([1, 9]), context)
+    tree = proposal.tree
+    chain = [(2,), (2, 2), (2, 2, 2)]  # the extra rank: top_k of the heads' tree is 2
+    assert list(tree.paths) == sorted(GRAFT_TREE + chain, key=lambda p: (len(p), p))
+    nodes = [1 + tree.paths.index(p) for p in chain]
+    assert proposal.tokens[:, nodes].tolist() == [[2, 3, 4], [8, 9, 9]]  # padded with its last token
+    heads_only = MedusaProposer(model, GRAFT_TREE)
+    heads_only.start(None, proposer.hidden)
+    plain = heads_only.propose(torch.tensor([1, 9]), context)
+    same = [1 + tree.paths.index(p) for p in plain.tree.paths]
+    assert torch.equal(proposal.tokens[:, [0] + same], plain.tokens)  # the heads' candidates unchanged
+    no_match = proposer.propose(torch.tensor([50, 51]), StepContext([[3, 4, 50], [5, 6, 51]], 8))
+    assert no_match.tree.num_nodes == 1 + len(GRAFT_TREE)
+    with pytest.raises(ValueError, match="lookup_tokens must be >= 0"):
+        MedusaProposer(model, GRAFT_TREE, lookup_tokens=-1)
+
+
+def test_grafted_lookup_wins_on_a_repetitive_prompt():
+    target = target_model("llama")
+    model = random_heads(target)
+    prompt = torch.tensor([5, 6, 7, 8, 9, 10] * 4)
+    runs = {n: generate(model, prompt[None], max_new_tokens=40, eos_token_id=NO_EOS, tree=GRAFT_TREE, adaptive=False,
+                        lookup_tokens=n) for n in (0, 6)}
+    assert runs[6].new_tokens[0] == runs[0].new_tokens[0] == reference(target, prompt, 40)
+    assert runs[6].metrics.tau > runs[0].metrics.tau
 
 
 def test_build_proposer_maps_every_method():

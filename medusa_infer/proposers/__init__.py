@@ -28,7 +28,8 @@ def build_proposer(method: str, model: Any, options: Any = None) -> Proposer:
         method: one of ``METHODS``.
         model: the target ``MedusaModel``.
         options: an object with the method's settings as attributes (e.g. CLI arguments), each
-            optional: ``tree`` (medusa); ``draft_model`` (draft: a name or a loaded model);
+            optional: ``tree``, ``lookup_tokens`` (medusa: a grafted prompt-lookup chain);
+            ``draft_model`` (draft: a name or a loaded model);
             ``draft_tokens`` (k for draft, layerskip and lookup); ``draft_schedule``
             (``heuristic`` or ``constant``); ``lookup_max_ngram``, ``lookup_min_ngram``;
             ``layerskip_layers``.
@@ -45,7 +46,8 @@ def build_proposer(method: str, model: Any, options: Any = None) -> Proposer:
         from medusa_infer.decoding import make_controller, resolve_tree
 
         paths = resolve_tree(model, option("tree"))
-        return MedusaProposer(model, paths, controller=make_controller(model, paths, option("adaptive")))
+        return MedusaProposer(model, paths, controller=make_controller(model, paths, option("adaptive")),
+                              lookup_tokens=option("lookup_tokens", 0))
     if method == "autoregressive":
         return AutoregressiveProposer(model)
     if method not in METHODS:

@@ -1,4 +1,13 @@
-"""Medusa heads as a proposer: the heads' top-k tokens, arranged as a candidate tree."""
+"""Medusa heads as a proposer: the heads' top-k tokens, arranged as a candidate tree.
+
+Optionally (``lookup_tokens > 0``) a prompt-lookup chain is grafted onto the tree as one more
+branch from the root: the tokens that followed the most recent earlier occurrence of the text's
+last n-gram (``proposers.lookup.find_continuation``). Heads guess the next tokens from the hidden
+state; lookup copies them from the context (summaries, rewrites, code edits, repetition). Both
+branches are verified in the same forward pass, so the step accepts whichever goes further, and
+the acceptance rules stay exact (greedy) and lossless (sampling): the lookup tokens are
+deterministic candidates like the heads' top-k.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +17,7 @@ import torch
 
 from medusa_infer.adaptive import TreeController
 from medusa_infer.proposers.base import Proposal, StepContext
+from medusa_infer.proposers.lookup import find_continuation
 from medusa_infer.trees import TreeBuffers, build_tree_buffers, root_only_tree
 
 
@@ -18,15 +28,22 @@ class TreeCache:
     def __init__(self, paths: Sequence[Sequence[int]], num_heads: int, top_k: int, device: torch.device) -> None:
         self.paths = [tuple(p) for p in paths]
         self.num_heads, self.top_k, self.device = num_heads, top_k, device
-        self._by_depth: dict[int, TreeBuffers] = {}
+        self._by_depth: dict[tuple[int, int], TreeBuffers] = {}
         self.full = self.at_depth(max((len(p) for p in self.paths), default=0))
 
-    def at_depth(self, depth: int) -> TreeBuffers:
-        if depth not in self._by_depth:
+    def at_depth(self, depth: int, chain: int = 0) -> TreeBuffers:
+        """The paths no deeper than ``depth``; with ``chain`` > 0 also a chain of that many nodes
+        under the root at the extra rank ``top_k`` (the grafted lookup branch), so candidates are
+        laid out ``top_k + 1`` per depth."""
+        if (depth, chain) not in self._by_depth:
             paths = [p for p in self.paths if len(p) <= depth]
-            buffers = build_tree_buffers(paths, self.num_heads, self.top_k) if paths else root_only_tree(self.top_k)
-            self._by_depth[depth] = buffers.to(self.device)
-        return self._by_depth[depth]
+            if chain:
+                paths += [(self.top_k,) * d for d in range(1, chain + 1)]
+                buffers = build_tree_buffers(paths, max(self.num_heads, chain), self.top_k + 1)
+            else:
+                buffers = build_tree_buffers(paths, self.num_heads, self.top_k) if paths else root_only_tree(self.top_k)
+            self._by_depth[depth, chain] = buffers.to(self.device)
+        return self._by_depth[depth, chain]
 
 
 class MedusaProposer:
@@ -36,12 +53,24 @@ class MedusaProposer:
         model: a ``MedusaModel``.
         tree: validated paths (an empty list means plain decoding: the root alone).
         controller: optional adaptive controller; it then picks, every step, one of its ladder's
-            nested trees (plain decoding included) and ``tree`` is ignored.
+            nested trees (plain decoding included) and ``tree`` is ignored. It learns only from
+            steps without a lookup branch, so what it measures is the heads' acceptance.
+        lookup_tokens: graft a prompt-lookup chain of at most this many tokens onto the tree
+            (0: heads only). Rows of a batch share the chain's length; a shorter draft is padded
+            with its last token, an ordinary candidate the verifier accepts or rejects.
+        lookup_ngram: ``(max_ngram, min_ngram)`` for the lookup search.
     """
 
-    def __init__(self, model, tree: Sequence[Sequence[int]], controller: TreeController | None = None) -> None:
+    def __init__(self, model, tree: Sequence[Sequence[int]], controller: TreeController | None = None,
+                 lookup_tokens: int = 0, lookup_ngram: tuple[int, int] = (3, 2)) -> None:
+        if lookup_tokens < 0:
+            raise ValueError(f"lookup_tokens must be >= 0 (0 turns the lookup branch off), got {lookup_tokens}")
+        if not 1 <= lookup_ngram[1] <= lookup_ngram[0]:
+            raise ValueError(f"lookup_ngram must be (max_ngram, min_ngram) with 1 <= min <= max, got {lookup_ngram}")
         self.model = model
         self.controller = controller
+        self.lookup_tokens, self.lookup_ngram = lookup_tokens, lookup_ngram
+        self.grafted = 0  # length of the lookup chain in the last proposal
         num_heads = max(model.config.num_heads if model.heads is not None else 0, 1)
         ladder = controller.ladder if controller is not None else [list(tree)]
         self.trees = [TreeCache(t, num_heads, _top_k(t), model.device) for t in ladder]
@@ -60,15 +89,41 @@ class MedusaProposer:
     def propose(self, roots: torch.Tensor, context: StepContext) -> Proposal:
         self.rung = self.controller.choose() if self.controller is not None else 0
         cache = self.trees[self.rung]
-        tree = cache.at_depth(min(context.max_depth, cache.full.max_depth))
+        depth = min(context.max_depth, cache.full.max_depth)
+        drafts = self._lookup(context)
+        self.grafted = max((len(d) for d in drafts), default=0)
+        if self.grafted:
+            return self._graft(roots, cache, depth, drafts)
+        tree = cache.at_depth(depth)
         if tree.max_depth == 0:
             return Proposal(roots[:, None], tree)
         flat = torch.cat([roots[:, None], self._candidates(cache, tree.max_depth)], dim=1)
         return Proposal(flat[:, tree.candidate_index], tree)
 
+    def _lookup(self, context: StepContext) -> list[list[int]]:
+        limit = min(self.lookup_tokens, context.max_depth)
+        if limit <= 0:
+            return []
+        longest, shortest = self.lookup_ngram
+        return [find_continuation(history, longest, shortest, limit) for history in context.sequences]
+
+    def _graft(self, roots: torch.Tensor, cache: TreeCache, depth: int, drafts: list[list[int]]) -> Proposal:
+        """The heads' tree (to ``depth``) plus the lookup chain at the extra rank ``top_k``."""
+        chain = self.grafted
+        tree = cache.at_depth(depth, chain)
+        k, batch = cache.top_k, roots.shape[0]
+        grid = torch.zeros(batch, tree.max_depth, k + 1, dtype=torch.long, device=roots.device)
+        heads_depth = max((len(p) for p in cache.paths if len(p) <= depth), default=0)
+        if heads_depth:
+            grid[:, :heads_depth, :k] = self._candidates(cache, heads_depth).view(batch, heads_depth, k)
+        padded = [d + [(d or [int(r)])[-1]] * (chain - len(d)) for d, r in zip(drafts, roots.tolist())]
+        grid[:, :chain, k] = torch.tensor(padded, dtype=torch.long, device=roots.device)
+        flat = torch.cat([roots[:, None], grid.flatten(1)], dim=1)
+        return Proposal(flat[:, tree.candidate_index], tree)
+
     def observe(self, accepted: list[list[int]], hidden: torch.Tensor, context: StepContext) -> None:
         self.hidden = hidden
-        if self.controller is not None:
+        if self.controller is not None and not self.grafted:
             self.controller.observe(self.rung, sum(len(a) - 1 for a in accepted) / len(accepted))
 
     def select_rows(self, rows: torch.Tensor) -> None:
@@ -78,6 +133,8 @@ class MedusaProposer:
         """Append the rows of another proposer of the same trees (batches joining)."""
         if [t.paths for t in other.trees] != [t.paths for t in self.trees]:
             raise ValueError("cannot merge Medusa proposers with different trees")
+        if (other.lookup_tokens, other.lookup_ngram) != (self.lookup_tokens, self.lookup_ngram):
+            raise ValueError("cannot merge Medusa proposers with different lookup settings")
         self.hidden = torch.cat([self.hidden, other.hidden])
 
 
