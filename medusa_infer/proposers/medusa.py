@@ -62,7 +62,7 @@ class MedusaProposer:
     """
 
     def __init__(self, model, tree: Sequence[Sequence[int]], controller: TreeController | None = None,
-                 lookup_tokens: int = 0, lookup_ngram: tuple[int, int] = (3, 2)) -> None:
+                 lookup_tokens: int = 0, lookup_ngram: tuple[int, int] = (3, 1)) -> None:
         if lookup_tokens < 0:
             raise ValueError(f"lookup_tokens must be >= 0 (0 turns the lookup branch off), got {lookup_tokens}")
         if not 1 <= lookup_ngram[1] <= lookup_ngram[0]:
