@@ -130,9 +130,16 @@ class KVState:
         """
         start = self.num_slots - num_new
         index = keep.clamp(min=0)
+        slots = torch.arange(keep.shape[1], device=keep.device)
+        # Plain decoding, chains and most tree steps keep a prefix of the new slots (holes aside, whose
+        # contents no query sees): then a view of the cache does, without copying the whole cache.
+        prefix = bool(((keep == slots) | (keep < 0)).all())
         for layer in _layers(self.cache):
             for name in ("keys", "values"):
                 tensor = getattr(layer, name)
+                if prefix:
+                    setattr(layer, name, tensor[:, :, : start + keep.shape[1]])
+                    continue
                 new = tensor[:, :, start:]
                 gather = index[:, None, :, None].expand(-1, new.shape[1], -1, new.shape[3])
                 setattr(layer, name, torch.cat([tensor[:, :, :start], new.gather(2, gather)], dim=2))
