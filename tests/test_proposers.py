@@ -27,7 +27,8 @@ from medusa_infer.proposers import (
 )
 from medusa_infer.proposers.base import StepContext
 from medusa_infer.proposers.layerskip import default_num_layers, truncated_model
-from medusa_infer.proposers.lookup import find_continuation
+from medusa_infer.proposers.lookup import LookupGate, accepted_prefix, find_continuation, find_match
+from medusa_infer.tree_fit import CostProfile
 from test_decoding import NO_EOS, left_pad, reference
 from tiny import VOCAB, tiny_config, tiny_model
 
@@ -118,6 +119,40 @@ def test_find_continuation_takes_the_longest_most_recent_match():
     assert find_continuation([1, 2, 3, 4], 3, 1, 5) == []
     assert find_continuation([7, 7, 7], 2, 1, 5) == [7]  # overlapping match
     assert find_continuation(history, 3, 1, 0) == []
+
+
+CPU_COST = CostProfile([1, 2, 4, 8, 16], [0.05, 0.085, 0.085, 0.0875, 0.1], "cpu float32", 256)
+GPU_COST = CostProfile([1, 2, 4, 8, 16], [0.02, 0.0201, 0.0202, 0.0204, 0.0208], "cuda bfloat16", 256)
+
+
+def test_lookup_gate_verifies_only_drafts_that_pay_for_themselves():
+    gate = LookupGate(CPU_COST, probe_every=4)
+    assert gate.allow(1, 4)  # optimistic at first: 1 + 1.0 >= t(5)/t(1) = 1.7
+    for _ in range(6):
+        gate.record(1, 0)  # 1-gram matches that are always wrong
+        gate.record(3, 3)  # 3-gram matches that are always right
+    assert gate.expected(1) == pytest.approx(2 / 8) and gate.expected(3) == pytest.approx(20 / 8)
+    decisions = [gate.allow(1, 4) for _ in range(8)]
+    assert decisions == [False, False, False, True] * 2  # refused, but probed every 4th time
+    assert gate.allow(3, 4)
+    gpu = LookupGate(GPU_COST)
+    for _ in range(6):
+        gpu.record(1, 0)
+    assert gpu.allow(1, 4)  # where a draft costs (almost) nothing, even poor matches are verified
+    assert not gate.allow(3, 0)
+    assert find_match([1, 2, 3, 9, 1, 2, 3], 3, 1, 2) == (3, [9, 1])
+    assert accepted_prefix([4, 5, 6], [4, 5, 7, 8]) == 2 and accepted_prefix([4, 5], [4, 5, 6]) == 2
+    assert accepted_prefix([4, 5], [4]) == 0  # only the bonus token: nothing of the draft accepted
+
+
+def test_gated_lookup_stays_exact_and_verifies_fewer_drafts():
+    target = target_model("llama")
+    prompt = torch.tensor([5, 6, 7, 8, 9, 10, 5, 11, 12, 5, 13, 14, 5, 15])  # 1-gram matches that lead nowhere
+    cheap = LookupProposer(target, num_tokens=4, cost=GPU_COST)  # every match is worth verifying
+    dear = LookupProposer(target, num_tokens=4, cost=CPU_COST)
+    runs = [generate(target, prompt[None], max_new_tokens=30, eos_token_id=NO_EOS, proposer=p) for p in (cheap, dear)]
+    assert runs[0].new_tokens == runs[1].new_tokens == [reference(target, prompt, 30)]
+    assert sum(dear.gate.drafts.values()) < sum(cheap.gate.drafts.values())
 
 
 def test_lookup_without_a_match_proposes_the_root_alone():

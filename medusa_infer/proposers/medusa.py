@@ -17,7 +17,7 @@ import torch
 
 from medusa_infer.adaptive import TreeController
 from medusa_infer.proposers.base import Proposal, StepContext
-from medusa_infer.proposers.lookup import find_continuation
+from medusa_infer.proposers.lookup import LookupGate, gated_matches, model_cost, record_matches
 from medusa_infer.trees import TreeBuffers, build_tree_buffers, root_only_tree
 
 
@@ -59,6 +59,9 @@ class MedusaProposer:
             (0: heads only). Rows of a batch share the chain's length; a shorter draft is padded
             with its last token, an ordinary candidate the verifier accepts or rejects.
         lookup_ngram: ``(max_ngram, min_ngram)`` for the lookup search.
+
+    With a measured cost profile in the heads' config, a lookup draft is grafted only when its
+    n-gram length's acceptance so far pays for its extra nodes (``proposers.lookup.LookupGate``).
     """
 
     def __init__(self, model, tree: Sequence[Sequence[int]], controller: TreeController | None = None,
@@ -71,6 +74,9 @@ class MedusaProposer:
         self.controller = controller
         self.lookup_tokens, self.lookup_ngram = lookup_tokens, lookup_ngram
         self.grafted = 0  # length of the lookup chain in the last proposal
+        cost = model_cost(model) if lookup_tokens else None
+        self.gate = LookupGate(cost) if cost is not None else None
+        self.matches: list[tuple[int, list[int]]] = []
         num_heads = max(model.config.num_heads if model.heads is not None else 0, 1)
         ladder = controller.ladder if controller is not None else [list(tree)]
         self.trees = [TreeCache(t, num_heads, _top_k(t), model.device) for t in ladder]
@@ -90,7 +96,7 @@ class MedusaProposer:
         self.rung = self.controller.choose() if self.controller is not None else 0
         cache = self.trees[self.rung]
         depth = min(context.max_depth, cache.full.max_depth)
-        drafts = self._lookup(context)
+        drafts = self._lookup(context, cache.at_depth(depth).num_nodes)
         self.grafted = max((len(d) for d in drafts), default=0)
         if self.grafted:
             return self._graft(roots, cache, depth, drafts)
@@ -100,12 +106,14 @@ class MedusaProposer:
         flat = torch.cat([roots[:, None], self._candidates(cache, tree.max_depth)], dim=1)
         return Proposal(flat[:, tree.candidate_index], tree)
 
-    def _lookup(self, context: StepContext) -> list[list[int]]:
+    def _lookup(self, context: StepContext, tree_nodes: int) -> list[list[int]]:
         limit = min(self.lookup_tokens, context.max_depth)
         if limit <= 0:
+            self.matches = []
             return []
         longest, shortest = self.lookup_ngram
-        return [find_continuation(history, longest, shortest, limit) for history in context.sequences]
+        self.matches = gated_matches(context.sequences, longest, shortest, limit, self.gate, base=tree_nodes)
+        return [draft for _, draft in self.matches]
 
     def _graft(self, roots: torch.Tensor, cache: TreeCache, depth: int, drafts: list[list[int]]) -> Proposal:
         """The heads' tree (to ``depth``) plus the lookup chain at the extra rank ``top_k``."""
@@ -123,6 +131,7 @@ class MedusaProposer:
 
     def observe(self, accepted: list[list[int]], hidden: torch.Tensor, context: StepContext) -> None:
         self.hidden = hidden
+        record_matches(self.gate, self.matches, accepted)
         if self.controller is not None and not self.grafted:
             self.controller.observe(self.rung, sum(len(a) - 1 for a in accepted) / len(accepted))
 
