@@ -262,3 +262,14 @@ def test_cli_calibrates_then_benchmarks_in_batches(model, tmp_path, monkeypatch)
     assert report["settings"]["turns"] == first["turns"]
     assert report["methods"]["medusa"]["exact"] is True
     assert "batch size 2" in (tmp_path / "b2" / "report.md").read_text()
+
+
+def test_assisted_generation_and_grafted_lookup_run_and_stay_exact(model, tmp_path):
+    draft = AutoModelForCausalLM.from_config(model.base_model.config).eval()  # another random model, same vocabulary
+    draft.save_pretrained(tmp_path / "draft")
+    report = benchmark(model, QUESTIONS[:3], args(methods=["hf", "hf-assisted", "ar", "medusa-lookup", "draft"],
+                                                  draft_model=str(tmp_path / "draft")))
+    methods = report["methods"]
+    for name in ("hf-assisted", "medusa-lookup", "draft"):
+        assert methods[name]["exact"] is True, name
+        assert methods[name]["tokens_per_s"] > 0
