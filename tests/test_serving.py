@@ -10,6 +10,7 @@ import torch
 
 from medusa_infer.decoding import generate
 from medusa_infer.model import MedusaModel
+from medusa_infer.proposers import build_proposer
 from medusa_infer.serving import cli
 from medusa_infer.serving.app import TextAssembler
 from medusa_infer.serving.testing import ServerThread, metric_value, serve, torch_threads, word_tokenizer
@@ -198,10 +199,12 @@ def test_cli_serves_heads_loaded_from_a_folder(model, tmp_path):
     model.base_model.save_pretrained(tmp_path / "base")
     model.tokenizer.save_pretrained(tmp_path / "base")
     model.save_pretrained(tmp_path / "heads")
-    args = cli.parse_args(["--model", str(tmp_path / "base"), "--heads", str(tmp_path / "heads"), "--max-batch", "4"])
+    args = cli.parse_args(["--model", str(tmp_path / "base"), "--heads", str(tmp_path / "heads"), "--max-batch", "4",
+                           "--lookup-tokens", "3"])
     assert args.method == "medusa" and args.host == "127.0.0.1" and not args.trust_remote_code
     loaded = cli.load_model(args)
     assert loaded.config.num_heads == 3 and loaded.tokenizer is not None
+    assert build_proposer(args.method, loaded, args).lookup_tokens == 3  # the grafted lookup branch
     app, engine = cli.build_app(loaded, cli.served_name(args, loaded), args.method, options=args,
                                 max_batch=args.max_batch)
     with ServerThread(app) as server:
@@ -209,6 +212,16 @@ def test_cli_serves_heads_loaded_from_a_folder(model, tmp_path):
                             json={"model": str(tmp_path / "base"), "prompt": PROMPT, "max_tokens": 5, "temperature": 0})
     assert answer.status_code == 200 and answer.json()["usage"]["speculative"]["method"] == "medusa"
     assert not engine.alive  # stopped with the server
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--method", "lookup", "--lookup-tokens", "2"], "--lookup-tokens grafts lookup onto the Medusa tree"),
+    (["--heads", "h", "--lookup-tokens", "-1"], "--lookup-tokens must be >= 0"),
+])
+def test_cli_refuses_lookup_tokens_it_cannot_use(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_args(argv)
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -48,6 +48,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--acceptance", choices=("lossless", "typical"), default="lossless",
                         help="acceptance rule of sampled requests (greedy requests are exact anyway)")
     parser.add_argument("--tree", help="tree preset for --method medusa (default: the heads' own tree)")
+    parser.add_argument("--lookup-tokens", type=int, default=0,
+                        help="--method medusa: also graft a prompt-lookup chain of up to N tokens onto the tree")
     parser.add_argument("--draft-model", help="draft model for --method draft")
     parser.add_argument("--draft-tokens", type=int, default=None, help="draft / lookup tokens a step")
     parser.add_argument("--layerskip-layers", type=int, default=None,
@@ -64,6 +66,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--method medusa needs --heads (or use --method lookup, which needs no weights)")
     if args.method == "draft" and not args.draft_model:
         parser.error("--method draft needs --draft-model")
+    if args.lookup_tokens < 0:
+        parser.error(f"--lookup-tokens must be >= 0 (0 turns the grafted lookup off), got {args.lookup_tokens}")
+    if args.lookup_tokens and args.method != "medusa":
+        parser.error(f"--lookup-tokens grafts lookup onto the Medusa tree (--method medusa); with --method "
+                     f"{args.method} use --draft-tokens")
     if args.heads and args.trust_remote_code and not args.model:
         parser.error("--trust-remote-code applies to --model: name the base model with --model")
     if args.max_batch < 1 or args.max_queue < 1:
