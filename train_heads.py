@@ -264,9 +264,10 @@ def stage_evaluate(config: TrainConfig, accelerator: Any, heldout: list[dict], f
         else:
             base = load_base(config, accelerator)
             if config.training.mode == "medusa2":
-                from medusa_train.lora import ADAPTER_DIR, load_lora
+                from medusa_infer.model import merge_adapter
+                from medusa_train.lora import ADAPTER_DIR
 
-                base = load_lora(base, paths.final / ADAPTER_DIR).get_base_model()
+                base = merge_adapter(base, paths.final / ADAPTER_DIR)  # as from_pretrained does
             medusa = MedusaModel(base, heads).eval()
             source = tr.LiveFeatures(medusa, heldout, mconfig.num_heads, token_map, 0)
             size = config.training.batch_size

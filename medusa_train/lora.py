@@ -8,7 +8,6 @@ LoRA's B matrices start at zero: at step 0 the adapted model computes exactly th
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -33,13 +32,6 @@ def add_lora(base_model: nn.Module, r: int, alpha: int, dropout: float, target_m
                         target_modules=[t for t in target_modules if t in names], bias="none",
                         task_type="CAUSAL_LM")
     return get_peft_model(base_model, config)
-
-
-def load_lora(base_model: nn.Module, folder: str | Path) -> Any:
-    """The base model with a trained adapter from ``folder`` (frozen, for evaluation)."""
-    from peft import PeftModel
-
-    return PeftModel.from_pretrained(base_model, str(folder), is_trainable=False)
 
 
 def lora_parameters(peft_model: Any) -> list[nn.Parameter]:
