@@ -112,7 +112,8 @@ def test_head_accuracy_counts_the_token_d_plus_2_ahead(model):
     assert acc[0][0] == pytest.approx(expected)
 
 
-def test_cli_writes_the_report_files(model, tmp_path, monkeypatch):
+def cli_files(model, tmp_path, monkeypatch):
+    """The tiny model's heads and the questions as files, and model loading pointed at the tiny model."""
     heads = tmp_path / "heads"
     model.save_pretrained(heads)
     questions = tmp_path / "q.jsonl"
@@ -121,6 +122,11 @@ def test_cli_writes_the_report_files(model, tmp_path, monkeypatch):
 
     monkeypatch.setattr(models, "load_base_model", lambda name, **kw: model.base_model)
     monkeypatch.setattr(models, "load_tokenizer", lambda name, **kw: model.tokenizer)
+    return heads, questions
+
+
+def test_cli_writes_the_report_files(model, tmp_path, monkeypatch):
+    heads, questions = cli_files(model, tmp_path, monkeypatch)
     out = tmp_path / "bench"
     assert main(["--heads", str(heads), "--questions", str(questions), "--limit", "3", "--max-new-tokens", "6",
                  "--methods", "hf,ar,medusa", "--tree", "tree-8", "--output", str(out)]) == 0
@@ -239,14 +245,7 @@ def test_time_budget_stops_between_groups_and_keeps_categories_even(model):
 def test_cli_calibrates_then_benchmarks_in_batches(model, tmp_path, monkeypatch):
     """The flow of scripts/gpu_bench.sh: calibrate the heads with the batch-1 run, then a batched run
     on the same questions, leaving out the ones calibration used (named in calibration.json)."""
-    heads = tmp_path / "heads"
-    model.save_pretrained(heads)
-    questions = tmp_path / "q.jsonl"
-    questions.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
-    import medusa_infer.models as models
-
-    monkeypatch.setattr(models, "load_base_model", lambda name, **kw: model.base_model)
-    monkeypatch.setattr(models, "load_tokenizer", lambda name, **kw: model.tokenizer)
+    heads, questions = cli_files(model, tmp_path, monkeypatch)
     common = ["--heads", str(heads), "--questions", str(questions), "--max-new-tokens", "6", "--device", "cpu",
               "--dtype", "float32", "--methods", "hf,ar,medusa"]
     assert main(common + ["--calibrate", "--calibrate-questions", "2", "--calibrate-context", "16",
