@@ -27,7 +27,7 @@ from medusa_infer.proposers import (
 )
 from medusa_infer.proposers.base import StepContext
 from medusa_infer.proposers.layerskip import default_num_layers, truncated_model
-from medusa_infer.proposers.lookup import LookupGate, accepted_prefix, find_continuation, find_match
+from medusa_infer.proposers.lookup import LookupGate, accepted_prefix, find_match
 from medusa_infer.tree_fit import CostProfile
 from test_decoding import NO_EOS, left_pad, reference
 from tiny import VOCAB, tiny_config, tiny_model
@@ -112,13 +112,13 @@ def test_lookup_accepts_drafts_on_a_repetitive_prompt():
     assert out.metrics.tau > 1.5
 
 
-def test_find_continuation_takes_the_longest_most_recent_match():
+def test_find_match_takes_the_longest_most_recent_match():
     history = [1, 2, 3, 9, 2, 3, 4, 5, 1, 2, 3]
-    assert find_continuation(history, 3, 1, 4) == [9, 2, 3, 4]  # "1 2 3" occurred once before
-    assert find_continuation(history, 2, 1, 3) == [4, 5, 1]  # "2 3": the most recent occurrence
-    assert find_continuation([1, 2, 3, 4], 3, 1, 5) == []
-    assert find_continuation([7, 7, 7], 2, 1, 5) == [7]  # overlapping match
-    assert find_continuation(history, 3, 1, 0) == []
+    assert find_match(history, 3, 1, 4)[1] == [9, 2, 3, 4]  # "1 2 3" occurred once before
+    assert find_match(history, 2, 1, 3)[1] == [4, 5, 1]  # "2 3": the most recent occurrence
+    assert find_match([1, 2, 3, 4], 3, 1, 5)[1] == []
+    assert find_match([7, 7, 7], 2, 1, 5)[1] == [7]  # overlapping match
+    assert find_match(history, 3, 1, 0)[1] == []
 
 
 CPU_COST = CostProfile([1, 2, 4, 8, 16], [0.05, 0.085, 0.085, 0.0875, 0.1], "cpu float32", 256)

@@ -40,9 +40,10 @@ def find_match(history: list[int], max_ngram: int, min_ngram: int, limit: int) -
     return 0, []
 
 
-def find_continuation(history: list[int], max_ngram: int, min_ngram: int, limit: int) -> list[int]:
-    """The continuation of ``find_match``."""
-    return find_match(history, max_ngram, min_ngram, limit)[1]
+def pad_drafts(drafts: list[list[int]], roots: list[int], length: int) -> list[list[int]]:
+    """Each row's draft padded to ``length`` with its last token (the root's for an empty draft):
+    rows of a batch share one chain, and a padding token is an ordinary candidate."""
+    return [d + [(d or [r])[-1]] * (length - len(d)) for d, r in zip(drafts, roots)]
 
 
 class LookupGate:
@@ -129,8 +130,8 @@ class LookupProposer:
         tree = self.trees.at_depth(depth)
         if depth == 0:
             return Proposal(roots[:, None], tree)
-        rows = [[int(r)] + d + [(d or [int(r)])[-1]] * (depth - len(d)) for r, d in zip(roots.tolist(), drafts)]
-        return Proposal(torch.tensor(rows, dtype=torch.long, device=roots.device), tree)
+        chain = torch.tensor(pad_drafts(drafts, roots.tolist(), depth), dtype=torch.long, device=roots.device)
+        return Proposal(torch.cat([roots[:, None], chain], dim=1), tree)
 
     def observe(self, accepted: list[list[int]], hidden: torch.Tensor, context: StepContext) -> None:
         record_matches(self.gate, self.matches, accepted)

@@ -2,7 +2,7 @@
 
 Optionally (``lookup_tokens > 0``) a prompt-lookup chain is grafted onto the tree as one more
 branch from the root: the tokens that followed the most recent earlier occurrence of the text's
-last n-gram (``proposers.lookup.find_continuation``). Heads guess the next tokens from the hidden
+last n-gram (``proposers.lookup.find_match``). Heads guess the next tokens from the hidden
 state; lookup copies them from the context (summaries, rewrites, code edits, repetition). Both
 branches are verified in the same forward pass, so the step accepts whichever goes further, and
 the acceptance rules stay exact (greedy) and lossless (sampling): the lookup tokens are
@@ -17,7 +17,7 @@ import torch
 
 from medusa_infer.adaptive import TreeController
 from medusa_infer.proposers.base import Proposal, StepContext
-from medusa_infer.proposers.lookup import LookupGate, gated_matches, model_cost, record_matches
+from medusa_infer.proposers.lookup import LookupGate, gated_matches, model_cost, pad_drafts, record_matches
 from medusa_infer.trees import TreeBuffers, build_tree_buffers, root_only_tree
 
 
@@ -96,7 +96,7 @@ class MedusaProposer:
         self.rung = self.controller.choose() if self.controller is not None else 0
         cache = self.trees[self.rung]
         depth = min(context.max_depth, cache.full.max_depth)
-        drafts = self._lookup(context, cache.at_depth(depth).num_nodes)
+        drafts = self._lookup(context, cache, depth)
         self.grafted = max((len(d) for d in drafts), default=0)
         if self.grafted:
             return self._graft(roots, cache, depth, drafts)
@@ -106,13 +106,14 @@ class MedusaProposer:
         flat = torch.cat([roots[:, None], self._candidates(cache, tree.max_depth)], dim=1)
         return Proposal(flat[:, tree.candidate_index], tree)
 
-    def _lookup(self, context: StepContext, tree_nodes: int) -> list[list[int]]:
+    def _lookup(self, context: StepContext, cache: TreeCache, depth: int) -> list[list[int]]:
         limit = min(self.lookup_tokens, context.max_depth)
         if limit <= 0:
             self.matches = []
             return []
         longest, shortest = self.lookup_ngram
-        self.matches = gated_matches(context.sequences, longest, shortest, limit, self.gate, base=tree_nodes)
+        self.matches = gated_matches(context.sequences, longest, shortest, limit, self.gate,
+                                     base=cache.at_depth(depth).num_nodes)
         return [draft for _, draft in self.matches]
 
     def _graft(self, roots: torch.Tensor, cache: TreeCache, depth: int, drafts: list[list[int]]) -> Proposal:
@@ -124,8 +125,8 @@ class MedusaProposer:
         heads_depth = max((len(p) for p in cache.paths if len(p) <= depth), default=0)
         if heads_depth:
             grid[:, :heads_depth, :k] = self._candidates(cache, heads_depth).view(batch, heads_depth, k)
-        padded = [d + [(d or [int(r)])[-1]] * (chain - len(d)) for d, r in zip(drafts, roots.tolist())]
-        grid[:, :chain, k] = torch.tensor(padded, dtype=torch.long, device=roots.device)
+        grid[:, :chain, k] = torch.tensor(pad_drafts(drafts, roots.tolist(), chain), dtype=torch.long,
+                                          device=roots.device)
         flat = torch.cat([roots[:, None], grid.flatten(1)], dim=1)
         return Proposal(flat[:, tree.candidate_index], tree)
 
