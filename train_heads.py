@@ -193,7 +193,7 @@ def stage_train(config: TrainConfig, accelerator: Any, train: list[dict], folder
         vocab = m["vocab_size"]
         token_map = _token_map(config, cache.block["labels"], vocab, cache.end_of_turn_ids())
         module = tr.new_heads_module(config, cache.lm_head["weight"], cache.lm_head.get("bias"), m["logit_softcap"],
-                                     m["model_type"], token_map)
+                                     m["model_type"], token_map, cache.embed_weight)
         task: Any = tr.Medusa1Task(config, module, FeatureDataset(cache.block, h.num_heads, token_map, vocab, soft=kl))
         hidden, model_type = m["hidden_size"], m["model_type"]
     else:
@@ -206,7 +206,8 @@ def stage_train(config: TrainConfig, accelerator: Any, train: list[dict], folder
         if t.mode == "medusa1":
             medusa = MedusaModel.from_base(base, num_heads=1)
             module = tr.new_heads_module(config, medusa.lm_head.weight, getattr(medusa.lm_head, "bias", None),
-                                         medusa.logit_softcap, model_type, token_map)
+                                         medusa.logit_softcap, model_type, token_map,
+                                         base.get_input_embeddings().weight)
             task = tr.Medusa1Task(config, module, tr.LiveFeatures(medusa, train, h.num_heads, token_map, topk))
         else:
             from medusa_train.lora import add_lora
@@ -257,7 +258,7 @@ def stage_evaluate(config: TrainConfig, accelerator: Any, heldout: list[dict], f
         if config.uses_feature_cache:
             cache = FeatureCache.load(folders["heldout"])
             module = tr.HeadsModule(heads, cache.lm_head["weight"], cache.lm_head.get("bias"),
-                                    cache.manifest["logit_softcap"]).eval()
+                                    cache.manifest["logit_softcap"], cache.embed_weight).eval()
             data = FeatureDataset(cache.block, mconfig.num_heads, token_map, mconfig.vocab_size)
             batches = data.sequential(config.training.batch_tokens)
             accuracy = ev.head_accuracy(module, batches, config.eval.top_k)

@@ -137,6 +137,7 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
         f"{config.num_heads} Medusa heads, {config.num_layers} residual block(s) each, "
         f"{config.projection} vocabulary projection"
         + (f" over a reduced vocabulary of {config.reduced_vocab_size} tokens" if config.reduced_vocab_size else "")
+        + (", each also reading the base model's next token (the tree's root)" if config.next_token_input else "")
         + ", trained with [medusa-forge](https://pypi.org/project/medusa-forge/).",
         "",
         "## Usage",

@@ -26,6 +26,10 @@ class MedusaConfig:
             checkpoint); ``"own"`` gives each head its own projection, initialised from it.
         reduced_vocab_size: when set, the heads score only this many token ids (the most frequent
             ones in the training data); the checkpoint then stores the ``token_map`` tensor.
+        next_token_input: each head also reads the token at t + 1, the base model's own next
+            token, which is known whenever the heads run (it is the candidate tree's root): its
+            input embedding (the base model's, frozen) enters through a per-head zero-initialised
+            ``Linear(hidden, hidden)``. Not part of the FasterDecoding/Medusa layout.
         base_model_name_or_path: the base model the heads were trained for.
         base_model_type: ``config.model_type`` of that base model (checked on load).
         tree: the default candidate tree, a list of paths of top-k ranks (Medusa's format).
@@ -42,6 +46,7 @@ class MedusaConfig:
     vocab_size: int = 0
     projection: str = "shared"
     reduced_vocab_size: int | None = None
+    next_token_input: bool = False
     base_model_name_or_path: str | None = None
     base_model_type: str | None = None
     tree: list[list[int]] | None = None

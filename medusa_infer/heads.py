@@ -9,6 +9,12 @@ model's own ``lm_head`` predicts t + 1). Each head is ``num_layers`` residual bl
 
 Every block's Linear starts at zero (weight and bias), so at initialisation each block is the
 identity and every head's logits equal the base model's next-token logits.
+
+With ``next_token_input`` each head also reads token t + 1, the base model's own next token. It is
+known whenever the heads run (the candidate tree's root), and it is what the hidden state at t
+does not yet say. Its input embedding (the base model's, frozen, not stored) is added to the
+hidden state through the head's own ``token_proj`` ``Linear(hidden, hidden)``, zero at
+initialisation, so such heads start where plain Medusa heads start.
 """
 
 from __future__ import annotations
@@ -36,13 +42,18 @@ class ResBlock(nn.Module):
 class MedusaHead(nn.Module):
     """One head: ``num_layers`` residual blocks and, for ``own`` projection, a vocabulary projection."""
 
-    def __init__(self, hidden_size: int, num_layers: int, proj_size: int | None) -> None:
+    def __init__(self, hidden_size: int, num_layers: int, proj_size: int | None, token_input: bool = False) -> None:
         super().__init__()
         # A fresh module per layer: `[ResBlock(h)] * n` would share one module n times.
         self.blocks = nn.ModuleList(ResBlock(hidden_size) for _ in range(num_layers))
         self.proj = nn.Linear(hidden_size, proj_size, bias=False) if proj_size else None
+        self.token_proj = nn.Linear(hidden_size, hidden_size, bias=False) if token_input else None
+        if self.token_proj is not None:
+            nn.init.zeros_(self.token_proj.weight)
 
-    def transform(self, x: torch.Tensor) -> torch.Tensor:
+    def transform(self, x: torch.Tensor, token_embedding: torch.Tensor | None = None) -> torch.Tensor:
+        if self.token_proj is not None:
+            x = x + self.token_proj(token_embedding)
         for block in self.blocks:
             x = block(x)
         return x
@@ -69,7 +80,8 @@ class MedusaHeads(nn.Module):
         self.config = config
         own = config.projection == "own"
         self.heads = nn.ModuleList(
-            MedusaHead(config.hidden_size, config.num_layers, config.head_vocab_size if own else None)
+            MedusaHead(config.hidden_size, config.num_layers, config.head_vocab_size if own else None,
+                       config.next_token_input)
             for _ in range(config.num_heads)
         )
         if config.reduced_vocab_size is not None:
@@ -105,6 +117,8 @@ class MedusaHeads(nn.Module):
         hidden: torch.Tensor,
         lm_head: nn.Module,
         logit_softcap: float | None = None,
+        next_tokens: torch.Tensor | None = None,
+        embed_weight: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Heads' logits.
 
@@ -112,12 +126,24 @@ class MedusaHeads(nn.Module):
             hidden: ``[..., hidden]`` base hidden states after the final norm.
             lm_head: the base model's output projection (used by ``shared`` heads).
             logit_softcap: the base model's final logit soft-cap, applied as it applies it.
+            next_tokens: ``[...]`` token ids at t + 1 (``next_token_input`` heads only).
+            embed_weight: ``[vocab, hidden]`` the base model's input embedding weight
+                (``next_token_input`` heads only).
 
         Returns:
             ``[num_heads, ..., head_vocab]`` logits; with a reduced vocabulary column j scores token
             ``token_map[j]``.
         """
-        x = torch.stack([head.transform(hidden) for head in self.heads])
+        embedded = None
+        if self.config.next_token_input:
+            if next_tokens is None or embed_weight is None:
+                raise ValueError("these heads read the token at t + 1 (next_token_input=True): pass next_tokens "
+                                 "and embed_weight, or call MedusaModel.head_logits, which supplies both")
+            if next_tokens.shape != hidden.shape[:-1]:
+                raise ValueError(f"next_tokens has shape {tuple(next_tokens.shape)}, expected "
+                                 f"{tuple(hidden.shape[:-1])} (one token per hidden state)")
+            embedded = F.embedding(next_tokens, embed_weight).to(hidden.dtype)
+        x = torch.stack([head.transform(hidden, embedded) for head in self.heads])
         if self.config.projection == "shared":
             weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
             if self.token_map is not None:

@@ -145,6 +145,12 @@ def write_medusa_layout(
             f"heads over a reduced vocabulary ({config.reduced_vocab_size} of {config.vocab_size} tokens) cannot be "
             "written in the FasterDecoding layout, which has no token map; save them with save_pretrained instead"
         )
+    if config.next_token_input:
+        raise ValueError(
+            "these heads read the token at t + 1 (next_token_input=True); the FasterDecoding layout has no place for "
+            "their token_proj weights and its engines do not feed them the token: save them with save_pretrained "
+            "instead, or train heads with heads.next_token_input=false for other engines"
+        )
     if config.base_model_name_or_path is None:
         raise ValueError(
             "config.base_model_name_or_path is None; TGI and FasterDecoding's loader find the base model through it, "

@@ -527,8 +527,9 @@ def head_topk_accuracy(model, sequences: list[tuple[torch.Tensor, int]], top_k: 
     counts = torch.zeros(heads, dtype=torch.float64)
     for seq, start in sequences:
         seq = seq.to(model.device)
-        out = model(seq[None], head_positions=None, logits_positions=slice(0, 0))
-        ranks = model.heads.to_full_vocab(out.head_logits[:, 0].topk(top_k, dim=-1).indices)  # [K, seq, k]
+        hidden = model(seq[None], logits_positions=slice(0, 0)).hidden_states[0]
+        following = torch.cat([seq[1:], seq[-1:]])  # the token at t + 1 (the last one is never scored)
+        ranks = model.heads.to_full_vocab(model.head_logits(hidden, following).topk(top_k, dim=-1).indices)
         for d in range(heads):
             positions = torch.arange(max(start - 1, 0), len(seq) - d - 2, device=seq.device)
             if len(positions) == 0:
@@ -544,12 +545,13 @@ def head_topk_accuracy(model, sequences: list[tuple[torch.Tensor, int]], top_k: 
 def measure_head_overhead(model, cost, repeats: int = 20) -> float:
     """Seconds of one heads' forward at one position, as a fraction of ``t(1)``."""
     hidden = torch.randn(1, model.lm_head.weight.shape[1], device=model.device, dtype=model.dtype)
-    model.head_logits(hidden)
+    root = torch.zeros(1, dtype=torch.long, device=model.device)  # decoding passes its root token
+    model.head_logits(hidden, root)
     times = []
     for _ in range(repeats):
         _sync(model.device)
         start = time.perf_counter()
-        model.head_logits(hidden).topk(model.config.top_k, dim=-1)
+        model.head_logits(hidden, root).topk(model.config.top_k, dim=-1)
         _sync(model.device)
         times.append(time.perf_counter() - start)
     times.sort()

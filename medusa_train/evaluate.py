@@ -42,14 +42,14 @@ class HeadAccuracy:
 
 
 @torch.no_grad()
-def head_accuracy(head_logits: Callable[[torch.Tensor], torch.Tensor],
+def head_accuracy(head_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                   batches: Iterable[Mapping[str, torch.Tensor]], top_k: int = 10,
                   device: torch.device | str = "cpu") -> HeadAccuracy:
-    """Accumulate accuracies over batches of ``{"hidden" [N, H], "targets" [N, K]}``;
-    ``head_logits(hidden) -> [K, N, V]``."""
+    """Accumulate accuracies over batches of ``{"hidden" [N, H], "targets" [N, K],
+    "next_tokens" [N]}``; ``head_logits(hidden, next_tokens) -> [K, N, V]``."""
     hits = totals = None
     for batch in batches:
-        logits = head_logits(batch["hidden"].to(device))
+        logits = head_logits(batch["hidden"].to(device), batch["next_tokens"].to(device))
         h, n = topk_correct(logits, batch["targets"].to(device), top_k)
         hits = h.cpu() if hits is None else hits + h.cpu()
         totals = n.cpu() if totals is None else totals + n.cpu()

@@ -5,6 +5,8 @@ keeps:
 
 * ``hidden``: the final (post-norm) hidden state at every position ``t`` where head 0 has a
   target, i.e. ``labels[t + 2] != -100``;
+* ``row_next``: the token at ``t + 1`` of each of those positions (what ``next_token_input``
+  heads read);
 * ``labels``: the whole label row, so the targets of any number of heads can be derived
   (head ``k`` at ``t`` predicts ``labels[t + k + 2]``);
 * ``soft_ids`` / ``soft_probs``: the base model's top-k next-token distribution at every position
@@ -13,13 +15,14 @@ keeps:
   ``t + k + 2``.
 
 A cache is a folder ``<root>/<key>/`` of safetensors shards, ``lm_head.safetensors`` (the base
-output projection, so head training never loads the backbone) and ``manifest.json`` (written last:
+output projection, so head training never loads the backbone, and ``embed``, its input embedding,
+when that is not the same tensor) and ``manifest.json`` (written last:
 a folder without it is incomplete). The key hashes the model, the examples and the settings, so a
 second run, or another recipe over the same data, reuses it.
 
 Tensors of a *block* (one shard, or one live batch), for E examples, R hidden rows, P soft rows:
 ``example_index [E]``, ``label_start [E]``, ``label_length [E]``, ``labels [sum L]``,
-``row_example [R]``, ``row_position [R]``, ``hidden [R, H]``, ``soft_example [P]``,
+``row_example [R]``, ``row_position [R]``, ``row_next [R]``, ``hidden [R, H]``, ``soft_example [P]``,
 ``soft_position [P]``, ``soft_ids [P, k]``, ``soft_probs [P, k]``.
 """
 
@@ -40,7 +43,7 @@ from tqdm.auto import tqdm
 
 from medusa_train.losses import IGNORE, to_head_vocab
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: blocks hold row_next
 MANIFEST = "manifest.json"
 LM_HEAD = "lm_head.safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -125,6 +128,7 @@ def pad_batch(examples: Sequence[Mapping[str, Any]], pad_id: int = 0) -> dict[st
 
 def block_from_hidden(
     hidden: torch.Tensor,
+    input_ids: torch.Tensor,
     labels: torch.Tensor,
     lengths: torch.Tensor,
     project: Any = None,
@@ -137,6 +141,7 @@ def block_from_hidden(
 
     Args:
         hidden: ``[B, L, H]`` final hidden states (may carry gradients: Medusa-2 uses this too).
+        input_ids: ``[B, L]`` the tokens the hidden states were computed from.
         labels: ``[B, L]`` unshifted labels, ``IGNORE`` outside assistant tokens and on padding.
         lengths: ``[B]`` real lengths.
         project: ``hidden [P, H] -> logits [P, V]`` of the base (or teacher) model; with ``topk``
@@ -167,6 +172,7 @@ def block_from_hidden(
         "labels": labels[valid],
         "row_example": row_b,
         "row_position": row_t,
+        "row_next": input_ids.to(device)[row_b, row_t + 1],
         "hidden": rows if hidden_dtype is None else rows.to(hidden_dtype),
         "soft_example": soft_b,
         "soft_position": soft_t,
@@ -207,11 +213,13 @@ class Rows:
         hidden: ``[R, H]``.
         targets: ``[R, K]`` base token ids, ``IGNORE`` where head k has no target.
         soft_row: ``[R, K]`` index into the block's soft table for head k's soft target, -1: none.
+        next_tokens: ``[R]`` the token at t + 1 (read by ``next_token_input`` heads).
     """
 
     hidden: torch.Tensor
     targets: torch.Tensor
     soft_row: torch.Tensor
+    next_tokens: torch.Tensor
 
 
 def rows_from_block(block: Block, num_heads: int) -> Rows:
@@ -233,7 +241,7 @@ def rows_from_block(block: Block, num_heads: int) -> Rows:
     soft_at = block["label_start"][block["soft_example"]] + block["soft_position"]
     soft_index[soft_at] = torch.arange(len(soft_at), device=labels.device)
     soft_row = lookup(soft_index, 1, -1)
-    return Rows(block["hidden"], targets, soft_row)
+    return Rows(block["hidden"], targets, soft_row, block["row_next"])
 
 
 def soft_labels(block: Block, soft_row: torch.Tensor, token_map: torch.Tensor | None,
@@ -263,8 +271,8 @@ def _backbone_block(model: Any, batch: dict[str, torch.Tensor], topk: int, examp
             position_ids=batch["position_ids"].to(device),
             logits_positions=slice(0, 0),
         )
-        block = block_from_hidden(out.hidden_states, batch["labels"], batch["lengths"], model.project,
-                                  topk, example_index, hidden_dtype)
+        block = block_from_hidden(out.hidden_states, batch["input_ids"], batch["labels"], batch["lengths"],
+                                  model.project, topk, example_index, hidden_dtype)
     return {name: tensor.cpu() for name, tensor in block.items()}
 
 
@@ -340,6 +348,9 @@ def _write_manifest(model: Any, folder: Path, num_shards: int, num_examples: int
     tensors = {"weight": lm_head.weight.detach().cpu().contiguous()}
     if getattr(lm_head, "bias", None) is not None:
         tensors["bias"] = lm_head.bias.detach().cpu().contiguous()
+    embed = model.base_model.get_input_embeddings().weight
+    if embed.data_ptr() != lm_head.weight.data_ptr():  # untied: next_token_input heads need it too
+        tensors["embed"] = embed.detach().cpu().contiguous()
     save_file(tensors, str(folder / LM_HEAD), metadata={"format": "pt"})
     shards, rows, soft = [], 0, 0
     for shard_id in range(num_shards):
@@ -402,11 +413,18 @@ class FeatureCache:
             raise ValueError(f"{folder} holds no {MANIFEST}: not a feature cache, or an interrupted one; "
                              "run the features stage again (it resumes from the finished shards)")
         manifest = json.loads((folder / MANIFEST).read_text())
-        if manifest.get("format_version", 0) > FORMAT_VERSION:
-            raise ValueError(f"{folder} was written by a newer medusa-forge (format "
-                             f"{manifest['format_version']} > {FORMAT_VERSION}); upgrade or rebuild it")
+        version = manifest.get("format_version", 0)
+        if version != FORMAT_VERSION:
+            newer = "a newer medusa-forge: upgrade, or" if version > FORMAT_VERSION else "an older medusa-forge:"
+            raise ValueError(f"{folder} was written by {newer} delete it and run the features stage again "
+                             f"(cache format {version}, this medusa-forge reads {FORMAT_VERSION})")
         blocks = [load_file(str(folder / shard["file"])) for shard in manifest["shards"]]
         return cls(folder, manifest, concat_blocks(blocks), load_file(str(folder / LM_HEAD)))
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        """The base model's input embedding weight (its ``lm_head`` weight when tied)."""
+        return self.lm_head.get("embed", self.lm_head["weight"])
 
     def end_of_turn_ids(self) -> list[int]:
         """EOS ids plus every token that ends an assistant span in the data."""
@@ -439,6 +457,7 @@ class FeatureDataset:
         self.token_map, self.vocab_size = token_map, vocab_size
         rows = rows_from_block(block, num_heads)
         self.hidden = rows.hidden
+        self.next_tokens = rows.next_tokens
         self.targets = to_head_vocab(rows.targets, token_map, vocab_size)
         self.soft_row = rows.soft_row
 
@@ -446,9 +465,9 @@ class FeatureDataset:
         return len(self.hidden)
 
     def batch(self, index: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``hidden [N, H]``, ``targets [N, K]`` (head columns), and with ``soft``:
+        """``hidden [N, H]``, ``targets [N, K]`` (head columns), ``next_tokens [N]``, and with ``soft``:
         ``soft_ids``/``soft_probs`` ``[N, K, k]``."""
-        out = {"hidden": self.hidden[index], "targets": self.targets[index]}
+        out = {"hidden": self.hidden[index], "targets": self.targets[index], "next_tokens": self.next_tokens[index]}
         if self.soft:
             out["soft_ids"], out["soft_probs"] = soft_labels(
                 self.block, self.soft_row[index], self.token_map, self.vocab_size)

@@ -98,12 +98,16 @@ class HeadsSection:
     Attributes:
         reduced_vocab_size: score only the N most frequent target tokens (plus end-of-turn ids);
             much cheaper on CPU. None: the full vocabulary.
+        next_token_input: each head also reads the token at t + 1, the base model's own next
+            token (known at decoding time: the tree's root). Not exportable to the
+            FasterDecoding/Medusa layout.
     """
 
     num_heads: int = 4
     num_layers: int = 1
     projection: str = "shared"
     reduced_vocab_size: int | None = None
+    next_token_input: bool = False
 
 
 @dataclass

@@ -70,17 +70,23 @@ class FrozenProjection(nn.Module):
 
 
 class HeadsModule(nn.Module):
-    """Trainable heads over the frozen base projection: ``[N, hidden] -> [K, N, head_vocab]``."""
+    """Trainable heads over the frozen base projection: ``[N, hidden] (+ next tokens [N]) ->
+    [K, N, head_vocab]``. ``embed_weight``, the base input embedding, is needed (and kept, frozen)
+    only by ``next_token_input`` heads."""
 
     def __init__(self, heads: MedusaHeads, lm_weight: torch.Tensor, lm_bias: torch.Tensor | None = None,
-                 logit_softcap: float | None = None) -> None:
+                 logit_softcap: float | None = None, embed_weight: torch.Tensor | None = None) -> None:
         super().__init__()
         self.heads = heads.float()
         self.lm_head = FrozenProjection(lm_weight.float(), None if lm_bias is None else lm_bias.float())
         self.logit_softcap = logit_softcap
+        if heads.config.next_token_input and embed_weight is None:
+            raise ValueError("next_token_input heads need the base model's input embedding: pass embed_weight")
+        embed = embed_weight if heads.config.next_token_input else None
+        self.register_buffer("embed_weight", None if embed is None else embed.detach().float(), persistent=False)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.heads(hidden.float(), self.lm_head, self.logit_softcap)
+    def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        return self.heads(hidden.float(), self.lm_head, self.logit_softcap, next_tokens, self.embed_weight)
 
 
 class JointModule(nn.Module):
@@ -110,10 +116,11 @@ class JointModule(nn.Module):
         else:
             with torch.no_grad():
                 student = teacher = self._hidden(batch)
-        block = block_from_hidden(student, batch["labels"], batch["lengths"], medusa.project, self.topk,
+        block = block_from_hidden(student, batch["input_ids"], batch["labels"], batch["lengths"], medusa.project,
+                                  self.topk,
                                   soft_hidden=teacher)
         rows = rows_from_block(block, num_heads)
-        out = {"head_logits": medusa.head_logits(rows.hidden), "targets": rows.targets}
+        out = {"head_logits": medusa.head_logits(rows.hidden, rows.next_tokens), "targets": rows.targets}
         if self.topk:
             out["soft_ids"], out["soft_probs"] = soft_labels(block, rows.soft_row, None, 0)
         if joint:
@@ -151,7 +158,8 @@ class LiveFeatures:
                 position_ids=batch["position_ids"].to(self.model.device),
                 logits_positions=slice(0, 0),
             ).hidden_states
-            block = block_from_hidden(hidden, batch["labels"], batch["lengths"], self.model.project, self.topk)
+            block = block_from_hidden(hidden, batch["input_ids"], batch["labels"], batch["lengths"],
+                                      self.model.project, self.topk)
         rows = FeatureDataset(block, self.num_heads, self.token_map, self.vocab_size, soft=self.topk > 0)
         return rows.batch(torch.arange(len(rows), device=hidden.device))
 
@@ -219,7 +227,7 @@ class Medusa1Task:
     def loss(self, module: nn.Module, accelerator: Any, index: torch.Tensor, step: int
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         batch = {k: v.to(accelerator.device) for k, v in self.source.batch(index).items()}
-        logits = module(batch["hidden"])
+        logits = module(batch["hidden"], batch["next_tokens"])
         out = _heads_loss(self.config, accelerator, logits, batch["targets"], batch.get("soft_ids"),
                           batch.get("soft_probs"))
         hits, totals = topk_correct(logits.detach(), batch["targets"], 1)
@@ -595,6 +603,7 @@ def heads_config(config: TrainConfig, hidden_size: int, vocab_size: int, model_t
     return MedusaConfig(
         num_heads=h.num_heads, num_layers=h.num_layers, hidden_size=hidden_size, vocab_size=vocab_size,
         projection=h.projection, reduced_vocab_size=None if token_map is None else len(token_map),
+        next_token_input=h.next_token_input,
         base_model_name_or_path=name, base_model_type=model_type,
         top_k=config.eval.top_k,
     )
@@ -602,13 +611,14 @@ def heads_config(config: TrainConfig, hidden_size: int, vocab_size: int, model_t
 
 def new_heads_module(config: TrainConfig, lm_weight: torch.Tensor, lm_bias: torch.Tensor | None,
                      logit_softcap: float | None, model_type: str | None,
-                     token_map: torch.Tensor | None) -> HeadsModule:
-    """Fresh heads (seeded by ``training.seed``) over a frozen projection."""
+                     token_map: torch.Tensor | None, embed_weight: torch.Tensor | None = None) -> HeadsModule:
+    """Fresh heads (seeded by ``training.seed``) over a frozen projection (and, for
+    ``heads.next_token_input``, the frozen input embedding ``embed_weight``)."""
     torch.manual_seed(config.training.seed)
     vocab, hidden = lm_weight.shape
     heads = MedusaHeads(heads_config(config, hidden, vocab, model_type, token_map),
                         lm_head_weight=lm_weight.detach().float(), token_map=token_map)
-    return HeadsModule(heads, lm_weight, lm_bias, logit_softcap)
+    return HeadsModule(heads, lm_weight, lm_bias, logit_softcap, embed_weight)
 
 
 def save_trained(folder: Path, config: MedusaConfig, heads_state: Mapping[str, torch.Tensor],

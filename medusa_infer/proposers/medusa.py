@@ -83,9 +83,10 @@ class MedusaProposer:
         self.hidden: torch.Tensor | None = None  # [batch, hidden] at the last accepted position
         self.rung = 0
 
-    def _candidates(self, cache: TreeCache, depth: int) -> torch.Tensor:
-        """``[batch, depth * top_k]`` token ids: the heads' top-k, head after head."""
-        logits = self.model.head_logits(self.hidden)[:depth]  # [depth, batch, head_vocab]
+    def _candidates(self, cache: TreeCache, depth: int, roots: torch.Tensor) -> torch.Tensor:
+        """``[batch, depth * top_k]`` token ids: the heads' top-k, head after head (heads that read
+        the next token read the roots)."""
+        logits = self.model.head_logits(self.hidden, roots)[:depth]  # [depth, batch, head_vocab]
         ids = logits.topk(cache.top_k, dim=-1).indices
         return self.model.heads.to_full_vocab(ids).transpose(0, 1).flatten(1)
 
@@ -103,7 +104,7 @@ class MedusaProposer:
         tree = cache.at_depth(depth)
         if tree.max_depth == 0:
             return Proposal(roots[:, None], tree)
-        flat = torch.cat([roots[:, None], self._candidates(cache, tree.max_depth)], dim=1)
+        flat = torch.cat([roots[:, None], self._candidates(cache, tree.max_depth, roots)], dim=1)
         return Proposal(flat[:, tree.candidate_index], tree)
 
     def _lookup(self, context: StepContext, cache: TreeCache, depth: int) -> list[list[int]]:
@@ -124,7 +125,7 @@ class MedusaProposer:
         grid = torch.zeros(batch, tree.max_depth, k + 1, dtype=torch.long, device=roots.device)
         heads_depth = max((len(p) for p in cache.paths if len(p) <= depth), default=0)
         if heads_depth:
-            grid[:, :heads_depth, :k] = self._candidates(cache, heads_depth).view(batch, heads_depth, k)
+            grid[:, :heads_depth, :k] = self._candidates(cache, heads_depth, roots).view(batch, heads_depth, k)
         grid[:, :chain, k] = torch.tensor(pad_drafts(drafts, roots.tolist(), chain), dtype=torch.long,
                                           device=roots.device)
         flat = torch.cat([roots[:, None], grid.flatten(1)], dim=1)
