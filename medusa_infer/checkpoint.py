@@ -154,7 +154,8 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
     if config.head_accuracies:
         width = max(len(a) for a in config.head_accuracies)
         shown = [k for k in (1, 3, 5, 10) if k <= width]
-        lines += ["## Measured head accuracy (held-out data)", ""]
+        source = (config.acceptance or {}).get("head_accuracies_measured_on", "held-out data")
+        lines += [f"## Measured head accuracy ({source})", ""]
         lines.append("| head | " + " | ".join(f"top-{k}" for k in shown) + " |")
         lines.append("|---|" + "---|" * len(shown))
         for i, acc in enumerate(config.head_accuracies):

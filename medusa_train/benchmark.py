@@ -510,7 +510,15 @@ def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[st
     overhead = measure_head_overhead(model, cost)
     fitted = fit_tree(accuracy, cost, head_overhead=overhead)
     config = model.config
+    if config.head_accuracies and "heldout_head_accuracies" not in config.training:
+        config.training["heldout_head_accuracies"] = config.head_accuracies  # training's, kept beside these
     config.head_accuracies = [[round(a, 5) for a in row] for row in accuracy]
+    config.acceptance = {**(config.acceptance or {}),
+                         "head_accuracies_measured_on": f"greedy answers to {len(questions)} questions from "
+                                                        f"{Path(args.questions).name}",
+                         "calibrated_tree_nodes": len(fitted.paths),
+                         "calibrated_expected_tau": round(fitted.expected_tau, 4),
+                         "calibrated_expected_speedup": round(fitted.expected_speedup, 4)}
     config.cost_profile = {**cost.to_dict(), "head_overhead": round(overhead, 4)}
     config.tree = [list(p) for p in fitted.paths] or None
     return {"head_accuracies": config.head_accuracies, "cost_profile": config.cost_profile,
