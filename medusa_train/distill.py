@@ -15,8 +15,10 @@ continues without duplicates or gaps. At the end the main process merges everyth
 ``<output>`` in prompt order (and, with ``format="arrow"``, also saves a ``datasets`` folder).
 
 Row: ``{"id", "source", "prompt", "response", "model", "generation": {"max_new_tokens",
-"do_sample", "temperature", "top_p", "seed"}, "finish_reason": "eos" | "length",
-"response_tokens"}``. For greedy rows ``temperature`` is recorded as 0.0 and ``top_p`` as 1.0.
+"do_sample", "temperature", "top_p", "seed", "chat_template", "system_prompt"}, "finish_reason":
+"eos" | "length", "response_tokens"}``. For greedy rows ``temperature`` is recorded as 0.0 and
+``top_p`` as 1.0; ``chat_template`` is a digest of a template that replaced the tokenizer's own
+(None: the tokenizer's).
 ``prompt`` is the text the model answered (shortened when ``prompt_overflow="truncate"`` cut it).
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import http.client
 import json
 import logging
@@ -169,6 +172,11 @@ class DistillConfig:
             "temperature": float(self.temperature) if self.do_sample else 0.0,
             "top_p": float(self.top_p) if self.do_sample else 1.0,
             "seed": self.seed,
+            # what the prompts were rendered with: resuming with another template or system prompt
+            # would mix two distributions in one file
+            "chat_template": None if self.chat_template is None else
+            "sha256:" + hashlib.sha256(self.chat_template.encode()).hexdigest()[:16],
+            "system_prompt": self.system_prompt,
         }
 
     @classmethod
@@ -361,7 +369,9 @@ def check_resumable(rows: Sequence[dict[str, Any]], config: DistillConfig) -> No
     """Refuse to mix rows made with another model or other generation settings."""
     expected = (config.model_label, config.generation_record())
     for row in rows:
-        found = (row.get("model"), row.get("generation"))
+        # rows written before the template and system prompt were recorded: the defaults
+        generation = {"chat_template": None, "system_prompt": None, **(row.get("generation") or {})}
+        found = (row.get("model"), generation)
         if found != expected:
             raise ValueError(
                 f"{config.output} already holds row {row.get('id')!r} made with model "

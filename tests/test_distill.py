@@ -133,6 +133,7 @@ def test_batched_rows_equal_unbatched_greedy(reference_rows, model_dir, prompts_
         assert row["model"] == str(model_dir)
         assert row["generation"] == {
             "max_new_tokens": 16, "do_sample": False, "temperature": 0.0, "top_p": 1.0, "seed": 0,
+            "chat_template": None, "system_prompt": None,
         }
         ids = encode_rendered(tokenizer, render_prompt(tokenizer, row["prompt"]))
         with torch.inference_mode():
@@ -228,6 +229,23 @@ def test_resume_refuses_other_generation_settings(tmp_path, model_dir, prompts_f
     distill(make_config(model_dir, prompts_file, output, n=2))
     with pytest.raises(ValueError, match="Use another output path"):
         distill(make_config(model_dir, prompts_file, output, n=4, max_new_tokens=8))
+    with pytest.raises(ValueError, match="Use another output path"):
+        distill(make_config(model_dir, prompts_file, output, n=4, system_prompt="Be brief."))
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    with pytest.raises(ValueError, match="chat_template.: .sha256:"):
+        distill(make_config(model_dir, prompts_file, output, n=4, chat_template=template))
+
+
+def test_rows_written_before_templates_were_recorded_still_resume(tmp_path, model_dir, prompts_file):
+    output = tmp_path / "rows.jsonl"
+    distill(make_config(model_dir, prompts_file, output, n=2))
+    rows = read_rows(output)
+    for row in rows:
+        del row["generation"]["chat_template"], row["generation"]["system_prompt"]
+    output.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    distill(make_config(model_dir, prompts_file, output, n=3))
+    assert [r["id"] for r in read_rows(output)][:2] == [r["id"] for r in rows]
+    assert len(read_rows(output)) == 3
 
 
 def test_sampling_option_is_reproducible(tmp_path, model_dir, prompts_file, reference_rows):
