@@ -288,12 +288,19 @@ def load_base_model(
     device: str | torch.device = "cpu",
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
+    cpu_kernels: str = "onednn",
 ) -> PreTrainedModel:
     """Load a causal language model (names as in ``resolve_model``) in eval mode on ``device``.
 
     A default model keeps its short name as ``name_or_path`` (not the cache folder), so heads
-    trained on it record a name that resolves on any machine.
+    trained on it record a name that resolves on any machine. A float32 model on the CPU gets
+    oneDNN linear kernels (``medusa_infer.cpu_kernels``; ``cpu_kernels="default"`` keeps
+    PyTorch's own).
     """
+    from medusa_infer.cpu_kernels import CPU_KERNELS, apply_cpu_kernels
+
+    if cpu_kernels not in CPU_KERNELS:
+        raise ValueError(f"cpu_kernels must be one of {CPU_KERNELS}, got {cpu_kernels!r}")
     model = AutoModelForCausalLM.from_pretrained(
         resolve_model(name_or_path),
         dtype=dtype,
@@ -302,7 +309,9 @@ def load_base_model(
     )
     if name_or_path in DEFAULT_MODELS:
         model.name_or_path = name_or_path
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    apply_cpu_kernels(model, cpu_kernels)
+    return model
 
 
 def hub_id(name_or_path: str | None) -> str | None:

@@ -216,7 +216,8 @@ class Runner:
                 raise ValueError("methods hf-assisted and draft need --draft-model")
             from medusa_infer.models import load_base_model
 
-            self.assistant = load_base_model(args.draft_model, dtype=model.dtype, device=model.device)
+            self.assistant = load_base_model(args.draft_model, dtype=model.dtype, device=model.device,
+                                             cpu_kernels=args.cpu_kernels)
 
     def run(self, method: str, messages: list[dict]) -> Turn:
         """The next turn of one conversation."""
@@ -379,6 +380,7 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
             "turns": sum(len(q["turns"]) for q in questions), "max_new_tokens": args.max_new_tokens,
             "batch_size": args.batch_size, "time_budget_s": args.time_budget, "questions_answered": len(questions),
             "device": str(model.device), "dtype": str(model.dtype).replace("torch.", ""),
+            "linear_kernels": _linear_kernels(model),
             "torch_threads": torch.get_num_threads(), "methods": methods,
             "tree": _tree_note(model, args.tree),
         },
@@ -427,13 +429,20 @@ def _tree_note(model, tree) -> Any:
     return tree or model.config.tree
 
 
+def _linear_kernels(model) -> str:
+    from medusa_infer.cpu_kernels import OneDNNLinear
+
+    return "onednn" if any(isinstance(m, OneDNNLinear) for m in model.base_model.modules()) else "default"
+
+
 def report_markdown(report: dict[str, Any]) -> str:
     s = report["settings"]
     lines = [
         f"# medusa-bench: {s['model']}" + (f" + {s['heads']}" if s["heads"] else ""),
         "",
         f"{s['turns']} turns from {s['questions']} (limit {s['limit']}), max {s['max_new_tokens']} new tokens, "
-        f"{s['device']} {s['dtype']}, {s['torch_threads']} threads"
+        f"{s['device']} {s['dtype']}" + (" (oneDNN linear kernels)" if s.get("linear_kernels") == "onednn" else "")
+        + f", {s['torch_threads']} threads"
         + (f", batch size {s['batch_size']}." if s.get("batch_size", 1) > 1 else ".")
         + (f" Time budget {s['time_budget_s']:g} s: {s['questions_answered']} questions answered."
            if s.get("time_budget_s") is not None else ""),
@@ -592,6 +601,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--cpu-kernels", default="onednn", choices=("onednn", "default"),
+                        help="float32 on the CPU: oneDNN linear kernels for every method (the default), or "
+                             "PyTorch's own (medusa_infer.cpu_kernels)")
     parser.add_argument("--output", default="runs/bench", help="folder for report.json, report.md, report.png")
     parser.add_argument("--calibrate", action="store_true",
                         help="measure head accuracy and verification cost, fit the tree, save it with the heads")
@@ -627,11 +639,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         base_name = args.model
         if base_name is None:
             base_name = json.loads((Path(args.heads) / "config.json").read_text())["base_model_name_or_path"]
-        model = MedusaModel.from_pretrained(args.heads, base_model=load_base_model(base_name, dtype=dtype, device=device),
-                                            tokenizer=load_tokenizer(base_name))
+        base = load_base_model(base_name, dtype=dtype, device=device, cpu_kernels=args.cpu_kernels)
+        model = MedusaModel.from_pretrained(args.heads, base_model=base, tokenizer=load_tokenizer(base_name))
     else:
         base_name = args.model or "smollm2-135m-instruct"
-        model = MedusaModel.without_heads(load_base_model(base_name, dtype=dtype, device=device),
+        model = MedusaModel.without_heads(load_base_model(base_name, dtype=dtype, device=device,
+                                                          cpu_kernels=args.cpu_kernels),
                                           tokenizer=load_tokenizer(base_name))
     args.model = base_name
     exclude = [int(x) if x.strip().isdigit() else x.strip() for x in args.exclude_ids.split(",") if x.strip()]

@@ -84,10 +84,11 @@ def test_save_load_round_trip_keeps_the_token_projection(tmp_path):
     model.save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["next_token_input"] is True
     loaded = MedusaModel.from_pretrained(tmp_path, base_model=model.base_model)
-    assert {n for n in loaded.heads.state_dict() if "token_proj" in n} == {f"heads.{k}.token_proj.weight" for k in range(3)}
+    names = {n for n in loaded.heads.state_dict() if "token_proj" in n}
+    assert names == {f"heads.{k}.token_proj.weight" for k in range(3)}
     ids = torch.randint(3, VOCAB, (1, 9))
-    torch.testing.assert_close(loaded(ids, head_positions=None).head_logits, model(ids, head_positions=None).head_logits,
-                               rtol=0, atol=0)
+    torch.testing.assert_close(loaded(ids, head_positions=None).head_logits,
+                               model(ids, head_positions=None).head_logits, rtol=0, atol=0)
     assert "reading the base model's next token" in (tmp_path / "README.md").read_text()
 
 
