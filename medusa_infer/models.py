@@ -299,7 +299,7 @@ def load_base_model(
     """
     from medusa_infer.cpu_kernels import CPU_KERNELS, apply_cpu_kernels
 
-    if cpu_kernels not in CPU_KERNELS:
+    if cpu_kernels not in CPU_KERNELS:  # before a load that can take minutes
         raise ValueError(f"cpu_kernels must be one of {CPU_KERNELS}, got {cpu_kernels!r}")
     model = AutoModelForCausalLM.from_pretrained(
         resolve_model(name_or_path),
