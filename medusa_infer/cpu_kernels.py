@@ -96,6 +96,11 @@ def restore_linear(model: nn.Module) -> int:
     return count
 
 
+def linear_kernels(model: nn.Module) -> str:
+    """``"onednn"`` when ``model`` has layers switched by ``use_onednn_linear``, else ``"default"``."""
+    return "onednn" if any(isinstance(m, OneDNNLinear) for m in model.modules()) else "default"
+
+
 def apply_cpu_kernels(model: nn.Module, kernels: str) -> int:
     """``kernels="onednn"``: ``use_onednn_linear`` when the model is float32 on the CPU (else
     nothing); ``"default"``: PyTorch's own kernels. Returns the number of layers switched."""

@@ -323,6 +323,8 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
     ``args.time_budget`` (seconds since ``started``, a ``time.perf_counter()`` value; default: this
     call) no group but the first starts after the budget is spent.
     """
+    from medusa_infer.cpu_kernels import linear_kernels
+
     started = time.perf_counter() if started is None else started
     methods = list(args.methods)
     check_batch_size(methods, args.batch_size)
@@ -380,7 +382,7 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
             "turns": sum(len(q["turns"]) for q in questions), "max_new_tokens": args.max_new_tokens,
             "batch_size": args.batch_size, "time_budget_s": args.time_budget, "questions_answered": len(questions),
             "device": str(model.device), "dtype": str(model.dtype).replace("torch.", ""),
-            "linear_kernels": _linear_kernels(model),
+            "linear_kernels": linear_kernels(model.base_model),
             "torch_threads": torch.get_num_threads(), "methods": methods,
             "tree": _tree_note(model, args.tree),
         },
@@ -427,12 +429,6 @@ def _tree_note(model, tree) -> Any:
     if model.heads is None:
         return None
     return tree or model.config.tree
-
-
-def _linear_kernels(model) -> str:
-    from medusa_infer.cpu_kernels import OneDNNLinear
-
-    return "onednn" if any(isinstance(m, OneDNNLinear) for m in model.base_model.modules()) else "default"
 
 
 def report_markdown(report: dict[str, Any]) -> str:

@@ -6,7 +6,14 @@ import pytest
 import torch
 from torch import nn
 
-from medusa_infer.cpu_kernels import OneDNNLinear, apply_cpu_kernels, onednn_works, restore_linear, use_onednn_linear
+from medusa_infer.cpu_kernels import (
+    OneDNNLinear,
+    apply_cpu_kernels,
+    linear_kernels,
+    onednn_works,
+    restore_linear,
+    use_onednn_linear,
+)
 from medusa_infer.decoding import generate
 from medusa_infer.model import MedusaModel
 from tiny import VOCAB, tiny_model
@@ -42,7 +49,9 @@ def test_switch_keeps_parameters_ties_and_state_dict_and_can_be_undone():
     model = tiny_model("llama")
     before = {k: v.data_ptr() for k, v in model.state_dict().items()}
     linears = sum(type(m) is nn.Linear for m in model.modules())
+    assert linear_kernels(model) == "default"
     assert use_onednn_linear(model) == linears > 0
+    assert linear_kernels(model) == "onednn"
     assert not any(type(m) is nn.Linear for m in model.modules())
     assert {k: v.data_ptr() for k, v in model.state_dict().items()} == before
     assert restore_linear(model) == linears
