@@ -15,13 +15,18 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from medusa_infer.tree_fit import CostProfile
-from medusa_infer.trees import Path, expected_accept_length
+from medusa_infer.trees import AcceptanceModel, Path, expected_accept_length, path_probability
 
 
-def tree_ladder(paths: Sequence[Path], sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64)) -> list[list[Path]]:
-    """Nested sub-trees of ``paths`` (sorted by depth then rank, so every prefix is a valid tree):
-    ``[[], first 1 path, first 2, first 4, ...]`` up to the whole tree."""
+def tree_ladder(paths: Sequence[Path], sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
+                acceptance: AcceptanceModel | None = None) -> list[list[Path]]:
+    """Nested sub-trees of ``paths``: ``[[], first 1 path, first 2, first 4, ...]`` up to the whole
+    tree. Paths come most probable first under ``acceptance`` (ties: shorter, then smaller), else
+    by depth then rank; either order puts every parent before its children, so each rung is a
+    valid tree, and with ``acceptance`` each rung is the best tree of its size within ``paths``."""
     ordered = sorted((tuple(p) for p in paths), key=lambda p: (len(p), p))
+    if acceptance is not None:
+        ordered.sort(key=lambda p: -path_probability(p, acceptance))  # stable: ties keep depth order
     ladder: list[list[Path]] = [[]]
     for n in sizes:
         if n < len(ordered):
@@ -36,7 +41,8 @@ class TreeController:
 
     Args:
         ladder: nested trees, ``ladder[0] == []`` (plain decoding).
-        head_topk_acc: the heads' calibrated top-k accuracies ``[num_heads][k]``.
+        head_topk_acc: the heads' calibrated acceptance (``trees.AcceptanceModel``: joint path
+            probabilities, or per-rank accuracies ``[num_heads][k]``).
         cost: the device's verification cost profile.
         smoothing: weight of the newest observation in the moving average.
         probe_every: steps between probes while on plain decoding.
@@ -44,7 +50,7 @@ class TreeController:
     """
 
     ladder: list[list[Path]]
-    head_topk_acc: Sequence[Sequence[float]]
+    head_topk_acc: AcceptanceModel
     cost: CostProfile
     smoothing: float = 0.2
     probe_every: int = 16

@@ -6,10 +6,15 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from medusa_infer.trees import AcceptanceModel
 
 PROJECTIONS = ("shared", "own")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Version 1 stored, in a calibrated config (one with a cost profile), per-rank accuracies in
+# head_accuracies; version 2 always stores cumulative top-k accuracies there.
 
 
 @dataclass
@@ -34,7 +39,12 @@ class MedusaConfig:
         base_model_type: ``config.model_type`` of that base model (checked on load).
         tree: the default candidate tree, a list of paths of top-k ranks (Medusa's format).
         top_k: candidates taken from each head when building trees.
-        head_accuracies: measured top-k accuracy per head, ``[num_heads][k]``.
+        head_accuracies: measured top-k accuracy per head, ``[num_heads][k]``: entry ``[d][j]`` is
+            how often head d's target is among its ``j + 1`` best candidates (cumulative).
+        path_accuracies: measured joint acceptance of the most probable tree paths,
+            ``[[path, probability], ...]``: how often every rank along the path is right at once.
+            When set, trees are fitted to it instead of to ``head_accuracies`` taken as
+            independent (heads share their errors, so deep paths are likelier than that says).
         acceptance: measured acceptance figures (tokens per step, per-depth rates, ...).
         cost_profile: measured verification cost per tree size on some device.
         training: free-form training metadata (recipe, data, steps, ...).
@@ -52,6 +62,7 @@ class MedusaConfig:
     tree: list[list[int]] | None = None
     top_k: int = 10
     head_accuracies: list[list[float]] | None = None
+    path_accuracies: list[list[Any]] | None = None
     acceptance: dict[str, Any] | None = None
     cost_profile: dict[str, Any] | None = None
     training: dict[str, Any] = field(default_factory=dict)
@@ -73,6 +84,24 @@ class MedusaConfig:
             raise ValueError(f"top_k must be >= 1, got {self.top_k}")
         if self.tree is not None:
             self.tree = [list(p) for p in self.tree]
+        if self.head_accuracies is not None:
+            for head, row in enumerate(self.head_accuracies):
+                if any(b < a - 1e-9 for a, b in zip(row, row[1:])):
+                    raise ValueError(f"head_accuracies[{head}] = {row} must be cumulative top-k accuracies "
+                                     "(non-decreasing); trees.per_rank_accuracies gives per-rank ones")
+        if self.path_accuracies is not None:
+            self.path_accuracies = [[list(path), float(prob)] for path, prob in self.path_accuracies]
+
+    def acceptance_model(self) -> "AcceptanceModel | None":
+        """What trees are fitted to: the joint path accuracies when measured, else the per-rank
+        accuracies (independent across heads); None when neither was measured."""
+        from medusa_infer.trees import per_rank_accuracies
+
+        if self.path_accuracies:
+            return {tuple(path): prob for path, prob in self.path_accuracies}
+        if self.head_accuracies:
+            return per_rank_accuracies(self.head_accuracies)
+        return None
 
     @property
     def head_vocab_size(self) -> int:
@@ -97,7 +126,11 @@ class MedusaConfig:
                 f"heads config format_version {version} is newer than this medusa-forge supports "
                 f"({FORMAT_VERSION}); upgrade medusa-forge"
             )
-        return cls(**data)
+        if version < 2 and data.get("cost_profile") and data.get("head_accuracies"):
+            # calibrated under version 1: per-rank accuracies, made cumulative here
+            data = {**data, "head_accuracies": [[round(sum(row[: j + 1]), 5) for j in range(len(row))]
+                                                for row in data["head_accuracies"]]}
+        return cls(**{**data, "format_version": FORMAT_VERSION})
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")

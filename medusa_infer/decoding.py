@@ -565,7 +565,9 @@ def make_controller(model, paths: Sequence[Sequence[int]], adaptive: bool | None
             "adaptive=True needs the heads' measured accuracies and cost profile in their config; "
             "run `medusa-bench --calibrate` or train with train_heads.py first"
         )
-    return TreeController(tree_ladder(paths), config.head_accuracies, CostProfile.from_dict(config.cost_profile),
+    acceptance = config.acceptance_model()
+    return TreeController(tree_ladder(paths, acceptance=acceptance), acceptance,
+                          CostProfile.from_dict(config.cost_profile),
                           head_overhead=float(config.cost_profile.get("head_overhead", 0.0)))
 
 

@@ -19,6 +19,8 @@ initialisation, so such heads start where plain Medusa heads start.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -145,16 +147,42 @@ class MedusaHeads(nn.Module):
             embedded = F.embedding(next_tokens, embed_weight).to(hidden.dtype)
         x = torch.stack([head.transform(hidden, embedded) for head in self.heads])
         if self.config.projection == "shared":
-            weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
-            if self.token_map is not None:
-                weight = weight[self.token_map]
-                bias = None if bias is None else bias[self.token_map]
+            weight, bias = self.shared_projection(lm_head)
             logits = F.linear(x, weight, bias)
         else:
             logits = torch.stack([head.proj(x[k]) for k, head in enumerate(self.heads)])
         if logit_softcap:
             logits = torch.tanh(logits / logit_softcap) * logit_softcap
         return logits
+
+    def shared_projection(self, lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The ``lm_head`` weight and bias that ``shared`` heads project with: the rows of
+        ``token_map`` with a reduced vocabulary.
+
+        That gather copies ``reduced_vocab x hidden`` floats, a cost comparable to the heads
+        themselves, so its result is kept while ``lm_head``'s weight, bias and ``token_map`` are the
+        same tensors at the same version (any in-place update bumps the version). It is recomputed
+        whenever gradients must flow into the weight.
+        """
+        weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+        if self.token_map is None:
+            return weight, bias
+        if torch.is_grad_enabled() and (weight.requires_grad or (bias is not None and bias.requires_grad)):
+            return weight[self.token_map], None if bias is None else bias[self.token_map]
+        sources = (weight, bias, self.token_map)
+        stamp = tuple(None if t is None else (t.data_ptr(), t._version, t.device, t.dtype) for t in sources)
+        cached = self.__dict__.get("_shared_projection")
+        if cached is None or cached[1] != stamp or any(a is not b for a, b in zip(cached[0], sources)):
+            gathered = (weight[self.token_map].detach(), None if bias is None else bias[self.token_map].detach())
+            # a plain attribute, not a buffer: derived, never saved, and recomputed when lm_head changes
+            self.__dict__["_shared_projection"] = cached = (sources, stamp, gathered)
+        return cached[2]
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickling and deep copies leave out the gathered projection (it holds ``lm_head``'s weight)."""
+        state = dict(super().__getstate__())
+        state.pop("_shared_projection", None)
+        return state
 
     def to_full_vocab(self, ids: torch.Tensor) -> torch.Tensor:
         """Map head-vocabulary indices (e.g. a top-k) to base token ids."""

@@ -2,8 +2,9 @@
 
 Two measurements decide the best tree on a device:
 
-* the heads' top-k accuracy per depth (from training's held-out evaluation or a calibration run),
-  which gives, for each tree, the expected tokens per step (``trees.expected_accept_length``);
+* the heads' measured acceptance (from training's held-out evaluation or a calibration run): how
+  often each path of ranks is right at once, which gives, for each tree, the expected tokens per
+  step (``trees.expected_accept_length``);
 * the device's verification cost ``t(n)``: one forward of ``n`` tokens at a typical context length.
 
 The tree of each size that maximises the expected tokens is built greedily (``trees.greedy_tree``);
@@ -22,7 +23,7 @@ from typing import Sequence
 import torch
 
 from medusa_infer.kv_cache import AttentionLayout, KVState
-from medusa_infer.trees import Path, expected_accept_length, greedy_tree
+from medusa_infer.trees import AcceptanceModel, Path, expected_accept_length, greedy_tree, tree_capacity
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -155,7 +156,7 @@ class FittedTree:
 
 
 def fit_tree(
-    head_topk_acc: Sequence[Sequence[float]],
+    head_topk_acc: AcceptanceModel,
     cost: CostProfile,
     sizes: Sequence[int] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64),
     head_overhead: float = 0.0,
@@ -163,17 +164,19 @@ def fit_tree(
     """Pick the tree size (nodes beyond the root) that maximises expected tokens per second.
 
     Args:
-        head_topk_acc: ``[num_heads][k]`` probability that head d's rank-r token is right.
+        head_topk_acc: the heads' measured acceptance (``trees.AcceptanceModel``): joint path
+            probabilities, or ``[num_heads][k]`` probabilities that head d's rank-r token is right.
         cost: the device's verification cost profile.
         sizes: candidate numbers of tree nodes.
         head_overhead: cost of running the heads once per step, as a fraction of ``t(1)``.
     """
     table = [{"nodes": 0, "tau": 1.0, "cost_ratio": 1.0, "speedup": 1.0}]
     best = (1.0, [], 1.0)
+    capacity = tree_capacity(head_topk_acc)
     for n in sizes:
-        paths = greedy_tree(head_topk_acc, n)
-        if len(paths) < n:  # the accuracies allow no larger tree
+        if n > capacity:  # the accuracies allow no larger useful tree
             break
+        paths = greedy_tree(head_topk_acc, n)
         tau = expected_accept_length(paths, head_topk_acc)
         ratio = cost.ratio(n + 1) + head_overhead
         speedup = tau / ratio

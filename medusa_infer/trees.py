@@ -19,14 +19,22 @@ import dataclasses
 import heapq
 import math
 import numbers
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 Path = tuple[int, ...]
 
+#: How likely each path is to be accepted: either ``[head][rank]`` probabilities that exactly rank
+#: r of head d is right, taken as independent across depths (Medusa's model), or a mapping from
+#: paths to the measured probability that every rank along the path is right (joint, see
+#: :func:`path_frequencies`; paths it leaves out count as never accepted).
+AcceptanceModel = Sequence[Sequence[float]] | Mapping[Path, float]
+
 __all__ = [
+    "AcceptanceModel",
     "Path",
     "REFERENCE_HEAD_ACCURACY",
     "TREE_PRESETS",
@@ -35,7 +43,11 @@ __all__ = [
     "expected_accept_length",
     "get_tree",
     "greedy_tree",
+    "path_frequencies",
+    "path_probability",
+    "per_rank_accuracies",
     "root_only_tree",
+    "tree_capacity",
     "tree_float_mask",
     "validate_tree",
 ]
@@ -188,54 +200,125 @@ def tree_float_mask(buffers: TreeBuffers, dtype: torch.dtype) -> torch.Tensor:
 # Fitting a tree to measured head accuracies
 # ---------------------------------------------------------------------------------------------
 
-def _check_accuracies(head_topk_acc: Sequence[Sequence[float]]) -> None:
-    """Raise if ``head_topk_acc[d][r]`` is not a table of probabilities, one row per head."""
-    if not head_topk_acc or any(len(row) == 0 for row in head_topk_acc):
+def per_rank_accuracies(cumulative: Sequence[Sequence[float]]) -> list[list[float]]:
+    """``[head][rank]`` probability that exactly rank r is right, from cumulative top-k
+    accuracies (``MedusaConfig.head_accuracies``: the target is among the k best)."""
+    return [[max(0.0, b - a) for a, b in zip([0.0, *row[:-1]], row)] for row in cumulative]
+
+
+def path_frequencies(ranks: torch.Tensor, max_paths: int | None = None) -> dict[Path, float]:
+    """The measured probability of each path, joint over depths.
+
+    Args:
+        ranks: ``[positions, num_heads]`` the rank of the correct token among head d's candidates
+            at each position, or -1 when it is not among them (or there is no target).
+        max_paths: keep only this many of the most probable paths (ties: shorter, then smaller).
+            A child is never more probable than its parent, so what is kept is a valid tree.
+
+    Returns:
+        ``{path: fraction of positions where every rank along the path is right}``. Heads that
+        share errors (a hard position is hard for every head) make deep paths far more likely
+        than the product of per-head accuracies says.
+    """
+    if ranks.dim() != 2 or ranks.shape[0] == 0:
+        raise ValueError(f"ranks must be a non-empty [positions, num_heads] tensor, got shape {tuple(ranks.shape)}")
+    counts: Counter[Path] = Counter()
+    for row in ranks.tolist():
+        path: list[int] = []
+        for rank in row:
+            if rank < 0:
+                break
+            path.append(int(rank))
+            counts[tuple(path)] += 1
+    total = ranks.shape[0]
+    ordered = sorted(counts.items(), key=lambda item: (-item[1], len(item[0]), item[0]))
+    if max_paths is not None:
+        ordered = ordered[:max_paths]
+    return {path: count / total for path, count in ordered}
+
+
+def _check_accuracies(model: AcceptanceModel) -> None:
+    """Raise if ``model`` is neither a table of per-rank probabilities, one row per head, nor a
+    mapping from paths to probabilities."""
+    if isinstance(model, Mapping):
+        if not model:
+            raise ValueError("the path probabilities are empty: no path was ever accepted")
+        for path, prob in model.items():
+            if not isinstance(path, tuple) or not path or any(r < 0 for r in path) or not 0.0 <= prob <= 1.0:
+                raise ValueError(f"path probability {path!r}: {prob!r} must map a non-empty tuple of ranks "
+                                 "to a probability in [0, 1]")
+        return
+    if not model or any(len(row) == 0 for row in model):
         raise ValueError("head_topk_acc needs one non-empty row of top-k accuracies per head, "
-                         f"got {head_topk_acc!r}")
-    for head, row in enumerate(head_topk_acc):
+                         f"got {model!r}")
+    for head, row in enumerate(model):
         if any(not 0.0 <= acc <= 1.0 for acc in row):
             raise ValueError(f"head {head} accuracies {list(row)} must lie in [0, 1]")
         if sum(row) > 1.0 + 1e-6:
             raise ValueError(f"head {head} accuracies {list(row)} sum to {sum(row):.4f} > 1; "
-                             "rank-r accuracies are disjoint events, pass P(rank r is correct)")
+                             "rank-r accuracies are disjoint events, pass P(rank r is correct) "
+                             "(per_rank_accuracies converts cumulative top-k accuracies)")
 
 
-def _path_probability(path: Path, head_topk_acc: Sequence[Sequence[float]]) -> float:
-    """Probability that every rank along ``path`` is correct (heads independent)."""
-    return math.prod(head_topk_acc[depth][rank] for depth, rank in enumerate(path))
+def tree_capacity(model: AcceptanceModel) -> int:
+    """The most nodes a useful tree can have under ``model``: every path the heads' depth and
+    ranks allow, or, for measured path probabilities, the paths ever accepted."""
+    _check_accuracies(model)
+    if isinstance(model, Mapping):
+        return sum(1 for prob in model.values() if prob > 0)
+    num_heads, top_k = _shape(model)
+    return sum(top_k ** depth for depth in range(1, num_heads + 1))
 
 
-def expected_accept_length(paths: Iterable[Sequence[int]],
-                           head_topk_acc: Sequence[Sequence[float]]) -> float:
+def _shape(model: AcceptanceModel) -> tuple[int, int]:
+    """``(num_heads, top_k)`` the model covers."""
+    if isinstance(model, Mapping):
+        return max(len(p) for p in model), 1 + max(max(p) for p in model)
+    return len(model), min(len(row) for row in model)
+
+
+def path_probability(path: Path, model: AcceptanceModel) -> float:
+    """Probability that every rank along ``path`` is correct under ``model``."""
+    if isinstance(model, Mapping):
+        return model.get(path, 0.0)
+    return math.prod(model[depth][rank] for depth, rank in enumerate(path))
+
+
+def expected_accept_length(paths: Iterable[Sequence[int]], head_topk_acc: AcceptanceModel) -> float:
     """Expected tokens per step under greedy decoding: 1 (bonus) + sum of path probabilities.
 
-    ``head_topk_acc[d][r]`` is the probability that head ``d``'s rank-``r`` candidate is the
-    correct token, assumed independent across depths (Medusa's calibration model). A node is
-    accepted iff its whole path is correct, so the expected accept length is the sum over nodes.
+    ``head_topk_acc`` is an :data:`AcceptanceModel`: per-rank accuracies ``[d][r]`` taken as
+    independent across depths (Medusa's calibration model), or measured joint path
+    probabilities. A node is accepted iff its whole path is correct, so the expected accept
+    length is the sum over nodes.
     """
     _check_accuracies(head_topk_acc)
-    tree = validate_tree(paths, len(head_topk_acc), min(len(row) for row in head_topk_acc))
-    return 1.0 + sum(_path_probability(path, head_topk_acc) for path in tree)
+    if isinstance(head_topk_acc, Mapping):  # paths the measurement never saw accepted count as 0
+        paths = [_as_path(p) for p in paths]
+        num_heads, top_k = _shape({**head_topk_acc, **{p: 0.0 for p in paths if p}})
+    else:
+        num_heads, top_k = _shape(head_topk_acc)
+    tree = validate_tree(paths, num_heads, top_k)
+    return 1.0 + sum(path_probability(path, head_topk_acc) for path in tree)
 
 
-def greedy_tree(head_topk_acc: Sequence[Sequence[float]], num_nodes: int) -> list[Path]:
+def greedy_tree(head_topk_acc: AcceptanceModel, num_nodes: int) -> list[Path]:
     """The ``num_nodes``-node tree maximising :func:`expected_accept_length` (Medusa's method).
 
     Repeatedly adds the most probable path whose parent is already in the tree. A child is never
-    more probable than its parent, so this picks the ``num_nodes`` most probable paths overall,
-    which is optimal. Ties go to the shorter, then lexicographically smaller path.
+    more probable than its parent (under either kind of :data:`AcceptanceModel`), so this picks
+    the ``num_nodes`` most probable paths overall, which is optimal. Ties go to the shorter, then
+    lexicographically smaller path.
     """
     _check_accuracies(head_topk_acc)
-    num_heads = len(head_topk_acc)
-    top_k = min(len(row) for row in head_topk_acc)
+    num_heads, top_k = _shape(head_topk_acc)
     capacity = sum(top_k ** depth for depth in range(1, num_heads + 1))
     if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or not 1 <= num_nodes <= capacity:
         raise ValueError(f"num_nodes={num_nodes!r} must be an integer in [1, {capacity}] for "
                          f"{num_heads} heads with top_k={top_k}")
 
     def entry(path: Path) -> tuple[float, int, Path]:
-        return (-_path_probability(path, head_topk_acc), len(path), path)
+        return (-path_probability(path, head_topk_acc), len(path), path)
 
     frontier = [entry((rank,)) for rank in range(top_k)]
     heapq.heapify(frontier)

@@ -43,6 +43,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from medusa_train.evaluate import HeadAccuracy
+
 HF_METHODS = ("hf", "hf-lookup", "hf-assisted")
 OUR_METHODS = ("ar", "medusa", "medusa-lookup", "medusa-typical", "medusa-lossless", "draft", "lookup", "layerskip")
 ALL_METHODS = HF_METHODS + OUR_METHODS
@@ -511,13 +513,15 @@ def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[st
         out = generate(model, ids, max_new_tokens=args.max_new_tokens, tree="chain-1", adaptive=False)
         sequences.append((out.sequences[0], ids.shape[1]))
     accuracy = head_topk_accuracy(model, sequences, top_k=model.config.top_k)
+    paths = accuracy.paths()
     cost = measure_verify_cost(model, context=args.calibrate_context)
     overhead = measure_head_overhead(model, cost)
-    fitted = fit_tree(accuracy, cost, head_overhead=overhead)
+    fitted = fit_tree(paths, cost, head_overhead=overhead)
     config = model.config
     if config.head_accuracies and "heldout_head_accuracies" not in config.training:
         config.training["heldout_head_accuracies"] = config.head_accuracies  # training's, kept beside these
-    config.head_accuracies = [[round(a, 5) for a in row] for row in accuracy]
+    config.head_accuracies = accuracy.topk()
+    config.path_accuracies = [[list(path), prob] for path, prob in paths.items()]
     config.acceptance = {**(config.acceptance or {}),
                          "head_accuracies_measured_on": f"greedy answers to {len(questions)} questions from "
                                                         f"{Path(args.questions).name}",
@@ -532,26 +536,34 @@ def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[st
 
 
 @torch.inference_mode()
-def head_topk_accuracy(model, sequences: list[tuple[torch.Tensor, int]], top_k: int = 10) -> list[list[float]]:
-    """``[num_heads][k]``: how often head d's rank-r token is the token ``d + 2`` ahead, over the
-    generated part of each ``(sequence [seq], prompt_length)``."""
+def head_topk_accuracy(model, sequences: list[tuple[torch.Tensor, int]], top_k: int = 10) -> HeadAccuracy:
+    """How often head d's top-k candidates hold the token ``d + 2`` ahead, over the generated part
+    of each ``(sequence [seq], prompt_length)``: cumulative top-k accuracies and, per position,
+    the rank of each head's target (for the joint path accuracies)."""
     heads = model.config.num_heads
-    hits = torch.zeros(heads, top_k, dtype=torch.float64)
-    counts = torch.zeros(heads, dtype=torch.float64)
+    hits = torch.zeros(heads, top_k, dtype=torch.long)
+    counts = torch.zeros(heads, dtype=torch.long)
+    all_ranks = []
     for seq, start in sequences:
         seq = seq.to(model.device)
         hidden = model(seq[None], logits_positions=slice(0, 0)).hidden_states[0]
         following = torch.cat([seq[1:], seq[-1:]])  # the token at t + 1 (the last one is never scored)
-        ranks = model.heads.to_full_vocab(model.head_logits(hidden, following).topk(top_k, dim=-1).indices)
+        top = model.heads.to_full_vocab(model.head_logits(hidden, following).topk(top_k, dim=-1).indices)
+        positions = torch.arange(max(start - 1, 0), len(seq) - 2, device=seq.device)  # head 0 has a target
+        if len(positions) == 0:
+            continue
+        ranks = torch.full((len(positions), heads), -1, dtype=torch.long)
         for d in range(heads):
-            positions = torch.arange(max(start - 1, 0), len(seq) - d - 2, device=seq.device)
-            if len(positions) == 0:
-                continue
-            target = seq[positions + d + 2]
-            match = ranks[d, positions] == target[:, None]
-            hits[d] += match.double().sum(0).cpu()
-            counts[d] += len(positions)
-    return (hits / counts.clamp(min=1)[:, None]).tolist()
+            scored = positions[positions + d + 2 < len(seq)]
+            match = top[d, scored] == seq[scored + d + 2][:, None]
+            hits[d] += match.long().cumsum(-1).sum(0).cpu()
+            counts[d] += len(scored)
+            found = match.any(-1)
+            ranks[: len(scored), d] = torch.where(found, match.long().argmax(-1), -1).cpu()
+        all_ranks.append(ranks)
+    if not all_ranks:
+        raise ValueError("no generated tokens to measure the heads on: raise --max-new-tokens")
+    return HeadAccuracy(hits, counts, torch.cat(all_ranks))
 
 
 @torch.inference_mode()

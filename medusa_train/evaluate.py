@@ -2,8 +2,8 @@
 
 Per head, top-1..top-k accuracy (cumulative: the target is among the head's k best) over every
 held-out position where the head has a target; a target outside a reduced vocabulary counts as a
-miss. ``greedy_tree`` wants the probability that rank r (exactly) is right, which is the
-difference of consecutive cumulative accuracies.
+miss. Trees are fitted to the joint acceptance of paths: at each held-out position, the rank of
+each head's target; a path is accepted where every rank along it is right.
 """
 
 from __future__ import annotations
@@ -17,28 +17,43 @@ import torch
 
 from medusa_infer.checkpoint import push_folder_to_hub, save_heads
 from medusa_infer.config import MedusaConfig
-from medusa_infer.trees import expected_accept_length, greedy_tree
-from medusa_train.losses import topk_correct
+from medusa_infer.trees import expected_accept_length, greedy_tree, path_frequencies
+from medusa_train.losses import IGNORE, topk_correct
+
+
+#: Paths whose joint acceptance is kept in the heads' config (``path_accuracies``): more than
+#: any fitted tree uses.
+MAX_STORED_PATHS = 128
 
 
 @dataclass
 class HeadAccuracy:
-    """``hits[k][j]``: positions where head k's target is in its top ``j + 1``; ``totals[k]``."""
+    """``hits[k][j]``: positions where head k's target is in its top ``j + 1``; ``totals[k]``;
+    ``ranks`` ``[positions, K]``: the rank of each head's target at each position, -1 for a miss
+    (or no target)."""
 
     hits: torch.Tensor
     totals: torch.Tensor
+    ranks: torch.Tensor
 
     def topk(self) -> list[list[float]]:
         """``[K][top_k]`` cumulative accuracies (what ``MedusaConfig.head_accuracies`` holds)."""
         acc = self.hits.double() / self.totals.clamp(min=1).double().unsqueeze(1)
         return [[round(float(x), 5) for x in row] for row in acc]
 
-    def per_rank(self) -> list[list[float]]:
-        """``[K][top_k]`` probability that exactly rank r is right (what ``greedy_tree`` takes)."""
-        rows = []
-        for row in self.topk():
-            rows.append([max(0.0, b - a) for a, b in zip([0.0] + row[:-1], row)])
-        return rows
+    def paths(self, max_paths: int | None = MAX_STORED_PATHS) -> dict[tuple[int, ...], float]:
+        """Joint acceptance of the most probable paths (what ``greedy_tree`` is fitted to)."""
+        return {path: round(prob, 6) for path, prob in path_frequencies(self.ranks, max_paths).items()}
+
+
+def target_ranks(logits: torch.Tensor, targets: torch.Tensor, max_k: int) -> torch.Tensor:
+    """``[N, K]`` rank of each head's target among its ``max_k`` best, -1 when it is not among
+    them; positions where head 0 has no target are left out. ``logits`` ``[K, N, V]``,
+    ``targets`` ``[N, K]`` as in :func:`medusa_train.losses.topk_correct`."""
+    top = logits.topk(min(max_k, logits.shape[-1]), dim=-1).indices  # [K, N, k]
+    match = top == targets.t().long().unsqueeze(-1)
+    ranks = torch.where(match.any(-1), match.long().argmax(-1), torch.full_like(match[..., 0], -1, dtype=torch.long))
+    return ranks.t()[targets[:, 0] != IGNORE]
 
 
 @torch.no_grad()
@@ -48,23 +63,24 @@ def head_accuracy(head_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tens
     """Accumulate accuracies over batches of ``{"hidden" [N, H], "targets" [N, K],
     "next_tokens" [N]}``; ``head_logits(hidden, next_tokens) -> [K, N, V]``."""
     hits = totals = None
+    ranks = []
     for batch in batches:
         logits = head_logits(batch["hidden"].to(device), batch["next_tokens"].to(device))
-        h, n = topk_correct(logits, batch["targets"].to(device), top_k)
+        targets = batch["targets"].to(device)
+        h, n = topk_correct(logits, targets, top_k)
         hits = h.cpu() if hits is None else hits + h.cpu()
         totals = n.cpu() if totals is None else totals + n.cpu()
+        ranks.append(target_ranks(logits, targets, top_k).cpu())
     if hits is None:
         raise ValueError("no held-out batches to evaluate on; raise data.heldout_fraction")
-    return HeadAccuracy(hits, totals)
+    return HeadAccuracy(hits, totals, torch.cat(ranks))
 
 
 def fit_tree(accuracy: HeadAccuracy, size: int) -> list[tuple[int, ...]]:
-    """The ``size``-node tree maximising the expected accepted length under these accuracies
-    (capped at the number of paths the heads and ranks allow)."""
-    per_rank = accuracy.per_rank()
-    top_k, depth = len(per_rank[0]), len(per_rank)
-    capacity = sum(top_k**d for d in range(1, depth + 1))
-    return greedy_tree(per_rank, min(size, capacity))
+    """The ``size``-node tree maximising the expected accepted length under the measured joint
+    path accuracies (capped at the number of paths ever accepted)."""
+    paths = accuracy.paths()
+    return greedy_tree(paths, min(size, len(paths)))
 
 
 def summary_table(accuracy: HeadAccuracy, tree: list[tuple[int, ...]]) -> str:
@@ -74,7 +90,7 @@ def summary_table(accuracy: HeadAccuracy, tree: list[tuple[int, ...]]) -> str:
     lines = ["head  positions  " + "  ".join(f"top-{k:<3}" for k in shown)]
     for i, row in enumerate(topk):
         lines.append(f"{i + 1:>4}  {int(accuracy.totals[i]):>9}  " + "  ".join(f"{row[k - 1]:<7.3f}" for k in shown))
-    accept = expected_accept_length(tree, accuracy.per_rank())
+    accept = expected_accept_length(tree, accuracy.paths()) if tree else 1.0
     lines.append(f"tree: {len(tree)} nodes, expected tokens per step {accept:.3f} (1.0 = plain decoding)")
     return "\n".join(lines)
 
@@ -84,11 +100,13 @@ def finalize(folder: str | Path, config: MedusaConfig, heads_state: Mapping[str,
              extra: Mapping[str, Any] | None = None) -> Path:
     """Store accuracies and the fitted tree in the heads' config and save the heads with their card."""
     tree = fit_tree(accuracy, tree_size)
+    paths = accuracy.paths()
     config.head_accuracies = accuracy.topk()
+    config.path_accuracies = [[list(path), prob] for path, prob in paths.items()]
     config.tree = [list(path) for path in tree]
     config.top_k = len(config.head_accuracies[0])
     config.acceptance = {
-        "expected_tokens_per_step_fitted_tree": round(expected_accept_length(tree, accuracy.per_rank()), 4),
+        "expected_tokens_per_step_fitted_tree": round(expected_accept_length(tree, paths), 4),
         "heldout_positions": [int(n) for n in accuracy.totals],
     }
     if extra:

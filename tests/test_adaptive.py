@@ -74,6 +74,20 @@ def test_ladder_is_nested_and_valid():
         validate_tree(small, 4, 10)
 
 
+def test_ladder_rungs_are_the_most_probable_paths_first():
+    """With the measured acceptance, each rung is the best tree of its size inside the full tree
+    (by depth alone, rung 2 would be (0,), (1,) although (0, 0) is likelier)."""
+    joint = {(0,): 0.5, (0, 0): 0.4, (1,): 0.1, (0, 0, 0): 0.3, (2,): 0.05}
+    paths = greedy_tree(joint, 5)
+    ladder = tree_ladder(paths, sizes=(1, 2, 3), acceptance=joint)
+    assert ladder[1:4] == [[(0,)], [(0,), (0, 0)], [(0,), (0, 0), (0, 0, 0)]]
+    for rung in ladder[1:]:
+        validate_tree(rung, 3, 3)
+        assert expected_accept_length(rung, joint) == pytest.approx(
+            expected_accept_length(greedy_tree(joint, len(rung)), joint))
+    assert tree_ladder(paths, sizes=(2,))[1] == [(0,), (1,)]  # without it: depth, then rank
+
+
 def test_controller_falls_back_and_recovers():
     ladder = tree_ladder(fit_tree(REFERENCE_HEAD_ACCURACY, STEEP, sizes=(16,)).paths or greedy_tree(REFERENCE_HEAD_ACCURACY, 16))
     control = TreeController(ladder, REFERENCE_HEAD_ACCURACY, STEEP, probe_every=8)

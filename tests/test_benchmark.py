@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from medusa_infer.trees import expected_accept_length, greedy_tree
 from medusa_infer.model import MedusaModel
 from medusa_infer.serving.testing import word_tokenizer
 from medusa_train import benchmark as bench
@@ -91,10 +92,17 @@ def test_calibration_measures_accuracy_and_cost_and_fits_a_tree(model):
     assert config.acceptance["head_accuracies_measured_on"] == "greedy answers to 2 questions from q.jsonl"
     assert config.acceptance["calibrated_tree_nodes"] == result["tree_nodes"]
     assert len(config.head_accuracies) == 4 and len(config.head_accuracies[0]) == config.top_k
-    assert all(0 <= a <= 1 for row in config.head_accuracies for a in row)
+    assert all(0 <= a <= b <= 1 for row in config.head_accuracies for a, b in zip(row, row[1:]))  # cumulative
     assert config.cost_profile["sizes"][0] == 1 and "head_overhead" in config.cost_profile
     assert result["table"][0]["nodes"] == 0
     assert (config.tree is None) == (result["tree_nodes"] == 0)
+    # the tree is fitted to the joint path accuracies stored beside the per-head ones
+    paths = config.acceptance_model()
+    assert paths == {tuple(p): a for p, a in config.path_accuracies} and paths
+    assert max(paths.values()) == max(a for p, a in paths.items() if len(p) == 1)
+    for row in result["table"][1:]:
+        tree = greedy_tree(paths, row["nodes"])
+        assert row["tau"] == pytest.approx(expected_accept_length(tree, paths), abs=1e-4)
 
 
 def test_head_accuracy_counts_the_token_d_plus_2_ahead(model):
@@ -102,14 +110,19 @@ def test_head_accuracy_counts_the_token_d_plus_2_ahead(model):
     the base model generates itself, where head 0's top-1 is right exactly when the token after
     next equals the next token's argmax one position later."""
     seq = torch.tensor([5, 6, 7, 8, 9, 10, 11])
-    acc = head_topk_accuracy(model, [(seq, 2)], top_k=10)
+    measured = head_topk_accuracy(model, [(seq, 2)], top_k=10)
+    acc = measured.topk()
     assert len(acc) == 4 and all(len(row) == 10 for row in acc)
-    assert all(0.0 <= sum(row) <= 1.0 + 1e-9 for row in acc)
+    assert all(0.0 <= a <= b <= 1.0 for row in acc for a, b in zip(row, row[1:]))  # cumulative
+    assert measured.ranks.shape == (len(seq) - 1 - 2, 4)  # positions 1..4 (head 0 has a target)
+    for d in range(4):  # the ranks and the accuracies count the same hits
+        scored = measured.ranks[: int(measured.totals[d]), d]
+        assert acc[d][-1] == pytest.approx(float((scored >= 0).double().mean()))
     identity = MedusaModel.from_base(model.base_model, num_heads=1, tokenizer=model.tokenizer)
     with torch.no_grad():
         greedy = model.base_model.generate(seq[None], max_new_tokens=12, do_sample=False, eos_token_id=None,
                                            pad_token_id=0)[0]
-    acc = head_topk_accuracy(identity, [(greedy, len(seq))], top_k=1)
+    acc = head_topk_accuracy(identity, [(greedy, len(seq))], top_k=1).topk()
     logits = model.base_model(greedy[None]).logits[0].argmax(-1)
     positions = range(len(seq) - 1, len(greedy) - 2)
     expected = sum(int(logits[t] == greedy[t + 2]) for t in positions) / len(positions)

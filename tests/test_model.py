@@ -105,6 +105,35 @@ def test_reduced_vocabulary_maps_columns_to_token_ids():
     assert torch.equal(model.heads.to_full_vocab(columns), token_map()[columns])
 
 
+def test_reduced_projection_is_gathered_once_and_follows_lm_head():
+    model = randomize(medusa(base_model("llama"), "reduced"))
+    heads, lm_head = model.heads, model.lm_head
+    with torch.no_grad():
+        first, _ = heads.shared_projection(lm_head)
+        assert heads.shared_projection(lm_head)[0] is first  # no second gather
+        assert torch.equal(first, lm_head.weight[token_map()])
+        ids = input_ids()
+        before = all_logits(model, ids)[1]
+        lm_head.weight.mul_(2.0)  # an in-place update: the gather is redone
+        assert torch.equal(heads.shared_projection(lm_head)[0], lm_head.weight[token_map()])
+        assert not torch.equal(all_logits(model, ids)[1], before)
+        lm_head.weight = torch.nn.Parameter(torch.randn_like(lm_head.weight))  # a new tensor
+        assert torch.equal(heads.shared_projection(lm_head)[0], lm_head.weight[token_map()])
+    copy = __import__("copy").deepcopy(heads)
+    assert "_shared_projection" not in copy.__dict__
+
+
+def test_reduced_projection_passes_gradients_to_a_trainable_lm_head():
+    model = medusa(base_model("llama"), "reduced")
+    lm_head = model.lm_head
+    lm_head.weight.requires_grad_(True)
+    hidden = torch.randn(2, model.config.hidden_size)
+    model.heads(hidden, lm_head).sum().backward()
+    assert lm_head.weight.grad is not None
+    rows = lm_head.weight.grad.abs().sum(-1) > 0
+    assert rows.sum() == len(token_map()) and rows[token_map()].all()
+
+
 # ----- independent parameters
 
 
@@ -368,6 +397,22 @@ def test_unknown_config_key_is_named(saved):
     path = directory / "config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "medusa_choices": [[0]]}))
     with pytest.raises(ValueError, match=r"unknown keys \['medusa_choices'\].*known keys: \[.*'num_heads'"):
+        MedusaModel.from_pretrained(directory, base_model=base)
+
+
+def test_version_1_calibrated_accuracies_are_read_as_cumulative(saved):
+    """Calibration under format 1 stored per-rank accuracies; training always stored cumulative."""
+    directory, base = saved
+    path = directory / "config.json"
+    old = {**json.loads(path.read_text()), "format_version": 1, "cost_profile": {"sizes": [1], "seconds": [0.1]},
+           "head_accuracies": [[0.3, 0.1, 0.05]] * HEADS}
+    path.write_text(json.dumps(old))
+    config = MedusaModel.from_pretrained(directory, base_model=base).config
+    assert config.format_version == 2
+    assert config.head_accuracies[0] == pytest.approx([0.3, 0.4, 0.45])
+    assert config.acceptance_model()[0] == pytest.approx([0.3, 0.1, 0.05])
+    path.write_text(json.dumps({**old, "format_version": 2}))  # the same numbers under format 2 are refused
+    with pytest.raises(ValueError, match=r"head_accuracies\[0\] = \[0.3, 0.1, 0.05\] must be cumulative"):
         MedusaModel.from_pretrained(directory, base_model=base)
 
 

@@ -15,7 +15,10 @@ from medusa_infer.trees import (
     expected_accept_length,
     get_tree,
     greedy_tree,
+    path_frequencies,
+    per_rank_accuracies,
     root_only_tree,
+    tree_capacity,
     tree_float_mask,
     validate_tree,
 )
@@ -257,3 +260,48 @@ def test_greedy_tree_breaks_ties_towards_shorter_paths():
     acc = [[0.6, 0.3], [0.5, 0.1]]  # (1,) and (0, 0) both have probability 0.3
     assert greedy_tree(acc, 2) == [(0,), (1,)]
     assert greedy_tree(acc, 3) == [(0,), (1,), (0, 0)]
+
+
+# ----- measured joint path accuracies
+
+
+def test_path_frequencies_by_hand():
+    ranks = torch.tensor([[0, 0], [0, 1], [1, -1], [-1, 0], [0, 0]])
+    assert path_frequencies(ranks) == {(0,): 0.6, (0, 0): 0.4, (0, 1): 0.2, (1,): 0.2}
+    # the most probable paths, ties to the shorter: still a tree
+    assert path_frequencies(ranks, max_paths=3) == {(0,): 0.6, (0, 0): 0.4, (1,): 0.2}
+    with pytest.raises(ValueError, match="non-empty"):
+        path_frequencies(torch.zeros(0, 2, dtype=torch.long))
+
+
+def test_shared_errors_make_deep_paths_likelier_than_independence_says():
+    """Half the positions are easy for both heads, half hard for both: a 2-chain is accepted
+    whole half the time, not a quarter of it."""
+    ranks = torch.tensor([[0, 0], [-1, -1]] * 50)
+    joint = path_frequencies(ranks)
+    independent = per_rank_accuracies([[0.5], [0.5]])
+    assert expected_accept_length([(0,), (0, 0)], joint) == pytest.approx(2.0)
+    assert expected_accept_length([(0,), (0, 0)], independent) == pytest.approx(1.75)
+    # paths never seen accepted count as 0, at any depth or rank
+    assert expected_accept_length([(0,), (1,), (0, 0), (0, 0, 3)], joint) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_greedy_tree_on_path_frequencies_matches_brute_force(seed):
+    generator = torch.Generator().manual_seed(seed)
+    easy = torch.rand(60, 1, generator=generator) < 0.5  # correlated: easy positions hit more often
+    ranks = torch.randint(-1, 2, (60, 2), generator=generator)
+    ranks = torch.where(easy & (torch.rand(60, 2, generator=generator) < 0.6), 0, ranks)
+    joint = path_frequencies(ranks)
+    best = {}
+    for tree in _prefix_closed_trees(num_heads=2, top_k=2, max_size=4):
+        best[len(tree)] = max(best.get(len(tree), 0.0), expected_accept_length(tree, joint))
+    for size, value in best.items():
+        if size <= tree_capacity(joint):
+            assert expected_accept_length(greedy_tree(joint, size), joint) == pytest.approx(value, abs=1e-12)
+
+
+def test_per_rank_accuracies_and_capacity():
+    assert per_rank_accuracies([[0.5, 0.7, 0.7]])[0] == pytest.approx([0.5, 0.2, 0.0])
+    assert tree_capacity([[0.5, 0.2], [0.4, 0.1]]) == 6
+    assert tree_capacity({(0,): 0.5, (0, 0): 0.25, (1,): 0.0}) == 2
