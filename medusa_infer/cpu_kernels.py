@@ -45,14 +45,19 @@ def _pointwise_op():
 _LINEAR = _pointwise_op()
 
 
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, on oneDNN for float32 CPU inference (else ``F.linear``)."""
+    if (_LINEAR is None or torch.is_grad_enabled() or x.device.type != "cpu"
+            or x.dtype != torch.float32 or weight.dtype != torch.float32):
+        return F.linear(x, weight, bias)
+    return _LINEAR(x.contiguous(), weight, bias, "none", [], "")
+
+
 class OneDNNLinear(nn.Linear):
     """``nn.Linear`` whose float32 CPU inference runs on oneDNN (see the module docstring)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (_LINEAR is None or torch.is_grad_enabled() or x.device.type != "cpu"
-                or x.dtype != torch.float32 or self.weight.dtype != torch.float32):
-            return F.linear(x, self.weight, self.bias)
-        return _LINEAR(x.contiguous(), self.weight, self.bias, "none", [], "")
+        return onednn_linear(x, self.weight, self.bias)
 
 
 def onednn_works() -> bool:

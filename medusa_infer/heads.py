@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from medusa_infer.config import MedusaConfig
+from medusa_infer.cpu_kernels import OneDNNLinear, onednn_linear
 
 
 class ResBlock(nn.Module):
@@ -148,7 +149,9 @@ class MedusaHeads(nn.Module):
         x = torch.stack([head.transform(hidden, embedded) for head in self.heads])
         if self.config.projection == "shared":
             weight, bias = self.shared_projection(lm_head)
-            logits = F.linear(x, weight, bias)
+            # the same kernels as the base model's own lm_head (see cpu_kernels)
+            linear = onednn_linear if isinstance(lm_head, OneDNNLinear) else F.linear
+            logits = linear(x, weight, bias)
         else:
             logits = torch.stack([head.proj(x[k]) for k, head in enumerate(self.heads)])
         if logit_softcap:

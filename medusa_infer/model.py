@@ -32,6 +32,7 @@ from medusa_infer.checkpoint import (
     push_folder_to_hub,
     save_heads,
 )
+from medusa_infer.cpu_kernels import linear_kernels, use_onednn_linear
 from medusa_infer.config import MedusaConfig
 from medusa_infer.heads import MedusaHeads
 
@@ -96,6 +97,8 @@ class MedusaModel(nn.Module):
         if heads is not None:
             check_compatible(heads.config, base_model)
             heads = heads.to(device=base_model.device, dtype=base_model.dtype)
+            if linear_kernels(base_model) == "onednn":  # the heads use the base model's CPU kernels
+                use_onednn_linear(heads)
         self.base_model = base_model
         self.heads = heads
         self.tokenizer = tokenizer

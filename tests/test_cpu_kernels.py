@@ -79,3 +79,23 @@ def test_greedy_decoding_stays_identical_to_generate(arch):
         hf = model.base_model.generate(prompt[None], attention_mask=torch.ones_like(prompt)[None], max_new_tokens=20,
                                        do_sample=False, eos_token_id=None, pad_token_id=0)
         assert out.new_tokens[0] == hf[0, n:].tolist()
+
+
+@pytest.mark.parametrize("projection, reduced", [("shared", None), ("shared", 40), ("own", None)])
+def test_heads_take_the_base_models_kernels_and_give_the_same_logits(projection, reduced):
+    token_map = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))[:reduced] if reduced else None
+    plain = MedusaModel.from_base(tiny_model("llama"), num_heads=3, num_layers=2, projection=projection,
+                                  token_map=token_map, next_token_input=True)
+    torch.manual_seed(0)
+    for p in plain.heads.parameters():
+        nn.init.normal_(p, std=0.3)
+    hidden = torch.randn(2, 5, plain.base_model.config.hidden_size)
+    following = torch.randint(0, VOCAB, (2, 5))
+    with torch.no_grad():
+        expected = plain.head_logits(hidden, following)
+    assert linear_kernels(plain.heads) == "default"
+    use_onednn_linear(plain.base_model)
+    switched = MedusaModel(plain.base_model, plain.heads)
+    assert linear_kernels(switched.heads) == "onednn"
+    with torch.no_grad():
+        torch.testing.assert_close(switched.head_logits(hidden, following), expected, atol=1e-4, rtol=1e-4)
