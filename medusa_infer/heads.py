@@ -174,6 +174,7 @@ class MedusaHeads(nn.Module):
             return weight[self.token_map], None if bias is None else bias[self.token_map]
         sources = (weight, bias, self.token_map)
         stamp = tuple(None if t is None else (t.data_ptr(), t._version, t.device, t.dtype) for t in sources)
+        stamp += (torch.is_inference_mode_enabled(),)  # an inference tensor cannot be saved for backward
         cached = self.__dict__.get("_shared_projection")
         if cached is None or cached[1] != stamp or any(a is not b for a, b in zip(cached[0], sources)):
             gathered = (weight[self.token_map].detach(), None if bias is None else bias[self.token_map].detach())

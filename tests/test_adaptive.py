@@ -110,7 +110,7 @@ def test_useless_heads_engage_the_fallback_and_output_stays_exact():
     torch.manual_seed(0)
     for p in model.heads.parameters():
         torch.nn.init.normal_(p, std=2.0)  # heads that propose noise
-    model.config.head_accuracies = [list(row) for row in REFERENCE_HEAD_ACCURACY]
+    model.config.head_accuracies = [list(itertools.accumulate(row)) for row in REFERENCE_HEAD_ACCURACY]  # cumulative
     model.config.cost_profile = STEEP.to_dict()
     prompt = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
     out = generate(model, prompt, max_new_tokens=60, tree="tree-16", eos_token_id=[])

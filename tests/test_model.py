@@ -428,3 +428,13 @@ def test_a_model_without_heads_cannot_be_saved(tmp_path):
     with pytest.raises(ValueError, match="has no heads"):
         model.save_pretrained(tmp_path / "heads")
     assert not (tmp_path / "heads").exists()
+
+
+def test_reduced_projection_gathered_in_inference_mode_still_trains():
+    """Evaluation under inference_mode, then training with a frozen lm_head (Medusa-2 style)."""
+    model = medusa(base_model("llama"), "reduced")
+    hidden = torch.randn(2, model.config.hidden_size)
+    with torch.inference_mode():
+        model.heads(hidden, model.lm_head)
+    model.heads(hidden.requires_grad_(), model.lm_head).sum().backward()
+    assert hidden.grad is not None
