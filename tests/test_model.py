@@ -433,6 +433,7 @@ def test_a_model_without_heads_cannot_be_saved(tmp_path):
 def test_reduced_projection_gathered_in_inference_mode_still_trains():
     """Evaluation under inference_mode, then training with a frozen lm_head (Medusa-2 style)."""
     model = medusa(base_model("llama"), "reduced")
+    model.lm_head.weight.requires_grad_(False)
     hidden = torch.randn(2, model.config.hidden_size)
     with torch.inference_mode():
         model.heads(hidden, model.lm_head)
