@@ -520,6 +520,8 @@ def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[st
     config = model.config
     if config.head_accuracies and "heldout_head_accuracies" not in config.training:
         config.training["heldout_head_accuracies"] = config.head_accuracies  # training's, kept beside these
+    if config.path_accuracies and "heldout_path_accuracies" not in config.training:
+        config.training["heldout_path_accuracies"] = config.path_accuracies
     config.head_accuracies = accuracy.topk()
     config.path_accuracies = [[list(path), prob] for path, prob in paths.items()]
     config.acceptance = {**(config.acceptance or {}),

@@ -86,9 +86,11 @@ def test_report_has_every_field_per_method_and_category(model):
 
 def test_calibration_measures_accuracy_and_cost_and_fits_a_tree(model):
     model.config.head_accuracies = heldout = [[0.5] * model.config.top_k] * 4  # as training leaves them
+    model.config.path_accuracies = heldout_paths = [[[0], 0.5], [[0, 0], 0.5]]
     result = calibrate(model, QUESTIONS[:2], args())
     config = model.config
     assert config.training["heldout_head_accuracies"] == heldout and config.head_accuracies != heldout
+    assert config.training["heldout_path_accuracies"] == heldout_paths and config.path_accuracies != heldout_paths
     assert config.acceptance["head_accuracies_measured_on"] == "greedy answers to 2 questions from q.jsonl"
     assert config.acceptance["calibrated_tree_nodes"] == result["tree_nodes"]
     assert len(config.head_accuracies) == 4 and len(config.head_accuracies[0]) == config.top_k
