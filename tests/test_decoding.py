@@ -197,6 +197,10 @@ def test_sliding_window_models_stay_exact_past_the_window(arch):
     out = generate(model, ids, attention_mask=mask, max_new_tokens=24, eos_token_id=NO_EOS,
                    proposer=OracleProposer(futures, TREE_PRESETS["tree-8"], seed=1))
     assert out.new_tokens == futures
+    # one unpadded row: the prefill takes the model's own (sliding-window) masks, past the window
+    out = generate(model, prompts[1][None], max_new_tokens=24, eos_token_id=NO_EOS,
+                   proposer=OracleProposer(futures[1:], TREE_PRESETS["tree-8"], seed=1))
+    assert out.new_tokens == futures[1:]
 
 
 def test_streaming_yields_the_same_tokens_in_order():
