@@ -43,7 +43,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from medusa_train.evaluate import HeadAccuracy
+from medusa_train.evaluate import HeadAccuracy, head_accuracy
 
 HF_METHODS = ("hf", "hf-lookup", "hf-assisted")
 OUR_METHODS = ("ar", "medusa", "medusa-lookup", "medusa-typical", "medusa-lossless", "draft", "lookup", "layerskip")
@@ -539,33 +539,25 @@ def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[st
 
 @torch.inference_mode()
 def head_topk_accuracy(model, sequences: list[tuple[torch.Tensor, int]], top_k: int = 10) -> HeadAccuracy:
-    """How often head d's top-k candidates hold the token ``d + 2`` ahead, over the generated part
-    of each ``(sequence [seq], prompt_length)``: cumulative top-k accuracies and, per position,
-    the rank of each head's target (for the joint path accuracies)."""
-    heads = model.config.num_heads
-    hits = torch.zeros(heads, top_k, dtype=torch.long)
-    counts = torch.zeros(heads, dtype=torch.long)
-    all_ranks = []
+    """How the heads rank the token ``d + 2`` ahead over the generated part of each ``(sequence
+    [seq], prompt_length)``, measured as training's held-out evaluation measures it (cumulative
+    top-k accuracies and, per position, each head's rank of its target). The heads run where
+    decoding runs them: from the last prompt token on, each reading the token that follows."""
+    from medusa_train.features import head_targets
+    from medusa_train.losses import IGNORE, to_head_vocab
+
+    batches = []
     for seq, start in sequences:
         seq = seq.to(model.device)
         hidden = model(seq[None], logits_positions=slice(0, 0)).hidden_states[0]
         following = torch.cat([seq[1:], seq[-1:]])  # the token at t + 1 (the last one is never scored)
-        top = model.heads.to_full_vocab(model.head_logits(hidden, following).topk(top_k, dim=-1).indices)
-        positions = torch.arange(max(start - 1, 0), len(seq) - 2, device=seq.device)  # head 0 has a target
-        if len(positions) == 0:
-            continue
-        ranks = torch.full((len(positions), heads), -1, dtype=torch.long)
-        for d in range(heads):
-            scored = positions[positions + d + 2 < len(seq)]
-            match = top[d, scored] == seq[scored + d + 2][:, None]
-            hits[d] += match.long().cumsum(-1).sum(0).cpu()
-            counts[d] += len(scored)
-            found = match.any(-1)
-            ranks[: len(scored), d] = torch.where(found, match.long().argmax(-1), -1).cpu()
-        all_ranks.append(ranks)
-    if not all_ranks:
+        targets = to_head_vocab(head_targets(seq, model.config.num_heads), model.heads.token_map,
+                                model.config.vocab_size)
+        first = max(start - 1, 0)  # the last prompt token: where decoding first runs the heads
+        batches.append({"hidden": hidden[first:], "targets": targets[first:], "next_tokens": following[first:]})
+    if not any(bool((b["targets"][:, 0] != IGNORE).any()) for b in batches):
         raise ValueError("no generated tokens to measure the heads on: raise --max-new-tokens")
-    return HeadAccuracy(hits, counts, torch.cat(all_ranks))
+    return head_accuracy(model.head_logits, batches, top_k, device=model.device)
 
 
 @torch.inference_mode()
