@@ -164,15 +164,8 @@ class DecodeBatch:
         start = time.perf_counter()
         ids, mask = self.input_ids.to(self.model.device), self.attention_mask.to(self.model.device).bool()
         positions = (mask.long().cumsum(1) - 1).clamp(min=0)
-        if bool(mask.all()):
-            # No padding: the model builds its own causal (and sliding-window) masks, which lets
-            # attention take its causal kernels (identical logits): a materialised 4D mask made a
-            # 1000-token prefill of the default model 10% slower on a 2-core CPU (1.69 s against
-            # 1.53 s). Padded batches and tree steps need the 4D masks.
-            attn = None
-        else:
-            causal = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=ids.device).tril()
-            attn = self.kv.attention_mask(positions, mask, causal, self.model.dtype)
+        causal = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=ids.device).tril()
+        attn = self.kv.attention_mask(positions, mask, causal, self.model.dtype)  # None: no padding
         out = self.model(ids, attention_mask=attn, position_ids=positions, cache=self.kv.cache,
                          logits_positions=slice(-1, None))
         self.kv.append(mask, positions)

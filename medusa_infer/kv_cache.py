@@ -79,8 +79,12 @@ class KVState:
         query_valid: torch.Tensor,
         new_mask: torch.Tensor,
         dtype: torch.dtype,
-    ) -> torch.Tensor | dict[str, torch.Tensor]:
-        """The 4D float mask(s) for a forward of new tokens over the cache plus themselves.
+    ) -> torch.Tensor | dict[str, torch.Tensor] | None:
+        """The 4D float mask(s) for a forward of new tokens over the cache plus themselves, or
+        None when the cache is empty, no new token is padding and ``new_mask`` is causal: the model
+        then builds its own causal (and sliding-window) masks, which lets attention take its
+        causal kernels with identical logits. A materialised 4D mask made a 1000-token prefill of
+        the default model 10% slower on a 2-core CPU (1.69 s against 1.53 s).
 
         Args:
             query_positions: ``[batch, new]`` position ids of the new tokens.
@@ -91,9 +95,12 @@ class KVState:
 
         Returns:
             ``[batch, 1, new, slots + new]`` float masks (0 allowed, dtype minimum elsewhere), as
-            a dict keyed by layer type for models with mixed layer types.
+            a dict keyed by layer type for models with mixed layer types; or None (see above).
         """
         batch, new = query_positions.shape
+        if self.num_slots == 0 and bool(query_valid.all()) and new_mask.dim() == 2 and torch.equal(
+                new_mask, torch.ones(new, new, dtype=torch.bool, device=new_mask.device).tril()):
+            return None
         key_valid = torch.cat([self.valid, query_valid], dim=1)
         key_positions = torch.cat([self.positions, query_positions], dim=1)
         if new_mask.dim() == 2:

@@ -153,6 +153,20 @@ def test_partial_oracle_trees_stay_exact_in_batches(arch):
     assert out.metrics.tau > 1.5
 
 
+def test_only_an_unpadded_causal_prefill_leaves_the_mask_to_the_model():
+    kv = KVState.empty(2, AttentionLayout.from_config(medusa("llama").base_model.config), torch.device("cpu"))
+    positions = torch.arange(4).expand(2, 4)
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()
+    valid = torch.ones(2, 4, dtype=torch.bool)
+    assert kv.attention_mask(positions, valid, causal, torch.float32) is None
+    padded = valid.clone()
+    padded[1, 0] = False
+    assert kv.attention_mask(positions, padded, causal, torch.float32).shape == (2, 1, 4, 4)
+    assert kv.attention_mask(positions, valid, torch.eye(4, dtype=torch.bool), torch.float32) is not None
+    kv.append(valid, positions)  # with a cache, new tokens always get a 4D mask
+    assert kv.attention_mask(positions + 4, valid, causal, torch.float32).shape == (2, 1, 4, 8)
+
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_tree_forward_matches_sequential_paths(arch):
     model = medusa(arch)
