@@ -177,10 +177,15 @@ class DecodeBatch:
         self.metrics.ttft_s = time.perf_counter() - start
         return emitted
 
-    def step(self) -> dict[int, list[int]]:
+    def step(self, speculate: bool = True) -> dict[int, list[int]]:
+        """One verification step of every active row; ``speculate=False`` limits the proposal to
+        depth 0 (a plain decoding step, e.g. when a serving gate finds speculation slower)."""
         metrics, model = self.metrics, self.model
         with metrics.phase("propose"):
-            proposal = self.proposer.propose(self.roots, self._context())
+            context = self._context()
+            if not speculate:
+                context.max_depth = 0
+            proposal = self.proposer.propose(self.roots, context)
         tree, n = proposal.tree, proposal.tree.num_nodes
         with metrics.phase("verify"):
             positions = self.root_pos[:, None] + tree.depths[None]

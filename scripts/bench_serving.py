@@ -1,11 +1,12 @@
 """Serving benchmark: throughput and latency of ``medusa-serve`` with speculation on and off.
 
-For each method (the speculative one, then ``autoregressive``) the script starts a server on
-127.0.0.1 in a subprocess, sends ``--requests`` streamed chat requests at each concurrency level
-(at most that many in flight), and measures per request the time to first token (TTFT), the time
-per output token after the first (TPOT) and the end-to-end latency; per level the output
-throughput. Requests are greedy, so both methods must produce the same text: the table says
-whether they did.
+For each method (the speculative one with its speculation gate measuring, then with the gate off,
+then ``autoregressive``) the script starts a server on 127.0.0.1 in a subprocess, sends
+``--requests`` streamed chat requests at each concurrency level (at most that many in flight), and
+measures per request the time to first token (TTFT), the time per output token after the first
+(TPOT) and the end-to-end latency; per level the output throughput. Requests are greedy, so every
+method must produce the same text: the table says whether it did, and which share of the decoding
+steps the gate made plain.
 
     python scripts/bench_serving.py --method lookup --requests 16 --max-tokens 64 --output bench.json
     python scripts/bench_serving.py --method medusa --heads runs/demo/heads --output bench.json
@@ -27,6 +28,8 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+
+from medusa_infer.serving.testing import metric_value
 
 PROMPTS = [
     "What is the capital of France?",
@@ -76,6 +79,7 @@ class LevelResult:
     throughput_tok_s: float
     requests_per_s: float
     tau: float
+    plain_step_share: float
     ttft_p50_ms: float
     ttft_p90_ms: float
     tpot_p50_ms: float
@@ -98,6 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads of each server")
+    parser.add_argument("--gate", choices=("measured", "off", "both"), default="both",
+                        help="the speculative server's --speculation-gate: measured, off, or both in turn "
+                             "(default: both)")
     parser.add_argument("--server-arg", action="append", default=[],
                         help="extra argument for medusa-serve (repeatable), e.g. --server-arg=--draft-tokens=4")
     parser.add_argument("--output", type=Path, default=None, help="write the results as JSON here")
@@ -120,7 +127,7 @@ def free_port() -> int:
 class Server:
     """``python -m medusa_infer.serving`` on a free loopback port, its output in a log file."""
 
-    def __init__(self, args: argparse.Namespace, method: str, log_dir: Path) -> None:
+    def __init__(self, args: argparse.Namespace, method: str, log_dir: Path, gate: str = "measured") -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "medusa_infer.serving", "--model", args.model, "--method", method,
@@ -131,8 +138,10 @@ class Server:
             command += ["--heads", args.heads]
         if args.threads:
             command += ["--threads", str(args.threads)]
+        if method != "autoregressive":
+            command += ["--speculation-gate", gate]
         command += args.server_arg
-        self.log_path = log_dir / f"server-{method}.log"
+        self.log_path = log_dir / f"server-{method}-{gate}.log"
         self.log = self.log_path.open("w")
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
 
@@ -218,7 +227,8 @@ async def run_level(base_url: str, args: argparse.Namespace, concurrency: int) -
         return list(results), time.perf_counter() - start
 
 
-def summarize(method: str, concurrency: int, results: list[RequestResult], wall_s: float) -> LevelResult:
+def summarize(method: str, concurrency: int, results: list[RequestResult], wall_s: float,
+              plain_step_share: float) -> LevelResult:
     ok = [r for r in results if r.ok]
 
     def pct(values: list[float], q: float, scale: float = 1.0) -> float:
@@ -230,26 +240,38 @@ def summarize(method: str, concurrency: int, results: list[RequestResult], wall_
         method=method, concurrency=concurrency, requests=len(results), ok=len(ok), wall_s=round(wall_s, 3),
         output_tokens=tokens, throughput_tok_s=round(tokens / wall_s, 2), requests_per_s=round(len(ok) / wall_s, 3),
         tau=round(float(np.mean([r.tau for r in ok])), 3) if ok else float("nan"),
+        plain_step_share=round(plain_step_share, 3),
         ttft_p50_ms=pct(ttft, 50, 1000), ttft_p90_ms=pct(ttft, 90, 1000),
         tpot_p50_ms=pct(tpot, 50, 1000), tpot_p90_ms=pct(tpot, 90, 1000),
         e2e_p50_s=pct(e2e, 50), e2e_p90_s=pct(e2e, 90), texts=[r.text for r in results],
     )
 
 
-def bench_method(args: argparse.Namespace, method: str, log_dir: Path) -> list[LevelResult]:
-    server = Server(args, method, log_dir)
+def step_counts(server: Server) -> tuple[float, float]:
+    """The server's (decoding steps, steps the speculation gate made plain) so far."""
+    text = server.metrics()
+    return metric_value(text, "medusa:batch_steps_total"), metric_value(text, "medusa:gated_steps_total")
+
+
+def bench_method(args: argparse.Namespace, method: str, log_dir: Path, gate: str = "measured") -> list[LevelResult]:
+    server = Server(args, method, log_dir, gate)
+    label = method if method == "autoregressive" or gate == "measured" else f"{method} (gate off)"
     try:
-        print(f"[bench] starting {method} server on port {server.port} ...", file=sys.stderr, flush=True)
+        print(f"[bench] starting {label} server on port {server.port} ...", file=sys.stderr, flush=True)
         server.wait_ready()
         asyncio.run(run_level(server.base_url, argparse.Namespace(**{**vars(args), "requests": 2}), 2))  # warm-up
         levels = []
         for concurrency in args.concurrency:
+            steps_before, gated_before = step_counts(server)
             results, wall = asyncio.run(run_level(server.base_url, args, concurrency))
-            level = summarize(method, concurrency, results, wall)
+            steps, gated = step_counts(server)
+            share = (gated - gated_before) / (steps - steps_before) if steps > steps_before else 0.0
+            level = summarize(label, concurrency, results, wall, share)
             failed = [r.error for r in results if not r.ok]
             if failed:
-                print(f"[bench] {method} c={concurrency}: {len(failed)} failed, e.g. {failed[0]}", file=sys.stderr)
-            print(f"[bench] {method} c={concurrency}: {level.throughput_tok_s} tok/s, tau {level.tau}",
+                print(f"[bench] {label} c={concurrency}: {len(failed)} failed, e.g. {failed[0]}", file=sys.stderr)
+            print(f"[bench] {label} c={concurrency}: {level.throughput_tok_s} tok/s, tau {level.tau}, "
+                  f"plain steps {share:.0%}",
                   file=sys.stderr, flush=True)
             levels.append(level)
         return levels
@@ -258,15 +280,16 @@ def bench_method(args: argparse.Namespace, method: str, log_dir: Path) -> list[L
 
 
 def markdown(levels: list[LevelResult], baseline: dict[int, LevelResult], same: dict[tuple[str, int], int]) -> str:
-    rows = ["| method | conc. | ok | tok/s | speed-up | tau | TTFT p50 / p90 (ms) | TPOT p50 / p90 (ms) "
-            "| E2E p50 / p90 (s) | same text as AR |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| method | conc. | ok | tok/s | speed-up | tau | plain steps | TTFT p50 / p90 (ms) "
+            "| TPOT p50 / p90 (ms) | E2E p50 / p90 (s) | same text as AR |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for level in levels:
         base = baseline.get(level.concurrency)
         speedup = f"{level.throughput_tok_s / base.throughput_tok_s:.2f}x" if base and base.throughput_tok_s else "-"
         rows.append(
             f"| {level.method} | {level.concurrency} | {level.ok}/{level.requests} | {level.throughput_tok_s:.1f} "
-            f"| {speedup} | {level.tau:.2f} | {level.ttft_p50_ms:.0f} / {level.ttft_p90_ms:.0f} "
+            f"| {speedup} | {level.tau:.2f} | {level.plain_step_share:.0%} "
+            f"| {level.ttft_p50_ms:.0f} / {level.ttft_p90_ms:.0f} "
             f"| {level.tpot_p50_ms:.1f} / {level.tpot_p90_ms:.1f} | {level.e2e_p50_s:.2f} / {level.e2e_p90_s:.2f} "
             f"| {same.get((level.method, level.concurrency), '-')}/{level.requests} |")
     return "\n".join(rows)
@@ -274,10 +297,12 @@ def markdown(levels: list[LevelResult], baseline: dict[int, LevelResult], same: 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    methods = [args.method] if args.method == "autoregressive" else [args.method, "autoregressive"]
+    gates = ["measured", "off"] if args.gate == "both" else [args.gate]
+    runs = [("autoregressive", "off")] if args.method == "autoregressive" else (
+        [(args.method, gate) for gate in gates] + [("autoregressive", "off")])
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
         try:
-            levels = [level for method in methods for level in bench_method(args, method, Path(tmp))]
+            levels = [level for method, gate in runs for level in bench_method(args, method, Path(tmp), gate)]
         except RuntimeError as error:
             print(f"bench_serving: error: {error}", file=sys.stderr)
             return 1

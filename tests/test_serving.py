@@ -6,40 +6,31 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-import torch
 
 from medusa_infer.decoding import generate
 from medusa_infer.model import MedusaModel
 from medusa_infer.proposers import build_proposer
 from medusa_infer.serving import cli
 from medusa_infer.serving.app import TextAssembler
-from medusa_infer.serving.testing import ServerThread, metric_value, serve, torch_threads, word_tokenizer
-from tiny import tiny_model
+from medusa_infer.serving.testing import ServerThread, metric_value, serve, torch_threads
+from tiny import word_medusa
 
 PROMPT = "the cat sat on the mat and the dog ran to the house"
 MESSAGES = [{"role": "system", "content": "you are a good dog"}, {"role": "user", "content": "hello world"}]
 NO_EOS = {"ignore_eos": True}
 
 
-def tiny_medusa(seed: int = 0) -> MedusaModel:
-    tokenizer = word_tokenizer()
-    model = MedusaModel.from_base(tiny_model("llama", seed=seed, vocab_size=len(tokenizer)), num_heads=3,
-                                  tokenizer=tokenizer)
-    torch.manual_seed(seed + 1)
-    for p in model.heads.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    return model
-
-
 @pytest.fixture(scope="module")
 def model():
     with torch_threads(1):
-        yield tiny_medusa()
+        yield word_medusa()
 
 
 @pytest.fixture(scope="module")
 def server(model):
-    with serve(model, "medusa") as (server, engine):
+    # these tests count speculative steps: every step speculates (the gate that would make that
+    # depend on timings is tested in test_speculation_gate.py)
+    with serve(model, "medusa", speculation_gate=False) as (server, engine):
         yield server, engine
 
 

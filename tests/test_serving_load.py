@@ -12,28 +12,17 @@ import time
 import httpx
 import openai
 import pytest
-import torch
 
-from medusa_infer.model import MedusaModel
 from medusa_infer.serving.testing import metric_value, serve, torch_threads, wait_until, word_tokenizer
-from tiny import tiny_model
+from tiny import word_medusa
 
 WORDS = word_tokenizer().get_vocab()
-
-
-def tiny_medusa() -> MedusaModel:
-    tokenizer = word_tokenizer()
-    model = MedusaModel.from_base(tiny_model("llama", vocab_size=len(tokenizer)), num_heads=3, tokenizer=tokenizer)
-    torch.manual_seed(1)
-    for p in model.heads.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    return model
 
 
 @pytest.fixture(scope="module")
 def model():
     with torch_threads(1):
-        yield tiny_medusa()
+        yield word_medusa()
 
 
 def prompts(n: int) -> list[str]:

@@ -53,3 +53,18 @@ def tiny_model(
     config.initializer_range = 0.2
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     return model.eval()
+
+
+def word_medusa(seed: int = 0):
+    """A tiny llama with 3 random Medusa heads and the serving tests' word tokenizer: heads
+    initialised large enough that their drafts are sometimes accepted."""
+    from medusa_infer.model import MedusaModel
+    from medusa_infer.serving.testing import word_tokenizer
+
+    tokenizer = word_tokenizer()
+    model = MedusaModel.from_base(tiny_model("llama", seed=seed, vocab_size=len(tokenizer)), num_heads=3,
+                                  tokenizer=tokenizer)
+    torch.manual_seed(seed + 1)
+    for p in model.heads.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return model

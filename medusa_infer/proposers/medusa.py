@@ -82,6 +82,7 @@ class MedusaProposer:
         self.trees = [TreeCache(t, num_heads, _top_k(t), model.device) for t in ladder]
         self.hidden: torch.Tensor | None = None  # [batch, hidden] at the last accepted position
         self.rung = 0
+        self.truncated = False  # whether the last proposal was cut below its rung's depth
 
     def _candidates(self, cache: TreeCache, depth: int, roots: torch.Tensor) -> torch.Tensor:
         """``[batch, depth * top_k]`` token ids: the heads' top-k, head after head (heads that read
@@ -97,6 +98,9 @@ class MedusaProposer:
         self.rung = self.controller.choose() if self.controller is not None else 0
         cache = self.trees[self.rung]
         depth = min(context.max_depth, cache.full.max_depth)
+        # A cut tree (the context's end, or a serving gate's plain step) says nothing about the
+        # heads' acceptance on the rung's whole tree: the controller does not learn from it.
+        self.truncated = depth < cache.full.max_depth
         drafts = self._lookup(context, cache, depth)
         self.grafted = max((len(d) for d in drafts), default=0)
         if self.grafted:
@@ -134,7 +138,7 @@ class MedusaProposer:
     def observe(self, accepted: list[list[int]], hidden: torch.Tensor, context: StepContext) -> None:
         self.hidden = hidden
         record_matches(self.gate, self.matches, accepted)
-        if self.controller is not None and not self.grafted:
+        if self.controller is not None and not self.grafted and not self.truncated:
             self.controller.observe(self.rung, sum(len(a) - 1 for a in accepted) / len(accepted))
 
     def select_rows(self, rows: torch.Tensor) -> None:

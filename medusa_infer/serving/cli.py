@@ -50,6 +50,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tree", help="tree preset for --method medusa (default: the heads' own tree)")
     parser.add_argument("--lookup-tokens", type=int, default=0,
                         help="--method medusa: also graft a prompt-lookup chain of up to N tokens onto the tree")
+    parser.add_argument("--speculation-gate", choices=("measured", "off"), default="measured",
+                        help="measured (default): speculate only at batch sizes where the measured step "
+                             "times and acceptance say it is faster; off: speculate on every step")
     parser.add_argument("--draft-model", help="draft model for --method draft")
     parser.add_argument("--draft-tokens", type=int, default=None, help="draft / lookup tokens a step")
     parser.add_argument("--layerskip-layers", type=int, default=None,
@@ -119,13 +122,15 @@ def served_name(args: argparse.Namespace, model) -> str:
 
 def build_app(model, name: str, method: str, *, options: Any = None, api_key: str | None = None,
               max_batch: int = 16, max_queue: int = 64, request_timeout: float | None = 120.0,
-              acceptance: str = "lossless"):
+              acceptance: str = "lossless", speculation_gate: bool = True):
     """The FastAPI app and its engine for a loaded ``model`` (tests use it with tiny models).
 
     Args:
         name: the model id clients send.
         method: the proposer method; ``options`` its settings (see ``build_proposer``).
         request_timeout: seconds a request may take in all; None or 0: no limit.
+        speculation_gate: whether the engine speculates only while it measures speculation
+            faster at the running batch size (``speculation_gate.SpeculationGate``).
     """
     from medusa_infer.decoding import context_length, _eos_ids
     from medusa_infer.serving.app import ServerSettings, create_app
@@ -135,7 +140,7 @@ def build_app(model, name: str, method: str, *, options: Any = None, api_key: st
 
     tokenizer = model.tokenizer
     engine = Engine(model, tokenizer, method, options, max_batch=max_batch, max_queue=max_queue,
-                    metrics=ServingMetrics(name))
+                    metrics=ServingMetrics(name), gate=None if speculation_gate else False)
     info = ModelInfo(name, tokenizer, context_length(model), model.lm_head.weight.shape[0])
     settings = ServerSettings(method, _eos_ids(model, tokenizer, None), api_key, request_timeout or None, acceptance)
     return create_app(engine, info, settings), engine
@@ -164,7 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     name = served_name(args, model)
     app, _ = build_app(model, name, args.method, options=args, api_key=args.api_key, max_batch=args.max_batch,
-                       max_queue=args.max_queue, request_timeout=args.request_timeout, acceptance=args.acceptance)
+                       max_queue=args.max_queue, request_timeout=args.request_timeout, acceptance=args.acceptance,
+                       speculation_gate=args.speculation_gate == "measured")
     log.info("serving %s with %s on http://%s:%d/v1", name, args.method, args.host, args.port)
     limit = 2 * (args.max_batch + args.max_queue) + 32  # open connections; beyond them uvicorn answers 503
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, limit_concurrency=limit,

@@ -6,7 +6,9 @@ Each turn of the engine loop::
     admit queued requests                 # up to max_batch rows in all; those with equal sampling
                                           # settings are prefilled together, then merged into a
                                           # running batch of the same settings if the proposer can
-    step every running batch once         # each row's new tokens go to its request's callback
+    step every running batch once         # each row's new tokens go to its request's callback;
+                                          # speculative or plain, whichever the SpeculationGate
+                                          # measures faster at that batch size
     drop finished batches
 
 Batches are grouped by sampling settings (a ``SamplingConfig``), because one ``DecodeBatch``
@@ -34,6 +36,7 @@ from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig, conte
 from medusa_infer.metrics import GenerationMetrics
 from medusa_infer.proposers import build_proposer
 from medusa_infer.serving.metrics import ServingMetrics
+from medusa_infer.speculation_gate import SpeculationGate
 
 log = logging.getLogger(__name__)
 
@@ -136,16 +139,25 @@ class Engine:
         max_batch: at most this many rows are decoded at once, all batches together.
         max_queue: at most this many requests wait; ``submit`` raises ``QueueFull`` beyond.
         metrics: where counters go (a fresh ``ServingMetrics`` by default).
+        gate: decides, per step and batch size, whether to speculate, from the step times it
+            measures and what speculative steps yield (``speculation_gate.SpeculationGate``). Default: a
+            fresh gate for a speculative method; None for ``autoregressive``. Pass ``False`` to
+            speculate on every step. A seeded sampled request is never gated, so that its output
+            depends on its seed alone.
     """
 
     def __init__(self, model, tokenizer, method: str = "autoregressive", options: Any = None, *,
-                 max_batch: int = 16, max_queue: int = 64, metrics: ServingMetrics | None = None) -> None:
+                 max_batch: int = 16, max_queue: int = 64, metrics: ServingMetrics | None = None,
+                 gate: SpeculationGate | bool | None = None) -> None:
         if max_batch < 1 or max_queue < 1:  # every request passes through the queue
             raise ValueError(f"need max_batch >= 1 and max_queue >= 1, got {max_batch} and {max_queue}")
         build_proposer(method, model, options)  # fail now, not on the first request
         self.model, self.tokenizer, self.method, self.options = model, tokenizer, method, options
         self.max_batch, self.max_queue = max_batch, max_queue
         self.metrics = metrics or ServingMetrics("model")
+        if gate is None or gate is True:
+            gate = SpeculationGate() if method != "autoregressive" else None
+        self.gate: SpeculationGate | None = gate or None
         self.context_length = context_length(model)
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else 0
@@ -324,14 +336,25 @@ class Engine:
 
     def _step(self, running: _Running) -> None:
         before = _spec_counts(running.batch.metrics)
+        rows = len(running.batch.rows)
         self.metrics.batch_steps.inc()
-        self.metrics.batch_row_steps.inc(len(running.batch.rows))
+        self.metrics.batch_row_steps.inc(rows)
+        # A seeded request's batch is never gated: which steps speculate changes how its random
+        # generator is drawn, and its output must depend on its seed alone, not on timings.
+        gated = self.gate is not None and not isinstance(running.key, tuple)
+        speculate = not gated or self.gate.speculate(rows)
+        if not speculate:
+            self.metrics.gated_steps.inc()
+        start = time.perf_counter()
         try:
-            emitted = running.batch.step()
+            emitted = running.batch.step(speculate=speculate)
         except Exception as error:
             log.exception("decoding step failed")
             self._fail_batch(running, error)
             return
+        if gated:
+            self.gate.record(rows, speculate, sum(len(t) for t in emitted.values()), time.perf_counter() - start,
+                             rows * running.batch.metrics.tree_sizes[-1])
         self._record_speculation(before, _spec_counts(running.batch.metrics))
         self._deliver(running, emitted)
 

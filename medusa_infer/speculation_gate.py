@@ -1,0 +1,151 @@
+"""Speculate only where it measurably pays, per batch size: the serving engine's on/off switch.
+
+A draft of k tokens per row turns a forward of ``batch`` tokens into one of ``batch * (k + 1)``.
+For one row that is cheap (the forward is bound by reading the weights), but a batch of rows
+already fills a CPU's matrix products: at concurrency 4 and 16, prompt lookup made the server
+slower than plain decoding (README "Serving"). The cost profile that trees are fitted to is
+measured for one row at one context length; a server's steps mix batch sizes, context lengths,
+threads and per-row bookkeeping that no such profile captures. So the gate learns from the steps
+the engine actually takes:
+
+* the step time as a function of the tokens in the forward, ``t(N)``: a moving average per
+  power-of-two range of ``N``, interpolated between ranges. Every step teaches it, plain or
+  speculative, at any batch size. (A table per range of batch sizes would model per-row costs
+  too, but in the serving benchmark exploring each range cost more than it saved.)
+* what a speculative step yields per row: tokens emitted (``a``, the bonus token included) and
+  tokens verified (``v``), moving averages over speculative steps of every batch size (how much
+  of a draft is accepted depends on the text and the proposer, not on the batch).
+
+A step of ``B`` rows speculates when ``a / t(B * v) >= (1 - margin) / t(B)``: where the two are
+close (one row, on a CPU) speculation keeps the benefit of the doubt, and the gate only steps in
+where speculation clearly costs. Until ``t`` has been seen near ``B`` (a plain step) and near
+``B * v`` (a speculative one), it takes the step that measures the missing one. While speculation is
+off it still probes now and then, so ``a`` and ``v`` follow the text: each plain step earns
+``probe_budget * t(B)`` seconds of credit, and a probe is taken when the credit pays for its extra
+cost ``t(B * v) - t(B)``. Probes are thus frequent where they are cheap (one row) and rare where a
+speculative step costs several plain ones (a full batch), and they take about ``probe_budget`` of
+the time either way.
+
+Pure bookkeeping: the caller times its steps and reports them with ``record``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class _Average:
+    """Moving averages of a step's forward size and seconds (one power-of-two range of sizes)."""
+
+    tokens: float
+    seconds: float
+    samples: int = 1
+
+
+class SpeculationGate:
+    """Chooses, for each step of a batch, whether to speculate, from measured step times.
+
+    Args:
+        probe_budget: share of the plain steps' time spent on probes while speculation is off.
+        margin: how much slower speculation may look (as a share of plain throughput) and still
+            be chosen.
+        smoothing: weight of the newest step in each moving average.
+        warmup: speculative steps measured before the first decision.
+    """
+
+    def __init__(self, probe_budget: float = 0.02, margin: float = 0.05, smoothing: float = 0.1,
+                 warmup: int = 4) -> None:
+        if not 0 < probe_budget < 1:
+            raise ValueError(f"probe_budget must be in (0, 1), got {probe_budget}")
+        if not 0 <= margin < 1:
+            raise ValueError(f"margin must be in [0, 1), got {margin}")
+        if not 0 < smoothing <= 1:
+            raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        if warmup < 1:
+            raise ValueError(f"warmup must be >= 1 speculative step, got {warmup}")
+        self.probe_budget, self.margin, self.smoothing, self.warmup = probe_budget, margin, smoothing, warmup
+        self._times: dict[int, _Average] = {}  # power-of-two range of forward sizes -> averages
+        self.tokens_per_row = 1.0  # a: tokens a speculative step emits per row
+        self.verified_per_row = 1.0  # v: tokens a speculative step verifies per row
+        self.speculative_steps = 0
+        self.plain_steps = 0
+        self._credit = 0.0  # seconds of probing earned by plain steps
+
+    # -- what has been measured ---------------------------------------------------------------
+
+    @staticmethod
+    def _range(tokens: float) -> int:
+        return max(int(tokens) - 1, 0).bit_length()  # 1 -> 0, 2 -> 1, 3-4 -> 2, 5-8 -> 3, ...
+
+    def step_seconds(self, tokens: float) -> float | None:
+        """The expected seconds of a step verifying ``tokens`` tokens in all (every row together),
+        or None before any step in that range of forward sizes has been measured."""
+        if self._range(tokens) not in self._times:
+            return None
+        points = sorted((a.tokens, a.seconds) for a in self._times.values())
+        if len(points) == 1:
+            return points[0][1]
+        for (n0, t0), (n1, t1) in zip(points, points[1:]):
+            if tokens <= n1 or (n1, t1) == points[-1]:
+                if n1 == n0:
+                    return t1
+                return max(t0 + (t1 - t0) * (tokens - n0) / (n1 - n0), 1e-9)
+        return points[-1][1]
+
+    # -- the decision -------------------------------------------------------------------------
+
+    def speculate(self, batch: int) -> bool:
+        """Whether the next step of a batch of ``batch`` rows should speculate."""
+        if batch < 1:
+            raise ValueError(f"batch size must be >= 1, got {batch}")
+        if self.speculative_steps < self.warmup:
+            return True
+        plain = self.step_seconds(batch)
+        if plain is None:
+            return False
+        speculative = self.step_seconds(batch * self.verified_per_row)
+        if speculative is None:
+            return True
+        if self.tokens_per_row / speculative >= (1 - self.margin) / plain:
+            return True
+        self._credit += self.probe_budget * plain
+        if self._credit >= speculative - plain:
+            self._credit = 0.0
+            return True
+        return False
+
+    def record(self, batch: int, speculated: bool, tokens: float, seconds: float, verified: int) -> None:
+        """A step of ``batch`` rows, speculative or not, verified ``verified`` tokens in one forward
+        (all rows together) and emitted ``tokens`` in ``seconds``."""
+        if batch < 1 or tokens < 0 or seconds <= 0 or verified < batch:
+            raise ValueError(f"need batch >= 1, tokens >= 0, seconds > 0 and verified >= batch, got batch={batch}, "
+                             f"tokens={tokens}, seconds={seconds}, verified={verified}")
+        key, w = self._range(verified), self.smoothing
+        average = self._times.get(key)
+        if average is None:
+            self._times[key] = _Average(float(verified), seconds)
+        else:
+            average.tokens = (1 - w) * average.tokens + w * verified
+            average.seconds = (1 - w) * average.seconds + w * seconds
+            average.samples += 1
+        if not speculated:
+            self.plain_steps += 1
+            return
+        if self.speculative_steps == 0:
+            self.tokens_per_row, self.verified_per_row = tokens / batch, verified / batch
+        else:
+            self.tokens_per_row = (1 - w) * self.tokens_per_row + w * tokens / batch
+            self.verified_per_row = (1 - w) * self.verified_per_row + w * verified / batch
+        self.speculative_steps += 1
+
+    def summary(self) -> dict[str, object]:
+        """What the gate has measured: per row of a speculative step, tokens emitted and verified;
+        the step-time table (``"~N tokens"`` -> seconds); the counts of each kind of step."""
+        return {
+            "tokens_per_row": self.tokens_per_row,
+            "verified_per_row": self.verified_per_row,
+            "step_seconds": {f"~{a.tokens:.0f} tokens": a.seconds for _, a in sorted(self._times.items())},
+            "speculative_steps": self.speculative_steps,
+            "plain_steps": self.plain_steps,
+        }

@@ -1,0 +1,210 @@
+"""The serving engine's speculation gate: the pure on/off rule, and the engine obeying it."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from medusa_infer.adaptive import TreeController, tree_ladder
+from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig, left_pad
+from medusa_infer.proposers import MedusaProposer, build_proposer
+from medusa_infer.serving.testing import metric_value, serve, torch_threads
+from medusa_infer.speculation_gate import SpeculationGate
+from medusa_infer.tree_fit import CostProfile
+from tiny import word_medusa
+
+
+def linear_time(tokens: float) -> float:
+    """A CPU-like step time: a fixed cost plus a cost per token in the forward."""
+    return 0.040 + 0.004 * tokens
+
+
+def run(gate: SpeculationGate, batch: int, steps: int, tokens_per_row: float, verified_per_row: int = 5,
+        seconds=linear_time) -> list[bool]:
+    """Drive ``gate`` for ``steps`` steps of ``batch`` rows; the choices it made."""
+    choices = []
+    for _ in range(steps):
+        speculate = gate.speculate(batch)
+        choices.append(speculate)
+        verified = batch * (verified_per_row if speculate else 1)
+        tokens = batch * (tokens_per_row if speculate else 1)
+        gate.record(batch, speculate, tokens, seconds(verified), verified)
+    return choices
+
+
+def test_speculates_where_it_pays_and_not_where_the_batch_fills_the_forward():
+    # one row: 5 tokens cost 0.060 s against 0.044 s for one; 1.6 tokens a step pays (1.6 / 0.060 > 1 / 0.044)
+    gate = SpeculationGate(warmup=2)
+    choices = run(gate, batch=1, steps=30, tokens_per_row=1.6)
+    assert choices[:2] == [True, True]  # the warm-up measures speculation
+    assert choices[2] is False  # then one plain step measures t(1)
+    assert all(choices[3:])
+    # sixteen rows: 80 tokens cost 0.36 s against 0.104 s for 16; 1.6 tokens a row does not pay
+    choices = run(gate, batch=16, steps=40, tokens_per_row=1.6)
+    assert choices[0] is False  # t(16) unknown: a plain step measures it; t(80) is unknown too,
+    assert choices[1] is True  # so a speculative one measures that
+    assert not any(choices[2:])  # then plain: a probe here costs 2.5 plain steps, more than 40 steps earn
+
+
+def test_probes_take_about_the_probe_budget():
+    gate = SpeculationGate(probe_budget=0.05, warmup=1)
+    choices = run(gate, batch=1, steps=400, tokens_per_row=1.0)  # drafts never accepted: speculation never pays
+    plain, probe = linear_time(1), linear_time(5)
+    probes = choices[2:].count(True)
+    assert probes > 0, "speculation must be probed now and then while it is off"
+    spent = probes * (probe - plain) / (len(choices[2:]) * plain)
+    assert 0.03 < spent <= 0.05
+    # probes are rarer where a speculative step costs more: sixteen rows
+    gate16 = SpeculationGate(probe_budget=0.05, warmup=1)
+    choices16 = run(gate16, batch=16, steps=400, tokens_per_row=1.0)
+    assert 0 < choices16[2:].count(True) < probes
+
+
+def test_what_one_batch_size_taught_serves_the_others():
+    gate = SpeculationGate(warmup=1)
+    run(gate, batch=1, steps=3, tokens_per_row=1.6)
+    run(gate, batch=16, steps=3, tokens_per_row=1.6)
+    assert gate.speculate(1) is True and gate.speculate(16) is False
+    assert gate.speculate(14) is False  # a size never stepped: its forward sizes have been measured
+    assert gate.step_seconds(16) == pytest.approx(linear_time(16))
+    assert gate.step_seconds(12) == pytest.approx(linear_time(12), rel=0.05)  # interpolated
+    assert gate.step_seconds(300) is None  # never measured near there
+
+
+def test_close_calls_go_to_speculation():
+    # one row, 1.3 tokens a speculative step: 1.3 / 0.060 = 21.7 tokens/s against 22.7 plain, 4% slower
+    close = run(SpeculationGate(warmup=1), batch=1, steps=20, tokens_per_row=1.3)
+    assert all(close[2:])
+    strict = run(SpeculationGate(warmup=1, margin=0.0), batch=1, steps=20, tokens_per_row=1.3)
+    assert strict[2:].count(False) > 10
+
+
+def test_the_choice_follows_the_text():
+    gate = SpeculationGate(probe_budget=0.2, smoothing=0.5, warmup=1)
+    run(gate, batch=4, steps=10, tokens_per_row=1.0)  # nothing accepted: plain
+    assert gate.speculate(4) is False
+    # the text turns repetitive: 4 of 5 drafted tokens accepted; the probes find out
+    choices = run(gate, batch=4, steps=30, tokens_per_row=5.0)
+    assert all(choices[-8:])
+    summary = gate.summary()
+    assert summary["tokens_per_row"] == pytest.approx(5.0, rel=0.01) and summary["verified_per_row"] == 5
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(probe_budget=0.0), "probe_budget"), (dict(probe_budget=1.0), "probe_budget"),
+    (dict(margin=1.0), "margin"), (dict(smoothing=0.0), "smoothing"), (dict(warmup=0), "warmup")])
+def test_bad_settings_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculationGate(**kwargs)
+
+
+def test_bad_records_are_refused():
+    gate = SpeculationGate()
+    with pytest.raises(ValueError, match="batch size"):
+        gate.speculate(0)
+    with pytest.raises(ValueError, match="seconds"):
+        gate.record(1, True, 3, 0.0, 5)
+    with pytest.raises(ValueError, match="verified >= batch"):
+        gate.record(4, False, 4, 0.1, 2)
+
+
+# -- the decoding loop and the engine -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model():
+    with torch_threads(1):
+        yield word_medusa()
+
+
+def test_a_plain_step_proposes_nothing_and_decodes_the_same_tokens(model):
+    ids, mask = left_pad([[5, 6, 7, 8], [9, 10]], 0)
+
+    def decode(speculate_on_step):
+        batch = DecodeBatch(model, ids, mask, build_proposer("medusa", model), SamplingConfig(),
+                            StopConfig(12), None, None)
+        batch.prefill()
+        step = 0
+        while not batch.done:
+            batch.step(speculate=speculate_on_step(step))
+            step += 1
+        return batch.output(0).sequences.tolist(), batch.metrics
+
+    always, always_metrics = decode(lambda i: True)
+    alternating, metrics = decode(lambda i: i % 2 == 1)
+    assert alternating == always  # greedy: the same tokens whichever steps speculate
+    assert max(always_metrics.tree_sizes) > 1
+    assert set(metrics.tree_sizes[0::2]) == {1}, "a plain step verifies the root alone"
+    assert min(metrics.tree_sizes[1::2]) > 1
+
+
+def test_plain_steps_teach_the_tree_controller_nothing(model):
+    tree = [(0,), (1,), (0, 0), (0, 0, 0)]
+    accuracy = [[0.6, 0.2], [0.4, 0.1], [0.3, 0.1]]
+    cost = CostProfile([1, 2, 4, 8], [1.0, 1.05, 1.1, 1.2])
+    controller = TreeController(tree_ladder(tree, sizes=(2,)), accuracy, cost)
+    proposer = MedusaProposer(model, tree, controller=controller)
+    assert controller.rung > 0, "the controller should start on a speculative rung"
+    ids, mask = left_pad([[5, 6, 7, 8]], 0)
+    batch = DecodeBatch(model, ids, mask, proposer, SamplingConfig(), StopConfig(8), None, None)
+    batch.prefill()
+    scale = proposer.controller.scale
+    for _ in range(4):
+        batch.step(speculate=False)
+    assert proposer.controller.scale == scale
+
+
+class Forced(SpeculationGate):
+    """A gate that answers ``speculate`` from a fixed rule and remembers what it was told."""
+
+    def __init__(self, rule) -> None:
+        super().__init__()
+        self.rule, self.asked, self.records = rule, [], []
+
+    def speculate(self, batch: int) -> bool:
+        self.asked.append(batch)
+        return self.rule(batch)
+
+    def record(self, batch: int, speculated: bool, tokens: float, seconds: float, verified: int) -> None:
+        self.records.append((batch, speculated, tokens, verified))
+        super().record(batch, speculated, tokens, seconds, verified)
+
+
+def answer(server, **kwargs) -> tuple[str, dict]:
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        out = client.completions.create(model="tiny", prompt="the cat sat on the mat", max_tokens=12,
+                                        extra_body={"ignore_eos": True}, **kwargs)
+    return out.choices[0].text, out.usage.model_extra["speculative"]
+
+
+def test_the_engine_decodes_plainly_where_the_gate_says_so(model):
+    with serve(model, "medusa", speculation_gate=False) as (server, engine):
+        assert engine.gate is None
+        free_text, free = answer(server, temperature=0)
+    with serve(model, "medusa") as (server, engine):
+        engine.gate = gate = Forced(lambda batch: False)
+        text, spec = answer(server, temperature=0)
+        gated = metric_value(__import__("httpx").get(server.base_url + "/metrics", timeout=10).text,
+                             "medusa:gated_steps_total")
+    assert text == free_text  # greedy output does not depend on the gate
+    assert spec["accepted_tokens"] == 0 and spec["tau"] == 1.0
+    assert free["accepted_tokens"] > 0, "the tiny heads should get some drafts accepted when not gated"
+    assert gate.asked and set(gate.asked) == {1}
+    assert gated == len(gate.asked)
+    assert [(r[0], r[1], r[3]) for r in gate.records] == [(1, False, 1)] * len(gate.records)
+    assert sum(r[2] for r in gate.records) == 11  # the prefill gave the first of the 12 tokens
+
+
+def test_a_seeded_request_is_never_gated(model):
+    with serve(model, "medusa") as (server, engine):
+        engine.gate = gate = Forced(lambda batch: False)
+        first, _ = answer(server, temperature=0.9, seed=3)
+        assert gate.asked == []
+        engine.gate = Forced(lambda batch: True)
+        second, _ = answer(server, temperature=0.9, seed=3)
+    assert first == second
+
+
+def test_autoregressive_has_no_gate(model):
+    with serve(model, "autoregressive") as (_, engine):
+        assert engine.gate is None
