@@ -4,6 +4,7 @@
     python train_heads.py --config recipes/smollm2-135m.yaml [key=value ...] [--push-to-hub REPO]
     accelerate launch --config_file recipes/accelerate/ddp.yaml train_heads.py --config recipes/X.yaml
     python train_heads.py --config recipes/X.yaml --plan      # print the plan, load nothing
+    python train_heads.py --config recipes/X.yaml --heldout-only   # a finished run's held-out table
 
 Every stage writes into ``<output_dir>/{data,features,checkpoints,heads,logs}`` and is skipped when
 its output is already there, so a second run reuses the first one's work and a killed run resumes
@@ -239,9 +240,10 @@ def stage_train(config: TrainConfig, accelerator: Any, train: list[dict], folder
     accelerator.wait_for_everyone()
 
 
-def stage_evaluate(config: TrainConfig, accelerator: Any, heldout: list[dict], folders: dict[str, Path] | None,
-                   timings: dict[str, float]) -> None:
-    """(e) Held-out accuracies, the fitted tree, the final heads folder; optional upload."""
+def heldout_accuracy(config: TrainConfig, accelerator: Any, heldout: list[dict],
+                     folders: dict[str, Path] | None) -> tuple[Any, Any, Any]:
+    """The trained heads (``<output_dir>/checkpoints/final``) and their held-out accuracy:
+    ``(MedusaConfig, MedusaHeads, evaluate.HeadAccuracy)``. Main process only."""
     from medusa_infer.checkpoint import load_heads_state
     from medusa_infer.heads import MedusaHeads
     from medusa_infer.model import MedusaModel
@@ -250,30 +252,38 @@ def stage_evaluate(config: TrainConfig, accelerator: Any, heldout: list[dict], f
     from medusa_train.features import FeatureCache, FeatureDataset
 
     paths = run_paths(config)
-    if accelerator.is_main_process:
-        mconfig, state = load_heads_state(paths.final)
-        heads = MedusaHeads(mconfig)
-        heads.load_state_dict(state)
-        token_map = heads.token_map
-        if config.uses_feature_cache:
-            cache = FeatureCache.load(folders["heldout"])
-            module = tr.HeadsModule(heads, cache.lm_head["weight"], cache.lm_head.get("bias"),
-                                    cache.manifest["logit_softcap"], cache.embed_weight).eval()
-            data = FeatureDataset(cache.block, mconfig.num_heads, token_map, mconfig.vocab_size)
-            batches = data.sequential(config.training.batch_tokens)
-            accuracy = ev.head_accuracy(module, batches, config.eval.top_k)
-        else:
-            base = load_base(config, accelerator)
-            if config.training.mode == "medusa2":
-                from medusa_infer.model import merge_adapter
-                from medusa_train.lora import ADAPTER_DIR
+    mconfig, state = load_heads_state(paths.final)
+    heads = MedusaHeads(mconfig)
+    heads.load_state_dict(state)
+    token_map = heads.token_map
+    if config.uses_feature_cache:
+        cache = FeatureCache.load(folders["heldout"])
+        module = tr.HeadsModule(heads, cache.lm_head["weight"], cache.lm_head.get("bias"),
+                                cache.manifest["logit_softcap"], cache.embed_weight).eval()
+        data = FeatureDataset(cache.block, mconfig.num_heads, token_map, mconfig.vocab_size)
+        batches = data.sequential(config.training.batch_tokens)
+        return mconfig, heads, ev.head_accuracy(module, batches, config.eval.top_k)
+    base = load_base(config, accelerator)
+    if config.training.mode == "medusa2":
+        from medusa_infer.model import merge_adapter
+        from medusa_train.lora import ADAPTER_DIR
 
-                base = merge_adapter(base, paths.final / ADAPTER_DIR)  # as from_pretrained does
-            medusa = MedusaModel(base, heads).eval()
-            source = tr.LiveFeatures(medusa, heldout, mconfig.num_heads, token_map, 0)
-            size = config.training.batch_size
-            batches = (source.batch(torch.arange(i, min(i + size, len(source)))) for i in range(0, len(source), size))
-            accuracy = ev.head_accuracy(medusa.head_logits, batches, config.eval.top_k, device=medusa.device)
+        base = merge_adapter(base, paths.final / ADAPTER_DIR)  # as from_pretrained does
+    medusa = MedusaModel(base, heads).eval()
+    source = tr.LiveFeatures(medusa, heldout, mconfig.num_heads, token_map, 0)
+    size = config.training.batch_size
+    batches = (source.batch(torch.arange(i, min(i + size, len(source)))) for i in range(0, len(source), size))
+    return mconfig, heads, ev.head_accuracy(medusa.head_logits, batches, config.eval.top_k, device=medusa.device)
+
+
+def stage_evaluate(config: TrainConfig, accelerator: Any, heldout: list[dict], folders: dict[str, Path] | None,
+                   timings: dict[str, float]) -> None:
+    """(e) Held-out accuracies, the fitted tree, the final heads folder; optional upload."""
+    from medusa_train import evaluate as ev
+
+    paths = run_paths(config)
+    if accelerator.is_main_process:
+        mconfig, heads, accuracy = heldout_accuracy(config, accelerator, heldout, folders)
         partial = _atomic_folder(paths.heads)
         ev.finalize(partial, mconfig, heads.state_dict(), accuracy, config.eval.tree_size,
                     base_model_id=config.model.hub_id, extra={"stage_seconds": timings})
@@ -295,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, e.g. training.lr=3e-4")
     parser.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the final heads to this Hub repo")
     parser.add_argument("--plan", action="store_true", help="print the plan and exit (loads no model)")
+    parser.add_argument("--heldout-only", action="store_true",
+                        help="print the trained heads' held-out accuracy and exit (reuses the run's data and "
+                             "features; writes nothing)")
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config, args.overrides)
@@ -308,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
 
     accelerator = make_accelerator(config)
     paths = run_paths(config)
+    if args.heldout_only:
+        return report_heldout(config, accelerator)
     if accelerator.is_main_process:
         for folder in (paths.data, paths.checkpoints, paths.logs):
             folder.mkdir(parents=True, exist_ok=True)
@@ -348,6 +363,22 @@ def main(argv: list[str] | None = None) -> int:
             from medusa_train.evaluate import push_to_hub
 
             say(accelerator, f"uploaded to {push_to_hub(paths.heads, config.eval.push_to_hub)}")
+    accelerator.end_training()
+    return 0
+
+
+def report_heldout(config: TrainConfig, accelerator: Any) -> int:
+    """``--heldout-only``: the held-out table of a finished run's trained heads, printed."""
+    from medusa_train import evaluate as ev
+
+    paths = run_paths(config)
+    if not (paths.final / "config.json").is_file():
+        raise SystemExit(f"train_heads.py: error: no trained heads in {paths.final}; run the recipe first")
+    train, heldout = stage_data(config, accelerator)
+    folders = stage_features(config, accelerator, train, heldout) if config.uses_feature_cache else None
+    if accelerator.is_main_process:
+        _, _, accuracy = heldout_accuracy(config, accelerator, heldout, folders)
+        print(ev.summary_table(accuracy, ev.fit_tree(accuracy, config.eval.tree_size)), flush=True)
     accelerator.end_training()
     return 0
 

@@ -2,10 +2,12 @@
 
 The controller holds a ladder of nested trees (rung 0 is plain decoding, the root alone). For each
 rung it knows the expected tokens per step under the heads' calibration, ``tau_cal(r)``, and the
-verification cost ratio ``c(r) = t(nodes + 1) / t(1)``. While generating it tracks how the observed
-accepted tokens compare with what the calibration predicted for the trees actually used
-(``scale``, an exponential moving average), predicts ``tau(r) = 1 + scale * (tau_cal(r) - 1)``
-and picks the rung with the highest ``tau(r) / c(r)``. On rung 0 nothing is observed, so every
+verification cost ratio ``c(r) = t(B * (nodes + 1)) / t(B)`` for a batch of ``B`` rows (a batch's
+rows share one forward, so on a CPU a tree that pays for one row can cost more than it brings
+for eight). While generating it tracks how the observed accepted tokens compare with what the
+calibration predicted for the trees actually used (``scale``, an exponential moving average),
+predicts ``tau(r) = 1 + scale * (tau_cal(r) - 1)`` and picks the rung with the highest
+``tau(r) / c(r)``. On rung 0 nothing is observed, so every
 ``probe_every`` steps it tries the smallest tree once to see whether acceptance has recovered.
 """
 
@@ -64,16 +66,26 @@ class TreeController:
         if not self.ladder or self.ladder[0]:
             raise ValueError("the ladder must start with the empty tree (plain decoding)")
         self.tau_cal = [expected_accept_length(t, self.head_topk_acc) if t else 1.0 for t in self.ladder]
-        self.cost_ratio = [1.0] + [self.cost.ratio(len(t) + 1) + self.head_overhead for t in self.ladder[1:]]
+        self._cost_ratios: dict[int, list[float]] = {}
         self.rung = self._best()
 
-    def _best(self) -> int:
-        speeds = [(1 + self.scale * (tau - 1)) / c for tau, c in zip(self.tau_cal, self.cost_ratio)]
+    def cost_ratios(self, batch: int) -> list[float]:
+        """Per rung, ``t(batch * (nodes + 1)) / t(batch)`` plus the heads' overhead (rung 0: 1)."""
+        if batch < 1:
+            raise ValueError(f"batch size must be >= 1, got {batch}")
+        if batch not in self._cost_ratios:
+            plain = self.cost.ratio(batch)
+            self._cost_ratios[batch] = [1.0] + [self.cost.ratio(batch * (len(t) + 1)) / plain + self.head_overhead
+                                                for t in self.ladder[1:]]
+        return self._cost_ratios[batch]
+
+    def _best(self, batch: int = 1) -> int:
+        speeds = [(1 + self.scale * (tau - 1)) / c for tau, c in zip(self.tau_cal, self.cost_ratios(batch))]
         return max(range(len(speeds)), key=speeds.__getitem__)
 
-    def choose(self) -> int:
-        """The rung for the next step (records it in ``history``)."""
-        rung = self.rung
+    def choose(self, batch: int = 1) -> int:
+        """The rung for the next step of a batch of ``batch`` rows (records it in ``history``)."""
+        rung = self.rung if batch == 1 else self._best(batch)
         if rung == 0:
             self._since_probe += 1
             if self._since_probe >= self.probe_every and len(self.ladder) > 1:

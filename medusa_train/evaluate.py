@@ -1,8 +1,11 @@
 """Held-out evaluation of trained heads, the tree fitted to their accuracies, and the final save.
 
-Per head, top-1..top-k accuracy (cumulative: the target is among the head's k best) over every
-held-out position where the head has a target; a target outside a reduced vocabulary counts as a
-miss. Trees are fitted to the joint acceptance of paths: at each held-out position, the rank of
+Per head, top-1..top-k accuracy (cumulative: the target is among the head's k best) over the
+held-out positions where decoding runs the heads: those where head 0 has a target, so from the
+last prompt position on. A deeper head also has targets one to three positions earlier, inside
+the chat template, where decoding never runs heads: the feature cache holds no rows there, and
+``head_accuracy`` leaves them out of any other batch, so accuracies and path ranks count the
+same positions. A target outside a reduced vocabulary counts as a miss. Trees are fitted to the joint acceptance of paths: at each held-out position, the rank of
 each head's target; a path is accepted where every rank along it is right.
 """
 
@@ -61,12 +64,15 @@ def head_accuracy(head_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tens
                   batches: Iterable[Mapping[str, torch.Tensor]], top_k: int = 10,
                   device: torch.device | str = "cpu") -> HeadAccuracy:
     """Accumulate accuracies over batches of ``{"hidden" [N, H], "targets" [N, K],
-    "next_tokens" [N]}``; ``head_logits(hidden, next_tokens) -> [K, N, V]``."""
+    "next_tokens" [N]}``; ``head_logits(hidden, next_tokens) -> [K, N, V]``. Only positions where
+    head 0 has a target count (see the module's docstring)."""
     hits = totals = None
     ranks = []
     for batch in batches:
         logits = head_logits(batch["hidden"].to(device), batch["next_tokens"].to(device))
         targets = batch["targets"].to(device)
+        decoded = targets[:, 0] != IGNORE
+        logits, targets = logits[:, decoded], targets[decoded]
         h, n = topk_correct(logits, targets, top_k)
         hits = h.cpu() if hits is None else hits + h.cpu()
         totals = n.cpu() if totals is None else totals + n.cpu()

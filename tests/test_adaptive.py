@@ -104,6 +104,21 @@ def test_controller_falls_back_and_recovers():
     assert control.rung >= initial and control.history[-1] == control.rung
 
 
+def test_controller_shrinks_the_tree_where_a_batch_fills_the_forward():
+    # a CPU-like profile: flat while one row's tree is small, then about linear in the tokens
+    batch_bound = CostProfile([1, 2, 4, 8, 16, 32, 64, 128], [1.0, 1.02, 1.05, 1.1, 1.3, 2.0, 3.8, 7.5], "cpu-like")
+    ladder = tree_ladder(greedy_tree(REFERENCE_HEAD_ACCURACY, 16))
+    control = TreeController(ladder, REFERENCE_HEAD_ACCURACY, batch_bound)
+    one, eight = control.choose(1), control.choose(8)
+    assert len(ladder[one]) == 8  # one row: 8 nodes cost 1.13x a plain step
+    assert len(ladder[eight]) == 1  # eight rows: 8 x 9 tokens would cost 3.9x; one node still pays
+    assert control.cost_ratios(8)[one] == pytest.approx(batch_bound.ratio(8 * 9) / batch_bound.ratio(8))
+    flat = TreeController(ladder, REFERENCE_HEAD_ACCURACY, CostProfile([1, 256], [1.0, 1.0], "flat"))
+    assert flat.choose(8) == flat.choose(1) == len(ladder) - 1
+    with pytest.raises(ValueError, match="batch size"):
+        control.choose(0)
+
+
 def test_useless_heads_engage_the_fallback_and_output_stays_exact():
     base = tiny_model("llama")
     model = MedusaModel.from_base(base, num_heads=4)

@@ -145,6 +145,16 @@ def test_lookup_gate_verifies_only_drafts_that_pay_for_themselves():
     assert accepted_prefix([4, 5], [4]) == 0  # only the bonus token: nothing of the draft accepted
 
 
+def test_lookup_gate_charges_a_draft_for_every_row_of_the_batch():
+    cost = CostProfile([1, 2, 4, 8, 16, 32, 64], [1.0, 1.1, 1.2, 1.4, 2.2, 4.0, 7.8], "cpu-like")
+    gate = LookupGate(cost)
+    for _ in range(6):
+        gate.record(2, 1)  # 2-gram matches: one token accepted a draft
+    assert gate.expected(2) == pytest.approx(1.0)
+    assert gate.allow(2, 4)  # one row: 2 tokens a step for t(5) / t(1) = 1.25
+    assert not gate.allow(2, 4, batch=16)  # sixteen rows: t(80) / t(16) = 4.4
+
+
 def test_gated_lookup_stays_exact_and_verifies_fewer_drafts():
     target = target_model("llama")
     prompt = torch.tensor([5, 6, 7, 8, 9, 10, 5, 11, 12, 5, 13, 14, 5, 15])  # 1-gram matches that lead nowhere

@@ -175,6 +175,23 @@ def test_logits_kl_and_topk_accuracy():
     assert hits.tolist() == [[0, 0]] and totals.tolist() == [1]
 
 
+def test_heldout_accuracy_counts_only_positions_where_decoding_runs_the_heads():
+    from medusa_train.evaluate import head_accuracy
+
+    # K=2 heads, 3 positions. Position 0 sits in the chat template just before the answer: head 1
+    # has a target there (an answer token two ahead) but head 0 does not, and decoding never runs
+    # heads there. Head 1 is right only at that position.
+    targets = torch.tensor([[IGNORE, 1], [2, 0], [1, IGNORE]])
+    logits = torch.zeros(2, 3, 3)
+    logits[0, torch.arange(3), torch.tensor([0, 2, 1])] = 1.0  # head 0: wrong, right, right
+    logits[1, torch.arange(3), torch.tensor([1, 2, 0])] = 1.0  # head 1: right, wrong, -
+    batch = {"hidden": torch.zeros(3, 4), "targets": targets, "next_tokens": torch.zeros(3, dtype=torch.long)}
+    accuracy = head_accuracy(lambda hidden, next_tokens: logits, [batch], top_k=1)
+    assert accuracy.totals.tolist() == [2, 1]
+    assert accuracy.topk() == [[1.0], [0.0]]
+    assert accuracy.ranks.tolist() == [[0, -1], [0, -1]]  # the same positions as the ranks
+
+
 def test_reduced_vocabulary_keeps_end_of_turn_and_most_frequent():
     labels = torch.tensor([5, 5, 5, 7, 7, 9, IGNORE, 2])
     token_map = choose_token_map(token_counts(labels, 12), 3, always=[11])
@@ -255,14 +272,23 @@ def test_medusa1_keeps_backbone_and_lm_head_bitwise_and_trains_every_block(tiny_
     assert set(result.heads_state) == set(module.heads.state_dict())
 
 
-def test_medusa1_from_cache_learns_head_k_predicts_t_plus_k_plus_2(tiny_dir, tmp_path):
+def test_medusa1_from_cache_learns_head_k_predicts_t_plus_k_plus_2(tiny_dir, tmp_path, capsys):
     import train_heads
 
     out = tmp_path / "run"
     values = recipe(tiny_dir, out, training={"epochs": 8, "lr": 0.03}, log={"every": 20})
-    train_heads.main(["--config", str(write_recipe(tmp_path / "r.yaml", values))])
-    accuracies = json.loads((out / "heads" / "config.json").read_text())["head_accuracies"]
+    config_file = str(write_recipe(tmp_path / "r.yaml", values))
+    train_heads.main(["--config", config_file])
+    saved = (out / "heads" / "config.json").read_text()
+    accuracies = json.loads(saved)["head_accuracies"]
     assert [row[0] for row in accuracies] == pytest.approx([1.0, 1.0, 1.0], abs=0.05)
+    # --heldout-only reprints the held-out table from the run's data and features, writing nothing
+    capsys.readouterr()
+    assert train_heads.main(["--config", config_file, "--heldout-only"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    first = next(line for line in table if line.strip().startswith("1 "))
+    assert float(first.split()[2]) == pytest.approx(accuracies[0][0], abs=1e-3)
+    assert (out / "heads" / "config.json").read_text() == saved
     # Check the alignment against the sequence itself, not against our own targets: on a fresh
     # counting sequence head k's top token at position t >= 3 (the shortest prompt the heads
     # trained after) must be token t + k + 2.

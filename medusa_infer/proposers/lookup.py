@@ -49,11 +49,12 @@ def pad_drafts(drafts: list[list[int]], roots: list[int], length: int) -> list[l
 class LookupGate:
     """Decides, per draft, whether verifying it is expected to pay under a cost profile.
 
-    For each matched n-gram length it keeps the tokens accepted per verified draft (starting from
-    an optimistic prior of ``prior`` tokens, weighted as ``prior_weight`` drafts). A draft of ``L``
-    tokens added to a forward of ``base`` tokens is verified when ``1 + expected accepted >=
-    t(base + L) / t(base)``; a refused n-gram length is still tried every ``probe_every``-th time,
-    so the estimate recovers when the text turns repetitive.
+    For each matched n-gram length it keeps the tokens accepted per verified draft (starting from an
+    optimistic prior of ``prior`` tokens, weighted as ``prior_weight`` drafts). A draft of ``L``
+    tokens added to a forward of ``base`` tokens per row, in a batch of ``B`` rows, is verified when
+    ``1 + expected accepted >= t(B * (base + L)) / t(B * base)`` (the rows share one forward); a
+    refused n-gram length is still tried every ``probe_every``-th time, so the estimate recovers
+    when the text turns repetitive.
 
     Args:
         cost: the device's verification cost (``MedusaConfig.cost_profile``).
@@ -71,10 +72,10 @@ class LookupGate:
         """Expected accepted tokens of a draft after an ``n``-gram match."""
         return (self.accepted.get(n, 0) + self.prior * self.prior_weight) / (self.drafts.get(n, 0) + self.prior_weight)
 
-    def allow(self, n: int, length: int, base: int = 1) -> bool:
+    def allow(self, n: int, length: int, base: int = 1, batch: int = 1) -> bool:
         if length <= 0:
             return False
-        if 1 + self.expected(n) >= self.cost.ratio(base + length) / self.cost.ratio(base):
+        if 1 + self.expected(n) >= self.cost.ratio(batch * (base + length)) / self.cost.ratio(batch * base):
             return True
         self.refused[n] = self.refused.get(n, 0) + 1
         return self.refused[n] % self.probe_every == 0
@@ -151,11 +152,12 @@ def model_cost(model) -> CostProfile | None:
 
 def gated_matches(sequences: list[list[int]], max_ngram: int, min_ngram: int, limit: int,
                   gate: LookupGate | None, base: int = 1) -> list[tuple[int, list[int]]]:
-    """Per row ``(n, draft)``: the lookup draft, or ``(n, [])`` when ``gate`` refuses it."""
+    """Per row ``(n, draft)``: the lookup draft, or ``(n, [])`` when ``gate`` refuses it (for a
+    batch of ``len(sequences)`` rows, each verifying ``base`` tokens without the draft)."""
     out = []
     for history in sequences:
         n, draft = find_match(history, max_ngram, min_ngram, limit)
-        if draft and gate is not None and not gate.allow(n, len(draft), base):
+        if draft and gate is not None and not gate.allow(n, len(draft), base, len(sequences)):
             draft = []
         out.append((n, draft))
     return out

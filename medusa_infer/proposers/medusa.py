@@ -95,7 +95,7 @@ class MedusaProposer:
         self.hidden = hidden
 
     def propose(self, roots: torch.Tensor, context: StepContext) -> Proposal:
-        self.rung = self.controller.choose() if self.controller is not None else 0
+        self.rung = self.controller.choose(len(context.sequences)) if self.controller is not None else 0
         cache = self.trees[self.rung]
         depth = min(context.max_depth, cache.full.max_depth)
         # A cut tree (the context's end, or a serving gate's plain step) says nothing about the
