@@ -28,6 +28,7 @@ from medusa_infer.metrics import GenerationMetrics
 from medusa_infer.proposers.base import Proposal, Proposer, StepContext
 from medusa_infer.proposers.autoregressive import AutoregressiveProposer
 from medusa_infer.proposers.medusa import MedusaProposer
+from medusa_infer.speculation_gate import SpeculationGate, gated_step
 from medusa_infer.tree_fit import CostProfile
 from medusa_infer.trees import get_tree
 
@@ -391,8 +392,8 @@ class GenerationStream:
     """An iterator of ``StreamChunk`` as tokens are accepted; ``result()`` gives the final
     ``GenerationOutput`` (draining the iterator first if needed)."""
 
-    def __init__(self, state: "DecodeBatch", pad_token_id: int) -> None:
-        self.state, self.pad_token_id = state, pad_token_id
+    def __init__(self, state: "DecodeBatch", pad_token_id: int, gate: SpeculationGate | None = None) -> None:
+        self.state, self.pad_token_id, self.gate = state, pad_token_id, gate
         self.input_ids = state.input_ids
         self._texts = _TextTracker(state.tokenizer, len(state.rows))
         self._chunks = self._run()
@@ -412,7 +413,7 @@ class GenerationStream:
             if state.done:
                 break
             with torch.inference_mode():
-                emitted = state.step()
+                emitted, _ = gated_step(state, self.gate)
         state.metrics.total_s = time.perf_counter() - start
         self._output = state.output(self.pad_token_id)
 
@@ -446,6 +447,7 @@ def stream(
     typical_delta: float = 0.3,
     adaptive: bool | None = None,
     lookup_tokens: int = 0,
+    speculation_gate: SpeculationGate | bool | None = None,
 ) -> GenerationStream:
     """Start a generation whose tokens (and text, with a tokenizer) are yielded as they are
     accepted. Arguments as ``generate``; nothing runs until the stream is iterated."""
@@ -475,7 +477,13 @@ def stream(
     if seed is not None:
         generator = torch.Generator(device=model.device).manual_seed(seed)
     state = DecodeBatch(model, input_ids, attention_mask, proposer, sampling, stop, tokenizer, generator)
-    return GenerationStream(state, _pad_id(model, tokenizer, stop))
+    if speculation_gate is None:  # greedy batches: the output is the same whichever steps speculate
+        speculation_gate = sampling.greedy and input_ids.shape[0] > 1
+    if isinstance(proposer, AutoregressiveProposer):
+        speculation_gate = None  # plain decoding: nothing to gate
+    elif speculation_gate is True:
+        speculation_gate = SpeculationGate()
+    return GenerationStream(state, _pad_id(model, tokenizer, stop), speculation_gate or None)
 
 
 def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> GenerationOutput:
@@ -500,6 +508,11 @@ def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> Generati
             on when the heads' config holds head accuracies and a cost profile.
         lookup_tokens: also graft a prompt-lookup chain of at most this many tokens onto the
             Medusa tree each step (0: heads only); see ``proposers.medusa``.
+        speculation_gate: take a plain step wherever speculating measures slower at the batch's
+            size (``speculation_gate.SpeculationGate``: a batch's rows share one forward, which
+            on a CPU can cost more than the drafts bring). Default: a fresh gate for a greedy
+            batch of more than one row, whose output does not depend on it; ``False``: none; a
+            gate object: that gate, so that it keeps learning across calls.
         proposer: another proposer (draft model, prompt lookup, plain decoding).
         eos_token_id: one id or several; default: all of the model's EOS ids.
         stop_strings: stop a row once its text contains one of these.

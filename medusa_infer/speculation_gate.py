@@ -26,12 +26,17 @@ cost ``t(B * v) - t(B)``. Probes are thus frequent where they are cheap (one row
 speculative step costs several plain ones (a full batch), and they take about ``probe_budget`` of
 the time either way.
 
-Pure bookkeeping: the caller times its steps and reports them with ``record``.
+The gate is bookkeeping: ``gated_step`` asks it, times one step of a ``decoding.DecodeBatch`` and
+reports the step back. The serving engine keeps one gate for its lifetime; ``decoding.stream``
+uses one per call for greedy batches, or the one it is given (so a caller running many batches
+can let the gate learn across them).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -149,3 +154,17 @@ class SpeculationGate:
             "speculative_steps": self.speculative_steps,
             "plain_steps": self.plain_steps,
         }
+
+
+def gated_step(batch: Any, gate: SpeculationGate | None) -> tuple[dict[int, list[int]], bool]:
+    """One step of ``batch`` (a ``decoding.DecodeBatch``), speculative or plain as ``gate`` decides
+    (always speculative without a gate), reported back to the gate: ``(emitted, speculated)``."""
+    if gate is None:
+        return batch.step(), True
+    rows = len(batch.rows)
+    speculate = gate.speculate(rows)
+    start = time.perf_counter()
+    emitted = batch.step(speculate=speculate)
+    gate.record(rows, speculate, sum(len(t) for t in emitted.values()), time.perf_counter() - start,
+                rows * batch.metrics.tree_sizes[-1])
+    return emitted, speculate

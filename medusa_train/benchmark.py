@@ -212,6 +212,7 @@ class Runner:
     def __init__(self, model, args: argparse.Namespace) -> None:
         self.model, self.args = model, args
         self.tokenizer = model.tokenizer
+        self.gates: dict[str, Any] = {}  # method -> SpeculationGate of its greedy batches
         self.assistant = None
         if "hf-assisted" in args.methods or "draft" in args.methods:
             if not args.draft_model:
@@ -282,6 +283,7 @@ class Runner:
         """As ``_run_hf``; a row's steps are the decoding steps it was unfinished in."""
         from medusa_infer.decoding import stream
         from medusa_infer.proposers import DEFAULT_DRAFT_TOKENS, build_proposer
+        from medusa_infer.speculation_gate import SpeculationGate
 
         options = argparse.Namespace(
             tree=self.args.tree, draft_model=self.assistant, draft_tokens=None, layerskip_layers=None,
@@ -298,6 +300,10 @@ class Runner:
             sampling["tree"] = self.args.tree
         else:
             proposer = build_proposer("autoregressive" if method == "ar" else method, self.model, options)
+        if self.args.speculation_gate == "off":
+            sampling["speculation_gate"] = False
+        elif ids.shape[0] > 1 and "do_sample" not in sampling:  # greedy batches: one gate per method
+            sampling["speculation_gate"] = self.gates.setdefault(method, SpeculationGate())
         run = stream(self.model, ids, mask, max_new_tokens=max_new_tokens, proposer=proposer,
                      seed=self.args.seed, **sampling)
         out = run.result()  # what generate() returns; the stream also keeps each row's step count
@@ -382,7 +388,7 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
         "settings": {
             "model": args.model, "heads": args.heads, "questions": str(args.questions), "limit": args.limit,
             "turns": sum(len(q["turns"]) for q in questions), "max_new_tokens": args.max_new_tokens,
-            "batch_size": args.batch_size, "time_budget_s": args.time_budget, "questions_answered": len(questions),
+            "batch_size": args.batch_size, "speculation_gate": args.speculation_gate, "time_budget_s": args.time_budget, "questions_answered": len(questions),
             "device": str(model.device), "dtype": str(model.dtype).replace("torch.", ""),
             "linear_kernels": linear_kernels(model.base_model),
             "torch_threads": torch.get_num_threads(), "methods": methods,
@@ -606,6 +612,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cpu-kernels", default="onednn", choices=("onednn", "default"),
                         help="float32 on the CPU: oneDNN linear kernels for every method (the default), or "
                              "PyTorch's own (medusa_infer.cpu_kernels)")
+    parser.add_argument("--speculation-gate", default="measured", choices=("measured", "off"),
+                        help="with --batch-size > 1, greedy methods take plain steps where speculating measures "
+                             "slower at the batch's size (measured, the default), or always speculate (off)")
     parser.add_argument("--output", default="runs/bench", help="folder for report.json, report.md, report.png")
     parser.add_argument("--calibrate", action="store_true",
                         help="measure head accuracy and verification cost, fit the tree, save it with the heads")

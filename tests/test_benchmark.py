@@ -51,7 +51,7 @@ def args(**overrides) -> argparse.Namespace:
     values = dict(methods=["hf", "hf-lookup", "ar", "medusa", "medusa-lossless", "lookup"], max_new_tokens=8,
                   tree="tree-8", lookup_tokens=4, temperature=0.7, seed=0, draft_model=None, model="tiny",
                   heads="tiny-heads", questions="q.jsonl", limit=None, calibrate_context=16, batch_size=1,
-                  time_budget=None, cpu_kernels="onednn")
+                  time_budget=None, cpu_kernels="onednn", speculation_gate="measured")
     values.update(overrides)
     return argparse.Namespace(**values)
 
@@ -157,7 +157,7 @@ def test_cli_writes_the_report_files(model, tmp_path, monkeypatch):
 RUN_BATCH = bench.Runner.run_batch
 
 
-def answers_by_turn(monkeypatch, model, batch_size: int, methods: list[str]) -> tuple[dict, dict]:
+def answers_by_turn(monkeypatch, model, batch_size: int, methods: list[str], **overrides) -> tuple[dict, dict]:
     """The report and each method's answer to each (question, turn), recorded as the runner gives them."""
     answers: dict[tuple[str, str, int], list[int]] = {}
 
@@ -168,7 +168,7 @@ def answers_by_turn(monkeypatch, model, batch_size: int, methods: list[str]) -> 
         return turns
 
     monkeypatch.setattr(bench.Runner, "run_batch", record)
-    report = benchmark(model, QUESTIONS, args(methods=methods, batch_size=batch_size))
+    report = benchmark(model, QUESTIONS, args(methods=methods, batch_size=batch_size, **overrides))
     return report, answers
 
 
@@ -179,9 +179,11 @@ def test_batch_2_answers_every_question_as_batch_1(model, monkeypatch):
         monkeypatch.setattr(model.config, name, None)
     methods = ["hf", "ar", "medusa", "lookup"]
     single, one = answers_by_turn(monkeypatch, model, 1, methods)
-    batched, two = answers_by_turn(monkeypatch, model, 2, methods)
-    assert len(one) == len(two) == 6 * len(methods)
-    assert two == one
+    # every step speculates, so a row takes the same steps as alone (the tau check below)
+    batched, two = answers_by_turn(monkeypatch, model, 2, methods, speculation_gate="off")
+    _, gated = answers_by_turn(monkeypatch, model, 2, methods)  # plain steps where speculation measures slower
+    assert len(one) == len(two) == len(gated) == 6 * len(methods)
+    assert two == one and gated == one
     assert batched["settings"]["batch_size"] == 2 and single["settings"]["batch_size"] == 1
     assert batched["settings"]["turns"] == 6
     for method in methods:

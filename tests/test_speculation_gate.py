@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import openai
 import pytest
+import torch
 
 from medusa_infer.adaptive import TreeController, tree_ladder
-from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig, left_pad
+from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig, left_pad, stream
 from medusa_infer.proposers import MedusaProposer, build_proposer
 from medusa_infer.serving.testing import metric_value, serve, torch_threads
 from medusa_infer.speculation_gate import SpeculationGate
@@ -208,3 +209,20 @@ def test_a_seeded_request_is_never_gated(model):
 def test_autoregressive_has_no_gate(model):
     with serve(model, "autoregressive") as (_, engine):
         assert engine.gate is None
+
+
+def test_greedy_batches_are_gated_and_decode_the_same_tokens(model):
+    ids, mask = left_pad([[5, 6, 7, 8, 5, 6, 7], [9, 10, 9, 10, 9]], 0)
+    free = stream(model, ids, mask, max_new_tokens=30, eos_token_id=[], speculation_gate=False)
+    assert free.gate is None
+    gate = Forced(lambda batch: False)
+    gated = stream(model, ids, mask, max_new_tokens=30, eos_token_id=[], speculation_gate=gate)
+    assert torch.equal(gated.result().sequences, free.result().sequences)
+    assert gate.asked and set(gate.asked) <= {1, 2} and gated.result().metrics.tau == 1.0
+    assert free.result().metrics.tau > 1.0, "the tiny heads should get some drafts accepted when not gated"
+    # the defaults: a fresh gate for a greedy batch, none for one row, for sampling, or for plain decoding
+    assert isinstance(stream(model, ids, mask, max_new_tokens=4).gate, SpeculationGate)
+    assert stream(model, ids[:1], mask[:1], max_new_tokens=4).gate is None
+    assert stream(model, ids, mask, max_new_tokens=4, do_sample=True, seed=0).gate is None
+    plain = build_proposer("autoregressive", model)
+    assert stream(model, ids, mask, max_new_tokens=4, proposer=plain, speculation_gate=True).gate is None

@@ -36,7 +36,7 @@ from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig, conte
 from medusa_infer.metrics import GenerationMetrics
 from medusa_infer.proposers import build_proposer
 from medusa_infer.serving.metrics import ServingMetrics
-from medusa_infer.speculation_gate import SpeculationGate
+from medusa_infer.speculation_gate import SpeculationGate, gated_step
 
 log = logging.getLogger(__name__)
 
@@ -341,20 +341,15 @@ class Engine:
         self.metrics.batch_row_steps.inc(rows)
         # A seeded request's batch is never gated: which steps speculate changes how its random
         # generator is drawn, and its output must depend on its seed alone, not on timings.
-        gated = self.gate is not None and not isinstance(running.key, tuple)
-        speculate = not gated or self.gate.speculate(rows)
-        if not speculate:
-            self.metrics.gated_steps.inc()
-        start = time.perf_counter()
+        gate = None if isinstance(running.key, tuple) else self.gate
         try:
-            emitted = running.batch.step(speculate=speculate)
+            emitted, speculated = gated_step(running.batch, gate)
         except Exception as error:
             log.exception("decoding step failed")
             self._fail_batch(running, error)
             return
-        if gated:
-            self.gate.record(rows, speculate, sum(len(t) for t in emitted.values()), time.perf_counter() - start,
-                             rows * running.batch.metrics.tree_sizes[-1])
+        if not speculated:
+            self.metrics.gated_steps.inc()
         self._record_speculation(before, _spec_counts(running.batch.metrics))
         self._deliver(running, emitted)
 
