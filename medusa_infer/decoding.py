@@ -180,7 +180,8 @@ class DecodeBatch:
 
     def step(self, speculate: bool = True) -> dict[int, list[int]]:
         """One verification step of every active row; ``speculate=False`` limits the proposal to
-        depth 0 (a plain decoding step, e.g. when a serving gate finds speculation slower)."""
+        depth 0 (a plain decoding step: ``speculation_gate.gated_step`` takes one where speculating
+        measures slower)."""
         metrics, model = self.metrics, self.model
         with metrics.phase("propose"):
             context = self._context()

@@ -1,4 +1,5 @@
-"""Speculate only where it measurably pays, per batch size: the serving engine's on/off switch.
+"""Speculate only where it measurably pays, per batch size: the on/off switch of the serving
+engine and of greedy batches.
 
 A draft of k tokens per row turns a forward of ``batch`` tokens into one of ``batch * (k + 1)``.
 For one row that is cheap (the forward is bound by reading the weights), but a batch of rows
