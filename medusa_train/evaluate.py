@@ -1,12 +1,13 @@
 """Held-out evaluation of trained heads, the tree fitted to their accuracies, and the final save.
 
 Per head, top-1..top-k accuracy (cumulative: the target is among the head's k best) over the
-held-out positions where decoding runs the heads: those where head 0 has a target, so from the
-last prompt position on. A deeper head also has targets one to three positions earlier, inside
-the chat template, where decoding never runs heads: the feature cache holds no rows there, and
-``head_accuracy`` leaves them out of any other batch, so accuracies and path ranks count the
-same positions. A target outside a reduced vocabulary counts as a miss. Trees are fitted to the joint acceptance of paths: at each held-out position, the rank of
-each head's target; a path is accepted where every rank along it is right.
+held-out positions where decoding runs the heads: those where head 0 has a target, so from the last
+prompt position on. A deeper head also has targets one to three positions earlier, inside the chat
+template, where decoding never runs heads: the feature cache holds no rows there, and
+``head_accuracy`` leaves them out of any other batch, so accuracies and path ranks count the same
+positions. A target outside a reduced vocabulary counts as a miss. Trees are fitted to the joint
+acceptance of paths: at each held-out position, the rank of each head's target; a path is accepted
+where every rank along it is right.
 """
 
 from __future__ import annotations
@@ -51,12 +52,12 @@ class HeadAccuracy:
 
 def target_ranks(logits: torch.Tensor, targets: torch.Tensor, max_k: int) -> torch.Tensor:
     """``[N, K]`` rank of each head's target among its ``max_k`` best, -1 when it is not among
-    them; positions where head 0 has no target are left out. ``logits`` ``[K, N, V]``,
-    ``targets`` ``[N, K]`` as in :func:`medusa_train.losses.topk_correct`."""
+    them (or the head has no target there). ``logits`` ``[K, N, V]``, ``targets`` ``[N, K]`` as
+    in :func:`medusa_train.losses.topk_correct`."""
     top = logits.topk(min(max_k, logits.shape[-1]), dim=-1).indices  # [K, N, k]
     match = top == targets.t().long().unsqueeze(-1)
     ranks = torch.where(match.any(-1), match.long().argmax(-1), torch.full_like(match[..., 0], -1, dtype=torch.long))
-    return ranks.t()[targets[:, 0] != IGNORE]
+    return ranks.t()
 
 
 @torch.no_grad()
