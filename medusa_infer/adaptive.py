@@ -13,9 +13,11 @@ predicts ``tau(r) = 1 + scale * (tau_cal(r) - 1)`` and picks the rung with the h
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from medusa_infer.metrics import RECENT_STEPS
 from medusa_infer.tree_fit import CostProfile
 from medusa_infer.trees import AcceptanceModel, Path, expected_accept_length, path_probability
 
@@ -49,6 +51,9 @@ class TreeController:
         smoothing: weight of the newest observation in the moving average.
         probe_every: steps between probes while on plain decoding.
         head_overhead: cost of one heads' forward as a fraction of ``t(1)``.
+
+    Attributes:
+        history: the rung chosen at each of the last ``RECENT_STEPS`` steps, oldest first.
     """
 
     ladder: list[list[Path]]
@@ -59,8 +64,10 @@ class TreeController:
     head_overhead: float = 0.0
     scale: float = 1.0
     rung: int = field(init=False)
-    history: list[int] = field(default_factory=list)
+    history: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     _since_probe: int = 0
+    _steps: int = 0
+    _plain_steps: int = 0
 
     def __post_init__(self) -> None:
         if not self.ladder or self.ladder[0]:
@@ -92,6 +99,8 @@ class TreeController:
                 self._since_probe = 0
                 rung = 1
         self.history.append(rung)
+        self._steps += 1
+        self._plain_steps += rung == 0
         return rung
 
     def observe(self, rung: int, mean_accepted: float) -> None:
@@ -107,4 +116,4 @@ class TreeController:
     @property
     def fallback_fraction(self) -> float:
         """Share of steps decoded without speculation."""
-        return self.history.count(0) / len(self.history) if self.history else 0.0
+        return self._plain_steps / self._steps if self._steps else 0.0

@@ -12,11 +12,13 @@ holes, left padding and sliding windows are all handled by one rule:
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import DynamicCache, PretrainedConfig
+from transformers.cache_utils import Cache, DynamicLayer
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ class KVState:
     @classmethod
     def empty(cls, batch: int, layout: AttentionLayout, device: torch.device) -> "KVState":
         return cls(
-            DynamicCache(),
+            GrowingCache(),
             torch.zeros(batch, 0, dtype=torch.bool, device=device),
             torch.zeros(batch, 0, dtype=torch.long, device=device),
             layout,
@@ -185,6 +187,79 @@ class KVState:
             layer.values = layer.values.index_select(2, columns)
         self.valid = self.valid.index_select(1, columns)
         self.positions = self.positions.index_select(1, columns)
+
+
+class GrowingLayer(DynamicLayer):
+    """A ``DynamicLayer`` that appends new slots into spare capacity instead of concatenating.
+
+    ``DynamicLayer.update`` concatenates, so every decoding step copies the layer's whole cache, a
+    cost that grows with the batch and the context (``python scripts/bench_cache.py`` measures it;
+    README, KV cache). This layer keeps its keys and
+    values in buffers with room to spare and exposes ``keys`` / ``values`` as leading views of them;
+    an update writes the new slots in place. Whenever ``keys`` is no longer a leading view of the
+    buffer (``KVState`` gathered, selected or merged rows into a fresh tensor), the next update
+    copies it into a new buffer, so every other operation on the cache stays as it is. Cutting
+    ``keys`` to a shorter leading view (dropping rejected tree slots) keeps the buffer: the next
+    update overwrites the dropped slots, which nothing reads any more.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        key_buffer, value_buffer = self._buffers or (None, None)
+        self.keys, key_buffer = _append_slots(self.keys, key_buffer, key_states)
+        self.values, value_buffer = _append_slots(self.values, value_buffer, value_states)
+        self._buffers = (key_buffer, value_buffer)
+        return self.keys, self.values
+
+    def reset(self) -> None:
+        self._buffers = None
+        super().reset()
+
+
+class GrowingCache(DynamicCache):
+    """A ``DynamicCache`` of :class:`GrowingLayer` layers (what ``KVState.empty`` starts with)."""
+
+    def __init__(self) -> None:
+        Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
+
+
+def copy_cache(cache: Any) -> GrowingCache:
+    """A copy of ``cache`` (any per-layer cache) that shares no tensor with it."""
+    copy = GrowingCache()
+    for index, layer in enumerate(cache.layers):
+        copy.update(layer.keys.clone(), layer.values.clone(), index)
+    return copy
+
+
+def cache_keyword(module: Any) -> str:
+    """The name under which ``module.forward`` (a stock transformers model) and its ``generate``
+    take a KV cache: ``cache`` from transformers 5.2x, ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
+
+def _append_slots(current: torch.Tensor, buffer: torch.Tensor | None, new: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(current + new along the slot axis, the buffer holding it)``; in place when ``current`` is
+    a leading view of ``buffer`` with room for ``new``, else in a new buffer with 50% to spare."""
+    length = current.shape[-2] if current.dim() == 4 else 0
+    needed = length + new.shape[-2]
+    in_place = (
+        buffer is not None and current.dim() == 4 and current.data_ptr() == buffer.data_ptr()
+        and current.stride() == buffer.stride() and current.shape[:2] == buffer.shape[:2]
+        and current.shape[-1] == buffer.shape[-1] and needed <= buffer.shape[-2]
+    )
+    if not in_place:
+        buffer = new.new_empty((*new.shape[:2], needed + max(needed // 2, 64), new.shape[-1]))
+        if length:
+            buffer[:, :, :length].copy_(current)
+    buffer[:, :, length:needed].copy_(new)
+    return buffer[:, :, :needed], buffer
 
 
 def _pad_slots(tensor: torch.Tensor, width: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ whose accepted path reached depth d among those whose proposal offered depth d.
 from __future__ import annotations
 
 import time
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -15,6 +16,7 @@ from typing import Iterator
 import torch
 
 PHASES = ("propose", "verify", "accept", "commit")
+RECENT_STEPS = 1024  # per-step tree sizes kept for inspection
 
 
 @dataclass
@@ -31,7 +33,10 @@ class GenerationMetrics:
         prefill_s: seconds of the prompt forward.
         ttft_s: time to the first token (the prefill, sampling included).
         total_s: wall-clock seconds of the call.
-        tree_sizes: tree size (nodes, root included) used at each step.
+        tree_nodes: sum over steps of the tree size (nodes, root included).
+        plain_steps: steps that verified the root alone (no speculation).
+        recent_tree_sizes: the tree size of each of the last ``RECENT_STEPS`` steps, oldest first.
+            Bounded, so a server batch that never empties (rows keep joining) does not grow it.
         rows: rows (sequences) generated.
     """
 
@@ -45,7 +50,9 @@ class GenerationMetrics:
     prefill_s: float = 0.0
     ttft_s: float = 0.0
     total_s: float = 0.0
-    tree_sizes: list[int] = field(default_factory=list)
+    tree_nodes: int = 0
+    plain_steps: int = 0
+    recent_tree_sizes: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     rows: int = 0
 
     @property
@@ -60,7 +67,12 @@ class GenerationMetrics:
     @property
     def fallback_fraction(self) -> float:
         """Share of steps decoded without speculation (tree of the root alone)."""
-        return self.tree_sizes.count(1) / len(self.tree_sizes) if self.tree_sizes else 0.0
+        return self.plain_steps / self.steps if self.steps else 0.0
+
+    @property
+    def mean_tree_size(self) -> float:
+        """Mean tree size per step, root included (plain decoding: 1.0; 0.0 before any step)."""
+        return self.tree_nodes / self.steps if self.steps else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -78,7 +90,9 @@ class GenerationMetrics:
         self.steps += 1
         self.row_steps += accept_length.numel()
         self.step_tokens += int(accept_length.sum()) + accept_length.numel()
-        self.tree_sizes.append(tree_size)
+        self.tree_nodes += tree_size
+        self.plain_steps += tree_size == 1
+        self.recent_tree_sizes.append(tree_size)
         while len(self.offered_by_depth) < offered_depth:
             self.offered_by_depth.append(0)
             self.accepted_by_depth.append(0)
@@ -108,7 +122,7 @@ class GenerationMetrics:
             "tpot_s": round(self.tpot_s, 5),
             "tokens_per_s": round(self.tokens_per_s, 2),
             "total_s": round(self.total_s, 4),
-            "mean_tree_size": round(sum(self.tree_sizes) / len(self.tree_sizes), 2) if self.tree_sizes else 0,
+            "mean_tree_size": round(self.mean_tree_size, 2),
             "fallback_fraction": round(self.fallback_fraction, 4),
         }
 

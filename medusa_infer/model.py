@@ -10,7 +10,6 @@ decoding loop's own objects.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import logging
 import os
@@ -35,6 +34,7 @@ from medusa_infer.checkpoint import (
 from medusa_infer.cpu_kernels import linear_kernels, use_onednn_linear
 from medusa_infer.config import MedusaConfig
 from medusa_infer.heads import MedusaHeads
+from medusa_infer.kv_cache import cache_keyword
 
 logger = logging.getLogger(__name__)
 
@@ -70,12 +70,6 @@ def _select(hidden: torch.Tensor, positions: Positions) -> torch.Tensor:
     return hidden.gather(1, index)
 
 
-def _cache_keyword(decoder: nn.Module) -> str:
-    """The stock forward's name for the KV cache: ``cache`` from transformers 5.2x, else ``past_key_values``."""
-    params = inspect.signature(decoder.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 class MedusaModel(nn.Module):
     """A base causal LM plus Medusa heads.
 
@@ -104,7 +98,7 @@ class MedusaModel(nn.Module):
         self.tokenizer = tokenizer
         self.merged_adapter: Path | None = None  # the Medusa-2 adapter folder from_pretrained merged
         self._decoder = base_model.base_model
-        self._cache_kw = _cache_keyword(self._decoder)
+        self._cache_kw = cache_keyword(self._decoder)
         text_config = base_model.config.get_text_config()
         self.logit_softcap: float | None = getattr(text_config, "final_logit_softcapping", None)
         for name in ("logit_scale", "logits_scaling"):

@@ -167,5 +167,5 @@ def gated_step(batch: Any, gate: SpeculationGate | None) -> tuple[dict[int, list
     start = time.perf_counter()
     emitted = batch.step(speculate=speculate)
     gate.record(rows, speculate, sum(len(t) for t in emitted.values()), time.perf_counter() - start,
-                rows * batch.metrics.tree_sizes[-1])
+                rows * batch.metrics.recent_tree_sizes[-1])
     return emitted, speculate

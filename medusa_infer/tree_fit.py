@@ -22,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from medusa_infer.kv_cache import AttentionLayout, KVState
+from medusa_infer.kv_cache import AttentionLayout, KVState, copy_cache
 from medusa_infer.trees import AcceptanceModel, Path, expected_accept_length, greedy_tree, tree_capacity
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -107,7 +107,7 @@ def measure_verify_cost(
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for repeat in range(repeats + 1):  # the first round warms up and is discarded
         for n in sizes:
-            kv = KVState(_copy_cache(base.cache), base.valid.clone(), base.positions.clone(), layout)
+            kv = KVState(copy_cache(base.cache), base.valid.clone(), base.positions.clone(), layout)
             tokens = torch.randint(0, vocab, (1, n), generator=generator).to(device)
             positions = context + torch.arange(n, device=device)[None]
             valid = torch.ones_like(positions, dtype=torch.bool)
@@ -122,15 +122,6 @@ def measure_verify_cost(
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     return CostProfile(sizes, [statistics.median(times[n]) for n in sizes], f"{name} {dtype}".replace("torch.", ""),
                        context)
-
-
-def _copy_cache(cache):
-    from transformers import DynamicCache
-
-    copy = DynamicCache()
-    for index, layer in enumerate(cache.layers):
-        copy.update(layer.keys.clone(), layer.values.clone(), index)
-    return copy
 
 
 def _sync(device: torch.device) -> None:

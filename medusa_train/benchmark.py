@@ -43,6 +43,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from medusa_infer.proposers.lookup import LOOKUP_MAX_TOKENS
 from medusa_train.evaluate import HeadAccuracy, head_accuracy
 
 HF_METHODS = ("hf", "hf-lookup", "hf-assisted")
@@ -287,15 +288,17 @@ class Runner:
 
         options = argparse.Namespace(
             tree=self.args.tree, draft_model=self.assistant, draft_tokens=None, layerskip_layers=None,
+            lookup_max_tokens=self.args.lookup_max_tokens,
         )
         sampling: dict[str, Any] = {}
         if method == "medusa-typical":
             sampling = dict(do_sample=True, acceptance="typical", temperature=self.args.temperature)
         elif method == "medusa-lossless":
             sampling = dict(do_sample=True, acceptance="lossless", temperature=self.args.temperature)
-        elif method == "medusa-lookup":  # the heads' tree plus a grafted prompt-lookup chain
-            sampling = dict(lookup_tokens=DEFAULT_DRAFT_TOKENS)
-        if method.startswith("medusa"):
+        if method == "medusa-lookup":  # the heads' tree plus a grafted prompt-lookup chain
+            options.lookup_tokens = DEFAULT_DRAFT_TOKENS
+            proposer = build_proposer("medusa", self.model, options)  # adaptive when calibrated, as in stream()
+        elif method.startswith("medusa"):
             proposer = None  # stream() builds the Medusa proposer, adaptive when calibrated
             sampling["tree"] = self.args.tree
         else:
@@ -389,6 +392,7 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
             "model": args.model, "heads": args.heads, "questions": str(args.questions), "limit": args.limit,
             "turns": sum(len(q["turns"]) for q in questions), "max_new_tokens": args.max_new_tokens,
             "batch_size": args.batch_size, "speculation_gate": args.speculation_gate,
+            "lookup_max_tokens": args.lookup_max_tokens,
             "time_budget_s": args.time_budget, "questions_answered": len(questions),
             "device": str(model.device), "dtype": str(model.dtype).replace("torch.", ""),
             "linear_kernels": linear_kernels(model.base_model),
@@ -605,6 +609,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--draft-model", help="draft model for hf-assisted and draft")
     parser.add_argument("--tree", help="tree preset or JSON list of paths (default: the heads' own)")
     parser.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for hf-lookup")
+    parser.add_argument("--lookup-max-tokens", type=int, default=LOOKUP_MAX_TOKENS,
+                        help="lookup and medusa-lookup: the longest draft the heads' cost profile may choose")
     parser.add_argument("--temperature", type=float, default=0.7, help="for the sampling methods")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -632,6 +638,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         check_batch_size(args.methods, args.batch_size)
     except ValueError as error:
         parser.error(str(error))
+    if args.lookup_max_tokens < 1:
+        parser.error(f"--lookup-max-tokens must be at least 1, got {args.lookup_max_tokens}")
     if args.tree and args.tree.startswith("["):
         args.tree = [tuple(p) for p in json.loads(args.tree)]
     return args

@@ -49,6 +49,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from medusa_infer.decoding import left_pad
+from medusa_infer.kv_cache import GrowingCache, cache_keyword
 from medusa_train.dataset import encode_rendered, has_chat_template, render_prompt, row_messages
 
 logger = logging.getLogger(__name__)
@@ -547,6 +548,8 @@ def generate_batch(
             input_ids=input_ids.to(device),
             attention_mask=attention_mask.to(device),
             generation_config=generation_config,
+            # appends in place where DynamicCache copies the whole cache every step (same tokens)
+            **{cache_keyword(model): GrowingCache()},
         )
     answers = []
     eos = set(eos_ids)

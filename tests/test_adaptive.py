@@ -9,6 +9,7 @@ import torch
 
 from medusa_infer.adaptive import TreeController, tree_ladder
 from medusa_infer.decoding import generate
+from medusa_infer.metrics import RECENT_STEPS, GenerationMetrics
 from medusa_infer.model import MedusaModel
 from medusa_infer.tree_fit import CostProfile, fit_tree, measure_verify_cost
 from medusa_infer.trees import REFERENCE_HEAD_ACCURACY, expected_accept_length, greedy_tree, validate_tree
@@ -96,7 +97,7 @@ def test_controller_falls_back_and_recovers():
     for _ in range(30):  # nothing accepted: fall back to plain decoding, probing now and then
         control.observe(control.choose(), 0.0)
     assert control.rung == 0
-    tail = control.history[-16:]
+    tail = list(control.history)[-16:]
     assert tail.count(0) >= 14 and 1 in tail
     for _ in range(30):  # acceptance recovers: the tree grows back
         rung = control.choose()
@@ -140,3 +141,24 @@ def test_adaptive_without_calibration_is_a_clear_error():
     model = MedusaModel.from_base(tiny_model("llama"), num_heads=4)
     with pytest.raises(ValueError, match="cost profile"):
         generate(model, torch.tensor([[5, 6]]), max_new_tokens=4, adaptive=True)
+
+
+def test_per_step_records_stay_bounded():
+    """A server batch that rows keep joining never ends: per-step records must not grow with it."""
+    metrics = GenerationMetrics()
+    steps = RECENT_STEPS + 50
+    for step in range(steps):
+        metrics.record_step(torch.tensor([1, 0]), 2, 3, 1 if step % 4 == 0 else 5)
+    assert metrics.steps == steps and len(metrics.recent_tree_sizes) == RECENT_STEPS
+    assert metrics.recent_tree_sizes[-1] == (1 if (steps - 1) % 4 == 0 else 5)
+    plain = len(range(0, steps, 4))
+    assert metrics.plain_steps == plain and metrics.fallback_fraction == plain / steps
+    assert metrics.mean_tree_size == (plain + 5 * (steps - plain)) / steps
+    control = TreeController(tree_ladder(greedy_tree(REFERENCE_HEAD_ACCURACY, 4)), REFERENCE_HEAD_ACCURACY, STEEP,
+                             probe_every=4)
+    rungs = []
+    for _ in range(steps):  # nothing accepted: plain steps, and a probe every 4
+        rungs.append(control.choose())
+        control.observe(rungs[-1], 0.0)
+    assert list(control.history) == rungs[-RECENT_STEPS:]
+    assert 0 < rungs.count(0) < steps and control.fallback_fraction == rungs.count(0) / steps

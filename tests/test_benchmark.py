@@ -51,7 +51,7 @@ def args(**overrides) -> argparse.Namespace:
     values = dict(methods=["hf", "hf-lookup", "ar", "medusa", "medusa-lossless", "lookup"], max_new_tokens=8,
                   tree="tree-8", lookup_tokens=4, temperature=0.7, seed=0, draft_model=None, model="tiny",
                   heads="tiny-heads", questions="q.jsonl", limit=None, calibrate_context=16, batch_size=1,
-                  time_budget=None, cpu_kernels="onednn", speculation_gate="measured")
+                  time_budget=None, cpu_kernels="onednn", speculation_gate="measured", lookup_max_tokens=16)
     values.update(overrides)
     return argparse.Namespace(**values)
 

@@ -127,32 +127,47 @@ GPU_COST = CostProfile([1, 2, 4, 8, 16], [0.02, 0.0201, 0.0202, 0.0204, 0.0208],
 
 def test_lookup_gate_verifies_only_drafts_that_pay_for_themselves():
     gate = LookupGate(CPU_COST, probe_every=4)
-    assert gate.allow(1, 4)  # optimistic at first: 1 + 1.0 >= t(5)/t(1) = 1.7
+    assert gate.length(1, 4) == 4  # optimistic at first: 1 + E(4) = 1.94 >= t(5)/t(1) = 1.72
     for _ in range(6):
-        gate.record(1, 0)  # 1-gram matches that are always wrong
-        gate.record(3, 3)  # 3-gram matches that are always right
-    assert gate.expected(1) == pytest.approx(2 / 8) and gate.expected(3) == pytest.approx(20 / 8)
-    decisions = [gate.allow(1, 4) for _ in range(8)]
-    assert decisions == [False, False, False, True] * 2  # refused, but probed every 4th time
-    assert gate.allow(3, 4)
+        gate.record(1, 0, 4)  # 1-gram matches that are always wrong
+        gate.record(3, 4, 4)  # 3-gram matches that are always right
+    assert gate.rate(1) == pytest.approx(1 / 8) and gate.rate(3) == pytest.approx(25 / 26)
+    assert gate.expected(1, 2) == pytest.approx(1 / 8 + 1 / 64)
+    decisions = [gate.length(1, 4) for _ in range(8)]
+    assert decisions == [0, 0, 0, 3] * 2  # refused, but probed every 4th time at its best length (t(4) = t(2))
+    assert gate.length(3, 4) == 4
     gpu = LookupGate(GPU_COST)
     for _ in range(6):
-        gpu.record(1, 0)
-    assert gpu.allow(1, 4)  # where a draft costs (almost) nothing, even poor matches are verified
-    assert not gate.allow(3, 0)
+        gpu.record(1, 0, 4)
+    assert gpu.length(1, 4) >= 1  # where a draft costs (almost) nothing, even poor matches are verified
+    assert gate.length(3, 0) == 0
     assert find_match([1, 2, 3, 9, 1, 2, 3], 3, 1, 2) == (3, [9, 1])
     assert accepted_prefix([4, 5, 6], [4, 5, 7, 8]) == 2 and accepted_prefix([4, 5], [4, 5, 6]) == 2
     assert accepted_prefix([4, 5], [4]) == 0  # only the bonus token: nothing of the draft accepted
+
+
+def test_lookup_gate_chooses_the_draft_length_that_pays_best():
+    cost = CostProfile([1, 2, 4, 8, 16, 32], [1.0, 1.2, 1.3, 1.5, 1.8, 2.4], "cpu-like")
+    sure, unsure = LookupGate(cost), LookupGate(cost)
+    for _ in range(20):
+        sure.record(2, 9, 10)  # one rejection in ten tokens: p = 0.9
+        unsure.record(2, 1, 4)  # half the tokens rejected: p = 0.5
+    assert sure.rate(2) == pytest.approx((180 + 1) / (200 + 2))
+    chosen = sure.length(2, 16)
+    speed = {n: (1 + sure.expected(2, n)) / cost.ratio(1 + n) for n in range(1, 17)}
+    assert chosen == max(speed, key=speed.get) and chosen >= 8  # a long run of right matches: a long draft
+    assert sure.length(2, 3) == 3  # never more than the match offers
+    assert 1 <= unsure.length(2, 16) <= 3  # short drafts where half the tokens are rejected
 
 
 def test_lookup_gate_charges_a_draft_for_every_row_of_the_batch():
     cost = CostProfile([1, 2, 4, 8, 16, 32, 64], [1.0, 1.1, 1.2, 1.4, 2.2, 4.0, 7.8], "cpu-like")
     gate = LookupGate(cost)
     for _ in range(6):
-        gate.record(2, 1)  # 2-gram matches: one token accepted a draft
-    assert gate.expected(2) == pytest.approx(1.0)
-    assert gate.allow(2, 4)  # one row: 2 tokens a step for t(5) / t(1) = 1.25
-    assert not gate.allow(2, 4, batch=16)  # sixteen rows: t(80) / t(16) = 4.4
+        gate.record(2, 1, 4)  # 2-gram matches: one token accepted a draft
+    assert gate.rate(2) == pytest.approx(7 / 14)
+    assert gate.length(2, 4) >= 1  # one row: t(5) / t(1) = 1.25 buys 1.94 tokens a step
+    assert gate.length(2, 4, batch=16) == 0  # sixteen rows: t(80) / t(16) = 4.4
 
 
 def test_gated_lookup_stays_exact_and_verifies_fewer_drafts():
@@ -186,13 +201,13 @@ def test_heuristic_schedule_grows_and_shrinks_k():
     prompt = prompts_of((6,))[0][None]
     perfect = DraftProposer(target, target.base_model, num_tokens=2, max_tokens=8)
     generate(target, prompt, max_new_tokens=40, eos_token_id=NO_EOS, proposer=perfect)
-    assert perfect.k_per_step[:4] == [2, 4, 6, 8]
+    assert list(perfect.k_per_step)[:4] == [2, 4, 6, 8]
     poor = DraftProposer(target, tiny_model("llama", seed=5), num_tokens=4)
     generate(target, prompt, max_new_tokens=30, eos_token_id=NO_EOS, proposer=poor)
     assert poor.k_per_step[0] == 4 and poor.k_per_step[-1] < 4 and min(poor.k_per_step) == 1
     constant = DraftProposer(target, tiny_model("llama", seed=5), num_tokens=4, schedule="constant")
     generate(target, prompt, max_new_tokens=20, eos_token_id=NO_EOS, proposer=constant)
-    assert constant.k_per_step[:8] == [4] * 8
+    assert list(constant.k_per_step)[:8] == [4] * 8
 
 
 class DepthSpy:

@@ -134,9 +134,13 @@ def test_a_plain_step_proposes_nothing_and_decodes_the_same_tokens(model):
     always, always_metrics = decode(lambda i: True)
     alternating, metrics = decode(lambda i: i % 2 == 1)
     assert alternating == always  # greedy: the same tokens whichever steps speculate
-    assert max(always_metrics.tree_sizes) > 1
-    assert set(metrics.tree_sizes[0::2]) == {1}, "a plain step verifies the root alone"
-    assert min(metrics.tree_sizes[1::2]) > 1
+    assert max(always_metrics.recent_tree_sizes) > 1
+    sizes = list(metrics.recent_tree_sizes)
+    assert len(sizes) == metrics.steps
+    assert set(sizes[0::2]) == {1}, "a plain step verifies the root alone"
+    assert min(sizes[1::2]) > 1
+    assert metrics.plain_steps == len(sizes[0::2]) and metrics.fallback_fraction == metrics.plain_steps / metrics.steps
+    assert metrics.mean_tree_size == sum(sizes) / len(sizes)
 
 
 def test_plain_steps_teach_the_tree_controller_nothing(model):

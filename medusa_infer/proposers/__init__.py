@@ -11,7 +11,7 @@ from medusa_infer.proposers.autoregressive import AutoregressiveProposer
 from medusa_infer.proposers.base import Proposal, Proposer, StepContext
 from medusa_infer.proposers.draft import DraftProposer
 from medusa_infer.proposers.layerskip import LayerSkipProposer
-from medusa_infer.proposers.lookup import LookupProposer
+from medusa_infer.proposers.lookup import LOOKUP_MAX_TOKENS, LookupProposer
 from medusa_infer.proposers.medusa import MedusaProposer
 
 METHODS = ("medusa", "draft", "lookup", "layerskip", "autoregressive")
@@ -32,6 +32,7 @@ def build_proposer(method: str, model: Any, options: Any = None) -> Proposer:
             ``draft_model`` (draft: a name or a loaded model);
             ``draft_tokens`` (k for draft, layerskip and lookup); ``draft_schedule``
             (``heuristic`` or ``constant``); ``lookup_max_ngram``, ``lookup_min_ngram``;
+            ``lookup_max_tokens`` (the longest lookup draft a cost profile may choose);
             ``layerskip_layers``.
 
     The decoding loop tells the proposer its sampling settings (``configure``), so a draft samples
@@ -47,7 +48,8 @@ def build_proposer(method: str, model: Any, options: Any = None) -> Proposer:
 
         paths = resolve_tree(model, option("tree"))
         return MedusaProposer(model, paths, controller=make_controller(model, paths, option("adaptive")),
-                              lookup_tokens=option("lookup_tokens", 0))
+                              lookup_tokens=option("lookup_tokens", 0),
+                              lookup_max_tokens=option("lookup_max_tokens", LOOKUP_MAX_TOKENS))
     if method == "autoregressive":
         return AutoregressiveProposer(model)
     if method not in METHODS:
@@ -55,7 +57,8 @@ def build_proposer(method: str, model: Any, options: Any = None) -> Proposer:
     k = option("draft_tokens", DEFAULT_DRAFT_TOKENS)
     if method == "lookup":
         return LookupProposer(model, num_tokens=k, max_ngram=option("lookup_max_ngram", 3),
-                              min_ngram=option("lookup_min_ngram", 1))
+                              min_ngram=option("lookup_min_ngram", 1),
+                              max_tokens=option("lookup_max_tokens", LOOKUP_MAX_TOKENS))
     schedule = option("draft_schedule", "heuristic")
     if method == "layerskip":
         return LayerSkipProposer(model, option("layerskip_layers"), num_tokens=k, schedule=schedule)

@@ -16,12 +16,14 @@ its tokens are the target's token ids, and ``draft_probs`` must be over the same
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import torch
 
 from medusa_infer.acceptance import warp_logits
 from medusa_infer.kv_cache import AttentionLayout, KVState
+from medusa_infer.metrics import RECENT_STEPS
 from medusa_infer.proposers.base import ChainTrees, Proposal, StepContext
 
 SCHEDULES = ("heuristic", "constant")
@@ -62,7 +64,7 @@ class DraftProposer:
         self.kv = KVState.empty(0, self.layout, self.device)
         self.cached: list[int] = []  # per row: history tokens in the draft's cache
         self.drafted = 0  # tokens drafted in the current step
-        self.k_per_step: list[int] = []  # k at every step (for inspection and tests)
+        self.k_per_step: deque[int] = deque(maxlen=RECENT_STEPS)  # k at each recent step (inspection, tests)
 
     # -- the Proposer protocol --------------------------------------------------------------
 

@@ -10,10 +10,10 @@ matches, the step is plain decoding (the root alone).
 Rows of a batch share one chain: a row whose draft is shorter than the longest is padded with
 its last token, an ordinary (deterministic) candidate that the verifier accepts or rejects.
 
-With a measured cost profile (``LookupGate``), a draft is only verified when the acceptance seen
-so far for matches of its n-gram length pays for the extra tokens in the forward pass: on a CPU,
-verifying 2 to 16 tokens costs ~1.5-1.7x one token, so a 1-gram match that is usually wrong makes
-decoding slower, while on a GPU almost every match pays.
+With a measured cost profile (``LookupGate``), the acceptance seen so far for matches of a draft's
+n-gram length decides how many of its tokens to verify, if any: on a CPU verifying 2 to 16 tokens
+costs 1.2-1.7x one token, so a 1-gram match that is usually wrong makes decoding slower while a
+long run of correct matches pays for a long draft; on a GPU almost every match pays.
 """
 
 from __future__ import annotations
@@ -46,44 +46,73 @@ def pad_drafts(drafts: list[list[int]], roots: list[int], length: int) -> list[l
     return [d + [(d or [r])[-1]] * (length - len(d)) for d, r in zip(drafts, roots)]
 
 
-class LookupGate:
-    """Decides, per draft, whether verifying it is expected to pay under a cost profile.
+LOOKUP_MAX_TOKENS = 16  # the longest draft a cost gate may choose to verify
 
-    For each matched n-gram length it keeps the tokens accepted per verified draft (starting from an
-    optimistic prior of ``prior`` tokens, weighted as ``prior_weight`` drafts). A draft of ``L``
-    tokens added to a forward of ``base`` tokens per row, in a batch of ``B`` rows, is verified when
-    ``1 + expected accepted >= t(B * (base + L)) / t(B * base)`` (the rows share one forward); a
-    refused n-gram length is still tried every ``probe_every``-th time, so the estimate recovers
-    when the text turns repetitive.
+
+class LookupGate:
+    """Chooses, per draft, how many of its tokens to verify under a cost profile (0: none).
+
+    For each matched n-gram length ``n`` it estimates ``p``, the chance that a draft token is
+    accepted once the tokens before it were: accepted tokens / (accepted tokens + drafts stopped by
+    a rejection), a geometric model that also counts drafts cut short by their own end, starting
+    from an optimistic prior (``prior_rate``, weighted as ``prior_weight`` tokens). A draft of
+    ``L`` tokens is then expected to add ``E(L) = p + p^2 + ... + p^L`` tokens to the step's one;
+    added to a forward of ``base`` tokens per row, in a batch of ``B`` rows, it costs
+    ``t(B * (base + L)) / t(B * base)`` (the rows share one forward). The gate verifies the ``L``
+    (up to the match's length) with the most expected tokens per unit of cost, when that is at least
+    plain decoding's: long drafts where matches keep being right, short ones or none where they are
+    not. A refused n-gram length is still tried every ``probe_every``-th time, so the estimate
+    recovers when the text turns repetitive.
 
     Args:
         cost: the device's verification cost (``MedusaConfig.cost_profile``).
-        prior, prior_weight: the optimistic start.
+        prior_rate, prior_weight: the optimistic start.
         probe_every: how often a refused length is verified anyway.
     """
 
-    def __init__(self, cost: CostProfile, prior: float = 1.0, prior_weight: float = 2.0, probe_every: int = 8) -> None:
-        self.cost, self.prior, self.prior_weight, self.probe_every = cost, prior, prior_weight, probe_every
-        self.drafts: dict[int, int] = {}
+    def __init__(self, cost: CostProfile, prior_rate: float = 0.5, prior_weight: float = 2.0,
+                 probe_every: int = 8) -> None:
+        self.cost, self.prior_rate, self.prior_weight, self.probe_every = cost, prior_rate, prior_weight, probe_every
+        self.drafts: dict[int, int] = {}  # verified drafts per n-gram length
         self.accepted: dict[int, int] = {}
+        self.stops: dict[int, int] = {}
         self.refused: dict[int, int] = {}
 
-    def expected(self, n: int) -> float:
-        """Expected accepted tokens of a draft after an ``n``-gram match."""
-        return (self.accepted.get(n, 0) + self.prior * self.prior_weight) / (self.drafts.get(n, 0) + self.prior_weight)
+    def rate(self, n: int) -> float:
+        """The chance that a token of a draft after an ``n``-gram match is accepted, given that the
+        tokens before it were."""
+        accepted = self.accepted.get(n, 0)
+        return (accepted + self.prior_rate * self.prior_weight) / (accepted + self.stops.get(n, 0) + self.prior_weight)
 
-    def allow(self, n: int, length: int, base: int = 1, batch: int = 1) -> bool:
-        if length <= 0:
-            return False
-        if 1 + self.expected(n) >= self.cost.ratio(batch * (base + length)) / self.cost.ratio(batch * base):
-            return True
+    def expected(self, n: int, length: int) -> float:
+        """Expected accepted tokens of a ``length``-token draft after an ``n``-gram match."""
+        p = self.rate(n)
+        return sum(p ** i for i in range(1, length + 1))
+
+    def length(self, n: int, available: int, base: int = 1, batch: int = 1) -> int:
+        """How many leading tokens of a draft of ``available`` tokens after an ``n``-gram match to
+        verify (0: none), for a batch of ``batch`` rows verifying ``base`` tokens each without it."""
+        if available <= 0:
+            return 0
+        p, plain = self.rate(n), self.cost.ratio(batch * base)
+        best, best_gain, expected, power = 1, 0.0, 0.0, 1.0
+        for length in range(1, available + 1):
+            power *= p
+            expected += power
+            gain = (1 + expected) * plain / self.cost.ratio(batch * (base + length))
+            if gain >= best_gain:
+                best, best_gain = length, gain
+        if best_gain >= 1.0:
+            return best
         self.refused[n] = self.refused.get(n, 0) + 1
-        return self.refused[n] % self.probe_every == 0
+        return best if self.refused[n] % self.probe_every == 0 else 0
 
-    def record(self, n: int, accepted: int) -> None:
-        """A draft after an ``n``-gram match was verified and ``accepted`` of its tokens kept."""
+    def record(self, n: int, accepted: int, drafted: int) -> None:
+        """A ``drafted``-token draft after an ``n``-gram match was verified; ``accepted`` of its
+        tokens were kept."""
         self.drafts[n] = self.drafts.get(n, 0) + 1
         self.accepted[n] = self.accepted.get(n, 0) + accepted
+        self.stops[n] = self.stops.get(n, 0) + (accepted < drafted)
 
 
 def accepted_prefix(draft: list[int], committed: list[int]) -> int:
@@ -101,20 +130,23 @@ class LookupProposer:
 
     Args:
         model: the target ``MedusaModel`` (only its device is read).
-        num_tokens: at most this many tokens proposed a step (k).
+        num_tokens: tokens proposed a step (k) without a cost profile.
         max_ngram: longest suffix searched for.
         min_ngram: shortest suffix searched for.
-        cost: the device's verification cost; with it, drafts are gated by ``LookupGate``.
-            Default: the heads' measured profile when the model has one, else no gating.
+        cost: the device's verification cost; with it, ``LookupGate`` chooses each draft's length,
+            up to ``max_tokens``, or refuses it. Default: the heads' measured profile when the
+            model has one, else no gating.
+        max_tokens: the longest draft the gate may choose.
     """
 
     def __init__(self, model, num_tokens: int = 4, max_ngram: int = 3, min_ngram: int = 1,
-                 cost: CostProfile | None = None) -> None:
-        if num_tokens < 1:
-            raise ValueError(f"prompt lookup needs num_tokens >= 1, got {num_tokens}")
+                 cost: CostProfile | None = None, max_tokens: int = LOOKUP_MAX_TOKENS) -> None:
+        if num_tokens < 1 or max_tokens < 1:
+            raise ValueError(f"prompt lookup needs num_tokens and max_tokens >= 1, got {num_tokens} and {max_tokens}")
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
         self.num_tokens, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram
+        self.max_tokens = max_tokens
         self.trees = ChainTrees(model.device)
         cost = cost if cost is not None else model_cost(model)
         self.gate = LookupGate(cost) if cost is not None else None
@@ -124,7 +156,7 @@ class LookupProposer:
         pass
 
     def propose(self, roots: torch.Tensor, context: StepContext) -> Proposal:
-        limit = min(self.num_tokens, context.max_depth)
+        limit = min(self.num_tokens if self.gate is None else self.max_tokens, context.max_depth)
         self.matches = gated_matches(context.sequences, self.max_ngram, self.min_ngram, limit, self.gate)
         drafts = [draft for _, draft in self.matches]
         depth = max((len(d) for d in drafts), default=0)
@@ -152,13 +184,14 @@ def model_cost(model) -> CostProfile | None:
 
 def gated_matches(sequences: list[list[int]], max_ngram: int, min_ngram: int, limit: int,
                   gate: LookupGate | None, base: int = 1) -> list[tuple[int, list[int]]]:
-    """Per row ``(n, draft)``: the lookup draft, or ``(n, [])`` when ``gate`` refuses it (for a
-    batch of ``len(sequences)`` rows, each verifying ``base`` tokens without the draft)."""
+    """Per row ``(n, draft)``: the lookup draft of at most ``limit`` tokens, cut to the length
+    ``gate`` chooses (``[]`` when it refuses it) for a batch of ``len(sequences)`` rows, each
+    verifying ``base`` tokens without the draft."""
     out = []
     for history in sequences:
         n, draft = find_match(history, max_ngram, min_ngram, limit)
-        if draft and gate is not None and not gate.allow(n, len(draft), base, len(sequences)):
-            draft = []
+        if draft and gate is not None:
+            draft = draft[: gate.length(n, len(draft), base, len(sequences))]
         out.append((n, draft))
     return out
 
@@ -169,4 +202,4 @@ def record_matches(gate: LookupGate | None, matches: list[tuple[int, list[int]]]
         return
     for (n, draft), committed in zip(matches, accepted):
         if draft:
-            gate.record(n, accepted_prefix(draft, committed))
+            gate.record(n, accepted_prefix(draft, committed), len(draft))

@@ -17,7 +17,14 @@ import torch
 
 from medusa_infer.adaptive import TreeController
 from medusa_infer.proposers.base import Proposal, StepContext
-from medusa_infer.proposers.lookup import LookupGate, gated_matches, model_cost, pad_drafts, record_matches
+from medusa_infer.proposers.lookup import (
+    LOOKUP_MAX_TOKENS,
+    LookupGate,
+    gated_matches,
+    model_cost,
+    pad_drafts,
+    record_matches,
+)
 from medusa_infer.trees import TreeBuffers, build_tree_buffers, root_only_tree
 
 
@@ -55,24 +62,30 @@ class MedusaProposer:
         controller: optional adaptive controller; it then picks, every step, one of its ladder's
             nested trees (plain decoding included) and ``tree`` is ignored. It learns only from
             steps without a lookup branch, so what it measures is the heads' acceptance.
-        lookup_tokens: graft a prompt-lookup chain of at most this many tokens onto the tree
-            (0: heads only). Rows of a batch share the chain's length; a shorter draft is padded
-            with its last token, an ordinary candidate the verifier accepts or rejects.
+        lookup_tokens: graft a prompt-lookup chain onto the tree, of this many tokens at most
+            without a cost profile (0: heads only). Rows of a batch share the chain's length; a
+            shorter draft is padded with its last token, an ordinary candidate the verifier accepts
+            or rejects.
         lookup_ngram: ``(max_ngram, min_ngram)`` for the lookup search.
+        lookup_max_tokens: the longest chain the cost gate may choose.
 
-    With a measured cost profile in the heads' config, a lookup draft is grafted only when its
-    n-gram length's acceptance so far pays for its extra nodes (``proposers.lookup.LookupGate``).
+    With a measured cost profile in the heads' config, ``proposers.lookup.LookupGate`` chooses each
+    lookup draft's length, up to ``lookup_max_tokens``, from its n-gram length's acceptance so far
+    and the cost of its extra nodes, or leaves it out.
     """
 
     def __init__(self, model, tree: Sequence[Sequence[int]], controller: TreeController | None = None,
-                 lookup_tokens: int = 0, lookup_ngram: tuple[int, int] = (3, 1)) -> None:
+                 lookup_tokens: int = 0, lookup_ngram: tuple[int, int] = (3, 1),
+                 lookup_max_tokens: int = LOOKUP_MAX_TOKENS) -> None:
         if lookup_tokens < 0:
             raise ValueError(f"lookup_tokens must be >= 0 (0 turns the lookup branch off), got {lookup_tokens}")
         if not 1 <= lookup_ngram[1] <= lookup_ngram[0]:
             raise ValueError(f"lookup_ngram must be (max_ngram, min_ngram) with 1 <= min <= max, got {lookup_ngram}")
         self.model = model
         self.controller = controller
-        self.lookup_tokens, self.lookup_ngram = lookup_tokens, lookup_ngram
+        if lookup_max_tokens < 1:
+            raise ValueError(f"lookup_max_tokens must be >= 1, got {lookup_max_tokens}")
+        self.lookup_tokens, self.lookup_ngram, self.lookup_max_tokens = lookup_tokens, lookup_ngram, lookup_max_tokens
         self.grafted = 0  # length of the lookup chain in the last proposal
         cost = model_cost(model) if lookup_tokens else None
         self.gate = LookupGate(cost) if cost is not None else None
@@ -112,8 +125,8 @@ class MedusaProposer:
         return Proposal(flat[:, tree.candidate_index], tree)
 
     def _lookup(self, context: StepContext, cache: TreeCache, depth: int) -> list[list[int]]:
-        limit = min(self.lookup_tokens, context.max_depth)
-        if limit <= 0:
+        limit = min(self.lookup_tokens if self.gate is None else self.lookup_max_tokens, context.max_depth)
+        if not self.lookup_tokens or limit <= 0:
             self.matches = []
             return []
         longest, shortest = self.lookup_ngram

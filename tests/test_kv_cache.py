@@ -1,0 +1,106 @@
+"""The growing cache: the same contents as transformers' DynamicCache under every KVState operation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig
+
+from medusa_infer.kv_cache import AttentionLayout, GrowingCache, KVState, cache_keyword, copy_cache
+from tiny import ARCHITECTURES, VOCAB, tiny_config
+
+LAYOUT = AttentionLayout({"full_attention": None}, as_dict=False)
+
+
+def _append(kv: KVState, new: int, generator: torch.Generator, layers: int = 2) -> None:
+    batch = kv.valid.shape[0]
+    for index in range(layers):
+        keys = torch.randn(batch, 2, new, 4, generator=generator)
+        kv.cache.update(keys, keys * 2, index)
+    start = kv.positions[:, -1:] + 1 if kv.num_slots else torch.zeros(batch, 1, dtype=torch.long)
+    kv.append(torch.ones(batch, new, dtype=torch.bool), start + torch.arange(new))
+
+
+def test_growing_cache_matches_dynamic_cache_under_every_operation():
+    rng = random.Random(0)
+    for trial in range(20):
+        states = {cls: KVState(cls(), torch.zeros(3, 0, dtype=torch.bool), torch.zeros(3, 0, dtype=torch.long),
+                               LAYOUT) for cls in (GrowingCache, DynamicCache)}
+        seed = rng.randrange(1 << 30)
+        ops = [rng.choice(["append", "append", "keep_prefix", "keep_gather", "select", "merge", "compact"])
+               for _ in range(25)]
+        for cls, kv in states.items():
+            generator = torch.Generator().manual_seed(seed)
+            choice = random.Random(seed)
+            _append(kv, 5, generator)
+            for op in ops:
+                batch = kv.valid.shape[0]
+                if op == "append" or batch == 0:
+                    _append(kv, choice.randint(1, 40), generator)
+                elif op.startswith("keep"):
+                    new = choice.randint(2, 6)
+                    _append(kv, new, generator)
+                    if op == "keep_prefix":
+                        keep = torch.arange(choice.randint(1, new)).expand(batch, -1).clone()
+                    else:
+                        keep = torch.tensor([[choice.randrange(new) for _ in range(2)] for _ in range(batch)])
+                        keep[0, 1] = -1  # a hole
+                    kv.keep_new(new, keep)
+                elif op == "select" and batch > 1:
+                    kv.select_rows(torch.tensor(sorted(choice.sample(range(batch), batch - 1))))
+                elif op == "merge" and batch < 6:
+                    other = KVState(cls(), torch.zeros(1, 0, dtype=torch.bool), torch.zeros(1, 0, dtype=torch.long),
+                                    LAYOUT)
+                    _append(other, choice.randint(1, 30), generator)
+                    kv.merge(other)
+                elif op == "compact":
+                    kv.compact()
+        grown, dynamic = states[GrowingCache], states[DynamicCache]
+        assert torch.equal(grown.valid, dynamic.valid) and torch.equal(grown.positions, dynamic.positions)
+        for a, b in zip(grown.cache.layers, dynamic.cache.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values), f"trial {trial}: {ops}"
+
+
+def test_appends_write_in_place_until_the_buffer_is_full():
+    cache = GrowingCache()
+    cache.update(torch.zeros(1, 2, 100, 4), torch.zeros(1, 2, 100, 4), 0)
+    layer = cache.layers[0]
+    first = layer.keys.data_ptr()
+    for step in range(64):  # 100 slots get max(100 // 2, 64) = 64 spare: in place throughout
+        keys, values = cache.update(torch.full((1, 2, 1, 4), float(step)), torch.ones(1, 2, 1, 4), 0)
+        assert keys.data_ptr() == first and keys.shape[2] == 101 + step
+    assert torch.equal(layer.keys[0, 0, 100:, 0], torch.arange(64.0))
+    cache.update(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), 0)
+    assert layer.keys.data_ptr() != first and layer.keys.shape[2] == 165  # full: a larger buffer
+    assert torch.equal(layer.keys[0, 0, 100:164, 0], torch.arange(64.0))
+
+
+def test_a_copy_shares_nothing():
+    cache = GrowingCache()
+    cache.update(torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 4), 0)
+    copy = copy_cache(cache)
+    copy.update(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4), 0)
+    assert cache.layers[0].keys.shape[2] == 10 and copy.layers[0].keys.shape[2] == 13
+    assert torch.equal(copy.layers[0].keys[:, :, :10], cache.layers[0].keys)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES + ("gemma3_text-window-8",))
+def test_transformers_generate_gives_the_same_tokens_with_a_growing_cache(arch):
+    """Distillation hands ``generate`` a GrowingCache: left padding, and a sliding window it crosses."""
+    config = tiny_config(arch.split("-")[0])
+    if arch == "gemma3_text-window-8":
+        config.sliding_window, config.layer_types = 8, ["sliding_attention", "full_attention"]
+        config.num_hidden_layers = 2
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(3, VOCAB, (3, 20), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    settings = GenerationConfig(max_new_tokens=40, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.inference_mode():
+        plain = model.generate(input_ids=ids, attention_mask=mask, generation_config=settings)
+        grown = model.generate(input_ids=ids, attention_mask=mask, generation_config=settings,
+                               **{cache_keyword(model): GrowingCache()})
+    assert torch.equal(plain, grown)
