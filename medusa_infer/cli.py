@@ -34,7 +34,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="how candidates are proposed (default: medusa with --heads, else autoregressive)")
     parser.add_argument("--draft-model", help="draft model for --method draft (same tokenizer as the model)")
     parser.add_argument("--draft-tokens", type=int, default=None,
-                        help="tokens proposed a step by draft, layerskip (the first k) and lookup (default 4)")
+                        help="tokens proposed a step by draft, layerskip (the first k) and lookup (default 4; lookup "
+                             "with heads that carry a cost profile: the length that pays, up to 16)")
     parser.add_argument("--draft-schedule", choices=SCHEDULES, default="heuristic",
                         help="draft and layerskip: adapt k to the acceptance (heuristic) or keep it (constant)")
     parser.add_argument("--lookup-max-ngram", type=int, default=3,
@@ -46,7 +47,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tree", help="tree preset for --method medusa (default: the heads' own tree)")
     parser.add_argument("--lookup-tokens", type=int, default=0,
                         help="--method medusa: also graft a prompt-lookup chain of up to N tokens onto the tree "
-                             "(0: heads only)")
+                             "(0: heads only; with a cost profile, the length that pays, up to 16)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--temperature", type=float, default=1.0)

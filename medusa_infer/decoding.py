@@ -152,6 +152,7 @@ class DecodeBatch:
         self.finish: list[str | None] = [None] * batch
         self.row_steps = [0] * batch
         self.row_accepted = [0] * batch
+        self.released: set[int] = set()  # finished rows whose tokens were dropped (release)
         self.metrics = GenerationMetrics(rows=batch)
         self.kv = KVState.empty(batch, AttentionLayout.from_config(model.base_model.config), model.device)
         self.roots = torch.zeros(batch, dtype=torch.long, device=model.device)
@@ -273,6 +274,7 @@ class DecodeBatch:
         offset = len(self.generated)
         for name in ("histories", "prompt_lengths", "generated", "finish", "stops", "row_steps", "row_accepted"):
             getattr(self, name).extend(getattr(other, name))
+        self.released.update(offset + r for r in other.released)
         joined = [offset + r for r in other.rows]
         self.rows += joined
         self.roots = torch.cat([self.roots, other.roots])
@@ -281,6 +283,16 @@ class DecodeBatch:
         self.proposer.merge(other.proposer)
         self.metrics.rows += other.metrics.rows
         return joined
+
+    def release(self, row: int) -> None:
+        """Drop a finished row's tokens (its prompt and output). A server batch that rows keep
+        joining never ends, and would otherwise keep every request's tokens; ``output`` refuses a
+        batch with released rows."""
+        if self.finish[row] is None:
+            raise ValueError(f"row {row} is still decoding; only a finished row can be released")
+        self.histories[row] = []
+        self.generated[row] = []
+        self.released.add(row)
 
     def row_tau(self, row: int) -> float:
         """Tokens per step of one row, bonus included (1.0 before its first step)."""
@@ -305,6 +317,9 @@ class DecodeBatch:
         return not self.rows
 
     def output(self, pad_token_id: int) -> GenerationOutput:
+        if self.released:
+            raise ValueError(f"rows {sorted(self.released)} were released and their tokens dropped; "
+                             "call output() before release()")
         width = max(len(g) for g in self.generated)
         new = torch.full((len(self.generated), width), pad_token_id, dtype=torch.long)
         for row, tokens in enumerate(self.generated):
@@ -507,8 +522,10 @@ def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> Generati
         adaptive: shrink the tree (down to plain decoding) while acceptance is too low for
             speculation to pay under the heads' measured cost profile, and grow it back; default:
             on when the heads' config holds head accuracies and a cost profile.
-        lookup_tokens: also graft a prompt-lookup chain of at most this many tokens onto the
-            Medusa tree each step (0: heads only); see ``proposers.medusa``.
+        lookup_tokens: also graft a prompt-lookup chain onto the Medusa tree each step (0: heads
+            only), of at most this many tokens; with a cost profile in the heads' config, of the
+            length that pays, up to ``proposers.lookup.LOOKUP_MAX_TOKENS`` (``build_proposer``'s
+            ``lookup_max_tokens`` sets another limit); see ``proposers.medusa``.
         speculation_gate: take a plain step wherever speculating measures slower at the batch's
             size (``speculation_gate.SpeculationGate``: a batch's rows share one forward, which
             on a CPU can cost more than the drafts bring). Default: a fresh gate for a greedy

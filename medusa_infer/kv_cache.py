@@ -189,6 +189,9 @@ class KVState:
         self.positions = self.positions.index_select(1, columns)
 
 
+SPARE_SLOTS = 256  # room a GrowingLayer buffer keeps past its slots: memory bounded, a copy every 256 steps
+
+
 class GrowingLayer(DynamicLayer):
     """A ``DynamicLayer`` that appends new slots into spare capacity instead of concatenating.
 
@@ -230,11 +233,23 @@ class GrowingCache(DynamicCache):
 
 
 def copy_cache(cache: Any) -> GrowingCache:
-    """A copy of ``cache`` (any per-layer cache) that shares no tensor with it."""
+    """A ``GrowingCache`` with the contents of ``cache`` (``KVState``'s: every layer a full-length
+    layer, all initialised), sharing no tensor with it."""
     copy = GrowingCache()
     for index, layer in enumerate(cache.layers):
         copy.update(layer.keys.clone(), layer.values.clone(), index)
     return copy
+
+
+def growing_cache_for(model: Any) -> GrowingCache | None:
+    """A ``GrowingCache`` for ``model.generate``, or None where transformers would build another kind
+    of cache (sliding-window or other special layers, which a GrowingCache would keep whole, or a
+    ``cache_implementation`` in the model's generation config, which generate refuses to combine
+    with a cache passed in)."""
+    if getattr(getattr(model, "generation_config", None), "cache_implementation", None) is not None:
+        return None
+    layers = DynamicCache(config=model.config).layers
+    return GrowingCache() if all(type(layer) is DynamicLayer for layer in layers) else None
 
 
 def cache_keyword(module: Any) -> str:
@@ -246,7 +261,8 @@ def cache_keyword(module: Any) -> str:
 def _append_slots(current: torch.Tensor, buffer: torch.Tensor | None, new: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(current + new along the slot axis, the buffer holding it)``; in place when ``current`` is
-    a leading view of ``buffer`` with room for ``new``, else in a new buffer with 50% to spare."""
+    a leading view of ``buffer`` with room for ``new``, else in a new buffer with ``SPARE_SLOTS``
+    to spare."""
     length = current.shape[-2] if current.dim() == 4 else 0
     needed = length + new.shape[-2]
     in_place = (
@@ -255,7 +271,11 @@ def _append_slots(current: torch.Tensor, buffer: torch.Tensor | None, new: torch
         and current.shape[-1] == buffer.shape[-1] and needed <= buffer.shape[-2]
     )
     if not in_place:
-        buffer = new.new_empty((*new.shape[:2], needed + max(needed // 2, 64), new.shape[-1]))
+        if length and (current.shape[:2] != new.shape[:2] or current.shape[-1] != new.shape[-1]
+                       or current.dtype != new.dtype or current.device != new.device):
+            raise ValueError(f"cannot append slots of shape {tuple(new.shape)} ({new.dtype}, {new.device}) to a "
+                             f"cache of shape {tuple(current.shape)} ({current.dtype}, {current.device})")
+        buffer = new.new_empty((*new.shape[:2], needed + SPARE_SLOTS, new.shape[-1]))
         if length:
             buffer[:, :, :length].copy_(current)
     buffer[:, :, length:needed].copy_(new)

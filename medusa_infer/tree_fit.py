@@ -51,7 +51,8 @@ class CostProfile:
             raise ValueError("seconds must hold one positive time per size")
 
     def ratio(self, n: int) -> float:
-        """``t(n) / t(1)``, linearly interpolated (extrapolated past the largest size)."""
+        """``t(n) / t(1)``, linearly interpolated (extrapolated past the largest size, never
+        decreasing)."""
         sizes, secs = self.sizes, self.seconds
         if n <= 1:
             return 1.0
@@ -62,7 +63,9 @@ class CostProfile:
                 return t / secs[0]
         if len(sizes) == 1:
             return float(n)
-        slope = (secs[-1] - secs[-2]) / (sizes[-1] - sizes[-2])
+        # never decreasing: a flat or noisy profile's last slope can be <= 0, which would make
+        # ever larger forwards look free (or cost less than nothing)
+        slope = max((secs[-1] - secs[-2]) / (sizes[-1] - sizes[-2]), 0.0)
         return (secs[-1] + slope * (n - sizes[-1])) / secs[0]
 
     def to_dict(self) -> dict:

@@ -49,7 +49,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from medusa_infer.decoding import left_pad
-from medusa_infer.kv_cache import GrowingCache, cache_keyword
+from medusa_infer.kv_cache import cache_keyword, growing_cache_for
 from medusa_train.dataset import encode_rendered, has_chat_template, render_prompt, row_messages
 
 logger = logging.getLogger(__name__)
@@ -543,13 +543,15 @@ def generate_batch(
         eos_token_id=list(eos_ids),
         **settings,
     )
+    # appends in place where DynamicCache copies the whole cache every step (same tokens)
+    cache = growing_cache_for(model)
+    cache_argument = {} if cache is None else {cache_keyword(model): cache}
     with torch.inference_mode():
         output = model.generate(
             input_ids=input_ids.to(device),
             attention_mask=attention_mask.to(device),
             generation_config=generation_config,
-            # appends in place where DynamicCache copies the whole cache every step (same tokens)
-            **{cache_keyword(model): GrowingCache()},
+            **cache_argument,
         )
     answers = []
     eos = set(eos_ids)

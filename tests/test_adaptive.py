@@ -162,3 +162,10 @@ def test_per_step_records_stay_bounded():
         control.observe(rungs[-1], 0.0)
     assert list(control.history) == rungs[-RECENT_STEPS:]
     assert 0 < rungs.count(0) < steps and control.fallback_fraction == rungs.count(0) / steps
+
+
+def test_cost_extrapolation_never_decreases():
+    noisy = CostProfile([1, 2, 4, 8], [0.0200, 0.0201, 0.0203, 0.0202], "flat and noisy")  # last slope < 0
+    ratios = [noisy.ratio(n) for n in (8, 16, 1000, 100_000)]
+    assert ratios == sorted(ratios) and min(ratios) > 0
+    assert STEEP.ratio(128) > STEEP.ratio(64)  # a rising profile keeps rising

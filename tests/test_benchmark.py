@@ -20,6 +20,7 @@ from medusa_train.benchmark import (
     interleave_categories,
     load_questions,
     main,
+    parse_args,
     report_markdown,
 )
 
@@ -48,10 +49,12 @@ def model() -> MedusaModel:
 
 
 def args(**overrides) -> argparse.Namespace:
-    values = dict(methods=["hf", "hf-lookup", "ar", "medusa", "medusa-lossless", "lookup"], max_new_tokens=8,
-                  tree="tree-8", lookup_tokens=4, temperature=0.7, seed=0, draft_model=None, model="tiny",
-                  heads="tiny-heads", questions="q.jsonl", limit=None, calibrate_context=16, batch_size=1,
-                  time_budget=None, cpu_kernels="onednn", speculation_gate="measured", lookup_max_tokens=16)
+    """``medusa-bench``'s own parsed defaults with these tests' tiny settings, then ``overrides``."""
+    values = vars(parse_args([
+        "--questions", "q.jsonl", "--model", "tiny", "--heads", "tiny-heads", "--tree", "tree-8",
+        "--methods", "hf,hf-lookup,ar,medusa,medusa-lossless,lookup", "--max-new-tokens", "8",
+        "--lookup-tokens", "4", "--calibrate-context", "16",
+    ]))
     values.update(overrides)
     return argparse.Namespace(**values)
 

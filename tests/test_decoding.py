@@ -332,3 +332,25 @@ def test_batches_merge_between_steps_and_rows_can_be_cancelled():
     assert running.generated[0] == futures[0] and running.generated[1] == futures[1]
     assert running.finish[2] == "cancelled" and futures[2][: len(running.generated[2])] == running.generated[2]
     assert running.row_tau(0) >= 1.0
+
+
+def test_a_finished_row_can_release_its_tokens():
+    """A server batch that rows keep joining never ends: delivered rows must not keep their tokens."""
+    from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig
+    from medusa_infer.proposers.autoregressive import AutoregressiveProposer
+
+    model = medusa("llama")
+    ids, mask = left_pad([torch.arange(3, 9), torch.arange(3, 12)])
+    with torch.no_grad():
+        batch = DecodeBatch(model, ids, mask, AutoregressiveProposer(model), SamplingConfig(), StopConfig(6), None,
+                            None)
+        batch.prefill()
+        batch.step()
+        with pytest.raises(ValueError, match="still decoding"):
+            batch.release(0)
+        while not batch.done:
+            batch.step()
+    batch.release(1)
+    assert batch.histories[1] == [] and batch.generated[1] == [] and len(batch.generated[0]) == 6
+    with pytest.raises(ValueError, match=r"rows \[1\] were released"):
+        batch.output(0)

@@ -8,7 +8,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig
 
-from medusa_infer.kv_cache import AttentionLayout, GrowingCache, KVState, cache_keyword, copy_cache
+from medusa_infer.kv_cache import (
+    SPARE_SLOTS,
+    AttentionLayout,
+    GrowingCache,
+    KVState,
+    cache_keyword,
+    copy_cache,
+    growing_cache_for,
+)
 from tiny import ARCHITECTURES, VOCAB, tiny_config
 
 LAYOUT = AttentionLayout({"full_attention": None}, as_dict=False)
@@ -68,13 +76,25 @@ def test_appends_write_in_place_until_the_buffer_is_full():
     cache.update(torch.zeros(1, 2, 100, 4), torch.zeros(1, 2, 100, 4), 0)
     layer = cache.layers[0]
     first = layer.keys.data_ptr()
-    for step in range(64):  # 100 slots get max(100 // 2, 64) = 64 spare: in place throughout
+    for step in range(SPARE_SLOTS):  # in place until the spare slots are used up
         keys, values = cache.update(torch.full((1, 2, 1, 4), float(step)), torch.ones(1, 2, 1, 4), 0)
         assert keys.data_ptr() == first and keys.shape[2] == 101 + step
-    assert torch.equal(layer.keys[0, 0, 100:, 0], torch.arange(64.0))
+    assert torch.equal(layer.keys[0, 0, 100:, 0], torch.arange(float(SPARE_SLOTS)))
     cache.update(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), 0)
-    assert layer.keys.data_ptr() != first and layer.keys.shape[2] == 165  # full: a larger buffer
-    assert torch.equal(layer.keys[0, 0, 100:164, 0], torch.arange(64.0))
+    assert layer.keys.data_ptr() != first and layer.keys.shape[2] == 101 + SPARE_SLOTS  # full: a larger buffer
+    assert torch.equal(layer.keys[0, 0, 100:100 + SPARE_SLOTS, 0], torch.arange(float(SPARE_SLOTS)))
+    with pytest.raises(ValueError, match="cannot append slots of shape"):
+        layer.keys = layer.keys[:1, :1]  # a cache some other code replaced with the wrong shape
+        cache.update(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), 0)
+
+
+def test_generate_gets_a_growing_cache_only_where_transformers_would_build_a_plain_one():
+    assert isinstance(growing_cache_for(AutoModelForCausalLM.from_config(tiny_config("llama"))), GrowingCache)
+    sliding = tiny_config("gemma3_text")  # sliding-window layers: transformers trims them, a GrowingCache would not
+    assert growing_cache_for(AutoModelForCausalLM.from_config(sliding)) is None
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    model.generation_config.cache_implementation = "static"  # generate refuses it together with a cache
+    assert growing_cache_for(model) is None
 
 
 def test_a_copy_shares_nothing():

@@ -17,8 +17,9 @@ from medusa_infer.proposers.medusa import MedusaProposer
 METHODS = ("medusa", "draft", "lookup", "layerskip", "autoregressive")
 
 DEFAULT_DRAFT_TOKENS = 4
-"""k for draft, layerskip (first k) and lookup: on CPU, verifying 2 to 5 tokens costs about the
-same (1.7x one token), 9 tokens about 2x (docs/NOTES), so short chains pay off first."""
+"""k for draft, layerskip (first k) and lookup (lookup without a cost profile; with one, its gate
+chooses each draft's length up to ``lookup_max_tokens``): on CPU, verifying 2 to 5 tokens costs
+about the same (1.7x one token), 9 tokens about 2x (docs/NOTES), so short chains pay off first."""
 
 
 def build_proposer(method: str, model: Any, options: Any = None) -> Proposer:

@@ -49,12 +49,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="acceptance rule of sampled requests (greedy requests are exact anyway)")
     parser.add_argument("--tree", help="tree preset for --method medusa (default: the heads' own tree)")
     parser.add_argument("--lookup-tokens", type=int, default=0,
-                        help="--method medusa: also graft a prompt-lookup chain of up to N tokens onto the tree")
+                        help="--method medusa: also graft a prompt-lookup chain of up to N tokens onto the tree "
+                             "(with heads that carry a cost profile, the length that pays, up to 16)")
     parser.add_argument("--speculation-gate", choices=("measured", "off"), default="measured",
                         help="measured (default): speculate only at batch sizes where the measured step "
                              "times and acceptance say it is faster; off: speculate on every step")
     parser.add_argument("--draft-model", help="draft model for --method draft")
-    parser.add_argument("--draft-tokens", type=int, default=None, help="draft / lookup tokens a step")
+    parser.add_argument("--draft-tokens", type=int, default=None,
+                        help="draft / lookup tokens a step (lookup with a cost profile: the length that pays, "
+                             "up to 16)")
     parser.add_argument("--layerskip-layers", type=int, default=None,
                         help="target layers used as the draft by --method layerskip")
     parser.add_argument("--trust-remote-code", action="store_true",

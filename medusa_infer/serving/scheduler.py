@@ -370,6 +370,7 @@ class Engine:
             else:
                 del running.requests[row]
                 self._finish(request, finish, tokens)
+                batch.release(row)  # its tokens were delivered: a long-lived batch keeps none
 
     def _abort(self, request: Request, reason: str, message: str | None) -> None:
         if request.done:
@@ -383,6 +384,8 @@ class Engine:
             running, row = request.slot
             running.batch.cancel(row)
             running.requests.pop(row, None)
+            if running.batch.finish[row] is not None:
+                running.batch.release(row)
         self._finish(request, reason, error=message)
 
     def _fail_batch(self, running: _Running, error: Exception) -> None:
