@@ -276,9 +276,9 @@ def heldout_accuracy(config: TrainConfig, accelerator: Any, heldout: list[dict],
     return mconfig, heads, ev.head_accuracy(medusa.head_logits, batches, config.eval.top_k, device=medusa.device)
 
 
-def stage_evaluate(config: TrainConfig, accelerator: Any, heldout: list[dict], folders: dict[str, Path] | None,
-                   timings: dict[str, float]) -> None:
-    """(e) Held-out accuracies, the fitted tree, the final heads folder; optional upload."""
+def stage_evaluate(config: TrainConfig, accelerator: Any, train: list[dict], heldout: list[dict],
+                   folders: dict[str, Path] | None, timings: dict[str, float]) -> None:
+    """(e) Held-out accuracies, the fitted tree, the datastore, the final heads folder; optional upload."""
     from medusa_train import evaluate as ev
 
     paths = run_paths(config)
@@ -291,6 +291,11 @@ def stage_evaluate(config: TrainConfig, accelerator: Any, heldout: list[dict], f
             from medusa_train.lora import ADAPTER_DIR
 
             shutil.copytree(paths.final / ADAPTER_DIR, partial / ADAPTER_DIR)
+        if config.eval.datastore:
+            from medusa_infer.datastore import DATASTORE_NAME
+            from medusa_train.datastore import build_datastore
+
+            build_datastore(train).save(partial / DATASTORE_NAME)
         _commit_folder(partial, paths.heads)
         print(ev.summary_table(accuracy, [tuple(p) for p in mconfig.tree]), flush=True)
     accelerator.wait_for_everyone()
@@ -354,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     if (paths.heads / "config.json").is_file():
         say(accelerator, f"evaluate: {paths.heads} exists, skipping")
     else:
-        stage_evaluate(config, accelerator, heldout, folders, timings)
+        stage_evaluate(config, accelerator, train, heldout, folders, timings)
     timings["evaluate"] = round(time.perf_counter() - started, 1)
     if accelerator.is_main_process:
         (paths.logs / "stages.json").write_text(json.dumps(timings, indent=2) + "\n")

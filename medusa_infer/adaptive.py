@@ -113,6 +113,10 @@ class TreeController:
             self.scale = (1 - self.smoothing) * self.scale + self.smoothing * ratio
         self.rung = self._best()
 
+    def expected_accepted(self, rung: int) -> float:
+        """Tokens a step on ``rung`` is expected to accept beyond the root, as measured so far."""
+        return max(self.scale * (self.tau_cal[rung] - 1), 0.0)
+
     @property
     def fallback_fraction(self) -> float:
         """Share of steps decoded without speculation."""

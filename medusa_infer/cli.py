@@ -48,6 +48,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lookup-tokens", type=int, default=0,
                         help="--method medusa: also graft a prompt-lookup chain of up to N tokens onto the tree "
                              "(0: heads only; with a cost profile, the length that pays, up to 16)")
+    parser.add_argument("--no-datastore", dest="datastore", action="store_false",
+                        help="lookup drafts search only the conversation, not the heads' datastore of the "
+                             "model's own answers (datastore.safetensors, used when the heads folder has one)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--temperature", type=float, default=1.0)

@@ -485,7 +485,7 @@ def stream(
     elif proposer is None:
         paths = resolve_tree(model, tree)
         proposer = MedusaProposer(model, paths, controller=make_controller(model, paths, adaptive),
-                                  lookup_tokens=lookup_tokens)
+                                  lookup_tokens=lookup_tokens, datastore=model.datastore)
     elif lookup_tokens:
         raise ValueError("lookup_tokens= grafts prompt lookup onto the Medusa tree; it does not apply to a "
                          "proposer passed in (use the lookup proposer's own num_tokens)")

@@ -33,6 +33,7 @@ from medusa_infer.checkpoint import (
 )
 from medusa_infer.cpu_kernels import linear_kernels, use_onednn_linear
 from medusa_infer.config import MedusaConfig
+from medusa_infer.datastore import DATASTORE_NAME, Datastore
 from medusa_infer.heads import MedusaHeads
 from medusa_infer.kv_cache import cache_keyword
 
@@ -84,6 +85,10 @@ class MedusaModel(nn.Module):
     Attributes:
         merged_adapter: the Medusa-2 adapter folder ``from_pretrained`` merged into the base
             model, or None.
+        datastore: the model's own earlier answers, searched for lookup drafts
+            (``medusa_infer.datastore``); ``from_pretrained`` loads the heads folder's
+            ``datastore.safetensors`` when there is one, ``save_pretrained`` writes it. None: no
+            datastore.
     """
 
     def __init__(self, base_model: PreTrainedModel, heads: MedusaHeads | None, tokenizer: Any = None) -> None:
@@ -97,6 +102,7 @@ class MedusaModel(nn.Module):
         self.heads = heads
         self.tokenizer = tokenizer
         self.merged_adapter: Path | None = None  # the Medusa-2 adapter folder from_pretrained merged
+        self.datastore: Datastore | None = None
         self._decoder = base_model.base_model
         self._cache_kw = cache_keyword(self._decoder)
         text_config = base_model.config.get_text_config()
@@ -217,6 +223,8 @@ class MedusaModel(nn.Module):
         heads.load_state_dict(state, strict=True)
         model = cls(base_model, heads, tokenizer)
         model.merged_adapter = adapter_folder if merge else None
+        if (directory / DATASTORE_NAME).is_file():
+            model.datastore = Datastore.load(directory / DATASTORE_NAME)
         return model
 
     # ------------------------------------------------------------------ saving
@@ -226,7 +234,8 @@ class MedusaModel(nn.Module):
 
         A Medusa-2 adapter merged at load time (``merged_adapter``) is copied along into
         ``directory/adapter``: the heads were trained for the adapted base model, so the folder
-        (and what ``push_to_hub`` uploads) keeps both.
+        (and what ``push_to_hub`` uploads) keeps both. So is the ``datastore``, as
+        ``datastore.safetensors``.
         """
         from medusa_infer.models import hub_id
 
@@ -236,6 +245,8 @@ class MedusaModel(nn.Module):
             target = out / ADAPTER_DIR
             if not target.exists() or not os.path.samefile(target, self.merged_adapter):
                 shutil.copytree(self.merged_adapter, target, dirs_exist_ok=True)
+        if self.datastore is not None:
+            self.datastore.save(out / DATASTORE_NAME)
         return out
 
     def export_medusa_layout(

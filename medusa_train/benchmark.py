@@ -288,7 +288,7 @@ class Runner:
 
         options = argparse.Namespace(
             tree=self.args.tree, draft_model=self.assistant, draft_tokens=None, layerskip_layers=None,
-            lookup_max_tokens=self.args.lookup_max_tokens,
+            lookup_max_tokens=self.args.lookup_max_tokens, datastore=self.args.datastore,
         )
         sampling: dict[str, Any] = {}
         if method == "medusa-typical":
@@ -393,6 +393,7 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
             "turns": sum(len(q["turns"]) for q in questions), "max_new_tokens": args.max_new_tokens,
             "batch_size": args.batch_size, "speculation_gate": args.speculation_gate,
             "lookup_max_tokens": args.lookup_max_tokens,
+            "datastore_tokens": len(model.datastore) if args.datastore and model.datastore is not None else 0,
             "time_budget_s": args.time_budget, "questions_answered": len(questions),
             "device": str(model.device), "dtype": str(model.dtype).replace("torch.", ""),
             "linear_kernels": linear_kernels(model.base_model),
@@ -611,6 +612,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for hf-lookup")
     parser.add_argument("--lookup-max-tokens", type=int, default=LOOKUP_MAX_TOKENS,
                         help="lookup and medusa-lookup: the longest draft the heads' cost profile may choose")
+    parser.add_argument("--no-datastore", dest="datastore", action="store_false",
+                        help="lookup and medusa-lookup search only the prompt and output, not the heads' "
+                             "datastore of the model's own answers (datastore.safetensors)")
     parser.add_argument("--temperature", type=float, default=0.7, help="for the sampling methods")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")

@@ -220,11 +220,14 @@ class EvalSection:
         tree_size: nodes of the tree fitted to the measured accuracies (16 suits a CPU).
         top_k: accuracies measured for ranks 1..top_k.
         push_to_hub: Hub repo id to upload the heads to (``--push-to-hub`` sets it).
+        datastore: write the training split's conversations (the model's own answers) into the
+            heads folder as ``datastore.safetensors``, which lookup drafts also search.
     """
 
     tree_size: int = 16
     top_k: int = 10
     push_to_hub: str | None = None
+    datastore: bool = True
 
 
 @dataclass

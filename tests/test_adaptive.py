@@ -94,9 +94,12 @@ def test_controller_falls_back_and_recovers():
     control = TreeController(ladder, REFERENCE_HEAD_ACCURACY, STEEP, probe_every=8)
     initial = control.rung
     assert initial > 0
+    assert control.expected_accepted(initial) == pytest.approx(control.tau_cal[initial] - 1)
+    assert control.expected_accepted(0) == 0.0
     for _ in range(30):  # nothing accepted: fall back to plain decoding, probing now and then
         control.observe(control.choose(), 0.0)
     assert control.rung == 0
+    assert control.expected_accepted(initial) < 0.5 * (control.tau_cal[initial] - 1)  # scaled by what it saw
     tail = list(control.history)[-16:]
     assert tail.count(0) >= 14 and 1 in tail
     for _ in range(30):  # acceptance recovers: the tree grows back

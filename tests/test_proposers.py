@@ -170,6 +170,18 @@ def test_lookup_gate_charges_a_draft_for_every_row_of_the_batch():
     assert gate.length(2, 4, batch=16) == 0  # sixteen rows: t(80) / t(16) = 4.4
 
 
+def test_lookup_gate_weighs_a_draft_against_the_heads_tokens():
+    gate = LookupGate(GPU_COST)
+    for _ in range(3):
+        gate.record(1, 0, 4)  # p = 1 / 5
+    assert gate.length(1, 4) >= 1  # alone, 1.2 tokens a step for 0.5% more time
+    # beside heads worth 1.5 tokens a step the draft adds 0.2 and hides 0.3 of theirs
+    assert gate.length(1, 4, base=3, heads=1.5) == 0
+    for _ in range(40):
+        gate.record(2, 4, 4)  # p near 1: the draft wins beside the heads too
+    assert gate.length(2, 4, base=3, heads=1.5) == 4
+
+
 def test_gated_lookup_stays_exact_and_verifies_fewer_drafts():
     target = target_model("llama")
     prompt = torch.tensor([5, 6, 7, 8, 9, 10, 5, 11, 12, 5, 13, 14, 5, 15])  # 1-gram matches that lead nowhere

@@ -16,6 +16,7 @@ import pytest
 import torch
 import yaml
 
+from medusa_infer.datastore import SEPARATOR
 from medusa_infer.model import MedusaModel
 from medusa_train import trainer as tr
 from medusa_train.features import (
@@ -293,6 +294,11 @@ def test_medusa1_from_cache_learns_head_k_predicts_t_plus_k_plus_2(tiny_dir, tmp
     # counting sequence head k's top token at position t >= 3 (the shortest prompt the heads
     # trained after) must be token t + k + 2.
     model = MedusaModel.from_pretrained(out / "heads", base_model=tiny_model("llama"))
+    # the datastore holds the training split's conversations, for lookup drafts
+    train_key = json.loads((out / "features" / "index.json").read_text())["train"]
+    train_examples = json.loads((out / "features" / train_key / "manifest.json").read_text())["num_examples"]
+    assert int((model.datastore.tokens == SEPARATOR).sum()) == train_examples > 0
+    assert len(model.datastore) > 10 * train_examples
     ids = torch.tensor([[3 + (5 + j) % TOKENS for j in range(30)]])
     with torch.no_grad():
         heads = model(ids, head_positions=None).head_logits[:, 0].argmax(-1)  # [K, seq]

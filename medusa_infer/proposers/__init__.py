@@ -34,7 +34,8 @@ def build_proposer(method: str, model: Any, options: Any = None) -> Proposer:
             ``draft_tokens`` (k for draft, layerskip and lookup); ``draft_schedule``
             (``heuristic`` or ``constant``); ``lookup_max_ngram``, ``lookup_min_ngram``;
             ``lookup_max_tokens`` (the longest lookup draft a cost profile may choose);
-            ``layerskip_layers``.
+            ``datastore`` (lookup and medusa's lookup chain also search the model's datastore,
+            ``MedusaModel.datastore``, when it has one; default True); ``layerskip_layers``.
 
     The decoding loop tells the proposer its sampling settings (``configure``), so a draft samples
     exactly when the verifier does.
@@ -44,13 +45,15 @@ def build_proposer(method: str, model: Any, options: Any = None) -> Proposer:
         value = getattr(options, name, None)
         return default if value is None else value
 
+    datastore = getattr(model, "datastore", None) if option("datastore", True) else None
     if method == "medusa":
         from medusa_infer.decoding import make_controller, resolve_tree
 
         paths = resolve_tree(model, option("tree"))
         return MedusaProposer(model, paths, controller=make_controller(model, paths, option("adaptive")),
                               lookup_tokens=option("lookup_tokens", 0),
-                              lookup_max_tokens=option("lookup_max_tokens", LOOKUP_MAX_TOKENS))
+                              lookup_max_tokens=option("lookup_max_tokens", LOOKUP_MAX_TOKENS),
+                              datastore=datastore)
     if method == "autoregressive":
         return AutoregressiveProposer(model)
     if method not in METHODS:
@@ -59,7 +62,7 @@ def build_proposer(method: str, model: Any, options: Any = None) -> Proposer:
     if method == "lookup":
         return LookupProposer(model, num_tokens=k, max_ngram=option("lookup_max_ngram", 3),
                               min_ngram=option("lookup_min_ngram", 1),
-                              max_tokens=option("lookup_max_tokens", LOOKUP_MAX_TOKENS))
+                              max_tokens=option("lookup_max_tokens", LOOKUP_MAX_TOKENS), datastore=datastore)
     schedule = option("draft_schedule", "heuristic")
     if method == "layerskip":
         return LayerSkipProposer(model, option("layerskip_layers"), num_tokens=k, schedule=schedule)

@@ -14,12 +14,20 @@ With a measured cost profile (``LookupGate``), the acceptance seen so far for ma
 n-gram length decides how many of its tokens to verify, if any: on a CPU verifying 2 to 16 tokens
 costs 1.2-1.7x one token, so a 1-gram match that is usually wrong makes decoding slower while a
 long run of correct matches pays for a long draft; on a GPU almost every match pays.
+
+With a ``Datastore`` (the model's own earlier answers, ``medusa_infer.datastore``) each row also
+gets the store's continuation of its text. Without a cost profile the longer match wins (the
+prompt's on a tie); with one, the draft with more expected accepted tokens, each source's
+acceptance being measured per n-gram length (keys ``("prompt", n)`` and ``("datastore", n)``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import torch
 
+from medusa_infer.datastore import Datastore
 from medusa_infer.proposers.base import ChainTrees, Proposal, StepContext
 from medusa_infer.tree_fit import CostProfile
 
@@ -52,7 +60,8 @@ LOOKUP_MAX_TOKENS = 16  # the longest draft a cost gate may choose to verify
 class LookupGate:
     """Chooses, per draft, how many of its tokens to verify under a cost profile (0: none).
 
-    For each matched n-gram length ``n`` it estimates ``p``, the chance that a draft token is
+    For each kind of match ``key`` (in the proposers: ``(source, n)``, the draft's source and its
+    matched n-gram length) it estimates ``p``, the chance that a draft token is
     accepted once the tokens before it were: accepted tokens / (accepted tokens + drafts stopped by
     a rejection), a geometric model that also counts drafts cut short by their own end, starting
     from an optimistic prior (``prior_rate``, weighted as ``prior_weight`` tokens). A draft of
@@ -73,33 +82,39 @@ class LookupGate:
     def __init__(self, cost: CostProfile, prior_rate: float = 0.5, prior_weight: float = 2.0,
                  probe_every: int = 8) -> None:
         self.cost, self.prior_rate, self.prior_weight, self.probe_every = cost, prior_rate, prior_weight, probe_every
-        self.drafts: dict[int, int] = {}  # verified drafts per n-gram length
-        self.accepted: dict[int, int] = {}
-        self.stops: dict[int, int] = {}
-        self.refused: dict[int, int] = {}
+        self.drafts: dict[Hashable, int] = {}  # verified drafts per kind of match
+        self.accepted: dict[Hashable, int] = {}
+        self.stops: dict[Hashable, int] = {}
+        self.refused: dict[Hashable, int] = {}
 
-    def rate(self, n: int) -> float:
-        """The chance that a token of a draft after an ``n``-gram match is accepted, given that the
+    def rate(self, n: Hashable) -> float:
+        """The chance that a token of a draft after an ``n`` match is accepted, given that the
         tokens before it were."""
         accepted = self.accepted.get(n, 0)
         return (accepted + self.prior_rate * self.prior_weight) / (accepted + self.stops.get(n, 0) + self.prior_weight)
 
-    def expected(self, n: int, length: int) -> float:
+    def expected(self, n: Hashable, length: int) -> float:
         """Expected accepted tokens of a ``length``-token draft after an ``n``-gram match."""
         p = self.rate(n)
         return sum(p ** i for i in range(1, length + 1))
 
-    def length(self, n: int, available: int, base: int = 1, batch: int = 1) -> int:
-        """How many leading tokens of a draft of ``available`` tokens after an ``n``-gram match to
-        verify (0: none), for a batch of ``batch`` rows verifying ``base`` tokens each without it."""
+    def length(self, n: Hashable, available: int, base: int = 1, batch: int = 1, heads: float = 0.0) -> int:
+        """How many leading tokens of a draft of ``available`` tokens after an ``n`` match to
+        verify (0: none), for a batch of ``batch`` rows verifying ``base`` tokens each without it.
+
+        ``heads``: the tokens the rest of the tree (Medusa heads) is expected to add a step beyond
+        the root. The draft competes with them: with it a step is expected to give
+        ``1 + E(L) + (1 - p) * heads`` tokens (the heads count where the draft's first token
+        fails), without it ``1 + heads``."""
         if available <= 0:
             return 0
         p, plain = self.rate(n), self.cost.ratio(batch * base)
+        without = 1 + heads
         best, best_gain, expected, power = 1, 0.0, 0.0, 1.0
         for length in range(1, available + 1):
             power *= p
             expected += power
-            gain = (1 + expected) * plain / self.cost.ratio(batch * (base + length))
+            gain = (1 + expected + (1 - p) * heads) / without * plain / self.cost.ratio(batch * (base + length))
             if gain >= best_gain:
                 best, best_gain = length, gain
         if best_gain >= 1.0:
@@ -107,12 +122,19 @@ class LookupGate:
         self.refused[n] = self.refused.get(n, 0) + 1
         return best if self.refused[n] % self.probe_every == 0 else 0
 
-    def record(self, n: int, accepted: int, drafted: int) -> None:
+    def record(self, n: Hashable, accepted: int, drafted: int) -> None:
         """A ``drafted``-token draft after an ``n``-gram match was verified; ``accepted`` of its
         tokens were kept."""
         self.drafts[n] = self.drafts.get(n, 0) + 1
         self.accepted[n] = self.accepted.get(n, 0) + accepted
         self.stops[n] = self.stops.get(n, 0) + (accepted < drafted)
+
+    def merge(self, other: "LookupGate") -> None:
+        """Add another gate's counts to this one's (batches joining)."""
+        for mine, theirs in ((self.drafts, other.drafts), (self.accepted, other.accepted),
+                             (self.stops, other.stops), (self.refused, other.refused)):
+            for key, count in theirs.items():
+                mine[key] = mine.get(key, 0) + count
 
 
 def accepted_prefix(draft: list[int], committed: list[int]) -> int:
@@ -137,27 +159,30 @@ class LookupProposer:
             up to ``max_tokens``, or refuses it. Default: the heads' measured profile when the
             model has one, else no gating.
         max_tokens: the longest draft the gate may choose.
+        datastore: also draft from this store of earlier text (see the module docstring).
     """
 
     def __init__(self, model, num_tokens: int = 4, max_ngram: int = 3, min_ngram: int = 1,
-                 cost: CostProfile | None = None, max_tokens: int = LOOKUP_MAX_TOKENS) -> None:
+                 cost: CostProfile | None = None, max_tokens: int = LOOKUP_MAX_TOKENS,
+                 datastore: Datastore | None = None) -> None:
         if num_tokens < 1 or max_tokens < 1:
             raise ValueError(f"prompt lookup needs num_tokens and max_tokens >= 1, got {num_tokens} and {max_tokens}")
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
         self.num_tokens, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram
-        self.max_tokens = max_tokens
+        self.max_tokens, self.datastore = max_tokens, datastore
         self.trees = ChainTrees(model.device)
         cost = cost if cost is not None else model_cost(model)
         self.gate = LookupGate(cost) if cost is not None else None
-        self.matches: list[tuple[int, list[int]]] = []  # per row: the verified draft and its n-gram length
+        self.matches: list[tuple[Hashable, list[int]]] = []  # per row: the verified draft and its kind
 
     def start(self, context: StepContext, hidden: torch.Tensor) -> None:
         pass
 
     def propose(self, roots: torch.Tensor, context: StepContext) -> Proposal:
         limit = min(self.num_tokens if self.gate is None else self.max_tokens, context.max_depth)
-        self.matches = gated_matches(context.sequences, self.max_ngram, self.min_ngram, limit, self.gate)
+        self.matches = gated_matches(context.sequences, self.max_ngram, self.min_ngram, limit, self.gate,
+                                     datastore=self.datastore)
         drafts = [draft for _, draft in self.matches]
         depth = max((len(d) for d in drafts), default=0)
         tree = self.trees.at_depth(depth)
@@ -173,7 +198,8 @@ class LookupProposer:
         pass  # the histories come with each step's context: nothing kept per row
 
     def merge(self, other: "LookupProposer") -> None:
-        pass
+        if self.gate is not None and other.gate is not None:
+            self.gate.merge(other.gate)
 
 
 def model_cost(model) -> CostProfile | None:
@@ -183,20 +209,37 @@ def model_cost(model) -> CostProfile | None:
 
 
 def gated_matches(sequences: list[list[int]], max_ngram: int, min_ngram: int, limit: int,
-                  gate: LookupGate | None, base: int = 1) -> list[tuple[int, list[int]]]:
-    """Per row ``(n, draft)``: the lookup draft of at most ``limit`` tokens, cut to the length
+                  gate: LookupGate | None, base: int = 1, datastore: Datastore | None = None,
+                  heads: float = 0.0) -> list[tuple[Hashable, list[int]]]:
+    """Per row ``(key, draft)``: the lookup draft of at most ``limit`` tokens, cut to the length
     ``gate`` chooses (``[]`` when it refuses it) for a batch of ``len(sequences)`` rows, each
-    verifying ``base`` tokens without the draft."""
-    out = []
+    verifying ``base`` tokens without the draft, whose heads are expected to add ``heads`` tokens
+    a step (``LookupGate.length``). ``key`` is ``("prompt", n)`` for a match of the row's own last
+    ``n`` tokens earlier in it, ``("datastore", n)`` for one in ``datastore``.
+
+    With both, the gate keeps the draft with more expected accepted tokens; without a gate the
+    longer match does (the prompt's on a tie)."""
+    out: list[tuple[Hashable, list[int]]] = []
     for history in sequences:
+        found = []
         n, draft = find_match(history, max_ngram, min_ngram, limit)
-        if draft and gate is not None:
-            draft = draft[: gate.length(n, len(draft), base, len(sequences))]
-        out.append((n, draft))
+        if draft:
+            found.append((("prompt", n), draft))
+        if datastore is not None:
+            n, draft = datastore.match(history, limit)
+            if draft:
+                found.append((("datastore", n), draft))
+        if gate is not None:
+            found = [(key, draft[: gate.length(key, len(draft), base, len(sequences), heads)]) for key, draft in found]
+            found = sorted((m for m in found if m[1]), key=lambda m: -gate.expected(m[0], len(m[1])))
+        else:
+            found = sorted(found, key=lambda m: -m[0][1])
+        out.append(found[0] if found else (("prompt", 0), []))
     return out
 
 
-def record_matches(gate: LookupGate | None, matches: list[tuple[int, list[int]]], accepted: list[list[int]]) -> None:
+def record_matches(gate: LookupGate | None, matches: list[tuple[Hashable, list[int]]],
+                   accepted: list[list[int]]) -> None:
     """Tell ``gate`` how far each verified draft was accepted."""
     if gate is None:
         return

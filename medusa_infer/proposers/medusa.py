@@ -11,11 +11,13 @@ deterministic candidates like the heads' top-k.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Sequence
 
 import torch
 
 from medusa_infer.adaptive import TreeController
+from medusa_infer.datastore import Datastore
 from medusa_infer.proposers.base import Proposal, StepContext
 from medusa_infer.proposers.lookup import (
     LOOKUP_MAX_TOKENS,
@@ -68,15 +70,18 @@ class MedusaProposer:
             or rejects.
         lookup_ngram: ``(max_ngram, min_ngram)`` for the lookup search.
         lookup_max_tokens: the longest chain the cost gate may choose.
+        datastore: also draft the lookup chain from this store of the model's earlier answers
+            (``proposers.lookup.gated_matches`` chooses between the two sources).
 
     With a measured cost profile in the heads' config, ``proposers.lookup.LookupGate`` chooses each
     lookup draft's length, up to ``lookup_max_tokens``, from its n-gram length's acceptance so far
-    and the cost of its extra nodes, or leaves it out.
+    and the cost of its extra nodes, or leaves it out. With an adaptive controller the chain is
+    weighed against the tokens the controller expects from the heads' tree, which it partly hides.
     """
 
     def __init__(self, model, tree: Sequence[Sequence[int]], controller: TreeController | None = None,
                  lookup_tokens: int = 0, lookup_ngram: tuple[int, int] = (3, 1),
-                 lookup_max_tokens: int = LOOKUP_MAX_TOKENS) -> None:
+                 lookup_max_tokens: int = LOOKUP_MAX_TOKENS, datastore: Datastore | None = None) -> None:
         if lookup_tokens < 0:
             raise ValueError(f"lookup_tokens must be >= 0 (0 turns the lookup branch off), got {lookup_tokens}")
         if not 1 <= lookup_ngram[1] <= lookup_ngram[0]:
@@ -86,10 +91,11 @@ class MedusaProposer:
         if lookup_max_tokens < 1:
             raise ValueError(f"lookup_max_tokens must be >= 1, got {lookup_max_tokens}")
         self.lookup_tokens, self.lookup_ngram, self.lookup_max_tokens = lookup_tokens, lookup_ngram, lookup_max_tokens
+        self.datastore = datastore
         self.grafted = 0  # length of the lookup chain in the last proposal
         cost = model_cost(model) if lookup_tokens else None
         self.gate = LookupGate(cost) if cost is not None else None
-        self.matches: list[tuple[int, list[int]]] = []
+        self.matches: list[tuple[Hashable, list[int]]] = []
         num_heads = max(model.config.num_heads if model.heads is not None else 0, 1)
         ladder = controller.ladder if controller is not None else [list(tree)]
         self.trees = [TreeCache(t, num_heads, _top_k(t), model.device) for t in ladder]
@@ -130,8 +136,10 @@ class MedusaProposer:
             self.matches = []
             return []
         longest, shortest = self.lookup_ngram
+        heads = self.controller.expected_accepted(self.rung) if self.controller is not None else 0.0
         self.matches = gated_matches(context.sequences, longest, shortest, limit, self.gate,
-                                     base=cache.at_depth(depth).num_nodes)
+                                     base=cache.at_depth(depth).num_nodes, datastore=self.datastore,
+                                     heads=heads if depth == cache.full.max_depth else 0.0)
         return [draft for _, draft in self.matches]
 
     def _graft(self, roots: torch.Tensor, cache: TreeCache, depth: int, drafts: list[list[int]]) -> Proposal:
@@ -164,6 +172,8 @@ class MedusaProposer:
         if (other.lookup_tokens, other.lookup_ngram) != (self.lookup_tokens, self.lookup_ngram):
             raise ValueError("cannot merge Medusa proposers with different lookup settings")
         self.hidden = torch.cat([self.hidden, other.hidden])
+        if self.gate is not None and other.gate is not None:
+            self.gate.merge(other.gate)
 
 
 def _top_k(tree: Sequence[Sequence[int]]) -> int:

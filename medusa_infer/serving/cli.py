@@ -51,6 +51,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lookup-tokens", type=int, default=0,
                         help="--method medusa: also graft a prompt-lookup chain of up to N tokens onto the tree "
                              "(with heads that carry a cost profile, the length that pays, up to 16)")
+    parser.add_argument("--no-datastore", dest="datastore", action="store_false",
+                        help="lookup drafts search only the conversation, not the heads' datastore of the "
+                             "model's own answers (datastore.safetensors, used when the heads folder has one)")
     parser.add_argument("--speculation-gate", choices=("measured", "off"), default="measured",
                         help="measured (default): speculate only at batch sizes where the measured step "
                              "times and acceptance say it is faster; off: speculate on every step")

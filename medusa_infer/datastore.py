@@ -1,0 +1,169 @@
+"""A datastore of the model's own answers, searched like prompt lookup (retrieval drafts, as in REST).
+
+Prompt lookup copies continuations from the text at hand; a datastore copies them from text the
+model wrote before. Self-distillation already produces that text: the model's answers to the
+training prompts. A small model answers in recurring phrases ("Here are some", "I'm sorry, but",
+list and code scaffolding), so on Spec-Bench questions its own earlier answers predict what it
+writes next where the prompt does not.
+
+The store is a token array of sequences separated by ``SEPARATOR``. For each n-gram length
+``min_ngram..max_ngram`` it keeps every position's n-gram hash, sorted, so a lookup is a binary
+search; hash collisions are removed by comparing the tokens. A match proposes the continuation
+shared by most of the n-gram's occurrences, token by token (REST's trie walk, done lazily): the
+next token is the most frequent among the occurrences still in agreement with the draft, and the
+draft stops when that token's share falls below ``min_share``.
+
+Drafts are deterministic, so they are verified like any candidate: greedy stays exact and
+lossless sampling stays lossless. The store lives with the heads as ``datastore.safetensors``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+DATASTORE_NAME = "datastore.safetensors"
+SEPARATOR = -1
+_MODULUS = 2_147_483_647  # a prime: (h * _BASE + token) stays inside int64
+_BASE = 1_000_003
+
+
+def ngram_hash(tokens: Sequence[int], modulus: int = _MODULUS) -> int:
+    """The hash the index sorts by, of one n-gram (Python side, for queries)."""
+    h = 0
+    for token in tokens:
+        h = (h * _BASE + token + 1) % modulus
+    return h
+
+
+class Datastore:
+    """Token sequences indexed by their n-grams.
+
+    Args:
+        tokens: ``[N]`` token ids, sequences separated by ``SEPARATOR`` (use ``from_sequences``).
+        min_ngram, max_ngram: the n-gram lengths searched, longest first.
+        max_occurrences: occurrences of an n-gram that vote on its continuation (the latest).
+        min_share: a draft continues while its next token is that of at least this share of the
+            occurrences still agreeing with it.
+        modulus: the hash modulus (tests use a tiny one to force collisions).
+    """
+
+    def __init__(self, tokens: torch.Tensor, min_ngram: int = 2, max_ngram: int = 6,
+                 max_occurrences: int = 256, min_share: float = 0.3, modulus: int = _MODULUS) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"a datastore needs 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
+        if not 0.0 < min_share <= 1.0:
+            raise ValueError(f"min_share must lie in (0, 1], got {min_share}")
+        if max_occurrences < 1:
+            raise ValueError(f"max_occurrences must be >= 1, got {max_occurrences}")
+        tokens = torch.as_tensor(tokens, dtype=torch.long).flatten()
+        if len(tokens) and int(tokens.min()) < SEPARATOR:
+            raise ValueError(f"datastore tokens must be ids >= 0 or the separator {SEPARATOR}")
+        if not len(tokens) or int(tokens[-1]) != SEPARATOR:  # every draft then stops inside the array
+            tokens = torch.cat([tokens, torch.tensor([SEPARATOR])])
+        self.tokens = tokens
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self.max_occurrences, self.min_share, self.modulus = max_occurrences, min_share, modulus
+        self._list = tokens.tolist()  # drafts read single tokens: list indexing beats tensor indexing
+        self._index = {n: self._build(n) for n in range(min_ngram, max_ngram + 1)}
+
+    @classmethod
+    def from_sequences(cls, sequences: Iterable[Sequence[int]], **kwargs) -> "Datastore":
+        """A store of ``sequences`` (token id lists), each followed by a separator."""
+        flat: list[int] = []
+        for sequence in sequences:
+            flat.extend(int(t) for t in sequence)
+            flat.append(SEPARATOR)
+        return cls(torch.tensor(flat, dtype=torch.long), **kwargs)
+
+    def _build(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sorted hashes, ends)``: for every n-gram followed by a token of its sequence, its hash
+        and the position after it."""
+        tokens = self.tokens
+        if len(tokens) <= n:
+            return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)
+        ends = torch.arange(n, len(tokens))
+        h = torch.zeros(len(ends), dtype=torch.long)
+        clean = tokens[ends] != SEPARATOR  # a continuation exists
+        for i in range(n):
+            window = tokens[ends - n + i]
+            clean &= window != SEPARATOR
+            h = (h * _BASE + window + 1) % self.modulus
+        h, ends = h[clean], ends[clean]
+        order = torch.sort(h, stable=True).indices  # stable: equal hashes stay in text order
+        return h[order], ends[order]
+
+    def __len__(self) -> int:
+        """Tokens stored (separators excluded)."""
+        return int((self.tokens != SEPARATOR).sum())
+
+    def occurrences(self, ngram: Sequence[int]) -> list[int]:
+        """Positions right after each occurrence of ``ngram`` (with a continuation), in text order."""
+        n = len(ngram)
+        if n not in self._index:
+            raise ValueError(f"this datastore indexes n-grams of {self.min_ngram}..{self.max_ngram} tokens, not {n}")
+        keys, ends = self._index[n]
+        key = ngram_hash(ngram, self.modulus)
+        lo = int(torch.searchsorted(keys, key, side="left"))
+        hi = int(torch.searchsorted(keys, key, side="right"))
+        wanted = list(ngram)
+        return [e for e in ends[lo:hi].tolist() if self._list[e - n : e] == wanted]
+
+    def match(self, history: Sequence[int], limit: int) -> tuple[int, list[int]]:
+        """``(n, draft)``: up to ``limit`` tokens continuing the longest suffix of ``history``
+        (``max_ngram`` down to ``min_ngram`` tokens) found in the store; ``(0, [])`` if none."""
+        if limit <= 0:
+            return 0, []
+        for n in range(min(self.max_ngram, len(history)), self.min_ngram - 1, -1):
+            found = self.occurrences(history[len(history) - n :])
+            if found:
+                return n, self._continue(found[-self.max_occurrences :], limit)
+        return 0, []
+
+    def _continue(self, live: list[int], limit: int) -> list[int]:
+        tokens, draft = self._list, []
+        for step in range(limit):
+            counts: dict[int, int] = {}
+            for end in reversed(live):  # latest first: a tie goes to the latest occurrence's token
+                token = tokens[end + step]
+                if token != SEPARATOR:
+                    counts[token] = counts.get(token, 0) + 1
+            if not counts:
+                break
+            best = max(counts, key=counts.__getitem__)  # the first of the most frequent
+            if step and counts[best] < self.min_share * len(live):
+                break
+            draft.append(best)
+            live = [end for end in live if tokens[end + step] == best]
+        return draft
+
+    # ------------------------------------------------------------------ files
+
+    def save(self, path: str | Path) -> Path:
+        """Write the tokens and settings to ``path`` (safetensors)."""
+        path = Path(path)
+        settings = {"min_ngram": self.min_ngram, "max_ngram": self.max_ngram,
+                    "max_occurrences": self.max_occurrences, "min_share": self.min_share}
+        save_file({"tokens": self.tokens.to(torch.int32).contiguous()}, str(path),
+                  metadata={"format": "pt", "settings": json.dumps(settings, sort_keys=True)})
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Datastore":
+        """Read a store written by ``save`` (the index is rebuilt: a second or so per million tokens)."""
+        from safetensors import safe_open
+
+        path = Path(path)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                settings = json.loads((f.metadata() or {}).get("settings", "{}"))
+            tokens = load_file(str(path))["tokens"].long()
+        except (SafetensorError, OSError, KeyError, json.JSONDecodeError) as err:
+            raise ValueError(f"{path} is not a readable datastore ({err}); rebuild it with "
+                             "`python -m medusa_train.datastore`") from err
+        return cls(tokens, **settings)

@@ -1,0 +1,185 @@
+"""The datastore of the model's own answers: n-gram search, continuation drafts, files, and its use
+by the lookup proposers (greedy output unchanged, drafts taken from the store)."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from medusa_infer.datastore import DATASTORE_NAME, SEPARATOR, Datastore
+from medusa_infer.decoding import generate
+from medusa_infer.model import MedusaModel
+from medusa_infer.proposers import LookupProposer, MedusaProposer, build_proposer
+from medusa_infer.proposers.base import StepContext
+from medusa_infer.proposers.lookup import LookupGate, gated_matches
+from medusa_train.datastore import build_datastore
+from test_decoding import NO_EOS, reference
+from test_proposers import CPU_COST, GPU_COST, GRAFT_TREE, random_heads, target_model
+
+
+def brute_match(sequences, history, limit, min_ngram=2, max_ngram=6, max_occurrences=256, min_share=0.3):
+    """The specification, written the slow way: the longest suffix of ``history`` that occurs in a
+    sequence with a token after it; then, token by token, the most frequent next token among the
+    latest ``max_occurrences`` occurrences still agreeing (ties: the latest occurrence's)."""
+    for n in range(min(max_ngram, len(history)), min_ngram - 1, -1):
+        suffix = list(history[len(history) - n:])
+        found = [(s, e) for s, seq in enumerate(sequences) for e in range(n, len(seq)) if seq[e - n:e] == suffix]
+        if not found:
+            continue
+        live, draft = found[-max_occurrences:], []
+        for step in range(limit):
+            nexts = [(sequences[s][e + step], i) for i, (s, e) in enumerate(live) if e + step < len(sequences[s])]
+            if not nexts:
+                break
+            counts = {}
+            for token, _ in nexts:
+                counts[token] = counts.get(token, 0) + 1
+            top = max(counts.values())
+            best = max((i, t) for t, i in nexts if counts[t] == top)[1]
+            if step and top < min_share * len(live):
+                break
+            draft.append(best)
+            live = [(s, e) for s, e in live if e + step < len(sequences[s]) and sequences[s][e + step] == best]
+        return n, draft
+    return 0, []
+
+
+@pytest.mark.parametrize("modulus", [2_147_483_647, 7])  # 7: nearly every n-gram collides
+def test_match_equals_the_brute_force_search(modulus):
+    rng = random.Random(0)
+    for trial in range(30):
+        vocab = rng.choice([3, 5, 12])
+        sequences = [[rng.randrange(vocab) for _ in range(rng.randrange(0, 40))] for _ in range(rng.randrange(1, 6))]
+        store = Datastore.from_sequences(sequences, max_occurrences=rng.choice([1, 3, 256]), modulus=modulus)
+        for _ in range(20):
+            history = [rng.randrange(vocab) for _ in range(rng.randrange(1, 9))]
+            limit = rng.randrange(0, 10)
+            expected = brute_match(sequences, history, limit, max_occurrences=store.max_occurrences)
+            if limit == 0:
+                expected = (0, [])
+            assert store.match(history, limit) == expected, (trial, sequences, history, limit)
+
+
+def test_drafts_follow_the_majority_and_stop_at_sequence_ends():
+    store = Datastore.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [1, 2, 3, 9], [7, 1, 2]])
+    # 4 follows "1 2 3" in two of three; then 5 and 6 tie and the latest occurrence's wins
+    assert store.match([8, 1, 2], 10) == (2, [3, 4, 6])
+    assert store.match([8, 2, 3, 9], 10) == (0, [])  # "2 3 9" and "3 9" end their sequence
+    assert store.occurrences([1, 2]) == [2, 8, 14]  # [7, 1, 2] ends there: no continuation
+    assert store.match([5, 6], 4) == (0, [])  # never seen
+    assert len(store) == 17 and store.tokens[-1] == SEPARATOR
+    three_ways = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [1, 2, 3, 4, 7]]
+    assert Datastore.from_sequences(three_ways).match([1, 2, 3], 5) == (3, [4, 7])  # 1 of 3 >= 0.3
+    assert Datastore.from_sequences(three_ways, min_share=0.5).match([1, 2, 3], 5) == (3, [4])
+
+
+def test_settings_are_checked_and_files_round_trip(tmp_path):
+    with pytest.raises(ValueError, match="min_ngram <= max_ngram"):
+        Datastore(torch.tensor([1, 2]), min_ngram=3, max_ngram=2)
+    with pytest.raises(ValueError, match="min_share"):
+        Datastore(torch.tensor([1, 2]), min_share=0)
+    with pytest.raises(ValueError, match="ids >= 0"):
+        Datastore(torch.tensor([1, -5]))
+    with pytest.raises(ValueError, match="indexes n-grams of 2..4"):
+        Datastore(torch.tensor([1, 2, 3]), max_ngram=4).occurrences([1])
+    store = Datastore.from_sequences([[5, 6, 7, 8], [5, 6, 9]], min_ngram=1, max_ngram=3, min_share=0.6)
+    loaded = Datastore.load(store.save(tmp_path / DATASTORE_NAME))
+    assert torch.equal(loaded.tokens, store.tokens)
+    assert (loaded.min_ngram, loaded.max_ngram, loaded.min_share) == (1, 3, 0.6)
+    assert loaded.match([5, 6], 3) == store.match([5, 6], 3) == (2, [9])
+    (tmp_path / "bad.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="python -m medusa_train.datastore"):
+        Datastore.load(tmp_path / "bad.safetensors")
+
+
+def test_build_datastore_keeps_whole_conversations():
+    store = build_datastore([{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}, {"input_ids": [4, 5]}])
+    assert store.tokens.tolist() == [1, 2, 3, SEPARATOR, 4, 5, SEPARATOR]
+    with pytest.raises(ValueError, match="no tokens"):
+        build_datastore([])
+
+
+def test_gated_matches_choose_between_prompt_and_datastore():
+    store = Datastore.from_sequences([[1, 2, 3, 4, 5, 6, 7]])
+    history = [9, 2, 3, 8, 1, 2, 3]  # the prompt has "2 3" -> 8; the store "1 2 3" -> 4 5 6 7
+    assert gated_matches([history], 3, 1, 4, None) == [(("prompt", 2), [8, 1, 2, 3])]
+    assert gated_matches([history], 3, 1, 4, None, datastore=store) == [(("datastore", 3), [4, 5, 6, 7])]
+    tie = [9, 2, 3, 8, 5, 2, 3]  # "2 3" in both: the prompt's match
+    assert gated_matches([tie], 3, 1, 4, None, datastore=store) == [(("prompt", 2), [8, 5, 2, 3])]
+    assert gated_matches([[9, 9, 1, 2]], 3, 2, 4, None, datastore=store) == [(("datastore", 2), [3, 4, 5, 6])]
+    gate = LookupGate(GPU_COST)
+    for _ in range(10):
+        gate.record(("prompt", 2), 0, 4)  # the prompt's 2-gram matches fail
+        gate.record(("datastore", 3), 4, 4)  # the store's 3-gram matches hold
+    assert gated_matches([history], 3, 1, 4, gate, datastore=store) == [(("datastore", 3), [4, 5, 6, 7])]
+    assert gated_matches([[5, 9]], 3, 2, 4, gate, datastore=store) == [(("prompt", 0), [])]
+    longer = [9, 5, 6, 1, 2, 3, 4, 5, 6]  # the prompt's "5 6" against the store's "1 2 3 4 5 6": the longer wins
+    assert gated_matches([longer], 3, 1, 4, None, datastore=store) == [(("datastore", 6), [7])]
+
+
+def test_gates_merge_their_counts():
+    a, b = LookupGate(CPU_COST), LookupGate(CPU_COST)
+    a.record(("prompt", 1), 2, 4)
+    b.record(("prompt", 1), 4, 4)
+    b.record(("datastore", 3), 1, 2)
+    a.merge(b)
+    assert a.drafts == {("prompt", 1): 2, ("datastore", 3): 1}
+    assert a.accepted == {("prompt", 1): 6, ("datastore", 3): 1} and a.stops == {("prompt", 1): 1, ("datastore", 3): 1}
+
+
+def test_lookup_from_the_models_own_answer_is_exact_and_accepted():
+    target = target_model("llama")
+    prompt = torch.arange(3, 13)  # nothing repeats: prompt lookup alone finds little
+    answer = reference(target, prompt, 40)
+    plain = generate(target, prompt[None], max_new_tokens=40, eos_token_id=NO_EOS,
+                     proposer=LookupProposer(target, num_tokens=6))
+    store = Datastore.from_sequences([prompt.tolist() + answer])  # the model answered this before
+    proposer = LookupProposer(target, num_tokens=6, datastore=store)
+    out = generate(target, prompt[None], max_new_tokens=40, eos_token_id=NO_EOS, proposer=proposer)
+    assert out.new_tokens[0] == plain.new_tokens[0] == answer
+    assert out.metrics.tau > plain.metrics.tau + 1.0
+    wrong = [t + 1 if i % 3 == 2 else t for i, t in enumerate(prompt.tolist() + answer)]  # drafts that fail
+    gated = LookupProposer(target, num_tokens=6, datastore=Datastore.from_sequences([wrong]), cost=GPU_COST)
+    again = generate(target, prompt[None], max_new_tokens=40, eos_token_id=NO_EOS, proposer=gated)
+    assert again.new_tokens[0] == answer
+    assert any(key[0] == "datastore" for key in gated.gate.drafts)
+
+
+def test_medusa_lookup_uses_the_models_datastore_and_it_is_saved_with_the_heads(tmp_path):
+    target = target_model("llama")
+    model = random_heads(target)
+    prompt = torch.arange(3, 13)
+    answer = reference(target, prompt, 40)
+    model.datastore = Datastore.from_sequences([prompt.tolist() + answer])
+    runs = {}
+    for use in (False, True):
+        proposer = build_proposer("medusa", model, SimpleNamespace(tree=GRAFT_TREE, adaptive=False, lookup_tokens=4,
+                                                                   datastore=use))
+        assert isinstance(proposer, MedusaProposer) and (proposer.datastore is model.datastore) == use
+        runs[use] = generate(model, prompt[None], max_new_tokens=40, eos_token_id=NO_EOS, proposer=proposer)
+        assert runs[use].new_tokens[0] == answer
+    assert runs[True].metrics.tau > runs[False].metrics.tau + 1.0
+    assert build_proposer("lookup", model).datastore is model.datastore
+    model.save_pretrained(tmp_path / "heads")
+    loaded = MedusaModel.from_pretrained(tmp_path / "heads", base_model=target.base_model)
+    assert torch.equal(loaded.datastore.tokens, model.datastore.tokens)
+    model.datastore = None
+    model.save_pretrained(tmp_path / "plain")
+    assert not (tmp_path / "plain" / DATASTORE_NAME).exists()
+    assert MedusaModel.from_pretrained(tmp_path / "plain", base_model=target.base_model).datastore is None
+
+
+def test_merged_medusa_proposers_keep_both_gates_counts():
+    model = random_heads(target_model("llama"))
+    model.config.cost_profile = CPU_COST.to_dict()
+    a, b = (MedusaProposer(model, GRAFT_TREE, lookup_tokens=4) for _ in range(2))
+    for p in (a, b):
+        p.start(None, torch.randn(1, model.config.hidden_size))
+    b.gate.record(("prompt", 2), 3, 4)
+    a.merge(b)
+    assert a.gate.drafts == {("prompt", 2): 1} and a.hidden.shape[0] == 2
+    context = StepContext([[1, 2, 3, 1, 2], [4, 5, 4]], 8)
+    assert a.propose(torch.tensor([3, 5]), context).tree.num_nodes > 1 + len(GRAFT_TREE)
