@@ -7,11 +7,12 @@ list and code scaffolding), so on Spec-Bench questions its own earlier answers p
 writes next where the prompt does not.
 
 The store is a token array of sequences separated by ``SEPARATOR``. For each n-gram length
-``min_ngram..max_ngram`` it keeps every position's n-gram hash, sorted, so a lookup is a binary
-search; hash collisions are removed by comparing the tokens. A match proposes the continuation
-shared by most of the n-gram's occurrences, token by token (REST's trie walk, done lazily): the
-next token is the most frequent among the occurrences still in agreement with the draft, and the
-draft stops when that token's share falls below ``min_share``.
+``min_ngram..max_ngram`` it keeps every position's n-gram hash, sorted (built on the first lookup),
+so a lookup is a binary search; hash collisions are removed by comparing the tokens. A match
+proposes the continuation shared by most of the n-gram's (latest ``max_occurrences``) occurrences,
+token by token (REST's trie walk, done lazily): the first token is the most frequent next token;
+each later one is the most frequent among the occurrences that agreed with the draft so far, and
+the draft stops when its share of them falls below ``min_share``.
 
 Drafts are deterministic, so they are verified like any candidate: greedy stays exact and
 lossless sampling stays lossless. The store lives with the heads as ``datastore.safetensors``.
@@ -61,6 +62,8 @@ class Datastore:
             raise ValueError(f"min_share must lie in (0, 1], got {min_share}")
         if max_occurrences < 1:
             raise ValueError(f"max_occurrences must be >= 1, got {max_occurrences}")
+        if not 2 <= modulus <= _MODULUS:  # larger moduli would overflow the int64 hashes
+            raise ValueError(f"modulus must lie in [2, {_MODULUS}], got {modulus}")
         tokens = torch.as_tensor(tokens, dtype=torch.long).flatten()
         if len(tokens) and int(tokens.min()) < SEPARATOR:
             raise ValueError(f"datastore tokens must be ids >= 0 or the separator {SEPARATOR}")
@@ -70,7 +73,7 @@ class Datastore:
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
         self.max_occurrences, self.min_share, self.modulus = max_occurrences, min_share, modulus
         self._list = tokens.tolist()  # drafts read single tokens: list indexing beats tensor indexing
-        self._index = {n: self._build(n) for n in range(min_ngram, max_ngram + 1)}
+        self._index: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # built on first use
 
     @classmethod
     def from_sequences(cls, sequences: Iterable[Sequence[int]], **kwargs) -> "Datastore":
@@ -102,17 +105,25 @@ class Datastore:
         """Tokens stored (separators excluded)."""
         return int((self.tokens != SEPARATOR).sum())
 
-    def occurrences(self, ngram: Sequence[int]) -> list[int]:
-        """Positions right after each occurrence of ``ngram`` (with a continuation), in text order."""
+    def occurrences(self, ngram: Sequence[int], last: int | None = None) -> list[int]:
+        """Positions right after each occurrence of ``ngram`` (with a continuation), in text order;
+        with ``last``, only the last ``last`` of them."""
         n = len(ngram)
-        if n not in self._index:
+        if not self.min_ngram <= n <= self.max_ngram:
             raise ValueError(f"this datastore indexes n-grams of {self.min_ngram}..{self.max_ngram} tokens, not {n}")
+        if self._index is None:
+            self._index = {k: self._build(k) for k in range(self.min_ngram, self.max_ngram + 1)}
         keys, ends = self._index[n]
         key = ngram_hash(ngram, self.modulus)
         lo = int(torch.searchsorted(keys, key, side="left"))
         hi = int(torch.searchsorted(keys, key, side="right"))
-        wanted = list(ngram)
-        return [e for e in ends[lo:hi].tolist() if self._list[e - n : e] == wanted]
+        wanted, found = list(ngram), []
+        for end in reversed(ends[lo:hi].tolist()):  # latest first; colliding hashes are skipped
+            if self._list[end - n : end] == wanted:
+                found.append(end)
+                if last is not None and len(found) == last:
+                    break
+        return found[::-1]
 
     def match(self, history: Sequence[int], limit: int) -> tuple[int, list[int]]:
         """``(n, draft)``: up to ``limit`` tokens continuing the longest suffix of ``history``
@@ -120,9 +131,9 @@ class Datastore:
         if limit <= 0:
             return 0, []
         for n in range(min(self.max_ngram, len(history)), self.min_ngram - 1, -1):
-            found = self.occurrences(history[len(history) - n :])
+            found = self.occurrences(history[len(history) - n :], last=self.max_occurrences)
             if found:
-                return n, self._continue(found[-self.max_occurrences :], limit)
+                return n, self._continue(found, limit)
         return 0, []
 
     def _continue(self, live: list[int], limit: int) -> list[int]:
@@ -163,7 +174,7 @@ class Datastore:
             with safe_open(str(path), framework="pt") as f:
                 settings = json.loads((f.metadata() or {}).get("settings", "{}"))
             tokens = load_file(str(path))["tokens"].long()
-        except (SafetensorError, OSError, KeyError, json.JSONDecodeError) as err:
+            return cls(tokens, **settings)
+        except (SafetensorError, OSError, KeyError, TypeError, json.JSONDecodeError) as err:
             raise ValueError(f"{path} is not a readable datastore ({err}); rebuild it with "
                              "`python -m medusa_train.datastore`") from err
-        return cls(tokens, **settings)

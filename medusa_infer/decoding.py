@@ -485,7 +485,7 @@ def stream(
     elif proposer is None:
         paths = resolve_tree(model, tree)
         proposer = MedusaProposer(model, paths, controller=make_controller(model, paths, adaptive),
-                                  lookup_tokens=lookup_tokens, datastore=model.datastore)
+                                  lookup_tokens=lookup_tokens, datastore=getattr(model, "datastore", None))
     elif lookup_tokens:
         raise ValueError("lookup_tokens= grafts prompt lookup onto the Medusa tree; it does not apply to a "
                          "proposer passed in (use the lookup proposer's own num_tokens)")
@@ -525,7 +525,9 @@ def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> Generati
         lookup_tokens: also graft a prompt-lookup chain onto the Medusa tree each step (0: heads
             only), of at most this many tokens; with a cost profile in the heads' config, of the
             length that pays, up to ``proposers.lookup.LOOKUP_MAX_TOKENS`` (``build_proposer``'s
-            ``lookup_max_tokens`` sets another limit); see ``proposers.medusa``.
+            ``lookup_max_tokens`` sets another limit); see ``proposers.medusa``. The chain also
+            comes from the model's datastore when it has one (``MedusaModel.datastore``; set it
+            to None to search the conversation alone).
         speculation_gate: take a plain step wherever speculating measures slower at the batch's
             size (``speculation_gate.SpeculationGate``: a batch's rows share one forward, which
             on a CPU can cost more than the drafts bring). Default: a fresh gate for a greedy

@@ -88,7 +88,7 @@ class MedusaModel(nn.Module):
         datastore: the model's own earlier answers, searched for lookup drafts
             (``medusa_infer.datastore``); ``from_pretrained`` loads the heads folder's
             ``datastore.safetensors`` when there is one, ``save_pretrained`` writes it. None: no
-            datastore.
+            datastore (set it to None to decode without one).
     """
 
     def __init__(self, base_model: PreTrainedModel, heads: MedusaHeads | None, tokenizer: Any = None) -> None:
@@ -225,6 +225,13 @@ class MedusaModel(nn.Module):
         model.merged_adapter = adapter_folder if merge else None
         if (directory / DATASTORE_NAME).is_file():
             model.datastore = Datastore.load(directory / DATASTORE_NAME)
+            largest = int(model.datastore.tokens.max())
+            if largest >= config.vocab_size:
+                raise ValueError(
+                    f"{directory / DATASTORE_NAME} holds token id {largest}, outside this model's vocabulary of "
+                    f"{config.vocab_size}: it was built with another tokenizer; rebuild it with "
+                    "`python -m medusa_train.datastore` or delete it"
+                )
         return model
 
     # ------------------------------------------------------------------ saving
@@ -247,6 +254,8 @@ class MedusaModel(nn.Module):
                 shutil.copytree(self.merged_adapter, target, dirs_exist_ok=True)
         if self.datastore is not None:
             self.datastore.save(out / DATASTORE_NAME)
+        elif (out / DATASTORE_NAME).is_file():  # an earlier save's store is not these heads'
+            (out / DATASTORE_NAME).unlink()
         return out
 
     def export_medusa_layout(

@@ -85,11 +85,14 @@ def test_settings_are_checked_and_files_round_trip(tmp_path):
         Datastore(torch.tensor([1, -5]))
     with pytest.raises(ValueError, match="indexes n-grams of 2..4"):
         Datastore(torch.tensor([1, 2, 3]), max_ngram=4).occurrences([1])
+    with pytest.raises(ValueError, match="modulus"):
+        Datastore(torch.tensor([1, 2]), modulus=2**44)
     store = Datastore.from_sequences([[5, 6, 7, 8], [5, 6, 9]], min_ngram=1, max_ngram=3, min_share=0.6)
     loaded = Datastore.load(store.save(tmp_path / DATASTORE_NAME))
     assert torch.equal(loaded.tokens, store.tokens)
     assert (loaded.min_ngram, loaded.max_ngram, loaded.min_share) == (1, 3, 0.6)
     assert loaded.match([5, 6], 3) == store.match([5, 6], 3) == (2, [9])
+    assert store.occurrences([5, 6]) == [2, 7] and store.occurrences([5, 6], last=1) == [7]
     (tmp_path / "bad.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match="python -m medusa_train.datastore"):
         Datastore.load(tmp_path / "bad.safetensors")
@@ -118,6 +121,19 @@ def test_gated_matches_choose_between_prompt_and_datastore():
     assert gated_matches([[5, 9]], 3, 2, 4, gate, datastore=store) == [(("prompt", 0), [])]
     longer = [9, 5, 6, 1, 2, 3, 4, 5, 6]  # the prompt's "5 6" against the store's "1 2 3 4 5 6": the longer wins
     assert gated_matches([longer], 3, 1, 4, None, datastore=store) == [(("datastore", 6), [7])]
+
+
+def test_a_refused_source_is_still_probed_beside_another():
+    store = Datastore.from_sequences([[1, 2, 3, 4, 5, 6, 7]])
+    gate = LookupGate(CPU_COST, probe_every=4)
+    for _ in range(10):
+        gate.record(("prompt", 2), 0, 4)  # never right
+        gate.record(("datastore", 3), 0, 4)  # never right either
+    history = [9, 2, 3, 8, 1, 2, 3]  # a prompt match and a store match every step
+    chosen = [gated_matches([history], 3, 1, 4, gate, datastore=store)[0] for _ in range(8)]
+    verified = [key for key, draft in chosen if draft]
+    assert len(verified) == 2 and len(set(verified)) == 1  # one source, probed every 4th refusal
+    assert sum(gate.refused.values()) == 8
 
 
 def test_gates_merge_their_counts():
@@ -166,10 +182,14 @@ def test_medusa_lookup_uses_the_models_datastore_and_it_is_saved_with_the_heads(
     model.save_pretrained(tmp_path / "heads")
     loaded = MedusaModel.from_pretrained(tmp_path / "heads", base_model=target.base_model)
     assert torch.equal(loaded.datastore.tokens, model.datastore.tokens)
+    model.datastore = Datastore.from_sequences([[1, 2, 3, 10_000]])  # another tokenizer's ids
+    model.save_pretrained(tmp_path / "heads")
+    with pytest.raises(ValueError, match="token id 10000, outside this model's vocabulary"):
+        MedusaModel.from_pretrained(tmp_path / "heads", base_model=target.base_model)
     model.datastore = None
-    model.save_pretrained(tmp_path / "plain")
-    assert not (tmp_path / "plain" / DATASTORE_NAME).exists()
-    assert MedusaModel.from_pretrained(tmp_path / "plain", base_model=target.base_model).datastore is None
+    model.save_pretrained(tmp_path / "heads")  # the folder's old store goes with it
+    assert not (tmp_path / "heads" / DATASTORE_NAME).exists()
+    assert MedusaModel.from_pretrained(tmp_path / "heads", base_model=target.base_model).datastore is None
 
 
 def test_merged_medusa_proposers_keep_both_gates_counts():

@@ -175,7 +175,7 @@ def test_lookup_gate_weighs_a_draft_against_the_heads_tokens():
     for _ in range(3):
         gate.record(1, 0, 4)  # p = 1 / 5
     assert gate.length(1, 4) >= 1  # alone, 1.2 tokens a step for 0.5% more time
-    # beside heads worth 1.5 tokens a step the draft adds 0.2 and hides 0.3 of theirs
+    # beside heads worth 1.5 tokens a step, credited only where the draft's first token fails
     assert gate.length(1, 4, base=3, heads=1.5) == 0
     for _ in range(40):
         gate.record(2, 4, 4)  # p near 1: the draft wins beside the heads too

@@ -17,8 +17,8 @@ long run of correct matches pays for a long draft; on a GPU almost every match p
 
 With a ``Datastore`` (the model's own earlier answers, ``medusa_infer.datastore``) each row also
 gets the store's continuation of its text. Without a cost profile the longer match wins (the
-prompt's on a tie); with one, the draft with more expected accepted tokens, each source's
-acceptance being measured per n-gram length (keys ``("prompt", n)`` and ``("datastore", n)``).
+prompt's on a tie); with one, the draft that pays better, each source's acceptance being measured
+per n-gram length (keys ``("prompt", n)`` and ``("datastore", n)``).
 """
 
 from __future__ import annotations
@@ -98,16 +98,16 @@ class LookupGate:
         p = self.rate(n)
         return sum(p ** i for i in range(1, length + 1))
 
-    def length(self, n: Hashable, available: int, base: int = 1, batch: int = 1, heads: float = 0.0) -> int:
-        """How many leading tokens of a draft of ``available`` tokens after an ``n`` match to
-        verify (0: none), for a batch of ``batch`` rows verifying ``base`` tokens each without it.
+    def best(self, n: Hashable, available: int, base: int = 1, batch: int = 1,
+             heads: float = 0.0) -> tuple[int, float]:
+        """``(length, gain)``: the length (1 to ``available``) of a draft after an ``n`` match with
+        the most expected tokens per unit of cost, and that ratio relative to verifying ``base``
+        tokens per row of a batch of ``batch`` rows without it (>= 1: the draft pays).
 
         ``heads``: the tokens the rest of the tree (Medusa heads) is expected to add a step beyond
-        the root. The draft competes with them: with it a step is expected to give
-        ``1 + E(L) + (1 - p) * heads`` tokens (the heads count where the draft's first token
-        fails), without it ``1 + heads``."""
-        if available <= 0:
-            return 0
+        the root. A step with the draft is credited ``1 + E(L) + (1 - p) * heads`` tokens, the
+        heads' tokens only where the draft's first token fails (a lower bound: where the draft is
+        right the heads may still go further), against ``1 + heads`` without it."""
         p, plain = self.rate(n), self.cost.ratio(batch * base)
         without = 1 + heads
         best, best_gain, expected, power = 1, 0.0, 0.0, 1.0
@@ -117,7 +117,17 @@ class LookupGate:
             gain = (1 + expected + (1 - p) * heads) / without * plain / self.cost.ratio(batch * (base + length))
             if gain >= best_gain:
                 best, best_gain = length, gain
-        if best_gain >= 1.0:
+        return best, best_gain
+
+    def length(self, n: Hashable, available: int, base: int = 1, batch: int = 1, heads: float = 0.0) -> int:
+        """How many leading tokens of a draft of ``available`` tokens after an ``n`` match to
+        verify (0: none), for a batch of ``batch`` rows verifying ``base`` tokens each without it
+        (``heads`` as in ``best``). A refused kind of match is still verified every
+        ``probe_every``-th time it is refused."""
+        if available <= 0:
+            return 0
+        best, gain = self.best(n, available, base, batch, heads)
+        if gain >= 1.0:
             return best
         self.refused[n] = self.refused.get(n, 0) + 1
         return best if self.refused[n] % self.probe_every == 0 else 0
@@ -217,8 +227,8 @@ def gated_matches(sequences: list[list[int]], max_ngram: int, min_ngram: int, li
     a step (``LookupGate.length``). ``key`` is ``("prompt", n)`` for a match of the row's own last
     ``n`` tokens earlier in it, ``("datastore", n)`` for one in ``datastore``.
 
-    With both, the gate keeps the draft with more expected accepted tokens; without a gate the
-    longer match does (the prompt's on a tie)."""
+    With both, the gate takes the draft whose best length pays better (``LookupGate.best``) and
+    cuts it as it would alone; without a gate the longer match wins (the prompt's on a tie)."""
     out: list[tuple[Hashable, list[int]]] = []
     for history in sequences:
         found = []
@@ -229,11 +239,13 @@ def gated_matches(sequences: list[list[int]], max_ngram: int, min_ngram: int, li
             n, draft = datastore.match(history, limit)
             if draft:
                 found.append((("datastore", n), draft))
-        if gate is not None:
-            found = [(key, draft[: gate.length(key, len(draft), base, len(sequences), heads)]) for key, draft in found]
-            found = sorted((m for m in found if m[1]), key=lambda m: -gate.expected(m[0], len(m[1])))
-        else:
-            found = sorted(found, key=lambda m: -m[0][1])
+        if gate is None:
+            found.sort(key=lambda m: -m[0][1])
+        elif len(found) > 1:  # the source that pays better; only its refusal counts towards a probe
+            found.sort(key=lambda m: -gate.best(m[0], len(m[1]), base, len(sequences), heads)[1])
+        if found and gate is not None:
+            key, draft = found[0]
+            found = [(key, draft[: gate.length(key, len(draft), base, len(sequences), heads)])]
         out.append(found[0] if found else (("prompt", 0), []))
     return out
 
