@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from medusa_infer.datastore import DATASTORE_NAME, SEPARATOR, Datastore
+from medusa_infer.datastore import DATASTORE_NAME, SEPARATOR, Datastore, DatastoreMatch
 from medusa_infer.decoding import generate
 from medusa_infer.model import MedusaModel
 from medusa_infer.proposers import LookupProposer, MedusaProposer, build_proposer
@@ -23,13 +23,15 @@ from test_proposers import CPU_COST, GPU_COST, GRAFT_TREE, random_heads, target_
 def brute_match(sequences, history, limit, min_ngram=2, max_ngram=6, max_occurrences=256, min_share=0.3):
     """The specification, written the slow way: the longest suffix of ``history`` that occurs in a
     sequence with a token after it; then, token by token, the most frequent next token among the
-    latest ``max_occurrences`` occurrences still agreeing (ties: the latest occurrence's)."""
+    latest ``max_occurrences`` occurrences still agreeing (ties: the latest occurrence's); with the
+    number of occurrences that voted on the first token and the first token's share of them."""
     for n in range(min(max_ngram, len(history)), min_ngram - 1, -1):
         suffix = list(history[len(history) - n:])
         found = [(s, e) for s, seq in enumerate(sequences) for e in range(n, len(seq)) if seq[e - n:e] == suffix]
         if not found:
             continue
         live, draft = found[-max_occurrences:], []
+        voters, share = len(live), 0.0
         for step in range(limit):
             nexts = [(sequences[s][e + step], i) for i, (s, e) in enumerate(live) if e + step < len(sequences[s])]
             if not nexts:
@@ -41,10 +43,12 @@ def brute_match(sequences, history, limit, min_ngram=2, max_ngram=6, max_occurre
             best = max((i, t) for t, i in nexts if counts[t] == top)[1]
             if step and top < min_share * len(live):
                 break
+            if not step:
+                share = top / len(live)
             draft.append(best)
             live = [(s, e) for s, e in live if e + step < len(sequences[s]) and sequences[s][e + step] == best]
-        return n, draft
-    return 0, []
+        return (n, draft, voters, share) if draft else (0, [], 0, 0.0)
+    return 0, [], 0, 0.0
 
 
 @pytest.mark.parametrize("modulus", [2_147_483_647, 7])  # 7: nearly every n-gram collides
@@ -59,21 +63,34 @@ def test_match_equals_the_brute_force_search(modulus):
             limit = rng.randrange(0, 10)
             expected = brute_match(sequences, history, limit, max_occurrences=store.max_occurrences)
             if limit == 0:
-                expected = (0, [])
+                expected = (0, [], 0, 0.0)
             assert store.match(history, limit) == expected, (trial, sequences, history, limit)
 
 
 def test_drafts_follow_the_majority_and_stop_at_sequence_ends():
     store = Datastore.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [1, 2, 3, 9], [7, 1, 2]])
     # 4 follows "1 2 3" in two of three; then 5 and 6 tie and the latest occurrence's wins
-    assert store.match([8, 1, 2], 10) == (2, [3, 4, 6])
-    assert store.match([8, 2, 3, 9], 10) == (0, [])  # "2 3 9" and "3 9" end their sequence
+    assert store.match([8, 1, 2], 10)[:2] == (2, [3, 4, 6])
+    assert store.match([8, 2, 3, 9], 10)[:2] == (0, [])  # "2 3 9" and "3 9" end their sequence
     assert store.occurrences([1, 2]) == [2, 8, 14]  # [7, 1, 2] ends there: no continuation
-    assert store.match([5, 6], 4) == (0, [])  # never seen
+    assert store.match([5, 6], 4)[:2] == (0, [])  # never seen
     assert len(store) == 17 and store.tokens[-1] == SEPARATOR
     three_ways = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [1, 2, 3, 4, 7]]
-    assert Datastore.from_sequences(three_ways).match([1, 2, 3], 5) == (3, [4, 7])  # 1 of 3 >= 0.3
-    assert Datastore.from_sequences(three_ways, min_share=0.5).match([1, 2, 3], 5) == (3, [4])
+    assert Datastore.from_sequences(three_ways).match([1, 2, 3], 5)[:2] == (3, [4, 7])  # 1 of 3 >= 0.3
+    assert Datastore.from_sequences(three_ways, min_share=0.5).match([1, 2, 3], 5)[:2] == (3, [4])
+
+
+def test_confidence_classes_follow_the_vote_on_the_first_token():
+    store = Datastore.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [1, 2, 3, 9], [7, 1, 2]])
+    assert store.match([8, 1, 2], 10) == (2, [3, 4, 6], 3, 1.0)  # three occurrences, all say 3
+    def vote(*nexts):
+        match = Datastore.from_sequences([[1, 2, t] for t in nexts]).match([1, 2], 4)
+        return match.draft[0], match.occurrences, match.confidence()
+    assert vote(3) == (3, 1, "single")
+    assert vote(3, 4, 5) == (5, 3, "low")  # a three-way tie: the latest occurrence's token
+    assert vote(3, 4, 3, 5) == (3, 4, "mid")  # one half
+    assert vote(3, 3, 3, 3, 4) == (3, 5, "high")  # four fifths
+    assert DatastoreMatch(2, [3], 7, 0.79).confidence() == "mid"
 
 
 def test_settings_are_checked_and_files_round_trip(tmp_path):
@@ -91,7 +108,7 @@ def test_settings_are_checked_and_files_round_trip(tmp_path):
     loaded = Datastore.load(store.save(tmp_path / DATASTORE_NAME))
     assert torch.equal(loaded.tokens, store.tokens)
     assert (loaded.min_ngram, loaded.max_ngram, loaded.min_share) == (1, 3, 0.6)
-    assert loaded.match([5, 6], 3) == store.match([5, 6], 3) == (2, [9])
+    assert loaded.match([5, 6], 3) == store.match([5, 6], 3) == (2, [9], 2, 0.5)
     assert store.occurrences([5, 6]) == [2, 7] and store.occurrences([5, 6], last=1) == [7]
     (tmp_path / "bad.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match="python -m medusa_train.datastore"):
@@ -109,18 +126,29 @@ def test_gated_matches_choose_between_prompt_and_datastore():
     store = Datastore.from_sequences([[1, 2, 3, 4, 5, 6, 7]])
     history = [9, 2, 3, 8, 1, 2, 3]  # the prompt has "2 3" -> 8; the store "1 2 3" -> 4 5 6 7
     assert gated_matches([history], 3, 1, 4, None) == [(("prompt", 2), [8, 1, 2, 3])]
-    assert gated_matches([history], 3, 1, 4, None, datastore=store) == [(("datastore", 3), [4, 5, 6, 7])]
+    assert gated_matches([history], 3, 1, 4, None, datastore=store) == [(("datastore", 3, "single"), [4, 5, 6, 7])]
     tie = [9, 2, 3, 8, 5, 2, 3]  # "2 3" in both: the prompt's match
     assert gated_matches([tie], 3, 1, 4, None, datastore=store) == [(("prompt", 2), [8, 5, 2, 3])]
-    assert gated_matches([[9, 9, 1, 2]], 3, 2, 4, None, datastore=store) == [(("datastore", 2), [3, 4, 5, 6])]
+    assert gated_matches([[9, 9, 1, 2]], 3, 2, 4, None, datastore=store) == [(("datastore", 2, "single"), [3, 4, 5, 6])]
     gate = LookupGate(GPU_COST)
     for _ in range(10):
         gate.record(("prompt", 2), 0, 4)  # the prompt's 2-gram matches fail
-        gate.record(("datastore", 3), 4, 4)  # the store's 3-gram matches hold
-    assert gated_matches([history], 3, 1, 4, gate, datastore=store) == [(("datastore", 3), [4, 5, 6, 7])]
+        gate.record(("datastore", 3, "single"), 4, 4)  # the store's 3-gram matches hold
+    assert gated_matches([history], 3, 1, 4, gate, datastore=store) == [(("datastore", 3, "single"), [4, 5, 6, 7])]
     assert gated_matches([[5, 9]], 3, 2, 4, gate, datastore=store) == [(("prompt", 0), [])]
     longer = [9, 5, 6, 1, 2, 3, 4, 5, 6]  # the prompt's "5 6" against the store's "1 2 3 4 5 6": the longer wins
-    assert gated_matches([longer], 3, 1, 4, None, datastore=store) == [(("datastore", 6), [7])]
+    assert gated_matches([longer], 3, 1, 4, None, datastore=store) == [(("datastore", 6, "single"), [7])]
+
+
+def test_the_gate_measures_each_confidence_class_apart():
+    # "1 2" is followed by 3 four times out of five; "5 6" by three different tokens
+    store = Datastore.from_sequences([[1, 2, 3, 4]] * 4 + [[1, 2, 9, 9], [5, 6, 7], [5, 6, 8], [5, 6, 4]])
+    gate = LookupGate(CPU_COST, probe_every=100)
+    for _ in range(20):
+        gate.record(("datastore", 2, "high"), 2, 2)  # confident drafts hold
+        gate.record(("datastore", 2, "low"), 0, 2)  # split votes fail
+    assert gated_matches([[0, 1, 2]], 2, 2, 2, gate, datastore=store) == [(("datastore", 2, "high"), [3, 4])]
+    assert gated_matches([[0, 5, 6]], 2, 2, 2, gate, datastore=store) == [(("datastore", 2, "low"), [])]  # refused
 
 
 def test_a_refused_source_is_still_probed_beside_another():
@@ -128,7 +156,7 @@ def test_a_refused_source_is_still_probed_beside_another():
     gate = LookupGate(CPU_COST, probe_every=4)
     for _ in range(10):
         gate.record(("prompt", 2), 0, 4)  # never right
-        gate.record(("datastore", 3), 0, 4)  # never right either
+        gate.record(("datastore", 3, "single"), 0, 4)  # never right either
     history = [9, 2, 3, 8, 1, 2, 3]  # a prompt match and a store match every step
     chosen = [gated_matches([history], 3, 1, 4, gate, datastore=store)[0] for _ in range(8)]
     verified = [key for key, draft in chosen if draft]
@@ -140,10 +168,11 @@ def test_gates_merge_their_counts():
     a, b = LookupGate(CPU_COST), LookupGate(CPU_COST)
     a.record(("prompt", 1), 2, 4)
     b.record(("prompt", 1), 4, 4)
-    b.record(("datastore", 3), 1, 2)
+    b.record(("datastore", 3, "single"), 1, 2)
     a.merge(b)
-    assert a.drafts == {("prompt", 1): 2, ("datastore", 3): 1}
-    assert a.accepted == {("prompt", 1): 6, ("datastore", 3): 1} and a.stops == {("prompt", 1): 1, ("datastore", 3): 1}
+    assert a.drafts == {("prompt", 1): 2, ("datastore", 3, "single"): 1}
+    assert a.accepted == {("prompt", 1): 6, ("datastore", 3, "single"): 1}
+    assert a.stops == {("prompt", 1): 1, ("datastore", 3, "single"): 1}
 
 
 def test_lookup_from_the_models_own_answer_is_exact_and_accepted():
