@@ -47,10 +47,6 @@ class MedusaConfig:
             independent (heads share their errors, so deep paths are likelier than that says).
         acceptance: measured acceptance figures (tokens per step, per-depth rates, ...).
         cost_profile: measured verification cost per tree size on some device.
-        lookup_rates: measured chance that a lookup draft's token is accepted once the tokens
-            before it were, per kind of match (``proposers.lookup.key_name``: ``"prompt/3"``,
-            ``"datastore/2/high"``); the lookup gate starts each generation from these instead of
-            its optimistic prior (``medusa-bench --calibrate`` measures them).
         training: free-form training metadata (recipe, data, steps, ...).
     """
 
@@ -69,7 +65,6 @@ class MedusaConfig:
     path_accuracies: list[list[Any]] | None = None
     acceptance: dict[str, Any] | None = None
     cost_profile: dict[str, Any] | None = None
-    lookup_rates: dict[str, float] | None = None
     training: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
@@ -96,9 +91,6 @@ class MedusaConfig:
                                      "(non-decreasing); trees.per_rank_accuracies gives per-rank ones")
         if self.path_accuracies is not None:
             self.path_accuracies = [[list(path), float(prob)] for path, prob in self.path_accuracies]
-        for key, rate in (self.lookup_rates or {}).items():
-            if not 0.0 <= rate <= 1.0:
-                raise ValueError(f"lookup_rates[{key!r}] = {rate} is not a probability in [0, 1]")
 
     def acceptance_model(self) -> "AcceptanceModel | None":
         """What trees are fitted to: the joint path accuracies when measured, else the per-rank

@@ -514,7 +514,6 @@ def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[st
     """Measure the heads' top-k accuracy on greedy answers to ``questions`` and this device's
     verification cost; fit the tree; store all three in the heads' config (and folder)."""
     from medusa_infer.decoding import encode_chat, generate
-    from medusa_infer.proposers.lookup import measure_lookup_rates
     from medusa_infer.tree_fit import fit_tree, measure_verify_cost
 
     if model.heads is None:
@@ -545,12 +544,7 @@ def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[st
                          "calibrated_expected_speedup": round(fitted.expected_speedup, 4)}
     config.cost_profile = {**cost.to_dict(), "head_overhead": round(overhead, 4)}
     config.tree = [list(p) for p in fitted.paths] or None
-    datastore = model.datastore if getattr(args, "datastore", True) else None
-    rates, drafts = measure_lookup_rates([(ids.tolist(), start) for ids, start in sequences], datastore)
-    config.lookup_rates = rates or None
-    config.acceptance["lookup_drafts_measured"] = drafts
     return {"head_accuracies": config.head_accuracies, "cost_profile": config.cost_profile,
-            "lookup_rates": rates, "lookup_drafts": drafts,
             "tree_nodes": len(fitted.paths), "expected_tau": fitted.expected_tau,
             "expected_speedup": fitted.expected_speedup, "table": fitted.table}
 

@@ -1,18 +1,12 @@
-"""Lookup drafts with and without one of their aids, interleaved question by question.
+"""Lookup drafts with and without the heads' datastore, interleaved question by question.
 
-``--toggle datastore`` (the default): with and without the heads' datastore
-(``datastore.safetensors``). ``--toggle lookup-rates``: with and without the lookup acceptance
-rates that calibration stored in the heads' config (``lookup_rates``), from which the lookup
-gate starts each generation instead of its optimistic prior.
-
-For every question each method answers every turn twice, once with the aid and once without, in
-alternating order, so both runs share the machine's conditions. Prints tokens/s and tau of each,
-the speed ratio, and whether the answers are identical (they must be: greedy decoding is exact
-either way).
+For every question each method answers every turn twice, once searching the heads' datastore
+(``datastore.safetensors``) and once not, in alternating order, so both runs share the machine's
+conditions. Prints tokens/s and tau of each, the speed ratio, and whether the answers are identical
+(they must be: greedy decoding is exact either way).
 
     python scripts/bench_datastore.py --heads runs/demo/heads --limit 26
     python scripts/bench_datastore.py --heads runs/heads-large-ds --limit 80 --output docs/datastore/large.json
-    python scripts/bench_datastore.py --heads runs/demo/heads --limit 26 --toggle lookup-rates
 """
 
 from __future__ import annotations
@@ -34,8 +28,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=26)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--methods", default="lookup,medusa-lookup")
-    parser.add_argument("--toggle", choices=("datastore", "lookup-rates"), default="datastore",
-                        help="what each question is answered with and without")
     parser.add_argument("--output", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
 
@@ -43,11 +35,8 @@ def main(argv: list[str] | None = None) -> int:
                                    "--max-new-tokens", str(args.max_new_tokens), "--methods", args.methods])
     name = json.loads((Path(args.heads) / "config.json").read_text())["base_model_name_or_path"]
     model = MedusaModel.from_pretrained(args.heads, base_model=load_base_model(name), tokenizer=load_tokenizer(name))
-    rates = model.config.lookup_rates
-    if args.toggle == "datastore" and model.datastore is None:
+    if model.datastore is None:
         parser.error(f"{args.heads} has no datastore.safetensors; build one with `python -m medusa_train.datastore`")
-    if args.toggle == "lookup-rates" and not rates:
-        parser.error(f"{args.heads} has no lookup_rates in its config; measure them with `medusa-bench --calibrate`")
     runner = bench.Runner(model, bench_args)
     questions = bench.load_questions(args.questions, args.limit)
     variants = [(m, use) for m in bench_args.methods for use in (True, False)]
@@ -55,10 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     answers: dict[tuple[str, bool], list[list[int]]] = {v: [] for v in variants}
     for number, question in enumerate(questions):
         for method, use in variants if number % 2 == 0 else variants[::-1]:
-            if args.toggle == "datastore":
-                bench_args.datastore = use  # read by the runner each call
-            else:
-                model.config.lookup_rates = rates if use else None  # read by each call's lookup gate
+            bench_args.datastore = use  # read by the runner each call
             conversation: list[dict] = []
             for turn_text in question["turns"]:
                 conversation.append({"role": "user", "content": turn_text})
@@ -69,9 +55,8 @@ def main(argv: list[str] | None = None) -> int:
                                      "content": runner.tokenizer.decode(turn.tokens, skip_special_tokens=True)})
         print(f"question {number + 1}/{len(questions)}", file=sys.stderr, flush=True)
     results = {}
-    store = len(model.datastore) if model.datastore is not None else 0
-    print(f"with and without the {args.toggle}; {store} datastore tokens; {len(questions)} questions, at most "
-          f"{args.max_new_tokens} new tokens a turn\n")
+    print(f"{len(model.datastore)} datastore tokens; {len(questions)} questions, at most {args.max_new_tokens} "
+          "new tokens a turn\n")
     print("| method | tokens/s with | tokens/s without | ratio | tau with | tau without | identical |")
     print("|---|---|---|---|---|---|---|")
     for method in bench_args.methods:
@@ -83,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{off['tau']:.2f} | {'yes' if same else 'NO'} |")
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps({"heads": args.heads, "toggle": args.toggle, "datastore_tokens": store,
+        Path(args.output).write_text(json.dumps({"heads": args.heads, "datastore_tokens": len(model.datastore),
                                                  "questions": len(questions), "max_new_tokens": args.max_new_tokens,
                                                  "methods": results}, indent=2) + "\n")
     return 0

@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         text = encode_chat(model.tokenizer, [{"role": "user", "content": question["turns"][0]}])[0]
         ids = model.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
         with torch.inference_mode():
-            answer = generate(model, ids, max_new_tokens=args.max_new_tokens, tree="chain-1", adaptive=False).new_tokens[0]
+            out = generate(model, ids, max_new_tokens=args.max_new_tokens, tree="chain-1", adaptive=False)
+        answer = out.new_tokens[0]
         sequence = ids[0].tolist() + answer
         start = ids.shape[1]
         for t in range(start, len(sequence) - 1):  # the text so far ends at t; what follows is known

@@ -27,9 +27,7 @@ from medusa_infer.proposers import (
 )
 from medusa_infer.proposers.base import StepContext
 from medusa_infer.proposers.layerskip import default_num_layers, truncated_model
-from medusa_infer.config import MedusaConfig
-from medusa_infer.datastore import Datastore
-from medusa_infer.proposers.lookup import LookupGate, accepted_prefix, find_match, measure_lookup_rates
+from medusa_infer.proposers.lookup import LookupGate, accepted_prefix, find_match
 from medusa_infer.tree_fit import CostProfile
 from test_decoding import NO_EOS, left_pad, reference
 from tiny import VOCAB, tiny_config, tiny_model
@@ -182,30 +180,6 @@ def test_lookup_gate_weighs_a_draft_against_the_heads_tokens():
     for _ in range(40):
         gate.record(2, 4, 4)  # p near 1: the draft wins beside the heads too
     assert gate.length(2, 4, base=3, heads=1.5) == 4
-
-
-def test_measured_lookup_rates_replay_decoding_and_set_the_gates_start():
-    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
-    sequence = prompt + [5, 6, 7, 8, 9, 10, 11, 12]  # the answer copies its prompt
-    store = Datastore.from_sequences([[12, 5, 1, 2, 3]])  # whose drafts fail here
-    rates, drafts = measure_lookup_rates([(sequence, len(prompt))], store)
-    # one step: the prompt's 1-gram "5" drafts the other 7 tokens, all right (no stop); the
-    # store's "12 5" drafts 1 2 3, wrong at once; the replay then reaches the answer's end
-    assert drafts == {"prompt/1": 1, "datastore/2/single": 1}
-    assert rates == {"prompt/1": round((7 + 1) / (7 + 2), 4), "datastore/2/single": round(1 / 3, 4)}
-    assert measure_lookup_rates([(sequence, len(prompt))])[1] == {"prompt/1": 1}  # no store
-    fresh, measured = LookupGate(CPU_COST), LookupGate(CPU_COST, rates={"prompt/1": 0.05, "prompt/3": 0.95})
-    assert fresh.length(("prompt", 1), 4) == 4  # the optimistic prior verifies the first draft
-    assert measured.length(("prompt", 1), 4) == 0  # a measured poor kind is refused from the start
-    assert measured.rate(("prompt", 3)) == pytest.approx(0.95) and measured.length(("prompt", 3), 8) == 8
-    measured.record(("prompt", 1), 4, 4)  # what this generation sees moves the rate from there
-    assert measured.rate(("prompt", 1)) == pytest.approx((4 + 0.05 * 8) / (4 + 8))
-    target = target_model("llama")
-    heads = random_heads(target)
-    heads.config.lookup_rates = {"prompt/2": 0.7}
-    assert LookupProposer(heads, cost=CPU_COST).gate.rates == {"prompt/2": 0.7}
-    with pytest.raises(ValueError, match="not a probability"):
-        MedusaConfig(lookup_rates={"prompt/1": 1.5})
 
 
 def test_gated_lookup_stays_exact_and_verifies_fewer_drafts():

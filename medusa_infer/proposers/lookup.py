@@ -24,7 +24,7 @@ per n-gram length, and for the store also per confidence class (keys ``("prompt"
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable
 
 import torch
 
@@ -56,13 +56,6 @@ def pad_drafts(drafts: list[list[int]], roots: list[int], length: int) -> list[l
 
 
 LOOKUP_MAX_TOKENS = 16  # the longest draft a cost gate may choose to verify
-MAX_NGRAM, MIN_NGRAM = 3, 1  # the suffix lengths searched in the text at hand, by default
-
-
-def key_name(key: Hashable) -> str:
-    """A kind of match as it is stored in ``MedusaConfig.lookup_rates``: ``("datastore", 2,
-    "high")`` -> ``"datastore/2/high"``."""
-    return "/".join(str(part) for part in key) if isinstance(key, tuple) else str(key)
 
 
 class LookupGate:
@@ -81,23 +74,15 @@ class LookupGate:
     not. A refused n-gram length is still tried every ``probe_every``-th time, so the estimate
     recovers when the text turns repetitive.
 
-    A gate lives for one generation call, a few dozen drafts, too few to learn a rate for every
-    kind of match. With ``rates`` measured beforehand (``measure_lookup_rates``, stored by
-    calibration as ``MedusaConfig.lookup_rates``), a kind of match starts from its measured rate,
-    weighted as ``rates_weight`` tokens, instead of the optimistic prior: drafts that are rarely
-    right are refused from the first step, and reliable ones get their length at once.
-
     Args:
         cost: the device's verification cost (``MedusaConfig.cost_profile``).
-        prior_rate, prior_weight: the optimistic start of a kind of match without a measured rate.
+        prior_rate, prior_weight: the optimistic start.
         probe_every: how often a refused length is verified anyway.
-        rates: measured rates by ``key_name``; rates_weight: their weight, in tokens.
     """
 
     def __init__(self, cost: CostProfile, prior_rate: float = 0.5, prior_weight: float = 2.0,
-                 probe_every: int = 8, rates: Mapping[str, float] | None = None, rates_weight: float = 8.0) -> None:
+                 probe_every: int = 8) -> None:
         self.cost, self.prior_rate, self.prior_weight, self.probe_every = cost, prior_rate, prior_weight, probe_every
-        self.rates, self.rates_weight = dict(rates or {}), rates_weight
         self.drafts: dict[Hashable, int] = {}  # verified drafts per kind of match
         self.accepted: dict[Hashable, int] = {}
         self.stops: dict[Hashable, int] = {}
@@ -107,12 +92,7 @@ class LookupGate:
         """The chance that a token of a draft after an ``n`` match is accepted, given that the
         tokens before it were."""
         accepted = self.accepted.get(n, 0)
-        prior, weight = self.prior_rate, self.prior_weight
-        if self.rates:
-            measured = self.rates.get(key_name(n))
-            if measured is not None:
-                prior, weight = measured, self.rates_weight
-        return (accepted + prior * weight) / (accepted + self.stops.get(n, 0) + weight)
+        return (accepted + self.prior_rate * self.prior_weight) / (accepted + self.stops.get(n, 0) + self.prior_weight)
 
     def expected(self, n: Hashable, length: int) -> float:
         """Expected accepted tokens of a ``length``-token draft after an ``n``-gram match."""
@@ -193,7 +173,7 @@ class LookupProposer:
         datastore: also draft from this store of earlier text (see the module docstring).
     """
 
-    def __init__(self, model, num_tokens: int = 4, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM,
+    def __init__(self, model, num_tokens: int = 4, max_ngram: int = 3, min_ngram: int = 1,
                  cost: CostProfile | None = None, max_tokens: int = LOOKUP_MAX_TOKENS,
                  datastore: Datastore | None = None) -> None:
         if num_tokens < 1 or max_tokens < 1:
@@ -204,7 +184,7 @@ class LookupProposer:
         self.max_tokens, self.datastore = max_tokens, datastore
         self.trees = ChainTrees(model.device)
         cost = cost if cost is not None else model_cost(model)
-        self.gate = LookupGate(cost, rates=model_lookup_rates(model)) if cost is not None else None
+        self.gate = LookupGate(cost) if cost is not None else None
         self.matches: list[tuple[Hashable, list[int]]] = []  # per row: the verified draft and its kind
 
     def start(self, context: StepContext, hidden: torch.Tensor) -> None:
@@ -237,47 +217,6 @@ def model_cost(model) -> CostProfile | None:
     """The heads' measured verification cost, if ``model`` (a ``MedusaModel``) has one."""
     profile = getattr(getattr(model, "config", None), "cost_profile", None) if model.heads is not None else None
     return CostProfile.from_dict(profile) if profile else None
-
-
-def model_lookup_rates(model) -> dict[str, float] | None:
-    """The lookup acceptance rates calibration measured for these heads, if any."""
-    return getattr(getattr(model, "config", None), "lookup_rates", None) if model.heads is not None else None
-
-
-def measure_lookup_rates(answers: Sequence[tuple[Sequence[int], int]], datastore: Datastore | None = None,
-                         max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM,
-                         limit: int = LOOKUP_MAX_TOKENS) -> tuple[dict[str, float], dict[str, int]]:
-    """``(rates, drafts)`` by ``key_name``: how lookup drafts fare along greedy answers.
-
-    ``answers`` are ``(sequence, prompt_length)`` pairs: the prompt followed by the model's greedy
-    answer. Decoding is replayed step by step: at each step both sources draft (up to ``limit``
-    tokens, as ``gated_matches`` would find them, without a gate) from the text so far, each draft
-    is checked against the answer, and the replay moves past the longer accepted run and the step's
-    own token. ``rates`` are ``LookupGate.rate`` over the drafts (the optimistic prior included, so
-    a kind seen a few times stays near it); ``drafts`` counts the drafts of each kind."""
-    counts = LookupGate(None)  # type: ignore[arg-type]  # only counting: no cost needed
-    for sequence, prompt_length in answers:
-        sequence = [int(t) for t in sequence]
-        root = prompt_length  # the answer's first token is the first root
-        while root + 1 < len(sequence):
-            history, future = sequence[: root + 1], sequence[root + 1 :]
-            room = min(limit, len(future))
-            drafts = []
-            n, draft = find_match(history, max_ngram, min_ngram, room)
-            if draft:
-                drafts.append((("prompt", n), draft))
-            if datastore is not None:
-                match = datastore.match(history, room)
-                if match.draft:
-                    drafts.append((("datastore", match.n, match.confidence()), match.draft))
-            run = 0
-            for key, draft in drafts:
-                accepted = accepted_prefix(draft, future[: len(draft)] + [-1])
-                counts.record(key, accepted, len(draft))
-                run = max(run, accepted)
-            root += run + 1
-    rates = {key_name(key): round(counts.rate(key), 4) for key in counts.drafts}
-    return rates, {key_name(key): drafted for key, drafted in counts.drafts.items()}
 
 
 def gated_matches(sequences: list[list[int]], max_ngram: int, min_ngram: int, limit: int,

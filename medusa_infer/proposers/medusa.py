@@ -21,12 +21,9 @@ from medusa_infer.datastore import Datastore
 from medusa_infer.proposers.base import Proposal, StepContext
 from medusa_infer.proposers.lookup import (
     LOOKUP_MAX_TOKENS,
-    MAX_NGRAM,
-    MIN_NGRAM,
     LookupGate,
     gated_matches,
     model_cost,
-    model_lookup_rates,
     pad_drafts,
     record_matches,
 )
@@ -83,7 +80,7 @@ class MedusaProposer:
     """
 
     def __init__(self, model, tree: Sequence[Sequence[int]], controller: TreeController | None = None,
-                 lookup_tokens: int = 0, lookup_ngram: tuple[int, int] = (MAX_NGRAM, MIN_NGRAM),
+                 lookup_tokens: int = 0, lookup_ngram: tuple[int, int] = (3, 1),
                  lookup_max_tokens: int = LOOKUP_MAX_TOKENS, datastore: Datastore | None = None) -> None:
         if lookup_tokens < 0:
             raise ValueError(f"lookup_tokens must be >= 0 (0 turns the lookup branch off), got {lookup_tokens}")
@@ -97,7 +94,7 @@ class MedusaProposer:
         self.datastore = datastore
         self.grafted = 0  # length of the lookup chain in the last proposal
         cost = model_cost(model) if lookup_tokens else None
-        self.gate = LookupGate(cost, rates=model_lookup_rates(model)) if cost is not None else None
+        self.gate = LookupGate(cost) if cost is not None else None
         self.matches: list[tuple[Hashable, list[int]]] = []
         num_heads = max(model.config.num_heads if model.heads is not None else 0, 1)
         ladder = controller.ladder if controller is not None else [list(tree)]
