@@ -4,6 +4,11 @@
 prompts and the model's own answers). This command adds or replaces it for existing heads:
 
     python -m medusa_train.datastore --heads runs/demo/heads --rows runs/demo/data/distilled.jsonl
+
+The conversations are rendered as training rendered them: the chat template, system prompt and
+maximum length default to those of the recipe recorded in the heads' config, and distilled rows
+that record another template or system prompt are refused (their tokens would not be the text
+decoding sees).
 """
 
 from __future__ import annotations
@@ -24,6 +29,26 @@ def build_datastore(examples: Iterable[Mapping[str, Any]]) -> Datastore:
     return store
 
 
+def check_rows(rows: Sequence[Mapping[str, Any]], chat_template: str | None, system_prompt: str | None) -> None:
+    """Refuse distilled rows whose recorded chat template or system prompt differs from the ones the
+    store is built with (rows without a ``generation`` record are taken as they are)."""
+    from medusa_train.distill import template_digest
+
+    digest = template_digest(chat_template)
+    for row in rows:
+        generation = row.get("generation")
+        if not isinstance(generation, Mapping):
+            continue
+        if generation.get("chat_template", digest) != digest:
+            raise ValueError(
+                f"row {row.get('id')!r} was distilled with chat template {generation['chat_template']}, the store "
+                f"would be built with {digest or 'the tokenizer template'}; pass that template as --chat-template FILE")
+        if generation.get("system_prompt", system_prompt) != system_prompt:
+            raise ValueError(
+                f"row {row.get('id')!r} was distilled with system prompt {generation['system_prompt']!r}, the store "
+                f"would be built with {system_prompt!r}; pass it as --system-prompt")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", required=True, help="the heads folder to write datastore.safetensors into")
@@ -31,8 +56,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="distilled JSONL files (prompt and response per line) or datasets folders")
     parser.add_argument("--model", help="the model whose tokenizer and chat template to use "
                                         "(default: the heads' base_model_name_or_path)")
-    parser.add_argument("--max-length", type=int, default=1024, help="longer conversations are cut (tokens)")
-    parser.add_argument("--system-prompt", help="the system prompt the rows were distilled with, if any")
+    parser.add_argument("--chat-template", metavar="FILE",
+                        help="a jinja chat template replacing the tokenizer's (default: the heads' recipe's)")
+    parser.add_argument("--max-length", type=int,
+                        help="longer conversations are cut, in tokens (default: the heads' recipe's, else 1024)")
+    parser.add_argument("--system-prompt", help="the system prompt the rows were distilled with "
+                                                "(default: the heads' recipe's)")
     args = parser.parse_args(argv)
 
     from medusa_infer.config import MedusaConfig
@@ -42,11 +71,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     heads = Path(args.heads)
     if not (heads / "config.json").is_file():
         parser.error(f"{heads} has no config.json: not a heads folder")
-    model = args.model or MedusaConfig.load(heads / "config.json").base_model_name_or_path
+    config = MedusaConfig.load(heads / "config.json")
+    model = args.model or config.base_model_name_or_path
     if not model:
         parser.error(f"{heads}/config.json names no base model; pass --model")
+    recipe = config.training.get("recipe") or {}
+    recipe_model, recipe_data = recipe.get("model") or {}, recipe.get("data") or {}
+    chat_template = (Path(args.chat_template).read_text() if args.chat_template
+                     else recipe_model.get("chat_template"))
+    system_prompt = args.system_prompt if args.system_prompt is not None else recipe_data.get("system_prompt")
+    max_length = args.max_length or recipe_data.get("max_length") or 1024
     rows = [row for path in args.rows for row in read_rows(path)]
-    examples = build_examples(rows, load_tokenizer(model), args.max_length, args.system_prompt)
+    try:
+        check_rows(rows, chat_template, system_prompt)
+    except ValueError as err:
+        parser.error(str(err))
+    tokenizer = load_tokenizer(model)
+    if chat_template:
+        tokenizer.chat_template = chat_template
+    examples = build_examples(rows, tokenizer, max_length, system_prompt)
     store = build_datastore(examples)
     path = store.save(heads / DATASTORE_NAME)
     print(f"{path}: {len(store)} tokens from {len(examples)} conversations")

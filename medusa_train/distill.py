@@ -175,8 +175,7 @@ class DistillConfig:
             "seed": self.seed,
             # what the prompts were rendered with: resuming with another template or system prompt
             # would mix two distributions in one file
-            "chat_template": None if self.chat_template is None else
-            "sha256:" + hashlib.sha256(self.chat_template.encode()).hexdigest()[:16],
+            "chat_template": template_digest(self.chat_template),
             "system_prompt": self.system_prompt,
         }
 
@@ -224,6 +223,11 @@ class ShardStats:
 
 # ---------------------------------------------------------------------------------------------
 # Prompts
+
+
+def template_digest(template: str | None) -> str | None:
+    """How rows record a chat template that replaced the tokenizer's own (None: the tokenizer's)."""
+    return None if template is None else "sha256:" + hashlib.sha256(template.encode()).hexdigest()[:16]
 
 
 def read_prompts(path: str | Path) -> list[dict[str, Any]]:

@@ -3,6 +3,7 @@ by the lookup proposers (greedy output unchanged, drafts taken from the store)."
 
 from __future__ import annotations
 
+import json
 import random
 from types import SimpleNamespace
 
@@ -15,7 +16,10 @@ from medusa_infer.model import MedusaModel
 from medusa_infer.proposers import LookupProposer, MedusaProposer, build_proposer
 from medusa_infer.proposers.base import StepContext
 from medusa_infer.proposers.lookup import LookupGate, gated_matches
-from medusa_train.datastore import build_datastore
+from medusa_infer.config import MedusaConfig
+from medusa_infer.models import load_tokenizer
+from medusa_train.datastore import build_datastore, check_rows, main
+from medusa_train.distill import template_digest
 from test_decoding import NO_EOS, reference
 from test_proposers import CPU_COST, GPU_COST, GRAFT_TREE, random_heads, target_model
 
@@ -120,6 +124,41 @@ def test_build_datastore_keeps_whole_conversations():
     assert store.tokens.tolist() == [1, 2, 3, SEPARATOR, 4, 5, SEPARATOR]
     with pytest.raises(ValueError, match="no tokens"):
         build_datastore([])
+
+
+def test_rows_distilled_with_another_template_or_system_prompt_are_refused():
+    plain = [{"id": 1, "prompt": "a", "response": "b", "generation": {"chat_template": None, "system_prompt": None}}]
+    check_rows(plain, None, None)  # built as distilled
+    check_rows([{"prompt": "a", "response": "b"}], "{{ x }}", "Be brief.")  # no record: taken as they are
+    with pytest.raises(ValueError, match="--chat-template FILE"):
+        check_rows(plain, "{{ messages }}", None)
+    vicuna = [{"id": 2, "prompt": "a", "response": "b",
+               "generation": {"chat_template": template_digest("T"), "system_prompt": "Be brief."}}]
+    check_rows(vicuna, "T", "Be brief.")
+    with pytest.raises(ValueError, match="--system-prompt"):
+        check_rows(vicuna, "T", None)
+    with pytest.raises(ValueError, match="--chat-template FILE"):
+        check_rows(vicuna, None, "Be brief.")
+
+
+def test_the_builder_renders_rows_as_the_heads_recipe_did(tmp_path):
+    recipe = {"model": {"chat_template": None}, "data": {"system_prompt": "Be brief.", "max_length": 64}}
+    MedusaConfig(num_heads=1, hidden_size=576, vocab_size=49152, base_model_name_or_path="smollm2-135m-instruct",
+                 training={"recipe": recipe}).save(tmp_path / "config.json")
+    rows = tmp_path / "rows.jsonl"
+    generation = {"chat_template": None, "system_prompt": "Be brief."}
+    rows.write_text(json.dumps({"id": 1, "prompt": "Name a colour.", "response": "Blue " * 100,
+                                "generation": generation}) + "\n")
+    assert main(["--heads", str(tmp_path), "--rows", str(rows)]) == 0
+    store = Datastore.load(tmp_path / DATASTORE_NAME)
+    tokens = store.tokens[:-1].tolist()
+    assert len(tokens) == 64  # the recipe's max_length
+    system = load_tokenizer("smollm2-135m-instruct")("Be brief.", add_special_tokens=False)["input_ids"]
+    assert store.occurrences(system[:2])  # the recipe's system prompt was rendered
+    rows.write_text(json.dumps({"id": 1, "prompt": "Name a colour.", "response": "Blue.",
+                                "generation": {**generation, "system_prompt": None}}) + "\n")
+    with pytest.raises(SystemExit):  # distilled without it: refused, naming --system-prompt
+        main(["--heads", str(tmp_path), "--rows", str(rows)])
 
 
 def test_gated_matches_choose_between_prompt_and_datastore():
