@@ -56,7 +56,8 @@ class DatastoreMatch(NamedTuple):
         several-fold between these classes at the same ``n`` (on SmolLM2's greedy answers to 40
         Spec-Bench questions, the first token was right 13-20% of the time for "low" drafts and
         45-85% for "high" ones; ``scripts/datastore_confidence.py``), so the lookup gate measures
-        each class separately."""
+        each class separately. Shares of few occurrences are coarse: two that agree are "high",
+        two that differ "mid"."""
         if self.occurrences <= 1:
             return "single"
         return "low" if self.share < 0.5 else "mid" if self.share < 0.8 else "high"

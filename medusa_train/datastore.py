@@ -8,12 +8,14 @@ prompts and the model's own answers). This command adds or replaces it for exist
 The conversations are rendered as training rendered them: the chat template, system prompt and
 maximum length default to those of the recipe recorded in the heads' config, and distilled rows
 that record another template or system prompt are refused (their tokens would not be the text
-decoding sees).
+decoding sees). ``--chat-template ''`` selects the tokenizer's own template and
+``--system-prompt ''`` no system prompt.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,14 +41,18 @@ def check_rows(rows: Sequence[Mapping[str, Any]], chat_template: str | None, sys
         generation = row.get("generation")
         if not isinstance(generation, Mapping):
             continue
-        if generation.get("chat_template", digest) != digest:
-            raise ValueError(
-                f"row {row.get('id')!r} was distilled with chat template {generation['chat_template']}, the store "
-                f"would be built with {digest or 'the tokenizer template'}; pass that template as --chat-template FILE")
-        if generation.get("system_prompt", system_prompt) != system_prompt:
-            raise ValueError(
-                f"row {row.get('id')!r} was distilled with system prompt {generation['system_prompt']!r}, the store "
-                f"would be built with {system_prompt!r}; pass it as --system-prompt")
+        recorded = generation.get("chat_template", digest)
+        if recorded != digest:
+            fix = ("pass --chat-template '' (the tokenizer's own)" if recorded is None
+                   else "pass that template as --chat-template FILE")
+            raise ValueError(f"row {row.get('id')!r} was distilled with chat template "
+                             f"{recorded or 'of the tokenizer'}, the store would be built with "
+                             f"{digest or 'the tokenizer template'}; {fix}")
+        recorded = generation.get("system_prompt", system_prompt)
+        if recorded != system_prompt:
+            fix = "pass --system-prompt ''" if recorded is None else "pass it as --system-prompt"
+            raise ValueError(f"row {row.get('id')!r} was distilled with system prompt {recorded!r}, the store "
+                             f"would be built with {system_prompt!r}; {fix}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -57,30 +63,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", help="the model whose tokenizer and chat template to use "
                                         "(default: the heads' base_model_name_or_path)")
     parser.add_argument("--chat-template", metavar="FILE",
-                        help="a jinja chat template replacing the tokenizer's (default: the heads' recipe's)")
+                        help="a jinja chat template replacing the tokenizer's ('': the tokenizer's own; "
+                             "default: the heads' recipe's)")
     parser.add_argument("--max-length", type=int,
                         help="longer conversations are cut, in tokens (default: the heads' recipe's, else 1024)")
-    parser.add_argument("--system-prompt", help="the system prompt the rows were distilled with "
-                                                "(default: the heads' recipe's)")
+    parser.add_argument("--system-prompt", help="the system prompt the rows were distilled with ('': none; "
+                                                "default: the heads' recipe's)")
     args = parser.parse_args(argv)
 
-    from medusa_infer.config import MedusaConfig
     from medusa_infer.models import load_tokenizer
     from medusa_train.dataset import build_examples, read_rows
 
     heads = Path(args.heads)
     if not (heads / "config.json").is_file():
         parser.error(f"{heads} has no config.json: not a heads folder")
-    config = MedusaConfig.load(heads / "config.json")
-    model = args.model or config.base_model_name_or_path
+    # read as JSON: FasterDecoding-layout heads (medusa_num_heads, ...) have a config.json too
+    config = json.loads((heads / "config.json").read_text(encoding="utf-8"))
+    model = args.model or config.get("base_model_name_or_path")
     if not model:
         parser.error(f"{heads}/config.json names no base model; pass --model")
-    recipe = config.training.get("recipe") or {}
+    recipe = (config.get("training") or {}).get("recipe") or {}
     recipe_model, recipe_data = recipe.get("model") or {}, recipe.get("data") or {}
-    chat_template = (Path(args.chat_template).read_text() if args.chat_template
-                     else recipe_model.get("chat_template"))
-    system_prompt = args.system_prompt if args.system_prompt is not None else recipe_data.get("system_prompt")
-    max_length = args.max_length or recipe_data.get("max_length") or 1024
+    if args.chat_template is not None:
+        chat_template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
+    else:
+        chat_template = recipe_model.get("chat_template")
+    if args.system_prompt is not None:
+        system_prompt = args.system_prompt or None
+    else:
+        system_prompt = recipe_data.get("system_prompt")
+    max_length = args.max_length if args.max_length is not None else recipe_data.get("max_length") or 1024
     rows = [row for path in args.rows for row in read_rows(path)]
     try:
         check_rows(rows, chat_template, system_prompt)

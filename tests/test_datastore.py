@@ -10,14 +10,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from medusa_infer.config import MedusaConfig
 from medusa_infer.datastore import DATASTORE_NAME, SEPARATOR, Datastore, DatastoreMatch
 from medusa_infer.decoding import generate
 from medusa_infer.model import MedusaModel
+from medusa_infer.models import load_tokenizer
 from medusa_infer.proposers import LookupProposer, MedusaProposer, build_proposer
 from medusa_infer.proposers.base import StepContext
 from medusa_infer.proposers.lookup import LookupGate, gated_matches
-from medusa_infer.config import MedusaConfig
-from medusa_infer.models import load_tokenizer
 from medusa_train.datastore import build_datastore, check_rows, main
 from medusa_train.distill import template_digest
 from test_decoding import NO_EOS, reference
@@ -87,6 +87,7 @@ def test_drafts_follow_the_majority_and_stop_at_sequence_ends():
 def test_confidence_classes_follow_the_vote_on_the_first_token():
     store = Datastore.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [1, 2, 3, 9], [7, 1, 2]])
     assert store.match([8, 1, 2], 10) == (2, [3, 4, 6], 3, 1.0)  # three occurrences, all say 3
+
     def vote(*nexts):
         match = Datastore.from_sequences([[1, 2, t] for t in nexts]).match([1, 2], 4)
         return match.draft[0], match.occurrences, match.confidence()
@@ -130,7 +131,7 @@ def test_rows_distilled_with_another_template_or_system_prompt_are_refused():
     plain = [{"id": 1, "prompt": "a", "response": "b", "generation": {"chat_template": None, "system_prompt": None}}]
     check_rows(plain, None, None)  # built as distilled
     check_rows([{"prompt": "a", "response": "b"}], "{{ x }}", "Be brief.")  # no record: taken as they are
-    with pytest.raises(ValueError, match="--chat-template FILE"):
+    with pytest.raises(ValueError, match="--chat-template ''"):  # distilled with the tokenizer's own
         check_rows(plain, "{{ messages }}", None)
     vicuna = [{"id": 2, "prompt": "a", "response": "b",
                "generation": {"chat_template": template_digest("T"), "system_prompt": "Be brief."}}]
@@ -141,7 +142,7 @@ def test_rows_distilled_with_another_template_or_system_prompt_are_refused():
         check_rows(vicuna, None, "Be brief.")
 
 
-def test_the_builder_renders_rows_as_the_heads_recipe_did(tmp_path):
+def test_the_builder_renders_rows_as_the_heads_recipe_did(tmp_path, capsys):
     recipe = {"model": {"chat_template": None}, "data": {"system_prompt": "Be brief.", "max_length": 64}}
     MedusaConfig(num_heads=1, hidden_size=576, vocab_size=49152, base_model_name_or_path="smollm2-135m-instruct",
                  training={"recipe": recipe}).save(tmp_path / "config.json")
@@ -157,8 +158,19 @@ def test_the_builder_renders_rows_as_the_heads_recipe_did(tmp_path):
     assert store.occurrences(system[:2])  # the recipe's system prompt was rendered
     rows.write_text(json.dumps({"id": 1, "prompt": "Name a colour.", "response": "Blue.",
                                 "generation": {**generation, "system_prompt": None}}) + "\n")
-    with pytest.raises(SystemExit):  # distilled without it: refused, naming --system-prompt
+    with pytest.raises(SystemExit):  # distilled without it: refused, naming the way out
         main(["--heads", str(tmp_path), "--rows", str(rows)])
+    assert "pass --system-prompt ''" in capsys.readouterr().err
+    assert main(["--heads", str(tmp_path), "--rows", str(rows), "--system-prompt", ""]) == 0
+    assert not Datastore.load(tmp_path / DATASTORE_NAME).occurrences(system[:2])
+    # FasterDecoding-layout heads: no recipe, the defaults (the rows carry no record either)
+    layout = tmp_path / "layout"
+    layout.mkdir()
+    (layout / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 1,
+                                                    "base_model_name_or_path": "smollm2-135m-instruct"}))
+    rows.write_text(json.dumps({"prompt": "Name a colour.", "response": "Blue."}) + "\n")
+    assert main(["--heads", str(layout), "--rows", str(rows)]) == 0
+    assert (layout / DATASTORE_NAME).is_file()
 
 
 def test_gated_matches_choose_between_prompt_and_datastore():

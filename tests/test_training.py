@@ -459,6 +459,9 @@ for step in range(8):
     losses.append(float(loss))
 if rank == 0:
     json.dump({"losses": losses, "zero_stage": engine.zero_optimization_stage()}, open(out, "w"))
+# an interpreter exiting with the process group alive can abort in a communication thread's teardown
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
 """
 
 

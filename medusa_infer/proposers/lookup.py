@@ -61,8 +61,9 @@ LOOKUP_MAX_TOKENS = 16  # the longest draft a cost gate may choose to verify
 class LookupGate:
     """Chooses, per draft, how many of its tokens to verify under a cost profile (0: none).
 
-    For each kind of match ``key`` (in the proposers: ``(source, n)``, the draft's source and its
-    matched n-gram length) it estimates ``p``, the chance that a draft token is
+    For each kind of match ``key`` (in the proposers: ``("prompt", n)`` or ``("datastore", n,
+    confidence)``, the draft's source, its matched n-gram length and, for the store, its
+    ``DatastoreMatch.confidence``) it estimates ``p``, the chance that a draft token is
     accepted once the tokens before it were: accepted tokens / (accepted tokens + drafts stopped by
     a rejection), a geometric model that also counts drafts cut short by their own end, starting
     from an optimistic prior (``prior_rate``, weighted as ``prior_weight`` tokens). A draft of
