@@ -184,7 +184,7 @@ class Datastore:
                 share = counts[best] / len(live)
             draft.append(best)
             live = [end for end in live if tokens[end + step] == best]
-        return DatastoreMatch(n if draft else 0, draft, occurrences if draft else 0, share)
+        return DatastoreMatch(n, draft, occurrences, share)  # indexed n-grams all have a next token
 
     # ------------------------------------------------------------------ files
 
