@@ -153,7 +153,7 @@ def test_partial_oracle_trees_stay_exact_in_batches(arch):
     assert out.metrics.tau > 1.5
 
 
-def test_only_an_unpadded_causal_prefill_leaves_the_mask_to_the_model():
+def test_only_an_unpadded_prefill_or_an_unrestricted_plain_step_leaves_the_mask_to_the_model():
     kv = KVState.empty(2, AttentionLayout.from_config(medusa("llama").base_model.config), torch.device("cpu"))
     positions = torch.arange(4).expand(2, 4)
     causal = torch.ones(4, 4, dtype=torch.bool).tril()
@@ -163,8 +163,39 @@ def test_only_an_unpadded_causal_prefill_leaves_the_mask_to_the_model():
     padded[1, 0] = False
     assert kv.attention_mask(positions, padded, causal, torch.float32).shape == (2, 1, 4, 4)
     assert kv.attention_mask(positions, valid, torch.eye(4, dtype=torch.bool), torch.float32) is not None
-    kv.append(valid, positions)  # with a cache, new tokens always get a 4D mask
+    kv.append(valid, positions)  # with a cache, several new tokens always get a 4D mask
     assert kv.attention_mask(positions + 4, valid, causal, torch.float32).shape == (2, 1, 4, 8)
+    one, root = torch.ones(2, 1, dtype=torch.bool), torch.ones(1, 1, dtype=torch.bool)
+    assert kv.attention_mask(torch.full((2, 1), 4), one, root, torch.float32) is None  # a plain step
+    with_padding = KVState(kv.cache, padded, kv.positions, kv.layout)
+    assert kv.attention_mask(torch.full((2, 1), 4), one, root, torch.float32) is None
+    assert with_padding.attention_mask(torch.full((2, 1), 4), one, root, torch.float32).shape == (2, 1, 1, 5)
+    windowed = KVState(kv.cache, valid, positions, AttentionLayout({"full_attention": 4}, as_dict=False))
+    assert windowed.attention_mask(torch.full((2, 1), 3), one, root, torch.float32) is None
+    assert windowed.attention_mask(torch.full((2, 1), 4), one, root, torch.float32).shape == (2, 1, 1, 5)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_an_unmasked_plain_step_gives_the_masked_steps_logits(arch):
+    model = medusa(arch)
+    ids = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(4))
+    layout = AttentionLayout.from_config(model.base_model.config)
+    logits = []
+    for unmasked in (True, False):
+        kv = KVState.empty(1, layout, model.device)
+        with torch.no_grad():
+            positions = torch.arange(8)[None]
+            valid = torch.ones_like(positions, dtype=torch.bool)
+            model(ids[:, :8], attention_mask=None, position_ids=positions, cache=kv.cache)
+            kv.append(valid, positions)
+            root, position = torch.ones(1, 1, dtype=torch.bool), torch.full((1, 1), 8)
+            mask = kv.attention_mask(position, root[0], root, model.dtype)
+            assert mask is None  # all 9 positions lie within every tiny model's window
+            if not unmasked:  # the 4D mask such a step used to get: every slot allowed
+                zeros = torch.zeros(1, 1, 1, 9, dtype=model.dtype)
+                mask = {t: zeros for t in layout.windows} if layout.as_dict else zeros
+            logits.append(model(ids[:, 8:], attention_mask=mask, position_ids=position, cache=kv.cache).logits)
+    assert (logits[0] - logits[1]).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
