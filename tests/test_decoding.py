@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 from medusa_infer.decoding import generate, stream
 from medusa_infer.kv_cache import AttentionLayout, KVState
 from medusa_infer.model import MedusaModel
+from medusa_infer.proposers.autoregressive import AutoregressiveProposer
 from medusa_infer.proposers.base import Proposal, StepContext
 from medusa_infer.trees import TREE_PRESETS, build_tree_buffers, root_only_tree
 from tiny import ARCHITECTURES, VOCAB, tiny_config, tiny_model
@@ -168,11 +169,11 @@ def test_only_an_unpadded_prefill_or_an_unrestricted_plain_step_leaves_the_mask_
     one, root = torch.ones(2, 1, dtype=torch.bool), torch.ones(1, 1, dtype=torch.bool)
     assert kv.attention_mask(torch.full((2, 1), 4), one, root, torch.float32) is None  # a plain step
     with_padding = KVState(kv.cache, padded, kv.positions, kv.layout)
-    assert kv.attention_mask(torch.full((2, 1), 4), one, root, torch.float32) is None
     assert with_padding.attention_mask(torch.full((2, 1), 4), one, root, torch.float32).shape == (2, 1, 1, 5)
-    windowed = KVState(kv.cache, valid, positions, AttentionLayout({"full_attention": 4}, as_dict=False))
-    assert windowed.attention_mask(torch.full((2, 1), 3), one, root, torch.float32) is None
-    assert windowed.attention_mask(torch.full((2, 1), 4), one, root, torch.float32).shape == (2, 1, 1, 5)
+    for window, unmasked in ((5, True), (4, False)):  # 4 slots at 0..3, the new token at 4
+        windowed = KVState(kv.cache, valid, positions, AttentionLayout({"full_attention": window}, as_dict=False))
+        mask = windowed.attention_mask(torch.full((2, 1), 4), one, root, torch.float32)
+        assert (mask is None) == unmasked
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -189,7 +190,7 @@ def test_an_unmasked_plain_step_gives_the_masked_steps_logits(arch):
             model(ids[:, :8], attention_mask=None, position_ids=positions, cache=kv.cache)
             kv.append(valid, positions)
             root, position = torch.ones(1, 1, dtype=torch.bool), torch.full((1, 1), 8)
-            mask = kv.attention_mask(position, root[0], root, model.dtype)
+            mask = kv.attention_mask(position, root, root, model.dtype)
             assert mask is None  # all 9 positions lie within every tiny model's window
             if not unmasked:  # the 4D mask such a step used to get: every slot allowed
                 zeros = torch.zeros(1, 1, 1, 9, dtype=model.dtype)
@@ -246,6 +247,31 @@ def test_sliding_window_models_stay_exact_past_the_window(arch):
     out = generate(model, prompts[1][None], max_new_tokens=24, eos_token_id=NO_EOS,
                    proposer=OracleProposer(futures[1:], TREE_PRESETS["tree-8"], seed=1))
     assert out.new_tokens == futures[1:]
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "mistral"])
+def test_plain_steps_stay_exact_across_the_window_after_a_row_leaves(arch):
+    config = tiny_config(arch)
+    config.sliding_window = 8
+    if arch == "gemma3_text":
+        config.layer_types = ["sliding_attention", "full_attention"]
+    torch.manual_seed(0)
+    config.initializer_range = 0.2
+    model = MedusaModel.without_heads(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval())
+    prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (2, 4)]
+    expected = reference(model, prompts[0], 12)
+    ids, mask = left_pad(prompts)
+    chunks = stream(model, ids, attention_mask=mask, max_new_tokens=12, eos_token_id=NO_EOS,
+                    proposer=AutoregressiveProposer(model))
+    unmasked = []
+    for _ in chunks:
+        state = chunks.state
+        if 1 in state.rows:
+            state.cancel(1)  # row 0 goes on alone: its padding columns are compacted away
+        elif state.rows:
+            unmasked.append(state.kv._attends_every_slot(state.root_pos[:, None]))
+    assert chunks.result().new_tokens[0] == expected
+    assert True in unmasked and unmasked[-1] is False  # unmasked steps, then masked ones past the window
 
 
 def test_streaming_yields_the_same_tokens_in_order():
