@@ -227,16 +227,20 @@ def test_tree_forward_matches_sequential_paths(arch):
             assert (tree_logits[node] - sequential).abs().max() <= 1e-4, f"node {node}"
 
 
-@pytest.mark.parametrize("arch", ["gemma3_text", "mistral"])
-def test_sliding_window_models_stay_exact_past_the_window(arch):
+def sliding_window_base(arch: str, window: int, attn_implementation: str = "eager"):
+    """A tiny random ``arch`` model whose sliding-window layers see ``window`` positions."""
     config = tiny_config(arch)
-    config.sliding_window = 6
+    config.sliding_window = window
     if arch == "gemma3_text":
         config.layer_types = ["sliding_attention", "full_attention"]
     torch.manual_seed(0)
     config.initializer_range = 0.2
-    base = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    model = MedusaModel.from_base(base, num_heads=4)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).eval()
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "mistral"])
+def test_sliding_window_models_stay_exact_past_the_window(arch):
+    model = MedusaModel.from_base(sliding_window_base(arch, 6), num_heads=4)
     prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 10)]
     futures = [reference(model, p, 24) for p in prompts]
     ids, mask = left_pad(prompts)
@@ -251,13 +255,7 @@ def test_sliding_window_models_stay_exact_past_the_window(arch):
 
 @pytest.mark.parametrize("arch", ["gemma3_text", "mistral"])
 def test_plain_steps_stay_exact_across_the_window_after_a_row_leaves(arch):
-    config = tiny_config(arch)
-    config.sliding_window = 8
-    if arch == "gemma3_text":
-        config.layer_types = ["sliding_attention", "full_attention"]
-    torch.manual_seed(0)
-    config.initializer_range = 0.2
-    model = MedusaModel.without_heads(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval())
+    model = MedusaModel.without_heads(sliding_window_base(arch, 8, attn_implementation="sdpa"))
     prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (2, 4)]
     expected = reference(model, prompts[0], 12)
     ids, mask = left_pad(prompts)
