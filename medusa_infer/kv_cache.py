@@ -91,9 +91,9 @@ class KVState:
           2-core CPU (1.70 s against 1.55 s; ``scripts/bench_prefill.py`` measures it);
         * a plain decoding step: one new token, which may attend every slot (none is a hole or
           padding, and every slot lies within each sliding window). Building and applying the
-          mask cost about 1% of such a step of the default model on a 2-core CPU (0.7% and
-          1.5% in two runs of 64-token answers, interleaved with and without it). Logits agree
-          with the masked step's to float rounding (about 1e-6 with SDPA), not bit for bit.
+          mask cost 1.3-1.6% of such a step of the default model after 200 tokens on a 2-core
+          CPU (``scripts/bench_prefill.py --tokens 200 --decode-steps 64`` measures it). Logits
+          agree with the masked step's to float rounding (about 1e-6 with SDPA), not bit for bit.
 
         Args:
             query_positions: ``[batch, new]`` position ids of the new tokens.

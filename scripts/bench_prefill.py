@@ -1,9 +1,11 @@
-"""Prefill cost with an explicit 4D attention mask against the model's own causal masks.
+"""Prefill and plain decoding cost with an explicit 4D attention mask against the model's own masks.
 
-``KVState.attention_mask`` leaves an unpadded causal prefill to the model (it returns None); this
-script measures what that saves, interleaving both paths, and checks that the logits agree.
+``KVState.attention_mask`` leaves an unpadded causal prefill, and a plain decoding step that may
+attend every slot, to the model (it returns None); this script measures what that saves,
+interleaving both paths, and checks that the logits (prefill) and greedy tokens (decoding) agree.
 
     python scripts/bench_prefill.py --tokens 1000 --repeats 5
+    python scripts/bench_prefill.py --tokens 200 --decode-steps 64 --repeats 10
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import time
 
 import torch
 
-from medusa_infer.kv_cache import AttentionLayout, KVState
+from medusa_infer.kv_cache import AttentionLayout, KVState, copy_cache
 from medusa_infer.model import MedusaModel
 from medusa_infer.models import load_base_model
 
@@ -23,6 +25,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--tokens", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--decode-steps", type=int, default=0,
+                        help="also time this many plain decoding steps after the prefill, each way")
     args = parser.parse_args()
     base = load_base_model(args.model, dtype=torch.float32, device="cpu")
     model = MedusaModel.without_heads(base)
@@ -53,6 +57,50 @@ def main() -> None:
     explicit, own = (sorted(times[k])[len(times[k]) // 2] for k in (True, False))
     print(f"{n}-token prefill, median of {args.repeats}: explicit 4D mask {explicit:.3f} s, model's own masks "
           f"{own:.3f} s, ratio {explicit / own:.3f}; max |logit difference| {difference:.2e}")
+    if args.decode_steps:
+        decode(model, ids, args.decode_steps, args.repeats)
+
+
+def decode(model: MedusaModel, ids: torch.Tensor, steps: int, repeats: int) -> None:
+    """Time ``steps`` greedy plain steps after a prefill of ``ids``, with a 4D mask allowing every
+    slot (what such a step got before) and with the model's own masks, interleaved."""
+    layout = AttentionLayout.from_config(model.base_model.config)
+    n = ids.shape[1]
+    with torch.inference_mode():
+        kv = KVState.empty(1, layout, torch.device("cpu"))
+        positions = torch.arange(n)[None]
+        out = model(ids, position_ids=positions, cache=kv.cache, logits_positions=slice(-1, None))
+        kv.append(torch.ones(1, n, dtype=torch.bool), positions)
+        first = out.logits[:, -1].argmax(-1)
+        one = torch.ones(1, 1, dtype=torch.bool)
+
+        def run(explicit: bool) -> tuple[float, list[int]]:
+            state = KVState(copy_cache(kv.cache), kv.valid.clone(), kv.positions.clone(), layout)
+            token, tokens = first, []
+            start = time.perf_counter()
+            for step in range(steps):
+                position = torch.full((1, 1), n + step)
+                mask = state.attention_mask(position, one, one, torch.float32)
+                if explicit:
+                    zeros = torch.zeros(1, 1, 1, state.num_slots + 1)
+                    mask = {t: zeros for t in layout.windows} if layout.as_dict else zeros
+                logits = model(token[:, None], attention_mask=mask, position_ids=position, cache=state.cache).logits
+                state.append(one, position)
+                token = logits[:, -1].argmax(-1)
+                tokens.append(int(token))
+            return time.perf_counter() - start, tokens
+
+        run(True), run(False)  # warm-up
+        times: dict[bool, float] = {True: 0.0, False: 0.0}
+        same = True
+        for repeat in range(repeats):
+            results = {explicit: run(explicit) for explicit in ((True, False) if repeat % 2 else (False, True))}
+            for explicit, (seconds, _) in results.items():
+                times[explicit] += seconds
+            same &= results[True][1] == results[False][1]
+    print(f"{steps} plain decoding steps after {n} tokens, total of {repeats}: explicit 4D mask {times[True]:.2f} s, "
+          f"model's own masks {times[False]:.2f} s, ratio {times[True] / times[False]:.3f}; "
+          f"same tokens: {'yes' if same else 'no'}")
 
 
 if __name__ == "__main__":
