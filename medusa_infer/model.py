@@ -31,6 +31,7 @@ from medusa_infer.checkpoint import (
     push_folder_to_hub,
     save_heads,
 )
+from medusa_infer.attention_kernels import decoding_attention
 from medusa_infer.cpu_kernels import linear_kernels, use_onednn_linear
 from medusa_infer.config import MedusaConfig
 from medusa_infer.datastore import DATASTORE_NAME, Datastore
@@ -336,14 +337,18 @@ class MedusaModel(nn.Module):
             cache: a transformers ``Cache`` (e.g. ``DynamicCache``), extended in place.
             logits_positions: where base logits are wanted (None: all new positions).
             head_positions: where heads' logits are wanted (None: all; default: none).
+
+        On a CUDA device, inference runs on the attention kernels ``attention_kernels``
+        chooses for decoding.
         """
-        outputs = self._decoder(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=cache is not None,
-            **{self._cache_kw: cache},
-        )
+        with decoding_attention(input_ids.device):
+            outputs = self._decoder(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=cache is not None,
+                **{self._cache_kw: cache},
+            )
         hidden = outputs.last_hidden_state
         logits = self.project(_select(hidden, logits_positions))
         head_hidden = _select(hidden, head_positions)

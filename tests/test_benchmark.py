@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 
 import pytest
@@ -296,3 +297,60 @@ def test_assisted_generation_and_grafted_lookup_run_and_stay_exact(model, tmp_pa
     for name in ("hf-assisted", "medusa-lookup", "draft"):
         assert methods[name]["exact"] is True, name
         assert methods[name]["tokens_per_s"] > 0
+
+
+def test_hugging_face_generate_runs_on_our_decoding_attention_kernels(model, monkeypatch):
+    """The baseline is timed on the attention kernels our methods use (attention_kernels): every
+    attention call of ``generate`` happens inside the same choice."""
+    state = {"inside": 0, "attention": 0, "outside": 0}
+
+    @contextlib.contextmanager
+    def spy(device):
+        state["inside"] += 1
+        try:
+            yield
+        finally:
+            state["inside"] -= 1
+
+    monkeypatch.setattr(bench, "decoding_attention", spy)
+    monkeypatch.setattr("medusa_infer.model.decoding_attention", spy)
+
+    def hook(module, args):
+        state["attention"] += 1
+        state["outside"] += state["inside"] == 0
+
+    handles = [m.register_forward_pre_hook(hook) for name, m in model.base_model.named_modules()
+               if name.endswith("self_attn")]
+    try:
+        report = benchmark(model, QUESTIONS[:2], args(methods=["hf", "hf-lookup"]))
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert report["methods"]["hf"]["tokens_per_s"] > 0
+    assert state["attention"] > 0 and state["outside"] == 0
+
+
+def test_exact_counts_identical_turns_per_method_and_category(model, monkeypatch):
+    """A method whose answers differ from ar's in one category: exact is False for the method and
+    that category only, and the report counts the turns that stayed identical."""
+    import dataclasses
+
+    def differ_on_qa(self, method, conversations):
+        turns = RUN_BATCH(self, method, conversations)
+        if method != "medusa":
+            return turns
+        qa = {q["turns"][0] for q in QUESTIONS if q["category"] == "qa"}
+        return [dataclasses.replace(t, tokens=t.tokens + [3]) if c[0]["content"] in qa else t
+                for c, t in zip(conversations, turns)]
+
+    monkeypatch.setattr(bench.Runner, "run_batch", differ_on_qa)
+    report = benchmark(model, QUESTIONS, args(methods=["hf", "ar", "medusa"]))
+    medusa = report["methods"]["medusa"]
+    assert (medusa["exact"], medusa["identical_turns"], medusa["turns"]) == (False, 4, 6)
+    assert report["methods"]["hf"]["exact"] is True and report["methods"]["ar"]["exact"] is True
+    assert report["categories"]["qa"]["medusa"]["exact"] is False
+    assert report["categories"]["qa"]["medusa"]["identical_turns"] == 0
+    assert report["categories"]["writing"]["medusa"]["exact"] is True
+    assert "| NO (4/6 turns) |" in report_markdown(report)
+    report["settings"]["dtype"] = "bfloat16"
+    assert "greedy outputs can part where two tokens nearly tie" in report_markdown(report)
