@@ -165,6 +165,10 @@ def accept_greedy(logits: torch.Tensor, tokens: torch.Tensor, buffers: TreeBuffe
     the first leaf in ``buffers.retrieve_indices``; the result is deterministic.
     """
     _check_inputs(logits, tokens, buffers)
+    if buffers.num_nodes == 1:  # a plain decoding step: no path to choose
+        next_token = logits[:, 0].argmax(-1)
+        none = torch.zeros(len(next_token), dtype=torch.long, device=next_token.device)
+        return Acceptance(none, none[:, None].clone(), next_token)
     prediction = logits.argmax(-1)  # [batch, n]
     accepted = tokens == prediction[:, buffers.parents.clamp(min=0)]
     accept_length, path_nodes, last_node = _select_path(accepted, buffers)

@@ -6,20 +6,26 @@ versions try cuDNN's first, and cuDNN builds an execution plan for each new shap
 Decoding meets a new shape at nearly every step (the key length grows by the tokens accepted),
 so until a process has seen every length it pays for plans, not for attention. Measured on an
 H200 (PyTorch 2.11 with CUDA 13.0, bfloat16, SmolLM2-135M, batch 1, 64 new tokens of one
-Spec-Bench prompt; ``scripts/gpu_sdpa_probe.py``, log in ``docs/gpu/``): our loop took 108.5 ms a
-token on the first pass and 21.7 ms once warm with cuDNN allowed, 28.4 ms and 20.2 ms without it;
-Hugging Face ``generate`` 58.6 ms on its first pass (after ours had warmed part of the shapes).
-A benchmark run with cuDNN allowed measured 16 tokens/s for ``generate`` where one without it
-measured 56.
+Spec-Bench prompt; the log is ``docs/gpu/sdpa_probe.log``, ``scripts/gpu_sdpa_probe.py`` measures
+the same): with cuDNN allowed, our loop took 108.5 ms a token on a process's first pass and 21.7
+ms on the second; with cuDNN attention off, 28.4 ms on the first and 20.2 and 23.1 ms on the next
+two. In the first benchmark run on that GPU, Hugging Face ``generate`` decoded 16 to 24 tokens/s
+over its first two questions (``docs/gpu/first-run/gpu_bench.log``); a later run with cuDNN
+attention off, on other settings, measured 56 (``docs/gpu/batch1/``).
 
 ``decoding_attention(device)`` is the one place that choice is made: a context manager that, on
 a CUDA device and for inference (no gradients), allows FlashAttention, memory-efficient attention
 and the math kernel, and not cuDNN's. ``MedusaModel.forward`` runs the base decoder inside it, so
-every decoding method, draft model and cost measurement of this package uses the same kernels,
-and ``medusa-bench`` runs Hugging Face ``generate`` inside it too, so that its baseline is timed
-on the same kernels as ours. Training (gradients on) and CPU forwards are left to PyTorch's
-choice. The restriction is set and undone around each forward, so nothing outside a forward
-sees it.
+every decoding method, draft model and cost measurement of this package uses the same kernels;
+``medusa-bench`` runs Hugging Face ``generate`` inside it too, so that its baseline is timed on
+the same kernels as ours, and so does self-distillation (``medusa_train.distill``). Training
+(gradients on) and CPU forwards are left to PyTorch's choice.
+
+PyTorch's switches are process-wide, not per thread. The restriction is set and undone around
+each forward, so nothing outside a forward sees it, as long as forwards do not run in several
+threads at once (the server runs every forward on its one engine thread). Were they to overlap,
+cuDNN attention could stay off after both: a matter of speed (and of bfloat16 rounding), not of
+correctness.
 """
 
 from __future__ import annotations

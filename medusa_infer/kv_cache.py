@@ -161,8 +161,10 @@ class KVState:
         slots are dropped without a second forward.
         """
         start = self.num_slots - num_new
-        index = keep.clamp(min=0)
         slots = torch.arange(keep.shape[1], device=keep.device)
+        if keep.shape[1] == num_new and bool((keep == slots).all()):
+            return  # every new slot kept where it is (a plain step, a fully accepted chain)
+        index = keep.clamp(min=0)
         # Plain decoding, chains and most tree steps keep a prefix of the new slots (holes aside, whose
         # contents no query sees): then a view of the cache does, without copying the whole cache.
         prefix = bool(((keep == slots) | (keep < 0)).all())
@@ -225,25 +227,44 @@ class GrowingLayer(DynamicLayer):
     buffer (``KVState`` gathered, selected or merged rows into a fresh tensor), the next update
     copies it into a new buffer, so every other operation on the cache stays as it is. Cutting
     ``keys`` to a shorter leading view (dropping rejected tree slots) keeps the buffer: the next
-    update overwrites the dropped slots, which nothing reads any more.
+    update overwrites the dropped slots, which nothing reads any more. While ``keys`` and
+    ``values`` are still the very views the last update returned (a run of plain steps), an update
+    checks only the room left and the new slots' shape: on a GPU, where a small model's forward
+    costs its Python and kernel launches, every check shows in the time per token
+    (``scripts/bench_loop_overhead.py`` measures the loop's overhead).
     """
 
     def __init__(self) -> None:
         super().__init__()
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._handed_out: tuple[torch.Tensor, torch.Tensor] | None = None  # the views update returned last
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         key_buffer, value_buffer = self._buffers or (None, None)
+        handed_out = self._handed_out
+        if handed_out is not None and self.keys is handed_out[0] and self.values is handed_out[1]:
+            # nothing replaced the views since the last update (a plain step): they are leading
+            # views of the buffers, so only the room and the new slots' shape need checking
+            length = self.keys.shape[-2]
+            needed = length + key_states.shape[-2]
+            if needed <= key_buffer.shape[-2] and key_states.shape[:2] == key_buffer.shape[:2]:
+                key_buffer.narrow(2, length, key_states.shape[-2]).copy_(key_states)
+                value_buffer.narrow(2, length, value_states.shape[-2]).copy_(value_states)
+                self.keys, self.values = key_buffer.narrow(2, 0, needed), value_buffer.narrow(2, 0, needed)
+                self._handed_out = (self.keys, self.values)
+                return self.keys, self.values
         self.keys, key_buffer = _append_slots(self.keys, key_buffer, key_states)
         self.values, value_buffer = _append_slots(self.values, value_buffer, value_states)
         self._buffers = (key_buffer, value_buffer)
+        self._handed_out = (self.keys, self.values)
         return self.keys, self.values
 
     def reset(self) -> None:
         self._buffers = None
+        self._handed_out = None
         super().reset()
 
 

@@ -476,8 +476,9 @@ def report_markdown(report: dict[str, Any]) -> str:
         reference = _reference(list(report["methods"]))
         lines += ["", f"exact: identical to {reference}, turn by turn. In {s['dtype']} a forward of "
                   "several tokens rounds differently from one of a single token (and a padded batch from one row), "
-                  "so greedy outputs can part where two tokens nearly tie; tests/test_cuda.py checks, with tiny models "
-                  "on a GPU, that they part only there. In float32 they are identical."]
+                  "so greedy outputs can part where two tokens nearly tie, and the later turns of that conversation "
+                  "then differ too; tests/test_cuda.py checks, with tiny models on a GPU, that they part only at "
+                  "near-ties. In float32 they are identical."]
     methods = list(report["methods"])
     lines += ["", "## Speedup vs hf by category (tau in brackets)", "",
               "| category | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]

@@ -48,6 +48,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
+from medusa_infer.attention_kernels import decoding_attention
 from medusa_infer.decoding import left_pad
 from medusa_infer.kv_cache import cache_keyword, growing_cache_for
 from medusa_train.dataset import encode_rendered, has_chat_template, render_prompt, row_messages
@@ -550,7 +551,8 @@ def generate_batch(
     # appends in place where DynamicCache copies the whole cache every step (same tokens)
     cache = growing_cache_for(model)
     cache_argument = {} if cache is None else {cache_keyword(model): cache}
-    with torch.inference_mode():
+    # decoding's attention kernels on a GPU (attention_kernels: no per-length cuDNN plans)
+    with torch.inference_mode(), decoding_attention(device):
         output = model.generate(
             input_ids=input_ids.to(device),
             attention_mask=attention_mask.to(device),

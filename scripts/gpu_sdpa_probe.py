@@ -9,8 +9,10 @@ Spec-Bench prompt (the base model in bfloat16) three ways: our loop with plain d
 our loop with the heads' tree (``medusa``), and Hugging Face ``generate`` (``hf``); it prints
 milliseconds per new token. ``allow`` lifts medusa-forge's own restriction too
 (``medusa_infer.attention_kernels``), so it shows what the restriction avoids; ``off`` switches
-cuDNN attention off for the whole process, ``generate`` included. The figures in
-``medusa_infer/attention_kernels.py`` and ``docs/gpu/README.md`` come from these two modes.
+cuDNN attention off for the whole process, ``generate`` included. The log in
+``docs/gpu/sdpa_probe.log`` (cited by ``medusa_infer/attention_kernels.py`` and the README's "On a
+GPU") came from an earlier form of this script with the same measurement and no ``round`` labels;
+this form has not run on a GPU yet.
 """
 
 from __future__ import annotations

@@ -556,3 +556,15 @@ def test_rules_on_root_only_tree_just_pick_the_next_token():
     assert accept_greedy(logits, tokens, buffers).next_token.tolist() == [1, 0]
     sampled = accept_lossless(100 * logits, tokens, buffers, 1.0, generator=gen).next_token
     assert sampled.tolist() == [1, 0]
+
+
+def test_greedy_plain_step_keeps_the_root_and_takes_the_argmax():
+    """A root-only tree (a plain decoding step) takes a shortcut; its result has the shapes and
+    values of every other greedy acceptance."""
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 1, 11, generator=gen)
+    result = accept_greedy(logits, torch.zeros(3, 1, dtype=torch.long), root_only_tree())
+    assert result.accept_length.tolist() == [0, 0, 0]
+    assert result.path_nodes.tolist() == [[0], [0], [0]]
+    assert torch.equal(result.next_token, logits[:, 0].argmax(-1))
+    assert result.accept_length.dtype == result.path_nodes.dtype == result.next_token.dtype == torch.long

@@ -49,6 +49,7 @@ def test_every_decoding_forward_runs_inside_the_choice(monkeypatch):
 
     @contextlib.contextmanager
     def spy(device):
+        assert torch.device(device).type == "cpu"  # the device of the forward's inputs
         depth["now"] += 1
         depth["calls"] += 1
         try:

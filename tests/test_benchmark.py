@@ -306,6 +306,7 @@ def test_hugging_face_generate_runs_on_our_decoding_attention_kernels(model, mon
 
     @contextlib.contextmanager
     def spy(device):
+        assert torch.device(device) == model.device
         state["inside"] += 1
         try:
             yield
@@ -344,13 +345,15 @@ def test_exact_counts_identical_turns_per_method_and_category(model, monkeypatch
                 for c, t in zip(conversations, turns)]
 
     monkeypatch.setattr(bench.Runner, "run_batch", differ_on_qa)
-    report = benchmark(model, QUESTIONS, args(methods=["hf", "ar", "medusa"]))
-    medusa = report["methods"]["medusa"]
-    assert (medusa["exact"], medusa["identical_turns"], medusa["turns"]) == (False, 4, 6)
-    assert report["methods"]["hf"]["exact"] is True and report["methods"]["ar"]["exact"] is True
-    assert report["categories"]["qa"]["medusa"]["exact"] is False
-    assert report["categories"]["qa"]["medusa"]["identical_turns"] == 0
-    assert report["categories"]["writing"]["medusa"]["exact"] is True
-    assert "| NO (4/6 turns) |" in report_markdown(report)
+    for batch_size in (1, 3):  # batches of 3 mix the categories within one batch
+        report = benchmark(model, QUESTIONS, args(methods=["hf", "ar", "medusa"], batch_size=batch_size))
+        medusa = report["methods"]["medusa"]
+        assert (medusa["exact"], medusa["identical_turns"], medusa["turns"]) == (False, 4, 6), batch_size
+        assert report["methods"]["hf"]["exact"] is True and report["methods"]["ar"]["exact"] is True
+        assert report["categories"]["qa"]["medusa"]["exact"] is False
+        assert report["categories"]["qa"]["medusa"]["identical_turns"] == 0
+        for category in ("writing", "math"):
+            assert report["categories"][category]["medusa"]["exact"] is True, (batch_size, category)
+        assert "| NO (4/6 turns) |" in report_markdown(report)
     report["settings"]["dtype"] = "bfloat16"
     assert "greedy outputs can part where two tokens nearly tie" in report_markdown(report)

@@ -16,6 +16,7 @@ import torch
 from scipy.stats import chi2
 
 from medusa_infer.acceptance import warp_logits
+from medusa_infer.attention_kernels import decoding_attention
 from medusa_infer.decoding import generate
 from medusa_infer.model import MedusaModel
 from medusa_infer.proposers.draft import DraftProposer
@@ -39,10 +40,12 @@ def cuda_medusa(arch: str, attn: str = "sdpa", dtype: torch.dtype = torch.float3
 
 
 def hf_greedy(model: MedusaModel, prompt: torch.Tensor, max_new_tokens: int) -> list[int]:
-    """Hugging Face greedy decoding of one unpadded prompt, on the model's device."""
+    """Hugging Face greedy decoding of one unpadded prompt, on the model's device and on the
+    attention kernels our loop uses (so that bfloat16 comparisons compare like with like)."""
     ids = prompt[None].to(model.device)
-    out = model.base_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                    do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad(), decoding_attention(model.device):
+        out = model.base_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                        do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 

@@ -498,3 +498,43 @@ def test_chat_template_flag_takes_a_file_or_the_template(tmp_path, prompts_file)
         args = parser.parse_args(["--prompts", str(prompts_file), "--chat-template", given])
         assert config_from_args(args).chat_template == VICUNA_LIKE
     assert config_from_args(parser.parse_args(["--prompts", str(prompts_file)])).chat_template is None
+
+
+def test_answers_are_generated_on_decodings_attention_kernels(tmp_path, model_dir, prompts_file, monkeypatch):
+    """Self-distillation is the largest decoding job: every attention call of its ``generate``
+    runs inside ``attention_kernels.decoding_attention`` (no per-length cuDNN plans on a GPU)."""
+    import contextlib
+
+    state = {"inside": 0, "devices": [], "attention": 0, "outside": 0}
+
+    @contextlib.contextmanager
+    def spy(device):
+        state["inside"] += 1
+        state["devices"].append(torch.device(device).type)
+        try:
+            yield
+        finally:
+            state["inside"] -= 1
+
+    import medusa_infer.models
+
+    real_load = medusa_infer.models.load_base_model
+
+    def load_and_watch(*args, **kwargs):
+        model = real_load(*args, **kwargs)
+
+        def hook(module, inputs):
+            state["attention"] += 1
+            state["outside"] += state["inside"] == 0
+
+        for name, module in model.named_modules():
+            if name.endswith("self_attn"):
+                module.register_forward_pre_hook(hook)
+        return model
+
+    monkeypatch.setattr(distill_module, "decoding_attention", spy)
+    monkeypatch.setattr(medusa_infer.models, "load_base_model", load_and_watch)
+    distill(make_config(model_dir, prompts_file, tmp_path / "rows.jsonl", n=4))
+    assert len(read_rows(tmp_path / "rows.jsonl")) == 4
+    assert state["attention"] > 0 and state["outside"] == 0
+    assert set(state["devices"]) == {"cpu"}

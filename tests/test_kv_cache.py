@@ -124,3 +124,20 @@ def test_transformers_generate_gives_the_same_tokens_with_a_growing_cache(arch):
         grown = model.generate(input_ids=ids, attention_mask=mask, generation_config=settings,
                                **{cache_keyword(model): GrowingCache()})
     assert torch.equal(plain, grown)
+
+
+@pytest.mark.parametrize("cls", [GrowingCache, DynamicCache])
+def test_keeping_every_new_slot_in_place_changes_nothing_and_a_hole_still_counts(cls):
+    generator = torch.Generator().manual_seed(3)
+    kv = KVState(cls(), torch.zeros(2, 0, dtype=torch.bool), torch.zeros(2, 0, dtype=torch.long), LAYOUT)
+    _append(kv, 5, generator)
+    _append(kv, 3, generator)
+    before = ([layer.keys.clone() for layer in kv.cache.layers], kv.valid.clone(), kv.positions.clone())
+    kv.keep_new(3, torch.arange(3).expand(2, -1))  # a fully accepted chain
+    assert kv.num_slots == 8
+    assert all(torch.equal(layer.keys, keys) for layer, keys in zip(kv.cache.layers, before[0]))
+    assert torch.equal(kv.valid, before[1]) and torch.equal(kv.positions, before[2])
+    _append(kv, 2, generator)
+    kv.keep_new(2, torch.tensor([[0, 1], [0, -1]]))  # row 1 keeps its first new slot only
+    assert kv.num_slots == 10
+    assert kv.valid[:, -2:].tolist() == [[True, True], [True, False]]
