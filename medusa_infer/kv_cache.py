@@ -165,18 +165,19 @@ class KVState:
         if keep.shape[1] == num_new and bool((keep == slots).all()):
             return  # every new slot kept where it is (a plain step, a fully accepted chain)
         index = keep.clamp(min=0)
-        # Plain decoding, chains and most tree steps keep a prefix of the new slots (holes aside, whose
-        # contents no query sees): then a view of the cache does, without copying the whole cache.
+        # The kept slots move to the front of the new ones, in place (the gather copies them out
+        # first), and a leading view then drops the rest: no step copies the whole cache. Where
+        # they are already in front (holes aside, whose contents no query sees), nothing moves.
         prefix = bool(((keep == slots) | (keep < 0)).all())
+        end = start + keep.shape[1]
         for layer in _layers(self.cache):
             for name in ("keys", "values"):
                 tensor = getattr(layer, name)
-                if prefix:
-                    setattr(layer, name, tensor[:, :, : start + keep.shape[1]])
-                    continue
-                new = tensor[:, :, start:]
-                gather = index[:, None, :, None].expand(-1, new.shape[1], -1, new.shape[3])
-                setattr(layer, name, torch.cat([tensor[:, :, :start], new.gather(2, gather)], dim=2))
+                if not prefix:
+                    new = tensor[:, :, start:]
+                    gather = index[:, None, :, None].expand(-1, new.shape[1], -1, new.shape[3])
+                    tensor[:, :, start:end] = new.gather(2, gather)
+                setattr(layer, name, tensor[:, :, :end])
         self.valid = torch.cat([self.valid[:, :start], self.valid[:, start:].gather(1, index) & (keep >= 0)], dim=1)
         self.positions = torch.cat([self.positions[:, :start], self.positions[:, start:].gather(1, index)], dim=1)
 
@@ -224,7 +225,7 @@ class GrowingLayer(DynamicLayer):
     README, KV cache). This layer keeps its keys and
     values in buffers with room to spare and exposes ``keys`` / ``values`` as leading views of them;
     an update writes the new slots in place. Whenever ``keys`` is no longer a leading view of the
-    buffer (``KVState`` gathered, selected or merged rows into a fresh tensor), the next update
+    buffer (``KVState`` selected or merged rows into a fresh tensor), the next update
     copies it into a new buffer, so every other operation on the cache stays as it is. Cutting
     ``keys`` to a shorter leading view (dropping rejected tree slots) keeps the buffer: the next
     update overwrites the dropped slots, which nothing reads any more. While ``keys`` and

@@ -141,3 +141,19 @@ def test_keeping_every_new_slot_in_place_changes_nothing_and_a_hole_still_counts
     kv.keep_new(2, torch.tensor([[0, 1], [0, -1]]))  # row 1 keeps its first new slot only
     assert kv.num_slots == 10
     assert kv.valid[:, -2:].tolist() == [[True, True], [True, False]]
+
+
+def test_a_path_that_does_not_lead_moves_in_place_without_copying_the_cache():
+    generator = torch.Generator().manual_seed(4)
+    kv = KVState(GrowingCache(), torch.zeros(2, 0, dtype=torch.bool), torch.zeros(2, 0, dtype=torch.long), LAYOUT)
+    _append(kv, 6, generator)
+    _append(kv, 4, generator)  # a tree of 4 nodes
+    layer = kv.cache.layers[0]
+    storage, tree_slots = layer.keys.data_ptr(), layer.keys[:, :, 6:].clone()
+    kv.keep_new(4, torch.tensor([[0, 2, 3], [0, 1, -1]]))  # row 0 kept nodes 0, 2, 3; row 1 nodes 0, 1
+    assert layer.keys.data_ptr() == storage and kv.num_slots == 9
+    assert torch.equal(layer.keys[0, :, 6:], tree_slots[0][:, [0, 2, 3]])
+    assert torch.equal(layer.keys[1, :, 6:8], tree_slots[1][:, [0, 1]])
+    assert kv.valid[:, 6:].tolist() == [[True, True, True], [True, True, False]]
+    _append(kv, 1, generator)  # the next step appends into the same buffer
+    assert layer.keys.data_ptr() == storage and kv.num_slots == 10
