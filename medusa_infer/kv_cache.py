@@ -251,7 +251,7 @@ class GrowingLayer(DynamicLayer):
             # views of the buffers, so only the room and the new slots' shape need checking
             length = self.keys.shape[-2]
             needed = length + key_states.shape[-2]
-            if needed <= key_buffer.shape[-2] and key_states.shape[:2] == key_buffer.shape[:2]:
+            if needed <= key_buffer.shape[-2] and _fits(key_buffer, key_states) and _fits(value_buffer, value_states):
                 key_buffer.narrow(2, length, key_states.shape[-2]).copy_(key_states)
                 value_buffer.narrow(2, length, value_states.shape[-2]).copy_(value_states)
                 self.keys, self.values = key_buffer.narrow(2, 0, needed), value_buffer.narrow(2, 0, needed)
@@ -312,7 +312,7 @@ def _append_slots(current: torch.Tensor, buffer: torch.Tensor | None, new: torch
     in_place = (
         buffer is not None and current.dim() == 4 and current.data_ptr() == buffer.data_ptr()
         and current.stride() == buffer.stride() and current.shape[:2] == buffer.shape[:2]
-        and current.shape[-1] == buffer.shape[-1] and needed <= buffer.shape[-2]
+        and current.shape[-1] == buffer.shape[-1] and needed <= buffer.shape[-2] and _fits(buffer, new)
     )
     if not in_place:
         if length and (current.shape[:2] != new.shape[:2] or current.shape[-1] != new.shape[-1]
@@ -324,6 +324,13 @@ def _append_slots(current: torch.Tensor, buffer: torch.Tensor | None, new: torch
             buffer[:, :, :length].copy_(current)
     buffer[:, :, length:needed].copy_(new)
     return buffer[:, :, :needed], buffer
+
+
+def _fits(buffer: torch.Tensor, new: torch.Tensor) -> bool:
+    """Whether ``new`` slots can be written into ``buffer`` as they are: same rows, heads, head
+    size, dtype and device (``copy_`` would otherwise broadcast or cast them without a word)."""
+    return (new.shape[:2] == buffer.shape[:2] and new.shape[-1] == buffer.shape[-1]
+            and new.dtype == buffer.dtype and new.device == buffer.device)
 
 
 def _pad_slots(tensor: torch.Tensor, width: int) -> torch.Tensor:

@@ -143,17 +143,58 @@ def test_keeping_every_new_slot_in_place_changes_nothing_and_a_hole_still_counts
     assert kv.valid[:, -2:].tolist() == [[True, True], [True, False]]
 
 
-def test_a_path_that_does_not_lead_moves_in_place_without_copying_the_cache():
+@pytest.mark.parametrize("cls", [GrowingCache, DynamicCache])
+def test_a_path_that_does_not_lead_moves_to_the_front_of_the_new_slots(cls):
     generator = torch.Generator().manual_seed(4)
-    kv = KVState(GrowingCache(), torch.zeros(2, 0, dtype=torch.bool), torch.zeros(2, 0, dtype=torch.long), LAYOUT)
+    kv = KVState(cls(), torch.zeros(2, 0, dtype=torch.bool), torch.zeros(2, 0, dtype=torch.long), LAYOUT)
     _append(kv, 6, generator)
     _append(kv, 4, generator)  # a tree of 4 nodes
     layer = kv.cache.layers[0]
-    storage, tree_slots = layer.keys.data_ptr(), layer.keys[:, :, 6:].clone()
+    storage = layer.keys.data_ptr()
+    tree_keys, tree_values = layer.keys[:, :, 6:].clone(), layer.values[:, :, 6:].clone()
     kv.keep_new(4, torch.tensor([[0, 2, 3], [0, 1, -1]]))  # row 0 kept nodes 0, 2, 3; row 1 nodes 0, 1
-    assert layer.keys.data_ptr() == storage and kv.num_slots == 9
-    assert torch.equal(layer.keys[0, :, 6:], tree_slots[0][:, [0, 2, 3]])
-    assert torch.equal(layer.keys[1, :, 6:8], tree_slots[1][:, [0, 1]])
+    assert kv.num_slots == 9 and layer.keys.shape[2] == layer.values.shape[2] == 9
+    for tensor, tree in ((layer.keys, tree_keys), (layer.values, tree_values)):
+        assert torch.equal(tensor[0, :, 6:], tree[0][:, [0, 2, 3]])
+        assert torch.equal(tensor[1, :, 6:8], tree[1][:, [0, 1]])
     assert kv.valid[:, 6:].tolist() == [[True, True, True], [True, True, False]]
-    _append(kv, 1, generator)  # the next step appends into the same buffer
-    assert layer.keys.data_ptr() == storage and kv.num_slots == 10
+    _append(kv, 1, generator)
+    assert kv.num_slots == 10
+    if cls is GrowingCache:  # moved within the buffer, and the next step appends into it too
+        assert layer.keys.data_ptr() == storage
+
+
+def test_keeping_a_leading_part_of_the_new_slots_drops_the_rest():
+    generator = torch.Generator().manual_seed(5)
+    kv = KVState(GrowingCache(), torch.zeros(2, 0, dtype=torch.bool), torch.zeros(2, 0, dtype=torch.long), LAYOUT)
+    _append(kv, 4, generator)
+    _append(kv, 3, generator)
+    kept = kv.cache.layers[0].keys[:, :, :6].clone()
+    kv.keep_new(3, torch.arange(2).expand(2, -1))  # every row keeps the first two of three new slots
+    assert kv.num_slots == 6 and kv.cache.layers[0].keys.shape[2] == 6
+    assert torch.equal(kv.cache.layers[0].keys, kept) and kv.valid.shape == (2, 6)
+
+
+def test_plain_steps_append_without_the_full_checks(monkeypatch):
+    """A run of one-slot updates whose views nothing replaced takes the short path: only the
+    first update, which makes the buffer, goes through ``_append_slots``."""
+    from medusa_infer import kv_cache
+
+    calls = []
+    real = kv_cache._append_slots
+    monkeypatch.setattr(kv_cache, "_append_slots", lambda *args: calls.append(1) or real(*args))
+    cache = GrowingCache()
+    cache.update(torch.zeros(1, 2, 10, 4), torch.zeros(1, 2, 10, 4), 0)
+    for step in range(5):
+        keys, values = cache.update(torch.full((1, 2, 1, 4), float(step)), torch.ones(1, 2, 1, 4), 0)
+    assert len(calls) == 2  # keys and values of the first update
+    assert torch.equal(keys[0, 0, 10:, 0], torch.arange(5.0)) and keys.shape[2] == values.shape[2] == 15
+
+
+@pytest.mark.parametrize("new", [torch.zeros(2, 2, 1, 4), torch.zeros(1, 2, 1, 1), torch.zeros(1, 2, 1, 4).double()])
+def test_slots_that_do_not_fit_the_buffer_are_refused_not_broadcast_or_cast(new):
+    cache = GrowingCache()
+    cache.update(torch.zeros(1, 2, 10, 4), torch.zeros(1, 2, 10, 4), 0)
+    cache.update(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), 0)  # the short path is armed
+    with pytest.raises(ValueError, match="cannot append slots of shape"):
+        cache.update(new, new, 0)
