@@ -17,7 +17,7 @@ from scipy.stats import chi2
 
 from medusa_infer.acceptance import warp_logits
 from medusa_infer.attention_kernels import decoding_attention
-from medusa_infer.decoding import generate
+from medusa_infer.decoding import generate, left_pad
 from medusa_infer.model import MedusaModel
 from medusa_infer.proposers.draft import DraftProposer
 from medusa_infer.proposers.lookup import LookupProposer
@@ -50,13 +50,7 @@ def hf_greedy(model: MedusaModel, prompt: torch.Tensor, max_new_tokens: int) -> 
 
 
 def padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = p
-        mask[row, width - len(p):] = 1
-    return ids, mask
+    return left_pad([p.tolist() for p in prompts], pad_token_id=0)
 
 
 def prompts_of(lengths: tuple[int, ...], seed: int = 0) -> list[torch.Tensor]:
