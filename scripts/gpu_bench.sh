@@ -4,8 +4,8 @@
 #
 #     bash scripts/gpu_bench.sh [HEADS_DIR] [OUT_DIR]      # defaults: runs/demo/heads runs/gpu_bench
 #
-# Stages, each under its own `timeout` (about 8.5 minutes in all with the defaults; the timeouts add
-# up to 12.7):
+# Stages, each under its own `timeout` (about 9.5 minutes in all with the defaults; the timeouts
+# add up to 14.6):
 #   1. nvidia-smi, Python, torch and transformers versions; stop unless torch sees a CUDA device.
 #      Then the GPU tests, tests/test_cuda.py (tiny models, no download; 31 s on an H200, 38 s with
 #      Python's start-up).
@@ -17,7 +17,11 @@
 #      calibration.json).
 #   4. Batch 8 with hf,ar,medusa,lookup,medusa-lookup on the same questions -> OUT_DIR/batch8/
 #      (hf-lookup cannot run batched). Skipped if stage 3 left no calibration.
-#   5. Print both report.md. The exit status is 1 if a stage failed or timed out.
+#   5. Exactness in float32: ar,medusa,medusa-lookup at batch 1 on F32_LIMIT questions ->
+#      OUT_DIR/float32/. In bfloat16 greedy outputs can part from plain decoding where two tokens
+#      nearly tie (a forward of several tokens rounds differently from one of one); in float32
+#      its `exact` column says whether every turn is identical on this GPU too.
+#   6. Print the reports. The exit status is 1 if a stage failed or timed out.
 #
 # Nothing here needs the internet (the GPU machine has none; HF_HUB_OFFLINE and PIP_NO_INDEX are
 # set so nothing tries). The base model comes one of three ways:
@@ -38,8 +42,8 @@
 #   starts no new question; it then writes its report on the questions answered (taken round robin
 #   across categories; report.md says how many), so a slow GPU still leaves both reports,
 #   SLACK_S (45: the question group under way when the budget ends; each stage's `timeout` is its
-#   budget plus this), CALIBRATE_QUESTIONS (16), BATCH (8), B1_METHODS, B8_METHODS, TESTS (1; 0
-#   skips the GPU tests), QUESTIONS (data/specbench.jsonl), PYTHON (.venv/bin/python when present,
+#   budget plus this), CALIBRATE_QUESTIONS (16), BATCH (8), B1_METHODS, B8_METHODS, F32_LIMIT (6
+#   questions; 0 skips stage 5) and F32_BUDGET_S (60), TESTS (1; 0 skips the GPU tests), QUESTIONS (data/specbench.jsonl), PYTHON (.venv/bin/python when present,
 #   else python3).
 #   DEVICE=cpu DTYPE=float32 (defaults cuda, bfloat16) is a dry run of the plumbing on a machine
 #   without a GPU, with tiny settings: `DEVICE=cpu DTYPE=float32 LIMIT=3 TOKENS=8 BATCH=2 ...`
@@ -58,6 +62,8 @@ SLACK_S=${SLACK_S:-45}
 B1_METHODS=${B1_METHODS:-hf,hf-lookup,ar,medusa,lookup,medusa-lookup}
 B8_METHODS=${B8_METHODS:-hf,ar,medusa,lookup,medusa-lookup}
 TESTS=${TESTS:-1}
+F32_LIMIT=${F32_LIMIT:-6}
+F32_BUDGET_S=${F32_BUDGET_S:-60}
 QUESTIONS=${QUESTIONS:-data/specbench.jsonl}
 DEVICE=${DEVICE:-cuda}
 DTYPE=${DTYPE:-bfloat16}
@@ -159,7 +165,15 @@ else
     failed+=("batch $BATCH (skipped: no calibration)")
 fi
 
-say "5. reports"
+say "5. float32 exactness on $F32_LIMIT questions: ar,medusa,medusa-lookup"
+rm -rf "$OUT_DIR/float32"
+if ((F32_LIMIT > 0)); then
+    run_stage "float32 exactness" $((F32_BUDGET_S + SLACK_S)) "$OUT_DIR/float32.log" \
+        "$PYTHON" -m medusa_train.benchmark "${COMMON[@]}" --dtype float32 --limit "$F32_LIMIT" \
+        --methods ar,medusa,medusa-lookup --batch-size 1 --time-budget "$F32_BUDGET_S" --output "$OUT_DIR/float32"
+fi
+
+say "6. reports"
 if [[ -f $CALIBRATION ]]; then
     "$PYTHON" - "$CALIBRATION" <<'EOF'
 import json
@@ -170,12 +184,12 @@ print(f"calibrated here: tree of {r['tree_nodes']} nodes, expected tau {r['expec
       f"expected speedup {r['expected_speedup']:.2f}x")
 EOF
 fi
-for run in batch1 "batch$BATCH"; do
+for run in batch1 "batch$BATCH" float32; do
     echo
     if [[ -f $OUT_DIR/$run/report.md ]]; then cat "$OUT_DIR/$run/report.md"; else echo "($OUT_DIR/$run/report.md missing)"; fi
 done
 echo
-echo "reports: $OUT_DIR/batch1/ and $OUT_DIR/batch$BATCH/ (report.json, report.md, report.png); logs: $OUT_DIR/*.log; ${SECONDS}s in all"
+echo "reports: $OUT_DIR/batch1/, $OUT_DIR/batch$BATCH/ and $OUT_DIR/float32/ (report.json, report.md, report.png); logs: $OUT_DIR/*.log; ${SECONDS}s in all"
 if ((${#failed[@]})); then
     printf 'gpu_bench: failed: %s\n' "${failed[@]}" >&2
     exit 1
