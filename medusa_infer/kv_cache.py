@@ -161,14 +161,14 @@ class KVState:
         slots are dropped without a second forward.
         """
         start = self.num_slots - num_new
-        slots = torch.arange(keep.shape[1], device=keep.device)
-        if keep.shape[1] == num_new and bool((keep == slots).all()):
+        in_front = keep == torch.arange(keep.shape[1], device=keep.device)
+        if keep.shape[1] == num_new and bool(in_front.all()):
             return  # every new slot kept where it is (a plain step, a fully accepted chain)
         index = keep.clamp(min=0)
         # The kept slots move to the front of the new ones, in place (the gather copies them out
         # first), and a leading view then drops the rest: no step copies the whole cache. Where
         # they are already in front (holes aside, whose contents no query sees), nothing moves.
-        prefix = bool(((keep == slots) | (keep < 0)).all())
+        prefix = bool((in_front | (keep < 0)).all())
         end = start + keep.shape[1]
         for layer in _layers(self.cache):
             for name in ("keys", "values"):
