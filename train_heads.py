@@ -137,14 +137,15 @@ def stage_features(config: TrainConfig, accelerator: Any, train: list[dict], hel
     root = features_root(config)
     info = model_fingerprint(config.model.name)
     splits = {"train": train, "heldout": heldout}
-    folders = {name: root / cache_key(info, examples_hash(ex), f.topk, f.dtype) for name, ex in splits.items()}
+    topk = config.soft_label_topk
+    folders = {name: root / cache_key(info, examples_hash(ex), topk, f.dtype) for name, ex in splits.items()}
     if all((folder / MANIFEST).is_file() for folder in folders.values()):
         say(accelerator, f"features: reusing {', '.join(str(p) for p in folders.values())}")
     else:
         model = MedusaModel.from_base(load_base(config, accelerator), num_heads=1)
         for name, examples in splits.items():
             say(accelerator, f"features: {name} split, {len(examples)} examples -> {folders[name]}")
-            build_feature_cache(model, examples, root, info, topk=f.topk, batch_size=f.batch_size,
+            build_feature_cache(model, examples, root, info, topk=topk, batch_size=f.batch_size,
                                 shard_examples=f.shard_examples, dtype=f.dtype, rank=accelerator.process_index,
                                 world_size=accelerator.num_processes, barrier=accelerator.wait_for_everyone,
                                 progress=config.log.progress and accelerator.is_main_process)
@@ -184,7 +185,7 @@ def stage_train(config: TrainConfig, accelerator: Any, train: list[dict], folder
     paths = run_paths(config)
     t, h = config.training, config.heads
     kl = t.loss == "kl"
-    topk = config.features.topk if kl else 0
+    topk = config.soft_label_topk
     from accelerate.utils import set_seed
 
     set_seed(t.seed)
@@ -342,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     say(accelerator, f"data: {len(train)} train and {len(heldout)} held-out examples ({timings['data']} s)")
 
     folders = None
-    if config.uses_feature_cache:
+    finished = (paths.final / "config.json").is_file() and (paths.heads / "config.json").is_file()
+    if config.uses_feature_cache and not finished:  # only training and evaluation read the features
         started = time.perf_counter()
         folders = stage_features(config, accelerator, train, heldout)
         timings["features"] = round(time.perf_counter() - started, 1)

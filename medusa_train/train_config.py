@@ -119,7 +119,9 @@ class FeaturesSection:
         dir: where caches live (``<dir>/<key>/``, key = model + data + settings); share it
             between runs. Default ``<output_dir>/features``.
         topk: base-model candidates kept per position for soft labels (0: none; ``loss: kl``
-            needs them).
+            needs them). Only ``loss: kl`` reads them, so with ``loss: ce`` none are computed
+            (``TrainConfig.soft_label_topk``): that saves a projection onto the whole vocabulary
+            at every cached position.
         batch_size: sequences per backbone forward while extracting.
         shard_examples: examples per safetensors shard.
         dtype: stored hidden states' dtype.
@@ -256,6 +258,12 @@ class TrainConfig:
     @property
     def uses_feature_cache(self) -> bool:
         return self.training.mode == "medusa1" and self.features.enabled
+
+    @property
+    def soft_label_topk(self) -> int:
+        """Soft-label candidates the run computes: ``features.topk`` with ``loss: kl``, else 0
+        (``loss: ce`` never reads them)."""
+        return self.features.topk if self.training.loss == "kl" else 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -685,8 +693,9 @@ def plan(config: TrainConfig, num_processes: int = 1) -> Plan:
               f"tokenise, max_length {d.max_length}, hold out {d.heldout_fraction:.0%}"),
     ]
     if config.uses_feature_cache:
+        soft = f"top-{config.soft_label_topk} soft labels" if config.soft_label_topk else "no soft labels (loss ce)"
         stages.append(Stage("features", str(feats), _feature_rows(config) is not None,
-                            f"backbone once over the data, top-{config.features.topk} soft labels"))
+                            f"backbone once over the data, {soft}"))
     stages += [
         Stage("train", str(paths.final), (paths.final / "config.json").is_file(),
               f"{t.mode}, {total} steps, loss {t.loss}"),

@@ -8,6 +8,7 @@ import math
 import os
 import random
 import signal
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -306,8 +307,14 @@ def test_medusa1_from_cache_learns_head_k_predicts_t_plus_k_plus_2(tiny_dir, tmp
         expected = ids[0, 3 + k + 2 :]
         agree = (heads[k, 3 : 3 + len(expected)] == expected).float().mean()
         assert agree > 0.9, f"head {k} agrees with t + {k + 2} only {agree:.2f} of the time"
-    lm_head = FeatureCache.load(next(p for p in (out / "features").iterdir() if p.is_dir())).lm_head["weight"]
-    assert torch.equal(lm_head, tiny_model("llama").lm_head.weight), "the cached lm_head changed"
+    cache = FeatureCache.load(next(p for p in (out / "features").iterdir() if p.is_dir()))
+    assert torch.equal(cache.lm_head["weight"], tiny_model("llama").lm_head.weight), "the cached lm_head changed"
+    # loss ce never reads soft labels, so the recipe's features.topk=5 computed none
+    assert cache.manifest["topk"] == 0 and "soft_ids" not in cache.block
+    # a second run of a finished recipe neither extracts features nor touches the heads
+    shutil.rmtree(out / "features")
+    assert train_heads.main(["--config", config_file]) == 0
+    assert not (out / "features").exists() and (out / "heads" / "config.json").read_text() == saved
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,6 +360,8 @@ def test_kill_9_then_resume_equals_uninterrupted_run(tiny_dir, tmp_path):
     for name in a:
         torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=1e-6)
     assert [r["step"] for r in train_log(killed)] == list(range(1, 13))
+    train_key = json.loads((killed / "features" / "index.json").read_text())["train"]
+    assert json.loads((killed / "features" / train_key / "manifest.json").read_text())["topk"] == 5  # loss kl
     for x, y in zip(train_log(whole), train_log(killed)):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)
 
