@@ -364,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         stage_evaluate(config, accelerator, train, heldout, folders, timings)
     timings["evaluate"] = round(time.perf_counter() - started, 1)
     if accelerator.is_main_process:
-        (paths.logs / "stages.json").write_text(json.dumps(timings, indent=2) + "\n")
+        if not finished:  # a re-run of a finished recipe keeps the timings of the run that did the work
+            (paths.logs / "stages.json").write_text(json.dumps(timings, indent=2) + "\n")
         say(accelerator, "stage seconds: " + ", ".join(f"{k} {v}" for k, v in timings.items()))
         if config.eval.push_to_hub:
             from medusa_train.evaluate import push_to_hub

@@ -311,10 +311,14 @@ def test_medusa1_from_cache_learns_head_k_predicts_t_plus_k_plus_2(tiny_dir, tmp
     assert torch.equal(cache.lm_head["weight"], tiny_model("llama").lm_head.weight), "the cached lm_head changed"
     # loss ce never reads soft labels, so the recipe's features.topk=5 computed none
     assert cache.manifest["topk"] == 0 and "soft_ids" not in cache.block
-    # a second run of a finished recipe neither extracts features nor touches the heads
+    # a second run of a finished recipe neither extracts features nor touches the heads or the
+    # first run's stage timings
+    stages = (out / "logs" / "stages.json").read_text()
+    assert "features" in json.loads(stages)
     shutil.rmtree(out / "features")
     assert train_heads.main(["--config", config_file]) == 0
     assert not (out / "features").exists() and (out / "heads" / "config.json").read_text() == saved
+    assert (out / "logs" / "stages.json").read_text() == stages
 
 
 # ---------------------------------------------------------------------------------------------
