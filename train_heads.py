@@ -137,9 +137,20 @@ def stage_features(config: TrainConfig, accelerator: Any, train: list[dict], hel
     root = features_root(config)
     info = model_fingerprint(config.model.name)
     splits = {"train": train, "heldout": heldout}
+    hashes = {name: examples_hash(examples) for name, examples in splits.items()}
     topk = config.soft_label_topk
-    folders = {name: root / cache_key(info, examples_hash(ex), topk, f.dtype) for name, ex in splits.items()}
-    if all((folder / MANIFEST).is_file() for folder in folders.values()):
+
+    def caches(k: int) -> dict[str, Path]:
+        return {name: root / cache_key(info, digest, k, f.dtype) for name, digest in hashes.items()}
+
+    def complete(found: dict[str, Path]) -> bool:
+        return all((folder / MANIFEST).is_file() for folder in found.values())
+
+    # loss ce reads no soft labels, so caches extracted with them (by a kl run on the same data, or
+    # before ce runs left them out) serve it as well as caches without
+    options = [caches(topk)] + ([caches(f.topk)] if topk == 0 and f.topk else [])
+    folders = next((found for found in options if complete(found)), options[0])
+    if complete(folders):
         say(accelerator, f"features: reusing {', '.join(str(p) for p in folders.values())}")
     else:
         model = MedusaModel.from_base(load_base(config, accelerator), num_heads=1)

@@ -321,6 +321,21 @@ def test_medusa1_from_cache_learns_head_k_predicts_t_plus_k_plus_2(tiny_dir, tmp
     assert (out / "logs" / "stages.json").read_text() == stages
 
 
+def test_loss_ce_reuses_features_extracted_with_soft_labels(tiny_dir, tmp_path):
+    import train_heads
+
+    out = tmp_path / "run"
+    kl = recipe(tiny_dir, out, training={"max_steps": 2, "loss": "kl"})
+    train_heads.main(["--config", str(write_recipe(tmp_path / "kl.yaml", kl))])
+    extracted = sorted(p.name for p in (out / "features").iterdir() if p.is_dir())
+    assert len(extracted) == 2  # train and held-out, with top-5 soft labels
+    ce = recipe(tiny_dir, out, training={"max_steps": 2, "loss": "ce"})
+    assert train_heads.main(["--config", str(write_recipe(tmp_path / "ce.yaml", ce)), "--heldout-only"]) == 0
+    assert sorted(p.name for p in (out / "features").iterdir() if p.is_dir()) == extracted
+    index = json.loads((out / "features" / "index.json").read_text())
+    assert sorted(index.values()) == extracted
+
+
 # ---------------------------------------------------------------------------------------------
 # Exact resume after kill -9
 
