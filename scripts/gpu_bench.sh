@@ -43,8 +43,8 @@
 #   across categories; report.md says how many), so a slow GPU still leaves both reports,
 #   SLACK_S (45: the question group under way when the budget ends; each stage's `timeout` is its
 #   budget plus this), CALIBRATE_QUESTIONS (16), BATCH (8), B1_METHODS, B8_METHODS, F32_LIMIT (6
-#   questions; 0 skips stage 5) and F32_BUDGET_S (60), TESTS (1; 0 skips the GPU tests), QUESTIONS (data/specbench.jsonl), PYTHON (.venv/bin/python when present,
-#   else python3).
+#   questions; 0 skips stage 5) and F32_BUDGET_S (60), TESTS (1; 0 skips the GPU tests), QUESTIONS
+#   (data/specbench.jsonl), PYTHON (.venv/bin/python when present, else python3).
 #   DEVICE=cpu DTYPE=float32 (defaults cuda, bfloat16) is a dry run of the plumbing on a machine
 #   without a GPU, with tiny settings: `DEVICE=cpu DTYPE=float32 LIMIT=3 TOKENS=8 BATCH=2 ...`
 #   (the GPU tests then run on the CPU too).

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import train_heads as th  # noqa: E402
 from medusa_infer.models import load_base_model, load_tokenizer  # noqa: E402
 from medusa_train import dataset as ds  # noqa: E402
+from medusa_train.features import pad_batch  # noqa: E402
 
 OUT, N_EXTRA, USER_TURNS = sys.argv[1], int(sys.argv[2]), bool(int(sys.argv[3]))
 ROWS, PROMPTS = sys.argv[4], sys.argv[5]
@@ -48,13 +49,8 @@ def argmax_rows(model, seqs: list[list[int]], batch_size: int = 8) -> list[list[
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     for s in range(0, len(order), batch_size):
         chosen = order[s:s + batch_size]
-        width = max(len(seqs[i]) for i in chosen)
-        ids = torch.zeros(len(chosen), width, dtype=torch.long)
-        mask = torch.zeros(len(chosen), width, dtype=torch.long)
-        for r, i in enumerate(chosen):
-            ids[r, :len(seqs[i])] = torch.tensor(seqs[i])
-            mask[r, :len(seqs[i])] = 1
-        top = model(input_ids=ids, attention_mask=mask).logits.argmax(-1)
+        batch = pad_batch([{"input_ids": seqs[i], "labels": seqs[i]} for i in chosen])
+        top = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.argmax(-1)
         for r, i in enumerate(chosen):
             out[i] = top[r, :len(seqs[i])].tolist()
     return out
