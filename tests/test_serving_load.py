@@ -1,6 +1,7 @@
 """The server under load: concurrent streams batched together and still exact, a full queue,
-timeouts, and clients that go away. The engine is paused (``Engine.hold``) where a test needs
-requests to sit still, so nothing here depends on how fast the machine is."""
+timeouts, and clients that go away. The engine is paused (``Engine.hold``, or inside the step after
+a request's first token) where a test needs requests to sit still, so nothing here depends on how
+fast the machine is."""
 
 from __future__ import annotations
 
@@ -127,12 +128,12 @@ def test_timeouts_abort_queued_and_running_requests(model):
         assert answers[0].json()["error"]["type"] == "timeout_error"
         # decoding past its deadline, streamed: the stream ends with an error event
         with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as client:
-            start = time.monotonic()
-            stream = client.completions.create(stream=True, **{k: v for k, v in body.items() if k != "ignore_eos"},
-                                               extra_body={"ignore_eos": True})
-            first = next(iter(stream))
-            assert first.choices[0].text
-            with engine.hold():
+            with _stopped_after_first_token(model, engine):
+                start = time.monotonic()
+                stream = client.completions.create(stream=True, **{k: v for k, v in body.items() if k != "ignore_eos"},
+                                                   extra_body={"ignore_eos": True})
+                first = next(iter(stream))
+                assert first.choices[0].text
                 wait_until(lambda: time.monotonic() - start > 1.05, timeout=5)
             with pytest.raises(openai.APIError, match="timed out"):
                 for _ in stream:
@@ -149,10 +150,10 @@ def test_a_client_that_goes_away_frees_its_row(model, stream):
         url = server.base_url + "/v1/completions"
         with contextlib.ExitStack() as paused:
             if stream:
+                paused.enter_context(_stopped_after_first_token(model, engine))
                 with httpx.Client(timeout=30) as client, client.stream("POST", url, json=body) as response:
                     assert response.status_code == 200
                     next(response.iter_lines())  # the first event: the request is decoding
-                    paused.enter_context(engine.hold())
             else:
                 paused.enter_context(engine.hold())
                 with pytest.raises(httpx.ReadTimeout):
@@ -163,6 +164,25 @@ def test_a_client_that_goes_away_frees_its_row(model, stream):
         assert metric_value(metrics, "medusa:requests_aborted_total", reason="disconnect") == 1
         assert metric_value(metrics, "vllm:request_success_total") == 0
         assert metric_value(metrics, "vllm:generation_tokens_total") < 200
+
+
+@contextlib.contextmanager
+def _stopped_after_first_token(model, engine):
+    """Blocks the engine thread in the model's first forward pass after a token was delivered,
+    until the block ends (``Engine.hold`` after the first event would race the engine, which may
+    have finished the request by then)."""
+    release, before = threading.Event(), engine.metrics.generation_tokens.value()
+
+    def wait(module, args, kwargs):
+        if engine.metrics.generation_tokens.value() > before:
+            assert release.wait(60), "the test never released the engine"
+
+    handle = model.register_forward_pre_hook(wait, with_kwargs=True)
+    try:
+        yield
+    finally:
+        release.set()
+        handle.remove()
 
 
 def _metrics(server) -> str:
