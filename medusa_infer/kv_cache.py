@@ -285,17 +285,6 @@ def copy_cache(cache: Any) -> GrowingCache:
     return copy
 
 
-def growing_cache_for(model: Any) -> GrowingCache | None:
-    """A ``GrowingCache`` for ``model.generate``, or None where transformers would build another kind
-    of cache (sliding-window or other special layers, which a GrowingCache would keep whole, or a
-    ``cache_implementation`` in the model's generation config, which generate refuses to combine
-    with a cache passed in)."""
-    if getattr(getattr(model, "generation_config", None), "cache_implementation", None) is not None:
-        return None
-    layers = DynamicCache(config=model.config).layers
-    return GrowingCache() if all(type(layer) is DynamicLayer for layer in layers) else None
-
-
 def cache_keyword(module: Any) -> str:
     """The name under which ``module.forward`` (a stock transformers model) and its ``generate``
     take a KV cache: ``cache`` from transformers 5.2x, ``past_key_values`` before."""

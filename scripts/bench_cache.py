@@ -3,11 +3,10 @@
 Plain (greedy, one token a step) decoding of the default model after a random prompt, one run with
 each cache in turn, ``--repeats`` times; prints the median seconds per step of each, their ratio,
 and whether both produced the same tokens. ``--loop ours`` decodes with this package's loop
-(``KVState.empty`` builds the cache), ``--loop hf`` with transformers' ``generate`` given the cache,
-as distillation does.
+(``KVState.empty`` builds the cache), ``--loop hf`` with transformers' ``generate`` given the cache.
 
     python scripts/bench_cache.py --context 800 --new-tokens 64             # one row, long context
-    python scripts/bench_cache.py --loop hf --batch 32 --context 100 --new-tokens 192   # distillation
+    python scripts/bench_cache.py --loop hf --batch 32 --context 100 --new-tokens 192   # distillation's shape
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ from medusa_infer.kv_cache import (
     KVState,
     cache_keyword,
     copy_cache,
-    growing_cache_for,
 )
 from tiny import ARCHITECTURES, VOCAB, tiny_config
 
@@ -88,15 +87,6 @@ def test_appends_write_in_place_until_the_buffer_is_full():
         cache.update(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), 0)
 
 
-def test_generate_gets_a_growing_cache_only_where_transformers_would_build_a_plain_one():
-    assert isinstance(growing_cache_for(AutoModelForCausalLM.from_config(tiny_config("llama"))), GrowingCache)
-    sliding = tiny_config("gemma3_text")  # sliding-window layers: transformers trims them, a GrowingCache would not
-    assert growing_cache_for(AutoModelForCausalLM.from_config(sliding)) is None
-    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
-    model.generation_config.cache_implementation = "static"  # generate refuses it together with a cache
-    assert growing_cache_for(model) is None
-
-
 def test_a_copy_shares_nothing():
     cache = GrowingCache()
     cache.update(torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 4), 0)
@@ -108,7 +98,8 @@ def test_a_copy_shares_nothing():
 
 @pytest.mark.parametrize("arch", ARCHITECTURES + ("gemma3_text-window-8",))
 def test_transformers_generate_gives_the_same_tokens_with_a_growing_cache(arch):
-    """Distillation hands ``generate`` a GrowingCache: left padding, and a sliding window it crosses."""
+    """A GrowingCache is a drop-in DynamicCache for ``generate`` (``scripts/bench_cache.py --loop hf``):
+    left padding, and a sliding window it crosses."""
     config = tiny_config(arch.split("-")[0])
     if arch == "gemma3_text-window-8":
         config.sliding_window, config.layer_types = 8, ["sliding_attention", "full_attention"]
