@@ -540,10 +540,10 @@ def generate_batch(
 
     ``model`` is a ``MedusaModel`` without heads (``MedusaModel.without_heads``): the answers come
     from medusa_infer's decoding loop with plain steps, where a row that finished leaves the batch.
-    Hugging Face ``generate`` keeps computing such rows until the last one ends; on 64 of the
+    Hugging Face ``generate`` keeps computing such rows until the last one ends; on 160 of the
     recipe's prompts in batches of 32 on a 2-core CPU, this loop gave the same greedy tokens
-    1.13x faster (``scripts/bench_distill.py``). Sampling draws from the global RNG, which the
-    caller seeds per batch.
+    1.10x faster (``scripts/bench_distill.py``, ``docs/distill/bench_distill.log``). Sampling
+    draws from the global RNG, which the caller seeds per batch.
     """
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     input_ids, attention_mask = left_pad(prompt_ids, pad_id)
