@@ -4,8 +4,8 @@ Prompts come from a JSONL file of ``{"id", "source", "prompt"}`` rows, sampled e
 sources. Two backends write the same rows:
 
 - ``local``: the model in float32, decoded by medusa_infer's loop with plain steps, batched with
-  left padding, prompts sorted by length to cut padding; greedy by default. Several processes (``accelerate launch``) split the
-  prompts, process ``i`` taking prompts ``i::world_size``.
+  left padding, prompts sorted by length to cut padding; greedy by default. Several processes
+  (``accelerate launch``) split the prompts, process ``i`` taking prompts ``i::world_size``.
 - ``openai``: an OpenAI-compatible ``/v1/chat/completions`` endpoint (vLLM, TGI), a bounded number
   of requests at a time, retried with backoff on 5xx, 429 and connection errors.
 

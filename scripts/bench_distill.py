@@ -4,8 +4,8 @@ Distillation (``medusa_train.distill.generate_batch``) decodes with medusa_infer
 steps, where a row that finished leaves the batch. This script answers the same prompts, sampled
 as a recipe samples them and sorted longest first as distillation sorts them, with both: for each
 batch, transformers' ``generate`` (greedy, float32, given a ``GrowingCache``, its fastest cache
-here, as distillation used it before) and then distillation's ``generate_batch``. It prints each batch's seconds, the ratio of the totals, and how many answers
-were token for token the same.
+here, as distillation used it before) and then distillation's ``generate_batch``. It prints each
+batch's seconds, the ratio of the totals, and how many answers were token for token the same.
 
     python scripts/bench_distill.py --prompts data/train_prompts.jsonl --n 96 --batch-size 32
 """
