@@ -340,11 +340,14 @@ def main(argv: list[str] | None = None) -> int:
     paths = run_paths(config)
     if args.heldout_only:
         return report_heldout(config, accelerator)
+    reused: set[str] = set()  # stages whose outputs exist before this run (main process)
     if accelerator.is_main_process:
         for folder in (paths.data, paths.checkpoints, paths.logs):
             folder.mkdir(parents=True, exist_ok=True)
         save_config(config, paths.root / "config.yaml")
-        print(plan(config, accelerator.num_processes).summary(), flush=True)
+        layout = plan(config, accelerator.num_processes)
+        print(layout.summary(), flush=True)
+        reused = {STAGE_TIMING.get(stage.name, stage.name) for stage in layout.stages if stage.done}
     accelerator.wait_for_everyone()
 
     timings: dict[str, float] = {}
@@ -375,8 +378,8 @@ def main(argv: list[str] | None = None) -> int:
         stage_evaluate(config, accelerator, train, heldout, folders, timings)
     timings["evaluate"] = round(time.perf_counter() - started, 1)
     if accelerator.is_main_process:
-        if not finished:  # a re-run of a finished recipe keeps the timings of the run that did the work
-            (paths.logs / "stages.json").write_text(json.dumps(timings, indent=2) + "\n")
+        record = stage_record(paths.logs / "stages.json", timings, reused)
+        (paths.logs / "stages.json").write_text(json.dumps(record, indent=2) + "\n")
         say(accelerator, "stage seconds: " + ", ".join(f"{k} {v}" for k, v in timings.items()))
         if config.eval.push_to_hub:
             from medusa_train.evaluate import push_to_hub
@@ -384,6 +387,23 @@ def main(argv: list[str] | None = None) -> int:
             say(accelerator, f"uploaded to {push_to_hub(paths.heads, config.eval.push_to_hub)}")
     accelerator.end_training()
     return 0
+
+
+STAGE_TIMING = {"distill": "data"}
+"""The ``stages.json`` key of a plan stage named otherwise (the data stage's cost is distilling)."""
+
+
+def stage_record(path: Path, timings: dict[str, float], reused: set[str]) -> dict[str, float]:
+    """What ``stages.json`` should hold after a run: the seconds of the stages this run did, and
+    for the stages whose outputs it found (``reused``), the seconds a previous run recorded for
+    them at ``path``, where there is such a record. A re-run of a finished recipe thus leaves the
+    record as it was, and a partial one does not replace, say, the distillation's minutes with the
+    seconds it took to find its rows."""
+    previous = json.loads(path.read_text()) if path.is_file() else {}
+    record = dict(previous)
+    record.update({stage: seconds for stage, seconds in timings.items()
+                   if stage not in reused or stage not in previous})
+    return record
 
 
 def report_heldout(config: TrainConfig, accelerator: Any) -> int:

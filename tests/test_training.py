@@ -319,6 +319,16 @@ def test_medusa1_from_cache_learns_head_k_predicts_t_plus_k_plus_2(tiny_dir, tmp
     assert train_heads.main(["--config", config_file]) == 0
     assert not (out / "features").exists() and (out / "heads" / "config.json").read_text() == saved
     assert (out / "logs" / "stages.json").read_text() == stages
+    # a partial re-run (rows there, features, heads and final checkpoint gone) records the seconds
+    # of the stages it ran, and keeps the recorded distillation seconds rather than its own
+    recorded = {"data": 1234.5, "features": 2345.6, "train": 3456.7, "evaluate": 4567.8}
+    (out / "logs" / "stages.json").write_text(json.dumps(recorded))
+    shutil.rmtree(out / "heads")
+    shutil.rmtree(out / "checkpoints")
+    assert train_heads.main(["--config", config_file]) == 0
+    rerun = json.loads((out / "logs" / "stages.json").read_text())
+    assert rerun["data"] == recorded["data"]
+    assert all(rerun[stage] != recorded[stage] for stage in ("features", "train", "evaluate")), rerun
 
 
 def test_loss_ce_reuses_features_extracted_with_soft_labels(tiny_dir, tmp_path):
