@@ -102,7 +102,8 @@ def stage_data(config: TrainConfig, accelerator: Any) -> tuple[list[dict], list[
             distill(DistillConfig(
                 prompts=d.prompts, output=str(rows), model=config.model.name, n=d.n, per_source=d.per_source,
                 max_new_tokens=d.max_new_tokens, batch_size=d.distill_batch_size, seed=config.training.seed,
-                system_prompt=d.system_prompt, progress=config.log.progress, **d.distill_options,
+                system_prompt=d.system_prompt, progress=config.log.progress,
+                **{"save_hidden": config.keeps_distillation_hidden, **d.distill_options},
                 chat_template=config.model.chat_template,
             ), accelerator if accelerator.num_processes > 1 else None)
         from medusa_infer.models import load_tokenizer
@@ -128,6 +129,17 @@ def load_base(config: TrainConfig, accelerator: Any) -> Any:
                            trust_remote_code=config.model.trust_remote_code)
 
 
+def captured_folder(config: TrainConfig) -> Path | None:
+    """The folder of the hidden states kept while distilling this run's rows
+    (``features.from_distillation``), or None when there are none."""
+    from medusa_train.captured import hidden_dir
+
+    folder = hidden_dir(rows_path(config))
+    if config.data.tokenized or not config.features.from_distillation or not any(folder.glob("batch-*")):
+        return None
+    return folder
+
+
 def stage_features(config: TrainConfig, accelerator: Any, train: list[dict], heldout: list[dict]) -> dict[str, Path]:
     """(c) Medusa-1: the frozen backbone's features of both splits, cached on disk."""
     from medusa_infer.model import MedusaModel
@@ -140,8 +152,10 @@ def stage_features(config: TrainConfig, accelerator: Any, train: list[dict], hel
     hashes = {name: examples_hash(examples) for name, examples in splits.items()}
     topk = config.soft_label_topk
 
+    kept = captured_folder(config)
+
     def caches(k: int) -> dict[str, Path]:
-        return {name: root / cache_key(info, digest, k, f.dtype) for name, digest in hashes.items()}
+        return {name: root / cache_key(info, digest, k, f.dtype, kept is not None) for name, digest in hashes.items()}
 
     def complete(found: dict[str, Path]) -> bool:
         return all((folder / MANIFEST).is_file() for folder in found.values())
@@ -153,14 +167,21 @@ def stage_features(config: TrainConfig, accelerator: Any, train: list[dict], hel
     if complete(folders):
         say(accelerator, f"features: reusing {', '.join(str(p) for p in folders.values())}")
     else:
+        from medusa_train.captured import CapturedHidden
+
         model = MedusaModel.from_base(load_base(config, accelerator), num_heads=1)
+        captured = CapturedHidden.load(kept, config.model.name) if kept is not None else None
         for name, examples in splits.items():
             say(accelerator, f"features: {name} split, {len(examples)} examples -> {folders[name]}")
             build_feature_cache(model, examples, root, info, topk=topk, batch_size=f.batch_size,
                                 shard_examples=f.shard_examples, dtype=f.dtype, rank=accelerator.process_index,
                                 world_size=accelerator.num_processes, barrier=accelerator.wait_for_everyone,
-                                progress=config.log.progress and accelerator.is_main_process)
-        del model
+                                progress=config.log.progress and accelerator.is_main_process, captured=captured)
+            if captured is not None:
+                manifest = json.loads((folders[name] / MANIFEST).read_text())
+                say(accelerator, f"features: {manifest['captured_examples']} of {len(examples)} {name} examples "
+                                 "from the hidden states kept while distilling, the rest by a forward pass")
+        del model, captured
     if accelerator.is_main_process:
         index = run_paths(config).features
         index.mkdir(parents=True, exist_ok=True)

@@ -52,6 +52,7 @@ from medusa_infer.attention_kernels import decoding_attention
 from medusa_infer.decoding import generate, left_pad
 from medusa_infer.model import MedusaModel
 from medusa_infer.proposers import AutoregressiveProposer
+from medusa_train.captured import HiddenRecorder, hidden_dir, save_batch
 from medusa_train.dataset import encode_rendered, has_chat_template, render_prompt, row_messages
 
 logger = logging.getLogger(__name__)
@@ -105,6 +106,9 @@ class DistillConfig:
             shared with other work one thread can be several times faster than two (threads
             spin-waiting on each other); the rows do not change.
         progress: show a progress bar.
+        save_hidden: (local backend) also keep the model's final hidden state at every answer
+            position, in ``medusa_train.captured.hidden_dir(output)``, so that the Medusa-1
+            feature cache takes them instead of running the backbone over the data again.
     """
 
     prompts: str = ""
@@ -135,6 +139,7 @@ class DistillConfig:
     device: str | None = None
     threads: int | None = None
     progress: bool = True
+    save_hidden: bool = False
 
     def __post_init__(self) -> None:
         checks = (
@@ -155,6 +160,9 @@ class DistillConfig:
             (self.backend != "openai" or bool(self.endpoint),
              "backend 'openai' needs endpoint, e.g. http://127.0.0.1:8000"),
             (bool(self.prompts), "prompts (a JSONL file of {id, source, prompt} rows) is required"),
+            (not self.save_hidden or self.backend == "local",
+             "save_hidden needs the local backend (an endpoint returns text, not hidden states); "
+             "set save_hidden=False, and the feature cache runs the backbone over the answers"),
         )
         for ok, message in checks:
             if not ok:
@@ -535,6 +543,7 @@ def generate_batch(
     prompt_ids: Sequence[Sequence[int]],
     config: DistillConfig,
     eos_ids: Sequence[int],
+    proposer: AutoregressiveProposer | None = None,
 ) -> list[tuple[list[int], str]]:
     """Answers to a batch of tokenised prompts: ``[(response ids without EOS, finish_reason)]``.
 
@@ -543,7 +552,8 @@ def generate_batch(
     Hugging Face ``generate`` keeps computing such rows until the last one ends; on 160 of the
     recipe's prompts in batches of 32 on a 2-core CPU, this loop gave the same greedy tokens
     1.10x faster (``scripts/bench_distill.py``, ``docs/distill/bench_distill.log``). Sampling
-    draws from the global RNG, which the caller seeds per batch.
+    draws from the global RNG, which the caller seeds per batch. ``proposer``: plain decoding
+    that also does something else, e.g. ``captured.HiddenRecorder`` (default: plain decoding).
     """
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     input_ids, attention_mask = left_pad(prompt_ids, pad_id)
@@ -553,7 +563,7 @@ def generate_batch(
     # decoding's attention kernels on a GPU (attention_kernels: no per-length cuDNN plans)
     with torch.inference_mode(), decoding_attention(model.device):
         output = generate(model, input_ids, attention_mask=attention_mask, max_new_tokens=config.max_new_tokens,
-                          eos_token_id=list(eos_ids), proposer=AutoregressiveProposer(model), **settings)
+                          eos_token_id=list(eos_ids), proposer=proposer or AutoregressiveProposer(model), **settings)
     answers = []
     for tokens, finish in zip(output.new_tokens, output.finish_reasons):
         if finish == "eos":
@@ -630,9 +640,13 @@ def _generate_all(
     try:
         for batch_index, first in enumerate(range(0, len(prepared), config.batch_size)):
             batch = prepared[first : first + config.batch_size]
+            recorder = HiddenRecorder(model) if config.save_hidden else None
             with torch.random.fork_rng(devices=rng_devices):
                 torch.manual_seed(_batch_seed(config.seed, [p["id"] for p, _, _ in batch]))
-                answers = generate_batch(model, tokenizer, [ids for _, _, ids in batch], config, eos_ids)
+                answers = generate_batch(model, tokenizer, [ids for _, _, ids in batch], config, eos_ids, recorder)
+            if recorder is not None:  # before the rows: a kill in between leaves states of unwritten rows
+                save_batch(hidden_dir(config.output), [p["id"] for p, _, _ in batch], [ids for _, _, ids in batch],
+                           [tokens for tokens, _ in answers], recorder.states(), config.model_label)
             rows = []
             for (prompt, text, _), (tokens, finish) in zip(batch, answers):
                 response = tokenizer.decode(tokens, skip_special_tokens=False)
@@ -946,6 +960,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--device")
     add("--threads", type=int, help="CPU threads for generation (default: torch's choice)")
     add("--no-progress", dest="progress", action="store_false", default=None)
+    add("--save-hidden", action="store_true", default=None,
+        help="also keep the final hidden states of the answers, for the Medusa-1 feature cache")
     add("--log-level", default="INFO")
     return parser
 

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
@@ -100,8 +101,12 @@ def model_fingerprint(name_or_path: str) -> dict[str, Any]:
     return found
 
 
-def cache_key(model: Mapping[str, Any], data_hash: str, topk: int, dtype: str) -> str:
+def cache_key(model: Mapping[str, Any], data_hash: str, topk: int, dtype: str, captured: bool = False) -> str:
+    """The cache folder's name; ``captured``: built from the states kept while distilling
+    (``medusa_train.captured``), which differ from a forward pass's in float rounding."""
     parts = {"format": FORMAT_VERSION, "model": dict(model), "data": data_hash, "topk": topk, "dtype": dtype}
+    if captured:
+        parts["hidden"] = "distillation"
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -276,6 +281,27 @@ def _backbone_block(model: Any, batch: dict[str, torch.Tensor], topk: int, examp
     return {name: tensor.cpu() for name, tensor in block.items()}
 
 
+def _captured_block(model: Any, example: Mapping[str, Any], example_index: int, first: int, states: torch.Tensor,
+                    topk: int, hidden_dtype: torch.dtype) -> Block:
+    """The block of one example from the states kept while distilling (``CapturedHidden``): its
+    rows and soft rows at the positions ``first .. first + len(states) - 1`` they cover."""
+    ids, labels = _as_long(example["input_ids"]), _as_long(example["labels"])
+    hidden = torch.zeros(1, len(ids), states.shape[1], dtype=model.dtype, device=model.device)
+    hidden[0, first : first + len(states)] = states.to(hidden)
+    end = first + len(states)
+    with torch.no_grad():
+        block = block_from_hidden(hidden, ids[None], labels[None], torch.tensor([len(ids)]), model.project, topk,
+                                  torch.tensor([example_index]), hidden_dtype)
+    for prefix, names in (("row", ("row_example", "row_position", "row_next", "hidden")),
+                          ("soft", ("soft_example", "soft_position", "soft_ids", "soft_probs"))):
+        where = block[f"{prefix}_position"]
+        keep = (where >= first) & (where < end)
+        for name in names:
+            if name in block:
+                block[name] = block[name][keep]
+    return {name: tensor.cpu() for name, tensor in block.items()}
+
+
 def build_feature_cache(
     model: Any,
     examples: Sequence[Mapping[str, Any]],
@@ -289,6 +315,7 @@ def build_feature_cache(
     world_size: int = 1,
     barrier: Any = None,
     progress: bool = True,
+    captured: Any = None,
 ) -> Path:
     """Extract (or find) the feature cache of ``examples``; return its folder.
 
@@ -304,9 +331,11 @@ def build_feature_cache(
         rank, world_size, barrier: several processes share the shards (shard ``i`` is made by
             process ``i % world_size``); ``barrier()`` waits for all of them; rank 0 writes the
             manifest.
+        captured: a ``medusa_train.captured.CapturedHidden``: the examples whose states were kept
+            while distilling take them from there, the others are run through the backbone.
     """
     start_time = time.perf_counter()
-    folder = Path(root) / cache_key(model_info, examples_hash(examples), topk, dtype)
+    folder = Path(root) / cache_key(model_info, examples_hash(examples), topk, dtype, captured is not None)
     if (folder / MANIFEST).is_file():
         return folder
     folder.mkdir(parents=True, exist_ok=True)
@@ -321,15 +350,23 @@ def build_feature_cache(
         if path.is_file():  # written by an earlier, interrupted run (same key: same content)
             bar.update(len(shards[shard_id]))
             continue
-        blocks = []
-        for i in range(0, len(shards[shard_id]), batch_size):
-            chosen = shards[shard_id][i : i + batch_size]
+        blocks, forward = [], []
+        for j in shards[shard_id]:
+            found = captured.states_for(examples[j]["input_ids"], examples[j]["labels"]) if captured else None
+            if found is None:
+                forward.append(j)
+                continue
+            blocks.append(_captured_block(model, examples[j], j, *found, topk, DTYPES[dtype]))
+            bar.update(1)
+        reused = len(shards[shard_id]) - len(forward)
+        for i in range(0, len(forward), batch_size):
+            chosen = forward[i : i + batch_size]
             batch = pad_batch([examples[j] for j in chosen], pad_id)
             blocks.append(_backbone_block(model, batch, topk, _as_long(chosen), DTYPES[dtype]))
             bar.update(len(chosen))
         block = {name: tensor.contiguous() for name, tensor in concat_blocks(blocks).items()}
         tmp = path.with_suffix(".tmp")
-        save_file(block, str(tmp), metadata={"format": "pt"})
+        save_file(block, str(tmp), metadata={"format": "pt", "captured_examples": str(reused)})
         os.replace(tmp, path)
     bar.close()
     if barrier is not None:
@@ -352,9 +389,11 @@ def _write_manifest(model: Any, folder: Path, num_shards: int, num_examples: int
     if embed.data_ptr() != lm_head.weight.data_ptr():  # untied: next_token_input heads need it too
         tensors["embed"] = embed.detach().cpu().contiguous()
     save_file(tensors, str(folder / LM_HEAD), metadata={"format": "pt"})
-    shards, rows, soft = [], 0, 0
+    shards, rows, soft, captured = [], 0, 0, 0
     for shard_id in range(num_shards):
         name = f"shard-{shard_id:05d}.safetensors"
+        with safe_open(str(folder / name), framework="pt") as handle:
+            captured += int((handle.metadata() or {}).get("captured_examples", 0))
         block = load_file(str(folder / name))
         shards.append({"file": name, "examples": len(block["example_index"]), "rows": len(block["hidden"])})
         rows += len(block["hidden"])
@@ -375,6 +414,7 @@ def _write_manifest(model: Any, folder: Path, num_shards: int, num_examples: int
         "num_examples": num_examples,
         "num_rows": rows,
         "num_soft": soft,
+        "captured_examples": captured,
         "shards": shards,
         "seconds": round(seconds, 1),
     }

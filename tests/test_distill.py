@@ -473,9 +473,9 @@ def test_chat_template_option_renders_prompts(tmp_path, model_dir, prompts_file,
     seen: list[list[int]] = []
     generate = distill_module.generate_batch
 
-    def spy(model, tok, prompt_ids, config, eos_ids):
+    def spy(model, tok, prompt_ids, config, eos_ids, *rest):
         seen.extend(list(ids) for ids in prompt_ids)
-        return generate(model, tok, prompt_ids, config, eos_ids)
+        return generate(model, tok, prompt_ids, config, eos_ids, *rest)
 
     monkeypatch.setattr(distill_module, "generate_batch", spy)
     config = make_config(model_dir, prompts_file, tmp_path / "rows.jsonl", n=2, max_new_tokens=2,

@@ -1,0 +1,177 @@
+"""Hidden states kept while distilling, so that the feature cache need not run the backbone again.
+
+Self-distillation decodes every answer with the frozen backbone: each decoding step computes the
+final hidden state of the token it feeds. The Medusa-1 feature cache (``features``) needs exactly
+those states at the answer's positions, and computing them again costs a forward pass over every
+prompt and answer (on the default recipe, about a third of distillation's time). With
+``DistillConfig.save_hidden`` the local backend keeps them instead, one file per batch:
+
+``<output>.hidden/batch-<digest>.safetensors``: for R rows, ``tokens`` (each row's prompt ids and
+answer ids, without the end-of-sequence token, concatenated), ``token_offsets [R + 1]``,
+``prompt_lengths [R]``, ``hidden`` ``[sum m_r, H]`` (row r's states at positions
+``prompt_length - 1`` onwards, one per new token, end of sequence included) and
+``hidden_offsets [R + 1]``; metadata ``model``.
+
+A batch's file is written before its rows are synced to the JSONL shard, so a killed run leaves
+at most states of rows that the resumed run answers again (greedy: the same tokens).
+
+``CapturedHidden`` finds an example's states by its prompt tokens and uses them only where the
+example's tokens (the chat template applied to prompt and response, tokenised again) agree with the
+tokens that were decoded; any example they do not cover is left to the forward pass. The states
+start at the last prompt token, so a captured example lacks the one row a forward pass also makes
+at the second-to-last prompt token (head ``k`` predicting answer token ``k`` from the prompt
+alone): at decoding time heads are never asked from there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from medusa_infer.proposers import AutoregressiveProposer
+from medusa_infer.proposers.base import StepContext
+from medusa_train.losses import IGNORE
+
+SUFFIX = ".hidden"
+
+
+def hidden_dir(output: str | Path) -> Path:
+    """The folder of the states kept while distilling into ``output`` (the merged JSONL)."""
+    output = Path(output)
+    return output.with_name(output.name + SUFFIX)
+
+
+class HiddenRecorder(AutoregressiveProposer):
+    """Plain decoding that keeps the target's final hidden state at every token it feeds.
+
+    One object per ``generate`` call. After it, ``states()[r]`` ``[m_r, H]`` holds row ``r``'s
+    states at positions ``prompt_length - 1 .. prompt_length + m_r - 2``: the last prompt token
+    (from the prefill), then each new token that was fed back; ``m_r`` is the row's number of new
+    tokens.
+    """
+
+    def __init__(self, model: Any) -> None:
+        super().__init__(model)
+        self._active: list[int] = []
+        self._states: list[list[torch.Tensor]] = []
+
+    def start(self, context: StepContext, hidden: torch.Tensor) -> None:
+        self._active = list(range(hidden.shape[0]))
+        self._states = [[hidden[row]] for row in self._active]
+
+    def observe(self, accepted: list[list[int]], hidden: torch.Tensor, context: StepContext) -> None:
+        if any(len(tokens) != 1 for tokens in accepted):
+            raise ValueError("HiddenRecorder records plain decoding: one token a step per row")
+        for index, row in enumerate(self._active):
+            self._states[row].append(hidden[index])
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self._active = [self._active[i] for i in rows.tolist()]
+
+    def merge(self, other: "AutoregressiveProposer") -> None:
+        raise ValueError("a HiddenRecorder belongs to one generate call; its batch cannot be merged")
+
+    def states(self) -> list[torch.Tensor]:
+        """``[m_r, H]`` per row, float32 on the CPU."""
+        return [torch.stack(row).float().cpu() for row in self._states]
+
+
+def save_batch(
+    folder: str | Path,
+    ids: Sequence[str],
+    prompt_ids: Sequence[Sequence[int]],
+    answers: Sequence[Sequence[int]],
+    states: Sequence[torch.Tensor],
+    model: str,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write one batch's states (see the module docstring); returns the file.
+
+    ``answers``: each row's answer without its end-of-sequence token; ``states``: the
+    recorder's, one more than ``answers`` where the row ended with one."""
+    if not len(ids) == len(prompt_ids) == len(answers) == len(states):
+        raise ValueError("ids, prompt_ids, answers and states must have one entry per row")
+    for row, (tokens, state) in enumerate(zip(answers, states)):
+        if not len(tokens) <= len(state) <= len(tokens) + 1:  # + 1: the end of sequence was decoded too
+            raise ValueError(f"row {ids[row]!r}: {len(state)} hidden states for {len(tokens)} answer tokens")
+    sequences = [list(p) + list(t) for p, t in zip(prompt_ids, answers)]
+    tensors = {
+        "tokens": torch.tensor([t for s in sequences for t in s], dtype=torch.long),
+        "token_offsets": _offsets([len(s) for s in sequences]),
+        "prompt_lengths": torch.tensor([len(p) for p in prompt_ids], dtype=torch.long),
+        "hidden": torch.cat(list(states)).to(dtype).contiguous(),
+        "hidden_offsets": _offsets([len(s) for s in states]),
+    }
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256("\n".join(ids).encode()).hexdigest()[:20]
+    path = folder / f"batch-{digest}.safetensors"
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp), metadata={"model": model})
+    os.replace(tmp, path)
+    return path
+
+
+def _offsets(lengths: Sequence[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths, dtype=torch.long).cumsum(0).tolist()], dtype=torch.long)
+
+
+class CapturedHidden:
+    """The states of a distillation run, found by prompt tokens.
+
+    Args:
+        entries: ``{prompt ids: [(sequence ids [S], states [m, H])]}``.
+    """
+
+    def __init__(self, entries: Mapping[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        self.entries = dict(entries)
+
+    @classmethod
+    def load(cls, folder: str | Path, model: str | None = None) -> "CapturedHidden":
+        """Every batch file in ``folder``; with ``model``, files of another model are an error."""
+        entries: dict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for path in sorted(Path(folder).glob("batch-*.safetensors")):
+            with safe_open(str(path), framework="pt") as handle:
+                found = (handle.metadata() or {}).get("model")
+                if model is not None and found != model:
+                    raise ValueError(f"{path} holds hidden states of {found!r}, not of {model!r}: delete "
+                                     f"{folder} (the features stage then runs the backbone) or distil again")
+                tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+            tokens, hidden = tensors["tokens"], tensors["hidden"]
+            token_at, hidden_at = tensors["token_offsets"].tolist(), tensors["hidden_offsets"].tolist()
+            for row, prompt_length in enumerate(tensors["prompt_lengths"].tolist()):
+                sequence = tokens[token_at[row] : token_at[row + 1]]
+                key = tuple(sequence[:prompt_length].tolist())
+                entries.setdefault(key, []).append((sequence, hidden[hidden_at[row] : hidden_at[row + 1]]))
+        return cls(entries)
+
+    def __len__(self) -> int:
+        return sum(len(found) for found in self.entries.values())
+
+    def states_for(self, input_ids: Sequence[int], labels: Sequence[int]) -> tuple[int, torch.Tensor] | None:
+        """``(first, states)``: the example's hidden states at positions ``first ..
+        first + len(states) - 1``, covering every position a head trains from (all but the
+        second-to-last prompt token), or None where the captured states do not cover them."""
+        ids = torch.as_tensor(input_ids, dtype=torch.long)
+        labelled = (torch.as_tensor(labels, dtype=torch.long) != IGNORE).nonzero().flatten()
+        if len(labelled) < 3:  # fewer than 3 answer tokens: no row from the answer itself
+            return None
+        answer, last = int(labelled[0]), int(labelled[-1])
+        if answer < 1:
+            return None
+        needed_end = last - 1  # rows are the positions t < last - 1 (head 1 predicts t + 2)
+        for sequence, states in self.entries.get(tuple(ids[:answer].tolist()), []):
+            width = min(len(sequence), len(ids))
+            differ = (sequence[:width] != ids[:width]).nonzero()
+            agree = int(differ[0]) if len(differ) else width
+            end = min(answer - 1 + len(states), agree)  # the state at t reads tokens 0..t
+            if end >= needed_end:
+                return answer - 1, states[: end - (answer - 1)]
+        return None

@@ -1,0 +1,223 @@
+"""Hidden states kept while distilling (medusa_train.captured) and the feature cache built from them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from medusa_infer.model import MedusaModel
+from medusa_infer.models import load_base_model, load_tokenizer
+from medusa_train.captured import CapturedHidden, hidden_dir, save_batch
+from medusa_train.dataset import build_examples
+from medusa_train.distill import DistillConfig, distill
+from medusa_train.features import FeatureCache, build_feature_cache, model_fingerprint
+from medusa_train.losses import IGNORE
+from tiny import tiny_model
+
+WORDS = "cat dog bird fish tree rock cloud river stone lamp book door".split()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer) -> Path:
+    """A tiny random Llama with the SmolLM2 tokenizer; EOS (id 2) scaled up so that some answers
+    end early and others reach the token limit."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    model = tiny_model("llama", vocab_size=len(tokenizer))
+    with torch.no_grad():
+        model.lm_head.weight[2] *= 2.8
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    with path.open("w") as handle:
+        for k in range(16):
+            words = " ".join(WORDS[(k + j) % len(WORDS)] for j in range(1 + (k * 7) % 13))
+            handle.write(json.dumps({"id": f"p:{k}", "source": "p", "prompt": f"Tell me about {words}."}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def distilled(tmp_path_factory, model_dir, prompts_file) -> Path:
+    output = tmp_path_factory.mktemp("distilled") / "rows.jsonl"
+    distill(DistillConfig(model=str(model_dir), prompts=str(prompts_file), output=str(output), n=16,
+                          max_new_tokens=24, batch_size=5, progress=False, save_hidden=True))
+    return output
+
+
+def examples_of(rows_file: Path, tokenizer) -> list[dict]:
+    rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
+    return build_examples(rows, tokenizer, max_length=1024)
+
+
+def test_kept_states_are_the_forward_pass_states_of_the_decoded_tokens(distilled, model_dir):
+    """Each row's states, decoded in batches with left padding and a KV cache, equal a plain
+    forward pass over the row's own tokens at the positions they claim."""
+    rows = [json.loads(line) for line in distilled.read_text().splitlines()]
+    captured = CapturedHidden.load(hidden_dir(distilled), str(model_dir))
+    assert len(captured) == len(rows) == 16
+    model = MedusaModel.from_base(load_base_model(str(model_dir)), num_heads=1)
+    ended = []
+    for prompt, entries in captured.entries.items():
+        (sequence, states), = entries
+        # one state per new token: the answer's, plus its end of sequence when it had one
+        extra = len(states) - (len(sequence) - len(prompt))
+        assert extra in (0, 1)
+        ended.append("eos" if extra else "length")
+        with torch.no_grad():
+            hidden = model(sequence[None], logits_positions=slice(0, 0)).hidden_states[0]
+        first = len(prompt) - 1
+        torch.testing.assert_close(states, hidden[first : first + len(states)], atol=1e-5, rtol=1e-4)
+    assert sorted(ended) == sorted(row["finish_reason"] for row in rows)
+    assert set(ended) == {"eos", "length"}
+
+
+def test_states_cover_an_example_only_where_its_tokens_agree():
+    prompt, answer = [5, 6, 7, 8], [10, 11, 12, 13, 14]
+    sequence = torch.tensor(prompt + answer)
+    states = torch.arange(6, dtype=torch.float32)[:, None].expand(6, 3).clone()  # answer + end of sequence
+    captured = CapturedHidden({tuple(prompt): [(sequence, states)]})
+    # the template adds the end of turn (2, labelled) and a newline (unlabelled) after the answer
+    ids = prompt + answer + [2, 9]
+    labels = [IGNORE] * 4 + answer + [2, IGNORE]
+    first, found = captured.states_for(ids, labels)
+    # rows run from the last prompt token to two before the last label: positions 3..8
+    assert first == 3 and found[:, 0].tolist() == [0, 1, 2, 3, 4, 5]
+    # tokenised again differently inside the answer: the states after the change are not this
+    # example's, so the example is left to the forward pass
+    changed = ids[:6] + [99] + ids[7:]
+    assert captured.states_for(changed, labels) is None
+    # another prompt, or too short an answer, finds nothing
+    assert captured.states_for([5, 6, 7, 0] + ids[4:], labels) is None
+    assert captured.states_for(prompt + [10, 2], [IGNORE] * 4 + [10, 2]) is None
+    # an answer cut by the token limit (no end of sequence decoded): the last row needs the
+    # state at the last answer token but one, which is there
+    cut = CapturedHidden({tuple(prompt): [(sequence, states[:5])]})
+    first, found = cut.states_for(ids, labels)
+    assert first == 3 and len(found) == 5
+
+
+def test_save_batch_checks_its_rows(tmp_path):
+    with pytest.raises(ValueError, match="hidden states for 2 answer tokens"):
+        save_batch(tmp_path, ["a"], [[1, 2]], [[3, 4]], [torch.zeros(4, 3)], "m")
+    with pytest.raises(ValueError, match="one entry per row"):
+        save_batch(tmp_path, ["a", "b"], [[1, 2]], [[3, 4]], [torch.zeros(2, 3)], "m")
+    save_batch(tmp_path, ["a"], [[1, 2]], [[3, 4]], [torch.zeros(3, 3)], "m")
+    with pytest.raises(ValueError, match="not of 'other'"):
+        CapturedHidden.load(tmp_path, "other")
+
+
+def test_save_hidden_needs_the_local_backend(prompts_file):
+    with pytest.raises(ValueError, match="save_hidden needs the local backend"):
+        DistillConfig(prompts=str(prompts_file), backend="openai", endpoint="http://127.0.0.1:1", save_hidden=True)
+
+
+def test_feature_cache_from_kept_states_equals_the_forward_pass(distilled, model_dir, tokenizer, tmp_path):
+    """Every covered example gives the forward pass's rows (less the one at the second-to-last
+    prompt token) with the same targets and, up to float rounding, the same states; examples
+    the states do not cover are run through the backbone."""
+    examples = examples_of(distilled, tokenizer)
+    captured = CapturedHidden.load(hidden_dir(distilled), str(model_dir))
+    # an example tokenised differently from what was decoded: left to the forward pass
+    tampered = dict(examples[0], input_ids=list(examples[0]["input_ids"]))
+    answer = tampered["labels"].index(next(v for v in tampered["labels"] if v != IGNORE))
+    tampered["input_ids"][answer + 1] = (tampered["input_ids"][answer + 1] + 1) % len(tokenizer)
+    examples = [tampered] + examples[1:]
+    model = MedusaModel.from_base(load_base_model(str(model_dir)), num_heads=1)
+    info = model_fingerprint(str(model_dir))
+    kept = FeatureCache.load(build_feature_cache(model, examples, tmp_path / "kept", info, topk=4, batch_size=3,
+                                                 progress=False, captured=captured))
+    plain = FeatureCache.load(build_feature_cache(model, examples, tmp_path / "plain", info, topk=4, batch_size=3,
+                                                  progress=False))
+    covered = kept.manifest["captured_examples"]
+    assert 0 < covered < len(examples), covered
+    assert kept.folder.name != plain.folder.name  # the key tells the two sources apart
+
+    def by_example(cache: FeatureCache) -> dict[int, dict[str, torch.Tensor]]:
+        block, out = cache.block, {}
+        for local, index in enumerate(block["example_index"].tolist()):
+            rows = block["row_example"] == local
+            soft = block["soft_example"] == local
+            out[index] = {"position": block["row_position"][rows], "next": block["row_next"][rows],
+                          "hidden": block["hidden"][rows], "soft_position": block["soft_position"][soft],
+                          "soft_ids": block["soft_ids"][soft],
+                          "labels": block["labels"][block["label_start"][local]:][: block["label_length"][local]]}
+        return out
+
+    mine, theirs = by_example(kept), by_example(plain)
+    assert set(mine) == set(theirs) == set(range(len(examples)))
+    from_states = 0
+    for index, ours in mine.items():
+        reference = theirs[index]
+        assert torch.equal(ours["labels"], reference["labels"])
+        if len(ours["position"]) == len(reference["position"]):  # run through the backbone
+            assert torch.equal(ours["hidden"], reference["hidden"])
+            continue
+        from_states += 1
+        first_answer = int((reference["labels"] != IGNORE).nonzero()[0])
+        keep = reference["position"] >= first_answer - 1
+        assert int((~keep).sum()) == 1  # the second-to-last prompt token's row
+        assert torch.equal(ours["position"], reference["position"][keep])
+        assert torch.equal(ours["next"], reference["next"][keep])
+        torch.testing.assert_close(ours["hidden"], reference["hidden"][keep], atol=1e-5, rtol=1e-4)
+        # soft rows where a state was kept; an answer cut by the token limit lacks its last one
+        soft = reference["soft_position"]
+        assert len(soft) - len(ours["soft_position"]) in (0, 1)
+        assert torch.equal(ours["soft_position"], soft[: len(ours["soft_position"])])
+        # the top candidate (ties aside, which random tiny logits do not have)
+        assert torch.equal(ours["soft_ids"][:, 0], theirs[index]["soft_ids"][: len(ours["soft_position"]), 0])
+    assert from_states == covered
+    assert 0 not in [i for i in mine if len(mine[i]["position"]) != len(theirs[i]["position"])]
+
+
+def test_train_heads_keeps_the_distillations_states_for_its_features(model_dir, prompts_file, tmp_path):
+    import train_heads
+
+    out = tmp_path / "run"
+    recipe = {
+        "output_dir": str(out),
+        "model": {"name": str(model_dir)},
+        "data": {"prompts": str(prompts_file), "n": 16, "max_new_tokens": 24, "distill_batch_size": 8,
+                 "heldout_fraction": 0.25},
+        "heads": {"num_heads": 2, "num_layers": 1, "projection": "shared"},
+        "training": {"lr": 0.01, "epochs": 1, "batch_tokens": 16, "warmup_ratio": 0.0},
+        "log": {"every": 1, "progress": False},
+        "eval": {"tree_size": 4},
+    }
+    config = tmp_path / "r.yaml"
+    config.write_text(yaml.safe_dump(recipe))
+    assert train_heads.main(["--config", str(config)]) == 0
+    assert any(hidden_dir(out / "data" / "distilled.jsonl").glob("batch-*.safetensors"))
+    index = json.loads((out / "features" / "index.json").read_text())
+    for split in ("train", "heldout"):
+        manifest = json.loads((out / "features" / index[split] / "manifest.json").read_text())
+        assert manifest["captured_examples"] > 0, (split, manifest)
+    assert (out / "heads" / "config.json").is_file()
+    # turned off, the distillation keeps nothing and the features come from the backbone
+    off = dict(recipe, output_dir=str(tmp_path / "off"), features={"from_distillation": False})
+    config.write_text(yaml.safe_dump(off))
+    assert train_heads.main(["--config", str(config)]) == 0
+    assert not hidden_dir(tmp_path / "off" / "data" / "distilled.jsonl").exists()
+    index = json.loads((tmp_path / "off" / "features" / "index.json").read_text())
+    manifest = json.loads((tmp_path / "off" / "features" / index["train"] / "manifest.json").read_text())
+    assert manifest["captured_examples"] == 0
