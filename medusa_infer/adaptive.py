@@ -7,8 +7,12 @@ rows share one forward, so on a CPU a tree that pays for one row can cost more t
 for eight). While generating it tracks how the observed accepted tokens compare with what the
 calibration predicted for the trees actually used (``scale``, an exponential moving average),
 predicts ``tau(r) = 1 + scale * (tau_cal(r) - 1)`` and picks the rung with the highest
-``tau(r) / c(r)``. On rung 0 nothing is observed, so every
-``probe_every`` steps it tries the smallest tree once to see whether acceptance has recovered.
+``tau(r) / c(r)``. On rung 0 no tree is verified, so a proposer that can still read its heads
+reports, after each plain step, whether the token that came next was among head 1's candidates
+of the largest tree (``observe_shadow``): the ratio to the calibrated rate moves ``scale`` as a
+tree step would, at the cost of a heads' forward and no verification. Without such reports,
+every ``probe_every`` steps on rung 0 it tries the smallest tree once to see whether acceptance
+has recovered.
 """
 
 from __future__ import annotations
@@ -73,6 +77,9 @@ class TreeController:
         if not self.ladder or self.ladder[0]:
             raise ValueError("the ladder must start with the empty tree (plain decoding)")
         self.tau_cal = [expected_accept_length(t, self.head_topk_acc) if t else 1.0 for t in self.ladder]
+        first = [p for p in self.ladder[-1] if len(p) == 1]
+        # how often the largest tree's first level holds the next token, under the calibration
+        self.first_level_cal = expected_accept_length(first, self.head_topk_acc) - 1.0 if first else 0.0
         self._cost_ratios: dict[int, list[float]] = {}
         self.rung = self._best()
 
@@ -112,6 +119,21 @@ class TreeController:
             ratio = mean_accepted / expected
             self.scale = (1 - self.smoothing) * self.scale + self.smoothing * ratio
         self.rung = self._best()
+
+    def observe_shadow(self, hit_rate: float) -> None:
+        """Record, for a plain step, the share of rows whose next token was among head 1's
+        candidates at the largest tree's first level (``first_level_ranks``), as a tree would
+        have seen it. It stands in for a probe: the controller then does not probe."""
+        self._since_probe = 0
+        if self.first_level_cal > 0:
+            ratio = hit_rate / self.first_level_cal
+            self.scale = (1 - self.smoothing) * self.scale + self.smoothing * ratio
+        self.rung = self._best()
+
+    @property
+    def first_level_ranks(self) -> list[int]:
+        """Head 1's ranks at the largest tree's first level, in order (empty: plain decoding only)."""
+        return sorted(p[0] for p in self.ladder[-1] if len(p) == 1)
 
     def expected_accepted(self, rung: int) -> float:
         """Tokens a step on ``rung`` is expected to accept beyond the root, as measured so far."""

@@ -35,7 +35,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -43,6 +43,9 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from medusa_train.losses import IGNORE, to_head_vocab
+
+if TYPE_CHECKING:
+    from medusa_train.captured import CapturedHidden
 
 FORMAT_VERSION = 2  # 2: blocks hold row_next
 MANIFEST = "manifest.json"
@@ -315,7 +318,7 @@ def build_feature_cache(
     world_size: int = 1,
     barrier: Any = None,
     progress: bool = True,
-    captured: Any = None,
+    captured: CapturedHidden | None = None,
 ) -> Path:
     """Extract (or find) the feature cache of ``examples``; return its folder.
 

@@ -129,8 +129,8 @@ class FeaturesSection:
             hidden states of the answers as it decodes them (``medusa_train.captured``) and build
             the cache from them, running the backbone only over the examples they do not cover.
             That saves the forward pass over the data (on the default recipe, about a third of
-            the distillation's time), and doubles the disk the states take until the cache is
-            built (the states stay, for another cache of the same data).
+            the distillation's time). The states take about as much disk as the cache, and stay
+            (in ``<rows>.hidden/``) for another cache of the same data.
     """
 
     enabled: bool = True

@@ -172,3 +172,56 @@ def test_cost_extrapolation_never_decreases():
     ratios = [noisy.ratio(n) for n in (8, 16, 1000, 100_000)]
     assert ratios == sorted(ratios) and min(ratios) > 0
     assert STEEP.ratio(128) > STEEP.ratio(64)  # a rising profile keeps rising
+
+
+def test_shadow_reports_replace_probes_and_bring_the_tree_back():
+    ladder = tree_ladder(greedy_tree(REFERENCE_HEAD_ACCURACY, 16))
+    control = TreeController(ladder, REFERENCE_HEAD_ACCURACY, STEEP, probe_every=4)
+    initial = control.rung
+    assert initial > 0 and control.first_level_ranks == sorted(p[0] for p in ladder[-1] if len(p) == 1)
+    assert 0 < control.first_level_cal <= sum(REFERENCE_HEAD_ACCURACY[0])
+    for _ in range(30):
+        control.observe(control.choose(), 0.0)
+    assert control.rung == 0
+    for _ in range(20):  # plain steps that report misses: no probe, still plain decoding
+        assert control.choose() == 0
+        control.observe_shadow(0.0)
+    assert list(control.history)[-20:] == [0] * 20
+    reports = 0
+    while control.rung == 0:  # the next tokens were among head 1's candidates: back to a tree
+        control.choose()
+        control.observe_shadow(1.0)
+        reports += 1
+    assert reports <= 6 and control.rung > 0
+
+
+def test_a_plain_step_reports_whether_head_1_had_the_next_token():
+    from medusa_infer.decoding import make_controller
+    from medusa_infer.proposers.base import StepContext
+    from medusa_infer.proposers.medusa import MedusaProposer
+
+    model = MedusaModel.from_base(tiny_model("llama"), num_heads=4)
+    model.config.head_accuracies = [list(itertools.accumulate(row)) for row in REFERENCE_HEAD_ACCURACY]
+    model.config.cost_profile = STEEP.to_dict()
+    paths = greedy_tree(REFERENCE_HEAD_ACCURACY, 16)
+    hidden = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    roots = torch.tensor([5, 7])
+    context = StepContext([[3, 4, 5], [3, 6, 7]], max_depth=4)
+    for hit in (True, False):
+        control = make_controller(model, paths, True)
+        control.scale = 0.0  # acceptance so low that plain decoding is best
+        control.rung = control._best()
+        assert control.rung == 0
+        proposer = MedusaProposer(model, paths, control)
+        proposer.start(context, hidden)
+        proposal = proposer.propose(roots, context)
+        assert proposal.tree.num_nodes == 1 and proposer.shadow.shape == (2, len(control.first_level_ranks))
+        expected = model.head_logits(hidden, roots)[0].topk(max(control.first_level_ranks) + 1).indices
+        assert torch.equal(proposer.shadow, expected[:, control.first_level_ranks])
+        # row 0's next token was head 1's top candidate (or not); row 1's never was
+        first = int(proposer.shadow[0, 0]) if hit else next(t for t in range(VOCAB) if t not in proposer.shadow[0])
+        missing = next(t for t in range(VOCAB) if t not in proposer.shadow[1])
+        proposer.observe([[first], [missing]], hidden, context)
+        rate = 0.5 if hit else 0.0
+        assert control.scale == pytest.approx(control.smoothing * rate / control.first_level_cal)
+        assert proposer.shadow is None

@@ -102,6 +102,7 @@ class MedusaProposer:
         self.hidden: torch.Tensor | None = None  # [batch, hidden] at the last accepted position
         self.rung = 0
         self.truncated = False  # whether the last proposal was cut below its rung's depth
+        self.shadow: torch.Tensor | None = None  # [batch, n] head 1's first-level candidates, plain steps
 
     def _candidates(self, cache: TreeCache, depth: int, roots: torch.Tensor) -> torch.Tensor:
         """``[batch, depth * top_k]`` token ids: the heads' top-k, head after head (heads that read
@@ -122,6 +123,7 @@ class MedusaProposer:
         self.truncated = depth < cache.full.max_depth
         drafts = self._lookup(context, cache, depth)
         self.grafted = max((len(d) for d in drafts), default=0)
+        self.shadow = self._shadow(roots) if self.rung == 0 else None
         if self.grafted:
             return self._graft(roots, cache, depth, drafts)
         tree = cache.at_depth(depth)
@@ -129,6 +131,16 @@ class MedusaProposer:
             return Proposal(roots[:, None], tree)
         flat = torch.cat([roots[:, None], self._candidates(cache, tree.max_depth, roots)], dim=1)
         return Proposal(flat[:, tree.candidate_index], tree)
+
+    def _shadow(self, roots: torch.Tensor) -> torch.Tensor | None:
+        """On a plain step, head 1's candidates at the controller's largest tree's first level,
+        ``[batch, n]``: the next token shows whether that tree would have gone past its root."""
+        ranks = self.controller.first_level_ranks if self.controller is not None else []
+        if not ranks or self.model.heads is None:
+            return None
+        logits = self.model.head_logits(self.hidden, roots)[0]  # [batch, head_vocab]
+        ids = logits.topk(ranks[-1] + 1, dim=-1).indices[:, ranks]
+        return self.model.heads.to_full_vocab(ids)
 
     def _lookup(self, context: StepContext, cache: TreeCache, depth: int) -> list[list[int]]:
         limit = min(self.lookup_tokens if self.gate is None else self.lookup_max_tokens, context.max_depth)
@@ -159,7 +171,11 @@ class MedusaProposer:
     def observe(self, accepted: list[list[int]], hidden: torch.Tensor, context: StepContext) -> None:
         self.hidden = hidden
         record_matches(self.gate, self.matches, accepted)
-        if self.controller is not None and not self.grafted and not self.truncated:
+        if self.shadow is not None:  # the first token after the root is the next one, accepted or not
+            following = torch.tensor([a[0] for a in accepted], device=self.shadow.device)
+            self.controller.observe_shadow(float((self.shadow == following[:, None]).any(1).float().mean()))
+            self.shadow = None
+        elif self.controller is not None and not self.grafted and not self.truncated:
             self.controller.observe(self.rung, sum(len(a) - 1 for a in accepted) / len(accepted))
 
     def select_rows(self, rows: torch.Tensor) -> None:

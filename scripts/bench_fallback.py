@@ -1,0 +1,77 @@
+"""The adaptive fallback against the heads' fixed tree and plain decoding, interleaved question by question.
+
+    python scripts/bench_fallback.py --heads runs/demo/heads --limit 10
+
+For each question (first turns of Spec-Bench-format questions, by default the 16 that
+``medusa-bench --calibrate`` measured the heads on, as stored in ``<heads>/../calibration.json``
+when there is one, else the first ``--limit`` of the file), it answers greedily three ways, one
+after the other: plain decoding (our loop, ``ar``), the heads' stored tree with the adaptive
+fallback (``adaptive``, what ``medusa`` runs) and the same tree without it (``fixed``). It prints
+tokens per step (tau, bonus included), seconds and the speed ratios, per question and in all, and
+checks that the three answers are identical. ``plain steps``: the share of steps that verified
+the root alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from medusa_infer.decoding import generate
+from medusa_infer.model import MedusaModel
+from medusa_infer.proposers import AutoregressiveProposer
+
+METHODS = ("ar", "adaptive", "fixed")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--heads", required=True)
+    parser.add_argument("--questions", default="data/specbench.jsonl")
+    parser.add_argument("--ids", default=None, help="comma-separated question ids (default: see above)")
+    parser.add_argument("--limit", type=int, default=10)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    args = parser.parse_args()
+    model = MedusaModel.from_pretrained(args.heads)
+    questions = [json.loads(line) for line in Path(args.questions).read_text().splitlines() if line.strip()]
+    calibration = Path(args.heads).parent / "calibration.json"
+    if args.ids:
+        wanted = [int(i) for i in args.ids.split(",")]
+    elif calibration.is_file():
+        wanted = json.loads(calibration.read_text())["question_ids"]
+    else:
+        wanted = [q["id"] for q in questions]
+    chosen = [q for q in questions if q["id"] in wanted][: args.limit]
+    totals = {m: {"step_tokens": 0, "row_steps": 0, "steps": 0, "plain": 0, "seconds": 0.0} for m in METHODS}
+    for question in chosen:
+        messages = [{"role": "user", "content": question["turns"][0]}]
+        answers = {}
+        for method in METHODS:
+            settings = {"proposer": AutoregressiveProposer(model)} if method == "ar" else {
+                "adaptive": method == "adaptive"}
+            start = time.perf_counter()
+            with torch.inference_mode():
+                out = generate(model, messages=messages, max_new_tokens=args.max_new_tokens, **settings)
+            seconds = time.perf_counter() - start
+            answers[method] = out.sequences[0].tolist()
+            metrics = out.metrics
+            for name, value in (("step_tokens", metrics.step_tokens), ("row_steps", metrics.row_steps),
+                                ("steps", metrics.steps), ("plain", metrics.plain_steps), ("seconds", seconds)):
+                totals[method][name] += value
+        if len({tuple(a) for a in answers.values()}) != 1:
+            raise SystemExit(f"question {question['id']}: the answers differ between methods")
+        print(f"question {question['id']} ({question['category']}): done", flush=True)
+    for method in METHODS:
+        t = totals[method]
+        print(f"{method:9s} tau {t['step_tokens'] / max(t['row_steps'], 1):.3f}  "
+              f"plain steps {t['plain'] / max(t['steps'], 1):.0%}  {t['seconds']:.1f} s  "
+              f"speed vs ar {totals['ar']['seconds'] / t['seconds']:.3f}")
+    print(f"adaptive / fixed speed: {totals['fixed']['seconds'] / totals['adaptive']['seconds']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
