@@ -170,7 +170,7 @@ def stage_features(config: TrainConfig, accelerator: Any, train: list[dict], hel
         from medusa_train.captured import CapturedHidden
 
         model = MedusaModel.from_base(load_base(config, accelerator), num_heads=1)
-        captured = CapturedHidden.load(kept, config.model.name) if kept is not None else None
+        captured = CapturedHidden.load(kept, info) if kept is not None else None
         for name, examples in splits.items():
             say(accelerator, f"features: {name} split, {len(examples)} examples -> {folders[name]}")
             build_feature_cache(model, examples, root, info, topk=topk, batch_size=f.batch_size,

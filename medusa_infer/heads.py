@@ -122,6 +122,7 @@ class MedusaHeads(nn.Module):
         logit_softcap: float | None = None,
         next_tokens: torch.Tensor | None = None,
         embed_weight: torch.Tensor | None = None,
+        first: int | None = None,
     ) -> torch.Tensor:
         """Heads' logits.
 
@@ -132,11 +133,13 @@ class MedusaHeads(nn.Module):
             next_tokens: ``[...]`` token ids at t + 1 (``next_token_input`` heads only).
             embed_weight: ``[vocab, hidden]`` the base model's input embedding weight
                 (``next_token_input`` heads only).
+            first: run only the first this many heads (default: all).
 
         Returns:
-            ``[num_heads, ..., head_vocab]`` logits; with a reduced vocabulary column j scores token
-            ``token_map[j]``.
+            ``[num_heads, ..., head_vocab]`` logits (``[first, ...]`` with ``first``); with a reduced
+            vocabulary column j scores token ``token_map[j]``.
         """
+        heads = self.heads if first is None else self.heads[:first]
         embedded = None
         if self.config.next_token_input:
             if next_tokens is None or embed_weight is None:
@@ -146,14 +149,14 @@ class MedusaHeads(nn.Module):
                 raise ValueError(f"next_tokens has shape {tuple(next_tokens.shape)}, expected "
                                  f"{tuple(hidden.shape[:-1])} (one token per hidden state)")
             embedded = F.embedding(next_tokens, embed_weight).to(hidden.dtype)
-        x = torch.stack([head.transform(hidden, embedded) for head in self.heads])
+        x = torch.stack([head.transform(hidden, embedded) for head in heads])
         if self.config.projection == "shared":
             weight, bias = self.shared_projection(lm_head)
             # the same kernels as the base model's own lm_head (see cpu_kernels)
             linear = onednn_linear if isinstance(lm_head, OneDNNLinear) else F.linear
             logits = linear(x, weight, bias)
         else:
-            logits = torch.stack([head.proj(x[k]) for k, head in enumerate(self.heads)])
+            logits = torch.stack([head.proj(x[k]) for k, head in enumerate(heads)])
         if logit_softcap:
             logits = torch.tanh(logits / logit_softcap) * logit_softcap
         return logits

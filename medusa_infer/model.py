@@ -305,19 +305,21 @@ class MedusaModel(nn.Module):
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits
 
-    def head_logits(self, hidden: torch.Tensor, next_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Heads' logits ``[num_heads, ..., head_vocab]`` from final hidden states ``[..., hidden]``.
+    def head_logits(self, hidden: torch.Tensor, next_tokens: torch.Tensor | None = None,
+                    first: int | None = None) -> torch.Tensor:
+        """Heads' logits ``[num_heads, ..., head_vocab]`` from final hidden states ``[..., hidden]``
+        (``[first, ...]``: only the first ``first`` heads run).
 
         ``next_tokens`` ``[...]``: the tokens at t + 1, read by ``next_token_input`` heads (ignored
         by others). By default they are the base model's greedy choice at each position; a decoding
         step passes its root tokens (sampled ones included).
         """
         if not self.config.next_token_input:
-            return self.heads(hidden, self.lm_head, self.logit_softcap)
+            return self.heads(hidden, self.lm_head, self.logit_softcap, first=first)
         if next_tokens is None:
             next_tokens = self.project(hidden).argmax(-1)
         embed_weight = self.base_model.get_input_embeddings().weight
-        return self.heads(hidden, self.lm_head, self.logit_softcap, next_tokens, embed_weight)
+        return self.heads(hidden, self.lm_head, self.logit_softcap, next_tokens, embed_weight, first=first)
 
     def forward(
         self,

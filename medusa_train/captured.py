@@ -10,7 +10,7 @@ prompt and answer (on the default recipe, about a third of distillation's time).
 answer ids, without the end-of-sequence token, concatenated), ``token_offsets [R + 1]``,
 ``prompt_lengths [R]``, ``hidden`` ``[sum m_r, H]`` (row r's states at positions
 ``prompt_length - 1`` onwards, one per new token, end of sequence included) and
-``hidden_offsets [R + 1]``; metadata ``model``.
+``hidden_offsets [R + 1]``; metadata ``model``, the model's ``features.model_fingerprint`` as JSON.
 
 A batch's file is written before its rows are synced to the JSONL shard, so a killed run leaves
 at most states of rows that the resumed run answers again (greedy: the same tokens).
@@ -26,6 +26,7 @@ alone): at decoding time heads are never asked from there.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -88,19 +89,25 @@ def save_batch(
     ids: Sequence[str],
     prompt_ids: Sequence[Sequence[int]],
     answers: Sequence[Sequence[int]],
+    ended: Sequence[bool],
     states: Sequence[torch.Tensor],
-    model: str,
+    model: Mapping[str, Any],
     dtype: torch.dtype = torch.float32,
 ) -> Path:
     """Write one batch's states (see the module docstring); returns the file.
 
-    ``answers``: each row's answer without its end-of-sequence token; ``states``: the
-    recorder's, one more than ``answers`` where the row ended with one."""
-    if not len(ids) == len(prompt_ids) == len(answers) == len(states):
-        raise ValueError("ids, prompt_ids, answers and states must have one entry per row")
-    for row, (tokens, state) in enumerate(zip(answers, states)):
-        if not len(tokens) <= len(state) <= len(tokens) + 1:  # + 1: the end of sequence was decoded too
-            raise ValueError(f"row {ids[row]!r}: {len(state)} hidden states for {len(tokens)} answer tokens")
+    Args:
+        answers: each row's answer without its end-of-sequence token.
+        ended: whether each row ended with an end-of-sequence token (which was decoded too).
+        states: the recorder's, one per answer token plus one where the row ended.
+        model: the model's ``features.model_fingerprint``.
+    """
+    if not len(ids) == len(prompt_ids) == len(answers) == len(ended) == len(states):
+        raise ValueError("ids, prompt_ids, answers, ended and states must have one entry per row")
+    for row, (tokens, eos, state) in enumerate(zip(answers, ended, states)):
+        if len(state) != len(tokens) + bool(eos):
+            raise ValueError(f"row {ids[row]!r}: {len(state)} hidden states for {len(tokens)} answer tokens "
+                             f"{'and an' if eos else 'and no'} end of sequence")
     sequences = [list(p) + list(t) for p, t in zip(prompt_ids, answers)]
     tensors = {
         "tokens": torch.tensor([t for s in sequences for t in s], dtype=torch.long),
@@ -114,7 +121,7 @@ def save_batch(
     digest = hashlib.sha256("\n".join(ids).encode()).hexdigest()[:20]
     path = folder / f"batch-{digest}.safetensors"
     tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp), metadata={"model": model})
+    save_file(tensors, str(tmp), metadata={"model": json.dumps(dict(model), sort_keys=True)})
     os.replace(tmp, path)
     return path
 
@@ -134,14 +141,16 @@ class CapturedHidden:
         self.entries = dict(entries)
 
     @classmethod
-    def load(cls, folder: str | Path, model: str | None = None) -> "CapturedHidden":
-        """Every batch file in ``folder``; with ``model``, files of another model are an error."""
+    def load(cls, folder: str | Path, model: Mapping[str, Any] | None = None) -> "CapturedHidden":
+        """Every batch file in ``folder`` (all held in memory: about the size of the feature cache);
+        with ``model`` (a ``features.model_fingerprint``), files of another model, or of other
+        weights under the same name, are an error."""
         entries: dict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for path in sorted(Path(folder).glob("batch-*.safetensors")):
             with safe_open(str(path), framework="pt") as handle:
-                found = (handle.metadata() or {}).get("model")
-                if model is not None and found != model:
-                    raise ValueError(f"{path} holds hidden states of {found!r}, not of {model!r}: delete "
+                found = json.loads((handle.metadata() or {}).get("model", "null"))
+                if model is not None and found != dict(model):
+                    raise ValueError(f"{path} holds hidden states of {found}, not of {dict(model)}: delete "
                                      f"{folder} (the features stage then runs the backbone) or distil again")
                 tensors = {name: handle.get_tensor(name) for name in handle.keys()}
             tokens, hidden = tensors["tokens"], tensors["hidden"]
@@ -157,8 +166,12 @@ class CapturedHidden:
 
     def states_for(self, input_ids: Sequence[int], labels: Sequence[int]) -> tuple[int, torch.Tensor] | None:
         """``(first, states)``: the example's hidden states at positions ``first ..
-        first + len(states) - 1``, covering every position a head trains from (all but the
-        second-to-last prompt token), or None where the captured states do not cover them."""
+        first + len(states) - 1``, covering every row a head trains from (all but the one at the
+        second-to-last prompt token), or None where the captured states do not cover them.
+
+        Soft-label rows (``labels[t + 1]`` an answer token) need one position more; an answer cut
+        by the token limit lacks the last of them (the state of its last token was never
+        computed), so ``loss: kl`` loses one soft target per such answer."""
         ids = torch.as_tensor(input_ids, dtype=torch.long)
         labelled = (torch.as_tensor(labels, dtype=torch.long) != IGNORE).nonzero().flatten()
         if len(labelled) < 3:  # fewer than 3 answer tokens: no row from the answer itself

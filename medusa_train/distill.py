@@ -13,6 +13,8 @@ Each process appends rows to ``<output>.rank{i}.jsonl`` (flushed and fsynced per
 restarted run skips ids already written (a half-written last line is dropped), so a killed run
 continues without duplicates or gaps. At the end the main process merges everything into
 ``<output>`` in prompt order (and, with ``format="arrow"``, also saves a ``datasets`` folder).
+With ``save_hidden`` the local backend also keeps the model's hidden states of every answer, for
+the Medusa-1 feature cache (``medusa_train.captured``).
 
 Row: ``{"id", "source", "prompt", "response", "model", "generation": {"max_new_tokens",
 "do_sample", "temperature", "top_p", "seed", "chat_template", "system_prompt"}, "finish_reason":
@@ -54,6 +56,7 @@ from medusa_infer.model import MedusaModel
 from medusa_infer.proposers import AutoregressiveProposer
 from medusa_train.captured import HiddenRecorder, hidden_dir, save_batch
 from medusa_train.dataset import encode_rendered, has_chat_template, render_prompt, row_messages
+from medusa_train.features import model_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -637,6 +640,7 @@ def _generate_all(
     bar = tqdm(total=len(prepared), unit="prompt", desc=f"distill rank {stats.rank}",
                disable=not config.progress, dynamic_ncols=True)
     start = time.perf_counter()
+    fingerprint = model_fingerprint(config.model) if config.save_hidden else {}
     try:
         for batch_index, first in enumerate(range(0, len(prepared), config.batch_size)):
             batch = prepared[first : first + config.batch_size]
@@ -646,7 +650,8 @@ def _generate_all(
                 answers = generate_batch(model, tokenizer, [ids for _, _, ids in batch], config, eos_ids, recorder)
             if recorder is not None:  # before the rows: a kill in between leaves states of unwritten rows
                 save_batch(hidden_dir(config.output), [p["id"] for p, _, _ in batch], [ids for _, _, ids in batch],
-                           [tokens for tokens, _ in answers], recorder.states(), config.model_label)
+                           [tokens for tokens, _ in answers], [finish == "eos" for _, finish in answers],
+                           recorder.states(), fingerprint)
             rows = []
             for (prompt, text, _), (tokens, finish) in zip(batch, answers):
                 response = tokenizer.decode(tokens, skip_special_tokens=False)

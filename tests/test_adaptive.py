@@ -216,12 +216,45 @@ def test_a_plain_step_reports_whether_head_1_had_the_next_token():
         proposer.start(context, hidden)
         proposal = proposer.propose(roots, context)
         assert proposal.tree.num_nodes == 1 and proposer.shadow.shape == (2, len(control.first_level_ranks))
-        expected = model.head_logits(hidden, roots)[0].topk(max(control.first_level_ranks) + 1).indices
-        assert torch.equal(proposer.shadow, expected[:, control.first_level_ranks])
-        # row 0's next token was head 1's top candidate (or not); row 1's never was
+        top = model.head_logits(hidden, roots)[0].topk(max(control.first_level_ranks) + 1).indices  # all heads run
+        expected = model.heads.to_full_vocab(top[:, control.first_level_ranks])
+        assert torch.equal(proposer.shadow, expected)
+        # row 0's next token was head 1's top candidate (or not); row 1's never was. A step can
+        # commit more than one token (a lookup chain grafted onto a plain step): the first counts.
         first = int(proposer.shadow[0, 0]) if hit else next(t for t in range(VOCAB) if t not in proposer.shadow[0])
         missing = next(t for t in range(VOCAB) if t not in proposer.shadow[1])
-        proposer.observe([[first], [missing]], hidden, context)
+        later = int(proposer.shadow[1, 0])  # head 1's candidate, but one token too late
+        proposer.observe([[first, missing, missing], [missing, later]], hidden, context)
         rate = 0.5 if hit else 0.0
         assert control.scale == pytest.approx(control.smoothing * rate / control.first_level_cal)
         assert proposer.shadow is None
+
+
+def test_plain_steps_report_to_the_controller_in_generation_with_lookup_chains(monkeypatch):
+    """Useless heads: the fallback keeps plain decoding (a lookup chain grafted on most steps of a
+    repetitive prompt), every plain step reports a miss, no probe runs, the output stays exact."""
+    base = tiny_model("llama")
+    model = MedusaModel.from_base(base, num_heads=4)
+    torch.manual_seed(0)
+    for p in model.heads.parameters():
+        torch.nn.init.normal_(p, std=2.0)
+    model.config.head_accuracies = [list(itertools.accumulate(row)) for row in REFERENCE_HEAD_ACCURACY]
+    model.config.cost_profile = STEEP.to_dict()
+    reports: list[float] = []
+    original = TreeController.observe_shadow
+
+    def spy(self, hit_rate):
+        reports.append(hit_rate)
+        return original(self, hit_rate)
+
+    monkeypatch.setattr(TreeController, "observe_shadow", spy)
+    prompt = torch.tensor([[5, 6, 7, 8, 9] * 4])
+    out = generate(model, prompt, max_new_tokens=40, tree="tree-16", eos_token_id=[], lookup_tokens=3)
+    reference = base.generate(prompt, max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(out.sequences, reference)
+    # after the first steps on the tree, rung 0 throughout: plain steps and steps of the root plus
+    # a lookup chain (2 nodes here) all report
+    sizes = list(out.metrics.recent_tree_sizes)
+    assert sizes.count(1) >= 5 and sizes.count(2) >= 5
+    assert len(reports) >= sizes.count(1) + sizes.count(2)
+    assert max(reports) <= 0.5  # noise heads rarely hold the next token

@@ -74,7 +74,7 @@ def test_kept_states_are_the_forward_pass_states_of_the_decoded_tokens(distilled
     """Each row's states, decoded in batches with left padding and a KV cache, equal a plain
     forward pass over the row's own tokens at the positions they claim."""
     rows = [json.loads(line) for line in distilled.read_text().splitlines()]
-    captured = CapturedHidden.load(hidden_dir(distilled), str(model_dir))
+    captured = CapturedHidden.load(hidden_dir(distilled), model_fingerprint(str(model_dir)))
     assert len(captured) == len(rows) == 16
     model = MedusaModel.from_base(load_base_model(str(model_dir)), num_heads=1)
     ended = []
@@ -107,6 +107,11 @@ def test_states_cover_an_example_only_where_its_tokens_agree():
     # example's, so the example is left to the forward pass
     changed = ids[:6] + [99] + ids[7:]
     assert captured.states_for(changed, labels) is None
+    # the boundary: the last row (t = 7) reads tokens 0..7, so a change at 8 leaves it covered
+    # (with the states up to position 7) and a change at 7 does not
+    first, found = captured.states_for(ids[:8] + [99] + ids[9:], labels)
+    assert first == 3 and found[:, 0].tolist() == [0, 1, 2, 3, 4]
+    assert captured.states_for(ids[:7] + [99] + ids[8:], labels) is None
     # another prompt, or too short an answer, finds nothing
     assert captured.states_for([5, 6, 7, 0] + ids[4:], labels) is None
     assert captured.states_for(prompt + [10, 2], [IGNORE] * 4 + [10, 2]) is None
@@ -118,13 +123,18 @@ def test_states_cover_an_example_only_where_its_tokens_agree():
 
 
 def test_save_batch_checks_its_rows(tmp_path):
-    with pytest.raises(ValueError, match="hidden states for 2 answer tokens"):
-        save_batch(tmp_path, ["a"], [[1, 2]], [[3, 4]], [torch.zeros(4, 3)], "m")
+    model = {"name": "m", "content": "abc"}
+    for ended, count in ((True, 2), (True, 4), (False, 3), (False, 1)):
+        with pytest.raises(ValueError, match="hidden states for 2 answer tokens"):
+            save_batch(tmp_path, ["a"], [[1, 2]], [[3, 4]], [ended], [torch.zeros(count, 3)], model)
     with pytest.raises(ValueError, match="one entry per row"):
-        save_batch(tmp_path, ["a", "b"], [[1, 2]], [[3, 4]], [torch.zeros(2, 3)], "m")
-    save_batch(tmp_path, ["a"], [[1, 2]], [[3, 4]], [torch.zeros(3, 3)], "m")
-    with pytest.raises(ValueError, match="not of 'other'"):
-        CapturedHidden.load(tmp_path, "other")
+        save_batch(tmp_path, ["a", "b"], [[1, 2]], [[3, 4]], [False], [torch.zeros(2, 3)], model)
+    save_batch(tmp_path, ["a"], [[1, 2]], [[3, 4]], [True], [torch.zeros(3, 3)], model)
+    save_batch(tmp_path, ["b"], [[1, 5]], [[3, 4]], [False], [torch.zeros(2, 3)], model)
+    assert len(CapturedHidden.load(tmp_path, model)) == 2
+    # the same name with other weights (a folder trained again) is refused
+    with pytest.raises(ValueError, match="not of"):
+        CapturedHidden.load(tmp_path, {"name": "m", "content": "def"})
 
 
 def test_save_hidden_needs_the_local_backend(prompts_file):
@@ -137,7 +147,7 @@ def test_feature_cache_from_kept_states_equals_the_forward_pass(distilled, model
     prompt token) with the same targets and, up to float rounding, the same states; examples
     the states do not cover are run through the backbone."""
     examples = examples_of(distilled, tokenizer)
-    captured = CapturedHidden.load(hidden_dir(distilled), str(model_dir))
+    captured = CapturedHidden.load(hidden_dir(distilled), model_fingerprint(str(model_dir)))
     # an example tokenised differently from what was decoded: left to the forward pass
     tampered = dict(examples[0], input_ids=list(examples[0]["input_ids"]))
     answer = tampered["labels"].index(next(v for v in tampered["labels"] if v != IGNORE))

@@ -138,7 +138,7 @@ class MedusaProposer:
         ranks = self.controller.first_level_ranks if self.controller is not None else []
         if not ranks or self.model.heads is None:
             return None
-        logits = self.model.head_logits(self.hidden, roots)[0]  # [batch, head_vocab]
+        logits = self.model.head_logits(self.hidden, roots, first=1)[0]  # [batch, head_vocab]
         ids = logits.topk(ranks[-1] + 1, dim=-1).indices[:, ranks]
         return self.model.heads.to_full_vocab(ids)
 
