@@ -10,7 +10,7 @@ predicts ``tau(r) = 1 + scale * (tau_cal(r) - 1)`` and picks the rung with the h
 ``tau(r) / c(r)``. On rung 0 no tree is verified, so a proposer that can still read its heads
 reports, after each plain step, whether the token that came next was among head 1's candidates
 of the largest tree (``observe_shadow``): the ratio to the calibrated rate moves ``scale`` as a
-tree step would, at the cost of a heads' forward and no verification. Without such reports,
+tree step would, at the cost of head 1's forward and no verification. Without such reports,
 every ``probe_every`` steps on rung 0 it tries the smallest tree once to see whether acceptance
 has recovered.
 """

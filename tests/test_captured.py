@@ -10,41 +10,17 @@ import torch
 import yaml
 
 from medusa_infer.model import MedusaModel
-from medusa_infer.models import load_base_model, load_tokenizer
+from medusa_infer.models import load_base_model
 from medusa_train.captured import CapturedHidden, hidden_dir, save_batch
 from medusa_train.dataset import build_examples
 from medusa_train.distill import DistillConfig, distill
 from medusa_train.features import FeatureCache, build_feature_cache, model_fingerprint
 from medusa_train.losses import IGNORE
-from tiny import tiny_model
+# the tiny Llama with the SmolLM2 tokenizer (EOS scaled so that some answers end early, others
+# at the token limit), its tokenizer, and one torch thread for this module
+from test_distill import model_dir, one_thread, tokenizer  # noqa: F401
 
 WORDS = "cat dog bird fish tree rock cloud river stone lamp book door".split()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer("smollm2-135m-instruct")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tokenizer) -> Path:
-    """A tiny random Llama with the SmolLM2 tokenizer; EOS (id 2) scaled up so that some answers
-    end early and others reach the token limit."""
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    model = tiny_model("llama", vocab_size=len(tokenizer))
-    with torch.no_grad():
-        model.lm_head.weight[2] *= 2.8
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
