@@ -132,12 +132,11 @@ def load_base(config: TrainConfig, accelerator: Any) -> Any:
 def captured_folder(config: TrainConfig) -> Path | None:
     """The folder of the hidden states kept while distilling this run's rows
     (``features.from_distillation``), or None when there are none."""
-    from medusa_train.captured import hidden_dir
+    from medusa_train.captured import kept_states
 
-    folder = hidden_dir(rows_path(config))
-    if config.data.tokenized or not config.features.from_distillation or not any(folder.glob("batch-*")):
+    if config.data.tokenized or not config.features.from_distillation:
         return None
-    return folder
+    return kept_states(rows_path(config))
 
 
 def stage_features(config: TrainConfig, accelerator: Any, train: list[dict], heldout: list[dict]) -> dict[str, Path]:

@@ -26,6 +26,7 @@ alone): at decoding time heads are never asked from there.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -47,6 +48,12 @@ def hidden_dir(output: str | Path) -> Path:
     """The folder of the states kept while distilling into ``output`` (the merged JSONL)."""
     output = Path(output)
     return output.with_name(output.name + SUFFIX)
+
+
+def kept_states(output: str | Path) -> Path | None:
+    """``hidden_dir(output)`` when it holds states, else None."""
+    folder = hidden_dir(output)
+    return folder if any(folder.glob("batch-*.safetensors")) else None
 
 
 class HiddenRecorder(AutoregressiveProposer):
@@ -127,7 +134,7 @@ def save_batch(
 
 
 def _offsets(lengths: Sequence[int]) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(lengths, dtype=torch.long).cumsum(0).tolist()], dtype=torch.long)
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.long)
 
 
 class CapturedHidden:

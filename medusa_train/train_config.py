@@ -708,10 +708,10 @@ def plan(config: TrainConfig, num_processes: int = 1) -> Plan:
     ]
     if config.uses_feature_cache:
         soft = f"top-{config.soft_label_topk} soft labels" if config.soft_label_topk else "no soft labels (loss ce)"
-        from medusa_train.captured import hidden_dir
+        from medusa_train.captured import kept_states
 
         kept = config.keeps_distillation_hidden and not d.tokenized and (
-            not rows_file.is_file() or any(hidden_dir(rows_file).glob("batch-*")))
+            not rows_file.is_file() or kept_states(rows_file) is not None)
         source = ("the distillation's hidden states, the backbone where they do not cover an example" if kept
                   else "backbone once over the data")
         stages.append(Stage("features", str(feats), _feature_rows(config) is not None, f"{source}, {soft}"))
