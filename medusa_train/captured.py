@@ -133,6 +133,17 @@ def save_batch(
     return path
 
 
+def _fingerprint(recorded: str | None) -> Any:
+    """The model fingerprint a batch file records; a file without one (written before states
+    carried it: a bare model name) gives the name, which no fingerprint equals."""
+    if recorded is None:
+        return None
+    try:
+        return json.loads(recorded)
+    except json.JSONDecodeError:
+        return recorded
+
+
 def _offsets(lengths: Sequence[int]) -> torch.Tensor:
     return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.long)
 
@@ -155,9 +166,9 @@ class CapturedHidden:
         entries: dict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for path in sorted(Path(folder).glob("batch-*.safetensors")):
             with safe_open(str(path), framework="pt") as handle:
-                found = json.loads((handle.metadata() or {}).get("model", "null"))
+                found = _fingerprint((handle.metadata() or {}).get("model"))
                 if model is not None and found != dict(model):
-                    raise ValueError(f"{path} holds hidden states of {found}, not of {dict(model)}: delete "
+                    raise ValueError(f"{path} holds hidden states of {found!r}, not of {dict(model)}: delete "
                                      f"{folder} (the features stage then runs the backbone) or distil again")
                 tensors = {name: handle.get_tensor(name) for name in handle.keys()}
             tokens, hidden = tensors["tokens"], tensors["hidden"]

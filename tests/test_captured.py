@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file, save_file
 import torch
 import yaml
 
@@ -111,6 +112,13 @@ def test_save_batch_checks_its_rows(tmp_path):
     # the same name with other weights (a folder trained again) is refused
     with pytest.raises(ValueError, match="not of"):
         CapturedHidden.load(tmp_path, {"name": "m", "content": "def"})
+    # a file written before states carried a fingerprint records the bare model name
+    older = tmp_path / "older"
+    save_batch(older, ["a"], [[1, 2]], [[3, 4]], [False], [torch.zeros(2, 3)], model)
+    path = next(older.glob("batch-*.safetensors"))
+    save_file(load_file(str(path)), str(path), metadata={"model": "m"})
+    with pytest.raises(ValueError, match=r"holds hidden states of 'm', not of .*delete"):
+        CapturedHidden.load(older, model)
 
 
 def test_save_hidden_needs_the_local_backend(prompts_file):
