@@ -30,6 +30,7 @@ import itertools
 import json
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -148,35 +149,59 @@ def _offsets(lengths: Sequence[int]) -> torch.Tensor:
     return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.long)
 
 
+@dataclass(frozen=True)
+class KeptRows:
+    """Rows ``start:stop`` of a batch file's ``hidden``, read from the file when asked: the
+    states of a run are as large as its feature cache (551 MB for the quick recipe's 1600
+    answers), so ``CapturedHidden.load`` keeps only where they are."""
+
+    path: Path
+    start: int
+    stop: int
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def read(self, count: int | None = None) -> torch.Tensor:
+        """The first ``count`` of these rows (default: all), ``[count, H]``."""
+        stop = self.stop if count is None else min(self.stop, self.start + count)
+        with safe_open(str(self.path), framework="pt") as handle:
+            return handle.get_slice("hidden")[self.start : stop]
+
+
+States = torch.Tensor | KeptRows
+
+
 class CapturedHidden:
     """The states of a distillation run, found by prompt tokens.
 
     Args:
-        entries: ``{prompt ids: [(sequence ids [S], states [m, H])]}``.
+        entries: ``{prompt ids: [(sequence ids [S], states [m, H])]}``; the states a tensor, or
+            ``KeptRows`` read when an example takes them.
     """
 
-    def __init__(self, entries: Mapping[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+    def __init__(self, entries: Mapping[tuple[int, ...], list[tuple[torch.Tensor, States]]]) -> None:
         self.entries = dict(entries)
 
     @classmethod
     def load(cls, folder: str | Path, model: Mapping[str, Any] | None = None) -> "CapturedHidden":
-        """Every batch file in ``folder`` (all held in memory: about the size of the feature cache);
-        with ``model`` (a ``features.model_fingerprint``), files of another model, or of other
-        weights under the same name, are an error."""
-        entries: dict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        """Every batch file in ``folder``: the token ids in memory, the states left in the files
+        (``KeptRows``); with ``model`` (a ``features.model_fingerprint``), files of another model,
+        or of other weights under the same name, are an error."""
+        entries: dict[tuple[int, ...], list[tuple[torch.Tensor, States]]] = {}
         for path in sorted(Path(folder).glob("batch-*.safetensors")):
             with safe_open(str(path), framework="pt") as handle:
                 found = _fingerprint((handle.metadata() or {}).get("model"))
                 if model is not None and found != dict(model):
                     raise ValueError(f"{path} holds hidden states of {found!r}, not of {dict(model)}: delete "
                                      f"{folder} (the features stage then runs the backbone) or distil again")
-                tensors = {name: handle.get_tensor(name) for name in handle.keys()}
-            tokens, hidden = tensors["tokens"], tensors["hidden"]
+                tensors = {name: handle.get_tensor(name) for name in handle.keys() if name != "hidden"}
+            tokens = tensors["tokens"]
             token_at, hidden_at = tensors["token_offsets"].tolist(), tensors["hidden_offsets"].tolist()
             for row, prompt_length in enumerate(tensors["prompt_lengths"].tolist()):
                 sequence = tokens[token_at[row] : token_at[row + 1]]
                 key = tuple(sequence[:prompt_length].tolist())
-                entries.setdefault(key, []).append((sequence, hidden[hidden_at[row] : hidden_at[row + 1]]))
+                entries.setdefault(key, []).append((sequence, KeptRows(path, hidden_at[row], hidden_at[row + 1])))
         return cls(entries)
 
     def __len__(self) -> int:
@@ -204,5 +229,6 @@ class CapturedHidden:
             agree = int(differ[0]) if len(differ) else width
             end = min(answer - 1 + len(states), agree)  # the state at t reads tokens 0..t
             if end >= needed_end:
-                return answer - 1, states[: end - (answer - 1)]
+                take = end - (answer - 1)
+                return answer - 1, states[:take] if isinstance(states, torch.Tensor) else states.read(take)
         return None

@@ -6,7 +6,8 @@ For each question (first turns of Spec-Bench-format questions, by default the 16
 ``medusa-bench --calibrate`` measured the heads on, as stored in ``<heads>/../calibration.json``
 when there is one, else the first ``--limit`` of the file), it answers greedily three ways, one
 after the other: plain decoding (our loop, ``ar``), the heads' stored tree with the adaptive
-fallback (``adaptive``, what ``medusa`` runs) and the same tree without it (``fixed``). It prints
+fallback (``adaptive``, what ``medusa`` runs) and the same tree without it (``fixed``), the order
+rotated by one method each question so that none always runs first (on a warm or a cold cache). It prints
 tokens per step (tau, bonus included), seconds and the speed ratios, per question and in all, and
 checks that the three answers are identical. ``plain steps``: the share of steps that verified
 the root alone.
@@ -47,10 +48,11 @@ def main() -> None:
         wanted = [q["id"] for q in questions]
     chosen = [q for q in questions if q["id"] in wanted][: args.limit]
     totals = {m: {"step_tokens": 0, "row_steps": 0, "steps": 0, "plain": 0, "seconds": 0.0} for m in METHODS}
-    for question in chosen:
+    for index, question in enumerate(chosen):
         messages = [{"role": "user", "content": question["turns"][0]}]
         answers = {}
-        for method in METHODS:
+        shift = index % len(METHODS)
+        for method in METHODS[shift:] + METHODS[:shift]:
             settings = {"proposer": AutoregressiveProposer(model)} if method == "ar" else {
                 "adaptive": method == "adaptive"}
             start = time.perf_counter()

@@ -12,7 +12,7 @@ import yaml
 
 from medusa_infer.model import MedusaModel
 from medusa_infer.models import load_base_model
-from medusa_train.captured import CapturedHidden, hidden_dir, save_batch
+from medusa_train.captured import CapturedHidden, KeptRows, hidden_dir, save_batch
 from medusa_train.dataset import build_examples
 from medusa_train.distill import DistillConfig, distill
 from medusa_train.features import FeatureCache, build_feature_cache, model_fingerprint
@@ -56,7 +56,8 @@ def test_kept_states_are_the_forward_pass_states_of_the_decoded_tokens(distilled
     model = MedusaModel.from_base(load_base_model(str(model_dir)), num_heads=1)
     ended = []
     for prompt, entries in captured.entries.items():
-        (sequence, states), = entries
+        (sequence, kept), = entries
+        states = kept.read()
         # one state per new token: the answer's, plus its end of sequence when it had one
         extra = len(states) - (len(sequence) - len(prompt))
         assert extra in (0, 1)
@@ -119,6 +120,22 @@ def test_save_batch_checks_its_rows(tmp_path):
     save_file(load_file(str(path)), str(path), metadata={"model": "m"})
     with pytest.raises(ValueError, match=r"holds hidden states of 'm', not of .*delete"):
         CapturedHidden.load(older, model)
+
+
+def test_loaded_states_stay_in_their_files_until_an_example_takes_them(tmp_path):
+    model = {"name": "m", "content": "abc"}
+    states = [torch.randn(3, 4), torch.randn(2, 4)]
+    save_batch(tmp_path, ["a", "b"], [[1, 2], [1, 5]], [[3, 4], [6, 7]], [True, False], states, model)
+    captured = CapturedHidden.load(tmp_path, model)
+    kept = {key: found for key, [(_, found)] in captured.entries.items()}
+    assert all(isinstance(found, KeptRows) for found in kept.values())
+    torch.testing.assert_close(kept[1, 2].read(), states[0], rtol=0, atol=0)
+    torch.testing.assert_close(kept[1, 5].read(1), states[1][:1], rtol=0, atol=0)
+    assert len(kept[1, 2]) == 3 and kept[1, 5].read(9).shape == (2, 4)
+    # prompt [1, 2], answer [3, 4] and its end of sequence: rows from the last prompt token on
+    first, found = captured.states_for([1, 2, 3, 4, 0], [IGNORE, IGNORE, 3, 4, 0])
+    assert first == 1
+    torch.testing.assert_close(found, states[0][: len(found)], rtol=0, atol=0)
 
 
 def test_save_hidden_needs_the_local_backend(prompts_file):

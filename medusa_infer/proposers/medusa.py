@@ -105,9 +105,9 @@ class MedusaProposer:
         self.shadow: torch.Tensor | None = None  # [batch, n] head 1's first-level candidates, plain steps
 
     def _candidates(self, cache: TreeCache, depth: int, roots: torch.Tensor) -> torch.Tensor:
-        """``[batch, depth * top_k]`` token ids: the heads' top-k, head after head (heads that read
-        the next token read the roots)."""
-        logits = self.model.head_logits(self.hidden, roots)[:depth]  # [depth, batch, head_vocab]
+        """``[batch, depth * top_k]`` token ids: the first ``depth`` heads' top-k, head after head
+        (heads that read the next token read the roots); the heads below ``depth`` do not run."""
+        logits = self.model.head_logits(self.hidden, roots, first=depth)  # [depth, batch, head_vocab]
         ids = logits.topk(cache.top_k, dim=-1).indices
         return self.model.heads.to_full_vocab(ids).transpose(0, 1).flatten(1)
 
