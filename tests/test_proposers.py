@@ -387,6 +387,24 @@ def test_grafted_lookup_adds_a_chain_beside_the_heads_tree():
         MedusaProposer(model, GRAFT_TREE, lookup_tokens=-1)
 
 
+def test_a_tree_runs_only_the_heads_it_reaches():
+    model = random_heads(target_model("llama"), num_heads=3)
+    hidden, roots = torch.randn(2, model.config.hidden_size), torch.tensor([4, 7])
+    shallow = [(0,), (1,), (0, 0)]
+    proposer = MedusaProposer(model, shallow)
+    proposer.start(None, hidden)
+    proposal = proposer.propose(roots, StepContext([[1, 2], [3, 4]], 8))
+    with torch.no_grad():
+        every = model.head_logits(hidden, roots).topk(2, dim=-1).indices  # [3 heads, batch, 2]
+    expected = torch.stack([roots, every[0, :, 0], every[0, :, 1], every[1, :, 0]], dim=1)
+    assert torch.equal(proposal.tokens, expected)
+    ran = []
+    for k, head in enumerate(model.heads.heads):
+        head.blocks[0].register_forward_hook(lambda module, args, out, k=k: ran.append(k))
+    proposer.propose(roots, StepContext([[1, 2], [3, 4]], 8))
+    assert ran == [0, 1]  # the third head does not run for a tree two levels deep
+
+
 def test_grafted_lookup_wins_on_a_repetitive_prompt():
     target = target_model("llama")
     model = random_heads(target)
