@@ -62,9 +62,9 @@ def test_decoding_feeds_the_roots_and_stays_exact():
     seen: list[torch.Tensor] = []
     head_logits = model.head_logits
 
-    def recording(hidden, next_tokens=None):
+    def recording(hidden, next_tokens=None, first=None):
         seen.append(next_tokens)
-        return head_logits(hidden, next_tokens)
+        return head_logits(hidden, next_tokens, first=first)
 
     model.head_logits = recording
     prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 9, 3)]
