@@ -78,6 +78,8 @@ class TreeController:
             raise ValueError("the ladder must start with the empty tree (plain decoding)")
         self.tau_cal = [expected_accept_length(t, self.head_topk_acc) if t else 1.0 for t in self.ladder]
         first = [p for p in self.ladder[-1] if len(p) == 1]
+        # head 1's ranks at the largest tree's first level, in order (empty: plain decoding only)
+        self.first_level_ranks: list[int] = sorted(p[0] for p in first)
         # how often the largest tree's first level holds the next token, under the calibration
         self.first_level_cal = expected_accept_length(first, self.head_topk_acc) - 1.0 if first else 0.0
         self._cost_ratios: dict[int, list[float]] = {}
@@ -129,11 +131,6 @@ class TreeController:
             ratio = hit_rate / self.first_level_cal
             self.scale = (1 - self.smoothing) * self.scale + self.smoothing * ratio
         self.rung = self._best()
-
-    @property
-    def first_level_ranks(self) -> list[int]:
-        """Head 1's ranks at the largest tree's first level, in order (empty: plain decoding only)."""
-        return sorted(p[0] for p in self.ladder[-1] if len(p) == 1)
 
     def expected_accepted(self, rung: int) -> float:
         """Tokens a step on ``rung`` is expected to accept beyond the root, as measured so far."""
