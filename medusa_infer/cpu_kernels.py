@@ -1,27 +1,42 @@
-"""oneDNN matrix products for a model's ``nn.Linear`` layers on the CPU (inference only).
+"""Matrix-product kernels for a model's ``nn.Linear`` layers on the CPU, chosen by measurement.
 
 Verifying a tree costs one forward over n new tokens. On a CPU that forward is a chain of
-matrix products with n rows, and PyTorch's default float32 kernel (MKL's ``sgemm``) is much
-slower for 2 to 16 rows than for one, on the AMD machines this project runs on at least. oneDNN's
-kernels (the ones PyTorch's own compiler uses for CPU linear layers) stay close to the cost of
-reading the weights once, so verifying a few tokens costs little more than decoding one, and
-one-token decoding gets faster too (``medusa-bench --calibrate`` prints the measured cost of n
-tokens; ``--cpu-kernels default`` measures PyTorch's own). ``use_onednn_linear`` switches a
-loaded model's linear layers to them, in place:
+matrix products with n rows, each bound by reading the weights when n is small, and which kernel
+reads them fastest depends on the CPU and on n. Two are at hand in every PyTorch build:
 
-* each ``nn.Linear`` becomes a ``OneDNNLinear`` (a subclass; same parameters, same state dict,
-  tied weights stay tied), so ``model.generate`` and every method of this package use them;
-* only float32 inference on the CPU takes the oneDNN path; with gradients enabled (training),
-  other dtypes or devices, a layer computes ``F.linear`` as before.
+* ``default``: PyTorch's own (MKL's ``sgemm``);
+* ``onednn``: oneDNN's (the ones PyTorch's own compiler uses for CPU linear layers), with each
+  weight laid out once in oneDNN's blocked format (a packed copy kept beside the parameter).
 
-Results agree with ``F.linear`` to float32 rounding (neither kernel gives bit-identical rows for
-different numbers of rows). ``restore_linear`` undoes the switch. ``load_base_model`` applies it
-to float32 CPU models unless told ``cpu_kernels="default"``.
+Measured on this project's machines (``scripts/bench_cpu_kernels.py``): on an AMD EPYC, ``default``
+was much slower for 2 to 16 rows than for one, and slower than ``onednn`` for one row too; on an
+Intel Xeon with AVX-512, ``default`` read one or two rows' weights faster than ``onednn`` and was
+slower from 4 rows up, much slower for the wide ``lm_head`` (49152 x 576: 12.9 ms against 5.5
+at 8 rows). So ``use_cpu_kernels`` times both on the model's own layers, shape by shape, for a
+range of row counts and keeps the faster one for each (a ``KernelPlan`` per weight shape;
+``"tuned"``, the default of ``load_base_model``); ``"onednn"`` takes oneDNN for every row count,
+``"default"`` leaves the model alone. Either way:
+
+* each ``nn.Linear`` becomes a ``CPULinear`` (a subclass; same parameters, same state dict, tied
+  weights stay tied), so ``model.generate`` and every method of this package use the same kernels;
+* only float32 inference on the CPU takes the plan; with gradients enabled (training), other
+  dtypes or devices, a layer computes ``F.linear`` as before;
+* the packed copy is made when a layer first takes oneDNN, and made again when the weight changes
+  (another tensor, storage, or an in-place update); it is never saved, pickled or deep-copied.
+  It doubles the memory of the layers that take oneDNN.
+
+Results agree with ``F.linear`` to float32 rounding (no kernel gives bit-identical rows for
+different numbers of rows). ``restore_linear`` undoes the switch.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -29,86 +44,256 @@ from torch.nn import functional as F
 
 logger = logging.getLogger(__name__)
 
-CPU_KERNELS = ("onednn", "default")
+CPU_KERNELS = ("tuned", "onednn", "default")
+KERNELS = ("default", "onednn")
+PLAN_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # the row counts ``measure_kernel_plan`` times
+PACK_ROWS = 8  # the row count oneDNN lays packed weights out for (any count runs on them)
+MEASURE_BYTES = 128 * 2**20  # weights timed per pass: more than any CPU cache holds, so reads come from memory
 
 
-def _pointwise_op():
+def _ops() -> tuple[Any, Any] | None:
     mkldnn = getattr(torch.ops, "mkldnn", None)
     if mkldnn is None or not torch.backends.mkldnn.is_available():
         return None
     try:
-        return mkldnn._linear_pointwise
+        return mkldnn._linear_pointwise, mkldnn._reorder_linear_weight
     except (AttributeError, RuntimeError):
         return None
 
 
-_LINEAR = _pointwise_op()
+_OPS = _ops()
 
 
-def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, on oneDNN for float32 CPU inference (else ``F.linear``)."""
-    if (_LINEAR is None or torch.is_grad_enabled() or x.device.type != "cpu"
-            or x.dtype != torch.float32 or weight.dtype != torch.float32):
+@dataclass(frozen=True)
+class KernelPlan:
+    """Which kernel a product with a given number of rows takes.
+
+    Attributes:
+        rows: ascending row counts; ``kernels[i]`` serves ``rows[i]`` up to ``rows[i + 1] - 1``
+            rows, the last one every count above.
+        kernels: ``"default"`` or ``"onednn"`` per entry of ``rows``.
+        seconds: per entry, the measured seconds of each kernel (``{kernel: s}``), empty when the
+            plan was not measured (not compared: plans are equal when they choose alike).
+    """
+
+    rows: tuple[int, ...]
+    kernels: tuple[str, ...]
+    seconds: tuple[dict[str, float], ...] = field(default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.rows or len(self.rows) != len(self.kernels) or list(self.rows) != sorted(set(self.rows)):
+            raise ValueError(f"a KernelPlan needs ascending distinct rows and one kernel each, got rows={self.rows} "
+                             f"kernels={self.kernels}")
+        if self.rows[0] != 1:
+            raise ValueError(f"a KernelPlan's rows must start at 1, got {self.rows}")
+        unknown = set(self.kernels) - set(KERNELS)
+        if unknown:
+            raise ValueError(f"unknown kernels {sorted(unknown)}: use {KERNELS}")
+
+    @classmethod
+    def uniform(cls, kernel: str) -> "KernelPlan":
+        """The same kernel for every row count."""
+        return cls((1,), (kernel,))
+
+    def kernel(self, rows: int) -> str:
+        """The kernel for a product with ``rows`` rows."""
+        return self.kernels[max(bisect.bisect_right(self.rows, rows) - 1, 0)]
+
+    def describe(self) -> str:
+        """For example ``"default for 1-2 rows, onednn for 3+"``."""
+        spans: list[tuple[int, int | None, str]] = []
+        for i, (start, kernel) in enumerate(zip(self.rows, self.kernels)):
+            end = self.rows[i + 1] - 1 if i + 1 < len(self.rows) else None
+            if spans and spans[-1][2] == kernel:
+                spans[-1] = (spans[-1][0], end, kernel)
+            else:
+                spans.append((start, end, kernel))
+        if len(spans) == 1:
+            return f"{spans[0][2]} for every row count"
+        parts = []
+        for start, end, kernel in spans:
+            span = f"{start}+" if end is None else (str(start) if end == start else f"{start}-{end}")
+            parts.append(f"{kernel} for {span} row{'' if span == '1' else 's'}")
+        return ", ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rows": list(self.rows), "kernels": list(self.kernels), "seconds": [dict(s) for s in self.seconds],
+                "summary": self.describe()}
+
+
+def _takes_plan(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (_OPS is not None and not torch.is_grad_enabled() and x.device.type == "cpu"
+            and x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.device.type == "cpu")
+
+
+def packed_weight(weight: torch.Tensor, cache: dict[str, Any]) -> torch.Tensor:
+    """``weight`` (``[out, in]``) in oneDNN's blocked layout, kept in ``cache`` while ``weight`` is the
+    same tensor, on the same storage, at the same version (an in-place update bumps the version)."""
+    # an inference-mode tensor has no version counter (and cannot change outside inference mode)
+    stamp = (weight.data_ptr(), -1 if weight.is_inference() else weight._version, tuple(weight.shape))
+    found = cache.get("packed")
+    if found is None or found[0] is not weight or found[1] != stamp:
+        # the tensor itself is held, so its address cannot be reused by another while the copy lives
+        found = (weight, stamp, _OPS[1](weight.detach(), PACK_ROWS))
+        cache["packed"] = found
+    return found[2]
+
+
+def planned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: KernelPlan | None,
+                   cache: dict[str, Any]) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` on the kernel ``plan`` names for ``x``'s number of rows (float32
+    CPU inference; anything else, or no plan, computes ``F.linear``). ``cache`` keeps the packed
+    weight (``packed_weight``)."""
+    if plan is None or not _takes_plan(x, weight):
         return F.linear(x, weight, bias)
-    return _LINEAR(x.contiguous(), weight, bias, "none", [], "")
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if plan.kernel(rows) == "default":
+        return F.linear(x, weight, bias)
+    return _OPS[0](x.contiguous(), packed_weight(weight, cache), bias, "none", [], "")
 
 
-class OneDNNLinear(nn.Linear):
-    """``nn.Linear`` whose float32 CPU inference runs on oneDNN (see the module docstring)."""
+class CPULinear(nn.Linear):
+    """``nn.Linear`` whose float32 CPU inference takes the kernel its ``kernel_plan`` names for the
+    number of rows (see the module docstring)."""
+
+    kernel_plan: KernelPlan | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return onednn_linear(x, self.weight, self.bias)
+        cache = self.__dict__.setdefault("_kernel_cache", {})
+        return planned_linear(x, self.weight, self.bias, self.kernel_plan, cache)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickling and deep copies leave out the packed weight (oneDNN's opaque tensors have no storage)."""
+        state = dict(super().__getstate__())
+        state.pop("_kernel_cache", None)
+        return state
 
 
 def onednn_works() -> bool:
-    """Whether this PyTorch build has oneDNN's linear kernel and it agrees with ``F.linear``."""
-    if _LINEAR is None:
+    """Whether this PyTorch build has oneDNN's linear kernel and weight packing, and they agree with ``F.linear``."""
+    if _OPS is None:
         return False
     generator = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(24, 16, generator=generator), torch.randn(24, generator=generator)
     x = torch.randn(2, 3, 16, generator=generator)
     try:
         with torch.no_grad():
-            found = _LINEAR(x, weight, bias, "none", [], "")
+            found = _OPS[0](x, _OPS[1](weight, PACK_ROWS), bias, "none", [], "")
     except RuntimeError as err:
         logger.warning("oneDNN linear kernel unavailable (%s); keeping PyTorch's default kernels", err)
         return False
     return bool(torch.allclose(found, F.linear(x, weight, bias), atol=1e-4, rtol=1e-4))
 
 
-def use_onednn_linear(model: nn.Module) -> int:
-    """Switch every plain ``nn.Linear`` of ``model`` to ``OneDNNLinear`` in place; returns how many.
+def measure_kernel_plan(layers: Iterable[nn.Linear], rows: Sequence[int] = PLAN_ROWS, repeats: int = 3,
+                        budget_bytes: int = MEASURE_BYTES) -> KernelPlan:
+    """Time both kernels on ``layers`` (the first of them holding ``budget_bytes`` of weights, in
+    order) for each count in ``rows``, interleaved within each repeat so that a noisy machine slows
+    them alike, and keep the faster (median) per count. The first round warms up and is discarded."""
+    chosen: list[nn.Linear] = []
+    held = 0
+    for layer in layers:
+        chosen.append(layer)
+        held += layer.weight.numel() * layer.weight.element_size()
+        if held >= budget_bytes:
+            break
+    if not chosen:
+        raise ValueError("measure_kernel_plan needs at least one linear layer")
+    rows = sorted(set(int(r) for r in rows) | {1})
+    caches: list[dict[str, Any]] = [{} for _ in chosen]
+    weights = [(layer.weight.detach(), None if layer.bias is None else layer.bias.detach()) for layer in chosen]
+    inputs = {r: {w.shape[1]: torch.randn(r, w.shape[1]) for w, _ in weights} for r in rows}
+    plans = {kernel: KernelPlan.uniform(kernel) for kernel in KERNELS}
+    times: dict[tuple[int, str], list[float]] = {(r, k): [] for r in rows for k in KERNELS}
+    with torch.no_grad():
+        for repeat in range(repeats + 1):
+            for r in rows:
+                for kernel in KERNELS if (repeat + r) % 2 else KERNELS[::-1]:
+                    start = time.perf_counter()
+                    for (weight, bias), cache in zip(weights, caches):
+                        planned_linear(inputs[r][weight.shape[1]], weight, bias, plans[kernel], cache)
+                    if repeat:
+                        times[r, kernel].append(time.perf_counter() - start)
+    seconds = tuple({k: statistics.median(times[r, k]) for k in KERNELS} for r in rows)
+    return KernelPlan(tuple(rows), tuple(min(s, key=s.get) for s in seconds), seconds)
 
-    Returns 0 (and changes nothing) when this PyTorch build lacks a working oneDNN kernel.
+
+def shape_key(layer: nn.Linear) -> str:
+    """``"out x in"`` of a linear layer's weight, the key of its plan."""
+    return "x".join(str(d) for d in layer.weight.shape)
+
+
+def use_cpu_kernels(model: nn.Module, plan: KernelPlan | str = "tuned") -> int:
+    """Switch every ``nn.Linear`` of ``model`` to ``CPULinear`` in place; returns how many layers were
+    switched (layers switched before are counted and get the new plan too).
+
+    ``plan``: a ``KernelPlan`` for every layer; ``"onednn"``, oneDNN throughout; ``"tuned"``, one
+    plan per weight shape, measured now on the model's layers of that shape
+    (``measure_kernel_plan``: which kernel is faster depends on the shape as well as on the number
+    of rows). Returns 0 (and changes nothing) when this PyTorch build lacks a working oneDNN kernel.
     """
+    if isinstance(plan, str) and plan not in ("tuned", "onednn"):
+        raise ValueError(f"plan must be a KernelPlan, 'tuned' or 'onednn', got {plan!r}")
     if not onednn_works():
         return 0
-    count = 0
-    for module in model.modules():
-        if type(module) is nn.Linear:
-            module.__class__ = OneDNNLinear
-            count += 1
-    return count
+    layers = [m for m in model.modules() if type(m) in (nn.Linear, CPULinear)]
+    groups: dict[str, list[nn.Linear]] = {}
+    for layer in layers:
+        groups.setdefault(shape_key(layer), []).append(layer)
+    for members in groups.values():
+        if plan == "tuned":
+            chosen = measure_kernel_plan(members)
+        else:
+            chosen = KernelPlan.uniform("onednn") if plan == "onednn" else plan
+        for module in members:
+            module.__class__ = CPULinear
+            module.kernel_plan = chosen
+    return len(layers)
 
 
 def restore_linear(model: nn.Module) -> int:
-    """Undo ``use_onednn_linear``; returns how many layers went back to ``nn.Linear``."""
+    """Undo ``use_cpu_kernels``; returns how many layers went back to ``nn.Linear``."""
     count = 0
     for module in model.modules():
-        if type(module) is OneDNNLinear:
+        if type(module) is CPULinear:
             module.__class__ = nn.Linear
+            module.__dict__.pop("_kernel_cache", None)
+            module.__dict__.pop("kernel_plan", None)
             count += 1
     return count
 
 
+def kernel_plans(model: nn.Module) -> dict[str, KernelPlan]:
+    """``{shape_key: plan}`` of ``model``'s switched layers (``use_cpu_kernels``); empty when none is."""
+    return {shape_key(m): m.kernel_plan for m in model.modules() if isinstance(m, CPULinear)}
+
+
+def match_kernels(model: nn.Module, like: nn.Module) -> int:
+    """Switch ``model``'s linear layers as ``like``'s are: ``like``'s plan where it has one plan,
+    never measured, for every layer (``"onednn"`` or a given ``KernelPlan``), else measured on
+    ``model``'s own layers (``"tuned"``); nothing when ``like`` has no switched layer. Returns how
+    many layers were switched."""
+    plans = set(kernel_plans(like).values())
+    if not plans:
+        return 0
+    only = next(iter(plans))
+    return use_cpu_kernels(model, only if len(plans) == 1 and not only.seconds else "tuned")
+
+
 def linear_kernels(model: nn.Module) -> str:
-    """``"onednn"`` when ``model`` has layers switched by ``use_onednn_linear``, else ``"default"``."""
-    return "onednn" if any(isinstance(m, OneDNNLinear) for m in model.modules()) else "default"
+    """What ``model``'s linear layers run on: ``"default"`` (not switched), ``"tuned"`` (measured
+    plans, ``kernel_plans`` has them) or the one plan every layer has, described."""
+    plans = set(kernel_plans(model).values())
+    if not plans:
+        return "default"
+    if any(plan.seconds for plan in kernel_plans(model).values()):
+        return "tuned"
+    return "; ".join(sorted(plan.describe() for plan in plans))
 
 
 def apply_cpu_kernels(model: nn.Module, kernels: str) -> int:
-    """``kernels="onednn"``: ``use_onednn_linear`` when the model is float32 on the CPU (else
-    nothing); ``"default"``: PyTorch's own kernels. Returns the number of layers switched."""
+    """``kernels="tuned"`` or ``"onednn"``: ``use_cpu_kernels`` when the model is float32 on the CPU
+    (else nothing); ``"default"``: PyTorch's own. Returns the number of layers switched."""
     if kernels not in CPU_KERNELS:
         raise ValueError(f"cpu_kernels must be one of {CPU_KERNELS}, got {kernels!r}")
     parameter = next(model.parameters(), None)
@@ -116,4 +301,4 @@ def apply_cpu_kernels(model: nn.Module, kernels: str) -> int:
         return 0
     if parameter.device.type != "cpu" or parameter.dtype != torch.float32:
         return 0
-    return use_onednn_linear(model)
+    return use_cpu_kernels(model, kernels)

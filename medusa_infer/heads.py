@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from medusa_infer.config import MedusaConfig
-from medusa_infer.cpu_kernels import OneDNNLinear, onednn_linear
+from medusa_infer.cpu_kernels import CPULinear, planned_linear
 
 
 class ResBlock(nn.Module):
@@ -153,8 +153,8 @@ class MedusaHeads(nn.Module):
         if self.config.projection == "shared":
             weight, bias = self.shared_projection(lm_head)
             # the same kernels as the base model's own lm_head (see cpu_kernels)
-            linear = onednn_linear if isinstance(lm_head, OneDNNLinear) else F.linear
-            logits = linear(x, weight, bias)
+            plan = lm_head.kernel_plan if isinstance(lm_head, CPULinear) else None
+            logits = planned_linear(x, weight, bias, plan, self.__dict__.setdefault("_kernel_cache", {}))
         else:
             logits = torch.stack([head.proj(x[k]) for k, head in enumerate(heads)])
         if logit_softcap:
@@ -186,9 +186,11 @@ class MedusaHeads(nn.Module):
         return cached[2]
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickling and deep copies leave out the gathered projection (it holds ``lm_head``'s weight)."""
+        """Pickling and deep copies leave out the gathered projection (it holds ``lm_head``'s weight)
+        and its packed copy (``cpu_kernels``)."""
         state = dict(super().__getstate__())
         state.pop("_shared_projection", None)
+        state.pop("_kernel_cache", None)
         return state
 
     def to_full_vocab(self, ids: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ from medusa_infer.checkpoint import (
     save_heads,
 )
 from medusa_infer.attention_kernels import decoding_attention
-from medusa_infer.cpu_kernels import linear_kernels, use_onednn_linear
+from medusa_infer.cpu_kernels import match_kernels
 from medusa_infer.config import MedusaConfig
 from medusa_infer.datastore import DATASTORE_NAME, Datastore
 from medusa_infer.heads import MedusaHeads
@@ -97,8 +97,7 @@ class MedusaModel(nn.Module):
         if heads is not None:
             check_compatible(heads.config, base_model)
             heads = heads.to(device=base_model.device, dtype=base_model.dtype)
-            if linear_kernels(base_model) == "onednn":  # the heads use the base model's CPU kernels
-                use_onednn_linear(heads)
+            match_kernels(heads, base_model)  # the heads use CPU kernels as the base model does
         self.base_model = base_model
         self.heads = heads
         self.tokenizer = tokenizer

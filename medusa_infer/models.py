@@ -288,14 +288,15 @@ def load_base_model(
     device: str | torch.device = "cpu",
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
-    cpu_kernels: str = "onednn",
+    cpu_kernels: str = "tuned",
 ) -> PreTrainedModel:
     """Load a causal language model (names as in ``resolve_model``) in eval mode on ``device``.
 
     A default model keeps its short name as ``name_or_path`` (not the cache folder), so heads
-    trained on it record a name that resolves on any machine. A float32 model on the CPU gets
-    oneDNN linear kernels (``medusa_infer.cpu_kernels``; ``cpu_kernels="default"`` keeps
-    PyTorch's own).
+    trained on it record a name that resolves on any machine. A float32 model on the CPU gets the
+    linear kernels measured fastest on this machine for each number of rows
+    (``medusa_infer.cpu_kernels``; ``cpu_kernels="onednn"`` takes oneDNN's throughout,
+    ``"default"`` keeps PyTorch's own).
     """
     from medusa_infer.cpu_kernels import CPU_KERNELS, apply_cpu_kernels
 

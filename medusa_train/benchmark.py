@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import random
 import sys
 import threading
@@ -320,6 +321,18 @@ class Runner:
         return out.new_tokens, list(run.state.row_steps), m.ttft_s, m.total_s
 
 
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or what ``platform`` says where there is none."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
 def _sync(device: torch.device) -> None:
     """Wait for the accelerator's queued work, so wall-clock timings cover it."""
     if device.type == "cuda":
@@ -340,7 +353,7 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
     ``args.time_budget`` (seconds since ``started``, a ``time.perf_counter()`` value; default: this
     call) no group but the first starts after the budget is spent.
     """
-    from medusa_infer.cpu_kernels import linear_kernels
+    from medusa_infer.cpu_kernels import kernel_plans, linear_kernels
 
     started = time.perf_counter() if started is None else started
     methods = list(args.methods)
@@ -404,8 +417,9 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
             "lookup_max_tokens": args.lookup_max_tokens,
             "datastore_tokens": len(model.datastore) if args.datastore and model.datastore is not None else 0,
             "time_budget_s": args.time_budget, "questions_answered": len(questions),
-            "device": str(model.device), "dtype": str(model.dtype).replace("torch.", ""),
+            "device": str(model.device), "dtype": str(model.dtype).replace("torch.", ""), "cpu": cpu_name(),
             "linear_kernels": linear_kernels(model.base_model),
+            "kernel_plans": {shape: plan.to_dict() for shape, plan in kernel_plans(model.base_model).items()},
             "torch_threads": torch.get_num_threads(), "methods": methods,
             "tree": _tree_note(model, args.tree),
         },
@@ -454,13 +468,24 @@ def _tree_note(model, tree) -> Any:
     return tree or model.config.tree
 
 
+def _kernels_note(kernels: str | None) -> str:
+    if not kernels or kernels == "default":
+        return ""
+    if kernels in ("onednn", "onednn for every row count"):  # "onednn": reports before the plans
+        return " (oneDNN linear kernels)"
+    if kernels == "tuned":
+        return " (linear kernels measured per weight shape and row count, see kernel_plans in report.json)"
+    return f" (linear kernels: {kernels})"
+
+
 def report_markdown(report: dict[str, Any]) -> str:
     s = report["settings"]
     lines = [
         f"# medusa-bench: {s['model']}" + (f" + {s['heads']}" if s["heads"] else ""),
         "",
         f"{s['turns']} turns from {s['questions']} (limit {s['limit']}), max {s['max_new_tokens']} new tokens, "
-        f"{s['device']} {s['dtype']}" + (" (oneDNN linear kernels)" if s.get("linear_kernels") == "onednn" else "")
+        f"{s['device']} {s['dtype']}" + (f" on {s['cpu']}" if s.get("cpu") and s["device"] == "cpu" else "")
+        + _kernels_note(s.get("linear_kernels"))
         + f", {s['torch_threads']} threads"
         + (f", batch size {s['batch_size']}." if s.get("batch_size", 1) > 1 else ".")
         + (f" Time budget {s['time_budget_s']:g} s: {s['questions_answered']} questions answered."
@@ -647,9 +672,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--cpu-kernels", default="onednn", choices=("onednn", "default"),
-                        help="float32 on the CPU: oneDNN linear kernels for every method (the default), or "
-                             "PyTorch's own (medusa_infer.cpu_kernels)")
+    parser.add_argument("--cpu-kernels", default="tuned", choices=("tuned", "onednn", "default"),
+                        help="float32 on the CPU, for every method: per number of rows, the linear kernel measured "
+                             "fastest here (tuned, the default), oneDNN's throughout, or PyTorch's own "
+                             "(medusa_infer.cpu_kernels)")
     parser.add_argument("--speculation-gate", default="measured", choices=("measured", "off"),
                         help="with --batch-size > 1, greedy methods take plain steps where speculating measures "
                              "slower at the batch's size (measured, the default), or always speculate (off)")

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from medusa_infer.cpu_kernels import kernel_plans, use_cpu_kernels
 from medusa_infer.trees import expected_accept_length, greedy_tree
 from medusa_infer.model import MedusaModel
 from medusa_infer.serving.testing import word_tokenizer
@@ -86,6 +88,19 @@ def test_report_has_every_field_per_method_and_category(model):
     assert set(report["categories"]) == {"writing", "qa", "math"}
     assert report["settings"]["turns"] == 6
     assert "| medusa |" in report_markdown(report)
+    assert report["settings"]["cpu"]  # the hardware the figures were measured on
+
+
+def test_report_names_the_linear_kernels_each_weight_shape_took(model):
+    base = copy.deepcopy(model.base_model)
+    if not use_cpu_kernels(base, "tuned"):
+        pytest.skip("this PyTorch build has no working oneDNN linear kernel")
+    report = benchmark(MedusaModel(base, copy.deepcopy(model.heads), model.tokenizer), QUESTIONS[:1],
+                       args(methods=["ar"]))
+    settings = report["settings"]
+    assert settings["linear_kernels"] == "tuned"
+    assert settings["kernel_plans"] == {shape: plan.to_dict() for shape, plan in kernel_plans(base).items()}
+    assert "32x32" in settings["kernel_plans"] and "measured per weight shape" in report_markdown(report)
 
 
 def test_calibration_measures_accuracy_and_cost_and_fits_a_tree(model):

@@ -1,18 +1,25 @@
-"""oneDNN linear kernels on the CPU: same results as F.linear, training untouched, decoding exact."""
+"""CPU linear kernels chosen per number of rows: same results as F.linear, training untouched, decoding exact."""
 
 from __future__ import annotations
+
+import copy
+import io
 
 import pytest
 import torch
 from torch import nn
 
 from medusa_infer.cpu_kernels import (
-    OneDNNLinear,
+    CPULinear,
+    KernelPlan,
     apply_cpu_kernels,
+    kernel_plans,
+    match_kernels,
     linear_kernels,
+    measure_kernel_plan,
     onednn_works,
     restore_linear,
-    use_onednn_linear,
+    use_cpu_kernels,
 )
 from medusa_infer.decoding import generate
 from medusa_infer.model import MedusaModel
@@ -20,16 +27,25 @@ from tiny import VOCAB, tiny_model
 
 pytestmark = pytest.mark.skipif(not onednn_works(), reason="this PyTorch build has no working oneDNN linear kernel")
 
+MIXED = KernelPlan((1, 3, 9), ("default", "onednn", "default"))  # every kernel, by number of rows
 
+
+def switched(layer: nn.Linear, plan: KernelPlan) -> nn.Linear:
+    layer.__class__ = CPULinear
+    layer.kernel_plan = plan
+    return layer
+
+
+@pytest.mark.parametrize("plan", [KernelPlan.uniform("onednn"), KernelPlan.uniform("default"), MIXED])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(1, 48), (5, 48), (2, 7, 48)])
-def test_results_match_f_linear(bias, shape):
+def test_results_match_f_linear(plan, bias, shape):
     torch.manual_seed(0)
     layer = nn.Linear(48, 80, bias=bias)
     x = torch.randn(*shape)
     with torch.no_grad():
         expected = layer(x)
-        layer.__class__ = OneDNNLinear
+        switched(layer, plan)
         found = layer(x)
         strided = layer(x.transpose(-1, -2).contiguous().transpose(-1, -2))  # non-contiguous input
     assert found.shape == expected.shape
@@ -39,27 +55,91 @@ def test_results_match_f_linear(bias, shape):
 
 def test_training_still_gets_gradients():
     torch.manual_seed(0)
-    layer = nn.Linear(16, 8)
-    layer.__class__ = OneDNNLinear
+    layer = switched(nn.Linear(16, 8), KernelPlan.uniform("onednn"))
     layer(torch.randn(4, 16)).sum().backward()
     assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
+
+
+def test_the_packed_copy_follows_the_weight():
+    torch.manual_seed(0)
+    layer = switched(nn.Linear(16, 8), KernelPlan.uniform("onednn"))
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        layer(x)  # packs the weight
+        layer.weight.mul_(2)  # in place: a new version
+        torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias))
+        layer.load_state_dict({"weight": torch.randn(8, 16), "bias": torch.randn(8)})
+        torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias))
+        layer.weight = nn.Parameter(torch.randn(8, 16))  # another tensor
+        torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias))
+
+
+def test_a_switched_model_copies_and_pickles_without_its_packed_weights():
+    model = tiny_model("llama")
+    use_cpu_kernels(model, "onednn")
+    ids = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids).logits  # every layer now holds a packed copy, which cannot be copied
+        clone = copy.deepcopy(model)
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        torch.testing.assert_close(clone(ids).logits, expected)
+        torch.testing.assert_close(loaded(ids).logits, expected)
+    assert set(kernel_plans(clone).values()) == {KernelPlan.uniform("onednn")}
+
+
+def test_a_plan_names_a_kernel_for_every_row_count():
+    assert [MIXED.kernel(n) for n in (1, 2, 3, 8, 9, 500)] == ["default", "default", "onednn", "onednn", "default",
+                                                               "default"]
+    assert MIXED.describe() == "default for 1-2 rows, onednn for 3-8 rows, default for 9+ rows"
+    assert KernelPlan((1, 2, 4), ("default", "onednn", "onednn")).describe() == "default for 1 row, onednn for 2+ rows"
+    assert KernelPlan.uniform("onednn").describe() == "onednn for every row count"
+    with pytest.raises(ValueError, match="must start at 1"):
+        KernelPlan((2,), ("onednn",))
+    with pytest.raises(ValueError, match="ascending distinct rows"):
+        KernelPlan((1, 4, 4), ("onednn", "default", "onednn"))
+    with pytest.raises(ValueError, match="unknown kernels"):
+        KernelPlan((1,), ("mkl",))
+
+
+def test_a_measured_plan_keeps_the_faster_kernel_for_each_row_count():
+    layers = [nn.Linear(64, 96) for _ in range(3)]
+    plan = measure_kernel_plan(layers, rows=(2, 8), repeats=2)
+    assert plan.rows == (1, 2, 8)
+    assert [set(s) for s in plan.seconds] == [{"default", "onednn"}] * 3
+    assert all(s[k] > 0 and s[k] == min(s.values()) for s, k in zip(plan.seconds, plan.kernels))
+    model = tiny_model("llama")
+    assert use_cpu_kernels(model) == sum(isinstance(m, nn.Linear) for m in model.modules())
+    plans = kernel_plans(model)  # one plan per weight shape, each measured
+    assert set(plans) == {"x".join(map(str, m.weight.shape)) for m in model.modules() if isinstance(m, nn.Linear)}
+    assert len(plans) > 1 and all(plan.seconds for plan in plans.values()) and linear_kernels(model) == "tuned"
+    assert all(m.kernel_plan is plans["x".join(map(str, m.weight.shape))]
+               for m in model.modules() if isinstance(m, CPULinear))
+    heads = nn.Sequential(nn.Linear(7, 5))
+    assert match_kernels(heads, model) == 1 and kernel_plans(heads)["5x7"].seconds  # measured on its own layers
+    assert match_kernels(nn.Linear(7, 5), tiny_model("llama")) == 0  # nothing switched to match
 
 
 def test_switch_keeps_parameters_ties_and_state_dict_and_can_be_undone():
     model = tiny_model("llama")
     before = {k: v.data_ptr() for k, v in model.state_dict().items()}
     linears = sum(type(m) is nn.Linear for m in model.modules())
-    assert linear_kernels(model) == "default"
-    assert use_onednn_linear(model) == linears > 0
-    assert linear_kernels(model) == "onednn"
+    assert linear_kernels(model) == "default" and kernel_plans(model) == {}
+    assert use_cpu_kernels(model, MIXED) == linears > 0
+    assert linear_kernels(model) == MIXED.describe()
     assert not any(type(m) is nn.Linear for m in model.modules())
     assert {k: v.data_ptr() for k, v in model.state_dict().items()} == before
     assert restore_linear(model) == linears
-    assert all(type(m) is not OneDNNLinear for m in model.modules())
+    assert all(type(m) is not CPULinear for m in model.modules())
+    with pytest.raises(ValueError, match="'tuned' or 'onednn'"):
+        use_cpu_kernels(model, "mkl")
 
 
 def test_only_float32_cpu_models_are_switched():
     assert apply_cpu_kernels(tiny_model("qwen3"), "onednn") > 0
+    assert apply_cpu_kernels(tiny_model("qwen3"), "tuned") > 0
     assert apply_cpu_kernels(tiny_model("qwen3"), "default") == 0
     assert apply_cpu_kernels(tiny_model("qwen3").to(torch.bfloat16), "onednn") == 0
     with pytest.raises(ValueError, match="cpu_kernels must be one of"):
@@ -72,7 +152,7 @@ def test_greedy_decoding_stays_identical_to_generate(arch):
     torch.manual_seed(1)
     for p in model.heads.parameters():
         nn.init.normal_(p, std=0.3)
-    assert use_onednn_linear(model.base_model) > 0
+    assert use_cpu_kernels(model.base_model, MIXED) > 0
     for n in (3, 8):
         prompt = torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n))
         out = generate(model, prompt[None], max_new_tokens=20, tree="tree-16", eos_token_id=[])
@@ -94,8 +174,8 @@ def test_heads_take_the_base_models_kernels_and_give_the_same_logits(projection,
     with torch.no_grad():
         expected = plain.head_logits(hidden, following)
     assert linear_kernels(plain.heads) == "default"
-    use_onednn_linear(plain.base_model)
-    switched = MedusaModel(plain.base_model, plain.heads)
-    assert linear_kernels(switched.heads) == "onednn"
+    use_cpu_kernels(plain.base_model, KernelPlan.uniform("onednn"))
+    model = MedusaModel(plain.base_model, plain.heads)
+    assert set(kernel_plans(model.heads).values()) == {KernelPlan.uniform("onednn")}
     with torch.no_grad():
-        torch.testing.assert_close(switched.head_logits(hidden, following), expected, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(model.head_logits(hidden, following), expected, atol=1e-4, rtol=1e-4)
