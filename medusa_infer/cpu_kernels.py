@@ -2,28 +2,33 @@
 
 Verifying a tree costs one forward over n new tokens. On a CPU that forward is a chain of
 matrix products with n rows, each bound by reading the weights when n is small, and which kernel
-reads them fastest depends on the CPU and on n. Two are at hand in every PyTorch build:
+reads them fastest depends on the CPU, on n and on the weight's shape. Three are at hand in
+PyTorch's CPU builds:
 
 * ``default``: PyTorch's own (MKL's ``sgemm``);
 * ``onednn``: oneDNN's (the ones PyTorch's own compiler uses for CPU linear layers), with each
-  weight laid out once in oneDNN's blocked format (a packed copy kept beside the parameter).
+  weight laid out once in oneDNN's blocked format (a packed copy kept beside the parameter);
+* ``mkl-packed``: MKL's ``sgemm`` on a weight packed once by ``sgemm_pack``, for at most
+  ``MKL_PACKED_MAX_ROWS`` rows. MKL documents a packed weight for the row count it was packed
+  for; one copy serves every count here, which ``mkl_packed_works`` checks against ``F.linear``
+  for each weight shape before a plan may choose it.
 
 Measured on this project's machines (``scripts/bench_cpu_kernels.py``): on an AMD EPYC, ``default``
-was much slower for 2 to 16 rows than for one, and slower than ``onednn`` for one row too; on an
-Intel Xeon with AVX-512, ``default`` read one or two rows' weights faster than ``onednn`` and was
-slower from 4 rows up, much slower for the wide ``lm_head`` (49152 x 576: 12.9 ms against 5.5
-at 8 rows). So ``use_cpu_kernels`` times both on the model's own layers, shape by shape, for a
-range of row counts and keeps the faster one for each (a ``KernelPlan`` per weight shape;
-``"tuned"``, the default of ``load_base_model``); ``"onednn"`` takes oneDNN for every row count,
-``"default"`` leaves the model alone. Either way:
+was much slower for 2 to 16 rows than for one, and slower than oneDNN for one row too; on an Intel
+Xeon with AVX-512, ``default`` read one to three rows' weights fastest, was much slower from 4 rows
+up, most of all for the wide ``lm_head`` (49152 x 576: 11.3 ms against 5.4 for oneDNN at 8 rows),
+and the packed kernels held on. So ``use_cpu_kernels`` times the kernels on the model's own
+layers, shape by shape, for 1 to 128 rows and keeps the fastest for each (a ``KernelPlan`` per
+weight shape; ``"tuned"``, the default of ``load_base_model``); ``"onednn"`` takes oneDNN for every
+row count, ``"default"`` leaves the model alone. Either way:
 
 * each ``nn.Linear`` becomes a ``CPULinear`` (a subclass; same parameters, same state dict, tied
   weights stay tied), so ``model.generate`` and every method of this package use the same kernels;
 * only float32 inference on the CPU takes the plan; with gradients enabled (training), other
   dtypes or devices, a layer computes ``F.linear`` as before;
-* the packed copy is made when a layer first takes oneDNN, and made again when the weight changes
-  (another tensor, storage, or an in-place update); it is never saved, pickled or deep-copied.
-  It doubles the memory of the layers that take oneDNN.
+* a packed copy is made when a layer first takes a packed kernel, and made again when the weight
+  changes (another tensor, storage, or an in-place update); it is never saved, pickled or
+  deep-copied. Each packed kernel a layer takes adds its weight's size in memory.
 
 Results agree with ``F.linear`` to float32 rounding (no kernel gives bit-identical rows for
 different numbers of rows). ``restore_linear`` undoes the switch.
@@ -45,23 +50,26 @@ from torch.nn import functional as F
 logger = logging.getLogger(__name__)
 
 CPU_KERNELS = ("tuned", "onednn", "default")
-KERNELS = ("default", "onednn")
-PLAN_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # the row counts ``measure_kernel_plan`` times
-PACK_ROWS = 8  # the row count oneDNN lays packed weights out for (any count runs on them)
+KERNELS = ("default", "onednn", "mkl-packed")
+PLAN_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)  # the row counts ``measure_kernel_plan`` times
+PACK_ROWS = 8  # the row count weights are packed for (oneDNN runs any count on them; see MKL_PACKED_MAX_ROWS)
+MKL_PACKED_MAX_ROWS = 64  # the most rows "mkl-packed" serves: the range checked against F.linear
 MEASURE_BYTES = 128 * 2**20  # weights timed per pass: more than any CPU cache holds, so reads come from memory
 
 
-def _ops() -> tuple[Any, Any] | None:
-    mkldnn = getattr(torch.ops, "mkldnn", None)
-    if mkldnn is None or not torch.backends.mkldnn.is_available():
-        return None
+def _op(namespace: str, name: str) -> Any:
     try:
-        return mkldnn._linear_pointwise, mkldnn._reorder_linear_weight
+        return getattr(getattr(torch.ops, namespace), name)
     except (AttributeError, RuntimeError):
         return None
 
 
-_OPS = _ops()
+_ONEDNN = (_op("mkldnn", "_linear_pointwise"), _op("mkldnn", "_reorder_linear_weight"))
+if not torch.backends.mkldnn.is_available() or None in _ONEDNN:
+    _ONEDNN = None
+_MKL = (_op("mkl", "_mkl_linear"), _op("mkl", "_mkl_reorder_linear_weight"))
+if not torch._C.has_mkl or None in _MKL:
+    _MKL = None
 
 
 @dataclass(frozen=True)
@@ -71,7 +79,7 @@ class KernelPlan:
     Attributes:
         rows: ascending row counts; ``kernels[i]`` serves ``rows[i]`` up to ``rows[i + 1] - 1``
             rows, the last one every count above.
-        kernels: ``"default"`` or ``"onednn"`` per entry of ``rows``.
+        kernels: one of ``KERNELS`` per entry of ``rows``.
         seconds: per entry, the measured seconds of each kernel (``{kernel: s}``), empty when the
             plan was not measured (not compared: plans are equal when they choose alike).
     """
@@ -122,34 +130,50 @@ class KernelPlan:
 
 
 def _takes_plan(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (_OPS is not None and not torch.is_grad_enabled() and x.device.type == "cpu"
+    return (_ONEDNN is not None and not torch.is_grad_enabled() and x.device.type == "cpu"
             and x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.device.type == "cpu")
 
 
-def packed_weight(weight: torch.Tensor, cache: dict[str, Any]) -> torch.Tensor:
-    """``weight`` (``[out, in]``) in oneDNN's blocked layout, kept in ``cache`` while ``weight`` is the
-    same tensor, on the same storage, at the same version (an in-place update bumps the version)."""
+def packed_weight(weight: torch.Tensor, kernel: str, cache: dict[str, Any]) -> torch.Tensor:
+    """``weight`` (``[out, in]``) packed for ``kernel`` (``"onednn"``: oneDNN's blocked layout;
+    ``"mkl-packed"``: MKL's ``sgemm_pack``), kept in ``cache`` while ``weight`` is the same tensor,
+    on the same storage, at the same version (an in-place update bumps the version)."""
     # an inference-mode tensor has no version counter (and cannot change outside inference mode)
     stamp = (weight.data_ptr(), -1 if weight.is_inference() else weight._version, tuple(weight.shape))
-    found = cache.get("packed")
+    found = cache.get(kernel)
     if found is None or found[0] is not weight or found[1] != stamp:
+        pack = (_ONEDNN if kernel == "onednn" else _MKL)[1]
         # the tensor itself is held, so its address cannot be reused by another while the copy lives
-        found = (weight, stamp, _OPS[1](weight.detach(), PACK_ROWS))
-        cache["packed"] = found
+        found = (weight, stamp, pack(weight.detach(), PACK_ROWS))
+        cache[kernel] = found
     return found[2]
+
+
+def _run(kernel: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+         cache: dict[str, Any]) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if kernel == "onednn":
+        return _ONEDNN[0](x.contiguous(), packed_weight(weight, kernel, cache), bias, "none", [], "")
+    if kernel == "mkl-packed" and 0 < rows <= MKL_PACKED_MAX_ROWS:
+        # MKL's op takes its packed weight only for the row count it names, so it is told this
+        # call's count: one packed copy serves every count up to MKL_PACKED_MAX_ROWS
+        # (``mkl_packed_works`` checks each against F.linear before a plan may choose it)
+        flat = x.reshape(rows, x.shape[-1]).contiguous()
+        out = _MKL[0](flat, packed_weight(weight, kernel, cache), weight, bias, rows)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
 
 
 def planned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: KernelPlan | None,
                    cache: dict[str, Any]) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` on the kernel ``plan`` names for ``x``'s number of rows (float32
-    CPU inference; anything else, or no plan, computes ``F.linear``). ``cache`` keeps the packed
-    weight (``packed_weight``)."""
+    CPU inference; anything else, or no plan, computes ``F.linear``; ``"mkl-packed"`` serves at
+    most ``MKL_PACKED_MAX_ROWS`` rows, more take ``F.linear``). ``cache`` keeps the packed weights
+    (``packed_weight``)."""
     if plan is None or not _takes_plan(x, weight):
         return F.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if plan.kernel(rows) == "default":
-        return F.linear(x, weight, bias)
-    return _OPS[0](x.contiguous(), packed_weight(weight, cache), bias, "none", [], "")
+    return _run(plan.kernel(rows), x, weight, bias, cache)
 
 
 class CPULinear(nn.Linear):
@@ -171,25 +195,52 @@ class CPULinear(nn.Linear):
 
 def onednn_works() -> bool:
     """Whether this PyTorch build has oneDNN's linear kernel and weight packing, and they agree with ``F.linear``."""
-    if _OPS is None:
+    if _ONEDNN is None:
         return False
     generator = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(24, 16, generator=generator), torch.randn(24, generator=generator)
     x = torch.randn(2, 3, 16, generator=generator)
     try:
         with torch.no_grad():
-            found = _OPS[0](x, _OPS[1](weight, PACK_ROWS), bias, "none", [], "")
+            found = _run("onednn", x, weight, bias, {})
     except RuntimeError as err:
         logger.warning("oneDNN linear kernel unavailable (%s); keeping PyTorch's default kernels", err)
         return False
     return bool(torch.allclose(found, F.linear(x, weight, bias), atol=1e-4, rtol=1e-4))
 
 
+def mkl_packed_works(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether ``"mkl-packed"`` gives ``F.linear``'s results (to float32 rounding) with this weight
+    for every row count from 1 to ``MKL_PACKED_MAX_ROWS``: MKL documents a packed weight for the
+    row count it was packed for, and this module packs once for all of them."""
+    if _MKL is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return False
+    generator = torch.Generator().manual_seed(0)
+    cache: dict[str, Any] = {}
+    try:
+        with torch.no_grad():
+            for rows in range(1, MKL_PACKED_MAX_ROWS + 1):
+                x = torch.randn(rows, weight.shape[1], generator=generator)
+                expected = F.linear(x, weight, bias)
+                scale = float(expected.abs().max()) or 1.0
+                if not torch.allclose(_run("mkl-packed", x, weight, bias, cache), expected, atol=1e-5 * scale,
+                                      rtol=1e-4):
+                    logger.warning("MKL with a packed weight disagrees with F.linear at %d rows for a %s weight; "
+                                   "not using it", rows, tuple(weight.shape))
+                    return False
+    except RuntimeError as err:
+        logger.warning("MKL with packed weights unavailable (%s)", err)
+        return False
+    return True
+
+
 def measure_kernel_plan(layers: Iterable[nn.Linear], rows: Sequence[int] = PLAN_ROWS, repeats: int = 3,
                         budget_bytes: int = MEASURE_BYTES) -> KernelPlan:
-    """Time both kernels on ``layers`` (the first of them holding ``budget_bytes`` of weights, in
-    order) for each count in ``rows``, interleaved within each repeat so that a noisy machine slows
-    them alike, and keep the faster (median) per count. The first round warms up and is discarded."""
+    """Time each kernel on ``layers`` (of one weight shape; the first of them holding
+    ``budget_bytes`` of weights, in order) for each count in ``rows``, interleaved within each
+    repeat so that a noisy machine slows them alike, and keep the fastest (median) per count.
+    ``"mkl-packed"`` competes where ``mkl_packed_works`` and for at most ``MKL_PACKED_MAX_ROWS``
+    rows. The first round warms up and is discarded."""
     chosen: list[nn.Linear] = []
     held = 0
     for layer in layers:
@@ -202,19 +253,22 @@ def measure_kernel_plan(layers: Iterable[nn.Linear], rows: Sequence[int] = PLAN_
     rows = sorted(set(int(r) for r in rows) | {1})
     caches: list[dict[str, Any]] = [{} for _ in chosen]
     weights = [(layer.weight.detach(), None if layer.bias is None else layer.bias.detach()) for layer in chosen]
+    packed_ok = mkl_packed_works(*weights[0])  # the layers given share one shape (use_cpu_kernels groups them)
+    candidates = {r: [k for k in KERNELS if k != "mkl-packed" or (packed_ok and r <= MKL_PACKED_MAX_ROWS)]
+                  for r in rows}
     inputs = {r: {w.shape[1]: torch.randn(r, w.shape[1]) for w, _ in weights} for r in rows}
-    plans = {kernel: KernelPlan.uniform(kernel) for kernel in KERNELS}
-    times: dict[tuple[int, str], list[float]] = {(r, k): [] for r in rows for k in KERNELS}
+    times: dict[tuple[int, str], list[float]] = {(r, k): [] for r in rows for k in candidates[r]}
     with torch.no_grad():
         for repeat in range(repeats + 1):
             for r in rows:
-                for kernel in KERNELS if (repeat + r) % 2 else KERNELS[::-1]:
+                order = candidates[r][repeat % len(candidates[r]):] + candidates[r][: repeat % len(candidates[r])]
+                for kernel in order:
                     start = time.perf_counter()
                     for (weight, bias), cache in zip(weights, caches):
-                        planned_linear(inputs[r][weight.shape[1]], weight, bias, plans[kernel], cache)
+                        _run(kernel, inputs[r][weight.shape[1]], weight, bias, cache)
                     if repeat:
                         times[r, kernel].append(time.perf_counter() - start)
-    seconds = tuple({k: statistics.median(times[r, k]) for k in KERNELS} for r in rows)
+    seconds = tuple({k: statistics.median(times[r, k]) for k in candidates[r]} for r in rows)
     return KernelPlan(tuple(rows), tuple(min(s, key=s.get) for s in seconds), seconds)
 
 

@@ -6,7 +6,8 @@ Loads the model once (float32), measures the ``tuned`` plans on its layers, one 
 (``medusa_infer.cpu_kernels.measure_kernel_plan``, printed with each kernel's milliseconds per row
 count), then times a forward of n new tokens over 256 cached ones (``tree_fit.measure_verify_cost``,
 what calibration measures) for n in 1, 2, 4, ... 64 with each plan: ``default`` (PyTorch's own
-kernels throughout), ``onednn`` (oneDNN with packed weights throughout) and ``tuned``. The plans
+kernels throughout), ``onednn`` (oneDNN with packed weights throughout), ``mkl-packed`` (MKL with
+packed weights up to 64 rows) and ``tuned``. The plans
 are interleaved round by round, so a noisy machine slows them alike; it prints each one's median
 milliseconds, t(n) / t(1) and the time relative to ``default`` at the same n.
 """
@@ -18,7 +19,7 @@ import statistics
 
 import torch
 
-from medusa_infer.cpu_kernels import CPULinear, KernelPlan, kernel_plans
+from medusa_infer.cpu_kernels import KERNELS, CPULinear, KernelPlan, kernel_plans
 from medusa_infer.model import MedusaModel
 from medusa_infer.models import load_base_model
 from medusa_infer.tree_fit import DEFAULT_SIZES, measure_verify_cost
@@ -41,9 +42,12 @@ def main() -> None:
     for shape, plan in kernel_plans(model.base_model).items():
         count = sum(1 for layer in layers if tuple(layer.weight.shape) == tuple(map(int, shape.split("x"))))
         print(f"\n{shape} ({count} layers): {plan.describe()}")
-        print("  rows, default / onednn ms: " + "  ".join(
-            f"{rows}: {s['default'] * 1e3:.1f} / {s['onednn'] * 1e3:.1f}" for rows, s in zip(plan.rows, plan.seconds)))
-    plans = {"default": KernelPlan.uniform("default"), "onednn": KernelPlan.uniform("onednn"), "tuned": None}
+        print("  rows: " + ", ".join(KERNELS) + " ms")
+        for rows, seconds in zip(plan.rows, plan.seconds):
+            cells = [f"{seconds[k] * 1e3:6.1f}" if k in seconds else "     -" for k in KERNELS]
+            print(f"  {rows:4d}: " + " ".join(cells))
+    plans = {"default": KernelPlan.uniform("default"), "onednn": KernelPlan.uniform("onednn"),
+             "mkl-packed": KernelPlan.uniform("mkl-packed"), "tuned": None}
     times: dict[str, dict[int, list[float]]] = {name: {n: [] for n in DEFAULT_SIZES} for name in plans}
     for round_ in range(args.rounds):
         order = list(plans)[round_ % len(plans):] + list(plans)[: round_ % len(plans)]
@@ -56,11 +60,11 @@ def main() -> None:
         print(f"round {round_ + 1}/{args.rounds} done", flush=True)
     median = {name: {n: statistics.median(v) for n, v in per.items()} for name, per in times.items()}
     print("\nforward of n tokens over 256 cached, median ms (t(n) / t(1); vs default at the same n)")
-    print("    n  " + "  ".join(f"{name:>24}" for name in plans))
+    print("    n  " + "  ".join(f"{name:>22}" for name in plans))
     for n in DEFAULT_SIZES:
         cells = [f"{median[name][n] * 1e3:7.1f} ({median[name][n] / median[name][1]:.2f}; "
                  f"{median[name][n] / median['default'][n]:.2f})" for name in plans]
-        print(f"{n:5d}  " + "  ".join(f"{c:>24}" for c in cells))
+        print(f"{n:5d}  " + "  ".join(f"{c:>22}" for c in cells))
 
 
 if __name__ == "__main__":

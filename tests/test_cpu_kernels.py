@@ -11,12 +11,14 @@ from torch import nn
 
 from medusa_infer.cpu_kernels import (
     CPULinear,
+    MKL_PACKED_MAX_ROWS,
     KernelPlan,
     apply_cpu_kernels,
     kernel_plans,
     match_kernels,
     linear_kernels,
     measure_kernel_plan,
+    mkl_packed_works,
     onednn_works,
     restore_linear,
     use_cpu_kernels,
@@ -27,7 +29,11 @@ from tiny import VOCAB, tiny_model
 
 pytestmark = pytest.mark.skipif(not onednn_works(), reason="this PyTorch build has no working oneDNN linear kernel")
 
-MIXED = KernelPlan((1, 3, 9), ("default", "onednn", "default"))  # every kernel, by number of rows
+MIXED = KernelPlan((1, 3, 5, 9), ("default", "onednn", "mkl-packed", "default"))  # every kernel, by number of rows
+
+
+def mkl_packed_available() -> bool:
+    return bool(torch._C.has_mkl) and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
 def switched(layer: nn.Linear, plan: KernelPlan) -> nn.Linear:
@@ -36,9 +42,10 @@ def switched(layer: nn.Linear, plan: KernelPlan) -> nn.Linear:
     return layer
 
 
-@pytest.mark.parametrize("plan", [KernelPlan.uniform("onednn"), KernelPlan.uniform("default"), MIXED])
+@pytest.mark.parametrize("plan", [KernelPlan.uniform("onednn"), KernelPlan.uniform("default"),
+                                  KernelPlan.uniform("mkl-packed"), MIXED])
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("shape", [(1, 48), (5, 48), (2, 7, 48)])
+@pytest.mark.parametrize("shape", [(1, 48), (5, 48), (2, 7, 48), (3, 40, 48)])
 def test_results_match_f_linear(plan, bias, shape):
     torch.manual_seed(0)
     layer = nn.Linear(48, 80, bias=bias)
@@ -51,6 +58,20 @@ def test_results_match_f_linear(plan, bias, shape):
     assert found.shape == expected.shape
     torch.testing.assert_close(found, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(strided, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_mkl_packed_is_checked_for_every_row_count_it_serves():
+    torch.manual_seed(0)
+    weight, bias = torch.randn(80, 48), torch.randn(80)
+    assert mkl_packed_works(weight, bias) == mkl_packed_available()
+    assert not mkl_packed_works(weight.double())
+    layer = switched(nn.Linear(48, 80), KernelPlan.uniform("mkl-packed"))
+    x = torch.randn(MKL_PACKED_MAX_ROWS + 6, 48)  # past its rows: F.linear
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias))
+        assert set(layer._kernel_cache) == set()  # nothing was packed for it
+        layer(x[:5])
+    assert set(layer._kernel_cache) == ({"mkl-packed"} if mkl_packed_available() else set())
 
 
 def test_training_still_gets_gradients():
@@ -91,9 +112,9 @@ def test_a_switched_model_copies_and_pickles_without_its_packed_weights():
 
 
 def test_a_plan_names_a_kernel_for_every_row_count():
-    assert [MIXED.kernel(n) for n in (1, 2, 3, 8, 9, 500)] == ["default", "default", "onednn", "onednn", "default",
-                                                               "default"]
-    assert MIXED.describe() == "default for 1-2 rows, onednn for 3-8 rows, default for 9+ rows"
+    assert [MIXED.kernel(n) for n in (1, 2, 3, 4, 5, 8, 9, 500)] == ["default", "default", "onednn", "onednn",
+                                                                     "mkl-packed", "mkl-packed", "default", "default"]
+    assert MIXED.describe() == "default for 1-2 rows, onednn for 3-4 rows, mkl-packed for 5-8 rows, default for 9+ rows"
     assert KernelPlan((1, 2, 4), ("default", "onednn", "onednn")).describe() == "default for 1 row, onednn for 2+ rows"
     assert KernelPlan.uniform("onednn").describe() == "onednn for every row count"
     with pytest.raises(ValueError, match="must start at 1"):
@@ -106,9 +127,10 @@ def test_a_plan_names_a_kernel_for_every_row_count():
 
 def test_a_measured_plan_keeps_the_faster_kernel_for_each_row_count():
     layers = [nn.Linear(64, 96) for _ in range(3)]
-    plan = measure_kernel_plan(layers, rows=(2, 8), repeats=2)
-    assert plan.rows == (1, 2, 8)
-    assert [set(s) for s in plan.seconds] == [{"default", "onednn"}] * 3
+    plan = measure_kernel_plan(layers, rows=(2, 8, MKL_PACKED_MAX_ROWS + 1), repeats=2)
+    assert plan.rows == (1, 2, 8, MKL_PACKED_MAX_ROWS + 1)
+    every = {"default", "onednn"} | ({"mkl-packed"} if mkl_packed_available() else set())
+    assert [set(s) for s in plan.seconds] == [every] * 3 + [{"default", "onednn"}]
     assert all(s[k] > 0 and s[k] == min(s.values()) for s, k in zip(plan.seconds, plan.kernels))
     model = tiny_model("llama")
     assert use_cpu_kernels(model) == sum(isinstance(m, nn.Linear) for m in model.modules())
