@@ -157,14 +157,22 @@ def _run(kernel: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if kernel == "onednn":
         return _ONEDNN[0](x.contiguous(), packed_weight(weight, kernel, cache), bias, "none", [], "")
-    if kernel == "mkl-packed" and 0 < rows <= MKL_PACKED_MAX_ROWS:
-        # MKL's op takes its packed weight only for the row count it names, so it is told this
-        # call's count: one packed copy serves every count up to MKL_PACKED_MAX_ROWS
-        # (``mkl_packed_works`` checks each against F.linear before a plan may choose it)
-        flat = x.reshape(rows, x.shape[-1]).contiguous()
-        out = _MKL[0](flat, packed_weight(weight, kernel, cache), weight, bias, rows)
-        return out.reshape(*x.shape[:-1], weight.shape[0])
+    if kernel == "mkl-packed" and 0 < rows <= MKL_PACKED_MAX_ROWS and mkl_packed_works(weight):
+        return _mkl_packed(x, weight, bias, cache)
     return F.linear(x, weight, bias)
+
+
+def _mkl_packed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                cache: dict[str, Any]) -> torch.Tensor:
+    # MKL's op takes its packed weight only for the row count it names, so it is told this call's
+    # count: one packed copy serves every count up to MKL_PACKED_MAX_ROWS (``mkl_packed_works``)
+    rows = x.numel() // x.shape[-1]
+    flat = x.reshape(rows, x.shape[-1]).contiguous()
+    out = _MKL[0](flat, packed_weight(weight, "mkl-packed", cache), weight, bias, rows)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+_MKL_CHECKED: dict[tuple[tuple[int, ...], torch.dtype], bool] = {}
 
 
 def planned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: KernelPlan | None,
@@ -213,13 +221,22 @@ def onednn_works() -> bool:
 
 
 def mkl_packed_works(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether ``"mkl-packed"`` gives ``F.linear``'s results (to float32 rounding) with this weight
-    for each row count of ``CHECK_ROWS`` (every one to 16, then up to ``MKL_PACKED_MAX_ROWS``): MKL
-    documents a packed weight for the row count it was packed for, and this module packs once for
-    all of them. (Every count from 1 to 100 agreed on SmolLM2-135M's five weight shapes; checking
-    them all at each load took 3.5 s for its ``lm_head``.)"""
+    """Whether ``"mkl-packed"`` gives ``F.linear``'s results (to float32 rounding) with weights of
+    this shape for each row count of ``CHECK_ROWS`` (every one to 16, then up to
+    ``MKL_PACKED_MAX_ROWS``): MKL documents a packed weight for the row count it was packed for,
+    and this module packs once for all of them. Checked once per shape in a process (the first
+    weight's values stand for the shape's); ``"mkl-packed"`` takes ``F.linear`` for a shape that
+    fails. (Every count from 1 to 100 agreed on SmolLM2-135M's five weight shapes; checking them
+    all took 3.5 s for its ``lm_head``.)"""
     if _MKL is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
         return False
+    key = (tuple(weight.shape), weight.dtype)
+    if key not in _MKL_CHECKED:
+        _MKL_CHECKED[key] = _check_mkl_packed(weight.detach(), None if bias is None else bias.detach())
+    return _MKL_CHECKED[key]
+
+
+def _check_mkl_packed(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     generator = torch.Generator().manual_seed(0)
     cache: dict[str, Any] = {}
     try:
@@ -228,8 +245,7 @@ def mkl_packed_works(weight: torch.Tensor, bias: torch.Tensor | None = None) -> 
                 x = torch.randn(rows, weight.shape[1], generator=generator)
                 expected = F.linear(x, weight, bias)
                 scale = float(expected.abs().max()) or 1.0
-                if not torch.allclose(_run("mkl-packed", x, weight, bias, cache), expected, atol=1e-5 * scale,
-                                      rtol=1e-4):
+                if not torch.allclose(_mkl_packed(x, weight, bias, cache), expected, atol=1e-5 * scale, rtol=1e-4):
                     logger.warning("MKL with a packed weight disagrees with F.linear at %d rows for a %s weight; "
                                    "not using it", rows, tuple(weight.shape))
                     return False

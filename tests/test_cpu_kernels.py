@@ -74,6 +74,17 @@ def test_mkl_packed_is_checked_for_every_row_count_it_serves():
     assert set(layer._kernel_cache) == ({"mkl-packed"} if mkl_packed_available() else set())
 
 
+def test_a_shape_that_fails_the_mkl_check_takes_f_linear(monkeypatch):
+    from medusa_infer import cpu_kernels
+
+    monkeypatch.setitem(cpu_kernels._MKL_CHECKED, ((80, 48), torch.float32), False)
+    layer = switched(nn.Linear(48, 80), KernelPlan.uniform("mkl-packed"))
+    x = torch.randn(5, 48)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias))
+    assert layer._kernel_cache == {}  # never packed for MKL
+
+
 def test_training_still_gets_gradients():
     torch.manual_seed(0)
     layer = switched(nn.Linear(16, 8), KernelPlan.uniform("onednn"))
