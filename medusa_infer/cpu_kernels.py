@@ -137,17 +137,21 @@ def _takes_plan(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.device.type == "cpu")
 
 
-def packed_weight(weight: torch.Tensor, kernel: str, cache: dict[str, Any]) -> torch.Tensor:
+def packed_weight(weight: torch.Tensor, kernel: str, cache: dict[str, Any]) -> torch.Tensor | None:
     """``weight`` (``[out, in]``) packed for ``kernel`` (``"onednn"``: oneDNN's blocked layout;
-    ``"mkl-packed"``: MKL's ``sgemm_pack``), kept in ``cache`` while ``weight`` is the same tensor,
-    on the same storage, at the same version (an in-place update bumps the version)."""
+    ``"mkl-packed"``: MKL's ``sgemm_pack``, None where ``mkl_packed_works`` fails for its shape),
+    kept in ``cache`` while ``weight`` is the same tensor, on the same storage, at the same version
+    (an in-place update bumps the version)."""
     # an inference-mode tensor has no version counter (and cannot change outside inference mode)
     stamp = (weight.data_ptr(), -1 if weight.is_inference() else weight._version, tuple(weight.shape))
     found = cache.get(kernel)
     if found is None or found[0] is not weight or found[1] != stamp:
-        pack = (_ONEDNN if kernel == "onednn" else _MKL)[1]
+        if kernel == "onednn":
+            packed = _ONEDNN[1](weight.detach(), PACK_ROWS)
+        else:
+            packed = _MKL[1](weight.detach(), PACK_ROWS) if mkl_packed_works(weight) else None
         # the tensor itself is held, so its address cannot be reused by another while the copy lives
-        found = (weight, stamp, pack(weight.detach(), PACK_ROWS))
+        found = (weight, stamp, packed)
         cache[kernel] = found
     return found[2]
 
@@ -157,19 +161,20 @@ def _run(kernel: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if kernel == "onednn":
         return _ONEDNN[0](x.contiguous(), packed_weight(weight, kernel, cache), bias, "none", [], "")
-    if kernel == "mkl-packed" and 0 < rows <= MKL_PACKED_MAX_ROWS and mkl_packed_works(weight):
-        return _mkl_packed(x, weight, bias, cache)
+    if kernel == "mkl-packed" and 0 < rows <= MKL_PACKED_MAX_ROWS:
+        packed = packed_weight(weight, kernel, cache)
+        if packed is not None:
+            return _mkl_packed(x, weight, bias, packed)
     return F.linear(x, weight, bias)
 
 
 def _mkl_packed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                cache: dict[str, Any]) -> torch.Tensor:
+                packed: torch.Tensor) -> torch.Tensor:
     # MKL's op takes its packed weight only for the row count it names, so it is told this call's
     # count: one packed copy serves every count up to MKL_PACKED_MAX_ROWS (``mkl_packed_works``)
     rows = x.numel() // x.shape[-1]
     flat = x.reshape(rows, x.shape[-1]).contiguous()
-    out = _MKL[0](flat, packed_weight(weight, "mkl-packed", cache), weight, bias, rows)
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    return _MKL[0](flat, packed, weight, bias, rows).reshape(*x.shape[:-1], weight.shape[0])
 
 
 _MKL_CHECKED: dict[tuple[tuple[int, ...], torch.dtype], bool] = {}
@@ -238,14 +243,14 @@ def mkl_packed_works(weight: torch.Tensor, bias: torch.Tensor | None = None) -> 
 
 def _check_mkl_packed(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     generator = torch.Generator().manual_seed(0)
-    cache: dict[str, Any] = {}
     try:
+        packed = _MKL[1](weight, PACK_ROWS)
         with torch.no_grad():
             for rows in CHECK_ROWS:
                 x = torch.randn(rows, weight.shape[1], generator=generator)
                 expected = F.linear(x, weight, bias)
                 scale = float(expected.abs().max()) or 1.0
-                if not torch.allclose(_mkl_packed(x, weight, bias, cache), expected, atol=1e-5 * scale, rtol=1e-4):
+                if not torch.allclose(_mkl_packed(x, weight, bias, packed), expected, atol=1e-5 * scale, rtol=1e-4):
                     logger.warning("MKL with a packed weight disagrees with F.linear at %d rows for a %s weight; "
                                    "not using it", rows, tuple(weight.shape))
                     return False

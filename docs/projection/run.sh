@@ -18,7 +18,7 @@ run own1
 run ownl2 heads.num_layers=2
 run owne3 training.epochs=3
 run ownwd training.weight_decay=0.1
-# These two ran later, at the commit after 304c3ea (the recipe's loss still ce then; since that
-# commit it is kl, so `run ownce training.loss=ce` is the own1 run above).
+# These two ran later, at 304c3ea (the recipe's loss still ce then; since d80f89b
+# it is kl, so `run ownce training.loss=ce` is the own1 run above).
 run ownkl training.loss=kl
 run ownkl-l2 training.loss=kl heads.num_layers=2
