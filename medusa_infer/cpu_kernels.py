@@ -16,7 +16,7 @@ PyTorch's CPU builds:
 Measured on this project's machines (``scripts/bench_cpu_kernels.py``): on an AMD EPYC, ``default``
 was much slower for 2 to 16 rows than for one, and slower than oneDNN for one row too; on an Intel
 Xeon with AVX-512, ``default`` read one to three rows' weights fastest, was much slower from 4 rows
-up, most of all for the wide ``lm_head`` (49152 x 576: 11.3 ms against 5.4 for oneDNN at 8 rows),
+up, most of all for the wide ``lm_head`` (49152 x 576: 13.3 ms against 5.4 for oneDNN at 8 rows),
 and the packed kernels held on. So ``use_cpu_kernels`` times the kernels on the model's own
 layers, shape by shape, for 1 to 128 rows and keeps the fastest for each (a ``KernelPlan`` per
 weight shape; ``"tuned"``, the default of ``load_base_model``); ``"onednn"`` takes oneDNN for every
@@ -73,6 +73,7 @@ if not torch.backends.mkldnn.is_available() or None in _ONEDNN:
 _MKL = (_op("mkl", "_mkl_linear"), _op("mkl", "_mkl_reorder_linear_weight"))
 if not torch._C.has_mkl or None in _MKL:
     _MKL = None
+_MKL_CHECKED: dict[tuple[tuple[int, ...], torch.dtype], bool] = {}  # mkl_packed_works, per weight shape
 
 
 @dataclass(frozen=True)
@@ -156,28 +157,29 @@ def packed_weight(weight: torch.Tensor, kernel: str, cache: dict[str, Any]) -> t
     return found[2]
 
 
-def _run(kernel: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+
+def _run(kernel: str, x: torch.Tensor, rows: int, weight: torch.Tensor, bias: torch.Tensor | None,
          cache: dict[str, Any]) -> torch.Tensor:
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    """``F.linear`` on ``kernel`` for ``x`` (``rows`` rows in all)."""
     if kernel == "onednn":
         return _ONEDNN[0](x.contiguous(), packed_weight(weight, kernel, cache), bias, "none", [], "")
     if kernel == "mkl-packed" and 0 < rows <= MKL_PACKED_MAX_ROWS:
         packed = packed_weight(weight, kernel, cache)
         if packed is not None:
-            return _mkl_packed(x, weight, bias, packed)
+            return _mkl_packed(x, rows, weight, bias, packed)
     return F.linear(x, weight, bias)
 
 
-def _mkl_packed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def _mkl_packed(x: torch.Tensor, rows: int, weight: torch.Tensor, bias: torch.Tensor | None,
                 packed: torch.Tensor) -> torch.Tensor:
     # MKL's op takes its packed weight only for the row count it names, so it is told this call's
     # count: one packed copy serves every count up to MKL_PACKED_MAX_ROWS (``mkl_packed_works``)
-    rows = x.numel() // x.shape[-1]
     flat = x.reshape(rows, x.shape[-1]).contiguous()
     return _MKL[0](flat, packed, weight, bias, rows).reshape(*x.shape[:-1], weight.shape[0])
 
-
-_MKL_CHECKED: dict[tuple[tuple[int, ...], torch.dtype], bool] = {}
 
 
 def planned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: KernelPlan | None,
@@ -188,8 +190,8 @@ def planned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     (``packed_weight``)."""
     if plan is None or not _takes_plan(x, weight):
         return F.linear(x, weight, bias)
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return _run(plan.kernel(rows), x, weight, bias, cache)
+    rows = _rows(x)
+    return _run(plan.kernel(rows), x, rows, weight, bias, cache)
 
 
 class CPULinear(nn.Linear):
@@ -218,7 +220,7 @@ def onednn_works() -> bool:
     x = torch.randn(2, 3, 16, generator=generator)
     try:
         with torch.no_grad():
-            found = _run("onednn", x, weight, bias, {})
+            found = _run("onednn", x, _rows(x), weight, bias, {})
     except RuntimeError as err:
         logger.warning("oneDNN linear kernel unavailable (%s); keeping PyTorch's default kernels", err)
         return False
@@ -250,7 +252,8 @@ def _check_mkl_packed(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
                 x = torch.randn(rows, weight.shape[1], generator=generator)
                 expected = F.linear(x, weight, bias)
                 scale = float(expected.abs().max()) or 1.0
-                if not torch.allclose(_mkl_packed(x, weight, bias, packed), expected, atol=1e-5 * scale, rtol=1e-4):
+                if not torch.allclose(_mkl_packed(x, rows, weight, bias, packed), expected, atol=1e-5 * scale,
+                                      rtol=1e-4):
                     logger.warning("MKL with a packed weight disagrees with F.linear at %d rows for a %s weight; "
                                    "not using it", rows, tuple(weight.shape))
                     return False
@@ -276,13 +279,17 @@ def measure_kernel_plan(layers: Iterable[nn.Linear], rows: Sequence[int] = PLAN_
             break
     if not chosen:
         raise ValueError("measure_kernel_plan needs at least one linear layer")
+    shapes = {tuple(layer.weight.shape) for layer in chosen}
+    if len(shapes) > 1:
+        raise ValueError(f"measure_kernel_plan times layers of one weight shape, got {sorted(shapes)}: "
+                         "group them by shape_key (use_cpu_kernels does)")
     rows = sorted(set(int(r) for r in rows) | {1})
     caches: list[dict[str, Any]] = [{} for _ in chosen]
     weights = [(layer.weight.detach(), None if layer.bias is None else layer.bias.detach()) for layer in chosen]
-    packed_ok = mkl_packed_works(*weights[0])  # the layers given share one shape (use_cpu_kernels groups them)
+    packed_ok = mkl_packed_works(*weights[0])
     candidates = {r: [k for k in KERNELS if k != "mkl-packed" or (packed_ok and r <= MKL_PACKED_MAX_ROWS)]
                   for r in rows}
-    inputs = {r: {w.shape[1]: torch.randn(r, w.shape[1]) for w, _ in weights} for r in rows}
+    inputs = {r: torch.randn(r, weights[0][0].shape[1]) for r in rows}
     times: dict[tuple[int, str], list[float]] = {(r, k): [] for r in rows for k in candidates[r]}
     with torch.no_grad():
         for repeat in range(repeats + 1):
@@ -291,7 +298,7 @@ def measure_kernel_plan(layers: Iterable[nn.Linear], rows: Sequence[int] = PLAN_
                 for kernel in order:
                     start = time.perf_counter()
                     for (weight, bias), cache in zip(weights, caches):
-                        _run(kernel, inputs[r][weight.shape[1]], weight, bias, cache)
+                        _run(kernel, inputs[r], r, weight, bias, cache)
                     if repeat:
                         times[r, kernel].append(time.perf_counter() - start)
     seconds = tuple({k: statistics.median(times[r, k]) for k in candidates[r]} for r in rows)
@@ -366,7 +373,7 @@ def linear_kernels(model: nn.Module) -> str:
     plans = set(kernel_plans(model).values())
     if not plans:
         return "default"
-    if any(plan.seconds for plan in kernel_plans(model).values()):
+    if any(plan.seconds for plan in plans):
         return "tuned"
     return "; ".join(sorted(plan.describe() for plan in plans))
 

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import torch
 
-from medusa_infer.cpu_kernels import KERNELS, CPULinear, KernelPlan, kernel_plans
+from medusa_infer.cpu_kernels import KERNELS, CPULinear, KernelPlan, kernel_plans, use_cpu_kernels
 from medusa_infer.model import MedusaModel
 from medusa_infer.models import load_base_model
 from medusa_infer.tree_fit import DEFAULT_SIZES, measure_verify_cost
@@ -33,11 +34,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = MedusaModel.without_heads(load_base_model(args.model, dtype=torch.float32, device="cpu"))
-    layers = [m for m in model.modules() if isinstance(m, CPULinear)]
-    if not layers:
+    model = MedusaModel.without_heads(load_base_model(args.model, dtype=torch.float32, device="cpu",
+                                                      cpu_kernels="default"))
+    start = time.perf_counter()
+    if not use_cpu_kernels(model.base_model, "tuned"):  # what load_base_model does by default
         raise SystemExit("this PyTorch build has no working oneDNN linear kernel: only PyTorch's own kernels run here")
-    print(f"{cpu_name()}, torch {torch.__version__}, {args.threads} threads")
+    tuning = time.perf_counter() - start
+    layers = [m for m in model.modules() if isinstance(m, CPULinear)]
+    print(f"{cpu_name()}, torch {torch.__version__}, {args.threads} threads; plans measured in {tuning:.1f} s")
     tuned = {id(layer): layer.kernel_plan for layer in layers}
     for shape, plan in kernel_plans(model.base_model).items():
         count = sum(1 for layer in layers if tuple(layer.weight.shape) == tuple(map(int, shape.split("x"))))

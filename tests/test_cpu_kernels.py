@@ -116,7 +116,7 @@ def test_a_switched_model_copies_and_pickles_without_its_packed_weights():
         buffer = io.BytesIO()
         torch.save(model, buffer)
         buffer.seek(0)
-        loaded = torch.load(buffer, weights_only=False)
+        loaded = torch.load(buffer, weights_only=False)  # the whole module this test pickled above
         torch.testing.assert_close(clone(ids).logits, expected)
         torch.testing.assert_close(loaded(ids).logits, expected)
     assert set(kernel_plans(clone).values()) == {KernelPlan.uniform("onednn")}
@@ -140,6 +140,8 @@ def test_a_measured_plan_keeps_the_faster_kernel_for_each_row_count():
     layers = [nn.Linear(64, 96) for _ in range(3)]
     plan = measure_kernel_plan(layers, rows=(2, 8, MKL_PACKED_MAX_ROWS + 1), repeats=2)
     assert plan.rows == (1, 2, 8, MKL_PACKED_MAX_ROWS + 1)
+    with pytest.raises(ValueError, match="one weight shape"):
+        measure_kernel_plan([nn.Linear(64, 96), nn.Linear(64, 32)])
     every = {"default", "onednn"} | ({"mkl-packed"} if mkl_packed_available() else set())
     assert [set(s) for s in plan.seconds] == [every] * 3 + [{"default", "onednn"}]
     assert all(s[k] > 0 and s[k] == min(s.values()) for s, k in zip(plan.seconds, plan.kernels))
