@@ -51,10 +51,11 @@ class TreeController:
         ladder: nested trees, ``ladder[0] == []`` (plain decoding).
         head_topk_acc: the heads' calibrated acceptance (``trees.AcceptanceModel``: joint path
             probabilities, or per-rank accuracies ``[num_heads][k]``).
-        cost: the device's verification cost profile.
+        cost: the device's verification cost profile; each rung also pays for the heads its tree's
+            depth needs (``CostProfile.head_ratio``), and plain steps for head 1 when the largest
+            tree has a first level (``observe_shadow`` reads it).
         smoothing: weight of the newest observation in the moving average.
         probe_every: steps between probes while on plain decoding.
-        head_overhead: cost of one heads' forward as a fraction of ``t(1)``.
 
     Attributes:
         history: the rung chosen at each of the last ``RECENT_STEPS`` steps, oldest first.
@@ -65,7 +66,6 @@ class TreeController:
     cost: CostProfile
     smoothing: float = 0.2
     probe_every: int = 16
-    head_overhead: float = 0.0
     scale: float = 1.0
     rung: int = field(init=False)
     history: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
@@ -86,13 +86,16 @@ class TreeController:
         self.rung = self._best()
 
     def cost_ratios(self, batch: int) -> list[float]:
-        """Per rung, ``t(batch * (nodes + 1)) / t(batch)`` plus the heads' overhead (rung 0: 1)."""
+        """Per rung, ``t(batch * (nodes + 1)) / t(batch)`` plus the heads its tree runs (rung 0:
+        1, plus head 1 when plain steps read it)."""
         if batch < 1:
             raise ValueError(f"batch size must be >= 1, got {batch}")
         if batch not in self._cost_ratios:
             plain = self.cost.ratio(batch)
-            self._cost_ratios[batch] = [1.0] + [self.cost.ratio(batch * (len(t) + 1)) / plain + self.head_overhead
-                                                for t in self.ladder[1:]]
+            shadow = self.cost.head_ratio(1) if self.first_level_ranks else 0.0
+            self._cost_ratios[batch] = [1.0 + shadow] + [
+                self.cost.ratio(batch * (len(t) + 1)) / plain + self.cost.head_ratio(max(len(p) for p in t))
+                for t in self.ladder[1:]]
         return self._cost_ratios[batch]
 
     def _best(self, batch: int = 1) -> int:

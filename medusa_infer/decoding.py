@@ -605,8 +605,7 @@ def make_controller(model, paths: Sequence[Sequence[int]], adaptive: bool | None
         )
     acceptance = config.acceptance_model()
     return TreeController(tree_ladder(paths, acceptance=acceptance), acceptance,
-                          CostProfile.from_dict(config.cost_profile),
-                          head_overhead=float(config.cost_profile.get("head_overhead", 0.0)))
+                          CostProfile.from_dict(config.cost_profile))
 
 
 def resolve_tree(model, tree: str | Sequence[Sequence[int]] | None) -> list[tuple[int, ...]]:

@@ -37,18 +37,24 @@ class CostProfile:
         seconds: median seconds per forward for each size.
         device: where it was measured (e.g. ``"cpu"``, ``"cuda:NVIDIA H200"``), with the dtype.
         context: cached tokens before the new ones during the measurement.
+        head_seconds: median seconds of running the first ``d`` Medusa heads (and their top-k) at
+            one position, at index ``d - 1``: a tree of depth ``d`` runs only those (empty: not
+            measured, the heads cost nothing).
     """
 
     sizes: list[int]
     seconds: list[float]
     device: str = ""
     context: int = 0
+    head_seconds: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.sizes or self.sizes[0] != 1 or list(self.sizes) != sorted(set(self.sizes)):
             raise ValueError(f"sizes must be ascending, distinct and start at 1, got {self.sizes}")
         if len(self.seconds) != len(self.sizes) or min(self.seconds) <= 0:
             raise ValueError("seconds must hold one positive time per size")
+        if any(t < 0 for t in self.head_seconds):
+            raise ValueError(f"head_seconds must not be negative, got {self.head_seconds}")
 
     def ratio(self, n: int) -> float:
         """``t(n) / t(1)``, linearly interpolated (extrapolated past the largest size, never
@@ -68,12 +74,29 @@ class CostProfile:
         slope = max((secs[-1] - secs[-2]) / (sizes[-1] - sizes[-2]), 0.0)
         return (secs[-1] + slope * (n - sizes[-1])) / secs[0]
 
+    def head_ratio(self, depth: int) -> float:
+        """Cost of running the heads a tree of ``depth`` needs, as a fraction of ``t(1)`` (0 for
+        depth 0 or when not measured; past the measured depths, the deepest measured)."""
+        if depth <= 0 or not self.head_seconds:
+            return 0.0
+        return self.head_seconds[min(depth, len(self.head_seconds)) - 1] / self.seconds[0]
+
     def to_dict(self) -> dict:
-        return {"sizes": list(self.sizes), "seconds": list(self.seconds), "device": self.device, "context": self.context}
+        data = {"sizes": list(self.sizes), "seconds": list(self.seconds), "device": self.device, "context": self.context}
+        if self.head_seconds:
+            data["head_seconds"] = list(self.head_seconds)
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "CostProfile":
-        return cls(list(data["sizes"]), list(data["seconds"]), data.get("device", ""), data.get("context", 0))
+        """The inverse of ``to_dict``. Profiles written before ``head_seconds`` hold one
+        ``head_overhead`` (all heads' cost over ``t(1)``), which is then charged at every depth."""
+        seconds = list(data["seconds"])
+        head_seconds = data.get("head_seconds")
+        if head_seconds is None and data.get("head_overhead") is not None:
+            head_seconds = [float(data["head_overhead"]) * seconds[0]]
+        return cls(list(data["sizes"]), seconds, data.get("device", ""), data.get("context", 0),
+                   list(head_seconds or []))
 
 
 @torch.inference_mode()
@@ -153,16 +176,15 @@ def fit_tree(
     head_topk_acc: AcceptanceModel,
     cost: CostProfile,
     sizes: Sequence[int] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64),
-    head_overhead: float = 0.0,
 ) -> FittedTree:
     """Pick the tree size (nodes beyond the root) that maximises expected tokens per second.
 
     Args:
         head_topk_acc: the heads' measured acceptance (``trees.AcceptanceModel``): joint path
             probabilities, or ``[num_heads][k]`` probabilities that head d's rank-r token is right.
-        cost: the device's verification cost profile.
+        cost: the device's verification cost profile; a tree of depth ``d`` also pays for its
+            ``d`` heads (``CostProfile.head_ratio``).
         sizes: candidate numbers of tree nodes.
-        head_overhead: cost of running the heads once per step, as a fraction of ``t(1)``.
     """
     table = [{"nodes": 0, "tau": 1.0, "cost_ratio": 1.0, "speedup": 1.0}]
     best = (1.0, [], 1.0)
@@ -172,7 +194,7 @@ def fit_tree(
             break
         paths = greedy_tree(head_topk_acc, n)
         tau = expected_accept_length(paths, head_topk_acc)
-        ratio = cost.ratio(n + 1) + head_overhead
+        ratio = cost.ratio(n + 1) + cost.head_ratio(max((len(p) for p in paths), default=0))
         speedup = tau / ratio
         table.append({"nodes": n, "tau": round(tau, 4), "cost_ratio": round(ratio, 4), "speedup": round(speedup, 4)})
         if speedup > best[0]:

@@ -34,6 +34,7 @@ import argparse
 import json
 import platform
 import random
+import statistics
 import sys
 import threading
 import time
@@ -579,8 +580,8 @@ def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[st
     accuracy = head_topk_accuracy(model, sequences, top_k=model.config.top_k)
     paths = accuracy.paths()
     cost = measure_verify_cost(model, context=args.calibrate_context)
-    overhead = measure_head_overhead(model, cost)
-    fitted = fit_tree(paths, cost, head_overhead=overhead)
+    cost.head_seconds = measure_head_seconds(model)
+    fitted = fit_tree(paths, cost)
     config = model.config
     if config.head_accuracies and "heldout_head_accuracies" not in config.training:
         config.training["heldout_head_accuracies"] = config.head_accuracies  # training's, kept beside these
@@ -594,7 +595,7 @@ def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[st
                          "calibrated_tree_nodes": len(fitted.paths),
                          "calibrated_expected_tau": round(fitted.expected_tau, 4),
                          "calibrated_expected_speedup": round(fitted.expected_speedup, 4)}
-    config.cost_profile = {**cost.to_dict(), "head_overhead": round(overhead, 4)}
+    config.cost_profile = cost.to_dict()
     config.tree = [list(p) for p in fitted.paths] or None
     return {"head_accuracies": config.head_accuracies, "cost_profile": config.cost_profile,
             "tree_nodes": len(fitted.paths), "expected_tau": fitted.expected_tau,
@@ -625,20 +626,23 @@ def head_topk_accuracy(model, sequences: list[tuple[torch.Tensor, int]], top_k: 
 
 
 @torch.inference_mode()
-def measure_head_overhead(model, cost, repeats: int = 20) -> float:
-    """Seconds of one heads' forward at one position, as a fraction of ``t(1)``."""
+def measure_head_seconds(model, repeats: int = 20) -> list[float]:
+    """Median seconds of running the first ``d`` heads and their top-k at one position, at index
+    ``d - 1`` (``CostProfile.head_seconds``): a tree of depth ``d`` runs only those. The depths
+    are interleaved within each repeat, so a noisy machine slows them alike."""
     hidden = torch.randn(1, model.lm_head.weight.shape[1], device=model.device, dtype=model.dtype)
     root = torch.zeros(1, dtype=torch.long, device=model.device)  # decoding passes its root token
-    model.head_logits(hidden, root)
-    times = []
-    for _ in range(repeats):
-        _sync(model.device)
-        start = time.perf_counter()
-        model.head_logits(hidden, root).topk(model.config.top_k, dim=-1)
-        _sync(model.device)
-        times.append(time.perf_counter() - start)
-    times.sort()
-    return times[len(times) // 2] / cost.seconds[0]
+    depths = range(1, model.config.num_heads + 1)
+    times: dict[int, list[float]] = {d: [] for d in depths}
+    for repeat in range(repeats + 1):  # the first round warms up and is discarded
+        for depth in depths:
+            _sync(model.device)
+            start = time.perf_counter()
+            model.head_logits(hidden, root, first=depth).topk(model.config.top_k, dim=-1)
+            _sync(model.device)
+            if repeat:
+                times[depth].append(time.perf_counter() - start)
+    return [statistics.median(times[d]) for d in depths]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -60,6 +60,34 @@ def test_cost_profile_interpolates_and_round_trips():
         CostProfile([2, 4], [1.0, 2.0])
 
 
+def test_heads_are_charged_by_the_depth_a_tree_runs():
+    """A tree of depth d runs only its first d heads: shallow trees are not charged for deep heads."""
+    per_depth = CostProfile(STEEP.sizes, STEEP.seconds, "cpu-like", head_seconds=[0.05, 0.1, 0.15, 0.2])
+    assert [per_depth.head_ratio(d) for d in range(6)] == [0.0, 0.05, 0.1, 0.15, 0.2, 0.2]
+    assert CostProfile.from_dict(per_depth.to_dict()) == per_depth
+    # a profile written before head_seconds: its one overhead (all heads) is charged at every depth
+    legacy = CostProfile.from_dict({**STEEP.to_dict(), "head_overhead": 0.2})
+    assert [legacy.head_ratio(d) for d in range(1, 5)] == [0.2] * 4 and legacy.head_ratio(0) == 0.0
+    with pytest.raises(ValueError, match="head_seconds"):
+        CostProfile([1], [1.0], head_seconds=[-1.0])
+    # the fit charges each size's tree for its own depth
+    fitted = fit_tree(REFERENCE_HEAD_ACCURACY, per_depth)
+    for row in fitted.table[1:]:
+        depth = max(len(p) for p in greedy_tree(REFERENCE_HEAD_ACCURACY, row["nodes"]))
+        assert row["cost_ratio"] == pytest.approx(per_depth.ratio(row["nodes"] + 1) + per_depth.head_ratio(depth),
+                                                  abs=1e-4)
+    assert fit_tree(REFERENCE_HEAD_ACCURACY, per_depth).table[1]["cost_ratio"] < \
+        fit_tree(REFERENCE_HEAD_ACCURACY, legacy).table[1]["cost_ratio"]  # one node: head 1 only
+    # the controller too; its plain steps pay for head 1, which they read (observe_shadow)
+    ladder = tree_ladder(greedy_tree(REFERENCE_HEAD_ACCURACY, 16))
+    control = TreeController(ladder, REFERENCE_HEAD_ACCURACY, per_depth)
+    ratios = control.cost_ratios(1)
+    assert ratios[0] == pytest.approx(1.05)
+    for rung, tree in enumerate(ladder[1:], start=1):
+        depth = max(len(p) for p in tree)
+        assert ratios[rung] == pytest.approx(per_depth.ratio(len(tree) + 1) + per_depth.head_ratio(depth))
+
+
 def test_measured_cost_profile_on_a_tiny_model():
     model = MedusaModel.without_heads(tiny_model("llama"))
     profile = measure_verify_cost(model, sizes=(1, 4, 16), context=32, repeats=2)

@@ -114,7 +114,9 @@ def test_calibration_measures_accuracy_and_cost_and_fits_a_tree(model):
     assert config.acceptance["calibrated_tree_nodes"] == result["tree_nodes"]
     assert len(config.head_accuracies) == 4 and len(config.head_accuracies[0]) == config.top_k
     assert all(0 <= a <= b <= 1 for row in config.head_accuracies for a, b in zip(row, row[1:]))  # cumulative
-    assert config.cost_profile["sizes"][0] == 1 and "head_overhead" in config.cost_profile
+    assert config.cost_profile["sizes"][0] == 1
+    head_seconds = config.cost_profile["head_seconds"]  # running the first d heads, d = 1..4
+    assert len(head_seconds) == 4 and all(t > 0 for t in head_seconds)
     assert result["table"][0]["nodes"] == 0
     assert (config.tree is None) == (result["tree_nodes"] == 0)
     # the tree is fitted to the joint path accuracies stored beside the per-head ones

@@ -129,3 +129,44 @@ def test_every_valid_key_has_a_default():
     keys = valid_keys()
     assert "training.mode" in keys and "lora.r" in keys and "eval.tree_size" in keys
     assert isinstance(TrainConfig().training.lr, float)
+
+
+ROOT = RECIPES.parent
+SHARED_PROMPTS = ROOT.parent / "shared" / "data" / "train_prompts.jsonl"
+# sources whose licence allows redistribution (data/README.md); only these are shipped
+REDISTRIBUTABLE = {"gsm8k_train", "gpteacher_codegen", "gpteacher_roleplay", "dolly_open_qa", "self_instruct_seed",
+                   "oasst_prompt_lottery", "oasst_en_100", "oasst_seed"}
+
+
+def read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "smollm2-135m-large"])
+def test_default_recipes_read_shipped_redistributable_prompts(name):
+    config = load_config(RECIPES / f"{name}.yaml")
+    rows = read_rows(ROOT / config.data.prompts)
+    assert len({r["id"] for r in rows}) == len(rows) >= config.data.n  # enough distinct prompts for data.n
+    assert {r["source"] for r in rows} <= REDISTRIBUTABLE
+
+
+def test_larger_prompt_set_is_the_quick_one_plus_a_seeded_sample(tmp_path):
+    """data/train_prompts_large.jsonl is what scripts/make_prompt_set.py makes (data/README.md)."""
+    import importlib.util
+
+    quick, large = read_rows(ROOT / "data" / "train_prompts.jsonl"), read_rows(ROOT / "data" / "train_prompts_large.jsonl")
+    assert {r["id"] for r in quick} <= {r["id"] for r in large}
+    spec = importlib.util.spec_from_file_location("make_prompt_set", ROOT / "scripts" / "make_prompt_set.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    quotas = {s: 1000 for s in ("gsm8k_train", "gpteacher_codegen", "gpteacher_roleplay", "dolly_open_qa")}
+    if SHARED_PROMPTS.is_file():  # the 25k-prompt set it was sampled from
+        assert module.build(read_rows(SHARED_PROMPTS), quick, quotas, seed=0) == large
+    # on the large set itself: the quotas are met, so nothing is added and nothing dropped
+    assert module.build(large, quick, quotas, seed=0) == large
+    small = module.build(large, [], {"gsm8k_train": 3}, seed=0)
+    assert [r["source"] for r in small] == ["gsm8k_train"] * 3
+    with pytest.raises(SystemExit, match="fewer than its quota"):
+        module.build(large, [], {"oasst_seed": 10_000}, seed=0)
+    with pytest.raises(SystemExit, match="not in --source"):
+        module.build(large, [], {"nope": 1}, seed=0)
