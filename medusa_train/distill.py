@@ -436,6 +436,13 @@ def merge_shards(
         rows_by_id.values(), key=lambda r: (order.get(str(r["id"]), len(order)),)
     )
     missing = [p["id"] for p in prompts if p["id"] not in rows_by_id]
+    extra = len(rows_by_id) - (len(order) - len(missing))
+    if extra:
+        logger.warning(
+            "%s keeps %d rows whose prompts are not in this run's sample (an earlier run's, e.g. with a larger "
+            "data.n or another prompt file); they stay in the data and are trained on. To use this sample "
+            "only, distil into a new output path", output, extra,
+        )
     tmp = output.with_name(output.name + ".merging")
     with tmp.open("w", encoding="utf-8") as handle:
         for row in rows:

@@ -224,6 +224,20 @@ def test_two_rank_shards_merge_in_prompt_order(tmp_path, model_dir, prompts_file
     assert distill_shard(config, prompts, 0, 2).rows == 0
 
 
+def test_merge_keeps_an_earlier_runs_rows_and_says_so(tmp_path, model_dir, prompts_file, caplog):
+    output = tmp_path / "rows.jsonl"
+    distill(make_config(model_dir, prompts_file, output, n=4))
+    first = read_rows(output)
+    with caplog.at_level("WARNING", logger="medusa_train.distill"):
+        distill(make_config(model_dir, prompts_file, output, n=2))  # a smaller sample: a prefix of the first
+    assert read_rows(output) == first  # nothing answered again, nothing dropped
+    assert "keeps 2 rows whose prompts are not in this run's sample" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="medusa_train.distill"):
+        distill(make_config(model_dir, prompts_file, output, n=4))
+    assert "not in this run's sample" not in caplog.text
+
+
 def test_resume_refuses_other_generation_settings(tmp_path, model_dir, prompts_file):
     output = tmp_path / "rows.jsonl"
     distill(make_config(model_dir, prompts_file, output, n=2))
