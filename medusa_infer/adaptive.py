@@ -23,7 +23,7 @@ from typing import Sequence
 
 from medusa_infer.metrics import RECENT_STEPS
 from medusa_infer.tree_fit import CostProfile
-from medusa_infer.trees import AcceptanceModel, Path, expected_accept_length, path_probability
+from medusa_infer.trees import AcceptanceModel, Path, expected_accept_length, path_probability, tree_depth
 
 
 def tree_ladder(paths: Sequence[Path], sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
@@ -39,7 +39,8 @@ def tree_ladder(paths: Sequence[Path], sizes: Sequence[int] = (1, 2, 4, 8, 16, 3
     for n in sizes:
         if n < len(ordered):
             ladder.append(ordered[:n])
-    ladder.append(ordered)
+    if ordered:
+        ladder.append(ordered)
     return ladder
 
 
@@ -52,8 +53,9 @@ class TreeController:
         head_topk_acc: the heads' calibrated acceptance (``trees.AcceptanceModel``: joint path
             probabilities, or per-rank accuracies ``[num_heads][k]``).
         cost: the device's verification cost profile; each rung also pays for the heads its tree's
-            depth needs (``CostProfile.head_ratio``), and plain steps for head 1 when the largest
-            tree has a first level (``observe_shadow`` reads it).
+            depth needs (``CostProfile.head_ratio``). Plain steps count as 1: head 1, which they
+            run to watch acceptance (``observe_shadow``), is left out, so the comparison leans
+            towards plain decoding by that much (about 1% of a step on a 2-core CPU).
         smoothing: weight of the newest observation in the moving average.
         probe_every: steps between probes while on plain decoding.
 
@@ -86,15 +88,13 @@ class TreeController:
         self.rung = self._best()
 
     def cost_ratios(self, batch: int) -> list[float]:
-        """Per rung, ``t(batch * (nodes + 1)) / t(batch)`` plus the heads its tree runs (rung 0:
-        1, plus head 1 when plain steps read it)."""
+        """Per rung, ``t(batch * (nodes + 1)) / t(batch)`` plus the heads its tree runs (rung 0: 1)."""
         if batch < 1:
             raise ValueError(f"batch size must be >= 1, got {batch}")
         if batch not in self._cost_ratios:
             plain = self.cost.ratio(batch)
-            shadow = self.cost.head_ratio(1) if self.first_level_ranks else 0.0
-            self._cost_ratios[batch] = [1.0 + shadow] + [
-                self.cost.ratio(batch * (len(t) + 1)) / plain + self.cost.head_ratio(max(len(p) for p in t))
+            self._cost_ratios[batch] = [1.0] + [
+                self.cost.ratio(batch * (len(t) + 1)) / plain + self.cost.head_ratio(tree_depth(t))
                 for t in self.ladder[1:]]
         return self._cost_ratios[batch]
 

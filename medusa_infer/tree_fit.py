@@ -23,7 +23,14 @@ from typing import Sequence
 import torch
 
 from medusa_infer.kv_cache import AttentionLayout, KVState, copy_cache
-from medusa_infer.trees import AcceptanceModel, Path, expected_accept_length, greedy_tree, tree_capacity
+from medusa_infer.trees import (
+    AcceptanceModel,
+    Path,
+    expected_accept_length,
+    greedy_tree,
+    tree_capacity,
+    tree_depth,
+)
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -194,7 +201,7 @@ def fit_tree(
             break
         paths = greedy_tree(head_topk_acc, n)
         tau = expected_accept_length(paths, head_topk_acc)
-        ratio = cost.ratio(n + 1) + cost.head_ratio(max((len(p) for p in paths), default=0))
+        ratio = cost.ratio(n + 1) + cost.head_ratio(tree_depth(paths))
         speedup = tau / ratio
         table.append({"nodes": n, "tau": round(tau, 4), "cost_ratio": round(ratio, 4), "speedup": round(speedup, 4)})
         if speedup > best[0]:

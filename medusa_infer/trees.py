@@ -277,6 +277,11 @@ def _shape(model: AcceptanceModel) -> tuple[int, int]:
     return len(model), min(len(row) for row in model)
 
 
+def tree_depth(paths: Iterable[Sequence[int]]) -> int:
+    """The longest path's length: how many heads a tree reads (0 for the empty tree)."""
+    return max((len(p) for p in paths), default=0)
+
+
 def path_probability(path: Path, model: AcceptanceModel) -> float:
     """Probability that every rank along ``path`` is correct under ``model``."""
     if isinstance(model, Mapping):

@@ -31,6 +31,7 @@ category; it says how many questions were answered. A caller with a hard time li
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import random
@@ -629,7 +630,8 @@ def head_topk_accuracy(model, sequences: list[tuple[torch.Tensor, int]], top_k: 
 def measure_head_seconds(model, repeats: int = 20) -> list[float]:
     """Median seconds of running the first ``d`` heads and their top-k at one position, at index
     ``d - 1`` (``CostProfile.head_seconds``): a tree of depth ``d`` runs only those. The depths
-    are interleaved within each repeat, so a noisy machine slows them alike."""
+    are interleaved within each repeat, so a noisy machine slows them alike, and a running maximum
+    keeps a deeper tree from measuring cheaper than a shallower one."""
     hidden = torch.randn(1, model.lm_head.weight.shape[1], device=model.device, dtype=model.dtype)
     root = torch.zeros(1, dtype=torch.long, device=model.device)  # decoding passes its root token
     depths = range(1, model.config.num_heads + 1)
@@ -642,7 +644,7 @@ def measure_head_seconds(model, repeats: int = 20) -> list[float]:
             _sync(model.device)
             if repeat:
                 times[depth].append(time.perf_counter() - start)
-    return [statistics.median(times[d]) for d in depths]
+    return list(itertools.accumulate((statistics.median(times[d]) for d in depths), max))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

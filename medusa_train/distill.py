@@ -436,7 +436,7 @@ def merge_shards(
         rows_by_id.values(), key=lambda r: (order.get(str(r["id"]), len(order)),)
     )
     missing = [p["id"] for p in prompts if p["id"] not in rows_by_id]
-    extra = len(rows_by_id) - (len(order) - len(missing))
+    extra = sum(row_id not in order for row_id in rows_by_id)
     if extra:
         logger.warning(
             "%s keeps %d rows whose prompts are not in this run's sample (an earlier run's, e.g. with a larger "

@@ -1,15 +1,16 @@
 """Build a shipped self-distillation prompt set from a larger one, by source quotas.
 
 The repo ships prompts only from sources whose licence allows redistribution (data/README.md). This
-script writes the rows of an existing set (``--include``, kept as they are) plus, for every source
-named in ``--quota``, a seeded sample of the larger file's other rows up to that source's quota::
+script writes every row of an existing set (``--include``, whose rows must all be in ``--source``)
+plus, for every source named in ``--quota``, a seeded sample of the larger file's other rows up to
+that source's quota::
 
     python scripts/make_prompt_set.py --source ../shared/data/train_prompts.jsonl \\
         --include data/train_prompts.jsonl --output data/train_prompts_large.jsonl \\
         --quota gsm8k_train=1000 gpteacher_codegen=1000 gpteacher_roleplay=1000 dolly_open_qa=1000
 
-Sources in ``--include`` but not in ``--quota`` keep their included rows only. Rows come out
-grouped by source, in the larger file's order, so the output does not depend on the seed's order.
+Sources in ``--include`` but not in ``--quota`` keep their included rows only. Rows come out as
+``--source`` holds them, in its order, whatever order the seed drew them in.
 """
 
 from __future__ import annotations
@@ -33,24 +34,26 @@ def parse_quota(text: str) -> tuple[str, int]:
 
 
 def build(source_rows: list[dict], included: list[dict], quotas: dict[str, int], seed: int) -> list[dict]:
-    """The included rows plus a seeded sample per quota'd source; grouped by source, in source order."""
+    """The rows of ``source_rows`` that are in ``included`` or in a seeded sample per quota'd
+    source, in ``source_rows``' order. Raises ``ValueError`` for a quota on an unknown source, a
+    quota larger than its source, or an included row that ``source_rows`` lacks."""
     by_source: dict[str, list[dict]] = {}
     for row in source_rows:
         by_source.setdefault(row["source"], []).append(row)
     unknown = sorted(set(quotas) - set(by_source))
     if unknown:
-        raise SystemExit(f"--quota names sources not in --source: {unknown}; there: {sorted(by_source)}")
+        raise ValueError(f"quotas name sources not in the source rows: {unknown}; there: {sorted(by_source)}")
     chosen = {row["id"] for row in included}
     missing = sorted(chosen - {row["id"] for row in source_rows})
     if missing:
-        raise SystemExit(f"{len(missing)} --include rows are not in --source, e.g. {missing[:3]}")
+        raise ValueError(f"{len(missing)} included rows are not in the source rows, e.g. {missing[:3]}")
     for source, quota in quotas.items():
         have = sum(row["source"] == source for row in included)
         rest = [row for row in by_source[source] if row["id"] not in chosen]
         random.Random(f"{seed}:{source}").shuffle(rest)
         take = max(0, quota - have)
         if take > len(rest):
-            raise SystemExit(f"source {source} has {have + len(rest)} prompts, fewer than its quota {quota}")
+            raise ValueError(f"source {source} has {have + len(rest)} prompts, fewer than its quota {quota}")
         chosen.update(row["id"] for row in rest[:take])
     return [row for row in source_rows if row["id"] in chosen]
 
@@ -63,8 +66,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args(argv)
-    rows = build(read_rows(args.source), read_rows(args.include) if args.include else [],
-                 dict(args.quota), args.seed)
+    try:
+        rows = build(read_rows(args.source), read_rows(args.include) if args.include else [],
+                     dict(args.quota), args.seed)
+    except ValueError as err:
+        parser.error(str(err))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     with args.output.open("w", encoding="utf-8") as handle:
         for row in rows:

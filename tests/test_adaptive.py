@@ -12,7 +12,13 @@ from medusa_infer.decoding import generate
 from medusa_infer.metrics import RECENT_STEPS, GenerationMetrics
 from medusa_infer.model import MedusaModel
 from medusa_infer.tree_fit import CostProfile, fit_tree, measure_verify_cost
-from medusa_infer.trees import REFERENCE_HEAD_ACCURACY, expected_accept_length, greedy_tree, validate_tree
+from medusa_infer.trees import (
+    REFERENCE_HEAD_ACCURACY,
+    expected_accept_length,
+    greedy_tree,
+    tree_depth,
+    validate_tree,
+)
 from tiny import VOCAB, tiny_model
 
 FLAT = CostProfile([1, 2, 4, 8, 16, 32, 64], [1.0, 1.0, 1.0, 1.0, 1.0, 1.05, 1.1], "gpu-like")
@@ -78,14 +84,22 @@ def test_heads_are_charged_by_the_depth_a_tree_runs():
                                                   abs=1e-4)
     assert fit_tree(REFERENCE_HEAD_ACCURACY, per_depth).table[1]["cost_ratio"] < \
         fit_tree(REFERENCE_HEAD_ACCURACY, legacy).table[1]["cost_ratio"]  # one node: head 1 only
-    # the controller too; its plain steps pay for head 1, which they read (observe_shadow)
+    # the controller too: its first rungs are one node (head 1 only), its last reads all four heads
     ladder = tree_ladder(greedy_tree(REFERENCE_HEAD_ACCURACY, 16))
-    control = TreeController(ladder, REFERENCE_HEAD_ACCURACY, per_depth)
-    ratios = control.cost_ratios(1)
-    assert ratios[0] == pytest.approx(1.05)
-    for rung, tree in enumerate(ladder[1:], start=1):
-        depth = max(len(p) for p in tree)
-        assert ratios[rung] == pytest.approx(per_depth.ratio(len(tree) + 1) + per_depth.head_ratio(depth))
+    assert [tree_depth(t) for t in ladder][:2] == [0, 1] and tree_depth(ladder[-1]) == 4
+    ratios = TreeController(ladder, REFERENCE_HEAD_ACCURACY, per_depth).cost_ratios(1)
+    assert ratios[0] == 1.0
+    assert ratios[1] == pytest.approx(STEEP.ratio(2) + 0.05)
+    assert ratios[-1] == pytest.approx(STEEP.ratio(17) + 0.2)
+    old = TreeController(ladder, REFERENCE_HEAD_ACCURACY, legacy).cost_ratios(1)
+    assert old[0] == 1.0 and old[1] == pytest.approx(STEEP.ratio(2) + 0.2)  # as before head_seconds
+
+
+def test_an_empty_tree_is_plain_decoding_throughout():
+    assert tree_depth([]) == 0 and tree_ladder([]) == [[]]
+    control = TreeController(tree_ladder([]), REFERENCE_HEAD_ACCURACY, STEEP)
+    assert control.cost_ratios(1) == [1.0] and control.choose() == 0
+    assert fit_tree([[0.01] * 4] * 4, CostProfile([1], [1.0], head_seconds=[0.1])).paths == []
 
 
 def test_measured_cost_profile_on_a_tiny_model():

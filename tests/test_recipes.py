@@ -131,42 +131,57 @@ def test_every_valid_key_has_a_default():
     assert isinstance(TrainConfig().training.lr, float)
 
 
+
 ROOT = RECIPES.parent
 SHARED_PROMPTS = ROOT.parent / "shared" / "data" / "train_prompts.jsonl"
 # sources whose licence allows redistribution (data/README.md); only these are shipped
 REDISTRIBUTABLE = {"gsm8k_train", "gpteacher_codegen", "gpteacher_roleplay", "dolly_open_qa", "self_instruct_seed",
                    "oasst_prompt_lottery", "oasst_en_100", "oasst_seed"}
+LARGE_QUOTAS = {s: 1000 for s in ("gsm8k_train", "gpteacher_codegen", "gpteacher_roleplay", "dolly_open_qa")}
 
 
-def read_rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
+@pytest.fixture(scope="module")
+def prompt_set():
+    """scripts/make_prompt_set.py as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_prompt_set", ROOT / "scripts" / "make_prompt_set.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "smollm2-135m-large"])
-def test_default_recipes_read_shipped_redistributable_prompts(name):
+def test_default_recipes_read_shipped_redistributable_prompts(name, prompt_set):
     config = load_config(RECIPES / f"{name}.yaml")
-    rows = read_rows(ROOT / config.data.prompts)
+    rows = prompt_set.read_rows(ROOT / config.data.prompts)
     assert len({r["id"] for r in rows}) == len(rows) >= config.data.n  # enough distinct prompts for data.n
     assert {r["source"] for r in rows} <= REDISTRIBUTABLE
 
 
-def test_larger_prompt_set_is_the_quick_one_plus_a_seeded_sample(tmp_path):
-    """data/train_prompts_large.jsonl is what scripts/make_prompt_set.py makes (data/README.md)."""
-    import importlib.util
+def test_larger_prompt_set_is_made_by_its_command(prompt_set):
+    """data/train_prompts_large.jsonl is what the command in data/README.md makes from the 25k set."""
+    if not SHARED_PROMPTS.is_file():
+        pytest.skip(f"needs the 25k-prompt set it was sampled from, {SHARED_PROMPTS}")
+    quick = prompt_set.read_rows(ROOT / "data" / "train_prompts.jsonl")
+    large = prompt_set.read_rows(ROOT / "data" / "train_prompts_large.jsonl")
+    assert prompt_set.build(prompt_set.read_rows(SHARED_PROMPTS), quick, LARGE_QUOTAS, seed=0) == large
 
-    quick, large = read_rows(ROOT / "data" / "train_prompts.jsonl"), read_rows(ROOT / "data" / "train_prompts_large.jsonl")
+
+def test_prompt_set_builder_keeps_included_rows_and_meets_quotas(prompt_set):
+    large = prompt_set.read_rows(ROOT / "data" / "train_prompts_large.jsonl")
+    quick = prompt_set.read_rows(ROOT / "data" / "train_prompts.jsonl")
     assert {r["id"] for r in quick} <= {r["id"] for r in large}
-    spec = importlib.util.spec_from_file_location("make_prompt_set", ROOT / "scripts" / "make_prompt_set.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    quotas = {s: 1000 for s in ("gsm8k_train", "gpteacher_codegen", "gpteacher_roleplay", "dolly_open_qa")}
-    if SHARED_PROMPTS.is_file():  # the 25k-prompt set it was sampled from
-        assert module.build(read_rows(SHARED_PROMPTS), quick, quotas, seed=0) == large
-    # on the large set itself: the quotas are met, so nothing is added and nothing dropped
-    assert module.build(large, quick, quotas, seed=0) == large
-    small = module.build(large, [], {"gsm8k_train": 3}, seed=0)
-    assert [r["source"] for r in small] == ["gsm8k_train"] * 3
-    with pytest.raises(SystemExit, match="fewer than its quota"):
-        module.build(large, [], {"oasst_seed": 10_000}, seed=0)
-    with pytest.raises(SystemExit, match="not in --source"):
-        module.build(large, [], {"nope": 1}, seed=0)
+    included = [r for r in large if r["source"] == "oasst_seed"][:2]
+    built = prompt_set.build(large, included, {"gsm8k_train": 3, "oasst_seed": 5}, seed=0)
+    assert [r["source"] for r in built].count("gsm8k_train") == 3 and len(built) == 8
+    assert all(r in built for r in included)  # kept, and counted towards their source's quota
+    assert [r["id"] for r in built] == [r["id"] for r in large if r in built]  # in the source's order
+    other_seed = prompt_set.build(large, [], {"gsm8k_train": 3}, seed=1)
+    assert other_seed != prompt_set.build(large, [], {"gsm8k_train": 3}, seed=0)
+    with pytest.raises(ValueError, match="fewer than its quota"):
+        prompt_set.build(large, [], {"oasst_seed": 10_000}, seed=0)
+    with pytest.raises(ValueError, match="not in the source rows: .'nope'."):
+        prompt_set.build(large, [], {"nope": 1}, seed=0)
+    with pytest.raises(ValueError, match="1 included rows are not in the source rows"):
+        prompt_set.build(large[:10], [large[-1]], {}, seed=0)
