@@ -89,7 +89,8 @@ class CostProfile:
         return self.head_seconds[min(depth, len(self.head_seconds)) - 1] / self.seconds[0]
 
     def to_dict(self) -> dict:
-        data = {"sizes": list(self.sizes), "seconds": list(self.seconds), "device": self.device, "context": self.context}
+        data = {"sizes": list(self.sizes), "seconds": list(self.seconds), "device": self.device,
+                "context": self.context}
         if self.head_seconds:
             data["head_seconds"] = list(self.head_seconds)
         return data
