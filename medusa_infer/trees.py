@@ -399,7 +399,7 @@ def get_tree(name_or_paths: str | Iterable[Sequence[int]], num_heads: int, top_k
                          f"{', '.join(TREE_PRESETS)} (or pass explicit paths)")
     _check_sizes(num_heads, top_k)
     preset = TREE_PRESETS[name_or_paths]
-    needed_heads = max(len(path) for path in preset)
+    needed_heads = tree_depth(preset)
     needed_top_k = 1 + max(max(path) for path in preset)
     if num_heads < needed_heads or top_k < needed_top_k:
         raise ValueError(f"tree preset {name_or_paths!r} needs {needed_heads} heads and "

@@ -20,10 +20,7 @@ import json
 import random
 from pathlib import Path
 
-
-def read_rows(path: Path) -> list[dict]:
-    with path.open(encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+from medusa_train.distill import read_prompts
 
 
 def parse_quota(text: str) -> tuple[str, int]:
@@ -67,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args(argv)
     try:
-        rows = build(read_rows(args.source), read_rows(args.include) if args.include else [],
+        rows = build(read_prompts(args.source), read_prompts(args.include) if args.include else [],
                      dict(args.quota), args.seed)
     except ValueError as err:
         parser.error(str(err))

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from medusa_train.distill import read_prompts
 from medusa_train.train_config import (
     TrainConfig,
     config_from_dict,
@@ -154,7 +155,7 @@ def prompt_set():
 @pytest.mark.parametrize("name", ["smollm2-135m", "smollm2-135m-large"])
 def test_default_recipes_read_shipped_redistributable_prompts(name, prompt_set):
     config = load_config(RECIPES / f"{name}.yaml")
-    rows = prompt_set.read_rows(ROOT / config.data.prompts)
+    rows = read_prompts(ROOT / config.data.prompts)
     assert len({r["id"] for r in rows}) == len(rows) >= config.data.n  # enough distinct prompts for data.n
     assert {r["source"] for r in rows} <= REDISTRIBUTABLE
 
@@ -163,14 +164,14 @@ def test_larger_prompt_set_is_made_by_its_command(prompt_set):
     """data/train_prompts_large.jsonl is what the command in data/README.md makes from the 25k set."""
     if not SHARED_PROMPTS.is_file():
         pytest.skip(f"needs the 25k-prompt set it was sampled from, {SHARED_PROMPTS}")
-    quick = prompt_set.read_rows(ROOT / "data" / "train_prompts.jsonl")
-    large = prompt_set.read_rows(ROOT / "data" / "train_prompts_large.jsonl")
-    assert prompt_set.build(prompt_set.read_rows(SHARED_PROMPTS), quick, LARGE_QUOTAS, seed=0) == large
+    quick = read_prompts(ROOT / "data" / "train_prompts.jsonl")
+    large = read_prompts(ROOT / "data" / "train_prompts_large.jsonl")
+    assert prompt_set.build(read_prompts(SHARED_PROMPTS), quick, LARGE_QUOTAS, seed=0) == large
 
 
 def test_prompt_set_builder_keeps_included_rows_and_meets_quotas(prompt_set):
-    large = prompt_set.read_rows(ROOT / "data" / "train_prompts_large.jsonl")
-    quick = prompt_set.read_rows(ROOT / "data" / "train_prompts.jsonl")
+    large = read_prompts(ROOT / "data" / "train_prompts_large.jsonl")
+    quick = read_prompts(ROOT / "data" / "train_prompts.jsonl")
     assert {r["id"] for r in quick} <= {r["id"] for r in large}
     included = [r for r in large if r["source"] == "oasst_seed"][:2]
     built = prompt_set.build(large, included, {"gsm8k_train": 3, "oasst_seed": 5}, seed=0)

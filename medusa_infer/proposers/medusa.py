@@ -27,7 +27,7 @@ from medusa_infer.proposers.lookup import (
     pad_drafts,
     record_matches,
 )
-from medusa_infer.trees import TreeBuffers, build_tree_buffers, root_only_tree
+from medusa_infer.trees import TreeBuffers, build_tree_buffers, root_only_tree, tree_depth
 
 
 class TreeCache:
@@ -38,7 +38,7 @@ class TreeCache:
         self.paths = [tuple(p) for p in paths]
         self.num_heads, self.top_k, self.device = num_heads, top_k, device
         self._by_depth: dict[tuple[int, int], TreeBuffers] = {}
-        self.full = self.at_depth(max((len(p) for p in self.paths), default=0))
+        self.full = self.at_depth(tree_depth(self.paths))
 
     def at_depth(self, depth: int, chain: int = 0) -> TreeBuffers:
         """The paths no deeper than ``depth``; with ``chain`` > 0 also a chain of that many nodes
@@ -160,7 +160,7 @@ class MedusaProposer:
         tree = cache.at_depth(depth, chain)
         k, batch = cache.top_k, roots.shape[0]
         grid = torch.zeros(batch, tree.max_depth, k + 1, dtype=torch.long, device=roots.device)
-        heads_depth = max((len(p) for p in cache.paths if len(p) <= depth), default=0)
+        heads_depth = tree_depth(p for p in cache.paths if len(p) <= depth)
         if heads_depth:
             grid[:, :heads_depth, :k] = self._candidates(cache, heads_depth, roots).view(batch, heads_depth, k)
         grid[:, :chain, k] = torch.tensor(pad_drafts(drafts, roots.tolist(), chain), dtype=torch.long,
