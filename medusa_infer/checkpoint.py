@@ -138,6 +138,7 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
         f"{config.projection} vocabulary projection"
         + (f" over a reduced vocabulary of {config.reduced_vocab_size} tokens" if config.reduced_vocab_size else "")
         + (", each also reading the base model's next token (the tree's root)" if config.next_token_input else "")
+        + (" and the candidate path it extends (reading the candidate path: Hydra-style)" if config.path_input else "")
         + ", trained with [medusa-forge](https://pypi.org/project/medusa-forge/).",
         "",
         "## Usage",

@@ -35,6 +35,9 @@ class MedusaConfig:
             token, which is known whenever the heads run (it is the candidate tree's root): its
             input embedding (the base model's, frozen) enters through a per-head zero-initialised
             ``Linear(hidden, hidden)``. Not part of the FasterDecoding/Medusa layout.
+        path_input: each head k also reads the tokens t + 2 .. t + k + 1 of the candidate path it
+            extends (Hydra-style sequentially dependent heads; needs ``next_token_input``). A
+            tree's nodes then get their children from their own path.
         base_model_name_or_path: the base model the heads were trained for.
         base_model_type: ``config.model_type`` of that base model (checked on load).
         tree: the default candidate tree, a list of paths of top-k ranks (Medusa's format).
@@ -57,6 +60,7 @@ class MedusaConfig:
     projection: str = "shared"
     reduced_vocab_size: int | None = None
     next_token_input: bool = False
+    path_input: bool = False
     base_model_name_or_path: str | None = None
     base_model_type: str | None = None
     tree: list[list[int]] | None = None
@@ -80,6 +84,9 @@ class MedusaConfig:
                 f"reduced_vocab_size must be in (0, vocab_size={self.vocab_size}], "
                 f"got {self.reduced_vocab_size}"
             )
+        if self.path_input and not self.next_token_input:
+            raise ValueError("path_input=True needs next_token_input=True (the path starts at the token t + 1); "
+                             "set both")
         if self.top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {self.top_k}")
         if self.tree is not None:

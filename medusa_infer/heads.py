@@ -15,6 +15,13 @@ known whenever the heads run (the candidate tree's root), and it is what the hid
 does not yet say. Its input embedding (the base model's, frozen, not stored) is added to the
 hidden state through the head's own ``token_proj`` ``Linear(hidden, hidden)``, zero at
 initialisation, so such heads start where plain Medusa heads start.
+
+With ``path_input`` as well, head k also reads the tokens between the root and its own: t + 2 ..
+t + k + 1, the candidate path it extends (Hydra's sequentially dependent draft heads). Each enters
+through its own zero-initialised ``Linear(hidden, hidden)`` (``path_proj``), so head 0 is unchanged
+and head k has k of them. In a candidate tree, a node's children then come from running its head on
+that node's own path, so a tree costs one head call per node that has children instead of one per
+depth; in training, teacher forcing gives every head the true path.
 """
 
 from __future__ import annotations
@@ -27,6 +34,12 @@ from torch.nn import functional as F
 
 from medusa_infer.config import MedusaConfig
 from medusa_infer.cpu_kernels import CPULinear, planned_linear
+
+
+def check_head_range(start: int, stop: int, num_heads: int) -> None:
+    """Raise unless heads ``start .. stop - 1`` exist and are at least one."""
+    if not 0 <= start < stop <= num_heads:
+        raise ValueError(f"heads {start}..{stop - 1} asked of {num_heads} heads: need 0 <= start < first <= num_heads")
 
 
 class ResBlock(nn.Module):
@@ -45,7 +58,8 @@ class ResBlock(nn.Module):
 class MedusaHead(nn.Module):
     """One head: ``num_layers`` residual blocks and, for ``own`` projection, a vocabulary projection."""
 
-    def __init__(self, hidden_size: int, num_layers: int, proj_size: int | None, token_input: bool = False) -> None:
+    def __init__(self, hidden_size: int, num_layers: int, proj_size: int | None, token_input: bool = False,
+                 path_inputs: int = 0) -> None:
         super().__init__()
         # A fresh module per layer: `[ResBlock(h)] * n` would share one module n times.
         self.blocks = nn.ModuleList(ResBlock(hidden_size) for _ in range(num_layers))
@@ -53,10 +67,18 @@ class MedusaHead(nn.Module):
         self.token_proj = nn.Linear(hidden_size, hidden_size, bias=False) if token_input else None
         if self.token_proj is not None:
             nn.init.zeros_(self.token_proj.weight)
+        self.path_proj = nn.ModuleList(nn.Linear(hidden_size, hidden_size, bias=False) for _ in range(path_inputs))
+        for proj in self.path_proj:
+            nn.init.zeros_(proj.weight)
 
-    def transform(self, x: torch.Tensor, token_embedding: torch.Tensor | None = None) -> torch.Tensor:
+    def transform(self, x: torch.Tensor, token_embedding: torch.Tensor | None = None,
+                  path_embeddings: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` ``[..., hidden]``; ``token_embedding`` ``[..., hidden]`` (t + 1); ``path_embeddings``
+        ``[..., j, hidden]`` with j at least ``len(path_proj)`` (t + 2 onwards)."""
         if self.token_proj is not None:
             x = x + self.token_proj(token_embedding)
+        for j, proj in enumerate(self.path_proj):
+            x = x + proj(path_embeddings[..., j, :])
         for block in self.blocks:
             x = block(x)
         return x
@@ -84,8 +106,8 @@ class MedusaHeads(nn.Module):
         own = config.projection == "own"
         self.heads = nn.ModuleList(
             MedusaHead(config.hidden_size, config.num_layers, config.head_vocab_size if own else None,
-                       config.next_token_input)
-            for _ in range(config.num_heads)
+                       config.next_token_input, k if config.path_input else 0)
+            for k in range(config.num_heads)
         )
         if config.reduced_vocab_size is not None:
             if token_map is None:
@@ -123,6 +145,8 @@ class MedusaHeads(nn.Module):
         next_tokens: torch.Tensor | None = None,
         embed_weight: torch.Tensor | None = None,
         first: int | None = None,
+        path_tokens: torch.Tensor | None = None,
+        start: int = 0,
     ) -> torch.Tensor:
         """Heads' logits.
 
@@ -134,13 +158,18 @@ class MedusaHeads(nn.Module):
             embed_weight: ``[vocab, hidden]`` the base model's input embedding weight
                 (``next_token_input`` heads only).
             first: run only the first this many heads (default: all).
+            path_tokens: ``[..., j]`` token ids at t + 2 .. t + j + 1, the path each head extends
+                (``path_input`` heads only; j >= the last head run - 1; head k reads the first k).
+            start: skip the heads before this one (with ``first``: run heads ``start .. first - 1``).
 
         Returns:
-            ``[num_heads, ..., head_vocab]`` logits (``[first, ...]`` with ``first``); with a reduced
-            vocabulary column j scores token ``token_map[j]``.
+            ``[num_heads, ..., head_vocab]`` logits (``[first - start, ...]`` with ``first`` and
+            ``start``); with a reduced vocabulary column j scores token ``token_map[j]``.
         """
-        heads = self.heads if first is None else self.heads[:first]
-        embedded = None
+        stop = len(self.heads) if first is None else first
+        check_head_range(start, stop, len(self.heads))
+        heads = self.heads[start:stop]
+        embedded = path_embedded = None
         if self.config.next_token_input:
             if next_tokens is None or embed_weight is None:
                 raise ValueError("these heads read the token at t + 1 (next_token_input=True): pass next_tokens "
@@ -149,7 +178,14 @@ class MedusaHeads(nn.Module):
                 raise ValueError(f"next_tokens has shape {tuple(next_tokens.shape)}, expected "
                                  f"{tuple(hidden.shape[:-1])} (one token per hidden state)")
             embedded = F.embedding(next_tokens, embed_weight).to(hidden.dtype)
-        x = torch.stack([head.transform(hidden, embedded) for head in heads])
+        if self.config.path_input and stop > 1:
+            if path_tokens is None or path_tokens.shape[:-1] != hidden.shape[:-1] or path_tokens.shape[-1] < stop - 1:
+                got = None if path_tokens is None else tuple(path_tokens.shape)
+                raise ValueError(f"these heads read their candidate path (path_input=True): head {stop - 1} needs "
+                                 f"path_tokens of shape {(*hidden.shape[:-1], stop - 1)} or wider (tokens t + 2 "
+                                 f"onwards), got {got}; MedusaModel.head_logits supplies the greedy path")
+            path_embedded = F.embedding(path_tokens[..., : stop - 1], embed_weight).to(hidden.dtype)
+        x = torch.stack([head.transform(hidden, embedded, path_embedded) for head in heads])
         if self.config.projection == "shared":
             weight, bias = self.shared_projection(lm_head)
             # the same kernels as the base model's own lm_head (see cpu_kernels)

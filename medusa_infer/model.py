@@ -35,7 +35,7 @@ from medusa_infer.attention_kernels import decoding_attention
 from medusa_infer.cpu_kernels import match_kernels
 from medusa_infer.config import MedusaConfig
 from medusa_infer.datastore import DATASTORE_NAME, Datastore
-from medusa_infer.heads import MedusaHeads
+from medusa_infer.heads import MedusaHeads, check_head_range
 from medusa_infer.kv_cache import cache_keyword
 
 logger = logging.getLogger(__name__)
@@ -305,20 +305,39 @@ class MedusaModel(nn.Module):
         return logits
 
     def head_logits(self, hidden: torch.Tensor, next_tokens: torch.Tensor | None = None,
-                    first: int | None = None) -> torch.Tensor:
+                    first: int | None = None, path_tokens: torch.Tensor | None = None,
+                    start: int = 0) -> torch.Tensor:
         """Heads' logits ``[num_heads, ..., head_vocab]`` from final hidden states ``[..., hidden]``
-        (``[first, ...]``: only the first ``first`` heads run).
+        (``[first - start, ...]``: only heads ``start .. first - 1`` run).
 
         ``next_tokens`` ``[...]``: the tokens at t + 1, read by ``next_token_input`` heads (ignored
         by others). By default they are the base model's greedy choice at each position; a decoding
         step passes its root tokens (sampled ones included).
+
+        ``path_tokens`` ``[..., j]``: the tokens at t + 2 onwards, read by ``path_input`` heads
+        (head k reads the first k). By default each head reads the greedy path: head k's input at
+        t + k + 1 is head k - 1's top choice, so the heads run one after another.
         """
         if not self.config.next_token_input:
-            return self.heads(hidden, self.lm_head, self.logit_softcap, first=first)
+            return self.heads(hidden, self.lm_head, self.logit_softcap, first=first, start=start)
         if next_tokens is None:
             next_tokens = self.project(hidden).argmax(-1)
         embed_weight = self.base_model.get_input_embeddings().weight
-        return self.heads(hidden, self.lm_head, self.logit_softcap, next_tokens, embed_weight, first=first)
+        if not self.config.path_input or path_tokens is not None:
+            return self.heads(hidden, self.lm_head, self.logit_softcap, next_tokens, embed_weight, first=first,
+                              path_tokens=path_tokens, start=start)
+        stop = self.config.num_heads if first is None else first
+        check_head_range(start, stop, self.config.num_heads)
+        path = next_tokens.new_zeros((*next_tokens.shape, max(stop - 1, 0)))
+        out = []
+        for k in range(stop):
+            logits = self.heads(hidden, self.lm_head, self.logit_softcap, next_tokens, embed_weight, first=k + 1,
+                                path_tokens=path, start=k)[0]
+            if k + 1 < stop:
+                path[..., k] = self.heads.to_full_vocab(logits.argmax(-1))
+            if k >= start:
+                out.append(logits)
+        return torch.stack(out)
 
     def forward(
         self,

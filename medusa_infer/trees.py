@@ -39,7 +39,9 @@ __all__ = [
     "REFERENCE_HEAD_ACCURACY",
     "TREE_PRESETS",
     "TreeBuffers",
+    "ExpansionLevel",
     "build_tree_buffers",
+    "expansion_plan",
     "expected_accept_length",
     "get_tree",
     "greedy_tree",
@@ -188,6 +190,63 @@ def build_tree_buffers(paths: Iterable[Sequence[int]], num_heads: int, top_k: in
         max_depth=max_depth,
         top_k=top_k,
     )
+
+
+@dataclass(frozen=True)
+class ExpansionLevel:
+    """How one depth of a tree is filled by heads that read their candidate path
+    (``MedusaConfig.path_input``): head ``depth - 1`` runs once per parent, on that parent's path.
+
+    Fields:
+        depth: the depth filled (1 = the root's children).
+        parents: ``[P]`` node indices at ``depth - 1`` with children to fill.
+        ancestors: ``[P, depth - 1]`` node indices from depth 1 down to each parent (its path's
+            tokens, the head's path input; empty at depth 1).
+        nodes: ``[M]`` the node indices filled at this depth.
+        slot: ``[M]`` each node's parent as an index into ``parents``.
+        ranks: ``[M]`` each node's rank among its parent's head's candidates.
+        top_k: candidates to take per parent (``max(ranks) + 1``).
+    """
+
+    depth: int
+    parents: torch.Tensor
+    ancestors: torch.Tensor
+    nodes: torch.Tensor
+    slot: torch.Tensor
+    ranks: torch.Tensor
+    top_k: int
+
+    def to(self, device: torch.device | str) -> ExpansionLevel:
+        """A copy with every tensor on ``device``."""
+        return dataclasses.replace(self, **{name: getattr(self, name).to(device)
+                                            for name in ("parents", "ancestors", "nodes", "slot", "ranks")})
+
+
+def expansion_plan(buffers: TreeBuffers, top_k: int | None = None) -> list[ExpansionLevel]:
+    """The levels that fill ``buffers``' nodes from heads reading their path, shallowest first.
+
+    Only nodes whose every rank is below ``top_k`` (default: the tree's) come from the heads;
+    others (a grafted lookup chain at rank ``top_k``) are left out, for the caller to fill.
+    """
+    limit = buffers.top_k if top_k is None else top_k
+    node_of = {path: i + 1 for i, path in enumerate(buffers.paths)}
+    levels = []
+    for depth in range(1, buffers.max_depth + 1):
+        paths = [p for p in buffers.paths if len(p) == depth and max(p) < limit]
+        if not paths:
+            break  # a node's parent is one of the heads' nodes too, so nothing deeper follows
+        parents = list(dict.fromkeys(p[:-1] for p in paths))
+        levels.append(ExpansionLevel(
+            depth=depth,
+            parents=torch.tensor([node_of.get(p, 0) for p in parents], dtype=torch.long),
+            ancestors=torch.tensor([[node_of[p[:j]] for j in range(1, depth)] for p in parents],
+                                   dtype=torch.long).view(len(parents), depth - 1),
+            nodes=torch.tensor([node_of[p] for p in paths], dtype=torch.long),
+            slot=torch.tensor([parents.index(p[:-1]) for p in paths], dtype=torch.long),
+            ranks=torch.tensor([p[-1] for p in paths], dtype=torch.long),
+            top_k=max(p[-1] for p in paths) + 1,
+        ))
+    return levels
 
 
 def tree_float_mask(buffers: TreeBuffers, dtype: torch.dtype) -> torch.Tensor:

@@ -609,7 +609,7 @@ def head_topk_accuracy(model, sequences: list[tuple[torch.Tensor, int]], top_k: 
     [seq], prompt_length)``, measured as training's held-out evaluation measures it (cumulative
     top-k accuracies and, per position, each head's rank of its target). The heads run where
     decoding runs them: from the last prompt token on, each reading the token that follows."""
-    from medusa_train.features import head_targets
+    from medusa_train.features import head_targets, path_tokens
     from medusa_train.losses import IGNORE, to_head_vocab
 
     batches = []
@@ -617,10 +617,11 @@ def head_topk_accuracy(model, sequences: list[tuple[torch.Tensor, int]], top_k: 
         seq = seq.to(model.device)
         hidden = model(seq[None], logits_positions=slice(0, 0)).hidden_states[0]
         following = torch.cat([seq[1:], seq[-1:]])  # the token at t + 1 (the last one is never scored)
-        targets = to_head_vocab(head_targets(seq, model.config.num_heads), model.heads.token_map,
-                                model.config.vocab_size)
+        true_targets = head_targets(seq, model.config.num_heads)
+        targets = to_head_vocab(true_targets, model.heads.token_map, model.config.vocab_size)
         first = max(start - 1, 0)  # the last prompt token: where decoding first runs the heads
-        batches.append({"hidden": hidden[first:], "targets": targets[first:], "next_tokens": following[first:]})
+        batches.append({"hidden": hidden[first:], "targets": targets[first:], "next_tokens": following[first:],
+                        "path_tokens": path_tokens(true_targets[first:])})
     if not any(bool((b["targets"][:, 0] != IGNORE).any()) for b in batches):
         raise ValueError("no generated tokens to measure the heads on: raise --max-new-tokens")
     return head_accuracy(model.head_logits, batches, top_k, device=model.device)

@@ -65,12 +65,14 @@ def head_accuracy(head_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tens
                   batches: Iterable[Mapping[str, torch.Tensor]], top_k: int = 10,
                   device: torch.device | str = "cpu") -> HeadAccuracy:
     """Accumulate accuracies over batches of ``{"hidden" [N, H], "targets" [N, K],
-    "next_tokens" [N]}``; ``head_logits(hidden, next_tokens) -> [K, N, V]``. Only positions where
-    head 0 has a target count (see the module's docstring)."""
+    "next_tokens" [N], "path_tokens" [N, K - 1]}`` (path tokens: base ids at t + 2 onwards,
+    optional, passed as ``path_tokens=`` when present); ``head_logits(hidden, next_tokens) -> [K, N, V]``.
+    Only positions where head 0 has a target count (see the module's docstring)."""
     hits = totals = None
     ranks = []
     for batch in batches:
-        logits = head_logits(batch["hidden"].to(device), batch["next_tokens"].to(device))
+        extra = {"path_tokens": batch["path_tokens"].to(device)} if "path_tokens" in batch else {}
+        logits = head_logits(batch["hidden"].to(device), batch["next_tokens"].to(device), **extra)
         targets = batch["targets"].to(device)
         decoded = targets[:, 0] != IGNORE
         logits, targets = logits[:, decoded], targets[decoded]

@@ -229,6 +229,18 @@ class Rows:
     soft_row: torch.Tensor
     next_tokens: torch.Tensor
 
+    @property
+    def path_tokens(self) -> torch.Tensor:
+        """``[R, K - 1]`` the true tokens at t + 2 .. t + K (read by ``path_input`` heads: teacher
+        forcing); 0 past the end, where the heads reading them have no target."""
+        return path_tokens(self.targets)
+
+
+def path_tokens(targets: torch.Tensor) -> torch.Tensor:
+    """``[..., K - 1]`` path tokens from base-id targets ``[..., K]``: head k's target is the token
+    head k + 1 reads at its k-th path position. ``IGNORE`` becomes 0 (no head with a target reads it)."""
+    return targets[..., :-1].clamp(min=0)
+
 
 def rows_from_block(block: Block, num_heads: int) -> Rows:
     """Every hidden row of ``block`` with the K heads' targets (see the module docstring)."""
@@ -501,6 +513,7 @@ class FeatureDataset:
         rows = rows_from_block(block, num_heads)
         self.hidden = rows.hidden
         self.next_tokens = rows.next_tokens
+        self.path_tokens = rows.path_tokens
         self.targets = to_head_vocab(rows.targets, token_map, vocab_size)
         self.soft_row = rows.soft_row
 
@@ -508,9 +521,10 @@ class FeatureDataset:
         return len(self.hidden)
 
     def batch(self, index: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``hidden [N, H]``, ``targets [N, K]`` (head columns), ``next_tokens [N]``, and with ``soft``:
-        ``soft_ids``/``soft_probs`` ``[N, K, k]``."""
-        out = {"hidden": self.hidden[index], "targets": self.targets[index], "next_tokens": self.next_tokens[index]}
+        """``hidden [N, H]``, ``targets [N, K]`` (head columns), ``next_tokens [N]``, ``path_tokens
+        [N, K - 1]`` (base ids), and with ``soft``: ``soft_ids``/``soft_probs`` ``[N, K, k]``."""
+        out = {"hidden": self.hidden[index], "targets": self.targets[index], "next_tokens": self.next_tokens[index],
+               "path_tokens": self.path_tokens[index]}
         if self.soft:
             out["soft_ids"], out["soft_probs"] = soft_labels(
                 self.block, self.soft_row[index], self.token_map, self.vocab_size)

@@ -101,6 +101,8 @@ class HeadsSection:
         next_token_input: each head also reads the token at t + 1, the base model's own next
             token (known at decoding time: the tree's root). Not exportable to the
             FasterDecoding/Medusa layout.
+        path_input: each head k also reads the tokens t + 2 .. t + k + 1 of the candidate path
+            it extends (trained with the true tokens; needs ``next_token_input``).
     """
 
     num_heads: int = 4
@@ -108,6 +110,7 @@ class HeadsSection:
     projection: str = "shared"
     reduced_vocab_size: int | None = None
     next_token_input: bool = False
+    path_input: bool = False
 
 
 @dataclass

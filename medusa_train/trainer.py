@@ -85,8 +85,10 @@ class HeadsModule(nn.Module):
         embed = embed_weight if heads.config.next_token_input else None
         self.register_buffer("embed_weight", None if embed is None else embed.detach().float(), persistent=False)
 
-    def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        return self.heads(hidden.float(), self.lm_head, self.logit_softcap, next_tokens, self.embed_weight)
+    def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor | None = None,
+                path_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        return self.heads(hidden.float(), self.lm_head, self.logit_softcap, next_tokens, self.embed_weight,
+                          path_tokens=path_tokens)
 
 
 class JointModule(nn.Module):
@@ -120,7 +122,8 @@ class JointModule(nn.Module):
                                   self.topk,
                                   soft_hidden=teacher)
         rows = rows_from_block(block, num_heads)
-        out = {"head_logits": medusa.head_logits(rows.hidden, rows.next_tokens), "targets": rows.targets}
+        out = {"head_logits": medusa.head_logits(rows.hidden, rows.next_tokens, path_tokens=rows.path_tokens),
+               "targets": rows.targets}
         if self.topk:
             out["soft_ids"], out["soft_probs"] = soft_labels(block, rows.soft_row, None, 0)
         if joint:
@@ -227,7 +230,7 @@ class Medusa1Task:
     def loss(self, module: nn.Module, accelerator: Any, index: torch.Tensor, step: int
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         batch = {k: v.to(accelerator.device) for k, v in self.source.batch(index).items()}
-        logits = module(batch["hidden"], batch["next_tokens"])
+        logits = module(batch["hidden"], batch["next_tokens"], batch["path_tokens"])
         out = _heads_loss(self.config, accelerator, logits, batch["targets"], batch.get("soft_ids"),
                           batch.get("soft_probs"))
         hits, totals = topk_correct(logits.detach(), batch["targets"], 1)
@@ -603,7 +606,7 @@ def heads_config(config: TrainConfig, hidden_size: int, vocab_size: int, model_t
     return MedusaConfig(
         num_heads=h.num_heads, num_layers=h.num_layers, hidden_size=hidden_size, vocab_size=vocab_size,
         projection=h.projection, reduced_vocab_size=None if token_map is None else len(token_map),
-        next_token_input=h.next_token_input,
+        next_token_input=h.next_token_input, path_input=h.path_input,
         base_model_name_or_path=name, base_model_type=model_type,
         top_k=config.eval.top_k,
     )

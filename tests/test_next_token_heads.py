@@ -16,9 +16,11 @@ from medusa_train.losses import IGNORE
 from tiny import VOCAB, tiny_model
 
 
-def heads_model(next_token_input: bool, arch: str = "llama", seed: int = 0, randomize: bool = True) -> MedusaModel:
+def heads_model(next_token_input: bool, arch: str = "llama", seed: int = 0, randomize: bool = True,
+                **config: object) -> MedusaModel:
+    """Three one-block heads on a tiny model, random (not zero) unless ``randomize`` is False."""
     model = MedusaModel.from_base(tiny_model(arch, seed=seed), num_heads=3, num_layers=1,
-                                  next_token_input=next_token_input)
+                                  next_token_input=next_token_input, **config)
     if randomize:
         torch.manual_seed(seed + 1)
         for p in model.heads.parameters():
@@ -122,29 +124,35 @@ def pair_examples(n: int, seed: int = 0) -> list[dict]:
     return examples
 
 
-@pytest.mark.parametrize("reads_token", [False, True])
-def test_only_heads_reading_the_token_learn_what_it_decides(tmp_path, reads_token):
+def train_on_examples(tmp_path, examples: list[dict], heads: dict) -> dict:
+    """Train heads (recipe section ``heads``) on a tiny model over ``examples``; the saved config."""
     import train_heads
     from test_training import write_recipe
 
     folder = tmp_path / "tiny"
     tiny_model("llama").save_pretrained(folder / "model")
     with (folder / "examples.jsonl").open("w") as handle:
-        for example in pair_examples(96):
+        for example in examples:
             handle.write(json.dumps(example) + "\n")
     out = tmp_path / "run"
     values = {
         "output_dir": str(out),
         "model": {"name": str(folder / "model")},
         "data": {"tokenized": str(folder / "examples.jsonl"), "heldout_fraction": 0.25},
-        "heads": {"num_heads": 1, "num_layers": 1, "projection": "own", "next_token_input": reads_token},
+        "heads": {"num_layers": 1, "projection": "own", **heads},
         "features": {"topk": 0, "batch_size": 16},
         "training": {"lr": 0.03, "epochs": 12, "batch_tokens": 256, "warmup_ratio": 0.0},
         "log": {"every": 50, "progress": False},
         "eval": {"tree_size": 4, "top_k": 1},
     }
     train_heads.main(["--config", str(write_recipe(tmp_path / "r.yaml", values))])
-    top1 = json.loads((out / "heads" / "config.json").read_text())["head_accuracies"][0][0]
+    return json.loads((out / "heads" / "config.json").read_text())
+
+
+@pytest.mark.parametrize("reads_token", [False, True])
+def test_only_heads_reading_the_token_learn_what_it_decides(tmp_path, reads_token):
+    config = train_on_examples(tmp_path, pair_examples(96), {"num_heads": 1, "next_token_input": reads_token})
+    top1 = config["head_accuracies"][0][0]
     # Half the rows (t at a pair's end) have a target fixed by token t + 1, half a random one
     # (1 in 12): about 0.54 for heads that read the token, about 0.08 for heads that do not.
     if reads_token:

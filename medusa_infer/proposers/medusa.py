@@ -27,7 +27,14 @@ from medusa_infer.proposers.lookup import (
     pad_drafts,
     record_matches,
 )
-from medusa_infer.trees import TreeBuffers, build_tree_buffers, root_only_tree, tree_depth
+from medusa_infer.trees import (
+    ExpansionLevel,
+    TreeBuffers,
+    build_tree_buffers,
+    expansion_plan,
+    root_only_tree,
+    tree_depth,
+)
 
 
 class TreeCache:
@@ -38,7 +45,24 @@ class TreeCache:
         self.paths = [tuple(p) for p in paths]
         self.num_heads, self.top_k, self.device = num_heads, top_k, device
         self._by_depth: dict[tuple[int, int], TreeBuffers] = {}
+        self._plans: dict[tuple[int, int], list[ExpansionLevel]] = {}
+        self._chains: dict[tuple[int, int], torch.Tensor] = {}
         self.full = self.at_depth(tree_depth(self.paths))
+
+    def chain_nodes(self, depth: int, chain: int) -> torch.Tensor:
+        """``[chain]`` node indices of the grafted chain in ``at_depth(depth, chain)``, root side first."""
+        if (depth, chain) not in self._chains:
+            node_of = {path: i + 1 for i, path in enumerate(self.at_depth(depth, chain).paths)}
+            self._chains[depth, chain] = torch.tensor([node_of[(self.top_k,) * d] for d in range(1, chain + 1)],
+                                                      dtype=torch.long, device=self.device)
+        return self._chains[depth, chain]
+
+    def plan(self, depth: int, chain: int = 0) -> list[ExpansionLevel]:
+        """How heads that read their path fill ``at_depth(depth, chain)``'s heads' nodes."""
+        if (depth, chain) not in self._plans:
+            levels = expansion_plan(self.at_depth(depth, chain), self.top_k)
+            self._plans[depth, chain] = [level.to(self.device) for level in levels]
+        return self._plans[depth, chain]
 
     def at_depth(self, depth: int, chain: int = 0) -> TreeBuffers:
         """The paths no deeper than ``depth``; with ``chain`` > 0 also a chain of that many nodes
@@ -97,6 +121,8 @@ class MedusaProposer:
         self.gate = LookupGate(cost) if cost is not None else None
         self.matches: list[tuple[Hashable, list[int]]] = []
         num_heads = max(model.config.num_heads if model.heads is not None else 0, 1)
+        # heads reading their candidate path fill the tree node by node (``_expand``)
+        self.path_heads = model.heads is not None and model.config.path_input
         ladder = controller.ladder if controller is not None else [list(tree)]
         self.trees = [TreeCache(t, num_heads, _top_k(t), model.device) for t in ladder]
         self.hidden: torch.Tensor | None = None  # [batch, hidden] at the last accepted position
@@ -110,6 +136,23 @@ class MedusaProposer:
         logits = self.model.head_logits(self.hidden, roots, first=depth)  # [depth, batch, head_vocab]
         ids = logits.topk(cache.top_k, dim=-1).indices
         return self.model.heads.to_full_vocab(ids).transpose(0, 1).flatten(1)
+
+    def _expand(self, cache: TreeCache, depth: int, chain: int, roots: torch.Tensor) -> torch.Tensor:
+        """``[batch, n]`` node tokens of ``cache.at_depth(depth, chain)`` for heads that read their
+        candidate path: depth after depth, each parent's head runs on that parent's own path and its
+        children take that head's top-k. Nodes of a grafted chain are left 0 for the caller."""
+        tree = cache.at_depth(depth, chain)
+        batch, width = roots.shape[0], self.hidden.shape[-1]
+        tokens = roots.new_zeros(batch, tree.num_nodes)
+        tokens[:, 0] = roots
+        for level in cache.plan(depth, chain):
+            parents = len(level.parents)
+            logits = self.model.head_logits(self.hidden[:, None].expand(batch, parents, width),
+                                            roots[:, None].expand(batch, parents), first=level.depth,
+                                            start=level.depth - 1, path_tokens=tokens[:, level.ancestors])[0]
+            top = logits.topk(level.top_k, dim=-1).indices  # [batch, parents, k]
+            tokens[:, level.nodes] = self.model.heads.to_full_vocab(top[:, level.slot, level.ranks])
+        return tokens
 
     def start(self, context: StepContext, hidden: torch.Tensor) -> None:
         self.hidden = hidden
@@ -129,6 +172,8 @@ class MedusaProposer:
         tree = cache.at_depth(depth)
         if tree.max_depth == 0:
             return Proposal(roots[:, None], tree)
+        if self.path_heads:
+            return Proposal(self._expand(cache, depth, 0, roots), tree)
         flat = torch.cat([roots[:, None], self._candidates(cache, tree.max_depth, roots)], dim=1)
         return Proposal(flat[:, tree.candidate_index], tree)
 
@@ -159,12 +204,16 @@ class MedusaProposer:
         chain = self.grafted
         tree = cache.at_depth(depth, chain)
         k, batch = cache.top_k, roots.shape[0]
+        draft = torch.tensor(pad_drafts(drafts, roots.tolist(), chain), dtype=torch.long, device=roots.device)
+        if self.path_heads:
+            tokens = self._expand(cache, depth, chain, roots)
+            tokens[:, cache.chain_nodes(depth, chain)] = draft
+            return Proposal(tokens, tree)
         grid = torch.zeros(batch, tree.max_depth, k + 1, dtype=torch.long, device=roots.device)
         heads_depth = tree_depth(p for p in cache.paths if len(p) <= depth)
         if heads_depth:
             grid[:, :heads_depth, :k] = self._candidates(cache, heads_depth, roots).view(batch, heads_depth, k)
-        grid[:, :chain, k] = torch.tensor(pad_drafts(drafts, roots.tolist(), chain), dtype=torch.long,
-                                          device=roots.device)
+        grid[:, :chain, k] = draft
         flat = torch.cat([roots[:, None], grid.flatten(1)], dim=1)
         return Proposal(flat[:, tree.candidate_index], tree)
 
