@@ -159,7 +159,7 @@ class MedusaHeads(nn.Module):
                 (``next_token_input`` heads only).
             first: run only the first this many heads (default: all).
             path_tokens: ``[..., j]`` token ids at t + 2 .. t + j + 1, the path each head extends
-                (``path_input`` heads only; j >= the last head run - 1; head k reads the first k).
+                (``path_input`` heads only; j >= first - 1; head k reads the first k).
             start: skip the heads before this one (with ``first``: run heads ``start .. first - 1``).
 
         Returns:

@@ -192,7 +192,7 @@ def build_tree_buffers(paths: Iterable[Sequence[int]], num_heads: int, top_k: in
     )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ExpansionLevel:
     """How one depth of a tree is filled by heads that read their candidate path
     (``MedusaConfig.path_input``): head ``depth - 1`` runs once per parent, on that parent's path.

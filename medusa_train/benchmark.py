@@ -608,7 +608,9 @@ def head_topk_accuracy(model, sequences: list[tuple[torch.Tensor, int]], top_k: 
     """How the heads rank the token ``d + 2`` ahead over the generated part of each ``(sequence
     [seq], prompt_length)``, measured as training's held-out evaluation measures it (cumulative
     top-k accuracies and, per position, each head's rank of its target). The heads run where
-    decoding runs them: from the last prompt token on, each reading the token that follows."""
+    decoding runs them: from the last prompt token on, each reading the token that follows and,
+    with ``path_input``, the true tokens before its own (teacher forcing: the path of the only
+    nodes whose children can be accepted)."""
     from medusa_train.features import head_targets, path_tokens
     from medusa_train.losses import IGNORE, to_head_vocab
 
@@ -632,7 +634,11 @@ def measure_head_seconds(model, repeats: int = 20) -> list[float]:
     """Median seconds of running the first ``d`` heads and their top-k at one position, at index
     ``d - 1`` (``CostProfile.head_seconds``): a tree of depth ``d`` runs only those. The depths
     are interleaved within each repeat, so a noisy machine slows them alike, and a running maximum
-    keeps a deeper tree from measuring cheaper than a shallower one."""
+    keeps a deeper tree from measuring cheaper than a shallower one.
+
+    Heads that read their path (``path_input``) are timed along the greedy path, one position per
+    head; a tree runs each of them over all its parents at that level, so a wide tree's heads cost
+    somewhat more than this (on a CPU a few more rows through an already-running head)."""
     hidden = torch.randn(1, model.lm_head.weight.shape[1], device=model.device, dtype=model.dtype)
     root = torch.zeros(1, dtype=torch.long, device=model.device)  # decoding passes its root token
     depths = range(1, model.config.num_heads + 1)

@@ -238,7 +238,10 @@ class Rows:
 
 def path_tokens(targets: torch.Tensor) -> torch.Tensor:
     """``[..., K - 1]`` path tokens from base-id targets ``[..., K]``: head k's target is the token
-    head k + 1 reads at its k-th path position. ``IGNORE`` becomes 0 (no head with a target reads it)."""
+    head k + 1 reads at its k-th path position. ``IGNORE`` becomes 0: past the end no head with a
+    target reads it; inside a conversation, a head reads 0 only where a masked span shorter than
+    K - 1 tokens lies between two labelled ones, which chat templates never produce (the user turn
+    and role headers between two answers are longer)."""
     return targets[..., :-1].clamp(min=0)
 
 
