@@ -20,8 +20,9 @@ With ``path_input`` as well, head k also reads the tokens between the root and i
 t + k + 1, the candidate path it extends (Hydra's sequentially dependent draft heads). Each enters
 through its own zero-initialised ``Linear(hidden, hidden)`` (``path_proj``), so head 0 is unchanged
 and head k has k of them. In a candidate tree, a node's children then come from running its head on
-that node's own path, so a tree costs one head call per node that has children instead of one per
-depth; in training, teacher forcing gives every head the true path.
+that node's own path: each level's head runs once over all the nodes above it that have children
+(one row each) instead of once per depth; in training, teacher forcing gives every head the true
+path.
 """
 
 from __future__ import annotations
