@@ -9,6 +9,8 @@ keeps:
   heads read);
 * ``labels``: the whole label row, so the targets of any number of heads can be derived
   (head ``k`` at ``t`` predicts ``labels[t + k + 2]``);
+* ``tokens``: the whole token row, so the path of any number of ``path_input`` heads can be
+  derived (head ``k`` at ``t`` reads ``tokens[t + 2 .. t + k + 1]``), masked positions included;
 * ``soft_ids`` / ``soft_probs``: the base model's top-k next-token distribution at every position
   ``t`` where the base model predicts an assistant token (``labels[t + 1] != -100``). Head ``k``'s
   soft target at ``t`` is the entry at ``t + k + 1``, the base model's own prediction of token
@@ -22,7 +24,7 @@ second run, or another recipe over the same data, reuses it.
 
 Tensors of a *block* (one shard, or one live batch), for E examples, R hidden rows, P soft rows:
 ``example_index [E]``, ``label_start [E]``, ``label_length [E]``, ``labels [sum L]``,
-``row_example [R]``, ``row_position [R]``, ``row_next [R]``, ``hidden [R, H]``, ``soft_example [P]``,
+``tokens [sum L]``, ``row_example [R]``, ``row_position [R]``, ``row_next [R]``, ``hidden [R, H]``, ``soft_example [P]``,
 ``soft_position [P]``, ``soft_ids [P, k]``, ``soft_probs [P, k]``.
 """
 
@@ -47,7 +49,7 @@ from medusa_train.losses import IGNORE, to_head_vocab
 if TYPE_CHECKING:
     from medusa_train.captured import CapturedHidden
 
-FORMAT_VERSION = 2  # 2: blocks hold row_next
+FORMAT_VERSION = 3  # 2: blocks hold row_next; 3: and tokens
 MANIFEST = "manifest.json"
 LM_HEAD = "lm_head.safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -178,6 +180,7 @@ def block_from_hidden(
         "label_start": starts,
         "label_length": lengths.clone(),
         "labels": labels[valid],
+        "tokens": input_ids.to(device)[valid],
         "row_example": row_b,
         "row_position": row_t,
         "row_next": input_ids.to(device)[row_b, row_t + 1],
@@ -222,26 +225,24 @@ class Rows:
         targets: ``[R, K]`` base token ids, ``IGNORE`` where head k has no target.
         soft_row: ``[R, K]`` index into the block's soft table for head k's soft target, -1: none.
         next_tokens: ``[R]`` the token at t + 1 (read by ``next_token_input`` heads).
+        path_tokens: ``[R, K - 1]`` the true tokens at t + 2 .. t + K (read by ``path_input``
+            heads: teacher forcing), taken from the tokens, so a masked position in the path reads
+            what the model saw there; 0 past the example's end, where no head reading it has a
+            target.
     """
 
     hidden: torch.Tensor
     targets: torch.Tensor
     soft_row: torch.Tensor
     next_tokens: torch.Tensor
-
-    @property
-    def path_tokens(self) -> torch.Tensor:
-        """``[R, K - 1]`` the true tokens at t + 2 .. t + K (read by ``path_input`` heads: teacher
-        forcing); 0 past the end, where the heads reading them have no target."""
-        return path_tokens(self.targets)
+    path_tokens: torch.Tensor
 
 
 def path_tokens(targets: torch.Tensor) -> torch.Tensor:
-    """``[..., K - 1]`` path tokens from base-id targets ``[..., K]``: head k's target is the token
-    head k + 1 reads at its k-th path position. ``IGNORE`` becomes 0: past the end no head with a
-    target reads it; inside a conversation, a head reads 0 only where a masked span shorter than
-    K - 1 tokens lies between two labelled ones, which chat templates never produce (the user turn
-    and role headers between two answers are longer)."""
+    """``[..., K - 1]`` path tokens from targets ``[..., K]`` taken from an unmasked token row
+    (``head_targets`` of the tokens themselves): head k's target is the token head k + 1 reads at
+    its k-th path position. ``IGNORE`` (past the end, where no head reading it has a target)
+    becomes 0. Masked labels are no source of paths: ``rows_from_block`` reads the tokens."""
     return targets[..., :-1].clamp(min=0)
 
 
@@ -260,11 +261,12 @@ def rows_from_block(block: Block, num_heads: int) -> Rows:
         return torch.where(inside, values, torch.full_like(values, missing))
 
     targets = lookup(labels, 2, IGNORE)
+    path = lookup(block["tokens"], 2, 0)[:, : num_heads - 1]
     soft_index = torch.full((len(labels),), -1, dtype=torch.long, device=labels.device)
     soft_at = block["label_start"][block["soft_example"]] + block["soft_position"]
     soft_index[soft_at] = torch.arange(len(soft_at), device=labels.device)
     soft_row = lookup(soft_index, 1, -1)
-    return Rows(block["hidden"], targets, soft_row, block["row_next"])
+    return Rows(block["hidden"], targets, soft_row, block["row_next"], path)
 
 
 def soft_labels(block: Block, soft_row: torch.Tensor, token_map: torch.Tensor | None,

@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from medusa_infer.config import MedusaConfig
 from medusa_infer.decoding import generate
@@ -16,7 +17,7 @@ from medusa_infer.model import MedusaModel
 from medusa_infer.proposers import MedusaProposer
 from medusa_infer.proposers.base import StepContext
 from medusa_infer.trees import build_tree_buffers, expansion_plan
-from medusa_train.features import block_from_hidden, pad_batch, rows_from_block
+from medusa_train.features import block_from_hidden, concat_blocks, pad_batch, rows_from_block
 from medusa_train.losses import IGNORE
 from test_decoding import left_pad, reference
 from test_next_token_heads import heads_model, train_on_examples
@@ -149,6 +150,26 @@ def test_feature_rows_give_the_true_path():
     assert rows.next_tokens.tolist() == [6, 7, 8, 9]
     # head 1 reads t + 2 (head 0's target), head 2 reads t + 2 and t + 3; 0 where there is none
     assert rows.path_tokens.tolist() == [[7, 8], [8, 9], [9, 10], [10, 0]]
+
+
+def test_a_masked_position_inside_the_path_reads_its_token_after_caching_and_concatenation(tmp_path):
+    # a one-token masked span inside an answer (a tool result, say): the labels say IGNORE there,
+    # the model saw token 9 there, and that is what a head extending the path through it reads
+    ids = [5, 6, 7, 8, 9, 10, 11, 12]
+    examples = [{"input_ids": [3, 4, 5], "labels": [IGNORE, 4, 5]},
+                {"input_ids": ids, "labels": [IGNORE, IGNORE, 7, 8, IGNORE, 10, 11, 12]}]
+    blocks = []
+    for example in examples:
+        batch = pad_batch([example])
+        hidden = torch.randn(*batch["input_ids"].shape, 8)
+        blocks.append(block_from_hidden(hidden, batch["input_ids"], batch["labels"], batch["lengths"]))
+    save_file(concat_blocks(blocks), str(tmp_path / "block.safetensors"))
+    rows = rows_from_block(load_file(str(tmp_path / "block.safetensors")), 3)
+    # rows: t = 0 of the first example; t = 0, 1, 3, 4, 5 of the second (head 0 has a target)
+    assert rows.targets.tolist() == [[5, IGNORE, IGNORE], [7, 8, IGNORE], [8, IGNORE, 10], [10, 11, 12],
+                                     [11, 12, IGNORE], [12, IGNORE, IGNORE]]
+    # t = 1: head 2 reads 9 on its way to 10 (its target), where the labels are masked
+    assert rows.path_tokens.tolist() == [[5, 0], [7, 8], [8, 9], [10, 11], [11, 12], [12, 0]]
 
 
 def triple_examples(n: int, seed: int = 0) -> list[dict]:
