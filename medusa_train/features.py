@@ -24,8 +24,8 @@ second run, or another recipe over the same data, reuses it.
 
 Tensors of a *block* (one shard, or one live batch), for E examples, R hidden rows, P soft rows:
 ``example_index [E]``, ``label_start [E]``, ``label_length [E]``, ``labels [sum L]``,
-``tokens [sum L]``, ``row_example [R]``, ``row_position [R]``, ``row_next [R]``, ``hidden [R, H]``, ``soft_example [P]``,
-``soft_position [P]``, ``soft_ids [P, k]``, ``soft_probs [P, k]``.
+``tokens [sum L]``, ``row_example [R]``, ``row_position [R]``, ``row_next [R]``, ``hidden [R, H]``,
+``soft_example [P]``, ``soft_position [P]``, ``soft_ids [P, k]``, ``soft_probs [P, k]``.
 """
 
 from __future__ import annotations
