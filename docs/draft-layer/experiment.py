@@ -45,7 +45,7 @@ seqs = []
 t0 = time.time()
 CACHE = f"/tmp/eagle_feats_{N}.pt"
 if os.path.exists(CACHE):
-    seqs = torch.load(CACHE)
+    seqs = torch.load(CACHE, weights_only=True)
 else:
   with torch.inference_mode():
     for i in range(0, N, 8):
