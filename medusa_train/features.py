@@ -5,12 +5,11 @@ keeps:
 
 * ``hidden``: the final (post-norm) hidden state at every position ``t`` where head 0 has a
   target, i.e. ``labels[t + 2] != -100``;
-* ``row_next``: the token at ``t + 1`` of each of those positions (what ``next_token_input``
-  heads read);
 * ``labels``: the whole label row, so the targets of any number of heads can be derived
   (head ``k`` at ``t`` predicts ``labels[t + k + 2]``);
-* ``tokens``: the whole token row, so the path of any number of ``path_input`` heads can be
-  derived (head ``k`` at ``t`` reads ``tokens[t + 2 .. t + k + 1]``), masked positions included;
+* ``tokens``: the whole token row, so what the heads read can be derived: token ``t + 1``
+  (``next_token_input``) and, for ``path_input`` head ``k``, ``tokens[t + 2 .. t + k + 1]``,
+  masked positions included;
 * ``soft_ids`` / ``soft_probs``: the base model's top-k next-token distribution at every position
   ``t`` where the base model predicts an assistant token (``labels[t + 1] != -100``). Head ``k``'s
   soft target at ``t`` is the entry at ``t + k + 1``, the base model's own prediction of token
@@ -24,7 +23,7 @@ second run, or another recipe over the same data, reuses it.
 
 Tensors of a *block* (one shard, or one live batch), for E examples, R hidden rows, P soft rows:
 ``example_index [E]``, ``label_start [E]``, ``label_length [E]``, ``labels [sum L]``,
-``tokens [sum L]``, ``row_example [R]``, ``row_position [R]``, ``row_next [R]``, ``hidden [R, H]``,
+``tokens [sum L]``, ``row_example [R]``, ``row_position [R]``, ``hidden [R, H]``,
 ``soft_example [P]``, ``soft_position [P]``, ``soft_ids [P, k]``, ``soft_probs [P, k]``.
 """
 
@@ -49,7 +48,7 @@ from medusa_train.losses import IGNORE, to_head_vocab
 if TYPE_CHECKING:
     from medusa_train.captured import CapturedHidden
 
-FORMAT_VERSION = 3  # 2: blocks hold row_next; 3: and tokens
+FORMAT_VERSION = 3  # 2: blocks hold row_next; 3: tokens instead (row_next derives from them)
 MANIFEST = "manifest.json"
 LM_HEAD = "lm_head.safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -183,7 +182,6 @@ def block_from_hidden(
         "tokens": input_ids.to(device)[valid],
         "row_example": row_b,
         "row_position": row_t,
-        "row_next": input_ids.to(device)[row_b, row_t + 1],
         "hidden": rows if hidden_dtype is None else rows.to(hidden_dtype),
         "soft_example": soft_b,
         "soft_position": soft_t,
@@ -266,7 +264,7 @@ def rows_from_block(block: Block, num_heads: int) -> Rows:
     soft_at = block["label_start"][block["soft_example"]] + block["soft_position"]
     soft_index[soft_at] = torch.arange(len(soft_at), device=labels.device)
     soft_row = lookup(soft_index, 1, -1)
-    return Rows(block["hidden"], targets, soft_row, block["row_next"], path)
+    return Rows(block["hidden"], targets, soft_row, lookup(block["tokens"], 1, 0)[:, 0], path)
 
 
 def soft_labels(block: Block, soft_row: torch.Tensor, token_map: torch.Tensor | None,
@@ -312,7 +310,7 @@ def _captured_block(model: Any, example: Mapping[str, Any], example_index: int, 
     with torch.no_grad():
         block = block_from_hidden(hidden, ids[None], labels[None], torch.tensor([len(ids)]), model.project, topk,
                                   torch.tensor([example_index]), hidden_dtype)
-    for prefix, names in (("row", ("row_example", "row_position", "row_next", "hidden")),
+    for prefix, names in (("row", ("row_example", "row_position", "hidden")),
                           ("soft", ("soft_example", "soft_position", "soft_ids", "soft_probs"))):
         where = block[f"{prefix}_position"]
         keep = (where >= first) & (where < end)

@@ -169,10 +169,11 @@ def test_feature_cache_from_kept_states_equals_the_forward_pass(distilled, model
         for local, index in enumerate(block["example_index"].tolist()):
             rows = block["row_example"] == local
             soft = block["soft_example"] == local
-            out[index] = {"position": block["row_position"][rows], "next": block["row_next"][rows],
+            span = slice(block["label_start"][local], block["label_start"][local] + block["label_length"][local])
+            out[index] = {"position": block["row_position"][rows],
+                          "next": block["tokens"][span][block["row_position"][rows] + 1],
                           "hidden": block["hidden"][rows], "soft_position": block["soft_position"][soft],
-                          "soft_ids": block["soft_ids"][soft],
-                          "labels": block["labels"][block["label_start"][local]:][: block["label_length"][local]]}
+                          "soft_ids": block["soft_ids"][soft], "labels": block["labels"][span]}
         return out
 
     mine, theirs = by_example(kept), by_example(plain)
