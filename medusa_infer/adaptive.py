@@ -13,12 +13,21 @@ of the largest tree (``observe_shadow``): the ratio to the calibrated rate moves
 tree step would, at the cost of head 1's forward and no verification. Without such reports,
 every ``probe_every`` steps on rung 0 it tries the smallest tree once to see whether acceptance
 has recovered.
+
+The cost ratios come from the calibration's profile, measured once in a few seconds; on a shared
+machine one noisy moment there can make a bigger tree look cheap (docs/bench80-large-s25). Given a
+``StepCosts``, a batch-1 controller also learns them from the steps it takes: every
+``explore_every`` steps it takes one step on a neighbouring rung, compares that step's seconds with
+the steps just before it, and the running estimate of each pair of neighbouring rungs' cost ratio
+replaces the profile's as samples accumulate.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
+from statistics import median
 from typing import Sequence
 
 from medusa_infer.metrics import RECENT_STEPS
@@ -44,6 +53,68 @@ def tree_ladder(paths: Sequence[Path], sizes: Sequence[int] = (1, 2, 4, 8, 16, 3
     return ladder
 
 
+RungKey = tuple[int, int]
+"""A tree as step costs know it: (tokens verified, root included; the heads' depth it runs)."""
+
+
+def rung_key(tree: Sequence[Path]) -> RungKey:
+    """The ``RungKey`` of ``tree`` (``[]``, plain decoding: ``(1, 0)``)."""
+    return len(tree) + 1, tree_depth(tree)
+
+
+class StepCosts:
+    """Measured cost ratios of batch-1 steps on neighbouring trees, learned while decoding.
+
+    Step times drift with the machine's load and the context's length, so only comparisons made
+    close in time are kept: a ``TreeController`` that probes a neighbouring rung reports
+    ``log(probe seconds / median of the steps just before it on the rung it came from)``, one
+    sample of that pair's log cost ratio. A pair keeps its last ``window`` samples; its estimate
+    is their median, shrunk towards the calibration profile's ratio by ``prior_weight``
+    pseudo-samples. Pass one object to many generations (``generate(step_costs=...)``) and what
+    it learns carries across them; a generation of a few dozen steps alone takes only a few probes.
+
+    Args:
+        window: samples kept per pair of trees.
+        prior_weight: how many samples the profile's ratio counts for.
+    """
+
+    def __init__(self, window: int = 32, prior_weight: float = 2.0) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1 sample, got {window}")
+        if prior_weight < 0:
+            raise ValueError(f"prior_weight must be >= 0, got {prior_weight}")
+        self.window, self.prior_weight = window, prior_weight
+        self._samples: dict[tuple[RungKey, RungKey], deque[float]] = {}
+        self._priors: dict[tuple[RungKey, RungKey], float] = {}  # the profile's, as last asked
+
+    def record(self, smaller: RungKey, larger: RungKey, log_ratio: float) -> None:
+        """One measured ``log(seconds on larger / seconds on smaller)``."""
+        if not math.isfinite(log_ratio):
+            raise ValueError(f"log_ratio must be finite, got {log_ratio}")
+        self._samples.setdefault((smaller, larger), deque(maxlen=self.window)).append(log_ratio)
+
+    def samples(self, smaller: RungKey, larger: RungKey) -> int:
+        """How many measurements the pair's estimate rests on."""
+        return len(self._samples.get((smaller, larger), ()))
+
+    def log_ratio(self, smaller: RungKey, larger: RungKey, prior: float) -> float:
+        """The pair's estimated ``log(t(larger) / t(smaller))``; ``prior``: the profile's."""
+        self._priors[smaller, larger] = prior
+        measured = self._samples.get((smaller, larger))
+        if not measured:
+            return prior
+        n = len(measured)
+        return (n * median(measured) + self.prior_weight * prior) / (n + self.prior_weight)
+
+    def summary(self) -> dict[str, dict[str, float | None]]:
+        """Per measured pair (``"5->9 tokens"``): the measured cost ratio (median of the samples),
+        the sample count and the profile's ratio (None if no controller has asked for it)."""
+        return {f"{a[0]}->{b[0]} tokens": {
+            "ratio": round(math.exp(median(s)), 4), "samples": len(s),
+            "profile": round(math.exp(self._priors[a, b]), 4) if (a, b) in self._priors else None,
+        } for (a, b), s in sorted(self._samples.items()) if s}
+
+
 @dataclass
 class TreeController:
     """Chooses the rung of ``ladder`` to use at each step from the running acceptance.
@@ -58,6 +129,10 @@ class TreeController:
             towards plain decoding by that much (about 1% of a step on a 2-core CPU).
         smoothing: weight of the newest observation in the moving average.
         probe_every: steps between probes while on plain decoding.
+        step_costs: learn batch-1 cost ratios from the steps taken (``StepCosts``; reported with
+            ``observe_seconds``) instead of trusting the profile alone; None: the profile alone.
+        explore_every: with ``step_costs``, steps between steps on a neighbouring rung (4 times
+            as many once that pair's ``StepCosts.window`` is full).
 
     Attributes:
         history: the rung chosen at each of the last ``RECENT_STEPS`` steps, oldest first.
@@ -69,9 +144,14 @@ class TreeController:
     smoothing: float = 0.2
     probe_every: int = 16
     scale: float = 1.0
+    step_costs: StepCosts | None = None
+    explore_every: int = 8
     rung: int = field(init=False)
     history: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     _since_probe: int = 0
+    _since_explore: int = 0
+    _explore_up: bool = False  # whether the last neighbour step went up (the first goes up)
+    _explored_from: int | None = None  # the rung a neighbour step was taken from, during that step
     _steps: int = 0
     _plain_steps: int = 0
 
@@ -85,6 +165,10 @@ class TreeController:
         # how often the largest tree's first level holds the next token, under the calibration
         self.first_level_cal = expected_accept_length(first, self.head_topk_acc) - 1.0 if first else 0.0
         self._cost_ratios: dict[int, list[float]] = {}
+        if self.explore_every < 2:
+            raise ValueError(f"explore_every must be >= 2 steps, got {self.explore_every}")
+        self.keys = [rung_key(t) for t in self.ladder]
+        self._recent: deque[tuple[int, float]] = deque(maxlen=self.explore_every)  # (rung, seconds)
         self.rung = self._best()
 
     def cost_ratios(self, batch: int) -> list[float]:
@@ -98,13 +182,47 @@ class TreeController:
                 for t in self.ladder[1:]]
         return self._cost_ratios[batch]
 
+    def step_cost_ratios(self) -> list[float]:
+        """Per rung, the cost of a batch-1 step against a plain one: the profile's
+        (``cost_ratios(1)``), with each neighbouring pair's ratio as ``step_costs`` measured it."""
+        prior = self.cost_ratios(1)
+        if self.step_costs is None:
+            return prior
+        costs = [1.0]
+        for r in range(1, len(self.ladder)):
+            step = self.step_costs.log_ratio(self.keys[r - 1], self.keys[r], math.log(prior[r] / prior[r - 1]))
+            costs.append(costs[-1] * math.exp(step))
+        return costs
+
     def _best(self, batch: int = 1) -> int:
-        speeds = [(1 + self.scale * (tau - 1)) / c for tau, c in zip(self.tau_cal, self.cost_ratios(batch))]
+        costs = self.step_cost_ratios() if batch == 1 else self.cost_ratios(batch)
+        speeds = [(1 + self.scale * (tau - 1)) / c for tau, c in zip(self.tau_cal, costs)]
         return max(range(len(speeds)), key=speeds.__getitem__)
+
+    def _neighbour(self, rung: int) -> int:
+        """The rung above or below ``rung``, the other way from the last neighbour step (the one
+        that exists at either end)."""
+        up = rung + 1 < len(self.ladder) and (not self._explore_up or rung == 0)
+        return rung + 1 if up else rung - 1
+
+    def _explore(self, rung: int) -> int:
+        """``rung``, or every ``explore_every`` steps a neighbour of it; every ``4 * explore_every``
+        once the pair's window of samples is full (costs drift, so it keeps measuring)."""
+        self._since_explore += 1
+        neighbour = self._neighbour(rung)
+        lower, upper = sorted((rung, neighbour))
+        full = self.step_costs.samples(self.keys[lower], self.keys[upper]) >= self.step_costs.window
+        if self._since_explore < self.explore_every * (4 if full else 1):
+            return rung
+        self._since_explore, self._explore_up, self._explored_from = 0, neighbour > rung, rung
+        return neighbour
 
     def choose(self, batch: int = 1) -> int:
         """The rung for the next step of a batch of ``batch`` rows (records it in ``history``)."""
         rung = self.rung if batch == 1 else self._best(batch)
+        self._explored_from = None
+        if batch == 1 and self.step_costs is not None and len(self.ladder) > 1:
+            rung = self._explore(rung)
         if rung == 0:
             self._since_probe += 1
             if self._since_probe >= self.probe_every and len(self.ladder) > 1:
@@ -123,6 +241,26 @@ class TreeController:
         if expected > 0:
             ratio = mean_accepted / expected
             self.scale = (1 - self.smoothing) * self.scale + self.smoothing * ratio
+        self.rung = self._best()
+
+    def observe_seconds(self, rung: int, seconds: float) -> None:
+        """Record how long a batch-1 step on ``rung`` took, its whole tree verified (no-op without
+        ``step_costs``). A step on a neighbouring rung (``choose`` explored) becomes one sample of
+        the pair's cost ratio against the median of the recent steps on the rung it came from."""
+        if self.step_costs is None:
+            return
+        if seconds <= 0:
+            raise ValueError(f"a step takes > 0 seconds, got {seconds}")
+        start, self._explored_from = self._explored_from, None
+        if start is None or start == rung:
+            self._recent.append((rung, seconds))
+            return
+        before = [s for r, s in self._recent if r == start]
+        if len(before) < 2 or abs(rung - start) != 1:
+            return
+        log_ratio = math.log(seconds / median(before))
+        lower, upper = sorted((start, rung))
+        self.step_costs.record(self.keys[lower], self.keys[upper], log_ratio if rung == upper else -log_ratio)
         self.rung = self._best()
 
     def observe_shadow(self, hit_rate: float) -> None:

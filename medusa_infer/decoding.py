@@ -22,7 +22,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from medusa_infer import acceptance as rules
-from medusa_infer.adaptive import TreeController, tree_ladder
+from medusa_infer.adaptive import StepCosts, TreeController, tree_ladder
 from medusa_infer.kv_cache import AttentionLayout, KVState
 from medusa_infer.metrics import GenerationMetrics
 from medusa_infer.proposers.base import Proposal, Proposer, StepContext
@@ -464,6 +464,7 @@ def stream(
     adaptive: bool | None = None,
     lookup_tokens: int = 0,
     speculation_gate: SpeculationGate | bool | None = None,
+    step_costs: StepCosts | None = None,
 ) -> GenerationStream:
     """Start a generation whose tokens (and text, with a tokenizer) are yielded as they are
     accepted. Arguments as ``generate``; nothing runs until the stream is iterated."""
@@ -484,8 +485,11 @@ def stream(
         proposer = AutoregressiveProposer(model)  # no heads: plain decoding, one token a step
     elif proposer is None:
         paths = resolve_tree(model, tree)
-        proposer = MedusaProposer(model, paths, controller=make_controller(model, paths, adaptive),
+        proposer = MedusaProposer(model, paths, controller=make_controller(model, paths, adaptive, step_costs),
                                   lookup_tokens=lookup_tokens, datastore=getattr(model, "datastore", None))
+    elif step_costs is not None:
+        raise ValueError("step_costs= is learned by the Medusa proposer that stream() builds; for a proposer passed "
+                         "in, give it to its controller (proposers.build_proposer's step_costs option)")
     elif lookup_tokens:
         raise ValueError("lookup_tokens= grafts prompt lookup onto the Medusa tree; it does not apply to a "
                          "proposer passed in (use the lookup proposer's own num_tokens)")
@@ -533,6 +537,9 @@ def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> Generati
             on a CPU can cost more than the drafts bring). Default: a fresh gate for a greedy
             batch of more than one row, whose output does not depend on it; ``False``: none; a
             gate object: that gate, so that it keeps learning across calls.
+        step_costs: with the adaptive fallback at batch size 1, learn the trees' cost ratios from
+            the steps taken (``adaptive.StepCosts``) rather than trust the calibration's profile
+            alone; pass the same object to many calls so that it keeps learning. Default: none.
         proposer: another proposer (draft model, prompt lookup, plain decoding).
         eos_token_id: one id or several; default: all of the model's EOS ids.
         stop_strings: stop a row once its text contains one of these.
@@ -590,8 +597,10 @@ def _pad_id(model, tokenizer, stop: StopConfig) -> int:
     return stop.eos_token_ids[0] if stop.eos_token_ids else 0
 
 
-def make_controller(model, paths: Sequence[Sequence[int]], adaptive: bool | None) -> TreeController | None:
-    """The adaptive-fallback controller for ``paths``, or None when ``adaptive`` is off."""
+def make_controller(model, paths: Sequence[Sequence[int]], adaptive: bool | None,
+                    step_costs: StepCosts | None = None) -> TreeController | None:
+    """The adaptive-fallback controller for ``paths``, or None when ``adaptive`` is off; it
+    learns batch-1 cost ratios into ``step_costs`` when given (``adaptive.StepCosts``)."""
     config = model.config
     known = bool(config.head_accuracies and config.cost_profile)
     if adaptive is None:
@@ -605,7 +614,7 @@ def make_controller(model, paths: Sequence[Sequence[int]], adaptive: bool | None
         )
     acceptance = config.acceptance_model()
     return TreeController(tree_ladder(paths, acceptance=acceptance), acceptance,
-                          CostProfile.from_dict(config.cost_profile))
+                          CostProfile.from_dict(config.cost_profile), step_costs=step_costs)
 
 
 def resolve_tree(model, tree: str | Sequence[Sequence[int]] | None) -> list[tuple[int, ...]]:

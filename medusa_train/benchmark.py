@@ -46,6 +46,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from medusa_infer.adaptive import StepCosts
 from medusa_infer.attention_kernels import decoding_attention
 from medusa_infer.proposers.lookup import LOOKUP_MAX_TOKENS
 from medusa_train.evaluate import HeadAccuracy, head_accuracy
@@ -221,6 +222,7 @@ class Runner:
         self.model, self.args = model, args
         self.tokenizer = model.tokenizer
         self.gates: dict[str, Any] = {}  # method -> SpeculationGate of its greedy batches
+        self.step_costs: dict[str, StepCosts] = {}  # medusa method -> cost ratios its steps measured
         self.assistant = None
         if "hf-assisted" in args.methods or "draft" in args.methods:
             if not args.draft_model:
@@ -304,12 +306,15 @@ class Runner:
             sampling = dict(do_sample=True, acceptance="typical", temperature=self.args.temperature)
         elif method == "medusa-lossless":
             sampling = dict(do_sample=True, acceptance="lossless", temperature=self.args.temperature)
+        if method.startswith("medusa") and self.args.step_costs == "learned":
+            options.step_costs = self.step_costs.setdefault(method, StepCosts())  # kept across questions
         if method == "medusa-lookup":  # the heads' tree plus a grafted prompt-lookup chain
             options.lookup_tokens = DEFAULT_DRAFT_TOKENS
             proposer = build_proposer("medusa", self.model, options)  # adaptive when calibrated, as in stream()
         elif method.startswith("medusa"):
             proposer = None  # stream() builds the Medusa proposer, adaptive when calibrated
             sampling["tree"] = self.args.tree
+            sampling["step_costs"] = getattr(options, "step_costs", None)
         else:
             proposer = build_proposer("autoregressive" if method == "ar" else method, self.model, options)
         if self.args.speculation_gate == "off":
@@ -416,6 +421,7 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
             "model": args.model, "heads": args.heads, "questions": str(args.questions), "limit": args.limit,
             "turns": sum(len(q["turns"]) for q in questions), "max_new_tokens": args.max_new_tokens,
             "batch_size": args.batch_size, "speculation_gate": args.speculation_gate,
+            "step_costs": args.step_costs,
             "lookup_max_tokens": args.lookup_max_tokens,
             "datastore_tokens": len(model.datastore) if args.datastore and model.datastore is not None else 0,
             "time_budget_s": args.time_budget, "questions_answered": len(questions),
@@ -427,6 +433,7 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
         },
         "methods": summarise(totals),
         "categories": {cat: summarise(group) for cat, group in sorted(per_category.items())},
+        "step_costs": {method: costs.summary() for method, costs in runner.step_costs.items()},
     }
 
 
@@ -512,6 +519,13 @@ def report_markdown(report: dict[str, Any]) -> str:
     for cat, group in report["categories"].items():
         cells = [f"{_fmt(group[m]['speedup'])} ({group[m]['tau']:.2f})" for m in methods]
         lines.append(f"| {cat} | " + " | ".join(cells) + " |")
+    learned = {m: pairs for m, pairs in report.get("step_costs", {}).items() if pairs}
+    if learned:
+        lines += ["", "## Cost ratios the adaptive fallback measured (batch 1, neighbouring trees)", "",
+                  "| method | tokens verified | measured | profile | samples |", "|---|---|---|---|---|"]
+        for method, pairs in learned.items():
+            lines += [f"| {method} | {pair} | {v['ratio']:.3f} | {_fmt(v['profile'])} | {v['samples']} |"
+                      for pair, v in pairs.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -692,6 +706,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--speculation-gate", default="measured", choices=("measured", "off"),
                         help="with --batch-size > 1, greedy methods take plain steps where speculating measures "
                              "slower at the batch's size (measured, the default), or always speculate (off)")
+    parser.add_argument("--step-costs", default="learned", choices=("learned", "profile"),
+                        help="medusa methods at batch size 1: the adaptive fallback learns its trees' cost ratios "
+                             "from the steps it takes, across questions (learned, the default), or trusts the "
+                             "calibration's cost profile alone (profile); see medusa_infer.adaptive.StepCosts")
     parser.add_argument("--output", default="runs/bench", help="folder for report.json, report.md, report.png")
     parser.add_argument("--calibrate", action="store_true",
                         help="measure head accuracy and verification cost, fit the tree, save it with the heads")

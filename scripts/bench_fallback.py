@@ -1,16 +1,22 @@
 """The adaptive fallback against the heads' fixed tree and plain decoding, interleaved question by question.
 
     python scripts/bench_fallback.py --heads runs/demo/heads --limit 10
+    python scripts/bench_fallback.py --heads runs/demo/heads --questions-from rest --limit 40 --tree-nodes 16
 
 For each question (first turns of Spec-Bench-format questions, by default the 16 that
 ``medusa-bench --calibrate`` measured the heads on, as stored in ``<heads>/../calibration.json``
-when there is one, else the first ``--limit`` of the file), it answers greedily three ways, one
-after the other: plain decoding (our loop, ``ar``), the heads' stored tree with the adaptive
-fallback (``adaptive``, what ``medusa`` runs) and the same tree without it (``fixed``), the order
-rotated by one method each question so that none always runs first (on a warm or a cold cache). It prints
-tokens per step (tau, bonus included), seconds and the speed ratios, per question and in all, and
-checks that the three answers are identical. ``plain steps``: the share of steps that verified
-the root alone.
+when there is one, else the first ``--limit`` of the file; ``--questions-from rest``: ``--limit`` of
+the others, balanced across categories as ``medusa-bench`` samples them),
+it answers greedily four ways, one after the other: plain decoding (our loop, ``ar``), the tree
+with the adaptive fallback choosing by the calibration's cost profile alone (``adaptive``), the
+same learning step costs with one ``StepCosts`` kept across all questions (``learned``, what
+``medusa-bench`` runs), and the tree without the fallback (``fixed``), the order rotated by one
+method each question so that none always runs first (on a warm or a cold cache). The tree is the
+heads' stored one, or with ``--tree-nodes N`` the best N-node tree under their calibrated
+acceptance, whose sub-trees the fallback then chooses among; ``--lookup-tokens`` grafts a
+prompt-lookup chain onto it (``medusa-lookup``). It prints tokens per step (tau, bonus included),
+seconds and the speed ratios, per question and in all, the step costs learned, and checks that
+the answers are identical. ``plain steps``: the share of steps that verified the root alone.
 """
 
 from __future__ import annotations
@@ -22,11 +28,14 @@ from pathlib import Path
 
 import torch
 
+from medusa_infer.adaptive import StepCosts
 from medusa_infer.decoding import generate
 from medusa_infer.model import MedusaModel
 from medusa_infer.proposers import AutoregressiveProposer
+from medusa_infer.trees import greedy_tree
+from medusa_train.benchmark import load_questions
 
-METHODS = ("ar", "adaptive", "fixed")
+METHODS = ("ar", "adaptive", "learned", "fixed")
 
 
 def main() -> None:
@@ -34,16 +43,27 @@ def main() -> None:
     parser.add_argument("--heads", required=True)
     parser.add_argument("--questions", default="data/specbench.jsonl")
     parser.add_argument("--ids", default=None, help="comma-separated question ids (default: see above)")
+    parser.add_argument("--questions-from", default="calibration", choices=("calibration", "rest"),
+                        help="without --ids: the calibration's questions, or the file's other questions")
     parser.add_argument("--limit", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--tree-nodes", type=int, default=None,
+                        help="the best tree of this many nodes under the calibrated acceptance "
+                             "(default: the stored tree)")
+    parser.add_argument("--lookup-tokens", type=int, default=0, help="graft a prompt-lookup chain (medusa-lookup)")
     args = parser.parse_args()
     model = MedusaModel.from_pretrained(args.heads)
+    tree = None if args.tree_nodes is None else greedy_tree(model.config.acceptance_model(), args.tree_nodes)
+    step_costs = StepCosts()
     questions = [json.loads(line) for line in Path(args.questions).read_text().splitlines() if line.strip()]
     calibration = Path(args.heads).parent / "calibration.json"
     if args.ids:
         wanted = [int(i) for i in args.ids.split(",")]
-    elif calibration.is_file():
+    elif calibration.is_file() and args.questions_from == "calibration":
         wanted = json.loads(calibration.read_text())["question_ids"]
+    elif calibration.is_file():  # the others, balanced across categories as medusa-bench takes them
+        excluded = json.loads(calibration.read_text())["question_ids"]
+        wanted = [q["id"] for q in load_questions(args.questions, args.limit, exclude_ids=excluded)]
     else:
         wanted = [q["id"] for q in questions]
     chosen = [q for q in questions if q["id"] in wanted][: args.limit]
@@ -54,7 +74,8 @@ def main() -> None:
         shift = index % len(METHODS)
         for method in METHODS[shift:] + METHODS[:shift]:
             settings = {"proposer": AutoregressiveProposer(model)} if method == "ar" else {
-                "adaptive": method == "adaptive"}
+                "adaptive": method != "fixed", "tree": tree, "lookup_tokens": args.lookup_tokens,
+                "step_costs": step_costs if method == "learned" else None}
             start = time.perf_counter()
             with torch.inference_mode():
                 out = generate(model, messages=messages, max_new_tokens=args.max_new_tokens, **settings)
@@ -73,6 +94,8 @@ def main() -> None:
               f"plain steps {t['plain'] / max(t['steps'], 1):.0%}  {t['seconds']:.1f} s  "
               f"speed vs ar {totals['ar']['seconds'] / t['seconds']:.3f}")
     print(f"adaptive / fixed speed: {totals['fixed']['seconds'] / totals['adaptive']['seconds']:.3f}")
+    print(f"learned / adaptive speed: {totals['adaptive']['seconds'] / totals['learned']['seconds']:.3f}")
+    print("step costs learned:", json.dumps(step_costs.summary()))
 
 
 if __name__ == "__main__":

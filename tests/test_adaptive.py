@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
 
-from medusa_infer.adaptive import TreeController, tree_ladder
+from medusa_infer.adaptive import StepCosts, TreeController, tree_ladder
 from medusa_infer.decoding import generate
 from medusa_infer.metrics import RECENT_STEPS, GenerationMetrics
 from medusa_infer.model import MedusaModel
@@ -23,6 +24,8 @@ from tiny import VOCAB, tiny_model
 
 FLAT = CostProfile([1, 2, 4, 8, 16, 32, 64], [1.0, 1.0, 1.0, 1.0, 1.0, 1.05, 1.1], "gpu-like")
 STEEP = CostProfile([1, 2, 4, 8, 16, 32, 64], [1.0, 1.7, 1.7, 1.8, 2.1, 2.7, 4.3], "cpu-like")
+# the 2-core CPU of README "Results": t(2) / t(1) 1.12, t(4) / t(1) 1.36
+CPU = CostProfile([1, 2, 4, 8, 16, 32], [1.0, 1.12, 1.36, 1.6, 2.2, 3.4], "2-core cpu")
 
 
 def brute_force_tau(paths, acc) -> float:
@@ -300,3 +303,110 @@ def test_plain_steps_report_to_the_controller_in_generation_with_lookup_chains(m
     assert sizes.count(1) >= 5 and sizes.count(2) >= 5
     assert len(reports) >= sizes.count(1) + sizes.count(2)
     assert max(reports) <= 0.5  # noise heads rarely hold the next token
+
+
+def _simulate(control: TreeController, true_cost: CostProfile, steps: int, seed: int = 0) -> None:
+    """Steps whose acceptance is the calibrated one and whose seconds follow ``true_cost`` (one
+    row, 20 ms a plain step, +-8% noise), reported to ``control`` as the proposer reports them."""
+    rng = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        rung = control.choose()
+        control.observe(rung, control.tau_cal[rung] - 1)
+        tree = control.ladder[rung]
+        noise = 1 + 0.08 * (2 * float(torch.rand((), generator=rng)) - 1)
+        ratio = true_cost.ratio(len(tree) + 1) + true_cost.head_ratio(tree_depth(tree))
+        control.observe_seconds(rung, 0.020 * ratio * noise)
+
+
+def test_step_costs_take_the_controller_off_a_tree_a_wrong_profile_made_look_cheap():
+    """Calibrated on a flat profile (a noisy moment), the controller starts on the largest tree;
+    on a machine whose steps follow a CPU's curve, the step costs it measures bring it down to
+    the tree that is best there (2 nodes, 4.5% ahead of 1 node), and a controller given the same
+    StepCosts starts on that tree."""
+    ladder = tree_ladder(greedy_tree(REFERENCE_HEAD_ACCURACY, 16), acceptance=REFERENCE_HEAD_ACCURACY)
+    best_there = TreeController(ladder, REFERENCE_HEAD_ACCURACY, CPU).rung
+    costs = StepCosts()
+    control = TreeController(ladder, REFERENCE_HEAD_ACCURACY, FLAT, step_costs=costs)
+    assert control.rung == len(ladder) - 1 and best_there < control.rung - 1
+    _simulate(control, CPU, 600)
+    assert control.rung == best_there
+    assert list(control.history)[-300:].count(best_there) > 0.8 * 300  # a neighbour 1 step in 8
+    learned, true = control.step_cost_ratios(), [CPU.ratio(len(t) + 1) for t in ladder]
+    for r in (best_there, best_there + 1):  # the pairs around the best tree, where the profile said ~1.0
+        assert learned[r] / learned[r - 1] == pytest.approx(true[r] / true[r - 1], rel=0.03)
+    again = TreeController(ladder, REFERENCE_HEAD_ACCURACY, FLAT, step_costs=costs)
+    assert again.rung == best_there  # what was learned carries to the next generation
+    # without step costs the same steps leave it on the tree the profile chose
+    trusting = TreeController(ladder, REFERENCE_HEAD_ACCURACY, FLAT)
+    _simulate(trusting, CPU, 200)
+    assert trusting.rung == len(ladder) - 1 and set(trusting.history) == {len(ladder) - 1}
+
+
+def test_step_costs_pair_a_neighbour_step_with_the_steps_just_before_it():
+    ladder = tree_ladder(greedy_tree(REFERENCE_HEAD_ACCURACY, 16), acceptance=REFERENCE_HEAD_ACCURACY)
+    costs = StepCosts()
+    control = TreeController(ladder, REFERENCE_HEAD_ACCURACY, CPU, step_costs=costs, explore_every=4)
+    start = control.rung
+    assert 0 < start < len(ladder) - 1
+    rungs = [control.choose() for _ in range(3)]
+    for rung in rungs:
+        control.observe_seconds(rung, 0.010)
+    assert rungs == [start] * 3 and costs.summary() == {}
+    up = control.choose()  # the 4th step: a neighbour, above first
+    assert up == start + 1
+    control.observe_seconds(up, 0.015)
+    pair = costs.summary()[f"{len(ladder[start]) + 1}->{len(ladder[up]) + 1} tokens"]
+    assert pair["ratio"] == pytest.approx(1.5) and pair["samples"] == 1
+    assert pair["profile"] == pytest.approx(control.cost_ratios(1)[up] / control.cost_ratios(1)[start], abs=1e-4)
+    for _ in range(3):
+        control.observe_seconds(control.choose(), 0.010)
+    down = control.choose()  # then below
+    assert down == start - 1
+    control.observe_seconds(down, 0.008)
+    assert costs.samples(control.keys[down], control.keys[start]) == 1
+    assert costs.log_ratio(control.keys[down], control.keys[start], prior=0.0) == pytest.approx(
+        math.log(0.010 / 0.008) / (1 + costs.prior_weight))  # one sample, shrunk towards the prior
+    # a neighbour step with fewer than two steps before it on its rung teaches nothing
+    fresh = TreeController(ladder, REFERENCE_HEAD_ACCURACY, CPU, step_costs=StepCosts(), explore_every=2)
+    fresh.observe_seconds(fresh.choose(), 0.010)
+    fresh.observe_seconds(fresh.choose(), 0.020)
+    assert fresh.step_costs.summary() == {}
+
+
+def test_step_costs_reject_bad_settings_and_keep_a_window():
+    costs = StepCosts(window=3, prior_weight=0.0)
+    small, large = (1, 0), (2, 1)
+    for value in (0.1, 0.2, 0.9, 0.3):
+        costs.record(small, large, value)
+    assert costs.samples(small, large) == 3 and costs.log_ratio(small, large, prior=5.0) == pytest.approx(0.3)
+    assert costs.log_ratio(large, (3, 1), prior=0.25) == 0.25  # nothing measured: the profile's
+    with pytest.raises(ValueError, match="window"):
+        StepCosts(window=0)
+    with pytest.raises(ValueError, match="finite"):
+        costs.record(small, large, math.inf)
+    ladder = tree_ladder(greedy_tree(REFERENCE_HEAD_ACCURACY, 4))
+    with pytest.raises(ValueError, match="explore_every"):
+        TreeController(ladder, REFERENCE_HEAD_ACCURACY, STEEP, step_costs=costs, explore_every=1)
+    with pytest.raises(ValueError, match="seconds"):
+        TreeController(ladder, REFERENCE_HEAD_ACCURACY, STEEP, step_costs=costs).observe_seconds(1, 0.0)
+
+
+def test_generation_learns_step_costs_across_calls_and_stays_exact():
+    base = tiny_model("llama")
+    model = MedusaModel.from_base(base, num_heads=4)
+    model.config.head_accuracies = [list(itertools.accumulate(row)) for row in REFERENCE_HEAD_ACCURACY]
+    model.config.cost_profile = STEEP.to_dict()
+    costs = StepCosts()
+    prompt = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(1))
+    reference = base.generate(prompt, max_new_tokens=48, do_sample=False, eos_token_id=None, pad_token_id=0)
+    for call in range(3):
+        out = generate(model, prompt, max_new_tokens=48, tree="tree-16", eos_token_id=[], step_costs=costs)
+        assert torch.equal(out.sequences, reference)
+    summary = costs.summary()
+    assert sum(pair["samples"] for pair in summary.values()) >= 3  # a neighbour step every 8 steps
+    assert all(pair["ratio"] > 0 and pair["profile"] is not None for pair in summary.values())
+    with pytest.raises(ValueError, match="step_costs"):
+        from medusa_infer.proposers import AutoregressiveProposer
+
+        generate(model, prompt, max_new_tokens=4, proposer=AutoregressiveProposer(model), step_costs=costs)
+

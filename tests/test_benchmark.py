@@ -374,3 +374,26 @@ def test_exact_counts_identical_turns_per_method_and_category(model, monkeypatch
         assert "| NO (4/6 turns) |" in report_markdown(report)
     report["settings"]["dtype"] = "bfloat16"
     assert "greedy outputs can part where two tokens nearly tie" in report_markdown(report)
+
+
+def test_medusa_methods_learn_step_costs_across_questions(model, monkeypatch):
+    """At batch 1 each medusa method keeps one StepCosts across the questions (the report's
+    ``step_costs`` and a table in report.md); ``--step-costs profile`` keeps none."""
+    import itertools
+
+    from medusa_infer.tree_fit import CostProfile
+    from medusa_infer.trees import REFERENCE_HEAD_ACCURACY
+
+    monkeypatch.setattr(model.config, "head_accuracies",
+                        [list(itertools.accumulate(row)) for row in REFERENCE_HEAD_ACCURACY])
+    monkeypatch.setattr(model.config, "cost_profile",
+                        CostProfile([1, 2, 4, 8, 16], [1.0, 1.1, 1.3, 1.6, 2.2], "cpu-like").to_dict())
+    report = benchmark(model, QUESTIONS, args(methods=["hf", "ar", "medusa", "medusa-lookup"], max_new_tokens=40))
+    learned = report["step_costs"]
+    assert set(learned) == {"medusa", "medusa-lookup"} and report["settings"]["step_costs"] == "learned"
+    assert sum(pair["samples"] for pair in learned["medusa"].values()) >= 3
+    assert all(report["methods"][m]["exact"] is True for m in ("medusa", "medusa-lookup"))
+    assert "Cost ratios the adaptive fallback measured" in report_markdown(report)
+    off = benchmark(model, QUESTIONS[:2], args(methods=["hf", "medusa"], step_costs="profile"))
+    assert off["step_costs"] == {} and off["settings"]["step_costs"] == "profile"
+    assert "Cost ratios" not in report_markdown(off)

@@ -35,7 +35,8 @@ def build_proposer(method: str, model: Any, options: Any = None) -> Proposer:
             (``heuristic`` or ``constant``); ``lookup_max_ngram``, ``lookup_min_ngram``;
             ``lookup_max_tokens`` (the longest lookup draft a cost profile may choose);
             ``datastore`` (lookup and medusa's lookup chain also search the model's datastore,
-            ``MedusaModel.datastore``, when it has one; default True); ``layerskip_layers``.
+            ``MedusaModel.datastore``, when it has one; default True); ``layerskip_layers``;
+            ``adaptive`` and ``step_costs`` (medusa: as ``decoding.generate``'s).
 
     The decoding loop tells the proposer its sampling settings (``configure``), so a draft samples
     exactly when the verifier does.
@@ -50,7 +51,8 @@ def build_proposer(method: str, model: Any, options: Any = None) -> Proposer:
         from medusa_infer.decoding import make_controller, resolve_tree
 
         paths = resolve_tree(model, option("tree"))
-        return MedusaProposer(model, paths, controller=make_controller(model, paths, option("adaptive")),
+        controller = make_controller(model, paths, option("adaptive"), option("step_costs"))
+        return MedusaProposer(model, paths, controller=controller,
                               lookup_tokens=option("lookup_tokens", 0),
                               lookup_max_tokens=option("lookup_max_tokens", LOOKUP_MAX_TOKENS),
                               datastore=datastore)

@@ -11,6 +11,7 @@ deterministic candidates like the heads' top-k.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable
 from typing import Sequence
 
@@ -127,6 +128,7 @@ class MedusaProposer:
         self.trees = [TreeCache(t, num_heads, _top_k(t), model.device) for t in ladder]
         self.hidden: torch.Tensor | None = None  # [batch, hidden] at the last accepted position
         self.rung = 0
+        self.started = 0.0  # perf_counter() at the last propose()
         self.truncated = False  # whether the last proposal was cut below its rung's depth
         self.shadow: torch.Tensor | None = None  # [batch, n] head 1's first-level candidates, plain steps
 
@@ -158,6 +160,7 @@ class MedusaProposer:
         self.hidden = hidden
 
     def propose(self, roots: torch.Tensor, context: StepContext) -> Proposal:
+        self.started = time.perf_counter()  # the step's seconds, to observe(), for the controller's step costs
         self.rung = self.controller.choose(len(context.sequences)) if self.controller is not None else 0
         cache = self.trees[self.rung]
         depth = min(context.max_depth, cache.full.max_depth)
@@ -220,6 +223,8 @@ class MedusaProposer:
     def observe(self, accepted: list[list[int]], hidden: torch.Tensor, context: StepContext) -> None:
         self.hidden = hidden
         record_matches(self.gate, self.matches, accepted)
+        if self.controller is not None and len(accepted) == 1 and not self.grafted and not self.truncated:
+            self.controller.observe_seconds(self.rung, time.perf_counter() - self.started)
         if self.shadow is not None:  # the first token after the root is the next one, accepted or not
             following = torch.tensor([a[0] for a in accepted], device=self.shadow.device)
             self.controller.observe_shadow(float((self.shadow == following[:, None]).any(1).float().mean()))
