@@ -32,7 +32,11 @@ from medusa_infer.trees import (
     tree_depth,
 )
 
-DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_SIZES = tuple(range(1, 18)) + (24, 32, 48, 64)
+"""The forward sizes a cost profile measures: every size a tree of up to 16 nodes verifies, since
+on a CPU the cost is not smooth between powers of two (the default model on a 2-core Xeon, with
+the linear kernels chosen per row count: t(5) / t(1) 1.42, t(7) 1.61, t(8) 1.45;
+docs/step-costs/sizes.log), then a few larger ones to interpolate between."""
 
 
 @dataclass
@@ -120,7 +124,7 @@ def measure_verify_cost(
     median is kept. Every ratio divides by t(1), so a t(1) that a noisy moment inflates flattens
     the whole curve and makes large trees look cheap: on the default model and a 2-core CPU, three
     profiles of 5 repeats read t(4) / t(1) 1.37 to 1.46, three of 20 repeats 1.43 to 1.46
-    (docs/bench80-large-s25/cost_noise.log). 20 repeats take about 10 s there. ``model`` is a
+    (docs/bench80-large-s25/cost_noise.log). 20 repeats of the powers of two up to 64 took about 10 s there. ``model`` is a
     ``MedusaModel``; a causal mask stands in for the tree mask (the cost does not depend on the
     mask's pattern).
     """
@@ -187,7 +191,7 @@ class FittedTree:
 def fit_tree(
     head_topk_acc: AcceptanceModel,
     cost: CostProfile,
-    sizes: Sequence[int] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64),
+    sizes: Sequence[int] = tuple(range(1, 17)) + (24, 32, 48, 64),
 ) -> FittedTree:
     """Pick the tree size (nodes beyond the root) that maximises expected tokens per second.
 

@@ -410,3 +410,22 @@ def test_generation_learns_step_costs_across_calls_and_stays_exact():
 
         generate(model, prompt, max_new_tokens=4, proposer=AutoregressiveProposer(model), step_costs=costs)
 
+
+def test_a_cheap_size_between_powers_of_two_is_found_and_fitted():
+    """On a CPU the cost is not smooth in n: with the linear kernels chosen per row count, 8 tokens
+    cost less than 6 or 7 (docs/step-costs/sizes.log). The profile measures every size up to 17
+    tokens and the fit tries every tree up to 16 nodes, so it finds the 7-node tree that a profile
+    at powers of two (5 nodes, interpolated) or candidates 1, 2, 3, 4, 6, 8, ... (3 nodes) miss."""
+    from medusa_infer.tree_fit import DEFAULT_SIZES
+
+    assert set(range(1, 18)) <= set(DEFAULT_SIZES)
+    measured = [1.0, 1.048, 1.115, 1.296, 1.422, 1.517, 1.610, 1.451, 1.719, 1.756, 1.76, 1.768, 1.8, 1.83, 1.86,
+                1.88, 1.9]  # t(n) / t(1) for n = 1 .. 17, the first 9 as sizes.log measured them
+    every = CostProfile(list(range(1, 18)), measured, "2-core cpu")
+    powers = CostProfile([1, 2, 4, 8, 16], [measured[n - 1] for n in (1, 2, 4, 8, 16)], "2-core cpu")
+    acc = [[0.8, 0.1, 0.05], [0.75, 0.1, 0.05], [0.7, 0.1, 0.05], [0.65, 0.1, 0.05]]
+    fitted = fit_tree(acc, every)
+    assert len(fitted.paths) == 7
+    for other in (fit_tree(acc, powers).paths, fit_tree(acc, every, sizes=(1, 2, 3, 4, 6, 8, 12, 16)).paths):
+        assert len(other) != 7
+        assert expected_accept_length(other, acc) / every.ratio(len(other) + 1) < 0.95 * fitted.expected_speedup
