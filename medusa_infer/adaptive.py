@@ -86,12 +86,14 @@ class StepCosts:
         self.window, self.prior_weight = window, prior_weight
         self._samples: dict[tuple[RungKey, RungKey], deque[float]] = {}
         self._priors: dict[tuple[RungKey, RungKey], float] = {}  # the profile's, as last asked
+        self.version = 0  # counts the samples recorded, so that estimates can be cached between them
 
     def record(self, smaller: RungKey, larger: RungKey, log_ratio: float) -> None:
         """One measured ``log(seconds on larger / seconds on smaller)``."""
         if not math.isfinite(log_ratio):
             raise ValueError(f"log_ratio must be finite, got {log_ratio}")
         self._samples.setdefault((smaller, larger), deque(maxlen=self.window)).append(log_ratio)
+        self.version += 1
 
     def samples(self, smaller: RungKey, larger: RungKey) -> int:
         """How many measurements the pair's estimate rests on."""
@@ -169,6 +171,7 @@ class TreeController:
             raise ValueError(f"explore_every must be >= 2 steps, got {self.explore_every}")
         self.keys = [rung_key(t) for t in self.ladder]
         self._recent: deque[tuple[int, float]] = deque(maxlen=self.explore_every)  # (rung, seconds)
+        self._step_cost_ratios: tuple[int, list[float]] = (-1, [])  # (StepCosts.version, ratios)
         self.rung = self._best()
 
     def cost_ratios(self, batch: int) -> list[float]:
@@ -188,11 +191,13 @@ class TreeController:
         prior = self.cost_ratios(1)
         if self.step_costs is None:
             return prior
-        costs = [1.0]
-        for r in range(1, len(self.ladder)):
-            step = self.step_costs.log_ratio(self.keys[r - 1], self.keys[r], math.log(prior[r] / prior[r - 1]))
-            costs.append(costs[-1] * math.exp(step))
-        return costs
+        if self._step_cost_ratios[0] != self.step_costs.version:  # recomputed only after a new sample
+            costs = [1.0]
+            for r in range(1, len(self.ladder)):
+                step = self.step_costs.log_ratio(self.keys[r - 1], self.keys[r], math.log(prior[r] / prior[r - 1]))
+                costs.append(costs[-1] * math.exp(step))
+            self._step_cost_ratios = (self.step_costs.version, costs)
+        return self._step_cost_ratios[1]
 
     def _best(self, batch: int = 1) -> int:
         costs = self.step_cost_ratios() if batch == 1 else self.cost_ratios(batch)

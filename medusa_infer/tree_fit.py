@@ -124,9 +124,9 @@ def measure_verify_cost(
     median is kept. Every ratio divides by t(1), so a t(1) that a noisy moment inflates flattens
     the whole curve and makes large trees look cheap: on the default model and a 2-core CPU, three
     profiles of 5 repeats read t(4) / t(1) 1.37 to 1.46, three of 20 repeats 1.43 to 1.46
-    (docs/bench80-large-s25/cost_noise.log). 20 repeats of the powers of two up to 64 took about 10 s there. ``model`` is a
-    ``MedusaModel``; a causal mask stands in for the tree mask (the cost does not depend on the
-    mask's pattern).
+    (docs/bench80-large-s25/cost_noise.log). 20 repeats of the powers of two up to 64 took about
+    10 s there. ``model`` is a ``MedusaModel``; a causal mask stands in for the tree mask (the cost
+    does not depend on the mask's pattern).
     """
     sizes = sorted(set(int(n) for n in sizes) | {1})
     device, dtype = model.device, model.dtype
