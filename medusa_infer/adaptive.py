@@ -109,9 +109,9 @@ class StepCosts:
         return (n * median(measured) + self.prior_weight * prior) / (n + self.prior_weight)
 
     def summary(self) -> dict[str, dict[str, float | None]]:
-        """Per measured pair (``"5->9 tokens"``): the measured cost ratio (median of the samples),
-        the sample count and the profile's ratio (None if no controller has asked for it)."""
-        return {f"{a[0]}->{b[0]} tokens": {
+        """Per measured pair (``"5->9 tokens, depth 2->3"``): the measured cost ratio (median of the
+        samples), the sample count and the profile's ratio (None if no controller has asked for it)."""
+        return {f"{a[0]}->{b[0]} tokens, depth {a[1]}->{b[1]}": {
             "ratio": round(math.exp(median(s)), 4), "samples": len(s),
             "profile": round(math.exp(self._priors[a, b]), 4) if (a, b) in self._priors else None,
         } for (a, b), s in sorted(self._samples.items()) if s}
@@ -133,8 +133,9 @@ class TreeController:
         probe_every: steps between probes while on plain decoding.
         step_costs: learn batch-1 cost ratios from the steps taken (``StepCosts``; reported with
             ``observe_seconds``) instead of trusting the profile alone; None: the profile alone.
-        explore_every: with ``step_costs``, steps between steps on a neighbouring rung (4 times
-            as many once that pair's ``StepCosts.window`` is full).
+        explore_every: with ``step_costs``, every ``explore_every``-th step is taken on a
+            neighbouring rung (every ``4 * explore_every``-th once that pair's
+            ``StepCosts.window`` is full).
 
     Attributes:
         history: the rung chosen at each of the last ``RECENT_STEPS`` steps, oldest first.

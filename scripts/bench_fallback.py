@@ -52,11 +52,14 @@ def main() -> None:
                              "(default: the stored tree)")
     parser.add_argument("--lookup-tokens", type=int, default=0, help="graft a prompt-lookup chain (medusa-lookup)")
     args = parser.parse_args()
+    calibration = Path(args.heads).parent / "calibration.json"
+    if args.questions_from == "rest" and not args.ids and not calibration.is_file():
+        raise SystemExit(f"--questions-from rest leaves out the calibration's questions, named in {calibration}, "
+                         "which does not exist; calibrate the heads with medusa-bench --calibrate or pass --ids")
     model = MedusaModel.from_pretrained(args.heads)
     tree = None if args.tree_nodes is None else greedy_tree(model.config.acceptance_model(), args.tree_nodes)
     step_costs = StepCosts()
     questions = [json.loads(line) for line in Path(args.questions).read_text().splitlines() if line.strip()]
-    calibration = Path(args.heads).parent / "calibration.json"
     if args.ids:
         wanted = [int(i) for i in args.ids.split(",")]
     elif calibration.is_file() and args.questions_from == "calibration":

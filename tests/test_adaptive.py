@@ -355,7 +355,8 @@ def test_step_costs_pair_a_neighbour_step_with_the_steps_just_before_it():
     up = control.choose()  # the 4th step: a neighbour, above first
     assert up == start + 1
     control.observe_seconds(up, 0.015)
-    pair = costs.summary()[f"{len(ladder[start]) + 1}->{len(ladder[up]) + 1} tokens"]
+    depths = f"depth {tree_depth(ladder[start])}->{tree_depth(ladder[up])}"
+    pair = costs.summary()[f"{len(ladder[start]) + 1}->{len(ladder[up]) + 1} tokens, {depths}"]
     assert pair["ratio"] == pytest.approx(1.5) and pair["samples"] == 1
     assert pair["profile"] == pytest.approx(control.cost_ratios(1)[up] / control.cost_ratios(1)[start], abs=1e-4)
     for _ in range(3):
