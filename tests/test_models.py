@@ -238,6 +238,8 @@ def test_loaders_on_a_local_folder(tmp_path: Path) -> None:
     assert not model.training
     assert model.dtype == torch.bfloat16
     assert model.config._attn_implementation == "eager"
+    # left to transformers, a model that gets "sdpa" gets the same attention without head copies
+    assert models.load_base_model(folder).config._attn_implementation == "sdpa_gqa"
     tokenizer = models.load_tokenizer(folder)
     assert tokenizer.padding_side == "left"
     assert tokenizer.pad_token == "</s>"
