@@ -427,6 +427,7 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
             "time_budget_s": args.time_budget, "questions_answered": len(questions),
             "device": str(model.device), "dtype": str(model.dtype).replace("torch.", ""), "cpu": cpu_name(),
             "linear_kernels": linear_kernels(model.base_model),
+            "attention": model.base_model.config._attn_implementation,
             "kernel_plans": {shape: plan.to_dict() for shape, plan in kernel_plans(model.base_model).items()},
             "torch_threads": torch.get_num_threads(), "methods": methods,
             "tree": _tree_note(model, args.tree),
@@ -495,6 +496,7 @@ def report_markdown(report: dict[str, Any]) -> str:
         f"{s['turns']} turns from {s['questions']} (limit {s['limit']}), max {s['max_new_tokens']} new tokens, "
         f"{s['device']} {s['dtype']}" + (f" on {s['cpu']}" if s.get("cpu") and s["device"] == "cpu" else "")
         + _kernels_note(s.get("linear_kernels"))
+        + (f", attention {s['attention']}" if s.get("attention") else "")
         + f", {s['torch_threads']} threads"
         + (f", batch size {s['batch_size']}." if s.get("batch_size", 1) > 1 else ".")
         + (f" Time budget {s['time_budget_s']:g} s: {s['questions_answered']} questions answered."
