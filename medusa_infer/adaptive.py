@@ -231,7 +231,8 @@ class TreeController:
             rung = self._explore(rung)
         if rung == 0:
             self._since_probe += 1
-            if self._since_probe >= self.probe_every and len(self.ladder) > 1:
+            # a neighbour step down to plain decoding stays plain (its cost is the sample): probes wait
+            if self._since_probe >= self.probe_every and len(self.ladder) > 1 and self._explored_from is None:
                 self._since_probe = 0
                 rung = 1
         self.history.append(rung)

@@ -374,6 +374,24 @@ def test_step_costs_pair_a_neighbour_step_with_the_steps_just_before_it():
     assert fresh.step_costs.summary() == {}
 
 
+def test_a_due_probe_does_not_take_the_place_of_a_neighbour_step_down_to_plain_decoding():
+    """Settled on rung 1 with no shadow reports, every other neighbour step goes down to plain
+    decoding, and the probe's count of plain steps grows only on those. A probe falling due on
+    one used to turn it back into rung 1, losing its cost sample; every one now stays plain."""
+    ladder = tree_ladder(greedy_tree(REFERENCE_HEAD_ACCURACY, 16), acceptance=REFERENCE_HEAD_ACCURACY)
+    costs = StepCosts(window=10_000)  # never full: a neighbour step every explore_every steps
+    control = TreeController(ladder, REFERENCE_HEAD_ACCURACY, CPU, step_costs=costs, explore_every=2, probe_every=3)
+    control.rung = 1
+    downs = 0
+    for _ in range(60):
+        control.rung = 1  # stays settled (no acceptance is reported)
+        rung = control.choose()
+        downs += control._explored_from == 1 and rung == 0
+        assert control._explored_from is None or abs(rung - control._explored_from) == 1
+        control.observe_seconds(rung, 0.010 if rung == 1 else 0.009)
+    assert downs == 15 and costs.samples(control.keys[0], control.keys[1]) == 15  # 30 neighbour steps
+
+
 def test_step_costs_reject_bad_settings_and_keep_a_window():
     costs = StepCosts(window=3, prior_weight=0.0)
     small, large = (1, 0), (2, 1)

@@ -3,6 +3,8 @@ server on loopback: a tiny random llama with a word-level tokenizer (no download
 
 from __future__ import annotations
 
+import itertools
+
 import httpx
 import openai
 import pytest
@@ -13,6 +15,8 @@ from medusa_infer.proposers import build_proposer
 from medusa_infer.serving import cli
 from medusa_infer.serving.app import TextAssembler
 from medusa_infer.serving.testing import ServerThread, metric_value, serve, torch_threads
+from medusa_infer.tree_fit import CostProfile
+from medusa_infer.trees import REFERENCE_HEAD_ACCURACY
 from tiny import word_medusa
 
 PROMPT = "the cat sat on the mat and the dog ran to the house"
@@ -58,6 +62,27 @@ def test_greedy_completion_equals_library_generate(client, model):
     assert answer.choices[0].text == tokenizer.decode(expected.new_tokens[0], skip_special_tokens=True)
     assert answer.choices[0].finish_reason == "length"
     assert answer.object == "text_completion" and answer.id.startswith("cmpl-")
+
+
+def test_requests_decoded_alone_share_the_engines_learned_step_costs():
+    """With the adaptive fallback, every request's controller learns batch-1 step costs into the
+    engine's one ``StepCosts`` (as medusa-bench shares one across questions); output stays exact."""
+    with torch_threads(1):
+        calibrated = word_medusa()
+    calibrated.config.head_accuracies = [list(itertools.accumulate(row)) for row in REFERENCE_HEAD_ACCURACY[:3]]
+    calibrated.config.cost_profile = CostProfile([1, 2, 4, 8, 16], [1.0, 1.12, 1.36, 1.6, 2.2], "2-core cpu").to_dict()
+    tokenizer = calibrated.tokenizer
+    with serve(calibrated, "medusa", speculation_gate=False) as (server, engine), \
+            openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        assert engine.step_costs is not None
+        for prompt in (PROMPT, "hello world", "the dog ran to the cat"):
+            answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=40, temperature=0,
+                                               extra_body=NO_EOS)
+            ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+            expected = generate(calibrated, ids, max_new_tokens=40, eos_token_id=[])
+            assert answer.choices[0].text == tokenizer.decode(expected.new_tokens[0], skip_special_tokens=True)
+    summary = engine.step_costs.summary()
+    assert sum(pair["samples"] for pair in summary.values()) >= 3  # a neighbouring tree every 8 steps
 
 
 def test_chat_streamed_equals_whole(client):

@@ -21,10 +21,12 @@ to its ``on_update`` callback, called on the engine thread.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import threading
 import time
+import types
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -32,6 +34,7 @@ from typing import Any, Callable, Hashable, Iterator
 
 import torch
 
+from medusa_infer.adaptive import StepCosts
 from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig, context_length, left_pad
 from medusa_infer.metrics import GenerationMetrics
 from medusa_infer.proposers import build_proposer
@@ -144,6 +147,12 @@ class Engine:
             fresh gate for a speculative method; None for ``autoregressive``. Pass ``False`` to
             speculate on every step. A seeded sampled request is never gated, so that its output
             depends on its seed alone.
+
+    Attributes:
+        step_costs: for ``method="medusa"``, the ``adaptive.StepCosts`` every request's adaptive
+            fallback shares (``options.step_costs`` if given, else a fresh one): what steps taken
+            while one request was decoding alone measured of the trees' costs serves the next
+            request, as ``medusa-bench`` shares one across questions. None for other methods.
     """
 
     def __init__(self, model, tokenizer, method: str = "autoregressive", options: Any = None, *,
@@ -151,6 +160,11 @@ class Engine:
                  gate: SpeculationGate | bool | None = None) -> None:
         if max_batch < 1 or max_queue < 1:  # every request passes through the queue
             raise ValueError(f"need max_batch >= 1 and max_queue >= 1, got {max_batch} and {max_queue}")
+        self.step_costs: StepCosts | None = None
+        if method == "medusa":
+            self.step_costs = getattr(options, "step_costs", None) or StepCosts()
+            options = copy.copy(options) if options is not None else types.SimpleNamespace()
+            options.step_costs = self.step_costs
         build_proposer(method, model, options)  # fail now, not on the first request
         self.model, self.tokenizer, self.method, self.options = model, tokenizer, method, options
         self.max_batch, self.max_queue = max_batch, max_queue
