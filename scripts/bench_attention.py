@@ -1,7 +1,7 @@
 """Tree steps with transformers' ``sdpa`` attention against ``sdpa_gqa`` (``medusa_infer.attention_kernels``).
 
     python scripts/bench_attention.py [--model smollm2-135m-instruct] [--contexts 260 700 1400]
-        [--sizes 1 3 5 9] [--repeats 200] [--forward-repeats 15] [--threads 2]
+        [--sizes 1 3 5 9] [--repeats 200] [--rounds 8] [--threads 2]
 
 1. One attention call of the model's shape (its heads, key/value heads and head size): ``n`` new
    queries under a 4D float mask over ``context`` slots, as transformers' ``sdpa`` makes it (each
@@ -9,9 +9,10 @@
    it (``enable_gqa``: the heads read in place). Prints each one's median microseconds and the
    largest difference between their outputs.
 2. The model's whole forward of ``n`` new tokens over ``context`` cached ones, under a causal 4D
-   mask (``tree_fit.measure_verify_cost``, which calibration runs), with each implementation,
-   interleaved repeat by repeat so a noisy machine slows both alike: median milliseconds and the
-   ratio.
+   mask (``tree_fit.measure_verify_cost``, which calibration runs), with each implementation:
+   ``--rounds`` short profiles of each (3 forwards per size), alternating and in alternating
+   order, so a noisy machine slows both alike; the median over the rounds and the ratio. With one
+   new token both run the same code (a plain step passes no mask), so that row shows the noise.
 """
 
 from __future__ import annotations
@@ -75,19 +76,19 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[260, 700, 1400])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 3, 5, 9])
     parser.add_argument("--repeats", type=int, default=200, help="calls timed per attention case")
-    parser.add_argument("--forward-repeats", type=int, default=15, help="forwards timed per size and implementation")
+    parser.add_argument("--rounds", type=int, default=8, help="short profiles of the whole forward per implementation")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = MedusaModel.without_heads(load_base_model(args.model))
     one_layer(model.base_model.config, args.contexts, args.sizes, args.repeats)
-    print(f"\nwhole forward, median ms of {args.forward_repeats} (interleaved):")
+    print(f"\nwhole forward, median ms over {args.rounds} rounds (interleaved):")
     for context in args.contexts:
         times: dict[str, list[list[float]]] = {"sdpa": [], SDPA_GQA: []}
-        for repeat in range(3):  # three short profiles each, alternating, so drift hits both
-            for name in (("sdpa", SDPA_GQA) if repeat % 2 == 0 else (SDPA_GQA, "sdpa")):
+        for round_ in range(args.rounds):
+            for name in (("sdpa", SDPA_GQA) if round_ % 2 == 0 else (SDPA_GQA, "sdpa")):
                 model.base_model.set_attn_implementation(name)
-                profile = measure_verify_cost(model, args.sizes, context=context, repeats=args.forward_repeats // 3)
+                profile = measure_verify_cost(model, args.sizes, context=context, repeats=3)
                 times[name].append(profile.seconds)
         for i, n in enumerate(args.sizes):
             a = statistics.median(s[i] for s in times["sdpa"]) * 1e3
