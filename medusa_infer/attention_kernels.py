@@ -11,9 +11,10 @@ PyTorch reads the shared heads in place (``enable_gqa``). ``SDPA_GQA`` is transf
 ``sdpa`` registered under another name (``AttentionInterface``, with ``sdpa``'s mask function),
 except that a CPU inference forward with a mask also calls PyTorch with ``enable_gqa=True``:
 the same kernel on the same numbers, without the copy. Measured with ``scripts/bench_attention.py``
-(PyTorch 2.13, 2 CPU threads, one layer of the default model): 3 new tokens over 260 cached took
-90 us with ``repeat_kv`` and 36 us without, over 1400 cached 702 and 178 us; outputs were
-identical. ``load_base_model`` sets it where transformers would choose ``sdpa``; anything else
+(PyTorch 2.13, 2 CPU threads, one layer of the default model; docs/attention/bench_attention.log):
+3 new tokens over 260 cached took 114 us with ``repeat_kv`` and 49 us without, over 1400 cached
+740 and 197 us, with identical outputs; a whole 3-token forward over 1400 cached tokens, 85.7 ms
+and 66.6 ms. ``load_base_model`` sets it where transformers would choose ``sdpa``; anything else
 (other devices, training, attention with a position bias or soft-capping) runs transformers'
 ``sdpa`` unchanged.
 
