@@ -7,7 +7,8 @@
    queries under a 4D float mask over ``context`` slots, as transformers' ``sdpa`` makes it (each
    key/value head copied once per query head it serves, ``repeat_kv``) and as ``sdpa_gqa`` makes
    it (``enable_gqa``: the heads read in place). Prints each one's median microseconds and the
-   largest difference between their outputs.
+   largest difference between their outputs. (For one new token transformers folds the query
+   heads instead of copying, and a plain decoding step passes no mask: those rows are for scale.)
 2. The model's whole forward of ``n`` new tokens over ``context`` cached ones, under a causal 4D
    mask (``tree_fit.measure_verify_cost``, which calibration runs), with each implementation:
    ``--rounds`` short profiles of each (3 forwards per size), alternating and in alternating
