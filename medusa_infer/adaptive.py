@@ -229,10 +229,9 @@ class TreeController:
         self._explored_from = None
         if batch == 1 and self.step_costs is not None and len(self.ladder) > 1:
             rung = self._explore(rung)
-        if rung == 0:
+        if rung == 0 and self._explored_from is None:  # a neighbour step down stays plain: its cost is the sample
             self._since_probe += 1
-            # a neighbour step down to plain decoding stays plain (its cost is the sample): probes wait
-            if self._since_probe >= self.probe_every and len(self.ladder) > 1 and self._explored_from is None:
+            if self._since_probe >= self.probe_every and len(self.ladder) > 1:
                 self._since_probe = 0
                 rung = 1
         self.history.append(rung)

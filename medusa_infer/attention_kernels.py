@@ -14,9 +14,11 @@ the same kernel on the same numbers, without the copy. Measured with ``scripts/b
 (PyTorch 2.13, 2 CPU threads, one layer of the default model; docs/attention/bench_attention.log):
 3 new tokens over 260 cached took 114 us with ``repeat_kv`` and 49 us without, over 1400 cached
 740 and 197 us, with identical outputs; a whole 3-token forward over 1400 cached tokens, 85.7 ms
-and 66.6 ms. ``load_base_model`` sets it where transformers would choose ``sdpa``; anything else
-(other devices, training, attention with a position bias or soft-capping) runs transformers'
-``sdpa`` unchanged.
+and 66.6 ms. A masked one-token step (a padded batch) also reads the heads in place, where
+transformers folds the query heads instead: the same numbers to float rounding, not bit for bit.
+``load_base_model`` sets it where transformers would choose ``sdpa``, for the model types of
+``SDPA_GQA_MODEL_TYPES``; anything else (other devices, training, attention with a position bias
+or soft-capping) runs transformers' ``sdpa`` unchanged.
 
 CUDA: no cuDNN attention while decoding
 ---------------------------------------
@@ -62,6 +64,11 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 SDPA_GQA = "sdpa_gqa"
 """The attention implementation ``load_base_model`` sets where transformers would use ``sdpa``."""
+
+SDPA_GQA_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma3_text"})
+"""The model types ``load_base_model`` gives ``SDPA_GQA`` (tested here). Others keep ``sdpa``: some
+modeling files test the implementation's name (sparse top-k masks taken only under ``"sdpa"`` or
+``"eager"``, a query slice guarded by ``== "sdpa"``), and another name would silently skip them."""
 
 DECODING_SDPA_BACKENDS: tuple[SDPBackend, ...] = (
     SDPBackend.FLASH_ATTENTION,

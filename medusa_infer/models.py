@@ -297,10 +297,11 @@ def load_base_model(
     linear kernels measured fastest on this machine for each number of rows
     (``medusa_infer.cpu_kernels``; ``cpu_kernels="onednn"`` takes oneDNN's throughout,
     ``"default"`` keeps PyTorch's own). With ``attn_implementation=None``, a model that transformers
-    gives ``sdpa`` gets ``attention_kernels.SDPA_GQA`` instead: the same attention, without copying
-    shared key/value heads under a tree mask.
+    gives ``sdpa`` gets ``attention_kernels.SDPA_GQA`` instead, where its type is one of
+    ``SDPA_GQA_MODEL_TYPES``: the same attention, without copying shared key/value heads under a
+    tree mask.
     """
-    from medusa_infer.attention_kernels import SDPA_GQA
+    from medusa_infer.attention_kernels import SDPA_GQA, SDPA_GQA_MODEL_TYPES
     from medusa_infer.cpu_kernels import CPU_KERNELS, apply_cpu_kernels
 
     if cpu_kernels not in CPU_KERNELS:  # before a load that can take minutes
@@ -313,7 +314,8 @@ def load_base_model(
     )
     if name_or_path in DEFAULT_MODELS:
         model.name_or_path = name_or_path
-    if attn_implementation is None and model.config._attn_implementation == "sdpa":
+    if (attn_implementation is None and model.config._attn_implementation == "sdpa"
+            and model.config.model_type in SDPA_GQA_MODEL_TYPES):
         model.set_attn_implementation(SDPA_GQA)
     model = model.to(device).eval()
     apply_cpu_kernels(model, cpu_kernels)

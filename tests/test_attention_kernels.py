@@ -11,13 +11,14 @@ import contextlib
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from medusa_infer.attention_kernels import SDPA_GQA, decoding_attention
 from medusa_infer.decoding import generate
 from medusa_infer.kv_cache import AttentionLayout, KVState
 from medusa_infer.model import MedusaModel
 from medusa_infer.trees import TREE_PRESETS, build_tree_buffers
-from tiny import VOCAB, tiny_model
+from tiny import VOCAB, tiny_config, tiny_model
 
 GQA_ARCHS = ("llama", "qwen3", "gemma3_text")  # tiny configs: 4 query heads on 2 key/value heads
 
@@ -59,9 +60,23 @@ def tree_logits(model: MedusaModel, implementation: str) -> torch.Tensor:
         return model(tokens, attention_mask=mask, position_ids=new_positions, cache=kv.cache).logits
 
 
-@pytest.mark.parametrize("arch", GQA_ARCHS)
-def test_sdpa_gqa_verifies_a_tree_as_sdpa_does_without_copying_heads(arch, repeat_kv_calls):
-    model = MedusaModel.without_heads(tiny_model(arch, attn_implementation="sdpa"))
+def gqa_base(arch: str, window: int | None = None):
+    """A tiny ``arch`` model on transformers' sdpa; with ``window``, sliding-window layers that see
+    that many positions (gemma3_text: one sliding layer, one full)."""
+    if window is None:
+        return tiny_model(arch, attn_implementation="sdpa")
+    config = tiny_config(arch)
+    config.sliding_window = window
+    if arch == "gemma3_text":
+        config.layer_types = ["sliding_attention", "full_attention"]
+    torch.manual_seed(0)
+    config.initializer_range = 0.2
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
+@pytest.mark.parametrize("arch, window", [(a, None) for a in GQA_ARCHS] + [("mistral", 4), ("gemma3_text", 4)])
+def test_sdpa_gqa_verifies_a_tree_as_sdpa_does_without_copying_heads(arch, window, repeat_kv_calls):
+    model = MedusaModel.without_heads(gqa_base(arch, window))
     expected = tree_logits(model, "sdpa")
     assert repeat_kv_calls["n"] > 0  # transformers' sdpa copies the shared heads under a mask
     repeat_kv_calls["n"] = 0
@@ -96,6 +111,17 @@ def test_greedy_medusa_decoding_on_sdpa_gqa_is_identical_to_generate_on_sdpa(arc
         model.base_model.set_attn_implementation(SDPA_GQA)
         out = generate(model, prompt[None], max_new_tokens=20, tree="tree-16", eos_token_id=[])
         assert out.new_tokens[0] == reference[0, len(prompt):].tolist()
+    # a padded batch: every step is masked, one-token steps included (the same numbers to float
+    # rounding there, where transformers folds the query heads instead)
+    width = max(len(p) for p in prompts)
+    ids = torch.stack([torch.cat([torch.zeros(width - len(p), dtype=torch.long), p]) for p in prompts])
+    mask = (torch.arange(width)[None] >= width - torch.tensor([len(p) for p in prompts])[:, None]).long()
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=20, tree="tree-16", eos_token_id=[])
+    model.base_model.set_attn_implementation("sdpa")
+    for row, prompt in enumerate(prompts):
+        reference = model.base_model.generate(prompt[None], attention_mask=torch.ones_like(prompt)[None],
+                                              max_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=None)
+        assert out.new_tokens[row] == reference[0, len(prompt):].tolist(), f"row {row}"
 
 
 def switches() -> tuple[bool, bool, bool, bool]:

@@ -240,6 +240,11 @@ def test_loaders_on_a_local_folder(tmp_path: Path) -> None:
     assert model.config._attn_implementation == "eager"
     # left to transformers, a model that gets "sdpa" gets the same attention without head copies
     assert models.load_base_model(folder).config._attn_implementation == "sdpa_gqa"
+    # a model type not tested with it keeps transformers' sdpa (modeling files may test the name)
+    from tiny import tiny_model
+
+    tiny_model("gpt2", attn_implementation="sdpa").save_pretrained(tmp_path / "gpt2")
+    assert models.load_base_model(str(tmp_path / "gpt2")).config._attn_implementation == "sdpa"
     tokenizer = models.load_tokenizer(folder)
     assert tokenizer.padding_side == "left"
     assert tokenizer.pad_token == "</s>"

@@ -9,11 +9,12 @@ import httpx
 import openai
 import pytest
 
-from medusa_infer.decoding import generate
+from medusa_infer.decoding import SamplingConfig, StopConfig, generate
 from medusa_infer.model import MedusaModel
 from medusa_infer.proposers import build_proposer
 from medusa_infer.serving import cli
 from medusa_infer.serving.app import TextAssembler
+from medusa_infer.serving.scheduler import Request
 from medusa_infer.serving.testing import ServerThread, metric_value, serve, torch_threads
 from medusa_infer.tree_fit import CostProfile
 from medusa_infer.trees import REFERENCE_HEAD_ACCURACY
@@ -83,6 +84,12 @@ def test_requests_decoded_alone_share_the_engines_learned_step_costs():
             assert answer.choices[0].text == tokenizer.decode(expected.new_tokens[0], skip_special_tokens=True)
     summary = engine.step_costs.summary()
     assert sum(pair["samples"] for pair in summary.values()) >= 3  # a neighbouring tree every 8 steps
+    # a seeded sampled request's trees must not depend on the clock: its batch learns nothing
+    seeded = Request([1, 2], SamplingConfig(acceptance="lossless", temperature=0.8), StopConfig(max_new_tokens=4),
+                     lambda update: None, seed=7)
+    assert engine.options_for(seeded.batch_key).step_costs is None
+    assert engine.options_for(Request([1, 2], SamplingConfig(), StopConfig(max_new_tokens=4),
+                                      lambda update: None).batch_key).step_costs is engine.step_costs
 
 
 def test_chat_streamed_equals_whole(client):

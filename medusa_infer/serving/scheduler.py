@@ -152,7 +152,8 @@ class Engine:
         step_costs: for ``method="medusa"``, the ``adaptive.StepCosts`` every request's adaptive
             fallback shares (``options.step_costs`` if given, else a fresh one): what steps taken
             while one request was decoding alone measured of the trees' costs serves the next
-            request, as ``medusa-bench`` shares one across questions. None for other methods.
+            request, as ``medusa-bench`` shares one across questions (seeded sampled requests
+            neither use nor feed it: ``options_for``). None for other methods.
     """
 
     def __init__(self, model, tokenizer, method: str = "autoregressive", options: Any = None, *,
@@ -161,10 +162,14 @@ class Engine:
         if max_batch < 1 or max_queue < 1:  # every request passes through the queue
             raise ValueError(f"need max_batch >= 1 and max_queue >= 1, got {max_batch} and {max_queue}")
         self.step_costs: StepCosts | None = None
+        self._seeded_options = options
         if method == "medusa":
             self.step_costs = getattr(options, "step_costs", None) or StepCosts()
             options = copy.copy(options) if options is not None else types.SimpleNamespace()
             options.step_costs = self.step_costs
+            # timed trees would make a seeded request's tree sizes, so its draws, depend on the clock
+            self._seeded_options = copy.copy(options)
+            self._seeded_options.step_costs = None
         build_proposer(method, model, options)  # fail now, not on the first request
         self.model, self.tokenizer, self.method, self.options = model, tokenizer, method, options
         self.max_batch, self.max_queue = max_batch, max_queue
@@ -320,13 +325,18 @@ class Engine:
                         request.slot = None
                     self._finish(request, "error", error=f"prefill failed: {error}")
 
+    def options_for(self, key: Hashable) -> Any:
+        """The proposer settings for a batch of ``key`` (``Request.batch_key``): a seeded sampled
+        request's leave out ``step_costs``, so that its output depends on its seed alone."""
+        return self._seeded_options if isinstance(key, tuple) else self.options
+
     def _start_batch(self, key: Hashable, requests: list[Request]) -> None:
         sampling, seed = requests[0].sampling, requests[0].seed
         ids, mask = left_pad([r.prompt_ids for r in requests], self.pad_token_id)
         generator = None
         if isinstance(key, tuple) and seed is not None:  # a seeded request: its own generator
             generator = torch.Generator(device=self.model.device).manual_seed(seed)
-        proposer = build_proposer(self.method, self.model, self.options)
+        proposer = build_proposer(self.method, self.model, self.options_for(key))
         batch = DecodeBatch(self.model, ids, mask, proposer, sampling, [r.stop for r in requests],
                             self.tokenizer, generator)
         self.metrics.prompt_tokens.inc(sum(len(r.prompt_ids) for r in requests))
