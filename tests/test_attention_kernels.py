@@ -11,14 +11,13 @@ import contextlib
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from medusa_infer.attention_kernels import SDPA_GQA, decoding_attention
 from medusa_infer.decoding import generate
 from medusa_infer.kv_cache import AttentionLayout, KVState
 from medusa_infer.model import MedusaModel
 from medusa_infer.trees import TREE_PRESETS, build_tree_buffers
-from tiny import VOCAB, tiny_config, tiny_model
+from tiny import VOCAB, sliding_window_base, tiny_model
 
 GQA_ARCHS = ("llama", "qwen3", "gemma3_text")  # tiny configs: 4 query heads on 2 key/value heads
 
@@ -60,23 +59,11 @@ def tree_logits(model: MedusaModel, implementation: str) -> torch.Tensor:
         return model(tokens, attention_mask=mask, position_ids=new_positions, cache=kv.cache).logits
 
 
-def gqa_base(arch: str, window: int | None = None):
-    """A tiny ``arch`` model on transformers' sdpa; with ``window``, sliding-window layers that see
-    that many positions (gemma3_text: one sliding layer, one full)."""
-    if window is None:
-        return tiny_model(arch, attn_implementation="sdpa")
-    config = tiny_config(arch)
-    config.sliding_window = window
-    if arch == "gemma3_text":
-        config.layer_types = ["sliding_attention", "full_attention"]
-    torch.manual_seed(0)
-    config.initializer_range = 0.2
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-
-
 @pytest.mark.parametrize("arch, window", [(a, None) for a in GQA_ARCHS] + [("mistral", 4), ("gemma3_text", 4)])
 def test_sdpa_gqa_verifies_a_tree_as_sdpa_does_without_copying_heads(arch, window, repeat_kv_calls):
-    model = MedusaModel.without_heads(gqa_base(arch, window))
+    base = tiny_model(arch, attn_implementation="sdpa") if window is None else \
+        sliding_window_base(arch, window, attn_implementation="sdpa")
+    model = MedusaModel.without_heads(base)
     expected = tree_logits(model, "sdpa")
     assert repeat_kv_calls["n"] > 0  # transformers' sdpa copies the shared heads under a mask
     repeat_kv_calls["n"] = 0

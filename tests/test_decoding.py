@@ -6,7 +6,6 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from medusa_infer.decoding import generate, stream
 from medusa_infer.kv_cache import AttentionLayout, KVState
@@ -14,7 +13,7 @@ from medusa_infer.model import MedusaModel
 from medusa_infer.proposers.autoregressive import AutoregressiveProposer
 from medusa_infer.proposers.base import Proposal, StepContext
 from medusa_infer.trees import TREE_PRESETS, build_tree_buffers, root_only_tree
-from tiny import ARCHITECTURES, VOCAB, tiny_config, tiny_model
+from tiny import ARCHITECTURES, VOCAB, sliding_window_base, tiny_model
 
 EXACT_ARCHS = ("llama", "qwen3", "gemma3_text", "gpt2")
 NO_EOS: list[int] = []
@@ -225,17 +224,6 @@ def test_tree_forward_matches_sequential_paths(arch):
             path = torch.cat([ids[0], tokens[0, list(reversed(chain))]])[None]
             sequential = model.base_model(path).logits[0, -1]
             assert (tree_logits[node] - sequential).abs().max() <= 1e-4, f"node {node}"
-
-
-def sliding_window_base(arch: str, window: int, attn_implementation: str = "eager"):
-    """A tiny random ``arch`` model whose sliding-window layers see ``window`` positions."""
-    config = tiny_config(arch)
-    config.sliding_window = window
-    if arch == "gemma3_text":
-        config.layer_types = ["sliding_attention", "full_attention"]
-    torch.manual_seed(0)
-    config.initializer_range = 0.2
-    return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).eval()
 
 
 @pytest.mark.parametrize("arch", ["gemma3_text", "mistral"])

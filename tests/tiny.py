@@ -55,6 +55,18 @@ def tiny_model(
     return model.eval()
 
 
+def sliding_window_base(arch: str, window: int, attn_implementation: str = "eager") -> PreTrainedModel:
+    """A tiny random ``arch`` model whose sliding-window layers see ``window`` positions
+    (gemma3_text: one sliding layer, one full)."""
+    config = tiny_config(arch)
+    config.sliding_window = window
+    if arch == "gemma3_text":
+        config.layer_types = ["sliding_attention", "full_attention"]
+    torch.manual_seed(0)
+    config.initializer_range = 0.2
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).eval()
+
+
 def word_medusa(seed: int = 0):
     """A tiny llama with 3 random Medusa heads and the serving tests' word tokenizer: heads
     initialised large enough that their drafts are sometimes accepted."""
