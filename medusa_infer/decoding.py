@@ -539,7 +539,9 @@ def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> Generati
             gate object: that gate, so that it keeps learning across calls.
         step_costs: with the adaptive fallback at batch size 1, learn the trees' cost ratios from
             the steps taken (``adaptive.StepCosts``) rather than trust the calibration's profile
-            alone; pass the same object to many calls so that it keeps learning. Default: none.
+            alone; pass the same object to many calls so that it keeps learning. The trees then
+            depend on timings: greedy output does not change, but a seeded sample is no longer
+            reproducible from its seed alone. Default: none.
         proposer: another proposer (draft model, prompt lookup, plain decoding).
         eos_token_id: one id or several; default: all of the model's EOS ids.
         stop_strings: stop a row once its text contains one of these.

@@ -306,8 +306,10 @@ class Runner:
             sampling = dict(do_sample=True, acceptance="typical", temperature=self.args.temperature)
         elif method == "medusa-lossless":
             sampling = dict(do_sample=True, acceptance="lossless", temperature=self.args.temperature)
-        if method.startswith("medusa") and self.args.step_costs == "learned":
-            options.step_costs = self.step_costs.setdefault(method, StepCosts())  # kept across questions
+        if method in ("medusa", "medusa-lookup") and self.args.step_costs == "learned":
+            # kept across questions; greedy only, whose output does not depend on the trees (a
+            # seeded sample's would then depend on the clock)
+            options.step_costs = self.step_costs.setdefault(method, StepCosts())
         if method == "medusa-lookup":  # the heads' tree plus a grafted prompt-lookup chain
             options.lookup_tokens = DEFAULT_DRAFT_TOKENS
             proposer = build_proposer("medusa", self.model, options)  # adaptive when calibrated, as in stream()
@@ -709,7 +711,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="with --batch-size > 1, greedy methods take plain steps where speculating measures "
                              "slower at the batch's size (measured, the default), or always speculate (off)")
     parser.add_argument("--step-costs", default="learned", choices=("learned", "profile"),
-                        help="medusa methods at batch size 1: the adaptive fallback learns its trees' cost ratios "
+                        help="greedy medusa methods at batch size 1: the adaptive fallback learns its trees' cost ratios "
                              "from the steps it takes, across questions (learned, the default), or trusts the "
                              "calibration's cost profile alone (profile); see medusa_infer.adaptive.StepCosts")
     parser.add_argument("--output", default="runs/bench", help="folder for report.json, report.md, report.png")
