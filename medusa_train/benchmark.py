@@ -711,8 +711,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="with --batch-size > 1, greedy methods take plain steps where speculating measures "
                              "slower at the batch's size (measured, the default), or always speculate (off)")
     parser.add_argument("--step-costs", default="learned", choices=("learned", "profile"),
-                        help="greedy medusa methods at batch size 1: the adaptive fallback learns its trees' cost ratios "
-                             "from the steps it takes, across questions (learned, the default), or trusts the "
+                        help="greedy medusa methods at batch size 1: the adaptive fallback learns its trees' cost "
+                             "ratios from the steps it takes, across questions (learned, the default), or trusts the "
                              "calibration's cost profile alone (profile); see medusa_infer.adaptive.StepCosts")
     parser.add_argument("--output", default="runs/bench", help="folder for report.json, report.md, report.png")
     parser.add_argument("--calibrate", action="store_true",
