@@ -64,7 +64,7 @@ class SamplingConfig:
     def first_token(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         """Choose ``[batch]`` tokens from ``[batch, vocab]`` logits, as plain decoding would."""
         if self.greedy:
-            return logits.argmax(dim=-1)
+            return rules.greedy_tokens(logits)
         top_k, top_p = (self.top_k, self.top_p) if self.acceptance == "lossless" else (0, 1.0)
         probs = rules.warp_logits(logits.float(), self.temperature, top_k, top_p)
         return torch.multinomial(probs, 1, generator=generator).squeeze(1)

@@ -21,6 +21,7 @@ from medusa_infer.acceptance import (
     accept_greedy,
     accept_lossless,
     accept_typical,
+    greedy_tokens,
     warp_logits,
 )
 from medusa_infer.trees import build_tree_buffers, root_only_tree
@@ -122,6 +123,16 @@ def test_greedy_matches_reference_and_rows_are_independent():
         alone = accept_greedy(logits[row:row + 1], tokens[row:row + 1], buffers)
         assert torch.equal(alone.path_nodes[0], result.path_nodes[row])
         assert alone.next_token.item() == result.next_token[row].item()
+
+
+def test_greedy_tokens_is_argmax_ties_included():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randint(0, 4, (5, 7, 300), generator=gen).float()  # many ties for the maximum
+    logits[2, 3] = -math.inf
+    logits[4, 1] = 0.0
+    assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
+    wide = torch.randn(3, 49152, generator=gen)
+    assert torch.equal(greedy_tokens(wide), wide.argmax(-1))
 
 
 def test_input_checks(example):

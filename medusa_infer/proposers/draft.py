@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from medusa_infer.acceptance import warp_logits
+from medusa_infer.acceptance import greedy_tokens, warp_logits
 from medusa_infer.kv_cache import AttentionLayout, KVState
 from medusa_infer.metrics import RECENT_STEPS
 from medusa_infer.proposers.base import ChainTrees, Proposal, StepContext
@@ -167,7 +167,7 @@ class DraftProposer:
     def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A draft token per row: argmax, or a sample from the warped distribution (returned)."""
         if self.sampling is None:
-            return logits.argmax(-1), None
+            return greedy_tokens(logits), None
         s = self.sampling
         probs = warp_logits(logits, s.temperature, s.top_k, s.top_p)
         return torch.multinomial(probs, 1, generator=self.generator).squeeze(1), probs
