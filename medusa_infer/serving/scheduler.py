@@ -164,7 +164,8 @@ class Engine:
         self.step_costs: StepCosts | None = None
         self._seeded_options = options
         if method == "medusa":
-            self.step_costs = getattr(options, "step_costs", None) or StepCosts()
+            given = getattr(options, "step_costs", None)
+            self.step_costs = given if given is not None else StepCosts()
             options = copy.copy(options) if options is not None else types.SimpleNamespace()
             options.step_costs = self.step_costs
             # timed trees would make a seeded request's tree sizes, so its draws, depend on the clock
