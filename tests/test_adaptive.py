@@ -24,7 +24,7 @@ from tiny import VOCAB, tiny_model
 
 FLAT = CostProfile([1, 2, 4, 8, 16, 32, 64], [1.0, 1.0, 1.0, 1.0, 1.0, 1.05, 1.1], "gpu-like")
 STEEP = CostProfile([1, 2, 4, 8, 16, 32, 64], [1.0, 1.7, 1.7, 1.8, 2.1, 2.7, 4.3], "cpu-like")
-# the 2-core CPU of README "Results": t(2) / t(1) 1.12, t(4) / t(1) 1.36
+# the 2-core CPU of docs/results-history.md (the larger recipe's heads): t(2) / t(1) 1.12, t(4) / t(1) 1.36
 CPU = CostProfile([1, 2, 4, 8, 16, 32], [1.0, 1.12, 1.36, 1.6, 2.2, 3.4], "2-core cpu")
 
 
