@@ -88,24 +88,14 @@ def stage_data(config: TrainConfig, accelerator: Any) -> tuple[list[dict], list[
         dataset = ds.to_dataset([{"input_ids": e["input_ids"], "labels": e["labels"]} for e in examples])
     else:
         rows = rows_path(config)
-        if not rows.is_file():
-            if not d.prompts:
-                raise SystemExit(f"{rows} does not exist and data.prompts is not set: give prompts to distil")
-            try:
-                from medusa_train.distill import DistillConfig, distill
-            except ImportError as err:
-                raise SystemExit(
-                    f"{rows} does not exist and medusa_train.distill cannot be imported ({err}); "
-                    "distil the data first or set data.rows to an existing file"
-                ) from err
+        if not rows.is_file() and not d.prompts:
+            raise SystemExit(f"{rows} does not exist and data.prompts is not set: give prompts to distil")
+        if owns_rows(config):
+            from medusa_train.distill import distill, recipe_config
+
+            # a finished run's rows pass through untouched; a killed or enlarged one's are completed
             say(accelerator, f"distilling {d.n or 'all'} prompts from {d.prompts} into {rows}")
-            distill(DistillConfig(
-                prompts=d.prompts, output=str(rows), model=config.model.name, n=d.n, per_source=d.per_source,
-                max_new_tokens=d.max_new_tokens, batch_size=d.distill_batch_size, seed=config.training.seed,
-                system_prompt=d.system_prompt, progress=config.log.progress,
-                **{"save_hidden": config.keeps_distillation_hidden, **d.distill_options},
-                chat_template=config.model.chat_template,
-            ), accelerator if accelerator.num_processes > 1 else None)
+            distill(recipe_config(config), accelerator if accelerator.num_processes > 1 else None)
         from medusa_infer.models import load_tokenizer
 
         tokenizer = load_tokenizer(config.model.name, trust_remote_code=config.model.trust_remote_code)
@@ -119,6 +109,27 @@ def stage_data(config: TrainConfig, accelerator: Any) -> tuple[list[dict], list[
         return [{"input_ids": list(r["input_ids"]), "labels": list(r["labels"])} for r in split]
 
     return plain(train), plain(heldout)
+
+
+def owns_rows(config: TrainConfig) -> bool:
+    """Whether this run distils its rows: from ``data.prompts`` into its own file, or into a
+    ``data.rows`` path that does not exist yet. A given ``data.rows`` file is read as it is."""
+    d = config.data
+    return bool(d.prompts) and not d.tokenized and (not d.rows or not rows_path(config).is_file())
+
+
+def distill_pending(config: TrainConfig) -> int | None:
+    """Prompts the recipe samples that its rows do not answer yet (None: it distils nothing).
+
+    ``ValueError`` names a bad ``data.distill_options`` entry, or rows already there that were made
+    with another model or other generation settings (``medusa_train.distill.check_resumable``).
+    """
+    if not owns_rows(config):
+        return None
+    from medusa_train.distill import pending_prompts, recipe_config
+
+    distill_config = recipe_config(config)
+    return pending_prompts(distill_config)[1] if rows_path(config).is_file() else None
 
 
 def load_base(config: TrainConfig, accelerator: Any) -> Any:
@@ -348,12 +359,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config, args.overrides)
+        pending = distill_pending(config)
     except ValueError as err:
         parser.error(str(err))
     if args.push_to_hub:
         config.eval.push_to_hub = args.push_to_hub
     if args.plan:
-        print(plan(config, int(os.environ.get("WORLD_SIZE", "1"))).summary())
+        print(plan(config, int(os.environ.get("WORLD_SIZE", "1")), distill_pending=pending).summary())
         return 0
 
     accelerator = make_accelerator(config)
@@ -365,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         for folder in (paths.data, paths.checkpoints, paths.logs):
             folder.mkdir(parents=True, exist_ok=True)
         save_config(config, paths.root / "config.yaml")
-        layout = plan(config, accelerator.num_processes)
+        layout = plan(config, accelerator.num_processes, distill_pending=pending)
         print(layout.summary(), flush=True)
         reused = {STAGE_TIMING.get(stage.name, stage.name) for stage in layout.stages if stage.done}
     accelerator.wait_for_everyone()

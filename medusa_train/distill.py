@@ -37,6 +37,7 @@ import random
 import shutil
 import sys
 import time
+import typing
 import urllib.error
 import urllib.request
 import zlib
@@ -57,6 +58,7 @@ from medusa_infer.proposers import AutoregressiveProposer
 from medusa_train.captured import HiddenRecorder, hidden_dir, save_batch
 from medusa_train.dataset import encode_rendered, has_chat_template, render_prompt, row_messages
 from medusa_train.features import model_fingerprint
+from medusa_train.train_config import TrainConfig, convert_value, rows_path
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,14 @@ FORMATS = ("jsonl", "arrow")
 OVERFLOW = ("skip", "truncate")
 FINISH_REASONS = {"stop": "eos", "eos": "eos", "eos_token": "eos", "length": "length"}
 """OpenAI-style ``finish_reason`` values mapped to ours."""
+
+RECIPE_KEYS = {
+    "prompts": "data.prompts", "output": "data.rows", "model": "model.name", "n": "data.n",
+    "per_source": "data.per_source", "max_new_tokens": "data.max_new_tokens", "batch_size": "data.distill_batch_size",
+    "seed": "training.seed", "system_prompt": "data.system_prompt", "chat_template": "model.chat_template",
+    "progress": "log.progress",
+}
+"""``DistillConfig`` fields a training recipe sets through its own keys (not ``data.distill_options``)."""
 
 BatchHook = Callable[[int, list[dict[str, Any]]], None]
 """Called after each batch is written and synced: ``hook(batch_index, rows)``."""
@@ -312,6 +322,47 @@ def sample_prompts(
     return sample
 
 
+def recipe_config(config: TrainConfig) -> DistillConfig:
+    """The distillation a training recipe asks for (it must set ``data.prompts``).
+
+    The recipe's data, model, seed and log keys set the fields named in ``RECIPE_KEYS``;
+    ``data.distill_options`` sets any other ``DistillConfig`` field, converted to its type.
+    ``ValueError`` names an unknown option, an option the recipe sets elsewhere, or a bad value.
+    """
+    d = config.data
+    if not d.prompts:
+        raise ValueError("data.prompts is not set: there is nothing to distil")
+    options = dict(d.distill_options)
+    owned = sorted(set(options) & set(RECIPE_KEYS))
+    if owned:
+        where = ", ".join(f"{key} by {RECIPE_KEYS[key]}" for key in owned)
+        raise ValueError(f"data.distill_options may not set {owned}: the recipe sets {where}; set them there")
+    hints = typing.get_type_hints(DistillConfig)
+    unknown = sorted(set(options) - set(hints))
+    if unknown:
+        raise ValueError(f"unknown data.distill_options {unknown}; known: {sorted(set(hints) - set(RECIPE_KEYS))}")
+    options = {key: convert_value(value, hints[key], f"data.distill_options.{key}") for key, value in options.items()}
+    return DistillConfig(
+        prompts=d.prompts, output=str(rows_path(config)), model=config.model.name, n=d.n, per_source=d.per_source,
+        max_new_tokens=d.max_new_tokens, batch_size=d.distill_batch_size, seed=config.training.seed,
+        system_prompt=d.system_prompt, chat_template=config.model.chat_template, progress=config.log.progress,
+        **{"save_hidden": config.keeps_distillation_hidden, **options},
+    )
+
+
+def pending_prompts(config: DistillConfig) -> tuple[int, int]:
+    """(prompts sampled, of those not yet answered in ``config.output`` or its shards).
+
+    ``ValueError`` (``check_resumable``) when the rows there were made with another model or
+    other generation settings.
+    """
+    prompts = sample_prompts(config.prompts, config.n, config.per_source, config.seed, config.exclude_ids)
+    done = existing_rows(config.output)
+    check_resumable(done, config)
+    done_ids = {str(row["id"]) for row in done}
+    return len(prompts), sum(p["id"] not in done_ids for p in prompts)
+
+
 # ---------------------------------------------------------------------------------------------
 # Shard files
 
@@ -418,6 +469,17 @@ class ShardWriter:
         self.handle.close()
 
 
+def _warn_extra_rows(output: Path, row_ids: Iterable[str], sampled: Iterable[str]) -> None:
+    sampled = set(sampled)
+    extra = sum(row_id not in sampled for row_id in row_ids)
+    if extra:
+        logger.warning(
+            "%s keeps %d rows whose prompts are not in this run's sample (an earlier run's, e.g. with a larger "
+            "data.n or another prompt file); they stay in the data and are trained on. To use this sample "
+            "only, distil into a new output path", output, extra,
+        )
+
+
 def merge_shards(
     output: str | Path, prompts: Sequence[dict[str, Any]], fmt: str = "jsonl"
 ) -> Path:
@@ -436,13 +498,7 @@ def merge_shards(
         rows_by_id.values(), key=lambda r: (order.get(str(r["id"]), len(order)),)
     )
     missing = [p["id"] for p in prompts if p["id"] not in rows_by_id]
-    extra = sum(row_id not in order for row_id in rows_by_id)
-    if extra:
-        logger.warning(
-            "%s keeps %d rows whose prompts are not in this run's sample (an earlier run's, e.g. with a larger "
-            "data.n or another prompt file); they stay in the data and are trained on. To use this sample "
-            "only, distil into a new output path", output, extra,
-        )
+    _warn_extra_rows(output, rows_by_id, order)
     tmp = output.with_name(output.name + ".merging")
     with tmp.open("w", encoding="utf-8") as handle:
         for row in rows:
@@ -877,6 +933,8 @@ def distill_shard(
     stats = ShardStats(rank=rank, already_done=len(mine) - len(pending))
     if stats.already_done:
         logger.info("rank %d: resuming, %d of %d prompts already done", rank, stats.already_done, len(mine))
+    if not pending:
+        return stats
     writer = ShardWriter(shard_path(config.output, rank))
     try:
         if pending and config.backend == "local":
@@ -915,8 +973,12 @@ def distill(
     distill_shard(config, prompts, rank, world_size, device, on_batch)
     if accelerator is not None:
         accelerator.wait_for_everyone()
-    if rank == 0:
+    output = Path(config.output)
+    shards = any(output.parent.glob(f"{output.name}.rank*.jsonl"))
+    if rank == 0 and (shards or not output.is_file() or (config.format == "arrow" and not arrow_path(output).exists())):
         merge_shards(config.output, prompts, config.format)
+    elif rank == 0:  # every prompt was answered already: the file stays as it is
+        _warn_extra_rows(output, (str(row["id"]) for row in read_jsonl_tolerant(output)), (p["id"] for p in prompts))
     if accelerator is not None:
         accelerator.wait_for_everyone()
     return Path(config.output)

@@ -32,7 +32,3 @@ def add_lora(base_model: nn.Module, r: int, alpha: int, dropout: float, target_m
                         target_modules=[t for t in target_modules if t in names], bias="none",
                         task_type="CAUSAL_LM")
     return get_peft_model(base_model, config)
-
-
-def lora_parameters(peft_model: Any) -> list[nn.Parameter]:
-    return [p for n, p in peft_model.named_parameters() if "lora_" in n and p.requires_grad]

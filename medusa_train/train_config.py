@@ -64,18 +64,25 @@ class DataSection:
     Attributes:
         prompts: JSONL of ``{"id", "source", "prompt"}`` rows the base model answers.
         rows: the distilled rows (JSONL); made from ``prompts`` when missing. Default:
-            ``<output_dir>/data/distilled.jsonl``.
+            ``<output_dir>/data/distilled.jsonl``, which a later run with ``prompts`` checks
+            against the recipe (the same model and generation settings, else an error) and
+            completes (prompts not answered yet, e.g. after a kill or a larger ``n``). A file
+            given here that exists is read as it is.
         tokenized: a JSONL of ready examples ``{"input_ids", "labels"}`` (labels -100 outside
             assistant tokens, not shifted); when set, distillation and tokenisation are skipped.
-        n: prompts to distil (balanced over sources).
-        per_source: quotas ``{source: count}`` instead of ``n``'s round robin.
+        n: prompts to distil (balanced over sources); ``null``: all of them. A recipe that sets
+            ``per_source`` and not ``n`` takes the quotas whole.
+        per_source: quotas ``{source: count}`` instead of ``n``'s round robin; ``n``, when set,
+            must be at least their sum.
         max_new_tokens: longest distilled answer.
         distill_batch_size: prompts per ``generate`` call.
         max_length: longest tokenised example (longer ones are cut).
         system_prompt: system message put before each prompt.
         heldout_fraction: share of the examples kept for evaluation.
         distill_options: further ``medusa_train.distill.DistillConfig`` settings, e.g.
-            ``{backend: openai, endpoint: http://127.0.0.1:8000}`` to distil through vLLM.
+            ``{backend: openai, endpoint: http://127.0.0.1:8000}`` to distil through vLLM (or
+            ``data.distill_options.backend=openai`` on the command line); not the ones this
+            recipe's other keys set (``medusa_train.distill.RECIPE_KEYS``).
     """
 
     prompts: str | None = None
@@ -291,7 +298,7 @@ def _is_section(tp: Any) -> bool:
     return dataclasses.is_dataclass(tp) and isinstance(tp, type)
 
 
-def _convert(value: Any, tp: Any, key: str) -> Any:
+def convert_value(value: Any, tp: Any, key: str) -> Any:
     """``value`` (from YAML or a command-line string) as type ``tp``; ``ValueError`` naming ``key``."""
     if tp is Any:
         return yaml.safe_load(value) if isinstance(value, str) else value
@@ -306,7 +313,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             if option is type(None):
                 continue
             try:
-                return _convert(value, option, key)
+                return convert_value(value, option, key)
             except ValueError as err:
                 errors.append(str(err))
         raise ValueError(errors[0] if errors else f"{key}: cannot be {value!r}")
@@ -319,14 +326,14 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             value = parsed
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"{key}: expected a list, got {value!r}")
-        return [_convert(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+        return [convert_value(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         key_type, value_type = typing.get_args(tp)
         if isinstance(value, str):
             value = yaml.safe_load(value)
         if not isinstance(value, dict):
             raise ValueError(f"{key}: expected a mapping like {{a: 1, b: 2}}, got {value!r}")
-        return {_convert(k, key_type, key): _convert(v, value_type, f"{key}.{k}") for k, v in value.items()}
+        return {convert_value(k, key_type, key): convert_value(v, value_type, f"{key}.{k}") for k, v in value.items()}
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -352,9 +359,12 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, bool):
             raise ValueError(f"{key}: expected a number, got {value!r}")
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise ValueError(f"{key}: expected a number, got {value!r}") from None
+        if not math.isfinite(number):
+            raise ValueError(f"{key}: expected a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, (dict, list)):
             raise ValueError(f"{key}: expected a string, got {value!r}")
@@ -390,7 +400,7 @@ def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
                 f"unknown key {dotted!r}; valid keys: {', '.join(valid_keys(cls, prefix))}"
             )
         tp = fields[key]
-        kwargs[key] = _build(tp, value or {}, f"{dotted}.") if _is_section(tp) else _convert(value, tp, dotted)
+        kwargs[key] = _build(tp, value or {}, f"{dotted}.") if _is_section(tp) else convert_value(value, tp, dotted)
     return cls(**kwargs)
 
 
@@ -404,6 +414,13 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: str) -> None:
         if part not in fields:
             raise ValueError(f"unknown key {dotted!r}; valid keys: {', '.join(valid_keys())}")
         cls = fields[part]
+        if typing.get_origin(cls) is dict and i == len(parts) - 2:  # one entry of a mapping field
+            if node.get(part) is None:
+                node[part] = {}
+            if not isinstance(node[part], dict):
+                raise ValueError(f"{'.'.join(parts[: i + 1])!r} in the recipe is not a mapping")
+            node[part][parts[-1]] = value
+            return
         if i == len(parts) - 1:
             if _is_section(cls):
                 raise ValueError(f"{dotted!r} is a section; set one of its keys, e.g. {dotted}.{next(iter(_fields(cls)))}=...")
@@ -432,6 +449,9 @@ def config_from_dict(values: dict[str, Any], overrides: list[str] | tuple[str, .
     tree = json.loads(json.dumps(values or {}))  # a deep copy holding plain containers
     for key, value in parse_overrides(overrides):
         _set_dotted(tree, key, value)
+    data = tree.get("data")
+    if isinstance(data, dict) and data.get("per_source") and "n" not in data:
+        data["n"] = None  # quotas without data.n: take them whole, not cut to n's default
     config = _build(TrainConfig, tree)
     validate(config)
     return config
@@ -514,6 +534,16 @@ def validate(config: TrainConfig) -> None:
             f"model.dtype={config.model.dtype} with trainable float32 heads and adapter needs "
             "training.mixed_precision=bf16 (or fp16)"
         )
+    if d.n is not None and d.n < 1:
+        raise ValueError(f"data.n must be >= 1 (prompts to distil) or null (all of them), got {d.n}")
+    if d.per_source is not None:
+        bad = {source: quota for source, quota in d.per_source.items() if quota < 1}
+        if bad:
+            raise ValueError(f"data.per_source quotas must be >= 1, got {bad}; leave a source out to skip it")
+        if d.n is not None and d.n < sum(d.per_source.values()):
+            raise ValueError(
+                f"data.n={d.n} would cut data.per_source's quotas ({sum(d.per_source.values())} prompts in all); "
+                "leave data.n out (or null) to take the quotas whole, or lower the quotas")
     if d.tokenized is None and d.rows is None and d.prompts is None:
         raise ValueError("set data.prompts (prompts to distil), data.rows (distilled rows) or data.tokenized")
 
@@ -668,8 +698,12 @@ def step_counts(config: TrainConfig, units: int, num_processes: int) -> tuple[in
     return micro_per_epoch, steps_per_epoch, total, math.floor(t.warmup_ratio * total)
 
 
-def plan(config: TrainConfig, num_processes: int = 1) -> Plan:
-    """Lay out the run from the config alone: no model, tokenizer or data is loaded."""
+def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | None = None) -> Plan:
+    """Lay out the run from the config alone: no model, tokenizer or data is loaded.
+
+    ``distill_pending``: prompts the run's rows do not answer yet (``train_heads.distill_pending``),
+    which a run with rows already there distils before training; None: none.
+    """
     validate(config)
     t, d = config.training, config.data
     paths = run_paths(config)
@@ -678,7 +712,7 @@ def plan(config: TrainConfig, num_processes: int = 1) -> Plan:
     if d.tokenized and Path(d.tokenized).is_file():
         examples, exact = _count_lines(Path(d.tokenized)), True
     elif rows_file.is_file():
-        examples = _count_lines(rows_file)
+        examples = _count_lines(rows_file) + (distill_pending or 0)
     elif d.n is not None:
         examples = d.n
     elif d.per_source:
@@ -703,8 +737,10 @@ def plan(config: TrainConfig, num_processes: int = 1) -> Plan:
     head_vocab = f"{h.reduced_vocab_size} most frequent target tokens" if h.reduced_vocab_size else "full"
     feats = features_root(config)
     stages = [
-        Stage("distill", str(rows_file), bool(d.tokenized) or rows_file.is_file(),
+        Stage("distill", str(rows_file), bool(d.tokenized) or (rows_file.is_file() and not distill_pending),
               "skipped: data.tokenized given" if d.tokenized else
+              f"{config.model.name} answers {distill_pending} more prompts (resuming), <= {d.max_new_tokens} new "
+              "tokens" if rows_file.is_file() and distill_pending else
               f"{config.model.name} answers {examples} prompts, <= {d.max_new_tokens} new tokens"),
         Stage("dataset", str(d.tokenized or paths.data), bool(d.tokenized) or any(paths.data.glob("tokenized-*")),
               f"tokenise, max_length {d.max_length}, hold out {d.heldout_fraction:.0%}"),

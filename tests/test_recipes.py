@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -186,3 +187,142 @@ def test_prompt_set_builder_keeps_included_rows_and_meets_quotas(prompt_set):
         prompt_set.build(large, [], {"nope": 1}, seed=0)
     with pytest.raises(ValueError, match="1 included rows are not in the source rows"):
         prompt_set.build(large[:10], [large[-1]], {}, seed=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Distillation settings a recipe gives, and rows a run finds already there
+
+
+def write_prompts(path: Path, n: int) -> Path:
+    sources = ("alpha", "beta")
+    path.write_text("".join(json.dumps({"id": f"p{i}", "source": sources[i % 2], "prompt": f"question {i}"}) + "\n"
+                            for i in range(n)))
+    return path
+
+
+def run_recipe(tmp_path: Path, **data) -> dict:
+    return {"output_dir": str(tmp_path / "run"), "training": {"batch_tokens": 16},
+            "data": {"prompts": str(write_prompts(tmp_path / "prompts.jsonl", 20)), "n": 10, "max_new_tokens": 32,
+                     **data}}
+
+
+def write_rows(config: TrainConfig, ids: list[str], **changes) -> Path:
+    from medusa_train.distill import recipe_config
+    from medusa_train.train_config import rows_path
+
+    made = recipe_config(config)
+    record = {**made.generation_record(), **changes.get("generation", {})}
+    path = rows_path(config)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    model = changes.get("model", made.model)
+    path.write_text("".join(json.dumps({"id": i, "prompt": "q", "response": "a", "model": model, "generation": record})
+                            + "\n" for i in ids))
+    return path
+
+
+def plan_output(capsys, tmp_path: Path, values: dict, *overrides: str) -> str:
+    import train_heads
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(values))
+    assert train_heads.main(["--config", str(recipe), "--plan", *overrides]) == 0
+    return capsys.readouterr().out
+
+
+def test_rows_of_another_model_or_settings_are_refused_before_anything_runs(tmp_path, capsys):
+    import train_heads
+    from medusa_train.distill import sample_prompts
+
+    values = run_recipe(tmp_path)
+    config = config_from_dict(values)
+    ids = [p["id"] for p in sample_prompts(config.data.prompts, 10)]
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(values))
+    for changes, named in (({"model": "gemma3-270m"}, "'gemma3-270m'"),
+                           ({"generation": {"max_new_tokens": 512}}, "'max_new_tokens': 512")):
+        write_rows(config, ids, **changes)
+        with pytest.raises(SystemExit) as exit_info:
+            train_heads.main(["--config", str(recipe), "--plan"])
+        assert exit_info.value.code == 2
+        message = capsys.readouterr().err
+        assert "already holds row" in message and named in message and "Use another output path" in message
+
+
+def test_plan_says_a_run_with_part_of_its_rows_resumes_distilling(tmp_path, capsys):
+    from medusa_train.distill import sample_prompts
+
+    values = run_recipe(tmp_path)
+    config = config_from_dict(values)
+    ids = [p["id"] for p in sample_prompts(config.data.prompts, 10)]
+    write_rows(config, ids[:4])
+    out = plan_output(capsys, tmp_path, values)
+    assert "[todo] distill" in out and "answers 6 more prompts (resuming)" in out and re.search(r"examples\s+10 ", out)
+    write_rows(config, ids)
+    out = plan_output(capsys, tmp_path, values)
+    assert "[done] distill" in out and re.search(r"examples\s+10 ", out)
+    # a larger sample resumes: the rows answer 10 of its 16 prompts
+    out = plan_output(capsys, tmp_path, values, "data.n=16")
+    assert "answers 6 more prompts (resuming)" in out and re.search(r"examples\s+16 ", out)
+
+
+def test_given_rows_file_is_read_as_it_is(tmp_path, capsys):
+    values = run_recipe(tmp_path)
+    rows = tmp_path / "elsewhere.jsonl"
+    rows.write_text("".join(json.dumps({"id": f"x{i}", "prompt": "q", "response": "a", "model": "other"}) + "\n"
+                            for i in range(7)))
+    out = plan_output(capsys, tmp_path, values, f"data.rows={rows}")
+    assert "[done] distill" in out and re.search(r"examples\s+7 ", out)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"backnd": "openai"}, r"unknown data.distill_options \['backnd'\]; known: \[.*'backend'"),
+    ({"max_new_tokens": 512},
+     r"may not set \['max_new_tokens'\]: the recipe sets max_new_tokens by data.max_new_tokens"),
+    ({"chat_template": "x"}, r"chat_template by model.chat_template"),
+    ({"backend": "openai"}, r"backend 'openai' needs endpoint"),
+    ({"concurrency": "many"}, r"data.distill_options.concurrency: expected an integer"),
+])
+def test_distill_options_are_checked_when_the_recipe_loads(tmp_path, capsys, options, message):
+    import train_heads
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(run_recipe(tmp_path, distill_options=options)))
+    with pytest.raises(SystemExit):
+        train_heads.main(["--config", str(recipe), "--plan"])
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_distill_options_take_dotted_overrides_converted_to_their_types(tmp_path):
+    from medusa_train.distill import recipe_config
+
+    config = config_from_dict(run_recipe(tmp_path), ["data.distill_options.backend=openai",
+                                                     "data.distill_options.endpoint=http://127.0.0.1:8000",
+                                                     "data.distill_options.concurrency=32"])
+    made = recipe_config(config)
+    assert (made.backend, made.endpoint, made.concurrency) == ("openai", "http://127.0.0.1:8000", 32)
+    assert made.max_new_tokens == 32 and made.n == 10 and made.save_hidden is False
+
+
+def test_per_source_quotas_without_n_are_taken_whole(tmp_path):
+    values = run_recipe(tmp_path)
+    del values["data"]["n"]
+    values["data"]["per_source"] = {"alpha": 6, "beta": 7}
+    config = config_from_dict(values)
+    assert config.data.n is None and plan(config).examples == 13
+    assert config_from_dict(values, ["data.n=13"]).data.n == 13
+    with pytest.raises(ValueError, match=r"data.n=12 would cut data.per_source's quotas \(13 prompts in all\)"):
+        config_from_dict(values, ["data.n=12"])
+    with pytest.raises(ValueError, match=r"quotas must be >= 1, got \{'beta': 0\}"):
+        config_from_dict(values, ["data.per_source={alpha: 6, beta: 0}"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("training.weight_decay=nan", "training.weight_decay: expected a finite number, got 'nan'"),
+    ("training.max_grad_norm=nan", "training.max_grad_norm: expected a finite number"),
+    ("training.epochs=inf", "training.epochs: expected a finite number, got 'inf'"),
+    ("data.n=0", "data.n must be >= 1 (prompts to distil) or null (all of them), got 0"),
+    ("data.n=-5", "data.n must be >= 1"),
+])
+def test_non_finite_numbers_and_empty_samples_are_refused(override, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_config(RECIPES / "smollm2-135m.yaml", [override])
