@@ -178,7 +178,7 @@ class Server:
 
 async def one_request(client: httpx.AsyncClient, prompt: str, args: argparse.Namespace) -> RequestResult:
     body = {"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": args.max_tokens,
-            "temperature": 0, "stream": True, "ignore_eos": args.ignore_eos}
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": args.ignore_eos}
     start = time.perf_counter()
     result = RequestResult(ok=False)
     text: list[str] = []

@@ -4,6 +4,7 @@ server on loopback: a tiny random llama with a word-level tokenizer (no download
 from __future__ import annotations
 
 import itertools
+import json
 
 import httpx
 import openai
@@ -102,16 +103,54 @@ def test_chat_streamed_equals_whole(client):
     assert whole.choices[0].message.role == "assistant"
     assert streamed == whole.choices[0].message.content and len(streamed.split()) == 10
     assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
-    assert chunks[-1].usage.completion_tokens == 10
+    # without stream_options.include_usage no chunk carries usage, not even the last one (OpenAI's spec)
+    assert all(c.usage is None and "usage" not in c.model_fields_set for c in chunks)
 
 
-def test_streamed_completion_with_include_usage(client):
+def test_streamed_completion_with_include_usage(client, model):
     chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, stream=True,
                                             stream_options={"include_usage": True}, extra_body=NO_EOS))
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    prompt_tokens = len(model.tokenizer(PROMPT)["input_ids"])
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == []
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (prompt_tokens, 6, prompt_tokens + 6)
     assert chunks[-2].choices[0].finish_reason == "length"
-    speculative = chunks[-2].usage.model_extra["speculative"]
+    # every other chunk has "usage": null, so a client summing usage over the chunks counts it once
+    assert all(c.usage is None and "usage" in c.model_fields_set for c in chunks[:-1])
+    speculative = usage.model_extra["speculative"]
     assert speculative["method"] == "medusa" and speculative["tau"] >= 1.0
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": PROMPT}),
+    ("/v1/chat/completions", {"messages": MESSAGES}),
+], ids=["completions", "chat"])
+@pytest.mark.parametrize("include_usage", [None, False, True])
+def test_stream_usage_follows_openai(server, model, path, body, include_usage):
+    """On the wire: usage comes once, in one extra chunk with no choices, and only when asked for."""
+    request = {"model": "tiny", "max_tokens": 7, "temperature": 0, "stream": True, "ignore_eos": True, **body}
+    if include_usage is not None:
+        request["stream_options"] = {"include_usage": include_usage}
+    with httpx.stream("POST", server[0].base_url + path, json=request, timeout=60) as answer:
+        assert answer.status_code == 200
+        lines = [line[len("data: "):] for line in answer.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    events = [json.loads(line) for line in lines[:-1]]
+    finish = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"] is not None]
+    assert len(finish) == 1 and finish[0]["choices"][0]["finish_reason"] == "length"
+    if not include_usage:
+        assert all("usage" not in e for e in events)
+        return
+    assert all(e["usage"] is None for e in events[:-1])
+    last = events[-1]
+    assert last["choices"] == [] and last["id"] == events[0]["id"]
+    whole = {k: v for k, v in request.items() if k not in ("stream", "stream_options")}
+    prompt_tokens = httpx.post(server[0].base_url + path, json=whole, timeout=60).json()["usage"]["prompt_tokens"]
+    if path == "/v1/completions":
+        assert prompt_tokens == len(model.tokenizer(PROMPT)["input_ids"])
+    assert last["usage"]["completion_tokens"] == 7 and last["usage"]["prompt_tokens"] == prompt_tokens
+    assert last["usage"]["total_tokens"] == prompt_tokens + 7
+    assert last["usage"]["speculative"]["method"] == "medusa"
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -245,6 +284,32 @@ def test_cli_refuses_lookup_tokens_it_cannot_use(argv, message, capsys):
     with pytest.raises(SystemExit):
         cli.parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--method", "lookup", "--draft-tokens", "0"], "--draft-tokens must be at least 1, got 0"),
+    (["--method", "layerskip", "--layerskip-layers", "-2"], "--layerskip-layers must be at least 1, got -2"),
+    (["--method", "lookup", "--draft-model", "small"], "--draft-model is used by --method draft only, not --method "
+                                                       "lookup"),
+    (["--draft-model", "small"], "--draft-model is used by --method draft only, not --method autoregressive"),
+    (["--method", "lookup", "--tree", "chain"], "--tree shapes the Medusa heads' candidates (--method medusa), not "
+                                                "--method lookup; drop --tree"),
+])
+def test_cli_refuses_flags_the_method_cannot_use_before_loading(argv, message, capsys, monkeypatch):
+    def no_loading(args):
+        raise AssertionError("a model was loaded before the flags were checked")
+
+    monkeypatch.setattr(cli, "load_model", no_loading)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_takes_the_flags_its_method_uses():
+    args = cli.parse_args(["--method", "draft", "--draft-model", "small", "--draft-tokens", "3"])
+    assert (args.method, args.draft_model, args.draft_tokens) == ("draft", "small", 3)
+    assert cli.parse_args(["--heads", "h", "--tree", "chain"]).tree == "chain"
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from medusa_infer.model import MedusaModel
-from medusa_infer.serving import protocol
+from medusa_infer.serving import parameters, protocol
 from medusa_infer.serving.testing import serve, torch_threads, word_tokenizer
 from tiny import tiny_model
 
@@ -84,6 +84,24 @@ CASES = [
     ("tools asked for", "/v1/chat/completions", chat(tools=[{"type": "function"}]), 400, "tools"),
     ("chat n above 1", "/v1/chat/completions", chat(n=3), 400, "n"),
     ("chat top_p negative", "/v1/chat/completions", chat(top_p=-1), 400, "top_p"),
+    ("misspelled max_tokens", "/v1/completions", completion(max_tokenz=4), 400, "max_tokenz"),
+    ("chat misspelled temperature", "/v1/chat/completions", chat(temprature=0), 400, "temprature"),
+    ("repetition_penalty (not OpenAI's)", "/v1/completions", completion(repetition_penalty=1.5), 400,
+     "repetition_penalty"),
+    ("min_p (not OpenAI's)", "/v1/completions", completion(min_p=0.5), 400, "min_p"),
+    ("chat-only parameter on completions", "/v1/completions", completion(max_completion_tokens=4), 400,
+     "max_completion_tokens"),
+    ("completions-only parameter on chat", "/v1/chat/completions", chat(echo=False), 400, "echo"),
+    ("presence penalty", "/v1/completions", completion(presence_penalty=0.5), 400, "presence_penalty"),
+    ("chat frequency penalty", "/v1/chat/completions", chat(frequency_penalty=-1), 400, "frequency_penalty"),
+    ("best_of true is not 1", "/v1/completions", completion(best_of=True), 400, "best_of"),
+    ("chat store true", "/v1/chat/completions", chat(store=True), 400, "store"),
+    ("chat audio modality", "/v1/chat/completions", chat(modalities=["text", "audio"]), 400, "modalities"),
+    ("chat logprobs", "/v1/chat/completions", chat(logprobs=True), 400, "logprobs"),
+    ("user not a string", "/v1/chat/completions", chat(user=5), 400, "user"),
+    ("metadata not an object", "/v1/chat/completions", chat(metadata=["a"]), 400, "metadata"),
+    ("misspelled stream option", "/v1/completions", completion(stream=True, stream_options={"include_usgae": True}),
+     400, "stream_options.include_usgae"),
 ]
 
 
@@ -116,6 +134,70 @@ def test_malformed_request_is_a_4xx_with_an_openai_error(server, name, path, bod
     error = assert_error_body(answer)
     assert error["param"] == param
     assert error["type"] == "invalid_request_error"
+
+
+def test_unknown_parameter_is_named_with_what_the_server_takes(server):
+    client, _ = server
+    answer = client.post("/v1/completions", json=completion(max_tokenz=4))
+    assert answer.status_code == 400
+    error = assert_error_body(answer)
+    assert (error["param"], error["code"]) == ("max_tokenz", "unsupported_parameter")
+    assert error["message"].startswith("max_tokenz is not a parameter of /v1/completions (did you mean max_tokens?)")
+    assert "this server takes model, prompt, max_tokens, temperature" in error["message"]
+    error = client.post("/v1/chat/completions", json=chat(repetition_penalty=1.1, min_p=0.1)).json()["error"]
+    assert error["param"] == "repetition_penalty" and "(nor are min_p)" in error["message"]
+    assert "/v1/chat/completions" in error["message"] and "max_completion_tokens" in error["message"]
+
+
+def test_unimplemented_parameter_says_which_value_is_accepted(server):
+    client, _ = server
+    error = client.post("/v1/completions", json=completion(presence_penalty=1.5)).json()["error"]
+    assert error == {"message": "presence_penalty=1.5 is not supported by this server; leave it out or send 0",
+                     "type": "invalid_request_error", "param": "presence_penalty", "code": "unsupported_parameter"}
+
+
+# Every parameter OpenAI defines for the endpoint, at its default (or a harmless label for the ignored ones).
+COMPLETION_DEFAULTS = {
+    "model": "tiny", "prompt": "the cat", "best_of": 1, "echo": False, "frequency_penalty": 0, "logit_bias": {},
+    "logprobs": None, "max_tokens": 4, "n": 1, "presence_penalty": 0.0, "seed": 3, "stop": None, "stream": False,
+    "stream_options": None, "suffix": None, "temperature": 1, "top_p": 1, "user": "user-1234",
+}
+CHAT_DEFAULTS = {
+    "model": "tiny", "messages": [{"role": "user", "content": "hello"}], "audio": None, "frequency_penalty": 0,
+    "function_call": None, "functions": None, "logit_bias": None, "logprobs": False, "max_completion_tokens": 4,
+    "max_tokens": None, "metadata": {"team": "a"}, "modalities": ["text"], "moderation": None, "n": 1,
+    "parallel_tool_calls": True, "prediction": None, "presence_penalty": 0, "prompt_cache_key": "k",
+    "prompt_cache_options": {}, "prompt_cache_retention": "in_memory", "reasoning_effort": None,
+    "response_format": {"type": "text"}, "safety_identifier": "s", "seed": None, "service_tier": "auto",
+    "stop": None, "store": False, "stream": False, "stream_options": None, "temperature": 1.0, "tool_choice": "none",
+    "tools": [], "top_logprobs": 0, "top_p": 1.0, "user": "user-1234", "verbosity": "medium",
+    "web_search_options": None,
+}
+
+
+@pytest.mark.parametrize("path, body, openai_parameters", [
+    ("/v1/completions", COMPLETION_DEFAULTS, parameters.OPENAI_COMPLETION_PARAMETERS),
+    ("/v1/chat/completions", CHAT_DEFAULTS, parameters.OPENAI_CHAT_PARAMETERS),
+], ids=["completions", "chat"])
+def test_every_openai_parameter_at_its_default_is_accepted(server, path, body, openai_parameters):
+    client, _ = server
+    assert set(body) == openai_parameters
+    answer = client.post(path, json=body)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] >= 1
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": False, "include_obfuscation": True}}
+    with client.stream("POST", path, json=streamed) as answer:
+        assert answer.status_code == 200 and "data: [DONE]" in answer.read().decode()
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_every_openai_parameter_is_implemented_neutral_or_ignored(kind):
+    openai_parameters = parameters.ACCEPTED[kind] - set(parameters.EXTENSIONS)
+    implemented = set(parameters.IMPLEMENTED[kind])
+    assert implemented <= openai_parameters
+    assert not implemented & (set(parameters.NEUTRAL) | set(parameters.IGNORED))
+    assert not set(parameters.NEUTRAL) & set(parameters.IGNORED)
+    assert openai_parameters <= implemented | set(parameters.NEUTRAL) | set(parameters.IGNORED)
 
 
 def test_clear_messages_for_context_limits(server):

@@ -215,9 +215,16 @@ class _Answer:
         return JSONResponse(body)
 
     async def events(self) -> AsyncIterator[str]:
-        kind, name = self.params.kind, self.model.name
+        """The answer as server-sent events. As in OpenAI's API, no chunk carries usage unless the request
+        set ``stream_options.include_usage``; then every chunk has ``"usage": null`` and one extra chunk
+        with no choices, before ``[DONE]``, has the usage (and ``usage.speculative``)."""
+        kind, name, with_usage = self.params.kind, self.model.name, self.params.include_usage
+
+        def chunk(text: str | None, finish: str | None = None, first: bool = False) -> str:
+            return _sse(protocol.chunk_body(kind, self.id, name, self.created, text, finish, first, with_usage))
+
         if kind == "chat":
-            yield _sse(protocol.chunk_body(kind, self.id, name, self.created, "", first=True))
+            yield chunk("", first=True)
         while True:
             try:
                 update = await self._next()
@@ -226,18 +233,15 @@ class _Answer:
                 break
             delta = self.text.add(update.token_ids, final=update.finish is not None)
             if delta:
-                yield _sse(protocol.chunk_body(kind, self.id, name, self.created, delta))
+                yield chunk(delta)
             self._stop_early()
             if update.finish in ABORT_REASONS:
                 yield _sse(_abort_error(update).body())
                 break
             if update.finish is not None:
-                usage = self._usage()
-                finish = protocol.FINISH_REASONS[update.finish]
-                yield _sse(protocol.chunk_body(kind, self.id, name, self.created, None, finish, usage))
-                if self.params.include_usage:
-                    yield _sse(protocol.chunk_body(kind, self.id, name, self.created, None, usage_=usage,
-                                                   choices=False))
+                yield chunk(None, protocol.FINISH_REASONS[update.finish])
+                if with_usage:
+                    yield _sse(protocol.usage_chunk(kind, self.id, name, self.created, self._usage()))
                 break
         yield "data: [DONE]\n\n"
 

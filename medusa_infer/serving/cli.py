@@ -47,7 +47,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="seconds a request may take, queued and decoding (0: no limit)")
     parser.add_argument("--acceptance", choices=("lossless", "typical"), default="lossless",
                         help="acceptance rule of sampled requests (greedy requests are exact anyway)")
-    parser.add_argument("--tree", help="tree preset for --method medusa (default: the heads' own tree)")
+    parser.add_argument("--tree", help="tree preset for --method medusa only (default: the heads' own tree)")
     parser.add_argument("--lookup-tokens", type=int, default=0,
                         help="--method medusa: also graft a prompt-lookup chain of up to N tokens onto the tree "
                              "(with heads that carry a cost profile, the length that pays, up to 16)")
@@ -57,7 +57,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--speculation-gate", choices=("measured", "off"), default="measured",
                         help="measured (default): speculate only at batch sizes where the measured step "
                              "times and acceptance say it is faster; off: speculate on every step")
-    parser.add_argument("--draft-model", help="draft model for --method draft")
+    parser.add_argument("--draft-model", help="draft model for --method draft (only)")
     parser.add_argument("--draft-tokens", type=int, default=None,
                         help="draft / lookup tokens a step (lookup with a cost profile: the length that pays, "
                              "up to 16)")
@@ -75,6 +75,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--method medusa needs --heads (or use --method lookup, which needs no weights)")
     if args.method == "draft" and not args.draft_model:
         parser.error("--method draft needs --draft-model")
+    _check_method_flags(parser, args)
     if args.lookup_tokens < 0:
         parser.error(f"--lookup-tokens must be >= 0 (0 turns the grafted lookup off), got {args.lookup_tokens}")
     if args.lookup_tokens and args.method != "medusa":
@@ -93,6 +94,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.api_key is not None and not args.api_key.strip():
         parser.error("--api-key is empty")
     return args
+
+
+def _check_method_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, before any model loads, the proposer flags the chosen method would not use and counts below 1.
+
+    The same rules as ``medusa-generate``'s (``medusa_infer/cli.py``), which keeps them inline in its
+    ``parse_args``: there is no function there to share.
+    """
+    if args.draft_model and args.method != "draft":
+        parser.error(f"--draft-model is used by --method draft only, not --method {args.method}; drop "
+                     "--draft-model (it would load a second model for nothing) or use --method draft")
+    if args.tree and args.method != "medusa":
+        parser.error(f"--tree shapes the Medusa heads' candidates (--method medusa), not --method {args.method}; "
+                     "drop --tree")
+    for flag, value in (("--draft-tokens", args.draft_tokens), ("--layerskip-layers", args.layerskip_layers)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}; leave it out for the default")
 
 
 def load_model(args: argparse.Namespace):

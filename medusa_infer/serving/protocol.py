@@ -3,17 +3,21 @@
 Every request is checked here before it reaches the engine; anything wrong becomes an
 ``APIError`` whose body has OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 Parsing is strict where OpenAI's is (types, ranges, ``n``), and refuses the features this server
-does not have (log-probabilities, tools, penalties) instead of silently ignoring them.
+does not have (log-probabilities, tools, penalties) instead of silently ignoring them, as it refuses
+parameters it does not know (``parameters`` lists what each endpoint takes).
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
+
+from medusa_infer.serving import parameters
 
 MAX_BODY_BYTES = 8 << 20
 MAX_STOP_STRINGS = 4
@@ -24,25 +28,6 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 ACCEPTANCE_CHOICES = ("lossless", "typical")
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
-
-# Parameters the server does not implement, and the values that mean "not used".
-UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
-    "echo": (None, False),
-    "best_of": (None, 1),
-    "suffix": (None, ""),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "functions": (None, []),
-    "function_call": (None, "none"),
-    "audio": (None,),
-    "prediction": (None,),
-}
-
 
 class APIError(Exception):
     """An error answered to the client as ``status`` with an OpenAI-style body."""
@@ -121,14 +106,14 @@ def _refuse_constant(name: str) -> None:
 
 def parse_completion(body: dict[str, Any], model: ModelInfo) -> GenerationParams:
     """Validate a ``/v1/completions`` body and tokenise its prompt."""
-    _check_common(body, model)
+    _check_common(body, model, "completion")
     prompt_ids = _prompt_ids(body, model)
     return _params("completion", body, model, prompt_ids, "max_tokens", DEFAULT_COMPLETION_TOKENS)
 
 
 def parse_chat(body: dict[str, Any], model: ModelInfo) -> GenerationParams:
     """Validate a ``/v1/chat/completions`` body and render its messages with the chat template."""
-    _check_common(body, model)
+    _check_common(body, model, "chat")
     messages = _messages(body)
     _response_format(body)
     tokenizer = model.tokenizer
@@ -143,7 +128,7 @@ def parse_chat(body: dict[str, Any], model: ModelInfo) -> GenerationParams:
     return _params("chat", body, model, prompt_ids, name, None)
 
 
-def _check_common(body: dict[str, Any], model: ModelInfo) -> None:
+def _check_common(body: dict[str, Any], model: ModelInfo, kind: str) -> None:
     name = body.get("model")
     if name is None:
         raise invalid("you must provide a model parameter", "model")
@@ -156,9 +141,31 @@ def _check_common(body: dict[str, Any], model: ModelInfo) -> None:
     if n != 1:
         raise invalid(f"n must be 1 (this server returns one choice per request), got {n}; "
                       "send separate requests for more", "n")
-    for param, unused in UNSUPPORTED.items():
-        if body.get(param) not in unused:
-            raise invalid(f"{param} is not supported by this server; leave it out", param, "unsupported_parameter")
+    _check_parameters(body, kind)
+
+
+def _check_parameters(body: dict[str, Any], kind: str) -> None:
+    """Refuse keys the endpoint does not take, and OpenAI features the server lacks unless left unused."""
+    unknown = [key for key in body if key not in parameters.ACCEPTED[kind]]
+    if unknown:
+        key = unknown[0]
+        close = difflib.get_close_matches(key, sorted(parameters.ACCEPTED[kind]), n=1, cutoff=0.75)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        more = f" (nor are {', '.join(_clip(k, 40) for k in unknown[1:4])})" if unknown[1:] else ""
+        taken = ", ".join(parameters.IMPLEMENTED[kind] + parameters.EXTENSIONS)
+        raise invalid(f"{_clip(key)} is not a parameter of {parameters.ENDPOINTS[kind]}{hint}{more}; this server "
+                      f"takes {taken}, and OpenAI's other parameters only at their defaults", _clip(key),
+                      "unsupported_parameter")
+    for param, neutral in parameters.NEUTRAL.items():
+        if param in body and not parameters.is_neutral(body[param], neutral):
+            allowed = " or ".join(json.dumps(v) for v in neutral if v is not None)
+            raise invalid(f"{param}={_clip(json.dumps(body[param]))} is not supported by this server; leave it out"
+                          + (f" or send {allowed}" if allowed else ""), param, "unsupported_parameter")
+    for param, type_ in parameters.IGNORED.items():
+        if body.get(param) is not None and not isinstance(body[param], type_):
+            expected = _type(type_())
+            raise invalid(f"{param} must be {'an' if expected[0] in 'aeiou' else 'a'} {expected}, got "
+                          f"{_type(body[param])}", param)
 
 
 def _params(kind: str, body: dict[str, Any], model: ModelInfo, prompt_ids: list[int],
@@ -295,6 +302,12 @@ def _stream_options(body: dict[str, Any], stream: bool) -> bool:
         raise invalid("stream_options is only allowed with stream: true", "stream_options")
     if not isinstance(options, dict):
         raise invalid(f"stream_options must be an object, got {_type(options)}", "stream_options")
+    unknown = next((key for key in options if key not in parameters.OPENAI_STREAM_OPTIONS), None)
+    if unknown is not None:
+        raise invalid(f"stream_options.{_clip(unknown)} is not a stream option; this server takes include_usage "
+                      "(and ignores include_obfuscation)", f"stream_options.{_clip(unknown)}",
+                      "unsupported_parameter")
+    _boolean(options, "include_obfuscation", True, "stream_options.include_obfuscation")
     return _boolean(options, "include_usage", False, "stream_options.include_usage")
 
 
@@ -409,23 +422,31 @@ def response_body(kind: str, request_id: str, model: str, created: int, text: st
 
 
 def chunk_body(kind: str, request_id: str, model: str, created: int, text: str | None,
-               finish_reason: str | None = None, usage_: dict[str, Any] | None = None,
-               first: bool = False, choices: bool = True) -> dict[str, Any]:
-    """One streamed chunk; ``choices=False`` gives the usage-only chunk of ``include_usage``."""
-    body: dict[str, Any] = {"id": request_id, "created": created, "model": model,
-                            "object": "chat.completion.chunk" if kind == "chat" else "text_completion"}
-    if not choices:
-        body["choices"] = []
-    elif kind == "chat":
+               finish_reason: str | None = None, first: bool = False, include_usage: bool = False) -> dict[str, Any]:
+    """One streamed chunk of the answer. It carries no usage: with ``include_usage`` its ``usage`` is
+    null, as OpenAI's are, and ``usage_chunk`` follows the last one."""
+    body = _chunk_head(kind, request_id, model, created)
+    if kind == "chat":
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text is not None:
             delta["content"] = text
         body["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
     else:
         body["choices"] = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]
-    if usage_ is not None:
-        body["usage"] = usage_
+    if include_usage:
+        body["usage"] = None
     return body
+
+
+def usage_chunk(kind: str, request_id: str, model: str, created: int, usage_: dict[str, Any]) -> dict[str, Any]:
+    """The extra last chunk of a stream that asked for ``stream_options.include_usage``: no choices,
+    the whole request's usage (with ``usage.speculative``)."""
+    return {**_chunk_head(kind, request_id, model, created), "choices": [], "usage": usage_}
+
+
+def _chunk_head(kind: str, request_id: str, model: str, created: int) -> dict[str, Any]:
+    return {"id": request_id, "created": created, "model": model,
+            "object": "chat.completion.chunk" if kind == "chat" else "text_completion"}
 
 
 def now() -> int:
