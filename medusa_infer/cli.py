@@ -44,7 +44,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="shortest n-gram --method lookup accepts as a match (longer: fewer, surer drafts)")
     parser.add_argument("--layerskip-layers", type=int, default=None,
                         help="target layers used as the draft by --method layerskip (default: a third)")
-    parser.add_argument("--tree", help="tree preset for --method medusa (default: the heads' own tree)")
+    parser.add_argument("--tree", help="tree preset for --method medusa only (default: the heads' own tree)")
     parser.add_argument("--lookup-tokens", type=int, default=0,
                         help="--method medusa: also graft a prompt-lookup chain of up to N tokens onto the tree "
                              "(0: heads only; with a cost profile, the length that pays, up to 16)")
@@ -53,18 +53,31 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "model's own answers (datastore.safetensors, used when the heads folder has one)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=None, help="with --do-sample (default 1.0)")
+    parser.add_argument("--top-p", type=float, default=None, help="with --do-sample (default 1.0: off)")
+    parser.add_argument("--top-k", type=int, default=None, help="with --do-sample (default 0: off)")
     parser.add_argument("--acceptance", choices=("greedy", "typical", "lossless"), default=None,
-                        help="acceptance rule (default: greedy, or lossless with --do-sample)")
-    parser.add_argument("--seed", type=int, default=None)
+                        help="acceptance rule (default: greedy, or lossless with --do-sample; typical and "
+                             "lossless need --do-sample)")
+    parser.add_argument("--seed", type=int, default=None, help="with --do-sample: seed of the sampling")
     parser.add_argument("--system", help="system prompt for the chat template")
     parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     parser.add_argument("--chat", action="store_true", help="interactive chat (empty line or Ctrl-D ends it)")
     args = parser.parse_args(argv)
     if args.prompt is None and not args.chat:
         parser.error("give a prompt, or --chat for an interactive chat")
+    if args.prompt is not None and args.chat:
+        parser.error(f"--chat reads its prompts interactively; drop the prompt {args.prompt!r} or drop --chat")
+    sampling_only = [flag for flag, value in (("--temperature", args.temperature), ("--top-p", args.top_p),
+                                              ("--top-k", args.top_k), ("--seed", args.seed)) if value is not None]
+    if sampling_only and not args.do_sample:
+        parser.error(f"{', '.join(sampling_only)} set the sampling, but without --do-sample decoding is greedy: "
+                     "add --do-sample (or drop them)")
+    if args.acceptance in ("typical", "lossless") and not args.do_sample:
+        parser.error(f"--acceptance {args.acceptance} samples: add --do-sample (or use --acceptance greedy)")
+    args.temperature = 1.0 if args.temperature is None else args.temperature
+    args.top_p = 1.0 if args.top_p is None else args.top_p
+    args.top_k = 0 if args.top_k is None else args.top_k
     if args.method is None:
         args.method = "medusa" if args.heads else "autoregressive"
     if args.method == "medusa" and not args.heads:
@@ -73,6 +86,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--method draft needs --draft-model")
     if args.draft_model and args.method != "draft":
         parser.error(f"--draft-model is used by --method draft only, not --method {args.method}")
+    if args.tree and args.method != "medusa":
+        parser.error(f"--tree shapes the Medusa heads' candidates (--method medusa), not --method {args.method}; "
+                     "drop --tree")
     for flag, value in (("--draft-tokens", args.draft_tokens), ("--lookup-max-ngram", args.lookup_max_ngram),
                         ("--layerskip-layers", args.layerskip_layers), ("--max-new-tokens", args.max_new_tokens)):
         if value is not None and value < 1:
@@ -110,8 +126,7 @@ def run_turn(model, args: argparse.Namespace, messages: list[dict] | None, promp
         top_p=args.top_p,
         top_k=args.top_k,
         acceptance=args.acceptance,
-        tree=args.tree if args.method == "medusa" else None,
-        proposer=proposer,
+        proposer=proposer,  # with --method medusa, built with --tree
         seed=args.seed,
     )
     for chunk in chunks:

@@ -487,6 +487,13 @@ def stream(
         paths = resolve_tree(model, tree)
         proposer = MedusaProposer(model, paths, controller=make_controller(model, paths, adaptive, step_costs),
                                   lookup_tokens=lookup_tokens, datastore=getattr(model, "datastore", None))
+    elif tree is not None:
+        raise ValueError(f"tree={tree!r} shapes the Medusa proposer that stream() builds; it does not apply to a "
+                         "proposer passed in (give the tree to the proposer, e.g. proposers.build_proposer's tree "
+                         "option, or drop proposer=)")
+    elif adaptive is not None:
+        raise ValueError(f"adaptive={adaptive!r} sets the fallback of the Medusa proposer that stream() builds; for a "
+                         "proposer passed in, give it to its controller (proposers.build_proposer's adaptive option)")
     elif step_costs is not None:
         raise ValueError("step_costs= is learned by the Medusa proposer that stream() builds; for a proposer passed "
                          "in, give it to its controller (proposers.build_proposer's step_costs option)")
@@ -542,7 +549,9 @@ def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> Generati
             alone; pass the same object to many calls so that it keeps learning. The trees then
             depend on timings: greedy output does not change, but a seeded sample is no longer
             reproducible from its seed alone. Default: none.
-        proposer: another proposer (draft model, prompt lookup, plain decoding).
+        proposer: another proposer (draft model, prompt lookup, plain decoding). ``tree``,
+            ``adaptive``, ``step_costs`` and ``lookup_tokens`` shape the Medusa proposer built when
+            none is passed; with one passed in, giving any of them is a ``ValueError``.
         eos_token_id: one id or several; default: all of the model's EOS ids.
         stop_strings: stop a row once its text contains one of these.
         seed: seed for sampling.

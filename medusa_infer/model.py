@@ -195,7 +195,7 @@ class MedusaModel(nn.Module):
         """
         from medusa_infer import interop
 
-        directory = _local_folder(heads_path_or_repo_id, revision)
+        directory = heads_folder(heads_path_or_repo_id, revision)
         if interop.is_medusa_layout(directory):
             if base_model is None:
                 base_model = json.loads((directory / "config.json").read_text()).get("base_model_name_or_path")
@@ -416,7 +416,11 @@ def merge_adapter(base_model: PreTrainedModel, folder: str | os.PathLike) -> Pre
     return PeftModel.from_pretrained(base_model, str(folder), is_trainable=False).merge_and_unload()
 
 
-def _local_folder(path_or_repo_id: str | os.PathLike, revision: str | None) -> Path:
+def heads_folder(path_or_repo_id: str | os.PathLike, revision: str | None = None) -> Path:
+    """A heads folder on disk: the path itself, or a Hub repo's snapshot (downloaded when not cached).
+
+    ``ValueError`` when the path is a file.
+    """
     path = Path(path_or_repo_id)
     if path.is_dir():
         return path

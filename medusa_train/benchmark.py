@@ -57,6 +57,11 @@ ALL_METHODS = HF_METHODS + OUR_METHODS
 SAMPLING_METHODS = ("medusa-typical", "medusa-lossless")
 DEFAULT_METHODS = ("hf", "hf-lookup", "ar", "medusa", "lookup")
 UNBATCHED_METHODS = ("hf-lookup", "hf-assisted")  # Hugging Face's assisted generation: batch size 1 only
+DRAFT_METHODS = ("hf-assisted", "draft")  # need --draft-model
+LOOKUP_METHODS = ("hf-lookup", "lookup", "medusa-lookup")  # drafts of up to --lookup-tokens tokens
+HF_LOOKUP_TOKENS = 10
+"""hf-lookup's ``prompt_lookup_num_tokens`` without ``--lookup-tokens``; lookup and medusa-lookup
+then propose ``proposers.DEFAULT_DRAFT_TOKENS`` (4) without a cost profile."""
 
 
 @dataclass
@@ -224,9 +229,9 @@ class Runner:
         self.gates: dict[str, Any] = {}  # method -> SpeculationGate of its greedy batches
         self.step_costs: dict[str, StepCosts] = {}  # medusa method -> cost ratios its steps measured
         self.assistant = None
-        if "hf-assisted" in args.methods or "draft" in args.methods:
+        if any(m in DRAFT_METHODS for m in args.methods):
             if not args.draft_model:
-                raise ValueError("methods hf-assisted and draft need --draft-model")
+                raise ValueError(f"methods {' and '.join(DRAFT_METHODS)} need --draft-model")
             from medusa_infer.models import load_base_model
 
             self.assistant = load_base_model(args.draft_model, dtype=model.dtype, device=model.device,
@@ -261,7 +266,7 @@ class Runner:
         """Per row: new tokens and target forwards after the prefill; the call's TTFT and seconds."""
         extra: dict[str, Any] = {}
         if method == "hf-lookup":
-            extra["prompt_lookup_num_tokens"] = self.args.lookup_tokens
+            extra["prompt_lookup_num_tokens"] = _or(self.args.lookup_tokens, HF_LOOKUP_TOKENS)
         elif method == "hf-assisted":
             extra["assistant_model"] = self.assistant
         base = self.model.base_model
@@ -298,7 +303,8 @@ class Runner:
         from medusa_infer.speculation_gate import SpeculationGate
 
         options = argparse.Namespace(
-            tree=self.args.tree, draft_model=self.assistant, draft_tokens=None, layerskip_layers=None,
+            tree=self.args.tree, draft_model=self.assistant, layerskip_layers=None,
+            draft_tokens=self.args.lookup_tokens if method == "lookup" else None,  # None: DEFAULT_DRAFT_TOKENS
             lookup_max_tokens=self.args.lookup_max_tokens, datastore=self.args.datastore,
         )
         sampling: dict[str, Any] = {}
@@ -311,7 +317,7 @@ class Runner:
             # seeded sample's would then depend on the clock)
             options.step_costs = self.step_costs.setdefault(method, StepCosts())
         if method == "medusa-lookup":  # the heads' tree plus a grafted prompt-lookup chain
-            options.lookup_tokens = DEFAULT_DRAFT_TOKENS
+            options.lookup_tokens = _or(self.args.lookup_tokens, DEFAULT_DRAFT_TOKENS)
             proposer = build_proposer("medusa", self.model, options)  # adaptive when calibrated, as in stream()
         elif method.startswith("medusa"):
             proposer = None  # stream() builds the Medusa proposer, adaptive when calibrated
@@ -346,6 +352,11 @@ def _sync(device: torch.device) -> None:
     """Wait for the accelerator's queued work, so wall-clock timings cover it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _or(value: int | None, default: int) -> int:
+    """``value``, or ``default`` where it is None (a flag not given)."""
+    return default if value is None else value
 
 
 def _eos(model) -> set[int]:
@@ -424,7 +435,7 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
             "turns": sum(len(q["turns"]) for q in questions), "max_new_tokens": args.max_new_tokens,
             "batch_size": args.batch_size, "speculation_gate": args.speculation_gate,
             "step_costs": args.step_costs,
-            "lookup_max_tokens": args.lookup_max_tokens,
+            "lookup_tokens": args.lookup_tokens, "lookup_max_tokens": args.lookup_max_tokens,
             "datastore_tokens": len(model.datastore) if args.datastore and model.datastore is not None else 0,
             "time_budget_s": args.time_budget, "questions_answered": len(questions),
             "device": str(model.device), "dtype": str(model.dtype).replace("torch.", ""), "cpu": cpu_name(),
@@ -589,7 +600,7 @@ def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[st
     from medusa_infer.tree_fit import fit_tree, measure_verify_cost
 
     if model.heads is None:
-        raise ValueError("--calibrate needs --heads")
+        raise ValueError("calibrate() needs a model with heads (medusa-bench --calibrate --heads FOLDER)")
     sequences = []
     for question in questions:
         text = encode_chat(model.tokenizer, [{"role": "user", "content": question["turns"][0]}])[0]
@@ -692,7 +703,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help=f"comma-separated, from: {', '.join(ALL_METHODS)}")
     parser.add_argument("--draft-model", help="draft model for hf-assisted and draft")
     parser.add_argument("--tree", help="tree preset or JSON list of paths (default: the heads' own)")
-    parser.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for hf-lookup")
+    parser.add_argument("--lookup-tokens", type=int, default=None,
+                        help="tokens a prompt-lookup draft proposes, for hf-lookup (prompt_lookup_num_tokens), "
+                             "lookup and medusa-lookup (the grafted chain) alike; default: 10 for hf-lookup, 4 for "
+                             "the other two. With a cost profile, lookup and medusa-lookup choose each draft's "
+                             "length up to --lookup-max-tokens instead")
     parser.add_argument("--lookup-max-tokens", type=int, default=LOOKUP_MAX_TOKENS,
                         help="lookup and medusa-lookup: the longest draft the heads' cost profile may choose")
     parser.add_argument("--no-datastore", dest="datastore", action="store_false",
@@ -716,7 +731,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "calibration's cost profile alone (profile); see medusa_infer.adaptive.StepCosts")
     parser.add_argument("--output", default="runs/bench", help="folder for report.json, report.md, report.png")
     parser.add_argument("--calibrate", action="store_true",
-                        help="measure head accuracy and verification cost, fit the tree, save it with the heads")
+                        help="measure head accuracy and verification cost, fit the tree, save it into the heads "
+                             "folder (--heads: a local folder)")
     parser.add_argument("--calibrate-questions", type=int, default=16)
     parser.add_argument("--calibrate-context", type=int, default=256)
     args = parser.parse_args(argv)
@@ -730,6 +746,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         check_batch_size(args.methods, args.batch_size)
     except ValueError as error:
         parser.error(str(error))
+    drafted = [m for m in args.methods if m in DRAFT_METHODS]
+    if drafted and not args.draft_model:
+        parser.error(f"--methods with {' and '.join(drafted)} needs --draft-model (a smaller model with the same "
+                     "tokenizer)")
+    if args.calibrate and not args.heads:
+        parser.error("--calibrate measures the heads and fits their tree: give --heads FOLDER")
+    if args.calibrate and not Path(args.heads).is_dir():
+        parser.error(f"--calibrate writes the fitted tree into the heads folder, and --heads {args.heads} is no "
+                     f"local folder (a Hub repo?): download the heads first (hf download {args.heads} --local-dir "
+                     "DIR) and pass --heads DIR")
+    if args.lookup_tokens is not None and args.lookup_tokens < 1:
+        parser.error(f"--lookup-tokens must be at least 1, got {args.lookup_tokens}")
+    if args.lookup_tokens is not None and not any(m in LOOKUP_METHODS for m in args.methods):
+        parser.error(f"--lookup-tokens sets the drafts of {', '.join(LOOKUP_METHODS)}, and --methods has none of "
+                     "them: add one or drop --lookup-tokens")
     if args.lookup_max_tokens < 1:
         parser.error(f"--lookup-max-tokens must be at least 1, got {args.lookup_max_tokens}")
     if args.tree and args.tree.startswith("["):
@@ -742,17 +773,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from medusa_infer.model import MedusaModel
+    from medusa_infer.model import MedusaModel, heads_folder
     from medusa_infer.models import load_base_model, load_tokenizer
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype)
+    heads = None
     if args.heads:
-        base_name = args.model
-        if base_name is None:
-            base_name = json.loads((Path(args.heads) / "config.json").read_text())["base_model_name_or_path"]
+        heads = heads_folder(args.heads)  # a folder, or a Hub repo downloaded as from_pretrained does
+        base_name = args.model or json.loads((heads / "config.json").read_text()).get("base_model_name_or_path")
+        if not base_name:
+            raise ValueError(f"{heads}/config.json names no base_model_name_or_path; pass --model")
         base = load_base_model(base_name, dtype=dtype, device=device, cpu_kernels=args.cpu_kernels)
-        model = MedusaModel.from_pretrained(args.heads, base_model=base, tokenizer=load_tokenizer(base_name))
+        model = MedusaModel.from_pretrained(heads, base_model=base, tokenizer=load_tokenizer(base_name))
     else:
         base_name = args.model or "smollm2-135m-instruct"
         model = MedusaModel.without_heads(load_base_model(base_name, dtype=dtype, device=device,
@@ -767,7 +800,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                          exclude_ids=exclude)
         result = calibrate(model, calib_questions, args)
         result["question_ids"] = [q["id"] for q in calib_questions]  # left out of the benchmark
-        model.save_pretrained(args.heads)
+        model.save_pretrained(heads)  # a local folder (parse_args)
         (output / "calibration.json").write_text(json.dumps(result, indent=2))
         print(f"calibrated: tree of {result['tree_nodes']} nodes, expected tau {result['expected_tau']:.2f}, "
               f"expected speedup {result['expected_speedup']:.2f}x; saved into {args.heads}", file=sys.stderr)

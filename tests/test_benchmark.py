@@ -175,6 +175,72 @@ def test_cli_writes_the_report_files(model, tmp_path, monkeypatch):
     assert (out / "report.md").read_text().startswith("# medusa-bench")
     assert (out / "report.png").stat().st_size > 1000
 
+def test_heads_from_the_hub_name_their_base_model(model, tmp_path, monkeypatch):
+    """``--heads owner/repo`` without ``--model``: the repo is fetched as MedusaModel.from_pretrained
+    fetches it (a stand-in for the Hub here) and its config names the base model."""
+    heads, questions = cli_files(model, tmp_path, monkeypatch)
+    import huggingface_hub
+
+    fetched = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo_id, revision=None, **kw: fetched.append(repo_id) or str(heads))
+    out = tmp_path / "hub"
+    assert main(["--heads", "someone/tiny-heads", "--questions", str(questions), "--limit", "1",
+                 "--max-new-tokens", "4", "--methods", "hf,medusa", "--output", str(out)]) == 0
+    assert fetched == ["someone/tiny-heads"]
+    assert json.loads((out / "report.json").read_text())["settings"]["heads"] == "someone/tiny-heads"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--methods", "ar,draft"], "--methods with draft needs --draft-model"),
+        (["--methods", "hf,hf-assisted"], "--methods with hf-assisted needs --draft-model"),
+        (["--methods", "ar", "--calibrate"], "--calibrate measures the heads and fits their tree: give --heads"),
+        (["--methods", "ar", "--heads", "someone/tiny-heads", "--calibrate"],
+         "--heads someone/tiny-heads is no local folder (a Hub repo?): download the heads first"),
+        (["--methods", "lookup", "--lookup-tokens", "0"], "--lookup-tokens must be at least 1, got 0"),
+        (["--methods", "hf,ar", "--lookup-tokens", "6"], "--methods has none of them"),
+    ],
+)
+def test_bad_arguments_are_refused_before_loading_anything(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--questions", "q.jsonl"] + argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("given, expected", [(None, {"hf-lookup": 10, "lookup": 4, "medusa-lookup": 4}),
+                                             (7, {"hf-lookup": 7, "lookup": 7, "medusa-lookup": 7})])
+def test_lookup_tokens_sets_every_lookup_method(model, monkeypatch, given, expected):
+    """One meaning for --lookup-tokens: the draft length of hf-lookup, lookup and medusa-lookup
+    alike; not given, each keeps the protocol's length (10 for hf-lookup, 4 for ours)."""
+    import medusa_infer.proposers as proposers
+    from medusa_infer.proposers.lookup import LookupProposer
+
+    seen: dict[str, int] = {}
+    build, hf_generate = proposers.build_proposer, model.base_model.generate
+
+    def spy_build(method, target, options=None):
+        proposer = build(method, target, options)
+        if isinstance(proposer, LookupProposer):
+            seen["lookup"] = proposer.num_tokens
+        elif method == "medusa":
+            seen["medusa-lookup"] = proposer.lookup_tokens
+        return proposer
+
+    def spy_generate(*a, **kw):
+        seen["hf-lookup"] = kw["prompt_lookup_num_tokens"]
+        return hf_generate(*a, **kw)
+
+    monkeypatch.setattr(proposers, "build_proposer", spy_build)
+    monkeypatch.setattr(model.base_model, "generate", spy_generate)
+    runner = bench.Runner(model, args(lookup_tokens=given, max_new_tokens=3))
+    for method in expected:
+        runner.run(method, [{"role": "user", "content": QUESTIONS[0]["turns"][0]}])
+    assert seen == expected
+
+
 RUN_BATCH = bench.Runner.run_batch
 
 

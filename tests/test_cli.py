@@ -33,6 +33,12 @@ def parse_error(capsys, argv: list[str]) -> str:
         (["--method", "lookup", "--lookup-tokens", "3", "hi"], "--lookup-tokens grafts lookup onto the Medusa"),
         (["--heads", "h", "--lookup-tokens", "-1", "hi"], "--lookup-tokens must be >= 0"),
         (["--method", "lookup"], "give a prompt"),
+        (["--temperature", "1.9", "--seed", "3", "hi"], "--temperature, --seed set the sampling, but without "
+                                                        "--do-sample decoding is greedy: add --do-sample"),
+        (["--top-p", "0.9", "hi"], "--top-p set the sampling"),
+        (["--chat", "hi"], "--chat reads its prompts interactively; drop the prompt 'hi' or drop --chat"),
+        (["--method", "lookup", "--tree", "chain-2", "hi"], "--tree shapes the Medusa heads' candidates"),
+        (["--heads", "h", "--acceptance", "typical", "hi"], "--acceptance typical samples: add --do-sample"),
     ],
 )
 def test_bad_arguments_are_refused_before_loading_anything(capsys, argv, message):
@@ -48,6 +54,29 @@ def test_methods_and_options_are_parsed():
     assert (args.layerskip_layers, args.draft_schedule, args.do_sample, args.top_p) == (8, "constant", True, 0.9)
     assert parse_args(["hi"]).method == "autoregressive"
     assert parse_args(["--method", "draft", "--draft-model", "small", "hi"]).draft_model == "small"
+    plain = parse_args(["hi"])  # the sampling flags, not given, take their defaults
+    assert (plain.temperature, plain.top_p, plain.top_k, plain.seed) == (1.0, 1.0, 0, None)
+    sampled = parse_args(["--do-sample", "--temperature", "0.7", "--seed", "3", "--acceptance", "typical", "hi"])
+    assert (sampled.temperature, sampled.seed, sampled.acceptance) == (0.7, 3, "typical")
+
+
+def test_a_medusa_turn_decodes_with_the_tree_given(monkeypatch, capsys):
+    """--tree reaches the Medusa proposer run_turn builds (stream() refuses tree= beside a proposer)."""
+    import medusa_infer.decoding as decoding
+    from medusa_infer.cli import run_turn
+    from tiny import word_medusa
+
+    stream, trees = decoding.stream, []
+
+    def spy(*a, proposer=None, **kw):
+        trees.append(proposer.trees[-1].paths)  # the largest tree of its ladder
+        return stream(*a, proposer=proposer, **kw)
+
+    monkeypatch.setattr(decoding, "stream", spy)
+    args = parse_args(["--heads", "h", "--tree", "chain-2", "--max-new-tokens", "3", "--raw", "hi"])
+    result = run_turn(word_medusa(), args, None, "the cat sat on the mat")
+    assert trees == [[(0,), (0, 0)]] and 1 <= len(result.new_tokens[0]) <= 3
+    assert "[medusa]" in capsys.readouterr().err
 
 
 def test_module_entry_point_reports_argument_errors():

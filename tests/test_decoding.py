@@ -318,6 +318,24 @@ def test_bad_input_is_a_clear_value_error(kwargs, message):
         generate(model, **kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(tree="no-such-tree"), "tree='no-such-tree' shapes the Medusa proposer that stream\\(\\) builds"),
+        (dict(tree=[(0,)]), "does not apply to a proposer passed in"),
+        (dict(adaptive=True), "adaptive=True sets the fallback"),
+        (dict(adaptive=False), "adaptive=False sets the fallback"),
+        (dict(lookup_tokens=2), "lookup_tokens= grafts prompt lookup"),
+    ],
+)
+def test_medusa_options_beside_a_proposer_are_refused(kwargs, message):
+    """tree=, adaptive=, step_costs= and lookup_tokens= shape the Medusa proposer stream() builds:
+    with a proposer passed in they would go unused, so they raise."""
+    model = medusa("llama")
+    with pytest.raises(ValueError, match=message):
+        generate(model, torch.tensor([[5, 6, 7]]), proposer=AutoregressiveProposer(model), **kwargs)
+
+
 def test_right_padding_is_refused():
     model = medusa("llama")
     with pytest.raises(ValueError, match="pad on the left"):
