@@ -75,8 +75,9 @@ def _commit_folder(partial: Path, final: Path) -> None:
 # Stages
 
 
-def stage_data(config: TrainConfig, accelerator: Any) -> tuple[list[dict], list[dict]]:
-    """(a) distil if the rows are missing, (b) tokenise and split; returns (train, heldout) examples."""
+def stage_data(config: TrainConfig, accelerator: Any, pending: int | None) -> tuple[list[dict], list[dict]]:
+    """(a) distil the rows that are missing (``pending``: ``distill_pending``'s count; 0 distils
+    nothing), (b) tokenise and split; returns (train, heldout) examples."""
     paths = run_paths(config)
     d = config.data
     try:
@@ -90,10 +91,9 @@ def stage_data(config: TrainConfig, accelerator: Any) -> tuple[list[dict], list[
         rows = rows_path(config)
         if not rows.is_file() and not d.prompts:
             raise SystemExit(f"{rows} does not exist and data.prompts is not set: give prompts to distil")
-        if owns_rows(config):
+        if owns_rows(config) and (pending is None or pending > 0):  # a killed or enlarged run's are completed
             from medusa_train.distill import distill, recipe_config
 
-            # a finished run's rows pass through untouched; a killed or enlarged one's are completed
             say(accelerator, f"distilling {d.n or 'all'} prompts from {d.prompts} into {rows}")
             distill(recipe_config(config), accelerator if accelerator.num_processes > 1 else None)
         from medusa_infer.models import load_tokenizer
@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
 
     timings: dict[str, float] = {}
     started = time.perf_counter()
-    train, heldout = stage_data(config, accelerator)
+    train, heldout = stage_data(config, accelerator, pending)
     timings["data"] = round(time.perf_counter() - started, 1)
     say(accelerator, f"data: {len(train)} train and {len(heldout)} held-out examples ({timings['data']} s)")
 
@@ -445,7 +445,7 @@ def report_heldout(config: TrainConfig, accelerator: Any) -> int:
     paths = run_paths(config)
     if not (paths.final / "config.json").is_file():
         raise SystemExit(f"train_heads.py: error: no trained heads in {paths.final}; run the recipe first")
-    train, heldout = stage_data(config, accelerator)
+    train, heldout = stage_data(config, accelerator, 0)  # the run's rows as they are: this writes nothing
     folders = stage_features(config, accelerator, train, heldout) if config.uses_feature_cache else None
     if accelerator.is_main_process:
         _, _, accuracy = heldout_accuracy(config, accelerator, heldout, folders)

@@ -351,7 +351,9 @@ def recipe_config(config: TrainConfig) -> DistillConfig:
 
 
 def pending_prompts(config: DistillConfig) -> tuple[int, int]:
-    """(prompts sampled, of those not yet answered in ``config.output`` or its shards).
+    """(prompts sampled, of those the ones a run would still answer): the prompts without a row in
+    ``config.output`` or its shards, less those over ``max_prompt_tokens`` that a run skips (for
+    which the tokenizer is loaded, when there are any without a row).
 
     ``ValueError`` (``check_resumable``) when the rows there were made with another model or
     other generation settings.
@@ -360,7 +362,11 @@ def pending_prompts(config: DistillConfig) -> tuple[int, int]:
     done = existing_rows(config.output)
     check_resumable(done, config)
     done_ids = {str(row["id"]) for row in done}
-    return len(prompts), sum(p["id"] not in done_ids for p in prompts)
+    missing = [p for p in prompts if p["id"] not in done_ids]
+    if missing and config.max_prompt_tokens is not None:
+        tokenizer = load_distill_tokenizer(config)
+        missing = [p for p in missing if prepare_prompt(tokenizer, p["prompt"], config) is not None]
+    return len(prompts), len(missing)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -552,3 +552,24 @@ def test_answers_are_generated_on_decodings_attention_kernels(tmp_path, model_di
     assert len(read_rows(tmp_path / "rows.jsonl")) == 4
     assert state["attention"] > 0 and state["outside"] == 0
     assert set(state["devices"]) == {"cpu"}
+
+
+def test_pending_prompts_leaves_out_answered_and_too_long_prompts(tmp_path, model_dir, prompts_file, tokenizer):
+    from medusa_train.distill import load_distill_tokenizer, pending_prompts, prepare_prompt
+
+    sample = sample_prompts(prompts_file, 12)
+    config = make_config(model_dir, prompts_file, tmp_path / "rows.jsonl")
+    assert pending_prompts(config) == (12, 12)  # nothing written yet
+    lengths = {p["id"]: len(prepare_prompt(load_distill_tokenizer(config), p["prompt"], config)[1]) for p in sample}
+    limit = sorted(lengths.values())[-3]  # the two longest prompts go over it (ties aside)
+    short = make_config(model_dir, prompts_file, tmp_path / "rows.jsonl", max_prompt_tokens=limit)
+    too_long = {i for i, n in lengths.items() if n > limit}
+    assert too_long
+    record = short.generation_record()
+    answered = [p for p in sample if p["id"] not in too_long][:-1]
+    (tmp_path / "rows.jsonl").write_text("".join(
+        json.dumps({"id": p["id"], "prompt": p["prompt"], "response": "r", "model": short.model_label,
+                    "generation": record}) + "\n" for p in answered))
+    assert pending_prompts(short) == (12, 1)  # only the short prompt without a row; the long ones are skipped
+    with pytest.raises(ValueError, match="already holds row"):
+        pending_prompts(make_config(model_dir, prompts_file, tmp_path / "rows.jsonl", max_new_tokens=99))
