@@ -78,26 +78,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.temperature = 1.0 if args.temperature is None else args.temperature
     args.top_p = 1.0 if args.top_p is None else args.top_p
     args.top_k = 0 if args.top_k is None else args.top_k
-    if args.method is None:
-        args.method = "medusa" if args.heads else "autoregressive"
-    if args.method == "medusa" and not args.heads:
-        parser.error("--method medusa needs --heads (train some with train_heads.py or `make demo`)")
-    if args.method == "draft" and not args.draft_model:
-        parser.error("--method draft needs --draft-model")
-    if args.draft_model and args.method != "draft":
-        parser.error(f"--draft-model is used by --method draft only, not --method {args.method}")
-    if args.tree and args.method != "medusa":
-        parser.error(f"--tree shapes the Medusa heads' candidates (--method medusa), not --method {args.method}; "
-                     "drop --tree")
-    for flag, value in (("--draft-tokens", args.draft_tokens), ("--lookup-max-ngram", args.lookup_max_ngram),
-                        ("--layerskip-layers", args.layerskip_layers), ("--max-new-tokens", args.max_new_tokens)):
-        if value is not None and value < 1:
+    check_method_flags(parser, args, "train some with train_heads.py or `make demo`")
+    for flag, value in (("--lookup-max-ngram", args.lookup_max_ngram), ("--max-new-tokens", args.max_new_tokens)):
+        if value < 1:
             parser.error(f"{flag} must be at least 1, got {value}")
-    if args.lookup_tokens < 0:
-        parser.error(f"--lookup-tokens must be >= 0 (0 turns the grafted lookup off), got {args.lookup_tokens}")
-    if args.lookup_tokens and args.method != "medusa":
-        parser.error(f"--lookup-tokens grafts lookup onto the Medusa tree (--method medusa); with --method "
-                     f"{args.method} use --draft-tokens")
     if args.lookup_min_ngram < 1 or args.lookup_min_ngram > args.lookup_max_ngram:
         parser.error(f"--lookup-min-ngram must lie in [1, --lookup-max-ngram={args.lookup_max_ngram}], "
                      f"got {args.lookup_min_ngram}")
@@ -110,6 +94,32 @@ def load(args: argparse.Namespace):
     if args.heads:
         return MedusaModel.from_pretrained(args.heads, base_model=args.model)
     return MedusaModel.without_heads(args.model or DEFAULT_MODEL)
+
+
+def check_method_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, heads_hint: str) -> None:
+    """Settle ``args.method`` (medusa with ``--heads``, else autoregressive) and refuse, before any model
+    loads, a method without what it needs and the proposer flags it would not use; shared by
+    ``medusa-generate`` and ``medusa-serve``. ``heads_hint`` says where heads come from."""
+    if args.method is None:
+        args.method = "medusa" if args.heads else "autoregressive"
+    if args.method == "medusa" and not args.heads:
+        parser.error(f"--method medusa needs --heads ({heads_hint})")
+    if args.method == "draft" and not args.draft_model:
+        parser.error("--method draft needs --draft-model")
+    if args.draft_model and args.method != "draft":
+        parser.error(f"--draft-model is used by --method draft only, not --method {args.method}; drop "
+                     "--draft-model (it would load a second model for nothing) or use --method draft")
+    if args.tree and args.method != "medusa":
+        parser.error(f"--tree shapes the Medusa heads' candidates (--method medusa), not --method {args.method}; "
+                     "drop --tree")
+    for flag, value in (("--draft-tokens", args.draft_tokens), ("--layerskip-layers", args.layerskip_layers)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}; leave it out for the default")
+    if args.lookup_tokens < 0:
+        parser.error(f"--lookup-tokens must be >= 0 (0 turns the grafted lookup off), got {args.lookup_tokens}")
+    if args.lookup_tokens and args.method != "medusa":
+        parser.error(f"--lookup-tokens grafts lookup onto the Medusa tree (--method medusa); with --method "
+                     f"{args.method} use --draft-tokens")
 
 
 def run_turn(model, args: argparse.Namespace, messages: list[dict] | None, prompt: str | None):

@@ -18,6 +18,7 @@ import os
 import sys
 from typing import Any, Sequence
 
+from medusa_infer.cli import check_method_flags
 from medusa_infer.proposers import METHODS
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -69,18 +70,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="CPU threads for torch (default: torch's choice; 1 is faster on a busy machine)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     args = parser.parse_args(argv)
-    if args.method is None:
-        args.method = "medusa" if args.heads else "autoregressive"
-    if args.method == "medusa" and not args.heads:
-        parser.error("--method medusa needs --heads (or use --method lookup, which needs no weights)")
-    if args.method == "draft" and not args.draft_model:
-        parser.error("--method draft needs --draft-model")
-    _check_method_flags(parser, args)
-    if args.lookup_tokens < 0:
-        parser.error(f"--lookup-tokens must be >= 0 (0 turns the grafted lookup off), got {args.lookup_tokens}")
-    if args.lookup_tokens and args.method != "medusa":
-        parser.error(f"--lookup-tokens grafts lookup onto the Medusa tree (--method medusa); with --method "
-                     f"{args.method} use --draft-tokens")
+    check_method_flags(parser, args, "or use --method lookup, which needs no weights")
     if args.heads and args.trust_remote_code and not args.model:
         parser.error("--trust-remote-code applies to --model: name the base model with --model")
     if args.max_batch < 1 or args.max_queue < 1:
@@ -94,23 +84,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.api_key is not None and not args.api_key.strip():
         parser.error("--api-key is empty")
     return args
-
-
-def _check_method_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Refuse, before any model loads, the proposer flags the chosen method would not use and counts below 1.
-
-    The same rules as ``medusa-generate``'s (``medusa_infer/cli.py``), which keeps them inline in its
-    ``parse_args``: there is no function there to share.
-    """
-    if args.draft_model and args.method != "draft":
-        parser.error(f"--draft-model is used by --method draft only, not --method {args.method}; drop "
-                     "--draft-model (it would load a second model for nothing) or use --method draft")
-    if args.tree and args.method != "medusa":
-        parser.error(f"--tree shapes the Medusa heads' candidates (--method medusa), not --method {args.method}; "
-                     "drop --tree")
-    for flag, value in (("--draft-tokens", args.draft_tokens), ("--layerskip-layers", args.layerskip_layers)):
-        if value is not None and value < 1:
-            parser.error(f"{flag} must be at least 1, got {value}; leave it out for the default")
 
 
 def load_model(args: argparse.Namespace):
