@@ -736,12 +736,12 @@ def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | Non
     h = config.heads
     head_vocab = f"{h.reduced_vocab_size} most frequent target tokens" if h.reduced_vocab_size else "full"
     feats = features_root(config)
+    resuming = rows_file.is_file() and distill_pending
+    answering = f"{distill_pending} more prompts (resuming)" if resuming else f"{examples} prompts"
     stages = [
         Stage("distill", str(rows_file), bool(d.tokenized) or (rows_file.is_file() and not distill_pending),
               "skipped: data.tokenized given" if d.tokenized else
-              f"{config.model.name} answers {distill_pending} more prompts (resuming), <= {d.max_new_tokens} new "
-              "tokens" if rows_file.is_file() and distill_pending else
-              f"{config.model.name} answers {examples} prompts, <= {d.max_new_tokens} new tokens"),
+              f"{config.model.name} answers {answering}, <= {d.max_new_tokens} new tokens"),
         Stage("dataset", str(d.tokenized or paths.data), bool(d.tokenized) or any(paths.data.glob("tokenized-*")),
               f"tokenise, max_length {d.max_length}, hold out {d.heldout_fraction:.0%}"),
     ]
