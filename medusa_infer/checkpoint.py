@@ -120,8 +120,14 @@ def check_state_dict(expected: dict[str, torch.Tensor], found: dict[str, torch.T
 
 
 def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
-    """A Hugging Face model card with front matter, usage and the measured figures when known."""
-    base = base_model_id or config.base_model_name_or_path or "unknown"
+    """A Hugging Face model card with front matter, usage and the measured figures when known.
+
+    ``base_model`` is ``base_model_id``, else the Hub id the config's base model stands for
+    (``models.hub_id``: a default model's original repository, not its short name).
+    """
+    from medusa_infer.models import hub_id
+
+    base = base_model_id or hub_id(config.base_model_name_or_path) or "unknown"
     lines = ["---"]
     if base != "unknown":
         lines.append(f"base_model: {base}")

@@ -12,7 +12,8 @@ A FasterDecoding-layout folder holds:
   version 1, the head's own bias-free vocabulary projection ``{k}.{num_layers}.weight``
   ``[vocab, hidden]``. Version 2 stores no projection: the heads reuse the base model's
   ``lm_head`` (our ``shared`` projection). TGI reads version 2 only with one block per head and
-  TensorRT-LLM not at all.
+  TensorRT-LLM not at all. FasterDecoding's own loader shares one module among a head's blocks,
+  so it reads heads of more than one block wrongly (``write_medusa_layout`` warns).
 
 Which variant a folder holds is decided by its tensors, as TGI decides, not by ``version``.
 Everything is checked strictly: a missing, unexpected or mis-shaped tensor raises ``ValueError``.
@@ -21,6 +22,7 @@ Everything is checked strictly: a missing, unexpected or mis-shaped tensor raise
 from __future__ import annotations
 
 import json
+import logging
 import pickle
 import re
 from pathlib import Path
@@ -38,6 +40,8 @@ CONFIG_NAME = "config.json"
 SAFETENSORS_NAME = "medusa_lm_head.safetensors"
 PT_NAME = "medusa_lm_head.pt"
 WEIGHTS_NAMES = {"safetensors": SAFETENSORS_NAME, "pt": PT_NAME}
+
+logger = logging.getLogger(__name__)
 
 _BLOCK = re.compile(r"heads\.(\d+)\.blocks\.(\d+)\.linear\.(weight|bias)")
 _PROJ = re.compile(r"heads\.(\d+)\.proj\.weight")
@@ -172,6 +176,13 @@ def write_medusa_layout(
             f"of {config.projection!r} heads; leave it out"
         )
 
+    if config.num_layers > 1:
+        logger.warning(
+            "writing %d residual blocks per head: FasterDecoding's own loader (medusa/model/medusa_model.py) "
+            "builds a head's blocks as one shared module ([ResBlock] * n) and loads non-strictly, so it reads only "
+            "the last block without an error; readers that build distinct blocks (this package, vLLM) read them all",
+            config.num_layers,
+        )
     expected = _expected(config)
     check_state_dict(expected, state_dict, "the state dict to export")
     tensors = {_their_name(name, config.num_layers): _plain(name, state_dict[name]) for name in expected}

@@ -244,10 +244,7 @@ class MedusaModel(nn.Module):
         (and what ``push_to_hub`` uploads) keeps both. So is the ``datastore``, as
         ``datastore.safetensors``.
         """
-        from medusa_infer.models import hub_id
-
-        out = save_heads(directory, self.config, self.heads.state_dict(),
-                         base_model_id or hub_id(self.config.base_model_name_or_path))
+        out = save_heads(directory, self.config, self.heads.state_dict(), base_model_id)
         if self.merged_adapter is not None:
             target = out / ADAPTER_DIR
             if not target.exists() or not os.path.samefile(target, self.merged_adapter):

@@ -18,17 +18,20 @@ from medusa_infer.checkpoint import ADAPTER_DIR  # noqa: F401  (where heads fold
 def add_lora(base_model: nn.Module, r: int, alpha: int, dropout: float, target_modules: list[str]) -> Any:
     """Wrap ``base_model`` with a fresh LoRA adapter; only the adapter's weights require grad.
 
+    Each entry of ``target_modules`` names modules as peft matches them: a module's name, or a
+    dotted suffix of its path (``q_proj``, ``self_attn.q_proj``).
+
     Raises:
-        ValueError: none of ``target_modules`` names a module of the model.
+        ValueError: an entry of ``target_modules`` names no module of the model.
     """
     from peft import LoraConfig, get_peft_model
 
-    names = {name.rsplit(".", 1)[-1] for name, _ in base_model.named_modules()}
-    if not names & set(target_modules):
+    paths = [name for name, _ in base_model.named_modules() if name]
+    unmatched = [t for t in target_modules if not any(p == t or p.endswith("." + t) for p in paths)]
+    if unmatched:
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in base_model.named_modules() if isinstance(m, nn.Linear)})
-        raise ValueError(f"lora.target_modules {target_modules} match no module of "
-                         f"{type(base_model).__name__}; its linear layers are named {linear}")
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
-                        target_modules=[t for t in target_modules if t in names], bias="none",
-                        task_type="CAUSAL_LM")
+        raise ValueError(f"lora.target_modules {unmatched} match no module of {type(base_model).__name__}; "
+                         f"its linear layers are named {linear}")
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
+                        bias="none", task_type="CAUSAL_LM")
     return get_peft_model(base_model, config)

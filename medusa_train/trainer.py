@@ -316,7 +316,10 @@ def _resume_fingerprint(config: TrainConfig) -> dict[str, Any]:
     training = {k: v for k, v in data["training"].items() if k not in _RESUME_IGNORES}
     return {"model": data["model"], "data": data["data"], "heads": data["heads"], "training": training,
             "lora": data["lora"] if config.training.mode == "medusa2" else None,
-            "features_topk": config.soft_label_topk}
+            "features_topk": config.soft_label_topk,
+            # what the features a checkpoint trained on were made from and stored as
+            "features": {"dtype": config.features.dtype, "from_distillation": config.features.from_distillation}
+            if config.uses_feature_cache else None}
 
 
 def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

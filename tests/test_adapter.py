@@ -99,3 +99,12 @@ def test_faster_decoding_export_warns_that_the_adapter_is_left_out(heads_folder,
 
 def test_training_uses_the_same_adapter_folder_name():
     assert lora.ADAPTER_DIR == ADAPTER_DIR
+
+
+def test_add_lora_names_each_target_that_matches_nothing_and_takes_dotted_suffixes():
+    with pytest.raises(ValueError, match=r"lora.target_modules \['v_prj'\] match no module of LlamaForCausalLM; "
+                                         r"its linear layers are named \[.*'v_proj'"):
+        lora.add_lora(tiny_model("llama"), 4, 8, 0.0, ["q_proj", "v_prj"])
+    adapted = lora.add_lora(tiny_model("llama"), 4, 8, 0.0, ["self_attn.q_proj"])
+    names = [n for n, m in adapted.named_modules() if hasattr(m, "lora_A") and n.endswith("q_proj")]
+    assert names and not any(n.endswith("k_proj") for n, m in adapted.named_modules() if hasattr(m, "lora_A"))

@@ -325,3 +325,15 @@ def test_export_refuses_a_folder_holding_the_other_weights_file(tmp_path):
     write_medusa_layout(config, random_state(config), tmp_path, fmt="pt")
     with pytest.raises(ValueError, match="medusa_lm_head.pt already exists"):
         write_medusa_layout(config, random_state(config), tmp_path, fmt="safetensors")
+
+
+def test_export_of_several_blocks_per_head_warns_about_the_reference_loader(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="medusa_infer.interop"):
+        config = tiny_config("own")
+        write_medusa_layout(config, random_state(config), tmp_path / "two")
+    assert "reads only the last block" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="medusa_infer.interop"):
+        config = tiny_config("own", num_layers=1)
+        write_medusa_layout(config, random_state(config), tmp_path / "one")
+    assert "reads only the last block" not in caplog.text

@@ -439,3 +439,16 @@ def test_reduced_projection_gathered_in_inference_mode_still_trains():
         model.heads(hidden, model.lm_head)
     model.heads(hidden.requires_grad_(), model.lm_head).sum().backward()
     assert hidden.grad is not None
+
+
+def test_model_card_names_the_hub_id_of_a_default_models_short_name(tmp_path):
+    """save_heads, as training's evaluation calls it, writes the default model's Hub repository, not
+    the short name it is loaded by."""
+    from medusa_infer.checkpoint import save_heads
+    from medusa_infer.models import DEFAULT_MODELS
+
+    model = medusa(base_model("llama"))
+    name = "smollm2-135m-instruct"
+    config = model.config.__class__(**{**model.config.to_dict(), "base_model_name_or_path": name})
+    save_heads(tmp_path, config, model.heads.state_dict())
+    assert front_matter((tmp_path / "README.md").read_text())["base_model"] == DEFAULT_MODELS[name].hub_id

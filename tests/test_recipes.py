@@ -327,3 +327,11 @@ def test_per_source_quotas_without_n_are_taken_whole(tmp_path):
 def test_non_finite_numbers_and_empty_samples_are_refused(override, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         load_config(RECIPES / "smollm2-135m.yaml", [override])
+
+
+def test_resume_fingerprint_covers_what_the_features_were_made_from():
+    from medusa_train.trainer import _resume_fingerprint
+
+    base = load_config(RECIPES / "smollm2-135m.yaml")
+    for override in ("features.dtype=bfloat16", "features.from_distillation=false"):
+        assert _resume_fingerprint(load_config(RECIPES / "smollm2-135m.yaml", [override])) != _resume_fingerprint(base)
