@@ -199,7 +199,8 @@ def accept_typical(
     ``posterior_threshold``, ``delta`` its ``posterior_alpha``, usually ``sqrt(epsilon)``). The
     longest accepted path wins, ties broken by higher path log-likelihood. ``next_token`` is sampled
     from ``p`` at the last accepted node. ``temperature == 0`` is :func:`accept_greedy`.
-    Accepts more than lossless sampling but does not preserve the base model's distribution.
+    Accepts more than lossless sampling but does not preserve the base model's distribution. The
+    rule takes no top-k or top-p (``decoding.SamplingConfig`` refuses them with typical acceptance).
     """
     _check_sampling_args(temperature, 0, 1.0)
     if not 0.0 < epsilon <= 1.0:

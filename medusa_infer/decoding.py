@@ -30,7 +30,7 @@ from medusa_infer.proposers.autoregressive import AutoregressiveProposer
 from medusa_infer.proposers.medusa import MedusaProposer
 from medusa_infer.speculation_gate import SpeculationGate, gated_step
 from medusa_infer.tree_fit import CostProfile
-from medusa_infer.trees import get_tree
+from medusa_infer.trees import TREE_PRESETS, get_tree, tree_depth
 
 ACCEPTANCE_RULES = ("greedy", "typical", "lossless")
 
@@ -38,7 +38,9 @@ ACCEPTANCE_RULES = ("greedy", "typical", "lossless")
 @dataclass(frozen=True)
 class SamplingConfig:
     """How tokens are chosen. ``acceptance`` greedy needs no sampling; typical and lossless sample
-    at ``temperature`` (lossless also applies ``top_k``/``top_p`` exactly as plain sampling)."""
+    at ``temperature``. Lossless also applies ``top_k``/``top_p`` exactly as plain sampling does;
+    typical acceptance (Medusa-2's rule) is defined on the tempered distribution alone, so it
+    refuses ``top_k`` and ``top_p`` rather than ignore them."""
 
     acceptance: str = "greedy"
     temperature: float = 1.0
@@ -56,6 +58,12 @@ class SamplingConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k!r}")
+        if self.acceptance == "typical" and (self.top_k or self.top_p < 1):
+            given = [f"top_k={self.top_k!r}"] if self.top_k else []
+            given += [f"top_p={self.top_p!r}"] if self.top_p < 1 else []
+            raise ValueError(f"acceptance='typical' samples at the temperature only (Medusa-2's rule) and would ignore "
+                             f"{' and '.join(given)}; leave top_k at 0 and top_p at 1.0, or use "
+                             "acceptance='lossless', which applies them exactly")
 
     @property
     def greedy(self) -> bool:
@@ -65,8 +73,7 @@ class SamplingConfig:
         """Choose ``[batch]`` tokens from ``[batch, vocab]`` logits, as plain decoding would."""
         if self.greedy:
             return rules.greedy_tokens(logits)
-        top_k, top_p = (self.top_k, self.top_p) if self.acceptance == "lossless" else (0, 1.0)
-        probs = rules.warp_logits(logits.float(), self.temperature, top_k, top_p)
+        probs = rules.warp_logits(logits.float(), self.temperature, self.top_k, self.top_p)
         return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
     def accept(self, logits: torch.Tensor, proposal: Proposal, generator: torch.Generator | None) -> rules.Acceptance:
@@ -89,7 +96,11 @@ class SamplingConfig:
 
 @dataclass
 class StopConfig:
-    """When a row stops: any of ``eos_token_ids``, a stop string, ``max_new_tokens``."""
+    """When a row stops: any of ``eos_token_ids``, a stop string, ``max_new_tokens``.
+
+    ``stop_strings`` may be one string (as Hugging Face's ``generate`` takes it) or several; it is
+    kept as a tuple. An empty stop string, which every text contains, is a ``ValueError``.
+    """
 
     max_new_tokens: int = 128
     eos_token_ids: tuple[int, ...] = ()
@@ -98,6 +109,13 @@ class StopConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        strings = (self.stop_strings,) if isinstance(self.stop_strings, str) else tuple(self.stop_strings)
+        if any(not isinstance(text, str) for text in strings):
+            raise ValueError(f"stop_strings must be a string or a list of strings, got {self.stop_strings!r}")
+        if "" in strings:
+            raise ValueError(f"stop_strings={list(strings)!r} holds an empty stop string, which every text "
+                             "contains (the row would stop after one token); remove it")
+        self.stop_strings = strings
 
 
 @dataclass
@@ -199,23 +217,28 @@ class DecodeBatch:
         with metrics.phase("accept"):
             acc = self.sampling.accept(out.logits, proposal, self.generator)
         with metrics.phase("commit"):
-            self.kv.keep_new(n, acc.path_nodes)
-            rows = torch.arange(len(self.rows), device=positions.device)
-            last = acc.path_nodes[rows, acc.accept_length]
-            hidden = out.hidden_states[rows, last]
-            path_tokens = proposal.tokens.gather(1, acc.path_nodes.clamp(min=0))
             lengths = acc.accept_length.tolist()
+            # [batch, longest accepted path]: the cache keeps no column that every row left empty
+            path_nodes = acc.path_nodes[:, : max(lengths) + 1]
+            self.kv.keep_new(n, path_nodes)
+            rows = torch.arange(len(self.rows), device=positions.device)
+            last = path_nodes[rows, acc.accept_length]
+            hidden = out.hidden_states[rows, last]
+            path_tokens = proposal.tokens.gather(1, path_nodes.clamp(min=0))
             accepted = [
                 path_tokens[i, 1 : 1 + lengths[i]].tolist() + [int(acc.next_token[i])] for i in range(len(self.rows))
             ]
             self.roots = acc.next_token
             self.root_pos = self.root_pos + acc.accept_length + 1
             self.proposer.observe(accepted, hidden, self._context(accepted))
-            for row, length in zip(self.rows, lengths):
-                self.row_steps[row] += 1
-                self.row_accepted[row] += length
+            stepped = list(self.rows)  # _emit releases rows that stop
             emitted = self._emit(accepted)
-            metrics.record_step(acc.accept_length, tree.max_depth, sum(len(t) for t in emitted.values()), n)
+            # Counted as emitted: what a row accepted past its stopping point was dropped.
+            kept = [len(emitted[row]) - 1 for row in stepped]
+            for row, drafts in zip(stepped, kept):
+                self.row_steps[row] += 1
+                self.row_accepted[row] += drafts
+            metrics.record_step(kept, tree.max_depth, n)
         return emitted
 
     # -- bookkeeping --------------------------------------------------------------------------
@@ -293,11 +316,6 @@ class DecodeBatch:
         self.histories[row] = []
         self.generated[row] = []
         self.released.add(row)
-
-    def row_tau(self, row: int) -> float:
-        """Tokens per step of one row, bonus included (1.0 before its first step)."""
-        steps = self.row_steps[row]
-        return (self.row_accepted[row] + steps) / steps if steps else 1.0
 
     def _stop_reason(self, row: int, kept: list[int], token: int) -> str | None:
         stop = self.stops[row]
@@ -456,7 +474,7 @@ def stream(
     tree: str | Sequence[Sequence[int]] | None = None,
     proposer: Proposer | None = None,
     eos_token_id: int | Sequence[int] | None = None,
-    stop_strings: Sequence[str] = (),
+    stop_strings: str | Sequence[str] = (),
     seed: int | None = None,
     tokenizer: Any = None,
     typical_epsilon: float = 0.09,
@@ -476,12 +494,16 @@ def stream(
         raise ValueError(f"acceptance={acceptance!r} samples; pass do_sample=True (or acceptance='greedy')")
     sampling = SamplingConfig(acceptance, temperature if do_sample else 0.0, top_k, top_p,
                               typical_epsilon, typical_delta)
-    stop = StopConfig(max_new_tokens, _eos_ids(model, tokenizer, eos_token_id), tuple(stop_strings))
+    stop = StopConfig(max_new_tokens, _eos_ids(model, tokenizer, eos_token_id), stop_strings)
     if stop.stop_strings and tokenizer is None:
         raise ValueError("stop_strings need a tokenizer; pass tokenizer=")
     if proposer is None and model.heads is None:
-        if tree is not None:
-            raise ValueError("tree= needs Medusa heads; this model has none (load heads or pass a proposer)")
+        given = {"tree": tree, "adaptive": adaptive, "step_costs": step_costs, "lookup_tokens": lookup_tokens or None}
+        name = next((name for name, value in given.items() if value is not None), None)
+        if name is not None:
+            value = "" if name == "step_costs" else repr(given[name])
+            raise ValueError(f"{name}={value} shapes the Medusa proposer, but this model has no Medusa heads; "
+                             f"load heads (MedusaModel.from_pretrained), pass a proposer, or drop {name}=")
         proposer = AutoregressiveProposer(model)  # no heads: plain decoding, one token a step
     elif proposer is None:
         paths = resolve_tree(model, tree)
@@ -525,11 +547,14 @@ def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> Generati
             chat template is applied with the generation prompt.
         max_new_tokens: at most this many new tokens per row.
         do_sample: sample instead of greedy decoding.
-        temperature, top_p, top_k: the sampling distribution (lossless keeps it exactly).
+        temperature, top_p, top_k: the sampling distribution (lossless keeps it exactly). Typical
+            acceptance samples at ``temperature`` alone (Medusa-2's rule): with it, ``top_k > 0`` or
+            ``top_p < 1`` is a ``ValueError``.
         acceptance: ``"greedy"`` (default without sampling; output identical to greedy
             decoding), ``"typical"`` (Medusa-2 typical acceptance) or ``"lossless"`` (default with
             sampling; the output has exactly the model's sampling distribution).
-        tree: a preset name or a list of paths; default: the heads' stored tree.
+        tree: a preset name or a list of paths (an empty list: plain decoding); default: the heads'
+            stored tree, else the largest of ``DEFAULT_TREES`` their number and ``top_k`` allow.
         adaptive: shrink the tree (down to plain decoding) while acceptance is too low for
             speculation to pay under the heads' measured cost profile, and grow it back; default:
             on when the heads' config holds head accuracies and a cost profile.
@@ -551,9 +576,10 @@ def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> Generati
             reproducible from its seed alone. Default: none.
         proposer: another proposer (draft model, prompt lookup, plain decoding). ``tree``,
             ``adaptive``, ``step_costs`` and ``lookup_tokens`` shape the Medusa proposer built when
-            none is passed; with one passed in, giving any of them is a ``ValueError``.
+            none is passed; with one passed in, or on a model without heads, giving any of them is
+            a ``ValueError``.
         eos_token_id: one id or several; default: all of the model's EOS ids.
-        stop_strings: stop a row once its text contains one of these.
+        stop_strings: stop a row once its text contains one of these (one string: that string).
         seed: seed for sampling.
         streamer: an object with ``put(token_ids)`` / ``end()`` (e.g. transformers'
             ``TextStreamer``); batch size 1. The prompt is put first, as transformers does.
@@ -623,15 +649,31 @@ def make_controller(model, paths: Sequence[Sequence[int]], adaptive: bool | None
             "adaptive=True needs the heads' measured accuracies and cost profile in their config; "
             "run `medusa-bench --calibrate` or train with train_heads.py first"
         )
+    if not paths:
+        return None  # plain decoding already: no smaller tree to fall back to
     acceptance = config.acceptance_model()
     return TreeController(tree_ladder(paths, acceptance=acceptance), acceptance,
                           CostProfile.from_dict(config.cost_profile), step_costs=step_costs)
 
 
+# The default trees, largest first: the first that fits the heads' number and top_k is used.
+DEFAULT_TREES = ("tree-16", "tree-8", "chain-4", "chain-3", "chain-2", "chain-1")
+
+
 def resolve_tree(model, tree: str | Sequence[Sequence[int]] | None) -> list[tuple[int, ...]]:
     """Validated paths for ``tree`` (a preset name or paths); None: the heads' stored tree, else
-    a preset that fits the number of heads."""
+    the largest of ``DEFAULT_TREES`` that fits the number of heads and their ``top_k``. An empty
+    tree (as calibration stores it where plain decoding measured fastest) is plain decoding: ``[]``."""
     config = model.config
     if tree is None:
-        tree = config.tree or (f"chain-{config.num_heads}" if config.num_heads < 4 else "tree-16")
+        tree = config.tree if config.tree is not None else next(
+            name for name in DEFAULT_TREES
+            if tree_depth(TREE_PRESETS[name]) <= config.num_heads and _preset_top_k(name) <= config.top_k)
+    if not isinstance(tree, str) and len(tree) == 0:
+        return []
     return get_tree(tree, config.num_heads, config.top_k)
+
+
+def _preset_top_k(name: str) -> int:
+    """The smallest ``top_k`` the preset ``name`` needs."""
+    return 1 + max(max(path) for path in TREE_PRESETS[name])

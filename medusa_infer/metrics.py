@@ -11,7 +11,7 @@ import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
@@ -27,7 +27,8 @@ class GenerationMetrics:
         steps: decoding steps (forwards of the target after the prefill).
         row_steps: sum over steps of the rows active in that step.
         new_tokens: tokens generated, all rows, the first (prefill) token included.
-        accepted_by_depth: per depth d (1-based index d-1), row-steps that accepted depth d.
+        step_tokens: tokens the steps emitted, all rows (the prefill's not included).
+        accepted_by_depth: per depth d (1-based index d-1), row-steps that emitted depth d's draft.
         offered_by_depth: per depth d, row-steps whose proposal reached depth d.
         phase_s: seconds spent in propose / verify / accept / commit.
         prefill_s: seconds of the prompt forward.
@@ -85,11 +86,22 @@ class GenerationMetrics:
         later_tokens = self.new_tokens - self.rows
         return decode / later_tokens * self.rows if later_tokens > 0 else 0.0
 
-    def record_step(self, accept_length: torch.Tensor, offered_depth: int, emitted: int, tree_size: int) -> None:
-        """Count one step: ``accept_length`` ``[rows]`` accepted depths, ``emitted`` tokens kept."""
+    def record_step(self, accepted: torch.Tensor | Sequence[int], offered_depth: int, tree_size: int) -> None:
+        """Count one step of a tree of ``tree_size`` nodes reaching ``offered_depth``.
+
+        Args:
+            accepted: ``[rows]`` per active row, the drafts it emitted: its tokens kept this step
+                less the one every step yields. Tokens accepted past a row's stopping point (an
+                EOS, a stop string, ``max_new_tokens``) were dropped and are not counted, so tau
+                and the acceptance by depth describe the output.
+            offered_depth: the proposal's depth.
+            tree_size: nodes verified, root included.
+        """
+        accepted = torch.as_tensor(accepted, dtype=torch.long)
+        rows = accepted.numel()
         self.steps += 1
-        self.row_steps += accept_length.numel()
-        self.step_tokens += int(accept_length.sum()) + accept_length.numel()
+        self.row_steps += rows
+        self.step_tokens += int(accepted.sum()) + rows
         self.tree_nodes += tree_size
         self.plain_steps += tree_size == 1
         self.recent_tree_sizes.append(tree_size)
@@ -97,9 +109,9 @@ class GenerationMetrics:
             self.offered_by_depth.append(0)
             self.accepted_by_depth.append(0)
         for depth in range(1, offered_depth + 1):
-            self.offered_by_depth[depth - 1] += accept_length.numel()
-            self.accepted_by_depth[depth - 1] += int((accept_length >= depth).sum())
-        self.new_tokens += emitted
+            self.offered_by_depth[depth - 1] += rows
+            self.accepted_by_depth[depth - 1] += int((accepted >= depth).sum())
+        self.new_tokens += int(accepted.sum()) + rows
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:

@@ -626,7 +626,7 @@ def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[st
                          "calibrated_expected_tau": round(fitted.expected_tau, 4),
                          "calibrated_expected_speedup": round(fitted.expected_speedup, 4)}
     config.cost_profile = cost.to_dict()
-    config.tree = [list(p) for p in fitted.paths] or None
+    config.tree = [list(p) for p in fitted.paths]  # empty: plain decoding measured fastest (None: a default preset)
     return {"head_accuracies": config.head_accuracies, "cost_profile": config.cost_profile,
             "tree_nodes": len(fitted.paths), "expected_tau": fitted.expected_tau,
             "expected_speedup": fitted.expected_speedup, "table": fitted.table}

@@ -196,7 +196,7 @@ def test_per_step_records_stay_bounded():
     metrics = GenerationMetrics()
     steps = RECENT_STEPS + 50
     for step in range(steps):
-        metrics.record_step(torch.tensor([1, 0]), 2, 3, 1 if step % 4 == 0 else 5)
+        metrics.record_step(torch.tensor([1, 0]), 2, 1 if step % 4 == 0 else 5)
     assert metrics.steps == steps and len(metrics.recent_tree_sizes) == RECENT_STEPS
     assert metrics.recent_tree_sizes[-1] == (1 if (steps - 1) % 4 == 0 else 5)
     plain = len(range(0, steps, 4))

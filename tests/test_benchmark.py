@@ -118,7 +118,7 @@ def test_calibration_measures_accuracy_and_cost_and_fits_a_tree(model):
     head_seconds = config.cost_profile["head_seconds"]  # running the first d heads, d = 1..4
     assert len(head_seconds) == 4 and all(t > 0 for t in head_seconds)
     assert result["table"][0]["nodes"] == 0
-    assert (config.tree is None) == (result["tree_nodes"] == 0)
+    assert config.tree is not None and len(config.tree) == result["tree_nodes"]  # empty: plain decoding
     # the tree is fitted to the joint path accuracies stored beside the per-head ones
     paths = config.acceptance_model()
     assert paths == {tuple(p): a for p, a in config.path_accuracies} and paths
@@ -126,6 +126,27 @@ def test_calibration_measures_accuracy_and_cost_and_fits_a_tree(model):
     for row in result["table"][1:]:
         tree = greedy_tree(paths, row["nodes"])
         assert row["tau"] == pytest.approx(expected_accept_length(tree, paths), abs=1e-4)
+
+
+def test_calibration_that_finds_plain_decoding_fastest_keeps_it_through_saving(model, monkeypatch, tmp_path):
+    """A calibrated empty tree means plain decoding; it must not read back as "no tree stored",
+    which would decode with a default preset, the opposite of what calibration measured."""
+    from medusa_infer import tree_fit
+    from medusa_infer.decoding import generate, resolve_tree
+
+    def plain_is_fastest(paths, cost, *rest):
+        return tree_fit.FittedTree([], 1.0, 1.0, [{"nodes": 0, "tau": 1.0, "cost_ratio": 1.0, "speedup": 1.0}])
+
+    heads = copy.deepcopy(model.heads)
+    calibrated = MedusaModel(model.base_model, heads, model.tokenizer)
+    monkeypatch.setattr(tree_fit, "fit_tree", plain_is_fastest)
+    result = calibrate(calibrated, QUESTIONS[:1], args())
+    assert result["tree_nodes"] == 0 and calibrated.config.tree == []
+    calibrated.save_pretrained(tmp_path)
+    loaded = MedusaModel.from_pretrained(tmp_path, base_model=model.base_model, tokenizer=model.tokenizer)
+    assert loaded.config.tree == [] and resolve_tree(loaded, None) == []
+    out = generate(loaded, prompt="the cat sat", max_new_tokens=6, eos_token_id=[])
+    assert out.metrics.tau == 1.0 and out.metrics.mean_tree_size == 1.0 and out.metrics.steps == 5
 
 
 def test_head_accuracy_counts_the_token_d_plus_2_ahead(model):

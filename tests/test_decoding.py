@@ -7,12 +7,14 @@ import random
 import pytest
 import torch
 
-from medusa_infer.decoding import generate, stream
+from medusa_infer.adaptive import StepCosts
+from medusa_infer.decoding import generate, resolve_tree, stream
 from medusa_infer.kv_cache import AttentionLayout, KVState
 from medusa_infer.model import MedusaModel
 from medusa_infer.proposers.autoregressive import AutoregressiveProposer
 from medusa_infer.proposers.base import Proposal, StepContext
-from medusa_infer.trees import TREE_PRESETS, build_tree_buffers, root_only_tree
+from medusa_infer.tree_fit import CostProfile
+from medusa_infer.trees import TREE_PRESETS, build_tree_buffers, get_tree, root_only_tree, tree_depth
 from tiny import ARCHITECTURES, VOCAB, sliding_window_base, tiny_model
 
 EXACT_ARCHS = ("llama", "qwen3", "gemma3_text", "gpt2")
@@ -309,6 +311,9 @@ def test_context_limit_is_a_clean_stop():
         (dict(acceptance="typical"), "pass do_sample=True"),
         (dict(do_sample=True, acceptance="beam"), "acceptance must be one of"),
         (dict(tree="tree-1000"), "tree-1000"),
+        (dict(stop_strings=["ok", ""]), "empty stop string"),
+        (dict(do_sample=True, acceptance="typical", top_k=5), "temperature only.*would ignore top_k=5;"),
+        (dict(do_sample=True, acceptance="typical", top_p=0.9), "temperature only.*would ignore top_p=0.9;"),
     ],
 )
 def test_bad_input_is_a_clear_value_error(kwargs, message):
@@ -345,10 +350,10 @@ def test_right_padding_is_refused():
 def test_typical_and_lossless_sampling_run_and_are_reproducible():
     model = medusa("llama")
     prompt = torch.tensor([[5, 6, 7, 8]])
-    for acceptance in ("typical", "lossless"):
-        a = generate(model, prompt, max_new_tokens=20, do_sample=True, temperature=0.8, top_p=0.9,
+    for acceptance, top_p in (("typical", 1.0), ("lossless", 0.9)):  # typical takes no top-p
+        a = generate(model, prompt, max_new_tokens=20, do_sample=True, temperature=0.8, top_p=top_p,
                      acceptance=acceptance, seed=11, eos_token_id=NO_EOS)
-        b = generate(model, prompt, max_new_tokens=20, do_sample=True, temperature=0.8, top_p=0.9,
+        b = generate(model, prompt, max_new_tokens=20, do_sample=True, temperature=0.8, top_p=top_p,
                      acceptance=acceptance, seed=11, eos_token_id=NO_EOS)
         assert a.new_tokens == b.new_tokens and len(a.new_tokens[0]) == 20
 
@@ -392,7 +397,7 @@ def test_batches_merge_between_steps_and_rows_can_be_cancelled():
             running.step()
     assert running.generated[0] == futures[0] and running.generated[1] == futures[1]
     assert running.finish[2] == "cancelled" and futures[2][: len(running.generated[2])] == running.generated[2]
-    assert running.row_tau(0) >= 1.0
+    assert running.row_steps[0] >= 1 and running.row_accepted[0] + running.row_steps[0] + 1 == len(futures[0])
 
 
 def test_a_finished_row_can_release_its_tokens():
@@ -415,3 +420,128 @@ def test_a_finished_row_can_release_its_tokens():
     assert batch.histories[1] == [] and batch.generated[1] == [] and len(batch.generated[0]) == 6
     with pytest.raises(ValueError, match=r"rows \[1\] were released"):
         batch.output(0)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(tree="chain-2"), "tree="),
+    (dict(lookup_tokens=4), "lookup_tokens="),
+    (dict(adaptive=True), "adaptive="),
+    (dict(step_costs=StepCosts()), "step_costs="),
+])
+def test_medusa_options_without_heads_are_refused(kwargs, name):
+    """Without heads stream() decodes plainly: an option of the Medusa proposer would go unused."""
+    model = MedusaModel(tiny_model("llama"), None)
+    with pytest.raises(ValueError, match=f"{name}.*this model has no Medusa heads"):
+        generate(model, torch.tensor([[5, 6, 7, 5, 6, 7]]), max_new_tokens=4, eos_token_id=NO_EOS, **kwargs)
+
+
+def test_a_stop_string_given_as_one_str_is_one_stop_string():
+    """Hugging Face takes ``stop_strings="..."``: it is one stop string, not one per character."""
+    from tiny import word_medusa
+
+    model = word_medusa(0)
+    prompt = "the cat sat on the mat and the dog"
+    free = generate(model, prompt=prompt, max_new_tokens=40, eos_token_id=NO_EOS).new_tokens[0]
+    words = model.tokenizer.decode(free[:12]).split()
+    stop = " ".join(words[-2:])
+    as_str = generate(model, prompt=prompt, max_new_tokens=40, eos_token_id=NO_EOS, stop_strings=stop)
+    as_list = generate(model, prompt=prompt, max_new_tokens=40, eos_token_id=NO_EOS, stop_strings=[stop])
+    assert as_str.finish_reasons == as_list.finish_reasons == ["stop"]
+    assert as_str.new_tokens == as_list.new_tokens and len(as_str.new_tokens[0]) > 2
+    assert model.tokenizer.decode(as_str.new_tokens[0]).endswith(stop)
+
+
+@pytest.mark.parametrize("tree", ["tree-16", "chain-4"])
+def test_the_cache_holds_the_committed_tokens_and_no_hole(tree):
+    """At batch 1, after every step the cache holds the prompt and each generated token but the
+    last (the next root, verified by the next step): a step keeps only its accepted path's slots,
+    so no hole is left behind and a plain step keeps the model's unmasked kernels."""
+    model = medusa("llama")
+    prompt = torch.tensor([[5, 17, 33, 9, 60]])
+    chunks = stream(model, prompt, max_new_tokens=60, tree=tree, eos_token_id=NO_EOS)
+    state, checked = chunks.state, 0
+    for _ in chunks:
+        if state.rows:
+            assert state.kv.num_slots == prompt.shape[1] + len(state.generated[0]) - 1
+            assert bool(state.kv.valid.all())
+            checked += 1
+    metrics = chunks.result().metrics
+    assert checked == metrics.steps  # the prefill's chunk, then every step but the last
+    assert 1 < metrics.tau < 1 + tree_depth(TREE_PRESETS[tree])  # some drafts accepted, some rejected
+
+
+def test_tau_and_acceptance_count_the_tokens_emitted():
+    """Tokens a step accepted past an EOS (or a stop string, or max_new_tokens) are dropped, and
+    are not counted: tau, the accepted counts by depth and each row's counts add up to the output."""
+    from medusa_infer.proposers import DraftProposer
+
+    model = medusa("llama")
+    prompt = torch.tensor([5, 17, 33, 9, 60])
+    free = reference(model, prompt, 20)
+    eos = free[7]
+    assert eos not in free[:7]
+    draft = tiny_model("llama", seed=0)  # the target's own weights: every draft is accepted
+    chunks = stream(model, prompt[None], max_new_tokens=20, eos_token_id=eos,
+                    proposer=DraftProposer(model, draft, num_tokens=8, schedule="constant"))
+    out = chunks.result()
+    metrics, state = out.metrics, chunks.state
+    assert out.new_tokens[0] == free[:8] and out.finish_reasons == ["eos"]
+    assert metrics.steps == 1 and metrics.tau == 7.0  # the prefill's token, then 7 (of 9 accepted) kept
+    assert state.row_steps[0] + state.row_accepted[0] == 7
+    assert sum(metrics.accepted_by_depth) == state.row_accepted[0] == 6
+    assert metrics.new_tokens == metrics.rows + metrics.step_tokens
+
+
+def test_rows_counts_add_up_to_their_output_in_a_batch():
+    from medusa_infer.proposers import DraftProposer
+
+    model = medusa("llama")
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen) for n in (3, 8, 5)]
+    ids, mask = left_pad(prompts)
+    free = reference(model, prompts[1], 20)
+    # row 1 stops inside a step (each emits up to 5 tokens after the prefill's)
+    stop_at = next(i for i in range(2, 20) if free[i] not in free[:i] and i % 5)
+    eos = free[stop_at]
+    proposer = DraftProposer(model, tiny_model("llama", seed=0), num_tokens=4, schedule="constant")
+    chunks = stream(model, ids, attention_mask=mask, max_new_tokens=20, eos_token_id=eos, proposer=proposer)
+    out, state = chunks.result(), chunks.state
+    metrics = out.metrics
+    assert out.finish_reasons[1] == "eos" and out.new_tokens[1] == free[: stop_at + 1]
+    for row, tokens in enumerate(out.new_tokens):
+        assert state.row_steps[row] + state.row_accepted[row] + 1 == len(tokens)
+    assert metrics.new_tokens == metrics.rows + metrics.step_tokens == sum(len(t) for t in out.new_tokens)
+    assert sum(metrics.accepted_by_depth) == sum(state.row_accepted)
+
+
+@pytest.mark.parametrize("num_heads, top_k, preset", [
+    (4, 10, "tree-16"), (4, 6, "tree-16"), (4, 4, "tree-8"), (5, 3, "chain-4"), (3, 10, "tree-8"),
+    (3, 2, "chain-3"), (2, 10, "chain-2"), (1, 1, "chain-1"),
+])
+def test_the_default_tree_fits_the_heads_and_their_top_k(num_heads, top_k, preset):
+    model = medusa("llama", num_heads=num_heads)
+    model.config.top_k = top_k
+    assert resolve_tree(model, None) == get_tree(preset, num_heads, top_k)
+    prompt = torch.tensor([5, 17, 33])
+    assert generate(model, prompt[None], max_new_tokens=6, eos_token_id=NO_EOS).new_tokens[0] == \
+        reference(model, prompt, 6)
+
+
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_a_stored_empty_tree_is_plain_decoding_and_survives_saving(calibrated, tmp_path):
+    """Calibration stores an empty tree where plain decoding measured fastest: that is what the
+    heads then decode with (not the default preset), the adaptive fallback included."""
+    model = medusa("llama")
+    model.config.tree = []
+    if calibrated:
+        model.config.head_accuracies = [[0.5, 0.6, 0.65, 0.7]] * 4
+        model.config.cost_profile = CostProfile([1, 2, 4, 8, 16], [1.0, 1.5, 2.0, 3.0, 5.0], "cpu").to_dict()
+    model.save_pretrained(tmp_path)
+    loaded = MedusaModel.from_pretrained(tmp_path, base_model=model.base_model)
+    assert loaded.config.tree == [] and resolve_tree(loaded, None) == []
+    prompt = torch.tensor([5, 17, 33, 9])
+    out = generate(loaded, prompt[None], max_new_tokens=12, eos_token_id=NO_EOS)
+    assert out.new_tokens[0] == reference(model, prompt, 12)
+    metrics = out.metrics
+    assert metrics.tau == 1.0 and metrics.mean_tree_size == 1.0 and metrics.fallback_fraction == 1.0
+    assert metrics.steps == 11  # one token a step after the prefill's

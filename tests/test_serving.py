@@ -242,6 +242,28 @@ def test_health_and_metrics_counters_increase(server, client):
     assert "# TYPE vllm:time_to_first_token_seconds histogram" in after
 
 
+@pytest.mark.parametrize("sampling, param", [(dict(top_k=5), "top_k"), (dict(top_p=0.9), "top_p")])
+def test_typical_acceptance_refuses_top_k_and_top_p_with_a_400(model, sampling, param):
+    """Typical acceptance samples at the temperature only: a request that sets top_k or top_p
+    would silently get another distribution; it is a 400 naming the parameter, whether typical is
+    the server's default (--acceptance typical) or the request's own choice."""
+    with serve(model, "medusa", acceptance="typical", speculation_gate=False) as (server, _), \
+            openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        for extra in ({}, {"acceptance": "typical"}):
+            top_p = sampling.get("top_p", openai.NOT_GIVEN)
+            extra_body = {**extra, **({"top_k": sampling["top_k"]} if "top_k" in sampling else {})}
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0.8, top_p=top_p,
+                                          extra_body=extra_body)
+            error = refused.value.body
+            assert error["param"] == param and "acceptance='typical'" in error["message"]
+            assert error["type"] == "invalid_request_error"
+        # without them typical acceptance samples; temperature 0 is greedy, where top-k and top-p do not matter
+        assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0.8).choices
+        assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, top_p=0.5,
+                                         extra_body={"top_k": 3}).choices
+
+
 def test_api_key_is_required_when_set(model):
     with serve(model, "medusa", api_key="s3cret") as (server, _):
         base = server.base_url

@@ -146,10 +146,14 @@ def create_app(engine: Engine, model: ModelInfo, settings: ServerSettings) -> Fa
 
 
 def _sampling(params: GenerationParams, default_acceptance: str) -> SamplingConfig:
-    """Greedy for temperature 0 (top-p/top-k do not matter then, so all greedy requests batch together)."""
+    """Greedy for temperature 0 (top-p/top-k do not matter then, so all greedy requests batch together).
+    Raises a 400 ``APIError`` for top_k or top_p with typical acceptance, which samples without them."""
     if params.temperature == 0:
         return SamplingConfig("greedy", 0.0, 0, 1.0)
-    return SamplingConfig(params.acceptance or default_acceptance, params.temperature, params.top_k, params.top_p)
+    try:
+        return SamplingConfig(params.acceptance or default_acceptance, params.temperature, params.top_k, params.top_p)
+    except ValueError as error:  # protocol checked each value alone: only their combination can be refused here
+        raise protocol.invalid(str(error), "top_k" if params.top_k else "top_p") from None
 
 
 class _Answer:
