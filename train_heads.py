@@ -157,7 +157,7 @@ def stage_features(config: TrainConfig, accelerator: Any, train: list[dict], hel
 
     f = config.features
     root = features_root(config)
-    info = model_fingerprint(config.model.name)
+    info = model_fingerprint(config.model.name, config.model.dtype, config.model.attn_implementation)
     splits = {"train": train, "heldout": heldout}
     hashes = {name: examples_hash(examples) for name, examples in splits.items()}
     topk = config.soft_label_topk
@@ -165,7 +165,8 @@ def stage_features(config: TrainConfig, accelerator: Any, train: list[dict], hel
     kept = captured_folder(config)
 
     def caches(k: int) -> dict[str, Path]:
-        return {name: root / cache_key(info, digest, k, f.dtype, kept is not None) for name, digest in hashes.items()}
+        return {name: root / cache_key(info, digest, k, f.dtype, kept is not None, f.shard_examples)
+                for name, digest in hashes.items()}
 
     def complete(found: dict[str, Path]) -> bool:
         return all((folder / MANIFEST).is_file() for folder in found.values())
@@ -206,23 +207,12 @@ def _token_map(config: TrainConfig, labels: torch.Tensor, vocab_size: int, alway
     return None if size is None else choose_token_map(token_counts(labels, vocab_size), size, always)
 
 
-def _end_of_turn_ids(examples: list[dict], eos: list[int]) -> list[int]:
-    """EOS ids plus the last token of every assistant span in the examples."""
-    ids = set(eos)
-    for example in examples:
-        labels = example["labels"]
-        for t, label in enumerate(labels):
-            if label != -100 and (t + 1 == len(labels) or labels[t + 1] == -100):
-                ids.add(label)
-    return sorted(ids)
-
-
 def stage_train(config: TrainConfig, accelerator: Any, train: list[dict], folders: dict[str, Path] | None) -> None:
     """(d) Train (or resume); writes ``checkpoints/final``."""
     from medusa_infer.heads import MedusaHeads
     from medusa_infer.model import MedusaModel
     from medusa_train import trainer as tr
-    from medusa_train.features import FeatureCache, FeatureDataset, eos_token_ids
+    from medusa_train.features import FeatureCache, FeatureDataset, end_of_turn_ids, eos_token_ids
 
     paths = run_paths(config)
     t, h = config.training, config.heads
@@ -246,7 +236,8 @@ def stage_train(config: TrainConfig, accelerator: Any, train: list[dict], folder
         vocab, hidden = base.get_output_embeddings().weight.shape
         model_type = base.config.model_type
         labels = torch.tensor([x for e in train for x in e["labels"]], dtype=torch.long)
-        token_map = _token_map(config, labels, vocab, _end_of_turn_ids(train, eos_token_ids(base)))
+        lengths = torch.tensor([len(e["labels"]) for e in train])
+        token_map = _token_map(config, labels, vocab, end_of_turn_ids(labels, lengths, eos_token_ids(base)))
         if t.mode == "medusa1":
             medusa = MedusaModel.from_base(base, num_heads=1)
             module = tr.new_heads_module(config, medusa.lm_head.weight, getattr(medusa.lm_head, "bias", None),

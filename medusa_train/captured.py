@@ -18,9 +18,8 @@ at most states of rows that the resumed run answers again (greedy: the same toke
 ``CapturedHidden`` finds an example's states by its prompt tokens and uses them only where the
 example's tokens (the chat template applied to prompt and response, tokenised again) agree with the
 tokens that were decoded; any example they do not cover is left to the forward pass. The states
-start at the last prompt token, so a captured example lacks the one row a forward pass also makes
-at the second-to-last prompt token (head ``k`` predicting answer token ``k`` from the prompt
-alone): at decoding time heads are never asked from there.
+start at the last prompt token, where decoding first runs the heads and where the feature cache's
+rows start, so a captured example gives the same rows as a forward pass.
 """
 
 from __future__ import annotations
@@ -40,6 +39,7 @@ from safetensors.torch import save_file
 
 from medusa_infer.proposers import AutoregressiveProposer
 from medusa_infer.proposers.base import StepContext
+from medusa_train.features import weights_fingerprint
 from medusa_train.losses import IGNORE
 
 SUFFIX = ".hidden"
@@ -187,13 +187,15 @@ class CapturedHidden:
     def load(cls, folder: str | Path, model: Mapping[str, Any] | None = None) -> "CapturedHidden":
         """Every batch file in ``folder``: the token ids in memory, the states left in the files
         (``KeptRows``); with ``model`` (a ``features.model_fingerprint``), files of another model,
-        or of other weights under the same name, are an error."""
+        or of other weights under the same name, are an error (the dtype and attention
+        implementation it may name are not compared: distillation records none)."""
         entries: dict[tuple[int, ...], list[tuple[torch.Tensor, States]]] = {}
         for path in sorted(Path(folder).glob("batch-*.safetensors")):
             with safe_open(str(path), framework="pt") as handle:
                 found = _fingerprint((handle.metadata() or {}).get("model"))
-                if model is not None and found != dict(model):
-                    raise ValueError(f"{path} holds hidden states of {found!r}, not of {dict(model)}: delete "
+                wanted = None if model is None else weights_fingerprint(model)
+                if wanted is not None and found != wanted:
+                    raise ValueError(f"{path} holds hidden states of {found!r}, not of {wanted}: delete "
                                      f"{folder} (the features stage then runs the backbone) or distil again")
                 tensors = {name: handle.get_tensor(name) for name in handle.keys() if name != "hidden"}
             tokens = tensors["tokens"]
@@ -209,8 +211,8 @@ class CapturedHidden:
 
     def states_for(self, input_ids: Sequence[int], labels: Sequence[int]) -> tuple[int, torch.Tensor] | None:
         """``(first, states)``: the example's hidden states at positions ``first ..
-        first + len(states) - 1``, covering every row a head trains from (all but the one at the
-        second-to-last prompt token), or None where the captured states do not cover them.
+        first + len(states) - 1``, covering every row a head trains from (the last prompt token
+        on), or None where the captured states do not cover them.
 
         Soft-label rows (``labels[t + 1]`` an answer token) need one position more; an answer cut
         by the token limit lacks the last of them (the state of its last token was never

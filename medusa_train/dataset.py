@@ -1,4 +1,4 @@
-"""Tokenised training examples: chat rendering, assistant-only labels, packing, caching, splits.
+"""Tokenised training examples: chat rendering, assistant-only labels, caching, splits.
 
 An example is a dict ``{"id": str, "input_ids": [seq], "labels": [seq]}``. ``labels`` are the input
 ids with every token that is not written by the assistant set to ``IGNORE_INDEX`` (system and user
@@ -198,6 +198,7 @@ class BuildStats:
     examples: int = 0
     truncated: int = 0
     dropped_no_assistant: int = 0
+    dropped_too_long: int = 0
     tokens: int = 0
     label_tokens: int = 0
 
@@ -215,8 +216,9 @@ def build_examples(
         rows: dicts with ``prompt`` and ``response`` (a distillation row) or ``messages`` (a list
             of ``{"role", "content"}``, multi-turn allowed); ``id`` is kept when present.
         tokenizer: a tokenizer with a chat template.
-        max_length: longer examples are cut to this many tokens (counted); an example left with
-            no assistant token is dropped (counted).
+        max_length: longer examples are cut to this many tokens (counted); a row with no
+            assistant turn, or whose prompt fills ``max_length`` so that no assistant token is
+            left, is dropped (counted apart: ``dropped_no_assistant``, ``dropped_too_long``).
         system_prompt: put first in conversations that have no system message.
         stats: filled with the counts when given.
 
@@ -239,13 +241,17 @@ def build_examples(
             stats.dropped_no_assistant += 1
             continue
         input_ids, labels = tokenize_chat(tokenizer, messages)
-        if len(input_ids) > max_length:
-            stats.truncated += 1
+        cut = len(input_ids) > max_length
+        if cut:
             input_ids, labels = input_ids[:max_length], labels[:max_length]
         n_label = sum(label != IGNORE_INDEX for label in labels)
         if n_label == 0:
-            stats.dropped_no_assistant += 1
+            if cut:
+                stats.dropped_too_long += 1
+            else:
+                stats.dropped_no_assistant += 1
             continue
+        stats.truncated += cut
         stats.examples += 1
         stats.tokens += len(input_ids)
         stats.label_tokens += n_label
@@ -254,52 +260,11 @@ def build_examples(
         )
     logger.info(
         "built %d examples from %d rows (%d tokens, %d labelled); %d truncated to %d tokens, "
-        "%d dropped with no assistant token",
+        "%d dropped with no assistant turn, %d with a prompt that fills max_length",
         stats.examples, stats.rows, stats.tokens, stats.label_tokens, stats.truncated,
-        max_length, stats.dropped_no_assistant,
+        max_length, stats.dropped_no_assistant, stats.dropped_too_long,
     )
     return examples
-
-
-# ---------------------------------------------------------------------------------------------
-# Packing
-
-
-def pack_examples(
-    examples: Sequence[dict[str, Any]], max_length: int, boundary_mask: int = 1
-) -> list[dict[str, Any]]:
-    """Pack consecutive examples greedily into sequences of at most ``max_length`` tokens.
-
-    Each packed sequence holds ``input_ids``, ``labels``, ``position_ids`` (restarting at 0 for
-    each example, so attention can be kept per example downstream), ``lengths`` (token count of
-    each example, in order) and ``ids``. The first ``boundary_mask`` labels of every example after
-    the first are ``IGNORE_INDEX`` so that no position predicts across a boundary; use
-    ``num_heads + 1`` when heads predicting further ahead must not see the next example either.
-    Examples longer than ``max_length`` are refused (``build_examples`` truncates them).
-    """
-    if boundary_mask < 0:
-        raise ValueError(f"boundary_mask must be >= 0, got {boundary_mask}")
-    packs: list[dict[str, Any]] = []
-    current: dict[str, Any] | None = None
-    for example in examples:
-        length = len(example["input_ids"])
-        if length > max_length:
-            raise ValueError(
-                f"example {example.get('id')!r} has {length} tokens, more than max_length="
-                f"{max_length}; build the examples with the same max_length"
-            )
-        if current is None or sum(current["lengths"]) + length > max_length:
-            current = {"ids": [], "input_ids": [], "labels": [], "position_ids": [], "lengths": []}
-            packs.append(current)
-        labels = list(example["labels"])
-        if current["lengths"]:
-            labels[:boundary_mask] = [IGNORE_INDEX] * min(boundary_mask, length)
-        current["ids"].append(str(example.get("id", "")))
-        current["input_ids"].extend(example["input_ids"])
-        current["labels"].extend(labels)
-        current["position_ids"].extend(range(length))
-        current["lengths"].append(length)
-    return packs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,7 +272,7 @@ def pack_examples(
 
 
 def to_dataset(examples: Sequence[dict[str, Any]]) -> Dataset:
-    """A ``datasets.Dataset`` with one row per example (or packed sequence)."""
+    """A ``datasets.Dataset`` with one row per example."""
     if not examples:
         raise ValueError("no examples to put in a dataset")
     return Dataset.from_list(list(examples))
@@ -357,7 +322,6 @@ def dataset_cache_key(
     tokenizer: PreTrainedTokenizerBase,
     max_length: int,
     system_prompt: str | None = None,
-    pack: bool = False,
 ) -> str:
     """The cache key of a tokenised dataset (hex): rows content, tokenizer, settings, format."""
     parts = {
@@ -366,7 +330,6 @@ def dataset_cache_key(
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "max_length": max_length,
         "system_prompt": system_prompt,
-        "pack": pack,
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
@@ -381,15 +344,30 @@ def load_or_build_dataset(
 ) -> Dataset:
     """The tokenised dataset of ``rows_path`` (JSONL or a saved ``datasets`` folder), from the
     cache when it holds one for the same rows, tokenizer, template and settings; otherwise built
-    and saved to ``cache_dir/tokenized-<key>`` (written aside, then renamed into place)."""
-    key = dataset_cache_key(rows_path, tokenizer, max_length, system_prompt, pack)
+    and saved to ``cache_dir/tokenized-<key>`` (written aside, then renamed into place).
+
+    ``pack=True`` is refused: packing was removed (packed examples attended to each other).
+
+    Raises:
+        ValueError: no row gave an example (the counts say why), or ``pack`` is set.
+    """
+    if pack:
+        raise ValueError("pack=True: packing examples into one sequence is not supported (it was removed: packed "
+                         "examples attended to each other); pass pack=False, the feature cache sorts examples by "
+                         "length to cut padding instead")
+    key = dataset_cache_key(rows_path, tokenizer, max_length, system_prompt)
     target = Path(cache_dir) / f"tokenized-{key[:24]}"
     if (target / "dataset_info.json").is_file():
         logger.info("loading tokenised dataset from cache %s", target)
         return load_from_disk(str(target))
-    examples = build_examples(read_rows(rows_path), tokenizer, max_length, system_prompt)
-    if pack:
-        examples = pack_examples(examples, max_length)
+    stats = BuildStats()
+    examples = build_examples(read_rows(rows_path), tokenizer, max_length, system_prompt, stats)
+    if not examples:
+        raise ValueError(
+            f"no examples in {rows_path} ({stats.rows} rows): prompt longer than max_length={max_length} "
+            f"tokens, leaving no assistant token: {stats.dropped_too_long}; no assistant turn: "
+            f"{stats.dropped_no_assistant}. Raise data.max_length (or give rows with answers)"
+        )
     dataset = to_dataset(examples)
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))

@@ -1,13 +1,15 @@
 """Held-out evaluation of trained heads, the tree fitted to their accuracies, and the final save.
 
 Per head, top-1..top-k accuracy (cumulative: the target is among the head's k best) over the
-held-out positions where decoding runs the heads: those where head 0 has a target, so from the last
-prompt position on. A deeper head also has targets one to three positions earlier, inside the chat
-template, where decoding never runs heads: the feature cache holds no rows there, and
-``head_accuracy`` leaves them out of any other batch, so accuracies and path ranks count the same
-positions. A target outside a reduced vocabulary counts as a miss. Trees are fitted to the joint
-acceptance of paths: at each held-out position, the rank of each head's target; a path is accepted
-where every rank along it is right.
+held-out positions where decoding runs the heads and head 0 has a target: from the last prompt
+position (where the base model predicts the answer's first token) to two before the answer's last
+token, the rows of the feature cache and of live features (``features.block_from_hidden``).
+Positions before it, inside the chat template, have targets for some heads (head 0's at the
+second-to-last prompt position) but decoding never runs heads there: no row is made there, and
+``head_accuracy`` leaves positions without a head-0 target out of any other batch, so accuracies
+and path ranks count the same positions. A target outside a reduced vocabulary counts as a miss.
+Trees are fitted to the joint acceptance of paths: at each held-out position, the rank of each
+head's target; a path is accepted where every rank along it is right.
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ def head_accuracy(head_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tens
     """Accumulate accuracies over batches of ``{"hidden" [N, H], "targets" [N, K],
     "next_tokens" [N], "path_tokens" [N, K - 1]}`` (path tokens: base ids at t + 2 onwards,
     optional, passed as ``path_tokens=`` when present); ``head_logits(hidden, next_tokens) -> [K, N, V]``.
-    Only positions where head 0 has a target count (see the module's docstring)."""
+    Only positions where head 0 has a target count; batches hold only positions where decoding
+    runs the heads (see the module's docstring)."""
     hits = totals = None
     ranks = []
     for batch in batches:

@@ -3,8 +3,12 @@
 For each example (``input_ids`` and unshifted ``labels``, -100 outside assistant tokens) the cache
 keeps:
 
-* ``hidden``: the final (post-norm) hidden state at every position ``t`` where head 0 has a
-  target, i.e. ``labels[t + 2] != -100``;
+* ``hidden``: the final (post-norm) hidden state at every position ``t`` where decoding runs the
+  heads and head 0 has a target: ``labels[t + 1]`` and ``labels[t + 2]`` both ``!= -100``, so from
+  the last prompt position (the base model predicts the answer's first token there) to two before
+  the answer's last token. The position before it (the chat template's assistant header) has a
+  head-0 target too, but decoding never runs heads there; the states kept while distilling
+  (``medusa_train.captured``) give exactly these rows;
 * ``labels``: the whole label row, so the targets of any number of heads can be derived
   (head ``k`` at ``t`` predicts ``labels[t + k + 2]``);
 * ``tokens``: the whole token row, so what the heads read can be derived: token ``t + 1``
@@ -18,8 +22,11 @@ keeps:
 A cache is a folder ``<root>/<key>/`` of safetensors shards, ``lm_head.safetensors`` (the base
 output projection, so head training never loads the backbone, and ``embed``, its input embedding,
 when that is not the same tensor) and ``manifest.json`` (written last:
-a folder without it is incomplete). The key hashes the model, the examples and the settings, so a
-second run, or another recipe over the same data, reuses it.
+a folder without it is incomplete). The key hashes the model (its weights and, as they change its
+hidden states, the dtype and attention implementation it runs with), the examples and the settings
+(``shard_examples`` included: a shard left by an interrupted run is reused only under the same
+split), so a second run, or another recipe over the same data, reuses it. Each shard's metadata also
+lists the example indices it holds; a resumed run makes again a shard whose list is not its plan's.
 
 Tensors of a *block* (one shard, or one live batch), for E examples, R hidden rows, P soft rows:
 ``example_index [E]``, ``label_start [E]``, ``label_length [E]``, ``labels [sum L]``,
@@ -48,10 +55,14 @@ from medusa_train.losses import IGNORE, to_head_vocab
 if TYPE_CHECKING:
     from medusa_train.captured import CapturedHidden
 
-FORMAT_VERSION = 3  # 2: blocks hold row_next; 3: tokens instead (row_next derives from them)
+# 2: blocks hold row_next; 3: tokens instead (row_next derives from them); 4: no row at the
+# second-to-last prompt position, shards list their examples
+FORMAT_VERSION = 4
 MANIFEST = "manifest.json"
 LM_HEAD = "lm_head.safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SHARD_EXAMPLES = 256
+BACKBONE = ("dtype", "attn_implementation")  # fingerprint entries that describe how the model runs
 
 Block = dict[str, torch.Tensor]
 
@@ -82,13 +93,18 @@ def examples_hash(examples: Sequence[Mapping[str, Any]]) -> str:
     return digest.hexdigest()
 
 
-def model_fingerprint(name_or_path: str) -> dict[str, Any]:
+def model_fingerprint(name_or_path: str, dtype: str | None = None,
+                      attn_implementation: str | None = None) -> dict[str, Any]:
     """What identifies a base model without loading it: its name and, for a local folder, its
-    ``config.json`` and each weight file's size and first and last MiB."""
+    ``config.json`` and each weight file's size and first and last MiB; with ``dtype``, also the
+    dtype and attention implementation it is loaded with (None: transformers' choice), which
+    change its hidden states (``build_feature_cache`` checks them against the model it runs)."""
     from medusa_infer.models import resolve_model
 
     resolved = Path(resolve_model(name_or_path))
     found: dict[str, Any] = {"name": name_or_path}
+    if dtype is not None:
+        found.update(dtype=dtype, attn_implementation=attn_implementation)
     if resolved.is_dir():
         digest = hashlib.sha256()
         config = resolved / "config.json"
@@ -105,10 +121,37 @@ def model_fingerprint(name_or_path: str) -> dict[str, Any]:
     return found
 
 
-def cache_key(model: Mapping[str, Any], data_hash: str, topk: int, dtype: str, captured: bool = False) -> str:
-    """The cache folder's name; ``captured``: built from the states kept while distilling
-    (``medusa_train.captured``), which differ from a forward pass's in float rounding."""
-    parts = {"format": FORMAT_VERSION, "model": dict(model), "data": data_hash, "topk": topk, "dtype": dtype}
+def weights_fingerprint(model: Mapping[str, Any]) -> dict[str, Any]:
+    """A fingerprint without how the model runs (``BACKBONE``): what names its weights."""
+    return {name: value for name, value in model.items() if name not in BACKBONE}
+
+
+def backbone_fingerprint(model: Any, model_info: Mapping[str, Any]) -> dict[str, Any]:
+    """``model_info`` with the dtype and attention implementation of ``model`` (a ``MedusaModel``)
+    where it gives none; where it does, they must be the model's (an attention implementation of
+    None, transformers' choice, is taken as given)."""
+    found = dict(model_info)
+    if model is None:  # only looking for a finished cache
+        return found
+    dtype = str(model.dtype).removeprefix("torch.")
+    attention = getattr(model.base_model.config, "_attn_implementation", None)
+    if "dtype" not in found:
+        found.update(dtype=dtype, attn_implementation=attention)
+    elif found["dtype"] != dtype or found.get("attn_implementation") not in (None, attention):
+        raise ValueError(f"the model runs in {dtype} with {attention!r} attention, but its fingerprint says "
+                         f"{found['dtype']} with {found.get('attn_implementation')!r}: pass model_fingerprint("
+                         "name, dtype, attn_implementation) with the settings the model was loaded with")
+    return found
+
+
+def cache_key(model: Mapping[str, Any], data_hash: str, topk: int, dtype: str, captured: bool = False,
+              shard_examples: int = SHARD_EXAMPLES) -> str:
+    """The cache folder's name; ``model``: its fingerprint, with the dtype and attention
+    implementation it runs with (``backbone_fingerprint``); ``captured``: built from the states
+    kept while distilling (``medusa_train.captured``), which differ from a forward pass's in float
+    rounding; ``shard_examples``: examples per shard, which decides what each shard file holds."""
+    parts = {"format": FORMAT_VERSION, "model": dict(model), "data": data_hash, "topk": topk, "dtype": dtype,
+             "shard_examples": shard_examples}
     if captured:
         parts["hidden"] = "distillation"
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
@@ -169,7 +212,8 @@ def block_from_hidden(
     nxt[:, :-1] = labels[:, 1:]
     nxt2 = torch.full_like(labels, IGNORE)
     nxt2[:, :-2] = labels[:, 2:]
-    row_b, row_t = (nxt2 != IGNORE).nonzero(as_tuple=True)
+    # decoding runs the heads where the base model predicts an answer token (t + 1); head 0 needs t + 2
+    row_b, row_t = ((nxt != IGNORE) & (nxt2 != IGNORE)).nonzero(as_tuple=True)
     soft_b, soft_t = (nxt != IGNORE).nonzero(as_tuple=True)
     valid = torch.arange(width, device=device).unsqueeze(0) < lengths.unsqueeze(1)
     starts = torch.cumsum(lengths, 0) - lengths
@@ -327,7 +371,7 @@ def build_feature_cache(
     model_info: Mapping[str, Any],
     topk: int = 20,
     batch_size: int = 8,
-    shard_examples: int = 256,
+    shard_examples: int = SHARD_EXAMPLES,
     dtype: str = "float32",
     rank: int = 0,
     world_size: int = 1,
@@ -341,10 +385,11 @@ def build_feature_cache(
         model: a ``MedusaModel`` on the base model (its heads are not used).
         examples: dicts with ``input_ids`` and ``labels``.
         root: the caches' folder; the cache is ``root/<key>``.
-        model_info: ``model_fingerprint(...)`` of the base model (part of the key).
+        model_info: ``model_fingerprint(...)`` of the base model (part of the key); the dtype and
+            attention implementation are read from ``model`` where it gives none.
         topk: soft-label candidates per position (0: none).
         batch_size: sequences per forward; examples are sorted by length to cut padding.
-        shard_examples: examples per shard file.
+        shard_examples: examples per shard file (part of the key).
         dtype: stored hidden states' dtype.
         rank, world_size, barrier: several processes share the shards (shard ``i`` is made by
             process ``i % world_size``); ``barrier()`` waits for all of them; rank 0 writes the
@@ -353,7 +398,9 @@ def build_feature_cache(
             while distilling take them from there, the others are run through the backbone.
     """
     start_time = time.perf_counter()
-    folder = Path(root) / cache_key(model_info, examples_hash(examples), topk, dtype, captured is not None)
+    model_info = backbone_fingerprint(model, model_info)
+    folder = Path(root) / cache_key(model_info, examples_hash(examples), topk, dtype, captured is not None,
+                                    shard_examples)
     if (folder / MANIFEST).is_file():
         return folder
     folder.mkdir(parents=True, exist_ok=True)
@@ -365,7 +412,7 @@ def build_feature_cache(
     pad_id = 0
     for shard_id in mine:
         path = folder / f"shard-{shard_id:05d}.safetensors"
-        if path.is_file():  # written by an earlier, interrupted run (same key: same content)
+        if _shard_examples(path) == shards[shard_id]:  # written by an earlier, interrupted run
             bar.update(len(shards[shard_id]))
             continue
         blocks, forward = [], []
@@ -384,7 +431,8 @@ def build_feature_cache(
             bar.update(len(chosen))
         block = {name: tensor.contiguous() for name, tensor in concat_blocks(blocks).items()}
         tmp = path.with_suffix(".tmp")
-        save_file(block, str(tmp), metadata={"format": "pt", "captured_examples": str(reused)})
+        save_file(block, str(tmp), metadata={"format": "pt", "captured_examples": str(reused),
+                                             "examples": json.dumps(shards[shard_id])})
         os.replace(tmp, path)
     bar.close()
     if barrier is not None:
@@ -395,6 +443,14 @@ def build_feature_cache(
     if barrier is not None:
         barrier()
     return folder
+
+
+def _shard_examples(path: Path) -> list[int] | None:
+    """The example indices a shard file says it holds, in the plan's order (None: no such file)."""
+    if not path.is_file():
+        return None
+    with safe_open(str(path), framework="pt") as handle:
+        return json.loads((handle.metadata() or {}).get("examples", "null"))
 
 
 def _write_manifest(model: Any, folder: Path, num_shards: int, num_examples: int, topk: int, dtype: str,
@@ -486,13 +542,19 @@ class FeatureCache:
 
     def end_of_turn_ids(self) -> list[int]:
         """EOS ids plus every token that ends an assistant span in the data."""
-        labels = self.block["labels"]
-        is_label = labels != IGNORE
-        after = torch.cat([is_label[1:], torch.zeros(1, dtype=torch.bool)])
-        ends = self.block["label_start"] + self.block["label_length"] - 1
-        after[ends] = False  # an example's last token ends its span
-        last = labels[is_label & ~after]
-        return sorted(set(self.manifest.get("eos_token_ids", [])) | set(last.tolist()))
+        return end_of_turn_ids(self.block["labels"], self.block["label_length"], self.manifest.get("eos_token_ids", []))
+
+
+def end_of_turn_ids(labels: torch.Tensor, lengths: torch.Tensor, eos: Sequence[int] = ()) -> list[int]:
+    """``eos`` plus the last token of every assistant span: ``labels`` ``[sum L]`` the examples'
+    label rows one after another, ``lengths`` ``[E]`` theirs."""
+    labels = torch.as_tensor(labels, dtype=torch.long)
+    is_label = labels != IGNORE
+    after = torch.zeros_like(is_label)  # the next token is labelled too
+    after[:-1] = is_label[1:]
+    ends = torch.cumsum(torch.as_tensor(lengths, dtype=torch.long), 0) - 1
+    after[ends[ends >= 0]] = False  # an example's last token ends its span
+    return sorted(set(int(i) for i in eos) | set(labels[is_label & ~after].tolist()))
 
 
 class FeatureDataset:

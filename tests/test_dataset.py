@@ -1,5 +1,5 @@
-"""Tests for medusa_train.dataset: assistant-only labels on any template, truncation, packing,
-caching and held-out splits. Uses the real SmolLM2 tokenizer (no model weights)."""
+"""Tests for medusa_train.dataset: assistant-only labels on any template, truncation, caching and
+held-out splits. Uses the real SmolLM2 tokenizer (no model weights)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from medusa_train.dataset import (
     _tokenize_chat_by_prefix,
     build_examples,
     load_or_build_dataset,
-    pack_examples,
     render_chat,
     split_heldout,
     to_dataset,
@@ -152,39 +151,19 @@ def test_truncation_and_dropping(smol, caplog):
     assert examples[0]["input_ids"] == full_ids[:cut] and examples[0]["labels"] == full_labels[:cut]
     runs = labelled_runs(smol, examples[0]["input_ids"], examples[0]["labels"])
     assert runs[0] == f"{ASSISTANT[0]}<|im_end|>" and ASSISTANT[1].startswith(runs[1]) and runs[1]
-    assert (stats.rows, stats.examples, stats.truncated, stats.dropped_no_assistant) == (3, 1, 2, 2)
-    assert "2 truncated" in caplog.text and "2 dropped with no assistant token" in caplog.text
+    # the long conversation is cut and kept; the long prompt leaves no answer; one row has none
+    counts = (stats.rows, stats.examples, stats.truncated, stats.dropped_too_long, stats.dropped_no_assistant)
+    assert counts == (3, 1, 1, 1, 1)
+    assert "1 truncated" in caplog.text and "1 dropped with no assistant turn, 1 with a prompt" in caplog.text
 
 
-def test_packing_boundaries(smol):
-    rows = [{"id": str(i), "prompt": f"Question {i}?", "response": "Answer " * (i + 1)} for i in range(5)]
-    examples = build_examples(rows, smol, 256)
-    lengths = [len(e["input_ids"]) for e in examples]
-    max_length = lengths[0] + lengths[1] + 1
-    packs = pack_examples(examples, max_length, boundary_mask=3)
-    assert sum(len(p["lengths"]) for p in packs) == 5
-    assert [i for p in packs for i in p["ids"]] == [e["id"] for e in examples]
-    assert packs[0]["ids"] == ["0", "1"]
-    k = 0
-    for pack in packs:
-        assert len(pack["input_ids"]) == len(pack["labels"]) == len(pack["position_ids"]) <= max_length
-        start = 0
-        for doc, length in enumerate(pack["lengths"]):
-            example = examples[k]
-            span = slice(start, start + length)
-            assert pack["input_ids"][span] == example["input_ids"]
-            assert pack["position_ids"][span] == list(range(length))
-            expected = list(example["labels"])
-            if doc > 0:
-                expected[:3] = [IGNORE_INDEX] * 3
-                # No position of the previous example predicts into this one.
-                assert pack["labels"][start] == IGNORE_INDEX
-            assert pack["labels"][span] == expected
-            start += length
-            k += 1
-    with pytest.raises(ValueError, match="more than max_length"):
-        pack_examples(examples, lengths[0] - 1)
-    assert to_dataset(packs).column_names == ["ids", "input_ids", "labels", "position_ids", "lengths"]
+def test_no_example_left_names_why_and_the_fix(tmp_path, smol):
+    rows_path = tmp_path / "rows.jsonl"
+    rows = [{"prompt": "Tell me about the sea " * 3, "response": "It is big."}] * 3 + [{"prompt": "Q?"}]
+    rows_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=r"\(4 rows\): prompt longer than max_length=40 tokens, leaving no "
+                                         r"assistant token: 3; no assistant turn: 1\. Raise data.max_length"):
+        load_or_build_dataset(rows_path, smol, 40, tmp_path / "cache")
 
 
 def test_load_or_build_dataset_caches(tmp_path, smol, monkeypatch):
@@ -208,9 +187,10 @@ def test_load_or_build_dataset_caches(tmp_path, smol, monkeypatch):
     load_or_build_dataset(rows_path, with_template(smol, ZEPHYR_TEMPLATE), 128, cache)
     rows_path.write_text(rows_path.read_text() + json.dumps({"id": "6", "prompt": "Q", "response": "A"}) + "\n")
     assert len(load_or_build_dataset(rows_path, smol, 128, cache)) == 7
-    packed = load_or_build_dataset(rows_path, smol, 128, cache, pack=True)
-    assert len(packed) < 7 and "position_ids" in packed.column_names
-    assert len(list(cache.glob("tokenized-*"))) == 5
+    assert len(list(cache.glob("tokenized-*"))) == 4
+    # packing was removed: packed examples attended to each other
+    with pytest.raises(ValueError, match="pack=True: packing .* not supported"):
+        load_or_build_dataset(rows_path, smol, 128, cache, pack=True)
     assert not list(cache.glob(".tokenized-*"))  # no leftover partial folders
 
 

@@ -105,9 +105,10 @@ def test_feature_rows_carry_the_token_at_t_plus_1():
     batch = pad_batch(examples)
     hidden = torch.randn(*batch["input_ids"].shape, 8)
     rows = rows_from_block(block_from_hidden(hidden, batch["input_ids"], batch["labels"], batch["lengths"]), 2)
-    # rows sit where head 0 has a target (labels[t + 2]); each reads input_ids[t + 1]
-    assert rows.next_tokens.tolist() == [6, 7, 8, 9, 12, 13]
-    assert rows.targets[:, 0].tolist() == [7, 8, 9, 10, 13, 14]
+    # rows sit where decoding runs the heads: from the last prompt position on, where the base model's
+    # token (labels[t + 1]) and head 0's target (labels[t + 2]) are both the answer's; each reads input_ids[t + 1]
+    assert rows.next_tokens.tolist() == [7, 8, 9, 12, 13]
+    assert rows.targets[:, 0].tolist() == [8, 9, 10, 13, 14]
 
 
 def pair_examples(n: int, seed: int = 0) -> list[dict]:

@@ -147,9 +147,9 @@ def test_feature_rows_give_the_true_path():
     batch = pad_batch(examples)
     hidden = torch.randn(*batch["input_ids"].shape, 8)
     rows = rows_from_block(block_from_hidden(hidden, batch["input_ids"], batch["labels"], batch["lengths"]), 3)
-    assert rows.next_tokens.tolist() == [6, 7, 8, 9]
+    assert rows.next_tokens.tolist() == [7, 8, 9]  # from the last prompt position (t = 1) on
     # head 1 reads t + 2 (head 0's target), head 2 reads t + 2 and t + 3; 0 where there is none
-    assert rows.path_tokens.tolist() == [[7, 8], [8, 9], [9, 10], [10, 0]]
+    assert rows.path_tokens.tolist() == [[8, 9], [9, 10], [10, 0]]
 
 
 def test_a_masked_position_inside_the_path_reads_its_token_after_caching_and_concatenation(tmp_path):
@@ -165,11 +165,12 @@ def test_a_masked_position_inside_the_path_reads_its_token_after_caching_and_con
         blocks.append(block_from_hidden(hidden, batch["input_ids"], batch["labels"], batch["lengths"]))
     save_file(concat_blocks(blocks), str(tmp_path / "block.safetensors"))
     rows = rows_from_block(load_file(str(tmp_path / "block.safetensors")), 3)
-    # rows: t = 0 of the first example; t = 0, 1, 3, 4, 5 of the second (head 0 has a target)
-    assert rows.targets.tolist() == [[5, IGNORE, IGNORE], [7, 8, IGNORE], [8, IGNORE, 10], [10, 11, 12],
-                                     [11, 12, IGNORE], [12, IGNORE, IGNORE]]
+    # rows: where t + 1 and t + 2 are both the answer's (decoding runs the heads there): t = 0 of the
+    # first example; t = 1, 4, 5 of the second (t = 2 and 3 border the masked token, which the model
+    # did not say)
+    assert rows.targets.tolist() == [[5, IGNORE, IGNORE], [8, IGNORE, 10], [11, 12, IGNORE], [12, IGNORE, IGNORE]]
     # t = 1: head 2 reads 9 on its way to 10 (its target), where the labels are masked
-    assert rows.path_tokens.tolist() == [[5, 0], [7, 8], [8, 9], [10, 11], [11, 12], [12, 0]]
+    assert rows.path_tokens.tolist() == [[5, 0], [8, 9], [11, 12], [12, 0]]
 
 
 def triple_examples(n: int, seed: int = 0) -> list[dict]:

@@ -22,7 +22,9 @@ from medusa_infer.model import MedusaModel
 from medusa_train import trainer as tr
 from medusa_train.features import (
     FeatureCache,
+    MANIFEST,
     FeatureDataset,
+    block_from_hidden,
     build_feature_cache,
     choose_token_map,
     head_targets,
@@ -194,6 +196,37 @@ def test_heldout_accuracy_counts_only_positions_where_decoding_runs_the_heads():
     assert accuracy.ranks.tolist() == [[0, -1], [0, -1]]  # the same positions as the ranks
 
 
+def test_rows_are_the_positions_where_decoding_runs_the_heads_in_every_turn():
+    """From each turn's last prompt position (the base model predicts the answer's first token
+    there) to two before its last answer token; not at the assistant header before it, where head 0
+    has a target but decoding never runs the heads."""
+    from medusa_train.evaluate import head_accuracy
+
+    # two assistant turns: [10, 11, 12] after prompt positions 0..3, [20, 21, 22, 23] after 6..8
+    labels = [IGNORE] * 4 + [10, 11, 12] + [IGNORE] * 3 + [20, 21, 22, 23] + [IGNORE]
+    example = {"input_ids": [5 if x == IGNORE else x for x in labels], "labels": labels}
+    batch = pad_batch([example])
+    block = block_from_hidden(torch.randn(1, len(labels), 4), batch["input_ids"], batch["labels"], batch["lengths"])
+    assert block["row_position"].tolist() == [3, 4, 9, 10, 11]
+    assert block["soft_position"].tolist() == [3, 4, 5, 9, 10, 11, 12]  # the base model's predictions
+    data = FeatureDataset(block, 2, None, 30)
+    accuracy = head_accuracy(lambda hidden, next_tokens, **_: torch.randn(2, len(hidden), 30),
+                             data.sequential(100), top_k=5)
+    assert accuracy.totals.tolist() == [5, 3]  # labelled tokens less one per turn, then less one more
+
+
+def test_end_of_turn_ids_from_examples_and_from_a_cache_agree(tmp_path):
+    from medusa_train.features import end_of_turn_ids
+
+    labels = [[IGNORE, 5, 6, IGNORE, 7], [8, 9], [IGNORE, 4, IGNORE]]
+    flat = torch.tensor([x for row in labels for x in row])
+    assert end_of_turn_ids(flat, torch.tensor([5, 2, 3]), [2]) == [2, 4, 6, 7, 9]
+    examples = [{"input_ids": [3 + abs(x) % 20 for x in row], "labels": row} for row in labels]
+    model = MedusaModel.from_base(tiny_model("llama"), num_heads=1)
+    cache = FeatureCache.load(build_feature_cache(model, examples, tmp_path, {"name": "t"}, topk=0, progress=False))
+    assert cache.end_of_turn_ids() == end_of_turn_ids(flat, torch.tensor([5, 2, 3]), cache.manifest["eos_token_ids"])
+
+
 def test_reduced_vocabulary_keeps_end_of_turn_and_most_frequent():
     labels = torch.tensor([5, 5, 5, 7, 7, 9, IGNORE, 2])
     token_map = choose_token_map(token_counts(labels, 12), 3, always=[11])
@@ -209,7 +242,7 @@ def test_reduced_vocabulary_keeps_end_of_turn_and_most_frequent():
 def test_feature_cache_round_trip_equals_live_forward(tiny_dir, tmp_path):
     model = MedusaModel.from_base(tiny_model("llama"), num_heads=1)
     examples = counting_examples(11, seed=3)
-    info = model_fingerprint(str(tiny_dir / "model"))
+    info = model_fingerprint(str(tiny_dir / "model"), "float32")
     folder = build_feature_cache(model, examples, tmp_path, info, topk=4, batch_size=4, shard_examples=5,
                                  progress=False)
     assert len(list(folder.glob("shard-*.safetensors"))) == 3
@@ -226,7 +259,9 @@ def test_feature_cache_round_trip_equals_live_forward(tiny_dir, tmp_path):
         rows = (block["row_example"] == e).nonzero().squeeze(1)
         positions = block["row_position"][rows]
         labels = torch.tensor(example["labels"])
-        assert positions.tolist() == [t for t in range(len(labels) - 2) if labels[t + 2] != IGNORE]
+        # where decoding runs the heads (an answer token at t + 1) and head 0 has a target (t + 2)
+        decoded = [t for t in range(len(labels) - 2) if labels[t + 1] != IGNORE and labels[t + 2] != IGNORE]
+        assert positions.tolist() == decoded
         torch.testing.assert_close(data.hidden[rows], out.hidden_states[0, positions], atol=1e-5, rtol=1e-5)
         assert torch.equal(data.targets[rows], head_targets(labels, 3)[positions])
         batch = data.batch(rows)
@@ -239,8 +274,50 @@ def test_feature_cache_round_trip_equals_live_forward(tiny_dir, tmp_path):
                 else:
                     assert float(batch["soft_probs"][r, k].sum()) == 0.0
     # The same model and data find the same cache again without running the model.
-    again = build_feature_cache(None, examples, tmp_path, info, topk=4, progress=False)
+    again = build_feature_cache(None, examples, tmp_path, info, topk=4, shard_examples=5, progress=False)
     assert again == folder
+
+
+def test_feature_cache_key_covers_shards_and_how_the_backbone_runs(tmp_path):
+    rng = random.Random(0)
+    examples = []
+    for length in range(20, 15, -1):
+        ids = [rng.randrange(3, 96) for _ in range(length)]
+        examples.append({"input_ids": ids, "labels": [IGNORE] * (length - 8) + ids[length - 8 :]})
+    model = MedusaModel.from_base(tiny_model("llama"), num_heads=1)
+
+    def build(root, shard_examples, backbone=model, info=None):
+        folder = build_feature_cache(backbone, examples, root, info or {"name": "tiny"}, topk=0,
+                                     shard_examples=shard_examples, progress=False)
+        return folder, FeatureCache.load(folder)
+
+    def held(cache):
+        return sorted(cache.block["example_index"].tolist())
+
+    # killed before its last shard and the manifest, then resumed with another shard size: no
+    # example of the first run's shards is lost or counted twice
+    folder, _ = build(tmp_path / "a", 2)
+    (folder / MANIFEST).unlink()
+    (folder / "shard-00002.safetensors").unlink()
+    resumed, cache = build(tmp_path / "a", 4)
+    assert resumed != folder and held(cache) == list(range(5)) == list(range(cache.manifest["num_examples"]))
+    # a shard file that holds other examples than its plan's is made again
+    folder, _ = build(tmp_path / "b", 2)
+    (folder / MANIFEST).unlink()
+    shutil.copyfile(folder / "shard-00000.safetensors", folder / "shard-00001.safetensors")
+    again, cache = build(tmp_path / "b", 2)
+    assert again == folder and held(cache) == list(range(5))
+    # a bfloat16 backbone, or another attention implementation, has a cache of its own
+    half = MedusaModel.from_base(tiny_model("llama").to(torch.bfloat16), num_heads=1)
+    sdpa = MedusaModel.from_base(tiny_model("llama", attn_implementation="sdpa"), num_heads=1)
+    folders = {build(tmp_path / "c", 2, backbone)[0] for backbone in (model, half, sdpa)}
+    assert len(folders) == 3
+    assert {json.loads((f / MANIFEST).read_text())["model"]["dtype"] for f in folders} == {"float32", "bfloat16"}
+    # a fingerprint naming other settings than the model's is refused
+    with pytest.raises(ValueError, match="runs in bfloat16 with 'eager' attention, but its fingerprint says float32"):
+        build(tmp_path / "d", 2, half, {"name": "tiny", "dtype": "float32", "attn_implementation": None})
+    with pytest.raises(ValueError, match="'sdpa' attention, but its fingerprint says float32 with 'eager'"):
+        build(tmp_path / "d", 2, sdpa, {"name": "tiny", "dtype": "float32", "attn_implementation": "eager"})
 
 
 # ---------------------------------------------------------------------------------------------
