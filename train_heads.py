@@ -187,7 +187,8 @@ def stage_features(config: TrainConfig, accelerator: Any, train: list[dict], hel
             build_feature_cache(model, examples, root, info, topk=topk, batch_size=f.batch_size,
                                 shard_examples=f.shard_examples, dtype=f.dtype, rank=accelerator.process_index,
                                 world_size=accelerator.num_processes, barrier=accelerator.wait_for_everyone,
-                                progress=config.log.progress and accelerator.is_main_process, captured=captured)
+                                progress=config.log.progress and accelerator.is_main_process, captured=captured,
+                                pack=config.data.pack)
             if captured is not None:
                 manifest = json.loads((folders[name] / MANIFEST).read_text())
                 say(accelerator, f"features: {manifest['captured_examples']} of {len(examples)} {name} examples "
@@ -243,7 +244,8 @@ def stage_train(config: TrainConfig, accelerator: Any, train: list[dict], folder
             module = tr.new_heads_module(config, medusa.lm_head.weight, getattr(medusa.lm_head, "bias", None),
                                          medusa.logit_softcap, model_type, token_map,
                                          base.get_input_embeddings().weight)
-            task = tr.Medusa1Task(config, module, tr.LiveFeatures(medusa, train, h.num_heads, token_map, topk))
+            task = tr.Medusa1Task(config, module, tr.LiveFeatures(medusa, train, h.num_heads, token_map, topk,
+                                                                       config.data.pack))
         else:
             from medusa_train.lora import add_lora
 
@@ -304,7 +306,7 @@ def heldout_accuracy(config: TrainConfig, accelerator: Any, heldout: list[dict],
 
         base = merge_adapter(base, paths.final / ADAPTER_DIR)  # as from_pretrained does
     medusa = MedusaModel(base, heads).eval()
-    source = tr.LiveFeatures(medusa, heldout, mconfig.num_heads, token_map, 0)
+    source = tr.LiveFeatures(medusa, heldout, mconfig.num_heads, token_map, 0, config.data.pack)
     size = config.training.batch_size
     batches = (source.batch(torch.arange(i, min(i + size, len(source)))) for i in range(0, len(source), size))
     return mconfig, heads, ev.head_accuracy(medusa.head_logits, batches, config.eval.top_k, device=medusa.device)

@@ -340,21 +340,17 @@ def load_or_build_dataset(
     max_length: int,
     cache_dir: str | Path,
     system_prompt: str | None = None,
-    pack: bool = False,
 ) -> Dataset:
     """The tokenised dataset of ``rows_path`` (JSONL or a saved ``datasets`` folder), from the
     cache when it holds one for the same rows, tokenizer, template and settings; otherwise built
     and saved to ``cache_dir/tokenized-<key>`` (written aside, then renamed into place).
 
-    ``pack=True`` is refused: packing was removed (packed examples attended to each other).
+    One row per example: packing happens per batch, in the forward passes that pay for padding
+    (``data.pack``, ``medusa_train.features.pad_batch``).
 
     Raises:
-        ValueError: no row gave an example (the counts say why), or ``pack`` is set.
+        ValueError: no row gave an example (the counts say why).
     """
-    if pack:
-        raise ValueError("pack=True: packing examples into one sequence is not supported (it was removed: packed "
-                         "examples attended to each other); pass pack=False, the feature cache sorts examples by "
-                         "length to cut padding instead")
     key = dataset_cache_key(rows_path, tokenizer, max_length, system_prompt)
     target = Path(cache_dir) / f"tokenized-{key[:24]}"
     if (target / "dataset_info.json").is_file():

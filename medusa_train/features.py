@@ -161,9 +161,16 @@ def cache_key(model: Mapping[str, Any], data_hash: str, topk: int, dtype: str, c
 # Blocks: features of a batch of examples
 
 
-def pad_batch(examples: Sequence[Mapping[str, Any]], pad_id: int = 0) -> dict[str, torch.Tensor]:
+def pad_batch(examples: Sequence[Mapping[str, Any]], pad_id: int = 0, pack: bool = False) -> dict[str, torch.Tensor]:
     """Right-padded ``input_ids``, ``labels`` (``IGNORE`` on padding), ``attention_mask``,
-    ``position_ids``, all ``[B, L]``, and ``lengths`` ``[B]``."""
+    ``position_ids``, all ``[B, L]``, and ``lengths`` ``[B]``.
+
+    With ``pack`` the batch also holds the layout a forward runs on instead (``batch_hidden``):
+    the examples laid end to end in as few rows of ``L`` tokens as first-fit decreasing finds
+    (``pack_rows``): ``packed_ids`` and ``packed_positions`` ``[R, L]``, positions restarting at 0
+    for every example (and for a row's padded tail), and ``slot_row`` / ``slot_start`` ``[B]``,
+    where each example starts. The padded tensors stay: the targets are read from them.
+    """
     lengths = [len(e["input_ids"]) for e in examples]
     width = max(lengths)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
@@ -174,8 +181,98 @@ def pad_batch(examples: Sequence[Mapping[str, Any]], pad_id: int = 0) -> dict[st
         labels[row, :length] = _as_long(example["labels"])
         mask[row, :length] = 1
     positions = torch.arange(width).expand(len(examples), width).clone()
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask, "position_ids": positions,
-            "lengths": torch.tensor(lengths, dtype=torch.long)}
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": mask, "position_ids": positions,
+             "lengths": torch.tensor(lengths, dtype=torch.long)}
+    if pack:
+        rows = pack_rows(lengths, width)
+        packed_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        packed_positions = torch.zeros((len(rows), width), dtype=torch.long)
+        slot_row = torch.zeros(len(examples), dtype=torch.long)
+        slot_start = torch.zeros(len(examples), dtype=torch.long)
+        for r, members in enumerate(rows):
+            start = 0
+            for i in members:
+                packed_ids[r, start : start + lengths[i]] = ids[i, : lengths[i]]
+                packed_positions[r, start : start + lengths[i]] = torch.arange(lengths[i])
+                slot_row[i], slot_start[i] = r, start
+                start += lengths[i]
+            packed_positions[r, start:] = torch.arange(width - start)  # the tail: a sequence of its own
+        batch.update(packed_ids=packed_ids, packed_positions=packed_positions, slot_row=slot_row,
+                     slot_start=slot_start)
+    return batch
+
+
+def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
+    """Indices of ``lengths`` grouped into rows of at most ``width`` tokens, first-fit decreasing
+    (longest first, each into the first row it fits; ties keep their order)."""
+    if any(n > width for n in lengths):
+        raise ValueError(f"an example of {max(lengths)} tokens does not fit rows of width={width}")
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        r = next((r for r, left in enumerate(room) if left >= lengths[i]), None)
+        if r is None:
+            rows.append([])
+            room.append(width)
+            r = len(rows) - 1
+        rows[r].append(i)
+        room[r] -= lengths[i]
+    return rows
+
+
+def batch_hidden(model: Any, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Final hidden states ``[B, L, H]`` of ``pad_batch``'s batch by ``model`` (a ``MedusaModel``),
+    in the padded layout whichever layout ran.
+
+    A packed batch runs with its restarting position ids and no attention mask, from which
+    transformers keeps each example's attention within the example (``check_packed_attention``
+    verifies that a model does); the rows are then gathered back per example.
+    """
+    device = model.device
+    if "packed_ids" not in batch:
+        return model(batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
+                     position_ids=batch["position_ids"].to(device), logits_positions=slice(0, 0)).hidden_states
+    hidden = model(batch["packed_ids"].to(device), attention_mask=None,
+                   position_ids=batch["packed_positions"].to(device), logits_positions=slice(0, 0)).hidden_states
+    lengths = batch["lengths"].to(device)
+    start = batch["slot_start"].to(device).unsqueeze(1)
+    columns = torch.minimum(start + torch.arange(int(lengths.max()), device=device),
+                            start + lengths.unsqueeze(1) - 1)  # padding repeats the example's last state
+    return hidden[batch["slot_row"].to(device).unsqueeze(1), columns]
+
+
+def check_packed_attention(model: Any) -> None:
+    """Raise ``ValueError`` unless ``model`` (a ``MedusaModel``) keeps packed examples apart: the
+    hidden states of three random examples packed two to a row must match their padded forward.
+
+    transformers builds a per-example mask from restarting position ids when a model uses its
+    mask utilities with a mask-aware attention; a model that does not would let each packed
+    example attend to the ones before it in its row, silently.
+    """
+    vocab = model.lm_head.weight.shape[0]
+    generator = torch.Generator().manual_seed(0)
+    examples = [{"input_ids": torch.randint(vocab, (n,), generator=generator).tolist(), "labels": [IGNORE] * n}
+                for n in (9, 6, 3)]
+    modes = {module: module.training for module in model.modules()}
+    model.eval()  # dropout (LoRA's, say) would make the two forwards differ anyway
+    try:
+        with torch.no_grad():
+            apart = batch_hidden(model, pad_batch(examples)).float()
+            packed = batch_hidden(model, pad_batch(examples, pack=True)).float()
+    finally:
+        for module, training in modes.items():  # as they were, module by module
+            module.training = training
+    valid = pad_batch(examples)["attention_mask"].bool().to(apart.device)
+    error = ((apart - packed)[valid].abs().max() / apart[valid].abs().max().clamp(min=1e-6)).item()
+    tolerance = 1e-3 if model.dtype == torch.float32 else 3e-2
+    if not error <= tolerance:
+        config = model.base_model.config
+        raise ValueError(
+            f"data.pack: {config.model_type} with attention {config._attn_implementation!r} lets packed examples "
+            f"attend to each other (their hidden states differ from padded ones by {error:.3g} relative, more "
+            f"than {tolerance}); set data.pack=false, or load the model with an attention transformers packs "
+            "(model.attn_implementation: sdpa, eager or flash_attention_2)"
+        )
 
 
 def block_from_hidden(
@@ -329,16 +426,9 @@ def soft_labels(block: Block, soft_row: torch.Tensor, token_map: torch.Tensor | 
 
 def _backbone_block(model: Any, batch: dict[str, torch.Tensor], topk: int, example_index: torch.Tensor,
                     hidden_dtype: torch.dtype) -> Block:
-    """Run ``model`` (a ``MedusaModel``) on a padded batch and make its block on the CPU."""
-    device = model.device
+    """Run ``model`` (a ``MedusaModel``) on a ``pad_batch`` batch and make its block on the CPU."""
     with torch.no_grad():
-        out = model(
-            batch["input_ids"].to(device),
-            attention_mask=batch["attention_mask"].to(device),
-            position_ids=batch["position_ids"].to(device),
-            logits_positions=slice(0, 0),
-        )
-        block = block_from_hidden(out.hidden_states, batch["input_ids"], batch["labels"], batch["lengths"],
+        block = block_from_hidden(batch_hidden(model, batch), batch["input_ids"], batch["labels"], batch["lengths"],
                                   model.project, topk, example_index, hidden_dtype)
     return {name: tensor.cpu() for name, tensor in block.items()}
 
@@ -378,6 +468,7 @@ def build_feature_cache(
     barrier: Any = None,
     progress: bool = True,
     captured: CapturedHidden | None = None,
+    pack: bool = False,
 ) -> Path:
     """Extract (or find) the feature cache of ``examples``; return its folder.
 
@@ -396,6 +487,8 @@ def build_feature_cache(
             manifest.
         captured: a ``medusa_train.captured.CapturedHidden``: the examples whose states were kept
             while distilling take them from there, the others are run through the backbone.
+        pack: run each batch packed (``pad_batch``; checked first by ``check_packed_attention``).
+            The same features as padded batches (to float rounding), so not part of the key.
     """
     start_time = time.perf_counter()
     model_info = backbone_fingerprint(model, model_info)
@@ -403,6 +496,8 @@ def build_feature_cache(
                                     shard_examples)
     if (folder / MANIFEST).is_file():
         return folder
+    if pack:
+        check_packed_attention(model)
     folder.mkdir(parents=True, exist_ok=True)
     order = sorted(range(len(examples)), key=lambda i: -len(examples[i]["input_ids"]))
     shards = [order[i : i + shard_examples] for i in range(0, len(order), shard_examples)]
@@ -426,7 +521,7 @@ def build_feature_cache(
         reused = len(shards[shard_id]) - len(forward)
         for i in range(0, len(forward), batch_size):
             chosen = forward[i : i + batch_size]
-            batch = pad_batch([examples[j] for j in chosen], pad_id)
+            batch = pad_batch([examples[j] for j in chosen], pad_id, pack=pack)
             blocks.append(_backbone_block(model, batch, topk, _as_long(chosen), DTYPES[dtype]))
             bar.update(len(chosen))
         block = {name: tensor.contiguous() for name, tensor in concat_blocks(blocks).items()}

@@ -83,6 +83,11 @@ class DataSection:
             ``{backend: openai, endpoint: http://127.0.0.1:8000}`` to distil through vLLM (or
             ``data.distill_options.backend=openai`` on the command line); not the ones this
             recipe's other keys set (``medusa_train.distill.RECIPE_KEYS``).
+        pack: every backbone forward of training (feature extraction, Medusa-2, Medusa-1
+            without the feature cache) lays its batch's examples end to end in as few rows as fit
+            instead of padding each to the longest (``medusa_train.features.pad_batch``); position
+            ids restart per example and attention stays within it, which is checked on the model
+            before use. The same features and losses as padding, to float rounding, on fewer tokens.
     """
 
     prompts: str | None = None
@@ -96,6 +101,7 @@ class DataSection:
     system_prompt: str | None = None
     heldout_fraction: float = 0.1
     distill_options: dict[str, Any] = field(default_factory=dict)
+    pack: bool = False
 
 
 @dataclass
@@ -753,10 +759,12 @@ def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | Non
             not rows_file.is_file() or kept_states(rows_file) is not None)
         source = ("the distillation's hidden states, the backbone where they do not cover an example" if kept
                   else "backbone once over the data")
-        stages.append(Stage("features", str(feats), _feature_rows(config) is not None, f"{source}, {soft}"))
+        packed = ", batches packed" if d.pack else ""
+        stages.append(Stage("features", str(feats), _feature_rows(config) is not None, f"{source}, {soft}{packed}"))
+    live = d.pack and not config.uses_feature_cache  # training runs the backbone
     stages += [
         Stage("train", str(paths.final), (paths.final / "config.json").is_file(),
-              f"{t.mode}, {total} steps, loss {t.loss}"),
+              f"{t.mode}, {total} steps, loss {t.loss}" + (", batches packed" if live else "")),
         Stage("evaluate", str(paths.heads), (paths.heads / "config.json").is_file(),
               f"top-1..{config.eval.top_k} accuracy on held-out data, {config.eval.tree_size}-node tree"),
     ]

@@ -39,7 +39,9 @@ from medusa_infer.config import MedusaConfig
 from medusa_infer.heads import MedusaHeads
 from medusa_train.features import (
     FeatureDataset,
+    batch_hidden,
     block_from_hidden,
+    check_packed_attention,
     pad_batch,
     rows_from_block,
     soft_labels,
@@ -106,8 +108,7 @@ class JointModule(nn.Module):
         self.topk = topk
 
     def _hidden(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return self.medusa(batch["input_ids"], attention_mask=batch["attention_mask"],
-                           position_ids=batch["position_ids"], logits_positions=slice(0, 0)).hidden_states
+        return batch_hidden(self.medusa, batch)
 
     def forward(self, batch: Mapping[str, torch.Tensor], joint: bool, num_heads: int) -> dict[str, torch.Tensor]:
         medusa = self.medusa
@@ -139,28 +140,27 @@ class JointModule(nn.Module):
 
 
 class LiveFeatures:
-    """Medusa-1 rows computed on the fly by a frozen backbone (``MedusaModel``), per sequence."""
+    """Medusa-1 rows computed on the fly by a frozen backbone (``MedusaModel``), per sequence;
+    ``pack``: each batch's examples run packed (``pad_batch``), checked first
+    (``check_packed_attention``)."""
 
     unit = "sequences"
 
     def __init__(self, model: Any, examples: Sequence[Mapping[str, Any]], num_heads: int,
-                 token_map: torch.Tensor | None, topk: int) -> None:
+                 token_map: torch.Tensor | None, topk: int, pack: bool = False) -> None:
         self.model, self.examples, self.num_heads = model, examples, num_heads
-        self.token_map, self.topk = token_map, topk
+        self.token_map, self.topk, self.pack = token_map, topk, pack
         self.vocab_size = model.lm_head.weight.shape[0]
+        if pack:
+            check_packed_attention(model)
 
     def __len__(self) -> int:
         return len(self.examples)
 
     def batch(self, index: torch.Tensor) -> dict[str, torch.Tensor]:
-        batch = pad_batch([self.examples[i] for i in index.tolist()])
+        batch = pad_batch([self.examples[i] for i in index.tolist()], pack=self.pack)
         with torch.no_grad():
-            hidden = self.model(
-                batch["input_ids"].to(self.model.device),
-                attention_mask=batch["attention_mask"].to(self.model.device),
-                position_ids=batch["position_ids"].to(self.model.device),
-                logits_positions=slice(0, 0),
-            ).hidden_states
+            hidden = batch_hidden(self.model, batch)
             block = block_from_hidden(hidden, batch["input_ids"], batch["labels"], batch["lengths"],
                                       self.model.project, self.topk)
         rows = FeatureDataset(block, self.num_heads, self.token_map, self.vocab_size, soft=self.topk > 0)
@@ -245,7 +245,8 @@ class Medusa1Task:
 
 
 class Medusa2Task:
-    """LoRA backbone + heads (``JointModule``) over padded sequences."""
+    """LoRA backbone + heads (``JointModule``) over padded sequences, or packed ones with
+    ``data.pack`` (checked first: ``check_packed_attention``)."""
 
     def __init__(self, config: TrainConfig, module: JointModule, examples: Sequence[Mapping[str, Any]],
                  token_map: torch.Tensor | None, pad_id: int = 0) -> None:
@@ -253,6 +254,8 @@ class Medusa2Task:
         self.source = examples
         self.token_map, self.pad_id = token_map, pad_id
         self.vocab_size = module.medusa.config.vocab_size
+        if config.data.pack:
+            check_packed_attention(module.medusa)
 
     def param_groups(self) -> list[dict[str, Any]]:
         t = self.config.training
@@ -271,8 +274,9 @@ class Medusa2Task:
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         t = self.config.training
         joint = step >= t.stage1_steps
-        batch = {k: v.to(accelerator.device) for k, v in pad_batch([self.examples[i] for i in index.tolist()],
-                                                                     self.pad_id).items()}
+        examples = [self.examples[i] for i in index.tolist()]
+        batch = pad_batch(examples, self.pad_id, pack=self.config.data.pack)
+        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
         out = module(batch, joint, self.config.heads.num_heads)
         targets = to_head_vocab(out["targets"], self.token_map, self.vocab_size)
         soft_ids = out.get("soft_ids")

@@ -188,9 +188,6 @@ def test_load_or_build_dataset_caches(tmp_path, smol, monkeypatch):
     rows_path.write_text(rows_path.read_text() + json.dumps({"id": "6", "prompt": "Q", "response": "A"}) + "\n")
     assert len(load_or_build_dataset(rows_path, smol, 128, cache)) == 7
     assert len(list(cache.glob("tokenized-*"))) == 4
-    # packing was removed: packed examples attended to each other
-    with pytest.raises(ValueError, match="pack=True: packing .* not supported"):
-        load_or_build_dataset(rows_path, smol, 128, cache, pack=True)
     assert not list(cache.glob(".tokenized-*"))  # no leftover partial folders
 
 
