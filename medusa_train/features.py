@@ -206,7 +206,8 @@ def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
     """Indices of ``lengths`` grouped into rows of at most ``width`` tokens, first-fit decreasing
     (longest first, each into the first row it fits; ties keep their order)."""
     if any(n > width for n in lengths):
-        raise ValueError(f"an example of {max(lengths)} tokens does not fit rows of width={width}")
+        raise ValueError(f"an example of {max(lengths)} tokens does not fit rows of width={width}; "
+                         "make the rows at least as wide as the longest example")
     rows: list[list[int]] = []
     room: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
@@ -220,20 +221,33 @@ def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
     return rows
 
 
-def batch_hidden(model: Any, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def one_row_packing(model: Any) -> bool:
+    """Whether ``model``'s attention takes packed examples only in a batch of one row: flash
+    attention's variable-length path, which transformers enters from restarting position ids only
+    when the batch has one row (with more, it attends causally across each row)."""
+    return "flash" in str(getattr(model.base_model.config, "_attn_implementation", ""))
+
+
+def batch_hidden(model: Any, batch: Mapping[str, torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
     """Final hidden states ``[B, L, H]`` of ``pad_batch``'s batch by ``model`` (a ``MedusaModel``),
-    in the padded layout whichever layout ran.
+    in the padded layout whichever layout ran, on ``device`` (default: the model's).
 
     A packed batch runs with its restarting position ids and no attention mask, from which
     transformers keeps each example's attention within the example (``check_packed_attention``
-    verifies that a model does); the rows are then gathered back per example.
+    verifies that a model does): for eager and SDPA attention as rows of a mask it builds, for flash
+    attention (``one_row_packing``) as one row, all the rows end to end. The hidden states are then
+    gathered back per example.
     """
-    device = model.device
+    device = model.device if device is None else device
     if "packed_ids" not in batch:
         return model(batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
                      position_ids=batch["position_ids"].to(device), logits_positions=slice(0, 0)).hidden_states
-    hidden = model(batch["packed_ids"].to(device), attention_mask=None,
-                   position_ids=batch["packed_positions"].to(device), logits_positions=slice(0, 0)).hidden_states
+    ids, positions = batch["packed_ids"].to(device), batch["packed_positions"].to(device)
+    rows, width = ids.shape
+    if one_row_packing(model):
+        ids, positions = ids.reshape(1, -1), positions.reshape(1, -1)
+    hidden = model(ids, attention_mask=None, position_ids=positions, logits_positions=slice(0, 0)).hidden_states
+    hidden = hidden.reshape(rows, width, -1)
     lengths = batch["lengths"].to(device)
     start = batch["slot_start"].to(device).unsqueeze(1)
     columns = torch.minimum(start + torch.arange(int(lengths.max()), device=device),
@@ -247,7 +261,8 @@ def check_packed_attention(model: Any) -> None:
 
     transformers builds a per-example mask from restarting position ids when a model uses its
     mask utilities with a mask-aware attention; a model that does not would let each packed
-    example attend to the ones before it in its row, silently.
+    example attend to the ones before it in its row, silently. The probe runs in eval mode (no
+    dropout) and restores each module's mode.
     """
     vocab = model.lm_head.weight.shape[0]
     generator = torch.Generator().manual_seed(0)
@@ -267,11 +282,14 @@ def check_packed_attention(model: Any) -> None:
     tolerance = 1e-3 if model.dtype == torch.float32 else 3e-2
     if not error <= tolerance:
         config = model.base_model.config
+        attention = config._attn_implementation
+        fix = ("set data.pack=false: this model (or this transformers version) builds no per-example mask from "
+               "restarting position ids" if attention in ("sdpa", "eager") else
+               "set data.pack=false, or load the model with model.attn_implementation sdpa or eager, with which "
+               "transformers keeps them apart")
         raise ValueError(
-            f"data.pack: {config.model_type} with attention {config._attn_implementation!r} lets packed examples "
-            f"attend to each other (their hidden states differ from padded ones by {error:.3g} relative, more "
-            f"than {tolerance}); set data.pack=false, or load the model with an attention transformers packs "
-            "(model.attn_implementation: sdpa, eager or flash_attention_2)"
+            f"data.pack: {config.model_type} with attention {attention!r} does not keep packed examples apart: "
+            f"three examples run packed and padded differ by {error:.3g} relative (more than {tolerance}); {fix}"
         )
 
 

@@ -84,10 +84,12 @@ class DataSection:
             ``data.distill_options.backend=openai`` on the command line); not the ones this
             recipe's other keys set (``medusa_train.distill.RECIPE_KEYS``).
         pack: every backbone forward of training (feature extraction, Medusa-2, Medusa-1
-            without the feature cache) lays its batch's examples end to end in as few rows as fit
-            instead of padding each to the longest (``medusa_train.features.pad_batch``); position
-            ids restart per example and attention stays within it, which is checked on the model
-            before use. The same features and losses as padding, to float rounding, on fewer tokens.
+            without the feature cache, held-out evaluation without it) lays its batch's examples
+            end to end in as few rows as fit instead of padding each to the longest
+            (``medusa_train.features.pad_batch``); position ids restart per example and attention
+            stays within it, which is checked on the model before use. The same features and
+            losses as padding, to float rounding, on fewer tokens. A resumed run keeps the setting
+            it started with.
     """
 
     prompts: str | None = None

@@ -108,7 +108,7 @@ class JointModule(nn.Module):
         self.topk = topk
 
     def _hidden(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return batch_hidden(self.medusa, batch)
+        return batch_hidden(self.medusa, batch, batch["input_ids"].device)
 
     def forward(self, batch: Mapping[str, torch.Tensor], joint: bool, num_heads: int) -> dict[str, torch.Tensor]:
         medusa = self.medusa
@@ -318,7 +318,9 @@ class Medusa2Task:
 def _resume_fingerprint(config: TrainConfig) -> dict[str, Any]:
     data = config.to_dict()
     training = {k: v for k, v in data["training"].items() if k not in _RESUME_IGNORES}
-    return {"model": data["model"], "data": data["data"], "heads": data["heads"], "training": training,
+    # data.pack only when set: checkpoints from before the key existed were unpacked runs
+    section = {k: v for k, v in data["data"].items() if k != "pack" or v}
+    return {"model": data["model"], "data": section, "heads": data["heads"], "training": training,
             "lora": data["lora"] if config.training.mode == "medusa2" else None,
             "features_topk": config.soft_label_topk,
             # what the features a checkpoint trained on were made from and stored as

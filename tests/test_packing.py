@@ -26,6 +26,12 @@ from test_training import counting_examples, recipe, tiny_dir, train_log, write_
 from tiny import ARCHITECTURES, sliding_window_base, tiny_model
 
 
+def sized_examples(lengths: list[int], seed: int = 0) -> list[dict]:
+    """Counting examples of the given lengths (at most 20 each)."""
+    return [{"input_ids": e["input_ids"][:n], "labels": e["labels"][:n]}
+            for e, n in zip(counting_examples(len(lengths), seed), lengths)]
+
+
 def mixed_examples(n: int, seed: int) -> list[dict]:
     """Counting examples cut to lengths from 6 to 39, so that short ones share rows."""
     rng = random.Random(seed)
@@ -43,7 +49,8 @@ def test_pack_rows_is_first_fit_decreasing_and_places_every_example_once():
         rows = pack_rows(lengths, width)
         assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
         assert all(sum(lengths[i] for i in row) <= width for row in rows)
-        # first fit: no example could have gone into an earlier row
+        # first fit: an earlier row whose members all came before example i (as long or longer)
+        # had no room for it
         for r, row in enumerate(rows):
             for i in row:
                 assert all(sum(lengths[j] for j in rows[q]) + lengths[i] > width for q in range(r)
@@ -83,11 +90,37 @@ def test_packed_forward_equals_padded_forward(arch, attn):
 def test_packed_forward_keeps_sliding_windows_per_example():
     # gemma3: one sliding layer of 4 positions, one full; a window counts from each example's start
     model = MedusaModel.from_base(sliding_window_base("gemma3_text", 4, "sdpa"), num_heads=1)
-    examples = mixed_examples(5, seed=4)
+    examples = sized_examples([20, 9, 11, 6, 14], seed=4)  # rows: 20 | 14 + 6 | 11 + 9
+    check_packed_attention(model)
+    with torch.no_grad():
+        padded = batch_hidden(model, pad_batch(examples))
+        packed_batch = pad_batch(examples, pack=True)
+        packed = batch_hidden(model, packed_batch)
+    assert packed_batch["slot_start"].tolist() == [0, 11, 0, 14, 0]  # examples 1 and 3 follow another
+    valid = pad_batch(examples)["attention_mask"].bool()
+    torch.testing.assert_close(packed[valid], padded[valid], atol=1e-5, rtol=1e-4)
+
+
+def test_flash_attention_runs_the_rows_as_one(monkeypatch):
+    # flash attention packs only a batch of one row: the rows run end to end; SDPA builds the same
+    # per-example mask from the one row's restarting positions, so the layout is checked here
+    import medusa_train.features as features
+
+    model = MedusaModel.from_base(tiny_model("llama", attn_implementation="sdpa"), num_heads=1)
+    assert not features.one_row_packing(model)
+    model.base_model.config._attn_implementation = "flash_attention_2"
+    assert features.one_row_packing(model)
+    model.base_model.config._attn_implementation = "sdpa"
+    seen = []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda ids, **kw: seen.append(tuple(ids.shape)) or forward(ids, **kw))
+    monkeypatch.setattr(features, "one_row_packing", lambda m: True)
+    examples = sized_examples([20, 9, 11, 6, 14], seed=5)
     check_packed_attention(model)
     with torch.no_grad():
         padded = batch_hidden(model, pad_batch(examples))
         packed = batch_hidden(model, pad_batch(examples, pack=True))
+    assert seen[-2:] == [(5, 20), (1, 60)]  # packed: three rows of 20, end to end
     valid = pad_batch(examples)["attention_mask"].bool()
     torch.testing.assert_close(packed[valid], padded[valid], atol=1e-5, rtol=1e-4)
 
@@ -99,8 +132,8 @@ def test_a_model_that_lets_packed_examples_attend_to_each_other_is_refused(monke
     check_packed_attention(model)
     # as a transformers (or a model) that does not detect packed sequences from position ids would
     monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda position_ids: None)
-    with pytest.raises(ValueError, match=r"data.pack: llama with attention 'sdpa' lets packed examples attend to "
-                                         r"each other .* set data.pack=false"):
+    with pytest.raises(ValueError, match=r"data.pack: llama with attention 'sdpa' does not keep packed examples "
+                                         r"apart: .* set data.pack=false: this model \(or this transformers"):
         check_packed_attention(model)
     with pytest.raises(ValueError, match="data.pack"):
         tr.LiveFeatures(model, counting_examples(2), 3, None, 0, pack=True)
@@ -124,19 +157,38 @@ def test_the_check_runs_without_dropout_and_keeps_the_mode():
         assert {name: m.training for name, m in model.named_modules()} == before
 
 
-def test_feature_cache_from_packed_batches_equals_padded(tiny_dir, tmp_path):
+def test_feature_cache_from_packed_batches_equals_padded(tiny_dir, tmp_path, monkeypatch):
+    import medusa_train.features as features
+
     model = MedusaModel.from_base(tiny_model("llama", attn_implementation="sdpa"), num_heads=1)
-    examples = mixed_examples(13, seed=6)
+    # sorted by length, batches of 5: [20, 20, 9, 6, 5], [4, 4, 4, 3, 3], [2]; the first packs 3 rows
+    examples = sized_examples([20, 6, 9, 5, 20, 4, 4, 3, 4, 3, 2])
     info = model_fingerprint(str(tiny_dir / "model"), "float32")
     padded = FeatureCache.load(build_feature_cache(model, examples, tmp_path / "a", info, topk=4, batch_size=5,
                                                    progress=False))
+    rows = []
+
+    def spy(batch_examples, pad_id=0, pack=False):
+        batch = pad_batch(batch_examples, pad_id, pack)
+        rows.append((len(batch["packed_ids"]) if pack else None, len(batch_examples)))
+        return batch
+
+    monkeypatch.setattr(features, "pad_batch", spy)
     packed = FeatureCache.load(build_feature_cache(model, examples, tmp_path / "b", info, topk=4, batch_size=5,
                                                    progress=False, pack=True))
+    assert (3, 5) in rows  # (the probe's batches are there too)
     for name, tensor in padded.block.items():
         if tensor.is_floating_point():
             torch.testing.assert_close(packed.block[name], tensor, atol=1e-5, rtol=1e-4)
         else:
             assert torch.equal(packed.block[name], tensor), name
+
+
+def test_resume_fingerprint_has_pack_only_when_set(tiny_dir, tmp_path):
+    # checkpoints from before data.pack existed are unpacked runs: they resume as pack=false
+    fingerprints = [tr._resume_fingerprint(config_from_dict(recipe(tiny_dir, tmp_path, data={"pack": pack})))
+                    for pack in (False, True)]
+    assert "pack" not in fingerprints[0]["data"] and fingerprints[1]["data"]["pack"] is True
 
 
 def test_medusa2_loss_and_gradients_packed_equal_padded(tiny_dir, tmp_path):
