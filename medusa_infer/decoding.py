@@ -29,7 +29,7 @@ from medusa_infer.proposers.base import Proposal, Proposer, StepContext
 from medusa_infer.proposers.autoregressive import AutoregressiveProposer
 from medusa_infer.proposers.medusa import MedusaProposer
 from medusa_infer.speculation_gate import SpeculationGate, gated_step
-from medusa_infer.tree_fit import CostProfile
+from medusa_infer.tree_fit import CostProfile, fit_tree
 from medusa_infer.trees import TREE_PRESETS, get_tree, tree_depth
 
 ACCEPTANCE_RULES = ("greedy", "typical", "lossless")
@@ -238,7 +238,7 @@ class DecodeBatch:
             for row, drafts in zip(stepped, kept):
                 self.row_steps[row] += 1
                 self.row_accepted[row] += drafts
-            metrics.record_step(kept, tree.max_depth, n)
+            metrics.record_step(kept, tree.max_depth, n, proposal.fallback)
         return emitted
 
     # -- bookkeeping --------------------------------------------------------------------------
@@ -637,7 +637,14 @@ def _pad_id(model, tokenizer, stop: StopConfig) -> int:
 def make_controller(model, paths: Sequence[Sequence[int]], adaptive: bool | None,
                     step_costs: StepCosts | None = None) -> TreeController | None:
     """The adaptive-fallback controller for ``paths``, or None when ``adaptive`` is off; it
-    learns batch-1 cost ratios into ``step_costs`` when given (``adaptive.StepCosts``)."""
+    learns batch-1 cost ratios into ``step_costs`` when given (``adaptive.StepCosts``).
+
+    Heads whose calibration stored plain decoding (``config.tree == []``) get a controller too,
+    starting on plain decoding and able to grow to the fastest tree the fit found
+    (``FittedTree.speculative_paths``) when head 1's acceptance beats its calibration; pass
+    ``adaptive=False`` to keep plain decoding throughout. An empty ``paths`` on heads that have
+    a tree (an explicit ``tree=[]``) is plain decoding throughout.
+    """
     config = model.config
     known = bool(config.head_accuracies and config.cost_profile)
     if adaptive is None:
@@ -649,11 +656,17 @@ def make_controller(model, paths: Sequence[Sequence[int]], adaptive: bool | None
             "adaptive=True needs the heads' measured accuracies and cost profile in their config; "
             "run `medusa-bench --calibrate` or train with train_heads.py first"
         )
-    if not paths:
-        return None  # plain decoding already: no smaller tree to fall back to
     acceptance = config.acceptance_model()
-    return TreeController(tree_ladder(paths, acceptance=acceptance), acceptance,
-                          CostProfile.from_dict(config.cost_profile), step_costs=step_costs)
+    cost = CostProfile.from_dict(config.cost_profile)
+    if not paths:
+        if config.tree != []:
+            return None  # plain decoding asked for, on heads that have a tree
+        # calibration expected plain decoding to be fastest: start there (the controller's best rung
+        # under the calibrated acceptance), and grow to the fastest tree if acceptance beats it
+        paths = fit_tree(acceptance, cost).speculative_paths
+        if not paths:
+            return None
+    return TreeController(tree_ladder(paths, acceptance=acceptance), acceptance, cost, step_costs=step_costs)
 
 
 # The default trees, largest first: the first that fits the heads' number and top_k is used.

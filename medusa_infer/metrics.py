@@ -35,7 +35,11 @@ class GenerationMetrics:
         ttft_s: time to the first token (the prefill, sampling included).
         total_s: wall-clock seconds of the call.
         tree_nodes: sum over steps of the tree size (nodes, root included).
-        plain_steps: steps that verified the root alone (no speculation).
+        plain_steps: steps that verified the root alone (no speculation), whatever the cause: the
+            adaptive fallback, a serving gate's plain step, or a step cut to the root by
+            ``max_new_tokens`` or the context's end.
+        fallback_steps: steps on which the adaptive fallback chose plain decoding for the heads
+            (``adaptive.TreeController``; a lookup chain grafted on may still have speculated).
         recent_tree_sizes: the tree size of each of the last ``RECENT_STEPS`` steps, oldest first.
             Bounded, so a server batch that never empties (rows keep joining) does not grow it.
         rows: rows (sequences) generated.
@@ -53,6 +57,7 @@ class GenerationMetrics:
     total_s: float = 0.0
     tree_nodes: int = 0
     plain_steps: int = 0
+    fallback_steps: int = 0
     recent_tree_sizes: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     rows: int = 0
 
@@ -71,6 +76,11 @@ class GenerationMetrics:
         return self.plain_steps / self.steps if self.steps else 0.0
 
     @property
+    def adaptive_fallback_fraction(self) -> float:
+        """Share of steps on which the adaptive fallback chose plain decoding (``fallback_steps``)."""
+        return self.fallback_steps / self.steps if self.steps else 0.0
+
+    @property
     def mean_tree_size(self) -> float:
         """Mean tree size per step, root included (plain decoding: 1.0; 0.0 before any step)."""
         return self.tree_nodes / self.steps if self.steps else 0.0
@@ -86,7 +96,8 @@ class GenerationMetrics:
         later_tokens = self.new_tokens - self.rows
         return decode / later_tokens * self.rows if later_tokens > 0 else 0.0
 
-    def record_step(self, accepted: torch.Tensor | Sequence[int], offered_depth: int, tree_size: int) -> None:
+    def record_step(self, accepted: torch.Tensor | Sequence[int], offered_depth: int, tree_size: int,
+                    fallback: bool = False) -> None:
         """Count one step of a tree of ``tree_size`` nodes reaching ``offered_depth``.
 
         Args:
@@ -96,6 +107,7 @@ class GenerationMetrics:
                 and the acceptance by depth describe the output.
             offered_depth: the proposal's depth.
             tree_size: nodes verified, root included.
+            fallback: the adaptive fallback chose plain decoding for the heads this step.
         """
         accepted = torch.as_tensor(accepted, dtype=torch.long)
         rows = accepted.numel()
@@ -104,6 +116,7 @@ class GenerationMetrics:
         self.step_tokens += int(accepted.sum()) + rows
         self.tree_nodes += tree_size
         self.plain_steps += tree_size == 1
+        self.fallback_steps += bool(fallback)
         self.recent_tree_sizes.append(tree_size)
         while len(self.offered_by_depth) < offered_depth:
             self.offered_by_depth.append(0)
@@ -136,6 +149,7 @@ class GenerationMetrics:
             "total_s": round(self.total_s, 4),
             "mean_tree_size": round(self.mean_tree_size, 2),
             "fallback_fraction": round(self.fallback_fraction, 4),
+            "adaptive_fallback_fraction": round(self.adaptive_fallback_fraction, 4),
         }
 
     def summary(self) -> str:

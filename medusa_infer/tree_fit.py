@@ -18,7 +18,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -125,8 +125,8 @@ def measure_verify_cost(
     the whole curve and makes large trees look cheap: on the default model and a 2-core CPU, three
     profiles of 5 repeats read t(4) / t(1) 1.37 to 1.46, three of 20 repeats 1.43 to 1.46
     (docs/bench80-large-s25/cost_noise.log). 20 repeats of the powers of two up to 64 took about
-    10 s there. ``model`` is a ``MedusaModel``; a causal mask stands in for the tree mask (the cost
-    does not depend on the mask's pattern).
+    10 s there (the default sizes, 21 of them, take longer). ``model`` is a ``MedusaModel``; a
+    causal mask stands in for the tree mask (the cost does not depend on the mask's pattern).
     """
     sizes = sorted(set(int(n) for n in sizes) | {1})
     device, dtype = model.device, model.dtype
@@ -179,13 +179,24 @@ class FittedTree:
         paths: the chosen tree (empty: plain decoding is expected to be fastest).
         expected_tau: expected tokens per step of the chosen tree (bonus included).
         expected_speedup: expected tokens/s relative to plain decoding.
-        table: per candidate size, ``{"nodes", "tau", "cost_ratio", "speedup"}``.
+        table: per candidate size, ``{"nodes", "depth", "tau", "cost_ratio", "speedup"}`` of its
+            fastest tree.
+        speculative_paths: the fastest tree with nodes (``paths`` unless plain decoding won): what
+            an adaptive controller grows to when acceptance turns out better than calibrated.
     """
 
     paths: list[Path]
     expected_tau: float
     expected_speedup: float
     table: list[dict] = field(default_factory=list)
+    speculative_paths: list[Path] = field(default_factory=list)
+
+
+def _within_depth(model: AcceptanceModel, depth: int) -> AcceptanceModel:
+    """``model`` for the first ``depth`` heads only."""
+    if isinstance(model, Mapping):
+        return {path: prob for path, prob in model.items() if len(path) <= depth}
+    return list(model)[:depth]
 
 
 def fit_tree(
@@ -193,26 +204,46 @@ def fit_tree(
     cost: CostProfile,
     sizes: Sequence[int] = tuple(range(1, 17)) + (24, 32, 48, 64),
 ) -> FittedTree:
-    """Pick the tree size (nodes beyond the root) that maximises expected tokens per second.
+    """Pick the tree (its size, nodes beyond the root, and depth) that maximises expected tokens per second.
+
+    For each size, each depth d gets the best tree of that size within the first d heads
+    (``greedy_tree``), charged for its forward and its d heads; the fastest is the size's entry. A
+    deep tree expects more tokens than a shallow one of the same size, but pays for more heads.
 
     Args:
         head_topk_acc: the heads' measured acceptance (``trees.AcceptanceModel``): joint path
             probabilities, or ``[num_heads][k]`` probabilities that head d's rank-r token is right.
         cost: the device's verification cost profile; a tree of depth ``d`` also pays for its
             ``d`` heads (``CostProfile.head_ratio``).
-        sizes: candidate numbers of tree nodes.
+        sizes: candidate numbers of tree nodes; one larger than the accuracies allow (every path
+            ever accepted, ``tree_capacity``) stands for the largest they allow.
     """
-    table = [{"nodes": 0, "tau": 1.0, "cost_ratio": 1.0, "speedup": 1.0}]
-    best = (1.0, [], 1.0)
+    table = [{"nodes": 0, "depth": 0, "tau": 1.0, "cost_ratio": 1.0, "speedup": 1.0}]
+    best: tuple[float, list[Path], float] = (1.0, [], 1.0)
+    speculative: tuple[float, list[Path]] = (0.0, [])
     capacity = tree_capacity(head_topk_acc)
-    for n in sizes:
-        if n > capacity:  # the accuracies allow no larger useful tree
-            break
-        paths = greedy_tree(head_topk_acc, n)
-        tau = expected_accept_length(paths, head_topk_acc)
-        ratio = cost.ratio(n + 1) + cost.head_ratio(tree_depth(paths))
-        speedup = tau / ratio
-        table.append({"nodes": n, "tau": round(tau, 4), "cost_ratio": round(ratio, 4), "speedup": round(speedup, 4)})
+    if isinstance(head_topk_acc, Mapping):
+        num_heads = max((len(p) for p in head_topk_acc), default=0)
+    else:
+        num_heads = len(head_topk_acc)
+    for n in sorted({min(int(n), capacity) for n in sizes} - {0}):
+        entry = None
+        for depth in range(1, num_heads + 1):
+            within = _within_depth(head_topk_acc, depth)
+            if n > tree_capacity(within):
+                continue
+            paths = greedy_tree(within, n)
+            tau = expected_accept_length(paths, head_topk_acc)
+            ratio = cost.ratio(n + 1) + cost.head_ratio(tree_depth(paths))
+            if entry is None or tau / ratio > entry[0]:
+                entry = (tau / ratio, paths, tau, ratio)
+        if entry is None:
+            continue
+        speedup, paths, tau, ratio = entry
+        table.append({"nodes": n, "depth": tree_depth(paths), "tau": round(tau, 4), "cost_ratio": round(ratio, 4),
+                      "speedup": round(speedup, 4)})
         if speedup > best[0]:
             best = (speedup, paths, tau)
-    return FittedTree(best[1], best[2], best[0], table)
+        if speedup > speculative[0]:
+            speculative = (speedup, paths)
+    return FittedTree(best[1], best[2], best[0], table, speculative[1])

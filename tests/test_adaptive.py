@@ -79,12 +79,17 @@ def test_heads_are_charged_by_the_depth_a_tree_runs():
     assert [legacy.head_ratio(d) for d in range(1, 5)] == [0.2] * 4 and legacy.head_ratio(0) == 0.0
     with pytest.raises(ValueError, match="head_seconds"):
         CostProfile([1], [1.0], head_seconds=[-1.0])
-    # the fit charges each size's tree for its own depth
+    # the fit charges each size's tree for its own depth, and takes the depth that pays best
     fitted = fit_tree(REFERENCE_HEAD_ACCURACY, per_depth)
     for row in fitted.table[1:]:
-        depth = max(len(p) for p in greedy_tree(REFERENCE_HEAD_ACCURACY, row["nodes"]))
-        assert row["cost_ratio"] == pytest.approx(per_depth.ratio(row["nodes"] + 1) + per_depth.head_ratio(depth),
-                                                  abs=1e-4)
+        n, depth = row["nodes"], row["depth"]
+        assert row["cost_ratio"] == pytest.approx(per_depth.ratio(n + 1) + per_depth.head_ratio(depth), abs=1e-4)
+        for d in range(1, 5):
+            if n <= sum(10 ** i for i in range(1, d + 1)):
+                shallow = greedy_tree(REFERENCE_HEAD_ACCURACY[:d], n)
+                speedup = expected_accept_length(shallow, REFERENCE_HEAD_ACCURACY) / (
+                    per_depth.ratio(n + 1) + per_depth.head_ratio(tree_depth(shallow)))
+                assert row["speedup"] >= speedup - 1e-4
     assert fit_tree(REFERENCE_HEAD_ACCURACY, per_depth).table[1]["cost_ratio"] < \
         fit_tree(REFERENCE_HEAD_ACCURACY, legacy).table[1]["cost_ratio"]  # one node: head 1 only
     # the controller too: its first rungs are one node (head 1 only), its last reads all four heads
@@ -96,6 +101,30 @@ def test_heads_are_charged_by_the_depth_a_tree_runs():
     assert ratios[-1] == pytest.approx(STEEP.ratio(17) + 0.2)
     old = TreeController(ladder, REFERENCE_HEAD_ACCURACY, legacy).cost_ratios(1)
     assert old[0] == 1.0 and old[1] == pytest.approx(STEEP.ratio(2) + 0.2)  # as before head_seconds
+
+
+def test_costly_heads_make_the_fit_choose_a_shallower_tree():
+    """Where heads cost as much as a few tokens' forward, a tree that stops before the last heads
+    beats the most probable paths of the same size, which run all four."""
+    costly = CostProfile(FLAT.sizes, FLAT.seconds, "gpu-like", head_seconds=[0.05, 0.1, 0.15, 0.2])
+    fitted = fit_tree(REFERENCE_HEAD_ACCURACY, costly)
+    assert tree_depth(fitted.paths) < 4 == tree_depth(greedy_tree(REFERENCE_HEAD_ACCURACY, len(fitted.paths)))
+    deepest = max(  # the best the fit found before it weighed depth: the most probable paths of each size
+        expected_accept_length(greedy_tree(REFERENCE_HEAD_ACCURACY, n), REFERENCE_HEAD_ACCURACY)
+        / (costly.ratio(n + 1) + costly.head_ratio(tree_depth(greedy_tree(REFERENCE_HEAD_ACCURACY, n))))
+        for n in tuple(range(1, 17)) + (24, 32, 48, 64))
+    assert fitted.expected_speedup > deepest
+
+
+def test_the_largest_tree_the_accuracies_allow_is_tried():
+    # 20 paths were ever accepted: sizes 16 and 24 bracket them, and 24 stands for the 20-node tree
+    paths = {(r,): 0.5 / (r + 1) for r in range(5)}
+    paths.update({(r, s): 0.2 / (r + s + 1) for r in range(3) for s in range(5)})
+    assert len(paths) == 20
+    fitted = fit_tree(paths, FLAT)
+    assert [row["nodes"] for row in fitted.table][-2:] == [16, 20]
+    assert len(fitted.paths) == 20  # on a flat profile every accepted path pays
+    assert fit_tree(paths, FLAT, sizes=(24, 4)).table[-1]["nodes"] == 20  # unsorted sizes: each tried
 
 
 def test_an_empty_tree_is_plain_decoding_throughout():
@@ -181,8 +210,40 @@ def test_useless_heads_engage_the_fallback_and_output_stays_exact():
     reference = base.generate(prompt, max_new_tokens=60, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert torch.equal(out.sequences, reference)
     assert out.metrics.fallback_fraction > 0.6
+    # the steps the fallback itself chose (plain steps also count one cut to the root by max_new_tokens)
+    assert out.metrics.adaptive_fallback_fraction > 0.6
+    assert out.metrics.fallback_steps <= out.metrics.plain_steps
+    assert out.metrics.to_dict()["adaptive_fallback_fraction"] == round(out.metrics.adaptive_fallback_fraction, 4)
     fixed = generate(model, prompt, max_new_tokens=60, tree="tree-16", eos_token_id=[], adaptive=False)
     assert fixed.metrics.fallback_fraction < 0.05  # only the last step, cut short by max_new_tokens
+    assert fixed.metrics.fallback_steps == 0
+
+
+def test_a_plain_decoding_verdict_grows_a_tree_when_acceptance_recovers():
+    from medusa_infer.decoding import make_controller, resolve_tree
+
+    model = MedusaModel.from_base(tiny_model("llama"), num_heads=4)
+    weak = [[0.12, 0.03, 0.01]] * 4  # per rank: speculation does not pay on STEEP
+    model.config.head_accuracies = [list(itertools.accumulate(row)) for row in weak]
+    model.config.cost_profile = STEEP.to_dict()
+    fitted = fit_tree(weak, STEEP)
+    assert fitted.paths == [] and fitted.speculative_paths
+    model.config.tree = []  # what calibration stores then
+    control = make_controller(model, resolve_tree(model, None), None)
+    assert control is not None and control.rung == 0 and control.ladder[-1] == fitted.speculative_paths
+    for _ in range(40):  # head 1 had the next token at every plain step: back to a tree
+        control.choose()
+        control.observe_shadow(1.0)
+    assert control.choose() > 0
+    assert make_controller(model, [], False) is None  # adaptive=False: plain decoding throughout
+    model.config.tree = [[0]]
+    assert make_controller(model, [], None) is None  # an explicit empty tree on heads that have one
+    prompt = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    model.config.tree = []
+    out = generate(model, prompt, max_new_tokens=12, eos_token_id=[])
+    reference = model.base_model.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                          pad_token_id=0)
+    assert torch.equal(out.sequences, reference)
 
 
 def test_adaptive_without_calibration_is_a_clear_error():

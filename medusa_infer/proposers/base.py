@@ -25,11 +25,14 @@ class Proposal:
         tree: the tree's buffers (one shape for the whole batch), on the model's device.
         draft_probs: ``[batch, n - 1, vocab]`` draft distribution each chain token was sampled
             from, for stochastic drafts verified with ``min(1, p/q)``; None for deterministic ones.
+        fallback: an adaptive controller chose plain decoding for this step (counted in
+            ``GenerationMetrics.fallback_steps``).
     """
 
     tokens: torch.Tensor
     tree: TreeBuffers
     draft_probs: torch.Tensor | None = None
+    fallback: bool = False
 
 
 @dataclass

@@ -162,6 +162,11 @@ class MedusaProposer:
     def propose(self, roots: torch.Tensor, context: StepContext) -> Proposal:
         self.started = time.perf_counter()  # the step's seconds, to observe(), for the controller's step costs
         self.rung = self.controller.choose(len(context.sequences)) if self.controller is not None else 0
+        proposal = self._propose(roots, context)
+        proposal.fallback = self.controller is not None and self.rung == 0
+        return proposal
+
+    def _propose(self, roots: torch.Tensor, context: StepContext) -> Proposal:
         cache = self.trees[self.rung]
         depth = min(context.max_depth, cache.full.max_depth)
         # A cut tree (the context's end, or a serving gate's plain step) says nothing about the
