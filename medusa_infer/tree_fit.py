@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
