@@ -4,15 +4,20 @@ The controller holds a ladder of nested trees (rung 0 is plain decoding, the roo
 rung it knows the expected tokens per step under the heads' calibration, ``tau_cal(r)``, and the
 verification cost ratio ``c(r) = t(B * (nodes + 1)) / t(B)`` for a batch of ``B`` rows (a batch's
 rows share one forward, so on a CPU a tree that pays for one row can cost more than it brings
-for eight). While generating it tracks how the observed accepted tokens compare with what the
-calibration predicted for the trees actually used (``scale``, an exponential moving average),
-predicts ``tau(r) = 1 + scale * (tau_cal(r) - 1)`` and picks the rung with the highest
-``tau(r) / c(r)``. On rung 0 no tree is verified, so a proposer that can still read its heads
-reports, after each plain step, whether the token that came next was among head 1's candidates
-of the largest tree (``observe_shadow``): the ratio to the calibrated rate moves ``scale`` as a
-tree step would, at the cost of head 1's forward and no verification. Without such reports,
+for eight). While generating it tracks, depth by depth, how often the accepted path went on to
+depth d among the steps that reached d - 1, against what the calibration predicted for the trees
+actually used (``scales[d - 1]``, an exponential moving average of the observed over the
+calibrated share). It predicts ``tau(r) = 1 + sum_d reach_cal(r)[d - 1] *
+scales[0] * ... * scales[d - 1]`` and picks the rung with the highest ``tau(r) / c(r)``. So deep
+heads that degrade pull down the deep trees and leave a one-level tree's prediction as it was.
+On rung 0 no tree is verified, so a proposer that can still read its heads reports, after each
+plain step, whether the token that came next was among head 1's candidates of the largest tree
+(``observe_shadow``): the ratio to the calibrated rate moves ``scales[0]`` as a tree step
+would, at the cost of head 1's forward and no verification. Without such reports,
 every ``probe_every`` steps on rung 0 it tries the smallest tree once to see whether acceptance
-has recovered.
+has recovered. Likewise every ``probe_every`` steps on a tree shallower than the ladder's deepest
+it takes one step on the smallest tree that reaches a level further: only such steps measure the
+depths below, whose scales would otherwise keep a low mark for good.
 
 The cost ratios come from the calibration's profile, measured once in a few seconds; on a shared
 machine one noisy moment there can make a bigger tree look cheap (docs/bench80-large-s25). Given a
@@ -33,6 +38,24 @@ from typing import Sequence
 from medusa_infer.metrics import RECENT_STEPS
 from medusa_infer.tree_fit import CostProfile
 from medusa_infer.trees import AcceptanceModel, Path, expected_accept_length, path_probability, tree_depth
+
+
+def reach_probabilities(tree: Sequence[Path], acceptance: AcceptanceModel) -> list[float]:
+    """Per depth d = 1 .. the tree's depth, the probability under ``acceptance`` that a greedy
+    step's accepted path reaches depth d (``1 + sum`` of it is ``expected_accept_length``)."""
+    paths = {tuple(p) for p in tree}
+    reach = [0.0] * tree_depth(paths)
+    for path in paths:
+        reach[len(path) - 1] += path_probability(path, acceptance)
+    return reach
+
+
+def reached_shares(accepted: Sequence[int], depth: int) -> list[float]:
+    """Per depth d = 1 .. ``depth``, the share of rows whose step accepted at least d tokens beyond
+    the root (``accepted``: each row's count, the bonus token excluded)."""
+    if not accepted:
+        raise ValueError("a step has at least one row, got none")
+    return [sum(n >= d for n in accepted) / len(accepted) for d in range(1, depth + 1)]
 
 
 def tree_ladder(paths: Sequence[Path], sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
@@ -130,7 +153,8 @@ class TreeController:
             run to watch acceptance (``observe_shadow``), is left out, so the comparison leans
             towards plain decoding by that much (about 1% of a step on a 2-core CPU).
         smoothing: weight of the newest observation in the moving average.
-        probe_every: steps between probes while on plain decoding.
+        probe_every: steps between probes while on a tree shallower than the ladder's deepest
+            (plain decoding included, where shadow reports replace them).
         step_costs: learn batch-1 cost ratios from the steps taken (``StepCosts``; reported with
             ``observe_seconds``) instead of trusting the profile alone; None: the profile alone.
         explore_every: with ``step_costs``, every ``explore_every``-th step is taken on a
@@ -139,6 +163,9 @@ class TreeController:
 
     Attributes:
         history: the rung chosen at each of the last ``RECENT_STEPS`` steps, oldest first.
+        reach_cal: per rung, ``reach_probabilities`` of its tree under the calibration.
+        scales: per depth d, the observed over the calibrated share of steps whose accepted path
+            went on to depth d among those that reached d - 1 (moving averages; 1.0 until seen).
     """
 
     ladder: list[list[Path]]
@@ -146,7 +173,6 @@ class TreeController:
     cost: CostProfile
     smoothing: float = 0.2
     probe_every: int = 16
-    scale: float = 1.0
     step_costs: StepCosts | None = None
     explore_every: int = 8
     rung: int = field(init=False)
@@ -162,6 +188,8 @@ class TreeController:
         if not self.ladder or self.ladder[0]:
             raise ValueError("the ladder must start with the empty tree (plain decoding)")
         self.tau_cal = [expected_accept_length(t, self.head_topk_acc) if t else 1.0 for t in self.ladder]
+        self.reach_cal = [reach_probabilities(t, self.head_topk_acc) for t in self.ladder]
+        self.scales = [1.0] * max(max(map(len, self.reach_cal)), 1)
         first = [p for p in self.ladder[-1] if len(p) == 1]
         # head 1's ranks at the largest tree's first level, in order (empty: plain decoding only)
         self.first_level_ranks: list[int] = sorted(p[0] for p in first)
@@ -171,6 +199,7 @@ class TreeController:
         if self.explore_every < 2:
             raise ValueError(f"explore_every must be >= 2 steps, got {self.explore_every}")
         self.keys = [rung_key(t) for t in self.ladder]
+        self.depths = [tree_depth(t) for t in self.ladder]
         self._recent: deque[tuple[int, float]] = deque(maxlen=self.explore_every)  # (rung, seconds)
         self._step_cost_ratios: tuple[int, list[float]] = (-1, [])  # (StepCosts.version, ratios)
         self.rung = self._best()
@@ -202,7 +231,7 @@ class TreeController:
 
     def _best(self, batch: int = 1) -> int:
         costs = self.step_cost_ratios() if batch == 1 else self.cost_ratios(batch)
-        speeds = [(1 + self.scale * (tau - 1)) / c for tau, c in zip(self.tau_cal, costs)]
+        speeds = [(1 + self.expected_accepted(r)) / c for r, c in enumerate(costs)]
         return max(range(len(speeds)), key=speeds.__getitem__)
 
     def _neighbour(self, rung: int) -> int:
@@ -223,30 +252,52 @@ class TreeController:
         self._since_explore, self._explore_up, self._explored_from = 0, neighbour > rung, rung
         return neighbour
 
+    def _probe(self, rung: int) -> int:
+        """``rung``, or every ``probe_every`` steps on a tree shallower than the ladder's deepest, the
+        smallest rung that reaches a level further (from plain decoding: the smallest tree)."""
+        deeper = next((r for r in range(rung + 1, len(self.ladder)) if self.depths[r] > self.depths[rung]), None)
+        if deeper is None:
+            return rung
+        self._since_probe += 1
+        if self._since_probe < self.probe_every:
+            return rung
+        self._since_probe = 0
+        return deeper
+
     def choose(self, batch: int = 1) -> int:
         """The rung for the next step of a batch of ``batch`` rows (records it in ``history``)."""
         rung = self.rung if batch == 1 else self._best(batch)
         self._explored_from = None
         if batch == 1 and self.step_costs is not None and len(self.ladder) > 1:
             rung = self._explore(rung)
-        if rung == 0 and self._explored_from is None:  # a neighbour step down stays plain: its cost is the sample
-            self._since_probe += 1
-            if self._since_probe >= self.probe_every and len(self.ladder) > 1:
-                self._since_probe = 0
-                rung = 1
+        if self._explored_from is None:  # a neighbour step stays as chosen: its cost is the sample
+            rung = self._probe(rung)
         self.history.append(rung)
         self._steps += 1
         self._plain_steps += rung == 0
         return rung
 
-    def observe(self, rung: int, mean_accepted: float) -> None:
-        """Record the mean accepted tokens (bonus excluded) of a step taken on ``rung``."""
+    def observe(self, rung: int, reached: Sequence[float]) -> None:
+        """Record a step taken on ``rung``: ``reached[d - 1]`` is the share of its rows whose
+        accepted path reached depth d, the bonus token excluded (``reached_shares``); depths past
+        the list's end count as not reached. Each depth's scale moves by the share that went on
+        to it among the rows that reached the depth above, against the calibrated share; depths
+        no row reached learn nothing."""
         if rung == 0:
             return
-        expected = self.tau_cal[rung] - 1
-        if expected > 0:
-            ratio = mean_accepted / expected
-            self.scale = (1 - self.smoothing) * self.scale + self.smoothing * ratio
+        calibrated = self.reach_cal[rung]
+        if len(reached) > len(calibrated):
+            raise ValueError(f"rung {rung}'s tree is {len(calibrated)} deep; got shares for {len(reached)} depths")
+        shares = [float(x) for x in reached] + [0.0] * (len(calibrated) - len(reached))
+        if any(not 0.0 <= b <= a + 1e-9 for a, b in zip([1.0] + shares, shares)):
+            raise ValueError(f"reached shares must lie in [0, 1] and never grow with depth, got {list(reached)}")
+        above, above_cal = 1.0, 1.0
+        for d, (share, expected) in enumerate(zip(shares, calibrated)):
+            if above <= 0 or expected <= 0:
+                break
+            ratio = (share / above) / (expected / above_cal)
+            self.scales[d] = (1 - self.smoothing) * self.scales[d] + self.smoothing * ratio
+            above, above_cal = share, expected
         self.rung = self._best()
 
     def observe_seconds(self, rung: int, seconds: float) -> None:
@@ -279,9 +330,24 @@ class TreeController:
             self.scale = (1 - self.smoothing) * self.scale + self.smoothing * ratio
         self.rung = self._best()
 
+    @property
+    def scale(self) -> float:
+        """Head 1's acceptance against the calibration (``scales[0]``)."""
+        return self.scales[0]
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        self.scales[0] = value
+
     def expected_accepted(self, rung: int) -> float:
-        """Tokens a step on ``rung`` is expected to accept beyond the root, as measured so far."""
-        return max(self.scale * (self.tau_cal[rung] - 1), 0.0)
+        """Tokens a step on ``rung`` is expected to accept beyond the root, as measured so far: each
+        depth's calibrated reach times the scales down to it, never above the depth before's."""
+        total, factor, above = 0.0, 1.0, 1.0
+        for scale, reach in zip(self.scales, self.reach_cal[rung]):
+            factor *= max(scale, 0.0)
+            above = min(reach * factor, above)
+            total += above
+        return total
 
     @property
     def fallback_fraction(self) -> float:

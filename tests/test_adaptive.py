@@ -171,14 +171,14 @@ def test_controller_falls_back_and_recovers():
     assert control.expected_accepted(initial) == pytest.approx(control.tau_cal[initial] - 1)
     assert control.expected_accepted(0) == 0.0
     for _ in range(30):  # nothing accepted: fall back to plain decoding, probing now and then
-        control.observe(control.choose(), 0.0)
+        control.observe(control.choose(), [])
     assert control.rung == 0
     assert control.expected_accepted(initial) < 0.5 * (control.tau_cal[initial] - 1)  # scaled by what it saw
     tail = list(control.history)[-16:]
     assert tail.count(0) >= 14 and 1 in tail
     for _ in range(30):  # acceptance recovers: the tree grows back
         rung = control.choose()
-        control.observe(rung, control.tau_cal[rung] - 1 + 0.5)
+        control.observe(rung, [1.0] * len(control.reach_cal[rung]))  # every step took its whole depth
     assert control.rung >= initial and control.history[-1] == control.rung
 
 
@@ -268,7 +268,7 @@ def test_per_step_records_stay_bounded():
     rungs = []
     for _ in range(steps):  # nothing accepted: plain steps, and a probe every 4
         rungs.append(control.choose())
-        control.observe(rungs[-1], 0.0)
+        control.observe(rungs[-1], [])
     assert list(control.history) == rungs[-RECENT_STEPS:]
     assert 0 < rungs.count(0) < steps and control.fallback_fraction == rungs.count(0) / steps
 
@@ -287,7 +287,7 @@ def test_shadow_reports_replace_probes_and_bring_the_tree_back():
     assert initial > 0 and control.first_level_ranks == sorted(p[0] for p in ladder[-1] if len(p) == 1)
     assert 0 < control.first_level_cal <= sum(REFERENCE_HEAD_ACCURACY[0])
     for _ in range(30):
-        control.observe(control.choose(), 0.0)
+        control.observe(control.choose(), [])
     assert control.rung == 0
     for _ in range(20):  # plain steps that report misses: no probe, still plain decoding
         assert control.choose() == 0
@@ -372,7 +372,7 @@ def _simulate(control: TreeController, true_cost: CostProfile, steps: int, seed:
     rng = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         rung = control.choose()
-        control.observe(rung, control.tau_cal[rung] - 1)
+        control.observe(rung, control.reach_cal[rung])
         tree = control.ladder[rung]
         noise = 1 + 0.08 * (2 * float(torch.rand((), generator=rng)) - 1)
         ratio = true_cost.ratio(len(tree) + 1) + true_cost.head_ratio(tree_depth(tree))
@@ -438,8 +438,9 @@ def test_step_costs_pair_a_neighbour_step_with_the_steps_just_before_it():
 def test_a_due_probe_does_not_take_the_place_of_a_neighbour_step_down_to_plain_decoding():
     """Settled on rung 1 with no shadow reports, every other neighbour step goes down to plain
     decoding, and the probe's count of plain steps grows only on those. A probe falling due on
-    one used to turn it back into rung 1, losing its cost sample; every one now stays plain."""
-    ladder = tree_ladder(greedy_tree(REFERENCE_HEAD_ACCURACY, 16), acceptance=REFERENCE_HEAD_ACCURACY)
+    one used to turn it back into rung 1, losing its cost sample; every one now stays plain. (One
+    level deep throughout, so no probe for deeper levels takes a step on rung 1.)"""
+    ladder = tree_ladder([(0,), (1,), (2,), (3,)], sizes=(1, 2), acceptance=REFERENCE_HEAD_ACCURACY)
     costs = StepCosts(window=10_000)  # never full: a neighbour step every explore_every steps
     control = TreeController(ladder, REFERENCE_HEAD_ACCURACY, CPU, step_costs=costs, explore_every=2, probe_every=3)
     control.rung = 1
@@ -509,3 +510,133 @@ def test_a_cheap_size_between_powers_of_two_is_found_and_fitted():
     for other in (fit_tree(acc, powers).paths, fit_tree(acc, every, sizes=(1, 2, 3, 4, 6, 8, 12, 16)).paths):
         assert len(other) != 7
         assert expected_accept_length(other, acc) / every.ratio(len(other) + 1) < 0.95 * fitted.expected_speedup
+
+
+def test_deep_heads_that_degrade_leave_a_one_level_tree_predicted_as_calibrated():
+    """Per-depth scales: steps on the whole tree whose head 1 is as calibrated and that never go
+    past depth 1. A single scale (accepted over expected) would mark every tree down alike."""
+    from medusa_infer.adaptive import reach_probabilities
+
+    ladder = tree_ladder(greedy_tree(REFERENCE_HEAD_ACCURACY, 16), acceptance=REFERENCE_HEAD_ACCURACY)
+    control = TreeController(ladder, REFERENCE_HEAD_ACCURACY, FLAT)
+    top = len(ladder) - 1
+    for r, tree in enumerate(ladder):
+        assert 1 + sum(control.reach_cal[r]) == pytest.approx(control.tau_cal[r])
+        assert reach_probabilities(tree, REFERENCE_HEAD_ACCURACY) == control.reach_cal[r]
+    first = control.reach_cal[top][0]
+    for _ in range(60):
+        control.observe(top, [first])  # head 1 as calibrated, nothing deeper
+    assert control.scales[0] == pytest.approx(1.0)
+    assert control.scales[1] < 1e-4  # depth 2 never reached
+    assert control.scales[2:] == [1.0] * (len(control.scales) - 2)  # no step reached depth 2: nothing learned below it
+    one_level = [r for r, tree in enumerate(ladder) if tree and tree_depth(tree) == 1]
+    assert one_level, "the ladder should hold a one-level tree"
+    for r in range(1, len(ladder)):
+        assert control.expected_accepted(r) == pytest.approx(control.reach_cal[r][0], abs=1e-3)
+    single_scale = first / (control.tau_cal[top] - 1)  # what a single scale would have learned
+    assert single_scale < 0.7  # ... which would put the one-level tree at well under its calibration
+    # and the choice follows: the best rung by (1 + head 1's share) / cost
+    costs = control.cost_ratios(1)
+    assert control.rung == max(range(len(ladder)), key=lambda r: (1 + sum(control.reach_cal[r][:1])) / costs[r])
+    scales = list(control.scales)
+    with pytest.raises(ValueError, match="never grow with depth"):
+        control.observe(top, [0.2, 0.5])
+    with pytest.raises(ValueError, match="deep"):
+        control.observe(1, [0.5] * (len(control.reach_cal[1]) + 1))
+    assert control.scales == scales  # a refused report changes nothing
+
+    # head 1 at half its calibration, every deeper level as calibrated given the one above:
+    # only the first scale moves, and every tree is expected to accept half its calibration
+    control = TreeController(ladder, REFERENCE_HEAD_ACCURACY, FLAT)
+    for _ in range(60):
+        control.observe(top, [0.5 * reach for reach in control.reach_cal[top]])
+    assert control.scales[0] == pytest.approx(0.5, abs=1e-4) and control.scales[1:] == pytest.approx([1.0] * 3)
+    for r in range(1, len(ladder)):
+        assert control.expected_accepted(r) == pytest.approx(0.5 * (control.tau_cal[r] - 1), rel=1e-4)
+
+
+def test_deeper_levels_are_probed_from_a_shallow_tree_and_the_tree_grows_back():
+    """A dip in the deep heads takes the controller to a shallower tree, whose steps never reach
+    the depths below: every probe_every steps it takes one on a deeper tree, which brings it back."""
+    ladder = tree_ladder(greedy_tree(REFERENCE_HEAD_ACCURACY, 16), acceptance=REFERENCE_HEAD_ACCURACY)
+    control = TreeController(ladder, REFERENCE_HEAD_ACCURACY, CPU, probe_every=4)
+    best = control.rung
+    assert control.depths[best] >= 2, "the calibrated choice should reach below head 1"
+    for _ in range(20):  # head 1 as calibrated, nothing past it
+        rung = control.choose()
+        control.observe(rung, control.reach_cal[rung][:1])
+    assert control.depths[control.rung] < control.depths[best]
+    shallow = control.rung
+    for _ in range(8):  # a probe in every 4 steps on the shallow tree
+        control.choose()
+    assert [control.depths[r] > control.depths[shallow] for r in list(control.history)[-8:]].count(True) == 2
+    for _ in range(200):  # then every step as calibrated
+        rung = control.choose()
+        control.observe(rung, control.reach_cal[rung])
+    assert control.rung == best
+
+
+@pytest.mark.parametrize("path_input", [False, True])
+def test_a_step_with_a_lookup_chain_teaches_the_controller_the_heads_share(monkeypatch, path_input):
+    """On a step with a grafted lookup chain the controller learns how far the accepted tokens ran
+    along the heads' own nodes: what the heads' tree alone would have accepted (greedy)."""
+    from medusa_infer.decoding import make_controller
+    from medusa_infer.proposers.base import StepContext
+    from medusa_infer.proposers.medusa import MedusaProposer
+    from test_next_token_heads import heads_model
+
+    model = heads_model(True, path_input=path_input)
+    accuracy = REFERENCE_HEAD_ACCURACY[:3]
+    model.config.head_accuracies = [list(itertools.accumulate(row)) for row in accuracy]
+    model.config.cost_profile = FLAT.to_dict()
+    paths = greedy_tree(accuracy, 12)
+    reports: list[tuple[int, list[float]]] = []
+    original = TreeController.observe
+    monkeypatch.setattr(TreeController, "observe", lambda self, rung, reached: (
+        reports.append((rung, list(reached))), original(self, rung, reached))[1])
+    hidden = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    roots, context = torch.tensor([5]), StepContext([[3, 4, 5]], max_depth=8)
+
+    def step(chain: list[int]) -> tuple[dict, torch.Tensor, MedusaProposer]:
+        control = make_controller(model, paths, True)
+        assert control.rung == len(control.ladder) - 1  # FLAT: the whole tree
+        proposer = MedusaProposer(model, paths, control, lookup_tokens=len(chain))
+        monkeypatch.setattr(proposer, "_lookup", lambda *args: [chain])
+        proposer.start(context, hidden)
+        proposal = proposer.propose(roots, context)
+        assert proposer.grafted == len(chain)
+        node_of = {p: i + 1 for i, p in enumerate(proposal.tree.paths)}
+        return node_of, proposal.tokens[0], proposer
+
+    depth = tree_depth(paths)
+    node_of, tokens, proposer = step([VOCAB - 1, VOCAB - 2])
+    first, second = int(tokens[node_of[(0,)]]), int(tokens[node_of[(0, 0)]])
+    proposer.observe([[first, second, 7]], hidden, context)  # two tokens along the heads' nodes
+    assert reports[-1] == (len(proposer.controller.ladder) - 1, [1.0, 1.0] + [0.0] * (depth - 2))
+    second_level = {int(tokens[node_of[p]]) for p in paths if len(p) == 2}
+
+    heads_first = {int(tokens[node_of[p]]) for p in paths if len(p) == 1}
+    outside = [t for t in range(3, VOCAB) if t not in heads_first][:2]
+    node_of, tokens, proposer = step(outside)
+    proposer.observe([[*outside, 7]], hidden, context)  # the chain alone went on
+    assert reports[-1][1] == [0.0] * depth
+
+    stray = next(t for t in range(3, VOCAB) if t not in second_level)  # no heads' node at depth 2 holds it
+    node_of, tokens, proposer = step([first, stray])  # the chain starts with head 1's top token
+    proposer.observe([[first, stray, 7]], hidden, context)
+    assert reports[-1][1] == [1.0] + [0.0] * (depth - 1)
+    assert len(reports) == 3 and proposer.grafted_tokens is None
+
+    # two rows: one runs three deep along the heads' nodes, the other along its chain alone
+    hidden = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    roots, context = torch.tensor([5, 6]), StepContext([[3, 4, 5], [3, 4, 6]], max_depth=8)
+    proposer = MedusaProposer(model, paths, make_controller(model, paths, True), lookup_tokens=2)
+    monkeypatch.setattr(proposer, "_lookup", lambda *args: [[VOCAB - 1, VOCAB - 2], outside])
+    proposer.start(context, hidden)
+    proposal = proposer.propose(roots, context)
+    node_of = {p: i + 1 for i, p in enumerate(proposal.tree.paths)}
+    deep = next(p for p in paths if len(p) == 3)
+    along = [int(proposal.tokens[0, node_of[deep[:d]]]) for d in (1, 2, 3)]
+    assert not set(outside) & {int(proposal.tokens[1, node_of[p]]) for p in paths if len(p) == 1}
+    proposer.observe([[*along, 7], [*outside, 7]], hidden, context)
+    assert reports[-1][1] == [0.5, 0.5, 0.5] + [0.0] * (depth - 3)

@@ -153,10 +153,10 @@ def test_plain_steps_teach_the_tree_controller_nothing(model):
     ids, mask = left_pad([[5, 6, 7, 8]], 0)
     batch = DecodeBatch(model, ids, mask, proposer, SamplingConfig(), StopConfig(8), None, None)
     batch.prefill()
-    scale = proposer.controller.scale
+    scales = list(proposer.controller.scales)
     for _ in range(4):
         batch.step(speculate=False)
-    assert proposer.controller.scale == scale
+    assert proposer.controller.scales == scales
 
 
 class Forced(SpeculationGate):

@@ -45,7 +45,7 @@ class Schedule(TreeController):
     def observe_seconds(self, rung: int, seconds: float) -> None:
         self.log.append((self._tag, seconds))
 
-    def observe(self, rung: int, mean_accepted: float) -> None:
+    def observe(self, rung: int, reached: list[float]) -> None:
         pass
 
     def observe_shadow(self, hit_rate: float) -> None:

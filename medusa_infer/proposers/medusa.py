@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from medusa_infer.adaptive import TreeController
+from medusa_infer.adaptive import TreeController, reached_shares
 from medusa_infer.datastore import Datastore
 from medusa_infer.proposers.base import Proposal, StepContext
 from medusa_infer.proposers.lookup import (
@@ -48,6 +48,7 @@ class TreeCache:
         self._by_depth: dict[tuple[int, int], TreeBuffers] = {}
         self._plans: dict[tuple[int, int], list[ExpansionLevel]] = {}
         self._chains: dict[tuple[int, int], torch.Tensor] = {}
+        self._heads_children: dict[tuple[int, int], list[list[int]]] = {}
         self.full = self.at_depth(tree_depth(self.paths))
 
     def chain_nodes(self, depth: int, chain: int) -> torch.Tensor:
@@ -57,6 +58,19 @@ class TreeCache:
             self._chains[depth, chain] = torch.tensor([node_of[(self.top_k,) * d] for d in range(1, chain + 1)],
                                                       dtype=torch.long, device=self.device)
         return self._chains[depth, chain]
+
+    def heads_children(self, depth: int, chain: int) -> list[list[int]]:
+        """Per node of ``at_depth(depth, chain)`` (0: the root), its children among the heads'
+        nodes, the grafted chain's left out."""
+        if (depth, chain) not in self._heads_children:
+            paths = self.at_depth(depth, chain).paths
+            node_of = {path: i + 1 for i, path in enumerate(paths)}
+            children: list[list[int]] = [[] for _ in range(len(paths) + 1)]
+            for path in paths:
+                if max(path) < self.top_k:  # the chain's nodes sit at rank top_k
+                    children[node_of[path[:-1]] if len(path) > 1 else 0].append(node_of[path])
+            self._heads_children[depth, chain] = children
+        return self._heads_children[depth, chain]
 
     def plan(self, depth: int, chain: int = 0) -> list[ExpansionLevel]:
         """How heads that read their path fill ``at_depth(depth, chain)``'s heads' nodes."""
@@ -87,8 +101,13 @@ class MedusaProposer:
         model: a ``MedusaModel``.
         tree: validated paths (an empty list means plain decoding: the root alone).
         controller: optional adaptive controller; it then picks, every step, one of its ladder's
-            nested trees (plain decoding included) and ``tree`` is ignored. It learns only from
-            steps without a lookup branch, so what it measures is the heads' acceptance.
+            nested trees (plain decoding included) and ``tree`` is ignored. It learns the heads'
+            acceptance: on a step with a lookup branch, how far the accepted tokens run along the
+            heads' own nodes. Under greedy decoding that is what the heads' tree alone would have
+            accepted, and under lossless sampling it is distributed as that (the verifier tries
+            the heads' nodes before the chain's); under typical acceptance, which keeps the
+            longest of several accepted branches, it can fall short of it. Step seconds it learns
+            only from steps without one.
         lookup_tokens: graft a prompt-lookup chain onto the tree, of this many tokens at most
             without a cost profile (0: heads only). Rows of a batch share the chain's length; a
             shorter draft is padded with its last token, an ordinary candidate the verifier accepts
@@ -118,6 +137,7 @@ class MedusaProposer:
         self.lookup_tokens, self.lookup_ngram, self.lookup_max_tokens = lookup_tokens, lookup_ngram, lookup_max_tokens
         self.datastore = datastore
         self.grafted = 0  # length of the lookup chain in the last proposal
+        self.grafted_tokens: torch.Tensor | None = None  # [batch, n] that proposal's node tokens
         cost = model_cost(model) if lookup_tokens else None
         self.gate = LookupGate(cost) if cost is not None else None
         self.matches: list[tuple[Hashable, list[int]]] = []
@@ -216,6 +236,7 @@ class MedusaProposer:
         if self.path_heads:
             tokens = self._expand(cache, depth, chain, roots)
             tokens[:, cache.chain_nodes(depth, chain)] = draft
+            self.grafted_tokens = tokens
             return Proposal(tokens, tree)
         grid = torch.zeros(batch, tree.max_depth, k + 1, dtype=torch.long, device=roots.device)
         heads_depth = tree_depth(p for p in cache.paths if len(p) <= depth)
@@ -223,7 +244,8 @@ class MedusaProposer:
             grid[:, :heads_depth, :k] = self._candidates(cache, heads_depth, roots).view(batch, heads_depth, k)
         grid[:, :chain, k] = draft
         flat = torch.cat([roots[:, None], grid.flatten(1)], dim=1)
-        return Proposal(flat[:, tree.candidate_index], tree)
+        self.grafted_tokens = flat[:, tree.candidate_index]
+        return Proposal(self.grafted_tokens, tree)
 
     def observe(self, accepted: list[list[int]], hidden: torch.Tensor, context: StepContext) -> None:
         self.hidden = hidden
@@ -234,8 +256,26 @@ class MedusaProposer:
             following = torch.tensor([a[0] for a in accepted], device=self.shadow.device)
             self.controller.observe_shadow(float((self.shadow == following[:, None]).any(1).float().mean()))
             self.shadow = None
-        elif self.controller is not None and not self.grafted and not self.truncated:
-            self.controller.observe(self.rung, sum(len(a) - 1 for a in accepted) / len(accepted))
+        elif self.controller is not None and self.rung and not self.truncated:
+            counts = self._heads_accepted(accepted) if self.grafted else [len(a) - 1 for a in accepted]
+            self.controller.observe(self.rung, reached_shares(counts, len(self.controller.reach_cal[self.rung])))
+        self.grafted_tokens = None
+
+    def _heads_accepted(self, accepted: list[list[int]]) -> list[int]:
+        """Per row of the last (grafted) step, how many of its accepted tokens the heads' own
+        nodes hold in a row from the root: a path along them, the lookup chain's left out."""
+        cache = self.trees[self.rung]
+        children = cache.heads_children(cache.full.max_depth, self.grafted)  # observed steps are not cut
+        counts = []
+        for row, tokens in zip(self.grafted_tokens.tolist(), accepted):
+            node, count = 0, 0
+            for token in tokens[:-1]:  # the last is the step's bonus token, no node's
+                node = next((c for c in children[node] if row[c] == token), -1)
+                if node < 0:
+                    break
+                count += 1
+            counts.append(count)
+        return counts
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.hidden = self.hidden.index_select(0, rows)
