@@ -205,7 +205,10 @@ class TreeController:
         self.rung = self._best()
 
     def cost_ratios(self, batch: int) -> list[float]:
-        """Per rung, ``t(batch * (nodes + 1)) / t(batch)`` plus the heads its tree runs (rung 0: 1)."""
+        """Per rung, ``t(batch * (nodes + 1)) / t(batch)`` plus the heads its tree runs (rung 0: 1).
+        The heads' share is the one measured at one row (``CostProfile.head_ratio``): taken to grow
+        with the rows as the backbone's forward does, both being linear layers (not measured at
+        more than one row)."""
         if batch < 1:
             raise ValueError(f"batch size must be >= 1, got {batch}")
         if batch not in self._cost_ratios:
