@@ -44,7 +44,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="shortest n-gram --method lookup accepts as a match (longer: fewer, surer drafts)")
     parser.add_argument("--layerskip-layers", type=int, default=None,
                         help="target layers used as the draft by --method layerskip (default: a third)")
-    parser.add_argument("--tree", help="tree preset for --method medusa only (default: the heads' own tree)")
+    parser.add_argument("--tree", help="--method medusa only: a tree preset, or fitted-N for the N-node tree fitted to "
+                        "the heads' measured accuracies (default: the heads' own tree)")
     parser.add_argument("--lookup-tokens", type=int, default=0,
                         help="--method medusa: also graft a prompt-lookup chain of up to N tokens onto the tree "
                              "(0: heads only; with a cost profile, the length that pays, up to 16)")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from medusa_infer.proposers.autoregressive import AutoregressiveProposer
 from medusa_infer.proposers.medusa import MedusaProposer
 from medusa_infer.speculation_gate import SpeculationGate, gated_step
 from medusa_infer.tree_fit import CostProfile, fit_tree
-from medusa_infer.trees import TREE_PRESETS, get_tree, tree_depth
+from medusa_infer.trees import TREE_PRESETS, get_tree, greedy_tree, tree_depth
 
 ACCEPTANCE_RULES = ("greedy", "typical", "lossless")
 
@@ -556,8 +557,10 @@ def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> Generati
         acceptance: ``"greedy"`` (default without sampling; output identical to greedy
             decoding), ``"typical"`` (Medusa-2 typical acceptance) or ``"lossless"`` (default with
             sampling; the output has exactly the model's sampling distribution).
-        tree: a preset name or a list of paths (an empty list: plain decoding); default: the heads'
-            stored tree, else the largest of ``DEFAULT_TREES`` their number and ``top_k`` allow.
+        tree: a preset name, ``fitted-N`` (the N-node tree fitted to the heads' measured
+            accuracies, ``resolve_tree``) or a list of paths (an empty list: plain decoding);
+            default: the heads' stored tree, else the largest of ``DEFAULT_TREES`` their number
+            and ``top_k`` allow.
         adaptive: shrink the tree (down to plain decoding) while acceptance is too low for
             speculation to pay under the heads' measured cost profile, and grow it back; default:
             on when the heads' config holds head accuracies and a cost profile.
@@ -691,11 +694,40 @@ def _speculative_paths(acceptance: tuple, cost_profile: str) -> tuple[tuple[int,
 DEFAULT_TREES = ("tree-16", "tree-8", "chain-4", "chain-3", "chain-2", "chain-1")
 
 
+FITTED_TREE = re.compile(r"fitted-(\d+)")
+"""``fitted-N``: the N-node tree ``greedy_tree`` fits to the heads' own measured accuracies."""
+
+
 def resolve_tree(model, tree: str | Sequence[Sequence[int]] | None) -> list[tuple[int, ...]]:
-    """Validated paths for ``tree`` (a preset name or paths); None: the heads' stored tree, else
-    the largest of ``DEFAULT_TREES`` that fits the number of heads and their ``top_k``. An empty
-    tree (as calibration stores it where plain decoding measured fastest) is plain decoding: ``[]``."""
+    """Validated paths for ``tree`` (a preset name, ``fitted-N`` or paths); None: the heads' stored
+    tree, else the largest of ``DEFAULT_TREES`` that fits the number of heads and their ``top_k``.
+    An empty tree (as calibration stores it where plain decoding measured fastest) is plain
+    decoding: ``[]``.
+
+    ``fitted-N`` is the N-node tree that maximises the expected accepted length under the heads'
+    measured accuracies (``MedusaConfig.acceptance_model``: calibration's where the heads were
+    calibrated, else training's held-out ones), whatever this device's costs: the tree training
+    fits for ``eval.tree_size``, at another size. ``ValueError`` when the heads hold no measured
+    accuracies, or N is below 1 or above the paths measured (joint path accuracies keep the most
+    probable paths only; per-head accuracies allow any tree their heads and ``top_k`` allow)."""
     config = model.config
+    fitted = FITTED_TREE.fullmatch(tree) if isinstance(tree, str) else None
+    if fitted:
+        acceptance = config.acceptance_model()
+        if acceptance is None:
+            raise ValueError(f"tree={tree!r} fits a tree to the heads' measured accuracies, and these heads hold "
+                             "none: train them with train_heads.py or run `medusa-bench --calibrate`, or pass a "
+                             f"preset ({', '.join(TREE_PRESETS)}) or explicit paths")
+        nodes = int(fitted.group(1))
+        if isinstance(acceptance, Mapping) and nodes > len(acceptance):
+            raise ValueError(f"tree={tree!r}: the heads' measured path accuracies hold {len(acceptance)} paths, so a "
+                             f"fitted tree has at most {len(acceptance)} nodes (the rest would be paths never seen "
+                             f"accepted); ask for fitted-{len(acceptance)} or fewer")
+        try:
+            paths = greedy_tree(acceptance, nodes)
+        except ValueError as error:
+            raise ValueError(f"tree={tree!r}: {error}") from None
+        return get_tree(paths, config.num_heads, config.top_k)
     if tree is None:
         tree = config.tree if config.tree is not None else next(
             name for name in DEFAULT_TREES

@@ -312,17 +312,20 @@ class Runner:
             sampling = dict(do_sample=True, acceptance="typical", temperature=self.args.temperature)
         elif method == "medusa-lossless":
             sampling = dict(do_sample=True, acceptance="lossless", temperature=self.args.temperature)
-        if method in ("medusa", "medusa-lookup") and self.args.step_costs == "learned":
+        if method in ("medusa", "medusa-lookup") and self.args.step_costs == "learned" and self.args.fallback:
             # kept across questions; greedy only, whose output does not depend on the trees (a
             # seeded sample's would then depend on the clock)
             options.step_costs = self.step_costs.setdefault(method, StepCosts())
         if method == "medusa-lookup":  # the heads' tree plus a grafted prompt-lookup chain
             options.lookup_tokens = _or(self.args.lookup_tokens, DEFAULT_DRAFT_TOKENS)
-            proposer = build_proposer("medusa", self.model, options)  # adaptive when calibrated, as in stream()
+            options.adaptive = None if self.args.fallback else False
+            proposer = build_proposer("medusa", self.model, options)  # adaptive when calibrated (as in stream())
+            # unless --no-fallback
         elif method.startswith("medusa"):
-            proposer = None  # stream() builds the Medusa proposer, adaptive when calibrated
+            proposer = None  # stream() builds the Medusa proposer, adaptive when calibrated unless --no-fallback
             sampling["tree"] = self.args.tree
             sampling["step_costs"] = getattr(options, "step_costs", None)
+            sampling["adaptive"] = None if self.args.fallback else False
         else:
             proposer = build_proposer("autoregressive" if method == "ar" else method, self.model, options)
         if self.args.speculation_gate == "off":
@@ -434,7 +437,7 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
             "model": args.model, "heads": args.heads, "questions": str(args.questions), "limit": args.limit,
             "turns": sum(len(q["turns"]) for q in questions), "max_new_tokens": args.max_new_tokens,
             "batch_size": args.batch_size, "speculation_gate": args.speculation_gate,
-            "step_costs": args.step_costs,
+            "step_costs": args.step_costs, "fallback": args.fallback,
             "lookup_tokens": args.lookup_tokens, "lookup_max_tokens": args.lookup_max_tokens,
             "datastore_tokens": len(model.datastore) if args.datastore and model.datastore is not None else 0,
             "time_budget_s": args.time_budget, "questions_answered": len(questions),
@@ -486,9 +489,12 @@ def check_batch_size(methods: Sequence[str], batch_size: int) -> None:
 
 
 def _tree_note(model, tree) -> Any:
+    """The tree the medusa methods start from, as paths (``fitted-N`` and presets resolved)."""
+    from medusa_infer.decoding import resolve_tree
+
     if model.heads is None:
         return None
-    return tree or model.config.tree
+    return [list(path) for path in resolve_tree(model, tree)]
 
 
 def _kernels_note(kernels: str | None) -> str:
@@ -702,7 +708,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                         help=f"comma-separated, from: {', '.join(ALL_METHODS)}")
     parser.add_argument("--draft-model", help="draft model for hf-assisted and draft")
-    parser.add_argument("--tree", help="tree preset or JSON list of paths (default: the heads' own)")
+    parser.add_argument("--tree", help="tree preset, fitted-N (the N-node tree fitted to the heads' measured "
+                                       "accuracies, whatever this device's costs) or JSON list of paths "
+                                       "(default: the heads' own)")
+    parser.add_argument("--no-fallback", dest="fallback", action="store_false",
+                        help="the medusa methods keep their tree at every step: no adaptive fallback, even on "
+                             "calibrated heads (for tau at a fixed tree; with --batch-size > 1 add "
+                             "--speculation-gate off)")
     parser.add_argument("--lookup-tokens", type=int, default=None,
                         help="tokens a prompt-lookup draft proposes, for hf-lookup (prompt_lookup_num_tokens), "
                              "lookup and medusa-lookup (the grafted chain) alike; default: 10 for hf-lookup, 4 for "
@@ -763,6 +775,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                      "them: add one or drop --lookup-tokens")
     if args.lookup_max_tokens < 1:
         parser.error(f"--lookup-max-tokens must be at least 1, got {args.lookup_max_tokens}")
+    if not args.fallback and not any(m.startswith("medusa") for m in args.methods):
+        parser.error("--no-fallback keeps the medusa methods' trees fixed, and --methods has none of them: add one or "
+                     "drop --no-fallback")
     if args.tree and args.tree.startswith("["):
         args.tree = [tuple(p) for p in json.loads(args.tree)]
     return args
@@ -792,6 +807,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                           cpu_kernels=args.cpu_kernels),
                                           tokenizer=load_tokenizer(base_name))
     args.model = base_name
+    if args.tree and heads is not None and not args.calibrate:
+        from medusa_infer.decoding import resolve_tree
+
+        resolve_tree(model, args.tree)  # a bad --tree (fitted-N on unmeasured heads, say) fails before any method runs
     exclude = [int(x) if x.strip().isdigit() else x.strip() for x in args.exclude_ids.split(",") if x.strip()]
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)

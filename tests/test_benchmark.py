@@ -487,3 +487,43 @@ def test_medusa_methods_learn_step_costs_across_questions(model, monkeypatch):
     off = benchmark(model, QUESTIONS[:2], args(methods=["hf", "medusa"], step_costs="profile"))
     assert off["step_costs"] == {} and off["settings"]["step_costs"] == "profile"
     assert "Cost ratios" not in report_markdown(off)
+
+
+def test_no_fallback_keeps_every_medusa_method_on_the_tree_asked_for(model, monkeypatch):
+    """``--no-fallback``: on calibrated heads, whose fallback would otherwise adapt the tree, no
+    medusa method gets a fallback controller, and each decodes on the tree ``--tree`` names
+    (``fitted-N``: N nodes, recorded as paths in the report); without it every one of them gets a
+    controller. Without a medusa method the flag is refused."""
+    import itertools
+
+    from medusa_infer import decoding
+    from medusa_infer.tree_fit import CostProfile
+    from medusa_infer.trees import REFERENCE_HEAD_ACCURACY
+
+    monkeypatch.setattr(model.config, "head_accuracies",
+                        [list(itertools.accumulate(row)) for row in REFERENCE_HEAD_ACCURACY])
+    monkeypatch.setattr(model.config, "path_accuracies", None)  # an earlier test's calibration may have set them
+    monkeypatch.setattr(model.config, "cost_profile",
+                        CostProfile([1, 2, 4, 8, 16], [1.0, 1.1, 1.3, 1.6, 2.2], "cpu-like").to_dict())
+    made = []
+    real = decoding.make_controller
+
+    def spy(model_, paths, *rest):
+        made.append((len(paths), real(model_, paths, *rest)))
+        return made[-1][1]
+
+    monkeypatch.setattr(decoding, "make_controller", spy)
+    methods = ["hf", "ar", "medusa", "medusa-lookup", "medusa-lossless", "medusa-typical"]
+    given = ["--questions", "q.jsonl", "--heads", "h", "--methods", "medusa", "--no-fallback"]
+    assert parse_args(given).fallback is False
+    with pytest.raises(SystemExit):
+        parse_args(["--questions", "q.jsonl", "--methods", "ar,lookup", "--no-fallback"])
+    off = benchmark(model, QUESTIONS[:2], args(methods=methods, tree="fitted-12", fallback=False))
+    assert off["settings"]["fallback"] is False and off["step_costs"] == {}
+    assert len(off["settings"]["tree"]) == 12 and off["settings"]["tree"][0] == [0]
+    assert len(made) == 4 * 3 and all(nodes == 12 and control is None for nodes, control in made)
+    assert all(off["methods"][m]["exact"] is True for m in ("medusa", "medusa-lookup"))
+    made.clear()
+    on = benchmark(model, QUESTIONS[:2], args(methods=methods, tree="fitted-12"))
+    assert on["settings"]["fallback"] is True
+    assert len(made) == 4 * 3 and all(control is not None for _, control in made)

@@ -545,3 +545,33 @@ def test_a_stored_empty_tree_is_plain_decoding_and_survives_saving(calibrated, t
     metrics = out.metrics
     assert metrics.tau == 1.0 and metrics.mean_tree_size == 1.0 and metrics.fallback_fraction == 1.0
     assert metrics.steps == 11  # one token a step after the prefill's
+
+
+def test_a_fitted_tree_is_greedy_tree_on_the_heads_own_accuracies():
+    """``tree="fitted-N"``: the N-node tree ``greedy_tree`` fits to the heads' measured accuracies
+    (path accuracies over per-head ones), decoding stays exact on it; heads with no measurement
+    and sizes out of range are refused by name."""
+    import itertools
+
+    from medusa_infer.trees import REFERENCE_HEAD_ACCURACY, greedy_tree, per_rank_accuracies
+
+    model = medusa("llama", num_heads=4)
+    with pytest.raises(ValueError, match="hold none: train them"):
+        resolve_tree(model, "fitted-8")
+    model.config.head_accuracies = [list(itertools.accumulate(row)) for row in REFERENCE_HEAD_ACCURACY]
+    by_rank = per_rank_accuracies(model.config.head_accuracies)
+    assert resolve_tree(model, "fitted-8") == greedy_tree(by_rank, 8) == get_tree("tree-8", 4, 10)
+    assert resolve_tree(model, "fitted-64") == greedy_tree(by_rank, 64) == get_tree("tree-64", 4, 10)
+    paths = {(0,): 0.5, (1,): 0.2, (0, 0): 0.3, (0, 0, 0): 0.25, (2,): 0.1}
+    model.config.path_accuracies = [[list(p), q] for p, q in paths.items()]
+    assert resolve_tree(model, "fitted-3") == [(0,), (0, 0), (0, 0, 0)]
+    assert resolve_tree(model, "fitted-5") == [(0,), (1,), (2,), (0, 0), (0, 0, 0)]
+    with pytest.raises(ValueError, match="'fitted-0'.*num_nodes=0"):
+        resolve_tree(model, "fitted-0")
+    with pytest.raises(ValueError, match="hold 5 paths.*fitted-5 or fewer"):
+        resolve_tree(model, "fitted-6")
+    with pytest.raises(ValueError, match="unknown tree preset 'fitted-x'.*take fitted-N"):
+        resolve_tree(model, "fitted-x")
+    prompt = torch.tensor([5, 17, 33])
+    out = generate(model, prompt[None], max_new_tokens=6, eos_token_id=NO_EOS, tree="fitted-3", adaptive=False)
+    assert out.new_tokens[0] == reference(model, prompt, 6)

@@ -48,7 +48,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="seconds a request may take, queued and decoding (0: no limit)")
     parser.add_argument("--acceptance", choices=("lossless", "typical"), default="lossless",
                         help="acceptance rule of sampled requests (greedy requests are exact anyway)")
-    parser.add_argument("--tree", help="tree preset for --method medusa only (default: the heads' own tree)")
+    parser.add_argument("--tree", help="a tree preset, or fitted-N for the N-node tree fitted to the heads' measured "
+                                       "accuracies (default: the heads' own tree)")
     parser.add_argument("--lookup-tokens", type=int, default=0,
                         help="--method medusa: also graft a prompt-lookup chain of up to N tokens onto the tree "
                              "(with heads that carry a cost profile, the length that pays, up to 16)")
