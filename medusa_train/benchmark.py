@@ -319,8 +319,8 @@ class Runner:
         if method == "medusa-lookup":  # the heads' tree plus a grafted prompt-lookup chain
             options.lookup_tokens = _or(self.args.lookup_tokens, DEFAULT_DRAFT_TOKENS)
             options.adaptive = None if self.args.fallback else False
-            proposer = build_proposer("medusa", self.model, options)  # adaptive when calibrated (as in stream())
-            # unless --no-fallback
+            # adaptive when calibrated, as in stream(), unless --no-fallback
+            proposer = build_proposer("medusa", self.model, options)
         elif method.startswith("medusa"):
             proposer = None  # stream() builds the Medusa proposer, adaptive when calibrated unless --no-fallback
             sampling["tree"] = self.args.tree
