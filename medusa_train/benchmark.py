@@ -602,17 +602,11 @@ def report_png(report: dict[str, Any], path: Path) -> None:
 def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[str, Any]:
     """Measure the heads' top-k accuracy on greedy answers to ``questions`` and this device's
     verification cost; fit the tree; store all three in the heads' config (and folder)."""
-    from medusa_infer.decoding import encode_chat, generate
     from medusa_infer.tree_fit import fit_tree, measure_verify_cost
 
     if model.heads is None:
         raise ValueError("calibrate() needs a model with heads (medusa-bench --calibrate --heads FOLDER)")
-    sequences = []
-    for question in questions:
-        text = encode_chat(model.tokenizer, [{"role": "user", "content": question["turns"][0]}])[0]
-        ids = model.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
-        out = generate(model, ids, max_new_tokens=args.max_new_tokens, tree="chain-1", adaptive=False)
-        sequences.append((out.sequences[0], ids.shape[1]))
+    sequences = first_turn_answers(model, questions, args.max_new_tokens)
     accuracy = head_topk_accuracy(model, sequences, top_k=model.config.top_k)
     paths = accuracy.paths()
     cost = measure_verify_cost(model, context=args.calibrate_context)
@@ -636,6 +630,21 @@ def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[st
     return {"head_accuracies": config.head_accuracies, "cost_profile": config.cost_profile,
             "tree_nodes": len(fitted.paths), "expected_tau": fitted.expected_tau,
             "expected_speedup": fitted.expected_speedup, "table": fitted.table}
+
+
+def first_turn_answers(model, questions: Sequence[dict], max_new_tokens: int) -> list[tuple[torch.Tensor, int]]:
+    """The model's greedy answer to each question's first turn, as ``(prompt and answer ids, prompt
+    length)``: what calibration measures the heads on. ``model`` needs heads (any: the answers are
+    plain decoding's, the heads only run on a one-node chain)."""
+    from medusa_infer.decoding import encode_chat, generate
+
+    sequences = []
+    for question in questions:
+        text = encode_chat(model.tokenizer, [{"role": "user", "content": question["turns"][0]}])[0]
+        ids = model.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        out = generate(model, ids, max_new_tokens=max_new_tokens, tree="chain-1", adaptive=False)
+        sequences.append((out.sequences[0], ids.shape[1]))
+    return sequences
 
 
 @torch.inference_mode()

@@ -527,3 +527,39 @@ def test_no_fallback_keeps_every_medusa_method_on_the_tree_asked_for(model, monk
     on = benchmark(model, QUESTIONS[:2], args(methods=methods, tree="fitted-12"))
     assert on["settings"]["fallback"] is True
     assert len(made) == 4 * 3 and all(control is not None for _, control in made)
+
+
+def test_heads_by_category_splits_calibrations_measure_and_counts_the_head_vocabulary(model):
+    """scripts/heads_by_category.py: per category the heads' top-1 on the model's own answers, merged
+    into an "all" row equal to measuring every answer at once, and the share of answer tokens that a
+    reduced head vocabulary holds."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "heads_by_category.py"
+    spec = importlib.util.spec_from_file_location("heads_by_category", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    answers = bench.first_turn_answers(model, QUESTIONS, 8)
+    categories = [q["category"] for q in QUESTIONS]
+    assert all(len(seq) > start for seq, start in answers)
+    rows = script.accuracy_by_category(model, categories, answers)
+    assert set(rows) == {"writing", "qa", "math", "all"}
+    whole = [round(row[0], 3) for row in head_topk_accuracy(model, answers, top_k=1).topk()]
+    assert rows["all"]["top1"] == whole
+    assert rows["all"]["tokens"] == sum(len(seq) - start for seq, start in answers)
+    assert rows["math"]["tokens"] == len(answers[4][0]) - answers[4][1]
+    assert all(row["in_head_vocab"] == 1.0 for row in rows.values())  # full vocabulary
+
+    generated = torch.cat([seq[start:] for seq, start in answers])
+    kept = generated.unique()[: max(1, len(generated.unique()) // 2)]
+    others = torch.tensor([t for t in range(len(model.tokenizer)) if t not in set(generated.tolist())][:8])
+    reduced = MedusaModel.from_base(model.base_model, num_heads=2, tokenizer=model.tokenizer,
+                                    token_map=torch.cat([kept, others]))
+    rows = script.accuracy_by_category(reduced, categories, answers)
+    expected = float(torch.isin(generated, kept).double().mean())
+    assert 0 < expected < 1 and rows["all"]["in_head_vocab"] == round(expected, 3)
+    with pytest.raises(ValueError, match="one per answer"):
+        script.accuracy_by_category(model, categories[:2], answers)
+    assert "| qa |" in script.table({"heads": rows})
