@@ -634,12 +634,15 @@ def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[st
 
 def first_turn_answers(model, questions: Sequence[dict], max_new_tokens: int) -> list[tuple[torch.Tensor, int]]:
     """The model's greedy answer to each question's first turn, as ``(prompt and answer ids, prompt
-    length)``: what calibration measures the heads on. ``model`` needs heads (any: the answers are
-    plain decoding's, the heads only run on a one-node chain)."""
+    length)``: what calibration measures the heads on, with a progress bar on stderr. ``model`` needs
+    heads (any: the heads only run on a one-node chain, every token is the base model's greedy choice
+    as the verification forward computes it)."""
+    from tqdm import tqdm
+
     from medusa_infer.decoding import encode_chat, generate
 
     sequences = []
-    for question in questions:
+    for question in tqdm(questions, desc="first-turn answers", unit="question", file=sys.stderr, leave=False):
         text = encode_chat(model.tokenizer, [{"role": "user", "content": question["turns"][0]}])[0]
         ids = model.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
         out = generate(model, ids, max_new_tokens=max_new_tokens, tree="chain-1", adaptive=False)

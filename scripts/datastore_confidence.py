@@ -17,13 +17,11 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-import torch
 
-from medusa_infer.decoding import encode_chat, generate
 from medusa_infer.model import MedusaModel
 from medusa_infer.models import load_base_model, load_tokenizer
 from medusa_infer.proposers.lookup import LOOKUP_MAX_TOKENS, accepted_prefix
-from medusa_train.benchmark import load_questions
+from medusa_train.benchmark import first_turn_answers, load_questions
 
 CLASSES = ("single", "low", "mid", "high")
 
@@ -44,14 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.heads} has no datastore.safetensors; build one with `python -m medusa_train.datastore`")
     stats: dict[tuple[int, str], list[int]] = defaultdict(lambda: [0, 0, 0])  # drafts, first right, accepted
     questions = load_questions(args.questions, args.limit)
-    for number, question in enumerate(questions):
-        text = encode_chat(model.tokenizer, [{"role": "user", "content": question["turns"][0]}])[0]
-        ids = model.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
-        with torch.inference_mode():
-            out = generate(model, ids, max_new_tokens=args.max_new_tokens, tree="chain-1", adaptive=False)
-        answer = out.new_tokens[0]
-        sequence = ids[0].tolist() + answer
-        start = ids.shape[1]
+    for answered, start in first_turn_answers(model, questions, args.max_new_tokens):
+        sequence = answered.tolist()
         for t in range(start, len(sequence) - 1):  # the text so far ends at t; what follows is known
             match = store.match(sequence[: t + 1], args.draft_tokens)
             if match.draft:
@@ -61,7 +53,6 @@ def main(argv: list[str] | None = None) -> int:
                 row[0] += 1
                 row[1] += right > 0
                 row[2] += right
-        print(f"question {number + 1}/{len(questions)}", file=sys.stderr, flush=True)
     print(f"{len(store)} datastore tokens; greedy answers to the first turns of {len(questions)} questions, "
           f"at most {args.max_new_tokens} tokens\n")
     print("| n | confidence | drafts | first token right | tokens accepted per draft |")

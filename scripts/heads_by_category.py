@@ -9,8 +9,15 @@ same base model are measured on the same answers, which are generated once::
     python scripts/heads_by_category.py --heads runs/a/heads runs/b/heads \\
         --questions data/specbench.jsonl --limit 40 --max-new-tokens 64 --output runs/by-category.json
 
-The JSON holds ``{heads folder: {category: {"top1": [head 1, ...], "in_head_vocab": share,
-"tokens": answer tokens}}}``, with an ``"all"`` row over every category; a table is printed.
+The JSON holds ``{heads folder: {category: {"top1": [head 1, ...], "scored": [head 1, ...],
+"in_head_vocab": share, "tokens": n}}}``, with an ``"all"`` row over every category; a table is
+printed. ``scored`` counts the positions each head was scored on (``top1`` is null where none);
+``tokens`` counts the answer tokens after the first, the ones a head is ever asked to propose (the
+first comes from the prompt's own logits), and ``in_head_vocab`` is their share in the heads'
+vocabulary.
+
+The heads are measured on the plain base model: a Medusa-2 folder (one with a LoRA adapter) would
+change it, and is refused.
 """
 
 from __future__ import annotations
@@ -41,22 +48,33 @@ def accuracy_by_category(model, categories: Sequence[str], answers: Sequence[tup
     hits = totals = None
     held = covered = 0
     for category in sorted(grouped):
-        accuracy = head_topk_accuracy(model, grouped[category], top_k=1)
-        tokens = torch.cat([seq[start:] for seq, start in grouped[category]])
+        # the first answer token comes from the prompt's logits: heads propose from the second on
+        tokens = torch.cat([seq[start + 1:] for seq, start in grouped[category]])
         inside = int(torch.isin(tokens, token_map.to(tokens.device)).sum()) if token_map is not None else len(tokens)
+        if not len(tokens):  # answers of one token: nothing for a head to propose
+            rows[category] = {"top1": [None] * model.config.num_heads, "scored": [0] * model.config.num_heads,
+                              "in_head_vocab": None, "tokens": 0}
+            continue
+        accuracy = head_topk_accuracy(model, grouped[category], top_k=1)
         rows[category] = _row(accuracy, inside, len(tokens))
         hits = accuracy.hits if hits is None else hits + accuracy.hits
         totals = accuracy.totals if totals is None else totals + accuracy.totals
         held, covered = held + len(tokens), covered + inside
     if hits is None:
-        raise ValueError("no answers to measure the heads on")
+        raise ValueError("no answer of two tokens or more to measure the heads on: raise --max-new-tokens")
     rows["all"] = _row(HeadAccuracy(hits, totals, torch.empty(0, len(totals))), covered, held)
     return rows
 
 
 def _row(accuracy: HeadAccuracy, inside: int, tokens: int) -> dict[str, Any]:
-    return {"top1": [round(row[0], 3) for row in accuracy.topk()],
-            "in_head_vocab": round(inside / max(tokens, 1), 3), "tokens": tokens}
+    scored = [int(n) for n in accuracy.totals]
+    return {"top1": [round(row[0], 3) if n else None for row, n in zip(accuracy.topk(), scored)],
+            "scored": scored, "in_head_vocab": round(inside / tokens, 3), "tokens": tokens}
+
+
+def _cell(row: dict[str, Any]) -> str:
+    top1, share = row["top1"][0], row["in_head_vocab"]
+    return "-" if top1 is None else f"{top1:.3f}, {share:.3f}"
 
 
 def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
@@ -66,7 +84,7 @@ def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
     lines = ["| category | " + " | ".join(f"{n}: head 1 top-1, in vocab" for n in names) + " |",
              "|---" * (len(names) + 1) + "|"]
     for category in categories:
-        cells = [f"{r[category]['top1'][0]:.3f}, {r[category]['in_head_vocab']:.3f}" for r in results.values()]
+        cells = [_cell(r[category]) for r in results.values()]
         lines.append(f"| {category} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -77,25 +95,37 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--questions", type=Path, required=True, help="Spec-Bench-format JSONL")
     parser.add_argument("--limit", type=int, default=None, help="questions, balanced across categories")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--model", help="the base model (default: the one the heads' config names)")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--output", type=Path, help="JSON file for the results")
     args = parser.parse_args(argv)
-    from medusa_infer.model import MedusaModel
+    from medusa_infer.checkpoint import ADAPTER_DIR
+    from medusa_infer.model import MedusaModel, heads_folder
     from medusa_infer.models import load_base_model, load_tokenizer
 
-    configs = [json.loads((Path(h) / "config.json").read_text()) for h in args.heads]
-    bases = {c.get("base_model_name_or_path") for c in configs}
-    if len(bases) != 1 or None in bases:
-        parser.error(f"the heads must name one base model (base_model_name_or_path); they name {sorted(map(str, bases))}")
-    base_name = bases.pop()
-    base, tokenizer = load_base_model(base_name, dtype=torch.float32), load_tokenizer(base_name)
+    folders = [heads_folder(h) for h in args.heads]  # a folder, or a Hub repo as from_pretrained takes it
+    for folder in folders:
+        if (folder / ADAPTER_DIR).is_dir():
+            parser.error(f"{folder} holds a LoRA adapter (Medusa-2), which would change the base model the "
+                         "other heads are measured on: run this script on it alone with medusa-bench --calibrate")
+    bases = {json.loads((f / "config.json").read_text()).get("base_model_name_or_path") for f in folders}
+    base_name = args.model or (bases.pop() if len(bases) == 1 else None)
+    if not base_name:
+        parser.error(f"the heads name {sorted(map(str, bases))} as base_model_name_or_path, not one model: "
+                     "pass --model NAME (the heads must all be for that model)")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    base = load_base_model(base_name, dtype=getattr(torch, args.dtype), device=device)
+    tokenizer = load_tokenizer(base_name)
     questions = load_questions(args.questions, args.limit)
     answers = None
     results = {}
-    for heads in args.heads:
-        model = MedusaModel.from_pretrained(heads, base_model=base, tokenizer=tokenizer)
+    # one base model for every folder: the hidden states are the same, only the heads differ
+    for name, folder in zip(args.heads, folders):
+        model = MedusaModel.from_pretrained(folder, base_model=base, tokenizer=tokenizer)
         if answers is None:
             answers = first_turn_answers(model, questions, args.max_new_tokens)
-        results[heads] = accuracy_by_category(model, [q["category"] for q in questions], answers)
+        results[name] = accuracy_by_category(model, [q["category"] for q in questions], answers)
     print(table(results))
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -529,12 +529,15 @@ def test_no_fallback_keeps_every_medusa_method_on_the_tree_asked_for(model, monk
     assert len(made) == 4 * 3 and all(control is not None for _, control in made)
 
 
-def test_heads_by_category_splits_calibrations_measure_and_counts_the_head_vocabulary(model):
-    """scripts/heads_by_category.py: per category the heads' top-1 on the model's own answers, merged
-    into an "all" row equal to measuring every answer at once, and the share of answer tokens that a
-    reduced head vocabulary holds."""
+def test_heads_by_category_splits_calibrations_measure_and_counts_the_head_vocabulary(model, tmp_path, capsys):
+    """scripts/heads_by_category.py: per category the heads' top-1 on the model's own answers to the
+    first turns, merged into an "all" row equal to measuring every answer at once, the share of the
+    proposable answer tokens (all but the first) that a reduced head vocabulary holds, a category with
+    nothing to score shown as such, and Medusa-2 folders refused."""
     import importlib.util
     from pathlib import Path
+
+    from medusa_infer.decoding import encode_chat
 
     path = Path(__file__).resolve().parents[1] / "scripts" / "heads_by_category.py"
     spec = importlib.util.spec_from_file_location("heads_by_category", path)
@@ -543,18 +546,25 @@ def test_heads_by_category_splits_calibrations_measure_and_counts_the_head_vocab
 
     answers = bench.first_turn_answers(model, QUESTIONS, 8)
     categories = [q["category"] for q in QUESTIONS]
-    assert all(len(seq) > start for seq, start in answers)
+    first_turn = encode_chat(model.tokenizer, [{"role": "user", "content": QUESTIONS[0]["turns"][0]}])[0]
+    prompt = model.tokenizer(first_turn, add_special_tokens=False)["input_ids"]
+    assert answers[0][0][: answers[0][1]].tolist() == prompt  # the second turn is left out
+    assert all(len(seq) > start + 1 for seq, start in answers)
     rows = script.accuracy_by_category(model, categories, answers)
     assert set(rows) == {"writing", "qa", "math", "all"}
-    whole = [round(row[0], 3) for row in head_topk_accuracy(model, answers, top_k=1).topk()]
-    assert rows["all"]["top1"] == whole
-    assert rows["all"]["tokens"] == sum(len(seq) - start for seq, start in answers)
-    assert rows["math"]["tokens"] == len(answers[4][0]) - answers[4][1]
+    whole = head_topk_accuracy(model, answers, top_k=1)
+    assert rows["all"]["top1"] == [round(row[0], 3) for row in whole.topk()]
+    assert rows["all"]["scored"] == whole.totals.tolist()
+    qa = head_topk_accuracy(model, answers[2:4], top_k=1)
+    assert rows["qa"]["top1"] == [round(row[0], 3) for row in qa.topk()] != rows["all"]["top1"]
+    assert rows["all"]["tokens"] == sum(len(seq) - start - 1 for seq, start in answers)
+    assert rows["math"]["tokens"] == len(answers[4][0]) - answers[4][1] - 1
     assert all(row["in_head_vocab"] == 1.0 for row in rows.values())  # full vocabulary
 
-    generated = torch.cat([seq[start:] for seq, start in answers])
-    kept = generated.unique()[: max(1, len(generated.unique()) // 2)]
-    others = torch.tensor([t for t in range(len(model.tokenizer)) if t not in set(generated.tolist())][:8])
+    generated = torch.cat([seq[start + 1:] for seq, start in answers])
+    seen = set(generated.tolist())
+    kept = generated.unique()[: max(1, len(seen) // 2)]
+    others = torch.tensor([t for t in range(len(model.tokenizer)) if t not in seen][:8])
     reduced = MedusaModel.from_base(model.base_model, num_heads=2, tokenizer=model.tokenizer,
                                     token_map=torch.cat([kept, others]))
     rows = script.accuracy_by_category(reduced, categories, answers)
@@ -562,4 +572,20 @@ def test_heads_by_category_splits_calibrations_measure_and_counts_the_head_vocab
     assert 0 < expected < 1 and rows["all"]["in_head_vocab"] == round(expected, 3)
     with pytest.raises(ValueError, match="one per answer"):
         script.accuracy_by_category(model, categories[:2], answers)
-    assert "| qa |" in script.table({"heads": rows})
+    # a category whose answers are one token long has nothing a head proposes
+    short = [(seq[: start + 1], start) for seq, start in answers]
+    rows = script.accuracy_by_category(model, categories, answers[:4] + short[4:])
+    assert rows["math"] == {"top1": [None] * model.config.num_heads, "scored": [0] * model.config.num_heads,
+                            "in_head_vocab": None, "tokens": 0}
+    assert "| math | - |" in script.table({"heads": rows}) and "| qa | 0." in script.table({"heads": rows})
+    with pytest.raises(ValueError, match="raise --max-new-tokens"):
+        script.accuracy_by_category(model, categories, short)
+
+    model.save_pretrained(tmp_path / "plain")
+    model.save_pretrained(tmp_path / "medusa2")
+    (tmp_path / "medusa2" / "adapter").mkdir()
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
+    with pytest.raises(SystemExit):
+        script.main(["--heads", str(tmp_path / "plain"), str(tmp_path / "medusa2"), "--questions", str(questions)])
+    assert f"{tmp_path / 'medusa2'} holds a LoRA adapter" in capsys.readouterr().err
