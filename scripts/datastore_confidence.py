@@ -17,7 +17,6 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-
 from medusa_infer.model import MedusaModel
 from medusa_infer.models import load_base_model, load_tokenizer
 from medusa_infer.proposers.lookup import LOOKUP_MAX_TOKENS, accepted_prefix
