@@ -16,8 +16,9 @@ printed. ``scored`` counts the positions each head was scored on (``top1`` is nu
 first comes from the prompt's own logits), and ``in_head_vocab`` is their share in the heads'
 vocabulary.
 
-The heads are measured on the plain base model: a Medusa-2 folder (one with a LoRA adapter) would
-change it, and is refused.
+All folders share one base model. A Medusa-2 folder (one with a LoRA adapter) merges its adapter
+into it, so it is measured alone (answers and heads on the merged model, as decoding runs them) and
+refused beside others.
 """
 
 from __future__ import annotations
@@ -106,9 +107,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     folders = [heads_folder(h) for h in args.heads]  # a folder, or a Hub repo as from_pretrained takes it
     for folder in folders:
-        if (folder / ADAPTER_DIR).is_dir():
+        if len(folders) > 1 and (folder / ADAPTER_DIR).is_dir():
             parser.error(f"{folder} holds a LoRA adapter (Medusa-2), which would change the base model the "
-                         "other heads are measured on: run this script on it alone with medusa-bench --calibrate")
+                         "other heads are measured on: give it alone to --heads")
     bases = {json.loads((f / "config.json").read_text()).get("base_model_name_or_path") for f in folders}
     base_name = args.model or (bases.pop() if len(bases) == 1 else None)
     if not base_name:
