@@ -4,7 +4,9 @@ An example is a dict ``{"id": str, "input_ids": [seq], "labels": [seq]}``. ``lab
 ids with every token that is not written by the assistant set to ``IGNORE_INDEX`` (system and user
 turns, the template's markup around them, the assistant header of the generation prompt). The
 assistant's end-of-turn token (``<|im_end|>``, ``<|eot_id|>``, ``</s>``...) stays in the labels so
-the heads learn to predict the end of an answer. Labels are not shifted: position ``t`` holds the
+the heads learn to predict the end of an answer, except after an answer the model never ended: a
+distillation row with ``finish_reason: "length"`` (cut by ``max_new_tokens``) ends its example at the
+answer's last token, with no end-of-turn markup. Labels are not shifted: position ``t`` holds the
 token at ``t``, as in Hugging Face causal-LM losses.
 
 Assistant spans are found without knowing the template: the conversation is rendered up to each
@@ -33,7 +35,7 @@ from transformers import PreTrainedTokenizerBase
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2
 """Bump when the tokenisation or the example layout changes: old caches are then ignored."""
 
 ROLES = ("system", "user", "assistant")
@@ -144,30 +146,63 @@ def assistant_char_spans(
 
 
 def tokenize_chat(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]]
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]], cut_off: bool = False
 ) -> tuple[list[int], list[int]]:
-    """``(input_ids, labels)`` of a whole conversation, labels masked outside assistant turns."""
+    """``(input_ids, labels)`` of a whole conversation, labels masked outside assistant turns.
+
+    With ``cut_off`` the last message is an assistant answer cut by a token limit: the example
+    ends at its content, without the end-of-turn markup the model never wrote.
+    """
     full, spans = assistant_char_spans(tokenizer, messages)
+    end = _cut_off_end(tokenizer, messages, full) if cut_off else len(full)
     try:
         encoding = tokenizer(
             full, add_special_tokens=False, return_offsets_mapping=True
         )
     except NotImplementedError:  # tokenizers without offsets (pure-Python or SentencePiece)
-        return _tokenize_chat_by_prefix(tokenizer, messages, full)
+        return _tokenize_chat_by_prefix(tokenizer, messages, full, end)
     input_ids = list(encoding["input_ids"])
     labels = [IGNORE_INDEX] * len(input_ids)
-    for start, end in spans:
+    for start, stop in spans:
         for t, (tok_start, tok_end) in enumerate(encoding["offset_mapping"]):
             # A token straddling the header/content boundary holds content: it is labelled.
-            if tok_start < end and tok_end > start:
+            if tok_start < stop and tok_end > start:
                 labels[t] = input_ids[t]
-    return input_ids, labels
+    # Tokens that start before the end, a token straddling it included, hold answer content.
+    keep = sum(tok_start < end for tok_start, _ in encoding["offset_mapping"])
+    return input_ids[:keep], labels[:keep]
+
+
+def _cut_off_end(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]], full: str) -> int:
+    """Where the last assistant message's content ends in ``full``, the rendered conversation.
+
+    Raises:
+        ValueError: the last message is not an assistant's.
+        TemplateError: the content does not appear after its turn's generation prompt.
+    """
+    if not messages or messages[-1]["role"] != "assistant":
+        raise ValueError("only a conversation that ends with an assistant answer can be cut off")
+    start = len(render_chat(tokenizer, messages[:-1], add_generation_prompt=True))
+    content = messages[-1]["content"]
+    if full.startswith(content, start):
+        return start + len(content)
+    # Templates may trim the content ("| trim"): look for it without surrounding whitespace.
+    content = content.strip()
+    found = full.find(content, start)
+    if found < 0:
+        raise TemplateError(
+            f"the chat template does not write the last assistant answer verbatim after its generation prompt "
+            f"(looked for {content[:40]!r}...), so the end of an answer cut by the token limit cannot be found; "
+            "use a template that writes the content as given (whitespace trimming is fine)"
+        )
+    return found + len(content)
 
 
 def _tokenize_chat_by_prefix(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]], full: str
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]], full: str, end: int | None = None
 ) -> tuple[list[int], list[int]]:
-    """Labels from token prefixes, for tokenizers that give no character offsets."""
+    """Labels from token prefixes, for tokenizers that give no character offsets; the example
+    ends with the tokens of ``full[:end]`` (``tokenize_chat``'s ``cut_off``) when ``end`` is given."""
 
     def encode(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -187,6 +222,12 @@ def _tokenize_chat_by_prefix(
                 "or a template that separates turns with special tokens."
             )
         labels[len(before) : len(through)] = input_ids[len(before) : len(through)]
+    if end is not None and end < len(full):
+        prefix = encode(full[:end])
+        # Its last token may merge with the markup in the whole text: that token still holds answer.
+        if input_ids[: len(prefix) - 1] != prefix[:-1]:
+            raise TemplateError("the cut-off answer does not tokenise as a prefix of the whole conversation")
+        input_ids, labels = input_ids[: len(prefix)], labels[: len(prefix)]
     return input_ids, labels
 
 
@@ -197,6 +238,7 @@ class BuildStats:
     rows: int = 0
     examples: int = 0
     truncated: int = 0
+    cut_off: int = 0
     dropped_no_assistant: int = 0
     dropped_too_long: int = 0
     tokens: int = 0
@@ -214,7 +256,9 @@ def build_examples(
 
     Args:
         rows: dicts with ``prompt`` and ``response`` (a distillation row) or ``messages`` (a list
-            of ``{"role", "content"}``, multi-turn allowed); ``id`` is kept when present.
+            of ``{"role", "content"}``, multi-turn allowed); ``id`` is kept when present. A row
+            with ``finish_reason: "length"`` whose last message is the assistant's ends at that
+            answer's content: no end-of-turn label where the model did not end its turn.
         tokenizer: a tokenizer with a chat template.
         max_length: longer examples are cut to this many tokens (counted); a row with no
             assistant turn, or whose prompt fills ``max_length`` so that no assistant token is
@@ -240,7 +284,9 @@ def build_examples(
         if not any(m["role"] == "assistant" for m in messages):
             stats.dropped_no_assistant += 1
             continue
-        input_ids, labels = tokenize_chat(tokenizer, messages)
+        # A distilled answer cut by max_new_tokens: the model did not end its turn there.
+        cut_off = row.get("finish_reason") == "length" and messages[-1]["role"] == "assistant"
+        input_ids, labels = tokenize_chat(tokenizer, messages, cut_off)
         cut = len(input_ids) > max_length
         if cut:
             input_ids, labels = input_ids[:max_length], labels[:max_length]
@@ -252,6 +298,7 @@ def build_examples(
                 stats.dropped_no_assistant += 1
             continue
         stats.truncated += cut
+        stats.cut_off += cut_off
         stats.examples += 1
         stats.tokens += len(input_ids)
         stats.label_tokens += n_label
@@ -260,9 +307,10 @@ def build_examples(
         )
     logger.info(
         "built %d examples from %d rows (%d tokens, %d labelled); %d truncated to %d tokens, "
-        "%d dropped with no assistant turn, %d with a prompt that fills max_length",
+        "%d answers cut by the token limit (no end-of-turn label), %d dropped with no assistant turn, "
+        "%d with a prompt that fills max_length",
         stats.examples, stats.rows, stats.tokens, stats.label_tokens, stats.truncated,
-        max_length, stats.dropped_no_assistant, stats.dropped_too_long,
+        max_length, stats.cut_off, stats.dropped_no_assistant, stats.dropped_too_long,
     )
     return examples
 

@@ -157,6 +157,46 @@ def test_truncation_and_dropping(smol, caplog):
     assert "1 truncated" in caplog.text and "1 dropped with no assistant turn, 1 with a prompt" in caplog.text
 
 
+def test_an_answer_cut_by_the_token_limit_has_no_end_of_turn_label(smol, caplog):
+    cut_answer = "Six feet down, under the roots, where the "
+    rows = [
+        {"id": "cut", "prompt": "How deep?", "response": cut_answer, "finish_reason": "length"},
+        {"id": "ended", "prompt": "How deep?", "response": "Six feet.", "finish_reason": "eos"},
+        {"id": "cut-turn", "messages": CONVERSATION, "finish_reason": "length"},
+    ]
+    stats = BuildStats()
+    with caplog.at_level(logging.INFO, logger="medusa_train.dataset"):
+        cut, ended, cut_turn = build_examples(rows, smol, 512, stats=stats)
+    generation_prompt = render_chat(smol, [{"role": "user", "content": "How deep?"}], add_generation_prompt=True)
+    # The example is the prompt and the answer as far as the model wrote it: the trailing space the template
+    # keeps is the answer's own, and nothing of the turn's end follows.
+    assert smol.decode(cut["input_ids"]) == generation_prompt + cut_answer
+    assert labelled_runs(smol, cut["input_ids"], cut["labels"]) == [cut_answer]
+    assert labelled_runs(smol, ended["input_ids"], ended["labels"]) == ["Six feet.<|im_end|>"]
+    # In a conversation only the last answer is cut; earlier ones ended their turns.
+    runs = labelled_runs(smol, cut_turn["input_ids"], cut_turn["labels"])
+    assert runs == [f"{ASSISTANT[0]}<|im_end|>", ASSISTANT[1]]
+    full_ids, _ = tokenize_chat(smol, CONVERSATION)
+    assert full_ids[: len(cut_turn["input_ids"])] == cut_turn["input_ids"]
+    assert stats.cut_off == 2 and "2 answers cut by the token limit" in caplog.text
+    # Tokenizers without offsets cut at the same token.
+    full = render_chat(smol, CONVERSATION)
+    end = full.rindex(ASSISTANT[1]) + len(ASSISTANT[1])
+    assert _tokenize_chat_by_prefix(smol, CONVERSATION, full, end) == (cut_turn["input_ids"], cut_turn["labels"])
+
+
+def test_cut_off_answers_under_a_trimming_template_and_one_that_rewrites_them(smol):
+    tokenizer = with_template(smol, LLAMA3_TEMPLATE, ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"))
+    row = {"prompt": "Q?", "response": "Dig at dawn.\n", "finish_reason": "length"}
+    [example] = build_examples([row], tokenizer, 512)
+    assert labelled_runs(tokenizer, example["input_ids"], example["labels"]) == ["Dig at dawn."]
+    assert tokenizer.decode(example["input_ids"]).endswith("<|end_header_id|>\n\nDig at dawn.")
+    shouting = with_template(smol, "{% for m in messages %}{{ m['role'] }}: {{ m['content'] | upper }}\n{% endfor %}"
+                                    "{% if add_generation_prompt %}assistant: {% endif %}")
+    with pytest.raises(TemplateError, match="does not write the last assistant answer verbatim"):
+        build_examples([row], shouting, 512)
+
+
 def test_no_example_left_names_why_and_the_fix(tmp_path, smol):
     rows_path = tmp_path / "rows.jsonl"
     rows = [{"prompt": "Tell me about the sea " * 3, "response": "It is big."}] * 3 + [{"prompt": "Q?"}]
