@@ -214,9 +214,9 @@ class CapturedHidden:
         first + len(states) - 1``, covering every row a head trains from (the last prompt token
         on), or None where the captured states do not cover them.
 
-        Soft-label rows (``labels[t + 1]`` an answer token) need one position more; an answer cut
-        by the token limit lacks the last of them (the state of its last token was never
-        computed), so ``loss: kl`` loses one soft target per such answer."""
+        Soft-label rows (``labels[t + 1]`` an answer token) need one position more. An answer cut
+        by the token limit ends its example at its last token (``dataset.build_examples``), whose
+        state decoding never computed; no row or soft target needs it."""
         ids = torch.as_tensor(input_ids, dtype=torch.long)
         labelled = (torch.as_tensor(labels, dtype=torch.long) != IGNORE).nonzero().flatten()
         if len(labelled) < 3:  # fewer than 3 answer tokens: no row from the answer itself

@@ -145,64 +145,77 @@ def assistant_char_spans(
     return full, spans
 
 
+class CutOffNotFound(TemplateError):
+    """The chat template rewrites an answer, so where a cut-off answer ends cannot be found."""
+
+
+_MARK = "\ue000"  # a private-use character: no template or tokenizer gives it a meaning
+
+
 def tokenize_chat(
     tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]], cut_off: bool = False
 ) -> tuple[list[int], list[int]]:
     """``(input_ids, labels)`` of a whole conversation, labels masked outside assistant turns.
 
-    With ``cut_off`` the last message is an assistant answer cut by a token limit: the example
-    ends at its content, without the end-of-turn markup the model never wrote.
+    With ``cut_off`` the last message is an assistant answer cut by a token limit: the example is
+    the conversation's text up to the end of that answer, without the end-of-turn markup the model
+    never wrote, and every token of the answer is labelled.
+
+    Raises:
+        TemplateError: the template is not prefix-stable; ``CutOffNotFound`` when, with
+            ``cut_off``, it does not write the answer as given (whitespace trimming is fine).
     """
     full, spans = assistant_char_spans(tokenizer, messages)
-    end = _cut_off_end(tokenizer, messages, full) if cut_off else len(full)
+    if cut_off:
+        end = _cut_off_end(tokenizer, messages, full)
+        full, spans = full[:end], spans[:-1] + [(spans[-1][0], end)]
     try:
         encoding = tokenizer(
             full, add_special_tokens=False, return_offsets_mapping=True
         )
     except NotImplementedError:  # tokenizers without offsets (pure-Python or SentencePiece)
-        return _tokenize_chat_by_prefix(tokenizer, messages, full, end)
+        return _tokenize_chat_by_prefix(tokenizer, messages, full, cut_off)
     input_ids = list(encoding["input_ids"])
     labels = [IGNORE_INDEX] * len(input_ids)
-    for start, stop in spans:
+    for k, (start, stop) in enumerate(spans):
+        open_end = cut_off and k == len(spans) - 1  # the text ends inside this answer
         for t, (tok_start, tok_end) in enumerate(encoding["offset_mapping"]):
-            # A token straddling the header/content boundary holds content: it is labelled.
-            if tok_start < stop and tok_end > start:
+            # A token straddling the header/content boundary holds content: it is labelled. So is
+            # a token at the cut answer's very end (some tokenizers give a trailing space (end, end)).
+            if (tok_start < stop and tok_end > start) or (open_end and tok_start >= start):
                 labels[t] = input_ids[t]
-    # Tokens that start before the end, a token straddling it included, hold answer content.
-    keep = sum(tok_start < end for tok_start, _ in encoding["offset_mapping"])
-    return input_ids[:keep], labels[:keep]
+    return input_ids, labels
 
 
 def _cut_off_end(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]], full: str) -> int:
-    """Where the last assistant message's content ends in ``full``, the rendered conversation.
+    """Where the last message, an assistant answer, ends in ``full``, the rendered conversation.
+
+    The answer starts where the template writes a marker put in its place; from there ``full``
+    must hold the answer as given, or trimmed of surrounding whitespace.
 
     Raises:
         ValueError: the last message is not an assistant's.
-        TemplateError: the content does not appear after its turn's generation prompt.
+        CutOffNotFound: the template writes the answer otherwise.
     """
     if not messages or messages[-1]["role"] != "assistant":
         raise ValueError("only a conversation that ends with an assistant answer can be cut off")
-    start = len(render_chat(tokenizer, messages[:-1], add_generation_prompt=True))
     content = messages[-1]["content"]
-    if full.startswith(content, start):
-        return start + len(content)
-    # Templates may trim the content ("| trim"): look for it without surrounding whitespace.
-    content = content.strip()
-    found = full.find(content, start)
-    if found < 0:
-        raise TemplateError(
-            f"the chat template does not write the last assistant answer verbatim after its generation prompt "
-            f"(looked for {content[:40]!r}...), so the end of an answer cut by the token limit cannot be found; "
-            "use a template that writes the content as given (whitespace trimming is fine)"
-        )
-    return found + len(content)
+    marked = render_chat(tokenizer, [*messages[:-1], {"role": "assistant", "content": _MARK}])
+    start = marked.find(_MARK)
+    for written in (content, content.strip()):
+        if start >= 0 and full.startswith(written, start):
+            return start + len(written)
+    raise CutOffNotFound(
+        f"the chat template does not write the last assistant answer as given (looked for {content[:40]!r}), "
+        "so where an answer cut by the token limit ends cannot be found"
+    )
 
 
 def _tokenize_chat_by_prefix(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]], full: str, end: int | None = None
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]], full: str, cut_off: bool = False
 ) -> tuple[list[int], list[int]]:
-    """Labels from token prefixes, for tokenizers that give no character offsets; the example
-    ends with the tokens of ``full[:end]`` (``tokenize_chat``'s ``cut_off``) when ``end`` is given."""
+    """Labels from token prefixes, for tokenizers that give no character offsets. With ``cut_off``
+    ``full`` ends inside the last answer (``tokenize_chat``)."""
 
     def encode(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -213,8 +226,8 @@ def _tokenize_chat_by_prefix(
         if message["role"] != "assistant":
             continue
         before = encode(render_chat(tokenizer, messages[:i], add_generation_prompt=True))
-        through_text = render_chat(tokenizer, messages[: i + 1])
-        through = encode(through_text.rstrip())
+        open_end = cut_off and i == len(messages) - 1
+        through = input_ids if open_end else encode(render_chat(tokenizer, messages[: i + 1]).rstrip())
         if input_ids[: len(before)] != before or input_ids[: len(through)] != through:
             raise TemplateError(
                 f"assistant turn {i} does not tokenise as a prefix of the whole conversation "
@@ -222,12 +235,6 @@ def _tokenize_chat_by_prefix(
                 "or a template that separates turns with special tokens."
             )
         labels[len(before) : len(through)] = input_ids[len(before) : len(through)]
-    if end is not None and end < len(full):
-        prefix = encode(full[:end])
-        # Its last token may merge with the markup in the whole text: that token still holds answer.
-        if input_ids[: len(prefix) - 1] != prefix[:-1]:
-            raise TemplateError("the cut-off answer does not tokenise as a prefix of the whole conversation")
-        input_ids, labels = input_ids[: len(prefix)], labels[: len(prefix)]
     return input_ids, labels
 
 
@@ -239,6 +246,7 @@ class BuildStats:
     examples: int = 0
     truncated: int = 0
     cut_off: int = 0
+    cut_off_unfound: int = 0
     dropped_no_assistant: int = 0
     dropped_too_long: int = 0
     tokens: int = 0
@@ -286,7 +294,12 @@ def build_examples(
             continue
         # A distilled answer cut by max_new_tokens: the model did not end its turn there.
         cut_off = row.get("finish_reason") == "length" and messages[-1]["role"] == "assistant"
-        input_ids, labels = tokenize_chat(tokenizer, messages, cut_off)
+        try:
+            input_ids, labels = tokenize_chat(tokenizer, messages, cut_off)
+        except CutOffNotFound:  # kept whole, counted and reported below
+            stats.cut_off_unfound += 1
+            cut_off = False
+            input_ids, labels = tokenize_chat(tokenizer, messages)
         cut = len(input_ids) > max_length
         if cut:
             input_ids, labels = input_ids[:max_length], labels[:max_length]
@@ -304,6 +317,12 @@ def build_examples(
         stats.label_tokens += n_label
         examples.append(
             {"id": str(row.get("id", index)), "input_ids": input_ids, "labels": labels}
+        )
+    if stats.cut_off_unfound:
+        logger.warning(
+            "%d answers cut by the token limit keep an end-of-turn label: the chat template does not write "
+            "them as given, so where they end cannot be found (a template that rewrites answers, e.g. "
+            "dropping reasoning)", stats.cut_off_unfound,
         )
     logger.info(
         "built %d examples from %d rows (%d tokens, %d labelled); %d truncated to %d tokens, "

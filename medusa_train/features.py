@@ -659,15 +659,22 @@ class FeatureCache:
 
 
 def end_of_turn_ids(labels: torch.Tensor, lengths: torch.Tensor, eos: Sequence[int] = ()) -> list[int]:
-    """``eos`` plus the last token of every assistant span: ``labels`` ``[sum L]`` the examples'
-    label rows one after another, ``lengths`` ``[E]`` theirs."""
+    """``eos`` plus the last token of every assistant span that an unlabelled token follows inside
+    its example: ``labels`` ``[sum L]`` the examples' label rows one after another, ``lengths``
+    ``[E]`` theirs.
+
+    A span that runs to its example's end is left out: it may be an answer cut by the token limit
+    or by ``max_length`` (``dataset.build_examples``), whose last token ends no turn. The end of a
+    turn that closes its example is the EOS token in the templates this package knows, or is
+    followed by the template's own separator (ChatML's newline after ``<|im_end|>``).
+    """
     labels = torch.as_tensor(labels, dtype=torch.long)
     is_label = labels != IGNORE
-    after = torch.zeros_like(is_label)  # the next token is labelled too
-    after[:-1] = is_label[1:]
+    unlabelled_next = torch.zeros_like(is_label)
+    unlabelled_next[:-1] = ~is_label[1:]
     ends = torch.cumsum(torch.as_tensor(lengths, dtype=torch.long), 0) - 1
-    after[ends[ends >= 0]] = False  # an example's last token ends its span
-    return sorted(set(int(i) for i in eos) | set(labels[is_label & ~after].tolist()))
+    unlabelled_next[ends[ends >= 0]] = False  # the next row belongs to another example
+    return sorted(set(int(i) for i in eos) | set(labels[is_label & unlabelled_next].tolist()))
 
 
 class FeatureDataset:

@@ -179,13 +179,47 @@ def test_an_answer_cut_by_the_token_limit_has_no_end_of_turn_label(smol, caplog)
     full_ids, _ = tokenize_chat(smol, CONVERSATION)
     assert full_ids[: len(cut_turn["input_ids"])] == cut_turn["input_ids"]
     assert stats.cut_off == 2 and "2 answers cut by the token limit" in caplog.text
-    # Tokenizers without offsets cut at the same token.
-    full = render_chat(smol, CONVERSATION)
-    end = full.rindex(ASSISTANT[1]) + len(ASSISTANT[1])
-    assert _tokenize_chat_by_prefix(smol, CONVERSATION, full, end) == (cut_turn["input_ids"], cut_turn["labels"])
+    # Rows whose last turn is not an answer are not cut, whatever their finish_reason says.
+    asked = [*CONVERSATION, {"role": "user", "content": "And then?"}]
+    [example] = build_examples([{"messages": asked, "finish_reason": "length"}], smol, 512)
+    assert example["input_ids"] == tokenize_chat(smol, asked)[0]
 
 
-def test_cut_off_answers_under_a_trimming_template_and_one_that_rewrites_them(smol):
+class NoOffsets:
+    """A tokenizer that gives no character offsets, as pure-Python and SentencePiece ones."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, text, **kwargs):
+        if kwargs.get("return_offsets_mapping"):
+            raise NotImplementedError("no offsets")
+        return self.tokenizer(text, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+@pytest.mark.parametrize("answer", ["Six feet.\n\nDig at", "Six feet.\n\nDig at "])
+def test_tokenizers_without_offsets_cut_answers_at_the_same_token(smol, answer):
+    messages = [*CONVERSATION[:-1], {"role": "assistant", "content": answer}]
+    row = {"messages": messages, "finish_reason": "length"}
+    [example] = build_examples([row], NoOffsets(smol), 512)
+    assert example == build_examples([row], smol, 512)[0]
+    assert labelled_runs(smol, example["input_ids"], example["labels"])[-1] == answer
+
+
+def test_a_cut_answer_is_found_after_its_own_header_not_where_its_text_came_earlier(smol):
+    tokenizer = with_template(smol, LLAMA3_TEMPLATE, ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"))
+    # The user wrote the answer's text first, and the answer "assistant" is the header's own word.
+    for answer in ("Dig at dawn ", "assistant"):
+        row = {"messages": [{"role": "user", "content": f"Say {answer}"}, {"role": "assistant", "content": answer}],
+               "finish_reason": "length"}
+        [example] = build_examples([row], tokenizer, 512)
+        assert labelled_runs(tokenizer, example["input_ids"], example["labels"]) == [answer.strip()]
+
+
+def test_cut_off_answers_under_a_trimming_template_and_one_that_rewrites_them(smol, caplog):
     tokenizer = with_template(smol, LLAMA3_TEMPLATE, ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"))
     row = {"prompt": "Q?", "response": "Dig at dawn.\n", "finish_reason": "length"}
     [example] = build_examples([row], tokenizer, 512)
@@ -193,8 +227,14 @@ def test_cut_off_answers_under_a_trimming_template_and_one_that_rewrites_them(sm
     assert tokenizer.decode(example["input_ids"]).endswith("<|end_header_id|>\n\nDig at dawn.")
     shouting = with_template(smol, "{% for m in messages %}{{ m['role'] }}: {{ m['content'] | upper }}\n{% endfor %}"
                                     "{% if add_generation_prompt %}assistant: {% endif %}")
-    with pytest.raises(TemplateError, match="does not write the last assistant answer verbatim"):
-        build_examples([row], shouting, 512)
+    # An answer the template rewrites cannot be cut: it is kept whole, counted and reported.
+    stats = BuildStats()
+    with caplog.at_level(logging.WARNING, logger="medusa_train.dataset"):
+        [example] = build_examples([row], shouting, 512, stats=stats)
+    whole = tokenize_chat(shouting, [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "Dig at dawn.\n"}])
+    assert (example["input_ids"], example["labels"]) == whole
+    assert (stats.cut_off, stats.cut_off_unfound) == (0, 1)
+    assert "1 answers cut by the token limit keep an end-of-turn label" in caplog.text
 
 
 def test_no_example_left_names_why_and_the_fix(tmp_path, smol):
