@@ -225,20 +225,24 @@ def stage_train(config: TrainConfig, accelerator: Any, train: list[dict], folder
     if config.uses_feature_cache:
         cache = FeatureCache.load(folders["train"])
         m = cache.manifest
-        vocab = m["vocab_size"]
-        token_map = _token_map(config, cache.block["labels"], vocab, cache.end_of_turn_ids())
+        vocab, hidden, model_type = m["vocab_size"], m["hidden_size"], m["model_type"]
+        init = tr.initial_heads(config, hidden, vocab, model_type)
+        token_map = init[1] if init else _token_map(config, cache.block["labels"], vocab, cache.end_of_turn_ids())
         module = tr.new_heads_module(config, cache.lm_head["weight"], cache.lm_head.get("bias"), m["logit_softcap"],
-                                     m["model_type"], token_map, cache.embed_weight)
+                                     model_type, token_map, cache.embed_weight)
         task: Any = tr.Medusa1Task(config, module, FeatureDataset(cache.block, h.num_heads, token_map, vocab, soft=kl))
-        hidden, model_type = m["hidden_size"], m["model_type"]
     else:
         base = load_base(config, accelerator)
         base.requires_grad_(False)
         vocab, hidden = base.get_output_embeddings().weight.shape
         model_type = base.config.model_type
-        labels = torch.tensor([x for e in train for x in e["labels"]], dtype=torch.long)
-        lengths = torch.tensor([len(e["labels"]) for e in train])
-        token_map = _token_map(config, labels, vocab, end_of_turn_ids(labels, lengths, eos_token_ids(base)))
+        init = tr.initial_heads(config, hidden, vocab, model_type)
+        if init:
+            token_map = init[1]
+        else:
+            labels = torch.tensor([x for e in train for x in e["labels"]], dtype=torch.long)
+            lengths = torch.tensor([len(e["labels"]) for e in train])
+            token_map = _token_map(config, labels, vocab, end_of_turn_ids(labels, lengths, eos_token_ids(base)))
         if t.mode == "medusa1":
             medusa = MedusaModel.from_base(base, num_heads=1)
             module = tr.new_heads_module(config, medusa.lm_head.weight, getattr(medusa.lm_head, "bias", None),
@@ -257,9 +261,13 @@ def stage_train(config: TrainConfig, accelerator: Any, train: list[dict], folder
             lm = base.get_output_embeddings().weight
             heads = MedusaHeads(tr.heads_config(config, hidden, vocab, model_type, token_map),
                                 lm_head_weight=lm.detach().float(), token_map=token_map)
+            if init:
+                heads.load_state_dict(init[0])
             medusa = MedusaModel(peft_model.get_base_model(), heads)
             medusa.heads.float()
             task = tr.Medusa2Task(config, tr.JointModule(medusa, peft_model, topk), train, token_map)
+    if init and t.mode == "medusa1":
+        module.heads.load_state_dict(init[0])
     result = tr.train(config, task, accelerator, paths)
     info = {"recipe": config.to_dict(), "steps": result.steps, "train_seconds": round(result.seconds, 1),
             "resumed_from_step": result.resumed_from, "num_processes": accelerator.num_processes,

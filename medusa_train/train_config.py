@@ -118,6 +118,11 @@ class HeadsSection:
             FasterDecoding/Medusa layout.
         path_input: each head k also reads the tokens t + 2 .. t + k + 1 of the candidate path
             it extends (trained with the true tokens; needs ``next_token_input``).
+        init_from: a heads folder (``from_pretrained`` layout, e.g. a Medusa-1 run's ``heads/``)
+            whose weights training starts from instead of fresh ones; its head vocabulary is kept.
+            Medusa's two-stage recipe on a CPU: Medusa-1 on the feature cache, then
+            ``training.mode=medusa2 heads.init_from=<that run>/heads``. The folder must have been
+            trained for this model with these ``heads.*`` settings and carry no adapter.
     """
 
     num_heads: int = 4
@@ -126,6 +131,7 @@ class HeadsSection:
     reduced_vocab_size: int | None = None
     next_token_input: bool = False
     path_input: bool = False
+    init_from: str | None = None
 
 
 @dataclass
@@ -743,6 +749,8 @@ def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | Non
 
     h = config.heads
     head_vocab = f"{h.reduced_vocab_size} most frequent target tokens" if h.reduced_vocab_size else "full"
+    if h.init_from:
+        head_vocab = "the starting heads' (heads.init_from)" if h.reduced_vocab_size else head_vocab
     feats = features_root(config)
     resuming = rows_file.is_file() and distill_pending
     answering = f"{distill_pending} more prompts (resuming)" if resuming else f"{examples} prompts"
@@ -766,7 +774,8 @@ def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | Non
     live = d.pack and not config.uses_feature_cache  # training runs the backbone
     stages += [
         Stage("train", str(paths.final), (paths.final / "config.json").is_file(),
-              f"{t.mode}, {total} steps, loss {t.loss}" + (", batches packed" if live else "")),
+              f"{t.mode}, {total} steps, loss {t.loss}" + (", batches packed" if live else "")
+              + (f", heads from {h.init_from}" if h.init_from else "")),
         Stage("evaluate", str(paths.heads), (paths.heads / "config.json").is_file(),
               f"top-1..{config.eval.top_k} accuracy on held-out data, {config.eval.tree_size}-node tree"),
     ]

@@ -621,6 +621,39 @@ def heads_config(config: TrainConfig, hidden_size: int, vocab_size: int, model_t
     )
 
 
+_INIT_MUST_MATCH = ("base_model_name_or_path", "hidden_size", "vocab_size", "num_heads", "num_layers", "projection",
+                    "next_token_input", "path_input")
+
+
+def initial_heads(config: TrainConfig, hidden_size: int, vocab_size: int, model_type: str | None
+                  ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None] | None:
+    """The weights and head vocabulary (``token_map``) of ``heads.init_from``, or None when unset.
+
+    Raises ``ValueError`` naming the setting when the folder's heads are not the ones this run
+    builds (another base model, size or ``heads.*`` setting) or carry a Medusa-2 adapter (their
+    weights fit that adapted backbone, not the stock one this run starts from)."""
+    from medusa_infer.checkpoint import ADAPTER_DIR, load_heads_state
+
+    folder = config.heads.init_from
+    if not folder:
+        return None
+    found, state = load_heads_state(folder)
+    if (Path(folder) / ADAPTER_DIR).exists():
+        raise ValueError(f"heads.init_from={folder} holds a Medusa-2 adapter ({ADAPTER_DIR}/): its heads read the "
+                         "adapted backbone; start from a Medusa-1 run's heads")
+    token_map = state.get("token_map")
+    expected = heads_config(config, hidden_size, vocab_size, model_type, token_map)
+    for key in _INIT_MUST_MATCH:
+        if getattr(found, key) != getattr(expected, key):
+            raise ValueError(f"heads.init_from={folder} has {key}={getattr(found, key)!r} where this run builds "
+                             f"{getattr(expected, key)!r}; set heads.* (or model.*) as those heads were trained")
+    size = config.heads.reduced_vocab_size
+    if found.reduced_vocab_size != size:
+        raise ValueError(f"heads.init_from={folder} scores {found.reduced_vocab_size or 'all'} tokens where "
+                         f"heads.reduced_vocab_size={size}; set it to {found.reduced_vocab_size}")
+    return state, token_map
+
+
 def new_heads_module(config: TrainConfig, lm_weight: torch.Tensor, lm_bias: torch.Tensor | None,
                      logit_softcap: float | None, model_type: str | None,
                      token_map: torch.Tensor | None, embed_weight: torch.Tensor | None = None) -> HeadsModule:

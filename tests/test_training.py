@@ -520,6 +520,66 @@ def test_medusa2_trains_adapter_and_heads_then_evaluates(tiny_dir, tmp_path):
     assert config["reduced_vocab_size"] == 30 and len(config["head_accuracies"]) == 3 and config["tree"]
 
 
+@pytest.fixture(scope="module")
+def counting_heads(tiny_dir, tmp_path_factory) -> Path:
+    """A Medusa-1 run's heads (feature cache, a 30-token head vocabulary) that learnt to count."""
+    import train_heads
+
+    root = tmp_path_factory.mktemp("counting")
+    values = recipe(tiny_dir, root / "run", training={"epochs": 8, "lr": 0.03}, heads={"reduced_vocab_size": 30},
+                    log={"every": 50})
+    train_heads.main(["--config", str(write_recipe(root / "r.yaml", values))])
+    accuracies = json.loads((root / "run" / "heads" / "config.json").read_text())["head_accuracies"]
+    assert accuracies[0][0] > 0.9
+    return root / "run" / "heads"
+
+
+@pytest.mark.parametrize("mode", ["medusa1", "medusa2"])
+def test_training_starts_from_an_earlier_runs_heads(tiny_dir, tmp_path, counting_heads, mode):
+    """Medusa's two stages on a CPU: Medusa-1 on the feature cache, then (here) one more step of
+    Medusa-1 or a Medusa-2 step from those heads, with their head vocabulary."""
+    import train_heads
+    from medusa_infer.checkpoint import load_heads_state
+
+    def first_step(out: Path, **heads) -> dict:
+        training = {"max_steps": 1, "lr": 1e-4}
+        extra = {}
+        if mode == "medusa2":
+            training |= {"mode": "medusa2", "batch_size": 8, "loss": "ce"}
+            extra = {"lora": {"r": 4, "target_modules": ["q_proj", "v_proj"]}}
+        values = recipe(tiny_dir, out, training=training, heads={"reduced_vocab_size": 30, **heads}, **extra)
+        train_heads.main(["--config", str(write_recipe(out.with_suffix(".yaml"), values))])
+        return train_log(out)[0]
+
+    started = first_step(tmp_path / "from", init_from=str(counting_heads))
+    fresh = first_step(tmp_path / "fresh")
+    # the first step's accuracy is measured before its update: the starting heads' own
+    assert min(started["head_top1"]) > 0.9 and max(fresh["head_top1"]) < 0.5, (started, fresh)
+    _, before = load_heads_state(counting_heads)
+    _, after = load_heads_state(tmp_path / "from" / "heads")
+    assert torch.equal(after["token_map"], before["token_map"])  # the starting heads' vocabulary, not a new one
+    assert (tmp_path / "from" / "heads" / "adapter").is_dir() == (mode == "medusa2")
+
+
+def test_init_from_refuses_heads_this_run_would_not_build(tiny_dir, tmp_path, counting_heads):
+    def check(match: str, folder: Path = counting_heads, **heads) -> None:
+        values = recipe(tiny_dir, tmp_path / "run", heads={"reduced_vocab_size": 30, "init_from": str(folder),
+                                                           **heads})
+        with pytest.raises(ValueError, match=match):
+            tr.initial_heads(config_from_dict(values), 32, 96, "llama")
+
+    check("num_heads=3 where this run builds 2", num_heads=2)
+    check("next_token_input=False where this run builds True", next_token_input=True, path_input=True)
+    check("scores 30 tokens where heads.reduced_vocab_size=None; set it to 30", reduced_vocab_size=None)
+    adapted = tmp_path / "adapted"
+    shutil.copytree(counting_heads, adapted)
+    (adapted / "adapter").mkdir()
+    check("holds a Medusa-2 adapter", adapted)
+    values = recipe(tiny_dir, tmp_path / "run", heads={"reduced_vocab_size": 30, "init_from": str(counting_heads)})
+    state, token_map = tr.initial_heads(config_from_dict(values), 32, 96, "llama")
+    assert token_map is state["token_map"] and len(token_map) == 30
+
+
 # ---------------------------------------------------------------------------------------------
 # Several processes
 
