@@ -308,7 +308,10 @@ class Medusa2Task:
             prefix = "medusa.base_model."
             adapter = {"base_model.model." + k[len(prefix):]: v for k, v in state.items()
                        if k.startswith(prefix) and "lora_" in k}
-            accelerator.unwrap_model(module)._peft[0].save_pretrained(str(folder / ADAPTER_DIR), state_dict=adapter)
+            # The vocabulary is never resized and only LoRA weights are written, so peft need not
+            # look the base model up (on the Hub, with a warning offline) to decide on embeddings.
+            accelerator.unwrap_model(module)._peft[0].save_pretrained(str(folder / ADAPTER_DIR), state_dict=adapter,
+                                                                      save_embedding_layers=False)
 
 
 # ---------------------------------------------------------------------------------------------
