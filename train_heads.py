@@ -226,7 +226,7 @@ def stage_train(config: TrainConfig, accelerator: Any, train: list[dict], folder
         cache = FeatureCache.load(folders["train"])
         m = cache.manifest
         vocab, hidden, model_type = m["vocab_size"], m["hidden_size"], m["model_type"]
-        init = tr.initial_heads(config, hidden, vocab, model_type)
+        init = tr.initial_heads(config, hidden, vocab)
         token_map = init[1] if init else _token_map(config, cache.block["labels"], vocab, cache.end_of_turn_ids())
         module = tr.new_heads_module(config, cache.lm_head["weight"], cache.lm_head.get("bias"), m["logit_softcap"],
                                      model_type, token_map, cache.embed_weight)
@@ -236,7 +236,7 @@ def stage_train(config: TrainConfig, accelerator: Any, train: list[dict], folder
         base.requires_grad_(False)
         vocab, hidden = base.get_output_embeddings().weight.shape
         model_type = base.config.model_type
-        init = tr.initial_heads(config, hidden, vocab, model_type)
+        init = tr.initial_heads(config, hidden, vocab)
         if init:
             token_map = init[1]
         else:
@@ -261,10 +261,10 @@ def stage_train(config: TrainConfig, accelerator: Any, train: list[dict], folder
             lm = base.get_output_embeddings().weight
             heads = MedusaHeads(tr.heads_config(config, hidden, vocab, model_type, token_map),
                                 lm_head_weight=lm.detach().float(), token_map=token_map)
-            if init:
-                heads.load_state_dict(init[0])
             medusa = MedusaModel(peft_model.get_base_model(), heads)
             medusa.heads.float()
+            if init:  # after the cast to the model's dtype and back, which would round them
+                medusa.heads.load_state_dict(init[0])
             task = tr.Medusa2Task(config, tr.JointModule(medusa, peft_model, topk), train, token_map)
     if init and t.mode == "medusa1":
         module.heads.load_state_dict(init[0])
@@ -361,6 +361,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config, args.overrides)
         pending = distill_pending(config)
+        if not (run_paths(config).final / "config.json").is_file():  # the starting heads, before any work
+            from medusa_train.trainer import check_init_from
+
+            check_init_from(config)
     except ValueError as err:
         parser.error(str(err))
     if args.push_to_hub:

@@ -749,8 +749,8 @@ def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | Non
 
     h = config.heads
     head_vocab = f"{h.reduced_vocab_size} most frequent target tokens" if h.reduced_vocab_size else "full"
-    if h.init_from:
-        head_vocab = "the starting heads' (heads.init_from)" if h.reduced_vocab_size else head_vocab
+    if h.init_from and h.reduced_vocab_size:
+        head_vocab = f"the starting heads' {h.reduced_vocab_size} (heads.init_from)"
     feats = features_root(config)
     resuming = rows_file.is_file() and distill_pending
     answering = f"{distill_pending} more prompts (resuming)" if resuming else f"{examples} prompts"

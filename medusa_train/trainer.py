@@ -328,7 +328,20 @@ def _resume_fingerprint(config: TrainConfig) -> dict[str, Any]:
             "features_topk": config.soft_label_topk,
             # what the features a checkpoint trained on were made from and stored as
             "features": {"dtype": config.features.dtype, "from_distillation": config.features.from_distillation}
-            if config.uses_feature_cache else None}
+            if config.uses_feature_cache else None,
+            # the starting heads by content: a folder rewritten in between would resume other heads
+            **({"init_from_sha256": _file_sha256(Path(config.heads.init_from) / "model.safetensors")}
+               if config.heads.init_from else {})}
+
+
+def _file_sha256(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -624,28 +637,29 @@ def heads_config(config: TrainConfig, hidden_size: int, vocab_size: int, model_t
     )
 
 
-_INIT_MUST_MATCH = ("base_model_name_or_path", "hidden_size", "vocab_size", "num_heads", "num_layers", "projection",
-                    "next_token_input", "path_input")
+_INIT_MUST_MATCH = ("base_model_name_or_path", "num_heads", "num_layers", "projection", "next_token_input",
+                    "path_input")
 
 
-def initial_heads(config: TrainConfig, hidden_size: int, vocab_size: int, model_type: str | None
-                  ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None] | None:
-    """The weights and head vocabulary (``token_map``) of ``heads.init_from``, or None when unset.
+def check_init_from(config: TrainConfig) -> MedusaConfig | None:
+    """The config of ``heads.init_from`` (None when unset), checked against the run's settings
+    before any model loads, so that a wrong folder fails before distillation, not hours after.
 
     Raises ``ValueError`` naming the setting when the folder's heads are not the ones this run
-    builds (another base model, size or ``heads.*`` setting) or carry a Medusa-2 adapter (their
+    builds (another base model or ``heads.*`` setting) or carry a Medusa-2 adapter (their
     weights fit that adapted backbone, not the stock one this run starts from)."""
-    from medusa_infer.checkpoint import ADAPTER_DIR, load_heads_state
+    from medusa_infer.checkpoint import ADAPTER_DIR, CONFIG_NAME
 
     folder = config.heads.init_from
     if not folder:
         return None
-    found, state = load_heads_state(folder)
+    if not (Path(folder) / CONFIG_NAME).is_file():
+        raise ValueError(f"heads.init_from={folder} has no {CONFIG_NAME}: give a heads folder (a run's heads/)")
     if (Path(folder) / ADAPTER_DIR).exists():
         raise ValueError(f"heads.init_from={folder} holds a Medusa-2 adapter ({ADAPTER_DIR}/): its heads read the "
                          "adapted backbone; start from a Medusa-1 run's heads")
-    token_map = state.get("token_map")
-    expected = heads_config(config, hidden_size, vocab_size, model_type, token_map)
+    found = MedusaConfig.load(Path(folder) / CONFIG_NAME)
+    expected = heads_config(config, found.hidden_size, found.vocab_size, found.base_model_type, None)
     for key in _INIT_MUST_MATCH:
         if getattr(found, key) != getattr(expected, key):
             raise ValueError(f"heads.init_from={folder} has {key}={getattr(found, key)!r} where this run builds "
@@ -654,7 +668,24 @@ def initial_heads(config: TrainConfig, hidden_size: int, vocab_size: int, model_
     if found.reduced_vocab_size != size:
         raise ValueError(f"heads.init_from={folder} scores {found.reduced_vocab_size or 'all'} tokens where "
                          f"heads.reduced_vocab_size={size}; set it to {found.reduced_vocab_size}")
-    return state, token_map
+    return found
+
+
+def initial_heads(config: TrainConfig, hidden_size: int, vocab_size: int
+                  ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None] | None:
+    """The weights and head vocabulary (``token_map``) of ``heads.init_from``, or None when unset:
+    ``check_init_from``'s checks, and the model's sizes."""
+    from medusa_infer.checkpoint import load_heads_state
+
+    if check_init_from(config) is None:
+        return None
+    folder = config.heads.init_from
+    found, state = load_heads_state(folder)
+    for key, value in (("hidden_size", hidden_size), ("vocab_size", vocab_size)):
+        if getattr(found, key) != value:
+            raise ValueError(f"heads.init_from={folder} has {key}={getattr(found, key)} where the model has "
+                             f"{value}: those heads were trained for another model")
+    return state, state.get("token_map")
 
 
 def new_heads_module(config: TrainConfig, lm_weight: torch.Tensor, lm_bias: torch.Tensor | None,

@@ -539,7 +539,16 @@ def test_training_starts_from_an_earlier_runs_heads(tiny_dir, tmp_path, counting
     """Medusa's two stages on a CPU: Medusa-1 on the feature cache, then (here) one more step of
     Medusa-1 or a Medusa-2 step from those heads, with their head vocabulary."""
     import train_heads
-    from medusa_infer.checkpoint import load_heads_state
+    from safetensors.torch import load_file, save_file
+
+    # The starting heads with their vocabulary permuted (rows moved alike, so they still count): a
+    # run that chose its own vocabulary from the same data would not end with this order.
+    start = tmp_path / "start"
+    shutil.copytree(counting_heads, start)
+    state = load_file(str(start / "model.safetensors"))
+    order = torch.randperm(30, generator=torch.Generator().manual_seed(0))
+    state = {k: (v[order] if k == "token_map" or k.endswith(".proj.weight") else v) for k, v in state.items()}
+    save_file(state, str(start / "model.safetensors"), metadata={"format": "pt"})
 
     def first_step(out: Path, **heads) -> dict:
         training = {"max_steps": 1, "lr": 1e-4}
@@ -551,33 +560,53 @@ def test_training_starts_from_an_earlier_runs_heads(tiny_dir, tmp_path, counting
         train_heads.main(["--config", str(write_recipe(out.with_suffix(".yaml"), values))])
         return train_log(out)[0]
 
-    started = first_step(tmp_path / "from", init_from=str(counting_heads))
+    started = first_step(tmp_path / "from", init_from=str(start))
     fresh = first_step(tmp_path / "fresh")
     # the first step's accuracy is measured before its update: the starting heads' own
     assert min(started["head_top1"]) > 0.9 and max(fresh["head_top1"]) < 0.5, (started, fresh)
-    _, before = load_heads_state(counting_heads)
-    _, after = load_heads_state(tmp_path / "from" / "heads")
-    assert torch.equal(after["token_map"], before["token_map"])  # the starting heads' vocabulary, not a new one
+    after = load_file(str(tmp_path / "from" / "heads" / "model.safetensors"))
+    assert torch.equal(after["token_map"], state["token_map"])  # the starting heads' vocabulary, not a new one
+    own = load_file(str(tmp_path / "fresh" / "heads" / "model.safetensors"))["token_map"]
+    assert not torch.equal(own, state["token_map"])
     assert (tmp_path / "from" / "heads" / "adapter").is_dir() == (mode == "medusa2")
 
 
 def test_init_from_refuses_heads_this_run_would_not_build(tiny_dir, tmp_path, counting_heads):
+    import train_heads
+
+    def values(folder: Path = counting_heads, **heads) -> dict:
+        return recipe(tiny_dir, tmp_path / "run", heads={"reduced_vocab_size": 30, "init_from": str(folder), **heads})
+
     def check(match: str, folder: Path = counting_heads, **heads) -> None:
-        values = recipe(tiny_dir, tmp_path / "run", heads={"reduced_vocab_size": 30, "init_from": str(folder),
-                                                           **heads})
         with pytest.raises(ValueError, match=match):
-            tr.initial_heads(config_from_dict(values), 32, 96, "llama")
+            tr.check_init_from(config_from_dict(values(folder, **heads)))
 
     check("num_heads=3 where this run builds 2", num_heads=2)
     check("next_token_input=False where this run builds True", next_token_input=True, path_input=True)
     check("scores 30 tokens where heads.reduced_vocab_size=None; set it to 30", reduced_vocab_size=None)
+    check("has no config.json", tmp_path)
     adapted = tmp_path / "adapted"
     shutil.copytree(counting_heads, adapted)
     (adapted / "adapter").mkdir()
     check("holds a Medusa-2 adapter", adapted)
-    values = recipe(tiny_dir, tmp_path / "run", heads={"reduced_vocab_size": 30, "init_from": str(counting_heads)})
-    state, token_map = tr.initial_heads(config_from_dict(values), 32, 96, "llama")
+    with pytest.raises(ValueError, match="hidden_size=32 where the model has 64"):
+        tr.initial_heads(config_from_dict(values()), 64, 96)
+    state, token_map = tr.initial_heads(config_from_dict(values()), 32, 96)
     assert token_map is state["token_map"] and len(token_map) == 30
+    # a resumed run checks the starting heads by content, not only by path
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / "copy"
+    shutil.copytree(counting_heads, copy)
+    before = tr._resume_fingerprint(config_from_dict(values(copy)))
+    weights = load_file(str(copy / "model.safetensors"))
+    weights["heads.0.blocks.0.linear.bias"] += 1
+    save_file(weights, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    assert tr._resume_fingerprint(config_from_dict(values(copy))) != before
+    # train_heads.py refuses such a folder before any stage runs
+    with pytest.raises(SystemExit):
+        train_heads.main(["--config", str(write_recipe(tmp_path / "r.yaml", values(num_heads=2)))])
+    assert not (tmp_path / "run").exists()
 
 
 # ---------------------------------------------------------------------------------------------
