@@ -50,6 +50,10 @@ class MedusaConfig:
             independent (heads share their errors, so deep paths are likelier than that says).
         acceptance: measured acceptance figures (tokens per step, per-depth rates, ...).
         cost_profile: measured verification cost per tree size on some device.
+        chat_template: the jinja chat template the heads were trained on when it is not the
+            tokenizer's own (a recipe's ``model.chat_template``, e.g. Vicuna's v1.1 format, whose
+            tokenizer ships none). ``MedusaModel.from_pretrained`` installs it on the tokenizer, so
+            chats are rendered as in training. ``None``: the tokenizer's own template.
         training: free-form training metadata (recipe, data, steps, ...).
     """
 
@@ -69,6 +73,7 @@ class MedusaConfig:
     path_accuracies: list[list[Any]] | None = None
     acceptance: dict[str, Any] | None = None
     cost_profile: dict[str, Any] | None = None
+    chat_template: str | None = None
     training: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 

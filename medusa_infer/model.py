@@ -192,6 +192,10 @@ class MedusaModel(nn.Module):
         stock transformers model (no peft wrapper while decoding); a ``base_model`` given as an
         object is changed in place. ``adapter=False`` keeps the plain base model. Folders without
         an adapter load the same either way.
+
+        Heads whose config records a ``chat_template`` (trained on a template other than the
+        tokenizer's own) install it on the tokenizer, a ``tokenizer`` given as an object included,
+        so that chats are rendered as in training.
         """
         from medusa_infer import interop
 
@@ -218,6 +222,8 @@ class MedusaModel(nn.Module):
         merge = adapter and adapter_folder.is_dir()
         if merge:
             base_model = merge_adapter(base_model, adapter_folder)
+        if config.chat_template and tokenizer is not None:
+            tokenizer.chat_template = config.chat_template
         heads = MedusaHeads(config)
         check_state_dict(heads.state_dict(), state, str(directory))
         heads.load_state_dict(state, strict=True)

@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                         "(default: the heads' base_model_name_or_path)")
     parser.add_argument("--chat-template", metavar="FILE",
                         help="a jinja chat template replacing the tokenizer's ('': the tokenizer's own; "
-                             "default: the heads' recipe's)")
+                             "default: the heads' own, recorded in their config)")
     parser.add_argument("--max-length", type=int,
                         help="longer conversations are cut, in tokens (default: the heads' recipe's, else 1024)")
     parser.add_argument("--system-prompt", help="the system prompt the rows were distilled with ('': none; "
@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.chat_template is not None:
         chat_template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
     else:
-        chat_template = recipe_model.get("chat_template")
+        chat_template = config.get("chat_template") or recipe_model.get("chat_template")  # older folders: the recipe's
     if args.system_prompt is not None:
         system_prompt = args.system_prompt or None
     else:

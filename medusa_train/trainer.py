@@ -633,12 +633,12 @@ def heads_config(config: TrainConfig, hidden_size: int, vocab_size: int, model_t
         projection=h.projection, reduced_vocab_size=None if token_map is None else len(token_map),
         next_token_input=h.next_token_input, path_input=h.path_input,
         base_model_name_or_path=name, base_model_type=model_type,
-        top_k=config.eval.top_k,
+        top_k=config.eval.top_k, chat_template=config.model.chat_template,
     )
 
 
 _INIT_MUST_MATCH = ("base_model_name_or_path", "num_heads", "num_layers", "projection", "next_token_input",
-                    "path_input")
+                    "path_input", "chat_template")
 
 
 def check_init_from(config: TrainConfig) -> MedusaConfig | None:

@@ -171,6 +171,19 @@ def test_the_builder_renders_rows_as_the_heads_recipe_did(tmp_path, capsys):
     rows.write_text(json.dumps({"prompt": "Name a colour.", "response": "Blue."}) + "\n")
     assert main(["--heads", str(layout), "--rows", str(rows)]) == 0
     assert (layout / DATASTORE_NAME).is_file()
+    # heads that carry the template they were trained on (a recipe's): built with it, no flag needed
+    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant:{% endif %}")
+    own = tmp_path / "own"
+    own.mkdir()
+    MedusaConfig(num_heads=1, hidden_size=576, vocab_size=49152, base_model_name_or_path="smollm2-135m-instruct",
+                 chat_template=template).save(own / "config.json")
+    rows.write_text(json.dumps({"prompt": "Name a colour.", "response": "Blue.", "generation": {
+        "chat_template": template_digest(template), "system_prompt": None}}) + "\n")
+    assert main(["--heads", str(own), "--rows", str(rows)]) == 0
+    expected = load_tokenizer("smollm2-135m-instruct")("user: Name a colour.\nassistant: Blue.\n",
+                                                       add_special_tokens=False)["input_ids"]
+    assert Datastore.load(own / DATASTORE_NAME).tokens[:-1].tolist() == expected
 
 
 def test_gated_matches_choose_between_prompt_and_datastore():

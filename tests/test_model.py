@@ -277,6 +277,34 @@ def test_model_card_shows_measured_figures(tmp_path):
     assert loaded.config.acceptance == model.config.acceptance
 
 
+QA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}Q {{ m['content'] }} "
+               "{% else %}A {{ m['content'] }}{{ eos_token }} {% endif %}{% endfor %}"
+               "{% if add_generation_prompt %}A{% endif %}")
+
+
+def test_heads_trained_on_a_recipes_chat_template_bring_it_to_the_tokenizer(tmp_path):
+    """A tokenizer without a template (Vicuna's, a base model's) renders chats as the heads' training did."""
+    from medusa_infer.decoding import encode_chat
+
+    model = medusa(base_model("llama"))
+    model.config.chat_template = QA_TEMPLATE
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["chat_template"] == QA_TEMPLATE
+    tokenizer = word_tokenizer()
+    with pytest.raises(ValueError, match="no chat template"):
+        encode_chat(tokenizer, [{"role": "user", "content": "w5 w6"}])
+    loaded = MedusaModel.from_pretrained(tmp_path, base_model=model.base_model, tokenizer=tokenizer)
+    assert loaded.tokenizer is tokenizer and tokenizer.chat_template == QA_TEMPLATE
+    assert encode_chat(loaded.tokenizer, [{"role": "user", "content": "w5 w6"}]) == ["<s>Q w5 w6 A"]
+    # heads trained on the tokenizer's own template leave it alone
+    model.config.chat_template = None
+    model.save_pretrained(tmp_path / "own")
+    other = word_tokenizer()
+    other.chat_template = "{{ messages[0]['content'] }}"
+    MedusaModel.from_pretrained(tmp_path / "own", base_model=model.base_model, tokenizer=other)
+    assert other.chat_template == "{{ messages[0]['content'] }}"
+
+
 # ----- FasterDecoding layout
 
 

@@ -585,6 +585,10 @@ def test_init_from_refuses_heads_this_run_would_not_build(tiny_dir, tmp_path, co
     check("next_token_input=False where this run builds True", next_token_input=True, path_input=True)
     check("scores 30 tokens where heads.reduced_vocab_size=None; set it to 30", reduced_vocab_size=None)
     check("has no config.json", tmp_path)
+    templated = values()
+    templated["model"]["chat_template"] = "{{ messages[0]['content'] }}"
+    with pytest.raises(ValueError, match="chat_template=None where this run builds"):
+        tr.check_init_from(config_from_dict(templated))
     adapted = tmp_path / "adapted"
     shutil.copytree(counting_heads, adapted)
     (adapted / "adapter").mkdir()
@@ -714,3 +718,11 @@ def test_logs_to_jsonl_tensorboard_and_offline_wandb(tiny_dir, tmp_path, monkeyp
 def test_heads_config_names_the_base_model_the_way_it_loads_again(name, hub_id, recorded):
     config = config_from_dict({"model": {"name": name, "hub_id": hub_id}, "data": {"rows": "rows.jsonl"}})
     assert tr.heads_config(config, 8, 32, "llama", None).base_model_name_or_path == recorded
+
+
+def test_heads_config_records_the_recipes_chat_template():
+    """Heads trained on a recipe's template (Vicuna's) carry it; from_pretrained installs it (test_model)."""
+    values = {"model": {"name": "org/model", "chat_template": "{{ messages }}"}, "data": {"rows": "rows.jsonl"}}
+    assert tr.heads_config(config_from_dict(values), 8, 32, "llama", None).chat_template == "{{ messages }}"
+    del values["model"]["chat_template"]
+    assert tr.heads_config(config_from_dict(values), 8, 32, "llama", None).chat_template is None
