@@ -158,6 +158,10 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
         "```",
         "",
     ]
+    if config.chat_template:
+        lines += ["The heads were trained on conversations rendered with the chat template in `config.json` "
+                  "(`chat_template`), not the tokenizer's own: `from_pretrained` installs it on the tokenizer, "
+                  "and `model.generate(messages=[...])` renders chats with it.", ""]
     if config.head_accuracies:
         width = max(len(a) for a in config.head_accuracies)
         shown = [k for k in (1, 3, 5, 10) if k <= width]

@@ -290,6 +290,7 @@ def test_heads_trained_on_a_recipes_chat_template_bring_it_to_the_tokenizer(tmp_
     model.config.chat_template = QA_TEMPLATE
     model.save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["chat_template"] == QA_TEMPLATE
+    assert "chat template in `config.json`" in (tmp_path / "README.md").read_text()
     tokenizer = word_tokenizer()
     with pytest.raises(ValueError, match="no chat template"):
         encode_chat(tokenizer, [{"role": "user", "content": "w5 w6"}])
