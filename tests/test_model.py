@@ -282,7 +282,7 @@ QA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' 
                "{% if add_generation_prompt %}A{% endif %}")
 
 
-def test_heads_trained_on_a_recipes_chat_template_bring_it_to_the_tokenizer(tmp_path):
+def test_heads_trained_on_a_recipes_chat_template_bring_it_to_the_tokenizer(tmp_path, caplog):
     """A tokenizer without a template (Vicuna's, a base model's) renders chats as the heads' training did."""
     from medusa_infer.decoding import encode_chat
 
@@ -297,6 +297,8 @@ def test_heads_trained_on_a_recipes_chat_template_bring_it_to_the_tokenizer(tmp_
     loaded = MedusaModel.from_pretrained(tmp_path, base_model=model.base_model, tokenizer=tokenizer)
     assert loaded.tokenizer is tokenizer and tokenizer.chat_template == QA_TEMPLATE
     assert encode_chat(loaded.tokenizer, [{"role": "user", "content": "w5 w6"}]) == ["<s>Q w5 w6 A"]
+    loaded.export_medusa_layout(tmp_path / "layout")  # a layout without a place for it says so
+    assert "must render chats with it" in caplog.text
     # heads trained on the tokenizer's own template leave it alone
     model.config.chat_template = None
     model.save_pretrained(tmp_path / "own")
