@@ -121,7 +121,10 @@ class MedusaConfig:
         return self.reduced_vocab_size or self.vocab_size
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        if data["chat_template"] is None:  # the common case, readable by releases that predate the field
+            del data["chat_template"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "MedusaConfig":
@@ -142,6 +145,9 @@ class MedusaConfig:
             # calibrated under version 1: per-rank accuracies, made cumulative here
             data = {**data, "head_accuracies": [[round(sum(row[: j + 1]), 5) for j in range(len(row))]
                                                 for row in data["head_accuracies"]]}
+        if data.get("chat_template") is None:  # heads saved before the field: their recipe's template
+            recipe_model = ((data.get("training") or {}).get("recipe") or {}).get("model") or {}
+            data = {**data, "chat_template": recipe_model.get("chat_template")}
         return cls(**{**data, "format_version": FORMAT_VERSION})
 
     def save(self, path: str | Path) -> None:

@@ -218,12 +218,16 @@ class MedusaModel(nn.Module):
                     f"{directory}/config.json names no base_model_name_or_path; pass base_model="
                 )
             base_model, tokenizer, _ = _load_base(base_model or config.base_model_name_or_path, tokenizer)
+        if config.chat_template and tokenizer is not None:
+            tokenizer.chat_template = config.chat_template
+        elif config.chat_template:
+            logger.warning("the heads in %s were trained on their own chat template (config.json, chat_template) and no "
+                           "tokenizer was given to install it on; pass tokenizer=, or render chats with "
+                           "model.config.chat_template", directory)
         adapter_folder = directory / ADAPTER_DIR
         merge = adapter and adapter_folder.is_dir()
         if merge:
             base_model = merge_adapter(base_model, adapter_folder)
-        if config.chat_template and tokenizer is not None:
-            tokenizer.chat_template = config.chat_template
         heads = MedusaHeads(config)
         check_state_dict(heads.state_dict(), state, str(directory))
         heads.load_state_dict(state, strict=True)
@@ -270,12 +274,13 @@ class MedusaModel(nn.Module):
         from medusa_infer.interop import write_medusa_layout
         from medusa_infer.models import hub_id
 
-        self._warn_heads_only(directory)
         lm_weight = self.lm_head.weight if version == "1" and self.config.projection == "shared" else None
         # Other engines load the base model by this name: write a Hub id, not a local name.
         config = dataclasses.replace(self.config, base_model_name_or_path=hub_id(self.config.base_model_name_or_path))
-        return write_medusa_layout(config, self.heads.state_dict(), directory, lm_head_weight=lm_weight,
-                                   fmt=fmt, version=version)
+        out = write_medusa_layout(config, self.heads.state_dict(), directory, lm_head_weight=lm_weight,
+                                  fmt=fmt, version=version)
+        self._warn_heads_only(directory)  # once written: heads the layout cannot hold fail without it
+        return out
 
     def push_to_hub(
         self,

@@ -38,8 +38,9 @@ def main() -> None:
     config = json.load(open(f"{args.heads}/config.json"))
     name = config["base_model_name_or_path"]
     base = load_base_model(name, dtype=torch.bfloat16, device=args.device)
-    model = MedusaModel.from_pretrained(args.heads, base_model=base)
-    tokenizer = load_tokenizer(name)
+    # the tokenizer through from_pretrained: it gets the chat template the heads were trained on, if they carry one
+    model = MedusaModel.from_pretrained(args.heads, base_model=base, tokenizer=load_tokenizer(name))
+    tokenizer = model.tokenizer
     with open(args.questions) as f:
         questions = [json.loads(line) for line in f]
     options = argparse.Namespace(lookup_tokens=args.lookup_tokens)

@@ -50,8 +50,10 @@ def main() -> None:
     config = json.load(open(f"{args.heads}/config.json"))
     name = config["base_model_name_or_path"]
     base = load_base_model(name, dtype=torch.bfloat16, device="cuda")
-    model = MedusaModel.from_pretrained(args.heads, base_model=base).to("cuda", torch.bfloat16)
-    tokenizer = load_tokenizer(name)
+    # the tokenizer through from_pretrained: it gets the chat template the heads were trained on, if they carry one
+    model = MedusaModel.from_pretrained(args.heads, base_model=base, tokenizer=load_tokenizer(name))
+    model = model.to("cuda", torch.bfloat16)
+    tokenizer = model.tokenizer
     with open(args.questions) as f:
         question = [json.loads(line) for line in f][args.question_index]
     ids = tokenizer.apply_chat_template([{"role": "user", "content": question["turns"][0]}],

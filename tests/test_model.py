@@ -299,9 +299,20 @@ def test_heads_trained_on_a_recipes_chat_template_bring_it_to_the_tokenizer(tmp_
     assert encode_chat(loaded.tokenizer, [{"role": "user", "content": "w5 w6"}]) == ["<s>Q w5 w6 A"]
     loaded.export_medusa_layout(tmp_path / "layout")  # a layout without a place for it says so
     assert "must render chats with it" in caplog.text
-    # heads trained on the tokenizer's own template leave it alone
+    MedusaModel.from_pretrained(tmp_path, base_model=model.base_model)  # no tokenizer to install it on: said
+    assert "no tokenizer was given" in caplog.text
+    # heads saved before the field hold the template only in their recipe record
+    old = json.loads((tmp_path / "config.json").read_text())
+    del old["chat_template"]
+    old["training"] = {"recipe": {"model": {"chat_template": QA_TEMPLATE}}}
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    tokenizer = word_tokenizer()
+    assert MedusaModel.from_pretrained(tmp_path, base_model=model.base_model, tokenizer=tokenizer).config.chat_template
+    assert tokenizer.chat_template == QA_TEMPLATE
+    # heads trained on the tokenizer's own template leave it alone, and their config does not name the field
     model.config.chat_template = None
     model.save_pretrained(tmp_path / "own")
+    assert "chat_template" not in json.loads((tmp_path / "own" / "config.json").read_text())
     other = word_tokenizer()
     other.chat_template = "{{ messages[0]['content'] }}"
     MedusaModel.from_pretrained(tmp_path / "own", base_model=model.base_model, tokenizer=other)
