@@ -302,7 +302,7 @@ class MedusaModel(nn.Module):
             logger.warning("writing the heads only to %s: the Medusa-2 adapter merged from %s is not included "
                            "in this layout; engines that read it need the base model with the adapter merged",
                            directory, self.merged_adapter)
-        if self.heads is not None and self.config.chat_template:
+        if self.config.chat_template:
             logger.warning("the chat template these heads were trained on is not part of the layout written to %s; "
                            "engines that read it must render chats with it (the heads' config.json, chat_template)",
                            directory)
