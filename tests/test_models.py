@@ -324,3 +324,25 @@ def test_gemma3_for_real() -> None:
     assert model.config.hidden_size == 640
     prompt = "Question: What is the capital of France?\nAnswer:"
     assert greedy_continuation(folder, prompt, chat_formatted=False).strip().startswith("Paris")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("MEDUSA_TEST_GEMMA") != "1", reason="set MEDUSA_TEST_GEMMA=1 (about 2 minutes)"
+)
+def test_gemma3_tree_steps_past_the_sliding_window_are_exact() -> None:
+    """Real Gemma-3-270M (512-token sliding window): tree steps over a 700-token prompt give plain decoding's
+    tokens. Untrained heads still propose trees; lookup chains on a repetitive prompt get tokens accepted."""
+    from medusa_infer.model import MedusaModel
+
+    model = MedusaModel.from_base("gemma3-270m", num_heads=4, num_layers=1)
+    assert model.base_model.config.sliding_window == 512
+    text = "The river runs past the mill, the mill grinds the grain, and the grain feeds the town. " * 36
+    ids = model.tokenizer(text + "Question: What does the river run past?\nAnswer:", return_tensors="pt")["input_ids"]
+    assert ids.shape[1] > 700
+    plain = model.generate(input_ids=ids, max_new_tokens=48, tree=[])
+    tree = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
+    for lookup in (0, 8):
+        out = model.generate(input_ids=ids, max_new_tokens=48, tree=tree, adaptive=False, lookup_tokens=lookup)
+        assert out.new_tokens[0] == plain.new_tokens[0]
+    assert out.metrics.tau > 1.5  # the chains were accepted: steps covered the window's edge
