@@ -337,11 +337,8 @@ def _resume_fingerprint(config: TrainConfig) -> dict[str, Any]:
 def _file_sha256(path: Path) -> str:
     import hashlib
 
-    digest = hashlib.sha256()
     with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
