@@ -98,6 +98,17 @@ def _check_inputs(logits: torch.Tensor, tokens: torch.Tensor, buffers: TreeBuffe
 # Sampling distribution
 # ---------------------------------------------------------------------------------------------
 
+def _divide_by_temperature(scores: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``scores / temperature`` (float32, ``temperature > 0``). Where a tiny temperature overflows
+    float32 (or is 0 there), the scores are shifted by their maximum first and the best kept at 0,
+    so the softmax is the near one-hot that temperature means, not NaN."""
+    scaled = scores / temperature
+    if bool((~scaled.isfinite() & scores.isfinite()).any()):
+        shifted = scores - scores.amax(-1, keepdim=True)
+        scaled = torch.where(shifted == 0, 0.0, shifted / temperature)
+    return scaled
+
+
 def warp_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """Sampling distribution ``[..., vocab]`` (float32) from logits ``[..., vocab]``.
 
@@ -111,7 +122,7 @@ def warp_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p:
     vocab = scores.shape[-1]
     if temperature == 0:
         return F.one_hot(greedy_tokens(scores), vocab).float()
-    scores = scores / temperature
+    scores = _divide_by_temperature(scores, temperature)
     if 0 < top_k < vocab:
         kth_best = scores.topk(top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth_best, -math.inf)
@@ -120,6 +131,7 @@ def warp_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p:
         sorted_probs, order = probs.sort(-1, descending=True)
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
         drop_sorted = mass_before >= top_p
+        drop_sorted[..., 0] = False  # the most probable token stays, however small top_p (or its float32)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
@@ -210,7 +222,7 @@ def accept_typical(
     _check_inputs(logits, tokens, buffers)
     if temperature == 0:
         return accept_greedy(logits, tokens, buffers)
-    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)  # [batch, n, vocab]
+    log_probs = torch.log_softmax(_divide_by_temperature(logits.float(), temperature), dim=-1)  # [batch, n, vocab]
     probs = log_probs.exp()
     entropy = torch.special.entr(probs).sum(-1)  # [batch, n]
     threshold = torch.clamp(delta * torch.exp(-entropy), max=epsilon)

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import functools
 import json
+import numbers
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import torch
 
@@ -111,8 +112,10 @@ class StopConfig:
     stop_strings: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, numbers.Integral) \
+                or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        self.max_new_tokens = int(self.max_new_tokens)
         strings = (self.stop_strings,) if isinstance(self.stop_strings, str) else tuple(self.stop_strings)
         if any(not isinstance(text, str) for text in strings):
             raise ValueError(f"stop_strings must be a string or a list of strings, got {self.stop_strings!r}")
@@ -309,6 +312,7 @@ class DecodeBatch:
         self.kv.merge(other.kv)
         self.proposer.merge(other.proposer)
         self.metrics.rows += other.metrics.rows
+        self.metrics.new_tokens += other.metrics.new_tokens  # the joining rows' prefill tokens
         return joined
 
     def release(self, row: int) -> None:
@@ -386,20 +390,32 @@ def _prepare_inputs(model, tokenizer, input_ids, attention_mask, prompt, message
         if tokenizer is None:
             raise ValueError("prompt= and messages= need a tokenizer; load the model with one or pass tokenizer=")
         texts = encode_chat(tokenizer, messages) if messages is not None else prompt
-        texts = [texts] if isinstance(texts, str) else list(texts)
-        if any(not t for t in texts):
+        texts = [texts] if isinstance(texts, str) else texts
+        if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
+            raise ValueError(f"prompt must be a string or a list of strings, got {type(prompt).__name__}; "
+                             "pass token ids as input_ids=")
+        if not texts or any(not t for t in texts):
             raise ValueError("empty prompt: give at least one token of input")
         batch = tokenizer(texts, return_tensors="pt", padding=len(texts) > 1, padding_side="left",
                           add_special_tokens=messages is None)
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
-    input_ids = torch.as_tensor(input_ids, dtype=torch.long)
+    input_ids = torch.as_tensor(input_ids)
+    if input_ids.dtype == torch.bool or input_ids.is_floating_point() or input_ids.is_complex():
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    input_ids = input_ids.long()
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, length] or [length], got shape {tuple(input_ids.shape)}")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    attention_mask = torch.as_tensor(attention_mask, dtype=torch.long)
+    attention_mask = torch.as_tensor(attention_mask)
     if attention_mask.dim() == 1:
         attention_mask = attention_mask[None]
+    if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+        raise ValueError(f"attention_mask must hold only 0 (padding) and 1 (token), got values "
+                         f"{sorted(set(attention_mask.flatten().tolist()))[:8]}")
+    attention_mask = attention_mask.long()
     if attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
     if input_ids.numel() == 0 or bool((attention_mask.sum(1) == 0).any()):
@@ -623,7 +639,14 @@ class _TextTracker:
 
 def _eos_ids(model, tokenizer, eos_token_id) -> tuple[int, ...]:
     if eos_token_id is not None:
-        return tuple([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+        ids = [eos_token_id] if isinstance(eos_token_id, numbers.Integral) else eos_token_id
+        vocab = model.base_model.get_output_embeddings().weight.shape[0]
+        if isinstance(ids, str) or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool)
+                                           and 0 <= i < vocab for i in ids):
+            raise ValueError(f"eos_token_id must be a token id in [0, {vocab}) or a list of them, got "
+                             f"{eos_token_id!r}; for a text use stop_strings=, for a token "
+                             "tokenizer.convert_tokens_to_ids(...)")
+        return tuple(int(i) for i in ids)
     ids: set[int] = set()
     for source in (getattr(model.base_model, "generation_config", None), model.base_model.config, tokenizer):
         value = getattr(source, "eos_token_id", None) if source is not None else None
@@ -732,6 +755,9 @@ def resolve_tree(model, tree: str | Sequence[Sequence[int]] | None) -> list[tupl
         tree = config.tree if config.tree is not None else next(
             name for name in DEFAULT_TREES
             if tree_depth(TREE_PRESETS[name]) <= config.num_heads and _preset_top_k(name) <= config.top_k)
+    if not isinstance(tree, (str, Sequence)):
+        raise ValueError(f"tree must be a preset name ({', '.join(TREE_PRESETS)}), 'fitted-N' or a list of paths "
+                         f"(tuples of child ranks), got {tree!r}")
     if not isinstance(tree, str) and len(tree) == 0:
         return []
     return get_tree(tree, config.num_heads, config.top_k)

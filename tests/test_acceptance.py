@@ -232,6 +232,26 @@ def test_typical_temperature_zero_is_greedy(example):
     assert torch.equal(typical.next_token, greedy.next_token)
 
 
+@pytest.mark.parametrize("temperature", [1e-38, 1e-300])  # overflows float32; is 0 in float32
+def test_a_tiny_temperature_is_near_greedy_not_nan(example, temperature):
+    gen = torch.Generator().manual_seed(5)
+    logits = 10 * torch.randn(16, 7, VOCAB, generator=gen)
+    tokens = torch.where(torch.rand(16, 7, generator=gen) < 0.5, logits.argmax(-1).roll(1, 1),
+                         torch.randint(VOCAB, (16, 7), generator=gen))
+    one_hot = torch.nn.functional.one_hot(logits.argmax(-1), VOCAB).float()
+    assert torch.equal(warp_logits(logits, temperature), one_hot)
+    typical = accept_typical(logits, tokens, example, temperature=temperature)
+    greedy = accept_greedy(logits, tokens, example)
+    assert torch.equal(typical.path_nodes, greedy.path_nodes)
+    assert torch.equal(typical.next_token, greedy.next_token)
+
+
+def test_a_top_p_below_float32s_smallest_keeps_the_best_token():
+    logits = 10 * torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(6))
+    one_hot = torch.nn.functional.one_hot(logits.argmax(-1), VOCAB).float()
+    assert torch.equal(warp_logits(logits, 1.0, top_p=1e-46), one_hot)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"temperature": -0.5}, r"temperature must be a finite number >= 0.*-0.5"),
     ({"temperature": 1.0, "epsilon": 0.0}, r"epsilon .* got 0.0"),

@@ -314,6 +314,16 @@ def test_context_limit_is_a_clean_stop():
         (dict(stop_strings=["ok", ""]), "empty stop string"),
         (dict(do_sample=True, acceptance="typical", top_k=5), "temperature only.*would ignore top_k=5;"),
         (dict(do_sample=True, acceptance="typical", top_p=0.9), "temperature only.*would ignore top_p=0.9;"),
+        (dict(input_ids=torch.tensor([[5.9, 17.9]])), "integer token ids, got dtype torch.float32"),
+        (dict(input_ids=torch.tensor([[True, False]])), "integer token ids, got dtype torch.bool"),
+        (dict(input_ids=torch.ones(1, 2, 3, dtype=torch.long)),
+         r"\[batch, length\] or \[length\], got shape \(1, 2, 3\)"),
+        (dict(attention_mask=torch.tensor([[2, 2, 2]])), r"only 0 \(padding\) and 1 \(token\), got values \[2\]"),
+        (dict(max_new_tokens=True), "max_new_tokens must be a positive integer, got True"),
+        (dict(tree=3), "tree must be a preset name"),
+        (dict(eos_token_id="</s>"), "eos_token_id must be a token id in \\[0, 96\\).*got '</s>'"),
+        (dict(eos_token_id=-1), "eos_token_id must be a token id"),
+        (dict(eos_token_id=[2, 10**6]), "eos_token_id must be a token id"),
     ],
 )
 def test_bad_input_is_a_clear_value_error(kwargs, message):
@@ -339,6 +349,27 @@ def test_medusa_options_beside_a_proposer_are_refused(kwargs, message):
     model = medusa("llama")
     with pytest.raises(ValueError, match=message):
         generate(model, torch.tensor([[5, 6, 7]]), proposer=AutoregressiveProposer(model), **kwargs)
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([], "empty prompt"),
+    (5, "prompt must be a string or a list of strings, got int"),
+    (["the cat", 5], "prompt must be a string or a list of strings, got list"),
+])
+def test_bad_prompt_text_is_a_clear_value_error(prompt, message):
+    from tiny import word_medusa
+
+    with pytest.raises(ValueError, match=message):
+        generate(word_medusa(0), prompt=prompt, max_new_tokens=2)
+
+
+def test_integer_types_of_numpy_and_torch_are_integers():
+    np = pytest.importorskip("numpy")
+    model = medusa("llama")
+    ids = torch.tensor([[5, 6, 7]])
+    expected = generate(model, ids, max_new_tokens=3, eos_token_id=0).new_tokens
+    for count, eos in ((np.int64(3), np.int64(0)), (torch.tensor(3).item(), [np.int32(0)])):
+        assert generate(model, ids, max_new_tokens=count, eos_token_id=eos).new_tokens == expected
 
 
 def test_right_padding_is_refused():
@@ -398,6 +429,8 @@ def test_batches_merge_between_steps_and_rows_can_be_cancelled():
     assert running.generated[0] == futures[0] and running.generated[1] == futures[1]
     assert running.finish[2] == "cancelled" and futures[2][: len(running.generated[2])] == running.generated[2]
     assert running.row_steps[0] >= 1 and running.row_accepted[0] + running.row_steps[0] + 1 == len(futures[0])
+    emitted = sum(len(tokens) for tokens in running.generated)  # the joining rows' prefill tokens included
+    assert running.metrics.new_tokens == running.metrics.rows + running.metrics.step_tokens == emitted
 
 
 def test_a_finished_row_can_release_its_tokens():

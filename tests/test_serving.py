@@ -54,6 +54,9 @@ def test_models_list(client, model):
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
     assert models.data[0].model_extra["max_model_len"] == model.base_model.config.max_position_embeddings
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError, match="`gpt-17` does not exist"):
+        client.models.retrieve("gpt-17")
 
 
 def test_greedy_completion_equals_library_generate(client, model):

@@ -3,6 +3,7 @@ and the server keeps serving."""
 
 from __future__ import annotations
 
+import http.client
 import json
 
 import httpx
@@ -102,6 +103,14 @@ CASES = [
     ("metadata not an object", "/v1/chat/completions", chat(metadata=["a"]), 400, "metadata"),
     ("misspelled stream option", "/v1/completions", completion(stream=True, stream_options={"include_usgae": True}),
      400, "stream_options.include_usgae"),
+    # legal JSON, as a client that cuts an emoji in two sends it, but no text
+    ("lone surrogate in the prompt", "/v1/completions", b'{"model": "tiny", "prompt": "the \\ud83d cat"}', 400,
+     "prompt"),
+    ("lone surrogate in a message", "/v1/chat/completions",
+     b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud83d"}]}', 400, "messages[0].content"),
+    ("lone surrogate in the model", "/v1/completions", b'{"model": "\\udc00", "prompt": "a"}', 400, "model"),
+    ("lone surrogate in a parameter name", "/v1/completions", b'{"model": "tiny", "prompt": "a", "\\ud83d": 1}',
+     400, "\\ud83d"),
 ]
 
 
@@ -228,6 +237,40 @@ def test_oversized_body_is_refused(server):
                          headers={"Content-Type": "application/json"})
     assert answer.status_code == 413
     assert assert_error_body(answer)["code"] == "request_too_large"
+
+
+def test_an_internal_error_is_a_500_that_keeps_the_connection(server, monkeypatch):
+    client, _ = server
+    port = int(str(client.base_url).rsplit(":", 1)[1].rstrip("/"))
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(protocol, "parse_completion", fail)
+            connection.request("POST", "/v1/completions", body=json.dumps(OK),
+                               headers={"Content-Type": "application/json"})
+            answer = connection.getresponse()
+            assert answer.status == 500
+            error = json.loads(answer.read())["error"]
+            assert error["type"] == "server_error" and "a bug" not in error["message"]
+        connection.request("POST", "/v1/completions", body=json.dumps(completion(temperature=0)),
+                           headers={"Content-Type": "application/json"})  # the same connection
+        answer = connection.getresponse()
+        assert answer.status == 200 and json.loads(answer.read())["usage"]["completion_tokens"] >= 1
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 1e-300}, {"temperature": 1.0, "top_p": 1e-46}],
+                         ids=["temperature of 0 in float32", "top_p of 0 in float32"])
+def test_extreme_sampling_values_in_range_are_served(server, sampling):
+    client, _ = server
+    answer = client.post("/v1/completions", json=completion(**sampling, seed=1))
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] >= 1
 
 
 def test_server_still_serves_after_bad_input(server):

@@ -1,6 +1,7 @@
 """The HTTP side: OpenAI-compatible routes over the engine.
 
     GET  /v1/models             the one served model
+    GET  /v1/models/{id}        that model, by its id
     POST /v1/completions        text completion, streamed (SSE) or not
     POST /v1/chat/completions   chat, rendered with the tokenizer's chat template
     GET  /health                200 while the engine runs
@@ -75,9 +76,9 @@ def create_app(engine: Engine, model: ModelInfo, settings: ServerSettings) -> Fa
             engine.stop()
 
     app = FastAPI(title="medusa-serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    _add_error_handlers(app)
     app.add_middleware(_CountRequests, count=lambda method, path, status: engine.metrics.http_requests.inc(
         method=method, path=path, status=status))
-    _add_error_handlers(app)
 
     async def check_api_key(request: Request) -> None:
         if settings.api_key is None:
@@ -89,10 +90,19 @@ def create_app(engine: Engine, model: ModelInfo, settings: ServerSettings) -> Fa
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
+    def model_card() -> dict[str, Any]:
+        return {"id": model.name, "object": "model", "created": 0, "owned_by": "medusa-forge",
+                "max_model_len": model.context_length}
+
     @v1.get("/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model.name, "object": "model", "created": 0,
-                                            "owned_by": "medusa-forge", "max_model_len": model.context_length}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @v1.get("/models/{name:path}")
+    async def retrieve_model(name: str) -> dict[str, Any]:
+        if name != model.name:
+            raise protocol.unknown_model(name, model)
+        return model_card()
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
@@ -402,7 +412,36 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(protocol.error_body(message, "invalid_request_error"), status_code=error.status_code,
                             headers=getattr(error, "headers", None))
 
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, error: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse(protocol.error_body("internal server error", "server_error"), status_code=500)
+    app.add_middleware(_AnswerInternalErrors)
+
+
+class _AnswerInternalErrors:
+    """ASGI middleware: an unexpected exception is logged and answered as an OpenAI-style 500.
+
+    Starlette's handler for ``Exception`` answers too, but then re-raises, and the server closes
+    the client's keep-alive connection without saying so: its next request fails with a reset.
+    Here the error ends with the answer. Once a response has started (a stream) it cannot be
+    answered again, so the exception goes on up."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_and_note(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        except Exception:
+            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                raise
+            response = JSONResponse(protocol.error_body("internal server error", "server_error"), status_code=500)
+            await response(scope, receive, send)

@@ -97,7 +97,27 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         raise invalid(f"the request body is not valid JSON: {_short(error)}") from None
     if not isinstance(body, dict):
         raise invalid(f"the request body must be a JSON object, got {type(body).__name__}")
+    _refuse_surrogates(body, "")
     return body
+
+
+def _refuse_surrogates(value: Any, where: str) -> None:
+    """Raise a 400 naming the first string (key or value) with a lone UTF-16 surrogate such as
+    ``"\\ud83d"``: legal JSON, as a client that cut an emoji in two sends it, but no text the
+    tokenizer (or an error message echoing it) can encode."""
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        path = f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else str(key)
+        for text in (key, item):
+            if isinstance(text, str):
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as error:
+                    bad = text[error.start:error.end].encode("utf-8", "backslashreplace").decode()
+                    param = path.encode("utf-8", "backslashreplace").decode()
+                    raise invalid(f"{param} holds a lone UTF-16 surrogate ({bad}), which is not text; send "
+                                  "whole characters (an emoji is two surrogates or one escape)", param) from None
+        _refuse_surrogates(item, path)
 
 
 def _refuse_constant(name: str) -> None:
@@ -128,6 +148,12 @@ def parse_chat(body: dict[str, Any], model: ModelInfo) -> GenerationParams:
     return _params("chat", body, model, prompt_ids, name, None)
 
 
+def unknown_model(name: str, model: ModelInfo) -> APIError:
+    """The 404 for a model id this server does not serve."""
+    return APIError(404, f"The model `{_clip(name)}` does not exist; this server serves `{model.name}`.",
+                    "invalid_request_error", "model", "model_not_found")
+
+
 def _check_common(body: dict[str, Any], model: ModelInfo, kind: str) -> None:
     name = body.get("model")
     if name is None:
@@ -135,8 +161,7 @@ def _check_common(body: dict[str, Any], model: ModelInfo, kind: str) -> None:
     if not isinstance(name, str):
         raise invalid(f"model must be a string, got {_type(name)}", "model")
     if name != model.name:
-        raise APIError(404, f"The model `{_clip(name)}` does not exist; this server serves `{model.name}`.",
-                       "invalid_request_error", "model", "model_not_found")
+        raise unknown_model(name, model)
     n = _integer(body, "n", 1, None)
     if n != 1:
         raise invalid(f"n must be 1 (this server returns one choice per request), got {n}; "
