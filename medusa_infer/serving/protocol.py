@@ -93,11 +93,11 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         raise invalid("the request body is empty; send a JSON object")
     try:
         body = json.loads(raw, parse_constant=_refuse_constant)
+        _refuse_surrogates(body, "")  # walks every level, as deep as json.loads went
     except (ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError
         raise invalid(f"the request body is not valid JSON: {_short(error)}") from None
     if not isinstance(body, dict):
         raise invalid(f"the request body must be a JSON object, got {type(body).__name__}")
-    _refuse_surrogates(body, "")
     return body
 
 
@@ -114,7 +114,7 @@ def _refuse_surrogates(value: Any, where: str) -> None:
                     text.encode("utf-8")
                 except UnicodeEncodeError as error:
                     bad = text[error.start:error.end].encode("utf-8", "backslashreplace").decode()
-                    param = path.encode("utf-8", "backslashreplace").decode()
+                    param = _clip(path.encode("utf-8", "backslashreplace").decode())
                     raise invalid(f"{param} holds a lone UTF-16 surrogate ({bad}), which is not text; send "
                                   "whole characters (an emoji is two surrogates or one escape)", param) from None
         _refuse_surrogates(item, path)
