@@ -103,7 +103,8 @@ def _divide_by_temperature(scores: torch.Tensor, temperature: float) -> torch.Te
     float32 (or is 0 there), the scores are shifted by their maximum first and the best kept at 0,
     so the softmax is the near one-hot that temperature means, not NaN."""
     scaled = scores / temperature
-    if bool((~scaled.isfinite() & scores.isfinite()).any()):
+    # only a tiny temperature can overflow (logits past 3e32 are no model's): no check, no sync, per step
+    if temperature < 1e-6 and bool((~scaled.isfinite() & scores.isfinite()).any()):
         shifted = scores - scores.amax(-1, keepdim=True)
         scaled = torch.where(shifted == 0, 0.0, shifted / temperature)
     return scaled
