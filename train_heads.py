@@ -118,6 +118,33 @@ def owns_rows(config: TrainConfig) -> bool:
     return bool(d.prompts) and not d.tokenized and (not d.rows or not rows_path(config).is_file())
 
 
+def check_inputs(config: TrainConfig) -> None:
+    """What the run reads and where it uploads, checked before anything runs (``--plan`` too):
+    ``ValueError`` for a model name that is neither a folder, a default model nor a Hub id, a data
+    file that is not there, or an upload that cannot happen (offline, or no Hub login)."""
+    from medusa_infer.models import DEFAULT_MODELS, resolve_model
+
+    name, d = config.model.name, config.data
+    if not Path(name).expanduser().is_dir() and name not in DEFAULT_MODELS:
+        resolve_model(name)  # a missing folder or an unknown bare name is named; a Hub id passes unloaded
+    files = [("data.tokenized", d.tokenized)] if d.tokenized else []
+    if owns_rows(config):
+        files.append(("data.prompts", d.prompts))
+    for key, value in files:
+        if not Path(value).is_file():
+            raise ValueError(f"{key}: {value} is not a file; give the path of an existing JSONL file")
+    if config.eval.push_to_hub:
+        from huggingface_hub import constants, get_token
+
+        later = f"leave --push-to-hub out and upload {run_paths(config).heads} later (hf upload REPO_ID FOLDER)"
+        if constants.is_offline_mode():
+            raise ValueError(f"uploading to {config.eval.push_to_hub} needs the Hub, but HF_HUB_OFFLINE is set; "
+                             f"unset it, or {later}")
+        if get_token() is None:
+            raise ValueError(f"uploading to {config.eval.push_to_hub} needs a Hub login: run `hf auth login` "
+                             f"or set HF_TOKEN, or {later}")
+
+
 def distill_pending(config: TrainConfig) -> int | None:
     """Prompts the recipe samples that its rows do not answer yet (None: it distils nothing).
 
@@ -213,7 +240,7 @@ def stage_train(config: TrainConfig, accelerator: Any, train: list[dict], folder
     from medusa_infer.heads import MedusaHeads
     from medusa_infer.model import MedusaModel
     from medusa_train import trainer as tr
-    from medusa_train.features import FeatureCache, FeatureDataset, end_of_turn_ids, eos_token_ids
+    from medusa_train.features import FeatureCache, FeatureDataset, end_of_turn_ids, eos_token_ids, examples_hash
 
     paths = run_paths(config)
     t, h = config.training, config.heads
@@ -269,7 +296,8 @@ def stage_train(config: TrainConfig, accelerator: Any, train: list[dict], folder
     if init and t.mode == "medusa1":
         module.heads.load_state_dict(init[0])
     result = tr.train(config, task, accelerator, paths)
-    info = {"recipe": config.to_dict(), "steps": result.steps, "train_seconds": round(result.seconds, 1),
+    info = {"recipe": config.to_dict(), "fingerprint": tr.resume_fingerprint(config),
+            "train_examples_sha256": examples_hash(train), "steps": result.steps, "train_seconds": round(result.seconds, 1),
             "resumed_from_step": result.resumed_from, "num_processes": accelerator.num_processes,
             "final_train_record": result.last_record}
     partial = paths.final.with_name(paths.final.name + ".partial")
@@ -360,17 +388,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config, args.overrides)
+        if args.push_to_hub:
+            config.eval.push_to_hub = args.push_to_hub
+        check_inputs(config)
         pending = distill_pending(config)
-        if not (run_paths(config).final / "config.json").is_file():  # the starting heads, before any work
-            from medusa_train.trainer import check_init_from
+        from medusa_train.trainer import check_finished_run, check_init_from
 
+        if not args.heldout_only:  # which reports the trained heads whatever the settings now
+            check_finished_run(config, run_paths(config))
+        if not (run_paths(config).final / "config.json").is_file():  # the starting heads, before any work
             check_init_from(config)
+        layout = plan(config, int(os.environ.get("WORLD_SIZE", "1")), distill_pending=pending)
     except ValueError as err:
         parser.error(str(err))
-    if args.push_to_hub:
-        config.eval.push_to_hub = args.push_to_hub
     if args.plan:
-        print(plan(config, int(os.environ.get("WORLD_SIZE", "1")), distill_pending=pending).summary())
+        print(layout.summary())
         return 0
 
     accelerator = make_accelerator(config)
@@ -382,16 +414,27 @@ def main(argv: list[str] | None = None) -> int:
         for folder in (paths.data, paths.checkpoints, paths.logs):
             folder.mkdir(parents=True, exist_ok=True)
         save_config(config, paths.root / "config.yaml")
-        layout = plan(config, accelerator.num_processes, distill_pending=pending)
+        if layout.num_processes != accelerator.num_processes:
+            layout = plan(config, accelerator.num_processes, distill_pending=pending)
         print(layout.summary(), flush=True)
         reused = {STAGE_TIMING.get(stage.name, stage.name) for stage in layout.stages if stage.done}
     accelerator.wait_for_everyone()
 
     timings: dict[str, float] = {}
     started = time.perf_counter()
-    train, heldout = stage_data(config, accelerator, pending)
+    try:
+        train, heldout = stage_data(config, accelerator, pending)
+    except ValueError as err:  # rows that cannot be used as they are (too few, a bad conversation)
+        raise SystemExit(f"train_heads.py: error: {err}") from err
     timings["data"] = round(time.perf_counter() - started, 1)
     say(accelerator, f"data: {len(train)} train and {len(heldout)} held-out examples ({timings['data']} s)")
+    from medusa_train.features import examples_hash
+    from medusa_train.trainer import check_finished_examples
+
+    try:
+        check_finished_examples(paths, examples_hash(train))
+    except ValueError as err:
+        raise SystemExit(f"train_heads.py: error: {err}") from err
 
     folders = None
     finished = (paths.final / "config.json").is_file() and (paths.heads / "config.json").is_file()
@@ -405,7 +448,10 @@ def main(argv: list[str] | None = None) -> int:
     if (paths.final / "config.json").is_file():
         say(accelerator, f"train: {paths.final} exists, skipping")
     else:
-        stage_train(config, accelerator, train, folders)
+        try:
+            stage_train(config, accelerator, train, folders)
+        except ValueError as err:  # e.g. fewer cached positions than the plan's upper bound fill a batch
+            raise SystemExit(f"train_heads.py: error: {err}") from err
     timings["train"] = round(time.perf_counter() - started, 1)
 
     started = time.perf_counter()

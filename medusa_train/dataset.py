@@ -58,8 +58,16 @@ def row_messages(row: dict[str, Any], system_prompt: str | None = None) -> list[
 
     ``system_prompt`` is put first unless the conversation already starts with a system message.
     """
+    name = row.get("id", "?")
     if "messages" in row and row["messages"] is not None:
-        messages = [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
+        given = row["messages"]
+        if not isinstance(given, list) or not given:
+            raise ValueError(f"row {name!r}: 'messages' must be a non-empty list of messages, got {given!r:.80}")
+        for i, m in enumerate(given):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"row {name!r}: messages[{i}] must have a string 'role' and 'content', "
+                                 f"got {m!r:.80}")
+        messages = [{"role": m["role"], "content": m["content"]} for m in given]
     elif "prompt" in row:
         messages = [{"role": "user", "content": row["prompt"]}]
         if row.get("response") is not None:
@@ -68,11 +76,12 @@ def row_messages(row: dict[str, Any], system_prompt: str | None = None) -> list[
         raise ValueError(
             f"row {row.get('id', '?')!r} has neither 'messages' nor 'prompt' (keys: {sorted(row)})"
         )
-    for message in messages:
+    for i, message in enumerate(messages):
         if message["role"] not in ROLES:
-            raise ValueError(
-                f"row {row.get('id', '?')!r}: unknown role {message['role']!r}, expected one of {ROLES}"
-            )
+            raise ValueError(f"row {name!r}: unknown role {message['role']!r}, expected one of {ROLES}")
+        if message["role"] == "assistant" and not any(m["role"] == "user" for m in messages[:i]):
+            raise ValueError(f"row {name!r}: messages[{i}] is an assistant turn with no user turn before it; "
+                             "a conversation answers a user, so start it with one (or drop the row)")
     if system_prompt is not None and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})
     return messages
@@ -448,15 +457,15 @@ def load_or_build_dataset(
 def split_heldout(dataset: Dataset, fraction: float, seed: int = 0) -> tuple[Dataset, Dataset]:
     """``(train, heldout)``: a deterministic random split by example, each keeping file order.
 
-    ``heldout`` gets ``round(fraction * len(dataset))`` examples, at least one when
-    ``fraction > 0`` and the dataset has two or more.
+    ``heldout`` gets ``train_config.split_sizes``' count: ``round(fraction * len(dataset))``
+    examples, at least one when ``fraction > 0``; ``ValueError`` when that leaves a split empty.
     """
+    from medusa_train.train_config import split_sizes
+
     if not 0.0 <= fraction < 1.0:
         raise ValueError(f"held-out fraction must be in [0, 1), got {fraction}")
     n = len(dataset)
-    n_heldout = round(fraction * n)
-    if fraction > 0 and n >= 2:
-        n_heldout = min(max(n_heldout, 1), n - 1)
+    n_heldout = split_sizes(n, fraction)[1]
     order = np.random.default_rng(seed).permutation(n)
     heldout = sorted(order[:n_heldout].tolist())
     train = sorted(order[n_heldout:].tolist())

@@ -254,9 +254,11 @@ def template_digest(template: str | None) -> str | None:
 
 
 def read_prompts(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a prompts JSONL file; each needs ``id`` and ``prompt`` (``source`` defaults to "")."""
+    """Rows of a prompts JSONL file; each needs ``id`` (a string or an integer, unique in the file) and
+    ``prompt`` (a string); ``source`` is a string and defaults to "". ``ValueError`` names the line."""
     path = Path(path)
     rows = []
+    seen: dict[str, int] = {}
     with path.open(encoding="utf-8") as handle:
         for number, line in enumerate(handle, 1):
             if not line.strip():
@@ -265,9 +267,20 @@ def read_prompts(path: str | Path) -> list[dict[str, Any]]:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{number} is not valid JSON ({err})") from err
-            if "id" not in row or "prompt" not in row:
-                raise ValueError(f"{path}:{number} needs 'id' and 'prompt', has {sorted(row)}")
-            rows.append({"id": str(row["id"]), "source": row.get("source", ""), "prompt": row["prompt"]})
+            if not isinstance(row, dict) or "id" not in row or "prompt" not in row:
+                found = sorted(row) if isinstance(row, dict) else type(row).__name__
+                raise ValueError(f"{path}:{number} needs an object with 'id' and 'prompt', has {found}")
+            source = row.get("source", "")
+            checks = (("id", row["id"], (str, int)), ("prompt", row["prompt"], str), ("source", source, str))
+            for key, value, kinds in checks:
+                if not isinstance(value, kinds) or isinstance(value, bool):
+                    raise ValueError(f"{path}:{number}: '{key}' must be a string, got {value!r}")
+            key = str(row["id"])
+            if key in seen:
+                raise ValueError(f"{path}:{number}: id {key!r} is already on line {seen[key]}; "
+                                 "give every prompt its own id (the answers are kept by id)")
+            seen[key] = number
+            rows.append({"id": key, "source": source, "prompt": row["prompt"]})
     return rows
 
 

@@ -672,10 +672,17 @@ def _count_lines(path: Path) -> int:
         return sum(1 for line in handle if line.strip())
 
 
-def _split_sizes(n: int, fraction: float) -> tuple[int, int]:
-    """``(train, heldout)`` as ``dataset.split_heldout`` makes them."""
+def split_sizes(n: int, fraction: float) -> tuple[int, int]:
+    """``(train, heldout)`` example counts of ``n`` examples with ``fraction`` held out (``dataset.split_heldout``):
+    ``round(fraction * n)`` held out, at least one and at most ``n - 1`` when ``fraction > 0``.
+
+    ``ValueError`` when ``fraction > 0`` and fewer than two examples leave one split empty.
+    """
     heldout = round(fraction * n)
-    if fraction > 0 and n >= 2:
+    if fraction > 0:
+        if n < 2:
+            raise ValueError(f"{n} example(s) cannot be split into training and held-out data "
+                             f"(data.heldout_fraction={fraction}); give at least 2 (data.n, or more rows)")
         heldout = min(max(heldout, 1), n - 1)
     return n - heldout, heldout
 
@@ -733,7 +740,7 @@ def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | Non
         examples = sum(d.per_source.values())
     else:
         examples = _count_lines(Path(d.prompts)) if d.prompts and Path(d.prompts).is_file() else 0
-    train_examples, heldout_examples = _split_sizes(examples, d.heldout_fraction)
+    train_examples, heldout_examples = split_sizes(examples, d.heldout_fraction)
     est_tokens = train_examples * min(d.max_new_tokens, d.max_length)
 
     if config.uses_feature_cache:

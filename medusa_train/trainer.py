@@ -47,7 +47,7 @@ from medusa_train.features import (
     soft_labels,
 )
 from medusa_train.losses import HeadLoss, head_ce_loss, head_kl_loss, logits_kl, to_head_vocab, topk_correct
-from medusa_train.train_config import RunPaths, TrainConfig, step_counts
+from medusa_train.train_config import RunPaths, TrainConfig, config_from_dict, step_counts
 
 STATE_NAME = "trainer_state.json"
 CHECKPOINT_PREFIX = "step-"
@@ -318,7 +318,8 @@ class Medusa2Task:
 # Checkpoints
 
 
-def _resume_fingerprint(config: TrainConfig) -> dict[str, Any]:
+def resume_fingerprint(config: TrainConfig) -> dict[str, Any]:
+    """The settings a checkpoint (and the finished heads) must share with a run that reuses them."""
     data = config.to_dict()
     training = {k: v for k, v in data["training"].items() if k not in _RESUME_IGNORES}
     # data.pack only when set: checkpoints from before the key existed were unpacked runs
@@ -332,6 +333,67 @@ def _resume_fingerprint(config: TrainConfig) -> dict[str, Any]:
             # the starting heads by content: a folder rewritten in between would resume other heads
             **({"init_from_sha256": _file_sha256(Path(config.heads.init_from) / "model.safetensors")}
                if config.heads.init_from else {})}
+
+
+_EVAL_IGNORES = ("push_to_hub",)  # an upload changes nothing in the heads folder
+
+
+def _recorded_settings(info: Mapping[str, Any], evaluated: bool) -> dict[str, Any] | None:
+    """The flattened settings a finished stage recorded (``save_trained``'s ``info``), or None when
+    it recorded none that can be compared."""
+    fingerprint = info.get("fingerprint")
+    recipe = info.get("recipe")
+    if fingerprint is None:  # heads trained before the fingerprint was recorded: rebuild it from the recipe
+        try:
+            fingerprint = resume_fingerprint(config_from_dict(recipe)) if isinstance(recipe, dict) else None
+        except (ValueError, TypeError, OSError):
+            return None
+    if fingerprint is None:
+        return None
+    settings = _flatten(fingerprint)
+    if evaluated and isinstance(recipe, dict) and isinstance(recipe.get("eval"), dict):
+        settings.update({f"eval.{k}": v for k, v in recipe["eval"].items() if k not in _EVAL_IGNORES})
+    return settings
+
+
+def check_finished_run(config: TrainConfig, paths: RunPaths) -> None:
+    """Refuse a run whose trained (``checkpoints/final``) or evaluated (``heads``) heads were made with
+    other settings than ``config``'s: the run would skip those stages and keep the old heads.
+
+    ``ValueError`` names the changed keys and how to train again.
+    """
+    expected = _flatten(resume_fingerprint(config))
+    for folder, with_eval in ((paths.final, False), (paths.heads, True)):
+        file = folder / "config.json"
+        if not file.is_file():
+            continue
+        found = _recorded_settings(json.loads(file.read_text()).get("training") or {}, with_eval)
+        if found is None:
+            continue
+        wanted = dict(expected)
+        if with_eval:
+            wanted.update({f"eval.{k}": v for k, v in config.to_dict()["eval"].items() if k not in _EVAL_IGNORES})
+        differ = sorted(k for k in set(wanted) | set(found) if wanted.get(k) != found.get(k))
+        if differ:
+            changes = ", ".join(f"{k} was {found.get(k)!r}, now {wanted.get(k)!r}" for k in differ[:6])
+            more = f" (and {len(differ) - 6} more)" if len(differ) > 6 else ""
+            redo = (f"remove {paths.heads} to evaluate again" if all(k.startswith("eval.") for k in differ)
+                    else f"remove {paths.checkpoints} and {paths.heads} to train again (data and features are kept)")
+            raise ValueError(f"{folder} was made with other settings: {changes}{more}; {redo}, "
+                             "or set output_dir to a new folder")
+
+
+def check_finished_examples(paths: RunPaths, train_digest: str) -> None:
+    """Refuse trained heads whose training examples (``features.examples_hash``) were not these:
+    the rows file changed under a finished run."""
+    file = paths.final / "config.json"
+    if not file.is_file():
+        return
+    recorded = (json.loads(file.read_text()).get("training") or {}).get("train_examples_sha256")
+    if recorded is not None and recorded != train_digest:
+        raise ValueError(f"{paths.final} was trained on other examples than the run's data now holds (its rows "
+                         f"changed); remove {paths.checkpoints} and {paths.heads} to train on them, or set "
+                         "output_dir to a new folder")
 
 
 def _file_sha256(path: Path) -> str:
@@ -527,7 +589,7 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
     if checkpoint is not None:
         state = json.loads((checkpoint / STATE_NAME).read_text())
         expected = {"world_size": world, "micro_batch": micro, "grad_accum": t.grad_accum,
-                    **_flatten(_resume_fingerprint(config))}
+                    **_flatten(resume_fingerprint(config))}
         found = {"world_size": state.get("world_size"), "micro_batch": state.get("micro_batch"),
                  "grad_accum": state.get("grad_accum"), **_flatten(state.get("fingerprint", {}))}
         differ = sorted(k for k in set(expected) | set(found) if expected.get(k) != found.get(k))
@@ -585,7 +647,7 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
                 "step": step, "epoch": (step * t.grad_accum) // micro_per_epoch,
                 "micro_step": step * t.grad_accum, "micro_steps_per_epoch": micro_per_epoch,
                 "world_size": world, "micro_batch": micro, "grad_accum": t.grad_accum, "total_steps": total,
-                "fingerprint": _resume_fingerprint(config),
+                "fingerprint": resume_fingerprint(config),
             }, t.keep_checkpoints)
     bar.close()
     logger.close()

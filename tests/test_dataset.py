@@ -133,6 +133,13 @@ def test_template_errors(smol):
         build_examples([{"messages": CONVERSATION}], with_template(smol, None), 512)
     with pytest.raises(ValueError, match="unknown role"):
         build_examples([{"messages": [{"role": "tool", "content": "x"}]}], smol, 512)
+    # rows that would fail inside the template, or with a KeyError, are named with what is wrong
+    for messages, says in (([{"role": "assistant", "content": "hi"}, {"role": "user", "content": "x"}],
+                            r"row 'r7': messages\[0\] is an assistant turn with no user turn before it"),
+                           ([], "row 'r7': 'messages' must be a non-empty list"),
+                           ([{"role": "user", "content": ["x"]}], r"row 'r7': messages\[0\] must have a string")):
+        with pytest.raises(ValueError, match=says):
+            build_examples([{"id": "r7", "messages": messages}], smol, 512)
 
 
 def test_truncation_and_dropping(smol, caplog):
@@ -282,5 +289,8 @@ def test_split_heldout_deterministic():
     assert train["id"] == sorted(train["id"], key=int)  # file order kept
     assert len(split_heldout(data, 0.001)[1]) == 1
     assert len(split_heldout(data, 0.0)[1]) == 0
+    # one example leaves the training or the held-out split empty: refused, not an empty evaluation
+    with pytest.raises(ValueError, match="1 example.* cannot be split"):
+        split_heldout(data.select([0]), 0.1)
     with pytest.raises(ValueError, match="fraction"):
         split_heldout(data, 1.0)

@@ -30,6 +30,7 @@ from medusa_train.distill import (
     merge_shards,
     prepare_prompt,
     read_jsonl_tolerant,
+    read_prompts,
     sample_prompts,
     shard_path,
 )
@@ -122,6 +123,23 @@ def test_sample_prompts_balanced_and_deterministic(prompts_file):
     assert sorted(r["source"] for r in quotas) == ["big"] * 5 + ["small"] * 2
     with pytest.raises(ValueError, match="not in"):
         sample_prompts(prompts_file, 4, per_source={"nope": 1})
+
+
+@pytest.mark.parametrize("line, says", [
+    ('{"id": "a", "prompt": "again"}', "id 'a' is already on line 1"),
+    ('{"id": "b", "prompt": ["hi"]}', "'prompt' must be a string"),
+    ('{"id": "b", "prompt": "hi", "source": null}', "'source' must be a string"),
+    ('{"id": null, "prompt": "hi"}', "'id' must be a string"),
+    ('["b", "hi"]', "needs an object with 'id' and 'prompt'"),
+])
+def test_prompts_file_rows_are_checked_by_line(tmp_path, line, says):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"id": "a", "prompt": "first"}\n' + line + "\n")
+    with pytest.raises(ValueError, match=f"{path}:2") as err:
+        read_prompts(path)
+    assert says in str(err.value)
+    path.write_text('{"id": 7, "prompt": "first"}\n')
+    assert read_prompts(path) == [{"id": "7", "source": "", "prompt": "first"}]
 
 
 def test_batched_rows_equal_unbatched_greedy(reference_rows, model_dir, prompts_file, tokenizer):

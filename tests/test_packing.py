@@ -186,7 +186,7 @@ def test_feature_cache_from_packed_batches_equals_padded(tiny_dir, tmp_path, mon
 
 def test_resume_fingerprint_has_pack_only_when_set(tiny_dir, tmp_path):
     # checkpoints from before data.pack existed are unpacked runs: they resume as pack=false
-    fingerprints = [tr._resume_fingerprint(config_from_dict(recipe(tiny_dir, tmp_path, data={"pack": pack})))
+    fingerprints = [tr.resume_fingerprint(config_from_dict(recipe(tiny_dir, tmp_path, data={"pack": pack})))
                     for pack in (False, True)]
     assert "pack" not in fingerprints[0]["data"] and fingerprints[1]["data"]["pack"] is True
 

@@ -293,6 +293,41 @@ def test_distill_options_are_checked_when_the_recipe_loads(tmp_path, capsys, opt
     assert re.search(message, capsys.readouterr().err)
 
 
+@pytest.mark.parametrize("arguments, message", [
+    (["data.n=1"], r"1 example\(s\) cannot be split into training and held-out data"),
+    (["data.prompts=/no/such/prompts.jsonl"], r"data.prompts: /no/such/prompts.jsonl is not a file"),
+    (["model.name=./no/such/model"], r"'./no/such/model' is not a model folder"),
+    (["model.name=smolm2"], r"Unknown model name 'smolm2'"),
+    (["training.batch_tokens=100000"], r"do not fill one micro-batch of 100000"),
+    (["--push-to-hub", "me/heads"], r"uploading to me/heads needs the Hub, but HF_HUB_OFFLINE is set"),
+])
+def test_what_a_run_cannot_do_is_refused_by_plan(tmp_path, capsys, arguments, message):
+    import train_heads
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(run_recipe(tmp_path)))
+    with pytest.raises(SystemExit) as exit_info:
+        train_heads.main(["--config", str(recipe), "--plan", *arguments])
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_upload_without_a_hub_login_is_refused_before_the_run(tmp_path, capsys, monkeypatch):
+    import train_heads
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(tmp_path / "no-tokens"))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(run_recipe(tmp_path)))
+    with pytest.raises(SystemExit):
+        train_heads.main(["--config", str(recipe), "--push-to-hub", "me/heads"])
+    assert "uploading to me/heads needs a Hub login" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
 def test_distill_options_take_dotted_overrides_converted_to_their_types(tmp_path):
     from medusa_train.distill import recipe_config
 
@@ -330,8 +365,8 @@ def test_non_finite_numbers_and_empty_samples_are_refused(override, message):
 
 
 def test_resume_fingerprint_covers_what_the_features_were_made_from():
-    from medusa_train.trainer import _resume_fingerprint
+    from medusa_train.trainer import resume_fingerprint
 
     base = load_config(RECIPES / "smollm2-135m.yaml")
     for override in ("features.dtype=bfloat16", "features.from_distillation=false"):
-        assert _resume_fingerprint(load_config(RECIPES / "smollm2-135m.yaml", [override])) != _resume_fingerprint(base)
+        assert resume_fingerprint(load_config(RECIPES / "smollm2-135m.yaml", [override])) != resume_fingerprint(base)

@@ -397,6 +397,30 @@ def test_medusa1_from_cache_learns_head_k_predicts_t_plus_k_plus_2(tiny_dir, tmp
     assert train_heads.main(["--config", config_file]) == 0
     assert not (out / "features").exists() and (out / "heads" / "config.json").read_text() == saved
     assert (out / "logs" / "stages.json").read_text() == stages
+    # other settings on a finished run would keep the old heads: refused by name, nothing written
+    recorded_config = (out / "config.yaml").read_text()
+    for overrides, says in ((["training.epochs=2", "heads.num_heads=2"], ["training.epochs was 8.0, now 2.0",
+                                                                          "heads.num_heads was 3, now 2",
+                                                                          "checkpoints and"]),
+                            (["eval.tree_size=5"], ["eval.tree_size was 8, now 5", "to evaluate again"])):
+        capsys.readouterr()
+        with pytest.raises(SystemExit):
+            train_heads.main(["--config", config_file, *overrides])
+        err = capsys.readouterr().err
+        assert all(s in err for s in says), err
+    assert (out / "config.yaml").read_text() == recorded_config
+    assert train_heads.main(["--config", config_file, "log.every=5"]) == 0  # not a setting of the heads
+    # the examples the heads trained on are recorded: other rows under the same settings are refused
+    final = json.loads((out / "checkpoints" / "final" / "config.json").read_text())
+    with pytest.raises(ValueError, match="trained on other examples"):
+        tr.check_finished_examples(run_paths(config_from_dict(values)), "0" * 64)
+    tr.check_finished_examples(run_paths(config_from_dict(values)), final["training"]["train_examples_sha256"])
+    # heads trained before the settings were recorded: compared through the recipe they recorded
+    del final["training"]["fingerprint"]
+    (out / "checkpoints" / "final" / "config.json").write_text(json.dumps(final))
+    changed = config_from_dict(values, ["training.lr=0.01"])
+    with pytest.raises(ValueError, match="training.lr was 0.03, now 0.01"):
+        tr.check_finished_run(changed, run_paths(changed))
     # a partial re-run (rows there, features, heads and final checkpoint gone) records the seconds
     # of the stages it ran, and keeps the recorded distillation seconds rather than its own
     recorded = {"data": 1234.5, "features": 2345.6, "train": 3456.7, "evaluate": 4567.8}
@@ -602,11 +626,11 @@ def test_init_from_refuses_heads_this_run_would_not_build(tiny_dir, tmp_path, co
 
     copy = tmp_path / "copy"
     shutil.copytree(counting_heads, copy)
-    before = tr._resume_fingerprint(config_from_dict(values(copy)))
+    before = tr.resume_fingerprint(config_from_dict(values(copy)))
     weights = load_file(str(copy / "model.safetensors"))
     weights["heads.0.blocks.0.linear.bias"] += 1
     save_file(weights, str(copy / "model.safetensors"), metadata={"format": "pt"})
-    assert tr._resume_fingerprint(config_from_dict(values(copy))) != before
+    assert tr.resume_fingerprint(config_from_dict(values(copy))) != before
     # train_heads.py refuses such a folder before any stage runs
     with pytest.raises(SystemExit):
         train_heads.main(["--config", str(write_recipe(tmp_path / "r.yaml", values(num_heads=2)))])
