@@ -145,7 +145,7 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
         + (f" over a reduced vocabulary of {config.reduced_vocab_size} tokens" if config.reduced_vocab_size else "")
         + (", each also reading the base model's next token (the tree's root)" if config.next_token_input else "")
         + (" and the candidate path it extends (reading the candidate path: Hydra-style)" if config.path_input else "")
-        + ", trained with [medusa-forge](https://pypi.org/project/medusa-forge/).",
+        + provenance(config),
         "",
         "## Usage",
         "",
@@ -172,11 +172,39 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
         for i, acc in enumerate(config.head_accuracies):
             lines.append(f"| {i + 1} | " + " | ".join(f"{acc[k - 1]:.3f}" for k in shown) + " |")
         lines.append("")
-    if config.acceptance:
-        lines += ["## Measured acceptance", "", "| metric | value |", "|---|---|"]
-        for key, value in config.acceptance.items():
-            lines.append(f"| {key} | {value} |")
-        lines.append("")
+    estimated = {key: value for key, value in (config.acceptance or {}).items() if is_estimate(key)}
+    measured = {key: value for key, value in (config.acceptance or {}).items() if key not in estimated}
+    for title, figures in (("Measured acceptance", measured),
+                           ("Expected acceptance (estimated from the measured accuracies and, for speedups, "
+                            "the cost model; not measured)", estimated)):
+        if figures:
+            lines += [f"## {title}", "", "| metric | value |", "|---|---|"]
+            lines += [f"| {key} | {value} |" for key, value in figures.items()]
+            lines.append("")
     if config.training:
         lines += ["## Training", "", "```json", json.dumps(config.training, indent=2), "```", ""]
     return "\n".join(lines)
+
+
+CALIBRATION_RECORDS = ("heldout_head_accuracies", "heldout_path_accuracies")
+"""``training`` keys calibration adds (``medusa-bench --calibrate``): no record of training."""
+IMPORTED_FROM = "imported_from"
+"""``training`` key of heads read from another layout (trained elsewhere): the layout's name."""
+
+
+def provenance(config: MedusaConfig) -> str:
+    """The model card's words on where the heads come from: trained here (``training`` holds more than
+    calibration's keys), imported from another layout, or never trained."""
+    link = "[medusa-forge](https://pypi.org/project/medusa-forge/)"
+    if config.training.get(IMPORTED_FROM):
+        return f", imported with {link} from the {config.training[IMPORTED_FROM]} (no record of their training)."
+    if set(config.training) - set(CALIBRATION_RECORDS):
+        return f", trained with {link}."
+    return (f", made with {link} and not trained (their config holds no training record): their drafts are "
+            "random and rarely accepted.")
+
+
+def is_estimate(key: str) -> bool:
+    """Whether an ``acceptance`` figure is a model estimate (an expected tau or speedup of a fitted tree,
+    the tree calibration fitted) rather than a measurement."""
+    return "expected" in key or key.startswith("calibrated_")

@@ -61,8 +61,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="acceptance rule (default: greedy, or lossless with --do-sample; typical and "
                              "lossless need --do-sample)")
     parser.add_argument("--seed", type=int, default=None, help="with --do-sample: seed of the sampling")
-    parser.add_argument("--system", help="system prompt for the chat template")
-    parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    parser.add_argument("--system", help="system prompt for the chat template (not with --raw)")
+    parser.add_argument("--raw", action="store_true",
+                        help="send the prompt as is, without the chat template (with --chat: the whole "
+                             "conversation as one text, each later line on a new line after the answer)")
     parser.add_argument("--chat", action="store_true", help="interactive chat (empty line or Ctrl-D ends it)")
     args = parser.parse_args(argv)
     if args.prompt is None and not args.chat:
@@ -76,6 +78,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                      "add --do-sample (or drop them)")
     if args.acceptance in ("typical", "lossless") and not args.do_sample:
         parser.error(f"--acceptance {args.acceptance} samples: add --do-sample (or use --acceptance greedy)")
+    if args.acceptance == "greedy" and args.do_sample:
+        given = " ".join(["--do-sample", *sampling_only])
+        parser.error(f"--acceptance greedy takes the model's top token, so {given} would change nothing: drop "
+                     f"--acceptance greedy to sample (lossless by default), or drop {given}")
+    for flag, value, ok, allowed in (("--temperature", args.temperature, lambda t: t >= 0, ">= 0 (0: greedy)"),
+                                     ("--top-p", args.top_p, lambda p: 0 < p <= 1, "in (0, 1] (1: off)"),
+                                     ("--top-k", args.top_k, lambda k: k >= 0, ">= 0 (0: off)")):
+        if value is not None and not ok(value):
+            parser.error(f"{flag} must be {allowed}, got {value}")
+    if args.raw and args.system is not None:
+        parser.error("--system goes into the chat template, which --raw leaves out: drop --system (or put it at the "
+                     "start of the prompt), or drop --raw")
     args.temperature = 1.0 if args.temperature is None else args.temperature
     args.top_p = 1.0 if args.top_p is None else args.top_p
     args.top_k = 0 if args.top_k is None else args.top_k
@@ -149,18 +163,35 @@ def run_turn(model, args: argparse.Namespace, messages: list[dict] | None, promp
     return result
 
 
+def raw_text(history: list[dict]) -> str:
+    """A conversation as one text for a model without a chat template (``--raw``): the model's answers
+    continue the text they answer, and each later user line starts a new line."""
+    return "".join(("\n" if i and m["role"] == "user" else "") + m["content"] for i, m in enumerate(history))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``medusa-generate``; errors found once the model is loaded (heads that do not fit it, options it
+    refuses) are reported as ``medusa-generate: error: ...`` with exit status 2, as argument errors are."""
     args = parse_args(argv)
-    model = load(args)
     try:
-        if args.method == "draft":
-            args.draft_model = as_draft_model(args.draft_model)  # loaded once, shared by the turns
-        build_proposer(args.method, model, args)  # checks the options against the model
-    except ValueError as error:
+        return generate_from_args(args)
+    except (ValueError, OSError) as error:
+        sys.stdout.flush()
         print(f"medusa-generate: error: {error}", file=sys.stderr)
         return 2
+
+
+def generate_from_args(args: argparse.Namespace) -> int:
+    """Load the model and answer the prompt, or chat; ``ValueError`` for what the model refuses."""
+    model = load(args)
+    if args.method == "draft":
+        args.draft_model = as_draft_model(args.draft_model)  # loaded once, shared by the turns
+    build_proposer(args.method, model, args)  # checks the options against the model
     tokenizer = model.tokenizer
     use_template = not args.raw and getattr(tokenizer, "chat_template", None) is not None
+    if args.system is not None and not use_template:
+        raise ValueError("--system goes into the chat template, and this model's tokenizer has none: drop --system "
+                         "(or put it at the start of the prompt)")
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     if not args.chat:
         if use_template:
@@ -176,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not line:
             break
         history.append({"role": "user", "content": line})
-        result = run_turn(model, args, history if use_template else None, None if use_template else line)
+        result = run_turn(model, args, history if use_template else None, None if use_template else raw_text(history))
         answer = tokenizer.decode(result.new_tokens[0], skip_special_tokens=True)
         history.append({"role": "assistant", "content": answer})
     return 0

@@ -5,7 +5,10 @@ A FasterDecoding-layout folder holds:
 * ``config.json`` with ``medusa_num_heads``, ``medusa_num_layers`` and ``base_model_name_or_path``
   (TGI finds the base model through it); we also write ``hidden_size``, ``vocab_size`` and
   ``version``. No ``architectures`` or ``model_type``: TGI reads a speculator config that names
-  ``architectures`` as some other kind of speculator.
+  ``architectures`` as some other kind of speculator. Heads trained on a default model
+  (``medusa_infer.models``: float32 weights dequantized from a GGUF file) name its original Hub
+  repository there, for other engines, and medusa-forge's own name for it in ``BASE_MODEL_KEY``,
+  which ``base_model_name`` reads first: re-imported, the heads get the weights they were trained on.
 * ``medusa_lm_head.safetensors`` (read by TGI) or ``medusa_lm_head.pt`` (the original trainer's
   output; TensorRT-LLM reads either, ``.pt`` first) with, for head ``k`` and block ``l``:
   ``{k}.{l}.linear.weight`` ``[hidden, hidden]``, ``{k}.{l}.linear.bias`` ``[hidden]`` and, in
@@ -32,7 +35,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from medusa_infer.checkpoint import check_state_dict
+from medusa_infer.checkpoint import IMPORTED_FROM, check_state_dict
 from medusa_infer.config import MedusaConfig
 from medusa_infer.heads import MedusaHeads
 
@@ -40,6 +43,8 @@ CONFIG_NAME = "config.json"
 SAFETENSORS_NAME = "medusa_lm_head.safetensors"
 PT_NAME = "medusa_lm_head.pt"
 WEIGHTS_NAMES = {"safetensors": SAFETENSORS_NAME, "pt": PT_NAME}
+BASE_MODEL_KEY = "medusa_forge_base_model"
+"""``config.json`` key naming the base model as medusa-forge loads it, where that differs from the Hub id."""
 
 logger = logging.getLogger(__name__)
 
@@ -49,15 +54,49 @@ _HEAD_INDEX = re.compile(r"(\d+)\.")
 
 
 def is_medusa_layout(path: str | Path) -> bool:
-    """Whether ``path`` is a folder with a FasterDecoding-style ``config.json`` and weights file."""
-    path = Path(path)
-    if not (path / SAFETENSORS_NAME).is_file() and not (path / PT_NAME).is_file():
-        return False
+    """Whether ``path`` is a folder with a FasterDecoding-style ``config.json`` (its weights file is
+    checked when it is read: ``weights_file``)."""
     try:
-        data = json.loads((path / CONFIG_NAME).read_text())
+        data = json.loads((Path(path) / CONFIG_NAME).read_text())
     except (OSError, ValueError):
         return False
     return isinstance(data, dict) and "medusa_num_heads" in data and "medusa_num_layers" in data
+
+
+def weights_file(path: str | Path) -> Path:
+    """The weights file of a FasterDecoding-layout folder: ``medusa_lm_head.safetensors``, else ``.pt``.
+
+    Raises:
+        ValueError: the folder holds neither.
+    """
+    path = Path(path)
+    for name in (SAFETENSORS_NAME, PT_NAME):
+        if (path / name).is_file():
+            return path / name
+    raise ValueError(
+        f"{path} has a FasterDecoding-layout config.json but neither {SAFETENSORS_NAME} nor {PT_NAME}: "
+        "the heads' weights are missing; download or export the folder again with its weights file"
+    )
+
+
+def base_model_name(path: str | Path) -> str | None:
+    """The base model a heads folder's ``config.json`` names, as medusa-forge loads it: ``BASE_MODEL_KEY``
+    when an export wrote it, else ``base_model_name_or_path`` (either layout); None when it names none."""
+    config_path = Path(path) / CONFIG_NAME
+    try:
+        data = json.loads(config_path.read_text())
+    except OSError as err:
+        raise ValueError(f"cannot read {config_path} ({err}): not a heads folder") from err
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{config_path} is not valid JSON ({err}); re-download or re-export it") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"{config_path} holds a {type(data).__name__}, expected a JSON object")
+    return _base_model(data)
+
+
+def _base_model(data: dict[str, Any]) -> str | None:
+    """The base model a ``config.json``'s keys name: ``BASE_MODEL_KEY``, else ``base_model_name_or_path``."""
+    return data.get(BASE_MODEL_KEY) or data.get("base_model_name_or_path")
 
 
 def read_medusa_layout(
@@ -69,7 +108,8 @@ def read_medusa_layout(
 
     ``medusa_lm_head.safetensors`` is read when present, else ``medusa_lm_head.pt`` (only with
     ``torch.load(weights_only=True)``). Heads with projection tensors become ``projection="own"``;
-    heads without (version 2) become ``"shared"``. Tensor dtypes are kept.
+    heads without (version 2) become ``"shared"``. Tensor dtypes are kept. The config's ``training``
+    records the import (``checkpoint.IMPORTED_FROM``), and its base model is ``base_model_name``'s.
 
     Args:
         path: the folder.
@@ -85,11 +125,7 @@ def read_medusa_layout(
     path = Path(path)
     data = _read_config_json(path / CONFIG_NAME)
     num_heads, num_layers = data["medusa_num_heads"], data["medusa_num_layers"]
-    weights_path = path / SAFETENSORS_NAME
-    if not weights_path.is_file():
-        weights_path = path / PT_NAME
-    if not weights_path.is_file():
-        raise ValueError(f"{path} holds neither {SAFETENSORS_NAME} nor {PT_NAME}: it is not a Medusa heads folder")
+    weights_path = weights_file(path)
     tensors = _load_weights(weights_path)
 
     heads_found = sorted({int(m[1]) for m in map(_HEAD_INDEX.match, tensors) if m})
@@ -111,7 +147,8 @@ def read_medusa_layout(
         vocab_size=_agree("vocab_size", weights_path, found[0].shape[0] if has_projections else None,
                           data.get("vocab_size"), vocab_size),
         projection="own" if has_projections else "shared",
-        base_model_name_or_path=data.get("base_model_name_or_path"),
+        base_model_name_or_path=_base_model(data),
+        training={IMPORTED_FROM: "FasterDecoding/Medusa layout"},
     )
     expected = _expected(config)
     ours_to_theirs = {name: _their_name(name, num_layers) for name in expected}
@@ -131,7 +168,8 @@ def write_medusa_layout(
 
     Args:
         config: the heads' configuration; ``base_model_name_or_path`` must be set (readers load the
-            base model through it) and the vocabulary must be full (the layout has no token map).
+            base model through it; see ``base_model_keys``) and the vocabulary must be full (the layout
+            has no token map).
         state_dict: the heads' tensors in our naming (``MedusaHeads.state_dict()``).
         path: the folder, created if missing.
         lm_head_weight: ``[vocab, hidden]`` base ``lm_head`` weight, required for (and only for)
@@ -206,7 +244,7 @@ def write_medusa_layout(
     data: dict[str, Any] = {
         "medusa_num_heads": config.num_heads,
         "medusa_num_layers": config.num_layers,
-        "base_model_name_or_path": config.base_model_name_or_path,
+        **base_model_keys(config.base_model_name_or_path),
         "hidden_size": config.hidden_size,
         "vocab_size": config.vocab_size,
         "version": version,
@@ -217,6 +255,24 @@ def write_medusa_layout(
     else:
         torch.save(tensors, path / PT_NAME)
     return path
+
+
+def base_model_keys(name: str) -> dict[str, str]:
+    """``config.json``'s base-model keys for heads trained on ``name``: other engines load the base model by
+    ``base_model_name_or_path``, so it is a Hub id; a default model's short name (float32 weights dequantized
+    from a GGUF file, not the Hub model's) is also kept in ``BASE_MODEL_KEY``, with a note, for re-import."""
+    from medusa_infer.models import hub_id
+
+    keys = {"base_model_name_or_path": hub_id(name)}
+    if keys["base_model_name_or_path"] != name:
+        keys[BASE_MODEL_KEY] = name
+        keys["medusa_forge_note"] = (
+            f"the heads were trained on medusa-forge's {name!r}: the weights of {hub_id(name)} as its GGUF file "
+            f"holds them, dequantized; medusa-forge re-imports this folder with that base model ({BASE_MODEL_KEY}), "
+            "other engines load base_model_name_or_path, the original weights, on which the heads' drafts may be "
+            "accepted less often"
+        )
+    return keys
 
 
 def _read_config_json(config_path: Path) -> dict[str, Any]:

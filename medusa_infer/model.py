@@ -9,8 +9,6 @@ decoding loop's own objects.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -201,8 +199,9 @@ class MedusaModel(nn.Module):
 
         directory = heads_folder(heads_path_or_repo_id, revision)
         if interop.is_medusa_layout(directory):
+            interop.weights_file(directory)  # before loading a base model for nothing
             if base_model is None:
-                base_model = json.loads((directory / "config.json").read_text()).get("base_model_name_or_path")
+                base_model = interop.base_model_name(directory)
                 if not base_model:
                     raise ValueError(f"{directory}/config.json names no base_model_name_or_path; pass base_model=")
             base_model, tokenizer, _ = _load_base(base_model, tokenizer)
@@ -272,12 +271,9 @@ class MedusaModel(nn.Module):
         see ``medusa_infer.interop.write_medusa_layout``. As with ``save_pretrained``, a merged
         Medusa-2 adapter is not written; those engines need the base model with it merged."""
         from medusa_infer.interop import write_medusa_layout
-        from medusa_infer.models import hub_id
 
         lm_weight = self.lm_head.weight if version == "1" and self.config.projection == "shared" else None
-        # Other engines load the base model by this name: write a Hub id, not a local name.
-        config = dataclasses.replace(self.config, base_model_name_or_path=hub_id(self.config.base_model_name_or_path))
-        out = write_medusa_layout(config, self.heads.state_dict(), directory, lm_head_weight=lm_weight,
+        out = write_medusa_layout(self.config, self.heads.state_dict(), directory, lm_head_weight=lm_weight,
                                   fmt=fmt, version=version)
         self._warn_heads_only(directory)  # once written: heads the layout cannot hold fail without it
         return out
@@ -431,16 +427,26 @@ def merge_adapter(base_model: PreTrainedModel, folder: str | os.PathLike) -> Pre
 def heads_folder(path_or_repo_id: str | os.PathLike, revision: str | None = None) -> Path:
     """A heads folder on disk: the path itself, or a Hub repo's snapshot (downloaded when not cached).
 
-    ``ValueError`` when the path is a file.
+    ``ValueError`` when the path is a file, a missing folder (a path object, or a string that cannot be a
+    Hub id: ``models.is_path_like``), or neither a folder nor a Hub repo that could be fetched.
     """
-    path = Path(path_or_repo_id)
+    from medusa_infer.models import is_path_like
+
+    path = Path(path_or_repo_id).expanduser()
     if path.is_dir():
         return path
     if path.exists():
         raise ValueError(f"{path} is a file; pass the folder that holds config.json and the weights")
+    if not isinstance(path_or_repo_id, str) or is_path_like(path_or_repo_id):
+        raise ValueError(f"no such heads folder: {path_or_repo_id} ({path.absolute()} does not exist); "
+                         "check the path, or pass a Hub repo id such as 'owner/name'")
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
 
-    return Path(snapshot_download(str(path_or_repo_id), revision=revision))
+    try:
+        return Path(snapshot_download(path_or_repo_id, revision=revision))
+    except (LocalEntryNotFoundError, RepositoryNotFoundError) as err:
+        raise ValueError(f"{path_or_repo_id} is no local folder, and fetching it as a Hub repo failed: {err}") from err
 
 
 def _load_base(

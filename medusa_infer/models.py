@@ -139,7 +139,7 @@ def resolve_model(name_or_path: str, cache_dir: str | Path | None = None) -> str
         return str(path)
     if name_or_path in DEFAULT_MODELS:
         return str(fetch_default_model(DEFAULT_MODELS[name_or_path], cache_dir))
-    if path.exists() or name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") > 1:
+    if path.exists() or is_path_like(name_or_path):
         raise ValueError(
             f"{name_or_path!r} is not a model folder. Pass a folder holding config.json and the "
             f"weights, a Hub id such as 'org/model', or one of: {', '.join(DEFAULT_MODELS)}."
@@ -151,6 +151,12 @@ def resolve_model(name_or_path: str, cache_dir: str | Path | None = None) -> str
             "works too."
         )
     return name_or_path
+
+
+def is_path_like(name: str) -> bool:
+    """Whether ``name`` can only be a local path, never a Hub id (``org/model``): it starts with ``/``,
+    ``.`` or ``~``, has more than one ``/``, or holds the system's own separator (``\\`` on Windows)."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
 
 
 def fetch_default_model(model: DefaultModel, cache_dir: str | Path | None = None) -> Path:
@@ -363,9 +369,34 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     try:
-        print(resolve_model(args.name, cache_dir=args.cache_dir))
+        folder = resolve_model(args.name, cache_dir=args.cache_dir)
+        if not Path(folder).is_dir():
+            raise ValueError(
+                f"{args.name!r} is a Hub id: medusa-fetch-model fetches the default models "
+                f"({', '.join(DEFAULT_MODELS)}) and checks local model folders; transformers downloads a Hub "
+                f"model on first use (or fetch it with `hf download {args.name}`)"
+            )
+        if Path(args.name).expanduser().is_dir():  # the user's folder, not one built here
+            check_model_folder(Path(folder))
+        print(folder)
     except (ValueError, RuntimeError) as error:
         parser.exit(1, f"medusa-fetch-model: error: {error}\n")
+
+
+def check_model_folder(folder: Path) -> None:
+    """Raise ``ValueError`` unless ``folder`` holds a transformers model's ``config.json`` (one with a
+    ``model_type``): a Medusa heads folder, say, is not a base model."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{folder} is not a model folder: its config.json cannot be read ({err})") from err
+    if not isinstance(config, dict) or "model_type" not in config:
+        heads = isinstance(config, dict) and ({"num_heads", "medusa_num_heads"} & set(config))
+        raise ValueError(
+            f"{folder} is " + ("a Medusa heads folder" if heads else "no transformers model folder")
+            + " (its config.json has no model_type), not a base model: pass the base model's folder, "
+            f"or one of: {', '.join(DEFAULT_MODELS)}"
+        )
 
 
 if __name__ == "__main__":

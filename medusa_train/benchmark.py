@@ -48,6 +48,7 @@ import torch
 
 from medusa_infer.adaptive import StepCosts
 from medusa_infer.attention_kernels import decoding_attention
+from medusa_infer.interop import base_model_name, is_medusa_layout
 from medusa_infer.proposers.lookup import LOOKUP_MAX_TOKENS
 from medusa_train.evaluate import HeadAccuracy, head_accuracy
 
@@ -196,11 +197,14 @@ def load_questions(path: str | Path, limit: int | None = None, seed: int = 0,
     for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if not line.strip():
             continue
-        row = json.loads(line)
-        missing = {"id", "category", "turns"} - set(row)
-        if missing or not isinstance(row["turns"], list) or not row["turns"]:
-            raise ValueError(f"{path}:{number}: a question needs id, category and a non-empty turns list "
-                             f"(missing {sorted(missing)})")
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number}: not valid JSON ({err}); each line holds one question") from err
+        problem = question_problem(row)
+        if problem:
+            raise ValueError(f"{path}:{number}: {problem}; a question is "
+                             '{"id": 1, "category": "writing", "turns": ["first turn", ...]}')
         if row["id"] not in set(exclude_ids):
             rows.append(row)
     if limit is None or limit >= len(rows):
@@ -218,6 +222,24 @@ def load_questions(path: str | Path, limit: int | None = None, seed: int = 0,
                 chosen.append(items.pop())
     order = {id(row): i for i, row in enumerate(rows)}
     return sorted(chosen, key=lambda row: order[id(row)])
+
+
+def question_problem(row: Any) -> str | None:
+    """What is wrong with one Spec-Bench question (``id`` a string or integer, ``category`` a string,
+    ``turns`` a non-empty list of strings), or None."""
+    if not isinstance(row, dict):
+        return f"a question is a JSON object, got {type(row).__name__}"
+    missing = sorted({"id", "category", "turns"} - set(row))
+    if missing:
+        return f"a question needs id, category and a non-empty turns list (missing {missing})"
+    if isinstance(row["id"], bool) or not isinstance(row["id"], (str, int)):
+        return f"id must be a string or an integer, got {row['id']!r}"
+    if not isinstance(row["category"], str):
+        return f"category must be a string, got {row['category']!r}"
+    turns = row["turns"]
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+        return f"turns must be a non-empty list of strings, got {turns!r}"
+    return None
 
 
 class Runner:
@@ -756,14 +778,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output", default="runs/bench", help="folder for report.json, report.md, report.png")
     parser.add_argument("--calibrate", action="store_true",
                         help="measure head accuracy and verification cost, fit the tree, save it into the heads "
-                             "folder (--heads: a local folder)")
+                             "folder (--heads: a local folder in medusa-forge's layout) or --calibrated-heads")
     parser.add_argument("--calibrate-questions", type=int, default=16)
     parser.add_argument("--calibrate-context", type=int, default=256)
+    parser.add_argument("--calibrated-heads", metavar="DIR",
+                        help="with --calibrate: save the calibrated heads (medusa-forge's layout) into DIR instead of "
+                             "the --heads folder; needed for --heads in the FasterDecoding layout "
+                             "(medusa_lm_head.*), which has no place for the calibration and which other engines "
+                             "read, so it is never overwritten")
     args = parser.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not args.methods:
+        parser.error(f"--methods is empty; choose from {', '.join(ALL_METHODS)} (default {','.join(DEFAULT_METHODS)})")
     unknown = [m for m in args.methods if m not in ALL_METHODS]
     if unknown:
         parser.error(f"unknown methods {unknown}; choose from {', '.join(ALL_METHODS)}")
+    repeated = sorted({m for m in args.methods if args.methods.count(m) > 1})
+    if repeated:
+        parser.error(f"--methods names {', '.join(repeated)} more than once; name each method once")
+    for flag, value in (("--limit", args.limit), ("--max-new-tokens", args.max_new_tokens)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
     if any(m.startswith("medusa") for m in args.methods) and not args.heads:
         parser.error("the medusa methods need --heads")
     try:
@@ -780,6 +815,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--calibrate writes the fitted tree into the heads folder, and --heads {args.heads} is no "
                      f"local folder (a Hub repo?): download the heads first (hf download {args.heads} --local-dir "
                      "DIR) and pass --heads DIR")
+    if args.calibrated_heads and not args.calibrate:
+        parser.error("--calibrated-heads is where --calibrate saves the heads: add --calibrate or drop it")
+    target = ("--calibrated-heads", args.calibrated_heads) if args.calibrated_heads else ("--heads", args.heads)
+    if args.calibrate and is_medusa_layout(target[1]):
+        parser.error(f"{target[0]} {target[1]} is in the FasterDecoding layout (medusa_lm_head.*), which has no "
+                     "place for the calibration and which other engines read: add --calibrated-heads DIR (another "
+                     "folder) to save the calibrated heads in medusa-forge's layout there")
     if args.lookup_tokens is not None and args.lookup_tokens < 1:
         parser.error(f"--lookup-tokens must be at least 1, got {args.lookup_tokens}")
     if args.lookup_tokens is not None and not any(m in LOOKUP_METHODS for m in args.methods):
@@ -796,8 +838,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``medusa-bench``; what is found wrong once loading starts (a missing heads folder, heads that
+    do not fit the model) is reported as ``medusa-bench: error: ...`` with exit status 2, as argument
+    errors are."""
     started = time.perf_counter()
     args = parse_args(argv)
+    try:
+        return run(args, started)
+    except (ValueError, OSError) as error:
+        sys.stdout.flush()
+        print(f"medusa-bench: error: {error}", file=sys.stderr)
+        return 2
+
+
+def run(args: argparse.Namespace, started: float) -> int:
+    """Load the model and heads, calibrate if asked, benchmark and write the report."""
     if args.threads:
         torch.set_num_threads(args.threads)
     from medusa_infer.model import MedusaModel, heads_folder
@@ -808,7 +863,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     heads = None
     if args.heads:
         heads = heads_folder(args.heads)  # a folder, or a Hub repo downloaded as from_pretrained does
-        base_name = args.model or json.loads((heads / "config.json").read_text()).get("base_model_name_or_path")
+        base_name = args.model or base_model_name(heads)
         if not base_name:
             raise ValueError(f"{heads}/config.json names no base_model_name_or_path; pass --model")
         base = load_base_model(base_name, dtype=dtype, device=device, cpu_kernels=args.cpu_kernels)
@@ -831,10 +886,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                          exclude_ids=exclude)
         result = calibrate(model, calib_questions, args)
         result["question_ids"] = [q["id"] for q in calib_questions]  # left out of the benchmark
-        model.save_pretrained(heads)  # a local folder (parse_args)
+        saved = model.save_pretrained(args.calibrated_heads or heads)  # a local folder (parse_args)
         (output / "calibration.json").write_text(json.dumps(result, indent=2))
         print(f"calibrated: tree of {result['tree_nodes']} nodes, expected tau {result['expected_tau']:.2f}, "
-              f"expected speedup {result['expected_speedup']:.2f}x; saved into {args.heads}", file=sys.stderr)
+              f"expected speedup {result['expected_speedup']:.2f}x; saved into {saved}", file=sys.stderr)
         exclude += [q["id"] for q in calib_questions]
     questions = load_questions(args.questions, args.limit, seed=args.seed, exclude_ids=exclude)
     report = benchmark(model, questions, args, started=started)

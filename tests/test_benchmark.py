@@ -73,6 +73,23 @@ def test_questions_are_balanced_across_categories(tmp_path):
         load_questions(path)
 
 
+@pytest.mark.parametrize("line, message", [
+    ('{"id": 7, "category": "qa", "turns": ["hi"],}', "not valid JSON"),
+    ('{"id": 7, "category": "qa", "turns": "hi"}', "turns must be a non-empty list of strings, got 'hi'"),
+    ('{"id": 7, "category": "qa", "turns": []}', "turns must be a non-empty list of strings, got []"),
+    ('{"id": 7, "category": "qa", "turns": ["hi", 3]}', "turns must be a non-empty list of strings"),
+    ('{"id": 7, "category": ["qa"], "turns": ["hi"]}', "category must be a string, got ['qa']"),
+    ('{"id": [7], "category": "qa", "turns": ["hi"]}', "id must be a string or an integer, got [7]"),
+    ('["hi"]', "a question is a JSON object, got list"),
+])
+def test_bad_questions_are_refused_at_load_naming_file_and_line(tmp_path, line, message):
+    path = tmp_path / "q.jsonl"
+    path.write_text(json.dumps(QUESTIONS[0]) + "\n\n" + line + "\n")
+    with pytest.raises(ValueError) as caught:
+        load_questions(path)
+    assert str(caught.value).startswith(f"{path}:3: {message}")
+
+
 def test_report_has_every_field_per_method_and_category(model):
     report = benchmark(model, QUESTIONS, args())
     methods = report["methods"]
@@ -225,6 +242,12 @@ def test_heads_from_the_hub_name_their_base_model(model, tmp_path, monkeypatch):
          "--heads someone/tiny-heads is no local folder (a Hub repo?): download the heads first"),
         (["--methods", "lookup", "--lookup-tokens", "0"], "--lookup-tokens must be at least 1, got 0"),
         (["--methods", "hf,ar", "--lookup-tokens", "6"], "--methods has none of them"),
+        (["--methods", "ar", "--limit", "0"], "--limit must be at least 1, got 0"),
+        (["--methods", "ar", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1, got 0"),
+        (["--methods", ""], "--methods is empty; choose from"),
+        (["--methods", " , "], "--methods is empty; choose from"),
+        (["--methods", "ar,hf,ar"], "--methods names ar more than once"),
+        (["--methods", "ar", "--calibrated-heads", "out"], "--calibrated-heads is where --calibrate saves the heads"),
     ],
 )
 def test_bad_arguments_are_refused_before_loading_anything(argv, message, capsys):
@@ -232,6 +255,18 @@ def test_bad_arguments_are_refused_before_loading_anything(argv, message, capsys
         parse_args(["--questions", "q.jsonl"] + argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_errors_found_while_loading_are_reported_without_a_traceback(tmp_path, capsys):
+    from medusa_train.benchmark import main
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text('{"id": 1, "category": "writing", "turns": ["hi"]}\n')
+    code = main(["--questions", str(questions), "--heads", str(tmp_path / "no-such-heads"), "--methods", "medusa",
+                 "--output", str(tmp_path / "out")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("medusa-bench: error: no such heads folder") and "Traceback" not in err
 
 
 @pytest.mark.parametrize("given, expected", [(None, {"hf-lookup": 10, "lookup": 4, "medusa-lookup": 4}),
@@ -393,6 +428,24 @@ def test_cli_calibrates_then_benchmarks_in_batches(model, tmp_path, monkeypatch)
     assert report["settings"]["turns"] == first["turns"]
     assert report["methods"]["medusa"]["exact"] is True
     assert "batch size 2" in (tmp_path / "b2" / "report.md").read_text()
+
+
+def test_calibrating_faster_decoding_heads_leaves_their_folder_to_other_engines(model, tmp_path, monkeypatch,
+                                                                                 capsys):
+    _, questions = cli_files(model, tmp_path, monkeypatch)
+    fd = model.export_medusa_layout(tmp_path / "fd")
+    before = {path.name: path.read_bytes() for path in fd.iterdir()}
+    common = ["--heads", str(fd), "--questions", str(questions), "--max-new-tokens", "6", "--methods", "ar,medusa",
+              "--limit", "1", "--calibrate", "--calibrate-questions", "2", "--calibrate-context", "16"]
+    with pytest.raises(SystemExit):
+        parse_args(common)
+    err = capsys.readouterr().err
+    assert "is in the FasterDecoding layout (medusa_lm_head.*)" in err and "add --calibrated-heads DIR" in err
+    with pytest.raises(SystemExit):
+        parse_args(common + ["--calibrated-heads", str(fd)])  # nor by naming it twice
+    assert main(common + ["--calibrated-heads", str(tmp_path / "calibrated"), "--output", str(tmp_path / "b")]) == 0
+    assert {path.name: path.read_bytes() for path in fd.iterdir()} == before
+    assert "cost_profile" in json.loads((tmp_path / "calibrated" / "config.json").read_text())
 
 
 def test_assisted_generation_and_grafted_lookup_run_and_stay_exact(model, tmp_path):

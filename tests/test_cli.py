@@ -39,6 +39,13 @@ def parse_error(capsys, argv: list[str]) -> str:
         (["--chat", "hi"], "--chat reads its prompts interactively; drop the prompt 'hi' or drop --chat"),
         (["--method", "lookup", "--tree", "chain-2", "hi"], "--tree shapes the Medusa heads' candidates"),
         (["--heads", "h", "--acceptance", "typical", "hi"], "--acceptance typical samples: add --do-sample"),
+        (["--do-sample", "--temperature", "-1", "hi"], "--temperature must be >= 0 (0: greedy), got -1.0"),
+        (["--do-sample", "--top-p", "2", "hi"], "--top-p must be in (0, 1] (1: off), got 2.0"),
+        (["--do-sample", "--top-p", "0", "hi"], "--top-p must be in (0, 1] (1: off), got 0.0"),
+        (["--do-sample", "--top-k", "-3", "hi"], "--top-k must be >= 0 (0: off), got -3"),
+        (["--acceptance", "greedy", "--do-sample", "--temperature", "0.5", "hi"],
+         "--acceptance greedy takes the model's top token, so --do-sample --temperature would change nothing"),
+        (["--raw", "--system", "be brief", "hi"], "--system goes into the chat template, which --raw leaves out"),
     ],
 )
 def test_bad_arguments_are_refused_before_loading_anything(capsys, argv, message):
@@ -77,6 +84,53 @@ def test_a_medusa_turn_decodes_with_the_tree_given(monkeypatch, capsys):
     result = run_turn(word_medusa(), args, None, "the cat sat on the mat")
     assert trees == [[(0,), (0, 0)]] and 1 <= len(result.new_tokens[0]) <= 3
     assert "[medusa]" in capsys.readouterr().err
+
+
+def test_errors_after_loading_are_reported_without_a_traceback(monkeypatch, capsys, tmp_path):
+    """Heads that do not fit the model, and options the model refuses, end in ``error: ...`` and status 2."""
+    import medusa_infer.cli as cli
+    from medusa_infer.model import MedusaModel
+    from medusa_infer.serving.testing import word_tokenizer
+    from tiny import tiny_model, word_medusa
+
+    tokenizer = word_tokenizer()
+    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    MedusaModel.from_base(tiny_model("gpt2", vocab_size=len(tokenizer))).save_pretrained(tmp_path / "heads")
+    assert cli.main(["--heads", str(tmp_path / "heads"), "--model", str(tmp_path / "base"), "--raw", "hi"]) == 2
+    assert "medusa-generate: error: heads were trained for model type 'gpt2'" in capsys.readouterr().err
+    monkeypatch.setattr(cli, "load", lambda args: word_medusa())
+    argv = ["--heads", "h", "--do-sample", "--acceptance", "typical", "--top-p", "0.9", "--raw", "the cat"]
+    assert cli.main(argv) == 2
+    assert "medusa-generate: error: acceptance='typical' samples at the temperature only" in capsys.readouterr().err
+    tokenizer.chat_template = None
+    monkeypatch.setattr(cli, "load", lambda args: MedusaModel.without_heads(word_medusa().base_model, tokenizer))
+    assert cli.main(["--system", "be brief", "hi"]) == 2  # a tokenizer without a chat template
+    assert "--system goes into the chat template, and this model's tokenizer has none" in capsys.readouterr().err
+
+
+def test_raw_chat_sends_the_whole_conversation(monkeypatch, capsys):
+    import medusa_infer.cli as cli
+    import medusa_infer.decoding as decoding
+    from tiny import word_medusa
+
+    stream, prompts = decoding.stream, []
+
+    def spy(*a, prompt=None, **kw):
+        prompts.append(prompt)
+        return stream(*a, prompt=prompt, **kw)
+
+    lines = iter(["the cat", "the dog", ""])
+    monkeypatch.setattr(decoding, "stream", spy)
+    monkeypatch.setattr(cli, "load", lambda args: word_medusa())
+    monkeypatch.setattr("builtins.input", lambda _: next(lines))
+    assert cli.main(["--chat", "--raw", "--max-new-tokens", "3"]) == 0
+    answer = capsys.readouterr().out.splitlines()[0]
+    assert prompts[0] == "the cat" and prompts[1].startswith("the cat") and prompts[1].endswith("\nthe dog")
+    assert prompts[1] == cli.raw_text([{"role": "user", "content": "the cat"},
+                                       {"role": "assistant", "content": prompts[1][len("the cat"):-len("\nthe dog")]},
+                                       {"role": "user", "content": "the dog"}])
+    assert answer.strip() and len(prompts) == 2
 
 
 def test_module_entry_point_reports_argument_errors():

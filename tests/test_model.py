@@ -355,6 +355,84 @@ def test_export_defaults_to_the_projections_natural_version(tmp_path):
         assert json.loads((out / "config.json").read_text())["version"] == version
 
 
+def test_export_of_heads_on_a_default_model_re_imports_offline_with_its_weights(tmp_path, monkeypatch):
+    """Heads on a default model (its GGUF file's weights, dequantized) name its Hub repository for other
+    engines and medusa-forge's name for it beside, so re-imported offline they get the weights they were
+    trained on."""
+    import dataclasses
+
+    from medusa_infer import models
+    from medusa_infer.interop import BASE_MODEL_KEY
+
+    name = "tiny-default"
+    default = dataclasses.replace(models.DEFAULT_MODELS["smollm2-135m-instruct"], name=name, hub_id="example/tiny")
+    monkeypatch.setitem(models.DEFAULT_MODELS, name, default)
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "cache"))
+    converted = tmp_path / "cache" / "models" / name  # as fetch_default_model leaves it
+    base_model("llama").save_pretrained(converted)
+    word_tokenizer().save_pretrained(converted)
+    (converted / models.SOURCE_NAME).write_text("{}")
+    model = randomize(MedusaModel.from_base(name, num_heads=HEADS, num_layers=LAYERS))
+    model.export_medusa_layout(tmp_path / "fd")
+    written = json.loads((tmp_path / "fd" / "config.json").read_text())
+    assert (written["base_model_name_or_path"], written[BASE_MODEL_KEY]) == ("example/tiny", name)
+    assert "dequantized" in written["medusa_forge_note"]
+
+    loaded = MedusaModel.from_pretrained(tmp_path / "fd")  # offline (conftest): the Hub id would fail
+    assert loaded.config.base_model_name_or_path == name
+    assert_identical(loaded.heads.state_dict(), model.heads.state_dict())
+    assert_identical(loaded.base_model.state_dict(), model.base_model.state_dict())
+    loaded.save_pretrained(tmp_path / "ours")
+    assert "imported with [medusa-forge]" in (tmp_path / "ours" / "README.md").read_text()
+    assert MedusaModel.from_pretrained(tmp_path / "ours").config.base_model_name_or_path == name
+
+
+def test_faster_decoding_folder_without_weights_names_the_layouts_files(tmp_path):
+    model = medusa(base_model("llama"), "own")
+    model.export_medusa_layout(tmp_path)
+    (tmp_path / "medusa_lm_head.safetensors").unlink()
+    with pytest.raises(ValueError, match="neither medusa_lm_head.safetensors nor medusa_lm_head.pt"):
+        MedusaModel.from_pretrained(tmp_path, base_model=model.base_model)
+
+
+@pytest.mark.parametrize("missing", ["./runs/nope/heads", "runs/nope/heads", "~/no-such-heads-folder", "/no/heads"])
+def test_a_missing_heads_folder_is_named_not_taken_for_a_hub_id(missing, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    fetched = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo_id, revision=None, **kw: fetched.append(repo_id) or str(tmp_path))
+    with pytest.raises(ValueError, match="no such heads folder"):
+        MedusaModel.from_pretrained(missing)
+    with pytest.raises(ValueError, match="no such heads folder"):
+        MedusaModel.from_pretrained(Path("nope"))  # a path object is never a Hub id
+    assert fetched == []
+    medusa(base_model("llama")).save_pretrained(tmp_path)
+    MedusaModel.from_pretrained("owner/name", base_model=base_model("llama"))  # a Hub id still is one
+    assert fetched == ["owner/name"]
+
+
+def test_model_card_tells_trained_untrained_and_estimated_figures_apart(tmp_path):
+    model = medusa(base_model("llama"))
+    model.save_pretrained(tmp_path / "fresh")
+    card = (tmp_path / "fresh" / "README.md").read_text()
+    assert "not trained" in card and "trained with" not in card
+    model.config.training = {"steps": 100}
+    model.config.acceptance = {"head_accuracies_measured_on": "greedy answers to 2 questions from q.jsonl",
+                               "heldout_positions": [10, 10, 10], "calibrated_tree_nodes": 8,
+                               "calibrated_expected_tau": 2.1, "calibrated_expected_speedup": 1.7}
+    model.save_pretrained(tmp_path / "trained")
+    card = (tmp_path / "trained" / "README.md").read_text()
+    assert "trained with [medusa-forge]" in card and "not trained" not in card
+    measured = card.split("## Measured acceptance", 1)[1].split("## ", 1)[0]
+    assert "heldout_positions" in measured and "expected" not in measured and "calibrated" not in measured
+    estimated = card.split("## Expected acceptance (estimated", 1)[1].split("## ", 1)[0]
+    assert "| calibrated_expected_tau | 2.1 |" in estimated and "| calibrated_expected_speedup | 1.7 |" in estimated
+    model.config.training = {"heldout_head_accuracies": [[0.5]]}  # calibration's record, not training's
+    model.save_pretrained(tmp_path / "calibrated")
+    assert "not trained" in (tmp_path / "calibrated" / "README.md").read_text()
+
+
 # ----- errors
 
 

@@ -274,6 +274,24 @@ def test_cli_reports_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert "Unknown model name 'no-such-model'" in capsys.readouterr().err
 
 
+def test_cli_refuses_what_it_does_not_fetch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A Hub id is not fetched and a heads folder is not a model: neither may exit 0 as if it were."""
+    with pytest.raises(SystemExit) as caught:
+        models.main(["some-org/some-model"])
+    assert caught.value.code == 1
+    err = capsys.readouterr().err
+    assert "'some-org/some-model' is a Hub id" in err and "smollm2-135m-instruct" in err
+    heads = tmp_path / "heads"
+    heads.mkdir()
+    (heads / "config.json").write_text(json.dumps({"num_heads": 4, "base_model_name_or_path": "x"}))
+    with pytest.raises(SystemExit) as caught:
+        models.main([str(heads)])
+    assert caught.value.code == 1
+    assert "is a Medusa heads folder (its config.json has no model_type), not a base model" in capsys.readouterr().err
+    models.main([str(write_tiny_model(tmp_path / "tiny"))])
+    assert capsys.readouterr().out.strip() == str(tmp_path / "tiny")
+
+
 # --- the real default models ------------------------------------------------------------------
 
 
