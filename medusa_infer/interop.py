@@ -82,16 +82,7 @@ def weights_file(path: str | Path) -> Path:
 def base_model_name(path: str | Path) -> str | None:
     """The base model a heads folder's ``config.json`` names, as medusa-forge loads it: ``BASE_MODEL_KEY``
     when an export wrote it, else ``base_model_name_or_path`` (either layout); None when it names none."""
-    config_path = Path(path) / CONFIG_NAME
-    try:
-        data = json.loads(config_path.read_text())
-    except OSError as err:
-        raise ValueError(f"cannot read {config_path} ({err}): not a heads folder") from err
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{config_path} is not valid JSON ({err}); re-download or re-export it") from err
-    if not isinstance(data, dict):
-        raise ValueError(f"{config_path} holds a {type(data).__name__}, expected a JSON object")
-    return _base_model(data)
+    return _base_model(_read_json_object(Path(path) / CONFIG_NAME, "a heads folder"))
 
 
 def _base_model(data: dict[str, Any]) -> str | None:
@@ -277,15 +268,23 @@ def base_model_keys(name: str) -> dict[str, str]:
 
 def _read_config_json(config_path: Path) -> dict[str, Any]:
     """The folder's ``config.json``, with integer ``medusa_num_heads`` and ``medusa_num_layers``."""
+    data = _read_json_object(config_path, "a FasterDecoding Medusa heads folder")
+    for key in ("medusa_num_heads", "medusa_num_layers"):
+        if not isinstance(data.get(key), int):
+            raise ValueError(f"{config_path} has no integer {key!r}: not a FasterDecoding Medusa heads config")
+    return data
+
+
+def _read_json_object(config_path: Path, what: str) -> dict[str, Any]:
+    """A ``config.json`` holding a JSON object; ``ValueError`` says why it is not ``what``."""
     try:
         data = json.loads(config_path.read_text())
     except OSError as err:
-        raise ValueError(f"cannot read {config_path} ({err}): not a FasterDecoding Medusa heads folder") from err
+        raise ValueError(f"cannot read {config_path} ({err}): not {what}") from err
     except json.JSONDecodeError as err:
         raise ValueError(f"{config_path} is not valid JSON ({err}); re-download or re-export it") from err
-    for key in ("medusa_num_heads", "medusa_num_layers"):
-        if not isinstance(data, dict) or not isinstance(data.get(key), int):
-            raise ValueError(f"{config_path} has no integer {key!r}: not a FasterDecoding Medusa heads config")
+    if not isinstance(data, dict):
+        raise ValueError(f"{config_path} holds a {type(data).__name__}, not a JSON object: not {what}")
     return data
 
 
