@@ -39,10 +39,15 @@ different numbers of rows). ``restore_linear`` undoes the switch.
 from __future__ import annotations
 
 import bisect
+import json
 import logging
+import os
+import platform
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -101,6 +106,15 @@ class KernelPlan:
         unknown = set(self.kernels) - set(KERNELS)
         if unknown:
             raise ValueError(f"unknown kernels {sorted(unknown)}: use {KERNELS}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rows": list(self.rows), "kernels": list(self.kernels), "seconds": [dict(s) for s in self.seconds]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "KernelPlan":
+        """The plan ``to_dict`` wrote; ``ValueError`` (or ``KeyError``/``TypeError``) for anything else."""
+        return cls(tuple(int(r) for r in data["rows"]), tuple(str(k) for k in data["kernels"]),
+                   tuple({str(k): float(v) for k, v in s.items()} for s in data.get("seconds", ())))
 
     @classmethod
     def uniform(cls, kernel: str) -> "KernelPlan":
@@ -310,7 +324,7 @@ def shape_key(layer: nn.Linear) -> str:
     return "x".join(str(d) for d in layer.weight.shape)
 
 
-def use_cpu_kernels(model: nn.Module, plan: KernelPlan | str = "tuned") -> int:
+def use_cpu_kernels(model: nn.Module, plan: KernelPlan | str = "tuned", plan_cache: str | Path | None = None) -> int:
     """Switch every ``nn.Linear`` of ``model`` to ``CPULinear`` in place; returns how many layers were
     switched (layers switched before are counted and get the new plan too).
 
@@ -318,6 +332,10 @@ def use_cpu_kernels(model: nn.Module, plan: KernelPlan | str = "tuned") -> int:
     plan per weight shape, measured now on the model's layers of that shape
     (``measure_kernel_plan``: which kernel is faster depends on the shape as well as on the number
     of rows). Returns 0 (and changes nothing) when this PyTorch build lacks a working oneDNN kernel.
+
+    ``plan_cache``: with ``"tuned"``, a JSON file of plans measured before, by weight shape and
+    ``machine_key``: a shape found there is not measured again, and the plans measured now are
+    added to it. Delete the file to measure afresh (say, after a run on a machine busy with other work).
     """
     if isinstance(plan, str) and plan not in ("tuned", "onednn"):
         raise ValueError(f"plan must be a KernelPlan, 'tuned' or 'onednn', got {plan!r}")
@@ -327,15 +345,64 @@ def use_cpu_kernels(model: nn.Module, plan: KernelPlan | str = "tuned") -> int:
     groups: dict[str, list[nn.Linear]] = {}
     for layer in layers:
         groups.setdefault(shape_key(layer), []).append(layer)
-    for members in groups.values():
+    cached = read_plan_cache(plan_cache) if plan == "tuned" and plan_cache is not None else {}
+    measured: dict[str, KernelPlan] = {}
+    for shape, members in groups.items():
         if plan == "tuned":
-            chosen = measure_kernel_plan(members)
+            key = f"{machine_key()}|{shape}"
+            chosen = cached.get(key) or measured.setdefault(key, measure_kernel_plan(members))
         else:
             chosen = KernelPlan.uniform("onednn") if plan == "onednn" else plan
         for module in members:
             module.__class__ = CPULinear
             module.kernel_plan = chosen
+    if measured and plan_cache is not None:
+        write_plan_cache(plan_cache, measured)
     return len(layers)
+
+
+PLAN_CACHE_VERSION = 1  # bumped when what a plan is measured on (rows, repeats, bytes, kernels) changes
+
+
+def machine_key() -> str:
+    """What a measured plan holds for: the CPU's model name, the threads PyTorch runs on, PyTorch's
+    version (and so its MKL and oneDNN), and how plans are measured (``PLAN_CACHE_VERSION``)."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            name = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"v{PLAN_CACHE_VERSION}|{name}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+
+
+def read_plan_cache(path: str | Path) -> dict[str, KernelPlan]:
+    """The plans of a ``use_cpu_kernels`` plan cache by key; empty when the file is missing, and a
+    file that cannot be read as one is ignored (with a warning), to be written again."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+        return {str(key): KernelPlan.from_dict(value) for key, value in data.items()}
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        logger.warning("ignoring the kernel plan cache %s (%s); measuring again", path, err)
+        return {}
+
+
+def write_plan_cache(path: str | Path, plans: dict[str, KernelPlan]) -> None:
+    """Add ``plans`` to the cache file (written whole, then renamed into place, so a reader never sees
+    half a file); a cache that cannot be written is skipped with a warning."""
+    path = Path(path)
+    merged = {**read_plan_cache(path), **plans}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(handle, "w") as out:
+            json.dump({key: plan.to_dict() for key, plan in merged.items()}, out, indent=1)
+        os.replace(temporary, path)
+    except OSError as err:
+        logger.warning("could not write the kernel plan cache %s (%s)", path, err)
 
 
 def restore_linear(model: nn.Module) -> int:
@@ -378,9 +445,10 @@ def linear_kernels(model: nn.Module) -> str:
     return "; ".join(sorted(plan.describe() for plan in plans))
 
 
-def apply_cpu_kernels(model: nn.Module, kernels: str) -> int:
+def apply_cpu_kernels(model: nn.Module, kernels: str, plan_cache: str | Path | None = None) -> int:
     """``kernels="tuned"`` or ``"onednn"``: ``use_cpu_kernels`` when the model is float32 on the CPU
-    (else nothing); ``"default"``: PyTorch's own. Returns the number of layers switched."""
+    (else nothing; ``plan_cache`` as there); ``"default"``: PyTorch's own. Returns the number of layers
+    switched."""
     if kernels not in CPU_KERNELS:
         raise ValueError(f"cpu_kernels must be one of {CPU_KERNELS}, got {kernels!r}")
     parameter = next(model.parameters(), None)
@@ -388,4 +456,4 @@ def apply_cpu_kernels(model: nn.Module, kernels: str) -> int:
         return 0
     if parameter.device.type != "cpu" or parameter.dtype != torch.float32:
         return 0
-    return use_cpu_kernels(model, kernels)
+    return use_cpu_kernels(model, kernels, plan_cache)

@@ -33,6 +33,7 @@ from transformers import (
 
 CACHE_ENV = "MEDUSA_FORGE_CACHE"
 DEFAULT_CACHE = Path("~/.cache/medusa-forge")
+KERNEL_PLAN_CACHE = "cpu-kernel-plans.json"  # measured CPU kernel plans (cpu_kernels.use_cpu_kernels), in the cache
 SOURCE_NAME = "medusa_forge_source.json"
 """Written last into a converted folder: which wheels and GGUF file it was made from."""
 
@@ -300,7 +301,8 @@ def load_base_model(
 
     A default model keeps its short name as ``name_or_path`` (not the cache folder), so heads
     trained on it record a name that resolves on any machine. A float32 model on the CPU gets the
-    linear kernels measured fastest on this machine for each number of rows
+    linear kernels measured fastest on this machine for each number of rows, measured once per weight
+    shape and machine and kept in ``cache_root() / KERNEL_PLAN_CACHE`` for later loads
     (``medusa_infer.cpu_kernels``; ``cpu_kernels="onednn"`` takes oneDNN's throughout,
     ``"default"`` keeps PyTorch's own). With ``attn_implementation=None``, a model that transformers
     gives ``sdpa`` gets ``attention_kernels.SDPA_GQA`` instead, where its type is one of
@@ -324,7 +326,7 @@ def load_base_model(
             and model.config.model_type in SDPA_GQA_MODEL_TYPES):
         model.set_attn_implementation(SDPA_GQA)
     model = model.to(device).eval()
-    apply_cpu_kernels(model, cpu_kernels)
+    apply_cpu_kernels(model, cpu_kernels, plan_cache=cache_root() / KERNEL_PLAN_CACHE)
     return model
 
 

@@ -17,9 +17,11 @@ from medusa_infer.cpu_kernels import (
     kernel_plans,
     match_kernels,
     linear_kernels,
+    machine_key,
     measure_kernel_plan,
     mkl_packed_works,
     onednn_works,
+    read_plan_cache,
     restore_linear,
     use_cpu_kernels,
 )
@@ -155,6 +157,35 @@ def test_a_measured_plan_keeps_the_faster_kernel_for_each_row_count():
     heads = nn.Sequential(nn.Linear(7, 5))
     assert match_kernels(heads, model) == 1 and kernel_plans(heads)["5x7"].seconds  # measured on its own layers
     assert match_kernels(nn.Linear(7, 5), tiny_model("llama")) == 0  # nothing switched to match
+
+
+def test_measured_plans_are_kept_for_later_loads_on_the_same_machine(tmp_path, monkeypatch, caplog):
+    import medusa_infer.cpu_kernels as ck
+
+    cache = tmp_path / "cache" / "plans.json"
+    model = tiny_model("llama")
+    use_cpu_kernels(model, plan_cache=cache)
+    first = kernel_plans(model)
+    assert set(read_plan_cache(cache)) == {f"{machine_key()}|{shape}" for shape in first}
+    assert read_plan_cache(cache) == {f"{machine_key()}|{shape}": plan for shape, plan in first.items()}
+
+    def no_measuring(layers, *args, **kwargs):
+        raise AssertionError("a cached plan was measured again")
+
+    monkeypatch.setattr(ck, "measure_kernel_plan", no_measuring)
+    again = tiny_model("llama")
+    use_cpu_kernels(again, plan_cache=cache)
+    assert kernel_plans(again) == first and all(p.seconds for p in kernel_plans(again).values())
+    assert linear_kernels(again) == "tuned"
+    # another machine (or thread count, or PyTorch) measures its own, added beside the first
+    monkeypatch.undo()
+    monkeypatch.setattr(ck, "machine_key", lambda: "another machine")
+    use_cpu_kernels(tiny_model("llama"), plan_cache=cache)
+    assert len(read_plan_cache(cache)) == 2 * len(first)
+    # a damaged cache is measured over and written again, with a warning
+    cache.write_text("{not json")
+    use_cpu_kernels(tiny_model("llama"), plan_cache=cache)
+    assert "ignoring the kernel plan cache" in caplog.text and len(read_plan_cache(cache)) == len(first)
 
 
 def test_switch_keeps_parameters_ties_and_state_dict_and_can_be_undone():
