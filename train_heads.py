@@ -29,6 +29,7 @@ from medusa_train.train_config import (
     TrainConfig,
     features_root,
     load_config,
+    owns_rows,
     plan,
     rows_path,
     run_paths,
@@ -111,13 +112,6 @@ def stage_data(config: TrainConfig, accelerator: Any, pending: int | None) -> tu
     return plain(train), plain(heldout)
 
 
-def owns_rows(config: TrainConfig) -> bool:
-    """Whether this run distils its rows: from ``data.prompts`` into its own file, or into a
-    ``data.rows`` path that does not exist yet. A given ``data.rows`` file is read as it is."""
-    d = config.data
-    return bool(d.prompts) and not d.tokenized and (not d.rows or not rows_path(config).is_file())
-
-
 def check_inputs(config: TrainConfig) -> None:
     """What the run reads and where it uploads, checked before anything runs (``--plan`` too):
     ``ValueError`` for a model name that is neither a folder, a default model nor a Hub id, a data
@@ -130,6 +124,8 @@ def check_inputs(config: TrainConfig) -> None:
     files = [("data.tokenized", d.tokenized)] if d.tokenized else []
     if owns_rows(config):
         files.append(("data.prompts", d.prompts))
+    elif d.rows and not d.tokenized:  # rows given to be read as they are
+        files.append(("data.rows", d.rows))
     for key, value in files:
         if not Path(value).is_file():
             raise ValueError(f"{key}: {value} is not a file; give the path of an existing JSONL file")
@@ -143,6 +139,15 @@ def check_inputs(config: TrainConfig) -> None:
         if get_token() is None:
             raise ValueError(f"uploading to {config.eval.push_to_hub} needs a Hub login: run `hf auth login` "
                              f"or set HF_TOKEN, or {later}")
+
+
+def usable_data(config: TrainConfig, accelerator: Any, pending: int | None) -> tuple[list[dict], list[dict]]:
+    """``stage_data``, with rows that cannot be used as they are (too few to split, a bad
+    conversation) reported as an error of this script rather than a traceback."""
+    try:
+        return stage_data(config, accelerator, pending)
+    except ValueError as err:
+        raise SystemExit(f"train_heads.py: error: {err}") from err
 
 
 def distill_pending(config: TrainConfig) -> int | None:
@@ -296,7 +301,7 @@ def stage_train(config: TrainConfig, accelerator: Any, train: list[dict], folder
     if init and t.mode == "medusa1":
         module.heads.load_state_dict(init[0])
     result = tr.train(config, task, accelerator, paths)
-    info = {"recipe": config.to_dict(), "fingerprint": tr.resume_fingerprint(config),
+    info = {"recipe": config.to_dict(), "settings": tr.finished_settings(config),
             "train_examples_sha256": examples_hash(train), "steps": result.steps, "train_seconds": round(result.seconds, 1),
             "resumed_from_step": result.resumed_from, "num_processes": accelerator.num_processes,
             "final_train_record": result.last_record}
@@ -352,13 +357,15 @@ def stage_evaluate(config: TrainConfig, accelerator: Any, train: list[dict], hel
                    folders: dict[str, Path] | None, timings: dict[str, float]) -> None:
     """(e) Held-out accuracies, the fitted tree, the datastore, the final heads folder; optional upload."""
     from medusa_train import evaluate as ev
+    from medusa_train import trainer as tr
 
     paths = run_paths(config)
     if accelerator.is_main_process:
         mconfig, heads, accuracy = heldout_accuracy(config, accelerator, heldout, folders)
         partial = _atomic_folder(paths.heads)
         ev.finalize(partial, mconfig, heads.state_dict(), accuracy, config.eval.tree_size,
-                    base_model_id=config.model.hub_id, extra={"stage_seconds": timings})
+                    base_model_id=config.model.hub_id,
+                    extra={"stage_seconds": timings, "evaluated_with": tr.eval_settings(config)})
         if config.training.mode == "medusa2":
             from medusa_train.lora import ADAPTER_DIR
 
@@ -422,10 +429,7 @@ def main(argv: list[str] | None = None) -> int:
 
     timings: dict[str, float] = {}
     started = time.perf_counter()
-    try:
-        train, heldout = stage_data(config, accelerator, pending)
-    except ValueError as err:  # rows that cannot be used as they are (too few, a bad conversation)
-        raise SystemExit(f"train_heads.py: error: {err}") from err
+    train, heldout = usable_data(config, accelerator, pending)
     timings["data"] = round(time.perf_counter() - started, 1)
     say(accelerator, f"data: {len(train)} train and {len(heldout)} held-out examples ({timings['data']} s)")
     from medusa_train.features import examples_hash
@@ -496,7 +500,7 @@ def report_heldout(config: TrainConfig, accelerator: Any) -> int:
     paths = run_paths(config)
     if not (paths.final / "config.json").is_file():
         raise SystemExit(f"train_heads.py: error: no trained heads in {paths.final}; run the recipe first")
-    train, heldout = stage_data(config, accelerator, 0)  # the run's rows as they are: this writes nothing
+    train, heldout = usable_data(config, accelerator, 0)  # the run's rows as they are: this writes nothing
     folders = stage_features(config, accelerator, train, heldout) if config.uses_feature_cache else None
     if accelerator.is_main_process:
         _, _, accuracy = heldout_accuracy(config, accelerator, heldout, folders)

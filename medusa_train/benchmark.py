@@ -811,10 +811,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                      "tokenizer)")
     if args.calibrate and not args.heads:
         parser.error("--calibrate measures the heads and fits their tree: give --heads FOLDER")
-    if args.calibrate and not Path(args.heads).is_dir():
+    if args.calibrate and not args.calibrated_heads and not Path(args.heads).is_dir():
         parser.error(f"--calibrate writes the fitted tree into the heads folder, and --heads {args.heads} is no "
-                     f"local folder (a Hub repo?): download the heads first (hf download {args.heads} --local-dir "
-                     "DIR) and pass --heads DIR")
+                     f"local folder (a Hub repo?): add --calibrated-heads DIR to save the calibrated heads there, or "
+                     f"download them first (hf download {args.heads} --local-dir DIR) and pass --heads DIR")
     if args.calibrated_heads and not args.calibrate:
         parser.error("--calibrated-heads is where --calibrate saves the heads: add --calibrate or drop it")
     target = ("--calibrated-heads", args.calibrated_heads) if args.calibrated_heads else ("--heads", args.heads)

@@ -255,7 +255,7 @@ def template_digest(template: str | None) -> str | None:
 
 def read_prompts(path: str | Path) -> list[dict[str, Any]]:
     """Rows of a prompts JSONL file; each needs ``id`` (a string or an integer, unique in the file) and
-    ``prompt`` (a string); ``source`` is a string and defaults to "". ``ValueError`` names the line."""
+    ``prompt`` (a string); ``source`` is a string, "" when missing or null. ``ValueError`` names the line."""
     path = Path(path)
     rows = []
     seen: dict[str, int] = {}
@@ -270,11 +270,12 @@ def read_prompts(path: str | Path) -> list[dict[str, Any]]:
             if not isinstance(row, dict) or "id" not in row or "prompt" not in row:
                 found = sorted(row) if isinstance(row, dict) else type(row).__name__
                 raise ValueError(f"{path}:{number} needs an object with 'id' and 'prompt', has {found}")
-            source = row.get("source", "")
-            checks = (("id", row["id"], (str, int)), ("prompt", row["prompt"], str), ("source", source, str))
-            for key, value, kinds in checks:
+            source = row.get("source") or ""
+            checks = (("id", row["id"], (str, int), "a string or an integer"), ("prompt", row["prompt"], str, "a string"),
+                      ("source", source, str, "a string or null"))
+            for key, value, kinds, kind in checks:
                 if not isinstance(value, kinds) or isinstance(value, bool):
-                    raise ValueError(f"{path}:{number}: '{key}' must be a string, got {value!r}")
+                    raise ValueError(f"{path}:{number}: '{key}' must be {kind}, got {value!r}")
             key = str(row["id"])
             if key in seen:
                 raise ValueError(f"{path}:{number}: id {key!r} is already on line {seen[key]}; "

@@ -663,6 +663,13 @@ def rows_path(config: TrainConfig) -> Path:
     return Path(config.data.rows) if config.data.rows else run_paths(config).data / "distilled.jsonl"
 
 
+def owns_rows(config: TrainConfig) -> bool:
+    """Whether this run distils its rows: from ``data.prompts`` into its own file, or into a
+    ``data.rows`` path that does not exist yet. A given ``data.rows`` file is read as it is."""
+    d = config.data
+    return bool(d.prompts) and not d.tokenized and (not d.rows or not rows_path(config).is_file())
+
+
 def features_root(config: TrainConfig) -> Path:
     return Path(config.features.dir) if config.features.dir else run_paths(config).features
 

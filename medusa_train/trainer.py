@@ -47,7 +47,7 @@ from medusa_train.features import (
     soft_labels,
 )
 from medusa_train.losses import HeadLoss, head_ce_loss, head_kl_loss, logits_kl, to_head_vocab, topk_correct
-from medusa_train.train_config import RunPaths, TrainConfig, config_from_dict, step_counts
+from medusa_train.train_config import RunPaths, TrainConfig, config_from_dict, owns_rows, step_counts
 
 STATE_NAME = "trainer_state.json"
 CHECKPOINT_PREFIX = "step-"
@@ -338,41 +338,74 @@ def resume_fingerprint(config: TrainConfig) -> dict[str, Any]:
 _EVAL_IGNORES = ("push_to_hub",)  # an upload changes nothing in the heads folder
 
 
-def _recorded_settings(info: Mapping[str, Any], evaluated: bool) -> dict[str, Any] | None:
-    """The flattened settings a finished stage recorded (``save_trained``'s ``info``), or None when
-    it recorded none that can be compared."""
-    fingerprint = info.get("fingerprint")
-    recipe = info.get("recipe")
-    if fingerprint is None:  # heads trained before the fingerprint was recorded: rebuild it from the recipe
-        try:
-            fingerprint = resume_fingerprint(config_from_dict(recipe)) if isinstance(recipe, dict) else None
-        except (ValueError, TypeError, OSError):
-            return None
-    if fingerprint is None:
+def finished_settings(config: TrainConfig) -> dict[str, Any]:
+    """The settings that decide trained heads besides their examples (compared by content:
+    ``train_examples_sha256``), flattened: what a re-run of a finished run must share with it.
+
+    Left out: paths (``data.prompts``, ``data.rows``, ``data.tokenized``, ``heads.init_from``, whose
+    contents are compared: the examples, ``init_from_sha256`` while the starting heads are there), the
+    model's Hub id (metadata), how the rows are distilled (batch size, ``distill_options``: the rows'
+    own record is checked against them, ``distill.check_resumable``), and which prompts are distilled
+    (``data.n``, ``data.per_source``) when the run distils none (``owns_rows``).
+    """
+    data = config.to_dict()
+    d, h = data["data"], config.heads
+    section = {key: d[key] for key in ("max_length", "system_prompt", "heldout_fraction")}
+    section.update({"pack": True} if d["pack"] else {})
+    if owns_rows(config):
+        section.update({key: d[key] for key in ("n", "per_source", "max_new_tokens")})
+    init = Path(h.init_from) / "model.safetensors" if h.init_from else None
+    settings = {
+        "model": {k: v for k, v in data["model"].items() if k != "hub_id"}, "data": section,
+        "heads": {k: v for k, v in data["heads"].items() if k != "init_from"},
+        "training": {k: v for k, v in data["training"].items() if k not in _RESUME_IGNORES},
+        "lora": data["lora"] if config.training.mode == "medusa2" else None,
+        "features_topk": config.soft_label_topk,
+        "features": {"dtype": config.features.dtype, "from_distillation": config.features.from_distillation}
+        if config.uses_feature_cache else None,
+        "init_from": bool(h.init_from),
+        **({"init_from_sha256": _file_sha256(init)} if init is not None and init.is_file() else {}),
+    }
+    return _flatten(settings)
+
+
+def eval_settings(config: TrainConfig) -> dict[str, Any]:
+    """The ``eval`` settings that decide an evaluated heads folder (``stage_evaluate`` records them)."""
+    return {f"eval.{k}": v for k, v in config.to_dict()["eval"].items() if k not in _EVAL_IGNORES}
+
+
+def _recorded(info: Mapping[str, Any], key: str, rebuild: Callable[[TrainConfig], dict[str, Any]]) -> dict | None:
+    """``info[key]``, or for a stage finished before it was recorded, ``rebuild`` of the recipe it
+    recorded; None when neither can be had."""
+    if isinstance(info.get(key), dict):
+        return info[key]
+    try:
+        return rebuild(config_from_dict(info["recipe"]))
+    except (KeyError, ValueError, TypeError, OSError):
         return None
-    settings = _flatten(fingerprint)
-    if evaluated and isinstance(recipe, dict) and isinstance(recipe.get("eval"), dict):
-        settings.update({f"eval.{k}": v for k, v in recipe["eval"].items() if k not in _EVAL_IGNORES})
-    return settings
 
 
 def check_finished_run(config: TrainConfig, paths: RunPaths) -> None:
     """Refuse a run whose trained (``checkpoints/final``) or evaluated (``heads``) heads were made with
-    other settings than ``config``'s: the run would skip those stages and keep the old heads.
+    other settings (``finished_settings``, ``eval_settings``) than ``config``'s: the run would skip
+    those stages and keep the old heads.
 
-    ``ValueError`` names the changed keys and how to train again.
+    ``ValueError`` names the changed keys and how to train or evaluate again.
     """
-    expected = _flatten(resume_fingerprint(config))
-    for folder, with_eval in ((paths.final, False), (paths.heads, True)):
+    for folder, evaluated in ((paths.final, False), (paths.heads, True)):
         file = folder / "config.json"
         if not file.is_file():
             continue
-        found = _recorded_settings(json.loads(file.read_text()).get("training") or {}, with_eval)
+        info = json.loads(file.read_text()).get("training") or {}
+        found, wanted = _recorded(info, "settings", finished_settings), finished_settings(config)
+        if evaluated:
+            found_eval = _recorded(info, "evaluated_with", eval_settings)
+            found = None if found is None or found_eval is None else {**found, **found_eval}
+            wanted.update(eval_settings(config))
         if found is None:
             continue
-        wanted = dict(expected)
-        if with_eval:
-            wanted.update({f"eval.{k}": v for k, v in config.to_dict()["eval"].items() if k not in _EVAL_IGNORES})
+        if "init_from_sha256" not in wanted:  # the starting heads are gone: their content cannot be compared
+            found.pop("init_from_sha256", None)
         differ = sorted(k for k in set(wanted) | set(found) if wanted.get(k) != found.get(k))
         if differ:
             changes = ", ".join(f"{k} was {found.get(k)!r}, now {wanted.get(k)!r}" for k in differ[:6])

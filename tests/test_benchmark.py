@@ -239,7 +239,7 @@ def test_heads_from_the_hub_name_their_base_model(model, tmp_path, monkeypatch):
         (["--methods", "hf,hf-assisted"], "--methods with hf-assisted needs --draft-model"),
         (["--methods", "ar", "--calibrate"], "--calibrate measures the heads and fits their tree: give --heads"),
         (["--methods", "ar", "--heads", "someone/tiny-heads", "--calibrate"],
-         "--heads someone/tiny-heads is no local folder (a Hub repo?): download the heads first"),
+         "--heads someone/tiny-heads is no local folder (a Hub repo?): add --calibrated-heads DIR"),
         (["--methods", "lookup", "--lookup-tokens", "0"], "--lookup-tokens must be at least 1, got 0"),
         (["--methods", "hf,ar", "--lookup-tokens", "6"], "--methods has none of them"),
         (["--methods", "ar", "--limit", "0"], "--limit must be at least 1, got 0"),
@@ -255,6 +255,12 @@ def test_bad_arguments_are_refused_before_loading_anything(argv, message, capsys
         parse_args(["--questions", "q.jsonl"] + argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_hub_heads_are_calibrated_into_a_folder_of_their_own():
+    args = parse_args(["--questions", "q.jsonl", "--methods", "ar", "--heads", "someone/tiny-heads", "--calibrate",
+                       "--calibrated-heads", "calibrated"])
+    assert args.calibrated_heads == "calibrated"
 
 
 def test_errors_found_while_loading_are_reported_without_a_traceback(tmp_path, capsys):

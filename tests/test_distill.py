@@ -128,8 +128,8 @@ def test_sample_prompts_balanced_and_deterministic(prompts_file):
 @pytest.mark.parametrize("line, says", [
     ('{"id": "a", "prompt": "again"}', "id 'a' is already on line 1"),
     ('{"id": "b", "prompt": ["hi"]}', "'prompt' must be a string"),
-    ('{"id": "b", "prompt": "hi", "source": null}', "'source' must be a string"),
-    ('{"id": null, "prompt": "hi"}', "'id' must be a string"),
+    ('{"id": "b", "prompt": "hi", "source": 3}', "'source' must be a string or null"),
+    ('{"id": 1.5, "prompt": "hi"}', "'id' must be a string or an integer, got 1.5"),
     ('["b", "hi"]', "needs an object with 'id' and 'prompt'"),
 ])
 def test_prompts_file_rows_are_checked_by_line(tmp_path, line, says):
@@ -138,7 +138,7 @@ def test_prompts_file_rows_are_checked_by_line(tmp_path, line, says):
     with pytest.raises(ValueError, match=f"{path}:2") as err:
         read_prompts(path)
     assert says in str(err.value)
-    path.write_text('{"id": 7, "prompt": "first"}\n')
+    path.write_text('{"id": 7, "prompt": "first", "source": null}\n')
     assert read_prompts(path) == [{"id": "7", "source": "", "prompt": "first"}]
 
 

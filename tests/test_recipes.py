@@ -300,6 +300,8 @@ def test_distill_options_are_checked_when_the_recipe_loads(tmp_path, capsys, opt
     (["model.name=smolm2"], r"Unknown model name 'smolm2'"),
     (["training.batch_tokens=100000"], r"do not fill one micro-batch of 100000"),
     (["--push-to-hub", "me/heads"], r"uploading to me/heads needs the Hub, but HF_HUB_OFFLINE is set"),
+    (["data.prompts=null", "data.rows=/no/such/rows.jsonl"], r"data.rows: /no/such/rows.jsonl is not a file"),
+    (["heads.init_from=/no/such/heads"], r"heads.init_from=/no/such/heads has no config.json"),
 ])
 def test_what_a_run_cannot_do_is_refused_by_plan(tmp_path, capsys, arguments, message):
     import train_heads

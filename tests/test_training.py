@@ -409,14 +409,25 @@ def test_medusa1_from_cache_learns_head_k_predicts_t_plus_k_plus_2(tiny_dir, tmp
         err = capsys.readouterr().err
         assert all(s in err for s in says), err
     assert (out / "config.yaml").read_text() == recorded_config
-    assert train_heads.main(["--config", config_file, "log.every=5"]) == 0  # not a setting of the heads
+    # settings that do not decide the heads pass: logging, the Hub id, and on tokenized data, distilling's
+    assert train_heads.main(["--config", config_file, "log.every=5", "model.hub_id=me/tiny", "data.n=7",
+                             "data.distill_batch_size=3", "data.distill_options.threads=1"]) == 0
+    # evaluated again with other eval settings, the heads record them: a re-run with those passes
+    shutil.rmtree(out / "heads")
+    assert train_heads.main(["--config", config_file, "eval.tree_size=5"]) == 0
+    assert len(json.loads((out / "heads" / "config.json").read_text())["tree"]) == 5
+    assert train_heads.main(["--config", config_file, "eval.tree_size=5"]) == 0
+    with pytest.raises(SystemExit):
+        train_heads.main(["--config", config_file])  # the recipe's 8 nodes are not what heads/ holds
+    assert "eval.tree_size was 5, now 8" in capsys.readouterr().err
+    shutil.rmtree(out / "features")  # extracted again for that evaluation; the partial re-run below makes them
     # the examples the heads trained on are recorded: other rows under the same settings are refused
     final = json.loads((out / "checkpoints" / "final" / "config.json").read_text())
     with pytest.raises(ValueError, match="trained on other examples"):
         tr.check_finished_examples(run_paths(config_from_dict(values)), "0" * 64)
     tr.check_finished_examples(run_paths(config_from_dict(values)), final["training"]["train_examples_sha256"])
     # heads trained before the settings were recorded: compared through the recipe they recorded
-    del final["training"]["fingerprint"]
+    del final["training"]["settings"]
     (out / "checkpoints" / "final" / "config.json").write_text(json.dumps(final))
     changed = config_from_dict(values, ["training.lr=0.01"])
     with pytest.raises(ValueError, match="training.lr was 0.03, now 0.01"):
@@ -593,6 +604,14 @@ def test_training_starts_from_an_earlier_runs_heads(tiny_dir, tmp_path, counting
     own = load_file(str(tmp_path / "fresh" / "heads" / "model.safetensors"))["token_map"]
     assert not torch.equal(own, state["token_map"])
     assert (tmp_path / "from" / "heads" / "adapter").is_dir() == (mode == "medusa2")
+    # a finished run re-run: passes while the starting heads are unchanged or gone, refused once they changed
+    config_file = str((tmp_path / "from").with_suffix(".yaml"))
+    assert train_heads.main(["--config", config_file]) == 0
+    save_file({**state, "token_map": state["token_map"].flip(0)}, str(start / "model.safetensors"))
+    with pytest.raises(SystemExit):
+        train_heads.main(["--config", config_file])
+    shutil.move(start, tmp_path / "moved")
+    assert train_heads.main(["--config", config_file]) == 0
 
 
 def test_init_from_refuses_heads_this_run_would_not_build(tiny_dir, tmp_path, counting_heads):
