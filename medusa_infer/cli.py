@@ -82,17 +82,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         given = " ".join(["--do-sample", *sampling_only])
         parser.error(f"--acceptance greedy takes the model's top token, so {given} would change nothing: drop "
                      f"--acceptance greedy to sample (lossless by default), or drop {given}")
-    for flag, value, ok, allowed in (("--temperature", args.temperature, lambda t: t >= 0, ">= 0 (0: greedy)"),
-                                     ("--top-p", args.top_p, lambda p: 0 < p <= 1, "in (0, 1] (1: off)"),
-                                     ("--top-k", args.top_k, lambda k: k >= 0, ">= 0 (0: off)")):
-        if value is not None and not ok(value):
-            parser.error(f"{flag} must be {allowed}, got {value}")
     if args.raw and args.system is not None:
         parser.error("--system goes into the chat template, which --raw leaves out: drop --system (or put it at the "
                      "start of the prompt), or drop --raw")
     args.temperature = 1.0 if args.temperature is None else args.temperature
     args.top_p = 1.0 if args.top_p is None else args.top_p
     args.top_k = 0 if args.top_k is None else args.top_k
+    if args.do_sample:  # the sampling settings, checked as generation will (before the model loads)
+        from medusa_infer.decoding import SamplingConfig
+
+        try:
+            SamplingConfig(args.acceptance or "lossless", args.temperature, args.top_k, args.top_p)
+        except ValueError as err:
+            parser.error(str(err))
     check_method_flags(parser, args, "train some with train_heads.py or `make demo`")
     for flag, value in (("--lookup-max-ngram", args.lookup_max_ngram), ("--max-new-tokens", args.max_new_tokens)):
         if value < 1:

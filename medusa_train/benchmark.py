@@ -406,8 +406,7 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
     runner = Runner(model, args)
     if args.time_budget is not None:
         questions = interleave_categories(questions)
-    if model.device.type == "cuda":
-        warm_up(runner, methods, questions, args.batch_size)
+    warm_up(runner, methods, questions, args.batch_size)
     planned = len(questions)
     totals: dict[str, MethodTotals] = {m: MethodTotals() for m in methods}
     per_category: dict[str, dict[str, MethodTotals]] = defaultdict(lambda: {m: MethodTotals() for m in methods})
@@ -479,8 +478,8 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
 def warm_up(runner: Runner, methods: Sequence[str], questions: list[dict], batch_size: int,
             max_new_tokens: int = 8) -> None:
     """Each method answers the first question's first turn once, ``batch_size`` times over, untimed,
-    so that one-time costs (CUDA context, library handles, kernel loading) do not land on the first
-    method measured."""
+    so that one-time costs (CUDA context, library handles, kernel loading, on a CPU the first pass
+    through each kernel and the packing of weights) do not land on the first method measured."""
     if not questions:
         return
     batch = [[{"role": "user", "content": questions[0]["turns"][0]}]] * batch_size

@@ -39,10 +39,12 @@ def parse_error(capsys, argv: list[str]) -> str:
         (["--chat", "hi"], "--chat reads its prompts interactively; drop the prompt 'hi' or drop --chat"),
         (["--method", "lookup", "--tree", "chain-2", "hi"], "--tree shapes the Medusa heads' candidates"),
         (["--heads", "h", "--acceptance", "typical", "hi"], "--acceptance typical samples: add --do-sample"),
-        (["--do-sample", "--temperature", "-1", "hi"], "--temperature must be >= 0 (0: greedy), got -1.0"),
-        (["--do-sample", "--top-p", "2", "hi"], "--top-p must be in (0, 1] (1: off), got 2.0"),
-        (["--do-sample", "--top-p", "0", "hi"], "--top-p must be in (0, 1] (1: off), got 0.0"),
-        (["--do-sample", "--top-k", "-3", "hi"], "--top-k must be >= 0 (0: off), got -3"),
+        (["--do-sample", "--temperature", "-1", "hi"], "temperature must be >= 0, got -1.0"),
+        (["--do-sample", "--top-p", "2", "hi"], "top_p must be in (0, 1], got 2.0"),
+        (["--do-sample", "--top-p", "0", "hi"], "top_p must be in (0, 1], got 0.0"),
+        (["--do-sample", "--top-k", "-3", "hi"], "top_k must be >= 0 (0 disables it), got -3"),
+        (["--heads", "h", "--do-sample", "--acceptance", "typical", "--top-p", "0.9", "hi"],
+         "acceptance='typical' samples at the temperature only"),
         (["--acceptance", "greedy", "--do-sample", "--temperature", "0.5", "hi"],
          "--acceptance greedy takes the model's top token, so --do-sample --temperature would change nothing"),
         (["--raw", "--system", "be brief", "hi"], "--system goes into the chat template, which --raw leaves out"),
@@ -100,9 +102,8 @@ def test_errors_after_loading_are_reported_without_a_traceback(monkeypatch, caps
     assert cli.main(["--heads", str(tmp_path / "heads"), "--model", str(tmp_path / "base"), "--raw", "hi"]) == 2
     assert "medusa-generate: error: heads were trained for model type 'gpt2'" in capsys.readouterr().err
     monkeypatch.setattr(cli, "load", lambda args: word_medusa())
-    argv = ["--heads", "h", "--do-sample", "--acceptance", "typical", "--top-p", "0.9", "--raw", "the cat"]
-    assert cli.main(argv) == 2
-    assert "medusa-generate: error: acceptance='typical' samples at the temperature only" in capsys.readouterr().err
+    assert cli.main(["--heads", "h", "--tree", "[[0], [0, 0]", "--raw", "the cat"]) == 2  # a tree it cannot read
+    assert "medusa-generate: error:" in capsys.readouterr().err
     tokenizer.chat_template = None
     monkeypatch.setattr(cli, "load", lambda args: MedusaModel.without_heads(word_medusa().base_model, tokenizer))
     assert cli.main(["--system", "be brief", "hi"]) == 2  # a tokenizer without a chat template
