@@ -173,16 +173,17 @@ def write_medusa_layout(
     Returns:
         The folder. Tensors are written contiguous, in their own float dtype.
     """
-    if config.reduced_vocab_size is not None:
-        raise ValueError(
-            f"heads over a reduced vocabulary ({config.reduced_vocab_size} of {config.vocab_size} tokens) cannot be "
-            "written in the FasterDecoding layout, which has no token map; save them with save_pretrained instead"
-        )
+    unheld = ([f"a reduced vocabulary ({config.reduced_vocab_size} of {config.vocab_size} tokens; the layout has no "
+               "token map)"] if config.reduced_vocab_size is not None else [])
     if config.next_token_input:
+        unheld.append("the token at t + 1 as an input (next_token_input=True" + (" and path_input=True" if
+                      config.path_input else "") + "; the layout has no place for their token weights and its "
+                      "engines do not feed them the tokens)")
+    if unheld:
         raise ValueError(
-            "these heads read the token at t + 1 (next_token_input=True); the FasterDecoding layout has no place for "
-            "their token_proj weights and its engines do not feed them the token: save them with save_pretrained "
-            "instead, or train heads with heads.next_token_input=false for other engines"
+            f"these heads use {' and '.join(unheld)}, which the FasterDecoding layout cannot hold: save them with "
+            "save_pretrained instead, or train heads for other engines with heads.reduced_vocab_size=null "
+            "heads.next_token_input=false heads.path_input=false"
         )
     if config.base_model_name_or_path is None:
         raise ValueError(

@@ -25,7 +25,10 @@ off it still probes now and then, so ``a`` and ``v`` follow the text: each plain
 ``probe_budget * t(B)`` seconds of credit, and a probe is taken when the credit pays for its extra
 cost ``t(B * v) - t(B)``. Probes are thus frequent where they are cheap (one row) and rare where a
 speculative step costs several plain ones (a full batch), and they take about ``probe_budget`` of
-the time either way.
+the time either way. Being rare, a probe weighs more in ``a`` and ``v`` than a step taken while
+speculation is on (``probe_weight``): the text a probe reads is the text now, and with the ordinary
+weight a server that had spent a request on text its drafts missed (a sampled request on untrained
+heads, say) took several probes, hundreds of plain steps, to speculate again on text they fit.
 
 The gate is bookkeeping: ``gated_step`` asks it, times one step of a ``decoding.DecodeBatch`` and
 reports the step back. The serving engine keeps one gate for its lifetime; ``decoding.stream``
@@ -58,10 +61,12 @@ class SpeculationGate:
             be chosen.
         smoothing: weight of the newest step in each moving average.
         warmup: speculative steps measured before the first decision.
+        probe_weight: weight of a probe (a speculative step taken while speculation is off) in the
+            averages of what a speculative step yields; at least ``smoothing``.
     """
 
     def __init__(self, probe_budget: float = 0.02, margin: float = 0.05, smoothing: float = 0.1,
-                 warmup: int = 4) -> None:
+                 warmup: int = 4, probe_weight: float = 0.5) -> None:
         if not 0 < probe_budget < 1:
             raise ValueError(f"probe_budget must be in (0, 1), got {probe_budget}")
         if not 0 <= margin < 1:
@@ -70,7 +75,11 @@ class SpeculationGate:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
         if warmup < 1:
             raise ValueError(f"warmup must be >= 1 speculative step, got {warmup}")
+        if not smoothing <= probe_weight <= 1:
+            raise ValueError(f"probe_weight must be in [smoothing, 1] = [{smoothing}, 1], got {probe_weight}")
         self.probe_budget, self.margin, self.smoothing, self.warmup = probe_budget, margin, smoothing, warmup
+        self.probe_weight = probe_weight
+        self._probing = False  # the step asked for is a probe
         self._times: dict[int, _Average] = {}  # power-of-two range of forward sizes -> averages
         self.tokens_per_row = 1.0  # a: tokens a speculative step emits per row
         self.verified_per_row = 1.0  # v: tokens a speculative step verifies per row
@@ -118,6 +127,7 @@ class SpeculationGate:
         self._credit += self.probe_budget * plain
         if self._credit >= speculative - plain:
             self._credit = 0.0
+            self._probing = True
             return True
         return False
 
@@ -135,12 +145,14 @@ class SpeculationGate:
             average.tokens = (1 - w) * average.tokens + w * verified
             average.seconds = (1 - w) * average.seconds + w * seconds
             average.samples += 1
+        probe, self._probing = self._probing and speculated, False
         if not speculated:
             self.plain_steps += 1
             return
         if self.speculative_steps == 0:
             self.tokens_per_row, self.verified_per_row = tokens / batch, verified / batch
         else:
+            w = self.probe_weight if probe else w
             self.tokens_per_row = (1 - w) * self.tokens_per_row + w * tokens / batch
             self.verified_per_row = (1 - w) * self.verified_per_row + w * verified / batch
         self.speculative_steps += 1

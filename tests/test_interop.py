@@ -291,6 +291,11 @@ def test_reduced_vocabulary_export_is_refused(tmp_path):
     with pytest.raises(ValueError, match="reduced vocabulary.*save_pretrained"):
         write_medusa_layout(config, random_state(config), tmp_path)
     assert not (tmp_path / "config.json").exists()
+    # what the recipes train (a reduced vocabulary, reading the next token and the path): all named at once
+    config = tiny_config("own", reduced_vocab_size=20, next_token_input=True, path_input=True)
+    with pytest.raises(ValueError, match=r"a reduced vocabulary \(20 of .*and the token at t \+ 1 as an input "
+                                         r"\(next_token_input=True and path_input=True"):
+        write_medusa_layout(config, random_state(config), tmp_path)
 
 
 def test_version_and_lm_head_arguments_must_fit_the_projection(tmp_path):
