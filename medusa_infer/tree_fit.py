@@ -15,6 +15,7 @@ quickly with n, and a large one on a GPU, where verifying 64 tokens costs about 
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -121,7 +122,7 @@ def measure_verify_cost(
     """Time one forward of ``n`` new tokens over ``context`` cached ones, for each ``n`` in ``sizes``.
 
     The sizes are interleaved within each repeat (so a noisy machine slows them alike) and the
-    median is kept. Every ratio divides by t(1), so a t(1) that a noisy moment inflates flattens
+    median is kept, raised to the largest median of the smaller sizes (the profile never decreases). Every ratio divides by t(1), so a t(1) that a noisy moment inflates flattens
     the whole curve and makes large trees look cheap: on the default model and a 2-core CPU, three
     profiles of 5 repeats read t(4) / t(1) 1.37 to 1.46, three of 20 repeats 1.43 to 1.46
     (docs/bench80-large-s25/cost_noise.log). 20 repeats of the powers of two up to 64 took about
@@ -162,8 +163,10 @@ def measure_verify_cost(
             if repeat:
                 times[n].append(time.perf_counter() - start)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    return CostProfile(sizes, [statistics.median(times[n]) for n in sizes], f"{name} {dtype}".replace("torch.", ""),
-                       context)
+    # A forward of more tokens never needs to cost less than one of fewer (it could pad them): a median
+    # below a smaller size's is noise, and would promise a speedup above the tokens a step yields.
+    seconds = list(itertools.accumulate((statistics.median(times[n]) for n in sizes), max))
+    return CostProfile(sizes, seconds, f"{name} {dtype}".replace("torch.", ""), context)
 
 
 def _sync(device: torch.device) -> None:

@@ -141,6 +141,18 @@ def test_measured_cost_profile_on_a_tiny_model():
     assert profile.device.startswith("cpu")
 
 
+def test_a_measured_profile_never_decreases(monkeypatch):
+    """A noisy median below a smaller size's (t(3) < t(1) was seen on a busy CPU) would promise a
+    speedup above the tokens a step yields: it is raised to the smaller size's."""
+    import medusa_infer.tree_fit as tree_fit
+
+    medians = iter([0.055, 0.051, 0.049, 0.070])
+    monkeypatch.setattr(tree_fit.statistics, "median", lambda values: next(medians))
+    model = MedusaModel.without_heads(tiny_model("llama"))
+    profile = measure_verify_cost(model, sizes=(1, 3, 4, 16), context=8, repeats=1)
+    assert profile.seconds == [0.055, 0.055, 0.055, 0.070]
+
+
 def test_ladder_is_nested_and_valid():
     ladder = tree_ladder(greedy_tree(REFERENCE_HEAD_ACCURACY, 20))
     assert ladder[0] == [] and len(ladder[-1]) == 20
