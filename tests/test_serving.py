@@ -350,3 +350,16 @@ def test_default_model_answers_a_chat_with_prompt_lookup():
     assert "Paris" in answer.choices[0].message.content
     assert answer.choices[0].finish_reason == "stop"
     assert answer.usage.model_extra["speculative"]["method"] == "lookup"
+
+
+def test_warm_up_packs_every_layer_before_the_first_request():
+    """medusa-serve answers one short generation before it listens: the first forward through each
+    switched layer packs its weight (and builds its kernels), a cost the first request would pay."""
+    from medusa_infer.cpu_kernels import CPULinear, use_cpu_kernels
+
+    model = word_medusa()
+    assert use_cpu_kernels(model.base_model, "onednn") > 0
+    layers = [m for m in model.base_model.modules() if isinstance(m, CPULinear)]
+    assert not any(m.__dict__.get("_kernel_cache") for m in layers)
+    cli.warm_up(model)
+    assert all(m.__dict__.get("_kernel_cache") for m in layers)
