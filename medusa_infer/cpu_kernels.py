@@ -39,6 +39,7 @@ different numbers of rows). ``restore_linear`` undoes the switch.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
 import logging
 import os
@@ -348,8 +349,8 @@ def use_cpu_kernels(model: nn.Module, plan: KernelPlan | str = "tuned", plan_cac
     cached = read_plan_cache(plan_cache) if plan == "tuned" and plan_cache is not None else {}
     measured: dict[str, KernelPlan] = {}
     for shape, members in groups.items():
-        if plan == "tuned":
-            key = f"{machine_key()}|{shape}"
+        if plan == "tuned":  # the layers timed (up to MEASURE_BYTES) decide whether reads come from memory
+            key = f"{machine_key()}|{shape}|layers={len(members)}"
             chosen = cached.get(key) or measured.setdefault(key, measure_kernel_plan(members))
         else:
             chosen = KernelPlan.uniform("onednn") if plan == "onednn" else plan
@@ -365,15 +366,19 @@ PLAN_CACHE_VERSION = 1  # bumped when what a plan is measured on (rows, repeats,
 
 
 def machine_key() -> str:
-    """What a measured plan holds for: the CPU's model name, the threads PyTorch runs on, PyTorch's
-    version (and so its MKL and oneDNN), and how plans are measured (``PLAN_CACHE_VERSION``)."""
-    name = platform.processor() or platform.machine()
+    """What a measured plan holds for: the CPU (its model name, and a digest of its feature flags and
+    cache size, which tell apart CPUs a virtual machine names alike), the threads PyTorch runs on,
+    PyTorch's version (and so its MKL and oneDNN), and how plans are measured (``PLAN_CACHE_VERSION``)."""
+    name, details = platform.processor() or platform.machine(), ""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            name = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), name)
+            fields = dict(line.split(":", 1) for line in handle.read().split("\n\n")[0].splitlines() if ":" in line)
+        fields = {key.strip(): value.strip() for key, value in fields.items()}
+        name = fields.get("model name", name)
+        details = "|" + hashlib.sha256(f"{fields.get('flags')}|{fields.get('cache size')}".encode()).hexdigest()[:8]
     except OSError:
         pass
-    return f"v{PLAN_CACHE_VERSION}|{name}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+    return f"v{PLAN_CACHE_VERSION}|{name}{details}|threads={torch.get_num_threads()}|torch={torch.__version__}"
 
 
 def read_plan_cache(path: str | Path) -> dict[str, KernelPlan]:
@@ -382,27 +387,42 @@ def read_plan_cache(path: str | Path) -> dict[str, KernelPlan]:
     path = Path(path)
     try:
         data = json.loads(path.read_text())
-        return {str(key): KernelPlan.from_dict(value) for key, value in data.items()}
+        if not isinstance(data, dict):
+            raise ValueError(f"a JSON object was expected, got {type(data).__name__}")
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+    except (OSError, ValueError) as err:
         logger.warning("ignoring the kernel plan cache %s (%s); measuring again", path, err)
         return {}
+    plans = {}
+    for key, value in data.items():  # one bad entry costs its own measurement, not the others'
+        try:
+            plans[str(key)] = KernelPlan.from_dict(value)
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            logger.warning("ignoring entry %r of the kernel plan cache %s (%s)", key, path, err)
+    return plans
 
 
 def write_plan_cache(path: str | Path, plans: dict[str, KernelPlan]) -> None:
-    """Add ``plans`` to the cache file (written whole, then renamed into place, so a reader never sees
-    half a file); a cache that cannot be written is skipped with a warning."""
+    """Add ``plans`` to the cache file (written whole, readable by all as the rest of the cache, then
+    renamed into place, so a reader never sees half a file); a cache that cannot be written is skipped
+    with a warning. Two processes writing at once can lose one's plans, which are then measured again."""
     path = Path(path)
     merged = {**read_plan_cache(path), **plans}
+    temporary = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(handle, "w") as out:
             json.dump({key: plan.to_dict() for key, plan in merged.items()}, out, indent=1)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temporary, 0o666 & ~umask)
         os.replace(temporary, path)
     except OSError as err:
         logger.warning("could not write the kernel plan cache %s (%s)", path, err)
+        if temporary is not None:
+            Path(temporary).unlink(missing_ok=True)
 
 
 def restore_linear(model: nn.Module) -> int:

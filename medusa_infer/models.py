@@ -34,6 +34,7 @@ from transformers import (
 CACHE_ENV = "MEDUSA_FORGE_CACHE"
 DEFAULT_CACHE = Path("~/.cache/medusa-forge")
 KERNEL_PLAN_CACHE = "cpu-kernel-plans.json"  # measured CPU kernel plans (cpu_kernels.use_cpu_kernels), in the cache
+KERNEL_PLANS_ENV = "MEDUSA_FORGE_KERNEL_PLANS"  # another file for them; empty: none kept, every load measures
 SOURCE_NAME = "medusa_forge_source.json"
 """Written last into a converted folder: which wheels and GGUF file it was made from."""
 
@@ -302,7 +303,7 @@ def load_base_model(
     A default model keeps its short name as ``name_or_path`` (not the cache folder), so heads
     trained on it record a name that resolves on any machine. A float32 model on the CPU gets the
     linear kernels measured fastest on this machine for each number of rows, measured once per weight
-    shape and machine and kept in ``cache_root() / KERNEL_PLAN_CACHE`` for later loads
+    shape and machine and kept in ``kernel_plan_cache()`` for later loads
     (``medusa_infer.cpu_kernels``; ``cpu_kernels="onednn"`` takes oneDNN's throughout,
     ``"default"`` keeps PyTorch's own). With ``attn_implementation=None``, a model that transformers
     gives ``sdpa`` gets ``attention_kernels.SDPA_GQA`` instead, where its type is one of
@@ -326,8 +327,17 @@ def load_base_model(
             and model.config.model_type in SDPA_GQA_MODEL_TYPES):
         model.set_attn_implementation(SDPA_GQA)
     model = model.to(device).eval()
-    apply_cpu_kernels(model, cpu_kernels, plan_cache=cache_root() / KERNEL_PLAN_CACHE)
+    apply_cpu_kernels(model, cpu_kernels, plan_cache=kernel_plan_cache())
     return model
+
+
+def kernel_plan_cache() -> Path | None:
+    """The file of measured CPU kernel plans ``load_base_model`` reads and adds to: ``$MEDUSA_FORGE_KERNEL_PLANS``
+    (set but empty: None, every load measures), else ``KERNEL_PLAN_CACHE`` in ``cache_root()``."""
+    given = os.environ.get(KERNEL_PLANS_ENV)
+    if given is not None:
+        return Path(given).expanduser() if given else None
+    return cache_root() / KERNEL_PLAN_CACHE
 
 
 def hub_id(name_or_path: str | None) -> str | None:

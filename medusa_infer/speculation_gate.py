@@ -114,6 +114,7 @@ class SpeculationGate:
         """Whether the next step of a batch of ``batch`` rows should speculate."""
         if batch < 1:
             raise ValueError(f"batch size must be >= 1, got {batch}")
+        self._probing = False  # a probe whose step was never recorded (it failed) is forgotten
         if self.speculative_steps < self.warmup:
             return True
         plain = self.step_seconds(batch)

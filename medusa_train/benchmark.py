@@ -407,6 +407,8 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
     if args.time_budget is not None:
         questions = interleave_categories(questions)
     warm_up(runner, methods, questions, args.batch_size)
+    runner.step_costs.clear()  # what the untimed warm-up steps taught is left out of the report
+    runner.gates.clear()
     planned = len(questions)
     totals: dict[str, MethodTotals] = {m: MethodTotals() for m in methods}
     per_category: dict[str, dict[str, MethodTotals]] = defaultdict(lambda: {m: MethodTotals() for m in methods})

@@ -1,4 +1,5 @@
-"""Test-wide settings: no network, and torch threads sized to the work.
+"""Test-wide settings: no network, torch threads sized to the work, and CPU kernel plans measured
+by the tests kept in a file of their own (not the user's cache, whose plans they would join).
 
 Tiny models run fastest on one thread (thread start-up dominates their matrix products, and on a
 busy 2-core machine two threads wait on each other); the real default model uses two.
@@ -7,12 +8,15 @@ busy 2-core machine two threads wait on each other); the real default model uses
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("MEDUSA_FORGE_KERNEL_PLANS",
+                      os.path.join(tempfile.mkdtemp(prefix="medusa-forge-tests-"), "cpu-kernel-plans.json"))
 
 
 @pytest.fixture(autouse=True)

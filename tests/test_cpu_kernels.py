@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+from collections import Counter
 
 import pytest
 import torch
@@ -166,8 +167,10 @@ def test_measured_plans_are_kept_for_later_loads_on_the_same_machine(tmp_path, m
     model = tiny_model("llama")
     use_cpu_kernels(model, plan_cache=cache)
     first = kernel_plans(model)
-    assert set(read_plan_cache(cache)) == {f"{machine_key()}|{shape}" for shape in first}
-    assert read_plan_cache(cache) == {f"{machine_key()}|{shape}": plan for shape, plan in first.items()}
+    layers = Counter("x".join(map(str, m.weight.shape)) for m in model.modules() if isinstance(m, CPULinear))
+    assert read_plan_cache(cache) == {f"{machine_key()}|{shape}|layers={layers[shape]}": plan
+                                      for shape, plan in first.items()}
+    assert cache.stat().st_mode & 0o044  # readable by others, as the rest of a cache under a usual umask
 
     def no_measuring(layers, *args, **kwargs):
         raise AssertionError("a cached plan was measured again")
@@ -182,10 +185,18 @@ def test_measured_plans_are_kept_for_later_loads_on_the_same_machine(tmp_path, m
     monkeypatch.setattr(ck, "machine_key", lambda: "another machine")
     use_cpu_kernels(tiny_model("llama"), plan_cache=cache)
     assert len(read_plan_cache(cache)) == 2 * len(first)
-    # a damaged cache is measured over and written again, with a warning
+    # one bad entry is measured over, the others kept; a damaged file is measured over and written again
+    import json
+
+    entries = json.loads(cache.read_text())
+    broken = next(key for key in entries if key.startswith(machine_key()))
+    entries[broken]["rows"] = [2]
+    cache.write_text(json.dumps(entries))
+    assert len(read_plan_cache(cache)) == 2 * len(first) - 1 and "ignoring entry" in caplog.text
     cache.write_text("{not json")
     use_cpu_kernels(tiny_model("llama"), plan_cache=cache)
     assert "ignoring the kernel plan cache" in caplog.text and len(read_plan_cache(cache)) == len(first)
+    assert not list(cache.parent.glob(".*.tmp"))
 
 
 def test_switch_keeps_parameters_ties_and_state_dict_and_can_be_undone():

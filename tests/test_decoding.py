@@ -303,7 +303,7 @@ def test_context_limit_is_a_clean_stop():
         (dict(input_ids=torch.full((1, 300), 5)), "does not fit the model's context of 256"),
         (dict(tree=[(0,), (0, 0, 0, 0)]), "no parent"),
         (dict(tree=[(0, 0, 0, 0, 0)]), "depth 5 but there are only 4 heads"),
-        (dict(do_sample=True, temperature=-0.5), "temperature must be >= 0"),
+        (dict(do_sample=True, temperature=-0.5), "temperature must be a finite number >= 0"),
         (dict(do_sample=True, top_p=0.0), "top_p must be in"),
         (dict(do_sample=True, top_p=1.5), "top_p must be in"),
         (dict(do_sample=True, top_k=-1), "top_k must be >= 0"),

@@ -364,3 +364,14 @@ def test_gemma3_tree_steps_past_the_sliding_window_are_exact() -> None:
         out = model.generate(input_ids=ids, max_new_tokens=48, tree=tree, adaptive=False, lookup_tokens=lookup)
         assert out.new_tokens[0] == plain.new_tokens[0]
     assert out.metrics.tau > 1.5  # the chains were accepted: steps covered the window's edge
+
+
+def test_kernel_plans_file_follows_its_variable(monkeypatch, tmp_path):
+    from medusa_infer.models import KERNEL_PLAN_CACHE, cache_root, kernel_plan_cache
+
+    monkeypatch.setenv("MEDUSA_FORGE_KERNEL_PLANS", str(tmp_path / "plans.json"))
+    assert kernel_plan_cache() == tmp_path / "plans.json"
+    monkeypatch.setenv("MEDUSA_FORGE_KERNEL_PLANS", "")  # set but empty: none kept
+    assert kernel_plan_cache() is None
+    monkeypatch.delenv("MEDUSA_FORGE_KERNEL_PLANS")
+    assert kernel_plan_cache() == cache_root() / KERNEL_PLAN_CACHE

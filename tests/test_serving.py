@@ -361,5 +361,12 @@ def test_warm_up_packs_every_layer_before_the_first_request():
     assert use_cpu_kernels(model.base_model, "onednn") > 0
     layers = [m for m in model.base_model.modules() if isinstance(m, CPULinear)]
     assert not any(m.__dict__.get("_kernel_cache") for m in layers)
-    cli.warm_up(model)
+    cli.warm_up(model, "medusa")
     assert all(m.__dict__.get("_kernel_cache") for m in layers)
+    # with --method draft, the draft model's layers too
+    draft = word_medusa()
+    use_cpu_kernels(draft.base_model, "onednn")
+    args = cli.parse_args(["--method", "draft", "--draft-model", "small"])
+    args.draft_model = draft  # as load_model leaves it
+    cli.warm_up(model, "draft", args)
+    assert all(m.__dict__.get("_kernel_cache") for m in draft.base_model.modules() if isinstance(m, CPULinear))

@@ -103,6 +103,20 @@ def test_speculation_comes_back_within_a_few_probes_with_the_default_settings():
     assert all(choices)
 
 
+def test_a_probe_whose_step_failed_is_forgotten():
+    gate = SpeculationGate(warmup=1)
+    run(gate, batch=1, steps=60, tokens_per_row=1.0)
+    gate.record(64, False, 64, linear_time(64), 64)  # a plain step of 64 rows
+    while not gate.speculate(1):  # plain steps until a probe is asked for; its step then fails, unrecorded
+        gate.record(1, False, 1, linear_time(1), 1)
+    # the next step speculates for an ordinary reason: 64 rows, whose speculative forward size the gate
+    # has not measured yet
+    before = gate.tokens_per_row
+    assert gate.speculate(64) is True
+    gate.record(64, True, 64 * 3, linear_time(64 * 5), 64 * 5)
+    assert gate.tokens_per_row == pytest.approx(0.9 * before + 0.1 * 3)  # weighed as ordinary, not as a probe
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(probe_budget=0.0), "probe_budget"), (dict(probe_budget=1.0), "probe_budget"),
     (dict(margin=1.0), "margin"), (dict(smoothing=0.0), "smoothing"), (dict(warmup=0), "warmup"),

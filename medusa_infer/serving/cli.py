@@ -110,15 +110,18 @@ def load_model(args: argparse.Namespace):
     return model
 
 
-def warm_up(model) -> None:
-    """One short untimed generation before the server takes requests. The first forward through each
-    linear layer packs its weights for the CPU kernels chosen (``medusa_infer.cpu_kernels``) and
-    builds their primitives: the default model with heads took 1.8 s for its first one-token answer,
-    0.1 s for the next, a delay the first request would otherwise pay."""
+def warm_up(model, method: str, options: Any = None) -> None:
+    """One short untimed generation with the served method (its draft model too) before the server
+    takes requests. The first forward through each linear layer packs its weights for the CPU kernels
+    chosen (``medusa_infer.cpu_kernels``) and builds their primitives: the default model with heads
+    took 1.8 s for its first one-token answer, 0.1 s for the next, a delay the first request would
+    otherwise pay. A prompt that repeats itself, so that prompt lookup drafts too."""
     from medusa_infer.decoding import generate
+    from medusa_infer.proposers import build_proposer
 
     log.info("warming up: one short generation")
-    generate(model, prompt="Hello", max_new_tokens=4)
+    generate(model, prompt="one two three, one two three, one two three, one two", max_new_tokens=8,
+             proposer=build_proposer(method, model, options))
 
 
 def served_name(args: argparse.Namespace, model) -> str:
@@ -176,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, RuntimeError, OSError) as error:
         print(f"medusa-serve: error: {error}", file=sys.stderr)
         return 1
-    warm_up(model)
+    warm_up(model, args.method, args)
     name = served_name(args, model)
     app, _ = build_app(model, name, args.method, options=args, api_key=args.api_key, max_batch=args.max_batch,
                        max_queue=args.max_queue, request_timeout=args.request_timeout, acceptance=args.acceptance,
