@@ -122,12 +122,13 @@ def measure_verify_cost(
     """Time one forward of ``n`` new tokens over ``context`` cached ones, for each ``n`` in ``sizes``.
 
     The sizes are interleaved within each repeat (so a noisy machine slows them alike) and the
-    median is kept, raised to the largest median of the smaller sizes (the profile never decreases). Every ratio divides by t(1), so a t(1) that a noisy moment inflates flattens
-    the whole curve and makes large trees look cheap: on the default model and a 2-core CPU, three
-    profiles of 5 repeats read t(4) / t(1) 1.37 to 1.46, three of 20 repeats 1.43 to 1.46
-    (docs/bench80-large-s25/cost_noise.log). 20 repeats of the powers of two up to 64 took about
-    10 s there (the default sizes, 21 of them, take longer). ``model`` is a ``MedusaModel``; a
-    causal mask stands in for the tree mask (the cost does not depend on the mask's pattern).
+    median is kept, raised to the largest median of the smaller sizes (the profile never decreases).
+    Every ratio divides by t(1), so a t(1) that a noisy moment inflates flattens the whole curve and
+    makes large trees look cheap: on the default model and a 2-core CPU, three profiles of 5 repeats
+    read t(4) / t(1) 1.37 to 1.46, three of 20 repeats 1.43 to 1.46
+    (docs/bench80-large-s25/cost_noise.log). 20 repeats of the powers of two up to 64 took about 10 s
+    there (the default sizes, 21 of them, take longer). ``model`` is a ``MedusaModel``; a causal mask
+    stands in for the tree mask (the cost does not depend on the mask's pattern).
     """
     sizes = sorted(set(int(n) for n in sizes) | {1})
     device, dtype = model.device, model.dtype

@@ -271,8 +271,8 @@ def read_prompts(path: str | Path) -> list[dict[str, Any]]:
                 found = sorted(row) if isinstance(row, dict) else type(row).__name__
                 raise ValueError(f"{path}:{number} needs an object with 'id' and 'prompt', has {found}")
             source = row.get("source") or ""
-            checks = (("id", row["id"], (str, int), "a string or an integer"), ("prompt", row["prompt"], str, "a string"),
-                      ("source", source, str, "a string or null"))
+            checks = (("id", row["id"], (str, int), "a string or an integer"),
+                      ("prompt", row["prompt"], str, "a string"), ("source", source, str, "a string or null"))
             for key, value, kinds, kind in checks:
                 if not isinstance(value, kinds) or isinstance(value, bool):
                     raise ValueError(f"{path}:{number}: '{key}' must be {kind}, got {value!r}")
