@@ -319,7 +319,9 @@ class Medusa2Task:
 
 
 def resume_fingerprint(config: TrainConfig) -> dict[str, Any]:
-    """The settings a checkpoint (and the finished heads) must share with a run that reuses them."""
+    """The settings a step checkpoint must share with the run that resumes it: every one that shapes the
+    training's course, paths included (stricter than ``finished_settings``, which finished heads are
+    compared by)."""
     data = config.to_dict()
     training = {k: v for k, v in data["training"].items() if k not in _RESUME_IGNORES}
     # data.pack only when set: checkpoints from before the key existed were unpacked runs
