@@ -19,9 +19,10 @@ import os
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -141,11 +142,12 @@ def check_inputs(config: TrainConfig) -> None:
                              f"or set HF_TOKEN, or {later}")
 
 
-def usable_data(config: TrainConfig, accelerator: Any, pending: int | None) -> tuple[list[dict], list[dict]]:
-    """``stage_data``, with rows that cannot be used as they are (too few to split, a bad
-    conversation) reported as an error of this script rather than a traceback."""
+@contextmanager
+def script_errors() -> Iterator[None]:
+    """A ``ValueError`` raised inside (rows too few to split, a bad conversation, examples that changed
+    under finished heads, batches the data cannot fill) ends the script with its message, not a traceback."""
     try:
-        return stage_data(config, accelerator, pending)
+        yield
     except ValueError as err:
         raise SystemExit(f"train_heads.py: error: {err}") from err
 
@@ -429,16 +431,15 @@ def main(argv: list[str] | None = None) -> int:
 
     timings: dict[str, float] = {}
     started = time.perf_counter()
-    train, heldout = usable_data(config, accelerator, pending)
+    with script_errors():
+        train, heldout = stage_data(config, accelerator, pending)
     timings["data"] = round(time.perf_counter() - started, 1)
     say(accelerator, f"data: {len(train)} train and {len(heldout)} held-out examples ({timings['data']} s)")
     from medusa_train.features import examples_hash
     from medusa_train.trainer import check_finished_examples
 
-    try:
+    with script_errors():
         check_finished_examples(paths, examples_hash(train))
-    except ValueError as err:
-        raise SystemExit(f"train_heads.py: error: {err}") from err
 
     folders = None
     finished = (paths.final / "config.json").is_file() and (paths.heads / "config.json").is_file()
@@ -452,10 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     if (paths.final / "config.json").is_file():
         say(accelerator, f"train: {paths.final} exists, skipping")
     else:
-        try:
+        with script_errors():  # e.g. fewer cached positions than the plan's upper bound fill a batch
             stage_train(config, accelerator, train, folders)
-        except ValueError as err:  # e.g. fewer cached positions than the plan's upper bound fill a batch
-            raise SystemExit(f"train_heads.py: error: {err}") from err
     timings["train"] = round(time.perf_counter() - started, 1)
 
     started = time.perf_counter()
@@ -500,7 +499,8 @@ def report_heldout(config: TrainConfig, accelerator: Any) -> int:
     paths = run_paths(config)
     if not (paths.final / "config.json").is_file():
         raise SystemExit(f"train_heads.py: error: no trained heads in {paths.final}; run the recipe first")
-    train, heldout = usable_data(config, accelerator, 0)  # the run's rows as they are: this writes nothing
+    with script_errors():  # the run's rows as they are: this writes nothing
+        train, heldout = stage_data(config, accelerator, 0)
     folders = stage_features(config, accelerator, train, heldout) if config.uses_feature_cache else None
     if accelerator.is_main_process:
         _, _, accuracy = heldout_accuracy(config, accelerator, heldout, folders)
