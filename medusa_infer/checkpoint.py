@@ -163,15 +163,11 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
                   "(`chat_template`), not the tokenizer's own: `from_pretrained` installs it on the tokenizer, "
                   "and `model.generate(messages=[...])` renders chats with it.", ""]
     if config.head_accuracies:
-        width = max(len(a) for a in config.head_accuracies)
-        shown = [k for k in (1, 3, 5, 10) if k <= width]
         source = (config.acceptance or {}).get("head_accuracies_measured_on", "held-out data")
-        lines += [f"## Measured head accuracy ({source})", ""]
-        lines.append("| head | " + " | ".join(f"top-{k}" for k in shown) + " |")
-        lines.append("|---|" + "---|" * len(shown))
-        for i, acc in enumerate(config.head_accuracies):
-            lines.append(f"| {i + 1} | " + " | ".join(f"{acc[k - 1]:.3f}" for k in shown) + " |")
-        lines.append("")
+        lines += accuracy_table(f"Measured head accuracy ({source})", config.head_accuracies)
+    if config.training.get("heldout_head_accuracies"):  # training's, kept by calibration beside its own
+        lines += accuracy_table("Head accuracy on held-out data at the end of training",
+                                config.training["heldout_head_accuracies"])
     estimated = {key: value for key, value in (config.acceptance or {}).items() if is_estimate(key)}
     measured = {key: value for key, value in (config.acceptance or {}).items() if key not in estimated}
     for title, figures in (("Measured acceptance", measured),
@@ -184,6 +180,16 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
     if config.training:
         lines += ["## Training", "", "```json", json.dumps(config.training, indent=2), "```", ""]
     return "\n".join(lines)
+
+
+def accuracy_table(title: str, accuracies: list[list[float]]) -> list[str]:
+    """A model card section: each head's cumulative top-1/3/5/10 accuracy (those the rows hold)."""
+    shown = [k for k in (1, 3, 5, 10) if k <= max(len(a) for a in accuracies)]
+    lines = [f"## {title}", "", "| head | " + " | ".join(f"top-{k}" for k in shown) + " |",
+             "|---|" + "---|" * len(shown)]
+    for i, acc in enumerate(accuracies):
+        lines.append(f"| {i + 1} | " + " | ".join(f"{acc[k - 1]:.3f}" if k <= len(acc) else "" for k in shown) + " |")
+    return lines + [""]
 
 
 CALIBRATION_RECORDS = ("heldout_head_accuracies", "heldout_path_accuracies")

@@ -642,7 +642,9 @@ def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[st
         config.training["heldout_path_accuracies"] = config.path_accuracies
     config.head_accuracies = accuracy.topk()
     config.path_accuracies = [[list(path), prob] for path, prob in paths.items()]
-    config.acceptance = {**(config.acceptance or {}),
+    kept = {key: value for key, value in (config.acceptance or {}).items()
+            if key != "expected_tokens_per_step_fitted_tree"}  # training's tree's, which this one replaces
+    config.acceptance = {**kept,
                          "head_accuracies_measured_on": f"greedy answers to {len(questions)} questions from "
                                                         f"{Path(args.questions).name}",
                          "calibrated_tree_nodes": len(fitted.paths),

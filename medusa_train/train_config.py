@@ -611,7 +611,8 @@ class Plan:
             ("train tokens", f"{'' if self.exact else '<= '}{self.est_train_tokens:,} assistant tokens"),
             ("batch", f"{self.micro_batch} {self.unit} x {self.num_processes} process(es) x accumulation = "
                       f"{self.global_batch} {self.unit} per step"),
-            ("steps", f"{self.total_steps} ({self.steps_per_epoch} per epoch, {self.warmup_steps} warm-up"
+            ("steps", f"{'' if self.exact else '<= '}{self.total_steps} ({self.steps_per_epoch} per epoch, "
+                      f"{self.warmup_steps} warm-up"
                       + (f", {self.stage1_steps} heads-only" if self.stage1_steps else "") + ")"),
             ("head vocabulary", self.head_vocab),
         ]

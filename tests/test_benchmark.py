@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from medusa_infer.checkpoint import model_card
 from medusa_infer.cpu_kernels import kernel_plans, use_cpu_kernels
 from medusa_infer.trees import expected_accept_length, greedy_tree
 from medusa_infer.model import MedusaModel
@@ -123,8 +124,15 @@ def test_report_names_the_linear_kernels_each_weight_shape_took(model):
 def test_calibration_measures_accuracy_and_cost_and_fits_a_tree(model):
     model.config.head_accuracies = heldout = [[0.5] * model.config.top_k] * 4  # as training leaves them
     model.config.path_accuracies = heldout_paths = [[[0], 0.5], [[0, 0], 0.5]]
+    model.config.acceptance = {"expected_tokens_per_step_fitted_tree": 1.75, "heldout_positions": [9, 8, 7, 6]}
     result = calibrate(model, QUESTIONS[:2], args())
     config = model.config
+    # the training tree's expectation goes with that tree; the held-out counts stay beside training's accuracies
+    assert "expected_tokens_per_step_fitted_tree" not in config.acceptance
+    assert config.acceptance["heldout_positions"] == [9, 8, 7, 6]
+    card = model_card(config)
+    assert "## Head accuracy on held-out data at the end of training" in card and "| 1 | 0.500 |" in card
+    assert "## Measured head accuracy (greedy answers to 2 questions from q.jsonl)" in card
     assert config.training["heldout_head_accuracies"] == heldout and config.head_accuracies != heldout
     assert config.training["heldout_path_accuracies"] == heldout_paths and config.path_accuracies != heldout_paths
     assert config.acceptance["head_accuracies_measured_on"] == "greedy answers to 2 questions from q.jsonl"
