@@ -39,6 +39,7 @@ different numbers of rows). ``restore_linear`` undoes the switch.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 import json
 import logging
@@ -49,7 +50,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -406,23 +407,42 @@ def read_plan_cache(path: str | Path) -> dict[str, KernelPlan]:
 def write_plan_cache(path: str | Path, plans: dict[str, KernelPlan]) -> None:
     """Add ``plans`` to the cache file (written whole, readable by all as the rest of the cache, then
     renamed into place, so a reader never sees half a file); a cache that cannot be written is skipped
-    with a warning. Two processes writing at once can lose one's plans, which are then measured again."""
+    with a warning. Writers take turns (a lock file beside the cache, where the platform has ``fcntl``),
+    so processes loading models at once, as a multi-process launch does, all keep their plans."""
     path = Path(path)
-    merged = {**read_plan_cache(path), **plans}
     temporary = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(handle, "w") as out:
-            json.dump({key: plan.to_dict() for key, plan in merged.items()}, out, indent=1)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(temporary, 0o666 & ~umask)
-        os.replace(temporary, path)
+        with _exclusive(path.with_name(f".{path.name}.lock")):
+            merged = {**read_plan_cache(path), **plans}
+            handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            with os.fdopen(handle, "w") as out:
+                json.dump({key: plan.to_dict() for key, plan in merged.items()}, out, indent=1)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(temporary, 0o666 & ~umask)
+            os.replace(temporary, path)
     except OSError as err:
         logger.warning("could not write the kernel plan cache %s (%s)", path, err)
         if temporary is not None:
             Path(temporary).unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _exclusive(lock: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the file ``lock`` (created if missing) for the block; without
+    ``fcntl`` (Windows), no lock."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(lock, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def restore_linear(model: nn.Module) -> int:

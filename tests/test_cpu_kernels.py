@@ -25,6 +25,7 @@ from medusa_infer.cpu_kernels import (
     read_plan_cache,
     restore_linear,
     use_cpu_kernels,
+    write_plan_cache,
 )
 from medusa_infer.decoding import generate
 from medusa_infer.model import MedusaModel
@@ -256,3 +257,22 @@ def test_heads_take_the_base_models_kernels_and_give_the_same_logits(projection,
     assert set(kernel_plans(model.heads).values()) == {KernelPlan.uniform("onednn")}
     with torch.no_grad():
         torch.testing.assert_close(model.head_logits(hidden, following), expected, atol=1e-4, rtol=1e-4)
+
+
+def _write_plans(path: str, prefix: str, count: int) -> None:
+    for i in range(count):
+        write_plan_cache(path, {f"{prefix}{i}": KernelPlan.uniform("onednn")})
+
+
+def test_processes_writing_the_plan_cache_at_once_keep_every_plan(tmp_path):
+    import multiprocessing
+
+    cache = tmp_path / "plans.json"
+    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    writers = [context.Process(target=_write_plans, args=(str(cache), prefix, 40)) for prefix in ("a", "b", "c")]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(60)
+    assert [writer.exitcode for writer in writers] == [0, 0, 0]
+    assert sorted(read_plan_cache(cache)) == sorted(f"{p}{i}" for p in "abc" for i in range(40))
