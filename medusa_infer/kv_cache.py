@@ -41,7 +41,9 @@ class AttentionLayout:
         if layer_types and "sliding_attention" in layer_types:
             types = dict.fromkeys(layer_types)
             return cls({t: (window if t == "sliding_attention" else None) for t in types}, as_dict=True)
-        if getattr(config, "use_sliding_window", True) is False:
+        if layer_types or getattr(config, "use_sliding_window", True) is False:
+            # layer types that name no sliding layer decide (a Qwen config with use_sliding_window and
+            # max_window_layers >= num_hidden_layers keeps a sliding_window no layer uses)
             window = None
         return cls({"full_attention": window}, as_dict=False)
 

@@ -243,6 +243,25 @@ def test_sliding_window_models_stay_exact_past_the_window(arch):
     assert out.new_tokens == futures[1:]
 
 
+@pytest.mark.parametrize("types", [["full_attention"] * 2, ["sliding_attention", "full_attention"]],
+                         ids=["all-full", "mixed"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_layers_keep_the_attention_their_layer_types_name_past_the_window(arch, types):
+    # Qwen configs with use_sliding_window and max_window_layers >= num_hidden_layers: every layer is
+    # full attention, while the config still holds a sliding_window that no layer uses
+    base = sliding_window_base(arch, 6, layer_types=types)
+    layout = AttentionLayout.from_config(base.config)
+    assert set(layout.windows.values()) == ({None, 6} if "sliding_attention" in types else {None})
+    model = MedusaModel.from_base(base, num_heads=4)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 10)]
+    futures = [reference(model, p, 16) for p in prompts]
+    ids, mask = left_pad(prompts)
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=16, eos_token_id=NO_EOS,
+                   proposer=OracleProposer(futures, TREE_PRESETS["tree-8"], seed=1))
+    assert out.new_tokens == futures
+    assert generate(model, prompts[1][None], max_new_tokens=16, eos_token_id=NO_EOS).new_tokens == futures[1:]
+
+
 @pytest.mark.parametrize("arch", ["gemma3_text", "mistral"])
 def test_plain_steps_stay_exact_across_the_window_after_a_row_leaves(arch):
     model = MedusaModel.without_heads(sliding_window_base(arch, 8, attn_implementation="sdpa"))

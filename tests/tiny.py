@@ -55,13 +55,18 @@ def tiny_model(
     return model.eval()
 
 
-def sliding_window_base(arch: str, window: int, attn_implementation: str = "eager") -> PreTrainedModel:
+def sliding_window_base(arch: str, window: int, attn_implementation: str = "eager",
+                        layer_types: list[str] | None = None) -> PreTrainedModel:
     """A tiny random ``arch`` model whose sliding-window layers see ``window`` positions
-    (gemma3_text: one sliding layer, one full)."""
+    (gemma3_text: one sliding layer, one full; qwen2, qwen3: ``use_sliding_window`` with ``layer_types``,
+    as their configs derive them from ``max_window_layers``)."""
     config = tiny_config(arch)
     config.sliding_window = window
     if arch == "gemma3_text":
-        config.layer_types = ["sliding_attention", "full_attention"]
+        config.layer_types = layer_types or ["sliding_attention", "full_attention"]
+    elif arch in ("qwen2", "qwen3"):
+        config.use_sliding_window = True
+        config.layer_types = layer_types or ["sliding_attention"] * config.num_hidden_layers
     torch.manual_seed(0)
     config.initializer_range = 0.2
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).eval()
