@@ -106,7 +106,7 @@ class StopConfig:
     """When a row stops: any of ``eos_token_ids``, a stop string, ``max_new_tokens``.
 
     ``stop_strings`` may be one string (as Hugging Face's ``generate`` takes it) or several; it is
-    kept as a tuple. An empty stop string, which every text contains, is a ``ValueError``.
+    kept as a tuple, and matched in the row's generated text (not in its prompt). An empty stop string, which every text contains, is a ``ValueError``.
     """
 
     max_new_tokens: int = 128
@@ -603,7 +603,9 @@ def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> Generati
             none is passed; with one passed in, or on a model without heads, giving any of them is
             a ``ValueError``.
         eos_token_id: one id or several; default: all of the model's EOS ids.
-        stop_strings: stop a row once its text contains one of these (one string: that string).
+        stop_strings: stop a row once its generated text contains one of these (one string: that
+            string). Matched in the generated text alone, as OpenAI's ``stop`` is: a string that
+            begins in the prompt does not stop the row (Hugging Face's ``stop_strings`` would).
         seed: seed for sampling.
         streamer: an object with ``put(token_ids)`` / ``end()`` (e.g. transformers'
             ``TextStreamer``); batch size 1. The prompt is put first, as transformers does.
