@@ -101,6 +101,22 @@ class SamplingConfig:
         )
 
 
+TEXT_CONTEXT_TOKENS = 6
+"""Prompt tokens decoded before a generation's first tokens so that their text comes out as it reads
+after the prompt (a SentencePiece tokenizer drops the leading space of a text's first word)."""
+
+
+def generated_text_tail(tokenizer: Any, history: Sequence[int], prompt_length: int, window: int) -> str:
+    """The text of (up to) the last ``window`` generated tokens of ``history`` (prompt, then generated
+    tokens), special tokens left out, as it reads after what precedes it: the text a client is sent,
+    where stop strings are looked for. Text of the prompt itself is never part of it."""
+    start = max(prompt_length, len(history) - window)
+    context = list(history[max(0, start - TEXT_CONTEXT_TOKENS) : start])
+    before = tokenizer.decode(context, skip_special_tokens=True) if context else ""
+    text = tokenizer.decode(context + list(history[start:]), skip_special_tokens=True)
+    return text[len(before):] if text.startswith(before) else text
+
+
 @dataclass
 class StopConfig:
     """When a row stops: any of ``eos_token_ids``, a stop string, ``max_new_tokens``.
@@ -333,7 +349,8 @@ class DecodeBatch:
             return "eos"
         if stop.stop_strings:
             window = 8 + max(len(text) for text in stop.stop_strings)  # a token holds >= 1 character
-            tail = self.tokenizer.decode((self.generated[row] + kept)[-window:])
+            history = self.histories[row] + kept
+            tail = generated_text_tail(self.tokenizer, history, self.prompt_lengths[row], window)
             if any(s in tail for s in stop.stop_strings):
                 return "stop"
         if len(self.generated[row]) + len(kept) >= stop.max_new_tokens:

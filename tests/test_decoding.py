@@ -627,3 +627,26 @@ def test_a_fitted_tree_is_greedy_tree_on_the_heads_own_accuracies():
     prompt = torch.tensor([5, 17, 33])
     out = generate(model, prompt[None], max_new_tokens=6, eos_token_id=NO_EOS, tree="fitted-3", adaptive=False)
     assert out.new_tokens[0] == reference(model, prompt, 6)
+
+
+def test_stop_strings_are_looked_for_in_the_text_as_it_reads_after_the_prompt():
+    from medusa_infer.decoding import generated_text_tail
+    from tiny import metaspace_tokenizer
+
+    tokenizer = metaspace_tokenizer()
+    prompt = tokenizer("the cat sat on the mat")["input_ids"]
+    new = tokenizer("snow door road", add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(new) == "snow door road"  # alone, the first word loses its space
+    history = prompt + new[:1] + [tokenizer.eos_token_id] + new[1:]
+    # read after the prompt, with the end-of-text token left out as the client's text leaves it out
+    assert generated_text_tail(tokenizer, history, len(prompt), window=20) == " snow door road"
+    assert generated_text_tail(tokenizer, history, len(prompt), window=2) == " door road"
+    assert generated_text_tail(tokenizer, prompt, len(prompt), window=20) == ""  # the prompt's text is not looked in
+    torch.manual_seed(0)
+    model = MedusaModel.from_base(tiny_model("llama", vocab_size=len(tokenizer)), num_heads=2, tokenizer=tokenizer)
+    ids = torch.tensor([prompt])
+    free = generate(model, ids, max_new_tokens=6, eos_token_id=[])
+    first = tokenizer.convert_ids_to_tokens(free.new_tokens[0][:2])
+    stop = " " + first[0][1:] + " " + first[1][1:]  # the first two words, as they read after the prompt
+    out = generate(model, ids, max_new_tokens=6, eos_token_id=[], stop_strings=stop, tokenizer=tokenizer)
+    assert out.new_tokens[0] == free.new_tokens[0][:2] and out.finish_reasons == ["stop"]

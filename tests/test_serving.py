@@ -59,12 +59,21 @@ def test_models_list(client, model):
         client.models.retrieve("gpt-17")
 
 
+def read_on(tokenizer, sequence, prompt_length: int) -> str:
+    """The text a completion of ``sequence[:prompt_length]`` should carry: what the prompt's text needs
+    to become the whole sequence's text (a leading space included where the tokenizer has one)."""
+    prompt = tokenizer.decode(sequence[:prompt_length], skip_special_tokens=True)
+    whole = tokenizer.decode(sequence, skip_special_tokens=True)
+    assert whole.startswith(prompt)
+    return whole[len(prompt):]
+
+
 def test_greedy_completion_equals_library_generate(client, model):
     tokenizer = model.tokenizer
     answer = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, extra_body=NO_EOS)
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
     expected = generate(model, ids, max_new_tokens=12, eos_token_id=[])
-    assert answer.choices[0].text == tokenizer.decode(expected.new_tokens[0], skip_special_tokens=True)
+    assert answer.choices[0].text == read_on(tokenizer, expected.sequences[0], ids.shape[1])
     assert answer.choices[0].finish_reason == "length"
     assert answer.object == "text_completion" and answer.id.startswith("cmpl-")
 
@@ -85,7 +94,7 @@ def test_requests_decoded_alone_share_the_engines_learned_step_costs():
                                                extra_body=NO_EOS)
             ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
             expected = generate(calibrated, ids, max_new_tokens=40, eos_token_id=[])
-            assert answer.choices[0].text == tokenizer.decode(expected.new_tokens[0], skip_special_tokens=True)
+            assert answer.choices[0].text == read_on(tokenizer, expected.sequences[0], ids.shape[1])
     summary = engine.step_costs.summary()
     assert sum(pair["samples"] for pair in summary.values()) >= 3  # a neighbouring tree every 8 steps
     # a seeded sampled request's trees must not depend on the clock: its batch learns nothing
@@ -370,3 +379,25 @@ def test_warm_up_packs_every_layer_before_the_first_request():
     args.draft_model = draft  # as load_model leaves it
     cli.warm_up(model, "draft", args)
     assert all(m.__dict__.get("_kernel_cache") for m in draft.base_model.modules() if isinstance(m, CPULinear))
+
+
+def test_completions_read_on_from_the_prompt_with_a_sentencepiece_style_tokenizer():
+    from tiny import metaspace_tokenizer, tiny_model
+
+    tokenizer = metaspace_tokenizer()
+    with torch_threads(1):
+        model = MedusaModel.from_base(tiny_model("llama", vocab_size=len(tokenizer)), num_heads=2, tokenizer=tokenizer)
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    expected = generate(model, ids, max_new_tokens=5, eos_token_id=[])
+    words = tokenizer.convert_ids_to_tokens(expected.new_tokens[0])
+    with serve(model, "medusa") as (server, engine), \
+            openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        answer = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0, extra_body=NO_EOS)
+        text = answer.choices[0].text
+        assert text == read_on(tokenizer, expected.sequences[0], ids.shape[1]) and text.startswith(" ")
+        # a stop string as the text reads (its leading space included) is found, by the engine too
+        stop = " " + words[1][1:]
+        answer = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0, stop=stop,
+                                           extra_body=NO_EOS)
+        assert answer.choices[0].text == " " + words[0][1:] and answer.choices[0].finish_reason == "stop"
+        assert answer.usage.completion_tokens == 2  # the engine stopped at the stop string's token

@@ -85,3 +85,23 @@ def word_medusa(seed: int = 0):
     for p in model.heads.parameters():
         torch.nn.init.normal_(p, std=0.3)
     return model
+
+
+def metaspace_tokenizer():
+    """The serving tests' words as a SentencePiece-style tokenizer (``▁`` marks a word's leading space,
+    which decoding drops from a text's first word, as Llama's and Mistral's tokenizers do); with the
+    serving tests' chat template, built offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from medusa_infer.serving.testing import CHAT_TEMPLATE, SPECIAL, WORDS
+
+    vocab = {token: i for i, token in enumerate((*SPECIAL, *("▁" + word for word in WORDS)))}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True)
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                        pad_token="<pad>", unk_token="<unk>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.padding_side = "left"
+    return tokenizer

@@ -21,13 +21,13 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from medusa_infer.decoding import SamplingConfig, StopConfig
+from medusa_infer.decoding import TEXT_CONTEXT_TOKENS, SamplingConfig, StopConfig
 from medusa_infer.serving import protocol
 from medusa_infer.serving.protocol import APIError, GenerationParams, ModelInfo, Speculation
 from medusa_infer.serving.scheduler import ABORT_REASONS, Engine, EngineStopped, QueueFull, Update
@@ -174,7 +174,7 @@ class _Answer:
         self.engine, self.job, self.params, self.model = engine, job, params, model
         self.updates = updates
         self.deadline = job.arrival + timeout + TIMEOUT_GRACE_S if timeout else None
-        self.text = TextAssembler(model.tokenizer, params.stop)
+        self.text = TextAssembler(model.tokenizer, params.stop, params.prompt_ids)
         self.speculation = Speculation(method)
         self.id, self.created = protocol.new_id(params.kind), protocol.now()
         self.completion_tokens = 0
@@ -204,6 +204,11 @@ class _Answer:
         if self.text.stopped and not self.job.done:
             self.engine.cancel(self.job, "stop")
 
+    def _finish_reason(self, update: Update) -> str:
+        """OpenAI's finish reason: "stop" whenever the text was cut at a stop string, even where the
+        engine ended the row for another reason at the same step (the limit, an end-of-text token)."""
+        return "stop" if self.text.stopped else protocol.FINISH_REASONS[update.finish]
+
     def _usage(self) -> dict[str, Any]:
         return protocol.usage(len(self.params.prompt_ids), self.completion_tokens, self.speculation)
 
@@ -225,7 +230,7 @@ class _Answer:
         if update.finish in ABORT_REASONS:
             raise _abort_error(update)
         body = protocol.response_body(self.params.kind, self.id, self.model.name, self.created, text,
-                                      protocol.FINISH_REASONS[update.finish], self._usage())
+                                      self._finish_reason(update), self._usage())
         return JSONResponse(body)
 
     async def events(self) -> AsyncIterator[str]:
@@ -253,7 +258,7 @@ class _Answer:
                 yield _sse(_abort_error(update).body())
                 break
             if update.finish is not None:
-                yield chunk(None, protocol.FINISH_REASONS[update.finish])
+                yield chunk(None, self._finish_reason(update))
                 if with_usage:
                     yield _sse(protocol.usage_chunk(kind, self.id, name, self.created, self._usage()))
                 break
@@ -266,10 +271,13 @@ class TextAssembler:
     request ends, text that may be the start of a stop string or of a multi-byte character is
     held back, so a stream never shows what the final text will not contain."""
 
-    def __init__(self, tokenizer: Any, stops: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer: Any, stops: tuple[str, ...] = (), context: Sequence[int] = ()) -> None:
+        """``context``: the prompt's token ids; its last few are decoded before the first new token, so
+        the text starts as it reads after the prompt (with the leading space a SentencePiece
+        tokenizer drops from a text's first word), and are never part of the text."""
         self.tokenizer, self.stops = tokenizer, stops
-        self.tokens: list[int] = []
-        self.prefix_offset = self.read_offset = 0
+        self.tokens: list[int] = list(context[len(context) - TEXT_CONTEXT_TOKENS:]) if context else []
+        self.prefix_offset, self.read_offset = 0, len(self.tokens)
         self.text = ""  # decoded so far
         self.sent = 0  # characters of ``text`` handed out
         self.stopped = False
