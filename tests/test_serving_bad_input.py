@@ -66,6 +66,18 @@ CASES = [
     ("stop string too long", "/v1/completions", completion(stop="x" * 10_000), 400, "stop"),
     ("negative seed", "/v1/completions", completion(seed=-1), 400, "seed"),
     ("log-probabilities asked for", "/v1/completions", completion(logprobs=5), 400, "logprobs"),
+    ("the sampled token's log-probability asked for", "/v1/completions", completion(logprobs=0), 400, "logprobs"),
+    ("chat log-probabilities as a count", "/v1/chat/completions", chat(logprobs=0), 400, "logprobs"),
+    ("bad max_tokens beside max_completion_tokens", "/v1/chat/completions",
+     chat(max_completion_tokens=5, max_tokens="lots"), 400, "max_tokens"),
+    ("negative max_tokens beside max_completion_tokens", "/v1/chat/completions",
+     chat(max_completion_tokens=3, max_tokens=-5), 400, "max_tokens"),
+    ("a message's name", "/v1/chat/completions", chat(messages=[{"role": "user", "content": "hi", "name": "Alice"}]),
+     400, "messages[0].name"),
+    ("an assistant message's tool calls", "/v1/chat/completions",
+     chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok", "tool_calls": [
+         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                    {"role": "user", "content": "and?"}]), 400, "messages[1].tool_calls"),
     ("stream_options without stream", "/v1/completions", completion(stream_options={"include_usage": True}), 400,
      "stream_options"),
     ("unknown acceptance rule", "/v1/completions", completion(temperature=0.5, acceptance="beam"), 400, "acceptance"),
@@ -197,6 +209,15 @@ def test_every_openai_parameter_at_its_default_is_accepted(server, path, body, o
     streamed = {**body, "stream": True, "stream_options": {"include_usage": False, "include_obfuscation": True}}
     with client.stream("POST", path, json=streamed) as answer:
         assert answer.status_code == 200 and "data: [DONE]" in answer.read().decode()
+
+
+def test_an_assistant_message_echoed_back_with_its_empty_fields_is_taken(server):
+    client, _ = server
+    echoed = {"role": "assistant", "content": "hi", "refusal": None, "tool_calls": None, "function_call": None,
+              "annotations": [], "audio": None}
+    answer = client.post("/v1/chat/completions", json=chat(messages=[
+        {"role": "user", "content": "hello"}, echoed, {"role": "user", "content": "again"}]))
+    assert answer.status_code == 200, answer.text
 
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])

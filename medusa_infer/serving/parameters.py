@@ -39,7 +39,7 @@ EXTENSIONS = ("top_k", "ignore_eos", "acceptance")
 
 # OpenAI parameters the server does not implement, and the values that mean "not used" (the only ones accepted).
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0),
+    "logprobs": (None, False),  # chat's boolean; the completions endpoint's integer: see NEUTRAL_FOR
     "top_logprobs": (None, 0),
     "echo": (None, False),
     "best_of": (None, 1),
@@ -74,6 +74,10 @@ IGNORED: dict[str, type] = {
     "metadata": dict,
     "parallel_tool_calls": bool,
 }
+
+# Per endpoint: /v1/completions' ``logprobs`` is a count of alternatives, where 0 still asks for the
+# sampled token's log-probability, so only its absence means "not used" there.
+NEUTRAL_FOR = {"completion": {**NEUTRAL, "logprobs": (None,)}, "chat": NEUTRAL}
 
 ACCEPTED = {
     "completion": OPENAI_COMPLETION_PARAMETERS | frozenset(EXTENSIONS),

@@ -145,6 +145,8 @@ def parse_chat(body: dict[str, Any], model: ModelInfo) -> GenerationParams:
         raise invalid(f"the chat template refused these messages: {_short(error)}", "messages") from None
     prompt_ids = _tokenize(model, text, False, "messages")
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    if name == "max_completion_tokens":  # the older name, sent too, is checked as when sent alone
+        _integer(body, "max_tokens", None, 1, None)
     return _params("chat", body, model, prompt_ids, name, None)
 
 
@@ -181,7 +183,7 @@ def _check_parameters(body: dict[str, Any], kind: str) -> None:
         raise invalid(f"{_clip(key)} is not a parameter of {parameters.ENDPOINTS[kind]}{hint}{more}; this server "
                       f"takes {taken}, and OpenAI's other parameters only at their defaults", _clip(key),
                       "unsupported_parameter")
-    for param, neutral in parameters.NEUTRAL.items():
+    for param, neutral in parameters.NEUTRAL_FOR[kind].items():
         if param in body and not parameters.is_neutral(body[param], neutral):
             allowed = " or ".join(json.dumps(v) for v in neutral if v is not None)
             raise invalid(f"{param}={_clip(json.dumps(body[param]))} is not supported by this server; leave it out"
@@ -274,6 +276,11 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
         if role not in CHAT_ROLES:
             raise invalid(f"{param}.role must be one of {', '.join(CHAT_ROLES)}; got {_clip(repr(role))}",
                           f"{param}.role")
+        for key, value in message.items():  # fields a client echoes back from a response may be null
+            if key not in ("role", "content") and value not in (None, [], {}):
+                raise invalid(f"{param}.{_clip(key, 40)} is not supported by this server (only a message's role "
+                              "and content reach the chat template); leave it out", f"{param}.{_clip(key, 40)}",
+                              "unsupported_parameter")
         content = _content(message.get("content"), f"{param}.content")
         out.append({"role": "system" if role == "developer" else role, "content": content})
     return out
