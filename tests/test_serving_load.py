@@ -187,3 +187,37 @@ def _stopped_after_first_token(model, engine):
 
 def _metrics(server) -> str:
     return httpx.get(server.base_url + "/metrics", timeout=10).text
+
+
+@pytest.mark.parametrize("budget, groups", [(2048, [3]), (20, [2, 1]), (5, [1, 1, 1])])
+def test_a_burst_of_prompts_is_prefilled_within_the_token_budget_a_turn(model, monkeypatch, budget, groups):
+    from medusa_infer.decoding import SamplingConfig, StopConfig
+    from medusa_infer.serving.scheduler import Engine, Request
+
+    tokenizer = model.tokenizer
+    engine = Engine(model, tokenizer, "medusa", max_prefill_tokens=budget)
+    prefills: list[int] = []
+    start_batch = engine._start_batch
+    monkeypatch.setattr(engine, "_start_batch", lambda key, requests: (prefills.append(len(requests)),
+                                                                      start_batch(key, requests)))
+    texts, finished = {}, []
+
+    def on_update(i):
+        def update(u):
+            texts.setdefault(i, []).extend(u.token_ids)
+            if u.finish is not None:
+                finished.append(i)
+        return update
+
+    engine.start()
+    try:
+        with engine.hold():  # all three wait together, 9 prompt tokens each
+            for i, text in enumerate(prompts(3)):
+                ids = tokenizer(" ".join((text + " the the the the the the the the the").split()[:9]))["input_ids"]
+                assert len(ids) == 9
+                engine.submit(Request(ids, SamplingConfig("greedy"), StopConfig(max_new_tokens=5), on_update(i)))
+        wait_until(lambda: len(finished) == 3, timeout=60)
+    finally:
+        engine.stop()
+    assert prefills == groups  # a prompt longer than the budget still goes, alone
+    assert all(len(tokens) == 5 for tokens in texts.values())

@@ -44,6 +44,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV})")
     parser.add_argument("--max-batch", type=int, default=16, help="rows decoded at once, all batches together")
     parser.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get HTTP 503")
+    parser.add_argument("--max-prefill-tokens", type=int, default=2048,
+                        help="prompt tokens prefilled between two decoding steps at most (a longer prompt alone), "
+                             "so a burst of long prompts does not stall running streams (default 2048)")
     parser.add_argument("--request-timeout", type=float, default=120.0,
                         help="seconds a request may take, queued and decoding (0: no limit)")
     parser.add_argument("--acceptance", choices=("lossless", "typical"), default="lossless",
@@ -76,6 +79,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--trust-remote-code applies to --model: name the base model with --model")
     if args.max_batch < 1 or args.max_queue < 1:
         parser.error(f"--max-batch and --max-queue must be >= 1, got {args.max_batch} and {args.max_queue}")
+    if args.max_prefill_tokens < 1:
+        parser.error(f"--max-prefill-tokens must be >= 1, got {args.max_prefill_tokens}")
     if not 0 < args.port < 65536:
         parser.error(f"--port must be in 1..65535, got {args.port}")
     if args.threads is not None and args.threads < 1:
@@ -133,8 +138,8 @@ def served_name(args: argparse.Namespace, model) -> str:
 
 
 def build_app(model, name: str, method: str, *, options: Any = None, api_key: str | None = None,
-              max_batch: int = 16, max_queue: int = 64, request_timeout: float | None = 120.0,
-              acceptance: str = "lossless", speculation_gate: bool = True):
+              max_batch: int = 16, max_queue: int = 64, max_prefill_tokens: int = 2048,
+              request_timeout: float | None = 120.0, acceptance: str = "lossless", speculation_gate: bool = True):
     """The FastAPI app and its engine for a loaded ``model`` (tests use it with tiny models).
 
     Args:
@@ -152,7 +157,8 @@ def build_app(model, name: str, method: str, *, options: Any = None, api_key: st
 
     tokenizer = model.tokenizer
     engine = Engine(model, tokenizer, method, options, max_batch=max_batch, max_queue=max_queue,
-                    metrics=ServingMetrics(name), gate=None if speculation_gate else False)
+                    max_prefill_tokens=max_prefill_tokens, metrics=ServingMetrics(name),
+                    gate=None if speculation_gate else False)
     info = ModelInfo(name, tokenizer, context_length(model), model.lm_head.weight.shape[0])
     settings = ServerSettings(method, _eos_ids(model, tokenizer, None), api_key, request_timeout or None, acceptance)
     return create_app(engine, info, settings), engine
@@ -182,7 +188,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     warm_up(model, args.method, args)
     name = served_name(args, model)
     app, _ = build_app(model, name, args.method, options=args, api_key=args.api_key, max_batch=args.max_batch,
-                       max_queue=args.max_queue, request_timeout=args.request_timeout, acceptance=args.acceptance,
+                       max_queue=args.max_queue, max_prefill_tokens=args.max_prefill_tokens,
+                       request_timeout=args.request_timeout, acceptance=args.acceptance,
                        speculation_gate=args.speculation_gate == "measured")
     log.info("serving %s with %s on http://%s:%d/v1", name, args.method, args.host, args.port)
     limit = 2 * (args.max_batch + args.max_queue) + 32  # open connections; beyond them uvicorn answers 503

@@ -3,9 +3,10 @@
 Each turn of the engine loop::
 
     apply cancellations and timeouts      # rows leave their batch (DecodeBatch.cancel)
-    admit queued requests                 # up to max_batch rows in all; those with equal sampling
-                                          # settings are prefilled together, then merged into a
-                                          # running batch of the same settings if the proposer can
+    admit queued requests                 # up to max_batch rows in all and max_prefill_tokens of
+                                          # prompt a turn (at least one request); those with equal
+                                          # sampling settings are prefilled together, then merged
+                                          # into a running batch of the same settings if it can
     step every running batch once         # each row's new tokens go to its request's callback;
                                           # speculative or plain, whichever the SpeculationGate
                                           # measures faster at that batch size
@@ -141,6 +142,10 @@ class Engine:
         options: the method's settings (see ``build_proposer``).
         max_batch: at most this many rows are decoded at once, all batches together.
         max_queue: at most this many requests wait; ``submit`` raises ``QueueFull`` beyond.
+        max_prefill_tokens: prompt tokens a turn prefills at most (a longer prompt alone): a burst of
+            long prompts is prefilled over several turns, each followed by a step of the running
+            batches and by the cancellations and timeouts that came in, instead of in one long turn
+            that stalls every stream.
         metrics: where counters go (a fresh ``ServingMetrics`` by default).
         gate: decides, per step and batch size, whether to speculate, from the step times it
             measures and what speculative steps yield (``speculation_gate.SpeculationGate``). Default: a
@@ -157,10 +162,13 @@ class Engine:
     """
 
     def __init__(self, model, tokenizer, method: str = "autoregressive", options: Any = None, *,
-                 max_batch: int = 16, max_queue: int = 64, metrics: ServingMetrics | None = None,
-                 gate: SpeculationGate | bool | None = None) -> None:
+                 max_batch: int = 16, max_queue: int = 64, max_prefill_tokens: int = 2048,
+                 metrics: ServingMetrics | None = None, gate: SpeculationGate | bool | None = None) -> None:
         if max_batch < 1 or max_queue < 1:  # every request passes through the queue
             raise ValueError(f"need max_batch >= 1 and max_queue >= 1, got {max_batch} and {max_queue}")
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+        self.max_prefill_tokens = max_prefill_tokens
         self.step_costs: StepCosts | None = None
         self._seeded_options = options
         if method == "medusa":
@@ -307,8 +315,14 @@ class Engine:
 
     def _admit(self) -> None:
         room = self.max_batch - sum(len(r.batch.rows) for r in self._batches)
+        admitted: list[Request] = []
+        tokens = 0
         with self._lock:
-            admitted = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+            while self._waiting and len(admitted) < room:
+                tokens += len(self._waiting[0].prompt_ids)
+                if admitted and tokens > self.max_prefill_tokens:
+                    break
+                admitted.append(self._waiting.popleft())
             self.metrics.waiting.set(len(self._waiting))
         groups: dict[Hashable, list[Request]] = {}
         for request in admitted:
