@@ -230,15 +230,20 @@ def test_tree_forward_matches_sequential_paths(arch):
 
 @pytest.mark.parametrize("arch", ["gemma3_text", "mistral"])
 def test_sliding_window_models_stay_exact_past_the_window(arch):
-    model = MedusaModel.from_base(sliding_window_base(arch, 6), num_heads=4)
+    assert_exact_past_the_window(MedusaModel.from_base(sliding_window_base(arch, 6), num_heads=4), 24)
+
+
+def assert_exact_past_the_window(model: MedusaModel, new_tokens: int) -> None:
+    """Tree steps (an oracle's drafts) over a padded batch of a 3- and a 10-token prompt, and the longer
+    prompt alone, give Hugging Face's greedy tokens well past a 6-token window."""
     prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 10)]
-    futures = [reference(model, p, 24) for p in prompts]
+    futures = [reference(model, p, new_tokens) for p in prompts]
     ids, mask = left_pad(prompts)
-    out = generate(model, ids, attention_mask=mask, max_new_tokens=24, eos_token_id=NO_EOS,
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=NO_EOS,
                    proposer=OracleProposer(futures, TREE_PRESETS["tree-8"], seed=1))
     assert out.new_tokens == futures
     # one unpadded row: the prefill takes the model's own (sliding-window) masks, past the window
-    out = generate(model, prompts[1][None], max_new_tokens=24, eos_token_id=NO_EOS,
+    out = generate(model, prompts[1][None], max_new_tokens=new_tokens, eos_token_id=NO_EOS,
                    proposer=OracleProposer(futures[1:], TREE_PRESETS["tree-8"], seed=1))
     assert out.new_tokens == futures[1:]
 
@@ -252,14 +257,7 @@ def test_layers_keep_the_attention_their_layer_types_name_past_the_window(arch, 
     base = sliding_window_base(arch, 6, layer_types=types)
     layout = AttentionLayout.from_config(base.config)
     assert set(layout.windows.values()) == ({None, 6} if "sliding_attention" in types else {None})
-    model = MedusaModel.from_base(base, num_heads=4)
-    prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 10)]
-    futures = [reference(model, p, 16) for p in prompts]
-    ids, mask = left_pad(prompts)
-    out = generate(model, ids, attention_mask=mask, max_new_tokens=16, eos_token_id=NO_EOS,
-                   proposer=OracleProposer(futures, TREE_PRESETS["tree-8"], seed=1))
-    assert out.new_tokens == futures
-    assert generate(model, prompts[1][None], max_new_tokens=16, eos_token_id=NO_EOS).new_tokens == futures[1:]
+    assert_exact_past_the_window(MedusaModel.from_base(base, num_heads=4), 16)
 
 
 @pytest.mark.parametrize("arch", ["gemma3_text", "mistral"])
