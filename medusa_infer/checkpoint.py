@@ -19,6 +19,8 @@ from medusa_infer.config import MedusaConfig
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+FASTERDECODING_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+"""The weights files of the FasterDecoding/Medusa layout (``interop``), which a heads folder must not hold."""
 CARD_NAME = "README.md"
 ADAPTER_DIR = "adapter"
 """Sub-folder of a heads folder holding the Medusa-2 LoRA adapter, as peft saves it."""
@@ -40,6 +42,10 @@ def save_heads(
         base_model_id: Hub id for the card's ``base_model`` field (defaults to the config's).
     """
     directory = Path(directory)
+    held = [name for name in FASTERDECODING_WEIGHTS if (directory / name).exists()]
+    if held:
+        raise ValueError(f"{directory} holds heads in the FasterDecoding layout ({held[0]}); saving here would replace "
+                         "their config.json: save into another folder")
     directory.mkdir(parents=True, exist_ok=True)
     config.save(directory / CONFIG_NAME)
     tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in state_dict.items()}

@@ -35,13 +35,13 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from medusa_infer.checkpoint import IMPORTED_FROM, check_state_dict
+from medusa_infer.checkpoint import FASTERDECODING_WEIGHTS, IMPORTED_FROM, check_state_dict
+from medusa_infer.checkpoint import WEIGHTS_NAME as OUR_WEIGHTS_NAME
 from medusa_infer.config import MedusaConfig
 from medusa_infer.heads import MedusaHeads
 
 CONFIG_NAME = "config.json"
-SAFETENSORS_NAME = "medusa_lm_head.safetensors"
-PT_NAME = "medusa_lm_head.pt"
+SAFETENSORS_NAME, PT_NAME = FASTERDECODING_WEIGHTS
 WEIGHTS_NAMES = {"safetensors": SAFETENSORS_NAME, "pt": PT_NAME}
 BASE_MODEL_KEY = "medusa_forge_base_model"
 """``config.json`` key naming the base model as medusa-forge loads it, where that differs from the Hub id."""
@@ -154,6 +154,7 @@ def write_medusa_layout(
     lm_head_weight: torch.Tensor | None = None,
     fmt: Literal["safetensors", "pt"] = "safetensors",
     version: Literal["1", "2"] | None = None,
+    lm_head_bias: torch.Tensor | None = None,
 ) -> Path:
     """Write heads as a FasterDecoding-layout folder (``config.json`` + ``medusa_lm_head.*``).
 
@@ -167,8 +168,11 @@ def write_medusa_layout(
             version 1 of ``shared`` heads, which stores a copy of it as every head's projection.
         fmt: ``"safetensors"`` (what TGI reads) or ``"pt"`` (the original trainer's format).
         version: ``"1"`` stores a projection per head (what TensorRT-LLM reads), ``"2"`` none (the
-            heads reuse the base ``lm_head``). Defaults to ``"1"`` for ``own`` heads and ``"2"``
-            for ``shared`` ones; ``own`` heads can only be written as version 1.
+            heads reuse the base ``lm_head``; TGI reads it with one block a head only, TensorRT-LLM
+            not at all). Defaults to ``"1"`` for ``own`` heads and ``"2"`` for ``shared`` ones;
+            ``own`` heads can only be written as version 1.
+        lm_head_bias: the base ``lm_head``'s bias, if it has one: version 1 of ``shared`` heads is
+            refused then (the layout's projections have no bias, so the copies would drop it).
 
     Returns:
         The folder. Tensors are written contiguous, in their own float dtype.
@@ -200,6 +204,11 @@ def write_medusa_layout(
     copies_lm_head = config.projection == "shared" and version == "1"
     if copies_lm_head and lm_head_weight is None:
         raise ValueError("version '1' of shared heads stores a copy of the base lm_head per head: pass lm_head_weight")
+    if copies_lm_head and lm_head_bias is not None and bool(lm_head_bias.any()):
+        raise ValueError(
+            "the base model's lm_head has a bias, which version '1' of shared heads would drop (the layout's "
+            "per-head projections have none): write version '2', whose readers use the base lm_head itself"
+        )
     if not copies_lm_head and lm_head_weight is not None:
         raise ValueError(
             f"lm_head_weight is only used for version '1' of shared heads, not for version {version!r} "
@@ -210,8 +219,9 @@ def write_medusa_layout(
         logger.warning(
             "writing %d residual blocks per head: FasterDecoding's own loader (medusa/model/medusa_model.py) "
             "builds a head's blocks as one shared module ([ResBlock] * n) and loads non-strictly, so it reads only "
-            "the last block without an error; readers that build distinct blocks (this package, vLLM) read them all",
-            config.num_layers,
+            "the last block without an error; this package, TGI and TensorRT-LLM read them all%s",
+            config.num_layers, "" if version == "1" else " in version '1' only (TGI reads version 2 with one block "
+            "a head, TensorRT-LLM reads no version 2): export with version='1'",
         )
     expected = _expected(config)
     check_state_dict(expected, state_dict, "the state dict to export")
@@ -226,6 +236,11 @@ def write_medusa_layout(
             tensors[f"{k}.{config.num_layers}.weight"] = _plain("lm_head_weight", lm_head_weight)
 
     path = Path(path)
+    if (path / OUR_WEIGHTS_NAME).exists():
+        raise ValueError(
+            f"{path} holds heads saved with save_pretrained ({OUR_WEIGHTS_NAME}); writing this layout there would "
+            "replace their config.json: export into another folder"
+        )
     path.mkdir(parents=True, exist_ok=True)
     for other in set(WEIGHTS_NAMES.values()) - {WEIGHTS_NAMES[fmt]}:
         if (path / other).exists():

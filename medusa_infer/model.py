@@ -272,9 +272,10 @@ class MedusaModel(nn.Module):
         Medusa-2 adapter is not written; those engines need the base model with it merged."""
         from medusa_infer.interop import write_medusa_layout
 
-        lm_weight = self.lm_head.weight if version == "1" and self.config.projection == "shared" else None
+        copies = version == "1" and self.config.projection == "shared"
+        lm_weight, lm_bias = (self.lm_head.weight, self.lm_head.bias) if copies else (None, None)
         out = write_medusa_layout(self.config, self.heads.state_dict(), directory, lm_head_weight=lm_weight,
-                                  fmt=fmt, version=version)
+                                  fmt=fmt, version=version, lm_head_bias=lm_bias)
         self._warn_heads_only(directory)  # once written: heads the layout cannot hold fail without it
         return out
 

@@ -349,6 +349,25 @@ def test_shared_heads_exported_as_version_1_give_the_same_logits(tmp_path):
     assert torch.equal(all_logits(loaded, ids)[1], all_logits(model, ids)[1])
 
 
+def test_version_1_of_shared_heads_refuses_a_base_lm_head_with_a_bias(tmp_path):
+    model = randomize(medusa(base_model("mistral"), "shared"))
+    model.lm_head.bias = torch.nn.Parameter(torch.randn(model.lm_head.weight.shape[0]))  # as Phi's lm_head has
+    with pytest.raises(ValueError, match="lm_head has a bias, which version '1' of shared heads would drop"):
+        model.export_medusa_layout(tmp_path / "v1", version="1")
+    model.export_medusa_layout(tmp_path / "v2")  # version 2's readers use the base lm_head, bias included
+
+
+def test_heads_folders_of_the_two_layouts_are_not_written_over(tmp_path):
+    model = medusa(base_model("llama"), "own")
+    model.save_pretrained(tmp_path / "ours")
+    with pytest.raises(ValueError, match="holds heads saved with save_pretrained"):
+        model.export_medusa_layout(tmp_path / "ours")
+    model.export_medusa_layout(tmp_path / "fd")
+    with pytest.raises(ValueError, match="holds heads in the FasterDecoding layout"):
+        model.save_pretrained(tmp_path / "fd")
+    assert MedusaModel.from_pretrained(tmp_path / "ours", base_model=model.base_model).config.tree == model.config.tree
+
+
 def test_export_defaults_to_the_projections_natural_version(tmp_path):
     for projection, version in (("shared", "2"), ("own", "1")):
         out = medusa(base_model("llama"), projection).export_medusa_layout(tmp_path / projection)
