@@ -62,7 +62,10 @@ def load_heads_state(directory: str | Path) -> tuple[MedusaConfig, dict[str, tor
     config_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
     for path in (config_path, weights_path):
         if not path.is_file():
-            raise ValueError(f"{path} is missing: {directory} is not a medusa-forge heads checkpoint")
+            held = [name for name in FASTERDECODING_WEIGHTS if (directory / name).is_file()]
+            layout = (f"; it holds {held[0]} of the FasterDecoding layout, whose config.json (medusa_num_heads, "
+                      "medusa_num_layers, base_model_name_or_path) is missing or lacks those keys") if held else ""
+            raise ValueError(f"{path} is missing: {directory} is not a medusa-forge heads checkpoint{layout}")
     try:
         config = MedusaConfig.load(config_path)
     except json.JSONDecodeError as err:

@@ -133,7 +133,9 @@ class MedusaConfig:
         if unknown:
             raise ValueError(
                 f"unknown keys {unknown} in a medusa-forge heads config; known keys: {sorted(known)}. "
-                "For a FasterDecoding/Medusa checkpoint use MedusaModel.from_pretrained (it reads that layout) or medusa_infer.interop.read_medusa_layout."
+                "Nor is it the FasterDecoding/Medusa layout (a config.json with medusa_num_heads and "
+                "medusa_num_layers, which MedusaModel.from_pretrained reads too); heads in another layout "
+                "(vLLM's, EAGLE's) need converting to one of the two."
             )
         version = data.get("format_version", FORMAT_VERSION)
         if version > FORMAT_VERSION:

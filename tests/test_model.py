@@ -539,6 +539,16 @@ def test_unknown_config_key_is_named(saved):
         MedusaModel.from_pretrained(directory, base_model=base)
 
 
+def test_a_fasterdecoding_weights_file_without_its_config_is_named(saved, tmp_path):
+    directory, base = saved
+    layout = tmp_path / "fd"
+    layout.mkdir()
+    (layout / "medusa_lm_head.safetensors").write_bytes((directory / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match=r"config\.json is missing.*holds medusa_lm_head\.safetensors of the "
+                                         r"FasterDecoding layout, whose config\.json"):
+        MedusaModel.from_pretrained(layout, base_model=base)
+
+
 def test_version_1_calibrated_accuracies_are_read_as_cumulative(saved):
     """Calibration under format 1 stored per-rank accuracies; training always stored cumulative."""
     directory, base = saved
