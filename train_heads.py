@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plan", action="store_true", help="print the plan and exit (loads no model)")
     parser.add_argument("--heldout-only", action="store_true",
                         help="print the trained heads' held-out accuracy and exit (reuses the run's data and "
-                             "features; writes nothing)")
+                             "features, extracting the held-out split's where missing; trains and saves nothing)")
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config, args.overrides)
@@ -411,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         parser.error(str(err))
     if args.plan:
-        print(layout.summary())
+        if int(os.environ.get("RANK", "0")) == 0:  # once, not once per process of a launch
+            print(layout.summary())
         return 0
 
     accelerator = make_accelerator(config)

@@ -44,8 +44,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="shortest n-gram --method lookup accepts as a match (longer: fewer, surer drafts)")
     parser.add_argument("--layerskip-layers", type=int, default=None,
                         help="target layers used as the draft by --method layerskip (default: a third)")
-    parser.add_argument("--tree", help="--method medusa only: a tree preset, or fitted-N for the N-node tree fitted to "
-                        "the heads' measured accuracies (default: the heads' own tree)")
+    add_tree_arguments(parser)
     parser.add_argument("--lookup-tokens", type=int, default=0,
                         help="--method medusa: also graft a prompt-lookup chain of up to N tokens onto the tree "
                              "(0: heads only; with a cost profile, the length that pays, up to 16)")
@@ -113,6 +112,16 @@ def load(args: argparse.Namespace):
     return MedusaModel.without_heads(args.model or DEFAULT_MODEL)
 
 
+def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--tree`` and ``--no-fallback`` (``--method medusa``), shared by ``medusa-generate`` and ``medusa-serve``."""
+    parser.add_argument("--tree", help="--method medusa only: a tree preset, or fitted-N for the N-node tree fitted to "
+                        "the heads' measured accuracies (default: the heads' own tree). With heads that carry a "
+                        "cost profile (calibrated) the adaptive fallback starts from it and shrinks it while "
+                        "smaller trees pay better; --no-fallback keeps it at every step")
+    parser.add_argument("--no-fallback", dest="adaptive", action="store_const", const=False, default=None,
+                        help="--method medusa only: keep the tree at every step (no adaptive fallback)")
+
+
 def check_method_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, heads_hint: str) -> None:
     """Settle ``args.method`` (medusa with ``--heads``, else autoregressive) and refuse, before any model
     loads, a method without what it needs and the proposer flags it would not use; shared by
@@ -129,6 +138,9 @@ def check_method_flags(parser: argparse.ArgumentParser, args: argparse.Namespace
     if args.tree and args.method != "medusa":
         parser.error(f"--tree shapes the Medusa heads' candidates (--method medusa), not --method {args.method}; "
                      "drop --tree")
+    if args.adaptive is False and args.method != "medusa":
+        parser.error(f"--no-fallback keeps the Medusa tree (--method medusa), not --method {args.method}; "
+                     "drop --no-fallback")
     for flag, value in (("--draft-tokens", args.draft_tokens), ("--layerskip-layers", args.layerskip_layers)):
         if value is not None and value < 1:
             parser.error(f"{flag} must be at least 1, got {value}; leave it out for the default")

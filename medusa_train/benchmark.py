@@ -15,7 +15,8 @@ in (its prefill plus the decoding steps while it was unfinished), so a batch tha
 still scores 1.0. TTFT is the batch's time to its first tokens and TPOT the time per token of one
 row (the batch's decoding seconds over a row's later tokens), as a user of one row would see them.
 ``hf-lookup`` and ``hf-assisted`` run at batch size 1 only (Hugging Face's assisted generation
-refuses larger batches). On CUDA every method first answers one short turn untimed (``warm_up``).
+refuses larger batches). Every method first answers one short turn untimed (``warm_up``): the first
+kernel passes (and on CUDA the kernels' set-up) would otherwise count against the first method.
 
 ``--time-budget S`` starts no new question once S seconds have passed since medusa-bench started
 (model loading and calibration included), and takes the questions round robin across categories,

@@ -609,7 +609,8 @@ class Plan:
             ("mode", f"{self.mode} on {self.num_processes} process(es)"),
             ("examples", f"{self.examples} ({self.train_examples} train, {self.heldout_examples} held out)"),
             ("train tokens", f"{'' if self.exact else '<= '}{self.est_train_tokens:,} assistant tokens"),
-            ("batch", f"{self.micro_batch} {self.unit} x {self.num_processes} process(es) x accumulation = "
+            ("batch", f"{self.micro_batch} {self.unit} x {self.num_processes} process(es) x "
+                      f"{self.global_batch // (self.micro_batch * self.num_processes)} accumulation = "
                       f"{self.global_batch} {self.unit} per step"),
             ("steps", f"{'' if self.exact else '<= '}{self.total_steps} ({self.steps_per_epoch} per epoch, "
                       f"{self.warmup_steps} warm-up"

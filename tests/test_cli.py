@@ -89,6 +89,26 @@ def test_a_medusa_turn_decodes_with_the_tree_given(monkeypatch, capsys):
     assert "[medusa]" in capsys.readouterr().err
 
 
+def test_no_fallback_keeps_the_tree_given_on_calibrated_heads(capsys):
+    import itertools
+
+    from medusa_infer.proposers import build_proposer
+    from medusa_infer.tree_fit import CostProfile
+    from medusa_infer.trees import REFERENCE_HEAD_ACCURACY
+    from tiny import word_medusa
+
+    model = word_medusa()  # calibrated: the fallback would shrink the tree given
+    model.config.head_accuracies = [list(itertools.accumulate(row)) for row in REFERENCE_HEAD_ACCURACY[:3]]
+    model.config.cost_profile = CostProfile([1, 2, 4, 8, 16], [1.0, 1.12, 1.36, 1.6, 2.2], "2-core cpu").to_dict()
+    adaptive = build_proposer("medusa", model, parse_args(["--heads", "h", "--tree", "tree-8", "hi"]))
+    fixed = build_proposer("medusa", model, parse_args(["--heads", "h", "--tree", "tree-8", "--no-fallback", "hi"]))
+    assert len(adaptive.trees) > 1 and adaptive.controller is not None
+    assert len(fixed.trees) == 1 and fixed.controller is None and len(fixed.trees[0].paths) == 8
+    with pytest.raises(SystemExit):
+        parse_args(["--no-fallback", "hi"])
+    assert "--no-fallback keeps the Medusa tree" in capsys.readouterr().err
+
+
 def test_errors_after_loading_are_reported_without_a_traceback(monkeypatch, capsys, tmp_path):
     """Heads that do not fit the model, and options the model refuses, end in ``error: ...`` and status 2."""
     import medusa_infer.cli as cli

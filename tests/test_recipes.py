@@ -374,3 +374,11 @@ def test_resume_fingerprint_covers_what_the_features_were_made_from():
     base = load_config(RECIPES / "smollm2-135m.yaml")
     for override in ("features.dtype=bfloat16", "features.from_distillation=false"):
         assert resume_fingerprint(load_config(RECIPES / "smollm2-135m.yaml", [override])) != resume_fingerprint(base)
+
+
+def test_plan_shows_the_accumulation_and_is_printed_once_per_launch(tmp_path, capsys, monkeypatch):
+    values = run_recipe(tmp_path)
+    out = plan_output(capsys, tmp_path, values, "training.grad_accum=3")
+    assert re.search(r"x 1 process\(es\) x 3 accumulation = ", out)
+    monkeypatch.setenv("RANK", "1")  # another process of an accelerate launch: the first one prints it
+    assert plan_output(capsys, tmp_path, values) == ""

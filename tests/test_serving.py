@@ -340,6 +340,19 @@ def test_cli_refuses_flags_the_method_cannot_use_before_loading(argv, message, c
     assert message in capsys.readouterr().err
 
 
+def test_cli_says_a_busy_port_before_loading(capsys, monkeypatch):
+    import socket
+
+    def no_loading(args):
+        raise AssertionError("a model was loaded for a port it cannot listen on")
+
+    monkeypatch.setattr(cli, "load_model", no_loading)
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert cli.main(["--method", "lookup", "--port", str(port)]) == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
 def test_cli_takes_the_flags_its_method_uses():
     args = cli.parse_args(["--method", "draft", "--draft-model", "small", "--draft-tokens", "3"])
     assert (args.method, args.draft_model, args.draft_tokens) == ("draft", "small", 3)

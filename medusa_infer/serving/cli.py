@@ -15,10 +15,11 @@ import argparse
 import ipaddress
 import logging
 import os
+import socket
 import sys
 from typing import Any, Sequence
 
-from medusa_infer.cli import check_method_flags
+from medusa_infer.cli import add_tree_arguments, check_method_flags
 from medusa_infer.proposers import METHODS
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -51,8 +52,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="seconds a request may take, queued and decoding (0: no limit)")
     parser.add_argument("--acceptance", choices=("lossless", "typical"), default="lossless",
                         help="acceptance rule of sampled requests (greedy requests are exact anyway)")
-    parser.add_argument("--tree", help="a tree preset, or fitted-N for the N-node tree fitted to the heads' measured "
-                                       "accuracies (default: the heads' own tree)")
+    add_tree_arguments(parser)
     parser.add_argument("--lookup-tokens", type=int, default=0,
                         help="--method medusa: also graft a prompt-lookup chain of up to N tokens onto the tree "
                              "(with heads that carry a cost profile, the length that pays, up to 16)")
@@ -176,6 +176,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not _is_loopback(args.host) and args.api_key is None:
         log.warning("listening on %s without --api-key: anyone who can reach this address can use the model",
                     args.host)
+    try:  # taken before the model loads, so a busy port is said at once (and not after minutes of loading)
+        listener = socket.create_server((args.host, args.port), family=socket.AF_INET6 if ":" in args.host
+                                        else socket.AF_INET)
+    except OSError as error:
+        print(f"medusa-serve: error: cannot listen on {args.host}:{args.port} ({error.strerror or error}); "
+              "pick another --port, or stop what uses this one", file=sys.stderr)
+        return 1
     if args.threads:
         import torch
 
@@ -193,8 +200,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                        speculation_gate=args.speculation_gate == "measured")
     log.info("serving %s with %s on http://%s:%d/v1", name, args.method, args.host, args.port)
     limit = 2 * (args.max_batch + args.max_queue) + 32  # open connections; beyond them uvicorn answers 503
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, limit_concurrency=limit,
-                timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, limit_concurrency=limit,
+                            timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[listener])
     return 0
 
 
