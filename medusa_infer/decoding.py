@@ -114,7 +114,9 @@ def generated_text_tail(tokenizer: Any, history: Sequence[int], prompt_length: i
     context = list(history[max(0, start - TEXT_CONTEXT_TOKENS) : start])
     before = tokenizer.decode(context, skip_special_tokens=True) if context else ""
     text = tokenizer.decode(context + list(history[start:]), skip_special_tokens=True)
-    return text[len(before):] if text.startswith(before) else text
+    if text.startswith(before):
+        return text[len(before):]
+    return tokenizer.decode(list(history[start:]), skip_special_tokens=True)  # a tokenizer that rewrites the seam
 
 
 @dataclass
@@ -122,7 +124,8 @@ class StopConfig:
     """When a row stops: any of ``eos_token_ids``, a stop string, ``max_new_tokens``.
 
     ``stop_strings`` may be one string (as Hugging Face's ``generate`` takes it) or several; it is
-    kept as a tuple, and matched in the row's generated text (not in its prompt). An empty stop string, which every text contains, is a ``ValueError``.
+    kept as a tuple, and matched in the row's generated text (not in its prompt). An empty stop
+    string, which every text contains, is a ``ValueError``.
     """
 
     max_new_tokens: int = 128
