@@ -305,7 +305,8 @@ def stage_train(config: TrainConfig, accelerator: Any, train: list[dict], folder
     result = tr.train(config, task, accelerator, paths)
     info = {"recipe": config.to_dict(), "settings": tr.finished_settings(config),
             "train_examples_sha256": examples_hash(train), "steps": result.steps,
-            "train_seconds": round(result.seconds, 1), "resumed_from_step": result.resumed_from, "num_processes": accelerator.num_processes,
+            "train_seconds": round(result.seconds, 1), "resumed_from_step": result.resumed_from,
+            "num_processes": accelerator.num_processes,
             "final_train_record": result.last_record}
     partial = paths.final.with_name(paths.final.name + ".partial")
     if accelerator.is_main_process:

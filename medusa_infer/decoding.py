@@ -439,7 +439,8 @@ def _prepare_inputs(model, tokenizer, input_ids, attention_mask, prompt, message
                          f"{sorted(set(attention_mask.flatten().tolist()))[:8]}")
     attention_mask = attention_mask.long()
     if attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
+        raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != "
+                         f"input_ids shape {tuple(input_ids.shape)}")
     if input_ids.numel() == 0 or bool((attention_mask.sum(1) == 0).any()):
         raise ValueError("empty prompt: every row needs at least one token of input")
     if bool((attention_mask[:, -1] == 0).any()):

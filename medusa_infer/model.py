@@ -220,9 +220,9 @@ class MedusaModel(nn.Module):
         if config.chat_template and tokenizer is not None:
             tokenizer.chat_template = config.chat_template
         elif config.chat_template:
-            logger.warning("the heads in %s were trained on their own chat template (config.json, chat_template) and no "
-                           "tokenizer was given to install it on; pass tokenizer=, or render chats with "
-                           "model.config.chat_template", directory)
+            logger.warning("the heads in %s were trained on their own chat template (config.json, "
+                           "chat_template) and no tokenizer was given to install it on; pass tokenizer=, "
+                           "or render chats with model.config.chat_template", directory)
         adapter_folder = directory / ADAPTER_DIR
         merge = adapter and adapter_folder.is_dir()
         if merge:

@@ -730,7 +730,8 @@ def measure_head_seconds(model, repeats: int = 20) -> list[float]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="medusa-bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="base model (default: the heads' base, else smollm2-135m-instruct)")
+    parser.add_argument("--model", default=None,
+                        help="base model (default: the heads' base, else smollm2-135m-instruct)")
     parser.add_argument("--heads", help="Medusa heads folder or Hub repo (needed by the medusa methods)")
     parser.add_argument("--questions", required=True, help="Spec-Bench-format JSONL (id, category, turns)")
     parser.add_argument("--limit", type=int, default=None, help="questions to use, balanced across categories")

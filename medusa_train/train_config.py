@@ -437,11 +437,13 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: str) -> None:
             return
         if i == len(parts) - 1:
             if _is_section(cls):
-                raise ValueError(f"{dotted!r} is a section; set one of its keys, e.g. {dotted}.{next(iter(_fields(cls)))}=...")
+                example = next(iter(_fields(cls)))
+                raise ValueError(f"{dotted!r} is a section; set one of its keys, e.g. {dotted}.{example}=...")
             node[part] = value
         else:
             if not _is_section(cls):
-                raise ValueError(f"{'.'.join(parts[: i + 1])!r} is not a section; valid keys: {', '.join(valid_keys())}")
+                raise ValueError(f"{'.'.join(parts[: i + 1])!r} is not a section; "
+                                 f"valid keys: {', '.join(valid_keys())}")
             if node.get(part) is None:
                 node[part] = {}
             node = node[part]
@@ -621,7 +623,8 @@ class Plan:
         lines = [f"{name:<{width}}  {value}" for name, value in rows]
         lines.append("stages:")
         for stage in self.stages:
-            lines.append(f"  {'[done] ' if stage.done else '[todo] '}{stage.name:<9} -> {stage.output}  ({stage.detail})")
+            mark = "[done] " if stage.done else "[todo] "
+            lines.append(f"  {mark}{stage.name:<9} -> {stage.output}  ({stage.detail})")
         return "\n".join(lines)
 
 
