@@ -535,6 +535,10 @@ def stream(
         acceptance = "lossless" if do_sample else "greedy"
     if not do_sample and acceptance != "greedy":
         raise ValueError(f"acceptance={acceptance!r} samples; pass do_sample=True (or acceptance='greedy')")
+    if do_sample and acceptance == "greedy":
+        raise ValueError("acceptance='greedy' takes the model's top token, so do_sample=True and its temperature, "
+                         "top_k and top_p would change nothing; drop acceptance='greedy' to sample (lossless by "
+                         "default), or pass do_sample=False")
     sampling = SamplingConfig(acceptance, temperature if do_sample else 0.0, top_k, top_p,
                               typical_epsilon, typical_delta)
     stop = StopConfig(max_new_tokens, _eos_ids(model, tokenizer, eos_token_id), stop_strings)
@@ -594,8 +598,9 @@ def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> Generati
             acceptance samples at ``temperature`` alone (Medusa-2's rule): with it, ``top_k > 0`` or
             ``top_p < 1`` is a ``ValueError``.
         acceptance: ``"greedy"`` (default without sampling; output identical to greedy
-            decoding), ``"typical"`` (Medusa-2 typical acceptance) or ``"lossless"`` (default with
-            sampling; the output has exactly the model's sampling distribution).
+            decoding; with ``do_sample=True`` a ``ValueError``), ``"typical"`` (Medusa-2 typical
+            acceptance) or ``"lossless"`` (default with sampling; the output has exactly the
+            model's sampling distribution).
         tree: a preset name, ``fitted-N`` (the N-node tree fitted to the heads' measured
             accuracies, ``resolve_tree``) or a list of paths (an empty list: plain decoding);
             default: the heads' stored tree, else the largest of ``DEFAULT_TREES`` their number

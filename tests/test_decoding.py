@@ -327,6 +327,8 @@ def test_context_limit_is_a_clean_stop():
         (dict(max_new_tokens=0), "max_new_tokens must be a positive integer"),
         (dict(acceptance="typical"), "pass do_sample=True"),
         (dict(do_sample=True, acceptance="beam"), "acceptance must be one of"),
+        (dict(do_sample=True, acceptance="greedy", temperature=1.5, top_k=5),
+         "acceptance='greedy' takes the model's top token.*would change nothing"),
         (dict(tree="tree-1000"), "tree-1000"),
         (dict(stop_strings=["ok", ""]), "empty stop string"),
         (dict(do_sample=True, acceptance="typical", top_k=5), "temperature only.*would ignore top_k=5;"),
