@@ -9,12 +9,16 @@ decoding loop's own objects.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -188,8 +192,9 @@ class MedusaModel(nn.Module):
         ``<heads folder>/adapter`` (``checkpoint.ADAPTER_DIR``). With ``adapter=True`` (the
         default) it is loaded with peft and merged into the base model's weights, which stays a
         stock transformers model (no peft wrapper while decoding); a ``base_model`` given as an
-        object is changed in place. ``adapter=False`` keeps the plain base model. Folders without
-        an adapter load the same either way.
+        object is changed in place (loading heads on it again takes the same adapter as merged; other
+        heads, or ``adapter=False``, are a ``ValueError``: pass a fresh base model). ``adapter=False``
+        keeps the plain base model. Folders without an adapter load the same either way.
 
         Heads whose config records a ``chat_template`` (trained on a template other than the
         tokenizer's own) install it on the tokenizer, a ``tokenizer`` given as an object included,
@@ -225,7 +230,15 @@ class MedusaModel(nn.Module):
                            "or render chats with model.config.chat_template", directory)
         adapter_folder = directory / ADAPTER_DIR
         merge = adapter and adapter_folder.is_dir()
-        if merge:
+        already = getattr(base_model, MERGED_ADAPTER_ATTR, None)
+        if already is not None:  # a base_model object an earlier from_pretrained merged an adapter into
+            if not merge or adapter_digest(adapter_folder) != already[1]:
+                wanted = (f"the adapter in {adapter_folder}" if merge else
+                          "adapter=False" if adapter_folder.is_dir() else f"the heads in {directory} (no adapter)")
+                raise ValueError(f"base_model already has the adapter in {already[0]} merged into its weights (an "
+                                 f"earlier from_pretrained changed it in place); {wanted} needs the plain base "
+                                 "model: load a fresh one")
+        elif merge:
             base_model = merge_adapter(base_model, adapter_folder)
         heads = MedusaHeads(config)
         check_state_dict(heads.state_dict(), state, str(directory))
@@ -415,14 +428,63 @@ def check_compatible(config: MedusaConfig, base_model: PreTrainedModel) -> None:
         )
 
 
+def embedding_lora_targets(base_model: nn.Module, target_modules: str | Sequence[str]) -> list[str]:
+    """The module paths among ``base_model``'s input and output embeddings that LoRA
+    ``target_modules`` (peft's matching: a regex matched whole, or names and dotted suffixes) select.
+
+    The heads read those weights directly (shared projection, next-token input), so an adapter on
+    them trains heads against one weight and decodes with another; with tied embeddings, merging it
+    also changes the input embedding. Medusa-2 refuses such targets."""
+    embeddings = {id(m) for m in (base_model.get_input_embeddings(), base_model.get_output_embeddings())
+                  if m is not None}
+    selected = []
+    for path, module in base_model.named_modules():
+        if not path or id(module) not in embeddings:
+            continue
+        if isinstance(target_modules, str):
+            hit = re.fullmatch(target_modules, path) is not None
+        else:
+            hit = any(path == t or path.endswith("." + t) for t in target_modules)
+        if hit:
+            selected.append(path)
+    return selected
+
+
 def merge_adapter(base_model: PreTrainedModel, folder: str | os.PathLike) -> PreTrainedModel:
     """``base_model`` with the peft LoRA adapter saved in ``folder`` merged into its weights.
 
     The model is changed in place and returned as the same stock transformers class.
+
+    Raises:
+        ValueError: the adapter targets the model's input or output embeddings
+            (``embedding_lora_targets``).
     """
     from peft import PeftModel
 
-    return PeftModel.from_pretrained(base_model, str(folder), is_trainable=False).merge_and_unload()
+    config_file = Path(folder) / "adapter_config.json"
+    targets = json.loads(config_file.read_text()).get("target_modules") if config_file.is_file() else None
+    selected = embedding_lora_targets(base_model, targets) if targets else []
+    if selected:
+        raise ValueError(f"the adapter in {folder} adapts {selected}, the embeddings the heads read directly: "
+                         "merged, it would not be the model the heads were trained with; retrain with "
+                         "lora.target_modules outside the embeddings and lm_head")
+    merged = PeftModel.from_pretrained(base_model, str(folder), is_trainable=False).merge_and_unload()
+    setattr(merged, MERGED_ADAPTER_ATTR, (str(folder), adapter_digest(folder)))
+    return merged
+
+
+MERGED_ADAPTER_ATTR = "_medusa_merged_adapter"
+"""Set by ``merge_adapter`` on the model it changed: ``(folder, adapter_digest(folder))``, so that a
+second ``from_pretrained`` on the same object neither merges the adapter twice nor takes the
+merged weights for the plain base model."""
+
+
+def adapter_digest(folder: str | os.PathLike) -> str:
+    """SHA-256 of a saved adapter's files (names and contents): equal for copies of one adapter."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in Path(folder).iterdir() if p.is_file()):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 def heads_folder(path_or_repo_id: str | os.PathLike, revision: str | None = None) -> Path:

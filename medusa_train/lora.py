@@ -13,6 +13,7 @@ from typing import Any
 from torch import nn
 
 from medusa_infer.checkpoint import ADAPTER_DIR  # noqa: F401  (where heads folders keep the adapter)
+from medusa_infer.model import embedding_lora_targets
 
 
 def add_lora(base_model: nn.Module, r: int, alpha: int, dropout: float, target_modules: list[str]) -> Any:
@@ -22,7 +23,8 @@ def add_lora(base_model: nn.Module, r: int, alpha: int, dropout: float, target_m
     dotted suffix of its path (``q_proj``, ``self_attn.q_proj``).
 
     Raises:
-        ValueError: an entry of ``target_modules`` names no module of the model.
+        ValueError: an entry of ``target_modules`` names no module of the model, or they select
+            the input or output embeddings (``medusa_infer.model.embedding_lora_targets``).
     """
     from peft import LoraConfig, get_peft_model
 
@@ -32,6 +34,12 @@ def add_lora(base_model: nn.Module, r: int, alpha: int, dropout: float, target_m
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in base_model.named_modules() if isinstance(m, nn.Linear)})
         raise ValueError(f"lora.target_modules {unmatched} match no module of {type(base_model).__name__}; "
                          f"its linear layers are named {linear}")
+    embeddings = embedding_lora_targets(base_model, target_modules)
+    if embeddings:
+        raise ValueError(f"lora.target_modules {list(target_modules)} select {embeddings}, the embeddings the "
+                         "heads read directly (trained against the unadapted weight, decoded with the merged "
+                         "one; tied embeddings would change the input too): leave them out, e.g. "
+                         "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]")
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
                         bias="none", task_type="CAUSAL_LM")
     return get_peft_model(base_model, config)

@@ -108,3 +108,33 @@ def test_add_lora_names_each_target_that_matches_nothing_and_takes_dotted_suffix
     adapted = lora.add_lora(tiny_model("llama"), 4, 8, 0.0, ["self_attn.q_proj"])
     names = [n for n, m in adapted.named_modules() if hasattr(m, "lora_A") and n.endswith("q_proj")]
     assert names and not any(n.endswith("k_proj") for n, m in adapted.named_modules() if hasattr(m, "lora_A"))
+
+
+def test_a_base_model_object_takes_its_adapter_once(heads_folder, tmp_path):
+    folder, pairs = heads_folder
+    base = tiny_model("llama")
+    first = MedusaModel.from_pretrained(folder, base_model=base)
+    again = MedusaModel.from_pretrained(folder, base_model=base)  # e.g. to try another tree: merged once
+    expected = logits(MedusaModel.without_heads(merged_by_hand(pairs)))
+    torch.testing.assert_close(logits(again), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits(first), expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"already has the adapter in .* merged.*adapter=False needs the plain base"):
+        MedusaModel.from_pretrained(folder, base_model=base, adapter=False)
+    plain = tmp_path / "plain"
+    MedusaModel.from_base(tiny_model("llama"), num_heads=2).save_pretrained(plain)
+    with pytest.raises(ValueError, match=r"already has the adapter .*\(no adapter\) needs the plain base"):
+        MedusaModel.from_pretrained(plain, base_model=base)
+
+
+def test_lora_on_the_embeddings_the_heads_read_is_refused(heads_folder, tmp_path):
+    with pytest.raises(ValueError, match=r"select \['lm_head'\], the embeddings the heads read directly"):
+        lora.add_lora(tiny_model("llama"), 4, 8, 0.0, ["q_proj", "lm_head"])
+    with pytest.raises(ValueError, match=r"select \['model.embed_tokens'\]"):
+        lora.add_lora(tiny_model("llama"), 4, 8, 0.0, ["embed_tokens"])
+    folder, _ = heads_folder  # an adapter trained elsewhere on lm_head is refused on loading
+    other = tmp_path / "lm-head-adapter"
+    MedusaModel.from_base(tiny_model("llama"), num_heads=2).save_pretrained(other)
+    get_peft_model(tiny_model("llama"), LoraConfig(r=R, lora_alpha=ALPHA, target_modules=["q_proj", "lm_head"])
+                   ).save_pretrained(str(other / ADAPTER_DIR))
+    with pytest.raises(ValueError, match=r"adapts \['lm_head'\], the embeddings the heads read directly"):
+        MedusaModel.from_pretrained(other, base_model=tiny_model("llama"))
