@@ -16,9 +16,9 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -439,15 +439,17 @@ def embedding_lora_targets(base_model: nn.Module, target_modules: str | Sequence
                   if m is not None}
     selected = []
     for path, module in base_model.named_modules():
-        if not path or id(module) not in embeddings:
-            continue
-        if isinstance(target_modules, str):
-            hit = re.fullmatch(target_modules, path) is not None
-        else:
-            hit = any(path == t or path.endswith("." + t) for t in target_modules)
-        if hit:
+        if path and id(module) in embeddings and lora_selects(target_modules, path):
             selected.append(path)
     return selected
+
+
+def lora_selects(target_modules: str | Sequence[str], path: str) -> bool:
+    """Whether LoRA ``target_modules`` select the module at ``path``, as peft matches them: a string
+    is a regex matched against the whole path; a list holds names or dotted suffixes of paths."""
+    if isinstance(target_modules, str):
+        return re.fullmatch(target_modules, path) is not None
+    return any(path == t or path.endswith("." + t) for t in target_modules)
 
 
 def merge_adapter(base_model: PreTrainedModel, folder: str | os.PathLike) -> PreTrainedModel:

@@ -13,7 +13,7 @@ from typing import Any
 from torch import nn
 
 from medusa_infer.checkpoint import ADAPTER_DIR  # noqa: F401  (where heads folders keep the adapter)
-from medusa_infer.model import embedding_lora_targets
+from medusa_infer.model import embedding_lora_targets, lora_selects
 
 
 def add_lora(base_model: nn.Module, r: int, alpha: int, dropout: float, target_modules: list[str]) -> Any:
@@ -29,7 +29,7 @@ def add_lora(base_model: nn.Module, r: int, alpha: int, dropout: float, target_m
     from peft import LoraConfig, get_peft_model
 
     paths = [name for name, _ in base_model.named_modules() if name]
-    unmatched = [t for t in target_modules if not any(p == t or p.endswith("." + t) for p in paths)]
+    unmatched = [t for t in target_modules if not any(lora_selects([t], p) for p in paths)]
     if unmatched:
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in base_model.named_modules() if isinstance(m, nn.Linear)})
         raise ValueError(f"lora.target_modules {unmatched} match no module of {type(base_model).__name__}; "
