@@ -116,7 +116,8 @@ def stage_data(config: TrainConfig, accelerator: Any, pending: int | None) -> tu
 def check_inputs(config: TrainConfig) -> None:
     """What the run reads and where it uploads, checked before anything runs (``--plan`` too):
     ``ValueError`` for a model name that is neither a folder, a default model nor a Hub id, a data
-    file that is not there, or an upload that cannot happen (offline, or no Hub login)."""
+    file that is not there, Medusa-2 LoRA targets the model cannot take (``check_lora_targets_early``),
+    or an upload that cannot happen (offline, or no Hub login)."""
     from medusa_infer.models import DEFAULT_MODELS, resolve_model
 
     name, d = config.model.name, config.data
@@ -130,6 +131,8 @@ def check_inputs(config: TrainConfig) -> None:
     for key, value in files:
         if not Path(value).is_file():
             raise ValueError(f"{key}: {value} is not a file; give the path of an existing JSONL file")
+    if config.training.mode == "medusa2":
+        check_lora_targets_early(config)
     if config.eval.push_to_hub:
         from huggingface_hub import constants, get_token
 
@@ -140,6 +143,28 @@ def check_inputs(config: TrainConfig) -> None:
         if get_token() is None:
             raise ValueError(f"uploading to {config.eval.push_to_hub} needs a Hub login: run `hf auth login` "
                              f"or set HF_TOKEN, or {later}")
+
+
+def check_lora_targets_early(config: TrainConfig) -> None:
+    """``lora.target_modules`` checked on the model's module tree, built on the meta device from its
+    config, where that config is on disk (a folder, or a default model already fetched); a Hub model's
+    are checked when it loads, after distillation."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from medusa_infer.models import DEFAULT_MODELS, cache_root
+    from medusa_train.lora import check_lora_targets
+
+    name = config.model.name
+    folder = Path(name).expanduser()
+    if name in DEFAULT_MODELS and not folder.is_dir():
+        folder = cache_root() / "models" / DEFAULT_MODELS[name].name
+    if not (folder / "config.json").is_file():
+        return
+    trust = config.model.trust_remote_code
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, trust_remote_code=trust),
+                                                    trust_remote_code=trust)
+    check_lora_targets(skeleton, config.lora.target_modules)
 
 
 @contextmanager

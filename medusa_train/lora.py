@@ -23,11 +23,19 @@ def add_lora(base_model: nn.Module, r: int, alpha: int, dropout: float, target_m
     dotted suffix of its path (``q_proj``, ``self_attn.q_proj``).
 
     Raises:
-        ValueError: an entry of ``target_modules`` names no module of the model, or they select
-            the input or output embeddings (``medusa_infer.model.embedding_lora_targets``).
+        ValueError: from ``check_lora_targets``.
     """
     from peft import LoraConfig, get_peft_model
 
+    check_lora_targets(base_model, target_modules)
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
+                        bias="none", task_type="CAUSAL_LM")
+    return get_peft_model(base_model, config)
+
+
+def check_lora_targets(base_model: nn.Module, target_modules: list[str]) -> None:
+    """``ValueError`` where an entry of ``target_modules`` names no module of ``base_model``, or they
+    select its input or output embeddings. Needs only the module tree (a meta-device model will do)."""
     paths = [name for name, _ in base_model.named_modules() if name]
     unmatched = [t for t in target_modules if not any(lora_selects([t], p) for p in paths)]
     if unmatched:
@@ -40,6 +48,3 @@ def add_lora(base_model: nn.Module, r: int, alpha: int, dropout: float, target_m
                          "heads read directly (trained against the unadapted weight, decoded with the merged "
                          "one; tied embeddings would change the input too): leave them out, e.g. "
                          "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]")
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
-                        bias="none", task_type="CAUSAL_LM")
-    return get_peft_model(base_model, config)

@@ -382,3 +382,22 @@ def test_plan_shows_the_accumulation_and_is_printed_once_per_launch(tmp_path, ca
     assert re.search(r"x 1 process\(es\) x 3 accumulation = ", out)
     monkeypatch.setenv("RANK", "1")  # another process of an accelerate launch: the first one prints it
     assert plan_output(capsys, tmp_path, values) == ""
+
+
+@pytest.mark.parametrize("targets, message", [
+    ("[q_proj,lm_head]", r"select \['lm_head'\], the embeddings the heads read directly"),
+    ("[q_proj,v_prj]", r"\['v_prj'\] match no module of LlamaForCausalLM"),
+])
+def test_lora_targets_are_checked_by_plan_on_a_model_folder(tmp_path, capsys, targets, message):
+    import train_heads
+    from tiny import tiny_model
+
+    tiny_model("llama").save_pretrained(tmp_path / "model")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(run_recipe(tmp_path)))
+    arguments = [f"model.name={tmp_path / 'model'}", "training.mode=medusa2", f"lora.target_modules={targets}"]
+    assert train_heads.main(["--config", str(recipe), "--plan", *arguments[:2]]) == 0
+    with pytest.raises(SystemExit) as exit_info:
+        train_heads.main(["--config", str(recipe), "--plan", *arguments])
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
