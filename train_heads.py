@@ -151,13 +151,13 @@ def check_lora_targets_early(config: TrainConfig) -> None:
     are checked when it loads, after distillation."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from medusa_infer.models import DEFAULT_MODELS, cache_root
+    from medusa_infer.models import DEFAULT_MODELS, default_model_folder
     from medusa_train.lora import check_lora_targets
 
     name = config.model.name
     folder = Path(name).expanduser()
     if name in DEFAULT_MODELS and not folder.is_dir():
-        folder = cache_root() / "models" / DEFAULT_MODELS[name].name
+        folder = default_model_folder(DEFAULT_MODELS[name])
     if not (folder / "config.json").is_file():
         return
     trust = config.model.trust_remote_code

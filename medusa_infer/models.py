@@ -167,7 +167,7 @@ def fetch_default_model(model: DefaultModel, cache_dir: str | Path | None = None
     Safe to call from several processes at once: one builds while the others wait on a file lock,
     and a folder only appears under its final name once it is complete.
     """
-    target = cache_root(cache_dir) / "models" / model.name
+    target = default_model_folder(model, cache_dir)
     if _is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -176,6 +176,11 @@ def fetch_default_model(model: DefaultModel, cache_dir: str | Path | None = None
             return target
         _build(model, target)
     return target
+
+
+def default_model_folder(model: DefaultModel, cache_dir: str | Path | None = None) -> Path:
+    """Where ``fetch_default_model`` keeps a default model's converted folder (there or not yet)."""
+    return cache_root(cache_dir) / "models" / model.name
 
 
 def _is_complete(folder: Path) -> bool:
