@@ -442,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     accelerator = make_accelerator(config)
+    say(accelerator, f"accelerate: {accelerator.distributed_type.value} on {accelerator.device.type}, "
+                     f"{accelerator.num_processes} process(es), mixed precision {accelerator.mixed_precision}")
     paths = run_paths(config)
     if args.heldout_only:
         return report_heldout(config, accelerator)

@@ -9,6 +9,7 @@ our 4D tree masks, sampling with a CUDA generator, and bfloat16 arithmetic.
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -159,3 +160,62 @@ def test_decoding_attention_runs_without_cudnn_and_leaves_the_switch_as_it_was()
     assert out.new_tokens[0] == hf_greedy(model, torch.tensor([5, 6, 7, 8]), 12)
     assert seen and not any(seen)
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
+# ---------------------------------------------------------------------------------------------
+# Training through accelerate's GPU launch configs (recipes/accelerate/), one process on one GPU
+
+LAUNCHES = [  # (config file, training mode, distributed types accelerate may report)
+    ("ddp.yaml", "medusa1", ("MULTI_GPU", "NO")),  # one process may run without a process group
+    ("deepspeed-zero2.yaml", "medusa1", ("DEEPSPEED",)),
+    ("fsdp.yaml", "medusa2", ("FSDP",)),
+    ("deepspeed-zero3.yaml", "medusa2", ("DEEPSPEED",)),
+]
+
+
+@pytest.mark.skipif(CUDA.type != "cuda", reason="accelerate's GPU launch configs need a CUDA device")
+@pytest.mark.parametrize("config_file, mode, distributed", LAUNCHES, ids=[c for c, _, _ in LAUNCHES])
+def test_accelerate_launch_config_trains_heads(config_file, mode, distributed, tmp_path):
+    """``accelerate launch --config_file recipes/accelerate/X.yaml train_heads.py`` on one GPU with a
+    tiny llama, in bfloat16 as the GPU recipes train: training runs to the end under that launcher
+    (a checkpoint written half way), the loss falls, and the heads (and a Medusa-2 adapter) are saved,
+    evaluated and load for decoding."""
+    import json
+    import re
+    import sys
+
+    from test_training import REPO, counting_examples, quiet_env, recipe, run_script, train_log, write_recipe
+
+    if config_file.startswith("deepspeed"):
+        pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install deepspeed)")
+    tiny = tmp_path / "tiny"
+    tiny_model("llama").save_pretrained(tiny / "model")
+    with (tiny / "examples.jsonl").open("w") as handle:
+        for example in counting_examples(64):
+            handle.write(json.dumps(example) + "\n")
+    out = tmp_path / "run"
+    training = {"mixed_precision": "bf16", "max_steps": 8, "save_every": 4, "seed": 1, "lr": 0.03}
+    if mode == "medusa2":
+        training |= {"mode": "medusa2", "batch_size": 4, "stage1_steps": 2, "heads_warmup_steps": 2, "loss": "ce",
+                     "gradient_checkpointing": True}
+        values = recipe(tiny, out, training=training, lora={"r": 4, "target_modules": ["q_proj", "v_proj"]},
+                        model={"dtype": "bfloat16"})
+    else:
+        values = recipe(tiny, out, training=training)
+    env = quiet_env(tmp_path)
+    env["CUDA_VISIBLE_DEVICES"] = str(CUDA.index or 0)
+    result = run_script([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                         f"recipes/accelerate/{config_file}", "--num_processes", "1", "--main_process_port", "29541",
+                         "train_heads.py", "--config", str(write_recipe(tmp_path / "r.yaml", values))], env, timeout=150)
+    reported = re.search(r"accelerate: (\w+) on (\w+)", result.stdout)
+    assert reported and reported.groups() in {(d, "cuda") for d in distributed}, result.stdout[-2000:]
+    log = train_log(out)
+    assert [r["step"] for r in log] == list(range(1, 9))
+    assert all(math.isfinite(r["loss"]) for r in log)
+    assert log[-1]["loss"] < log[0]["loss"], [r["loss"] for r in log]
+    assert (out / "heads" / "config.json").is_file()
+    assert (out / "heads" / "adapter").is_dir() == (mode == "medusa2")
+    model = MedusaModel.from_pretrained(out / "heads", base_model=tiny_model("llama")).to(CUDA)
+    prompt = torch.tensor([[5, 6, 7, 8, 9]])
+    got = generate(model, prompt, max_new_tokens=8, eos_token_id=NO_EOS).new_tokens[0]
+    assert got == hf_greedy(model, prompt[0], 8)

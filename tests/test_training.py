@@ -769,3 +769,32 @@ def test_heads_config_records_the_recipes_chat_template():
     assert tr.heads_config(config_from_dict(values), 8, 32, "llama", None).chat_template == "{{ messages }}"
     del values["model"]["chat_template"]
     assert tr.heads_config(config_from_dict(values), 8, 32, "llama", None).chat_template is None
+
+
+ACCELERATOR_SCRIPT = """
+import json, sys
+import train_heads
+from medusa_train.train_config import config_from_dict
+accelerator = train_heads.make_accelerator(config_from_dict(json.loads(sys.argv[1])))
+print(json.dumps({"mixed_precision": accelerator.mixed_precision}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_launch_configs_make_an_accelerator(tiny_dir, tmp_path, stage):
+    """``accelerate launch --config_file recipes/accelerate/deepspeed-zeroN.yaml train_heads.py``
+    gets as far as its accelerator: accelerate refuses a launch config that sets, beside a
+    ``deepspeed_config_file``, what that file decides (mixed precision, for one). On the CPU
+    accelerate then runs without DeepSpeed; tests/test_cuda.py trains through these configs on a GPU."""
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install deepspeed)")
+    env = quiet_env(tmp_path)
+    env["DS_ACCELERATOR"] = "cpu"
+    script = tmp_path / "accelerator.py"
+    script.write_text(ACCELERATOR_SCRIPT)
+    values = recipe(tiny_dir, tmp_path / "run", training={"mixed_precision": "bf16"})
+    result = run_script([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                         f"recipes/accelerate/deepspeed-zero{stage}.yaml", "--num_processes", "1",
+                         "--main_process_port", str(29560 + stage), str(script), json.dumps(values)], env)
+    made = json.loads(result.stdout.strip().splitlines()[-1])
+    assert made["mixed_precision"] == "bf16"  # the recipe's setting
