@@ -106,6 +106,9 @@ class JointModule(nn.Module):
         self.medusa = medusa
         self._peft = [peft_model]  # a list: not registered twice as a submodule
         self.topk = topk
+        # the base model's layer classes, which accelerate's FSDP (TRANSFORMER_BASED_WRAP) shards one
+        # by one; without them the whole model would be one FSDP unit, gathered whole for every forward
+        self._no_split_modules = list(getattr(medusa.base_model, "_no_split_modules", None) or [])
 
     def _hidden(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return batch_hidden(self.medusa, batch, batch["input_ids"].device)
