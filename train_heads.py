@@ -46,8 +46,11 @@ def make_accelerator(config: TrainConfig) -> Any:
     handlers: list[Any] = [InitProcessGroupKwargs(timeout=timedelta(hours=6))]
     if config.training.mode == "medusa2":  # the adapter gets no gradient in the heads-only stage
         handlers.append(DistributedDataParallelKwargs(find_unused_parameters=True))
+    # Without a GPU accelerate runs on the CPU, except under a DeepSpeed launch config: DeepSpeed has a
+    # CPU accelerator of its own (its ZeRO stages, gloo), which accelerate uses unless told cpu=True.
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     return Accelerator(
-        cpu=config.training.cpu or not torch.cuda.is_available(),
+        cpu=config.training.cpu or not (torch.cuda.is_available() or deepspeed),
         mixed_precision=config.training.mixed_precision,
         gradient_accumulation_steps=config.training.grad_accum,
         log_with=log_with or None,
@@ -191,12 +194,26 @@ def distill_pending(config: TrainConfig) -> int | None:
     return pending_prompts(distill_config)[1] if rows_path(config).is_file() else None
 
 
-def load_base(config: TrainConfig, accelerator: Any) -> Any:
+def load_base(config: TrainConfig, accelerator: Any, whole: bool = False) -> Any:
+    """The recipe's base model on this process's device. Under DeepSpeed ZeRO-3, transformers
+    partitions it as it loads (for training, whatever the launch config's zero3_init_flag);
+    ``whole`` loads every weight in full instead, for a model no DeepSpeed engine holds (the frozen
+    backbone of Medusa-1 and of feature extraction, one process's evaluation)."""
     from medusa_infer.models import load_base_model
 
-    return load_base_model(config.model.name, dtype=getattr(torch, config.model.dtype), device=accelerator.device,
-                           attn_implementation=config.model.attn_implementation,
-                           trust_remote_code=config.model.trust_remote_code)
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    unpartitioned = whole and plugin is not None and plugin.hf_ds_config.is_zero3()
+    if unpartitioned:
+        from transformers.integrations import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+    try:
+        return load_base_model(config.model.name, dtype=getattr(torch, config.model.dtype),
+                               device=accelerator.device, attn_implementation=config.model.attn_implementation,
+                               trust_remote_code=config.model.trust_remote_code)
+    finally:
+        if unpartitioned:
+            plugin.set_deepspeed_weakref()  # ZeRO-3 for what follows, as accelerate set it up
 
 
 def captured_folder(config: TrainConfig) -> Path | None:
@@ -239,7 +256,7 @@ def stage_features(config: TrainConfig, accelerator: Any, train: list[dict], hel
     else:
         from medusa_train.captured import CapturedHidden
 
-        model = MedusaModel.from_base(load_base(config, accelerator), num_heads=1)
+        model = MedusaModel.from_base(load_base(config, accelerator, whole=True), num_heads=1)
         captured = CapturedHidden.load(kept, info) if kept is not None else None
         for name, examples in splits.items():
             say(accelerator, f"features: {name} split, {len(examples)} examples -> {folders[name]}")
@@ -291,9 +308,10 @@ def stage_train(config: TrainConfig, accelerator: Any, train: list[dict], folder
                                      model_type, token_map, cache.embed_weight)
         task: Any = tr.Medusa1Task(config, module, FeatureDataset(cache.block, h.num_heads, token_map, vocab, soft=kl))
     else:
-        base = load_base(config, accelerator)
+        base = load_base(config, accelerator, whole=t.mode == "medusa1")  # Medusa-1: frozen, never sharded
         base.requires_grad_(False)
-        vocab, hidden = base.get_output_embeddings().weight.shape
+        with tr.gathered(base.get_output_embeddings().weight):
+            vocab, hidden = base.get_output_embeddings().weight.shape
         model_type = base.config.model_type
         init = tr.initial_heads(config, hidden, vocab)
         if init:
@@ -318,8 +336,9 @@ def stage_train(config: TrainConfig, accelerator: Any, train: list[dict], folder
             peft_model = add_lora(base, config.lora.r, config.lora.alpha, config.lora.dropout,
                                   config.lora.target_modules)
             lm = base.get_output_embeddings().weight
-            heads = MedusaHeads(tr.heads_config(config, hidden, vocab, model_type, token_map),
-                                lm_head_weight=lm.detach().float(), token_map=token_map)
+            with tr.gathered(lm):  # own projections start as copies of the lm_head's rows
+                heads = MedusaHeads(tr.heads_config(config, hidden, vocab, model_type, token_map),
+                                    lm_head_weight=lm.detach().float(), token_map=token_map)
             medusa = MedusaModel(peft_model.get_base_model(), heads)
             medusa.heads.float()
             if init:  # after the cast to the model's dtype and back, which would round them
@@ -368,7 +387,7 @@ def heldout_accuracy(config: TrainConfig, accelerator: Any, heldout: list[dict],
         data = FeatureDataset(cache.block, mconfig.num_heads, token_map, mconfig.vocab_size)
         batches = data.sequential(config.training.batch_tokens)
         return mconfig, heads, ev.head_accuracy(module, batches, config.eval.top_k)
-    base = load_base(config, accelerator)
+    base = load_base(config, accelerator, whole=True)
     if config.training.mode == "medusa2":
         from medusa_infer.model import merge_adapter
         from medusa_train.lora import ADAPTER_DIR
@@ -444,6 +463,11 @@ def main(argv: list[str] | None = None) -> int:
     accelerator = make_accelerator(config)
     say(accelerator, f"accelerate: {accelerator.distributed_type.value} on {accelerator.device.type}, "
                      f"{accelerator.num_processes} process(es), mixed precision {accelerator.mixed_precision}")
+    asked = next((name for name in ("DEEPSPEED", "FSDP")
+                  if os.environ.get(f"ACCELERATE_USE_{name}", "false").lower() == "true"), None)
+    if asked and accelerator.distributed_type.value != asked:
+        say(accelerator, f"note: the launch config asks for {asked}, which accelerate does not run here "
+                         f"(training.cpu={config.training.cpu}, CUDA available: {torch.cuda.is_available()})")
     paths = run_paths(config)
     if args.heldout_only:
         return report_heldout(config, accelerator)

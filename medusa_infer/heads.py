@@ -170,6 +170,10 @@ class MedusaHeads(nn.Module):
         stop = len(self.heads) if first is None else first
         check_head_range(start, stop, len(self.heads))
         heads = self.heads[start:stop]
+        # the heads compute in their own dtype: float32 while training beside a bfloat16 base (where
+        # DeepSpeed, unlike autocast, casts nothing), the base model's dtype when decoding (a no-op)
+        own = next(heads[0].parameters(), None)  # none: no blocks, shared projection, no token inputs
+        hidden = hidden if own is None else hidden.to(own.dtype)
         embedded = path_embedded = None
         if self.config.next_token_input:
             if next_tokens is None or embed_weight is None:
@@ -191,7 +195,7 @@ class MedusaHeads(nn.Module):
             weight, bias = self.shared_projection(lm_head)
             # the same kernels as the base model's own lm_head (see cpu_kernels)
             plan = lm_head.kernel_plan if isinstance(lm_head, CPULinear) else None
-            logits = planned_linear(x, weight, bias, plan, self.__dict__.setdefault("_kernel_cache", {}))
+            logits = planned_linear(x.to(weight.dtype), weight, bias, plan, self.__dict__.setdefault("_kernel_cache", {}))
         else:
             logits = torch.stack([head.proj(x[k]) for k, head in enumerate(heads)])
         if logit_softcap:

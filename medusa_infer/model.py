@@ -409,7 +409,8 @@ def check_compatible(config: MedusaConfig, base_model: PreTrainedModel) -> None:
     lm_head = base_model.get_output_embeddings()
     if lm_head is None:
         raise ValueError(f"{type(base_model).__name__} has no output embeddings (lm_head); use a *ForCausalLM model")
-    vocab, hidden = lm_head.weight.shape
+    # a parameter DeepSpeed ZeRO-3 partitioned (training under it) keeps its full shape as ds_shape
+    vocab, hidden = getattr(lm_head.weight, "ds_shape", lm_head.weight.shape)
     if config.hidden_size != hidden:
         raise ValueError(
             f"heads were trained for hidden size {config.hidden_size}, this model has {hidden}: "

@@ -19,12 +19,13 @@ one process with an N-times larger batch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,30 @@ STATE_NAME = "trainer_state.json"
 CHECKPOINT_PREFIX = "step-"
 # Keys whose change would make a resumed run differ from an uninterrupted one.
 _RESUME_IGNORES = ("save_every", "keep_checkpoints", "cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights DeepSpeed ZeRO-3 partitioned
+
+
+def is_partitioned(param: torch.Tensor) -> bool:
+    """Whether DeepSpeed ZeRO-3 holds this parameter in pieces (as models load under accelerate's
+    ZeRO-3 launch config): outside its module's forward it is then an empty tensor."""
+    return hasattr(param, "ds_id")
+
+
+@contextlib.contextmanager
+def gathered(*params: torch.Tensor | None) -> Iterator[None]:
+    """Inside, ZeRO-3-partitioned parameters among ``params`` hold their full values (read-only;
+    copy what must outlive the block); other parameters are left as they are."""
+    partitioned = [p for p in params if p is not None and is_partitioned(p)]
+    if not partitioned:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
+        yield
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,7 +114,7 @@ class HeadsModule(nn.Module):
 
     def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor | None = None,
                 path_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        return self.heads(hidden.float(), self.lm_head, self.logit_softcap, next_tokens, self.embed_weight,
+        return self.heads(hidden, self.lm_head, self.logit_softcap, next_tokens, self.embed_weight,
                           path_tokens=path_tokens)
 
 

@@ -771,30 +771,32 @@ def test_heads_config_records_the_recipes_chat_template():
     assert tr.heads_config(config_from_dict(values), 8, 32, "llama", None).chat_template is None
 
 
-ACCELERATOR_SCRIPT = """
-import json, sys
-import train_heads
-from medusa_train.train_config import config_from_dict
-accelerator = train_heads.make_accelerator(config_from_dict(json.loads(sys.argv[1])))
-print(json.dumps({"mixed_precision": accelerator.mixed_precision}))
-"""
-
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_launch_configs_make_an_accelerator(tiny_dir, tmp_path, stage):
-    """``accelerate launch --config_file recipes/accelerate/deepspeed-zeroN.yaml train_heads.py``
-    gets as far as its accelerator: accelerate refuses a launch config that sets, beside a
-    ``deepspeed_config_file``, what that file decides (mixed precision, for one). On the CPU
-    accelerate then runs without DeepSpeed; tests/test_cuda.py trains through these configs on a GPU."""
+@pytest.mark.parametrize("stage, mode", [(2, "medusa1"), (3, "medusa2")])
+def test_deepspeed_launch_configs_train_heads_on_the_cpu(tiny_dir, tmp_path, stage, mode):
+    """``accelerate launch --config_file recipes/accelerate/deepspeed-zeroN.yaml train_heads.py`` runs
+    DeepSpeed itself on a machine without a GPU (its CPU accelerator), in bfloat16 as the GPU recipes
+    train: ZeRO-2 Medusa-1 on the feature cache, ZeRO-3 Medusa-2 with the base model partitioned as it
+    loads, evaluated from a whole copy. tests/test_cuda.py runs each launch config on a GPU."""
     pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install deepspeed)")
     env = quiet_env(tmp_path)
     env["DS_ACCELERATOR"] = "cpu"
-    script = tmp_path / "accelerator.py"
-    script.write_text(ACCELERATOR_SCRIPT)
-    values = recipe(tiny_dir, tmp_path / "run", training={"mixed_precision": "bf16"})
+    out = tmp_path / "run"
+    training = {"mixed_precision": "bf16", "max_steps": 6, "seed": 1, "lr": 0.03}
+    if mode == "medusa2":
+        training |= {"mode": "medusa2", "batch_size": 4, "stage1_steps": 2, "heads_warmup_steps": 2, "loss": "ce"}
+        values = recipe(tiny_dir, out, training=training, lora={"r": 4, "target_modules": ["q_proj", "v_proj"]},
+                        model={"dtype": "bfloat16"}, heads={"projection": "shared", "next_token_input": True})
+    else:
+        values = recipe(tiny_dir, out, training=training)
     result = run_script([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                          f"recipes/accelerate/deepspeed-zero{stage}.yaml", "--num_processes", "1",
-                         "--main_process_port", str(29560 + stage), str(script), json.dumps(values)], env)
-    made = json.loads(result.stdout.strip().splitlines()[-1])
-    assert made["mixed_precision"] == "bf16"  # the recipe's setting
+                         "--main_process_port", str(29560 + stage), "train_heads.py", "--config",
+                         str(write_recipe(tmp_path / "r.yaml", values))], env)
+    assert "accelerate: DEEPSPEED on cpu, 1 process(es), mixed precision bf16" in result.stdout, result.stdout[-2000:]
+    log = train_log(out)
+    assert [r["step"] for r in log] == list(range(1, 7)) and log[-1]["loss"] < log[0]["loss"]
+    config = json.loads((out / "heads" / "config.json").read_text())
+    assert len(config["head_accuracies"]) == 3 and config["tree"]
+    assert (out / "heads" / "adapter").is_dir() == (mode == "medusa2")
