@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import time
+import traceback
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -172,11 +173,16 @@ def check_lora_targets_early(config: TrainConfig) -> None:
 
 @contextmanager
 def script_errors() -> Iterator[None]:
-    """A ``ValueError`` raised inside (rows too few to split, a bad conversation, examples that changed
-    under finished heads, batches the data cannot fill) ends the script with its message, not a traceback."""
+    """A ``ValueError`` raised inside on purpose (rows too few to split, a bad conversation, examples
+    that changed under finished heads, batches the data cannot fill) ends the script with its message,
+    not a traceback. One that no ``raise`` statement made (an unpacking that failed, say) is a bug, not
+    a bad input: it keeps its traceback."""
     try:
         yield
     except ValueError as err:
+        frames = traceback.extract_tb(err.__traceback__)
+        if not frames or not (frames[-1].line or "").lstrip().startswith("raise"):
+            raise
         raise SystemExit(f"train_heads.py: error: {err}") from err
 
 

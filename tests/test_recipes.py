@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from medusa_train.distill import read_prompts
@@ -401,3 +402,15 @@ def test_lora_targets_are_checked_by_plan_on_a_model_folder(tmp_path, capsys, ta
         train_heads.main(["--config", str(recipe), "--plan", *arguments])
     assert exit_info.value.code == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_script_errors_end_with_the_message_of_a_bad_input_and_keep_a_bugs_traceback():
+    import train_heads
+
+    with pytest.raises(SystemExit, match="train_heads.py: error: 3 rows are too few"):
+        with train_heads.script_errors():
+            raise ValueError(
+                "3 rows are too few")  # a statement over several lines, as most of ours are
+    with pytest.raises(ValueError, match="not enough values to unpack"):  # not a SystemExit
+        with train_heads.script_errors():
+            vocab, hidden = torch.Size([0])
