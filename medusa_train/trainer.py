@@ -80,6 +80,25 @@ def gathered(*params: torch.Tensor | None) -> Iterator[None]:
         yield
 
 
+def trained_heads_state(accelerator: Any, module: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
+    """The heads' weights (names under ``prefix``, without it) from the prepared ``module``; called on
+    every process. Under DeepSpeed's bf16 or fp16 the module's parameters are 16-bit and the optimizer
+    keeps their float32 master copies: those are the trained weights, and are taken instead."""
+    state = accelerator.get_state_dict(module)
+    heads = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    if getattr(accelerator.state, "deepspeed_plugin", None) is None:
+        return heads
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    params = dict(accelerator.unwrap_model(module).named_parameters())
+    for name in heads:
+        param = params.get(prefix + name)
+        master = None if param is None else safe_get_full_fp32_param(param)  # a collective under ZeRO-3
+        if master is not None:
+            heads[name] = master.detach().cpu()
+    return heads
+
+
 # ---------------------------------------------------------------------------------------------
 # Modules
 
@@ -265,8 +284,7 @@ class Medusa1Task:
         return out.loss, {"head_loss": out.per_head, "top1_hits": hits[:, 0], "top1_total": totals}
 
     def heads_state(self, accelerator: Any, module: nn.Module) -> dict[str, torch.Tensor]:
-        state = accelerator.get_state_dict(module)
-        return {k[len("heads."):]: v for k, v in state.items() if k.startswith("heads.")}
+        return trained_heads_state(accelerator, module, "heads.")
 
     def save_extra(self, accelerator: Any, module: nn.Module, folder: Path) -> None:
         """Nothing besides the heads in Medusa-1."""
@@ -324,8 +342,7 @@ class Medusa2Task:
         return t.kl_weight * base_kl + weight * heads.loss, metrics
 
     def heads_state(self, accelerator: Any, module: nn.Module) -> dict[str, torch.Tensor]:
-        state = accelerator.get_state_dict(module)
-        return {k[len("medusa.heads."):]: v for k, v in state.items() if k.startswith("medusa.heads.")}
+        return trained_heads_state(accelerator, module, "medusa.heads.")
 
     def save_extra(self, accelerator: Any, module: nn.Module, folder: Path) -> None:
         """The LoRA adapter, as peft writes it, in ``folder/adapter``."""

@@ -800,3 +800,5 @@ def test_deepspeed_launch_configs_train_heads_on_the_cpu(tiny_dir, tmp_path, sta
     config = json.loads((out / "heads" / "config.json").read_text())
     assert len(config["head_accuracies"]) == 3 and config["tree"]
     assert (out / "heads" / "adapter").is_dir() == (mode == "medusa2")
+    # the optimizer's float32 master weights, not the bfloat16 copies DeepSpeed computed with
+    assert {t.dtype for t in final_heads(out).values() if t.is_floating_point()} == {torch.float32}
