@@ -50,6 +50,12 @@ def make_accelerator(config: TrainConfig) -> Any:
     # Without a GPU accelerate runs on the CPU, except under a DeepSpeed launch config: DeepSpeed has a
     # CPU accelerator of its own (its ZeRO stages, gloo), which accelerate uses unless told cpu=True.
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if deepspeed and not (config.training.cpu or torch.cuda.is_available()):
+        from accelerate import PartialState
+
+        # accelerate finds no process-group backend for cpu=False without a GPU, and would count one
+        # process where DeepSpeed runs several
+        PartialState(backend="gloo", timeout=timedelta(hours=6))
     return Accelerator(
         cpu=config.training.cpu or not (torch.cuda.is_available() or deepspeed),
         mixed_precision=config.training.mixed_precision,
@@ -174,14 +180,15 @@ def check_lora_targets_early(config: TrainConfig) -> None:
 @contextmanager
 def script_errors() -> Iterator[None]:
     """A ``ValueError`` raised inside on purpose (rows too few to split, a bad conversation, examples
-    that changed under finished heads, batches the data cannot fill) ends the script with its message,
-    not a traceback. One that no ``raise`` statement made (an unpacking that failed, say) is a bug, not
-    a bad input: it keeps its traceback."""
+    that changed under finished heads, batches the data cannot fill) or by reading a damaged file ends
+    the script with its message, not a traceback. One that no ``raise`` statement made (an unpacking
+    that failed, say) is a bug, not a bad input: it keeps its traceback."""
     try:
         yield
     except ValueError as err:
         frames = traceback.extract_tb(err.__traceback__)
-        if not frames or not (frames[-1].line or "").lstrip().startswith("raise"):
+        unreadable = isinstance(err, (json.JSONDecodeError, UnicodeDecodeError))  # a damaged file
+        if not unreadable and not (frames and (frames[-1].line or "").lstrip().startswith("raise")):
             raise
         raise SystemExit(f"train_heads.py: error: {err}") from err
 
@@ -469,6 +476,11 @@ def main(argv: list[str] | None = None) -> int:
     accelerator = make_accelerator(config)
     say(accelerator, f"accelerate: {accelerator.distributed_type.value} on {accelerator.device.type}, "
                      f"{accelerator.num_processes} process(es), mixed precision {accelerator.mixed_precision}")
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if accelerator.num_processes != launched:
+        raise SystemExit(f"train_heads.py: error: the launch started {launched} processes and accelerate counts "
+                         f"{accelerator.num_processes} ({accelerator.distributed_type.value} on "
+                         f"{accelerator.device.type}); each would train alone")
     asked = next((name for name in ("DEEPSPEED", "FSDP")
                   if os.environ.get(f"ACCELERATE_USE_{name}", "false").lower() == "true"), None)
     if asked and accelerator.distributed_type.value != asked:

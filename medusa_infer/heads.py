@@ -170,8 +170,9 @@ class MedusaHeads(nn.Module):
         stop = len(self.heads) if first is None else first
         check_head_range(start, stop, len(self.heads))
         heads = self.heads[start:stop]
-        # the heads compute in their own dtype: float32 while training beside a bfloat16 base (where
-        # DeepSpeed, unlike autocast, casts nothing), the base model's dtype when decoding (a no-op)
+        # the heads compute in their own dtype: float32 beside a bfloat16 base under autocast, bfloat16
+        # where DeepSpeed cast the module (it casts no inputs, unlike autocast), and the base model's
+        # dtype when decoding (a no-op)
         own = next(heads[0].parameters(), None)  # none: no blocks, shared projection, no token inputs
         hidden = hidden if own is None else hidden.to(own.dtype)
         embedded = path_embedded = None

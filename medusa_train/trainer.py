@@ -84,18 +84,17 @@ def trained_heads_state(accelerator: Any, module: nn.Module, prefix: str) -> dic
     """The heads' weights (names under ``prefix``, without it) from the prepared ``module``; called on
     every process. Under DeepSpeed's bf16 or fp16 the module's parameters are 16-bit and the optimizer
     keeps their float32 master copies: those are the trained weights, and are taken instead."""
-    state = accelerator.get_state_dict(module)
+    state = accelerator.get_state_dict(module) or {}  # ZeRO-3 consolidates it on the main process alone
     heads = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
     if getattr(accelerator.state, "deepspeed_plugin", None) is None:
         return heads
     from deepspeed.utils import safe_get_full_fp32_param
 
-    params = dict(accelerator.unwrap_model(module).named_parameters())
-    for name in heads:
-        param = params.get(prefix + name)
-        master = None if param is None else safe_get_full_fp32_param(param)  # a collective under ZeRO-3
-        if master is not None:
-            heads[name] = master.detach().cpu()
+    for name, param in accelerator.unwrap_model(module).named_parameters():
+        if name.startswith(prefix):  # every process, in the same order: a collective under ZeRO-3
+            master = safe_get_full_fp32_param(param)
+            if master is not None:
+                heads[name[len(prefix):]] = master.detach().cpu()
     return heads
 
 

@@ -411,6 +411,10 @@ def test_script_errors_end_with_the_message_of_a_bad_input_and_keep_a_bugs_trace
         with train_heads.script_errors():
             raise ValueError(
                 "3 rows are too few")  # a statement over several lines, as most of ours are
+    for damaged in ('{"step": 3, "lo', "", b"\xff".decode):  # a file cut or corrupted: the message alone
+        with pytest.raises(SystemExit, match="train_heads.py: error: "):
+            with train_heads.script_errors():
+                json.loads(damaged) if isinstance(damaged, str) else damaged()
     with pytest.raises(ValueError, match="not enough values to unpack"):  # not a SystemExit
         with train_heads.script_errors():
             vocab, hidden = torch.Size([0])

@@ -539,6 +539,12 @@ def test_medusa2_step0_kl_is_zero_and_base_logits_unchanged(tiny_dir, tmp_path):
     assert tr.heads_loss_weight(config, 0) == config.training.heads_loss_weight
 
 
+def test_joint_module_names_the_layers_fsdp_shards_one_by_one():
+    # accelerate's FSDP (TRANSFORMER_BASED_WRAP) reads _no_split_modules; without it nothing is wrapped
+    module = tr.JointModule(MedusaModel.from_base(tiny_model("llama"), num_heads=1), None, 0)
+    assert module._no_split_modules == ["LlamaDecoderLayer"]
+
+
 def test_medusa2_trains_adapter_and_heads_then_evaluates(tiny_dir, tmp_path):
     import train_heads
 
@@ -776,8 +782,8 @@ def test_heads_config_records_the_recipes_chat_template():
 @pytest.mark.parametrize("stage, mode", [(2, "medusa1"), (3, "medusa2")])
 def test_deepspeed_launch_configs_train_heads_on_the_cpu(tiny_dir, tmp_path, stage, mode):
     """``accelerate launch --config_file recipes/accelerate/deepspeed-zeroN.yaml train_heads.py`` runs
-    DeepSpeed itself on a machine without a GPU (its CPU accelerator), in bfloat16 as the GPU recipes
-    train: ZeRO-2 Medusa-1 on the feature cache, ZeRO-3 Medusa-2 with the base model partitioned as it
+    DeepSpeed itself, two processes, on a machine without a GPU (its CPU accelerator, gloo), in
+    bfloat16 as the GPU recipes train: ZeRO-2 Medusa-1 on the feature cache, ZeRO-3 Medusa-2 with the base model partitioned as it
     loads, evaluated from a whole copy. tests/test_cuda.py runs each launch config on a GPU."""
     pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install deepspeed)")
     env = quiet_env(tmp_path)
@@ -791,10 +797,10 @@ def test_deepspeed_launch_configs_train_heads_on_the_cpu(tiny_dir, tmp_path, sta
     else:
         values = recipe(tiny_dir, out, training=training)
     result = run_script([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                         f"recipes/accelerate/deepspeed-zero{stage}.yaml", "--num_processes", "1",
+                         f"recipes/accelerate/deepspeed-zero{stage}.yaml", "--num_processes", "2",
                          "--main_process_port", str(29560 + stage), "train_heads.py", "--config",
                          str(write_recipe(tmp_path / "r.yaml", values))], env)
-    assert "accelerate: DEEPSPEED on cpu, 1 process(es), mixed precision bf16" in result.stdout, result.stdout[-2000:]
+    assert "accelerate: DEEPSPEED on cpu, 2 process(es), mixed precision bf16" in result.stdout, result.stdout[-2000:]
     log = train_log(out)
     assert [r["step"] for r in log] == list(range(1, 7)) and log[-1]["loss"] < log[0]["loss"]
     config = json.loads((out / "heads" / "config.json").read_text())
