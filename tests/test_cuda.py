@@ -206,7 +206,8 @@ def test_accelerate_launch_config_trains_heads(config_file, mode, distributed, t
     env["CUDA_VISIBLE_DEVICES"] = str(CUDA.index or 0)
     result = run_script([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                          f"recipes/accelerate/{config_file}", "--num_processes", "1", "--main_process_port", "29541",
-                         "train_heads.py", "--config", str(write_recipe(tmp_path / "r.yaml", values))], env, timeout=150)
+                         "train_heads.py", "--config", str(write_recipe(tmp_path / "r.yaml", values))],
+                        env, timeout=150)
     reported = re.search(r"accelerate: (\w+) on (\w+)", result.stdout)
     assert reported and reported.groups() in {(d, "cuda") for d in distributed}, result.stdout[-2000:]
     log = train_log(out)

@@ -783,8 +783,9 @@ def test_heads_config_records_the_recipes_chat_template():
 def test_deepspeed_launch_configs_train_heads_on_the_cpu(tiny_dir, tmp_path, stage, mode):
     """``accelerate launch --config_file recipes/accelerate/deepspeed-zeroN.yaml train_heads.py`` runs
     DeepSpeed itself, two processes, on a machine without a GPU (its CPU accelerator, gloo), in
-    bfloat16 as the GPU recipes train: ZeRO-2 Medusa-1 on the feature cache, ZeRO-3 Medusa-2 with the base model partitioned as it
-    loads, evaluated from a whole copy. tests/test_cuda.py runs each launch config on a GPU."""
+    bfloat16 as the GPU recipes train: ZeRO-2 Medusa-1 on the feature cache, ZeRO-3 Medusa-2 with
+    the base model partitioned as it loads, evaluated from a whole copy. tests/test_cuda.py runs
+    each launch config on a GPU."""
     pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install deepspeed)")
     env = quiet_env(tmp_path)
     env["DS_ACCELERATOR"] = "cpu"
@@ -800,7 +801,8 @@ def test_deepspeed_launch_configs_train_heads_on_the_cpu(tiny_dir, tmp_path, sta
                          f"recipes/accelerate/deepspeed-zero{stage}.yaml", "--num_processes", "2",
                          "--main_process_port", str(29560 + stage), "train_heads.py", "--config",
                          str(write_recipe(tmp_path / "r.yaml", values))], env)
-    assert "accelerate: DEEPSPEED on cpu, 2 process(es), mixed precision bf16" in result.stdout, result.stdout[-2000:]
+    assert "accelerate: DEEPSPEED on cpu, 2 process(es), mixed precision bf16" in result.stdout, \
+        result.stdout[-2000:]
     log = train_log(out)
     assert [r["step"] for r in log] == list(range(1, 7)) and log[-1]["loss"] < log[0]["loss"]
     config = json.loads((out / "heads" / "config.json").read_text())
