@@ -300,7 +300,7 @@ def _token_map(config: TrainConfig, labels: torch.Tensor, vocab_size: int, alway
 def stage_train(config: TrainConfig, accelerator: Any, train: list[dict], folders: dict[str, Path] | None) -> None:
     """(d) Train (or resume); writes ``checkpoints/final``."""
     from medusa_infer.heads import MedusaHeads
-    from medusa_infer.model import MedusaModel
+    from medusa_infer.model import MedusaModel, full_shape
     from medusa_train import trainer as tr
     from medusa_train.features import FeatureCache, FeatureDataset, end_of_turn_ids, eos_token_ids, examples_hash
 
@@ -323,8 +323,7 @@ def stage_train(config: TrainConfig, accelerator: Any, train: list[dict], folder
     else:
         base = load_base(config, accelerator, whole=t.mode == "medusa1")  # Medusa-1: frozen, never sharded
         base.requires_grad_(False)
-        with tr.gathered(base.get_output_embeddings().weight):
-            vocab, hidden = base.get_output_embeddings().weight.shape
+        vocab, hidden = full_shape(base.get_output_embeddings().weight)
         model_type = base.config.model_type
         init = tr.initial_heads(config, hidden, vocab)
         if init:

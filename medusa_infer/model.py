@@ -409,8 +409,7 @@ def check_compatible(config: MedusaConfig, base_model: PreTrainedModel) -> None:
     lm_head = base_model.get_output_embeddings()
     if lm_head is None:
         raise ValueError(f"{type(base_model).__name__} has no output embeddings (lm_head); use a *ForCausalLM model")
-    # a parameter DeepSpeed ZeRO-3 partitioned (training under it) keeps its full shape as ds_shape
-    vocab, hidden = getattr(lm_head.weight, "ds_shape", lm_head.weight.shape)
+    vocab, hidden = full_shape(lm_head.weight)
     if config.hidden_size != hidden:
         raise ValueError(
             f"heads were trained for hidden size {config.hidden_size}, this model has {hidden}: "
@@ -427,6 +426,12 @@ def check_compatible(config: MedusaConfig, base_model: PreTrainedModel) -> None:
             f"heads were trained for model type {config.base_model_type!r}, this model is {model_type!r}: "
             f"load the base model they were trained for ({config.base_model_name_or_path})"
         )
+
+
+def full_shape(param: torch.Tensor) -> torch.Size:
+    """A parameter's shape, also while DeepSpeed ZeRO-3 holds it in pieces (training under it), when
+    the tensor itself is empty and the shape is kept as ``ds_shape``."""
+    return getattr(param, "ds_shape", param.shape)
 
 
 def embedding_lora_targets(base_model: nn.Module, target_modules: str | Sequence[str]) -> list[str]:

@@ -60,17 +60,12 @@ _RESUME_IGNORES = ("save_every", "keep_checkpoints", "cpu")
 # Weights DeepSpeed ZeRO-3 partitioned
 
 
-def is_partitioned(param: torch.Tensor) -> bool:
-    """Whether DeepSpeed ZeRO-3 holds this parameter in pieces (as models load under accelerate's
-    ZeRO-3 launch config): outside its module's forward it is then an empty tensor."""
-    return hasattr(param, "ds_id")
-
-
 @contextlib.contextmanager
 def gathered(*params: torch.Tensor | None) -> Iterator[None]:
-    """Inside, ZeRO-3-partitioned parameters among ``params`` hold their full values (read-only;
-    copy what must outlive the block); other parameters are left as they are."""
-    partitioned = [p for p in params if p is not None and is_partitioned(p)]
+    """Inside, parameters among ``params`` that DeepSpeed ZeRO-3 holds in pieces (as models load under
+    accelerate's ZeRO-3 launch config; outside their module's forward they are empty tensors) hold
+    their full values (read-only; copy what must outlive the block); others are left as they are."""
+    partitioned = [p for p in params if p is not None and hasattr(p, "ds_id")]
     if not partitioned:
         yield
         return
@@ -82,19 +77,22 @@ def gathered(*params: torch.Tensor | None) -> Iterator[None]:
 
 def trained_heads_state(accelerator: Any, module: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
     """The heads' weights (names under ``prefix``, without it) from the prepared ``module``; called on
-    every process. Under DeepSpeed's bf16 or fp16 the module's parameters are 16-bit and the optimizer
-    keeps their float32 master copies: those are the trained weights, and are taken instead."""
-    state = accelerator.get_state_dict(module) or {}  # ZeRO-3 consolidates it on the main process alone
-    heads = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    every process. Under DeepSpeed the module's parameters are the 16-bit copies it computes with (in
+    pieces under ZeRO-3) and the optimizer keeps their float32 master copies: the heads' parameters
+    are taken from those, without consolidating the whole model as ``get_state_dict`` would."""
     if getattr(accelerator.state, "deepspeed_plugin", None) is None:
-        return heads
+        state = accelerator.get_state_dict(module)  # FSDP: a collective, full on the main process
+        return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
     from deepspeed.utils import safe_get_full_fp32_param
 
-    for name, param in accelerator.unwrap_model(module).named_parameters():
-        if name.startswith(prefix):  # every process, in the same order: a collective under ZeRO-3
-            master = safe_get_full_fp32_param(param)
-            if master is not None:
-                heads[name[len(prefix):]] = master.detach().cpu()
+    heads_module = accelerator.unwrap_model(module).get_submodule(prefix.rstrip("."))
+    heads = {name: value.detach().cpu() for name, value in heads_module.state_dict().items()}  # the buffers
+    for name, param in heads_module.named_parameters():  # every process, in one order: ZeRO-3 collectives
+        master = safe_get_full_fp32_param(param)
+        if master is None:  # not in the optimizer (frozen): the parameter itself
+            with gathered(param):
+                master = param.detach().clone()
+        heads[name] = master.detach().cpu()
     return heads
 
 
