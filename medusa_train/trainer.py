@@ -75,25 +75,31 @@ def gathered(*params: torch.Tensor | None) -> Iterator[None]:
         yield
 
 
-def trained_heads_state(accelerator: Any, module: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
-    """The heads' weights (names under ``prefix``, without it) from the prepared ``module``; called on
-    every process. Under DeepSpeed the module's parameters are the 16-bit copies it computes with (in
-    pieces under ZeRO-3) and the optimizer keeps their float32 master copies: the heads' parameters
-    are taken from those, without consolidating the whole model as ``get_state_dict`` would."""
+def trained_state(accelerator: Any, module: nn.Module, prefix: str,
+                  keep: Callable[[str], bool] = lambda name: True) -> dict[str, torch.Tensor]:
+    """The weights of the prepared ``module`` whose names lie under ``prefix`` (returned without it)
+    and pass ``keep``; called on every process. Under DeepSpeed the module's parameters are the 16-bit
+    copies it computes with (in pieces under ZeRO-3) and the optimizer keeps their float32 master
+    copies: the trained parameters are taken from those, and only the ones asked for are gathered,
+    without consolidating the whole model as ``get_state_dict`` would."""
     if getattr(accelerator.state, "deepspeed_plugin", None) is None:
         state = accelerator.get_state_dict(module)  # FSDP: a collective, full on the main process
-        return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix) and keep(k[len(prefix):])}
     from deepspeed.utils import safe_get_full_fp32_param
 
-    heads_module = accelerator.unwrap_model(module).get_submodule(prefix.rstrip("."))
-    heads = {name: value.detach().cpu() for name, value in heads_module.state_dict().items()}  # the buffers
-    for name, param in heads_module.named_parameters():  # every process, in one order: ZeRO-3 collectives
+    sub = accelerator.unwrap_model(module).get_submodule(prefix.rstrip("."))
+    params = dict(sub.named_parameters())
+    out = {name: value.detach().cpu() for name, value in sub.state_dict(keep_vars=True).items()
+           if name not in params and keep(name)}  # the saved buffers
+    for name, param in params.items():  # every process, in one order: ZeRO-3 collectives
+        if not keep(name):
+            continue
         master = safe_get_full_fp32_param(param)
         if master is None:  # not in the optimizer (frozen): the parameter itself
             with gathered(param):
                 master = param.detach().clone()
-        heads[name] = master.detach().cpu()
-    return heads
+        out[name] = master.detach().cpu()
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,7 +287,7 @@ class Medusa1Task:
         return out.loss, {"head_loss": out.per_head, "top1_hits": hits[:, 0], "top1_total": totals}
 
     def heads_state(self, accelerator: Any, module: nn.Module) -> dict[str, torch.Tensor]:
-        return trained_heads_state(accelerator, module, "heads.")
+        return trained_state(accelerator, module, "heads.")
 
     def save_extra(self, accelerator: Any, module: nn.Module, folder: Path) -> None:
         """Nothing besides the heads in Medusa-1."""
@@ -339,17 +345,16 @@ class Medusa2Task:
         return t.kl_weight * base_kl + weight * heads.loss, metrics
 
     def heads_state(self, accelerator: Any, module: nn.Module) -> dict[str, torch.Tensor]:
-        return trained_heads_state(accelerator, module, "medusa.heads.")
+        return trained_state(accelerator, module, "medusa.heads.")
 
     def save_extra(self, accelerator: Any, module: nn.Module, folder: Path) -> None:
         """The LoRA adapter, as peft writes it, in ``folder/adapter``."""
         from medusa_train.lora import ADAPTER_DIR
 
-        state = accelerator.get_state_dict(module)
+        # under DeepSpeed, the float32 master weights of the adapter alone (as for the heads)
+        state = trained_state(accelerator, module, "medusa.base_model.", lambda name: "lora_" in name)
         if accelerator.is_main_process:
-            prefix = "medusa.base_model."
-            adapter = {"base_model.model." + k[len(prefix):]: v for k, v in state.items()
-                       if k.startswith(prefix) and "lora_" in k}
+            adapter = {"base_model.model." + k: v for k, v in state.items()}
             # The vocabulary is never resized and only LoRA weights are written, so peft need not
             # look the base model up (on the Hub, with a warning offline) to decide on embeddings.
             accelerator.unwrap_model(module)._peft[0].save_pretrained(str(folder / ADAPTER_DIR), state_dict=adapter,

@@ -70,10 +70,11 @@ def main() -> None:
         tokens = []
         with torch.inference_mode():
             cache = DynamicCache(config=config)
-            token = base(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+            key = kv_cache.cache_keyword(base)
+            token = base(ids, **{key: cache}).logits[:, -1:].argmax(-1)
             tokens.append(int(token))
             for _ in range(n - 1):
-                token = base(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+                token = base(token, **{key: cache}).logits[:, -1:].argmax(-1)
                 tokens.append(int(token))
         return tokens
 

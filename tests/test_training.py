@@ -779,12 +779,13 @@ def test_heads_config_records_the_recipes_chat_template():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage, mode", [(2, "medusa1"), (3, "medusa2")])
+@pytest.mark.parametrize("stage, mode", [(2, "medusa1"), (2, "medusa2"), (3, "medusa2")])
 def test_deepspeed_launch_configs_train_heads_on_the_cpu(tiny_dir, tmp_path, stage, mode):
     """``accelerate launch --config_file recipes/accelerate/deepspeed-zeroN.yaml train_heads.py`` runs
     DeepSpeed itself, two processes, on a machine without a GPU (its CPU accelerator, gloo), in
-    bfloat16 as the GPU recipes train: ZeRO-2 Medusa-1 on the feature cache, ZeRO-3 Medusa-2 with
-    the base model partitioned as it loads, evaluated from a whole copy. tests/test_cuda.py runs
+    bfloat16 as the GPU recipes train: ZeRO-2 Medusa-1 on the feature cache, ZeRO-2 Medusa-2 (whose
+    module DeepSpeed casts to bfloat16, adapter included), ZeRO-3 Medusa-2 with the base model
+    partitioned as it loads, evaluated from a whole copy. tests/test_cuda.py runs
     each launch config on a GPU."""
     pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install deepspeed)")
     env = quiet_env(tmp_path)
@@ -799,7 +800,7 @@ def test_deepspeed_launch_configs_train_heads_on_the_cpu(tiny_dir, tmp_path, sta
         values = recipe(tiny_dir, out, training=training)
     result = run_script([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                          f"recipes/accelerate/deepspeed-zero{stage}.yaml", "--num_processes", "2",
-                         "--main_process_port", str(29560 + stage), "train_heads.py", "--config",
+                         "--main_process_port", str(29560 + 2 * stage + (mode == "medusa2")), "train_heads.py", "--config",
                          str(write_recipe(tmp_path / "r.yaml", values))], env)
     assert "accelerate: DEEPSPEED on cpu, 2 process(es), mixed precision bf16" in result.stdout, \
         result.stdout[-2000:]
@@ -810,3 +811,10 @@ def test_deepspeed_launch_configs_train_heads_on_the_cpu(tiny_dir, tmp_path, sta
     assert (out / "heads" / "adapter").is_dir() == (mode == "medusa2")
     # the optimizer's float32 master weights, not the bfloat16 copies DeepSpeed computed with
     assert {t.dtype for t in final_heads(out).values() if t.is_floating_point()} == {torch.float32}
+    if mode == "medusa2":  # the adapter too, and only its LoRA weights (A and B for q_proj and v_proj per layer)
+        from safetensors.torch import load_file
+
+        adapter = load_file(out / "heads" / "adapter" / "adapter_model.safetensors")
+        layers = json.loads((tiny_dir / "model" / "config.json").read_text())["num_hidden_layers"]
+        assert len(adapter) == 4 * layers and all("lora_" in k for k in adapter), sorted(adapter)
+        assert {t.dtype for t in adapter.values()} == {torch.float32}
