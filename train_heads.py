@@ -14,6 +14,7 @@ from its last checkpoint.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shutil
@@ -405,7 +406,9 @@ def heldout_accuracy(config: TrainConfig, accelerator: Any, heldout: list[dict],
         from medusa_train.lora import ADAPTER_DIR
 
         base = merge_adapter(base, paths.final / ADAPTER_DIR)  # as from_pretrained does
-    medusa = MedusaModel(base, heads).eval()
+    # a copy: MedusaModel converts heads to the base model's dtype in place, and the heads saved
+    # after this evaluation are the float32 ones training wrote
+    medusa = MedusaModel(base, copy.deepcopy(heads)).eval()
     source = tr.LiveFeatures(medusa, heldout, mconfig.num_heads, token_map, 0, config.data.pack)
     size = config.training.batch_size
     batches = (source.batch(torch.arange(i, min(i + size, len(source)))) for i in range(0, len(source), size))

@@ -16,6 +16,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from medusa_infer.config import MedusaConfig
+from medusa_infer.datastore import DATASTORE_NAME
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -90,6 +91,9 @@ def push_folder_to_hub(
 ) -> str:
     """Upload a saved heads folder (with its adapter, if any) to the Hub; returns the commit URL.
 
+    An adapter, datastore or FasterDecoding weights file that the repo holds from an earlier upload
+    and the folder does not is deleted in the same commit (they would load with these heads).
+
     Creates ``repo_id`` (``private=None``: the Hub's default visibility) and the ``revision``
     branch when missing. ``token=None`` uses the locally stored login.
     """
@@ -99,8 +103,13 @@ def push_folder_to_hub(
     api.create_repo(repo_id, private=private, exist_ok=True)
     if revision is not None:
         api.create_branch(repo_id, branch=revision, exist_ok=True)
+    # Files an earlier upload left that change how the repo loads (another adapter would be merged
+    # under these heads, another datastore searched, FasterDecoding weights read instead) are deleted
+    # in the same commit; files the folder holds are uploaded, not deleted.
+    stale = [ADAPTER_DIR + "/*", DATASTORE_NAME, *FASTERDECODING_WEIGHTS]
     info = api.upload_folder(
-        repo_id=repo_id, folder_path=str(folder), revision=revision, commit_message=commit_message
+        repo_id=repo_id, folder_path=str(folder), revision=revision, commit_message=commit_message,
+        delete_patterns=stale,
     )
     return str(getattr(info, "commit_url", info))
 
@@ -128,17 +137,31 @@ def check_state_dict(expected: dict[str, torch.Tensor], found: dict[str, torch.T
         )
 
 
+def _looks_like_hub_id(name: str) -> bool:
+    """Whether ``name`` can be a Hub model id rather than a local folder (absolute, or one that exists)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if name == "unknown" or Path(name).is_absolute() or Path(name).exists():
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
 def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
     """A Hugging Face model card with front matter, usage and the measured figures when known.
 
     ``base_model`` is ``base_model_id``, else the Hub id the config's base model stands for
-    (``models.hub_id``: a default model's original repository, not its short name).
+    (``models.hub_id``: a default model's original repository, not its short name); the front
+    matter names it only when it can be a Hub id (not a local folder, which the Hub would refuse).
     """
     from medusa_infer.models import hub_id
 
     base = base_model_id or hub_id(config.base_model_name_or_path) or "unknown"
     lines = ["---"]
-    if base != "unknown":
+    if _looks_like_hub_id(base):  # the Hub refuses a commit whose card names a local folder here
         lines.append(f"base_model: {base}")
     lines += [
         "library_name: medusa-forge",

@@ -36,12 +36,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--draft-tokens", type=int, default=None,
                         help="tokens proposed a step by draft, layerskip (the first k) and lookup (default 4; lookup "
                              "with heads that carry a cost profile: the length that pays, up to 16)")
-    parser.add_argument("--draft-schedule", choices=SCHEDULES, default="heuristic",
-                        help="draft and layerskip: adapt k to the acceptance (heuristic) or keep it (constant)")
-    parser.add_argument("--lookup-max-ngram", type=int, default=3,
-                        help="longest n-gram --method lookup searches for (then shorter ones)")
-    parser.add_argument("--lookup-min-ngram", type=int, default=1,
-                        help="shortest n-gram --method lookup accepts as a match (longer: fewer, surer drafts)")
+    parser.add_argument("--draft-schedule", choices=SCHEDULES, default=None,
+                        help="draft and layerskip: adapt k to the acceptance (heuristic, the default) or keep "
+                             "it (constant)")
+    parser.add_argument("--lookup-max-ngram", type=int, default=None,
+                        help="longest n-gram lookup drafts search for, then shorter ones (--method lookup, or "
+                             "medusa with --lookup-tokens; default 3)")
+    parser.add_argument("--lookup-min-ngram", type=int, default=None,
+                        help="shortest n-gram lookup drafts accept as a match, longer: fewer, surer drafts "
+                             "(default 1)")
     parser.add_argument("--layerskip-layers", type=int, default=None,
                         help="target layers used as the draft by --method layerskip (default: a third)")
     add_tree_arguments(parser)
@@ -95,12 +98,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         except ValueError as err:
             parser.error(str(err))
     check_method_flags(parser, args, "train some with train_heads.py or `make demo`")
-    for flag, value in (("--lookup-max-ngram", args.lookup_max_ngram), ("--max-new-tokens", args.max_new_tokens)):
+    longest = 3 if args.lookup_max_ngram is None else args.lookup_max_ngram
+    shortest = 1 if args.lookup_min_ngram is None else args.lookup_min_ngram
+    for flag, value in (("--lookup-max-ngram", longest), ("--max-new-tokens", args.max_new_tokens)):
         if value < 1:
             parser.error(f"{flag} must be at least 1, got {value}")
-    if args.lookup_min_ngram < 1 or args.lookup_min_ngram > args.lookup_max_ngram:
-        parser.error(f"--lookup-min-ngram must lie in [1, --lookup-max-ngram={args.lookup_max_ngram}], "
-                     f"got {args.lookup_min_ngram}")
+    if shortest < 1 or shortest > longest:
+        parser.error(f"--lookup-min-ngram must lie in [1, --lookup-max-ngram={longest}], got {shortest}")
     return args
 
 
@@ -149,6 +153,20 @@ def check_method_flags(parser: argparse.ArgumentParser, args: argparse.Namespace
     if args.lookup_tokens and args.method != "medusa":
         parser.error(f"--lookup-tokens grafts lookup onto the Medusa tree (--method medusa); with --method "
                      f"{args.method} use --draft-tokens")
+    # the proposer flags each method reads (medusa-serve has some of them only)
+    readers = {"--draft-tokens": ("draft_tokens", ("draft", "layerskip", "lookup")),
+               "--layerskip-layers": ("layerskip_layers", ("layerskip",)),
+               "--draft-schedule": ("draft_schedule", ("draft", "layerskip")),
+               "--lookup-max-ngram": ("lookup_max_ngram", ("lookup", "medusa")),
+               "--lookup-min-ngram": ("lookup_min_ngram", ("lookup", "medusa"))}
+    for flag, (name, methods) in readers.items():
+        if getattr(args, name, None) is None:
+            continue
+        if args.method not in methods:
+            parser.error(f"{flag} is read by --method {' / '.join(methods)}, not --method {args.method}; drop {flag}")
+        if args.method == "medusa" and not args.lookup_tokens:
+            parser.error(f"{flag} shapes the lookup chain that --lookup-tokens grafts onto the Medusa tree: add "
+                         f"--lookup-tokens N or drop {flag}")
 
 
 def run_turn(model, args: argparse.Namespace, messages: list[dict] | None, prompt: str | None):

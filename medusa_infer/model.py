@@ -16,7 +16,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -238,11 +238,12 @@ class MedusaModel(nn.Module):
                 raise ValueError(f"base_model already has the adapter in {already[0]} merged into its weights (an "
                                  f"earlier from_pretrained changed it in place); {wanted} needs the plain base "
                                  "model: load a fresh one")
-        elif merge:
-            base_model = merge_adapter(base_model, adapter_folder)
         heads = MedusaHeads(config)
         check_state_dict(heads.state_dict(), state, str(directory))
         heads.load_state_dict(state, strict=True)
+        if merge and already is None:
+            check_compatible(config, base_model)  # before the merge changes a given base model in place
+            base_model = merge_adapter(base_model, adapter_folder)
         model = cls(base_model, heads, tokenizer)
         model.merged_adapter = adapter_folder if merge else None
         if (directory / DATASTORE_NAME).is_file():
@@ -258,19 +259,37 @@ class MedusaModel(nn.Module):
 
     # ------------------------------------------------------------------ saving
 
-    def save_pretrained(self, directory: str | os.PathLike, base_model_id: str | None = None) -> Path:
+    def save_pretrained(self, directory: str | os.PathLike, base_model_id: str | None = None,
+                        heads_state: Mapping[str, torch.Tensor] | None = None) -> Path:
         """Write the heads (not the base model) as ``config.json``, ``model.safetensors``, ``README.md``.
 
+        The heads are written in the dtype they compute in, the base model's (``MedusaModel``
+        converts them): heads loaded in float32 onto a bfloat16 model are saved rounded to
+        bfloat16 unless ``heads_state`` gives the weights to write instead (the full-precision
+        ones they were loaded from; their names and shapes must be the heads').
+
         A Medusa-2 adapter merged at load time (``merged_adapter``) is copied along into
-        ``directory/adapter``: the heads were trained for the adapted base model, so the folder
-        (and what ``push_to_hub`` uploads) keeps both. So is the ``datastore``, as
-        ``datastore.safetensors``.
+        ``directory/adapter``, replacing what was there: the heads were trained for the adapted
+        base model, so the folder (and what ``push_to_hub`` uploads) keeps both. Heads without one
+        are not saved into a folder holding an adapter (``ValueError``): it would be merged under
+        them. The ``datastore`` is saved too, as ``datastore.safetensors``.
         """
-        out = save_heads(directory, self.config, self.heads.state_dict(), base_model_id)
-        if self.merged_adapter is not None:
-            target = out / ADAPTER_DIR
-            if not target.exists() or not os.path.samefile(target, self.merged_adapter):
-                shutil.copytree(self.merged_adapter, target, dirs_exist_ok=True)
+        config = self.config  # a model without heads: ValueError
+        own = self.heads.state_dict()
+        if heads_state is not None:
+            check_state_dict(own, dict(heads_state), "heads_state")
+        target = Path(directory) / ADAPTER_DIR
+        if self.merged_adapter is None and target.exists():
+            raise ValueError(f"{target} holds a Medusa-2 adapter and these heads have none merged (merged_adapter "
+                             "is None): from_pretrained would merge it under them; save into another folder, or "
+                             "delete that adapter if it is not wanted")
+        out = save_heads(directory, config, dict(heads_state) if heads_state is not None else own,
+                         base_model_id)
+        if self.merged_adapter is not None and (not target.exists()
+                                                or not os.path.samefile(target, self.merged_adapter)):
+            if target.exists():  # another adapter's files would mix with this one's
+                shutil.rmtree(target)
+            shutil.copytree(self.merged_adapter, target)
         if self.datastore is not None:
             self.datastore.save(out / DATASTORE_NAME)
         elif (out / DATASTORE_NAME).is_file():  # an earlier save's store is not these heads'

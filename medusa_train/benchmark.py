@@ -860,6 +860,7 @@ def run(args: argparse.Namespace, started: float) -> int:
     """Load the model and heads, calibrate if asked, benchmark and write the report."""
     if args.threads:
         torch.set_num_threads(args.threads)
+    from medusa_infer.checkpoint import load_heads_state
     from medusa_infer.model import MedusaModel, heads_folder
     from medusa_infer.models import load_base_model, load_tokenizer
 
@@ -891,7 +892,9 @@ def run(args: argparse.Namespace, started: float) -> int:
                                          exclude_ids=exclude)
         result = calibrate(model, calib_questions, args)
         result["question_ids"] = [q["id"] for q in calib_questions]  # left out of the benchmark
-        saved = model.save_pretrained(args.calibrated_heads or heads)  # a local folder (parse_args)
+        # the weights as stored (the model computes with them converted to --dtype, rounded in bfloat16)
+        stored = None if is_medusa_layout(heads) else load_heads_state(heads)[1]
+        saved = model.save_pretrained(args.calibrated_heads or heads, heads_state=stored)  # a local folder (parse_args)
         (output / "calibration.json").write_text(json.dumps(result, indent=2))
         print(f"calibrated: tree of {result['tree_nodes']} nodes, expected tau {result['expected_tau']:.2f}, "
               f"expected speedup {result['expected_speedup']:.2f}x; saved into {saved}", file=sys.stderr)

@@ -11,7 +11,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import LlamaForCausalLM
 
 from medusa_infer.checkpoint import ADAPTER_DIR
-from medusa_infer.model import MedusaModel
+from medusa_infer.model import MERGED_ADAPTER_ATTR, MedusaModel
 from medusa_train import lora
 from tiny import VOCAB, tiny_model
 
@@ -138,3 +138,30 @@ def test_lora_on_the_embeddings_the_heads_read_is_refused(heads_folder, tmp_path
                    ).save_pretrained(str(other / ADAPTER_DIR))
     with pytest.raises(ValueError, match=r"adapts \['lm_head'\], the embeddings the heads read directly"):
         MedusaModel.from_pretrained(other, base_model=tiny_model("llama"))
+
+
+def test_heads_without_an_adapter_are_not_saved_over_one(heads_folder, tmp_path):
+    """Saving adapter-less heads into a Medusa-2 folder would leave its adapter to be merged under
+    them by the next from_pretrained: refused, and the folder left as it was."""
+    folder, _ = heads_folder
+    target = tmp_path / "medusa2"
+    MedusaModel.from_pretrained(folder, base_model=tiny_model("llama")).save_pretrained(target)
+    weights = (target / "model.safetensors").read_bytes()
+    plain = MedusaModel.from_base(tiny_model("llama"), num_heads=3)
+    with pytest.raises(ValueError, match=r"medusa2/adapter holds a Medusa-2 adapter and these heads have none merged"):
+        plain.save_pretrained(target)
+    assert (target / "model.safetensors").read_bytes() == weights
+    adapted = MedusaModel.from_pretrained(folder, base_model=tiny_model("llama"), adapter=False)
+    with pytest.raises(ValueError, match="save into another folder"):  # its own folder too: loaded without it
+        adapted.save_pretrained(folder)
+
+
+def test_heads_for_another_model_leave_the_given_base_model_unmerged(heads_folder):
+    """A vocabulary mismatch is found before the adapter is merged into a base model given as an object."""
+    folder, _ = heads_folder
+    other = tiny_model("llama", vocab_size=VOCAB + 8)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(ValueError, match=f"vocabulary of {VOCAB} tokens, this model has {VOCAB + 8}"):
+        MedusaModel.from_pretrained(folder, base_model=other)
+    assert all(torch.equal(v, other.state_dict()[k]) for k, v in before.items())
+    assert getattr(other, MERGED_ADAPTER_ATTR, None) is None

@@ -49,6 +49,16 @@ def parse_error(capsys, argv: list[str]) -> str:
         (["--acceptance", "greedy", "--do-sample", "--temperature", "0.5", "hi"],
          "--acceptance greedy takes the model's top token, so --do-sample --temperature would change nothing"),
         (["--raw", "--system", "be brief", "hi"], "--system goes into the chat template, which --raw leaves out"),
+        # proposer flags the method would not read
+        (["--draft-tokens", "7", "hi"], "--draft-tokens is read by --method draft / layerskip / lookup, not "
+                                        "--method autoregressive; drop --draft-tokens"),
+        (["--heads", "h", "--draft-tokens", "7", "hi"], "not --method medusa; drop --draft-tokens"),
+        (["--method", "lookup", "--layerskip-layers", "3", "hi"], "--layerskip-layers is read by --method layerskip"),
+        (["--method", "lookup", "--draft-schedule", "constant", "hi"], "--draft-schedule is read by --method draft / "
+                                                                         "layerskip, not --method lookup"),
+        (["--method", "layerskip", "--lookup-max-ngram", "2", "hi"], "--lookup-max-ngram is read by --method lookup"),
+        (["--heads", "h", "--lookup-min-ngram", "2", "hi"], "--lookup-min-ngram shapes the lookup chain that "
+                                                            "--lookup-tokens grafts onto the Medusa tree"),
     ],
 )
 def test_bad_arguments_are_refused_before_loading_anything(capsys, argv, message):
@@ -175,3 +185,14 @@ def test_lookup_run_streams_the_answer_and_prints_metrics():
     metrics = [line for line in result.stderr.splitlines() if line.startswith("[lookup]")]
     assert metrics, result.stderr
     assert "tau" in metrics[0] and "tok/s" in metrics[0]
+
+
+def test_the_lookup_chain_grafted_onto_the_tree_takes_the_n_gram_flags():
+    from medusa_infer.proposers import build_proposer
+    from tiny import word_medusa
+
+    model = word_medusa()
+    given = build_proposer("medusa", model, parse_args(["--heads", "h", "--lookup-tokens", "4", "--lookup-max-ngram",
+                                                        "2", "--lookup-min-ngram", "2", "hi"]))
+    default = build_proposer("medusa", model, parse_args(["--heads", "h", "--lookup-tokens", "4", "hi"]))
+    assert (given.lookup_ngram, default.lookup_ngram) == ((2, 2), (3, 1))

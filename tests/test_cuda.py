@@ -216,6 +216,12 @@ def test_accelerate_launch_config_trains_heads(config_file, mode, distributed, t
     assert log[-1]["loss"] < log[0]["loss"], [r["loss"] for r in log]
     assert (out / "heads" / "config.json").is_file()
     assert (out / "heads" / "adapter").is_dir() == (mode == "medusa2")
+    from safetensors.torch import load_file
+
+    saved = [out / "heads" / "model.safetensors"] + ([out / "heads" / "adapter" / "adapter_model.safetensors"]
+                                                     if mode == "medusa2" else [])
+    for path in saved:  # the optimizer's float32 weights, not the bfloat16 copies training computed with
+        assert {t.dtype for t in load_file(path).values() if t.is_floating_point()} == {torch.float32}, path
     model = MedusaModel.from_pretrained(out / "heads", base_model=tiny_model("llama")).to(CUDA)
     prompt = torch.tensor([[5, 6, 7, 8, 9]])
     got = generate(model, prompt, max_new_tokens=8, eos_token_id=NO_EOS).new_tokens[0]

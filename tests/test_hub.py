@@ -35,10 +35,12 @@ class FakeHub:
     calls: list[str] = field(default_factory=list)  # "create", "branch", "preupload", "commit", ...
     unexpected: list[str] = field(default_factory=list)  # requests the stand-in does not implement
     authorizations: set[str] = field(default_factory=set)
+    files: dict[tuple[str, str], dict[str, bytes]] = field(default_factory=dict)  # (repo, branch) -> its files
 
 
 def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
-    """Just enough of the Hub API for create_repo, create_branch, upload_folder (regular files only)."""
+    """Just enough of the Hub API for create_repo, create_branch, upload_folder (regular files only,
+    with deletions) and the file listing it reads."""
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args: Any) -> None:  # keep pytest output clean
@@ -63,10 +65,16 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             return self.rfile.read(int(self.headers.get("Content-Length", 0)))
 
         def do_GET(self) -> None:
+            parts = unquote(urlsplit(self.path).path).removeprefix("/api/").split("/")
             if self.path == "/api/agent-harnesses":
                 # huggingface_hub's best-effort agent-detection registry (fetched from ENDPOINT by its
                 # progress display); a 404 makes it fall back to "no agent" and cache nothing.
                 hub.calls.append("agent-harnesses")
+            elif len(parts) == 5 and parts[0] == "models" and parts[3] == "tree":  # list_repo_files, one page
+                hub.calls.append("tree")
+                held = hub.files.get((f"{parts[1]}/{parts[2]}", parts[4]), {})
+                return self.reply(200, [{"type": "file", "path": path, "size": len(data), "oid": "0" * 40}
+                                        for path, data in sorted(held.items())])
             else:
                 hub.unexpected.append(f"GET {self.path}")
             self.reply(404, {"error": "not implemented by the test Hub"})
@@ -112,11 +120,16 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                         hub.unexpected.append(f"commit with Content-Type {self.headers.get('Content-Type')}")
                     lines = [json.loads(line) for line in raw.splitlines() if line.strip()]
                     commit = {"revision": revision, "header": None, "files": {}, "other": []}
+                    held = hub.files.setdefault((repo_id, revision), {})
                     for line in lines:
                         if line["key"] == "header":
                             commit["header"] = line["value"]
                         elif line["key"] == "file" and line["value"]["encoding"] == "base64":
                             commit["files"][line["value"]["path"]] = base64.b64decode(line["value"]["content"])
+                            held[line["value"]["path"]] = commit["files"][line["value"]["path"]]
+                        elif line["key"] == "deletedFile":
+                            commit["deleted"] = commit.get("deleted", []) + [line["value"]["path"]]
+                            held.pop(line["value"]["path"], None)
                         else:
                             commit["other"].append(line)
                     hub.commits.append(commit)
@@ -225,3 +238,44 @@ def test_push_without_heads_fails_before_touching_the_hub(hub):
     with pytest.raises(ValueError, match="has no heads"):
         model.push_to_hub(REPO_ID, revision="medusa-v1", token=TOKEN)
     assert not hub.repos and not hub.commits  # no empty repo or branch left behind
+
+
+def test_a_new_upload_deletes_what_an_earlier_one_left_that_would_load_with_the_heads(hub, monkeypatch, tmp_path):
+    """Heads pushed without an adapter or datastore over a repo holding them from an earlier push: the
+    earlier adapter (which from_pretrained would merge under the new heads), datastore and a
+    FasterDecoding weights file are deleted in the same commit; other files are left alone."""
+    from medusa_infer.checkpoint import push_folder_to_hub
+
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    model = tiny_heads()
+    earlier = tmp_path / "earlier"
+    model.save_pretrained(earlier)
+    (earlier / "adapter").mkdir()
+    for name in ("adapter/adapter_config.json", "adapter/adapter_model.safetensors", "datastore.safetensors",
+                 "medusa_lm_head.pt", "notes.txt"):
+        (earlier / name).write_bytes(b"earlier " + name.encode())
+    push_folder_to_hub(earlier, REPO_ID, token=TOKEN)
+    assert "deleted" not in hub.commits[0]
+
+    model.push_to_hub(REPO_ID, token=TOKEN, commit_message="Heads without an adapter")
+
+    assert not hub.unexpected
+    assert sorted(hub.commits[1]["deleted"]) == ["adapter/adapter_config.json", "adapter/adapter_model.safetensors",
+                                                 "datastore.safetensors", "medusa_lm_head.pt"]
+    assert sorted(hub.files[(REPO_ID, "main")]) == ["README.md", "config.json", "model.safetensors", "notes.txt"]
+
+
+def test_the_card_names_a_base_model_in_its_front_matter_only_when_it_can_be_a_hub_id(tmp_path):
+    """The Hub refuses a README whose ``base_model`` is no model id: a base loaded from a local folder is
+    named in the card's text only."""
+    from medusa_infer.checkpoint import model_card
+
+    config = tiny_heads().config
+    front = lambda card: card.split("---")[1]  # noqa: E731
+    config.base_model_name_or_path = "smollm2-135m-instruct"  # a default model: its original repository
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct\n" in front(model_card(config))
+    assert "base_model: org/llama\n" in front(model_card(config, base_model_id="org/llama"))
+    for local in ("/home/me/models/llama", str(tmp_path), "runs/demo/model"):
+        config.base_model_name_or_path = local
+        card = model_card(config)
+        assert "base_model" not in front(card) and f"# Medusa heads for {local}" in card, local

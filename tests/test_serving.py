@@ -328,6 +328,11 @@ def test_cli_refuses_lookup_tokens_it_cannot_use(argv, message, capsys):
     (["--draft-model", "small"], "--draft-model is used by --method draft only, not --method autoregressive"),
     (["--method", "lookup", "--tree", "chain"], "--tree shapes the Medusa heads' candidates (--method medusa), not "
                                                 "--method lookup; drop --tree"),
+    (["--draft-tokens", "9"], "--draft-tokens is read by --method draft / layerskip / lookup, not --method "
+                              "autoregressive"),
+    (["--method", "lookup", "--layerskip-layers", "3"], "--layerskip-layers is read by --method layerskip, not "
+                                                        "--method lookup"),
+    (["--method", "lookup", "--request-timeout", "nan"], "--request-timeout must be a number of seconds >= 0"),
 ])
 def test_cli_refuses_flags_the_method_cannot_use_before_loading(argv, message, capsys, monkeypatch):
     def no_loading(args):

@@ -811,9 +811,11 @@ def test_deepspeed_launch_configs_train_heads_on_the_cpu(tiny_dir, tmp_path, sta
     assert (out / "heads" / "adapter").is_dir() == (mode == "medusa2")
     # the optimizer's float32 master weights, not the bfloat16 copies DeepSpeed computed with
     assert {t.dtype for t in final_heads(out).values() if t.is_floating_point()} == {torch.float32}
-    if mode == "medusa2":  # the adapter too, and only its LoRA weights (A and B for q_proj and v_proj per layer)
-        from safetensors.torch import load_file
+    from safetensors.torch import load_file
 
+    published = load_file(out / "heads" / "model.safetensors")  # after evaluating them on the bfloat16 base
+    assert {k: v.dtype for k, v in published.items()} == {k: v.dtype for k, v in final_heads(out).items()}
+    if mode == "medusa2":  # the adapter too, and only its LoRA weights (A and B for q_proj and v_proj per layer)
         adapter = load_file(out / "heads" / "adapter" / "adapter_model.safetensors")
         layers = json.loads((tiny_dir / "model" / "config.json").read_text())["num_hidden_layers"]
         assert len(adapter) == 4 * layers and all("lora_" in k for k in adapter), sorted(adapter)

@@ -32,7 +32,8 @@ def build_proposer(method: str, model: Any, options: Any = None) -> Proposer:
             optional: ``tree``, ``lookup_tokens`` (medusa: a grafted prompt-lookup chain);
             ``draft_model`` (draft: a name or a loaded model);
             ``draft_tokens`` (k for draft, layerskip and lookup); ``draft_schedule``
-            (``heuristic`` or ``constant``); ``lookup_max_ngram``, ``lookup_min_ngram``;
+            (``heuristic`` or ``constant``); ``lookup_max_ngram``, ``lookup_min_ngram`` (lookup, and
+            medusa's lookup chain);
             ``lookup_max_tokens`` (the longest lookup draft a cost profile may choose);
             ``datastore`` (lookup and medusa's lookup chain also search the model's datastore,
             ``MedusaModel.datastore``, when it has one; default True); ``layerskip_layers``;
@@ -54,6 +55,7 @@ def build_proposer(method: str, model: Any, options: Any = None) -> Proposer:
         controller = make_controller(model, paths, option("adaptive"), option("step_costs"))
         return MedusaProposer(model, paths, controller=controller,
                               lookup_tokens=option("lookup_tokens", 0),
+                              lookup_ngram=(option("lookup_max_ngram", 3), option("lookup_min_ngram", 1)),
                               lookup_max_tokens=option("lookup_max_tokens", LOOKUP_MAX_TOKENS),
                               datastore=datastore)
     if method == "autoregressive":

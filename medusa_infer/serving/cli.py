@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import math
 import os
 import socket
 import sys
@@ -85,8 +86,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--port must be in 1..65535, got {args.port}")
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
-    if args.request_timeout < 0:
-        parser.error(f"--request-timeout must be >= 0, got {args.request_timeout}")
+    if not args.request_timeout >= 0 or math.isinf(args.request_timeout):  # NaN too
+        parser.error(f"--request-timeout must be a number of seconds >= 0 (0: no limit), got {args.request_timeout}")
     if args.api_key is not None and not args.api_key.strip():
         parser.error("--api-key is empty")
     return args
