@@ -531,10 +531,13 @@ def heads_folder(path_or_repo_id: str | os.PathLike, revision: str | None = None
         raise ValueError(f"no such heads folder: {path_or_repo_id} ({path.absolute()} does not exist); "
                          "check the path, or pass a Hub repo id such as 'owner/name'")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
         return Path(snapshot_download(path_or_repo_id, revision=revision))
+    except HFValidationError as err:  # "my heads": a mistyped folder more likely than a repo id
+        raise ValueError(f"no such heads folder: {path_or_repo_id} ({path.absolute()} does not exist), and it "
+                         f"cannot be a Hub repo id either ({err}); check the path") from err
     except (LocalEntryNotFoundError, RepositoryNotFoundError) as err:
         raise ValueError(f"{path_or_repo_id} is no local folder, and fetching it as a Hub repo failed: {err}") from err
 

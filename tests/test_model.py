@@ -601,3 +601,9 @@ def test_model_card_names_the_hub_id_of_a_default_models_short_name(tmp_path):
     config = model.config.__class__(**{**model.config.to_dict(), "base_model_name_or_path": name})
     save_heads(tmp_path, config, model.heads.state_dict())
     assert front_matter((tmp_path / "README.md").read_text())["base_model"] == DEFAULT_MODELS[name].hub_id
+
+
+@pytest.mark.parametrize("name", ["my heads", "owner/heads--v1"])
+def test_a_missing_folder_that_cannot_be_a_hub_id_is_named_as_a_folder(name):
+    with pytest.raises(ValueError, match=f"no such heads folder: {name} .* cannot be a Hub repo id either"):
+        MedusaModel.from_pretrained(name)
