@@ -41,6 +41,23 @@ from medusa_infer.trees import TREE_PRESETS, get_tree, greedy_tree, tree_depth
 ACCEPTANCE_RULES = ("greedy", "typical", "lossless")
 
 
+def _real(value: Any) -> float | None:
+    """``value`` as a float when it is a real number (not a bool), else None."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex:
+        value = value.item()
+    return float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else None
+
+
+def _integer(value: Any) -> int | None:
+    """``value`` as an int when it is an integer (numpy's, a 0-d integer tensor; not a bool), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return int(value.__index__())
+    except (AttributeError, TypeError, RuntimeError):
+        return None
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How tokens are chosen. ``acceptance`` greedy needs no sampling; typical and lossless sample
@@ -58,13 +75,17 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         if self.acceptance not in ACCEPTANCE_RULES:
             raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {self.acceptance!r}")
-        temperature = self.temperature
-        if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+        # numpy and 0-d torch numbers are taken as the Python numbers they hold
+        temperature, top_p, top_k = _real(self.temperature), _real(self.top_p), _integer(self.top_k)
+        if temperature is None or not math.isfinite(temperature) or temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
+        if top_p is None or not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k!r}")
+        if top_k is None or top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        object.__setattr__(self, "temperature", temperature)
+        object.__setattr__(self, "top_p", top_p)
+        object.__setattr__(self, "top_k", top_k)
         if self.acceptance == "typical" and (self.top_k or self.top_p < 1):
             given = [f"top_k={self.top_k!r}"] if self.top_k else []
             given += [f"top_p={self.top_p!r}"] if self.top_p < 1 else []
@@ -396,12 +417,17 @@ def context_length(model) -> int:
     Read from the base model's text config: ``max_position_embeddings``, else ``n_positions``
     (GPT-2), else ``max_sequence_length``. Raises ``ValueError`` when the config states none.
     """
-    config = model.base_model.config.get_text_config()
+    return config_context_length(model.base_model.config)
+
+
+def config_context_length(config: Any) -> int:
+    """``context_length`` from a model's config (a ``PretrainedConfig``, before the model loads)."""
+    text = config.get_text_config()
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = getattr(config, name, None)
+        value = getattr(text, name, None)
         if value:
             return int(value)
-    raise ValueError(f"{type(model.base_model).__name__}'s config states no context length (max_position_embeddings)")
+    raise ValueError(f"{type(config).__name__} states no context length (max_position_embeddings)")
 
 
 def _prepare_inputs(model, tokenizer, input_ids, attention_mask, prompt, messages) -> tuple[torch.Tensor, torch.Tensor]:
@@ -486,7 +512,8 @@ class GenerationStream:
         while True:
             for row, tokens in emitted.items():
                 if tokens:
-                    yield StreamChunk(row, tokens, self._texts.update(row, state.generated[row]))
+                    yield StreamChunk(row, tokens, self._texts.update(row, state.generated[row],
+                                                                      final=state.finish[row] is not None))
             if state.done:
                 break
             with torch.inference_mode():
@@ -657,11 +684,13 @@ class _TextTracker:
     def __init__(self, tokenizer: Any, rows: int) -> None:
         self.tokenizer, self.sent = tokenizer, [""] * rows
 
-    def update(self, row: int, tokens: list[int]) -> str:
+    def update(self, row: int, tokens: list[int], final: bool = False) -> str:
+        """The text ``tokens`` (the row's new tokens so far) add; ``final``: the row ends with them, so
+        no text is held back (the chunks' texts then join to the decoded answer)."""
         if self.tokenizer is None:
             return ""
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
+        if text.endswith("\ufffd") and not final:  # an incomplete multi-byte character: wait for the rest
             return ""
         new, self.sent[row] = text[len(self.sent[row]):], text
         return new
@@ -671,7 +700,7 @@ def _eos_ids(model, tokenizer, eos_token_id) -> tuple[int, ...]:
     if eos_token_id is not None:
         ids = [eos_token_id] if isinstance(eos_token_id, numbers.Integral) else eos_token_id
         vocab = model.base_model.get_output_embeddings().weight.shape[0]
-        if isinstance(ids, str) or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool)
+        if isinstance(ids, str) or not isinstance(ids, (Sequence, set, frozenset)) or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool)
                                            and 0 <= i < vocab for i in ids):
             raise ValueError(f"eos_token_id must be a token id in [0, {vocab}) or a list of them, got "
                              f"{eos_token_id!r}; for a text use stop_strings=, for a token "

@@ -36,6 +36,7 @@ import os
 import random
 import shutil
 import sys
+import threading
 import time
 import typing
 import urllib.error
@@ -72,7 +73,7 @@ RECIPE_KEYS = {
     "prompts": "data.prompts", "output": "data.rows", "model": "model.name", "n": "data.n",
     "per_source": "data.per_source", "max_new_tokens": "data.max_new_tokens", "batch_size": "data.distill_batch_size",
     "seed": "training.seed", "system_prompt": "data.system_prompt", "chat_template": "model.chat_template",
-    "progress": "log.progress",
+    "progress": "log.progress", "trust_remote_code": "model.trust_remote_code",
 }
 """``DistillConfig`` fields a training recipe sets through its own keys (not ``data.distill_options``)."""
 
@@ -119,6 +120,8 @@ class DistillConfig:
             shared with other work one thread can be several times faster than two (threads
             spin-waiting on each other); the rows do not change.
         progress: show a progress bar.
+        trust_remote_code: run the model repository's own code when loading its tokenizer and
+            model (only for models that need it).
         save_hidden: (local backend) also keep the model's final hidden state at every answer
             position, in ``medusa_train.captured.hidden_dir(output)``, so that the Medusa-1
             feature cache takes them instead of running the backbone over the data again.
@@ -153,6 +156,7 @@ class DistillConfig:
     threads: int | None = None
     progress: bool = True
     save_hidden: bool = False
+    trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         checks = (
@@ -165,6 +169,8 @@ class DistillConfig:
             (self.concurrency >= 1, f"concurrency must be >= 1, got {self.concurrency}"),
             (self.threads is None or self.threads >= 1, f"threads must be >= 1, got {self.threads}"),
             (self.n is None or self.n >= 0, f"n must be >= 0, got {self.n}"),
+            (all(int(q) >= 1 for q in (self.per_source or {}).values()),
+             f"per_source quotas must be >= 1, got {self.per_source}"),
             (not self.do_sample or self.temperature > 0,
              f"sampling needs temperature > 0, got {self.temperature}; use do_sample=False for greedy"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
@@ -225,6 +231,7 @@ class ShardStats:
     skipped_too_long: int = 0
     truncated_prompts: int = 0
     failed: int = 0
+    rejected: int = 0
 
     def add(self, row: dict[str, Any]) -> None:
         self.rows += 1
@@ -241,6 +248,7 @@ class ShardStats:
             f"done), {self.tokens} response tokens in {self.seconds:.1f} s = {rate:.1f} tokens/s; "
             f"finish eos {self.eos} / length {self.length}; prompts skipped as too long "
             f"{self.skipped_too_long}, truncated {self.truncated_prompts}; failed {self.failed}"
+            + (f"; refused by the endpoint {self.rejected}" if self.rejected else "")
         )
 
 
@@ -360,6 +368,7 @@ def recipe_config(config: TrainConfig) -> DistillConfig:
         prompts=d.prompts, output=str(rows_path(config)), model=config.model.name, n=d.n, per_source=d.per_source,
         max_new_tokens=d.max_new_tokens, batch_size=d.distill_batch_size, seed=config.training.seed,
         system_prompt=d.system_prompt, chat_template=config.model.chat_template, progress=config.log.progress,
+        trust_remote_code=config.model.trust_remote_code,
         **{"save_hidden": config.keeps_distillation_hidden, **options},
     )
 
@@ -377,9 +386,10 @@ def pending_prompts(config: DistillConfig) -> tuple[int, int]:
     check_resumable(done, config)
     done_ids = {str(row["id"]) for row in done}
     missing = [p for p in prompts if p["id"] not in done_ids]
-    if missing and config.max_prompt_tokens is not None:
+    limits = prompt_limits(config) if missing and config.backend == "local" else config
+    if missing and limits.max_prompt_tokens is not None:
         tokenizer = load_distill_tokenizer(config)
-        missing = [p for p in missing if prepare_prompt(tokenizer, p["prompt"], config) is not None]
+        missing = [p for p in missing if prepare_prompt(tokenizer, p["prompt"], limits) is not None]
     return len(prompts), len(missing)
 
 
@@ -529,7 +539,7 @@ def merge_shards(
     for path in output.parent.glob(f"{output.name}.rank*.jsonl"):
         path.unlink()
     logger.info(
-        "merged %d rows into %s (%d sampled prompts without a row: skipped or failed)",
+        "merged %d rows into %s (%d sampled prompts without a row: skipped, refused or failed)",
         len(rows), output, len(missing),
     )
     if fmt == "arrow":
@@ -558,10 +568,29 @@ def load_distill_tokenizer(config: DistillConfig) -> PreTrainedTokenizerBase:
     """The tokenizer of ``config.model``, with ``config.chat_template`` installed when set."""
     from medusa_infer.models import load_tokenizer
 
-    tokenizer = load_tokenizer(config.model)
+    tokenizer = load_tokenizer(config.model, trust_remote_code=config.trust_remote_code)
     if config.chat_template:
         tokenizer.chat_template = config.chat_template
+    if config.backend == "local" and config.system_prompt is not None and not has_chat_template(tokenizer):
+        raise ValueError(f"system_prompt is set, but the tokenizer of {config.model} has no chat template to put it "
+                         "in (prompts would go as plain text without it): set chat_template, or drop system_prompt")
     return tokenizer
+
+
+def prompt_limits(config: DistillConfig) -> DistillConfig:
+    """``config`` with ``max_prompt_tokens`` lowered to what the local model's context leaves room
+    for (one new token at least): longer prompts are skipped or truncated as ``prompt_overflow``
+    says, as for ``max_prompt_tokens``, instead of stopping the run when they reach the model."""
+    from transformers import AutoConfig
+
+    from medusa_infer.decoding import config_context_length
+    from medusa_infer.models import resolve_model
+
+    model_config = AutoConfig.from_pretrained(resolve_model(config.model), trust_remote_code=config.trust_remote_code)
+    room = config_context_length(model_config) - 1
+    if config.max_prompt_tokens is not None and config.max_prompt_tokens <= room:
+        return config
+    return dataclasses.replace(config, max_prompt_tokens=room)
 
 
 def prepare_prompt(
@@ -659,6 +688,17 @@ def generate_batch(
     return answers
 
 
+def answer_text(tokenizer: PreTrainedTokenizerBase, tokens: Sequence[int], finish: str) -> tuple[list[int], str]:
+    """``(tokens, text)`` of an answer. One cut at the token limit inside a character's bytes (byte-level
+    BPE) keeps the whole characters only: the text would end in U+FFFD, which the model never wrote."""
+    tokens = list(tokens)
+    text = tokenizer.decode(tokens, skip_special_tokens=False)
+    while finish == "length" and tokens and text.endswith("\ufffd"):
+        tokens.pop()
+        text = tokenizer.decode(tokens, skip_special_tokens=False)
+    return tokens, text
+
+
 def _batch_seed(seed: int, ids: Sequence[str]) -> int:
     return (seed * 1_000_003 + zlib.crc32("\n".join(ids).encode())) % (2**63)
 
@@ -677,9 +717,10 @@ def run_local(
     tokenizer = load_distill_tokenizer(config)
     if not has_chat_template(tokenizer):
         logger.info("tokenizer of %s has no chat template: prompts are given as plain text", config.model)
+    limits = prompt_limits(config)
     prepared = []
     for prompt in pending:
-        result = prepare_prompt(tokenizer, prompt["prompt"], config)
+        result = prepare_prompt(tokenizer, prompt["prompt"], limits)
         if result is None:
             stats.skipped_too_long += 1
             continue
@@ -689,13 +730,14 @@ def run_local(
     if stats.skipped_too_long or stats.truncated_prompts:
         logger.warning(
             "rank %d: %d prompts over max_prompt_tokens=%s skipped, %d truncated",
-            stats.rank, stats.skipped_too_long, config.max_prompt_tokens, stats.truncated_prompts,
+            stats.rank, stats.skipped_too_long, limits.max_prompt_tokens, stats.truncated_prompts,
         )
     if not prepared:
         return
     # Longest first: similar lengths share a batch (less padding), and the ETA errs high.
     prepared.sort(key=lambda item: -len(item[2]))
-    base = load_base_model(config.model, dtype=torch.float32, device=device)
+    base = load_base_model(config.model, dtype=torch.float32, device=device,
+                           trust_remote_code=config.trust_remote_code)
     eos_ids = eos_token_ids(base, tokenizer)
     model = MedusaModel.without_heads(base, tokenizer)
     threads = torch.get_num_threads()
@@ -737,7 +779,7 @@ def _generate_all(
                            recorder.states(), fingerprint)
             rows = []
             for (prompt, text, _), (tokens, finish) in zip(batch, answers):
-                response = tokenizer.decode(tokens, skip_special_tokens=False)
+                tokens, response = answer_text(tokenizer, tokens, finish)
                 row = make_row(prompt, text, response, finish, len(tokens), config)
                 writer.write(row)
                 rows.append(row)
@@ -770,6 +812,11 @@ class RetryableError(RuntimeError):
     """A failure worth retrying: 5xx, 429, a dropped connection, a timeout."""
 
 
+class RejectedError(RuntimeError):
+    """The endpoint refused this prompt itself (HTTP 4xx other than 429, e.g. longer than its context, or a
+    content filter): asking again would get the same answer."""
+
+
 def post_json(url: str, body: dict[str, Any], headers: dict[str, str], timeout: float) -> dict[str, Any]:
     """One POST; raises ``RetryableError`` for transient failures, ``RuntimeError`` otherwise."""
     request = urllib.request.Request(
@@ -783,12 +830,14 @@ def post_json(url: str, body: dict[str, Any], headers: dict[str, str], timeout: 
         detail = err.read()[:500].decode(errors="replace")
         if err.code >= 500 or err.code == 429:
             raise RetryableError(f"HTTP {err.code} from {url}: {detail}") from err
-        raise RuntimeError(f"HTTP {err.code} from {url}: {detail}") from err
+        if err.code in (401, 403, 404, 405):  # the endpoint, key or model name is wrong, not the prompt
+            raise RuntimeError(f"HTTP {err.code} from {url}: {detail}") from err
+        raise RejectedError(f"HTTP {err.code} from {url}: {detail}") from err
     except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError) as err:
         raise RetryableError(f"{type(err).__name__} talking to {url}: {err}") from err
     try:
         return json.loads(payload)
-    except json.JSONDecodeError as err:
+    except ValueError as err:  # not JSON, or not text (UnicodeDecodeError)
         raise RetryableError(f"{url} answered with non-JSON: {payload[:200]!r}") from err
 
 
@@ -810,22 +859,24 @@ def request_completion(
 
 def completion_row(
     prompt: dict[str, Any], text: str, reply: dict[str, Any], config: DistillConfig,
-    tokenizer: PreTrainedTokenizerBase | None,
+    tokenizer: Callable[[], PreTrainedTokenizerBase],
 ) -> dict[str, Any]:
-    """A row from an OpenAI-style chat completion reply."""
+    """A row from an OpenAI-style chat completion reply; ``tokenizer()`` gives the tokenizer that counts
+    the answer's tokens where the reply reports no ``usage``. ``RejectedError`` for a reply that is
+    no answer (a content filter's)."""
     try:
         choice = reply["choices"][0]
         response = choice["message"]["content"] or ""
     except (KeyError, IndexError, TypeError) as err:
         raise RuntimeError(f"unexpected reply for prompt {prompt['id']!r}: {str(reply)[:300]}") from err
     finish = FINISH_REASONS.get(choice.get("finish_reason") or "", None)
-    if finish is None:
-        raise RuntimeError(
-            f"prompt {prompt['id']!r}: unexpected finish_reason {choice.get('finish_reason')!r}"
+    if finish is None:  # content_filter, tool_calls, ...: not an answer to train on
+        raise RejectedError(
+            f"prompt {prompt['id']!r}: finish_reason {choice.get('finish_reason')!r}, neither an end nor the token limit"
         )
     n_tokens = (reply.get("usage") or {}).get("completion_tokens")
     if n_tokens is None:  # the server's count when it reports usage; else the tokenizer's
-        n_tokens = len(tokenizer(response, add_special_tokens=False)["input_ids"]) if tokenizer else 0
+        n_tokens = len(tokenizer()(response, add_special_tokens=False)["input_ids"])
     return make_row(prompt, text, response, finish, n_tokens, config)
 
 
@@ -837,9 +888,15 @@ def run_openai(
     on_batch: BatchHook | None = None,
 ) -> None:
     """Answer ``pending`` prompts through the endpoint, ``concurrency`` requests at a time."""
-    tokenizer = None
-    if config.max_prompt_tokens is not None:
-        tokenizer = load_distill_tokenizer(config)
+    loaded: list[PreTrainedTokenizerBase] = []
+    lock = threading.Lock()
+
+    def tokenizer() -> PreTrainedTokenizerBase:  # loaded once, when first needed
+        with lock:
+            if not loaded:
+                loaded.append(load_distill_tokenizer(config))
+            return loaded[0]
+
     url = chat_completions_url(config.endpoint or "")
     headers = {}
     api_key = os.environ.get(config.api_key_env)
@@ -863,8 +920,8 @@ def run_openai(
     jobs = []
     for prompt in pending:
         text = prompt["prompt"]
-        if tokenizer is not None:
-            result = prepare_prompt(tokenizer, text, config)
+        if config.max_prompt_tokens is not None:
+            result = prepare_prompt(tokenizer(), text, config)
             if result is None:
                 stats.skipped_too_long += 1
                 continue
@@ -901,6 +958,10 @@ def run_openai(
                 submit_next()
                 try:
                     row = completion_row(prompt, text, future.result(), config, tokenizer)
+                except RejectedError as err:  # counted and logged; a rerun asks again
+                    stats.rejected += 1
+                    logger.error("prompt %s refused by the endpoint, left out: %s", prompt["id"], err)
+                    continue
                 except RuntimeError as err:
                     stats.failed += 1
                     errors.append(f"{prompt['id']}: {err}")

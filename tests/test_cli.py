@@ -43,7 +43,7 @@ def parse_error(capsys, argv: list[str]) -> str:
         (["--do-sample", "--temperature", "nan", "hi"], "temperature must be a finite number >= 0, got nan"),
         (["--do-sample", "--top-p", "2", "hi"], "top_p must be in (0, 1], got 2.0"),
         (["--do-sample", "--top-p", "0", "hi"], "top_p must be in (0, 1], got 0.0"),
-        (["--do-sample", "--top-k", "-3", "hi"], "top_k must be >= 0 (0 disables it), got -3"),
+        (["--do-sample", "--top-k", "-3", "hi"], "top_k must be an integer >= 0 (0 disables it), got -3"),
         (["--heads", "h", "--do-sample", "--acceptance", "typical", "--top-p", "0.9", "hi"],
          "acceptance='typical' samples at the temperature only"),
         (["--acceptance", "greedy", "--do-sample", "--temperature", "0.5", "hi"],

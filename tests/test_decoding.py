@@ -323,7 +323,8 @@ def test_context_limit_is_a_clean_stop():
         (dict(do_sample=True, temperature=-0.5), "temperature must be a finite number >= 0"),
         (dict(do_sample=True, top_p=0.0), "top_p must be in"),
         (dict(do_sample=True, top_p=1.5), "top_p must be in"),
-        (dict(do_sample=True, top_k=-1), "top_k must be >= 0"),
+        (dict(do_sample=True, top_k=-1), "top_k must be an integer >= 0"),
+        (dict(do_sample=True, top_k=2.5), r"top_k must be an integer >= 0 \(0 disables it\), got 2.5"),
         (dict(max_new_tokens=0), "max_new_tokens must be a positive integer"),
         (dict(acceptance="typical"), "pass do_sample=True"),
         (dict(do_sample=True, acceptance="beam"), "acceptance must be one of"),
@@ -342,6 +343,7 @@ def test_context_limit_is_a_clean_stop():
         (dict(tree=3), "tree must be a preset name"),
         (dict(eos_token_id="</s>"), "eos_token_id must be a token id in \\[0, 96\\).*got '</s>'"),
         (dict(eos_token_id=-1), "eos_token_id must be a token id"),
+        (dict(eos_token_id=2.0), "eos_token_id must be a token id in .* got 2.0"),
         (dict(eos_token_id=[2, 10**6]), "eos_token_id must be a token id"),
     ],
 )
@@ -650,3 +652,46 @@ def test_stop_strings_are_looked_for_in_the_text_as_it_reads_after_the_prompt():
     stop = " " + first[0][1:] + " " + first[1][1:]  # the first two words, as they read after the prompt
     out = generate(model, ids, max_new_tokens=6, eos_token_id=[], stop_strings=stop, tokenizer=tokenizer)
     assert out.new_tokens[0] == free.new_tokens[0][:2] and out.finish_reasons == ["stop"]
+
+
+def test_streamed_text_joins_to_the_answer_when_a_row_ends_inside_a_character():
+    """A byte-level tokenizer's answer cut (token limit) inside a multi-byte character: the text held
+    back while waiting for the character's other bytes is sent with the row's last chunk."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    for ch in sorted(ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    model = MedusaModel.without_heads(tiny_model("llama", vocab_size=len(tokenizer)), tokenizer)
+    ids = torch.tensor([tokenizer("héllo wörld")["input_ids"]])
+    cut_inside = 0
+    for n in range(1, 24):
+        chunks = stream(model, ids, max_new_tokens=n, eos_token_id=[])
+        streamed = "".join(chunk.text for chunk in chunks)
+        answer = tokenizer.decode(chunks.result().new_tokens[0], skip_special_tokens=True)
+        assert streamed == answer, n
+        cut_inside += answer.endswith("\ufffd")
+    assert cut_inside  # the case this test is about occurred
+
+
+def test_numpy_and_torch_numbers_are_taken_as_sampling_settings():
+    import numpy as np
+
+    from medusa_infer.decoding import SamplingConfig
+
+    config = SamplingConfig("lossless", temperature=np.float32(0.5), top_k=np.int64(5), top_p=torch.tensor(0.75))
+    assert (config.temperature, config.top_k, config.top_p) == (0.5, 5, 0.75)
+    assert all(type(v) in (int, float) for v in (config.temperature, config.top_k, config.top_p))
+    assert SamplingConfig("lossless", top_k=torch.tensor(3)).top_k == 3
+    model = MedusaModel.without_heads(tiny_model("llama"))
+    ids = torch.tensor([[5, 6, 7]])
+    plain = generate(model, ids, max_new_tokens=4, do_sample=True, top_k=5, temperature=0.5, seed=1).new_tokens
+    numpy = generate(model, ids, max_new_tokens=4, do_sample=True, top_k=np.int64(5), temperature=np.float32(0.5),
+                     seed=1).new_tokens
+    assert numpy == plain

@@ -23,6 +23,7 @@ from medusa_train import distill as distill_module
 from medusa_train.dataset import encode_rendered, render_prompt
 from medusa_train.distill import (
     DistillConfig,
+    answer_text,
     build_parser,
     config_from_args,
     distill,
@@ -319,6 +320,8 @@ def test_plain_prompt_without_chat_template(tmp_path, model_dir, prompts_file, t
     plain = load_tokenizer(str(folder))
     assert not plain.chat_template
     assert render_prompt(plain, "Hello there") == "Hello there"
+    with pytest.raises(ValueError, match="system_prompt is set, but the tokenizer of .* has no chat template"):
+        distill(make_config(folder, prompts_file, tmp_path / "rows.jsonl", n=2, system_prompt="Be brief."))
     with caplog.at_level(logging.INFO, logger="medusa_train.distill"):
         distill(make_config(folder, prompts_file, tmp_path / "rows.jsonl", n=2))
     assert "no chat template" in caplog.text
@@ -391,17 +394,21 @@ class FakeServer:
                     return self.reply(503, {"error": "overloaded"})
                 if "forbidden" in prompt:
                     return self.reply(400, {"error": "bad prompt"})
+                if "garbled" in prompt and server.requests.count(body) == 1:  # bytes that are no text, once
+                    return self.reply(200, None, b"\xff\xfe\x00\xd8garbage")
                 words = prompt.split()
-                finish = "length" if len(words) > 8 else "stop"
+                finish = "content_filter" if "filtered" in prompt else "length" if len(words) > 8 else "stop"
+                usage = {} if "uncounted" in prompt else {
+                    "usage": {"prompt_tokens": len(words), "completion_tokens": len(words)}}
                 self.reply(200, {
                     "id": "cmpl-1", "object": "chat.completion", "model": body["model"],
                     "choices": [{"index": 0, "finish_reason": finish,
                                  "message": {"role": "assistant", "content": f"Answer: {words[-1]}"}}],
-                    "usage": {"prompt_tokens": len(words), "completion_tokens": len(words)},
+                    **usage,
                 })
 
-            def reply(self, status, payload):
-                data = json.dumps(payload).encode()
+            def reply(self, status, payload, raw=None):
+                data = raw if raw is not None else json.dumps(payload).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
@@ -469,19 +476,35 @@ def test_openai_backend_rows_retries_and_resume(tmp_path, prompts_file, monkeypa
     assert set(asked_after) | written == {p["prompt"] for p in prompts}
 
 
-def test_openai_backend_client_errors_are_not_retried(tmp_path):
+def test_openai_backend_prompts_the_endpoint_refuses_are_left_out_and_counted(tmp_path, caplog, model_dir):
+    """A 400 for one prompt (say, over the server's context) or a content filter's finish is that prompt's
+    answer for good: not retried, logged and counted, and the other rows are merged, so that a training
+    run gets past its data. A reply that is no text is retried; one without usage is counted by the
+    tokenizer."""
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text(
         "".join(json.dumps({"id": str(i), "source": "s", "prompt": p}) + "\n"
-                for i, p in enumerate(["hello there", "forbidden words", "good day"]))
+                for i, p in enumerate(["hello there", "forbidden words", "good day", "filtered words",
+                                       "garbled reply", "uncounted reply"]))
     )
     output = tmp_path / "rows.jsonl"
+    with FakeServer() as server, caplog.at_level(logging.INFO, logger="medusa_train.distill"):
+        config = openai_config(prompts_file, output, server.url, n=None, max_retries=3, model=str(model_dir))
+        distill(config)
+        asked = [b["messages"][-1]["content"] for b in server.requests]
+    assert asked.count("forbidden words") == asked.count("filtered words") == 1 and asked.count("garbled reply") == 2
+    rows = {r["id"]: r for r in read_rows(output)}
+    assert sorted(rows) == ["0", "2", "4", "5"]
+    assert rows["5"]["response_tokens"] == len(load_tokenizer(str(model_dir))("Answer: reply",
+                                                                           add_special_tokens=False)["input_ids"])
+    assert "refused by the endpoint 2" in caplog.text and "finish_reason 'content_filter'" in caplog.text
+
+
+def test_openai_backend_stops_on_a_wrong_endpoint(tmp_path, prompts_file):
     with FakeServer() as server:
-        config = openai_config(prompts_file, output, server.url, n=None, max_retries=3)
-        with pytest.raises(RuntimeError, match="1 of 3 requests failed"):
+        config = openai_config(prompts_file, tmp_path / "rows.jsonl", server.url + "/v2/chat/completions", n=2)
+        with pytest.raises(RuntimeError, match="2 of 2 requests failed.*HTTP 404"):
             distill(config)
-        assert sum("forbidden" in b["messages"][-1]["content"] for b in server.requests) == 1
-    assert sorted(r["id"] for r in read_rows(shard_path(output, 0))) == ["0", "2"]
 
 
 def test_openai_backend_gives_up_on_dead_server(tmp_path, prompts_file):
@@ -591,3 +614,45 @@ def test_pending_prompts_leaves_out_answered_and_too_long_prompts(tmp_path, mode
     assert pending_prompts(short) == (12, 1)  # only the short prompt without a row; the long ones are skipped
     with pytest.raises(ValueError, match="already holds row"):
         pending_prompts(make_config(model_dir, prompts_file, tmp_path / "rows.jsonl", max_new_tokens=99))
+
+
+def test_prompts_the_models_context_cannot_hold_are_skipped_like_long_ones(tmp_path, model_dir, prompts_file,
+                                                                          tokenizer, caplog):
+    """A model whose context (40 tokens) is shorter than max_prompt_tokens: the prompts it cannot answer
+    are skipped (prompt_overflow) and counted, and the others answered, instead of the run stopping
+    when the first one reaches the model, on every rerun."""
+    folder = tmp_path / "short-context"
+    folder.mkdir()
+    for file in model_dir.iterdir():
+        if file.name != "config.json":
+            (folder / file.name).symlink_to(file)
+    config = json.loads((model_dir / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 40}))
+    prompts = sample_prompts(prompts_file, 12)
+    lengths = [len(encode_rendered(tokenizer, render_prompt(tokenizer, p["prompt"]))) for p in prompts]
+    fit = sum(n <= 39 for n in lengths)
+    assert 0 < fit < 12
+    run = make_config(folder, prompts_file, tmp_path / "rows.jsonl", max_new_tokens=4)
+    assert distill_module.pending_prompts(run) == (12, fit)
+    with caplog.at_level(logging.INFO, logger="medusa_train.distill"):
+        distill(run)
+    assert len(read_rows(tmp_path / "rows.jsonl")) == fit
+    assert f"{12 - fit} prompts over max_prompt_tokens=39 skipped" in caplog.text
+
+
+def test_an_answer_cut_inside_a_character_keeps_its_whole_characters(tokenizer):
+    ids = tokenizer("Sure 日本語 ok", add_special_tokens=False)["input_ids"]
+    cut = next(k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith("\ufffd"))
+    tokens, text = answer_text(tokenizer, ids[:cut], "length")
+    assert not text.endswith("\ufffd") and text == tokenizer.decode(tokens) and ids[:cut][:len(tokens)] == tokens
+    assert answer_text(tokenizer, ids, "eos") == (ids, "Sure 日本語 ok")
+
+
+def test_recipe_settings_reach_distillation():
+    from medusa_train.train_config import config_from_dict
+
+    recipe = config_from_dict({"model": {"name": "org/custom-model", "trust_remote_code": True},
+                               "data": {"prompts": "p.jsonl"}, "output_dir": "out"})
+    assert distill_module.recipe_config(recipe).trust_remote_code is True
+    with pytest.raises(ValueError, match=r"per_source quotas must be >= 1, got \{'a': -1\}"):
+        DistillConfig(prompts="p.jsonl", per_source={"a": -1})
