@@ -90,6 +90,20 @@ def _base_model(data: dict[str, Any]) -> str | None:
     return data.get(BASE_MODEL_KEY) or data.get("base_model_name_or_path")
 
 
+def _choices(raw: Any, num_heads: int, where: Path) -> list[list[int]] | None:
+    """``medusa_choices`` (a tree as paths of ranks, as ``write_medusa_layout`` and TensorRT-LLM write it)
+    checked, or None when absent."""
+    if raw is None:
+        return None
+    from medusa_infer.trees import validate_tree
+
+    try:
+        ranks = [int(rank) for path in raw for rank in path]
+        return [list(path) for path in validate_tree(raw, num_heads, max(ranks, default=0) + 1)]
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: medusa_choices is not a tree of rank paths ({err}); fix or remove it") from err
+
+
 def read_medusa_layout(
     path: str | Path,
     hidden_size: int | None = None,
@@ -140,6 +154,7 @@ def read_medusa_layout(
         projection="own" if has_projections else "shared",
         base_model_name_or_path=_base_model(data),
         training={IMPORTED_FROM: "FasterDecoding/Medusa layout"},
+        tree=_choices(data.get("medusa_choices"), num_heads, path / CONFIG_NAME),
     )
     expected = _expected(config)
     ours_to_theirs = {name: _their_name(name, num_layers) for name in expected}
@@ -256,6 +271,11 @@ def write_medusa_layout(
         "vocab_size": config.vocab_size,
         "version": version,
     }
+    if config.tree:  # the heads' own (fitted) tree, in the format TensorRT-LLM's medusa_choices takes
+        data["medusa_choices"] = [list(path) for path in config.tree]
+    if config.head_accuracies or config.cost_profile:
+        logger.info("the FasterDecoding layout has no place for the heads' measured accuracies or cost profile: "
+                    "%s keeps only their tree (medusa_choices); save_pretrained keeps everything", path)
     (path / CONFIG_NAME).write_text(json.dumps(data, indent=2) + "\n")
     if fmt == "safetensors":
         save_file(tensors, str(path / SAFETENSORS_NAME), metadata={"format": "pt"})

@@ -342,3 +342,20 @@ def test_export_of_several_blocks_per_head_warns_about_the_reference_loader(tmp_
         config = tiny_config("own", num_layers=1)
         write_medusa_layout(config, random_state(config), tmp_path / "one")
     assert "reads only the last block" not in caplog.text
+
+
+def test_the_heads_tree_travels_as_medusa_choices(tmp_path):
+    """The layout keeps the heads' (fitted) tree as ``medusa_choices``, the format TensorRT-LLM takes,
+    and reading it back restores the tree; a malformed one is named."""
+    config = tiny_config("own")
+    config.tree = [[0], [1], [0, 0], [0, 1], [2]]
+    write_medusa_layout(config, random_state(config, torch.float32), tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["medusa_choices"] == config.tree
+    assert read_medusa_layout(tmp_path)[0].tree == [[0], [1], [2], [0, 0], [0, 1]]
+    data = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**data, "medusa_choices": [[0], [1, 0]]}))
+    with pytest.raises(ValueError, match=r"config.json: medusa_choices is not a tree .*no parent \(1,\)"):
+        read_medusa_layout(tmp_path)
+    del data["medusa_choices"]
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    assert read_medusa_layout(tmp_path)[0].tree is None
