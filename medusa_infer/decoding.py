@@ -153,6 +153,12 @@ class StopConfig:
     eos_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
 
+    def window(self) -> int:
+        """How many of a row's last tokens a stop string can span: a token holds at least one byte
+        of text (byte-level and byte-fallback pieces of a character hold less than a character),
+        plus some for tokens that decode to nothing (special tokens)."""
+        return 8 + max((len(text.encode("utf-8")) for text in self.stop_strings), default=0)
+
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, numbers.Integral) \
                 or self.max_new_tokens < 1:
@@ -372,7 +378,7 @@ class DecodeBatch:
         if token in stop.eos_token_ids:
             return "eos"
         if stop.stop_strings:
-            window = 8 + max(len(text) for text in stop.stop_strings)  # a token holds >= 1 character
+            window = stop.window()
             history = self.histories[row] + kept
             tail = generated_text_tail(self.tokenizer, history, self.prompt_lengths[row], window)
             if any(s in tail for s in stop.stop_strings):

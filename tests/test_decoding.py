@@ -695,3 +695,12 @@ def test_numpy_and_torch_numbers_are_taken_as_sampling_settings():
     numpy = generate(model, ids, max_new_tokens=4, do_sample=True, top_k=np.int64(5), temperature=np.float32(0.5),
                      seed=1).new_tokens
     assert numpy == plain
+
+
+def test_the_stop_string_window_covers_a_string_of_byte_level_pieces():
+    """Stop strings are looked for in the text of a row's last ``window()`` tokens; a byte-level
+    tokenizer spends a token per byte of an emoji (four per character)."""
+    from medusa_infer.decoding import StopConfig
+
+    stop = StopConfig(stop_strings=("ab", "🙂🙂🙂"))
+    assert stop.window() >= len("🙂🙂🙂".encode("utf-8")) > len("🙂🙂🙂") + 8
