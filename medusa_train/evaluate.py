@@ -90,9 +90,10 @@ def head_accuracy(head_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tens
 
 def fit_tree(accuracy: HeadAccuracy, size: int) -> list[tuple[int, ...]]:
     """The ``size``-node tree maximising the expected accepted length under the measured joint
-    path accuracies (capped at the number of paths ever accepted)."""
+    path accuracies (capped at the number of paths ever accepted; none: the empty tree, plain
+    decoding, as heads that never guessed right would measure fastest)."""
     paths = accuracy.paths()
-    return greedy_tree(paths, min(size, len(paths)))
+    return greedy_tree(paths, min(size, len(paths))) if paths else []
 
 
 def summary_table(accuracy: HeadAccuracy, tree: list[tuple[int, ...]]) -> str:

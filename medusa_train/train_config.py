@@ -380,8 +380,8 @@ def convert_value(value: Any, tp: Any, key: str) -> Any:
             raise ValueError(f"{key}: expected a finite number, got {value!r}")
         return number
     if tp is str:
-        if isinstance(value, (dict, list)):
-            raise ValueError(f"{key}: expected a string, got {value!r}")
+        if isinstance(value, (dict, list)) or value is None or (isinstance(value, str) and not value.strip()):
+            raise ValueError(f"{key}: expected a non-empty string, got {value!r}")
         return str(value)
     raise TypeError(f"{key}: unsupported field type {tp!r}")
 
@@ -428,7 +428,10 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: str) -> None:
         if part not in fields:
             raise ValueError(f"unknown key {dotted!r}; valid keys: {', '.join(valid_keys())}")
         cls = fields[part]
-        if typing.get_origin(cls) is dict and i == len(parts) - 2:  # one entry of a mapping field
+        mapping = typing.get_origin(cls) is dict or any(  # a mapping field, or an optional one
+            typing.get_origin(option) is dict for option in typing.get_args(cls)
+            if typing.get_origin(cls) in (typing.Union, types.UnionType))
+        if mapping and i == len(parts) - 2:  # one entry of a mapping field
             if node.get(part) is None:
                 node[part] = {}
             if not isinstance(node[part], dict):
@@ -541,8 +544,12 @@ def validate(config: TrainConfig) -> None:
                          f"examples), got {d.heldout_fraction}")
     if h.reduced_vocab_size is not None and h.reduced_vocab_size < 2:
         raise ValueError(f"heads.reduced_vocab_size must be >= 2 or null, got {h.reduced_vocab_size}")
-    if t.loss == "kl" and config.uses_feature_cache and f.topk < 1:
-        raise ValueError("training.loss=kl from the feature cache needs soft labels: set features.topk >= 1 (e.g. 20)")
+    if t.loss == "kl" and f.topk < 1:
+        raise ValueError("training.loss=kl trains on the model's top-k next-token distributions (soft labels): set "
+                         "features.topk >= 1 (e.g. 20), or use training.loss=ce")
+    if h.path_input and not h.next_token_input:
+        raise ValueError("heads.path_input=true needs heads.next_token_input=true (the path starts at the token "
+                         "t + 1); set both")
     if t.mode == "medusa1" and t.stage1_steps:
         raise ValueError("training.stage1_steps applies to training.mode=medusa2 only; set it to 0")
     if config.model.dtype != "float32" and t.mixed_precision == "no" and t.mode == "medusa2":

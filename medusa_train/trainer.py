@@ -643,8 +643,11 @@ def micro_batch_index(g: int, n: int, micro: int, micro_per_epoch: int, seed: in
     return epoch, cache[epoch][start : start + micro]
 
 
-def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any, paths: RunPaths) -> TrainResult:
-    """Run (or resume from the newest checkpoint) the optimisation; return the final heads' state."""
+def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any, paths: RunPaths,
+          examples_sha256: str | None = None) -> TrainResult:
+    """Run (or resume from the newest checkpoint) the optimisation; return the final heads' state.
+    ``examples_sha256`` (``features.examples_hash`` of the training examples) is kept in each checkpoint,
+    and a checkpoint of other examples is not resumed."""
     t = config.training
     world, rank = accelerator.num_processes, accelerator.process_index
     cached = isinstance(task.source, FeatureDataset)
@@ -674,6 +677,9 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
                     **_flatten(resume_fingerprint(config))}
         found = {"world_size": state.get("world_size"), "micro_batch": state.get("micro_batch"),
                  "grad_accum": state.get("grad_accum"), **_flatten(state.get("fingerprint", {}))}
+        if state.get("train_examples_sha256") is not None:  # checkpoints from before the key have none
+            expected["train_examples_sha256"] = examples_sha256
+            found["train_examples_sha256"] = state["train_examples_sha256"]
         differ = sorted(k for k in set(expected) | set(found) if expected.get(k) != found.get(k))
         if differ:
             raise ValueError(
@@ -729,7 +735,7 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
                 "step": step, "epoch": (step * t.grad_accum) // micro_per_epoch,
                 "micro_step": step * t.grad_accum, "micro_steps_per_epoch": micro_per_epoch,
                 "world_size": world, "micro_batch": micro, "grad_accum": t.grad_accum, "total_steps": total,
-                "fingerprint": resume_fingerprint(config),
+                "fingerprint": resume_fingerprint(config), "train_examples_sha256": examples_sha256,
             }, t.keep_checkpoints)
     bar.close()
     logger.close()

@@ -91,6 +91,10 @@ def test_overrides_are_typed_and_dotted():
     assert config.lora.target_modules == ["q_proj", "v_proj"]
     assert config.data.per_source == {"gsm8k_train": 10}
     assert plan(config).total_steps == 5
+    one = load_config(RECIPES / "smollm2-135m.yaml", ["data.per_source.alpaca=5"])  # an entry of the optional mapping
+    assert one.data.per_source["alpaca"] == 5
+    with pytest.raises(ValueError, match="model.name: expected a non-empty string, got None"):
+        config_from_dict({"model": {"name": None}, "data": {"prompts": "p.jsonl"}})
 
 
 @pytest.mark.parametrize("override, message", [
@@ -101,10 +105,13 @@ def test_overrides_are_typed_and_dotted():
     ("training.mode=medusa3", "training.mode must be one of"),
     ("training.lr", "is not key=value"),
     ("training=1", "is a section"),
+    ("output_dir=", "output_dir: expected a non-empty string, got ''"),
+    ("training.mode=medusa2 training.loss=kl features.topk=0", "training.loss=kl trains on the model's top-k"),
+    ("heads.next_token_input=false heads.path_input=true", "heads.path_input=true needs heads.next_token_input=true"),
 ])
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")) as err:
-        load_config(RECIPES / "smollm2-135m.yaml", [override])
+        load_config(RECIPES / "smollm2-135m.yaml", override.split(" "))
     if "unknown key" in message:
         assert "training.lr" in str(err.value) and "heads.num_heads" in str(err.value)  # lists the valid keys
 

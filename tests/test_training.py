@@ -508,6 +508,32 @@ def test_kill_9_then_resume_equals_uninterrupted_run(tiny_dir, tmp_path):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)
 
 
+def test_a_checkpoint_is_not_resumed_on_other_examples(tiny_dir, tmp_path, capsys):
+    """Killed, then the training examples rewritten under the same recipe: the steps before the kill
+    trained on the old ones, so the checkpoint is refused rather than continued on the new ones."""
+    import train_heads
+
+    examples = tmp_path / "examples.jsonl"
+    shutil.copy(tiny_dir / "examples.jsonl", examples)
+    values = recipe(tiny_dir, tmp_path / "run", training={"max_steps": 6, "save_every": 2, "seed": 3})
+    values["data"]["tokenized"] = str(examples)
+    config_file = str(write_recipe(tmp_path / "r.yaml", values))
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_SCRIPT)
+    result = subprocess.run([sys.executable, str(script), "3", "--config", config_file], cwd=REPO,
+                            env=quiet_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    with examples.open("w") as handle:
+        for example in counting_examples(64, seed=9):
+            handle.write(json.dumps(example) + "\n")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        train_heads.main(["--config", config_file])
+    captured = capsys.readouterr()
+    assert "was written by a different run: train_examples_sha256 was" in captured.err + str(exit_info.value), (
+        str(exit_info.value), captured.out[-2000:], captured.err[-2000:])
+
+
 # ---------------------------------------------------------------------------------------------
 # Medusa-2
 
@@ -820,3 +846,13 @@ def test_deepspeed_launch_configs_train_heads_on_the_cpu(tiny_dir, tmp_path, sta
         layers = json.loads((tiny_dir / "model" / "config.json").read_text())["num_hidden_layers"]
         assert len(adapter) == 4 * layers and all("lora_" in k for k in adapter), sorted(adapter)
         assert {t.dtype for t in adapter.values()} == {torch.float32}
+
+
+def test_heads_that_never_guess_right_get_the_empty_tree():
+    """No held-out path accepted (untrained heads on hard data): the fitted tree is plain decoding,
+    not an error after training."""
+    from medusa_train.evaluate import HeadAccuracy, fit_tree, summary_table
+
+    accuracy = HeadAccuracy(torch.zeros(3, 10, dtype=torch.long), torch.full((3,), 40), torch.full((40, 3), -1))
+    assert fit_tree(accuracy, 16) == []
+    assert "expected" in summary_table(accuracy, [])
