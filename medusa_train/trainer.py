@@ -106,6 +106,19 @@ def trained_state(accelerator: Any, module: nn.Module, prefix: str,
 # Modules
 
 
+@contextlib.contextmanager
+def evaluating(module: nn.Module) -> Iterator[None]:
+    """Inside, ``module`` and its submodules are in eval mode (no dropout); after, each is back in the
+    mode it was in."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
 class FrozenProjection(nn.Module):
     """The base ``lm_head`` as buffers (not parameters, not saved): it cannot be trained."""
 
@@ -162,12 +175,14 @@ class JointModule(nn.Module):
 
     def forward(self, batch: Mapping[str, torch.Tensor], joint: bool, num_heads: int) -> dict[str, torch.Tensor]:
         medusa = self.medusa
+        # The passes without grad (the original model as teacher; the adapted one in the heads-only stage)
+        # run in eval mode: with the backbone's dropout they would draw noise the labels should not carry.
         if joint:
-            with torch.no_grad(), self._peft[0].disable_adapter():
+            with torch.no_grad(), self._peft[0].disable_adapter(), evaluating(medusa.base_model):
                 teacher = self._hidden(batch)
             student = self._hidden(batch)
         else:
-            with torch.no_grad():
+            with torch.no_grad(), evaluating(medusa.base_model):
                 student = teacher = self._hidden(batch)
         block = block_from_hidden(student, batch["input_ids"], batch["labels"], batch["lengths"], medusa.project,
                                   self.topk,

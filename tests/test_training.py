@@ -538,6 +538,32 @@ def test_a_checkpoint_is_not_resumed_on_other_examples(tiny_dir, tmp_path, capsy
 # Medusa-2
 
 
+def test_medusa2_teacher_is_the_original_model_without_dropout(tiny_dir, tmp_path):
+    """A base model with dropout (GPT-2's 0.1) in training mode: the teacher (the original model) and the
+    heads-only stage's features are computed without it, so they are the model's own outputs; training
+    mode is back after each pass."""
+    from medusa_infer.heads import MedusaHeads
+    from medusa_train.lora import add_lora
+
+    config = config_from_dict(recipe(tiny_dir, tmp_path / "run", training={"mode": "medusa2", "loss": "kl"},
+                                     lora={"target_modules": ["c_attn"]}))
+    base = tiny_model("gpt2")
+    assert base.config.resid_pdrop > 0
+    batch = pad_batch(counting_examples(3, seed=5))
+    base.requires_grad_(False)
+    peft_model = add_lora(base, 8, 16, 0.0, config.lora.target_modules)
+    heads = MedusaHeads(tr.heads_config(config, 32, 96, "gpt2", None), lm_head_weight=base.lm_head.weight)
+    module = tr.JointModule(MedusaModel(peft_model.get_base_model(), heads), peft_model, 5).train()
+    outputs = []
+    for seed, joint in ((0, True), (1, True), (0, False), (1, False)):
+        torch.manual_seed(seed)
+        outputs.append(module(batch, joint=joint, num_heads=3))
+        assert all(m.training for m in module.modules())
+    torch.testing.assert_close(outputs[0]["teacher_logits"], outputs[1]["teacher_logits"], atol=0, rtol=0)
+    assert not torch.equal(outputs[0]["student_logits"], outputs[1]["student_logits"])  # the student keeps dropout
+    torch.testing.assert_close(outputs[2]["soft_probs"], outputs[3]["soft_probs"], atol=0, rtol=0)
+
+
 def test_medusa2_step0_kl_is_zero_and_base_logits_unchanged(tiny_dir, tmp_path):
     from medusa_infer.heads import MedusaHeads
     from medusa_train.lora import add_lora
