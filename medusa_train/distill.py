@@ -1117,6 +1117,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--no-progress", dest="progress", action="store_false", default=None)
     add("--save-hidden", action="store_true", default=None,
         help="also keep the final hidden states of the answers, for the Medusa-1 feature cache")
+    add("--trust-remote-code", action="store_true", default=None,
+        help="run the model repository's own code (only for models that need it)")
     add("--log-level", default="INFO")
     return parser
 

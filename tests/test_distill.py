@@ -656,3 +656,6 @@ def test_recipe_settings_reach_distillation():
     assert distill_module.recipe_config(recipe).trust_remote_code is True
     with pytest.raises(ValueError, match=r"per_source quotas must be >= 1, got \{'a': -1\}"):
         DistillConfig(prompts="p.jsonl", per_source={"a": -1})
+    parser = build_parser()
+    assert config_from_args(parser.parse_args(["--prompts", "p.jsonl", "--trust-remote-code"])).trust_remote_code
+    assert not config_from_args(parser.parse_args(["--prompts", "p.jsonl"])).trust_remote_code
