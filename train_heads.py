@@ -436,7 +436,13 @@ def stage_evaluate(config: TrainConfig, accelerator: Any, train: list[dict], hel
             from medusa_infer.datastore import DATASTORE_NAME
             from medusa_train.datastore import build_datastore
 
-            build_datastore(train).save(partial / DATASTORE_NAME)
+            from medusa_infer.models import load_tokenizer
+
+            try:  # recorded in the store when the model has one (pre-tokenized data may come without)
+                tokenizer = load_tokenizer(config.model.name, trust_remote_code=config.model.trust_remote_code)
+            except (OSError, ValueError):
+                tokenizer = None
+            build_datastore(train, tokenizer).save(partial / DATASTORE_NAME)
         _commit_folder(partial, paths.heads)
         print(ev.summary_table(accuracy, [tuple(p) for p in mconfig.tree]), flush=True)
     accelerator.wait_for_everyone()

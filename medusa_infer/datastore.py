@@ -20,10 +20,11 @@ lossless sampling stays lossless. The store lives with the heads as ``datastore.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import SafetensorError
@@ -33,6 +34,12 @@ DATASTORE_NAME = "datastore.safetensors"
 SEPARATOR = -1
 _MODULUS = 2_147_483_647  # a prime: (h * _BASE + token) stays inside int64
 _BASE = 1_000_003
+
+
+def tokenizer_digest(tokenizer: Any) -> str:
+    """A fingerprint of a tokenizer's vocabulary (every token and its id), which a datastore records."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:32]
 
 
 class DatastoreMatch(NamedTuple):
@@ -81,10 +88,13 @@ class Datastore:
         min_share: a draft continues while its next token is that of at least this share of the
             occurrences still agreeing with it.
         modulus: the hash modulus (tests use a tiny one to force collisions).
+        tokenizer: ``tokenizer_digest`` of the tokenizer the tokens come from (saved with them;
+            ``from_pretrained`` refuses the store on a model of another tokenizer), or None.
     """
 
     def __init__(self, tokens: torch.Tensor, min_ngram: int = 2, max_ngram: int = 6,
-                 max_occurrences: int = 256, min_share: float = 0.3, modulus: int = _MODULUS) -> None:
+                 max_occurrences: int = 256, min_share: float = 0.3, modulus: int = _MODULUS,
+                 tokenizer: str | None = None) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"a datastore needs 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
         if not 0.0 < min_share <= 1.0:
@@ -101,6 +111,7 @@ class Datastore:
         self.tokens = tokens
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
         self.max_occurrences, self.min_share, self.modulus = max_occurrences, min_share, modulus
+        self.tokenizer = tokenizer  # tokenizer_digest of the tokenizer the tokens come from, when known
         self._list = tokens.tolist()  # drafts read single tokens: list indexing beats tensor indexing
         self._index: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # built on first use
 
@@ -188,13 +199,22 @@ class Datastore:
 
     # ------------------------------------------------------------------ files
 
+    def check_tokenizer(self, tokenizer: Any, where: str | Path) -> None:
+        """``ValueError`` when the store records a tokenizer (``tokenizer_digest``) other than ``tokenizer``:
+        its ids would stand for other text, and its drafts would never be accepted."""
+        if self.tokenizer is not None and tokenizer is not None and tokenizer_digest(tokenizer) != self.tokenizer:
+            raise ValueError(f"{where} was built with another tokenizer than this model's: its token ids stand for "
+                             "other text; rebuild it with `python -m medusa_train.datastore` or delete it")
+
     def save(self, path: str | Path) -> Path:
         """Write the tokens and settings to ``path`` (safetensors)."""
         path = Path(path)
         settings = {"min_ngram": self.min_ngram, "max_ngram": self.max_ngram,
                     "max_occurrences": self.max_occurrences, "min_share": self.min_share}
-        save_file({"tokens": self.tokens.to(torch.int32).contiguous()}, str(path),
-                  metadata={"format": "pt", "settings": json.dumps(settings, sort_keys=True)})
+        metadata = {"format": "pt", "settings": json.dumps(settings, sort_keys=True)}
+        if self.tokenizer is not None:
+            metadata["tokenizer"] = self.tokenizer
+        save_file({"tokens": self.tokens.to(torch.int32).contiguous()}, str(path), metadata=metadata)
         return path
 
     @classmethod
@@ -205,9 +225,10 @@ class Datastore:
         path = Path(path)
         try:
             with safe_open(str(path), framework="pt") as f:
-                settings = json.loads((f.metadata() or {}).get("settings", "{}"))
+                metadata = f.metadata() or {}
+            settings = json.loads(metadata.get("settings", "{}"))
             tokens = load_file(str(path))["tokens"].long()
-            return cls(tokens, **settings)
+            return cls(tokens, **settings, tokenizer=metadata.get("tokenizer"))
         except (SafetensorError, OSError, KeyError, TypeError, json.JSONDecodeError) as err:
             raise ValueError(f"{path} is not a readable datastore ({err}); rebuild it with "
                              "`python -m medusa_train.datastore`") from err

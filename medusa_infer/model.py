@@ -248,6 +248,7 @@ class MedusaModel(nn.Module):
         model.merged_adapter = adapter_folder if merge else None
         if (directory / DATASTORE_NAME).is_file():
             model.datastore = Datastore.load(directory / DATASTORE_NAME)
+            model.datastore.check_tokenizer(tokenizer, directory / DATASTORE_NAME)
             largest = int(model.datastore.tokens.max())
             if largest >= config.vocab_size:
                 raise ValueError(

@@ -67,6 +67,10 @@ class CostProfile:
             raise ValueError("seconds must hold one positive time per size")
         if any(t < 0 for t in self.head_seconds):
             raise ValueError(f"head_seconds must not be negative, got {self.head_seconds}")
+        # no forward costs less than one token's: a profile saved before measure_verify_cost raised each
+        # time to the smaller sizes' can hold t(n) < t(1), which promises a speedup above tau (dips between
+        # larger sizes can be real on a CPU, where the linear kernels are chosen per row count)
+        self.seconds = [max(t, self.seconds[0]) for t in self.seconds]
 
     def ratio(self, n: int) -> float:
         """``t(n) / t(1)``, linearly interpolated (extrapolated past the largest size, never
@@ -225,6 +229,8 @@ def fit_tree(
     table = [{"nodes": 0, "depth": 0, "tau": 1.0, "cost_ratio": 1.0, "speedup": 1.0}]
     best: tuple[float, list[Path], float] = (1.0, [], 1.0)
     speculative: tuple[float, list[Path]] = (0.0, [])
+    if isinstance(head_topk_acc, Mapping) and not head_topk_acc:  # no path ever accepted: plain decoding
+        return FittedTree([], 1.0, 1.0, table, [])
     capacity = tree_capacity(head_topk_acc)
     if isinstance(head_topk_acc, Mapping):
         num_heads = max((len(p) for p in head_topk_acc), default=0)

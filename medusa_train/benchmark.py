@@ -106,7 +106,8 @@ class MethodTotals:
         self.seconds += turn.seconds
         self.steps += turn.steps
         self.ttft.append(turn.ttft_s)
-        self.decode_s += turn.call_s - turn.ttft_s
+        if len(turn.tokens) > 1:  # a row that stopped at its first token has no later tokens to charge
+            self.decode_s += turn.call_s - turn.ttft_s
         self.peak_mem_mb = max(self.peak_mem_mb, turn.peak_mem_mb)
 
     def summary(self, baseline_speed: float | None) -> dict[str, Any]:
@@ -195,6 +196,7 @@ def load_questions(path: str | Path, limit: int | None = None, seed: int = 0,
     """Spec-Bench-format questions (``id``, ``category``, ``turns``); with ``limit``, a sample
     balanced across categories (round robin in a seeded shuffle), in file order."""
     rows = []
+    excluded = {str(x) for x in exclude_ids}
     for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if not line.strip():
             continue
@@ -206,7 +208,7 @@ def load_questions(path: str | Path, limit: int | None = None, seed: int = 0,
         if problem:
             raise ValueError(f"{path}:{number}: {problem}; a question is "
                              '{"id": 1, "category": "writing", "turns": ["first turn", ...]}')
-        if row["id"] not in set(exclude_ids):
+        if str(row["id"]) not in excluded:  # 81 and "81" alike: ids come as given in files and on command lines
             rows.append(row)
     if limit is None or limit >= len(rows):
         return rows
@@ -900,6 +902,10 @@ def run(args: argparse.Namespace, started: float) -> int:
               f"expected speedup {result['expected_speedup']:.2f}x; saved into {saved}", file=sys.stderr)
         exclude += [q["id"] for q in calib_questions]
     questions = load_questions(args.questions, args.limit, seed=args.seed, exclude_ids=exclude)
+    if not questions:
+        left_out = "--exclude-ids" + (" and the calibration's questions" if args.calibrate else "")
+        raise ValueError(f"no question of {args.questions} is left to benchmark after {left_out}; "
+                         "exclude fewer, or give more questions")
     report = benchmark(model, questions, args, started=started)
     (output / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     markdown = report_markdown(report)

@@ -20,12 +20,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from medusa_infer.datastore import DATASTORE_NAME, Datastore
+from medusa_infer.datastore import DATASTORE_NAME, Datastore, tokenizer_digest
 
 
-def build_datastore(examples: Iterable[Mapping[str, Any]]) -> Datastore:
-    """A store of the examples' whole conversations (``input_ids``: template, prompt and answer)."""
-    store = Datastore.from_sequences(list(e["input_ids"]) for e in examples)
+def build_datastore(examples: Iterable[Mapping[str, Any]], tokenizer: Any = None) -> Datastore:
+    """A store of the examples' whole conversations (``input_ids``: template, prompt and answer); with the
+    ``tokenizer`` they were made with, the store records it (``tokenizer_digest``), and loading it with
+    heads on a model of another tokenizer is refused."""
+    digest = tokenizer_digest(tokenizer) if tokenizer is not None else None
+    store = Datastore.from_sequences((list(e["input_ids"]) for e in examples), tokenizer=digest)
     if not len(store):
         raise ValueError("no tokens to build a datastore from: the examples are empty")
     return store
@@ -102,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if chat_template:
         tokenizer.chat_template = chat_template
     examples = build_examples(rows, tokenizer, max_length, system_prompt)
-    store = build_datastore(examples)
+    store = build_datastore(examples, tokenizer)
     path = store.save(heads / DATASTORE_NAME)
     print(f"{path}: {len(store)} tokens from {len(examples)} conversations")
     return 0

@@ -283,6 +283,14 @@ def test_errors_found_while_loading_are_reported_without_a_traceback(tmp_path, c
     assert err.startswith("medusa-bench: error: no such heads folder") and "Traceback" not in err
 
 
+def test_no_question_left_to_benchmark_is_an_error_not_an_empty_report(model, tmp_path, monkeypatch, capsys):
+    heads, questions = cli_files(model, tmp_path, monkeypatch)
+    code = main(["--heads", str(heads), "--questions", str(questions), "--methods", "ar", "--exclude-ids",
+                 "1,2,3,4,5", "--output", str(tmp_path / "out")])
+    assert code == 2 and "no question of" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "report.json").exists()
+
+
 @pytest.mark.parametrize("given, expected", [(None, {"hf-lookup": 10, "lookup": 4, "medusa-lookup": 4}),
                                              (7, {"hf-lookup": 7, "lookup": 7, "medusa-lookup": 7})])
 def test_lookup_tokens_sets_every_lookup_method(model, monkeypatch, given, expected):
@@ -681,3 +689,30 @@ def test_calibration_in_bfloat16_keeps_the_stored_float32_weights(model, tmp_pat
     assert "calibrated_tree_nodes" in json.loads((heads / "config.json").read_text())["acceptance"]
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
     assert {t.dtype for t in after.values() if t.is_floating_point()} == {torch.float32}
+
+
+def test_a_row_that_stopped_at_its_first_token_adds_no_decoding_time():
+    """TPOT is the batch's decoding seconds over a row's later tokens: a row with none adds none."""
+    totals = bench.MethodTotals()
+    totals.add(bench.Turn([7], 0.03, 1, 0.0024, 0.0, 0.0552))
+    totals.add(bench.Turn(list(range(40)), 0.03, 39, 0.0024, 0.0, 0.0552))
+    assert totals.summary(None)["tpot_s"] == pytest.approx((0.0552 - 0.0024) / 39, abs=1e-5)
+
+
+def test_excluded_ids_match_numbers_and_strings_alike(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "category": "qa", "turns": ["hi"]}) + "\n" for i in ("81", 82, "q3")))
+    for exclude in ([81, "q3"], ["81", "82"], ["82"]):
+        kept = [str(q["id"]) for q in load_questions(path, exclude_ids=exclude)]
+        assert not set(kept) & {str(x) for x in exclude} and len(kept) == 3 - len(exclude)
+
+
+def test_heads_never_right_calibrate_to_plain_decoding_and_profiles_never_beat_one_token():
+    from medusa_infer.tree_fit import CostProfile, fit_tree
+
+    profile = CostProfile([1, 2, 4], [1.0, 0.984, 1.2], "an old profile with a noisy dip")
+    assert profile.ratio(2) == 1.0 and profile.ratio(3) > 1.0
+    fitted = fit_tree({}, profile)
+    assert (fitted.paths, fitted.expected_speedup) == ([], 1.0)
+    one_node = fit_tree({(0,): 0.99}, profile)
+    assert one_node.expected_speedup <= one_node.expected_tau  # no speedup above tau

@@ -296,3 +296,27 @@ def test_merged_medusa_proposers_keep_both_gates_counts():
     assert a.gate.drafts == {("prompt", 2): 1} and a.hidden.shape[0] == 2
     context = StepContext([[1, 2, 3, 1, 2], [4, 5, 4]], 8)
     assert a.propose(torch.tensor([3, 5]), context).tree.num_nodes > 1 + len(GRAFT_TREE)
+
+
+def test_a_store_built_with_another_tokenizer_is_refused_at_load(tmp_path):
+    """The store records its tokenizer's fingerprint: with heads on a model whose tokenizer differs (ids
+    standing for other text, all within the vocabulary), loading is refused; with the same one it loads."""
+    from tiny import metaspace_tokenizer, word_medusa
+
+    from medusa_infer.datastore import tokenizer_digest
+    from medusa_train.datastore import build_datastore
+
+    model = word_medusa()
+    other = metaspace_tokenizer()
+    assert tokenizer_digest(other) != tokenizer_digest(model.tokenizer)
+    assert tokenizer_digest(model.tokenizer) == tokenizer_digest(word_medusa().tokenizer)
+    examples = [{"input_ids": other("the cat sat on the mat")["input_ids"]}]
+    model.datastore = build_datastore(examples, other)
+    model.save_pretrained(tmp_path / "heads")
+    assert Datastore.load(tmp_path / "heads" / DATASTORE_NAME).tokenizer == tokenizer_digest(other)
+    with pytest.raises(ValueError, match="was built with another tokenizer than this model's"):
+        MedusaModel.from_pretrained(tmp_path / "heads", base_model=model.base_model, tokenizer=model.tokenizer)
+    model.datastore = build_datastore([{"input_ids": model.tokenizer("the cat sat")["input_ids"]}], model.tokenizer)
+    model.save_pretrained(tmp_path / "heads")
+    loaded = MedusaModel.from_pretrained(tmp_path / "heads", base_model=model.base_model, tokenizer=model.tokenizer)
+    assert loaded.datastore.tokenizer == tokenizer_digest(model.tokenizer)
