@@ -21,7 +21,7 @@ import math
 import numbers
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -706,8 +706,9 @@ def _eos_ids(model, tokenizer, eos_token_id) -> tuple[int, ...]:
     if eos_token_id is not None:
         ids = [eos_token_id] if isinstance(eos_token_id, numbers.Integral) else eos_token_id
         vocab = model.base_model.get_output_embeddings().weight.shape[0]
-        if isinstance(ids, str) or not isinstance(ids, (Sequence, set, frozenset)) or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool)
-                                           and 0 <= i < vocab for i in ids):
+        listed = not isinstance(ids, (str, bytes)) and isinstance(ids, Iterable)  # a list, tuple, numpy array
+        if not listed or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and 0 <= i < vocab
+                                 for i in ids):
             raise ValueError(f"eos_token_id must be a token id in [0, {vocab}) or a list of them, got "
                              f"{eos_token_id!r}; for a text use stop_strings=, for a token "
                              "tokenizer.convert_tokens_to_ids(...)")

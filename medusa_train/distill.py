@@ -872,7 +872,8 @@ def completion_row(
     finish = FINISH_REASONS.get(choice.get("finish_reason") or "", None)
     if finish is None:  # content_filter, tool_calls, ...: not an answer to train on
         raise RejectedError(
-            f"prompt {prompt['id']!r}: finish_reason {choice.get('finish_reason')!r}, neither an end nor the token limit"
+            f"prompt {prompt['id']!r}: finish_reason {choice.get('finish_reason')!r}, neither an end nor the "
+            "token limit"
         )
     n_tokens = (reply.get("usage") or {}).get("completion_tokens")
     if n_tokens is None:  # the server's count when it reports usage; else the tokenizer's

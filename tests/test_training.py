@@ -852,7 +852,8 @@ def test_deepspeed_launch_configs_train_heads_on_the_cpu(tiny_dir, tmp_path, sta
         values = recipe(tiny_dir, out, training=training)
     result = run_script([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                          f"recipes/accelerate/deepspeed-zero{stage}.yaml", "--num_processes", "2",
-                         "--main_process_port", str(29560 + 2 * stage + (mode == "medusa2")), "train_heads.py", "--config",
+                         "--main_process_port", str(29560 + 2 * stage + (mode == "medusa2")), "train_heads.py",
+                         "--config",
                          str(write_recipe(tmp_path / "r.yaml", values))], env)
     assert "accelerate: DEEPSPEED on cpu, 2 process(es), mixed precision bf16" in result.stdout, \
         result.stdout[-2000:]
