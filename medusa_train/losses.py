@@ -83,8 +83,9 @@ def head_ce_loss(
         logits: ``[K, N, V]`` heads' logits.
         targets: ``[N, K]`` head-vocabulary columns; ``IGNORE`` and ``OUT_OF_VOCAB`` are left out.
         decay: head ``k`` weighs ``decay**k`` (normalised).
-        denominators: ``[K]`` divisors instead of the local valid counts (distributed training
-            divides by the counts of all processes so the mean is over the global batch).
+        denominators: ``[K]`` divisors instead of the local valid counts (training divides by the
+            counts of the optimizer step's micro-batches on all processes, so the mean is over the
+            step's whole batch: ``trainer.step_denominators``).
     """
     num_heads, n, vocab = logits.shape
     if targets.shape != (n, num_heads):

@@ -232,22 +232,35 @@ class LiveFeatures:
         return rows.batch(torch.arange(len(rows), device=hidden.device))
 
 
-def _global_denominators(accelerator: Any, counts: torch.Tensor) -> torch.Tensor:
-    """Per-process divisors making N processes' averaged gradients those of one global batch."""
-    if accelerator.num_processes == 1:
-        return counts
-    total = accelerator.reduce(counts.to(accelerator.device).float(), reduction="sum")
-    return total.to(counts.device) / accelerator.num_processes
+def step_denominators(accelerator: Any, counts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Divisors for the losses of one optimizer step's micro-batches (``counts``: what each holds, per
+    loss term), such that the gradients accelerate accumulates over them and averages over processes are
+    those of one batch of them all: each term's count summed over the micro-batches and the processes,
+    over the number of micro-batches that average (processes x micro-batches)."""
+    names = list(counts[0])
+    sizes = [counts[0][name].numel() for name in names]
+    total = torch.cat([sum(c[name].float().reshape(-1) for c in counts) for name in names]).to(accelerator.device)
+    if accelerator.num_processes > 1:
+        total = accelerator.reduce(total, reduction="sum")
+    total = total / (accelerator.num_processes * len(counts))
+    return {name: part.reshape(counts[0][name].shape) for name, part in zip(names, total.split(sizes))}
 
 
-def _heads_loss(config: TrainConfig, accelerator: Any, logits: torch.Tensor, targets: torch.Tensor,
-                soft_ids: torch.Tensor | None, soft_probs: torch.Tensor | None) -> HeadLoss:
+def _target_counts(config: TrainConfig, targets: torch.Tensor, soft_ids: torch.Tensor | None,
+                   soft_probs: torch.Tensor | None) -> torch.Tensor:
+    """``[K]`` positions each head's loss averages over: its valid hard targets (``loss: ce``), or the
+    positions whose soft labels hold a candidate of the head vocabulary (``loss: kl``)."""
+    if config.training.loss == "ce":
+        return (targets >= 0).sum(dim=0)
+    return ((soft_probs * (soft_ids >= 0)).sum(-1) > 0).sum(dim=0)
+
+
+def _heads_loss(config: TrainConfig, logits: torch.Tensor, targets: torch.Tensor, soft_ids: torch.Tensor | None,
+                soft_probs: torch.Tensor | None, denominators: torch.Tensor) -> HeadLoss:
     decay = config.training.head_decay
     if config.training.loss == "ce":
-        counts = (targets >= 0).sum(dim=0)
-        return head_ce_loss(logits, targets, decay, _global_denominators(accelerator, counts))
-    counts = ((soft_probs * (soft_ids >= 0)).sum(-1) > 0).sum(dim=0)
-    return head_kl_loss(logits, soft_ids, soft_probs, decay, _global_denominators(accelerator, counts))
+        return head_ce_loss(logits, targets, decay, denominators)
+    return head_kl_loss(logits, soft_ids, soft_probs, decay, denominators)
 
 
 def _lr_factor(step: int, start: int, total: int, warmup: int, kind: str) -> float:
@@ -292,12 +305,19 @@ class Medusa1Task:
         kind = self.config.training.scheduler
         return [lambda step: _lr_factor(step, 0, total, warmup, kind)]
 
-    def loss(self, module: nn.Module, accelerator: Any, index: torch.Tensor, step: int
-             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        batch = {k: v.to(accelerator.device) for k, v in self.source.batch(index).items()}
+    def prepare(self, index: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
+        """The micro-batch of rows ``index``, on ``device``."""
+        return {k: v.to(device) for k, v in self.source.batch(index).items()}
+
+    def counts(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What the micro-batch's loss averages over (``step_denominators``)."""
+        return {"heads": _target_counts(self.config, batch["targets"], batch.get("soft_ids"), batch.get("soft_probs"))}
+
+    def loss(self, module: nn.Module, batch: Mapping[str, torch.Tensor], step: int,
+             denominators: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         logits = module(batch["hidden"], batch["next_tokens"], batch["path_tokens"])
-        out = _heads_loss(self.config, accelerator, logits, batch["targets"], batch.get("soft_ids"),
-                          batch.get("soft_probs"))
+        out = _heads_loss(self.config, logits, batch["targets"], batch.get("soft_ids"), batch.get("soft_probs"),
+                          denominators["heads"])
         hits, totals = topk_correct(logits.detach(), batch["targets"], 1)
         return out.loss, {"head_loss": out.per_head, "top1_hits": hits[:, 0], "top1_total": totals}
 
@@ -334,28 +354,45 @@ class Medusa2Task:
         return [lambda step: _lr_factor(step, 0, total, warmup, t.scheduler),
                 lambda step: _lr_factor(step, t.stage1_steps, total, joint_warmup, t.scheduler)]
 
-    def loss(self, module: nn.Module, accelerator: Any, index: torch.Tensor, step: int
-             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def prepare(self, index: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
+        """The micro-batch of examples ``index``, padded (or packed), on ``device``."""
+        batch = pad_batch([self.examples[i] for i in index.tolist()], self.pad_id, pack=self.config.data.pack)
+        return {k: v.to(device) for k, v in batch.items()}
+
+    def counts(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What the micro-batch's loss terms average over (``step_denominators``), from its labels alone
+        (the rows and soft-label positions do not depend on the hidden states): the heads' targets, and the
+        positions of the base model's KL. With ``loss: kl``, every position with soft labels counts, also
+        one whose candidates all lie outside a reduced head vocabulary (it adds no loss)."""
+        ids = batch["input_ids"]
+        with torch.no_grad():
+            block = block_from_hidden(ids.new_zeros((*ids.shape, 1), dtype=torch.float32), ids, batch["labels"],
+                                      batch["lengths"])
+            rows = rows_from_block(block, self.config.heads.num_heads)
+        if self.config.training.loss == "ce":
+            heads = (to_head_vocab(rows.targets, self.token_map, self.vocab_size) >= 0).sum(dim=0)
+        else:
+            heads = (rows.soft_row >= 0).sum(dim=0)
+        return {"heads": heads, "base": torch.tensor([len(block["soft_example"])], device=ids.device)}
+
+    def loss(self, module: nn.Module, batch: Mapping[str, torch.Tensor], step: int,
+             denominators: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         t = self.config.training
         joint = step >= t.stage1_steps
-        examples = [self.examples[i] for i in index.tolist()]
-        batch = pad_batch(examples, self.pad_id, pack=self.config.data.pack)
-        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
         out = module(batch, joint, self.config.heads.num_heads)
         targets = to_head_vocab(out["targets"], self.token_map, self.vocab_size)
         soft_ids = out.get("soft_ids")
         if soft_ids is not None:
             soft_ids = to_head_vocab(soft_ids, self.token_map, self.vocab_size)
-        heads = _heads_loss(self.config, accelerator, out["head_logits"], targets, soft_ids, out.get("soft_probs"))
+        heads = _heads_loss(self.config, out["head_logits"], targets, soft_ids, out.get("soft_probs"),
+                            denominators["heads"])
         hits, totals = topk_correct(out["head_logits"].detach(), targets, 1)
         metrics = {"head_loss": heads.per_head, "top1_hits": hits[:, 0], "top1_total": totals}
         weight = heads_loss_weight(self.config, step)
         metrics["heads_weight"] = torch.tensor(weight)
         if not joint:
             return heads.loss, metrics
-        positions = torch.tensor(len(out["student_logits"]), device=accelerator.device)
-        base_kl = logits_kl(out["student_logits"], out["teacher_logits"],
-                            denominator=_global_denominators(accelerator, positions))
+        base_kl = logits_kl(out["student_logits"], out["teacher_logits"], denominator=denominators["base"][0])
         metrics["base_kl"] = base_kl.detach()
         return t.kl_weight * base_kl + weight * heads.loss, metrics
 
@@ -718,11 +755,14 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
     module.train()
     step = start_step
     while step < total:
-        for a in range(t.grad_accum):  # accelerate syncs, clips and steps on the last micro-batch
-            epoch, index = micro_batch_index(step * t.grad_accum + a, n, micro, micro_per_epoch, t.seed,
-                                             rank, world, perm_cache)
+        # the step's micro-batches first: their losses are averaged over all of them (step_denominators)
+        indices = [micro_batch_index(step * t.grad_accum + a, n, micro, micro_per_epoch, t.seed, rank, world,
+                                     perm_cache)[1] for a in range(t.grad_accum)]
+        batches = [task.prepare(index, accelerator.device) for index in indices]
+        denominators = step_denominators(accelerator, [task.counts(batch) for batch in batches])
+        for index, batch in zip(indices, batches):  # accelerate syncs, clips and steps on the last micro-batch
             with accelerator.accumulate(module):
-                loss, metrics = task.loss(module, accelerator, index, step)
+                loss, metrics = task.loss(module, batch, step, denominators)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and t.max_grad_norm:
                     accelerator.clip_grad_norm_(module.parameters(), t.max_grad_norm)

@@ -29,7 +29,7 @@ from medusa_train.train_config import config_from_dict
 
 
 class OneProcess:
-    """What ``Medusa2Task.loss`` asks of an accelerator, on one CPU process."""
+    """What ``trainer.step_denominators`` asks of an accelerator, on one CPU process."""
 
     device = torch.device("cpu")
     num_processes = 1
@@ -78,7 +78,9 @@ def main() -> None:
         for pack in ((False, True) if b % 2 == 0 else (True, False)):
             medusa.zero_grad(set_to_none=True)
             start = time.perf_counter()
-            loss, _ = tasks[pack].loss(tasks[pack].module, OneProcess(), index, step=0)
+            task = tasks[pack]
+            micro = task.prepare(index, OneProcess.device)
+            loss, _ = task.loss(task.module, micro, 0, tr.step_denominators(OneProcess(), [task.counts(micro)]))
             loss.backward()
             seconds[pack] += time.perf_counter() - start
             losses[pack] = float(loss.detach())

@@ -210,7 +210,7 @@ def test_medusa2_loss_and_gradients_packed_equal_padded(tiny_dir, tmp_path):
         medusa = MedusaModel(peft_model.get_base_model(), heads)
         return tr.Medusa2Task(config, tr.JointModule(medusa, peft_model, 5), mixed_examples(9, seed=8), None)
 
-    class Accelerator:  # what Medusa2Task.loss asks of accelerate, on one process
+    class Accelerator:  # what step_denominators asks of accelerate, on one process
         device = torch.device("cpu")
         num_processes = 1
 
@@ -220,7 +220,8 @@ def test_medusa2_loss_and_gradients_packed_equal_padded(tiny_dir, tmp_path):
     results = []
     for pack in (False, True):
         t = task(pack)
-        loss, metrics = t.loss(t.module, Accelerator(), torch.arange(9), step=0)
+        batch = t.prepare(torch.arange(9), Accelerator.device)
+        loss, metrics = t.loss(t.module, batch, 0, tr.step_denominators(Accelerator(), [t.counts(batch)]))
         loss.backward()
         grads = {n: p.grad.clone() for n, p in t.module.named_parameters() if p.requires_grad}
         results.append((loss.detach(), metrics, grads))

@@ -883,3 +883,33 @@ def test_heads_that_never_guess_right_get_the_empty_tree():
     accuracy = HeadAccuracy(torch.zeros(3, 10, dtype=torch.long), torch.full((3,), 40), torch.full((40, 3), -1))
     assert fit_tree(accuracy, 16) == []
     assert "expected" in summary_table(accuracy, [])
+
+
+@pytest.mark.parametrize("mode", ["medusa1", "medusa2"])
+def test_gradient_accumulation_equals_the_larger_batch(tiny_dir, tmp_path, mode):
+    """Two micro-batches accumulated train the heads as one batch of both: each micro-batch's loss is
+    divided by the step's counts, not its own (a mean of means would weigh a micro-batch with fewer
+    targets more). Medusa-1 from the feature cache (soft labels), Medusa-2 with LoRA (hard labels)."""
+    import train_heads
+
+    if mode == "medusa1":
+        whole, halves = {"batch_tokens": 128}, {"batch_tokens": 64, "grad_accum": 2}
+        extra = {"loss": "kl"}
+    else:
+        whole, halves = {"batch_size": 4}, {"batch_size": 2, "grad_accum": 2}
+        extra = {"mode": "medusa2", "loss": "ce", "stage1_steps": 1, "heads_warmup_steps": 0}
+    heads, losses = {}, {}
+    for name, batch in (("whole", whole), ("halves", halves)):
+        out = tmp_path / name
+        values = recipe(tiny_dir, out, training={"max_steps": 3, "seed": 2, "lr": 0.05, **extra, **batch},
+                        lora={"r": 4, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]})
+        assert train_heads.main(["--config", str(write_recipe(tmp_path / f"{name}.yaml", values))]) == 0
+        heads[name] = final_heads(out)
+        losses[name] = [(r["loss"], r.get("base_kl")) for r in train_log(out)]
+    # every step's loss (and Medusa-2's base KL): the same batches, the same means
+    assert len(losses["whole"]) == 3
+    for (loss, kl), (half_loss, half_kl) in zip(losses["whole"], losses["halves"]):
+        assert half_loss == pytest.approx(loss, rel=1e-5) and (kl is None or half_kl == pytest.approx(kl, rel=1e-5))
+    if mode == "medusa1":  # the same rows to the bit: the weights too (padding makes Medusa-2's forwards
+        for key in heads["whole"]:  # differ in the last bits, which Adam's normalised steps magnify)
+            torch.testing.assert_close(heads["halves"][key], heads["whole"][key], atol=2e-6, rtol=1e-5)
