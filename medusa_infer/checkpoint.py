@@ -138,10 +138,13 @@ def check_state_dict(expected: dict[str, torch.Tensor], found: dict[str, torch.T
 
 
 def _looks_like_hub_id(name: str) -> bool:
-    """Whether ``name`` can be a Hub model id rather than a local folder (absolute, or one that exists)."""
+    """Whether ``name`` can be a Hub model id rather than a local folder (``models.is_path_like``, or one
+    that exists)."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    if name == "unknown" or Path(name).is_absolute() or Path(name).exists():
+    from medusa_infer.models import is_path_like
+
+    if name == "unknown" or is_path_like(name) or Path(name).exists():
         return False
     try:
         validate_repo_id(name)

@@ -153,6 +153,7 @@ class StopConfig:
     eos_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
 
+    @functools.cached_property  # read at every step of a row with stop strings
     def window(self) -> int:
         """How many of a row's last tokens a stop string can span: a token holds at least one byte
         of text (byte-level and byte-fallback pieces of a character hold less than a character),
@@ -378,7 +379,7 @@ class DecodeBatch:
         if token in stop.eos_token_ids:
             return "eos"
         if stop.stop_strings:
-            window = stop.window()
+            window = stop.window
             history = self.histories[row] + kept
             tail = generated_text_tail(self.tokenizer, history, self.prompt_lengths[row], window)
             if any(s in tail for s in stop.stop_strings):

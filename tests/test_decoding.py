@@ -703,4 +703,4 @@ def test_the_stop_string_window_covers_a_string_of_byte_level_pieces():
     from medusa_infer.decoding import StopConfig
 
     stop = StopConfig(stop_strings=("ab", "🙂🙂🙂"))
-    assert stop.window() >= len("🙂🙂🙂".encode("utf-8")) > len("🙂🙂🙂") + 8
+    assert stop.window >= len("🙂🙂🙂".encode("utf-8")) > len("🙂🙂🙂") + 8
