@@ -359,7 +359,8 @@ def stage_train(config: TrainConfig, accelerator: Any, train: list[dict], folder
             task = tr.Medusa2Task(config, tr.JointModule(medusa, peft_model, topk), train, token_map)
     if init and t.mode == "medusa1":
         module.heads.load_state_dict(init[0])
-    result = tr.train(config, task, accelerator, paths, examples_hash(train))
+    result = tr.train(config, task, accelerator, paths, examples_hash(train),
+                      folders["train"].name if config.uses_feature_cache else None)
     info = {"recipe": config.to_dict(), "settings": tr.finished_settings(config),
             "train_examples_sha256": examples_hash(train), "steps": result.steps,
             "train_seconds": round(result.seconds, 1), "resumed_from_step": result.resumed_from,

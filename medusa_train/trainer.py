@@ -614,6 +614,14 @@ def _trainable_checkpointing(accelerator: Any, module: nn.Module) -> None:
 # Logging
 
 
+def _logged_step(line: str) -> float:
+    """The step of a ``train.jsonl`` line; infinity for a blank or half-written one (never kept)."""
+    try:
+        return json.loads(line).get("step", 0) if line.strip() else math.inf
+    except json.JSONDecodeError:
+        return math.inf
+
+
 class MetricLogger:
     """Stdout, ``logs/train.jsonl`` and accelerate's trackers (TensorBoard, wandb); main process."""
 
@@ -624,9 +632,9 @@ class MetricLogger:
         if not accelerator.is_main_process:
             return
         paths.logs.mkdir(parents=True, exist_ok=True)
-        if self.path is not None and self.path.is_file():  # drop lines a killed run wrote after its checkpoint
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+        if self.path is not None and self.path.is_file():
+            # drop lines a killed run wrote after its checkpoint, and one it left half written
+            kept = [line for line in self.path.read_text().splitlines() if _logged_step(line) <= resume_step]
             self.path.write_text("".join(line + "\n" for line in kept))
         if self.trackers:
             flat = {}
@@ -696,10 +704,13 @@ def micro_batch_index(g: int, n: int, micro: int, micro_per_epoch: int, seed: in
 
 
 def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any, paths: RunPaths,
-          examples_sha256: str | None = None) -> TrainResult:
+          examples_sha256: str | None = None, features_cache: str | None = None) -> TrainResult:
     """Run (or resume from the newest checkpoint) the optimisation; return the final heads' state.
-    ``examples_sha256`` (``features.examples_hash`` of the training examples) is kept in each checkpoint,
-    and a checkpoint of other examples is not resumed."""
+    ``examples_sha256`` (``features.examples_hash`` of the training examples) and ``features_cache`` (the
+    name of the feature cache's folder, its ``features.cache_key``) are kept in each checkpoint, and a
+    checkpoint of other examples or of another cache is not resumed: a resumed step reads the cache's rows
+    by position, and their order follows how the cache was built (its shards, which examples came from
+    the hidden states kept while distilling)."""
     t = config.training
     world, rank = accelerator.num_processes, accelerator.process_index
     cached = isinstance(task.source, FeatureDataset)
@@ -729,14 +740,19 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
                     **_flatten(resume_fingerprint(config))}
         found = {"world_size": state.get("world_size"), "micro_batch": state.get("micro_batch"),
                  "grad_accum": state.get("grad_accum"), **_flatten(state.get("fingerprint", {}))}
-        if state.get("train_examples_sha256") is not None:  # checkpoints from before the key have none
-            expected["train_examples_sha256"] = examples_sha256
-            found["train_examples_sha256"] = state["train_examples_sha256"]
+        for key, value in (("train_examples_sha256", examples_sha256), ("features_cache", features_cache)):
+            if state.get(key) is not None:  # checkpoints from before the key have none
+                expected[key], found[key] = value, state[key]
         differ = sorted(k for k in set(expected) | set(found) if expected.get(k) != found.get(k))
+        if "train_examples_sha256" in differ and "features_cache" in differ:  # other examples, so another cache
+            differ.remove("features_cache")
         if differ:
+            why = ("; the feature cache differs (the model's weights, the examples, the features settings, or "
+                   "whether the distillation's kept hidden states were there): a resumed step would read other rows"
+                   if "features_cache" in differ else "")
             raise ValueError(
                 f"{checkpoint} was written by a different run: "
-                + ", ".join(f"{k} was {found.get(k)!r}, now {expected.get(k)!r}" for k in differ[:5])
+                + ", ".join(f"{k} was {found.get(k)!r}, now {expected.get(k)!r}" for k in differ[:5]) + why
                 + f"; resume with the same recipe and number of processes, or remove {paths.checkpoints}"
             )
         accelerator.load_state(str(checkpoint))
@@ -791,6 +807,7 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
                 "micro_step": step * t.grad_accum, "micro_steps_per_epoch": micro_per_epoch,
                 "world_size": world, "micro_batch": micro, "grad_accum": t.grad_accum, "total_steps": total,
                 "fingerprint": resume_fingerprint(config), "train_examples_sha256": examples_sha256,
+                "features_cache": features_cache,
             }, t.keep_checkpoints)
     bar.close()
     logger.close()

@@ -534,6 +534,51 @@ def test_a_checkpoint_is_not_resumed_on_other_examples(tiny_dir, tmp_path, capsy
         str(exit_info.value), captured.out[-2000:], captured.err[-2000:])
 
 
+def test_a_half_written_log_line_does_not_stop_the_resume(tiny_dir, tmp_path):
+    """A run killed while writing ``logs/train.jsonl`` (or on a full disk) leaves half a line: the resume
+    drops it with the lines past its checkpoint and goes on, instead of failing on it every time."""
+    import train_heads
+
+    values = recipe(tiny_dir, tmp_path / "run", training={"max_steps": 6, "save_every": 2, "seed": 3})
+    config_file = str(write_recipe(tmp_path / "r.yaml", values))
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_SCRIPT)
+    result = subprocess.run([sys.executable, str(script), "3", "--config", config_file], cwd=REPO,
+                            env=quiet_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    log = tmp_path / "run" / "logs" / "train.jsonl"
+    with log.open("a") as handle:
+        handle.write('{"step": 4, "loss": 1.2')
+    train_heads.main(["--config", config_file])
+    steps = [json.loads(line)["step"] for line in log.read_text().splitlines()]
+    assert steps == list(range(1, 7)), steps
+
+
+def test_a_checkpoint_is_not_resumed_on_another_feature_cache(tiny_dir, tmp_path, capsys):
+    """Killed, then resumed with the features sharded otherwise: the new cache holds the same examples in
+    another row order (rows follow the shards) and a resumed step reads rows by position, so the
+    checkpoint, which names the cache it trained on, is refused."""
+    import train_heads
+
+    values = recipe(tiny_dir, tmp_path / "run", training={"max_steps": 6, "save_every": 2, "seed": 3},
+                    features={"shard_examples": 5})
+    config_file = str(write_recipe(tmp_path / "r.yaml", values))
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_SCRIPT)
+    result = subprocess.run([sys.executable, str(script), "3", "--config", config_file], cwd=REPO,
+                            env=quiet_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    state = json.loads(next((tmp_path / "run" / "checkpoints").glob("step-*/trainer_state.json")).read_text())
+    train_key = json.loads((tmp_path / "run" / "features" / "index.json").read_text())["train"]
+    assert state["features_cache"] == train_key
+    values["features"]["shard_examples"] = 7
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        train_heads.main(["--config", str(write_recipe(tmp_path / "r.yaml", values))])
+    said = capsys.readouterr().err + str(exit_info.value)
+    assert f"features_cache was {train_key!r}, now " in said and "a resumed step would read other rows" in said, said
+
+
 # ---------------------------------------------------------------------------------------------
 # Medusa-2
 
