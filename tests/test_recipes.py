@@ -425,3 +425,35 @@ def test_script_errors_end_with_the_message_of_a_bad_input_and_keep_a_bugs_trace
     with pytest.raises(ValueError, match="not enough values to unpack"):  # not a SystemExit
         with train_heads.script_errors():
             vocab, hidden = torch.Size([0])
+
+
+TEMPLATED_RECIPES = [p for p in TRAINING_RECIPES if (yaml.safe_load(p.read_text())["model"] or {}).get("chat_template")]
+
+
+def _render(path: Path, messages: list[dict], **extra) -> str:
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    template = yaml.safe_load(path.read_text())["model"]["chat_template"]
+    return _compile_jinja_template(template).render(messages=messages, bos_token="<s>", eos_token="</s>", **extra)
+
+
+@pytest.mark.parametrize("path", TEMPLATED_RECIPES, ids=lambda p: p.stem)
+def test_a_recipes_chat_template_writes_the_bos_its_model_was_trained_with(path):
+    """Text rendered by a chat template is tokenised without special tokens (the template writes its own
+    BOS, ``dataset.encode_rendered``), so a recipe's template must begin with the model's BOS."""
+    assert TEMPLATED_RECIPES, "no recipe sets a chat template"
+    assert _render(path, [{"role": "user", "content": "Hi"}], add_generation_prompt=True).startswith("<s>")
+
+
+@pytest.mark.parametrize("path", [p for p in TEMPLATED_RECIPES if p.stem.startswith("vicuna")], ids=lambda p: p.stem)
+def test_vicuna_recipes_render_fastchats_v1_1_conversation(path):
+    """FastChat's vicuna_v1.1: ``system + " "``, then ``role + ": " + message`` closed by " " after a user
+    turn and "</s>" after an assistant one, and "ASSISTANT:" to prompt; its tokenizer adds BOS."""
+    system = ("A chat between a curious user and an artificial intelligence assistant. The assistant gives "
+              "helpful, detailed, and polite answers to the user's questions.")
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+             {"role": "user", "content": "2+2?"}]
+    assert _render(path, turns, add_generation_prompt=True) == (
+        f"<s>{system} USER: Hi ASSISTANT: Hello!</s>USER: 2+2? ASSISTANT:")
+    assert _render(path, [{"role": "system", "content": "Be brief."}, *turns[:2]]) == (
+        "<s>Be brief. USER: Hi ASSISTANT: Hello!</s>")
