@@ -302,9 +302,13 @@ def _acceptance_probability(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tenso
 
 
 def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Distribution ``norm(max(0, p - q))`` ``[..., vocab]`` to sample from after a rejection."""
+    """Distribution ``norm(max(0, p - q))`` ``[..., vocab]`` to sample from after a rejection.
+
+    A rejected token had ``q > p``, so the leftover holds at least that much; it can round to zero only
+    where ``q`` equals ``p`` up to rounding (a draft that is the target), and there ``p`` is the limit."""
     leftover = (p - q).clamp(min=0.0)
-    return leftover / leftover.sum(-1, keepdim=True).clamp(min=torch.finfo(leftover.dtype).tiny)
+    total = leftover.sum(-1, keepdim=True)
+    return torch.where(total > 0, leftover / total.clamp(min=torch.finfo(leftover.dtype).tiny), p)
 
 
 def accept_draft_lossless(

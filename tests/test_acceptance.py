@@ -599,3 +599,26 @@ def test_greedy_plain_step_keeps_the_root_and_takes_the_argmax():
     assert result.path_nodes.tolist() == [[0], [0], [0]]
     assert torch.equal(result.next_token, logits[:, 0].argmax(-1))
     assert result.accept_length.dtype == result.path_nodes.dtype == result.next_token.dtype == torch.long
+
+
+def test_a_rejection_against_a_draft_equal_to_the_target_up_to_rounding_samples_the_target():
+    """The draft's rejected token had q > p, so max(0, p - q) holds at least that much; only rounding can
+    make it all zero (a draft that is the target: p <= q everywhere by a few ulps). The residual is then
+    the target itself, not an all-zero row that multinomial refuses."""
+    p = torch.tensor([[0.25, 0.25, 0.5]])
+    q = torch.tensor([[0.25, 0.25 + 3e-8, 0.5]])  # one ulp above p at token 1, equal elsewhere
+    assert float((p - q).clamp(min=0).sum()) == 0.0
+    torch.testing.assert_close(acceptance._residual(p, q), p)
+    draws = torch.multinomial(acceptance._residual(p, q), 1000, replacement=True, generator=torch.Generator().manual_seed(0))
+    assert set(draws.flatten().tolist()) <= {0, 1, 2}
+    # where the leftover is positive it is normalised as before
+    torch.testing.assert_close(acceptance._residual(torch.tensor([[0.6, 0.4]]), torch.tensor([[0.2, 0.8]])),
+                               torch.tensor([[1.0, 0.0]]))
+    # and the rejection path of accept_draft_lossless samples from it instead of raising
+    real_rand = torch.rand
+    try:
+        torch.rand = lambda *shape, **kwargs: torch.full(shape[0], 1.0 - 2**-24)  # reject the drafted token
+        length, token = accept_draft_lossless(torch.stack([p, p], 1), q[:, None], torch.tensor([[1]]))
+    finally:
+        torch.rand = real_rand
+    assert length.tolist() == [0] and 0 <= int(token) <= 2
