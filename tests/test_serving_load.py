@@ -166,6 +166,24 @@ def test_a_client_that_goes_away_frees_its_row(model, stream):
         assert metric_value(metrics, "vllm:generation_tokens_total") < 200
 
 
+def test_a_client_that_goes_away_while_uploading_is_a_499_not_a_server_error(model, caplog):
+    """A body cut short by the client (a timeout, a cancelled large prompt): nothing failed on the server,
+    so no 500 is counted and no error logged."""
+    import socket
+
+    with serve(model, "medusa") as (server, engine):
+        with socket.create_connection(("127.0.0.1", server.port)) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: 1000\r\n\r\n{\"model\": \"tiny\"")
+            time.sleep(0.3)
+        counted = lambda status: metric_value(_metrics(server), "medusa:http_requests_total",  # noqa: E731
+                                              method="POST", path="/v1/completions", status=status)
+        wait_until(lambda: counted("499") == 1, message="the aborted upload was not counted as 499")
+        assert counted("500") == 0
+        assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+        assert engine.snapshot()["running"] == 0 and engine.snapshot()["waiting"] == 0
+
+
 @contextlib.contextmanager
 def _stopped_after_first_token(model, engine):
     """Blocks the engine thread in the model's first forward pass after a token was delivered,

@@ -26,6 +26,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from medusa_infer.decoding import TEXT_CONTEXT_TOKENS, SamplingConfig, StopConfig
 from medusa_infer.serving import protocol
@@ -351,11 +352,14 @@ async def _read_json(request: Request) -> dict[str, Any]:
     if declared.isdigit() and int(declared) > protocol.MAX_BODY_BYTES:
         raise _too_large()
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > protocol.MAX_BODY_BYTES:
-            raise _too_large()
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > protocol.MAX_BODY_BYTES:
+                raise _too_large()
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone while uploading: nothing failed here
+        raise _ClientGone from None
     return protocol.parse_json(b"".join(chunks))
 
 
@@ -409,6 +413,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
         return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(_ClientGone)
+    async def client_gone(request: Request, error: _ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it; counted as such, not as a server error
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
