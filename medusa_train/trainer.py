@@ -703,6 +703,21 @@ def micro_batch_index(g: int, n: int, micro: int, micro_per_epoch: int, seed: in
     return epoch, cache[epoch][start : start + micro]
 
 
+def _fill_deepspeed_config(ds_config: dict[str, Any], micro: int, max_grad_norm: float) -> None:
+    """The values a DeepSpeed config leaves to the run ("auto"): the micro-batch (no dataloader is prepared,
+    so DeepSpeed cannot infer it) and the gradient clipping, which DeepSpeed's engine does itself
+    (accelerate's ``clip_grad_norm_`` only reads its norm there). A clipping set in the file must be
+    ``training.max_grad_norm`` (0: none), or the recipe's value would be silently replaced."""
+    ds_config["train_micro_batch_size_per_gpu"] = micro
+    clipping = ds_config.get("gradient_clipping", "auto")
+    if clipping == "auto":
+        ds_config["gradient_clipping"] = float(max_grad_norm)
+    elif float(clipping) != float(max_grad_norm):
+        raise ValueError(f"the DeepSpeed config clips gradients at gradient_clipping={clipping}, the recipe at "
+                         f"training.max_grad_norm={max_grad_norm}: set \"gradient_clipping\": \"auto\" in the "
+                         "DeepSpeed config (it then takes the recipe's), or make them equal")
+
+
 def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any, paths: RunPaths,
           examples_sha256: str | None = None, features_cache: str | None = None) -> TrainResult:
     """Run (or resume from the newest checkpoint) the optimisation; return the final heads' state.
@@ -722,8 +737,8 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
         raise ValueError(f"the accelerator accumulates {accelerator.gradient_accumulation_steps} micro-batches, "
                          f"training.grad_accum is {t.grad_accum}; create it with gradient_accumulation_steps")
     deepspeed = getattr(accelerator.state, "deepspeed_plugin", None)
-    if deepspeed is not None:  # no dataloader is prepared, so DeepSpeed cannot infer it
-        deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = micro
+    if deepspeed is not None:
+        _fill_deepspeed_config(deepspeed.deepspeed_config, micro, t.max_grad_norm)
     module = task.module
     optimizer = torch.optim.AdamW(task.param_groups(), weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, task.lr_lambdas(total, warmup))

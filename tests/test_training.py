@@ -799,7 +799,8 @@ module = tr.new_heads_module(config, cache.lm_head["weight"], None, None, "llama
 data = FeatureDataset(cache.block, config.heads.num_heads, None, cache.manifest["vocab_size"])
 ds_config = json.loads(open(ds_json).read())
 micro = config.training.batch_tokens
-ds_config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=1, train_batch_size=micro * world)
+tr._fill_deepspeed_config(ds_config, micro, config.training.max_grad_norm)  # as train() does
+ds_config.update(gradient_accumulation_steps=1, train_batch_size=micro * world)
 ds_config.pop("bf16", None)
 ds_config.update(zero_allow_untested_optimizer=True)  # torch's AdamW: DeepSpeed's own needs CUDA
 optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=config.training.lr)
@@ -918,6 +919,23 @@ def test_deepspeed_launch_configs_train_heads_on_the_cpu(tiny_dir, tmp_path, sta
         layers = json.loads((tiny_dir / "model" / "config.json").read_text())["num_hidden_layers"]
         assert len(adapter) == 4 * layers and all("lora_" in k for k in adapter), sorted(adapter)
         assert {t.dtype for t in adapter.values()} == {torch.float32}
+
+
+def test_deepspeed_clips_gradients_at_the_recipes_max_grad_norm():
+    """DeepSpeed's engine clips gradients itself (accelerate's clip_grad_norm_ only reads the norm there):
+    the shipped configs take ``training.max_grad_norm`` ("auto"), and a file that sets another value is
+    refused rather than silently replacing the recipe's."""
+    for name in ("deepspeed-zero2.json", "deepspeed-zero3.json"):
+        shipped = json.loads((REPO / "recipes" / "accelerate" / name).read_text())
+        tr._fill_deepspeed_config(shipped, 512, 0.5)
+        assert shipped["gradient_clipping"] == 0.5 and shipped["train_micro_batch_size_per_gpu"] == 512
+    no_clipping = {"gradient_clipping": "auto"}
+    tr._fill_deepspeed_config(no_clipping, 8, 0.0)
+    assert no_clipping["gradient_clipping"] == 0.0  # DeepSpeed's "no clipping"
+    tr._fill_deepspeed_config({"gradient_clipping": 1}, 8, 1.0)
+    with pytest.raises(ValueError, match=r"gradient_clipping=1.0, the recipe at training.max_grad_norm=0.5: set "
+                                         r"\"gradient_clipping\": \"auto\""):
+        tr._fill_deepspeed_config({"gradient_clipping": 1.0}, 8, 0.5)
 
 
 def test_heads_that_never_guess_right_get_the_empty_tree():
