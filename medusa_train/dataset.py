@@ -343,6 +343,24 @@ def build_examples(
     return examples
 
 
+def truncate_examples(examples: Iterable[dict[str, Any]], max_length: int) -> tuple[list[dict[str, Any]], int, int]:
+    """Ready examples (``data.tokenized``) under the rule ``build_examples`` applies: each cut to its first
+    ``max_length`` tokens, and one left with no labelled token dropped. Returns ``(examples, cut, dropped)``."""
+    if max_length < 2:
+        raise ValueError(f"max_length must be >= 2, got {max_length}")
+    kept, cut, dropped = [], 0, 0
+    for example in examples:
+        input_ids, labels = list(example["input_ids"]), list(example["labels"])
+        if len(input_ids) > max_length:
+            cut += 1
+            input_ids, labels = input_ids[:max_length], labels[:max_length]
+            if all(label == IGNORE_INDEX for label in labels):
+                dropped += 1
+                continue
+        kept.append({**example, "input_ids": input_ids, "labels": labels})
+    return kept, cut, dropped
+
+
 # ---------------------------------------------------------------------------------------------
 # Datasets and caching
 

@@ -69,7 +69,8 @@ class DataSection:
             completes (prompts not answered yet, e.g. after a kill or a larger ``n``). A file
             given here that exists is read as it is.
         tokenized: a JSONL of ready examples ``{"input_ids", "labels"}`` (labels -100 outside
-            assistant tokens, not shifted); when set, distillation and tokenisation are skipped.
+            assistant tokens, not shifted); when set, distillation and tokenisation are skipped
+            (``max_length`` still cuts them).
         n: prompts to distil (balanced over sources); ``null``: all of them. A recipe that sets
             ``per_source`` and not ``n`` takes the quotas whole.
         per_source: quotas ``{source: count}`` instead of ``n``'s round robin; ``n``, when set,

@@ -21,6 +21,7 @@ from medusa_train.dataset import (
     render_chat,
     split_heldout,
     to_dataset,
+    truncate_examples,
     tokenize_chat,
 )
 
@@ -294,3 +295,35 @@ def test_split_heldout_deterministic():
         split_heldout(data.select([0]), 0.1)
     with pytest.raises(ValueError, match="fraction"):
         split_heldout(data, 1.0)
+
+
+def test_ready_examples_are_cut_to_max_length_like_built_ones(tmp_path, capsys):
+    """``data.tokenized`` examples follow ``data.max_length`` as tokenised rows do: cut to their first
+    max_length tokens, dropped (and counted) when no labelled token is left; train_heads.py says so."""
+    ignore = IGNORE_INDEX
+    examples = [
+        {"input_ids": [1, 2, 3], "labels": [ignore, 2, 3]},                    # fits
+        {"input_ids": [1, 2, 3, 4, 5, 6], "labels": [ignore, ignore, 3, 4, 5, 6]},  # cut, keeps label 3
+        {"input_ids": [1, 2, 3, 4, 5], "labels": [ignore, ignore, ignore, 4, 5]},   # cut to prompt only
+    ]
+    kept, cut, dropped = truncate_examples(examples, 3)
+    assert (cut, dropped) == (2, 1)
+    assert kept == [examples[0], {"input_ids": [1, 2, 3], "labels": [ignore, ignore, 3]}]
+    assert truncate_examples(examples, 6) == (examples, 0, 0)
+    with pytest.raises(ValueError, match="max_length must be >= 2, got 1"):
+        truncate_examples(examples, 1)
+
+    import train_heads
+    from medusa_train.train_config import config_from_dict
+
+    ready = tmp_path / "examples.jsonl"
+    ready.write_text("".join(json.dumps(e) + "\n" for e in examples * 4))
+
+    class OneProcess:
+        is_main_process = True
+
+    config = config_from_dict({"output_dir": str(tmp_path / "run"), "model": {"name": "smollm2-135m-instruct"},
+                               "data": {"tokenized": str(ready), "max_length": 3, "heldout_fraction": 0.25}})
+    train, heldout = train_heads.stage_data(config, OneProcess(), 0)
+    assert len(train) + len(heldout) == 8 and all(len(e["input_ids"]) <= 3 for e in train + heldout)
+    assert f"8 of 12 examples in {ready} cut to data.max_length=3 tokens, 4 of them dropped" in capsys.readouterr().out
