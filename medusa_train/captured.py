@@ -214,9 +214,10 @@ class CapturedHidden:
         first + len(states) - 1``, covering every row a head trains from (the last prompt token
         on), or None where the captured states do not cover them.
 
-        Soft-label rows (``labels[t + 1]`` an answer token) need one position more. An answer cut
-        by the token limit ends its example at its last token (``dataset.build_examples``), whose
-        state decoding never computed; no row or soft target needs it."""
+        Rows are the positions t < last - 1 (head 1 predicts t + 2); soft-label rows (``labels[t + 1]``
+        an answer token) reach t = last - 1, so the states must cover that position too (else the
+        last answer token's soft target would be lost: the example takes a forward pass instead).
+        The state at ``last`` (reading the last token) is never needed, and decoding never computed it."""
         ids = torch.as_tensor(input_ids, dtype=torch.long)
         labelled = (torch.as_tensor(labels, dtype=torch.long) != IGNORE).nonzero().flatten()
         if len(labelled) < 3:  # fewer than 3 answer tokens: no row from the answer itself
@@ -224,7 +225,7 @@ class CapturedHidden:
         answer, last = int(labelled[0]), int(labelled[-1])
         if answer < 1:
             return None
-        needed_end = last - 1  # rows are the positions t < last - 1 (head 1 predicts t + 2)
+        needed_end = last  # positions answer - 1 .. last - 1: every row and soft row
         for sequence, states in self.entries.get(tuple(ids[:answer].tolist()), []):
             width = min(len(sequence), len(ids))
             differ = (sequence[:width] != ids[:width]).nonzero()

@@ -85,19 +85,21 @@ def test_states_cover_an_example_only_where_its_tokens_agree():
     # example's, so the example is left to the forward pass
     changed = ids[:6] + [99] + ids[7:]
     assert captured.states_for(changed, labels) is None
-    # the boundary: the last row (t = 7) reads tokens 0..7, so a change at 8 leaves it covered
-    # (with the states up to position 7) and a change at 7 does not
-    first, found = captured.states_for(ids[:8] + [99] + ids[9:], labels)
-    assert first == 3 and found[:, 0].tolist() == [0, 1, 2, 3, 4]
-    assert captured.states_for(ids[:7] + [99] + ids[8:], labels) is None
+    # the boundary: the last soft row (t = 8, whose target is the end of turn at 9) reads tokens
+    # 0..8, so a change at 9 leaves every row covered and a change at 8 does not (the forward pass
+    # then gives that soft row, which the kept states would have lost)
+    first, found = captured.states_for(ids[:9] + [99] + ids[10:], labels)
+    assert first == 3 and found[:, 0].tolist() == [0, 1, 2, 3, 4, 5]
+    assert captured.states_for(ids[:8] + [99] + ids[9:], labels) is None
     # another prompt, or too short an answer, finds nothing
     assert captured.states_for([5, 6, 7, 0] + ids[4:], labels) is None
     assert captured.states_for(prompt + [10, 2], [IGNORE] * 4 + [10, 2]) is None
-    # an answer cut by the token limit (no end of sequence decoded): the last row needs the
-    # state at the last answer token but one, which is there
+    # an answer cut by the token limit (no end of turn decoded, none labelled): its last soft row needs
+    # the state at the last answer token but one, which is there
     cut = CapturedHidden({tuple(prompt): [(sequence, states[:5])]})
-    first, found = cut.states_for(ids, labels)
+    first, found = cut.states_for(prompt + answer, [IGNORE] * 4 + answer)
     assert first == 3 and len(found) == 5
+    assert cut.states_for(ids, labels) is None  # an end of turn labelled after it needs one state more
 
 
 def test_save_batch_checks_its_rows(tmp_path):
