@@ -114,7 +114,8 @@ class DistillConfig:
         endpoint_model: model name sent to the endpoint (default: ``model``).
         concurrency: requests in flight at once (openai).
         request_timeout_s, max_retries, retry_backoff_s: per request; the wait before retry ``k``
-            is ``retry_backoff_s * 2**k`` (capped at 60 s).
+            is ``retry_backoff_s * 2**k`` (capped at 60 s) times 1 to 1.25 at random, or the server's
+            ``Retry-After`` when longer (capped at 120 s).
         device: where the local model runs (default: the accelerator's device, else CPU).
         threads: CPU threads torch uses while generating (``None``: torch's default). On a CPU
             shared with other work one thread can be several times faster than two (threads
@@ -261,6 +262,15 @@ def template_digest(template: str | None) -> str | None:
     return None if template is None else "sha256:" + hashlib.sha256(template.encode()).hexdigest()[:16]
 
 
+def _encodable(text: str) -> bool:
+    """Whether ``text`` is UTF-8 text (JSON's ``\\ud83d`` escapes can make strings with lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def read_prompts(path: str | Path) -> list[dict[str, Any]]:
     """Rows of a prompts JSONL file; each needs ``id`` (a string or an integer, unique in the file) and
     ``prompt`` (a string); ``source`` is a string, "" when missing or null. ``ValueError`` names the line."""
@@ -284,6 +294,9 @@ def read_prompts(path: str | Path) -> list[dict[str, Any]]:
             for key, value, kinds, kind in checks:
                 if not isinstance(value, kinds) or isinstance(value, bool):
                     raise ValueError(f"{path}:{number}: '{key}' must be {kind}, got {value!r}")
+                if isinstance(value, str) and not _encodable(value):
+                    raise ValueError(f"{path}:{number}: '{key}' holds a lone surrogate (an escape such as "
+                                     "\\ud83d without its pair), which is no text a model can be given; fix the line")
             key = str(row["id"])
             if key in seen:
                 raise ValueError(f"{path}:{number}: id {key!r} is already on line {seen[key]}; "
@@ -529,6 +542,8 @@ def merge_shards(
     )
     missing = [p["id"] for p in prompts if p["id"] not in rows_by_id]
     _warn_extra_rows(output, rows_by_id, order)
+    if fmt == "arrow":  # gone before the new rows land: a kill in between leaves no short Arrow copy behind
+        shutil.rmtree(arrow_path(output), ignore_errors=True)
     tmp = output.with_name(output.name + ".merging")
     with tmp.open("w", encoding="utf-8") as handle:
         for row in rows:
@@ -809,7 +824,35 @@ def chat_completions_url(endpoint: str) -> str:
 
 
 class RetryableError(RuntimeError):
-    """A failure worth retrying: 5xx, 429, a dropped connection, a timeout."""
+    """A failure worth retrying: 5xx, 429, a dropped connection, a timeout. ``retry_after``: the seconds
+    the server asked to wait (its ``Retry-After``), when it said."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+_JITTER = random.Random()  # its own generator: the global one is left as callers seeded it
+
+MAX_RETRY_WAIT_S = 120.0
+"""The longest wait before a retry, a server's ``Retry-After`` included."""
+
+
+def _retry_after(headers: Any) -> float | None:
+    """A ``Retry-After`` header's seconds (a number or an HTTP date); None when absent or unreadable."""
+    value = (headers or {}).get("Retry-After") if headers is not None else None
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        from email.utils import parsedate_to_datetime
+
+        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
 
 
 class RejectedError(RuntimeError):
@@ -827,9 +870,12 @@ def post_json(url: str, body: dict[str, Any], headers: dict[str, str], timeout: 
         with urllib.request.urlopen(request, timeout=timeout) as response:
             payload = response.read()
     except urllib.error.HTTPError as err:
-        detail = err.read()[:500].decode(errors="replace")
+        try:
+            detail = err.read()[:500].decode(errors="replace")
+        except (http.client.HTTPException, OSError) as unread:  # the connection broke while sending it
+            detail = f"(body unreadable: {type(unread).__name__})"
         if err.code >= 500 or err.code == 429:
-            raise RetryableError(f"HTTP {err.code} from {url}: {detail}") from err
+            raise RetryableError(f"HTTP {err.code} from {url}: {detail}", _retry_after(err.headers)) from err
         if err.code in (401, 403, 404, 405):  # the endpoint, key or model name is wrong, not the prompt
             raise RuntimeError(f"HTTP {err.code} from {url}: {detail}") from err
         raise RejectedError(f"HTTP {err.code} from {url}: {detail}") from err
@@ -844,14 +890,17 @@ def post_json(url: str, body: dict[str, Any], headers: dict[str, str], timeout: 
 def request_completion(
     url: str, body: dict[str, Any], headers: dict[str, str], config: DistillConfig
 ) -> dict[str, Any]:
-    """``post_json`` with up to ``max_retries`` retries and exponential backoff."""
+    """``post_json`` with up to ``max_retries`` retries and exponential backoff, jittered (so that
+    concurrent requests do not come back at once), and never shorter than a server's ``Retry-After``
+    (both capped at ``MAX_RETRY_WAIT_S``)."""
     for attempt in range(config.max_retries + 1):
         try:
             return post_json(url, body, headers, config.request_timeout_s)
         except RetryableError as err:
             if attempt == config.max_retries:
                 raise RuntimeError(f"giving up after {attempt + 1} attempts: {err}") from err
-            delay = min(60.0, config.retry_backoff_s * 2**attempt)
+            backoff = min(60.0, config.retry_backoff_s * 2**attempt) * _JITTER.uniform(1.0, 1.25)
+            delay = min(MAX_RETRY_WAIT_S, max(backoff, err.retry_after or 0.0))
             logger.debug("retrying in %.2f s after: %s", delay, err)
             time.sleep(delay)
     raise AssertionError("unreachable")
@@ -875,6 +924,9 @@ def completion_row(
             f"prompt {prompt['id']!r}: finish_reason {choice.get('finish_reason')!r}, neither an end nor the "
             "token limit"
         )
+    if not isinstance(response, str) or not _encodable(response):
+        raise RejectedError(f"prompt {prompt['id']!r}: the answer is not UTF-8 text (a lone surrogate): "
+                            f"{response!r:.200}")
     n_tokens = (reply.get("usage") or {}).get("completion_tokens")
     if n_tokens is None:  # the server's count when it reports usage; else the tokenizer's
         n_tokens = len(tokenizer()(response, add_special_tokens=False)["input_ids"])
@@ -1127,7 +1179,7 @@ def build_parser() -> argparse.ArgumentParser:
 def read_ids(path: str | Path) -> list[str]:
     """Ids from a JSONL file with an ``id`` key per row, or a text file with one id per line."""
     ids = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
+    for line in Path(path).read_text(encoding="utf-8").split("\n"):  # not splitlines: JSON strings hold U+2028
         line = line.strip()
         if line:
             ids.append(str(json.loads(line)["id"]) if line.startswith("{") else line)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from medusa_train.distill import (
     merge_shards,
     prepare_prompt,
     read_jsonl_tolerant,
+    read_ids,
     read_prompts,
     sample_prompts,
     shard_path,
@@ -132,6 +134,7 @@ def test_sample_prompts_balanced_and_deterministic(prompts_file):
     ('{"id": "b", "prompt": "hi", "source": 3}', "'source' must be a string or null"),
     ('{"id": 1.5, "prompt": "hi"}', "'id' must be a string or an integer, got 1.5"),
     ('["b", "hi"]', "needs an object with 'id' and 'prompt'"),
+    ('{"id": "b", "prompt": "half an emoji \\ud83d"}', "'prompt' holds a lone surrogate"),
 ])
 def test_prompts_file_rows_are_checked_by_line(tmp_path, line, says):
     path = tmp_path / "prompts.jsonl"
@@ -241,6 +244,37 @@ def test_two_rank_shards_merge_in_prompt_order(tmp_path, model_dir, prompts_file
     assert dataset[0]["generation"] == reference_rows[0]["generation"]
     # A rerun finds everything done and changes nothing.
     assert distill_shard(config, prompts, 0, 2).rows == 0
+
+
+def test_a_kill_while_saving_arrow_leaves_no_short_arrow_copy(tmp_path, model_dir, prompts_file, monkeypatch):
+    """The JSONL is merged before the Arrow copy is saved: a run killed in between must not leave the
+    earlier, shorter Arrow folder, which the next run would take as up to date."""
+    output = tmp_path / "rows.jsonl"
+    distill(make_config(model_dir, prompts_file, output, n=4, format="arrow"))
+    assert len(load_from_disk(str(output.with_suffix(".arrow")))) == 4
+    real_save = distill_module.save_arrow
+
+    def killed(rows, folder):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(distill_module, "save_arrow", killed)
+    with pytest.raises(KeyboardInterrupt):
+        distill(make_config(model_dir, prompts_file, output, n=8, format="arrow"))
+    assert len(read_rows(output)) == 8 and not output.with_suffix(".arrow").exists()
+    monkeypatch.setattr(distill_module, "save_arrow", real_save)
+    distill(make_config(model_dir, prompts_file, output, n=8, format="arrow"))
+    assert load_from_disk(str(output.with_suffix(".arrow")))["id"] == [r["id"] for r in read_rows(output)]
+
+
+def test_ids_to_exclude_are_read_from_rows_whose_text_holds_line_separators(tmp_path):
+    """JSON strings may hold U+2028, U+2029 and U+0085 unescaped (rows are written with ensure_ascii=False);
+    they end no line of a JSONL file."""
+    path = tmp_path / "heldout.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "prompt": f"a\u2028b\u2029c\x85d {i}"}, ensure_ascii=False) + "\n"
+                            for i in range(3)), encoding="utf-8")
+    assert read_ids(path) == ["0", "1", "2"]
+    (tmp_path / "ids.txt").write_text("x\ny\n\n")
+    assert read_ids(tmp_path / "ids.txt") == ["x", "y"]
 
 
 def test_merge_keeps_an_earlier_runs_rows_and_says_so(tmp_path, model_dir, prompts_file, caplog):
@@ -361,6 +395,7 @@ class FakeServer:
         self.flaky = set(flaky)
         self.requests: list[dict] = []
         self.headers: list[dict] = []
+        self.times: list[float] = []
         self.lock = threading.Lock()
         self.in_flight = 0
         self.peak = 0
@@ -386,6 +421,7 @@ class FakeServer:
                 with server.lock:
                     server.requests.append(body)
                     server.headers.append(dict(self.headers))
+                    server.times.append(time.monotonic())
                     fail = prompt in server.flaky
                     server.flaky.discard(prompt)
                 if self.path != "/v1/chat/completions":
@@ -396,6 +432,14 @@ class FakeServer:
                     return self.reply(400, {"error": "bad prompt"})
                 if "garbled" in prompt and server.requests.count(body) == 1:  # bytes that are no text, once
                     return self.reply(200, None, b"\xff\xfe\x00\xd8garbage")
+                first = server.requests.count(body) == 1
+                if "throttled" in prompt and first:  # asks for 1 s, far more than the test's backoff
+                    return self.reply(429, {"error": "slow down"}, headers={"Retry-After": "1"})
+                if "dropped" in prompt and first:  # a 503 whose body never arrives whole
+                    return self.reply(503, None, b"{}", length=1000)
+                if "surrogate" in prompt:  # JSON's escape of a lone surrogate: valid JSON, no text
+                    return self.reply(200, None, json.dumps({"choices": [{"finish_reason": "stop", "message": {
+                        "role": "assistant", "content": "bad \udc80"}}]}).encode())
                 words = prompt.split()
                 finish = "content_filter" if "filtered" in prompt else "length" if len(words) > 8 else "stop"
                 usage = {} if "uncounted" in prompt else {
@@ -407,11 +451,13 @@ class FakeServer:
                     **usage,
                 })
 
-            def reply(self, status, payload, raw=None):
+            def reply(self, status, payload, raw=None, headers=None, length=None):
                 data = raw if raw is not None else json.dumps(payload).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
+                self.send_header("Content-Length", str(length or len(data)))
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(data)
 
@@ -477,27 +523,33 @@ def test_openai_backend_rows_retries_and_resume(tmp_path, prompts_file, monkeypa
 
 
 def test_openai_backend_prompts_the_endpoint_refuses_are_left_out_and_counted(tmp_path, caplog, model_dir):
-    """A 400 for one prompt (say, over the server's context) or a content filter's finish is that prompt's
-    answer for good: not retried, logged and counted, and the other rows are merged, so that a training
-    run gets past its data. A reply that is no text is retried; one without usage is counted by the
-    tokenizer."""
+    """A 400 for one prompt (say, over the server's context), a content filter's finish or an answer that
+    is no UTF-8 text (a lone surrogate) is that prompt's answer for good: not retried, logged and counted,
+    and the other rows are merged, so that a training run gets past its data. A reply that is no text is
+    retried, as is a 503 whose body breaks off, and a 429 after the wait its Retry-After asks for; one
+    without usage is counted by the tokenizer."""
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text(
         "".join(json.dumps({"id": str(i), "source": "s", "prompt": p}) + "\n"
                 for i, p in enumerate(["hello there", "forbidden words", "good day", "filtered words",
-                                       "garbled reply", "uncounted reply"]))
+                                       "garbled reply", "uncounted reply", "throttled reply", "dropped reply",
+                                       "surrogate reply"]))
     )
     output = tmp_path / "rows.jsonl"
     with FakeServer() as server, caplog.at_level(logging.INFO, logger="medusa_train.distill"):
         config = openai_config(prompts_file, output, server.url, n=None, max_retries=3, model=str(model_dir))
         distill(config)
         asked = [b["messages"][-1]["content"] for b in server.requests]
-    assert asked.count("forbidden words") == asked.count("filtered words") == 1 and asked.count("garbled reply") == 2
+        throttled = [t for b, t in zip(server.requests, server.times) if b["messages"][-1]["content"] == "throttled reply"]
+    assert asked.count("forbidden words") == asked.count("filtered words") == asked.count("surrogate reply") == 1
+    assert asked.count("garbled reply") == asked.count("dropped reply") == asked.count("throttled reply") == 2
+    assert throttled[1] - throttled[0] >= 0.9  # Retry-After: 1, where the backoff alone is 1 ms
     rows = {r["id"]: r for r in read_rows(output)}
-    assert sorted(rows) == ["0", "2", "4", "5"]
+    assert sorted(rows) == ["0", "2", "4", "5", "6", "7"]
     assert rows["5"]["response_tokens"] == len(load_tokenizer(str(model_dir))("Answer: reply",
                                                                            add_special_tokens=False)["input_ids"])
-    assert "refused by the endpoint 2" in caplog.text and "finish_reason 'content_filter'" in caplog.text
+    assert "refused by the endpoint 3" in caplog.text and "finish_reason 'content_filter'" in caplog.text
+    assert "the answer is not UTF-8 text (a lone surrogate)" in caplog.text
 
 
 def test_openai_backend_stops_on_a_wrong_endpoint(tmp_path, prompts_file):
