@@ -306,14 +306,7 @@ class Runner:
         _sync(self.model.device)
         seconds = time.perf_counter() - start
         counter.close()
-        pad, eos = self.tokenizer.pad_token_id, _eos(base)
-        answers = []
-        for row in out[:, ids.shape[1]:].tolist():
-            if len(out) > 1:  # a row that finished before the others is padded after its EOS
-                row = row[: next((i + 1 for i, t in enumerate(row) if t in eos), len(row))]
-            while row and row[-1] == pad and pad not in eos:
-                row.pop()
-            answers.append(row)
+        answers = [hf_answer(row, _eos(base)) for row in out[:, ids.shape[1]:].tolist()]
         if len(answers) == 1:
             steps = [max(counter.count - 1, 0)]
         else:  # plain decoding (the only batched HF method): one forward per token of a row
@@ -322,10 +315,14 @@ class Runner:
 
     def _run_ours(self, method: str, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int
                   ) -> tuple[list[list[int]], list[int], float, float]:
-        """As ``_run_hf``; a row's steps are the decoding steps it was unfinished in."""
+        """As ``_run_hf``; a row's steps are the decoding steps it was unfinished in. The time to build
+        the proposer and the stream (trees, controllers, caches) counts, as ``generate``'s set-up does
+        on the Hugging Face side."""
         from medusa_infer.decoding import stream
         from medusa_infer.proposers import DEFAULT_DRAFT_TOKENS, build_proposer
         from medusa_infer.speculation_gate import SpeculationGate
+
+        start = time.perf_counter()
 
         options = argparse.Namespace(
             tree=self.args.tree, draft_model=self.assistant, layerskip_layers=None,
@@ -359,9 +356,17 @@ class Runner:
             sampling["speculation_gate"] = self.gates.setdefault(method, SpeculationGate())
         run = stream(self.model, ids, mask, max_new_tokens=max_new_tokens, proposer=proposer,
                      seed=self.args.seed, **sampling)
+        set_up = time.perf_counter() - start  # the stream's own clock starts when it runs
         out = run.result()  # what generate() returns; the stream also keeps each row's step count
         m = out.metrics
-        return out.new_tokens, list(run.state.row_steps), m.ttft_s, m.total_s
+        return out.new_tokens, list(run.state.row_steps), set_up + m.ttft_s, set_up + m.total_s
+
+
+def hf_answer(row: list[int], eos: Sequence[int]) -> list[int]:
+    """A row of ``generate``'s new tokens up to its first EOS, kept: after it, a batch pads the rows that
+    finished first (with the pad id, or an EOS where the pad is one). Nothing before it is padding, even
+    tokens equal to the pad id: the model wrote them."""
+    return row[: next((i + 1 for i, token in enumerate(row) if token in eos), len(row))]
 
 
 def cpu_name() -> str:

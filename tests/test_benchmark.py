@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import copy
 import json
+import time
 
 import pytest
 import torch
@@ -716,3 +717,31 @@ def test_heads_never_right_calibrate_to_plain_decoding_and_profiles_never_beat_o
     assert (fitted.paths, fitted.expected_speedup) == ([], 1.0)
     one_node = fit_tree({(0,): 0.99}, profile)
     assert one_node.expected_speedup <= one_node.expected_tau  # no speedup above tau
+
+
+def test_hugging_face_answers_keep_the_tokens_the_model_wrote_that_equal_the_pad_id():
+    """Only what follows a row's first EOS is padding; tokens equal to the pad id before it (or in a row
+    that reached the token limit) are the model's, counted and compared as such."""
+    pad, eos = 0, [2]
+    assert bench.hf_answer([77, 10, 0, 9, 0], eos) == [77, 10, 0, 9, 0]
+    assert bench.hf_answer([5, 0, 2, 0, 0], eos) == [5, 0, 2]
+    assert bench.hf_answer([0, 0], eos) == [pad, pad]
+    assert bench.hf_answer([5, 2, 2, 2], [2, 7]) == [5, 2]  # padded with an EOS
+
+
+def test_our_methods_time_their_set_up_as_generate_does(model, monkeypatch):
+    """Building the proposer, trees and caches happens inside the timed call, as generate's set-up does for
+    the baseline: it counts in seconds and in the time to the first token."""
+    from medusa_infer import decoding
+
+    real_stream = decoding.stream
+
+    def slow_stream(*args, **kwargs):
+        time.sleep(0.2)
+        return real_stream(*args, **kwargs)
+
+    monkeypatch.setattr(decoding, "stream", slow_stream)
+    runner = bench.Runner(model, args(methods=["ar", "medusa"], max_new_tokens=4))
+    for method in ("ar", "medusa"):
+        turn = runner.run_batch(method, [[{"role": "user", "content": "the cat sat"}]])[0]
+        assert turn.ttft_s >= 0.2 and turn.call_s >= 0.2, (method, turn)
