@@ -655,6 +655,9 @@ def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[st
     config.acceptance = {**kept,
                          "head_accuracies_measured_on": f"greedy answers to {len(questions)} questions from "
                                                         f"{Path(args.questions).name}",
+                         # left out of later benchmarks of these heads on that file (main)
+                         "calibration_questions": {"file": Path(args.questions).name,
+                                                   "ids": [q["id"] for q in questions]},
                          "calibrated_tree_nodes": len(fitted.paths),
                          "calibrated_expected_tau": round(fitted.expected_tau, 4),
                          "calibrated_expected_speedup": round(fitted.expected_speedup, 4)}
@@ -663,6 +666,13 @@ def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[st
     return {"head_accuracies": config.head_accuracies, "cost_profile": config.cost_profile,
             "tree_nodes": len(fitted.paths), "expected_tau": fitted.expected_tau,
             "expected_speedup": fitted.expected_speedup, "table": fitted.table}
+
+
+def calibration_question_ids(model, questions_file: str | Path) -> list[Any]:
+    """The ids of the questions of ``questions_file`` (by name) that ``model``'s heads were calibrated on
+    (``calibrate``); [] for heads calibrated elsewhere, on other questions, or not at all."""
+    found = ((model.config.acceptance or {}).get("calibration_questions") or {}) if model.heads is not None else {}
+    return list(found.get("ids") or []) if found.get("file") == Path(questions_file).name else []
 
 
 def first_turn_answers(model, questions: Sequence[dict], max_new_tokens: int) -> list[tuple[torch.Tensor, int]]:
@@ -894,6 +904,11 @@ def run(args: argparse.Namespace, started: float) -> int:
     exclude = [int(x) if x.strip().isdigit() else x.strip() for x in args.exclude_ids.split(",") if x.strip()]
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
+    calibrated_on = calibration_question_ids(model, args.questions)
+    if calibrated_on and not args.calibrate:  # their tree and fallback were fitted on these answers
+        exclude += calibrated_on
+        print(f"leaving out the {len(calibrated_on)} questions of {Path(args.questions).name} these heads were "
+              "calibrated on", file=sys.stderr)
     if args.calibrate:
         calib_questions = load_questions(args.questions, args.calibrate_questions, seed=args.seed + 1,
                                          exclude_ids=exclude)
@@ -908,7 +923,7 @@ def run(args: argparse.Namespace, started: float) -> int:
         exclude += [q["id"] for q in calib_questions]
     questions = load_questions(args.questions, args.limit, seed=args.seed, exclude_ids=exclude)
     if not questions:
-        left_out = "--exclude-ids" + (" and the calibration's questions" if args.calibrate else "")
+        left_out = "--exclude-ids" + (" and the calibration's questions" if args.calibrate or calibrated_on else "")
         raise ValueError(f"no question of {args.questions} is left to benchmark after {left_out}; "
                          "exclude fewer, or give more questions")
     report = benchmark(model, questions, args, started=started)

@@ -434,7 +434,7 @@ def test_time_budget_stops_between_groups_and_keeps_categories_even(model):
     assert full["questions_answered"] == 5 and full["turns"] == 6
 
 
-def test_cli_calibrates_then_benchmarks_in_batches(model, tmp_path, monkeypatch):
+def test_cli_calibrates_then_benchmarks_in_batches(model, tmp_path, monkeypatch, capsys):
     """The flow of scripts/gpu_bench.sh: calibrate the heads with the batch-1 run, then a batched run
     on the same questions, leaving out the ones calibration used (named in calibration.json)."""
     heads, questions = cli_files(model, tmp_path, monkeypatch)
@@ -446,13 +446,23 @@ def test_cli_calibrates_then_benchmarks_in_batches(model, tmp_path, monkeypatch)
     assert len(used) == 2 and "cost_profile" in json.loads((heads / "config.json").read_text())
     first = json.loads((tmp_path / "b1" / "report.json").read_text())["settings"]
     assert first["batch_size"] == 1 and first["questions_answered"] == 3
-    assert main(common + ["--batch-size", "2", "--exclude-ids", ",".join(map(str, used)), "--time-budget", "600",
-                          "--output", str(tmp_path / "b2")]) == 0
-    report = json.loads((tmp_path / "b2" / "report.json").read_text())
-    assert report["settings"]["batch_size"] == 2 and report["settings"]["questions_answered"] == 3
-    assert report["settings"]["turns"] == first["turns"]
-    assert report["methods"]["medusa"]["exact"] is True
-    assert "batch size 2" in (tmp_path / "b2" / "report.md").read_text()
+    assert json.loads((heads / "config.json").read_text())["acceptance"]["calibration_questions"] == {
+        "file": questions.name, "ids": used}
+    # the heads remember them: a later run on that file leaves them out without being told
+    for extra in (["--exclude-ids", ",".join(map(str, used))], []):
+        assert main(common + ["--batch-size", "2", "--time-budget", "600", *extra,
+                              "--output", str(tmp_path / "b2")]) == 0
+        report = json.loads((tmp_path / "b2" / "report.json").read_text())
+        assert report["settings"]["batch_size"] == 2 and report["settings"]["questions_answered"] == 3
+        assert report["settings"]["turns"] == first["turns"]
+        assert report["methods"]["medusa"]["exact"] is True
+        assert "batch size 2" in (tmp_path / "b2" / "report.md").read_text()
+    assert "leaving out the 2 questions of" in capsys.readouterr().err
+    # another questions file (by name) keeps all its questions
+    other = questions.with_name("other.jsonl")
+    other.write_text(questions.read_text())
+    assert main(common[:2] + ["--questions", str(other)] + common[4:] + ["--output", str(tmp_path / "b3")]) == 0
+    assert json.loads((tmp_path / "b3" / "report.json").read_text())["settings"]["questions_answered"] == 5
 
 
 def test_calibrating_faster_decoding_heads_leaves_their_folder_to_other_engines(model, tmp_path, monkeypatch,
