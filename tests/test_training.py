@@ -477,6 +477,15 @@ sys.exit(train_heads.main(sys.argv[2:]))
 """
 
 
+def killed_at_step(step: int, config_file: str, tmp_path: Path) -> None:
+    """Run ``train_heads.py --config config_file`` in a process killed with SIGKILL after logging ``step``."""
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_SCRIPT)
+    result = subprocess.run([sys.executable, str(script), str(step), "--config", config_file], cwd=REPO,
+                            env=quiet_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+
+
 def test_kill_9_then_resume_equals_uninterrupted_run(tiny_dir, tmp_path):
     import train_heads
 
@@ -518,11 +527,7 @@ def test_a_checkpoint_is_not_resumed_on_other_examples(tiny_dir, tmp_path, capsy
     values = recipe(tiny_dir, tmp_path / "run", training={"max_steps": 6, "save_every": 2, "seed": 3})
     values["data"]["tokenized"] = str(examples)
     config_file = str(write_recipe(tmp_path / "r.yaml", values))
-    script = tmp_path / "kill.py"
-    script.write_text(KILL_SCRIPT)
-    result = subprocess.run([sys.executable, str(script), "3", "--config", config_file], cwd=REPO,
-                            env=quiet_env(tmp_path), capture_output=True, text=True, timeout=600)
-    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    killed_at_step(3, config_file, tmp_path)
     with examples.open("w") as handle:
         for example in counting_examples(64, seed=9):
             handle.write(json.dumps(example) + "\n")
@@ -541,11 +546,7 @@ def test_a_half_written_log_line_does_not_stop_the_resume(tiny_dir, tmp_path):
 
     values = recipe(tiny_dir, tmp_path / "run", training={"max_steps": 6, "save_every": 2, "seed": 3})
     config_file = str(write_recipe(tmp_path / "r.yaml", values))
-    script = tmp_path / "kill.py"
-    script.write_text(KILL_SCRIPT)
-    result = subprocess.run([sys.executable, str(script), "3", "--config", config_file], cwd=REPO,
-                            env=quiet_env(tmp_path), capture_output=True, text=True, timeout=600)
-    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    killed_at_step(3, config_file, tmp_path)
     log = tmp_path / "run" / "logs" / "train.jsonl"
     with log.open("a") as handle:
         handle.write('{"step": 4, "loss": 1.2')
@@ -563,11 +564,7 @@ def test_a_checkpoint_is_not_resumed_on_another_feature_cache(tiny_dir, tmp_path
     values = recipe(tiny_dir, tmp_path / "run", training={"max_steps": 6, "save_every": 2, "seed": 3},
                     features={"shard_examples": 5})
     config_file = str(write_recipe(tmp_path / "r.yaml", values))
-    script = tmp_path / "kill.py"
-    script.write_text(KILL_SCRIPT)
-    result = subprocess.run([sys.executable, str(script), "3", "--config", config_file], cwd=REPO,
-                            env=quiet_env(tmp_path), capture_output=True, text=True, timeout=600)
-    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    killed_at_step(3, config_file, tmp_path)
     state = json.loads(next((tmp_path / "run" / "checkpoints").glob("step-*/trainer_state.json")).read_text())
     train_key = json.loads((tmp_path / "run" / "features" / "index.json").read_text())["train"]
     assert state["features_cache"] == train_key
