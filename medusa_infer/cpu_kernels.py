@@ -445,6 +445,14 @@ def _exclusive(lock: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def forget_packed(model: nn.Module) -> None:
+    """Drop every packed weight copy kept in ``model``'s modules. For weights changed through ``.data``
+    (peft's ``merge_and_unload`` adds the LoRA delta so), which bumps no version and keeps the storage:
+    ``packed_weight`` would go on serving the copy of the old weights."""
+    for module in model.modules():
+        module.__dict__.pop("_kernel_cache", None)
+
+
 def restore_linear(model: nn.Module) -> int:
     """Undo ``use_cpu_kernels``; returns how many layers went back to ``nn.Linear``."""
     count = 0

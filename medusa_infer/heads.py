@@ -196,8 +196,10 @@ class MedusaHeads(nn.Module):
             weight, bias = self.shared_projection(lm_head)
             # the same kernels as the base model's own lm_head (see cpu_kernels)
             plan = lm_head.kernel_plan if isinstance(lm_head, CPULinear) else None
+            # lm_head's own weight (no reduced vocabulary) shares lm_head's packed copy, not a second one
+            owner = lm_head if weight is lm_head.weight else self
             logits = planned_linear(x.to(weight.dtype), weight, bias, plan,
-                                    self.__dict__.setdefault("_kernel_cache", {}))
+                                    owner.__dict__.setdefault("_kernel_cache", {}))
         else:
             logits = torch.stack([head.proj(x[k]) for k, head in enumerate(heads)])
         if logit_softcap:

@@ -34,7 +34,7 @@ from medusa_infer.checkpoint import (
     save_heads,
 )
 from medusa_infer.attention_kernels import decoding_attention
-from medusa_infer.cpu_kernels import match_kernels
+from medusa_infer.cpu_kernels import forget_packed, match_kernels
 from medusa_infer.config import MedusaConfig
 from medusa_infer.datastore import DATASTORE_NAME, Datastore
 from medusa_infer.heads import MedusaHeads, check_head_range
@@ -497,6 +497,7 @@ def merge_adapter(base_model: PreTrainedModel, folder: str | os.PathLike) -> Pre
                          "merged, it would not be the model the heads were trained with; retrain with "
                          "lora.target_modules outside the embeddings and lm_head")
     merged = PeftModel.from_pretrained(base_model, str(folder), is_trainable=False).merge_and_unload()
+    forget_packed(merged)  # the merge wrote through .data: copies packed before it hold the old weights
     setattr(merged, MERGED_ADAPTER_ATTR, (str(folder), adapter_digest(folder)))
     return merged
 

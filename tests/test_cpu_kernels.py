@@ -110,6 +110,40 @@ def test_the_packed_copy_follows_the_weight():
         torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias))
 
 
+def test_an_adapter_merged_into_a_model_that_already_ran_is_computed_with(tmp_path):
+    """peft's merge adds the LoRA delta through ``.data`` (no new version, the same storage): the copies packed
+    by earlier forwards must not outlive it, or the merged model computes with the weights before it."""
+    from peft import LoraConfig, get_peft_model
+
+    heads = tmp_path / "heads"
+    MedusaModel.from_base(tiny_model("llama"), num_heads=2).save_pretrained(heads)
+    adapted = get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"],
+                                                             init_lora_weights=False))
+    adapted.save_pretrained(heads / "adapter")
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        expected = MedusaModel.from_pretrained(heads, base_model=tiny_model("llama"))(ids).logits
+        used = tiny_model("llama")
+        use_cpu_kernels(used, KernelPlan.uniform("onednn"))
+        used(ids)  # packs the weights
+        got = MedusaModel.from_pretrained(heads, base_model=used)(ids).logits
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_shared_heads_use_the_lm_heads_packed_copy():
+    """Heads projecting with the base ``lm_head`` itself (no reduced vocabulary) keep no second packed copy of
+    it (vocabulary x hidden floats: 113 MiB for SmolLM2, about 670 MB for Gemma-3-270M)."""
+    model = MedusaModel.from_base(tiny_model("llama"), num_heads=2, projection="shared")
+    use_cpu_kernels(model.base_model, KernelPlan.uniform("onednn"))
+    model = MedusaModel(model.base_model, model.heads)
+    hidden = torch.randn(1, 3, model.base_model.config.hidden_size)
+    with torch.no_grad():
+        model.head_logits(hidden)
+    lm_head = model.base_model.get_output_embeddings()
+    assert "onednn" in lm_head.__dict__.get("_kernel_cache", {})
+    assert not model.heads.__dict__.get("_kernel_cache")
+
+
 def test_a_switched_model_copies_and_pickles_without_its_packed_weights():
     model = tiny_model("llama")
     use_cpu_kernels(model, "onednn")
