@@ -168,11 +168,11 @@ def fetch_default_model(model: DefaultModel, cache_dir: str | Path | None = None
     and a folder only appears under its final name once it is complete.
     """
     target = default_model_folder(model, cache_dir)
-    if _is_complete(target):
+    if _is_complete(target, model):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target.parent / f"{model.name}.lock")):
-        if _is_complete(target):
+        if _is_complete(target, model):
             return target
         _build(model, target)
     return target
@@ -183,13 +183,17 @@ def default_model_folder(model: DefaultModel, cache_dir: str | Path | None = Non
     return cache_root(cache_dir) / "models" / model.name
 
 
-def _is_complete(folder: Path) -> bool:
-    return (
-        (folder / SOURCE_NAME).is_file()
-        and (folder / "config.json").is_file()
-        and (folder / "tokenizer_config.json").is_file()
-        and any(folder.glob("*.safetensors"))
-    )
+def _is_complete(folder: Path, model: DefaultModel) -> bool:
+    """Whether ``folder`` is a finished conversion of ``model``'s GGUF file (the one its ``sha256`` names:
+    a folder converted from another, say before the pinned file changed, is built again)."""
+    if not ((folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file()
+            and any(folder.glob("*.safetensors"))):
+        return False
+    try:
+        source = json.loads((folder / SOURCE_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(source, dict) and source.get("gguf_sha256") == model.sha256
 
 
 def _build(model: DefaultModel, target: Path) -> None:
@@ -218,7 +222,8 @@ def _build(model: DefaultModel, target: Path) -> None:
             + "\n"
         )
         if target.exists():
-            _report(f"replacing incomplete folder {target}")
+            _report(f"replacing {target}: incomplete, or converted from another GGUF file than {model.gguf_file} "
+                    f"(sha256 {model.sha256[:12]}...)")
             shutil.rmtree(target)
         os.replace(converted, target)
     finally:

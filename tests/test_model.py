@@ -390,7 +390,7 @@ def test_export_of_heads_on_a_default_model_re_imports_offline_with_its_weights(
     converted = tmp_path / "cache" / "models" / name  # as fetch_default_model leaves it
     base_model("llama").save_pretrained(converted)
     word_tokenizer().save_pretrained(converted)
-    (converted / models.SOURCE_NAME).write_text("{}")
+    (converted / models.SOURCE_NAME).write_text(json.dumps({"gguf_sha256": default.sha256}))
     model = randomize(MedusaModel.from_base(name, num_heads=HEADS, num_layers=LAYERS))
     model.export_medusa_layout(tmp_path / "fd")
     written = json.loads((tmp_path / "fd" / "config.json").read_text())

@@ -198,6 +198,20 @@ def test_incomplete_folder_and_leftovers_are_replaced(tmp_path: Path, tiny_regis
     assert len(conversions_log(models_dir).read_text().splitlines()) == 1
 
 
+def test_a_folder_converted_from_another_gguf_file_is_built_again(tmp_path: Path, tiny_registry: None) -> None:
+    """The pinned file changed since the cache was built (a new wheel, another quantisation): the folder
+    converted from the old one is replaced, not used as the model that is named."""
+    folder = Path(models.resolve_model(TINY_NAME, cache_dir=tmp_path))
+    source = json.loads((folder / models.SOURCE_NAME).read_text())
+    (folder / models.SOURCE_NAME).write_text(json.dumps({**source, "gguf_sha256": "0" * 64}))
+    assert models.resolve_model(TINY_NAME, cache_dir=tmp_path) == str(folder)
+    assert json.loads((folder / models.SOURCE_NAME).read_text())["gguf_sha256"] == TINY_MODEL.sha256
+    assert len(conversions_log(tmp_path / "models").read_text().splitlines()) == 2
+    (folder / models.SOURCE_NAME).write_text("not json")  # damaged: built again as well
+    models.resolve_model(TINY_NAME, cache_dir=tmp_path)
+    assert len(conversions_log(tmp_path / "models").read_text().splitlines()) == 3
+
+
 def test_hash_mismatch_is_an_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_registry: None
 ) -> None:
