@@ -36,6 +36,7 @@ import itertools
 import json
 import platform
 import random
+import re
 import statistics
 import sys
 import threading
@@ -129,14 +130,20 @@ class MethodTotals:
 
 
 class _PeakMemory:
-    """Peak resident memory (CPU) or peak allocated memory (CUDA) while the block runs, in MB."""
+    """Peak resident memory (CPU) or peak allocated memory (CUDA) while the block runs, in MB.
+
+    On Linux the kernel's own high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``), which
+    misses no short peak; elsewhere resident memory sampled every 10 ms and once more at the end."""
 
     def __init__(self, device: torch.device) -> None:
         self.device, self.peak = device, 0.0
 
     def __enter__(self) -> "_PeakMemory":
+        self._thread = None
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+            return self
+        if _reset_high_water_mark():
             return self
         import psutil
 
@@ -155,9 +162,31 @@ class _PeakMemory:
     def __exit__(self, *exc: Any) -> None:
         if self.device.type == "cuda":
             self.peak = torch.cuda.max_memory_allocated(self.device) / 2**20
+        elif self._thread is None:
+            self.peak = _high_water_mark_mb()
         else:
             self._stop.set()
             self._thread.join()
+            import psutil
+
+            self.peak = max(self.peak, psutil.Process().memory_info().rss / 2**20)
+
+
+def _reset_high_water_mark() -> bool:
+    """Reset this process's peak resident memory (Linux); False where that cannot be done."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return _high_water_mark_mb() > 0
+    except (OSError, ValueError):
+        return False
+
+
+def _high_water_mark_mb() -> float:
+    """This process's peak resident memory since the last reset (``VmHWM``), in MB."""
+    found = re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text())
+    if found is None:
+        raise ValueError("/proc/self/status has no VmHWM")
+    return int(found.group(1)) / 1024
 
 
 class _FirstTokenTimer:

@@ -755,3 +755,19 @@ def test_our_methods_time_their_set_up_as_generate_does(model, monkeypatch):
     for method in ("ar", "medusa"):
         turn = runner.run_batch(method, [[{"role": "user", "content": "the cat sat"}]])[0]
         assert turn.ttft_s >= 0.2 and turn.call_s >= 0.2, (method, turn)
+
+
+@pytest.mark.parametrize("high_water_mark", [True, False])
+def test_peak_memory_sees_a_peak_that_is_gone_by_the_end(monkeypatch, high_water_mark):
+    """Memory taken and given back inside the block counts: the KV cache is largest at the end of a call,
+    and a short call may end between two samples."""
+    if not high_water_mark:  # the sampling fallback: no /proc/self/clear_refs
+        monkeypatch.setattr(bench, "_reset_high_water_mark", lambda: False)
+    with bench._PeakMemory(torch.device("cpu")) as before:
+        pass
+    with bench._PeakMemory(torch.device("cpu")) as peak:
+        block = torch.ones(64 * 2**20, dtype=torch.float32)  # 256 MB, written
+        if not high_water_mark:
+            time.sleep(0.05)
+        del block
+    assert peak.peak >= before.peak + 200, (before.peak, peak.peak)
