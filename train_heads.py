@@ -72,6 +72,15 @@ def say(accelerator: Any, message: str) -> None:
         print(f"[train_heads] {message}", flush=True)
 
 
+def main_process_says(accelerator: Any, value: Any) -> Any:
+    """``value`` as the main process computed it, on every process (a collective call)."""
+    if accelerator.num_processes == 1:
+        return value
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([value], from_process=0)[0]
+
+
 def _atomic_folder(final: Path) -> Path:
     partial = final.with_name(final.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
@@ -525,7 +534,11 @@ def main(argv: list[str] | None = None) -> int:
         check_finished_examples(paths, examples_hash(train))
 
     folders = None
-    finished = (paths.final / "config.json").is_file() and (paths.heads / "config.json").is_file()
+    # decided once, by the main process, for all: a process that looked later could find the heads the
+    # main process had just written, skip evaluating, and leave it waiting at the evaluation's barrier
+    trained, evaluated = main_process_says(accelerator, ((paths.final / "config.json").is_file(),
+                                                         (paths.heads / "config.json").is_file()))
+    finished = trained and evaluated
     if config.uses_feature_cache and not finished:  # only training and evaluation read the features
         started = time.perf_counter()
         folders = stage_features(config, accelerator, train, heldout)
@@ -533,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
         say(accelerator, f"features ready ({timings['features']} s)")
 
     started = time.perf_counter()
-    if (paths.final / "config.json").is_file():
+    if trained:
         say(accelerator, f"train: {paths.final} exists, skipping")
     else:
         with script_errors():  # e.g. fewer cached positions than the plan's upper bound fill a batch
@@ -541,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     timings["train"] = round(time.perf_counter() - started, 1)
 
     started = time.perf_counter()
-    if (paths.heads / "config.json").is_file():
+    if evaluated:
         say(accelerator, f"evaluate: {paths.heads} exists, skipping")
     else:
         stage_evaluate(config, accelerator, train, heldout, folders, timings)

@@ -781,6 +781,34 @@ def test_two_process_cpu_launch_matches_one_process(tiny_dir, tmp_path):
         torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4)
 
 
+LAGGING_RANK_SCRIPT = """
+import sys, time
+import train_heads
+train = train_heads.stage_train
+def train_then_lag(config, accelerator, *args):
+    train(config, accelerator, *args)
+    if accelerator.process_index == 1:  # held up (a loaded machine): the main process evaluates meanwhile
+        time.sleep(8)
+train_heads.stage_train = train_then_lag
+sys.exit(train_heads.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_process_that_lags_after_training_still_joins_the_evaluation(tiny_dir, tmp_path):
+    """Whether to train and to evaluate is decided once, by the main process: a process that looked at the
+    heads folder after the main process had written it skipped evaluating and left the main process
+    waiting at the evaluation's barrier until the launch failed."""
+    script = tmp_path / "lagging.py"
+    script.write_text(LAGGING_RANK_SCRIPT)
+    values = recipe(tiny_dir, tmp_path / "run", training={"max_steps": 2, "batch_tokens": 64, "seed": 1})
+    result = run_script([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                         "recipes/accelerate/cpu-ddp-2proc.yaml", "--main_process_port", "29571", str(script),
+                         "--config", str(write_recipe(tmp_path / "r.yaml", values))], quiet_env(tmp_path))
+    assert (tmp_path / "run" / "heads" / "config.json").is_file(), result.stdout[-2000:]
+    assert "stage seconds" in result.stdout
+
+
 DEEPSPEED_SCRIPT = """
 import json, sys, torch, deepspeed
 from medusa_train import trainer as tr
