@@ -428,13 +428,29 @@ def context_length(model) -> int:
 
 
 def config_context_length(config: Any) -> int:
-    """``context_length`` from a model's config (a ``PretrainedConfig``, before the model loads)."""
+    """``context_length`` from a model's config (a ``PretrainedConfig``, before the model loads).
+
+    A model with LongRoPE scaling (Phi-3-128k, Phi-3.5, Phi-4-mini) is held to its
+    ``original_max_position_embeddings``: past it, the model switches to other rotary factors for the
+    whole forward, by its largest position (a tree step would switch a few tokens early), and
+    ``generate`` re-encodes the history with them, which decoding from the cache cannot follow."""
     text = config.get_text_config()
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
         value = getattr(text, name, None)
         if value:
-            return int(value)
+            original = _longrope_original_length(text)
+            return min(int(value), original) if original else int(value)
     raise ValueError(f"{type(config).__name__} states no context length (max_position_embeddings)")
+
+
+def _longrope_original_length(text: Any) -> int | None:
+    """The context a LongRoPE model's short rotary factors serve (None for other rotary embeddings)."""
+    for rope in (getattr(text, "rope_parameters", None), getattr(text, "rope_scaling", None)):
+        if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "longrope":
+            value = rope.get("original_max_position_embeddings") or getattr(text, "original_max_position_embeddings",
+                                                                            None)
+            return int(value) if value else None
+    return None
 
 
 def _prepare_inputs(model, tokenizer, input_ids, attention_mask, prompt, messages) -> tuple[torch.Tensor, torch.Tensor]:

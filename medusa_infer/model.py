@@ -74,6 +74,34 @@ def _select(hidden: torch.Tensor, positions: Positions) -> torch.Tensor:
     return hidden.gather(1, index)
 
 
+ALIBI_MODEL_TYPES = ("bloom", "mpt")
+"""Model types whose positions enter as ALiBi biases (Falcon: when its config says ``alibi``)."""
+
+TREE_LAYER_TYPES = ("full_attention", "sliding_attention")
+"""Attention layer types the 4D masks of tree steps express (``kv_cache.AttentionLayout``)."""
+
+
+def check_supported(base_model: PreTrainedModel) -> None:
+    """``NotImplementedError`` naming what keeps ``base_model`` from decoding exactly here: logits scaled
+    after the ``lm_head`` (the heads project without it), ALiBi position biases (computed from cache slot
+    indices, not position ids: a tree's siblings and a batch's left padding would get other biases than
+    their positions), or attention layers the 4D masks cannot express (chunked attention)."""
+    name = type(base_model).__name__
+    text = base_model.config.get_text_config()
+    for key in ("logit_scale", "logits_scaling"):
+        if getattr(text, key, None) not in (None, 1, 1.0):
+            raise NotImplementedError(f"{name} scales its logits ({key}={getattr(text, key)}); medusa-forge does "
+                                      "not support such models yet")
+    if text.model_type in ALIBI_MODEL_TYPES or getattr(text, "alibi", False) is True:
+        raise NotImplementedError(f"{name} ({text.model_type}) adds ALiBi position biases computed from cache slots, "
+                                  "not position ids, so tree steps and left-padded batches would not decode as the "
+                                  "model does; medusa-forge supports rotary or learned positions")
+    other = sorted({t for t in getattr(text, "layer_types", None) or () if t not in TREE_LAYER_TYPES})
+    if other:
+        raise NotImplementedError(f"{name} has {', '.join(other)} layers, which the 4D attention masks of tree "
+                                  f"steps cannot express; medusa-forge supports {' and '.join(TREE_LAYER_TYPES)}")
+
+
 class MedusaModel(nn.Module):
     """A base causal LM plus Medusa heads.
 
@@ -96,6 +124,7 @@ class MedusaModel(nn.Module):
 
     def __init__(self, base_model: PreTrainedModel, heads: MedusaHeads | None, tokenizer: Any = None) -> None:
         super().__init__()
+        check_supported(base_model)
         if heads is not None:
             check_compatible(heads.config, base_model)
             heads = heads.to(device=base_model.device, dtype=base_model.dtype)
@@ -107,14 +136,8 @@ class MedusaModel(nn.Module):
         self.datastore: Datastore | None = None
         self._decoder = base_model.base_model
         self._cache_kw = cache_keyword(self._decoder)
-        text_config = base_model.config.get_text_config()
-        self.logit_softcap: float | None = getattr(text_config, "final_logit_softcapping", None)
-        for name in ("logit_scale", "logits_scaling"):
-            if getattr(text_config, name, None) not in (None, 1, 1.0):
-                raise NotImplementedError(
-                    f"{type(base_model).__name__} scales its logits ({name}={getattr(text_config, name)}); "
-                    "medusa-forge does not support such models yet"
-                )
+        self.logit_softcap: float | None = getattr(base_model.config.get_text_config(), "final_logit_softcapping",
+                                                   None)
 
     @property
     def config(self) -> MedusaConfig:

@@ -1,0 +1,95 @@
+"""More transformers architectures than tests/tiny.py builds: each decodes exactly as Hugging Face
+``generate`` does (tree steps with random acceptance, batched and left-padded), or is refused with
+an error that names why, never decoded wrongly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from medusa_infer.decoding import generate
+from medusa_infer.model import MedusaModel
+from medusa_infer.trees import TREE_PRESETS
+from test_decoding import OracleProposer, left_pad, reference
+
+VOCAB = 96
+_BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+             tie_word_embeddings=False)
+_NO_KV_HEADS = {"num_key_value_heads": None}
+_NO_MLP = {"intermediate_size": None, "num_key_value_heads": None}
+
+CONFIGS: dict[str, dict] = {
+    "phi3": {"head_dim": 8},
+    "phi3-sliding": {"head_dim": 8, "sliding_window": 6},
+    "phi": {**_NO_KV_HEADS, "partial_rotary_factor": 0.5},
+    "gpt_neox": {**_NO_KV_HEADS, "rotary_pct": 0.25, "use_parallel_residual": True},
+    "falcon": {**_NO_MLP, "parallel_attn": True, "alibi": False},
+    "opt": {**_NO_MLP, "ffn_dim": 64, "word_embed_proj_dim": 32},
+    "stablelm": {"partial_rotary_factor": 0.25},
+    "olmo2": {"head_dim": 8},
+    "starcoder2": {"sliding_window": 6},
+    "gptj": {**_NO_MLP, "rotary_dim": 4},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6},
+    "gemma2": {"head_dim": 8, "sliding_window": 6, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
+               "query_pre_attn_scalar": 8},
+    "granite": {"embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.3,
+                "logits_scaling": 1.0},
+}
+REFUSED: dict[str, tuple[dict, str]] = {
+    "falcon-alibi": ({**_NO_MLP, "alibi": True}, "adds ALiBi position biases"),
+    "bloom": ({**_NO_MLP, "max_position_embeddings": None}, "adds ALiBi position biases"),
+    "mpt": ({"d_model": 32, "n_heads": 4, "n_layers": 2, "max_seq_len": 256, "expansion_ratio": 2},
+            "adds ALiBi position biases"),
+    "cohere": ({"logit_scale": 0.0625}, r"scales its logits \(logit_scale=0.0625\)"),
+    "llama4_text-chunked": ({"head_dim": 8, "intermediate_size_mlp": 64, "num_local_experts": 2,
+                             "num_experts_per_tok": 1, "attention_chunk_size": 6, "interleave_moe_layer_step": 1,
+                             "no_rope_layers": [1, 0]}, "has chunked_attention layers"),
+}
+
+
+def tiny(name: str, settings: dict, seed: int = 0) -> torch.nn.Module:
+    model_type = name.split("-")[0]
+    values = {k: v for k, v in {**_BASE, **settings}.items() if v is not None}
+    if model_type == "mpt":
+        values = {k: values[k] for k in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")} | settings
+    config = AutoConfig.for_model(model_type, **values)
+    config.initializer_range = 0.2
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_tree_steps_in_a_padded_batch_decode_as_generate(name):
+    """Rows of different lengths, left-padded, accepting a different depth of the tree at every step."""
+    model = MedusaModel.from_base(tiny(name, CONFIGS[name]), num_heads=4, num_layers=1)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (2, 11, 5)]
+    futures = [reference(model, p, 24) for p in prompts]
+    ids, mask = left_pad(prompts)
+    oracle = OracleProposer(futures, TREE_PRESETS["tree-16"], seed=3)
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=24, proposer=oracle, eos_token_id=[])
+    assert out.new_tokens == futures
+    assert out.metrics.tau > 1.5
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_what_cannot_decode_exactly_is_refused_by_name(name):
+    settings, message = REFUSED[name]
+    with pytest.raises(NotImplementedError, match=message):
+        MedusaModel.from_base(tiny(name, settings), num_heads=2)
+
+
+def test_longrope_models_decode_up_to_their_original_context():
+    """Past ``original_max_position_embeddings`` a LongRoPE model (Phi-3-128k) switches its rotary factors for
+    the whole forward by its largest position, and ``generate`` re-encodes the history: decoding stops there
+    (finish "context"), exact up to it, rather than go on with other tokens than the model's."""
+    longrope = {"head_dim": 8, "original_max_position_embeddings": 20,
+                "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4,
+                                    "long_factor": [4.0, 8.0, 16.0, 32.0], "original_max_position_embeddings": 20}}
+    model = MedusaModel.from_base(tiny("phi3", longrope), num_heads=4, num_layers=1)
+    prompt = torch.tensor([10, 20, 30, 40, 50] * 2 + [10])
+    expected = reference(model, prompt, 24)
+    oracle = OracleProposer([expected], TREE_PRESETS["tree-16"], seed=3)
+    out = generate(model, prompt[None], max_new_tokens=24, proposer=oracle, eos_token_id=[])
+    assert out.new_tokens == [expected[: 20 - len(prompt)]] and out.finish_reasons == ["context"]
