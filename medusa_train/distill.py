@@ -824,8 +824,8 @@ def chat_completions_url(endpoint: str) -> str:
 
 
 class RetryableError(RuntimeError):
-    """A failure worth retrying: 5xx, 429, a dropped connection, a timeout. ``retry_after``: the seconds
-    the server asked to wait (its ``Retry-After``), when it said."""
+    """A failure worth retrying: 5xx, 408, 425, 429, a dropped connection, a timeout. ``retry_after``: the
+    seconds the server asked to wait (its ``Retry-After``), when it said."""
 
     def __init__(self, message: str, retry_after: float | None = None) -> None:
         super().__init__(message)
@@ -856,8 +856,8 @@ def _retry_after(headers: Any) -> float | None:
 
 
 class RejectedError(RuntimeError):
-    """The endpoint refused this prompt itself (HTTP 4xx other than 429, e.g. longer than its context, or a
-    content filter): asking again would get the same answer."""
+    """The endpoint refused this prompt itself (HTTP 4xx other than 408, 425 and 429, e.g. longer than its
+    context, or a content filter): asking again would get the same answer."""
 
 
 def post_json(url: str, body: dict[str, Any], headers: dict[str, str], timeout: float) -> dict[str, Any]:
@@ -874,7 +874,7 @@ def post_json(url: str, body: dict[str, Any], headers: dict[str, str], timeout: 
             detail = err.read()[:500].decode(errors="replace")
         except (http.client.HTTPException, OSError) as unread:  # the connection broke while sending it
             detail = f"(body unreadable: {type(unread).__name__})"
-        if err.code >= 500 or err.code == 429:
+        if err.code >= 500 or err.code in (408, 425, 429):  # the server's state, not the prompt: worth retrying
             raise RetryableError(f"HTTP {err.code} from {url}: {detail}", _retry_after(err.headers)) from err
         if err.code in (401, 403, 404, 405):  # the endpoint, key or model name is wrong, not the prompt
             raise RuntimeError(f"HTTP {err.code} from {url}: {detail}") from err

@@ -435,6 +435,8 @@ class FakeServer:
                 first = server.requests.count(body) == 1
                 if "throttled" in prompt and first:  # asks for 1 s, far more than the test's backoff
                     return self.reply(429, {"error": "slow down"}, headers={"Retry-After": "1"})
+                if "late" in prompt and first:  # the server timed the request out
+                    return self.reply(408, {"error": "request timeout"})
                 if "dropped" in prompt and first:  # a 503 whose body never arrives whole
                     return self.reply(503, None, b"{}", length=1000)
                 if "surrogate" in prompt:  # JSON's escape of a lone surrogate: valid JSON, no text
@@ -526,14 +528,14 @@ def test_openai_backend_prompts_the_endpoint_refuses_are_left_out_and_counted(tm
     """A 400 for one prompt (say, over the server's context), a content filter's finish or an answer that
     is no UTF-8 text (a lone surrogate) is that prompt's answer for good: not retried, logged and counted,
     and the other rows are merged, so that a training run gets past its data. A reply that is no text is
-    retried, as is a 503 whose body breaks off, and a 429 after the wait its Retry-After asks for; one
+    retried, as are a 408, a 503 whose body breaks off, and a 429 after the wait its Retry-After asks for; one
     without usage is counted by the tokenizer."""
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text(
         "".join(json.dumps({"id": str(i), "source": "s", "prompt": p}) + "\n"
                 for i, p in enumerate(["hello there", "forbidden words", "good day", "filtered words",
                                        "garbled reply", "uncounted reply", "throttled reply", "dropped reply",
-                                       "surrogate reply"]))
+                                       "surrogate reply", "late reply"]))
     )
     output = tmp_path / "rows.jsonl"
     with FakeServer() as server, caplog.at_level(logging.INFO, logger="medusa_train.distill"):
@@ -543,9 +545,10 @@ def test_openai_backend_prompts_the_endpoint_refuses_are_left_out_and_counted(tm
         throttled = [t for b, t in zip(server.requests, server.times) if b["messages"][-1]["content"] == "throttled reply"]
     assert asked.count("forbidden words") == asked.count("filtered words") == asked.count("surrogate reply") == 1
     assert asked.count("garbled reply") == asked.count("dropped reply") == asked.count("throttled reply") == 2
+    assert asked.count("late reply") == 2
     assert throttled[1] - throttled[0] >= 0.9  # Retry-After: 1, where the backoff alone is 1 ms
     rows = {r["id"]: r for r in read_rows(output)}
-    assert sorted(rows) == ["0", "2", "4", "5", "6", "7"]
+    assert sorted(rows) == ["0", "2", "4", "5", "6", "7", "9"]
     assert rows["5"]["response_tokens"] == len(load_tokenizer(str(model_dir))("Answer: reply",
                                                                            add_special_tokens=False)["input_ids"])
     assert "refused by the endpoint 3" in caplog.text and "finish_reason 'content_filter'" in caplog.text
