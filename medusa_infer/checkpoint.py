@@ -203,8 +203,13 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
     if config.training.get("heldout_head_accuracies"):  # training's, kept by calibration beside its own
         lines += accuracy_table("Head accuracy on held-out data at the end of training",
                                 config.training["heldout_head_accuracies"])
-    estimated = {key: value for key, value in (config.acceptance or {}).items() if is_estimate(key)}
-    measured = {key: value for key, value in (config.acceptance or {}).items() if key not in estimated}
+    acceptance = {key: value for key, value in (config.acceptance or {}).items() if key not in PROVENANCE_KEYS}
+    estimated = {key: value for key, value in acceptance.items() if is_estimate(key)}
+    measured = {key: value for key, value in acceptance.items() if key not in estimated}
+    calibrated_on = (config.acceptance or {}).get("calibration_questions")
+    if calibrated_on:
+        lines += [f"Calibrated on {len(calibrated_on['ids'])} questions of `{calibrated_on['file']}`, which "
+                  "`medusa-bench` leaves out of later benchmarks of these heads on that file.", ""]
     for title, figures in (("Measured acceptance", measured),
                            ("Expected acceptance (estimated from the measured accuracies and, for speedups, "
                             "the cost model; not measured)", estimated)):
@@ -226,6 +231,9 @@ def accuracy_table(title: str, accuracies: list[list[float]]) -> list[str]:
         lines.append(f"| {i + 1} | " + " | ".join(f"{acc[k - 1]:.3f}" if k <= len(acc) else "" for k in shown) + " |")
     return lines + [""]
 
+
+PROVENANCE_KEYS = ("head_accuracies_measured_on", "calibration_questions")
+"""``acceptance`` entries that say what the figures were measured on; the model card says it in words."""
 
 CALIBRATION_RECORDS = ("heldout_head_accuracies", "heldout_path_accuracies")
 """``training`` keys calibration adds (``medusa-bench --calibrate``): no record of training."""

@@ -438,12 +438,12 @@ def config_context_length(config: Any) -> int:
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
         value = getattr(text, name, None)
         if value:
-            original = _longrope_original_length(text)
+            original = longrope_original_length(text)
             return min(int(value), original) if original else int(value)
     raise ValueError(f"{type(config).__name__} states no context length (max_position_embeddings)")
 
 
-def _longrope_original_length(text: Any) -> int | None:
+def longrope_original_length(text: Any) -> int | None:
     """The context a LongRoPE model's short rotary factors serve (None for other rotary embeddings)."""
     for rope in (getattr(text, "rope_parameters", None), getattr(text, "rope_scaling", None)):
         if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "longrope":

@@ -102,6 +102,19 @@ def check_supported(base_model: PreTrainedModel) -> None:
                                   f"steps cannot express; medusa-forge supports {' and '.join(TREE_LAYER_TYPES)}")
 
 
+def _warn_longrope(base_model: PreTrainedModel) -> None:
+    """Say that a LongRoPE model decodes within its original context here."""
+    from medusa_infer.decoding import longrope_original_length
+
+    text = base_model.config.get_text_config()
+    original = longrope_original_length(text)
+    longest = getattr(text, "max_position_embeddings", None)
+    if original and longest and original < longest:
+        logger.warning("%s uses LongRoPE: medusa-forge decodes it within original_max_position_embeddings=%d tokens "
+                       "(of %d), prompt and answer together: past it the model switches its rotary factors, and "
+                       "decoding from the cache could not follow", type(base_model).__name__, original, longest)
+
+
 class MedusaModel(nn.Module):
     """A base causal LM plus Medusa heads.
 
@@ -125,6 +138,7 @@ class MedusaModel(nn.Module):
     def __init__(self, base_model: PreTrainedModel, heads: MedusaHeads | None, tokenizer: Any = None) -> None:
         super().__init__()
         check_supported(base_model)
+        _warn_longrope(base_model)
         if heads is not None:
             check_compatible(heads.config, base_model)
             heads = heads.to(device=base_model.device, dtype=base_model.dtype)

@@ -7,7 +7,7 @@ sources. Two backends write the same rows:
   left padding, prompts sorted by length to cut padding; greedy by default. Several processes
   (``accelerate launch``) split the prompts, process ``i`` taking prompts ``i::world_size``.
 - ``openai``: an OpenAI-compatible ``/v1/chat/completions`` endpoint (vLLM, TGI), a bounded number
-  of requests at a time, retried with backoff on 5xx, 429 and connection errors.
+  of requests at a time, retried with backoff on 5xx, 408, 425, 429 and connection errors.
 
 Each process appends rows to ``<output>.rank{i}.jsonl`` (flushed and fsynced per batch). A
 restarted run skips ids already written (a half-written last line is dropped), so a killed run

@@ -526,8 +526,9 @@ def check_finished_examples(paths: RunPaths, train_digest: str) -> None:
     recorded = (json.loads(file.read_text()).get("training") or {}).get("train_examples_sha256")
     if recorded is not None and recorded != train_digest:
         raise ValueError(f"{paths.final} was trained on other examples than the run's data now holds (its rows "
-                         f"changed); remove {paths.checkpoints} and {paths.heads} to train on them, or set "
-                         "output_dir to a new folder")
+                         "changed, or what shapes examples from them: data.max_length, which cuts "
+                         f"data.tokenized examples too); remove {paths.checkpoints} and "
+                         f"{paths.heads} to train on them, or set output_dir to a new folder")
 
 
 def _file_sha256(path: Path) -> str:

@@ -80,7 +80,7 @@ def test_what_cannot_decode_exactly_is_refused_by_name(name):
         MedusaModel.from_base(tiny(name, settings), num_heads=2)
 
 
-def test_longrope_models_decode_up_to_their_original_context():
+def test_longrope_models_decode_up_to_their_original_context(caplog):
     """Past ``original_max_position_embeddings`` a LongRoPE model (Phi-3-128k) switches its rotary factors for
     the whole forward by its largest position, and ``generate`` re-encodes the history: decoding stops there
     (finish "context"), exact up to it, rather than go on with other tokens than the model's."""
@@ -88,6 +88,8 @@ def test_longrope_models_decode_up_to_their_original_context():
                 "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4,
                                     "long_factor": [4.0, 8.0, 16.0, 32.0], "original_max_position_embeddings": 20}}
     model = MedusaModel.from_base(tiny("phi3", longrope), num_heads=4, num_layers=1)
+    assert "Phi3ForCausalLM uses LongRoPE: medusa-forge decodes it within original_max_position_embeddings=20" \
+        in caplog.text
     prompt = torch.tensor([10, 20, 30, 40, 50] * 2 + [10])
     expected = reference(model, prompt, 24)
     oracle = OracleProposer([expected], TREE_PRESETS["tree-16"], seed=3)

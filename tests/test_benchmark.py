@@ -134,6 +134,9 @@ def test_calibration_measures_accuracy_and_cost_and_fits_a_tree(model):
     card = model_card(config)
     assert "## Head accuracy on held-out data at the end of training" in card and "| 1 | 0.500 |" in card
     assert "## Measured head accuracy (greedy answers to 2 questions from q.jsonl)" in card
+    # what the figures were measured on is said in words, not listed among them
+    assert "Calibrated on 2 questions of `q.jsonl`, which `medusa-bench` leaves out" in card
+    assert "calibration_questions" not in card and "| head_accuracies_measured_on |" not in card
     assert config.training["heldout_head_accuracies"] == heldout and config.head_accuracies != heldout
     assert config.training["heldout_path_accuracies"] == heldout_paths and config.path_accuracies != heldout_paths
     assert config.acceptance["head_accuracies_measured_on"] == "greedy answers to 2 questions from q.jsonl"

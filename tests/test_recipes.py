@@ -437,11 +437,14 @@ def _render(path: Path, messages: list[dict], **extra) -> str:
     return _compile_jinja_template(template).render(messages=messages, bos_token="<s>", eos_token="</s>", **extra)
 
 
+def test_the_recipes_that_give_a_chat_template_are_found():
+    assert {p.stem for p in TEMPLATED_RECIPES} >= {"gemma3-270m", "vicuna-7b-v1.3-medusa1", "vicuna-7b-v1.3-medusa2"}
+
+
 @pytest.mark.parametrize("path", TEMPLATED_RECIPES, ids=lambda p: p.stem)
 def test_a_recipes_chat_template_writes_the_bos_its_model_was_trained_with(path):
     """Text rendered by a chat template is tokenised without special tokens (the template writes its own
     BOS, ``dataset.encode_rendered``), so a recipe's template must begin with the model's BOS."""
-    assert TEMPLATED_RECIPES, "no recipe sets a chat template"
     assert _render(path, [{"role": "user", "content": "Hi"}], add_generation_prompt=True).startswith("<s>")
 
 
