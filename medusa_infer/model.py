@@ -98,8 +98,9 @@ def check_supported(base_model: PreTrainedModel) -> None:
                                   "model does; medusa-forge supports rotary or learned positions")
     other = sorted({t for t in getattr(text, "layer_types", None) or () if t not in TREE_LAYER_TYPES})
     if other:
-        raise NotImplementedError(f"{name} has {', '.join(other)} layers, which the 4D attention masks of tree "
-                                  f"steps cannot express; medusa-forge supports {' and '.join(TREE_LAYER_TYPES)}")
+        raise NotImplementedError(f"{name} has {', '.join(other)} layers, which tree steps (a 4D attention mask, "
+                                  "a key/value cache cut back to the accepted path) cannot run; medusa-forge "
+                                  f"supports {' and '.join(TREE_LAYER_TYPES)} layers")
 
 
 def _warn_longrope(base_model: PreTrainedModel) -> None:

@@ -309,9 +309,7 @@ def build_examples(
             stats.cut_off_unfound += 1
             cut_off = False
             input_ids, labels = tokenize_chat(tokenizer, messages)
-        cut = len(input_ids) > max_length
-        if cut:
-            input_ids, labels = input_ids[:max_length], labels[:max_length]
+        input_ids, labels, cut = cut_example(input_ids, labels, max_length)
         n_label = sum(label != IGNORE_INDEX for label in labels)
         if n_label == 0:
             if cut:
@@ -350,15 +348,20 @@ def truncate_examples(examples: Iterable[dict[str, Any]], max_length: int) -> tu
         raise ValueError(f"max_length must be >= 2, got {max_length}")
     kept, cut, dropped = [], 0, 0
     for example in examples:
-        input_ids, labels = list(example["input_ids"]), list(example["labels"])
-        if len(input_ids) > max_length:
-            cut += 1
-            input_ids, labels = input_ids[:max_length], labels[:max_length]
-            if all(label == IGNORE_INDEX for label in labels):
-                dropped += 1
-                continue
+        input_ids, labels, was_cut = cut_example(list(example["input_ids"]), list(example["labels"]), max_length)
+        cut += was_cut
+        if was_cut and all(label == IGNORE_INDEX for label in labels):
+            dropped += 1
+            continue
         kept.append({**example, "input_ids": input_ids, "labels": labels})
     return kept, cut, dropped
+
+
+def cut_example(input_ids: list[int], labels: list[int], max_length: int) -> tuple[list[int], list[int], bool]:
+    """An example's first ``max_length`` tokens and labels, and whether it was longer."""
+    if len(input_ids) <= max_length:
+        return input_ids, labels, False
+    return input_ids[:max_length], labels[:max_length], True
 
 
 # ---------------------------------------------------------------------------------------------

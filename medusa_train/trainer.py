@@ -716,7 +716,8 @@ def _fill_deepspeed_config(ds_config: dict[str, Any], micro: int, max_grad_norm:
     elif float(clipping) != float(max_grad_norm):
         raise ValueError(f"the DeepSpeed config clips gradients at gradient_clipping={clipping}, the recipe at "
                          f"training.max_grad_norm={max_grad_norm}: set \"gradient_clipping\": \"auto\" in the "
-                         "DeepSpeed config (it then takes the recipe's), or make them equal")
+                         "DeepSpeed JSON, or drop gradient_clipping from the accelerate config (it then takes the "
+                         "recipe's), or make them equal")
 
 
 def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any, paths: RunPaths,
