@@ -479,6 +479,10 @@ def _prepare_inputs(model, tokenizer, input_ids, attention_mask, prompt, message
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, length] or [length], got shape {tuple(input_ids.shape)}")
     if attention_mask is None:
+        pad = _config_pad_id(model, tokenizer)
+        if input_ids.shape[0] > 1 and pad is not None and bool((input_ids[:, 0] == pad).any()):
+            raise ValueError(f"input_ids has rows that start with the pad id {pad} and no attention_mask: pass "
+                             "attention_mask (1 for prompt tokens, 0 for the left padding), or the prompts as prompt=")
         attention_mask = torch.ones_like(input_ids)
     attention_mask = torch.as_tensor(attention_mask)
     if attention_mask.dim() == 1:
@@ -504,11 +508,44 @@ def _prepare_inputs(model, tokenizer, input_ids, attention_mask, prompt, message
     return input_ids, attention_mask
 
 
+def _check_unused_sampling(do_sample: bool, acceptance: str, temperature: Any, top_k: Any, top_p: Any,
+                           seed: int | None, typical_epsilon: float, typical_delta: float) -> None:
+    """``ValueError`` for a setting this call would ignore: sampling ones without ``do_sample`` (a greedy
+    temperature of 0 is taken), typical acceptance's thresholds with another acceptance."""
+    if not do_sample:
+        given = [f"{name}={value!r}" for name, value, neutral in (
+            ("temperature", temperature, (None, 0, 1)), ("top_k", top_k, (None, 0)), ("top_p", top_p, (None, 1)),
+            ("seed", seed, (None,))) if value not in neutral]
+        if given:
+            raise ValueError(f"{', '.join(given)} shape sampling, but do_sample=False decodes greedily; pass "
+                             "do_sample=True, or drop them")
+    if acceptance != "typical" and (typical_epsilon, typical_delta) != (0.09, 0.3):
+        raise ValueError(f"typical_epsilon={typical_epsilon!r} and typical_delta={typical_delta!r} set typical "
+                         f"acceptance, and this call accepts by {acceptance!r}; pass acceptance='typical', or drop them")
+
+
+def _config_pad_id(model, tokenizer) -> int | None:
+    """The pad id a caller's left padding would use: the tokenizer's, else the model's config's."""
+    found = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+    return found if found is not None else getattr(model.base_model.config.get_text_config(), "pad_token_id", None)
+
+
 def encode_chat(tokenizer, messages) -> list[str]:
     """Render chat ``messages`` (one conversation, or a list of them) with the chat template."""
     if not messages:
         raise ValueError("messages is empty")
+
+    def shape(got: str) -> str:
+        return (f"messages must be a chat (a list of {{'role', 'content'}} dicts) or a list of chats, got {got}; "
+                "pass plain text as prompt=")
+
+    if isinstance(messages, (str, dict)) or not isinstance(messages, (list, tuple)):
+        raise ValueError(shape(type(messages).__name__))
     conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+    for chat in conversations:
+        if not isinstance(chat, (list, tuple)) or not chat or not all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in chat):
+            raise ValueError(shape(f"an element {str(chat)[:80]!r}"))
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this tokenizer has no chat template; pass prompt= or input_ids= instead")
     return [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
@@ -589,6 +626,7 @@ def stream(
         raise ValueError("acceptance='greedy' takes the model's top token, so do_sample=True and its temperature, "
                          "top_k and top_p would change nothing; drop acceptance='greedy' to sample (lossless by "
                          "default), or pass do_sample=False")
+    _check_unused_sampling(do_sample, acceptance, temperature, top_k, top_p, seed, typical_epsilon, typical_delta)
     sampling = SamplingConfig(acceptance, temperature if do_sample else 0.0, top_k, top_p,
                               typical_epsilon, typical_delta)
     stop = StopConfig(max_new_tokens, _eos_ids(model, tokenizer, eos_token_id), stop_strings)
@@ -682,7 +720,9 @@ def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> Generati
         stop_strings: stop a row once its generated text contains one of these (one string: that
             string). Matched in the generated text alone, as OpenAI's ``stop`` is: a string that
             begins in the prompt does not stop the row (Hugging Face's ``stop_strings`` would).
-        seed: seed for sampling.
+        seed: seed for sampling (with ``do_sample=False`` a ``ValueError``, as is any sampling
+            setting: nothing given is silently ignored). A row's sample depends on the seed and on the
+            batch it is drawn in.
         streamer: an object with ``put(token_ids)`` / ``end()`` (e.g. transformers'
             ``TextStreamer``); batch size 1. The prompt is put first, as transformers does.
 

@@ -383,8 +383,9 @@ class Runner:
             sampling["speculation_gate"] = False
         elif ids.shape[0] > 1 and "do_sample" not in sampling:  # greedy batches: one gate per method
             sampling["speculation_gate"] = self.gates.setdefault(method, SpeculationGate())
-        run = stream(self.model, ids, mask, max_new_tokens=max_new_tokens, proposer=proposer,
-                     seed=self.args.seed, **sampling)
+        if "do_sample" in sampling:
+            sampling["seed"] = self.args.seed
+        run = stream(self.model, ids, mask, max_new_tokens=max_new_tokens, proposer=proposer, **sampling)
         set_up = time.perf_counter() - start  # the stream's own clock starts when it runs
         out = run.result()  # what generate() returns; the stream also keeps each row's step count
         m = out.metrics

@@ -704,3 +704,30 @@ def test_the_stop_string_window_covers_a_string_of_byte_level_pieces():
 
     stop = StopConfig(stop_strings=("ab", "🙂🙂🙂"))
     assert stop.window >= len("🙂🙂🙂".encode("utf-8")) > len("🙂🙂🙂") + 8
+
+
+def test_nothing_a_call_gives_is_silently_ignored():
+    """Sampling settings without do_sample, typical acceptance's thresholds under another acceptance, left
+    padding without its mask and chats of the wrong shape are refused by name, not decoded around."""
+    from tiny import word_medusa
+
+    model = medusa("llama")
+    greedy = generate(model, torch.tensor([5, 6, 7]), max_new_tokens=4).new_tokens
+    assert generate(model, torch.tensor([5, 6, 7]), max_new_tokens=4, temperature=0.0).new_tokens == greedy
+    for given, says in (({"temperature": 0.7}, "temperature=0.7"), ({"seed": 5}, "seed=5"),
+                        ({"top_p": 0.5, "top_k": 3}, "top_k=3, top_p=0.5")):
+        with pytest.raises(ValueError, match=f"{says} shape sampling, but do_sample=False decodes greedily"):
+            generate(model, torch.tensor([5, 6, 7]), max_new_tokens=4, **given)
+    with pytest.raises(ValueError, match="typical_epsilon=0.5 and typical_delta=0.3 set typical acceptance, and this "
+                                         "call accepts by 'lossless'"):
+        generate(model, torch.tensor([5, 6, 7]), max_new_tokens=4, do_sample=True, typical_epsilon=0.5)
+    padded = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]])
+    with pytest.raises(ValueError, match="rows that start with the pad id 0 and no attention_mask"):
+        generate(model, padded, max_new_tokens=4)
+    mask = (padded != 0).long()
+    assert generate(model, padded, attention_mask=mask, max_new_tokens=4).new_tokens[0] == \
+        generate(model, torch.tensor([5, 6]), max_new_tokens=4).new_tokens[0]
+    chat_model = word_medusa()
+    for messages in ("the cat", {"role": "user", "content": "the cat"}, [["the cat"]]):
+        with pytest.raises(ValueError, match=r"messages must be a chat \(a list of \{'role', 'content'\} dicts\)"):
+            generate(chat_model, messages=messages, max_new_tokens=2)
