@@ -224,7 +224,7 @@ def generate_from_args(args: argparse.Namespace) -> int:
     if args.system is not None and not use_template:
         raise ValueError("--system goes into the chat template, and this model's tokenizer has none: drop --system "
                          "(or put it at the start of the prompt)")
-    history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict] = [{"role": "system", "content": args.system}] if args.system is not None else []
     if not args.chat:
         if use_template:
             run_turn(model, args, history + [{"role": "user", "content": args.prompt}], None)

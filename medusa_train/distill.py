@@ -888,11 +888,13 @@ def post_json(url: str, body: dict[str, Any], headers: dict[str, str], timeout: 
 
 
 def request_completion(
-    url: str, body: dict[str, Any], headers: dict[str, str], config: DistillConfig
+    url: str, body: dict[str, Any], headers: dict[str, str], config: DistillConfig,
+    stop: threading.Event | None = None,
 ) -> dict[str, Any]:
     """``post_json`` with up to ``max_retries`` retries and exponential backoff, jittered (so that
     concurrent requests do not come back at once), and never shorter than a server's ``Retry-After``
-    (both capped at ``MAX_RETRY_WAIT_S``)."""
+    (both capped at ``MAX_RETRY_WAIT_S``). ``stop`` set: no more attempts (a run being stopped would
+    otherwise wait for its retries at exit)."""
     for attempt in range(config.max_retries + 1):
         try:
             return post_json(url, body, headers, config.request_timeout_s)
@@ -902,7 +904,10 @@ def request_completion(
             backoff = min(60.0, config.retry_backoff_s * 2**attempt) * _JITTER.uniform(1.0, 1.25)
             delay = min(MAX_RETRY_WAIT_S, max(backoff, err.retry_after or 0.0))
             logger.debug("retrying in %.2f s after: %s", delay, err)
-            time.sleep(delay)
+            if stop is None:
+                time.sleep(delay)
+            elif stop.wait(delay):
+                raise RuntimeError(f"stopped before retrying: {err}") from err
     raise AssertionError("unreachable")
 
 
@@ -989,6 +994,7 @@ def run_openai(
     batch_index = 0
     errors: list[str] = []
     executor = ThreadPoolExecutor(max_workers=config.concurrency)
+    stopping = threading.Event()
     try:
         queue = iter(jobs)
         in_flight = {}
@@ -998,7 +1004,7 @@ def run_openai(
             if job is None:
                 return False
             prompt, text = job
-            future = executor.submit(request_completion, url, body_for(text), headers, config)
+            future = executor.submit(request_completion, url, body_for(text), headers, config, stopping)
             in_flight[future] = job
             return True
 
@@ -1035,6 +1041,7 @@ def run_openai(
         if batch and on_batch is not None:
             on_batch(batch_index, batch)
     finally:
+        stopping.set()  # requests waiting to retry give up; one in flight ends within its timeout
         executor.shutdown(wait=False, cancel_futures=True)
         bar.close()
     if errors:

@@ -165,6 +165,26 @@ def test_raw_chat_sends_the_whole_conversation(monkeypatch, capsys):
     assert answer.strip() and len(prompts) == 2
 
 
+def test_an_empty_system_message_is_sent_not_dropped(monkeypatch, capsys):
+    """``--system ""`` asks for a system turn with no text (a template may then leave out its default one)."""
+    import medusa_infer.cli as cli
+    import medusa_infer.decoding as decoding
+    from tiny import word_medusa
+
+    stream, chats = decoding.stream, []
+
+    def spy(*a, messages=None, **kw):
+        chats.append(messages)
+        return stream(*a, messages=messages, **kw)
+
+    model = word_medusa()
+    model.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    monkeypatch.setattr(decoding, "stream", spy)
+    monkeypatch.setattr(cli, "load", lambda args: model)
+    assert cli.main(["--system", "", "--max-new-tokens", "2", "the cat"]) == 0
+    assert chats[0][0] == {"role": "system", "content": ""}
+
+
 def test_module_entry_point_reports_argument_errors():
     result = subprocess.run([sys.executable, "-m", "medusa_infer", "--method", "draft", "hi"],
                             capture_output=True, text=True, timeout=120)

@@ -435,6 +435,8 @@ class FakeServer:
                 first = server.requests.count(body) == 1
                 if "throttled" in prompt and first:  # asks for 1 s, far more than the test's backoff
                     return self.reply(429, {"error": "slow down"}, headers={"Retry-After": "1"})
+                if "stalled" in prompt:  # busy for good, asking for a minute each time
+                    return self.reply(429, {"error": "busy"}, headers={"Retry-After": "60"})
                 if "late" in prompt and first:  # the server timed the request out
                     return self.reply(408, {"error": "request timeout"})
                 if "dropped" in prompt and first:  # a 503 whose body never arrives whole
@@ -522,6 +524,31 @@ def test_openai_backend_rows_retries_and_resume(tmp_path, prompts_file, monkeypa
     assert all(asked.count(p["prompt"]) >= 2 for p in prompts[:5])
     assert not written & set(asked_after)
     assert set(asked_after) | written == {p["prompt"] for p in prompts}
+
+
+def test_a_stopped_openai_run_leaves_no_request_waiting_to_retry(tmp_path):
+    """Stopped (Ctrl-C, a failed batch), the run's requests waiting out a Retry-After give up at once: their
+    threads would otherwise keep the process alive at exit for up to their whole retry budget."""
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"id": str(i), "source": "s", "prompt": p}) + "\n"
+                                    for i, p in enumerate(["stalled reply", "hello there", "good day"])))
+    before = set(threading.enumerate())
+    workers: list[threading.Thread] = []
+
+    def stop(batch_index, rows):  # the request threads the run started, then the stop
+        workers.extend(t for t in threading.enumerate() if t not in before and t.name.startswith("ThreadPool"))
+        raise KeyboardInterrupt
+
+    with FakeServer() as server:
+        config = openai_config(prompts_file, tmp_path / "rows.jsonl", server.url, n=None, batch_size=1,
+                               concurrency=2, max_retries=5)
+        with pytest.raises(KeyboardInterrupt):
+            distill(config, on_batch=stop)
+        assert workers
+        for worker in workers:
+            worker.join(timeout=10)
+        assert not [t.name for t in workers if t.is_alive()]
+        assert [b["messages"][-1]["content"] for b in server.requests].count("stalled reply") >= 1
 
 
 def test_openai_backend_prompts_the_endpoint_refuses_are_left_out_and_counted(tmp_path, caplog, model_dir):
