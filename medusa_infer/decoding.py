@@ -479,7 +479,7 @@ def _prepare_inputs(model, tokenizer, input_ids, attention_mask, prompt, message
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, length] or [length], got shape {tuple(input_ids.shape)}")
     if attention_mask is None:
-        pad = _config_pad_id(model, tokenizer)
+        pad = _known_pad_id(model, tokenizer)
         if input_ids.shape[0] > 1 and pad is not None and bool((input_ids[:, 0] == pad).any()):
             raise ValueError(f"input_ids has rows that start with the pad id {pad} and no attention_mask: pass "
                              "attention_mask (1 for prompt tokens, 0 for the left padding), or the prompts as prompt=")
@@ -519,15 +519,10 @@ def _check_unused_sampling(do_sample: bool, acceptance: str, temperature: Any, t
         if given:
             raise ValueError(f"{', '.join(given)} shape sampling, but do_sample=False decodes greedily; pass "
                              "do_sample=True, or drop them")
-    if acceptance != "typical" and (typical_epsilon, typical_delta) != (0.09, 0.3):
+    if acceptance != "typical" and (typical_epsilon, typical_delta) != (SamplingConfig.typical_epsilon,
+                                                                       SamplingConfig.typical_delta):
         raise ValueError(f"typical_epsilon={typical_epsilon!r} and typical_delta={typical_delta!r} set typical "
                          f"acceptance, and this call accepts by {acceptance!r}; pass acceptance='typical', or drop them")
-
-
-def _config_pad_id(model, tokenizer) -> int | None:
-    """The pad id a caller's left padding would use: the tokenizer's, else the model's config's."""
-    found = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
-    return found if found is not None else getattr(model.base_model.config.get_text_config(), "pad_token_id", None)
 
 
 def encode_chat(tokenizer, messages) -> list[str]:
@@ -778,11 +773,19 @@ def _eos_ids(model, tokenizer, eos_token_id) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def _pad_id(model, tokenizer, stop: StopConfig) -> int:
+def _known_pad_id(model, tokenizer) -> int | None:
+    """The pad id the model's generation config, the tokenizer or the model's config names, if any."""
     for source in (getattr(model.base_model, "generation_config", None), tokenizer, model.base_model.config):
         value = getattr(source, "pad_token_id", None) if source is not None else None
         if value is not None:
             return int(value)
+    return None
+
+
+def _pad_id(model, tokenizer, stop: StopConfig) -> int:
+    found = _known_pad_id(model, tokenizer)
+    if found is not None:
+        return found
     return stop.eos_token_ids[0] if stop.eos_token_ids else 0
 
 
