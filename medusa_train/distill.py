@@ -840,7 +840,7 @@ MAX_RETRY_WAIT_S = 120.0
 
 def _retry_after(headers: Any) -> float | None:
     """A ``Retry-After`` header's seconds (a number or an HTTP date); None when absent or unreadable."""
-    value = (headers or {}).get("Retry-After") if headers is not None else None
+    value = headers.get("Retry-After") if headers is not None else None
     if not value:
         return None
     try:
@@ -895,6 +895,7 @@ def request_completion(
     concurrent requests do not come back at once), and never shorter than a server's ``Retry-After``
     (both capped at ``MAX_RETRY_WAIT_S``). ``stop`` set: no more attempts (a run being stopped would
     otherwise wait for its retries at exit)."""
+    stop = stop if stop is not None else threading.Event()
     for attempt in range(config.max_retries + 1):
         try:
             return post_json(url, body, headers, config.request_timeout_s)
@@ -904,9 +905,7 @@ def request_completion(
             backoff = min(60.0, config.retry_backoff_s * 2**attempt) * _JITTER.uniform(1.0, 1.25)
             delay = min(MAX_RETRY_WAIT_S, max(backoff, err.retry_after or 0.0))
             logger.debug("retrying in %.2f s after: %s", delay, err)
-            if stop is None:
-                time.sleep(delay)
-            elif stop.wait(delay):
+            if stop.wait(delay):
                 raise RuntimeError(f"stopped before retrying: {err}") from err
     raise AssertionError("unreachable")
 
