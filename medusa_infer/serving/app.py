@@ -223,9 +223,7 @@ class _Answer:
                 if update.finish is not None:
                     break
                 self._stop_early()
-        except _ClientGone:
-            return Response(status_code=499)  # nobody reads it
-        finally:
+        finally:  # a _ClientGone goes on to the app's handler: a 499 nobody reads
             disconnected.cancel()
             self.engine.cancel(self.job, "disconnect")  # no-op once finished
         if update.finish in ABORT_REASONS:
