@@ -27,8 +27,8 @@ from medusa_infer.trees import expected_accept_length, greedy_tree, path_frequen
 from medusa_train.losses import IGNORE, topk_correct
 
 
-#: Paths whose joint acceptance is kept in the heads' config (``path_accuracies``): more than
-#: any fitted tree uses.
+#: Paths whose joint acceptance is kept in the heads' config (``path_accuracies``) at least: more
+#: than the usual fitted trees use (a larger ``eval.tree_size`` keeps that many).
 MAX_STORED_PATHS = 128
 
 
@@ -88,12 +88,24 @@ def head_accuracy(head_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tens
     return HeadAccuracy(hits, totals, torch.cat(ranks))
 
 
+def stored_paths(accuracy: HeadAccuracy, tree_size: int) -> dict[tuple[int, ...], float]:
+    """The joint path accuracies kept with heads fitted to a ``tree_size``-node tree: the
+    ``max(MAX_STORED_PATHS, tree_size)`` most probable paths."""
+    return accuracy.paths(max(MAX_STORED_PATHS, tree_size))
+
+
 def fit_tree(accuracy: HeadAccuracy, size: int) -> list[tuple[int, ...]]:
     """The ``size``-node tree maximising the expected accepted length under the measured joint
     path accuracies (capped at the number of paths ever accepted; none: the empty tree, plain
     decoding, as heads that never guessed right would measure fastest)."""
-    paths = accuracy.paths()
+    paths = stored_paths(accuracy, size)
     return greedy_tree(paths, min(size, len(paths))) if paths else []
+
+
+def expected_tokens_per_step(tree: list[tuple[int, ...]], paths: Mapping[tuple[int, ...], float]) -> float:
+    """The fitted tree's expected tokens per step under the measured path accuracies; 1.0 for the
+    empty tree (plain decoding), whose heads may never have been accepted at all."""
+    return expected_accept_length(tree, paths) if tree else 1.0
 
 
 def summary_table(accuracy: HeadAccuracy, tree: list[tuple[int, ...]]) -> str:
@@ -103,7 +115,7 @@ def summary_table(accuracy: HeadAccuracy, tree: list[tuple[int, ...]]) -> str:
     lines = ["head  positions  " + "  ".join(f"top-{k:<3}" for k in shown)]
     for i, row in enumerate(topk):
         lines.append(f"{i + 1:>4}  {int(accuracy.totals[i]):>9}  " + "  ".join(f"{row[k - 1]:<7.3f}" for k in shown))
-    accept = expected_accept_length(tree, accuracy.paths()) if tree else 1.0
+    accept = expected_tokens_per_step(tree, stored_paths(accuracy, len(tree)))
     lines.append(f"tree: {len(tree)} nodes, expected tokens per step {accept:.3f} (1.0 = plain decoding)")
     return "\n".join(lines)
 
@@ -113,13 +125,13 @@ def finalize(folder: str | Path, config: MedusaConfig, heads_state: Mapping[str,
              extra: Mapping[str, Any] | None = None) -> Path:
     """Store accuracies and the fitted tree in the heads' config and save the heads with their card."""
     tree = fit_tree(accuracy, tree_size)
-    paths = accuracy.paths()
+    paths = stored_paths(accuracy, tree_size)
     config.head_accuracies = accuracy.topk()
     config.path_accuracies = [[list(path), prob] for path, prob in paths.items()]
     config.tree = [list(path) for path in tree]
     config.top_k = len(config.head_accuracies[0])
     config.acceptance = {
-        "expected_tokens_per_step_fitted_tree": round(expected_accept_length(tree, paths), 4),
+        "expected_tokens_per_step_fitted_tree": round(expected_tokens_per_step(tree, paths), 4),
         "heldout_positions": [int(n) for n in accuracy.totals],
     }
     if extra:

@@ -963,14 +963,37 @@ def test_deepspeed_clips_gradients_at_the_recipes_max_grad_norm():
         tr._fill_deepspeed_config({"gradient_clipping": 1.0}, 8, 0.5)
 
 
-def test_heads_that_never_guess_right_get_the_empty_tree():
+def test_heads_that_never_guess_right_get_the_empty_tree(tmp_path):
     """No held-out path accepted (untrained heads on hard data): the fitted tree is plain decoding,
-    not an error after training."""
-    from medusa_train.evaluate import HeadAccuracy, fit_tree, summary_table
+    not an error after training (the final save raised)."""
+    from medusa_infer.config import MedusaConfig
+    from medusa_train.evaluate import HeadAccuracy, finalize, fit_tree, summary_table
 
     accuracy = HeadAccuracy(torch.zeros(3, 10, dtype=torch.long), torch.full((3,), 40), torch.full((40, 3), -1))
     assert fit_tree(accuracy, 16) == []
-    assert "expected" in summary_table(accuracy, [])
+    assert "expected tokens per step 1.000" in summary_table(accuracy, [])
+    folder = finalize(tmp_path / "heads", MedusaConfig(num_heads=3, hidden_size=8, vocab_size=16), {}, accuracy, 16)
+    saved = MedusaConfig.load(folder / "config.json")  # the final save of training's evaluate stage
+    assert saved.tree == [] and saved.acceptance["expected_tokens_per_step_fitted_tree"] == 1.0
+
+
+def test_a_fitted_tree_larger_than_the_stored_paths_keeps_its_size(tmp_path):
+    """eval.tree_size above the 128 paths usually kept: that many paths are kept, and the tree has
+    that many nodes (it was cut to 128 silently)."""
+    from medusa_infer.config import MedusaConfig
+    from medusa_train.evaluate import MAX_STORED_PATHS, HeadAccuracy, finalize
+
+    g = torch.Generator().manual_seed(0)
+    ranks = torch.randint(0, 10, (6000, 3), generator=g)
+    ranks[:3000, 0] = 0
+    accuracy = HeadAccuracy(torch.zeros(3, 10, dtype=torch.long), torch.full((3,), 6000), ranks)
+    assert len(accuracy.paths(None)) > 300
+    for size in (64, MAX_STORED_PATHS, 200):
+        folder = finalize(tmp_path / str(size), MedusaConfig(num_heads=3, hidden_size=8, vocab_size=16), {},
+                          accuracy, size)
+        saved = MedusaConfig.load(folder / "config.json")
+        assert len(saved.tree) == size
+        assert len(saved.path_accuracies) == max(size, MAX_STORED_PATHS)
 
 
 @pytest.mark.parametrize("mode", ["medusa1", "medusa2"])
