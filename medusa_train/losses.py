@@ -61,12 +61,18 @@ def to_head_vocab(ids: torch.Tensor, token_map: torch.Tensor | None, vocab_size:
     return torch.where(ids >= 0, lookup[ids.clamp(min=0).long()], ids.long())
 
 
+def _divisor(denominator: torch.Tensor) -> torch.Tensor:
+    """``denominator`` with zeros (no position to average over, so a zero sum) replaced by 1.
+    Nothing else is raised: a step's denominators are its counts over processes x micro-batches
+    (``trainer.step_denominators``), below 1 where a loss term has fewer positions than that."""
+    return torch.where(denominator > 0, denominator, torch.ones_like(denominator))
+
+
 def _weighted(per_sum: torch.Tensor, counts: torch.Tensor, decay: float,
               denominators: torch.Tensor | None) -> HeadLoss:
     """Turn per-head loss sums ``[K]`` into a ``HeadLoss``; ``denominators`` (``[K]``, e.g. counts
     summed over all processes) replace the local counts when given."""
-    denom = (counts if denominators is None else denominators).to(per_sum.dtype).clamp(min=1)
-    per_head = per_sum / denom
+    per_head = per_sum / _divisor((counts if denominators is None else denominators).to(per_sum.dtype))
     weights = head_weights(len(per_sum), decay, per_sum.device)
     return HeadLoss(loss=(weights * per_head).sum(), per_head=per_head.detach(), counts=counts)
 
@@ -154,8 +160,7 @@ def logits_kl(
     kl = (log_p.exp() * (log_p - log_q)).sum(dim=-1)
     if mask is None:
         mask = torch.ones_like(kl, dtype=torch.bool)
-    denom = mask.sum() if denominator is None else denominator
-    return (kl * mask).sum() / denom.clamp(min=1)
+    return (kl * mask).sum() / _divisor(mask.sum() if denominator is None else denominator)
 
 
 def topk_correct(logits: torch.Tensor, targets: torch.Tensor, max_k: int = 10) -> tuple[torch.Tensor, torch.Tensor]:

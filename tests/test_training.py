@@ -179,6 +179,50 @@ def test_logits_kl_and_topk_accuracy():
     assert hits.tolist() == [[0, 0]] and totals.tolist() == [1]
 
 
+def test_a_loss_term_with_fewer_positions_than_micro_batches_keeps_its_gradient():
+    """A head (or the base KL) with fewer positions in a step than processes x micro-batches: its
+    step denominator is below 1, and must not be raised to 1 (its gradient was halved on 2 processes
+    or with 2 accumulated micro-batches, against one process with the whole batch)."""
+
+    class Accelerator:  # `world` processes, each holding its share; reduce adds every process's counts
+        device = "cpu"
+
+        def __init__(self, world, everyone):
+            self.num_processes, self.everyone = world, everyone
+
+        def reduce(self, tensor, reduction):
+            return sum(self.everyone)
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 4, 5, requires_grad=True)
+    targets = torch.tensor([[1, 3], [2, IGNORE], [0, IGNORE], [4, IGNORE]])  # head 2: one target in the step
+    teacher = torch.randn(4, 7)
+    student = torch.randn(4, 7, requires_grad=True)
+    base_mask = torch.tensor([True, False, False, False])  # the base KL: one position in the step
+
+    def gradients(parts):  # parts[process][micro-batch]: positions; accelerate / DDP average the rest
+        world, accum = len(parts), len(parts[0])
+        counts = [[{"heads": (targets[p] >= 0).sum(0), "base": base_mask[p].sum().reshape(1)} for p in proc]
+                  for proc in parts]
+        everyone = [torch.cat([sum(c[n].float() for c in proc) for n in ("heads", "base")]) for proc in counts]
+        heads, base = torch.zeros_like(logits), torch.zeros_like(student)
+        for proc, cnt in zip(parts, counts):
+            denominators = tr.step_denominators(Accelerator(world, everyone), cnt)
+            for p in proc:
+                logits.grad = student.grad = None
+                loss = head_ce_loss(logits[:, p], targets[p], 0.8, denominators["heads"]).loss
+                loss = loss + logits_kl(student[p], teacher[p], base_mask[p], denominators["base"][0])
+                loss.div(accum).backward()
+                heads += logits.grad / world
+                base += student.grad / world
+        return heads, base
+
+    one = gradients([[torch.arange(4)]])
+    for parts in ([[torch.tensor([0, 1])], [torch.tensor([2, 3])]], [[torch.tensor([0, 1]), torch.tensor([2, 3])]]):
+        for got, want in zip(gradients(parts), one):
+            torch.testing.assert_close(got, want)
+
+
 def test_heldout_accuracy_counts_only_positions_where_decoding_runs_the_heads():
     from medusa_train.evaluate import head_accuracy
 
