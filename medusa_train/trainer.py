@@ -782,7 +782,8 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
                disable=not (accelerator.is_main_process and config.log.progress))
     perm_cache: dict[int, torch.Tensor] = {}
     window: dict[str, torch.Tensor] = {}
-    window_steps, window_units, window_start = 0, 0, time.perf_counter()
+    measured: dict[str, int] = {}  # micro-steps that measured each metric (base_kl: joint steps only)
+    window_units, window_start = 0, time.perf_counter()
     record = None
     start_time = time.perf_counter()
     module.train()
@@ -805,19 +806,19 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
             for key, value in metrics.items():
                 value = value.detach().float().to(accelerator.device)
                 window[key] = window.get(key, 0) + value
+                measured[key] = measured.get(key, 0) + 1
             window_units += len(index)
         scheduler.step()
         step += 1
-        window_steps += 1
         bar.update(1)
         if step % config.log.every == 0 or step == total:
-            record = _summarise(accelerator, window, window_steps * t.grad_accum, window_units, window_start)
+            record = _summarise(accelerator, window, measured, window_units, window_start)
             record.update(step=step, total_steps=total, epoch=(step * t.grad_accum) / micro_per_epoch,
                           lr=scheduler.get_last_lr()[-1], unit=unit,
                           elapsed_s=round(time.perf_counter() - start_time, 2))
             logger.log(record, bar)
             bar.set_postfix(loss=f"{record['loss']:.3f}")
-            window, window_steps, window_units, window_start = {}, 0, 0, time.perf_counter()
+            window, measured, window_units, window_start = {}, {}, 0, time.perf_counter()
         if t.save_every and step % t.save_every == 0 and step < total:
             _save_checkpoint(accelerator, paths.checkpoints, {
                 "step": step, "epoch": (step * t.grad_accum) // micro_per_epoch,
@@ -832,16 +833,17 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
     return TrainResult(heads_state, module, step, start_step, time.perf_counter() - start_time, record)
 
 
-def _summarise(accelerator: Any, window: dict[str, torch.Tensor], micro_steps: int, units: int,
+def _summarise(accelerator: Any, window: dict[str, torch.Tensor], measured: Mapping[str, int], units: int,
                started: float) -> dict[str, Any]:
-    """Means over the window's micro-steps, reduced over processes."""
+    """Means over the window's micro-steps that measured each metric (``measured``), reduced over
+    processes."""
     world = accelerator.num_processes
     out: dict[str, Any] = {}
     hits = accelerator.reduce(window.pop("top1_hits"), reduction="sum") if world > 1 else window.pop("top1_hits")
     totals = accelerator.reduce(window.pop("top1_total"), reduction="sum") if world > 1 else window.pop("top1_total")
     out["head_top1"] = [round(float(x), 4) for x in (hits / totals.clamp(min=1)).tolist()]
     for key, value in window.items():
-        value = value / micro_steps
+        value = value / measured[key]
         if world > 1:
             value = accelerator.reduce(value, reduction="mean")
         out[key] = [round(float(x), 5) for x in value.tolist()] if value.dim() else float(value)

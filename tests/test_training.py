@@ -223,6 +223,23 @@ def test_a_loss_term_with_fewer_positions_than_micro_batches_keeps_its_gradient(
             torch.testing.assert_close(got, want)
 
 
+def test_a_log_window_across_the_heads_only_stage_averages_base_kl_over_joint_steps():
+    """Medusa-2's base KL exists only on joint micro-steps: a log window holding heads-only steps too
+    averages it over the steps that measured it (it was divided by all of them)."""
+    from types import SimpleNamespace
+
+    window, measured = {}, {}
+    for step in range(4):  # stage1_steps=2, log.every=4
+        metrics = {"loss": torch.tensor(1.0 + step), "top1_hits": torch.tensor([1.0]), "top1_total": torch.tensor([2.0])}
+        if step >= 2:
+            metrics["base_kl"] = torch.tensor(0.5)
+        for key, value in metrics.items():
+            window[key] = window.get(key, 0) + value
+            measured[key] = measured.get(key, 0) + 1
+    record = tr._summarise(SimpleNamespace(num_processes=1), window, measured, 4, 0.0)
+    assert record["base_kl"] == 0.5 and record["loss"] == 2.5 and record["head_top1"] == [0.5]
+
+
 def test_heldout_accuracy_counts_only_positions_where_decoding_runs_the_heads():
     from medusa_train.evaluate import head_accuracy
 
