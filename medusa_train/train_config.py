@@ -553,6 +553,9 @@ def validate(config: TrainConfig) -> None:
                          "t + 1); set both")
     if t.mode == "medusa1" and t.stage1_steps:
         raise ValueError("training.stage1_steps applies to training.mode=medusa2 only; set it to 0")
+    if t.mode == "medusa1" and t.heads_lr is not None:
+        raise ValueError(f"training.heads_lr={t.heads_lr} applies to training.mode=medusa2 only (Medusa-1 trains "
+                         "the heads alone, at training.lr); set training.lr instead, or heads_lr to null")
     if config.model.dtype != "float32" and t.mixed_precision == "no" and t.mode == "medusa2":
         raise ValueError(
             f"model.dtype={config.model.dtype} with trainable float32 heads and adapter needs "

@@ -370,6 +370,7 @@ def test_per_source_quotas_without_n_are_taken_whole(tmp_path):
     ("training.epochs=inf", "training.epochs: expected a finite number, got 'inf'"),
     ("data.n=0", "data.n must be >= 1 (prompts to distil) or null (all of them), got 0"),
     ("data.n=-5", "data.n must be >= 1"),
+    ("training.heads_lr=0.01", "training.heads_lr=0.01 applies to training.mode=medusa2 only"),  # it was ignored
 ])
 def test_non_finite_numbers_and_empty_samples_are_refused(override, message):
     with pytest.raises(ValueError, match=re.escape(message)):
