@@ -92,9 +92,9 @@ def _base_model(data: dict[str, Any]) -> str | None:
 
 def _choices(raw: Any, num_heads: int, where: Path) -> list[list[int]] | None:
     """``medusa_choices`` (a tree as paths of ranks, as ``write_medusa_layout`` and TensorRT-LLM write it)
-    checked, or None when absent."""
-    if raw is None:
-        return None
+    checked ([] kept: plain decoding), or None when absent."""
+    if raw is None or raw == []:  # [] is a tree too: plain decoding (what calibration may measure fastest)
+        return raw
     from medusa_infer.trees import validate_tree
 
     try:
@@ -140,6 +140,7 @@ def read_medusa_layout(
             f"if the weights are complete, set medusa_num_heads to {heads_found[-1] + 1} in config.json "
             "(some early FasterDecoding uploads understate it)"
         )
+    tree = _choices(data.get("medusa_choices"), num_heads, path / CONFIG_NAME)  # its ranks bound top_k below
     proj_names = [f"{k}.{num_layers}.weight" for k in range(num_heads)]
     block_names = [f"{k}.{l}.linear.weight" for k in range(num_heads) for l in range(num_layers)]
     has_projections = any(name in tensors for name in proj_names)
@@ -154,7 +155,8 @@ def read_medusa_layout(
         projection="own" if has_projections else "shared",
         base_model_name_or_path=_base_model(data),
         training={IMPORTED_FROM: "FasterDecoding/Medusa layout"},
-        tree=_choices(data.get("medusa_choices"), num_heads, path / CONFIG_NAME),
+        tree=tree,
+        top_k=max(MedusaConfig.top_k, 1 + max((rank for p in tree or [] for rank in p), default=0)),
     )
     expected = _expected(config)
     ours_to_theirs = {name: _their_name(name, num_layers) for name in expected}
@@ -271,7 +273,8 @@ def write_medusa_layout(
         "vocab_size": config.vocab_size,
         "version": version,
     }
-    if config.tree:  # the heads' own (fitted) tree, in the format TensorRT-LLM's medusa_choices takes
+    if config.tree is not None:  # the heads' own (fitted) tree, in the format TensorRT-LLM's medusa_choices takes;
+        # empty where calibration measured plain decoding fastest
         data["medusa_choices"] = [list(path) for path in config.tree]
     if config.head_accuracies or config.cost_profile:
         logger.info("the FasterDecoding layout has no place for the heads' measured accuracies or cost profile: "

@@ -14,6 +14,7 @@ from torch.nn import functional as F
 from medusa_infer.config import MedusaConfig
 from medusa_infer.heads import MedusaHeads
 from medusa_infer.interop import is_medusa_layout, read_medusa_layout, write_medusa_layout
+from medusa_infer.trees import validate_tree
 
 HIDDEN, VOCAB, HEADS, LAYERS = 16, 50, 3, 2
 BASE = "tiny/base-model"
@@ -359,3 +360,16 @@ def test_the_heads_tree_travels_as_medusa_choices(tmp_path):
     del data["medusa_choices"]
     (tmp_path / "config.json").write_text(json.dumps(data))
     assert read_medusa_layout(tmp_path)[0].tree is None
+
+
+@pytest.mark.parametrize("tree, top_k", [([], 10), ([[0], [12], [0, 0]], 13)])
+def test_an_empty_tree_and_ranks_past_ten_survive_the_round_trip(tmp_path, tree, top_k):
+    """A calibrated empty tree (plain decoding measured fastest) is written and read back, not dropped
+    for a default tree; a tree with ranks past the default top_k (10) reads back with a top_k that
+    covers them (the layout has no top_k: decoding refused the imported tree)."""
+    config = tiny_config("own", tree=tree, top_k=16)
+    write_medusa_layout(config, random_state(config, torch.float32), tmp_path)
+    back = read_medusa_layout(tmp_path)[0]
+    assert back.tree == tree and back.top_k == top_k
+    if tree:
+        validate_tree(back.tree, back.num_heads, back.top_k)
