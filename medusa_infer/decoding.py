@@ -825,7 +825,22 @@ def make_controller(model, paths: Sequence[Sequence[int]], adaptive: bool | None
         paths = [list(p) for p in _speculative_paths(frozen, json.dumps(config.cost_profile, sort_keys=True))]
         if not paths:
             return None
+    if not isinstance(acceptance, Mapping):
+        _check_measured(paths, acceptance)
     return TreeController(tree_ladder(paths, acceptance=acceptance), acceptance, cost, step_costs=step_costs)
+
+
+def _check_measured(paths: Sequence[Sequence[int]], accuracies: Sequence[Sequence[float]]) -> None:
+    """Refuse a tree the heads' measured per-rank accuracies do not cover (the adaptive controller
+    weighs every node by them): a node deeper than the heads measured, or of a rank past them."""
+    ranks = min(len(row) for row in accuracies)
+    for path in paths:
+        if len(path) > len(accuracies) or max(path) >= ranks:
+            raise ValueError(
+                f"tree path {tuple(path)} lies outside the heads' measured accuracies (head_accuracies: "
+                f"{len(accuracies)} heads, ranks below {ranks}), which adaptive decoding weighs its nodes by: "
+                f"use a tree within them (e.g. tree='fitted-16'), adaptive=False, or calibrate again with a "
+                f"larger top_k (medusa-bench --calibrate)")
 
 
 @functools.lru_cache(maxsize=32)

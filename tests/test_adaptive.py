@@ -258,6 +258,21 @@ def test_a_plain_decoding_verdict_grows_a_tree_when_acceptance_recovers():
     assert torch.equal(out.sequences, reference)
 
 
+def test_a_tree_past_the_measured_ranks_is_refused_by_name():
+    """Accuracies measured for 3 ranks (top_k raised after calibrating, or a hand-made config) and a
+    tree using rank 3: a ValueError naming the path and the way out (it was a bare IndexError)."""
+    model = MedusaModel.from_base(tiny_model("llama"), num_heads=4)
+    model.config.head_accuracies = [[0.5, 0.6, 0.65]] * 4
+    model.config.cost_profile = STEEP.to_dict()
+    prompt = torch.tensor([[5, 6, 7]])
+    for tree in (None, "tree-8", [(0,), (3,)]):
+        with pytest.raises(ValueError, match=r"tree path \(3,\) lies outside the heads' measured accuracies "
+                                             r"\(head_accuracies: 4 heads, ranks below 3\)"):
+            generate(model, prompt, max_new_tokens=5, tree=tree, eos_token_id=[])
+    assert generate(model, prompt, max_new_tokens=5, tree="tree-8", eos_token_id=[], adaptive=False).sequences.shape[1] == 8
+    assert generate(model, prompt, max_new_tokens=5, tree="fitted-8", eos_token_id=[]).sequences.shape[1] == 8
+
+
 def test_adaptive_without_calibration_is_a_clear_error():
     model = MedusaModel.from_base(tiny_model("llama"), num_heads=4)
     with pytest.raises(ValueError, match="cost profile"):
