@@ -318,6 +318,10 @@ class MedusaModel(nn.Module):
         if heads_state is not None:
             check_state_dict(own, dict(heads_state), "heads_state")
         target = Path(directory) / ADAPTER_DIR
+        if self.merged_adapter is not None and not Path(self.merged_adapter).is_dir():
+            raise ValueError(f"the Medusa-2 adapter merged into the base model at load time ({self.merged_adapter}) "
+                             "is gone, and the heads need it: nothing was written; restore that folder, or load the "
+                             "heads again from a folder that holds it")
         if self.merged_adapter is None and target.exists():
             raise ValueError(f"{target} holds a Medusa-2 adapter and these heads have none merged (merged_adapter "
                              "is None): from_pretrained would merge it under them; save into another folder, or "

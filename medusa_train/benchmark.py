@@ -50,7 +50,8 @@ import torch
 
 from medusa_infer.adaptive import StepCosts
 from medusa_infer.attention_kernels import decoding_attention
-from medusa_infer.interop import base_model_name, is_medusa_layout
+from medusa_infer.checkpoint import load_heads_state
+from medusa_infer.interop import base_model_name, is_medusa_layout, read_medusa_layout
 from medusa_infer.proposers.lookup import LOOKUP_MAX_TOKENS
 from medusa_train.evaluate import HeadAccuracy, head_accuracy
 
@@ -660,6 +661,14 @@ def report_png(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def stored_heads_state(model, heads: str | Path) -> dict[str, torch.Tensor]:
+    """The heads' weights as ``heads`` (a folder, ours or the FasterDecoding layout) stores them, in
+    our naming: what a calibration saves, not the weights rounded to the model's ``--dtype``."""
+    if is_medusa_layout(heads):
+        return read_medusa_layout(heads, hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size)[1]
+    return load_heads_state(heads)[1]
+
+
 def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[str, Any]:
     """Measure the heads' top-k accuracy on greedy answers to ``questions`` and this device's
     verification cost; fit the tree; store all three in the heads' config (and folder)."""
@@ -907,7 +916,6 @@ def run(args: argparse.Namespace, started: float) -> int:
     """Load the model and heads, calibrate if asked, benchmark and write the report."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    from medusa_infer.checkpoint import load_heads_state
     from medusa_infer.model import MedusaModel, heads_folder
     from medusa_infer.models import load_base_model, load_tokenizer
 
@@ -945,7 +953,7 @@ def run(args: argparse.Namespace, started: float) -> int:
         result = calibrate(model, calib_questions, args)
         result["question_ids"] = [q["id"] for q in calib_questions]  # left out of the benchmark
         # the weights as stored (the model computes with them converted to --dtype, rounded in bfloat16)
-        stored = None if is_medusa_layout(heads) else load_heads_state(heads)[1]
+        stored = stored_heads_state(model, heads)
         saved = model.save_pretrained(args.calibrated_heads or heads, heads_state=stored)  # a local folder (parse_args)
         (output / "calibration.json").write_text(json.dumps(result, indent=2))
         print(f"calibrated: tree of {result['tree_nodes']} nodes, expected tau {result['expected_tau']:.2f}, "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,19 @@ def test_saving_keeps_the_merged_adapter_beside_the_heads(heads_folder, tmp_path
     again = MedusaModel.from_pretrained(tmp_path / "out", base_model=tiny_model("llama"))
     x = torch.tensor([[1, 2, 3]])
     torch.testing.assert_close(again.base_model(x).logits, model.base_model(x).logits)
+
+
+def test_saving_after_the_adapter_folder_is_gone_writes_nothing(heads_folder, tmp_path):
+    """The adapter merged at load time deleted before saving: refused before anything is written (the
+    heads were written, then the copy failed, leaving heads that load on the base model unadapted)."""
+    folder, _ = heads_folder
+    copied = tmp_path / "copy"
+    shutil.copytree(folder, copied)
+    model = MedusaModel.from_pretrained(copied, base_model=tiny_model("llama"))
+    shutil.rmtree(copied)
+    with pytest.raises(ValueError, match=r"adapter merged into the base model at load time .* is gone"):
+        model.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_faster_decoding_export_warns_that_the_adapter_is_left_out(heads_folder, tmp_path, caplog):

@@ -683,9 +683,11 @@ def test_heads_by_category_splits_calibrations_measure_and_counts_the_head_vocab
     assert f"{tmp_path / 'medusa2'} holds a LoRA adapter" in capsys.readouterr().err
 
 
-def test_calibration_in_bfloat16_keeps_the_stored_float32_weights(model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("layout", ["ours", "fasterdecoding"])
+def test_calibration_in_bfloat16_keeps_the_stored_float32_weights(model, tmp_path, monkeypatch, layout):
     """``--calibrate --dtype bfloat16`` saves the fitted tree into the heads folder; the weights are
-    written back as they were stored, not as the bfloat16 copies the calibration computed with."""
+    written back as they were stored, not as the bfloat16 copies the calibration computed with. Heads
+    in the FasterDecoding layout too (saved with --calibrated-heads: they were rounded to bfloat16)."""
     import copy
 
     from safetensors.torch import load_file
@@ -696,11 +698,15 @@ def test_calibration_in_bfloat16_keeps_the_stored_float32_weights(model, tmp_pat
     bf16 = copy.deepcopy(model.base_model).to(torch.bfloat16)
     monkeypatch.setattr(models, "load_base_model", lambda name, **kw: bf16)
     before = load_file(heads / "model.safetensors")
-    assert main(["--heads", str(heads), "--questions", str(questions), "--limit", "1", "--max-new-tokens", "4",
+    source, saved = heads, heads
+    if layout == "fasterdecoding":
+        source, saved = model.export_medusa_layout(tmp_path / "fd"), tmp_path / "calibrated"
+    assert main(["--heads", str(source), "--questions", str(questions), "--limit", "1", "--max-new-tokens", "4",
                  "--methods", "ar", "--calibrate", "--calibrate-questions", "1", "--calibrate-context", "16",
-                 "--dtype", "bfloat16", "--output", str(tmp_path / "out")]) == 0
-    after = load_file(heads / "model.safetensors")
-    assert "calibrated_tree_nodes" in json.loads((heads / "config.json").read_text())["acceptance"]
+                 "--dtype", "bfloat16", "--output", str(tmp_path / "out")]
+                + (["--calibrated-heads", str(saved)] if saved != heads else [])) == 0
+    after = load_file(saved / "model.safetensors")
+    assert "calibrated_tree_nodes" in json.loads((saved / "config.json").read_text())["acceptance"]
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
     assert {t.dtype for t in after.values() if t.is_floating_point()} == {torch.float32}
 
