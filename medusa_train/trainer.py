@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 from medusa_infer.checkpoint import save_heads
 from medusa_infer.config import MedusaConfig
 from medusa_infer.heads import MedusaHeads
+from medusa_infer.interop import is_medusa_layout
 from medusa_train.features import (
     FeatureDataset,
     batch_hidden,
@@ -893,6 +894,10 @@ def check_init_from(config: TrainConfig) -> MedusaConfig | None:
         return None
     if not (Path(folder) / CONFIG_NAME).is_file():
         raise ValueError(f"heads.init_from={folder} has no {CONFIG_NAME}: give a heads folder (a run's heads/)")
+    if is_medusa_layout(folder):
+        raise ValueError(f"heads.init_from={folder} holds heads in the FasterDecoding/Medusa layout; save them in "
+                         "medusa-forge's first (python -c \"from medusa_infer.model import MedusaModel; "
+                         f"MedusaModel.from_pretrained('{folder}').save_pretrained('DIR')\") and give DIR")
     if (Path(folder) / ADAPTER_DIR).exists():
         raise ValueError(f"heads.init_from={folder} holds a Medusa-2 adapter ({ADAPTER_DIR}/): its heads read the "
                          "adapted backbone; start from a Medusa-1 run's heads")

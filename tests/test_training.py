@@ -797,6 +797,10 @@ def test_init_from_refuses_heads_this_run_would_not_build(tiny_dir, tmp_path, co
     shutil.copytree(counting_heads, adapted)
     (adapted / "adapter").mkdir()
     check("holds a Medusa-2 adapter", adapted)
+    faster = tmp_path / "fd"
+    faster.mkdir()
+    (faster / "config.json").write_text(json.dumps({"medusa_num_heads": 3, "medusa_num_layers": 1}))
+    check(r"holds heads in the FasterDecoding/Medusa layout; save them in medusa-forge's first", faster)
     with pytest.raises(ValueError, match="hidden_size=32 where the model has 64"):
         tr.initial_heads(config_from_dict(values()), 64, 96)
     state, token_map = tr.initial_heads(config_from_dict(values()), 32, 96)
