@@ -85,9 +85,22 @@ def check_supported(base_model: PreTrainedModel) -> None:
     """``NotImplementedError`` naming what keeps ``base_model`` from decoding exactly here: logits scaled
     after the ``lm_head`` (the heads project without it), ALiBi position biases (computed from cache slot
     indices, not position ids: a tree's siblings and a batch's left padding would get other biases than
-    their positions), or attention layers the 4D masks cannot express (chunked attention)."""
+    their positions), attention layers the 4D masks cannot express (chunked attention, GPT-Neo's local
+    layers), no key/value cache (RWKV's recurrent state), or an output projection applied after a
+    transform of the final hidden states (BERT-style LM heads)."""
     name = type(base_model).__name__
     text = base_model.config.get_text_config()
+    supports_cache = getattr(type(base_model), "_supports_default_dynamic_cache", None)
+    if supports_cache is not None and not supports_cache():
+        raise NotImplementedError(f"{name} keeps no key/value cache transformers' DynamicCache holds (a recurrent "
+                                  "state or a cache of its own), which tree steps cut back to the accepted path; "
+                                  "medusa-forge supports attention models with a key/value cache")
+    output = base_model.get_output_embeddings()
+    if output is not None and not any(child is output for child in base_model.children()):
+        raise NotImplementedError(f"{name} applies its output projection inside a larger LM head (a transform of "
+                                  "the final hidden states first), which Medusa heads, projecting hidden states "
+                                  "with it alone, would skip; medusa-forge supports models whose lm_head reads the "
+                                  "final hidden states")
     for key in ("logit_scale", "logits_scaling"):
         if getattr(text, key, None) not in (None, 1, 1.0):
             raise NotImplementedError(f"{name} scales its logits ({key}={getattr(text, key)}); medusa-forge does "
@@ -96,6 +109,10 @@ def check_supported(base_model: PreTrainedModel) -> None:
         raise NotImplementedError(f"{name} ({text.model_type}) adds ALiBi position biases computed from cache slots, "
                                   "not position ids, so tree steps and left-padded batches would not decode as the "
                                   "model does; medusa-forge supports rotary or learned positions")
+    if "local" in (getattr(text, "attention_layers", None) or ()):  # GPT-Neo
+        raise NotImplementedError(f"{name} has local attention layers, whose window is a buffer indexed by cache "
+                                  "slot, not position, so tree steps would not decode as the model does; "
+                                  f"medusa-forge supports {' and '.join(TREE_LAYER_TYPES)} layers")
     other = sorted({t for t in getattr(text, "layer_types", None) or () if t not in TREE_LAYER_TYPES})
     if other:
         raise NotImplementedError(f"{name} has {', '.join(other)} layers, which tree steps (a 4D attention mask, "

@@ -36,6 +36,7 @@ CONFIGS: dict[str, dict] = {
                "query_pre_attn_scalar": 8},
     "granite": {"embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.3,
                 "logits_scaling": 1.0},
+    "gpt_neo": {**_NO_MLP, "attention_types": [[["global"], 2]]},
 }
 REFUSED: dict[str, tuple[dict, str]] = {
     "falcon-alibi": ({**_NO_MLP, "alibi": True}, "adds ALiBi position biases"),
@@ -46,6 +47,10 @@ REFUSED: dict[str, tuple[dict, str]] = {
     "llama4_text-chunked": ({"head_dim": 8, "intermediate_size_mlp": 64, "num_local_experts": 2,
                              "num_experts_per_tok": 1, "attention_chunk_size": 6, "interleave_moe_layer_step": 1,
                              "no_rope_layers": [1, 0]}, "has chunked_attention layers"),
+    "gpt_neo-local": ({**_NO_MLP, "attention_types": [[["global", "local"], 1]], "window_size": 4},
+                      "has local attention layers"),
+    "rwkv": ({**_NO_MLP, "attention_hidden_size": 32}, "keeps no key/value cache"),
+    "bert": ({"is_decoder": True}, "applies its output projection inside a larger LM head"),
 }
 
 
