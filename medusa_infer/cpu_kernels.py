@@ -154,13 +154,18 @@ def _takes_plan(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.device.type == "cpu")
 
 
+def tensor_version(tensor: torch.Tensor) -> int:
+    """``tensor``'s version counter (bumped by in-place updates), what derived copies are kept by; -1 for
+    an inference tensor, which has none (and cannot change outside inference mode)."""
+    return -1 if tensor.is_inference() else tensor._version
+
+
 def packed_weight(weight: torch.Tensor, kernel: str, cache: dict[str, Any]) -> torch.Tensor | None:
     """``weight`` (``[out, in]``) packed for ``kernel`` (``"onednn"``: oneDNN's blocked layout;
     ``"mkl-packed"``: MKL's ``sgemm_pack``, None where ``mkl_packed_works`` fails for its shape),
     kept in ``cache`` while ``weight`` is the same tensor, on the same storage, at the same version
     (an in-place update bumps the version)."""
-    # an inference-mode tensor has no version counter (and cannot change outside inference mode)
-    stamp = (weight.data_ptr(), -1 if weight.is_inference() else weight._version, tuple(weight.shape))
+    stamp = (weight.data_ptr(), tensor_version(weight), tuple(weight.shape))
     found = cache.get(kernel)
     if found is None or found[0] is not weight or found[1] != stamp:
         if kernel == "onednn":

@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from medusa_infer.config import MedusaConfig
-from medusa_infer.cpu_kernels import CPULinear, planned_linear
+from medusa_infer.cpu_kernels import CPULinear, planned_linear, tensor_version
 
 
 def check_head_range(start: int, stop: int, num_heads: int) -> None:
@@ -221,7 +221,7 @@ class MedusaHeads(nn.Module):
         if torch.is_grad_enabled() and (weight.requires_grad or (bias is not None and bias.requires_grad)):
             return weight[self.token_map], None if bias is None else bias[self.token_map]
         sources = (weight, bias, self.token_map)
-        stamp = tuple(None if t is None else (t.data_ptr(), t._version, t.device, t.dtype) for t in sources)
+        stamp = tuple(None if t is None else (t.data_ptr(), tensor_version(t), t.device, t.dtype) for t in sources)
         stamp += (torch.is_inference_mode_enabled(),)  # an inference tensor cannot be saved for backward
         cached = self.__dict__.get("_shared_projection")
         if cached is None or cached[1] != stamp or any(a is not b for a, b in zip(cached[0], sources)):

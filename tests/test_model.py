@@ -590,6 +590,19 @@ def test_reduced_projection_gathered_in_inference_mode_still_trains():
     assert hidden.grad is not None
 
 
+def test_reduced_vocabulary_heads_loaded_in_inference_mode_generate(tmp_path):
+    """Heads loaded inside ``torch.inference_mode()`` hold an inference-tensor ``token_map`` (no version
+    counter): generating with them, in inference mode or not, works (it raised at every call)."""
+    medusa(base_model("llama"), "reduced").save_pretrained(tmp_path / "heads")
+    with torch.inference_mode():
+        model = MedusaModel.from_pretrained(tmp_path / "heads", base_model=base_model("llama"))
+    assert model.heads.token_map.is_inference()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    plain = model.generate(ids, max_new_tokens=6, eos_token_id=[]).new_tokens
+    with torch.inference_mode():
+        assert model.generate(ids, max_new_tokens=6, eos_token_id=[]).new_tokens == plain
+
+
 def test_model_card_names_the_hub_id_of_a_default_models_short_name(tmp_path):
     """save_heads, as training's evaluation calls it, writes the default model's Hub repository, not
     the short name it is loaded by."""
