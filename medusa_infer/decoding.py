@@ -350,6 +350,8 @@ class DecodeBatch:
             raise ValueError("only batches of the same model and sampling settings can be merged")
         if type(other.proposer) is not type(self.proposer) or not hasattr(self.proposer, "merge"):
             raise ValueError(f"{type(self.proposer).__name__} batches cannot be merged")
+        self.proposer.merge(other.proposer)  # first: it refuses (another draft model, trees) before any change
+        self.kv.merge(other.kv)
         offset = len(self.generated)
         for name in ("histories", "prompt_lengths", "generated", "finish", "stops", "row_steps", "row_accepted"):
             getattr(self, name).extend(getattr(other, name))
@@ -358,8 +360,6 @@ class DecodeBatch:
         self.rows += joined
         self.roots = torch.cat([self.roots, other.roots])
         self.root_pos = torch.cat([self.root_pos, other.root_pos])
-        self.kv.merge(other.kv)
-        self.proposer.merge(other.proposer)
         self.metrics.rows += other.metrics.rows
         self.metrics.new_tokens += other.metrics.new_tokens  # the joining rows' prefill tokens
         return joined

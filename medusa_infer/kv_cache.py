@@ -192,14 +192,21 @@ class KVState:
         self.positions = self.positions.index_select(0, rows)
 
     def merge(self, other: "KVState") -> None:
-        """Append the rows of ``other`` (same model); the shorter side is left-padded with holes."""
+        """Append the rows of ``other`` (same model); the shorter side is left-padded with holes. A
+        side that never cached a slot (no forward ran: a draft model's prefill skipped for a prompt
+        past its context) has no layers, and its rows become holes in the other side's."""
         mine, theirs = _layers(self.cache), _layers(other.cache)
-        if len(mine) != len(theirs):
+        if mine and theirs and len(mine) != len(theirs):
             raise ValueError(f"cannot merge caches of {len(mine)} and {len(theirs)} layers")
         width = max(self.num_slots, other.num_slots)
-        for a, b in zip(mine, theirs):
-            a.keys = torch.cat([_pad_slots(a.keys, width), _pad_slots(b.keys, width)])
-            a.values = torch.cat([_pad_slots(a.values, width), _pad_slots(b.values, width)])
+        if not mine:
+            self.cache = other.cache  # its layers, my rows put before its own below
+        for index, layer in enumerate(mine or theirs):
+            for name in ("keys", "values"):
+                parts = [_pad_slots(getattr(side[index], name), width) if side else
+                         _holes(getattr(layer, name), len(state.valid), width)
+                         for side, state in ((mine, self), (theirs, other))]
+                setattr(layer, name, torch.cat(parts))
         self.valid = torch.cat([_pad_slots(self.valid, width), _pad_slots(other.valid, width)])
         self.positions = torch.cat([_pad_slots(self.positions, width), _pad_slots(other.positions, width)])
 
@@ -322,6 +329,11 @@ def _fits(buffer: torch.Tensor, new: torch.Tensor) -> bool:
     size, dtype and device (``copy_`` would otherwise broadcast or cast them without a word)."""
     return (new.shape[:2] == buffer.shape[:2] and new.shape[-1] == buffer.shape[-1]
             and new.dtype == buffer.dtype and new.device == buffer.device)
+
+
+def _holes(like: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """``[rows, heads, width, dim]`` zeros shaped as ``like``'s slots: rows holding no slot."""
+    return like.new_zeros((rows, like.shape[1], width, like.shape[3]))
 
 
 def _pad_slots(tensor: torch.Tensor, width: int) -> torch.Tensor:

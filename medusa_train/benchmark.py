@@ -287,10 +287,16 @@ class Runner:
         if any(m in DRAFT_METHODS for m in args.methods):
             if not args.draft_model:
                 raise ValueError(f"methods {' and '.join(DRAFT_METHODS)} need --draft-model")
-            from medusa_infer.models import load_base_model
+            from medusa_infer.models import load_base_model, load_tokenizer
+            from medusa_infer.proposers.draft import as_draft_model, check_same_vocabulary
 
             self.assistant = load_base_model(args.draft_model, dtype=model.dtype, device=model.device,
                                              cpu_kernels=args.cpu_kernels)
+            try:  # checked once here: the proposers get the bare model, whose tokenizer each turn would compare
+                draft_tokenizer = load_tokenizer(args.draft_model)
+            except (OSError, ValueError):  # a folder without a tokenizer: the vocabulary sizes alone are compared
+                draft_tokenizer = None
+            check_same_vocabulary(model, as_draft_model(self.assistant, draft_tokenizer))
 
     def run(self, method: str, messages: list[dict]) -> Turn:
         """The next turn of one conversation."""

@@ -497,6 +497,20 @@ def test_assisted_generation_and_grafted_lookup_run_and_stay_exact(model, tmp_pa
         assert methods[name]["tokens_per_s"] > 0
 
 
+def test_a_draft_model_with_another_tokenizer_is_refused_before_the_benchmark(model, tmp_path):
+    """--draft-model's tokenizer is compared with the target's once, when the runner starts (the proposers
+    get the bare model: a same-size vocabulary of other tokens ran, accepting almost nothing)."""
+    from medusa_infer.serving.testing import WORDS
+
+    draft = AutoModelForCausalLM.from_config(model.base_model.config).eval()
+    draft.save_pretrained(tmp_path / "draft")
+    word_tokenizer(list(reversed(WORDS))).save_pretrained(tmp_path / "draft")
+    with pytest.raises(ValueError, match="has a different tokenizer from target"):
+        bench.Runner(model, args(methods=["ar", "draft"], draft_model=str(tmp_path / "draft")))
+    model.tokenizer.save_pretrained(tmp_path / "draft")
+    bench.Runner(model, args(methods=["ar", "draft"], draft_model=str(tmp_path / "draft")))
+
+
 def test_hugging_face_generate_runs_on_our_decoding_attention_kernels(model, monkeypatch):
     """The baseline is timed on the attention kernels our methods use (attention_kernels): every
     attention call of ``generate`` happens inside the same choice."""

@@ -291,6 +291,64 @@ def test_rows_can_join_a_draft_batch_between_steps():
         DraftProposer(target, draft).merge(LayerSkipProposer(target, num_layers=1))
 
 
+@pytest.mark.parametrize("order", ["long joins", "short joins"])
+def test_a_prompt_past_the_draft_context_joins_a_draft_batch(order):
+    """A prompt longer than the draft model's context skips the draft's prefill (its cache holds no
+    layer); joining a running draft batch, or being joined, decodes every row exactly (the merge
+    raised, and left the running batch broken)."""
+    from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig
+
+    target = target_model("llama")
+    config = tiny_config("llama")
+    config.max_position_embeddings, config.initializer_range = 16, 0.2
+    torch.manual_seed(0)
+    draft = MedusaModel(AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval(), None, None)
+    short, long = prompts_of((5, 20), seed=4)
+    first, second = (short, long) if order == "long joins" else (long, short)
+
+    def batch(prompt):
+        ids, mask = left_pad([prompt])
+        return DecodeBatch(target, ids, mask, DraftProposer(target, draft, num_tokens=3), SamplingConfig(),
+                           StopConfig(10), None, None)
+
+    with torch.no_grad():
+        running = batch(first)
+        running.prefill()
+        running.step()
+        late = batch(second)
+        late.prefill()
+        assert running.merge(late) == [1]
+        while not running.done:
+            running.step()
+    assert running.generated == [reference(target, first, 10), reference(target, second, 10)]
+
+
+def test_a_refused_merge_leaves_the_running_batch_as_it_was():
+    """Another draft model's batch cannot join: refused before the running batch changes, which goes
+    on decoding exactly (its rows and target cache grew before the refusal)."""
+    from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig
+
+    target = target_model("llama")
+    prompts = prompts_of((4, 7), seed=5)
+
+    def batch(prompt, draft):
+        ids, mask = left_pad([prompt])
+        return DecodeBatch(target, ids, mask, DraftProposer(target, draft, num_tokens=3), SamplingConfig(),
+                           StopConfig(12), None, None)
+
+    with torch.no_grad():
+        running = batch(prompts[0], tiny_model("llama", seed=0))
+        running.prefill()
+        running.step()
+        late = batch(prompts[1], tiny_model("llama", seed=1))
+        late.prefill()
+        with pytest.raises(ValueError, match="different draft models"):
+            running.merge(late)
+        while not running.done:
+            running.step()
+    assert running.generated == [reference(target, prompts[0], 12)]
+
+
 # -- the draft must share the target's vocabulary --------------------------------------------------
 
 def word_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:

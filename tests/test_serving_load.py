@@ -13,6 +13,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 
 from medusa_infer.serving.testing import metric_value, serve, torch_threads, wait_until, word_tokenizer
 from tiny import word_medusa
@@ -238,3 +239,41 @@ def test_a_burst_of_prompts_is_prefilled_within_the_token_budget_a_turn(model, m
         engine.stop()
     assert prefills == groups  # a prompt longer than the budget still goes, alone
     assert all(len(tokens) == 5 for tokens in texts.values())
+
+
+def test_a_draft_model_given_by_name_serves_requests_that_join_a_running_batch(model, tmp_path):
+    """``Engine(..., "draft", options.draft_model=NAME)``: the draft is loaded once, so a request
+    arriving while another decodes joins its batch (each batch loaded its own copy, the merge refused
+    two copies as different drafts, and both requests failed)."""
+    from types import SimpleNamespace
+
+    from medusa_infer.decoding import SamplingConfig, StopConfig, generate
+    from medusa_infer.serving.scheduler import Engine, Request
+
+    model.base_model.save_pretrained(tmp_path / "draft")
+    model.tokenizer.save_pretrained(tmp_path / "draft")
+    engine = Engine(model, model.tokenizer, "draft", SimpleNamespace(draft_model=str(tmp_path / "draft")), gate=False)
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+    tokens, finish, first_token = {0: [], 1: []}, {}, threading.Event()
+
+    def on_update(i):
+        def update(u):
+            tokens[i].extend(u.token_ids)
+            first_token.set()
+            if u.finish is not None:
+                finish[i] = (u.finish, u.error)
+        return update
+
+    engine.start()
+    try:
+        engine.submit(Request(prompts[0], SamplingConfig("greedy"), StopConfig(max_new_tokens=40), on_update(0)))
+        assert first_token.wait(60)
+        engine.submit(Request(prompts[1], SamplingConfig("greedy"), StopConfig(max_new_tokens=30), on_update(1)))
+        wait_until(lambda: len(finish) == 2, timeout=120)
+    finally:
+        engine.stop()
+    assert finish == {0: ("length", None), 1: ("length", None)}
+    for i, n in ((0, 40), (1, 30)):
+        plain = generate(model.__class__(model.base_model, None, model.tokenizer), torch.tensor([prompts[i]]),
+                         max_new_tokens=n, eos_token_id=[])
+        assert tokens[i] == plain.new_tokens[0]

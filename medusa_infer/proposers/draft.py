@@ -208,8 +208,8 @@ def check_same_vocabulary(target, draft) -> None:
             f"draft model {model_name(draft)} predicts {draft_vocab} tokens but target {model_name(target)} "
             f"predicts {target_vocab}: a draft must share the target's tokenizer and vocabulary"
         )
-    if target.tokenizer is None or draft.tokenizer is None:
-        return
+    if target.tokenizer is None or draft.tokenizer is None or target.tokenizer is draft.tokenizer:
+        return  # nothing to compare (layerskip: the target's own), or a model given without one
     ours, theirs = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
     if ours != theirs:
         differing = len(set(ours.items()) ^ set(theirs.items()))

@@ -39,6 +39,7 @@ from medusa_infer.adaptive import StepCosts
 from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig, context_length, left_pad
 from medusa_infer.metrics import GenerationMetrics
 from medusa_infer.proposers import build_proposer
+from medusa_infer.proposers.draft import as_draft_model
 from medusa_infer.serving.metrics import ServingMetrics
 from medusa_infer.speculation_gate import SpeculationGate, gated_step
 
@@ -170,6 +171,10 @@ class Engine:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         self.max_prefill_tokens = max_prefill_tokens
         self.step_costs: StepCosts | None = None
+        if method == "draft" and getattr(options, "draft_model", None) is not None:
+            # loaded once (a name), not for every batch: batches join only batches with the same draft
+            options = copy.copy(options)
+            options.draft_model = as_draft_model(options.draft_model)
         self._seeded_options = options
         if method == "medusa":
             given = getattr(options, "step_costs", None)
