@@ -256,10 +256,14 @@ def accept_lossless(
 
     Computed one depth at a time in closed form: trying point-mass drafts in turn accepts the
     first child carrying token x with probability exactly ``p(x)`` and, once all are rejected,
-    leaves ``p`` restricted to the other tokens. That is the law of "draw y ~ p; descend into the
-    first child whose token is y; if there is none, y is the next token", so only the nodes on the
-    accepted path are warped and sampled. The emitted tokens follow exactly the distribution of
-    plain sampling with :func:`warp_logits`. ``temperature == 0`` is :func:`accept_greedy`.
+    leaves ``p`` restricted to the other tokens. That is the law of "draw y ~ p; descend into a
+    child whose token is y; if there is none, y is the next token", so only the nodes on the
+    accepted path are warped and sampled. Siblings carrying the same token (a grafted lookup chain
+    starting with one of the heads' candidates) share their prefix, so the target's ``p`` after
+    them: the descent goes into all of them at once, and the next draw is looked for among all their
+    children; the accepted path is the one through the child found deepest. The emitted tokens
+    follow exactly the distribution of plain sampling with :func:`warp_logits`.
+    ``temperature == 0`` is :func:`accept_greedy`.
     """
     _check_sampling_args(temperature, top_k, top_p)
     _check_inputs(logits, tokens, buffers)
@@ -267,25 +271,39 @@ def accept_lossless(
         return accept_greedy(logits, tokens, buffers)
     batch, device = tokens.shape[0], tokens.device
     rows = torch.arange(batch, device=device)
-    node = torch.zeros(batch, dtype=torch.long, device=device)
-    path_nodes = torch.full((batch, buffers.max_depth + 1), -1, dtype=torch.long, device=device)
-    path_nodes[:, 0] = 0
+    parents = buffers.parents.to(device)
+    # the nodes the descent is in: the root, then every child carrying the drawn token
+    current = torch.zeros(batch, buffers.num_nodes, dtype=torch.bool, device=device)
+    current[:, 0] = True
+    deepest = torch.zeros(batch, dtype=torch.long, device=device)
     next_token = torch.zeros(batch, dtype=torch.long, device=device)
     descending = torch.ones(batch, dtype=torch.bool, device=device)
-    for depth in range(buffers.max_depth + 1):
+    for _ in range(buffers.max_depth + 1):
+        node = current.long().argmax(-1)  # any of them: the same tokens so far, so the same p
         probs = warp_logits(logits[rows, node], temperature, top_k, top_p)  # [batch, vocab]
         draw = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-        children = buffers.children[node]  # [batch, max_children], -1 padded
-        matches = (tokens.gather(1, children.clamp(min=0)) == draw[:, None]) & (children >= 0)
+        children = (parents >= 0) & current.gather(1, parents.clamp(min=0).expand(batch, -1))
+        matches = children & (tokens == draw[:, None])
         found = descending & matches.any(-1)
-        first_match = children.gather(1, matches.long().argmax(-1, keepdim=True)).squeeze(1)
         next_token = torch.where(descending & ~found, draw, next_token)
-        if depth < buffers.max_depth:
-            path_nodes[:, depth + 1] = torch.where(found, first_match, -1)
-        node = torch.where(found, first_match, node)
+        deepest = torch.where(found, matches.long().argmax(-1), deepest)
+        current = torch.where(found[:, None], matches, current)
         descending = found
-    accept_length = (path_nodes[:, 1:] >= 0).sum(-1)
-    return Acceptance(accept_length, path_nodes, next_token)
+    return Acceptance(*_path_to(deepest, buffers), next_token)
+
+
+def _path_to(nodes: torch.Tensor, buffers: TreeBuffers) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(accept_length [batch], path_nodes [batch, max_depth + 1])`` of the path from the root to
+    each row's node (``-1`` past its depth)."""
+    depths, parents = buffers.depths.to(nodes.device), buffers.parents.to(nodes.device)
+    accept_length = depths[nodes]
+    path_nodes = torch.full((len(nodes), buffers.max_depth + 1), -1, dtype=torch.long, device=nodes.device)
+    node = nodes
+    for depth in range(buffers.max_depth, -1, -1):
+        here = accept_length >= depth
+        path_nodes[:, depth] = torch.where(here, node, -1)
+        node = torch.where(here & (node > 0), parents[node.clamp(min=0)], node)
+    return accept_length, path_nodes
 
 
 # ---------------------------------------------------------------------------------------------

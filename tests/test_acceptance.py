@@ -322,11 +322,11 @@ def _target_tables(seed: int, depth: int) -> list[torch.Tensor]:
     return [1.5 * torch.randn([LOSSLESS_VOCAB] * (d + 1), generator=gen) for d in range(depth + 1)]
 
 
-def _tree_inputs(tables: list[torch.Tensor]):
+def _tree_inputs(tables: list[torch.Tensor], paths=LOSSLESS_PATHS, ranks=LOSSLESS_RANKS):
     """Buffers, node logits ``[n, vocab]`` and node tokens ``[n]`` of the lossless test tree."""
-    buffers = build_tree_buffers(LOSSLESS_PATHS, num_heads=3, top_k=4)
+    buffers = build_tree_buffers(paths, num_heads=3, top_k=4)
     contexts = [()]  # tokens after the root on the way to each node
-    for node, rank in enumerate(LOSSLESS_RANKS, start=1):
+    for node, rank in enumerate(ranks, start=1):
         parent_context = contexts[buffers.parents[node].item()]
         ranking = tables[len(parent_context)][parent_context].argsort(descending=True)
         contexts.append(parent_context + (ranking[rank].item(),))
@@ -345,11 +345,12 @@ def _first_two_tokens(accept_lengths, path_tokens, next_token, second_probs, gen
     return first, second
 
 
-def _lossless_pvalue(temperature: float, top_k: int, top_p: float, seed: int, rule=accept_lossless) -> float:
+def _lossless_pvalue(temperature: float, top_k: int, top_p: float, seed: int, rule=accept_lossless,
+                     paths=LOSSLESS_PATHS, ranks=LOSSLESS_RANKS) -> float:
     """Sample one tree step SAMPLES times with ``rule``; chi-square p-value of the first two
     emitted tokens against the exact law of plain sampling."""
     tables = _target_tables(seed, depth=3)
-    buffers, node_logits, node_tokens = _tree_inputs(tables)
+    buffers, node_logits, node_tokens = _tree_inputs(tables, paths, ranks)
     logits = node_logits.expand(SAMPLES, -1, -1)
     tokens = node_tokens.expand(SAMPLES, -1)
     gen = torch.Generator().manual_seed(seed)
@@ -423,8 +424,32 @@ def test_lossless_accepts_deep_paths_in_the_test_tree():
     visited = set(result.path_nodes[result.path_nodes >= 0].tolist())
     # node 4 = (3,) is reached only after (0,), its duplicate (1,) and (2,) all fail
     assert {1, 3, 4, 5, 7, 10} <= visited
-    # (1,) and (0, 1) repeat an earlier sibling's token: they and their subtrees never pass
+    # (1,) and (0, 1) repeat an earlier sibling's token, and their children that sibling's children's:
+    # the descent goes into both, and takes the first of each pair of equal children
     assert not visited & {2, 6, 8, 11}
+
+
+# A grafted lookup chain (1,) (1, 0) (1, 0, 0) whose first token is the heads' (0,): the chain's
+# continuation (1, 0) is another token than the heads' (0, 0)
+GRAFT_PATHS = [(0,), (1,), (0, 0), (1, 0), (1, 0, 0)]
+GRAFT_RANKS = [0, 0, 1, 0, 0]
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.8, 4, 0.9)])
+def test_lossless_descends_into_a_duplicate_siblings_subtree_and_stays_lossless(temperature, top_k, top_p):
+    """Siblings carrying the same token share the target's p after them: a draw matching a child of
+    either is accepted (the chain under the second was never checked, its drafts wasted), and the
+    emitted tokens keep plain sampling's law."""
+    tables = _target_tables(11, depth=3)
+    buffers, node_logits, node_tokens = _tree_inputs(tables, GRAFT_PATHS, GRAFT_RANKS)
+    assert node_tokens[1] == node_tokens[2] and node_tokens[3] != node_tokens[4]
+    result = accept_lossless(node_logits.expand(4000, -1, -1), node_tokens.expand(4000, -1), buffers,
+                             temperature, top_k, top_p, generator=torch.Generator().manual_seed(0))
+    visited = torch.bincount(result.path_nodes[result.path_nodes >= 0], minlength=buffers.num_nodes)
+    assert (visited[[3, 4, 5]] > 100).all()  # the heads' child, the chain's child and grandchild
+    parents = buffers.parents[result.path_nodes[:, 1:].clamp(min=0)]
+    assert ((result.path_nodes[:, 1:] < 0) | (parents == result.path_nodes[:, :-1])).all()  # real tree paths
+    assert _lossless_pvalue(temperature, top_k, top_p, seed=11, paths=GRAFT_PATHS, ranks=GRAFT_RANKS) > 1e-3
 
 
 def _bonus_redrawn_from_target(logits, tokens, buffers, temperature, top_k, top_p, generator):
