@@ -197,6 +197,14 @@ def accept_greedy(logits: torch.Tensor, tokens: torch.Tensor, buffers: TreeBuffe
     return Acceptance(accept_length, path_nodes, next_token)
 
 
+def check_typical_thresholds(epsilon: float, delta: float) -> None:
+    """``ValueError`` naming a typical-acceptance threshold out of range (:func:`accept_typical`)."""
+    if not 0.0 < epsilon <= 1.0:
+        raise ValueError(f"epsilon (posterior threshold) must lie in (0, 1], got {epsilon!r}")
+    if not 0.0 < delta < math.inf:
+        raise ValueError(f"delta (posterior alpha) must be a finite number > 0, got {delta!r}")
+
+
 def accept_typical(
     logits: torch.Tensor,
     tokens: torch.Tensor,
@@ -216,10 +224,7 @@ def accept_typical(
     rule takes no top-k or top-p (``decoding.SamplingConfig`` refuses them with typical acceptance).
     """
     _check_sampling_args(temperature, 0, 1.0)
-    if not 0.0 < epsilon <= 1.0:
-        raise ValueError(f"epsilon (posterior threshold) must lie in (0, 1], got {epsilon!r}")
-    if not 0.0 < delta < math.inf:
-        raise ValueError(f"delta (posterior alpha) must be a finite number > 0, got {delta!r}")
+    check_typical_thresholds(epsilon, delta)
     _check_inputs(logits, tokens, buffers)
     if temperature == 0:
         return accept_greedy(logits, tokens, buffers)

@@ -86,6 +86,8 @@ class SamplingConfig:
         object.__setattr__(self, "temperature", temperature)
         object.__setattr__(self, "top_p", top_p)
         object.__setattr__(self, "top_k", top_k)
+        if self.acceptance == "typical":
+            rules.check_typical_thresholds(self.typical_epsilon, self.typical_delta)  # before any prefill
         if self.acceptance == "typical" and (self.top_k or self.top_p < 1):
             given = [f"top_k={self.top_k!r}"] if self.top_k else []
             given += [f"top_p={self.top_p!r}"] if self.top_p < 1 else []

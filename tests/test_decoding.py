@@ -721,6 +721,10 @@ def test_nothing_a_call_gives_is_silently_ignored():
     with pytest.raises(ValueError, match="typical_epsilon=0.5 and typical_delta=0.3 set typical acceptance, and this "
                                          "call accepts by 'lossless'"):
         generate(model, torch.tensor([5, 6, 7]), max_new_tokens=4, do_sample=True, typical_epsilon=0.5)
+    for given, says in (({"typical_epsilon": 5.0}, r"epsilon \(posterior threshold\) must lie in \(0, 1\], got 5.0"),
+                        ({"typical_delta": -1.0}, r"delta \(posterior alpha\) must be a finite number > 0, got -1.0")):
+        with pytest.raises(ValueError, match=says):  # before the prefill: a 1-token answer was given, unchecked
+            generate(model, torch.tensor([5, 6, 7]), max_new_tokens=1, do_sample=True, acceptance="typical", **given)
     padded = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]])
     with pytest.raises(ValueError, match="rows that start with the pad id 0 and no attention_mask"):
         generate(model, padded, max_new_tokens=4)
