@@ -217,7 +217,7 @@ def generate_from_args(args: argparse.Namespace) -> int:
     """Load the model and answer the prompt, or chat; ``ValueError`` for what the model refuses."""
     model = load(args)
     if args.method == "draft":
-        args.draft_model = as_draft_model(args.draft_model)  # loaded once, shared by the turns
+        args.draft_model = as_draft_model(args.draft_model, target=model)  # loaded once, shared by the turns
     build_proposer(args.method, model, args)  # checks the options against the model
     tokenizer = model.tokenizer
     use_template = not args.raw and getattr(tokenizer, "chat_template", None) is not None

@@ -349,6 +349,20 @@ def test_a_refused_merge_leaves_the_running_batch_as_it_was():
     assert running.generated == [reference(target, prompts[0], 12)]
 
 
+def test_a_draft_model_named_is_loaded_like_its_target(tmp_path):
+    """A draft given by name is loaded in the target's dtype and on its device (it was float32 on the
+    CPU whatever the target's: a bfloat16 GPU target drafted on the CPU)."""
+    from medusa_infer.proposers.draft import as_draft_model
+    from medusa_infer.serving.testing import word_tokenizer as chat_tokenizer
+
+    tiny_model("llama", seed=0).save_pretrained(tmp_path / "draft")
+    chat_tokenizer().save_pretrained(tmp_path / "draft")
+    target = MedusaModel.without_heads(tiny_model("llama", seed=0).to(torch.bfloat16))
+    proposer = DraftProposer(target, str(tmp_path / "draft"))
+    assert (proposer.draft.dtype, proposer.draft.device) == (torch.bfloat16, target.device)
+    assert as_draft_model(str(tmp_path / "draft")).dtype == torch.float32  # no target: as loaded
+
+
 # -- the draft must share the target's vocabulary --------------------------------------------------
 
 def word_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:

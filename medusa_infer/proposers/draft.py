@@ -50,7 +50,7 @@ class DraftProposer:
             raise ValueError(f"a draft model needs num_tokens >= 1, got {num_tokens}")
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-        self.draft = as_draft_model(draft, draft_tokenizer)
+        self.draft = as_draft_model(draft, draft_tokenizer, target)
         check_same_vocabulary(target, self.draft)
         self.k, self.schedule, self.max_tokens = num_tokens, schedule, max(max_tokens, num_tokens)
         self.trees = ChainTrees(target.device)
@@ -173,18 +173,22 @@ class DraftProposer:
         return torch.multinomial(probs, 1, generator=self.generator).squeeze(1), probs
 
 
-def as_draft_model(draft: Any, tokenizer: Any = None):
-    """A ``MedusaModel`` wrapping ``draft`` (a ``MedusaModel``, a causal LM, or a name to load)."""
+def as_draft_model(draft: Any, tokenizer: Any = None, target: Any = None):
+    """A ``MedusaModel`` wrapping ``draft`` (a ``MedusaModel``, a causal LM, or a name to load: on
+    ``target``'s device and in its dtype when given, else on the CPU in float32)."""
     from transformers import PreTrainedModel
 
     from medusa_infer.model import MedusaModel
+    from medusa_infer.models import load_base_model, load_tokenizer
 
     if isinstance(draft, MedusaModel):
         return draft
     if isinstance(draft, PreTrainedModel):
         return MedusaModel(draft.eval(), None, tokenizer)
     if isinstance(draft, str):
-        return MedusaModel.without_heads(draft, tokenizer)
+        placed = {} if target is None else {"device": target.device, "dtype": target.dtype}
+        return MedusaModel(load_base_model(draft, **placed), None,
+                           tokenizer if tokenizer is not None else load_tokenizer(draft))
     raise TypeError(f"draft must be a model or a model name, got {type(draft).__name__}")
 
 

@@ -174,7 +174,7 @@ class Engine:
         if method == "draft" and getattr(options, "draft_model", None) is not None:
             # loaded once (a name), not for every batch: batches join only batches with the same draft
             options = copy.copy(options)
-            options.draft_model = as_draft_model(options.draft_model)
+            options.draft_model = as_draft_model(options.draft_model, target=model)
         self._seeded_options = options
         if method == "medusa":
             given = getattr(options, "step_costs", None)
