@@ -363,7 +363,8 @@ def stage_train(config: TrainConfig, accelerator: Any, train: list[dict], folder
             lm = base.get_output_embeddings().weight
             with tr.gathered(lm):  # own projections start as copies of the lm_head's rows
                 heads = MedusaHeads(tr.heads_config(config, hidden, vocab, model_type, token_map),
-                                    lm_head_weight=lm.detach().float(), token_map=token_map)
+                                    lm_head_weight=lm.detach().float(), token_map=token_map,
+                                    lm_head_bias=getattr(base.get_output_embeddings(), "bias", None))
             medusa = MedusaModel(peft_model.get_base_model(), heads)
             medusa.heads.float()
             if init:  # after the cast to the model's dtype and back, which would round them

@@ -5,10 +5,13 @@ model's own ``lm_head`` predicts t + 1). Each head is ``num_layers`` residual bl
 ``x + SiLU(Linear(x))`` followed by a vocabulary projection:
 
 * ``shared``: the base model's ``lm_head`` (frozen, owned by the base model, not by the heads);
-* ``own``: a per-head ``Linear(hidden, vocab)`` initialised from the base ``lm_head``.
+* ``own``: a per-head ``Linear(hidden, vocab)`` initialised from the base ``lm_head``'s weight,
+  without a bias, as FasterDecoding/Medusa's layout has it (a base ``lm_head`` with a bias, as in
+  Phi or GPT-J, is warned about: ``shared`` heads use it).
 
 Every block's Linear starts at zero (weight and bias), so at initialisation each block is the
-identity and every head's logits equal the base model's next-token logits.
+identity and every head's logits equal the base model's next-token logits (``own`` heads: less the
+``lm_head``'s bias, if it has one).
 
 With ``next_token_input`` each head also reads token t + 1, the base model's own next token. It is
 known whenever the heads run (the candidate tree's root), and it is what the hidden state at t
@@ -27,6 +30,7 @@ path.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -35,6 +39,8 @@ from torch.nn import functional as F
 
 from medusa_infer.config import MedusaConfig
 from medusa_infer.cpu_kernels import CPULinear, planned_linear, tensor_version
+
+logger = logging.getLogger(__name__)
 
 
 def check_head_range(start: int, stop: int, num_heads: int) -> None:
@@ -85,6 +91,21 @@ class MedusaHead(nn.Module):
         return x
 
 
+def check_token_map(token_map: torch.Tensor, config: MedusaConfig) -> None:
+    """``ValueError`` naming what is wrong with a reduced vocabulary's ``token_map``: its shape, ids
+    outside the vocabulary, or an id given twice (two columns scoring one token: duplicate siblings in
+    every tree, and one of the columns never trained)."""
+    if token_map.shape != (config.reduced_vocab_size,):
+        raise ValueError(f"token_map has shape {tuple(token_map.shape)}, expected ({config.reduced_vocab_size},) "
+                         "to match reduced_vocab_size")
+    if token_map.min() < 0 or token_map.max() >= config.vocab_size:
+        raise ValueError(f"token_map ids must lie in [0, {config.vocab_size})")
+    values, counts = token_map.unique(return_counts=True)
+    if bool((counts > 1).any()):
+        raise ValueError(f"token_map gives token ids {values[counts > 1][:8].tolist()} more than once; "
+                         "each id may be scored by one column only")
+
+
 class MedusaHeads(nn.Module):
     """The K heads of a Medusa checkpoint.
 
@@ -92,6 +113,8 @@ class MedusaHeads(nn.Module):
         config: the heads' configuration.
         lm_head_weight: ``[vocab, hidden]`` base ``lm_head`` weight; with ``own`` projection each
             head's projection is initialised from it (rows ``token_map`` with a reduced vocabulary).
+        lm_head_bias: the base ``lm_head``'s bias, if any: ``own`` projections have none, which a
+            non-zero one is warned about.
         token_map: ``[reduced_vocab]`` token ids the heads score, required when
             ``config.reduced_vocab_size`` is set.
     """
@@ -101,6 +124,7 @@ class MedusaHeads(nn.Module):
         config: MedusaConfig,
         lm_head_weight: torch.Tensor | None = None,
         token_map: torch.Tensor | None = None,
+        lm_head_bias: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -114,13 +138,7 @@ class MedusaHeads(nn.Module):
             if token_map is None:
                 token_map = torch.arange(config.reduced_vocab_size)
             token_map = torch.as_tensor(token_map, dtype=torch.long)
-            if token_map.shape != (config.reduced_vocab_size,):
-                raise ValueError(
-                    f"token_map has shape {tuple(token_map.shape)}, expected ({config.reduced_vocab_size},) "
-                    "to match reduced_vocab_size"
-                )
-            if token_map.min() < 0 or token_map.max() >= config.vocab_size:
-                raise ValueError(f"token_map ids must lie in [0, {config.vocab_size})")
+            check_token_map(token_map, config)
             self.register_buffer("token_map", token_map)
         elif token_map is not None:
             raise ValueError("a token_map was given but config.reduced_vocab_size is None; set it")
@@ -128,6 +146,10 @@ class MedusaHeads(nn.Module):
             self.token_map = None
         if own and lm_head_weight is not None:
             self.init_projections(lm_head_weight)
+        if own and lm_head_bias is not None and bool(lm_head_bias.any()):
+            logger.warning("the base model's lm_head has a bias, and projection='own' heads have none (as in the "
+                           "FasterDecoding/Medusa layout): they start from its logits less that bias, and cannot "
+                           "learn it; projection='shared' heads use the lm_head itself, bias included")
 
     @torch.no_grad()
     def init_projections(self, lm_head_weight: torch.Tensor) -> None:

@@ -37,7 +37,7 @@ from medusa_infer.attention_kernels import decoding_attention
 from medusa_infer.cpu_kernels import forget_packed, match_kernels
 from medusa_infer.config import MedusaConfig
 from medusa_infer.datastore import DATASTORE_NAME, Datastore
-from medusa_infer.heads import MedusaHeads, check_head_range
+from medusa_infer.heads import MedusaHeads, check_head_range, check_token_map
 from medusa_infer.kv_cache import cache_keyword
 
 logger = logging.getLogger(__name__)
@@ -226,7 +226,8 @@ class MedusaModel(nn.Module):
             base_model_type=base_model.config.model_type,
             **config_kwargs,
         )
-        heads = MedusaHeads(config, lm_head_weight=lm_weight.detach().float(), token_map=token_map)
+        heads = MedusaHeads(config, lm_head_weight=lm_weight.detach().float(), token_map=token_map,
+                            lm_head_bias=getattr(base_model.get_output_embeddings(), "bias", None))
         return cls(base_model, heads, tokenizer)
 
     @classmethod
@@ -296,6 +297,8 @@ class MedusaModel(nn.Module):
         heads = MedusaHeads(config)
         check_state_dict(heads.state_dict(), state, str(directory))
         heads.load_state_dict(state, strict=True)
+        if heads.token_map is not None:
+            check_token_map(heads.token_map, config)
         if merge and already is None:
             check_compatible(config, base_model)  # before the merge changes a given base model in place
             base_model = merge_adapter(base_model, adapter_folder)

@@ -939,7 +939,7 @@ def new_heads_module(config: TrainConfig, lm_weight: torch.Tensor, lm_bias: torc
     torch.manual_seed(config.training.seed)
     vocab, hidden = lm_weight.shape
     heads = MedusaHeads(heads_config(config, hidden, vocab, model_type, token_map),
-                        lm_head_weight=lm_weight.detach().float(), token_map=token_map)
+                        lm_head_weight=lm_weight.detach().float(), token_map=token_map, lm_head_bias=lm_bias)
     return HeadsModule(heads, lm_weight, lm_bias, logit_softcap, embed_weight)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -149,6 +150,38 @@ def test_every_block_has_its_own_parameters(variant):
         blocks[0].linear.weight.fill_(1.0)
         blocks[0].linear.bias.fill_(1.0)
     assert all(torch.count_nonzero(t) == 0 for t in tensors[2:])
+
+
+def test_own_projections_on_an_lm_head_with_a_bias_are_warned_about(caplog):
+    """``own`` projections have no bias (the FasterDecoding layout's): on a base model whose lm_head has
+    one (Phi, GPT-J) they start from its logits less the bias, said when they are made (it was silent)."""
+    from test_architectures import CONFIGS, tiny
+
+    base = tiny("phi", CONFIGS["phi"])
+    with torch.no_grad():
+        base.lm_head.bias.normal_()
+    with caplog.at_level(logging.WARNING, logger="medusa_infer.heads"):
+        MedusaModel.from_base(base, num_heads=2, projection="shared")
+    assert "has a bias" not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="medusa_infer.heads"):
+        MedusaModel.from_base(base, num_heads=2, projection="own")
+    assert "the base model's lm_head has a bias, and projection='own' heads have none" in caplog.text
+
+
+def test_a_token_map_giving_an_id_twice_is_refused(tmp_path):
+    """Two columns scoring one token (a hand-made map, or an edited checkpoint): refused when the heads are
+    made and when they are loaded (duplicate siblings filled every tree, and one column never trained)."""
+    twice = torch.tensor([7, 7, 7, 8, 9, 10])
+    with pytest.raises(ValueError, match=r"token_map gives token ids \[7\] more than once"):
+        MedusaModel.from_base(base_model("llama"), num_heads=2, token_map=twice)
+    medusa(base_model("llama"), "reduced").save_pretrained(tmp_path / "heads")
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(tmp_path / "heads" / "model.safetensors")
+    state["token_map"][1] = state["token_map"][0]
+    save_file(state, str(tmp_path / "heads" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="more than once"):
+        MedusaModel.from_pretrained(tmp_path / "heads", base_model=base_model("llama"))
 
 
 def test_own_projections_are_copies_not_views_of_lm_head():
