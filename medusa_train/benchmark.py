@@ -32,6 +32,8 @@ category; it says how many questions were answered. A caller with a hard time li
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import itertools
 import json
 import platform
@@ -44,7 +46,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -275,6 +277,32 @@ def question_problem(row: Any) -> str | None:
     return None
 
 
+#: ``GenerationConfig`` fields that add logits processors to greedy decoding (penalties, banned or forced
+#: tokens, minimum lengths): a model's ``generation_config.json`` may set them (Qwen2.5-Instruct ships a
+#: repetition penalty), and plain decoding, which the baseline stands for, applies none.
+PROCESSOR_SETTINGS = ("repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size",
+                      "encoder_no_repeat_ngram_size", "bad_words_ids", "sequence_bias", "min_length", "min_new_tokens",
+                      "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id",
+                      "exponential_decay_length_penalty", "guidance_scale", "renormalize_logits", "watermarking_config")
+
+
+@contextlib.contextmanager
+def plain_greedy(base) -> Iterator[None]:
+    """Within the block, ``base.generate`` decodes plain greedy: its ``generation_config`` without the
+    ``PROCESSOR_SETTINGS`` (``generate`` fills a setting its arguments leave unset from the model's
+    config, so passing a neutral config or value cannot remove them all). Restored on exit."""
+    own = base.generation_config
+    plain = copy.deepcopy(own)
+    for name in PROCESSOR_SETTINGS:
+        if hasattr(plain, name):
+            setattr(plain, name, None)
+    base.generation_config = plain
+    try:
+        yield
+    finally:
+        base.generation_config = own
+
+
 class Runner:
     """Answers one turn of a batch of conversations with one method; holds the loaded models."""
 
@@ -336,7 +364,7 @@ class Runner:
         start = time.perf_counter()
         # the attention kernels our methods decode with (attention_kernels), so both sides are
         # timed on the same kernels
-        with torch.inference_mode(), decoding_attention(self.model.device):
+        with torch.inference_mode(), decoding_attention(self.model.device), plain_greedy(base):
             out = base.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                                 do_sample=False, streamer=timer, pad_token_id=self.tokenizer.pad_token_id, **extra)
         _sync(self.model.device)

@@ -486,6 +486,22 @@ def test_calibrating_faster_decoding_heads_leaves_their_folder_to_other_engines(
     assert "cost_profile" in json.loads((tmp_path / "calibrated" / "config.json").read_text())
 
 
+def test_the_hf_baseline_decodes_plain_greedy_whatever_the_models_generation_config(model):
+    """A generation_config.json with a repetition penalty and banned tokens (Qwen2.5-Instruct ships a
+    penalty): `generate` applied them, so the baseline was not plain decoding (hf not exact, and the
+    speedup measured against other text). The model's config is left as it was."""
+    config = model.base_model.generation_config
+    before = config.repetition_penalty, config.no_repeat_ngram_size
+    config.repetition_penalty, config.no_repeat_ngram_size = 1.3, 2
+    try:
+        report = benchmark(model, QUESTIONS[:2], args(methods=["hf", "ar"]))
+        assert report["methods"]["hf"]["exact"] is True
+        assert (config.repetition_penalty, config.no_repeat_ngram_size) == (1.3, 2)
+        assert model.base_model.generation_config is config
+    finally:
+        config.repetition_penalty, config.no_repeat_ngram_size = before
+
+
 def test_assisted_generation_and_grafted_lookup_run_and_stay_exact(model, tmp_path):
     draft = AutoModelForCausalLM.from_config(model.base_model.config).eval()  # another random model, same vocabulary
     draft.save_pretrained(tmp_path / "draft")
