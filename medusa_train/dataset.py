@@ -69,6 +69,10 @@ def row_messages(row: dict[str, Any], system_prompt: str | None = None) -> list[
                                  f"got {m!r:.80}")
         messages = [{"role": m["role"], "content": m["content"]} for m in given]
     elif "prompt" in row:
+        for key, may_be_null in (("prompt", False), ("response", True)):
+            if not isinstance(row.get(key), str) and not (may_be_null and row.get(key) is None):
+                raise ValueError(f"row {name!r}: {key!r} must be a string{' or null' if may_be_null else ''}, "
+                                 f"got {row.get(key)!r:.80}")
         messages = [{"role": "user", "content": row["prompt"]}]
         if row.get("response") is not None:
             messages.append({"role": "assistant", "content": row["response"]})
@@ -304,11 +308,14 @@ def build_examples(
         # A distilled answer cut by max_new_tokens: the model did not end its turn there.
         cut_off = row.get("finish_reason") == "length" and messages[-1]["role"] == "assistant"
         try:
-            input_ids, labels = tokenize_chat(tokenizer, messages, cut_off)
-        except CutOffNotFound:  # kept whole, counted and reported below
-            stats.cut_off_unfound += 1
-            cut_off = False
-            input_ids, labels = tokenize_chat(tokenizer, messages)
+            try:
+                input_ids, labels = tokenize_chat(tokenizer, messages, cut_off)
+            except CutOffNotFound:  # kept whole, counted and reported below
+                stats.cut_off_unfound += 1
+                cut_off = False
+                input_ids, labels = tokenize_chat(tokenizer, messages)
+        except TemplateError as error:  # one row's: name it, in a file of thousands
+            raise TemplateError(f"row {row.get('id', index)!r}: {error}") from error
         input_ids, labels, cut = cut_example(input_ids, labels, max_length)
         n_label = sum(label != IGNORE_INDEX for label in labels)
         if n_label == 0:
@@ -343,14 +350,18 @@ def build_examples(
 
 def truncate_examples(examples: Iterable[dict[str, Any]], max_length: int) -> tuple[list[dict[str, Any]], int, int]:
     """Ready examples (``data.tokenized``) under the rule ``build_examples`` applies: each cut to its first
-    ``max_length`` tokens, and one left with no labelled token dropped. Returns ``(examples, cut, dropped)``."""
+    ``max_length`` tokens, and one with no labelled token (left) dropped. Returns ``(examples, cut,
+    dropped)``; ``ValueError`` naming an example whose labels are not one per token."""
     if max_length < 2:
         raise ValueError(f"max_length must be >= 2, got {max_length}")
     kept, cut, dropped = [], 0, 0
-    for example in examples:
+    for index, example in enumerate(examples):
+        if len(example["labels"]) != len(example["input_ids"]):
+            raise ValueError(f"ready example {example.get('id', index)!r} has {len(example['labels'])} labels for "
+                             f"{len(example['input_ids'])} input_ids; give one label per token (-100: not trained on)")
         input_ids, labels, was_cut = cut_example(list(example["input_ids"]), list(example["labels"]), max_length)
         cut += was_cut
-        if was_cut and all(label == IGNORE_INDEX for label in labels):
+        if all(label == IGNORE_INDEX for label in labels):
             dropped += 1
             continue
         kept.append({**example, "input_ids": input_ids, "labels": labels})
@@ -404,11 +415,15 @@ def _content_hash(path: Path) -> str:
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
-    """A hash of what decides tokenisation: name, class, vocabulary, special tokens, template."""
+    """A hash of what decides tokenisation: name, class, vocabulary, special tokens, template, and a fast
+    tokenizer's whole pipeline (normalizer, pre-tokenizer, merges, post-processor)."""
     digest = hashlib.sha256()
     digest.update(type(tokenizer).__name__.encode())
     digest.update(str(tokenizer.name_or_path).encode())
     digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        digest.update(backend.to_str().encode())
     digest.update(json.dumps(tokenizer.all_special_tokens).encode())
     digest.update(str(getattr(tokenizer, "chat_template", None)).encode())
     return digest.hexdigest()

@@ -312,6 +312,10 @@ def test_ready_examples_are_cut_to_max_length_like_built_ones(tmp_path, capsys):
     assert truncate_examples(examples, 6) == (examples, 0, 0)
     with pytest.raises(ValueError, match="max_length must be >= 2, got 1"):
         truncate_examples(examples, 1)
+    unlabelled = {"id": "u", "input_ids": [1, 2], "labels": [ignore, ignore]}  # uncut, nothing to learn: dropped
+    assert truncate_examples([examples[0], unlabelled], 6) == ([examples[0]], 0, 1)
+    with pytest.raises(ValueError, match=r"ready example 'short' has 2 labels for 3 input_ids"):  # a raw error later
+        truncate_examples([{"id": "short", "input_ids": [1, 2, 3], "labels": [ignore, 2]}], 6)
 
     import train_heads
     from medusa_train.train_config import config_from_dict
@@ -327,3 +331,33 @@ def test_ready_examples_are_cut_to_max_length_like_built_ones(tmp_path, capsys):
     train, heldout = train_heads.stage_data(config, OneProcess(), 0)
     assert len(train) + len(heldout) == 8 and all(len(e["input_ids"]) <= 3 for e in train + heldout)
     assert f"8 of 12 examples in {ready} cut to data.max_length=3 tokens, 4 of them dropped" in capsys.readouterr().out
+
+
+def test_rows_that_are_not_chats_and_template_errors_are_named_by_row(smol):
+    """prompt/response rows of the wrong types are refused by row as messages rows are (a list response was
+    trained on as its repr, a null prompt as an empty turn); a template failing on one row names it."""
+    from medusa_train.dataset import row_messages
+
+    for row, says in (({"id": "p", "prompt": None, "response": "Paris."}, "'prompt' must be a string, got None"),
+                      ({"id": "r", "prompt": "Capital?", "response": ["Paris."]},
+                       r"'response' must be a string or null, got \['Paris.'\]")):
+        with pytest.raises(ValueError, match=f"row {row['id']!r}: {says}"):
+            row_messages(row)
+    assert row_messages({"prompt": "Capital?", "response": None}) == [{"role": "user", "content": "Capital?"}]
+    rows = [{"id": "no-answer", "messages": CONVERSATION[1:2]}, {"id": "bad-2", "messages": CONVERSATION}]
+    with pytest.raises(TemplateError, match="row 'bad-2': the chat template is not prefix-stable"):
+        build_examples(rows, with_template(smol, NOT_PREFIX_STABLE), max_length=512)
+
+
+def test_the_cache_key_follows_the_tokenizers_pipeline_not_only_its_vocabulary(smol):
+    """A tokenizer fixed in place (another pre-tokenizer, same vocabulary) tokenises otherwise: a new key
+    (the cached examples, tokenised the old way, were served)."""
+    from tokenizers import pre_tokenizers
+
+    from medusa_train.dataset import tokenizer_fingerprint
+
+    other = copy.deepcopy(smol)
+    other.backend_tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    assert other.get_vocab() == smol.get_vocab() and other("a b")["input_ids"] != smol("a b")["input_ids"]
+    assert tokenizer_fingerprint(other) != tokenizer_fingerprint(smol)
+    assert tokenizer_fingerprint(copy.deepcopy(smol)) == tokenizer_fingerprint(smol)
