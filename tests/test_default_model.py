@@ -47,8 +47,9 @@ def test_greedy_identical_to_generate_batched_chat(smollm2):
     batch = tokenizer(encode_chat(tokenizer, chats), return_tensors="pt", padding=True, add_special_tokens=False)
     with torch.no_grad():
         reference = smollm2.base_model.generate(**batch, max_new_tokens=40, do_sample=False)
-    out = generate(smollm2, messages=chats, max_new_tokens=40, tree="tree-16")
+    # no speculation gate: every step verifies the tree, whatever the machine's timings
+    out = generate(smollm2, messages=chats, max_new_tokens=40, tree="tree-16", speculation_gate=False)
     assert torch.equal(out.sequences[:, : reference.shape[1]], reference)
     answer = tokenizer.decode(out.new_tokens[0], skip_special_tokens=True)
     assert "Paris" in answer
-    assert out.metrics.steps < sum(len(t) for t in out.new_tokens)
+    assert out.metrics.tau > 1  # some drafts were accepted: the identity covers accepted tree paths

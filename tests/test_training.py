@@ -578,6 +578,35 @@ def test_kill_9_then_resume_equals_uninterrupted_run(tiny_dir, tmp_path):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)
 
 
+def test_kill_9_then_resume_a_medusa2_run_equals_uninterrupted_run(tiny_dir, tmp_path):
+    """Medusa-2's steps draw random numbers (LoRA dropout), so its resume must restore the RNG states too:
+    killed after the heads-only stage, the resumed run's heads, adapter and losses are the uninterrupted
+    run's (the Medusa-1 test above would pass without the RNG states)."""
+    import train_heads
+    from safetensors.torch import load_file
+
+    values = {"training": {"mode": "medusa2", "batch_size": 4, "max_steps": 8, "stage1_steps": 2,
+                           "heads_warmup_steps": 2, "save_every": 4, "seed": 3, "loss": "ce"},
+              "lora": {"r": 4, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"]}}
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    train_heads.main(["--config", str(write_recipe(tmp_path / "a.yaml", recipe(tiny_dir, whole, **values)))])
+    killed_recipe = str(write_recipe(tmp_path / "b.yaml", recipe(tiny_dir, killed, **values)))
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_SCRIPT)
+    result = subprocess.run([sys.executable, str(script), "6", "--config", killed_recipe], cwd=REPO,
+                            env=quiet_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    train_heads.main(["--config", killed_recipe])
+    assert json.loads((killed / "checkpoints" / "final" / "config.json").read_text())["training"][
+        "resumed_from_step"] == 4
+    adapter = Path("checkpoints") / "final" / "adapter" / "adapter_model.safetensors"
+    for a, b in ((final_heads(whole), final_heads(killed)), (load_file(whole / adapter), load_file(killed / adapter))):
+        assert a.keys() == b.keys()
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=1e-6)
+    assert [x["loss"] for x in train_log(whole)] == pytest.approx([y["loss"] for y in train_log(killed)], rel=1e-5)
+
+
 def test_a_checkpoint_is_not_resumed_on_other_examples(tiny_dir, tmp_path, capsys):
     """Killed, then the training examples rewritten under the same recipe: the steps before the kill
     trained on the old ones, so the checkpoint is refused rather than continued on the new ones."""
@@ -657,6 +686,11 @@ def test_medusa2_teacher_is_the_original_model_without_dropout(tiny_dir, tmp_pat
     peft_model = add_lora(base, 8, 16, 0.0, config.lora.target_modules)
     heads = MedusaHeads(tr.heads_config(config, 32, 96, "gpt2", None), lm_head_weight=base.lm_head.weight)
     module = tr.JointModule(MedusaModel(peft_model.get_base_model(), heads), peft_model, 5).train()
+    torch.manual_seed(7)
+    with torch.no_grad():  # an adapter that has trained a while (LoRA starts as the identity)
+        for name, parameter in peft_model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.5)
     outputs = []
     for seed, joint in ((0, True), (1, True), (0, False), (1, False)):
         torch.manual_seed(seed)
@@ -665,6 +699,9 @@ def test_medusa2_teacher_is_the_original_model_without_dropout(tiny_dir, tmp_pat
     torch.testing.assert_close(outputs[0]["teacher_logits"], outputs[1]["teacher_logits"], atol=0, rtol=0)
     assert not torch.equal(outputs[0]["student_logits"], outputs[1]["student_logits"])  # the student keeps dropout
     torch.testing.assert_close(outputs[2]["soft_probs"], outputs[3]["soft_probs"], atol=0, rtol=0)
+    # the teacher is the original model: its soft labels are not those of the adapted model (the heads-only
+    # stage's, without dropout either); a teacher keeping the adapter passed every check above
+    assert not torch.allclose(outputs[0]["soft_probs"], outputs[2]["soft_probs"])
 
 
 def test_medusa2_step0_kl_is_zero_and_base_logits_unchanged(tiny_dir, tmp_path):
