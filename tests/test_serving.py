@@ -227,6 +227,7 @@ def test_seeded_sampling_is_reproducible(client):
         return answer.choices[0].message.content
 
     assert sample(7) == sample(7)
+    assert len({sample(seed) for seed in range(5)}) > 1  # it samples (a server decoding greedily passed)
 
 
 def test_health_and_metrics_counters_increase(server, client):

@@ -875,7 +875,9 @@ def test_two_process_cpu_launch_matches_one_process(tiny_dir, tmp_path):
     run_script([sys.executable, "train_heads.py", "--config", str(write_recipe(tmp_path / "one.yaml", one))], env)
     state = json.loads((tmp_path / "two" / "checkpoints" / "final" / "config.json").read_text())
     assert state["training"]["num_processes"] == 2, "the launch did not start two ranks"
-    for a, b in zip(train_log(tmp_path / "one"), train_log(tmp_path / "two")):
+    logs = train_log(tmp_path / "one"), train_log(tmp_path / "two")
+    assert [r["step"] for r in logs[0]] == [r["step"] for r in logs[1]] == list(range(1, 7))  # whole curves
+    for a, b in zip(*logs):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-5)
         assert a["head_top1"] == pytest.approx(b["head_top1"], abs=1e-6)
     a, b = final_heads(tmp_path / "one"), final_heads(tmp_path / "two")
