@@ -91,10 +91,13 @@ class GenerationMetrics:
 
     @property
     def tpot_s(self) -> float:
-        """Time per output token after the first, per row (decode time / tokens per row)."""
-        decode = self.total_s - self.ttft_s
+        """Time per output token after the first, per row: the rows' decoding seconds (the call's, in
+        proportion to the steps each row was decoding in: a row finishing early is not charged the
+        others' steps) over their later tokens."""
         later_tokens = self.new_tokens - self.rows
-        return decode / later_tokens * self.rows if later_tokens > 0 else 0.0
+        if later_tokens <= 0 or not self.steps:
+            return 0.0
+        return (self.total_s - self.ttft_s) * self.row_steps / self.steps / later_tokens
 
     def record_step(self, accepted: torch.Tensor | Sequence[int], offered_depth: int, tree_size: int,
                     fallback: bool = False) -> None:

@@ -13,7 +13,9 @@ batch's seconds counted once (per category, a batch's seconds are shared among i
 proportion to their tokens). tau is per row: a row's tokens over the target forwards it took part
 in (its prefill plus the decoding steps while it was unfinished), so a batch that decodes plainly
 still scores 1.0. TTFT is the batch's time to its first tokens and TPOT the time per token of one
-row (the batch's decoding seconds over a row's later tokens), as a user of one row would see them.
+row (its decoding seconds over its later tokens: the batch's decoding seconds in proportion to the steps
+the row was still decoding in, so a row finishing early is not charged the others' steps), as a user of
+one row would see them.
 ``hf-lookup`` and ``hf-assisted`` run at batch size 1 only (Hugging Face's assisted generation
 refuses larger batches). Every method first answers one short turn untimed (``warm_up``): the first
 kernel passes (and on CUDA the kernels' set-up) would otherwise count against the first method.
@@ -81,6 +83,7 @@ class Turn:
         ttft_s: the call's time to its first tokens.
         peak_mem_mb: the call's peak memory.
         call_s: wall-clock seconds of the whole call (equal to ``seconds`` at batch size 1).
+        call_steps: the most ``steps`` of any row of the call (the steps its decoding took).
     """
 
     tokens: list[int]
@@ -89,12 +92,14 @@ class Turn:
     ttft_s: float
     peak_mem_mb: float
     call_s: float
+    call_steps: int
 
 
 @dataclass
 class MethodTotals:
-    """Sums over row-turns; ``decode_s`` sums each row's decoding time (its call's seconds after
-    the first token), the numerator of the per-row TPOT."""
+    """Sums over row-turns; ``decode_s`` sums each row's decoding time (its call's seconds after the
+    first token, in proportion to the steps the row was decoding in), the numerator of the per-row
+    TPOT."""
 
     tokens: int = 0
     seconds: float = 0.0
@@ -111,7 +116,7 @@ class MethodTotals:
         self.steps += turn.steps
         self.ttft.append(turn.ttft_s)
         if len(turn.tokens) > 1:  # a row that stopped at its first token has no later tokens to charge
-            self.decode_s += turn.call_s - turn.ttft_s
+            self.decode_s += (turn.call_s - turn.ttft_s) * turn.steps / max(turn.call_steps, 1)
         self.peak_mem_mb = max(self.peak_mem_mb, turn.peak_mem_mb)
 
     def summary(self, baseline_speed: float | None) -> dict[str, Any]:
@@ -348,7 +353,7 @@ class Runner:
                 tokens, steps, ttft, seconds = self._run_ours(method, ids, mask, limit)
         total = sum(len(t) for t in tokens)
         shares = [seconds] if len(tokens) == 1 else [seconds * len(t) / max(total, 1) for t in tokens]
-        return [Turn(t, share, s, ttft, memory.peak, seconds) for t, share, s in zip(tokens, shares, steps)]
+        return [Turn(t, share, s, ttft, memory.peak, seconds, max(steps)) for t, share, s in zip(tokens, shares, steps)]
 
     def _run_hf(self, method: str, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int
                 ) -> tuple[list[list[int]], list[int], float, float]:

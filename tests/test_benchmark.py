@@ -742,11 +742,21 @@ def test_calibration_in_bfloat16_keeps_the_stored_float32_weights(model, tmp_pat
 
 
 def test_a_row_that_stopped_at_its_first_token_adds_no_decoding_time():
-    """TPOT is the batch's decoding seconds over a row's later tokens: a row with none adds none."""
+    """TPOT is a row's decoding seconds over its later tokens: a row with none adds none."""
     totals = bench.MethodTotals()
-    totals.add(bench.Turn([7], 0.03, 1, 0.0024, 0.0, 0.0552))
-    totals.add(bench.Turn(list(range(40)), 0.03, 39, 0.0024, 0.0, 0.0552))
+    totals.add(bench.Turn([7], 0.03, 1, 0.0024, 0.0, 0.0552, 39))
+    totals.add(bench.Turn(list(range(40)), 0.03, 39, 0.0024, 0.0, 0.0552, 39))
     assert totals.summary(None)["tpot_s"] == pytest.approx((0.0552 - 0.0024) / 39, abs=1e-5)
+
+
+def test_a_row_finishing_early_in_a_batch_is_charged_its_own_steps():
+    """Batched rows of 2 and 40 tokens: each row's TPOT is about one step's time (the batch's decoding
+    seconds in proportion to the steps it was decoding in); the short row was charged the whole batch's."""
+    step = 0.001
+    short, long = bench.MethodTotals(), bench.MethodTotals()
+    short.add(bench.Turn([5, 6], 0.01, 1, 0.002, 0.0, 0.002 + 39 * step, 39))
+    long.add(bench.Turn(list(range(40)), 0.03, 39, 0.002, 0.0, 0.002 + 39 * step, 39))
+    assert short.summary(None)["tpot_s"] == pytest.approx(step) == long.summary(None)["tpot_s"]
 
 
 def test_excluded_ids_match_numbers_and_strings_alike(tmp_path):

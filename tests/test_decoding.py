@@ -422,6 +422,20 @@ def test_metrics_are_filled():
     assert "tau" in m.to_dict() and "tokens_per_s" in m.to_dict()
 
 
+def test_tpot_charges_a_row_the_steps_it_was_decoding_in():
+    """Rows of 2 and 40 tokens decoded together: TPOT is about one step's time (it charged every row the
+    whole batch's decoding time, about twice that here)."""
+    from medusa_infer.metrics import GenerationMetrics
+
+    steps, step_s = 39, 0.001
+    m = GenerationMetrics(steps=steps, row_steps=1 + steps, new_tokens=2 + 40, rows=2, ttft_s=0.002,
+                          total_s=0.002 + steps * step_s)
+    assert m.tpot_s == pytest.approx(step_s)
+    alone = GenerationMetrics(steps=steps, row_steps=steps, new_tokens=40, rows=1, ttft_s=0.002,
+                              total_s=0.002 + steps * step_s)
+    assert alone.tpot_s == pytest.approx(step_s)
+
+
 def test_batches_merge_between_steps_and_rows_can_be_cancelled():
     """Rows joining a running batch (as the server does) and leaving it stay exact."""
     from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig
