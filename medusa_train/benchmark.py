@@ -55,6 +55,7 @@ import torch
 from medusa_infer.adaptive import StepCosts
 from medusa_infer.attention_kernels import decoding_attention
 from medusa_infer.checkpoint import load_heads_state
+from medusa_infer.decoding import context_length
 from medusa_infer.interop import base_model_name, is_medusa_layout, read_medusa_layout
 from medusa_infer.proposers.lookup import LOOKUP_MAX_TOKENS
 from medusa_train.evaluate import HeadAccuracy, head_accuracy
@@ -467,6 +468,24 @@ def _eos(model) -> set[int]:
     return set([value] if isinstance(value, int) else (value or []))
 
 
+def fitting_questions(model, tokenizer, questions: list[dict], max_new_tokens: int) -> tuple[list[dict], list]:
+    """``(questions that fit, ids of those that may not)``: a question fits when all its turns, rendered
+    with empty answers, plus ``max_new_tokens`` a turn fit the model's context. One that does not could
+    fail a method midway (a prompt past the context) or end some methods' answers early at its end
+    while others go on, after the methods before had answered it."""
+    from medusa_infer.decoding import encode_chat
+
+    limit = context_length(model)
+    fits, too_long = [], []
+    for question in questions:
+        chat: list[dict] = []
+        for turn in question["turns"]:
+            chat += [{"role": "user", "content": turn}, {"role": "assistant", "content": ""}]
+        rendered = tokenizer(encode_chat(tokenizer, chat[:-1])[0], add_special_tokens=False)["input_ids"]
+        (fits if len(rendered) + len(question["turns"]) * max_new_tokens <= limit else too_long).append(question)
+    return fits, [q["id"] for q in too_long]
+
+
 def benchmark(model, questions: list[dict], args: argparse.Namespace,
               progress: Callable[[str], None] = lambda s: None, started: float | None = None) -> dict[str, Any]:
     """Run every method on every question (interleaved) and return the report dictionary.
@@ -482,6 +501,13 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
     methods = list(args.methods)
     check_batch_size(methods, args.batch_size)
     runner = Runner(model, args)
+    questions, too_long = fitting_questions(model, runner.tokenizer, questions, args.max_new_tokens)
+    if too_long:
+        print(f"leaving out {len(too_long)} questions whose turns and answers could outgrow the model's context "
+              f"of {context_length(model)} tokens: {', '.join(map(str, too_long))}", file=sys.stderr)
+    if not questions:
+        raise ValueError(f"no question fits the model's context of {context_length(model)} tokens with "
+                         f"{args.max_new_tokens} new tokens a turn; lower --max-new-tokens")
     if args.time_budget is not None:
         questions = interleave_categories(questions)
     warm_up(runner, methods, questions, args.batch_size)
@@ -542,6 +568,7 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
             "lookup_tokens": args.lookup_tokens, "lookup_max_tokens": args.lookup_max_tokens,
             "datastore_tokens": len(model.datastore) if args.datastore and model.datastore is not None else 0,
             "time_budget_s": args.time_budget, "questions_answered": len(questions),
+            "questions_left_out_for_context": too_long,
             "device": str(model.device), "dtype": str(model.dtype).replace("torch.", ""), "cpu": cpu_name(),
             "linear_kernels": linear_kernels(model.base_model),
             "attention": model.base_model.config._attn_implementation,
@@ -620,7 +647,10 @@ def report_markdown(report: dict[str, Any]) -> str:
         + f", {s['torch_threads']} threads"
         + (f", batch size {s['batch_size']}." if s.get("batch_size", 1) > 1 else ".")
         + (f" Time budget {s['time_budget_s']:g} s: {s['questions_answered']} questions answered."
-           if s.get("time_budget_s") is not None else ""),
+           if s.get("time_budget_s") is not None else "")
+        + (f" Left out, as their turns could outgrow the model's context: questions "
+           f"{', '.join(map(str, s['questions_left_out_for_context']))}."
+           if s.get("questions_left_out_for_context") else ""),
         "",
         "| method | tokens/s | speedup vs hf | tau | exact | TTFT s | TPOT s | peak MB |",
         "|---|---|---|---|---|---|---|---|",
