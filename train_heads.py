@@ -108,9 +108,10 @@ def stage_data(config: TrainConfig, accelerator: Any, pending: int | None) -> tu
         raise SystemExit(f"medusa_train.dataset is not available ({err}); it builds the training examples") from err
     if d.tokenized:
         examples, cut, dropped = ds.truncate_examples(ds.read_rows(d.tokenized), d.max_length)
-        if cut:
+        if cut or dropped:
             say(accelerator, f"data: {cut} of {len(examples) + dropped} examples in {d.tokenized} cut to "
-                             f"data.max_length={d.max_length} tokens, {dropped} of them dropped (no labelled token left)")
+                             f"data.max_length={d.max_length} tokens; {dropped} dropped with no labelled token "
+                             "(left)")
         dataset = ds.to_dataset([{"input_ids": e["input_ids"], "labels": e["labels"]} for e in examples])
     else:
         rows = rows_path(config)

@@ -77,6 +77,10 @@ def _select(hidden: torch.Tensor, positions: Positions) -> torch.Tensor:
 ALIBI_MODEL_TYPES = ("bloom", "mpt")
 """Model types whose positions enter as ALiBi biases (Falcon: when its config says ``alibi``)."""
 
+TRANSFORMED_LM_HEAD_TYPES = ("electra",)
+"""Model types whose output projection, a direct child, reads a transform of the final hidden states
+(the others with such heads hold the projection inside the head module, which ``check_supported`` sees)."""
+
 TREE_LAYER_TYPES = ("full_attention", "sliding_attention")
 """Attention layer types the 4D masks of tree steps express (``kv_cache.AttentionLayout``)."""
 
@@ -96,7 +100,8 @@ def check_supported(base_model: PreTrainedModel) -> None:
                                   "state or a cache of its own), which tree steps cut back to the accepted path; "
                                   "medusa-forge supports attention models with a key/value cache")
     output = base_model.get_output_embeddings()
-    if output is not None and not any(child is output for child in base_model.children()):
+    if text.model_type in TRANSFORMED_LM_HEAD_TYPES or (
+            output is not None and not any(child is output for child in base_model.children())):
         raise NotImplementedError(f"{name} applies its output projection inside a larger LM head (a transform of "
                                   "the final hidden states first), which Medusa heads, projecting hidden states "
                                   "with it alone, would skip; medusa-forge supports models whose lm_head reads the "
@@ -111,8 +116,9 @@ def check_supported(base_model: PreTrainedModel) -> None:
                                   "model does; medusa-forge supports rotary or learned positions")
     if "local" in (getattr(text, "attention_layers", None) or ()):  # GPT-Neo
         raise NotImplementedError(f"{name} has local attention layers, whose window is a buffer indexed by cache "
-                                  "slot, not position, so tree steps would not decode as the model does; "
-                                  f"medusa-forge supports {' and '.join(TREE_LAYER_TYPES)} layers")
+                                  "slot, not position, so once the cache's slots pass the window (256 in "
+                                  "EleutherAI's models) tree steps would not decode as the model does; medusa-forge "
+                                  f"supports {' and '.join(TREE_LAYER_TYPES)} layers")
     other = sorted({t for t in getattr(text, "layer_types", None) or () if t not in TREE_LAYER_TYPES})
     if other:
         raise NotImplementedError(f"{name} has {', '.join(other)} layers, which tree steps (a 4D attention mask, "

@@ -422,8 +422,9 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     digest.update(str(tokenizer.name_or_path).encode())
     digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        digest.update(backend.to_str().encode())
+    if backend is not None:  # less the padding and truncation the last call left set, which tokenise nothing
+        pipeline = {k: v for k, v in json.loads(backend.to_str()).items() if k not in ("padding", "truncation")}
+        digest.update(json.dumps(pipeline, sort_keys=True).encode())
     digest.update(json.dumps(tokenizer.all_special_tokens).encode())
     digest.update(str(getattr(tokenizer, "chat_template", None)).encode())
     return digest.hexdigest()

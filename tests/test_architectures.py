@@ -51,6 +51,7 @@ REFUSED: dict[str, tuple[dict, str]] = {
                       "has local attention layers"),
     "rwkv": ({**_NO_MLP, "attention_hidden_size": 32}, "keeps no key/value cache"),
     "bert": ({"is_decoder": True}, "applies its output projection inside a larger LM head"),
+    "electra": ({"is_decoder": True, "embedding_size": 32}, "applies its output projection inside a larger LM head"),
 }
 
 

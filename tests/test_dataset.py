@@ -330,7 +330,13 @@ def test_ready_examples_are_cut_to_max_length_like_built_ones(tmp_path, capsys):
                                "data": {"tokenized": str(ready), "max_length": 3, "heldout_fraction": 0.25}})
     train, heldout = train_heads.stage_data(config, OneProcess(), 0)
     assert len(train) + len(heldout) == 8 and all(len(e["input_ids"]) <= 3 for e in train + heldout)
-    assert f"8 of 12 examples in {ready} cut to data.max_length=3 tokens, 4 of them dropped" in capsys.readouterr().out
+    assert f"8 of 12 examples in {ready} cut to data.max_length=3 tokens; 4 dropped with no labelled token" \
+        in capsys.readouterr().out
+    ready.write_text("".join(json.dumps(e) + "\n" for e in [examples[0]] * 2 + [{"input_ids": [1, 2], "labels": [ignore] * 2}]))
+    config = config_from_dict({"output_dir": str(tmp_path / "run2"), "model": {"name": "smollm2-135m-instruct"},
+                               "data": {"tokenized": str(ready), "max_length": 3, "heldout_fraction": 0.5}})
+    train_heads.stage_data(config, OneProcess(), 0)  # none cut, one dropped: said too
+    assert "0 of 3 examples" in capsys.readouterr().out
 
 
 def test_rows_that_are_not_chats_and_template_errors_are_named_by_row(smol):
@@ -361,3 +367,6 @@ def test_the_cache_key_follows_the_tokenizers_pipeline_not_only_its_vocabulary(s
     assert other.get_vocab() == smol.get_vocab() and other("a b")["input_ids"] != smol("a b")["input_ids"]
     assert tokenizer_fingerprint(other) != tokenizer_fingerprint(smol)
     assert tokenizer_fingerprint(copy.deepcopy(smol)) == tokenizer_fingerprint(smol)
+    padded = copy.deepcopy(smol)
+    padded(["a", "a b c"], padding=True, truncation=True, max_length=2)  # leaves padding and truncation set
+    assert tokenizer_fingerprint(padded) == tokenizer_fingerprint(smol)
