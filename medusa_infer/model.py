@@ -93,6 +93,10 @@ def check_supported(base_model: PreTrainedModel) -> None:
     layers), no key/value cache (RWKV's recurrent state), or an output projection applied after a
     transform of the final hidden states (BERT-style LM heads)."""
     name = type(base_model).__name__
+    if hasattr(base_model, "peft_config") and hasattr(base_model, "get_base_model"):
+        raise NotImplementedError(f"{name} is a peft wrapper: pass the model it wraps (get_base_model()), with "
+                                  "the adapter merged into it (merge_and_unload()), or load heads trained with "
+                                  "the adapter through MedusaModel.from_pretrained, which merges it")
     text = base_model.config.get_text_config()
     supports_cache = getattr(type(base_model), "_supports_default_dynamic_cache", None)
     if supports_cache is not None and not supports_cache():

@@ -370,7 +370,8 @@ class Runner:
         start = time.perf_counter()
         # the attention kernels our methods decode with (attention_kernels), so both sides are
         # timed on the same kernels
-        with torch.inference_mode(), decoding_attention(self.model.device), plain_greedy(base):
+        drafts = plain_greedy(self.assistant) if method == "hf-assisted" else contextlib.nullcontext()
+        with torch.inference_mode(), decoding_attention(self.model.device), plain_greedy(base), drafts:
             out = base.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                                 do_sample=False, streamer=timer, pad_token_id=self.tokenizer.pad_token_id, **extra)
         _sync(self.model.device)

@@ -102,6 +102,14 @@ def test_saving_after_the_adapter_folder_is_gone_writes_nothing(heads_folder, tm
     assert not (tmp_path / "out").exists()
 
 
+def test_a_peft_wrapper_as_the_base_model_is_refused_by_name():
+    """A PeftModel given as the base model: named, with the ways to pass it (it was refused as an LM head
+    with a transform, and before that crashed on the wrapper's outputs)."""
+    wrapped = get_peft_model(tiny_model("llama"), LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"]))
+    with pytest.raises(NotImplementedError, match=r"PeftModel is a peft wrapper: pass the model it wraps"):
+        MedusaModel(wrapped, None)
+
+
 def test_faster_decoding_export_warns_that_the_adapter_is_left_out(heads_folder, tmp_path, caplog):
     folder, _ = heads_folder
     model = MedusaModel.from_pretrained(folder, base_model=tiny_model("llama"))

@@ -516,6 +516,22 @@ def test_questions_that_could_outgrow_the_context_are_left_out_before_any_method
         benchmark(model, [long], args(methods=["hf", "ar"]))
 
 
+def test_hf_assisted_drafts_plain_greedy_whatever_the_assistants_generation_config(model):
+    """The assistant's own generation_config (here: suppressed tokens) shaped its drafts, so the baseline
+    drafted worse than plain greedy drafting would: with an assistant identical to the target, every
+    draft is accepted and hf-assisted takes as few target forwards as without those settings."""
+    import copy
+
+    runner = bench.Runner.__new__(bench.Runner)
+    runner.model, runner.tokenizer, runner.args = model, model.tokenizer, args(methods=["hf-assisted"])
+    runner.assistant = copy.deepcopy(model.base_model)
+    ids, mask = torch.tensor([[5, 6, 7, 8, 9]]), torch.ones(1, 5, dtype=torch.long)
+    plain = runner._run_hf("hf-assisted", ids, mask, 24)
+    runner.assistant.generation_config.suppress_tokens = list(range(3, len(model.tokenizer) - 3))
+    shaped = runner._run_hf("hf-assisted", ids, mask, 24)
+    assert shaped[0] == plain[0] and shaped[1] == plain[1]  # the same answer in as many target forwards
+
+
 def test_assisted_generation_and_grafted_lookup_run_and_stay_exact(model, tmp_path):
     draft = AutoModelForCausalLM.from_config(model.base_model.config).eval()  # another random model, same vocabulary
     draft.save_pretrained(tmp_path / "draft")
