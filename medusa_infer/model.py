@@ -296,14 +296,14 @@ class MedusaModel(nn.Module):
                            "or render chats with model.config.chat_template", directory)
         adapter_folder = directory / ADAPTER_DIR
         merge = adapter and adapter_folder.is_dir()
-        already = getattr(base_model, MERGED_ADAPTER_ATTR, None)
-        if already is not None:  # a base_model object an earlier from_pretrained merged an adapter into
+        already = merged_adapter_of(base_model)
+        if already is not None:  # an adapter is merged into its weights: the heads' own, or they cannot use it
             if not merge or adapter_digest(adapter_folder) != already[1]:
                 wanted = (f"the adapter in {adapter_folder}" if merge else
                           "adapter=False" if adapter_folder.is_dir() else f"the heads in {directory} (no adapter)")
                 raise ValueError(f"base_model already has the adapter in {already[0]} merged into its weights (an "
-                                 f"earlier from_pretrained changed it in place); {wanted} needs the plain base "
-                                 "model: load a fresh one")
+                                 f"earlier from_pretrained changed it in place, or it was saved so); {wanted} needs "
+                                 "the plain base model: load a fresh one")
         heads = MedusaHeads(config)
         check_state_dict(heads.state_dict(), state, str(directory))
         heads.load_state_dict(state, strict=True)
@@ -571,6 +571,7 @@ def merge_adapter(base_model: PreTrainedModel, folder: str | os.PathLike) -> Pre
     merged = PeftModel.from_pretrained(base_model, str(folder), is_trainable=False).merge_and_unload()
     forget_packed(merged)  # the merge wrote through .data: copies packed before it hold the old weights
     setattr(merged, MERGED_ADAPTER_ATTR, (str(folder), adapter_digest(folder)))
+    setattr(merged.config, MERGED_ADAPTER_KEY, adapter_digest(folder))  # saved with the merged weights
     return merged
 
 
@@ -578,6 +579,22 @@ MERGED_ADAPTER_ATTR = "_medusa_merged_adapter"
 """Set by ``merge_adapter`` on the model it changed: ``(folder, adapter_digest(folder))``, so that a
 second ``from_pretrained`` on the same object neither merges the adapter twice nor takes the
 merged weights for the plain base model."""
+
+MERGED_ADAPTER_KEY = "medusa_forge_merged_adapter"
+"""Set by ``merge_adapter`` on the model's config: the merged adapter's ``adapter_digest``. The base
+model saved after the merge (``model.base_model.save_pretrained``: the merged weights other engines
+load) keeps it in its ``config.json``, so that the heads' ``from_pretrained`` on that folder does not
+merge their adapter a second time."""
+
+
+def merged_adapter_of(base_model: PreTrainedModel) -> tuple[str, str] | None:
+    """``(where, adapter_digest)`` of the Medusa-2 adapter merged into ``base_model``'s weights: by an
+    earlier ``from_pretrained`` on this object, or before its weights were saved; None if none."""
+    found = getattr(base_model, MERGED_ADAPTER_ATTR, None)
+    if found is None and getattr(base_model.config, MERGED_ADAPTER_KEY, None):
+        found = (f"{base_model.name_or_path or type(base_model).__name__} (saved with it merged)",
+                 getattr(base_model.config, MERGED_ADAPTER_KEY))
+    return found
 
 
 def adapter_digest(folder: str | os.PathLike) -> str:

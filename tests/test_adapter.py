@@ -77,6 +77,23 @@ def test_adapter_false_keeps_the_plain_base(heads_folder):
                                atol=0, rtol=0)
 
 
+def test_the_merged_base_model_saved_loads_the_heads_without_a_second_merge(heads_folder, tmp_path):
+    """The merged weights other engines need: ``model.base_model.save_pretrained``. Loading the heads on
+    that folder merges nothing again (their adapter was merged a second time, silently), and heads that
+    want the plain base model are refused on it."""
+    folder, pairs = heads_folder
+    model = MedusaModel.from_pretrained(folder, base_model=tiny_model("llama"))
+    model.base_model.save_pretrained(tmp_path / "merged")
+    again = MedusaModel.from_pretrained(folder, base_model=LlamaForCausalLM.from_pretrained(tmp_path / "merged"))
+    torch.testing.assert_close(logits(again), logits(MedusaModel.without_heads(merged_by_hand(pairs))),
+                               atol=1e-5, rtol=1e-5)
+    assert again.merged_adapter == folder / ADAPTER_DIR
+    with pytest.raises(ValueError, match=r"already has the adapter in .* \(saved with it merged\) merged into its "
+                                         r"weights .* adapter=False needs the plain base model"):
+        MedusaModel.from_pretrained(folder, base_model=LlamaForCausalLM.from_pretrained(tmp_path / "merged"),
+                                    adapter=False)
+
+
 def test_saving_keeps_the_merged_adapter_beside_the_heads(heads_folder, tmp_path):
     folder, _ = heads_folder
     model = MedusaModel.from_pretrained(folder, base_model=tiny_model("llama"))
