@@ -315,8 +315,8 @@ def _is_section(tp: Any) -> bool:
 
 def convert_value(value: Any, tp: Any, key: str) -> Any:
     """``value`` (from YAML or a command-line string) as type ``tp``; ``ValueError`` naming ``key``."""
-    if tp is Any:
-        return yaml.safe_load(value) if isinstance(value, str) else value
+    if tp is Any:  # converted where its type is known (data.distill_options: distill.recipe_config); a
+        return value  # string stays one (YAML had read a quoted '0123' as a string, parsing it again read 83)
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(tp)
@@ -515,7 +515,7 @@ def validate(config: TrainConfig) -> None:
         ("data.max_length", d.max_length), ("data.max_new_tokens", d.max_new_tokens),
         ("data.distill_batch_size", d.distill_batch_size), ("eval.tree_size", config.eval.tree_size),
         ("eval.top_k", config.eval.top_k), ("log.every", config.log.every), ("lora.r", lora.r),
-        ("training.keep_checkpoints", t.keep_checkpoints),
+        ("lora.alpha", lora.alpha), ("training.keep_checkpoints", t.keep_checkpoints),
     )
     for key, value in positive:
         if value < 1:
@@ -553,6 +553,11 @@ def validate(config: TrainConfig) -> None:
                          "t + 1); set both")
     if t.mode == "medusa1" and t.stage1_steps:
         raise ValueError("training.stage1_steps applies to training.mode=medusa2 only; set it to 0")
+    if not 0 <= lora.dropout < 1:
+        raise ValueError(f"lora.dropout must be in [0, 1), got {lora.dropout}")
+    if t.mode == "medusa2" and not lora.target_modules:
+        raise ValueError("lora.target_modules is empty: Medusa-2 adapts those modules of the backbone; name some "
+                         "(e.g. [q_proj, v_proj]), or train training.mode=medusa1")
     if t.mode == "medusa1" and t.heads_lr is not None:
         raise ValueError(f"training.heads_lr={t.heads_lr} applies to training.mode=medusa2 only (Medusa-1 trains "
                          "the heads alone, at training.lr); set training.lr instead, or heads_lr to null")

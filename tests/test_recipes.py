@@ -349,6 +349,11 @@ def test_distill_options_take_dotted_overrides_converted_to_their_types(tmp_path
     made = recipe_config(config)
     assert (made.backend, made.endpoint, made.concurrency) == ("openai", "http://127.0.0.1:8000", 32)
     assert made.max_new_tokens == 32 and made.n == 10 and made.save_hidden is False
+    # a string the recipe quotes stays that string (it was parsed as YAML a second time: '0123' became 83)
+    quoted = yaml.safe_load(yaml.safe_dump(run_recipe(tmp_path, distill_options={"endpoint_model": "0123",
+                                                                                  "api_key_env": "yes"})))
+    made = recipe_config(config_from_dict(quoted))
+    assert (made.endpoint_model, made.api_key_env) == ("0123", "yes")
 
 
 def test_per_source_quotas_without_n_are_taken_whole(tmp_path):
@@ -371,6 +376,8 @@ def test_per_source_quotas_without_n_are_taken_whole(tmp_path):
     ("data.n=0", "data.n must be >= 1 (prompts to distil) or null (all of them), got 0"),
     ("data.n=-5", "data.n must be >= 1"),
     ("training.heads_lr=0.01", "training.heads_lr=0.01 applies to training.mode=medusa2 only"),  # it was ignored
+    # these failed only once training started (after distillation), or trained an adapter scaled by 0
+    ("lora.alpha=0", "lora.alpha must be >= 1, got 0"), ("lora.dropout=1.5", "lora.dropout must be in [0, 1), got 1.5"),
 ])
 def test_non_finite_numbers_and_empty_samples_are_refused(override, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -461,3 +468,8 @@ def test_vicuna_recipes_render_fastchats_v1_1_conversation(path):
         f"<s>{system} USER: Hi ASSISTANT: Hello!</s>USER: 2+2? ASSISTANT:")
     assert _render(path, [{"role": "system", "content": "Be brief."}, *turns[:2]]) == (
         "<s>Be brief. USER: Hi ASSISTANT: Hello!</s>")
+
+
+def test_a_medusa2_recipe_without_lora_targets_is_refused_when_it_loads():
+    with pytest.raises(ValueError, match=r"lora.target_modules is empty: Medusa-2 adapts those modules"):
+        load_config(RECIPES / "smollm2-135m.yaml", ["training.mode=medusa2", "lora.target_modules=[]"])
