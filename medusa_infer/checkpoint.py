@@ -192,6 +192,10 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
         "print(model.tokenizer.decode(out.new_tokens[0]))",
         "```",
         "",
+        "Where this folder holds `adapter/` (Medusa-2), `from_pretrained` merges that LoRA adapter into the base "
+        "model, which the heads were trained to read: answers are the adapted model's. Other engines need those "
+        "merged weights: `model.base_model.save_pretrained(DIR)` after loading writes them.",
+        "",
     ]
     if config.chat_template:
         lines += ["The heads were trained on conversations rendered with the chat template in `config.json` "
