@@ -65,6 +65,7 @@ CASES = [
     ("stop not text", "/v1/completions", completion(stop=123), 400, "stop"),
     ("stop string too long", "/v1/completions", completion(stop="x" * 10_000), 400, "stop"),
     ("negative seed", "/v1/completions", completion(seed=-1), 400, "seed"),
+    ("seed past 63 bits", "/v1/completions", completion(seed=2**63), 400, "seed"),  # it drew as seed 0 did
     ("log-probabilities asked for", "/v1/completions", completion(logprobs=5), 400, "logprobs"),
     ("the sampled token's log-probability asked for", "/v1/completions", completion(logprobs=0), 400, "logprobs"),
     ("chat log-probabilities as a count", "/v1/chat/completions", chat(logprobs=0), 400, "logprobs"),
