@@ -194,7 +194,7 @@ class CapturedHidden:
             with safe_open(str(path), framework="pt") as handle:
                 found = _fingerprint((handle.metadata() or {}).get("model"))
                 wanted = None if model is None else weights_fingerprint(model)
-                if wanted is not None and (weights_fingerprint(found) if isinstance(found, dict) else found) != wanted:
+                if wanted is not None and found != wanted:
                     raise ValueError(f"{path} holds hidden states of {found!r}, not of {wanted}: delete "
                                      f"{folder} (the features stage then runs the backbone) or distil again")
                 tensors = {name: handle.get_tensor(name) for name in handle.keys() if name != "hidden"}

@@ -122,12 +122,8 @@ def model_fingerprint(name_or_path: str, dtype: str | None = None,
 
 
 def weights_fingerprint(model: Mapping[str, Any]) -> dict[str, Any]:
-    """A fingerprint without how the model runs (``BACKBONE``): what names its weights: a local
-    folder's content (however its path is spelled: relative, with a trailing slash), else the name."""
-    kept = {name: value for name, value in model.items() if name not in BACKBONE}
-    if "content" in kept:
-        kept.pop("name", None)
-    return kept
+    """A fingerprint without how the model runs (``BACKBONE``): what names its weights."""
+    return {name: value for name, value in model.items() if name not in BACKBONE}
 
 
 def backbone_fingerprint(model: Any, model_info: Mapping[str, Any]) -> dict[str, Any]:
