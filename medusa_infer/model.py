@@ -296,14 +296,17 @@ class MedusaModel(nn.Module):
                            "or render chats with model.config.chat_template", directory)
         adapter_folder = directory / ADAPTER_DIR
         merge = adapter and adapter_folder.is_dir()
-        already = merged_adapter_of(base_model)
-        if already is not None:  # an adapter is merged into its weights: the heads' own, or they cannot use it
+        already = getattr(base_model, MERGED_ADAPTER_ATTR, None)
+        if already is not None:  # a base_model object an earlier from_pretrained merged an adapter into
             if not merge or adapter_digest(adapter_folder) != already[1]:
                 wanted = (f"the adapter in {adapter_folder}" if merge else
                           "adapter=False" if adapter_folder.is_dir() else f"the heads in {directory} (no adapter)")
                 raise ValueError(f"base_model already has the adapter in {already[0]} merged into its weights (an "
-                                 f"earlier from_pretrained changed it in place, or it was saved so); {wanted} needs "
-                                 "the plain base model: load a fresh one")
+                                 f"earlier from_pretrained changed it in place); {wanted} needs the plain base "
+                                 "model: load a fresh one")
+        if merge and already is None and getattr(base_model.config, MERGED_ADAPTER_KEY, None) == \
+                adapter_digest(adapter_folder):  # weights saved with this very adapter merged: not twice
+            already = (f"{base_model.name_or_path} (saved with it merged)", adapter_digest(adapter_folder))
         heads = MedusaHeads(config)
         check_state_dict(heads.state_dict(), state, str(directory))
         heads.load_state_dict(state, strict=True)
@@ -583,18 +586,8 @@ merged weights for the plain base model."""
 MERGED_ADAPTER_KEY = "medusa_forge_merged_adapter"
 """Set by ``merge_adapter`` on the model's config: the merged adapter's ``adapter_digest``. The base
 model saved after the merge (``model.base_model.save_pretrained``: the merged weights other engines
-load) keeps it in its ``config.json``, so that the heads' ``from_pretrained`` on that folder does not
-merge their adapter a second time."""
-
-
-def merged_adapter_of(base_model: PreTrainedModel) -> tuple[str, str] | None:
-    """``(where, adapter_digest)`` of the Medusa-2 adapter merged into ``base_model``'s weights: by an
-    earlier ``from_pretrained`` on this object, or before its weights were saved; None if none."""
-    found = getattr(base_model, MERGED_ADAPTER_ATTR, None)
-    if found is None and getattr(base_model.config, MERGED_ADAPTER_KEY, None):
-        found = (f"{base_model.name_or_path or type(base_model).__name__} (saved with it merged)",
-                 getattr(base_model.config, MERGED_ADAPTER_KEY))
-    return found
+load) keeps it in its ``config.json``, so that ``from_pretrained`` of the heads that adapter came with,
+on that folder, does not merge it a second time. Any other heads load on it as on any base model."""
 
 
 def adapter_digest(folder: str | os.PathLike) -> str:
