@@ -24,7 +24,7 @@ MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 512
 MAX_CHARS_PER_TOKEN = 256  # a prompt with more characters than this per context token cannot fit (real
 # vocabularies' longest tokens are under 100 characters: SmolLM2's, a newline and 80 spaces)
-MAX_SEED = 2**63 - 1  # torch's generators take 63 bits: a larger seed would repeat a smaller one's draws
+MAX_SEED = 2**64 - 1  # a CUDA generator takes all 64 bits; torch's CPU one takes 63 (2**63 + s draws as s)
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 ACCEPTANCE_CHOICES = ("lossless", "typical")
