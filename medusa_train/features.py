@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -51,6 +52,8 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from medusa_train.losses import IGNORE, to_head_vocab
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from medusa_train.captured import CapturedHidden
@@ -559,11 +562,21 @@ def build_feature_cache(
 
 
 def _shard_examples(path: Path) -> list[int] | None:
-    """The example indices a shard file says it holds, in the plan's order (None: no such file)."""
+    """The example indices a shard file says it holds, in the plan's order (None: no such file, or one
+    cut short or damaged, as a power loss between its write and its rename can leave it: built again)."""
     if not path.is_file():
         return None
-    with safe_open(str(path), framework="pt") as handle:
-        return json.loads((handle.metadata() or {}).get("examples", "null"))
+    try:
+        with path.open("rb") as handle:
+            length = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(length))
+        end = max((entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"), default=0)
+        if 8 + length + end != path.stat().st_size:
+            raise ValueError(f"{path.stat().st_size} bytes where its header describes {8 + length + end}")
+        return json.loads((header.get("__metadata__") or {}).get("examples", "null"))
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        logger.warning("feature shard %s is damaged (%s): building it again", path, error)
+        return None
 
 
 def _write_manifest(model: Any, folder: Path, num_shards: int, num_examples: int, topk: int, dtype: str,

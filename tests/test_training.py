@@ -338,6 +338,26 @@ def test_feature_cache_round_trip_equals_live_forward(tiny_dir, tmp_path):
     # The same model and data find the same cache again without running the model.
     again = build_feature_cache(None, examples, tmp_path, info, topk=4, shard_examples=5, progress=False)
     assert again == folder
+    # a build cut off before its manifest, with a shard left damaged (a power loss between its write and
+    # its rename): the damaged shard is built again, the others kept (it stopped every later build)
+    from safetensors.torch import load_file
+
+    def shards():
+        found = {}  # copies: the files are rewritten below, under any view of them
+        for path in sorted(folder.glob("shard-*.safetensors")):
+            found[path.name] = {k: v.clone() for k, v in load_file(str(path)).items()}
+        return found
+
+    whole, damaged = shards(), (folder / "shard-00001.safetensors").read_bytes()
+    (folder / "manifest.json").unlink()
+    for damage in (b"", damaged[:200], damaged[:-16]):  # empty, header cut, data cut
+        (folder / "shard-00001.safetensors").write_bytes(damage)
+        assert build_feature_cache(model, examples, tmp_path, info, topk=4, batch_size=4, shard_examples=5,
+                                   progress=False) == folder
+        found = shards()
+        assert found.keys() == whole.keys()
+        assert all(torch.equal(found[n][k], whole[n][k]) for n in whole for k in whole[n])
+        (folder / "manifest.json").unlink()
 
 
 def test_feature_cache_key_covers_shards_and_how_the_backbone_runs(tmp_path):
