@@ -296,23 +296,23 @@ class MedusaModel(nn.Module):
                            "or render chats with model.config.chat_template", directory)
         adapter_folder = directory / ADAPTER_DIR
         merge = adapter and adapter_folder.is_dir()
+        digest = adapter_digest(adapter_folder) if merge else None
         already = getattr(base_model, MERGED_ADAPTER_ATTR, None)
-        if already is not None:  # a base_model object an earlier from_pretrained merged an adapter into
-            if not merge or adapter_digest(adapter_folder) != already[1]:
-                wanted = (f"the adapter in {adapter_folder}" if merge else
-                          "adapter=False" if adapter_folder.is_dir() else f"the heads in {directory} (no adapter)")
-                raise ValueError(f"base_model already has the adapter in {already[0]} merged into its weights (an "
-                                 f"earlier from_pretrained changed it in place); {wanted} needs the plain base "
-                                 "model: load a fresh one")
-        if merge and already is None and getattr(base_model.config, MERGED_ADAPTER_KEY, None) == \
-                adapter_digest(adapter_folder):  # weights saved with this very adapter merged: not twice
-            already = (f"{base_model.name_or_path} (saved with it merged)", adapter_digest(adapter_folder))
+        if already is not None and (not merge or digest != already[1]):
+            # a base_model object an earlier from_pretrained merged another adapter into
+            wanted = (f"the adapter in {adapter_folder}" if merge else
+                      "adapter=False" if adapter_folder.is_dir() else f"the heads in {directory} (no adapter)")
+            raise ValueError(f"base_model already has the adapter in {already[0]} merged into its weights (an "
+                             f"earlier from_pretrained changed it in place); {wanted} needs the plain base "
+                             "model: load a fresh one")
+        # merged already: into this object, or into weights saved with this very adapter (not twice)
+        in_weights = already is not None or (merge and getattr(base_model.config, MERGED_ADAPTER_KEY, None) == digest)
         heads = MedusaHeads(config)
         check_state_dict(heads.state_dict(), state, str(directory))
         heads.load_state_dict(state, strict=True)
         if heads.token_map is not None:
             check_token_map(heads.token_map, config)
-        if merge and already is None:
+        if merge and not in_weights:
             check_compatible(config, base_model)  # before the merge changes a given base model in place
             base_model = merge_adapter(base_model, adapter_folder)
         model = cls(base_model, heads, tokenizer)
@@ -573,8 +573,9 @@ def merge_adapter(base_model: PreTrainedModel, folder: str | os.PathLike) -> Pre
                          "lora.target_modules outside the embeddings and lm_head")
     merged = PeftModel.from_pretrained(base_model, str(folder), is_trainable=False).merge_and_unload()
     forget_packed(merged)  # the merge wrote through .data: copies packed before it hold the old weights
-    setattr(merged, MERGED_ADAPTER_ATTR, (str(folder), adapter_digest(folder)))
-    setattr(merged.config, MERGED_ADAPTER_KEY, adapter_digest(folder))  # saved with the merged weights
+    digest = adapter_digest(folder)
+    setattr(merged, MERGED_ADAPTER_ATTR, (str(folder), digest))
+    setattr(merged.config, MERGED_ADAPTER_KEY, digest)  # saved with the merged weights
     return merged
 
 
