@@ -183,15 +183,29 @@ def test_stop_strings_cut_the_text(client, stream):
     assert finish == "stop"
 
 
-def test_a_stop_string_too_long_for_the_engine_still_stops(client):
-    """The engine looks for stop strings in its last 32 tokens only; the server finds longer ones."""
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("engine_window", [None, 1])
+def test_a_stop_string_the_engine_misses_still_stops(client, monkeypatch, engine_window, stream):
+    """The engine looks for stop strings in a row's last ``StopConfig.window`` tokens only (enough
+    unless more than 8 tokens inside a stop string decode to nothing); the server reads the whole
+    text and ends the request where the engine missed one (``engine_window=1``: it sees no
+    multi-token stop string), with the same text, finish reason and a cut short decode."""
+    if engine_window is not None:
+        monkeypatch.setattr(StopConfig, "window", property(lambda self: engine_window))
     free = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=60, temperature=0, extra_body=NO_EOS)
     words = free.choices[0].text.split(" ")
     stop = " ".join(words[5:45])
-    answer = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=60, temperature=0, stop=stop,
-                                       extra_body=NO_EOS)
-    assert answer.choices[0].text == free.choices[0].text[: free.choices[0].text.index(stop)]
-    assert answer.choices[0].finish_reason == "stop"
+    kwargs = dict(model="tiny", prompt=PROMPT, max_tokens=60, temperature=0, stop=stop, extra_body=NO_EOS)
+    if stream:
+        chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        finish, usage = [c.choices[0].finish_reason for c in chunks if c.choices][-1], chunks[-1].usage
+    else:
+        answer = client.completions.create(**kwargs)
+        text, finish, usage = answer.choices[0].text, answer.choices[0].finish_reason, answer.usage
+    assert text == free.choices[0].text[: free.choices[0].text.index(stop)]
+    assert finish == "stop"
+    assert usage.completion_tokens < 60  # ended at the stop string, not decoded to the limit
 
 
 def test_text_assembler_holds_back_what_may_become_a_stop_string(model):
