@@ -99,9 +99,11 @@ def examples_hash(examples: Sequence[Mapping[str, Any]]) -> str:
 def model_fingerprint(name_or_path: str, dtype: str | None = None,
                       attn_implementation: str | None = None) -> dict[str, Any]:
     """What identifies a base model without loading it: its name and, for a local folder, its
-    ``config.json`` and each weight file's size and first and last MiB; with ``dtype``, also the
-    dtype and attention implementation it is loaded with (None: transformers' choice), which
-    change its hidden states (``build_feature_cache`` checks them against the model it runs)."""
+    ``config.json`` and each weight file's size, modification time and first and last MiB (the
+    time catches weights saved again over the same folder, changed only in the middle: hashing
+    every byte would read the whole model at every run); with ``dtype``, also the dtype and
+    attention implementation it is loaded with (None: transformers' choice), which change its
+    hidden states (``build_feature_cache`` checks them against the model it runs)."""
     from medusa_infer.models import resolve_model
 
     resolved = Path(resolve_model(name_or_path))
@@ -114,8 +116,9 @@ def model_fingerprint(name_or_path: str, dtype: str | None = None,
         if config.is_file():
             digest.update(config.read_bytes())
         for weights in sorted(resolved.glob("*.safetensors")) + sorted(resolved.glob("*.bin")):
-            size = weights.stat().st_size
-            digest.update(f"{weights.name}:{size}".encode())
+            stat = weights.stat()
+            size = stat.st_size
+            digest.update(f"{weights.name}:{size}:{stat.st_mtime_ns}".encode())
             with weights.open("rb") as handle:
                 digest.update(handle.read(1 << 20))
                 handle.seek(max(0, size - (1 << 20)))

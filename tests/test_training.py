@@ -11,6 +11,7 @@ import signal
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -400,6 +401,24 @@ def test_feature_cache_key_covers_shards_and_how_the_backbone_runs(tmp_path):
         build(tmp_path / "d", 2, half, {"name": "tiny", "dtype": "float32", "attn_implementation": None})
     with pytest.raises(ValueError, match="'sdpa' attention, but its fingerprint says float32 with 'eager'"):
         build(tmp_path / "d", 2, sdpa, {"name": "tiny", "dtype": "float32", "attn_implementation": "eager"})
+
+
+def test_model_fingerprint_changes_with_weights_saved_again_over_the_same_folder(tmp_path):
+    """Weights saved again in place, changed only in the middle (a partial fine-tune written over its
+    folder), name another model: the fingerprint reads a weight file's first and last MiB only."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    weights = {"a": torch.zeros(1 << 19), "b": torch.zeros(1 << 20), "c": torch.zeros(1 << 19)}  # 8 MiB
+    save_file(weights, folder / "model.safetensors")
+    before = model_fingerprint(str(folder))
+    assert model_fingerprint(str(folder)) == before  # stable while the folder is untouched
+    time.sleep(0.01)
+    weights["b"][1 << 19] = 1.0  # 4 MiB into the file: outside the first and last MiB
+    save_file(weights, folder / "model.safetensors")
+    assert model_fingerprint(str(folder)) != before
 
 
 # ---------------------------------------------------------------------------------------------
