@@ -260,7 +260,10 @@ def stage_features(config: TrainConfig, accelerator: Any, train: list[dict], hel
 
     f = config.features
     root = features_root(config)
-    info = model_fingerprint(config.model.name, config.model.dtype, config.model.attn_implementation)
+    # the main process's, so that every process keys the same cache folders (nodes may hold copies
+    # of the model written at other times)
+    info = main_process_says(accelerator, model_fingerprint(config.model.name, config.model.dtype,
+                                                            config.model.attn_implementation))
     splits = {"train": train, "heldout": heldout}
     hashes = {name: examples_hash(examples) for name, examples in splits.items()}
     topk = config.soft_label_topk
