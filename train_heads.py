@@ -121,7 +121,7 @@ def stage_data(config: TrainConfig, accelerator: Any, pending: int | None) -> tu
             from medusa_train.distill import distill, recipe_config
 
             say(accelerator, f"distilling {d.n or 'all'} prompts from {d.prompts} into {rows}")
-            distill(recipe_config(config), accelerator if accelerator.num_processes > 1 else None)
+            distill(recipe_config(config), accelerator)  # on its device, one process or several
         from medusa_infer.models import load_tokenizer
 
         tokenizer = load_tokenizer(config.model.name, trust_remote_code=config.model.trust_remote_code)
@@ -208,7 +208,8 @@ def script_errors() -> Iterator[None]:
 
 
 def distill_pending(config: TrainConfig) -> int | None:
-    """Prompts the recipe samples that its rows do not answer yet (None: it distils nothing).
+    """Prompts the recipe samples that its rows file does not hold yet, answered or not (None: no
+    rows file yet, or rows the recipe does not make).
 
     ``ValueError`` names a bad ``data.distill_options`` entry, or rows already there that were made
     with another model or other generation settings (``medusa_train.distill.check_resumable``).
@@ -218,7 +219,8 @@ def distill_pending(config: TrainConfig) -> int | None:
     from medusa_train.distill import pending_prompts, recipe_config
 
     distill_config = recipe_config(config)
-    return pending_prompts(distill_config)[1] if rows_path(config).is_file() else None
+    # answers left in shards by a run killed before its merge are pending: distill() merges them
+    return pending_prompts(distill_config, merged=True)[1] if rows_path(config).is_file() else None
 
 
 def load_base(config: TrainConfig, accelerator: Any, whole: bool = False) -> Any:

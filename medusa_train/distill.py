@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import hashlib
 import http.client
 import json
@@ -93,7 +94,8 @@ class DistillConfig:
         n: prompts to sample (``None``: all of them, or the sum of ``per_source``).
         per_source: quotas ``{source: count}``; sources not named are not used. Without it,
             sources take turns (round robin) so that large sources do not dominate.
-        exclude_ids: ids never sampled (e.g. a held-out set).
+        exclude_ids: ids never sampled (e.g. a held-out set); a string is a file of them, as
+            ``--exclude-ids`` takes (``read_ids``: JSONL rows with an ``id``, or one id a line).
         max_new_tokens, do_sample, temperature, top_p, seed: generation settings; ``seed`` also
             drives prompt sampling. Greedy rows do not depend on batching (float32); sampled rows
             are reproducible for the same batches (each batch is seeded from ``seed`` and its
@@ -133,7 +135,7 @@ class DistillConfig:
     model: str = "smollm2-135m-instruct"
     n: int | None = None
     per_source: dict[str, int] | None = None
-    exclude_ids: list[str] = field(default_factory=list)
+    exclude_ids: str | list[str] = field(default_factory=list)
     max_new_tokens: int = 256
     batch_size: int = 16
     do_sample: bool = False
@@ -160,6 +162,11 @@ class DistillConfig:
     trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.exclude_ids, (str, Path)):  # a file of ids, as --exclude-ids takes (a name taken
+            if not Path(self.exclude_ids).is_file():  # as ids would exclude nothing, character by character)
+                raise ValueError(f"exclude_ids={str(self.exclude_ids)!r} is not a file: give a file of ids (JSONL "
+                                 "rows with an 'id', or one id a line) or a list of ids")
+            self.exclude_ids = read_ids(self.exclude_ids)
         checks = (
             (self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}"),
             (self.format in FORMATS, f"format must be one of {FORMATS}, got {self.format!r}"),
@@ -386,10 +393,13 @@ def recipe_config(config: TrainConfig) -> DistillConfig:
     )
 
 
-def pending_prompts(config: DistillConfig) -> tuple[int, int]:
+def pending_prompts(config: DistillConfig, merged: bool = False) -> tuple[int, int]:
     """(prompts sampled, of those the ones a run would still answer): the prompts without a row in
     ``config.output`` or its shards, less those over ``max_prompt_tokens`` that a run skips (for
     which the tokenizer is loaded, when there are any without a row).
+
+    With ``merged=True`` a prompt answered only in a shard counts as pending too: the merged file
+    lacks its row until a run merges it (a run killed between its last answer and the merge).
 
     ``ValueError`` (``check_resumable``) when the rows there were made with another model or
     other generation settings.
@@ -397,6 +407,8 @@ def pending_prompts(config: DistillConfig) -> tuple[int, int]:
     prompts = sample_prompts(config.prompts, config.n, config.per_source, config.seed, config.exclude_ids)
     done = existing_rows(config.output)
     check_resumable(done, config)
+    if merged:
+        done = read_jsonl_tolerant(Path(config.output))
     done_ids = {str(row["id"]) for row in done}
     missing = [p for p in prompts if p["id"] not in done_ids]
     limits = prompt_limits(config) if missing and config.backend == "local" else config
@@ -412,6 +424,13 @@ def pending_prompts(config: DistillConfig) -> tuple[int, int]:
 
 def shard_path(output: str | Path, rank: int) -> Path:
     return Path(f"{output}.rank{rank}.jsonl")
+
+
+def shard_files(output: str | Path) -> list[Path]:
+    """Every rank's shard file of ``output`` (any world size), sorted; the output's name is matched
+    literally (``[``, ``*`` or ``?`` in it are no glob patterns)."""
+    output = Path(output)
+    return sorted(output.parent.glob(f"{glob.escape(output.name)}.rank*.jsonl"))
 
 
 def arrow_path(output: str | Path) -> Path:
@@ -471,7 +490,7 @@ def existing_rows(output: str | Path, repair_rank: int | None = None) -> list[di
     """
     output = Path(output)
     rows = read_jsonl_tolerant(output)
-    for path in sorted(output.parent.glob(f"{output.name}.rank*.jsonl")):
+    for path in shard_files(output):
         own = repair_rank is not None and path == shard_path(output, repair_rank)
         rows.extend(read_jsonl_tolerant(path, repair=own))
     return rows
@@ -542,8 +561,9 @@ def merge_shards(
     )
     missing = [p["id"] for p in prompts if p["id"] not in rows_by_id]
     _warn_extra_rows(output, rows_by_id, order)
-    if fmt == "arrow":  # gone before the new rows land: a kill in between leaves no short Arrow copy behind
-        shutil.rmtree(arrow_path(output), ignore_errors=True)
+    # gone before the new rows land, whatever the format: a kill in between, or a JSONL-only merge,
+    # leaves no short Arrow copy behind (a later arrow run would take it as complete)
+    shutil.rmtree(arrow_path(output), ignore_errors=True)
     tmp = output.with_name(output.name + ".merging")
     with tmp.open("w", encoding="utf-8") as handle:
         for row in rows:
@@ -551,7 +571,7 @@ def merge_shards(
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, output)
-    for path in output.parent.glob(f"{output.name}.rank*.jsonl"):
+    for path in shard_files(output):
         path.unlink()
     logger.info(
         "merged %d rows into %s (%d sampled prompts without a row: skipped, refused or failed)",
@@ -627,6 +647,9 @@ def prepare_prompt(
     keep = limit - (len(ids) - len(content))
     while keep > 0:
         text = tokenizer.decode(content[:keep], skip_special_tokens=True)
+        if text.endswith("\ufffd") and text.count("\ufffd") > prompt.count("\ufffd"):
+            keep -= 1  # cut inside a character's bytes: keep whole characters, as answers do
+            continue
         ids = encode_rendered(tokenizer, render_prompt(tokenizer, text, config.system_prompt))
         if len(ids) <= limit:
             return text, ids
@@ -876,6 +899,9 @@ def post_json(url: str, body: dict[str, Any], headers: dict[str, str], timeout: 
             detail = f"(body unreadable: {type(unread).__name__})"
         if err.code >= 500 or err.code in (408, 425, 429):  # the server's state, not the prompt: worth retrying
             raise RetryableError(f"HTTP {err.code} from {url}: {detail}", _retry_after(err.headers)) from err
+        if 300 <= err.code < 400:  # urllib follows no redirect of a POST: the URL is the endpoint's old one
+            raise RuntimeError(f"HTTP {err.code} from {url}: the endpoint moved to "
+                               f"{err.headers.get('Location')!r}; set endpoint to its new address") from err
         if err.code in (401, 403, 404, 405):  # the endpoint, key or model name is wrong, not the prompt
             raise RuntimeError(f"HTTP {err.code} from {url}: {detail}") from err
         raise RejectedError(f"HTTP {err.code} from {url}: {detail}") from err
@@ -1094,8 +1120,9 @@ def distill(
 
     Args:
         config: what to distil.
-        accelerator: an ``accelerate`` ``Accelerator`` or ``PartialState`` for several processes
-            (each takes its share of the prompts; the main one merges); ``None``: one process.
+        accelerator: an ``accelerate`` ``Accelerator`` or ``PartialState``: the local model runs on its
+            device (unless ``config.device`` says otherwise) and, with several processes, each takes its
+            share of the prompts and the main one merges; ``None``: one process, on the CPU.
         on_batch: called after each batch is synced, e.g. to stop a run in tests.
     """
     rank = accelerator.process_index if accelerator is not None else 0
@@ -1114,7 +1141,7 @@ def distill(
     if accelerator is not None:
         accelerator.wait_for_everyone()
     output = Path(config.output)
-    shards = any(output.parent.glob(f"{output.name}.rank*.jsonl"))
+    shards = bool(shard_files(output))
     if rank == 0 and (shards or not output.is_file() or (config.format == "arrow" and not arrow_path(output).exists())):
         merge_shards(config.output, prompts, config.format)
     elif rank == 0:  # every prompt was answered already: the file stays as it is
@@ -1192,6 +1219,14 @@ def read_ids(path: str | Path) -> list[str]:
     return ids
 
 
+def _is_file(name: str) -> bool:
+    """Whether ``name`` names a file; False for text no path can be (a long inline template)."""
+    try:
+        return Path(name).is_file()
+    except (OSError, ValueError):  # ENAMETOOLONG, a NUL byte
+        return False
+
+
 def config_from_args(args: argparse.Namespace) -> DistillConfig:
     values: dict[str, Any] = {}
     if args.recipe:
@@ -1206,7 +1241,7 @@ def config_from_args(args: argparse.Namespace) -> DistillConfig:
     if args.exclude_ids:
         values["exclude_ids"] = read_ids(args.exclude_ids)
     template = values.get("chat_template")
-    if template and Path(template).is_file():
+    if template and _is_file(template):
         values["chat_template"] = Path(template).read_text(encoding="utf-8")
     if values.get("max_prompt_tokens") == 0:
         values["max_prompt_tokens"] = None
@@ -1229,8 +1264,7 @@ def main(argv: list[str] | None = None) -> None:
     # On a machine without CUDA, processes started by torchrun or `accelerate launch` only form a
     # group (over gloo) when asked for CPU explicitly.
     state = PartialState(cpu=not torch.cuda.is_available())
-    accelerator = state if state.num_processes > 1 else None
-    output = distill(config, accelerator)
+    output = distill(config, state)  # on the state's device (a GPU where there is one), one process or several
     if state.is_main_process:
         print(output)
 

@@ -266,6 +266,95 @@ def test_a_kill_while_saving_arrow_leaves_no_short_arrow_copy(tmp_path, model_di
     assert load_from_disk(str(output.with_suffix(".arrow")))["id"] == [r["id"] for r in read_rows(output)]
 
 
+def test_an_output_name_with_glob_characters_merges_its_shards(tmp_path, model_dir, prompts_file, reference_rows):
+    output = tmp_path / "rows[v2].jsonl"
+    distill(make_config(model_dir, prompts_file, output))
+    assert read_rows(output) == reference_rows and not shard_path(output, 0).exists()
+
+
+def test_a_jsonl_merge_leaves_no_stale_arrow_copy(tmp_path, model_dir, prompts_file):
+    output = tmp_path / "rows.jsonl"
+    distill(make_config(model_dir, prompts_file, output, n=4, format="arrow"))
+    distill(make_config(model_dir, prompts_file, output, n=8))  # JSONL only: the Arrow copy would hold 4
+    distill(make_config(model_dir, prompts_file, output, n=8, format="arrow"))  # all answered: merges again
+    assert load_from_disk(str(output.with_suffix(".arrow")))["id"] == [r["id"] for r in read_rows(output)]
+    assert len(read_rows(output)) == 8
+
+
+def test_train_heads_merges_the_answers_a_killed_run_left_in_shards(tmp_path, model_dir, prompts_file):
+    """Killed after its last answer, before the merge: the shard holds every missing answer, and
+    train_heads must merge it rather than train on the shorter rows file."""
+    import train_heads
+    from accelerate import PartialState
+
+    from medusa_train.train_config import config_from_dict, rows_path
+
+    def recipe(n):
+        return config_from_dict({"output_dir": str(tmp_path / "run"), "model": {"name": str(model_dir)},
+                                 "data": {"prompts": str(prompts_file), "n": n, "max_new_tokens": 4,
+                                          "distill_batch_size": 4},
+                                 "features": {"from_distillation": False}, "log": {"progress": False}})
+
+    distill(distill_module.recipe_config(recipe(4)))
+
+    def killed(batch_index, rows):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        distill(distill_module.recipe_config(recipe(8)), on_batch=killed)
+    rows = rows_path(recipe(8))
+    assert len(read_rows(rows)) == 4 and len(read_rows(shard_path(rows, 0))) == 4
+    pending = train_heads.distill_pending(recipe(8))
+    assert pending == 4
+    train, heldout = train_heads.stage_data(recipe(8), PartialState(cpu=True), pending)
+    assert len(train) + len(heldout) == 8 and len(read_rows(rows)) == 8 and not shard_path(rows, 0).exists()
+
+
+def test_train_heads_distils_on_its_accelerators_device(tmp_path, model_dir, prompts_file, monkeypatch):
+    """One process too: distill() took no accelerator then, and ran the model on the CPU on a GPU machine."""
+    import types
+
+    import train_heads
+    from medusa_train.train_config import config_from_dict
+
+    recipe = config_from_dict({"output_dir": str(tmp_path / "run"), "model": {"name": str(model_dir)},
+                               "data": {"prompts": str(prompts_file), "n": 2, "max_new_tokens": 2},
+                               "features": {"from_distillation": False}, "log": {"progress": False}})
+    seen = {}
+
+    def spy(config, pending, writer, stats, device, on_batch=None):
+        seen["device"] = device
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(distill_module, "run_local", spy)
+    accelerator = types.SimpleNamespace(is_main_process=True, process_index=0, num_processes=1,
+                                        device=torch.device("meta"), wait_for_everyone=lambda: None)
+    with pytest.raises(KeyboardInterrupt):
+        train_heads.stage_data(recipe, accelerator, None)
+    assert seen["device"] == torch.device("meta")
+
+
+def test_exclude_ids_given_as_a_file_in_a_recipe(tmp_path, prompts_file):
+    (tmp_path / "held.txt").write_text("big:0\nbig:1\nmid:0\n")
+    parser = build_parser()
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"prompts: {prompts_file}\nexclude_ids: {tmp_path / 'held.txt'}\n")
+    by_recipe = config_from_args(parser.parse_args(["--recipe", str(recipe)]))
+    by_flag = config_from_args(parser.parse_args(["--prompts", str(prompts_file),
+                                                  "--exclude-ids", str(tmp_path / "held.txt")]))
+    assert by_recipe.exclude_ids == by_flag.exclude_ids == ["big:0", "big:1", "mid:0"]
+    sampled = {p["id"] for p in sample_prompts(prompts_file, None, exclude_ids=by_recipe.exclude_ids)}
+    assert not sampled & {"big:0", "big:1", "mid:0"} and len(sampled) == 27
+    from medusa_train.train_config import config_from_dict
+
+    train = config_from_dict({"output_dir": "out", "data": {"prompts": str(prompts_file), "distill_options": {
+        "exclude_ids": str(tmp_path / "held.txt")}}})
+    assert distill_module.recipe_config(train).exclude_ids == ["big:0", "big:1", "mid:0"]
+    assert DistillConfig(prompts="p.jsonl", exclude_ids=["a", "b"]).exclude_ids == ["a", "b"]
+    with pytest.raises(ValueError, match="exclude_ids='no-such-file' is not a file"):
+        DistillConfig(prompts="p.jsonl", exclude_ids="no-such-file")
+
+
 def test_ids_to_exclude_are_read_from_rows_whose_text_holds_line_separators(tmp_path):
     """JSON strings may hold U+2028, U+2029 and U+0085 unescaped (rows are written with ensure_ascii=False);
     they end no line of a JSONL file."""
@@ -333,6 +422,11 @@ def test_long_prompts_skipped_or_truncated(tmp_path, model_dir, prompts_file, to
     truncate = dataclasses.replace(config, prompt_overflow="truncate")
     text, ids = prepare_prompt(tokenizer, long_prompt, truncate)
     assert len(ids) <= 40 and long_prompt.startswith(text) and len(text) < len(long_prompt)
+    # a cut inside a character's bytes keeps whole characters (the model would read a U+FFFD)
+    japanese = "日本語のテキストを要約してください。" * 6
+    for limit in range(30, 70):
+        cut = prepare_prompt(tokenizer, japanese, dataclasses.replace(truncate, max_prompt_tokens=limit))
+        assert cut is None or (japanese.startswith(cut[0]) and "\ufffd" not in cut[0]), (limit, cut and cut[0])
     # Through a whole run: the rendered prompts are 34 to 46 tokens long.
     prompts = sample_prompts(prompts_file, 12)
     lengths = [len(encode_rendered(tokenizer, render_prompt(tokenizer, p["prompt"]))) for p in prompts]
@@ -424,6 +518,8 @@ class FakeServer:
                     server.times.append(time.monotonic())
                     fail = prompt in server.flaky
                     server.flaky.discard(prompt)
+                if self.path == "/old/v1/chat/completions":  # moved: urllib follows no redirect of a POST
+                    return self.reply(308, {}, headers={"Location": "/v1/chat/completions"})
                 if self.path != "/v1/chat/completions":
                     return self.reply(404, {"error": "not found"})
                 if fail:
@@ -589,6 +685,15 @@ def test_openai_backend_stops_on_a_wrong_endpoint(tmp_path, prompts_file):
             distill(config)
 
 
+def test_openai_backend_stops_on_a_moved_endpoint(tmp_path, prompts_file):
+    """A redirect is about the endpoint, not the prompt: every prompt was left out as refused and
+    the run ended with an empty file."""
+    with FakeServer() as server:
+        config = openai_config(prompts_file, tmp_path / "rows.jsonl", server.url + "/old", n=2)
+        with pytest.raises(RuntimeError, match="HTTP 308.*moved to '/v1/chat/completions'"):
+            distill(config)
+
+
 def test_openai_backend_gives_up_on_dead_server(tmp_path, prompts_file):
     with FakeServer() as server:
         url = server.url
@@ -634,6 +739,9 @@ def test_chat_template_flag_takes_a_file_or_the_template(tmp_path, prompts_file)
     for given in (str(template_file), VICUNA_LIKE):
         args = parser.parse_args(["--prompts", str(prompts_file), "--chat-template", given])
         assert config_from_args(args).chat_template == VICUNA_LIKE
+    long = VICUNA_LIKE.replace("{% for", "{# " + "x" * 300 + " #}{% for", 1)  # no path is that long
+    args = parser.parse_args(["--prompts", str(prompts_file), "--chat-template", long])
+    assert config_from_args(args).chat_template == long
     assert config_from_args(parser.parse_args(["--prompts", str(prompts_file)])).chat_template is None
 
 
