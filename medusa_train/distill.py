@@ -99,7 +99,8 @@ class DistillConfig:
         max_new_tokens, do_sample, temperature, top_p, seed: generation settings; ``seed`` also
             drives prompt sampling. Greedy rows do not depend on batching (float32); sampled rows
             are reproducible for the same batches (each batch is seeded from ``seed`` and its
-            ids), so a resumed run, which re-batches what is left, draws other samples.
+            ids), so a resumed run, which re-batches what is left, draws other samples; an
+            endpoint gets a seed of each prompt's own, from ``seed`` and its id.
         batch_size: prompts per ``generate`` call (local) or rows per sync (openai).
         format: ``"jsonl"``, or ``"arrow"`` to also save a ``datasets`` folder
             (``arrow_path(output)``) once the JSONL is complete.
@@ -988,12 +989,14 @@ def run_openai(
     else:
         logger.info("$%s is not set: no API key sent to %s", config.api_key_env, url)
 
-    def body_for(text: str) -> dict[str, Any]:
+    def body_for(prompt_id: str, text: str) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": config.model_label,
             "messages": row_messages({"prompt": text}, config.system_prompt),
             "max_tokens": config.max_new_tokens,
-            "seed": config.seed,
+            # a seed of each prompt's own: one seed for all would give every request the same random
+            # stream (vLLM seeds a generator per request), sampled answers drawn from the same numbers
+            "seed": _batch_seed(config.seed, [prompt_id]),
             "n": 1,
         }
         record = config.generation_record()
@@ -1029,7 +1032,7 @@ def run_openai(
             if job is None:
                 return False
             prompt, text = job
-            future = executor.submit(request_completion, url, body_for(text), headers, config, stopping)
+            future = executor.submit(request_completion, url, body_for(prompt["id"], text), headers, config, stopping)
             in_flight[future] = job
             return True
 

@@ -615,6 +615,12 @@ def test_openai_backend_rows_retries_and_resume(tmp_path, prompts_file, monkeypa
     assert body["temperature"] == 0.0 and body["messages"] == [{"role": "user", "content": body["messages"][0]["content"]}]
     assert all(h["Authorization"] == "Bearer secret" for h in server.headers)
     assert 1 <= server.peak <= 3
+    # each prompt its own seed (one for all: sampled answers drawn from the same random stream),
+    # the same one when it is asked again
+    seeds: dict[str, set] = {}
+    for request in server.requests:
+        seeds.setdefault(request["messages"][-1]["content"], set()).add(request["seed"])
+    assert all(len(s) == 1 for s in seeds.values()) and len(set.union(*seeds.values())) == len(seeds)
     # Flaky prompts were retried after their 503; rows written before the stop were not asked
     # for again (requests in flight at the stop are, as their answers were never written).
     assert all(asked.count(p["prompt"]) >= 2 for p in prompts[:5])
