@@ -363,6 +363,11 @@ def convert_value(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, float) and value.is_integer():
             return int(value)
         if isinstance(value, str):
+            try:  # digits exactly (a float would round past 2**53: a seed changed silently)
+                return int(value.strip().replace("_", ""), 0 if value.strip().lower().startswith(("0x", "0o", "0b"))
+                           else 10)
+            except ValueError:
+                pass
             try:
                 number = float(value)
             except ValueError:
@@ -470,8 +475,11 @@ def config_from_dict(values: dict[str, Any], overrides: list[str] | tuple[str, .
     for key, value in parse_overrides(overrides):
         _set_dotted(tree, key, value)
     data = tree.get("data")
-    if isinstance(data, dict) and data.get("per_source") and "n" not in data:
-        data["n"] = None  # quotas without data.n: take them whole, not cut to n's default
+    if isinstance(data, dict) and data.get("per_source") is not None and "n" not in data:
+        # quotas without data.n: take them whole, not cut to n's default (read as their type first:
+        # an override's "null" or "{}" sets no quotas)
+        if convert_value(data["per_source"], _fields(DataSection)["per_source"], "data.per_source"):
+            data["n"] = None
     config = _build(TrainConfig, tree)
     validate(config)
     return config

@@ -95,6 +95,11 @@ def test_overrides_are_typed_and_dotted():
     assert one.data.per_source["alpaca"] == 5
     with pytest.raises(ValueError, match="model.name: expected a non-empty string, got None"):
         config_from_dict({"model": {"name": None}, "data": {"prompts": "p.jsonl"}})
+    # integers past 2**53 keep every digit (they went through a float)
+    assert load_config(None, ["data.prompts=p.jsonl", "training.seed=9007199254740993"]).training.seed == 9007199254740993
+    # no quotas, written as null or {}: data.n keeps its default (it became "every prompt")
+    for empty in ("null", "~", "{}"):
+        assert load_config(None, ["data.prompts=p.jsonl", f"data.per_source={empty}"]).data.n == 300, empty
 
 
 @pytest.mark.parametrize("override, message", [
