@@ -481,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heldout-only", action="store_true",
                         help="print the trained heads' held-out accuracy and exit (reuses the run's data and "
                              "features, extracting the held-out split's where missing; trains and saves nothing)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides before and after the flags
     try:
         config = load_config(args.config, args.overrides)
         if args.push_to_hub:

@@ -478,3 +478,13 @@ def test_vicuna_recipes_render_fastchats_v1_1_conversation(path):
 def test_a_medusa2_recipe_without_lora_targets_is_refused_when_it_loads():
     with pytest.raises(ValueError, match=r"lora.target_modules is empty: Medusa-2 adapts those modules"):
         load_config(RECIPES / "smollm2-135m.yaml", ["training.mode=medusa2", "lora.target_modules=[]"])
+
+
+def test_overrides_go_before_and_after_the_flags(tmp_path, capsys):
+    import train_heads
+
+    out = tmp_path / "run"
+    assert train_heads.main(["--config", str(RECIPES / "smollm2-135m.yaml"), f"output_dir={out}", "--plan",
+                             "data.n=40"]) == 0
+    printed = capsys.readouterr().out
+    assert "answers 40 prompts" in printed and str(out) in printed
