@@ -964,7 +964,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--no-fallback keeps the medusa methods' trees fixed, and --methods has none of them: add one or "
                      "drop --no-fallback")
     if args.tree and args.tree.startswith("["):
-        args.tree = [tuple(p) for p in json.loads(args.tree)]
+        try:
+            paths = json.loads(args.tree)
+            if not isinstance(paths, list) or not all(isinstance(p, list) and all(
+                    isinstance(i, int) and not isinstance(i, bool) for i in p) for p in paths):
+                raise ValueError("not a list of lists of integers")
+        except ValueError as error:
+            parser.error(f"--tree {args.tree!r} is no tree: give a JSON list of paths, each a list of candidate "
+                         f"ranks such as [[0], [1], [0, 0]], or a name (fitted-N, ...) ({error})")
+        args.tree = [tuple(p) for p in paths]
+    for flag, value, least in (("--threads", args.threads, 1), ("--calibrate-questions", args.calibrate_questions, 1),
+                               ("--calibrate-context", args.calibrate_context, 1)):
+        if value is not None and value < least:
+            parser.error(f"{flag} must be at least {least}, got {value}")
+    if args.device is not None:
+        try:
+            device = torch.device(args.device)
+        except RuntimeError as error:
+            parser.error(f"--device {args.device!r} is no torch device (cpu, cuda, cuda:1, mps, ...): {error}")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            parser.error(f"--device {args.device}: this machine's PyTorch sees no CUDA device; use --device cpu")
     return args
 
 
@@ -1009,7 +1028,7 @@ def run(args: argparse.Namespace, started: float) -> int:
         from medusa_infer.decoding import resolve_tree
 
         resolve_tree(model, args.tree)  # a bad --tree (fitted-N on unmeasured heads, say) fails before any method runs
-    exclude = [int(x) if x.strip().isdigit() else x.strip() for x in args.exclude_ids.split(",") if x.strip()]
+    exclude = [x.strip() for x in args.exclude_ids.split(",") if x.strip()]  # as written: "007" is not 7
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     calibrated_on = calibration_question_ids(model, args.questions)

@@ -260,6 +260,12 @@ def test_heads_from_the_hub_name_their_base_model(model, tmp_path, monkeypatch):
         (["--methods", " , "], "--methods is empty; choose from"),
         (["--methods", "ar,hf,ar"], "--methods names ar more than once"),
         (["--methods", "ar", "--calibrated-heads", "out"], "--calibrated-heads is where --calibrate saves the heads"),
+        (["--methods", "medusa", "--heads", "h", "--tree", "[1, 2]"], "--tree '[1, 2]' is no tree"),
+        (["--methods", "medusa", "--heads", "h", "--tree", "[[0], [0,"], "--tree '[[0], [0,' is no tree"),
+        (["--methods", "ar", "--threads", "-1"], "--threads must be at least 1, got -1"),
+        (["--methods", "ar", "--device", "gpu"], "--device 'gpu' is no torch device"),
+        (["--methods", "ar", "--calibrate-context", "0"], "--calibrate-context must be at least 1, got 0"),
+        (["--methods", "ar", "--calibrate-questions", "0"], "--calibrate-questions must be at least 1, got 0"),
     ],
 )
 def test_bad_arguments_are_refused_before_loading_anything(argv, message, capsys):
@@ -293,6 +299,10 @@ def test_no_question_left_to_benchmark_is_an_error_not_an_empty_report(model, tm
                  "1,2,3,4,5", "--output", str(tmp_path / "out")])
     assert code == 2 and "no question of" in capsys.readouterr().err
     assert not (tmp_path / "out" / "report.json").exists()
+    # ids as written: "01" is no question here ("01" had been read as 1)
+    code = main(["--heads", str(heads), "--questions", str(questions), "--methods", "ar", "--exclude-ids",
+                 "01,02,03,04,05", "--limit", "1", "--max-new-tokens", "2", "--output", str(tmp_path / "out")])
+    assert code == 0 and (tmp_path / "out" / "report.json").exists()
 
 
 @pytest.mark.parametrize("given, expected", [(None, {"hf-lookup": 10, "lookup": 4, "medusa-lookup": 4}),
