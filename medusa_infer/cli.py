@@ -201,6 +201,18 @@ def raw_text(history: list[dict]) -> str:
     return "".join(("\n" if i and m["role"] == "user" else "") + m["content"] for i, m in enumerate(history))
 
 
+def continuation(tokenizer, text: str, tokens: Sequence[int]) -> str:
+    """The text ``tokens`` add after ``text``, as it reads there: decoded alone, an answer can lose the
+    space before its first word (SentencePiece's leading "▁", a word-level decoder's joining space), and
+    the next turn would glue it to the prompt."""
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    before = tokenizer.decode(ids, skip_special_tokens=True)
+    whole = tokenizer.decode(ids + list(tokens), skip_special_tokens=True)
+    if whole.startswith(before):
+        return whole[len(before):]
+    return tokenizer.decode(list(tokens), skip_special_tokens=True)  # a tokenizer that respells its text
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``medusa-generate``; errors found once the model is loaded (heads that do not fit it, options it
     refuses) are reported as ``medusa-generate: error: ...`` with exit status 2, as argument errors are."""
@@ -239,8 +251,10 @@ def generate_from_args(args: argparse.Namespace) -> int:
         if not line:
             break
         history.append({"role": "user", "content": line})
-        result = run_turn(model, args, history if use_template else None, None if use_template else raw_text(history))
-        answer = tokenizer.decode(result.new_tokens[0], skip_special_tokens=True)
+        text = None if use_template else raw_text(history)
+        result = run_turn(model, args, history if use_template else None, text)
+        answer = tokenizer.decode(result.new_tokens[0], skip_special_tokens=True) if use_template else \
+            continuation(tokenizer, text, result.new_tokens[0])
         history.append({"role": "assistant", "content": answer})
     return 0
 

@@ -141,20 +141,32 @@ def test_errors_after_loading_are_reported_without_a_traceback(monkeypatch, caps
     assert "--system goes into the chat template, and this model's tokenizer has none" in capsys.readouterr().err
 
 
-def test_raw_chat_sends_the_whole_conversation(monkeypatch, capsys):
+@pytest.mark.parametrize("tokenizer", ["words", "metaspace"])
+def test_raw_chat_sends_the_whole_conversation(monkeypatch, capsys, tokenizer):
+    """The next turn's text holds the answer as the model wrote it after the prompt: with a
+    SentencePiece-style tokenizer an answer decoded alone loses its first word's space (it was
+    glued to the prompt: 'the catwoman ...')."""
     import medusa_infer.cli as cli
     import medusa_infer.decoding as decoding
-    from tiny import word_medusa
+    from medusa_infer.model import MedusaModel
+    from tiny import metaspace_tokenizer, tiny_model, word_medusa
 
-    stream, prompts = decoding.stream, []
+    if tokenizer == "words":
+        model = word_medusa()
+    else:
+        spaced = metaspace_tokenizer()
+        model = MedusaModel.from_base(tiny_model("llama", seed=1, vocab_size=len(spaced)), num_heads=3,
+                                      tokenizer=spaced)
+    stream, prompts, streams = decoding.stream, [], []
 
     def spy(*a, prompt=None, **kw):
         prompts.append(prompt)
-        return stream(*a, prompt=prompt, **kw)
+        streams.append(stream(*a, prompt=prompt, **kw))
+        return streams[-1]
 
     lines = iter(["the cat", "the dog", ""])
     monkeypatch.setattr(decoding, "stream", spy)
-    monkeypatch.setattr(cli, "load", lambda args: word_medusa())
+    monkeypatch.setattr(cli, "load", lambda args: model)
     monkeypatch.setattr("builtins.input", lambda _: next(lines))
     assert cli.main(["--chat", "--raw", "--max-new-tokens", "3"]) == 0
     answer = capsys.readouterr().out.splitlines()[0]
@@ -163,6 +175,9 @@ def test_raw_chat_sends_the_whole_conversation(monkeypatch, capsys):
                                        {"role": "assistant", "content": prompts[1][len("the cat"):-len("\nthe dog")]},
                                        {"role": "user", "content": "the dog"}])
     assert answer.strip() and len(prompts) == 2
+    encode = lambda text: model.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    written = list(streams[0].result().new_tokens[0])
+    assert encode(prompts[1][: -len("\nthe dog")]) == encode("the cat") + written
 
 
 def test_an_empty_system_message_is_sent_not_dropped(monkeypatch, capsys):
