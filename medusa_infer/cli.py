@@ -35,7 +35,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--draft-model", help="draft model for --method draft (same tokenizer as the model)")
     parser.add_argument("--draft-tokens", type=int, default=None,
                         help="tokens proposed a step by draft, layerskip (the first k) and lookup (default 4; lookup "
-                             "with heads that carry a cost profile: the length that pays, up to 16)")
+                             "with heads that carry a cost profile: the length that pays, up to this, or 16 when not "
+                             "given)")
     parser.add_argument("--draft-schedule", choices=SCHEDULES, default=None,
                         help="draft and layerskip: adapt k to the acceptance (heuristic, the default) or keep "
                              "it (constant)")
@@ -153,6 +154,12 @@ def check_method_flags(parser: argparse.ArgumentParser, args: argparse.Namespace
     if args.lookup_tokens and args.method != "medusa":
         parser.error(f"--lookup-tokens grafts lookup onto the Medusa tree (--method medusa); with --method "
                      f"{args.method} use --draft-tokens")
+    if getattr(args, "datastore", True) is False and not (
+            args.method == "lookup" or (args.method == "medusa" and args.lookup_tokens)):
+        parser.error(f"--no-datastore keeps lookup drafts (--method lookup, or medusa with --lookup-tokens) off the "
+                     f"heads' datastore, and --method {args.method} drafts none: drop --no-datastore")
+    if args.method == "lookup" and getattr(args, "draft_tokens", None) is not None:
+        args.lookup_max_tokens = args.draft_tokens  # with a cost profile: the longest draft its gate may choose
     # the proposer flags each method reads (medusa-serve has some of them only)
     readers = {"--draft-tokens": ("draft_tokens", ("draft", "layerskip", "lookup")),
                "--layerskip-layers": ("layerskip_layers", ("layerskip",)),

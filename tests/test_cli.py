@@ -59,6 +59,8 @@ def parse_error(capsys, argv: list[str]) -> str:
         (["--method", "layerskip", "--lookup-max-ngram", "2", "hi"], "--lookup-max-ngram is read by --method lookup"),
         (["--heads", "h", "--lookup-min-ngram", "2", "hi"], "--lookup-min-ngram shapes the lookup chain that "
                                                             "--lookup-tokens grafts onto the Medusa tree"),
+        (["--no-datastore", "hi"], "--method autoregressive drafts none: drop --no-datastore"),
+        (["--heads", "h", "--no-datastore", "hi"], "--method medusa drafts none: drop --no-datastore"),
     ],
 )
 def test_bad_arguments_are_refused_before_loading_anything(capsys, argv, message):
@@ -117,6 +119,10 @@ def test_no_fallback_keeps_the_tree_given_on_calibrated_heads(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--no-fallback", "hi"])
     assert "--no-fallback keeps the Medusa tree" in capsys.readouterr().err
+    # --draft-tokens given to lookup on such heads caps the drafts its gate chooses (it went up to 16)
+    lookup = build_proposer("lookup", model, parse_args(["--method", "lookup", "--draft-tokens", "1", "hi"]))
+    assert lookup.gate is not None and lookup.max_tokens == 1
+    assert build_proposer("lookup", model, parse_args(["--method", "lookup", "hi"])).max_tokens == 16
 
 
 def test_errors_after_loading_are_reported_without_a_traceback(monkeypatch, capsys, tmp_path):
