@@ -66,7 +66,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--draft-model", help="draft model for --method draft (only)")
     parser.add_argument("--draft-tokens", type=int, default=None,
                         help="draft / lookup tokens a step (lookup with a cost profile: the length that pays, "
-                             "up to 16)")
+                             "up to this, or 16 when not given)")
     parser.add_argument("--layerskip-layers", type=int, default=None,
                         help="target layers used as the draft by --method layerskip")
     parser.add_argument("--trust-remote-code", action="store_true",
