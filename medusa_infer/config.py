@@ -78,6 +78,13 @@ class MedusaConfig:
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
+        for name, kind in (("num_heads", int), ("num_layers", int), ("hidden_size", int), ("vocab_size", int),
+                           ("top_k", int), ("next_token_input", bool), ("path_input", bool), ("training", dict),
+                           ("reduced_vocab_size", (int, type(None))), ("tree", (list, type(None)))):
+            value = getattr(self, name)
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+                raise ValueError(f"heads config {name} must be {names.replace('NoneType', 'null')}, got {value!r}")
         if self.num_heads < 1:
             raise ValueError(f"num_heads must be >= 1, got {self.num_heads}")
         if self.num_layers < 0:
@@ -128,6 +135,8 @@ class MedusaConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "MedusaConfig":
+        if not isinstance(data, dict):
+            raise ValueError(f"a heads config is a JSON object of settings, got {type(data).__name__}: {data!r:.80}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

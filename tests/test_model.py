@@ -564,6 +564,27 @@ def test_truncated_weights_file_is_reported(saved):
         MedusaModel.from_pretrained(directory, base_model=base)
 
 
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: None, "a heads config is a JSON object of settings, got NoneType"),
+    (lambda c: [], "a heads config is a JSON object of settings, got list"),
+    (lambda c: {**c, "num_heads": "3"}, "heads config num_heads must be int, got '3'"),
+    (lambda c: {**c, "training": None}, "heads config training must be dict, got None"),
+    (lambda c: {**c, "next_token_input": "yes"}, "heads config next_token_input must be bool"),
+])
+def test_a_config_of_the_wrong_shape_is_named(saved, edit, message):
+    """Valid JSON that is no heads config: a ValueError naming the value (TypeError or AttributeError
+    tracebacks, or loaded heads that failed when saved again)."""
+    directory, base = saved
+    path = directory / "config.json"
+    original = path.read_text()
+    try:
+        path.write_text(json.dumps(edit(json.loads(original))))
+        with pytest.raises(ValueError, match=message):
+            MedusaModel.from_pretrained(directory, base_model=base)
+    finally:
+        path.write_text(original)
+
+
 def test_unknown_config_key_is_named(saved):
     directory, base = saved
     path = directory / "config.json"
