@@ -129,7 +129,11 @@ class MedusaConfig:
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        if data["chat_template"] is None:  # the common case, readable by releases that predate the field
+        recipe = ((data["training"] or {}).get("recipe") or {}).get("model") or {}
+        # None is left out, the common case, readable by releases that predate the field; it is kept
+        # where the recipe names a template, which from_dict would otherwise take (heads set back to the
+        # tokenizer's own template came back with the recipe's)
+        if data["chat_template"] is None and not (isinstance(recipe, dict) and recipe.get("chat_template")):
             del data["chat_template"]
         return data
 
@@ -156,7 +160,7 @@ class MedusaConfig:
             # calibrated under version 1: per-rank accuracies, made cumulative here
             data = {**data, "head_accuracies": [[round(sum(row[: j + 1]), 5) for j in range(len(row))]
                                                 for row in data["head_accuracies"]]}
-        if data.get("chat_template") is None:  # heads saved before the field: their recipe's template
+        if "chat_template" not in data:  # heads saved before the field: their recipe's template
             recipe_model = ((data.get("training") or {}).get("recipe") or {}).get("model") or {}
             data = {**data, "chat_template": recipe_model.get("chat_template")}
         return cls(**{**data, "format_version": FORMAT_VERSION})

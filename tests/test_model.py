@@ -350,6 +350,12 @@ def test_heads_trained_on_a_recipes_chat_template_bring_it_to_the_tokenizer(tmp_
     other.chat_template = "{{ messages[0]['content'] }}"
     MedusaModel.from_pretrained(tmp_path / "own", base_model=model.base_model, tokenizer=other)
     assert other.chat_template == "{{ messages[0]['content'] }}"
+    # heads trained on a recipe's template, set back to the tokenizer's own, stay so once saved
+    loaded = MedusaModel.from_pretrained(tmp_path, base_model=model.base_model)
+    loaded.config.chat_template = None
+    loaded.save_pretrained(tmp_path / "reset")
+    again = MedusaModel.from_pretrained(tmp_path / "reset", base_model=model.base_model, tokenizer=other)
+    assert again.config.chat_template is None and other.chat_template == "{{ messages[0]['content'] }}"
 
 
 # ----- FasterDecoding layout
