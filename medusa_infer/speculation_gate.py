@@ -31,13 +31,16 @@ weight a server that had spent a request on text its drafts missed (a sampled re
 heads, say) took several probes, hundreds of plain steps, to speculate again on text they fit.
 
 The gate is bookkeeping: ``gated_step`` asks it, times one step of a ``decoding.DecodeBatch`` and
-reports the step back. The serving engine keeps one gate for its lifetime; ``decoding.stream``
+reports the step back. The serving engine keeps one gate for its lifetime, and a ``sibling`` of it
+per sampling setting (greedy, temperature 1, ...): their drafts are accepted at other rates, and a
+sampled batch's low yield would otherwise turn speculation off for a greedy batch beside it; ``decoding.stream``
 uses one per call for greedy batches, or the one it is given (so a caller running many batches
 can let the gate learn across them).
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -86,6 +89,16 @@ class SpeculationGate:
         self.speculative_steps = 0
         self.plain_steps = 0
         self._credit = 0.0  # seconds of probing earned by plain steps
+
+    def sibling(self) -> "SpeculationGate":
+        """A gate for other text (another sampling setting, whose drafts are accepted at another
+        rate): the same step-time table, shared, which the steps of both teach; its own yield per
+        speculative step (``a``, ``v``), counts and probing credit, from scratch."""
+        other = copy.copy(self)  # shallow: the table of step times is the same dict
+        other.tokens_per_row = other.verified_per_row = 1.0
+        other.speculative_steps = other.plain_steps = 0
+        other._credit, other._probing = 0.0, False
+        return other
 
     # -- what has been measured ---------------------------------------------------------------
 

@@ -237,6 +237,42 @@ def test_a_seeded_request_is_never_gated(model):
     assert first == second
 
 
+def test_each_sampling_setting_has_its_own_yield_and_shares_the_step_times():
+    """A sampled batch's drafts are accepted far less than a greedy one's: with one gate for both, the
+    sampled batch's yield turned speculation off for the greedy batch beside it."""
+
+    def seconds(n):  # a forward of n tokens on a CPU a batch already fills
+        return 0.010 * (1 + 0.25 * (n - 1))
+
+    rows, verified = 2, 3  # two rows, a 2-token draft each
+    yields = {"greedy": 2.2, "sampled": 1.05}  # tokens a speculative step emits per row
+    engine_gate = SpeculationGate()
+    gates = {kind: engine_gate.sibling() for kind in yields}
+    speculated = dict.fromkeys(yields, 0)
+    for step in range(3000):
+        kind = ("greedy", "sampled")[step % 2]
+        gate = gates[kind]
+        spec = gate.speculate(rows)
+        gate.record(rows, spec, rows * (yields[kind] if spec else 1.0),
+                    seconds(rows * verified) if spec else seconds(rows), rows * verified if spec else rows)
+        speculated[kind] += spec
+    # greedy: 1.22x plain when speculating; sampled: 0.58x (measured alone, each gate decides so)
+    assert speculated["greedy"] > 1400 and speculated["sampled"] < 150, speculated
+    assert gates["greedy"]._times is gates["sampled"]._times is engine_gate._times
+    assert gates["greedy"].tokens_per_row > 2 > 1.1 > gates["sampled"].tokens_per_row
+
+
+def test_the_engine_keeps_a_gate_per_sampling_setting(model):
+    greedy, sampled = SamplingConfig(), SamplingConfig(acceptance="lossless", temperature=1.0)
+    with serve(model, "medusa") as (_, engine):
+        first = engine._gate_for(greedy)
+        assert first is engine._gate_for(greedy) and first is not engine._gate_for(sampled)
+        assert first._times is engine._gate_for(sampled)._times is engine.gate._times
+        assert engine._gate_for(("seeded", 3)) is None
+        engine.gate = Forced(lambda batch: True)  # a gate put in its place is the one asked
+        assert engine._gate_for(greedy).rule is engine.gate.rule
+
+
 def test_autoregressive_has_no_gate(model):
     with serve(model, "autoregressive") as (_, engine):
         assert engine.gate is None

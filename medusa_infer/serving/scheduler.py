@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 import types
-from collections import deque
+from collections import OrderedDict, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterator
@@ -44,6 +44,9 @@ from medusa_infer.serving.metrics import ServingMetrics
 from medusa_infer.speculation_gate import SpeculationGate, gated_step
 
 log = logging.getLogger(__name__)
+
+MAX_GATES = 16
+"""Sampling settings whose speculation gate the engine keeps (the most recently used)."""
 
 ABORT_REASONS = ("disconnect", "timeout", "error", "shutdown")
 """``Update.finish`` of a request that did not finish by itself (see ``DecodeBatch.finish`` for the rest)."""
@@ -191,6 +194,8 @@ class Engine:
         if gate is None or gate is True:
             gate = SpeculationGate() if method != "autoregressive" else None
         self.gate: SpeculationGate | None = gate or None
+        # per sampling setting, a sibling of the gate (its step times, its own yield per step): see _gate_for
+        self._gates: OrderedDict[Hashable, tuple[SpeculationGate, SpeculationGate]] = OrderedDict()
         self.context_length = context_length(model)
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else 0
@@ -385,7 +390,7 @@ class Engine:
         self.metrics.batch_row_steps.inc(rows)
         # A seeded request's batch is never gated: which steps speculate changes how its random
         # generator is drawn, and its output must depend on its seed alone, not on timings.
-        gate = None if isinstance(running.key, tuple) else self.gate
+        gate = self._gate_for(running.key)
         try:
             emitted, speculated = gated_step(running.batch, gate)
         except Exception as error:
@@ -396,6 +401,21 @@ class Engine:
             self.metrics.gated_steps.inc()
         self._record_speculation(before, _spec_counts(running.batch.metrics))
         self._deliver(running, emitted)
+
+    def _gate_for(self, key: Hashable) -> SpeculationGate | None:
+        """The gate of batches of ``key``: a seeded request's batch has none (which steps speculate
+        changes how its random generator is drawn, and its output must depend on its seed alone, not
+        on timings); other batches share ``self.gate``'s step times, each sampling setting with a
+        yield per speculative step of its own (the last ``MAX_GATES`` settings are kept)."""
+        if self.gate is None or isinstance(key, tuple):
+            return None
+        found = self._gates.get(key)
+        if found is None or found[0] is not self.gate:  # new, or the engine's gate was replaced
+            found = self._gates[key] = (self.gate, self.gate.sibling())
+            while len(self._gates) > MAX_GATES:
+                self._gates.popitem(last=False)
+        self._gates.move_to_end(key)
+        return found[1]
 
     def _deliver(self, running: _Running, emitted: dict[int, list[int]]) -> None:
         batch, now = running.batch, time.monotonic()
