@@ -639,8 +639,13 @@ def stream(
         proposer = AutoregressiveProposer(model)  # no heads: plain decoding, one token a step
     elif proposer is None:
         paths = resolve_tree(model, tree)
-        proposer = MedusaProposer(model, paths, controller=make_controller(model, paths, adaptive, step_costs),
-                                  lookup_tokens=lookup_tokens, datastore=getattr(model, "datastore", None))
+        controller = make_controller(model, paths, adaptive, step_costs)
+        if controller is None and step_costs is not None:
+            raise ValueError("step_costs= is learned by the adaptive fallback, which this call does not run "
+                             "(adaptive=False, heads without a calibration, or plain decoding asked for): drop "
+                             "step_costs=")
+        proposer = MedusaProposer(model, paths, controller=controller, lookup_tokens=lookup_tokens,
+                                  datastore=getattr(model, "datastore", None))
     elif tree is not None:
         raise ValueError(f"tree={tree!r} shapes the Medusa proposer that stream() builds; it does not apply to a "
                          "proposer passed in (give the tree to the proposer, e.g. proposers.build_proposer's tree "

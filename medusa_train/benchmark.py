@@ -405,7 +405,8 @@ class Runner:
             sampling = dict(do_sample=True, acceptance="typical", temperature=self.args.temperature)
         elif method == "medusa-lossless":
             sampling = dict(do_sample=True, acceptance="lossless", temperature=self.args.temperature)
-        if method in ("medusa", "medusa-lookup") and self.args.step_costs == "learned" and self.args.fallback:
+        if method in ("medusa", "medusa-lookup") and self.args.step_costs == "learned" and self.args.fallback \
+                and self._adaptive():
             # kept across questions; greedy only, whose output does not depend on the trees (a
             # seeded sample's would then depend on the clock)
             options.step_costs = self.step_costs.setdefault(method, StepCosts())
@@ -432,6 +433,17 @@ class Runner:
         out = run.result()  # what generate() returns; the stream also keeps each row's step count
         m = out.metrics
         return out.new_tokens, list(run.state.row_steps), set_up + m.ttft_s, set_up + m.total_s
+
+
+    def _adaptive(self) -> bool:
+        """Whether the medusa methods run the adaptive fallback (calibrated heads, a tree to shrink or
+        calibrated plain decoding to grow from), whose controller learns step costs."""
+        from medusa_infer.decoding import resolve_tree
+
+        config = self.model.config
+        if not (config.head_accuracies and config.cost_profile):
+            return False
+        return bool(resolve_tree(self.model, self.args.tree)) or config.tree == []
 
 
 def hf_answer(row: list[int], eos: Sequence[int]) -> list[int]:

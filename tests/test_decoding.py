@@ -504,6 +504,16 @@ def test_medusa_options_without_heads_are_refused(kwargs, name):
         generate(model, torch.tensor([[5, 6, 7, 5, 6, 7]]), max_new_tokens=4, eos_token_id=NO_EOS, **kwargs)
 
 
+def test_step_costs_without_an_adaptive_fallback_are_refused():
+    """step_costs= is learned by the fallback's controller: where the call runs none (adaptive=False,
+    heads without a calibration) it went unused, silently."""
+    model = medusa("llama")  # uncalibrated heads: no fallback
+    for kwargs in (dict(), dict(adaptive=False)):
+        costs = StepCosts()
+        with pytest.raises(ValueError, match="step_costs= is learned by the adaptive fallback"):
+            generate(model, torch.tensor([[5, 6, 7]]), max_new_tokens=3, step_costs=costs, **kwargs)
+
+
 def test_a_stop_string_given_as_one_str_is_one_stop_string():
     """Hugging Face takes ``stop_strings="..."``: it is one stop string, not one per character."""
     from tiny import word_medusa
