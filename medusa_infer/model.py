@@ -10,6 +10,7 @@ decoding loop's own objects.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -90,8 +91,9 @@ def check_supported(base_model: PreTrainedModel) -> None:
     after the ``lm_head`` (the heads project without it), ALiBi position biases (computed from cache slot
     indices, not position ids: a tree's siblings and a batch's left padding would get other biases than
     their positions), attention layers the 4D masks cannot express (chunked attention, GPT-Neo's local
-    layers), no key/value cache (RWKV's recurrent state), or an output projection applied after a
-    transform of the final hidden states (BERT-style LM heads)."""
+    layers), no key/value cache (RWKV's recurrent state, GPT-1), positions numbered from the cache's
+    length rather than taken as ids (BART's and TrOCR's decoders), or an output projection applied
+    after a transform of the final hidden states (BERT-style LM heads, ModernBERT's decoder)."""
     name = type(base_model).__name__
     if hasattr(base_model, "peft_config") and hasattr(base_model, "get_base_model"):
         raise NotImplementedError(f"{name} is a peft wrapper: pass the model it wraps (get_base_model()), with "
@@ -99,13 +101,16 @@ def check_supported(base_model: PreTrainedModel) -> None:
                                   "the adapter through MedusaModel.from_pretrained, which merges it")
     text = base_model.config.get_text_config()
     supports_cache = getattr(type(base_model), "_supports_default_dynamic_cache", None)
-    if supports_cache is not None and not supports_cache():
+    inputs = inspect.signature(type(base_model).forward).parameters
+    if (supports_cache is not None and not supports_cache()) or not {"cache", "past_key_values"} & set(inputs):
         raise NotImplementedError(f"{name} keeps no key/value cache transformers' DynamicCache holds (a recurrent "
-                                  "state or a cache of its own), which tree steps cut back to the accepted path; "
-                                  "medusa-forge supports attention models with a key/value cache")
+                                  "state, a cache of its own, or none at all), which tree steps cut back to the "
+                                  "accepted path; medusa-forge supports attention models with a key/value cache")
     output = base_model.get_output_embeddings()
+    head = getattr(base_model, "lm_head", None)
     if text.model_type in TRANSFORMED_LM_HEAD_TYPES or (
-            output is not None and not any(child is output for child in base_model.children())):
+            output is not None and not any(child is output for child in base_model.children())) or (
+            isinstance(head, nn.Module) and output is not None and head is not output):
         raise NotImplementedError(f"{name} applies its output projection inside a larger LM head (a transform of "
                                   "the final hidden states first), which Medusa heads, projecting hidden states "
                                   "with it alone, would skip; medusa-forge supports models whose lm_head reads the "
@@ -118,6 +123,11 @@ def check_supported(base_model: PreTrainedModel) -> None:
         raise NotImplementedError(f"{name} ({text.model_type}) adds ALiBi position biases computed from cache slots, "
                                   "not position ids, so tree steps and left-padded batches would not decode as the "
                                   "model does; medusa-forge supports rotary or learned positions")
+    if "position_ids" not in inputs:
+        raise NotImplementedError(f"{name} takes no position_ids: it numbers new tokens from the cache's length, so "
+                                  "a tree's nodes (each at its own depth) and a left-padded batch's rows would get "
+                                  "other positions than their own; medusa-forge supports models that take position "
+                                  "ids")
     if "local" in (getattr(text, "attention_layers", None) or ()):  # GPT-Neo
         raise NotImplementedError(f"{name} has local attention layers, whose window is a buffer indexed by cache "
                                   "slot, not position, so once the cache's slots pass the window (256 in "
@@ -633,6 +643,11 @@ def _load_base(
     """An already loaded model passes through; a name is resolved and loaded with its tokenizer."""
     if isinstance(base_model, PreTrainedModel):
         return base_model, tokenizer, getattr(base_model, "name_or_path", None) or None
+    if isinstance(base_model, nn.Module):
+        if hasattr(base_model, "peft_config"):
+            check_supported(base_model)  # a peft wrapper is named there, with the ways to pass it
+        raise ValueError(f"base_model is a {type(base_model).__name__}, not a transformers PreTrainedModel: pass the "
+                         "model itself (for a torch.compile'd one, its _orig_mod) or its name")
     from medusa_infer.models import load_base_model, load_tokenizer
 
     name = str(base_model)

@@ -123,8 +123,12 @@ def test_a_peft_wrapper_as_the_base_model_is_refused_by_name():
     """A PeftModel given as the base model: named, with the ways to pass it (it was refused as an LM head
     with a transform, and before that crashed on the wrapper's outputs)."""
     wrapped = get_peft_model(tiny_model("llama"), LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"]))
-    with pytest.raises(NotImplementedError, match=r"PeftModel is a peft wrapper: pass the model it wraps"):
-        MedusaModel(wrapped, None)
+    for build in (lambda: MedusaModel(wrapped, None), lambda: MedusaModel.from_base(wrapped, num_heads=2),
+                  lambda: MedusaModel.without_heads(wrapped)):  # the constructors took its repr as a path
+        with pytest.raises(NotImplementedError, match=r"PeftModel is a peft wrapper: pass the model it wraps"):
+            build()
+    with pytest.raises(ValueError, match=r"base_model is a Linear, not a transformers PreTrainedModel"):
+        MedusaModel.without_heads(torch.nn.Linear(2, 2))
 
 
 def test_faster_decoding_export_warns_that_the_adapter_is_left_out(heads_folder, tmp_path, caplog):

@@ -52,11 +52,19 @@ REFUSED: dict[str, tuple[dict, str]] = {
     "rwkv": ({**_NO_MLP, "attention_hidden_size": 32}, "keeps no key/value cache"),
     "bert": ({"is_decoder": True}, "applies its output projection inside a larger LM head"),
     "electra": ({"is_decoder": True, "embedding_size": 32}, "applies its output projection inside a larger LM head"),
+    "modernbert-decoder": ({"local_attention": 8, "cls_token_id": 1, "sep_token_id": 2},
+                           "applies its output projection inside a larger LM head"),
+    "openai-gpt": ({"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 256}, "keeps no key/value cache"),
+    "bart": ({"d_model": 32, "encoder_layers": 1, "decoder_layers": 2, "encoder_attention_heads": 4,
+              "decoder_attention_heads": 4, "decoder_ffn_dim": 64, "encoder_ffn_dim": 64, "is_decoder": True},
+             "takes no position_ids"),
+    "trocr": ({"d_model": 32, "decoder_layers": 2, "decoder_attention_heads": 4, "decoder_ffn_dim": 64},
+              "takes no position_ids"),
 }
 
 
 def tiny(name: str, settings: dict, seed: int = 0) -> torch.nn.Module:
-    model_type = name.split("-")[0]
+    model_type = name if name in ("modernbert-decoder", "openai-gpt") else name.split("-")[0]
     values = {k: v for k, v in {**_BASE, **settings}.items() if v is not None}
     if model_type == "mpt":
         values = {k: values[k] for k in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")} | settings
