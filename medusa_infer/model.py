@@ -140,6 +140,42 @@ def check_supported(base_model: PreTrainedModel) -> None:
                                   f"supports {' and '.join(TREE_LAYER_TYPES)} layers")
 
 
+PROCESSOR_SETTINGS = ("repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size",
+                      "encoder_no_repeat_ngram_size", "bad_words_ids", "sequence_bias", "min_length", "min_new_tokens",
+                      "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id",
+                      "exponential_decay_length_penalty", "guidance_scale", "renormalize_logits", "watermarking_config")
+"""``GenerationConfig`` fields that add logits processors to decoding (penalties, banned or forced tokens,
+minimum lengths). A model's ``generation_config.json`` may set them (Qwen2.5-Instruct ships a repetition
+penalty); medusa-forge decodes plain greedy or samples the model's distribution, applying none."""
+
+
+def processor_settings(base_model: Any) -> dict[str, Any]:
+    """The ``PROCESSOR_SETTINGS`` that ``base_model``'s generation config sets to something other than
+    a neutral value (None, off, 0, 1 for the multiplicative ones, empty)."""
+    config = getattr(base_model, "generation_config", None)
+    found = {}
+    for name in PROCESSOR_SETTINGS:
+        value = getattr(config, name, None)
+        if value is None or value is False or (isinstance(value, (list, tuple, dict)) and not value):
+            continue
+        if isinstance(value, (int, float)) and value == (1 if name in ("repetition_penalty",
+                                                                       "encoder_repetition_penalty",
+                                                                       "guidance_scale") else 0):
+            continue
+        found[name] = value
+    return found
+
+
+def _warn_processors(base_model: PreTrainedModel) -> None:
+    """Say which of its generation config's logits processors decoding here leaves out."""
+    found = processor_settings(base_model)
+    if found:
+        settings = ", ".join(f"{name}={value!r}" for name, value in found.items())
+        logger.warning("%s's generation_config sets %s, which medusa-forge does not apply: greedy decoding here is "
+                       "plain greedy (model.generate with these settings gives other text; set them to None in "
+                       "base_model.generation_config to compare)", type(base_model).__name__, settings)
+
+
 def _warn_longrope(base_model: PreTrainedModel) -> None:
     """Say that a LongRoPE model decodes within its original context here."""
     from medusa_infer.decoding import longrope_original_length
@@ -177,6 +213,7 @@ class MedusaModel(nn.Module):
         super().__init__()
         check_supported(base_model)
         _warn_longrope(base_model)
+        _warn_processors(base_model)
         if heads is not None:
             check_compatible(heads.config, base_model)
             heads = heads.to(device=base_model.device, dtype=base_model.dtype)

@@ -57,6 +57,7 @@ from medusa_infer.attention_kernels import decoding_attention
 from medusa_infer.checkpoint import load_heads_state
 from medusa_infer.decoding import context_length
 from medusa_infer.interop import base_model_name, is_medusa_layout, read_medusa_layout
+from medusa_infer.model import PROCESSOR_SETTINGS
 from medusa_infer.proposers.lookup import LOOKUP_MAX_TOKENS
 from medusa_train.evaluate import HeadAccuracy, head_accuracy
 
@@ -281,15 +282,6 @@ def question_problem(row: Any) -> str | None:
     if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
         return f"turns must be a non-empty list of strings, got {turns!r}"
     return None
-
-
-#: ``GenerationConfig`` fields that add logits processors to greedy decoding (penalties, banned or forced
-#: tokens, minimum lengths): a model's ``generation_config.json`` may set them (Qwen2.5-Instruct ships a
-#: repetition penalty), and plain decoding, which the baseline stands for, applies none.
-PROCESSOR_SETTINGS = ("repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size",
-                      "encoder_no_repeat_ngram_size", "bad_words_ids", "sequence_bias", "min_length", "min_new_tokens",
-                      "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id",
-                      "exponential_decay_length_penalty", "guidance_scale", "renormalize_logits", "watermarking_config")
 
 
 @contextlib.contextmanager

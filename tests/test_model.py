@@ -591,6 +591,22 @@ def test_a_config_of_the_wrong_shape_is_named(saved, edit, message):
         path.write_text(original)
 
 
+def test_logits_processors_a_generation_config_asks_for_are_named_when_loaded(caplog):
+    """Decoding here is plain greedy: a repetition penalty in the model's generation_config (as
+    Qwen2.5-Instruct ships) makes model.generate give other text, and loading says so."""
+    from medusa_infer.model import processor_settings
+
+    base = base_model("llama")
+    assert processor_settings(base) == {}
+    MedusaModel.without_heads(base)
+    assert "does not apply" not in caplog.text
+    base.generation_config.repetition_penalty, base.generation_config.no_repeat_ngram_size = 1.05, 0
+    assert processor_settings(base) == {"repetition_penalty": 1.05}
+    MedusaModel.without_heads(base)
+    assert "LlamaForCausalLM's generation_config sets repetition_penalty=1.05, which medusa-forge does not apply" \
+        in caplog.text
+
+
 def test_unknown_config_key_is_named(saved):
     directory, base = saved
     path = directory / "config.json"
