@@ -133,6 +133,11 @@ def check_supported(base_model: PreTrainedModel) -> None:
                                   "slot, not position, so once the cache's slots pass the window (256 in "
                                   "EleutherAI's models) tree steps would not decode as the model does; medusa-forge "
                                   f"supports {' and '.join(TREE_LAYER_TYPES)} layers")
+    if "flex" in str(getattr(base_model.config, "_attn_implementation", "")):
+        raise NotImplementedError(f"{name} is loaded with flex attention, to which tree steps' 4D masks go as a score "
+                                  "function that PyTorch's CPU kernels fail on (an index error, or an abort in a "
+                                  "padded batch) and no test here runs on a GPU: load it with "
+                                  "attn_implementation='sdpa' or 'eager'")
     other = sorted({t for t in getattr(text, "layer_types", None) or () if t not in TREE_LAYER_TYPES})
     if other:
         raise NotImplementedError(f"{name} has {', '.join(other)} layers, which tree steps (a 4D attention mask, "

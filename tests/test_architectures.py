@@ -94,6 +94,15 @@ def test_what_cannot_decode_exactly_is_refused_by_name(name):
         MedusaModel.from_base(tiny(name, settings), num_heads=2)
 
 
+def test_flex_attention_is_refused_by_name():
+    """Tree steps' float masks under flex attention failed at the first tree step on the CPU (or aborted
+    the process in a padded batch)."""
+    from tiny import tiny_model
+
+    with pytest.raises(NotImplementedError, match="is loaded with flex attention"):
+        MedusaModel.from_base(tiny_model("llama", attn_implementation="flex_attention"), num_heads=2)
+
+
 def test_longrope_models_decode_up_to_their_original_context(caplog):
     """Past ``original_max_position_embeddings`` a LongRoPE model (Phi-3-128k) switches its rotary factors for
     the whole forward by its largest position, and ``generate`` re-encodes the history: decoding stops there
