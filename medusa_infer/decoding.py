@@ -615,6 +615,10 @@ def stream(
     accepted. Arguments as ``generate``; nothing runs until the stream is iterated."""
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     input_ids, attention_mask = _prepare_inputs(model, tokenizer, input_ids, attention_mask, prompt, messages)
+    # None is "not set", as Hugging Face's generate takes it
+    temperature = 1.0 if temperature is None else temperature
+    top_k, top_p = (0 if top_k is None else top_k), (1.0 if top_p is None else top_p)
+    stop_strings = () if stop_strings is None else stop_strings
     if acceptance is None:
         acceptance = "lossless" if do_sample else "greedy"
     if not do_sample and acceptance != "greedy":
@@ -762,6 +766,8 @@ class _TextTracker:
 
 
 def _eos_ids(model, tokenizer, eos_token_id) -> tuple[int, ...]:
+    if isinstance(eos_token_id, torch.Tensor):  # a 0-d tensor or a vector of ids
+        eos_token_id = eos_token_id.tolist()
     if eos_token_id is not None:
         ids = [eos_token_id] if isinstance(eos_token_id, numbers.Integral) else eos_token_id
         vocab = model.base_model.get_output_embeddings().weight.shape[0]

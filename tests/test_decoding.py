@@ -504,6 +504,21 @@ def test_medusa_options_without_heads_are_refused(kwargs, name):
         generate(model, torch.tensor([[5, 6, 7, 5, 6, 7]]), max_new_tokens=4, eos_token_id=NO_EOS, **kwargs)
 
 
+def test_none_is_not_set_as_hugging_face_takes_it():
+    """generate's None defaults (stop_strings, top_k, top_p, temperature) and an EOS id as a tensor."""
+    model = medusa("llama")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    greedy = generate(model, ids, max_new_tokens=4, eos_token_id=[]).new_tokens
+    for kwargs in (dict(stop_strings=None), dict(top_k=None), dict(top_p=None), dict(temperature=None)):
+        assert generate(model, ids, max_new_tokens=4, eos_token_id=[], **kwargs).new_tokens == greedy, kwargs
+    sampled = generate(model, ids, max_new_tokens=4, eos_token_id=[], do_sample=True, seed=0).new_tokens
+    for kwargs in (dict(top_k=None), dict(top_p=None), dict(temperature=None)):
+        assert generate(model, ids, max_new_tokens=4, eos_token_id=[], do_sample=True, seed=0,
+                        **kwargs).new_tokens == sampled, kwargs
+    first = greedy[0][0]
+    assert generate(model, ids, max_new_tokens=4, eos_token_id=torch.tensor(first)).new_tokens == [[first]]
+
+
 def test_step_costs_without_an_adaptive_fallback_are_refused():
     """step_costs= is learned by the fallback's controller: where the call runs none (adaptive=False,
     heads without a calibration) it went unused, silently."""
