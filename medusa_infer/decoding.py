@@ -469,9 +469,9 @@ def _prepare_inputs(model, tokenizer, input_ids, attention_mask, prompt, message
                              "pass token ids as input_ids=")
         if not texts or any(not t for t in texts):
             raise ValueError("empty prompt: give at least one token of input")
-        batch = tokenizer(texts, return_tensors="pt", padding=len(texts) > 1, padding_side="left",
-                          add_special_tokens=messages is None)
-        input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+        # padded here: a tokenizer without a pad token (GPT-2's, Llama 2's) refuses to pad
+        rows = tokenizer(list(texts), add_special_tokens=messages is None)["input_ids"]
+        input_ids, attention_mask = left_pad(rows, _known_pad_id(model, tokenizer) or 0)
     input_ids = torch.as_tensor(input_ids)
     if input_ids.dtype == torch.bool or input_ids.is_floating_point() or input_ids.is_complex():
         raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")

@@ -504,6 +504,21 @@ def test_medusa_options_without_heads_are_refused(kwargs, name):
         generate(model, torch.tensor([[5, 6, 7, 5, 6, 7]]), max_new_tokens=4, eos_token_id=NO_EOS, **kwargs)
 
 
+def test_several_prompts_with_a_tokenizer_that_has_no_pad_token():
+    """GPT-2's and Llama 2's tokenizers have no pad token: the tokenizer refused to pad the prompts."""
+    from tiny import metaspace_tokenizer
+
+    tokenizer = metaspace_tokenizer()
+    tokenizer.pad_token = None
+    base = tiny_model("llama", vocab_size=len(tokenizer))
+    base.config.pad_token_id = base.generation_config.pad_token_id = None
+    model = MedusaModel.without_heads(base, tokenizer)
+    prompts = ["the cat", "the cat sat on"]
+    together = generate(model, prompt=prompts, max_new_tokens=3, eos_token_id=NO_EOS).new_tokens
+    assert together == [generate(model, prompt=p, max_new_tokens=3, eos_token_id=NO_EOS).new_tokens[0]
+                        for p in prompts]
+
+
 def test_none_is_not_set_as_hugging_face_takes_it():
     """generate's None defaults (stop_strings, top_k, top_p, temperature) and an EOS id as a tensor."""
     model = medusa("llama")
