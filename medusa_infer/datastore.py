@@ -37,8 +37,10 @@ _BASE = 1_000_003
 
 
 def tokenizer_digest(tokenizer: Any) -> str:
-    """A fingerprint of a tokenizer's vocabulary (every token and its id), which a datastore records."""
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    """A fingerprint of a tokenizer's vocabulary (every token and its id), which a datastore records.
+    Tokens held as bytes (tiktoken-based tokenizers: Qwen v1's, HunYuan's) enter as their hex."""
+    vocab = sorted(((token.hex() if isinstance(token, (bytes, bytearray)) else token, index)
+                    for token, index in tokenizer.get_vocab().items()), key=lambda item: item[1])
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:32]
 
 

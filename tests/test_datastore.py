@@ -320,3 +320,13 @@ def test_a_store_built_with_another_tokenizer_is_refused_at_load(tmp_path):
     model.save_pretrained(tmp_path / "heads")
     loaded = MedusaModel.from_pretrained(tmp_path / "heads", base_model=model.base_model, tokenizer=model.tokenizer)
     assert loaded.datastore.tokenizer == tokenizer_digest(model.tokenizer)
+
+    class BytesVocab:  # tiktoken-based remote-code tokenizers (Qwen v1's): get_vocab() keys are bytes
+        def __init__(self, vocab):
+            self.vocab = vocab
+
+        def get_vocab(self):
+            return self.vocab
+
+    one, two = BytesVocab({b"a": 0, b"\xe4\xbd": 1}), BytesVocab({b"a": 0, b"\xe4\xbe": 1})
+    assert build_datastore([{"input_ids": [0, 1, 0]}], one).tokenizer == tokenizer_digest(one) != tokenizer_digest(two)
