@@ -9,8 +9,9 @@ measured for one row at one context length; a server's steps mix batch sizes, co
 threads and per-row bookkeeping that no such profile captures. So the gate learns from the steps
 the engine actually takes:
 
-* the step time as a function of the tokens in the forward, ``t(N)``: a moving average per
-  power-of-two range of ``N``, interpolated between ranges. Every step teaches it, plain or
+* the step time as a function of the tokens in the forward, ``t(N)``: the median of the last
+  ``TIME_WINDOW`` step times in each power-of-two range of ``N`` (one slow step is outvoted),
+  interpolated between ranges. Every step teaches it, plain or
   speculative, at any batch size. (A table per range of batch sizes would model per-row costs
   too, but in the serving benchmark exploring each range cost more than it saved.)
 * what a speculative step yields per row: tokens emitted (``a``, the bonus token included) and
@@ -46,13 +47,26 @@ from dataclasses import dataclass
 from typing import Any
 
 
+TIME_WINDOW = 8
+"""Step times a range of forward sizes keeps: its time is their median, so one slow step (a garbage
+collection, another process on the cores) is outvoted instead of weighing in a moving average, where
+it had kept speculation off for hundreds of steps (probes being rare while it is off)."""
+
+
 @dataclass
 class _Average:
-    """Moving averages of a step's forward size and seconds (one power-of-two range of sizes)."""
+    """A step's forward size (moving average) and its last ``TIME_WINDOW`` times, for one power-of-two
+    range of sizes."""
 
     tokens: float
-    seconds: float
+    recent: list[float]
     samples: int = 1
+
+    @property
+    def seconds(self) -> float:
+        """The median of the recent times (the lower one of an even count)."""
+        ordered = sorted(self.recent)
+        return ordered[(len(ordered) - 1) // 2]
 
 
 class SpeculationGate:
@@ -154,10 +168,10 @@ class SpeculationGate:
         key, w = self._range(verified), self.smoothing
         average = self._times.get(key)
         if average is None:
-            self._times[key] = _Average(float(verified), seconds)
+            self._times[key] = _Average(float(verified), [seconds])
         else:
             average.tokens = (1 - w) * average.tokens + w * verified
-            average.seconds = (1 - w) * average.seconds + w * seconds
+            average.recent = (average.recent + [seconds])[-TIME_WINDOW:]
             average.samples += 1
         probe, self._probing = self._probing and speculated, False
         if not speculated:

@@ -262,6 +262,24 @@ def test_each_sampling_setting_has_its_own_yield_and_shares_the_step_times():
     assert gates["greedy"].tokens_per_row > 2 > 1.1 > gates["sampled"].tokens_per_row
 
 
+def test_one_slow_step_does_not_turn_speculation_off():
+    """A 1 s hiccup among 0.13 s speculative steps (batch 16, where speculating is 1.23x plain): as a
+    moving average it kept speculation off for hundreds of steps, probes being rare while it is off."""
+    rows, verified, tokens = 16, 2, 1.6
+    seconds = {rows: 0.100, rows * verified: 0.130}
+    gate = SpeculationGate()
+
+    def step(hiccup=False):
+        spec = gate.speculate(rows)
+        gate.record(rows, spec, rows * (tokens if spec else 1), 1.0 if hiccup and spec else
+                    seconds[rows * verified if spec else rows], rows * (verified if spec else 1))
+        return spec
+
+    assert sum(step() for _ in range(50)) > 40
+    assert step(hiccup=True)
+    assert all(step() for _ in range(20))
+
+
 def test_the_engine_keeps_a_gate_per_sampling_setting(model):
     greedy, sampled = SamplingConfig(), SamplingConfig(acceptance="lossless", temperature=1.0)
     with serve(model, "medusa") as (_, engine):
