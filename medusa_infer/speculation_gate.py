@@ -21,7 +21,7 @@ the engine actually takes:
 A step of ``B`` rows speculates when ``a / t(B * v) >= (1 - margin) / t(B)``: where the two are
 close (one row, on a CPU) speculation keeps the benefit of the doubt, and the gate only steps in
 where speculation clearly costs. Until ``t`` has been seen near ``B`` (a plain step) and near
-``B * v`` (a speculative one), it takes the step that measures the missing one. While speculation is
+``B * v`` (a speculative one) or on both sides of it, it takes the step that measures the missing one. While speculation is
 off it still probes now and then, so ``a`` and ``v`` follow the text: each plain step earns
 ``probe_budget * t(B)`` seconds of credit, and a probe is taken when the credit pays for its extra
 cost ``t(B * v) - t(B)``. Probes are thus frequent where they are cheap (one row) and rare where a
@@ -122,9 +122,13 @@ class SpeculationGate:
 
     def step_seconds(self, tokens: float) -> float | None:
         """The expected seconds of a step verifying ``tokens`` tokens in all (every row together),
-        or None before any step in that range of forward sizes has been measured."""
+        or None before any step in that range of forward sizes, or in ranges on both sides of it,
+        has been measured (an average size between two measured ones, as steps of mixed draft
+        lengths give, no step measures itself)."""
         if self._range(tokens) not in self._times:
-            return None
+            sizes = [a.tokens for a in self._times.values()]
+            if not sizes or not min(sizes) <= tokens <= max(sizes):
+                return None
         points = sorted((a.tokens, a.seconds) for a in self._times.values())
         if len(points) == 1:
             return points[0][1]

@@ -280,6 +280,19 @@ def test_one_slow_step_does_not_turn_speculation_off():
     assert all(step() for _ in range(20))
 
 
+def test_a_draft_size_between_measured_ones_is_interpolated():
+    """Drafts of 9 tokens on every other step, the root alone on the others (a plain rung, lookup rows
+    without a match): the average forward size falls in a range no step verifies, and the gate took
+    every step as the one to measure it (speculating on 2000 of 2000 at 5x the cost for 1.25x the tokens)."""
+    rows, gate, speculated = 4, SpeculationGate(), 0
+    for step in range(2000):
+        spec = gate.speculate(rows)
+        per_row = (9, 1)[step % 2] if spec else 1
+        gate.record(rows, spec, rows * (1.5 if per_row > 1 else 1.0), 0.001 * rows * per_row, rows * per_row)
+        speculated += spec
+    assert speculated < 100, speculated
+
+
 def test_the_engine_keeps_a_gate_per_sampling_setting(model):
     greedy, sampled = SamplingConfig(), SamplingConfig(acceptance="lossless", temperature=1.0)
     with serve(model, "medusa") as (_, engine):
