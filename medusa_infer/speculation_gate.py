@@ -15,8 +15,9 @@ the engine actually takes:
   speculative, at any batch size. (A table per range of batch sizes would model per-row costs
   too, but in the serving benchmark exploring each range cost more than it saved.)
 * what a speculative step yields per row: tokens emitted (``a``, the bonus token included) and
-  tokens verified (``v``), moving averages over speculative steps of every batch size (how much
-  of a draft is accepted depends on the text and the proposer, not on the batch).
+  tokens verified (``v``), moving averages per power-of-two range of batch sizes (the adaptive
+  fallback fits smaller trees to bigger batches), a batch size no speculative step has run at yet
+  taking the averages over every size (how much of a draft is accepted depends on the text).
 
 A step of ``B`` rows speculates when ``a / t(B * v) >= (1 - margin) / t(B)``: where the two are
 close (one row, on a CPU) speculation keeps the benefit of the doubt, and the gate only steps in
@@ -100,6 +101,7 @@ class SpeculationGate:
         self._times: dict[int, _Average] = {}  # power-of-two range of forward sizes -> averages
         self.tokens_per_row = 1.0  # a: tokens a speculative step emits per row
         self.verified_per_row = 1.0  # v: tokens a speculative step verifies per row
+        self._by_batch: dict[int, list[float]] = {}  # power-of-two range of batch sizes -> [a, v]
         self.speculative_steps = 0
         self.plain_steps = 0
         self._credit = 0.0  # seconds of probing earned by plain steps
@@ -110,6 +112,7 @@ class SpeculationGate:
         speculative step (``a``, ``v``), counts and probing credit, from scratch."""
         other = copy.copy(self)  # shallow: the table of step times is the same dict
         other.tokens_per_row = other.verified_per_row = 1.0
+        other._by_batch = {}
         other.speculative_steps = other.plain_steps = 0
         other._credit, other._probing = 0.0, False
         return other
@@ -151,10 +154,11 @@ class SpeculationGate:
         plain = self.step_seconds(batch)
         if plain is None:
             return False
-        speculative = self.step_seconds(batch * self.verified_per_row)
+        tokens, verified = self._by_batch.get(self._range(batch), (self.tokens_per_row, self.verified_per_row))
+        speculative = self.step_seconds(batch * verified)
         if speculative is None:
             return True
-        if self.tokens_per_row / speculative >= (1 - self.margin) / plain:
+        if tokens / speculative >= (1 - self.margin) / plain:
             return True
         self._credit += self.probe_budget * plain
         if self._credit >= speculative - plain:
@@ -181,12 +185,18 @@ class SpeculationGate:
         if not speculated:
             self.plain_steps += 1
             return
+        w = self.probe_weight if probe else w
         if self.speculative_steps == 0:
             self.tokens_per_row, self.verified_per_row = tokens / batch, verified / batch
         else:
-            w = self.probe_weight if probe else w
             self.tokens_per_row = (1 - w) * self.tokens_per_row + w * tokens / batch
             self.verified_per_row = (1 - w) * self.verified_per_row + w * verified / batch
+        same = self._by_batch.get(self._range(batch))
+        if same is None:
+            self._by_batch[self._range(batch)] = [tokens / batch, verified / batch]
+        else:
+            same[0] = (1 - w) * same[0] + w * tokens / batch
+            same[1] = (1 - w) * same[1] + w * verified / batch
         self.speculative_steps += 1
 
     def summary(self) -> dict[str, object]:

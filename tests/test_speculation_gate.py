@@ -293,6 +293,36 @@ def test_a_draft_size_between_measured_ones_is_interpolated():
     assert speculated < 100, speculated
 
 
+def test_each_batch_size_range_has_its_own_yield():
+    """The adaptive fallback fits a 16-node tree at batch 1 and a 2-token step at batch 12, both paying:
+    with one yield for every batch size, a lone request's steps priced batch 12 at 12 x 17 tokens and
+    the gate took plain steps where speculating measured 1.39x."""
+
+    def seconds(n):  # flat up to 16 tokens, then linear: a GPU-like forward
+        return 0.02 * max(1.0, n / 16)
+
+    gate = SpeculationGate()
+    # rows -> (verified per row, emitted per row) when speculating; a burst of 32 rows on a bigger tree
+    # measures the large forward sizes too
+    shapes = {1: (17, 3.0), 12: (2, 1.5), 32: (17, 3.0)}
+
+    def step(rows):
+        spec = gate.speculate(rows)
+        verified, emitted = shapes[rows] if spec else (1, 1.0)
+        gate.record(rows, spec, rows * emitted, seconds(rows * verified), rows * verified)
+        return spec
+
+    for rows in (1, 12, 32):
+        for _ in range(30):
+            step(rows)
+    plain = []
+    for _ in range(5):
+        for _ in range(60):
+            step(1)
+        plain.append(sum(not step(12) for _ in range(60)))
+    assert sum(plain) < 10, plain
+
+
 def test_the_engine_keeps_a_gate_per_sampling_setting(model):
     greedy, sampled = SamplingConfig(), SamplingConfig(acceptance="lossless", temperature=1.0)
     with serve(model, "medusa") as (_, engine):
