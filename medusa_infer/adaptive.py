@@ -271,6 +271,8 @@ class TreeController:
         """The rung for the next step of a batch of ``batch`` rows (records it in ``history``)."""
         rung = self.rung if batch == 1 else self._best(batch)
         self._explored_from = None
+        if batch != 1:  # steps of one row after it are compared with one-row steps after it, not before
+            self._recent.clear()
         if batch == 1 and self.step_costs is not None and len(self.ladder) > 1:
             rung = self._explore(rung)
         if self._explored_from is None:  # a neighbour step stays as chosen: its cost is the sample

@@ -460,6 +460,16 @@ def test_step_costs_pair_a_neighbour_step_with_the_steps_just_before_it():
     fresh.observe_seconds(fresh.choose(), 0.010)
     fresh.observe_seconds(fresh.choose(), 0.020)
     assert fresh.step_costs.summary() == {}
+    # nor does one whose steps before it on its rung came before a stretch of steps of several rows
+    # (a serving batch a request joined, then left: another context and load since)
+    shared = TreeController(ladder, REFERENCE_HEAD_ACCURACY, CPU, step_costs=StepCosts(), explore_every=4)
+    for _ in range(3):
+        shared.observe_seconds(shared.choose(), 0.010)
+    for _ in range(50):
+        shared.choose(2)  # untimed: the proposer times one-row steps only
+    rung = shared.choose()  # the 4th one-row step: a neighbour, its rung's steps all before the batch
+    shared.observe_seconds(rung, 0.020)
+    assert rung != start and shared.step_costs.summary() == {}
 
 
 def test_a_due_probe_does_not_take_the_place_of_a_neighbour_step_down_to_plain_decoding():
