@@ -184,6 +184,9 @@ def test_plain_steps_teach_the_tree_controller_nothing(model):
     for _ in range(4):
         batch.step(speculate=False)
     assert proposer.controller.scales == scales
+    # nor do they spend the probes and neighbour steps falling due (cut to the root, they measured
+    # nothing), nor count as the fallback's plain steps
+    assert not controller.history and batch.metrics.fallback_steps == 0
 
 
 class Forced(SpeculationGate):

@@ -181,9 +181,14 @@ class MedusaProposer:
 
     def propose(self, roots: torch.Tensor, context: StepContext) -> Proposal:
         self.started = time.perf_counter()  # the step's seconds, to observe(), for the controller's step costs
-        self.rung = self.controller.choose(len(context.sequences)) if self.controller is not None else 0
+        # a step held to its root (a serving gate's plain step, the context's last token) is not the
+        # controller's to choose: it would spend the probe or neighbour step due on it, cut to nothing
+        chosen = self.controller is not None and context.max_depth > 0
+        self.rung = self.controller.choose(len(context.sequences)) if chosen else 0
         proposal = self._propose(roots, context)
-        proposal.fallback = self.controller is not None and self.rung == 0
+        proposal.fallback = chosen and self.rung == 0
+        if not chosen:  # nor does it teach the controller anything (no shadow, no step time)
+            self.truncated, self.shadow = True, None
         return proposal
 
     def _propose(self, roots: torch.Tensor, context: StepContext) -> Proposal:
@@ -194,7 +199,7 @@ class MedusaProposer:
         self.truncated = depth < cache.full.max_depth
         drafts = self._lookup(context, cache, depth)
         self.grafted = max((len(d) for d in drafts), default=0)
-        self.shadow = self._shadow(roots) if self.rung == 0 else None
+        self.shadow = self._shadow(roots) if self.rung == 0 and context.max_depth > 0 else None
         if self.grafted:
             return self._graft(roots, cache, depth, drafts)
         tree = cache.at_depth(depth)
