@@ -357,8 +357,14 @@ class MedusaModel(nn.Module):
             raise ValueError(f"base_model already has the adapter in {already[0]} merged into its weights (an "
                              f"earlier from_pretrained changed it in place); {wanted} needs the plain base "
                              "model: load a fresh one")
+        recorded = getattr(base_model.config, MERGED_ADAPTER_KEY, None)
+        if merge and already is None and recorded is not None and recorded != digest:
+            raise ValueError(f"the base model's weights were saved with another Medusa-2 adapter merged into them "
+                             f"(its config.json's {MERGED_ADAPTER_KEY}); the adapter in {adapter_folder} needs the "
+                             "plain base model: load the heads on it (merging a second adapter on top would give "
+                             "neither model)")
         # merged already: into this object, or into weights saved with this very adapter (not twice)
-        in_weights = already is not None or (merge and getattr(base_model.config, MERGED_ADAPTER_KEY, None) == digest)
+        in_weights = already is not None or (merge and recorded == digest)
         heads = MedusaHeads(config)
         check_state_dict(heads.state_dict(), state, str(directory))
         heads.load_state_dict(state, strict=True)
@@ -640,7 +646,8 @@ MERGED_ADAPTER_KEY = "medusa_forge_merged_adapter"
 """Set by ``merge_adapter`` on the model's config: the merged adapter's ``adapter_digest``. The base
 model saved after the merge (``model.base_model.save_pretrained``: the merged weights other engines
 load) keeps it in its ``config.json``, so that ``from_pretrained`` of the heads that adapter came with,
-on that folder, does not merge it a second time. Any other heads load on it as on any base model."""
+on that folder, does not merge it a second time; heads with another adapter are refused there (merged
+on top, the weights would be neither model), and heads with none load on it as on any base model."""
 
 
 def adapter_digest(folder: str | os.PathLike) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -92,6 +93,13 @@ def test_the_merged_base_model_saved_loads_the_heads_without_a_second_merge(head
                                         adapter=False)
     assert other.merged_adapter is None
     torch.testing.assert_close(logits(other), logits(again), atol=0, rtol=0)
+    # heads that bring another adapter need the plain base model: merged on top, neither model
+    second = tmp_path / "second"
+    shutil.copytree(folder, second)
+    config = json.loads((second / ADAPTER_DIR / "adapter_config.json").read_text())
+    (second / ADAPTER_DIR / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 2 * ALPHA}))
+    with pytest.raises(ValueError, match="saved with another Medusa-2 adapter merged into them"):
+        MedusaModel.from_pretrained(second, base_model=LlamaForCausalLM.from_pretrained(tmp_path / "merged"))
 
 
 def test_saving_keeps_the_merged_adapter_beside_the_heads(heads_folder, tmp_path):
