@@ -408,6 +408,8 @@ def test_plan_shows_the_accumulation_and_is_printed_once_per_launch(tmp_path, ca
 @pytest.mark.parametrize("targets, message", [
     ("[q_proj,lm_head]", r"select \['lm_head'\], the embeddings the heads read directly"),
     ("[q_proj,v_prj]", r"\['v_prj'\] match no module of LlamaForCausalLM"),
+    ("[q_proj,mlp]", r"select \['model.layers.0.mlp \(LlamaMLP\)'.*which LoRA cannot adapt"),
+    ("[input_layernorm]", r"\(LlamaRMSNorm\)'.*which LoRA cannot adapt"),
 ])
 def test_lora_targets_are_checked_by_plan_on_a_model_folder(tmp_path, capsys, targets, message):
     import train_heads
