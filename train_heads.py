@@ -21,7 +21,7 @@ import shutil
 import sys
 import time
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Iterator
@@ -121,7 +121,8 @@ def stage_data(config: TrainConfig, accelerator: Any, pending: int | None) -> tu
             from medusa_train.distill import distill, recipe_config
 
             say(accelerator, f"distilling {d.n or 'all'} prompts from {d.prompts} into {rows}")
-            distill(recipe_config(config), accelerator)  # on its device, one process or several
+            with unpartitioned(accelerator):  # the model answers alone, in no DeepSpeed engine
+                distill(recipe_config(config), accelerator)  # on its device, one process or several
         from medusa_infer.models import load_tokenizer
 
         tokenizer = load_tokenizer(config.model.name, trust_remote_code=config.model.trust_remote_code)
@@ -230,19 +231,28 @@ def load_base(config: TrainConfig, accelerator: Any, whole: bool = False) -> Any
     backbone of Medusa-1 and of feature extraction, one process's evaluation)."""
     from medusa_infer.models import load_base_model
 
+    with unpartitioned(accelerator) if whole else nullcontext():
+        return load_base_model(config.model.name, dtype=getattr(torch, config.model.dtype),
+                               device=accelerator.device, attn_implementation=config.model.attn_implementation,
+                               trust_remote_code=config.model.trust_remote_code)
+
+
+@contextmanager
+def unpartitioned(accelerator: Any) -> Iterator[None]:
+    """Within the block, models load whole even under DeepSpeed ZeRO-3 (transformers partitions
+    every model it loads once accelerate has set ZeRO-3 up, and a model no DeepSpeed engine holds,
+    partitioned, has empty weights); ZeRO-3 again after it, as accelerate set it up."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    unpartitioned = whole and plugin is not None and plugin.hf_ds_config.is_zero3()
-    if unpartitioned:
+    zero3 = plugin is not None and plugin.hf_ds_config.is_zero3()
+    if zero3:
         from transformers.integrations import unset_hf_deepspeed_config
 
         unset_hf_deepspeed_config()
     try:
-        return load_base_model(config.model.name, dtype=getattr(torch, config.model.dtype),
-                               device=accelerator.device, attn_implementation=config.model.attn_implementation,
-                               trust_remote_code=config.model.trust_remote_code)
+        yield
     finally:
-        if unpartitioned:
-            plugin.set_deepspeed_weakref()  # ZeRO-3 for what follows, as accelerate set it up
+        if zero3:
+            plugin.set_deepspeed_weakref()
 
 
 def captured_folder(config: TrainConfig) -> Path | None:
