@@ -400,3 +400,22 @@ def test_kernel_plans_file_follows_its_variable(monkeypatch, tmp_path):
     assert kernel_plan_cache() is None
     monkeypatch.delenv("MEDUSA_FORGE_KERNEL_PLANS")
     assert kernel_plan_cache() == cache_root() / KERNEL_PLAN_CACHE
+
+
+def test_a_tokenizer_shipped_as_a_sentencepiece_model_only_loads(tmp_path: Path) -> None:
+    """Vicuna's (and Llama 2's) repositories hold tokenizer.model and no tokenizer.json: transformers
+    builds the tokenizer from it with sentencepiece, a dependency (without it: "tiktoken is required")."""
+    import io
+
+    import sentencepiece as spm
+
+    lines = ["the cat sat on the mat", "a dog ran to the house", "hello world good day"] * 20
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model, vocab_size=40, model_type="bpe",
+                                   unk_id=0, bos_id=1, eos_id=2, minloglevel=2)
+    (tmp_path / "tokenizer.model").write_bytes(model.getvalue())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
+    tokenizer = models.load_tokenizer(str(tmp_path))
+    ids = tokenizer("the cat sat", add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == "the cat sat" and tokenizer.eos_token_id == 2
