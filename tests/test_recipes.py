@@ -53,6 +53,10 @@ def test_recipe_parses_and_plans_offline(path, monkeypatch, tmp_path):
         assert [s.name for s in result.stages][-2:] == ["train", "evaluate"]
         assert "features" in [s.name for s in result.stages] or not config.uses_feature_cache
         assert not any(s.done for s in result.stages if s.name in ("train", "evaluate"))
+    # a run killed part way resumes from a checkpoint: at least one before the end, on the launch the
+    # recipe is for (the GPU ones: recipes/accelerate/ddp.yaml's 8 processes)
+    launch = 8 if config.training.mixed_precision == "bf16" else 1
+    assert plan(config, launch).total_steps > config.training.save_every
     text = result.summary()
     assert "steps" in text and "evaluate" in text
     if not result.exact:  # before the data exist both counts are upper bounds, and the plan says so
