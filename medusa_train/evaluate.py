@@ -36,11 +36,13 @@ MAX_STORED_PATHS = 128
 class HeadAccuracy:
     """``hits[k][j]``: positions where head k's target is in its top ``j + 1``; ``totals[k]``;
     ``ranks`` ``[positions, K]``: the rank of each head's target at each position, -1 for a miss
-    (or no target)."""
+    (or no target); ``starts`` ``[positions]``: where a run of one answer's consecutive positions
+    begins (None when the batches did not say)."""
 
     hits: torch.Tensor
     totals: torch.Tensor
     ranks: torch.Tensor
+    starts: torch.Tensor | None = None
 
     def topk(self) -> list[list[float]]:
         """``[K][top_k]`` cumulative accuracies (what ``MedusaConfig.head_accuracies`` holds)."""
@@ -72,7 +74,7 @@ def head_accuracy(head_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tens
     Only positions where head 0 has a target count; batches hold only positions where decoding
     runs the heads (see the module's docstring)."""
     hits = totals = None
-    ranks = []
+    ranks, starts = [], []
     for batch in batches:
         extra = {"path_tokens": batch["path_tokens"].to(device)} if "path_tokens" in batch else {}
         logits = head_logits(batch["hidden"].to(device), batch["next_tokens"].to(device), **extra)
@@ -83,9 +85,13 @@ def head_accuracy(head_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tens
         hits = h.cpu() if hits is None else hits + h.cpu()
         totals = n.cpu() if totals is None else totals + n.cpu()
         ranks.append(target_ranks(logits, targets, top_k).cpu())
+        if starts is not None and "run_start" in batch:
+            starts.append(batch["run_start"][decoded.to(batch["run_start"].device)].cpu())
+        else:
+            starts = None
     if hits is None:
         raise ValueError("no held-out batches to evaluate on; raise data.heldout_fraction")
-    return HeadAccuracy(hits, totals, torch.cat(ranks))
+    return HeadAccuracy(hits, totals, torch.cat(ranks), torch.cat(starts) if starts else None)
 
 
 def stored_paths(accuracy: HeadAccuracy, tree_size: int) -> dict[tuple[int, ...], float]:
@@ -103,9 +109,38 @@ def fit_tree(accuracy: HeadAccuracy, size: int) -> list[tuple[int, ...]]:
 
 
 def expected_tokens_per_step(tree: list[tuple[int, ...]], paths: Mapping[tuple[int, ...], float]) -> float:
-    """The fitted tree's expected tokens per step under the measured path accuracies; 1.0 for the
-    empty tree (plain decoding), whose heads may never have been accepted at all."""
+    """The fitted tree's expected tokens per step under the measured path accuracies, as an average
+    over every held-out position; 1.0 for the empty tree (plain decoding), whose heads may never have
+    been accepted at all."""
     return expected_accept_length(tree, paths) if tree else 1.0
+
+
+def walked_tokens_per_step(tree: list[tuple[int, ...]], accuracy: HeadAccuracy) -> float | None:
+    """Tokens per step of greedy decoding with ``tree`` over the held-out answers: each answer is
+    walked as decoding walks it, a step at a position emitting its root and the tree's longest path
+    whose ranks are all right there, the next step at the position after them (None without
+    ``accuracy.starts``). Decoding runs the heads where the last step ended, which falls on hard
+    positions more often than the average over every position does (easy runs are crossed in one
+    step): the demo's heads measured 2.15 tokens a step decoding held-out prompts, walked 2.15, and
+    the average over positions said 2.41."""
+    if accuracy.starts is None:
+        return None
+    accepted_paths = set(tree)
+    ranks, starts = accuracy.ranks.tolist(), accuracy.starts.tolist()
+    bounds = sorted({0, *(i for i, start in enumerate(starts) if start)}) + [len(starts)]
+    tokens = steps = 0
+    for first, end in zip(bounds, bounds[1:]):
+        rows = end - first  # heads run from the prompt's last position to two before the answer's end:
+        total, at = rows + 1, 0  # the answer holds one token more than there are rows
+        while at < total:
+            path: tuple[int, ...] = ()
+            for rank in (ranks[first + at] if at < rows else ()):
+                if rank < 0 or path + (rank,) not in accepted_paths:
+                    break
+                path += (rank,)
+            made = min(1 + len(path), total - at)
+            tokens, steps, at = tokens + made, steps + 1, at + made
+    return tokens / steps if steps else 1.0
 
 
 def summary_table(accuracy: HeadAccuracy, tree: list[tuple[int, ...]]) -> str:
@@ -115,7 +150,8 @@ def summary_table(accuracy: HeadAccuracy, tree: list[tuple[int, ...]]) -> str:
     lines = ["head  positions  " + "  ".join(f"top-{k:<3}" for k in shown)]
     for i, row in enumerate(topk):
         lines.append(f"{i + 1:>4}  {int(accuracy.totals[i]):>9}  " + "  ".join(f"{row[k - 1]:<7.3f}" for k in shown))
-    accept = expected_tokens_per_step(tree, stored_paths(accuracy, len(tree)))
+    walked = walked_tokens_per_step(tree, accuracy)
+    accept = walked if walked is not None else expected_tokens_per_step(tree, stored_paths(accuracy, len(tree)))
     lines.append(f"tree: {len(tree)} nodes, expected tokens per step {accept:.3f} (1.0 = plain decoding)")
     return "\n".join(lines)
 
@@ -130,8 +166,11 @@ def finalize(folder: str | Path, config: MedusaConfig, heads_state: Mapping[str,
     config.path_accuracies = [[list(path), prob] for path, prob in paths.items()]
     config.tree = [list(path) for path in tree]
     config.top_k = len(config.head_accuracies[0])
+    walked = walked_tokens_per_step(tree, accuracy)
     config.acceptance = {
-        "expected_tokens_per_step_fitted_tree": round(expected_tokens_per_step(tree, paths), 4),
+        # greedy decoding walked over the held-out answers (the average over positions runs high)
+        "expected_tokens_per_step_fitted_tree": round(walked if walked is not None else
+                                                      expected_tokens_per_step(tree, paths), 4),
         "heldout_positions": [int(n) for n in accuracy.totals],
     }
     if extra:

@@ -717,15 +717,20 @@ class FeatureDataset:
         self.path_tokens = rows.path_tokens
         self.targets = to_head_vocab(rows.targets, token_map, vocab_size)
         self.soft_row = rows.soft_row
+        # where a run of consecutive positions (one answer, as decoding walks it) starts
+        example, position = block["row_example"], block["row_position"]
+        self.run_start = torch.ones(len(example), dtype=torch.bool, device=example.device)
+        self.run_start[1:] = (example[1:] != example[:-1]) | (position[1:] != position[:-1] + 1)
 
     def __len__(self) -> int:
         return len(self.hidden)
 
     def batch(self, index: torch.Tensor) -> dict[str, torch.Tensor]:
         """``hidden [N, H]``, ``targets [N, K]`` (head columns), ``next_tokens [N]``, ``path_tokens
-        [N, K - 1]`` (base ids), and with ``soft``: ``soft_ids``/``soft_probs`` ``[N, K, k]``."""
+        [N, K - 1]`` (base ids), ``run_start [N]`` (a row beginning a run of consecutive positions of
+        one answer), and with ``soft``: ``soft_ids``/``soft_probs`` ``[N, K, k]``."""
         out = {"hidden": self.hidden[index], "targets": self.targets[index], "next_tokens": self.next_tokens[index],
-               "path_tokens": self.path_tokens[index]}
+               "path_tokens": self.path_tokens[index], "run_start": self.run_start[index]}
         if self.soft:
             out["soft_ids"], out["soft_probs"] = soft_labels(
                 self.block, self.soft_row[index], self.token_map, self.vocab_size)

@@ -258,6 +258,28 @@ def test_heldout_accuracy_counts_only_positions_where_decoding_runs_the_heads():
     assert accuracy.totals.tolist() == [2, 1]
     assert accuracy.topk() == [[1.0], [0.0]]
     assert accuracy.ranks.tolist() == [[0, -1], [0, -1]]  # the same positions as the ranks
+    assert accuracy.starts is None  # the batches said nothing of where answers begin
+    batch["run_start"] = torch.tensor([False, True, False])
+    assert head_accuracy(lambda hidden, next_tokens: logits, [batch], top_k=1).starts.tolist() == [True, False]
+
+
+def test_tokens_per_step_walk_the_answers_as_greedy_decoding_does():
+    """Decoding runs the heads where the last step ended: an easy stretch is crossed in one step, so
+    hard positions weigh more than in the average over every position (which said 2.41 tokens a step
+    for the demo's heads, whose decoding of held-out prompts measured 2.15)."""
+    from medusa_train.evaluate import HeadAccuracy, expected_tokens_per_step, stored_paths, walked_tokens_per_step
+
+    tree = [(0,), (0, 0)]
+    easy, hard = [0, 0], [-1, -1]
+    # one answer: three easy positions then three hard ones (7 tokens); another: two easy (3 tokens)
+    ranks = torch.tensor([easy] * 3 + [hard] * 3 + [easy] * 2)
+    starts = torch.tensor([True] + [False] * 5 + [True, False])
+    accuracy = HeadAccuracy(torch.zeros(2, 1), torch.tensor([8, 8]), ranks, starts)
+    # by hand: 3 + 1 + 1 + 1 + 1 tokens in 5 steps, then 3 tokens in 1 step
+    assert walked_tokens_per_step(tree, accuracy) == pytest.approx(10 / 6)
+    assert expected_tokens_per_step(tree, stored_paths(accuracy, 2)) == pytest.approx((5 * 3 + 3 * 1) / 8)
+    assert walked_tokens_per_step([], accuracy) == 1.0
+    assert walked_tokens_per_step(tree, HeadAccuracy(torch.zeros(2, 1), torch.tensor([8, 8]), ranks)) is None
 
 
 def test_rows_are_the_positions_where_decoding_runs_the_heads_in_every_turn():
