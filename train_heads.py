@@ -246,7 +246,7 @@ def unpartitioned(accelerator: Any) -> Iterator[None]:
     """Within the block, models load whole even under DeepSpeed ZeRO-3 (transformers partitions
     every model it loads once accelerate has set ZeRO-3 up, and a model no DeepSpeed engine holds,
     partitioned, has empty weights); ZeRO-3 again after it, as accelerate set it up."""
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
     zero3 = plugin is not None and plugin.hf_ds_config.is_zero3()
     if zero3:
         from transformers.integrations import unset_hf_deepspeed_config

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ from medusa_infer.proposers import AutoregressiveProposer
 from medusa_infer.proposers.base import StepContext
 from medusa_train.features import weights_fingerprint
 from medusa_train.losses import IGNORE
+
+logger = logging.getLogger(__name__)
 
 SUFFIX = ".hidden"
 
@@ -73,7 +76,8 @@ class HiddenRecorder(AutoregressiveProposer):
 
     def start(self, context: StepContext, hidden: torch.Tensor) -> None:
         self._active = list(range(hidden.shape[0]))
-        self._states = [[hidden[row]] for row in self._active]
+        # copies: a row of ``hidden`` is a view that would keep the prefill's whole [B, L, H] output alive
+        self._states = [[hidden[row].clone()] for row in self._active]
 
     def observe(self, accepted: list[list[int]], hidden: torch.Tensor, context: StepContext) -> None:
         if any(len(tokens) != 1 for tokens in accepted):
@@ -134,6 +138,11 @@ def save_batch(
     return path
 
 
+def _metadata_model(path: Path) -> str | None:
+    with safe_open(str(path), framework="pt") as handle:
+        return (handle.metadata() or {}).get("model")
+
+
 def _fingerprint(recorded: str | None) -> Any:
     """The model fingerprint a batch file records; a file without one (written before states
     carried it: a bare model name) gives the name, which no fingerprint equals."""
@@ -187,16 +196,19 @@ class CapturedHidden:
     def load(cls, folder: str | Path, model: Mapping[str, Any] | None = None) -> "CapturedHidden":
         """Every batch file in ``folder``: the token ids in memory, the states left in the files
         (``KeptRows``); with ``model`` (a ``features.model_fingerprint``), files of another model,
-        or of other weights under the same name, are an error (the dtype and attention
-        implementation it may name are not compared: distillation records none)."""
+        or of other weights under the same name (a folder trained again, or written again since:
+        its weight files' times are part of it), are left out with a warning, their examples then
+        run through the backbone (the dtype and attention implementation it may name are not
+        compared: distillation records none)."""
         entries: dict[tuple[int, ...], list[tuple[torch.Tensor, States]]] = {}
+        other: list[Path] = []
+        wanted = None if model is None else weights_fingerprint(model)
         for path in sorted(Path(folder).glob("batch-*.safetensors")):
             with safe_open(str(path), framework="pt") as handle:
                 found = _fingerprint((handle.metadata() or {}).get("model"))
-                wanted = None if model is None else weights_fingerprint(model)
                 if wanted is not None and found != wanted:
-                    raise ValueError(f"{path} holds hidden states of {found!r}, not of {wanted}: delete "
-                                     f"{folder} (the features stage then runs the backbone) or distil again")
+                    other.append(path)
+                    continue
                 tensors = {name: handle.get_tensor(name) for name in handle.keys() if name != "hidden"}
             tokens = tensors["tokens"]
             token_at, hidden_at = tensors["token_offsets"].tolist(), tensors["hidden_offsets"].tolist()
@@ -204,6 +216,11 @@ class CapturedHidden:
                 sequence = tokens[token_at[row] : token_at[row + 1]]
                 key = tuple(sequence[:prompt_length].tolist())
                 entries.setdefault(key, []).append((sequence, KeptRows(path, hidden_at[row], hidden_at[row + 1])))
+        if other:
+            logger.warning("%d of the hidden-state files in %s hold states of another model or other weights than "
+                           "%s (e.g. %s: %s), left out: the features stage runs the backbone over their examples; "
+                           "delete them, or distil again, to keep states of this model", len(other), folder, wanted,
+                           other[0].name, _fingerprint(_metadata_model(other[0])))
         return cls(entries)
 
     def __len__(self) -> int:

@@ -749,8 +749,10 @@ def run_local(
     stats: ShardStats,
     device: str | torch.device,
     on_batch: BatchHook | None = None,
+    fingerprint: dict[str, Any] | None = None,
 ) -> None:
-    """Answer ``pending`` prompts with the local model, a batch at a time, into ``writer``."""
+    """Answer ``pending`` prompts with the local model, a batch at a time, into ``writer``; kept hidden
+    states (``save_hidden``) record ``fingerprint`` (default: ``model_fingerprint(config.model)``)."""
     from medusa_infer.models import load_base_model
 
     tokenizer = load_distill_tokenizer(config)
@@ -783,7 +785,7 @@ def run_local(
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     try:
-        _generate_all(config, prepared, model, tokenizer, eos_ids, writer, stats, on_batch)
+        _generate_all(config, prepared, model, tokenizer, eos_ids, writer, stats, on_batch, fingerprint)
     finally:
         torch.set_num_threads(threads)
 
@@ -797,6 +799,7 @@ def _generate_all(
     writer: ShardWriter,
     stats: ShardStats,
     on_batch: BatchHook | None,
+    fingerprint: dict[str, Any] | None = None,
 ) -> None:
     """The batch loop of ``run_local``: generate, write, sync, report."""
     device = next(model.parameters()).device
@@ -804,7 +807,9 @@ def _generate_all(
     bar = tqdm(total=len(prepared), unit="prompt", desc=f"distill rank {stats.rank}",
                disable=not config.progress, dynamic_ncols=True)
     start = time.perf_counter()
-    fingerprint = model_fingerprint(config.model) if config.save_hidden else {}
+    if config.save_hidden and fingerprint is None:
+        fingerprint = model_fingerprint(config.model)
+    fingerprint = fingerprint or {}
     try:
         for batch_index, first in enumerate(range(0, len(prepared), config.batch_size)):
             batch = prepared[first : first + config.batch_size]
@@ -1090,8 +1095,10 @@ def distill_shard(
     world_size: int = 1,
     device: str | torch.device | None = None,
     on_batch: BatchHook | None = None,
+    fingerprint: dict[str, Any] | None = None,
 ) -> ShardStats:
-    """Answer prompts ``rank::world_size`` not yet written; append them to ``shard_path``."""
+    """Answer prompts ``rank::world_size`` not yet written; append them to ``shard_path`` (kept hidden
+    states record ``fingerprint``, see ``run_local``)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
     done = existing_rows(config.output, repair_rank=rank)
@@ -1107,7 +1114,7 @@ def distill_shard(
     writer = ShardWriter(shard_path(config.output, rank))
     try:
         if pending and config.backend == "local":
-            run_local(config, pending, writer, stats, device or config.device or "cpu", on_batch)
+            run_local(config, pending, writer, stats, device or config.device or "cpu", on_batch, fingerprint)
         elif pending:
             run_openai(config, pending, writer, stats, on_batch)
     finally:
@@ -1140,7 +1147,16 @@ def distill(
         for prompt in prompts:
             sources[prompt["source"]] = sources.get(prompt["source"], 0) + 1
         logger.info("sampled %d prompts from %s: %s", len(prompts), config.prompts, sources)
-    distill_shard(config, prompts, rank, world_size, device, on_batch)
+    fingerprint = None
+    if config.save_hidden and config.backend == "local":
+        # the main process's, on every one: nodes may hold copies of the model written at other times
+        # (a modification time is part of it), and the features stage compares them with its own
+        fingerprint = model_fingerprint(config.model)
+        if world_size > 1:
+            from accelerate.utils import broadcast_object_list
+
+            fingerprint = broadcast_object_list([fingerprint], from_process=0)[0]
+    distill_shard(config, prompts, rank, world_size, device, on_batch, fingerprint)
     if accelerator is not None:
         accelerator.wait_for_everyone()
     output = Path(config.output)

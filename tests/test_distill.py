@@ -322,7 +322,7 @@ def test_train_heads_distils_on_its_accelerators_device(tmp_path, model_dir, pro
                                "features": {"from_distillation": False}, "log": {"progress": False}})
     seen = {}
 
-    def spy(config, pending, writer, stats, device, on_batch=None):
+    def spy(config, pending, writer, stats, device, on_batch=None, fingerprint=None):
         seen["device"] = device
         raise KeyboardInterrupt
 
