@@ -74,6 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                 "default: the heads' recipe's)")
     args = parser.parse_args(argv)
 
+    from medusa_infer.interop import base_model_name
     from medusa_infer.models import load_tokenizer
     from medusa_train.dataset import build_examples, read_rows
 
@@ -82,7 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"{heads} has no config.json: not a heads folder")
     # read as JSON: FasterDecoding-layout heads (medusa_num_heads, ...) have a config.json too
     config = json.loads((heads / "config.json").read_text(encoding="utf-8"))
-    model = args.model or config.get("base_model_name_or_path")
+    # as from_pretrained names it: an export of a default model records it beside the Hub id
+    model = args.model or base_model_name(heads)
     if not model:
         parser.error(f"{heads}/config.json names no base model; pass --model")
     recipe = (config.get("training") or {}).get("recipe") or {}

@@ -18,6 +18,7 @@ from medusa_infer.models import load_tokenizer
 from medusa_infer.proposers import LookupProposer, MedusaProposer, build_proposer
 from medusa_infer.proposers.base import StepContext
 from medusa_infer.proposers.lookup import LookupGate, gated_matches
+from medusa_infer.interop import BASE_MODEL_KEY
 from medusa_train.datastore import build_datastore, check_rows, main
 from medusa_train.distill import template_digest
 from test_decoding import NO_EOS, reference
@@ -166,8 +167,11 @@ def test_the_builder_renders_rows_as_the_heads_recipe_did(tmp_path, capsys):
     # FasterDecoding-layout heads: no recipe, the defaults (the rows carry no record either)
     layout = tmp_path / "layout"
     layout.mkdir()
+    # an export of the default model names its Hub id, and medusa-forge's own name beside it, which
+    # the builder reads as from_pretrained does (offline, the Hub id could not be loaded)
     (layout / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 1,
-                                                    "base_model_name_or_path": "smollm2-135m-instruct"}))
+                                                    "base_model_name_or_path": "HuggingFaceTB/No-Such-Model",
+                                                    BASE_MODEL_KEY: "smollm2-135m-instruct"}))
     rows.write_text(json.dumps({"prompt": "Name a colour.", "response": "Blue."}) + "\n")
     assert main(["--heads", str(layout), "--rows", str(rows)]) == 0
     assert (layout / DATASTORE_NAME).is_file()
