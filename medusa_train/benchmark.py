@@ -1043,6 +1043,17 @@ def run(args: argparse.Namespace, started: float) -> int:
     if args.calibrate:
         calib_questions = load_questions(args.questions, args.calibrate_questions, seed=args.seed + 1,
                                          exclude_ids=exclude)
+        # calibration answers first turns: one too long for the context (with its answer) is left out, as
+        # the benchmark leaves out questions that may not fit (it stopped the run)
+        first_turns = [{**q, "turns": q["turns"][:1]} for q in calib_questions]
+        fit, too_long = fitting_questions(model, model.tokenizer, first_turns, args.max_new_tokens)
+        if too_long:
+            print(f"leaving out {len(too_long)} calibration questions whose first turn and {args.max_new_tokens} "
+                  f"new tokens may not fit the model's context: {too_long}", file=sys.stderr)
+            if not fit:
+                raise ValueError("no calibration question fits the model's context with --max-new-tokens "
+                                 f"{args.max_new_tokens}: lower it or give shorter --questions")
+            calib_questions = [q for q in calib_questions if q["id"] not in set(too_long)]
         result = calibrate(model, calib_questions, args)
         result["question_ids"] = [q["id"] for q in calib_questions]  # left out of the benchmark
         # the weights as stored (the model computes with them converted to --dtype, rounded in bfloat16)

@@ -293,6 +293,20 @@ def test_errors_found_while_loading_are_reported_without_a_traceback(tmp_path, c
     assert err.startswith("medusa-bench: error: no such heads folder") and "Traceback" not in err
 
 
+def test_calibration_leaves_out_a_question_too_long_for_the_context(model, tmp_path, monkeypatch, capsys):
+    """The benchmark leaves such questions out; calibration stopped the run on one."""
+    heads, questions = cli_files(model, tmp_path, monkeypatch)
+    with questions.open("a") as handle:
+        handle.write(json.dumps({"id": 99, "category": "writing", "turns": ["the cat sat " * 100]}) + "\n")
+    code = main(["--heads", str(heads), "--questions", str(questions), "--methods", "ar", "--calibrate",
+                 "--calibrate-questions", "8", "--calibrate-context", "16", "--max-new-tokens", "4",
+                 "--exclude-ids", "1,2", "--output", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert "leaving out 1 calibration questions whose first turn and 4 new tokens may not fit" in err, err
+    assert "calibrated: tree of" in err  # on the others (the one left for the benchmark does not fit: refused)
+    assert code == 2 and "no question fits the model's context" in err
+
+
 def test_no_question_left_to_benchmark_is_an_error_not_an_empty_report(model, tmp_path, monkeypatch, capsys):
     heads, questions = cli_files(model, tmp_path, monkeypatch)
     code = main(["--heads", str(heads), "--questions", str(questions), "--methods", "ar", "--exclude-ids",
