@@ -269,8 +269,10 @@ def captured_folder(config: TrainConfig) -> Path | None:
     return kept_states(rows_path(config))
 
 
-def stage_features(config: TrainConfig, accelerator: Any, train: list[dict], heldout: list[dict]) -> dict[str, Path]:
-    """(c) Medusa-1: the frozen backbone's features of both splits, cached on disk."""
+def stage_features(config: TrainConfig, accelerator: Any, train: list[dict] | None,
+                   heldout: list[dict]) -> dict[str, Path]:
+    """(c) Medusa-1: the frozen backbone's features of both splits, cached on disk (``train`` None:
+    the held-out split's alone, as ``--heldout-only`` needs)."""
     from medusa_infer.model import MedusaModel
     from medusa_train.features import MANIFEST, build_feature_cache, cache_key, examples_hash, model_fingerprint
 
@@ -280,7 +282,7 @@ def stage_features(config: TrainConfig, accelerator: Any, train: list[dict], hel
     # of the model written at other times)
     info = main_process_says(accelerator, model_fingerprint(config.model.name, config.model.dtype,
                                                             config.model.attn_implementation))
-    splits = {"train": train, "heldout": heldout}
+    splits = {"heldout": heldout} if train is None else {"train": train, "heldout": heldout}
     hashes = {name: examples_hash(examples) for name, examples in splits.items()}
     topk = config.soft_label_topk
 
@@ -316,7 +318,7 @@ def stage_features(config: TrainConfig, accelerator: Any, train: list[dict], hel
                 say(accelerator, f"features: {manifest['captured_examples']} of {len(examples)} {name} examples "
                                  "from the hidden states kept while distilling, the rest by a forward pass")
         del model, captured
-    if accelerator.is_main_process:
+    if accelerator.is_main_process and train is not None:
         index = run_paths(config).features
         index.mkdir(parents=True, exist_ok=True)
         (index / "index.json").write_text(json.dumps({k: v.name for k, v in folders.items()}, indent=2) + "\n")
@@ -626,7 +628,7 @@ def report_heldout(config: TrainConfig, accelerator: Any) -> int:
         raise SystemExit(f"train_heads.py: error: no trained heads in {paths.final}; run the recipe first")
     with script_errors():  # the run's rows as they are: this writes nothing
         train, heldout = stage_data(config, accelerator, 0)
-    folders = stage_features(config, accelerator, train, heldout) if config.uses_feature_cache else None
+    folders = stage_features(config, accelerator, None, heldout) if config.uses_feature_cache else None
     if accelerator.is_main_process:
         _, _, accuracy = heldout_accuracy(config, accelerator, heldout, folders)
         print(ev.summary_table(accuracy, ev.fit_tree(accuracy, config.eval.tree_size)), flush=True)
