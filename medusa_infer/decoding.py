@@ -460,6 +460,9 @@ def _prepare_inputs(model, tokenizer, input_ids, attention_mask, prompt, message
     if sum(given) != 1:
         raise ValueError("pass exactly one of input_ids, prompt or messages")
     if input_ids is None:
+        if attention_mask is not None:
+            raise ValueError("attention_mask= goes with input_ids=; prompt= and messages= are tokenised and "
+                             "padded here, with a mask of their own: drop attention_mask=")
         if tokenizer is None:
             raise ValueError("prompt= and messages= need a tokenizer; load the model with one or pass tokenizer=")
         texts = encode_chat(tokenizer, messages) if messages is not None else prompt

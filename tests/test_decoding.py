@@ -373,6 +373,15 @@ def test_medusa_options_beside_a_proposer_are_refused(kwargs, message):
         generate(model, torch.tensor([[5, 6, 7]]), proposer=AutoregressiveProposer(model), **kwargs)
 
 
+def test_an_attention_mask_beside_text_is_refused():
+    """prompt= and messages= are padded here with their own mask: one given beside them went unused."""
+    from tiny import word_medusa
+
+    for text in (dict(prompt="the cat"), dict(messages=[{"role": "user", "content": "the cat"}])):
+        with pytest.raises(ValueError, match="attention_mask= goes with input_ids="):
+            generate(word_medusa(0), attention_mask=torch.zeros(1, 9), max_new_tokens=2, **text)
+
+
 @pytest.mark.parametrize("prompt, message", [
     ([], "empty prompt"),
     (5, "prompt must be a string or a list of strings, got int"),
