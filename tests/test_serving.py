@@ -360,6 +360,29 @@ def test_cli_refuses_flags_the_method_cannot_use_before_loading(argv, message, c
     assert message in capsys.readouterr().err
 
 
+def test_cli_refuses_connections_until_the_model_is_loaded(capsys, monkeypatch):
+    """The port is taken before the model loads but listened on only once it is ready: a TCP readiness
+    probe passed (and requests waited) during the whole load."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]
+    seen = {}
+
+    def loading(args):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+            seen["connected"] = True
+        except ConnectionRefusedError:
+            seen["connected"] = False
+        raise ValueError("stopped while loading")
+
+    monkeypatch.setattr(cli, "load_model", loading)
+    assert cli.main(["--method", "lookup", "--port", str(port)]) == 1
+    assert seen == {"connected": False}
+    assert "stopped while loading" in capsys.readouterr().err
+
+
 def test_cli_says_a_busy_port_before_loading(capsys, monkeypatch):
     import socket
 

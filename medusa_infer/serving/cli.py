@@ -177,10 +177,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not _is_loopback(args.host) and args.api_key is None:
         log.warning("listening on %s without --api-key: anyone who can reach this address can use the model",
                     args.host)
-    try:  # taken before the model loads, so a busy port is said at once (and not after minutes of loading)
-        listener = socket.create_server((args.host, args.port), family=socket.AF_INET6 if ":" in args.host
-                                        else socket.AF_INET)
+    # bound before the model loads, so a busy port is said at once (and not after minutes of loading), and
+    # listening only once it is loaded and warmed up (uvicorn listens on it): a connection before then is
+    # refused, so a readiness probe does not pass while the model loads
+    listener = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        if os.name == "posix":  # as socket.create_server: a restarted server rebinds at once
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((args.host, args.port))
     except OSError as error:
+        listener.close()
         print(f"medusa-serve: error: cannot listen on {args.host}:{args.port} ({error.strerror or error}); "
               "pick another --port, or stop what uses this one", file=sys.stderr)
         return 1
