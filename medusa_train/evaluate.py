@@ -121,8 +121,7 @@ def walked_tokens_per_step(tree: list[tuple[int, ...]], accuracy: HeadAccuracy) 
     whose ranks are all right there, the next step at the position after them (None without
     ``accuracy.starts``). Decoding runs the heads where the last step ended, which falls on hard
     positions more often than the average over every position does (easy runs are crossed in one
-    step): the demo's heads measured 2.15 tokens a step decoding held-out prompts, walked 2.15, and
-    the average over positions said 2.41."""
+    step): for the demo's heads 2.111 walked against 2.328 averaged over positions (README)."""
     if accuracy.starts is None:
         return None
     accepted_paths = set(tree)
