@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import json
 import os
 import shutil
@@ -146,7 +147,7 @@ def check_inputs(config: TrainConfig) -> None:
     """What the run reads and where it uploads, checked before anything runs (``--plan`` too):
     ``ValueError`` for a model name that is neither a folder, a default model nor a Hub id, a data
     file that is not there, Medusa-2 LoRA targets the model cannot take (``check_lora_targets_early``),
-    or an upload that cannot happen (offline, or no Hub login)."""
+    a logger whose package is missing, or an upload that cannot happen (offline, or no Hub login)."""
     from medusa_infer.models import DEFAULT_MODELS, resolve_model
 
     name, d = config.model.name, config.data
@@ -162,6 +163,11 @@ def check_inputs(config: TrainConfig) -> None:
             raise ValueError(f"{key}: {value} is not a file; give the path of an existing JSONL file")
     if config.training.mode == "medusa2":
         check_lora_targets_early(config)
+    for tracker, package in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
+        # accelerate leaves out a tracker whose package is missing with a debug message only
+        if getattr(config.log, tracker) and importlib.util.find_spec(package) is None:
+            raise ValueError(f"log.{tracker}=true logs through the {package} package, which is not installed: "
+                             f"pip install {package}, or set log.{tracker}=false")
     if config.eval.push_to_hub:
         from huggingface_hub import constants, get_token
 

@@ -494,3 +494,22 @@ def test_overrides_go_before_and_after_the_flags(tmp_path, capsys):
                              "data.n=40"]) == 0
     printed = capsys.readouterr().out
     assert "answers 40 prompts" in printed and str(out) in printed
+
+
+def test_a_logger_whose_package_is_missing_is_refused_by_plan(tmp_path, capsys, monkeypatch):
+    """accelerate leaves out a tracker whose package is missing with a debug message only: the GPU
+    recipes' log.tensorboard would log nowhere."""
+    import importlib.util
+
+    import train_heads
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(run_recipe(tmp_path)))
+    assert train_heads.main(["--config", str(recipe), "--plan"]) == 0
+    with pytest.raises(SystemExit) as exit_info:
+        train_heads.main(["--config", str(recipe), "--plan", "log.tensorboard=true"])
+    assert exit_info.value.code == 2
+    assert "log.tensorboard=true logs through the tensorboard package, which is not installed" in \
+        capsys.readouterr().err
