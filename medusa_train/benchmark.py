@@ -757,9 +757,12 @@ def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[st
     cost.head_seconds = measure_head_seconds(model)
     fitted = fit_tree(paths, cost)
     config = model.config
-    if config.head_accuracies and "heldout_head_accuracies" not in config.training:
-        config.training["heldout_head_accuracies"] = config.head_accuracies  # training's, kept beside these
-    if config.path_accuracies and "heldout_path_accuracies" not in config.training:
+    # training's held-out accuracies, kept beside these; an earlier calibration's (on heads imported or
+    # never trained) are no training record, and are replaced
+    trained = "head_accuracies_measured_on" not in (config.acceptance or {})
+    if trained and config.head_accuracies and "heldout_head_accuracies" not in config.training:
+        config.training["heldout_head_accuracies"] = config.head_accuracies
+    if trained and config.path_accuracies and "heldout_path_accuracies" not in config.training:
         config.training["heldout_path_accuracies"] = config.path_accuracies
     config.head_accuracies = accuracy.topk()
     config.path_accuracies = [[list(path), prob] for path, prob in paths.items()]

@@ -156,6 +156,13 @@ def test_calibration_measures_accuracy_and_cost_and_fits_a_tree(model):
         tree = greedy_tree({p: a for p, a in paths.items() if len(p) <= row["depth"]}, row["nodes"])
         assert row["tau"] == pytest.approx(expected_accept_length(tree, paths), abs=1e-4)
 
+    # a second calibration of heads no training measured: the first one's figures are no training record
+    del config.training["heldout_head_accuracies"], config.training["heldout_path_accuracies"]
+    first = config.head_accuracies
+    calibrate(model, QUESTIONS[2:4], args())
+    assert "heldout_head_accuracies" not in config.training and "heldout_path_accuracies" not in config.training
+    assert "end of training" not in model_card(config) and config.head_accuracies is not first
+
 
 def test_calibration_that_finds_plain_decoding_fastest_keeps_it_through_saving(model, monkeypatch, tmp_path):
     """A calibrated empty tree means plain decoding; it must not read back as "no tree stored",

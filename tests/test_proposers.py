@@ -117,7 +117,10 @@ def test_find_match_takes_the_longest_most_recent_match():
     assert find_match(history, 3, 1, 4)[1] == [9, 2, 3, 4]  # "1 2 3" occurred once before
     assert find_match(history, 2, 1, 3)[1] == [4, 5, 1]  # "2 3": the most recent occurrence
     assert find_match([1, 2, 3, 4], 3, 1, 5)[1] == []
-    assert find_match([7, 7, 7], 2, 1, 5)[1] == [7]  # overlapping match
+    # an occurrence overlapping the suffix: the repetition runs on (it stopped after one period)
+    assert find_match([7, 7, 7], 2, 1, 5) == (2, [7] * 5)
+    assert find_match([5, 6] * 3, 3, 1, 5) == (3, [5, 6, 5, 6, 5])
+    assert find_match([1, 2, 3, 1, 2, 3, 1, 2], 2, 1, 4) == (2, [3, 1, 2, 3])
     assert find_match(history, 3, 1, 0)[1] == []
 
 
@@ -202,10 +205,10 @@ def test_lookup_without_a_match_proposes_the_root_alone():
     assert proposal.tokens.tolist() == [[5, 6, 7, 8, 9, 10, 11, 12, 5]]  # at most 8 tokens
     proposal = proposer.propose(torch.tensor([5]), StepContext([prompt.tolist() + [5]], 3))
     assert proposal.tokens.tolist() == [[5, 6, 7, 8]]  # at most max_depth
-    rows = StepContext([[1, 2, 3, 4, 5, 1], [9, 8, 7, 9, 8]], 8)  # one chain for the batch, padded
-    assert proposer.propose(torch.tensor([1, 8]), rows).tokens.tolist() == [[1, 2, 3, 4, 5], [8, 7, 9, 8, 8]]
-    rows = StepContext([[1, 2, 3, 1], [4, 5, 6]], 8)
-    assert proposer.propose(torch.tensor([1, 6]), rows).tokens.tolist() == [[1, 2, 3, 1], [6, 6, 6, 6]]
+    rows = StepContext([[1, 2, 3, 4, 5, 1], [9, 8, 7, 9, 8]], 8)  # one chain for the batch; "9 8 7" repeats on
+    assert proposer.propose(torch.tensor([1, 8]), rows).tokens.tolist() == [[1, 2, 3, 4, 5], [8, 7, 9, 8, 7]]
+    rows = StepContext([[1, 2, 3, 1], [4, 5, 6]], 8)  # "1 2 3" repeats on; no match: padded with the root
+    assert proposer.propose(torch.tensor([1, 6]), rows).tokens.tolist() == [[1, 2, 3, 1, 2], [6, 6, 6, 6, 6]]
 
 
 def test_heuristic_schedule_grows_and_shrinks_k():
@@ -441,16 +444,16 @@ def test_grafted_lookup_adds_a_chain_beside_the_heads_tree():
     model = random_heads(target_model("llama"))
     proposer = MedusaProposer(model, GRAFT_TREE, lookup_tokens=3, lookup_ngram=(3, 1))
     proposer.start(None, torch.randn(2, model.config.hidden_size))
-    context = StepContext([[1, 2, 3, 4, 5, 1], [9, 8, 9]], 8)  # row 1's match is shorter
-    proposal = proposer.propose(torch.tensor([1, 9]), context)
+    context = StepContext([[1, 2, 3, 4, 5, 1], [9, 8, 7]], 8)  # row 1 has no match
+    proposal = proposer.propose(torch.tensor([1, 7]), context)
     tree = proposal.tree
     chain = [(2,), (2, 2), (2, 2, 2)]  # the extra rank: top_k of the heads' tree is 2
     assert list(tree.paths) == sorted(GRAFT_TREE + chain, key=lambda p: (len(p), p))
     nodes = [1 + tree.paths.index(p) for p in chain]
-    assert proposal.tokens[:, nodes].tolist() == [[2, 3, 4], [8, 9, 9]]  # padded with its last token
+    assert proposal.tokens[:, nodes].tolist() == [[2, 3, 4], [7, 7, 7]]  # padded with its root
     heads_only = MedusaProposer(model, GRAFT_TREE)
     heads_only.start(None, proposer.hidden)
-    plain = heads_only.propose(torch.tensor([1, 9]), context)
+    plain = heads_only.propose(torch.tensor([1, 7]), context)
     same = [1 + tree.paths.index(p) for p in plain.tree.paths]
     assert torch.equal(proposal.tokens[:, [0] + same], plain.tokens)  # the heads' candidates unchanged
     no_match = proposer.propose(torch.tensor([50, 51]), StepContext([[3, 4, 50], [5, 6, 51]], 8))

@@ -2,7 +2,7 @@
 
 Each step, for every row, the longest suffix of its history (prompt and output, ``max_ngram``
 tokens down to ``min_ngram``) is searched earlier in that history; the tokens that followed its
-most recent earlier occurrence (at most ``num_tokens``) are proposed as a chain. No model runs,
+most recent earlier occurrence (``num_tokens``, a repeating stretch repeated on) are proposed as a chain. No model runs,
 and the drafts are deterministic, so the verifier's tree rules apply unchanged: greedy stays
 exact and lossless sampling stays lossless. A row without a match proposes nothing; when no row
 matches, the step is plain decoding (the root alone).
@@ -34,9 +34,11 @@ from medusa_infer.tree_fit import CostProfile
 
 
 def find_match(history: list[int], max_ngram: int, min_ngram: int, limit: int) -> tuple[int, list[int]]:
-    """``(n, continuation)``: up to ``limit`` tokens that followed the most recent earlier
-    occurrence of the longest suffix of ``history`` (``n`` tokens, between ``max_ngram`` and
-    ``min_ngram``); ``(0, [])`` if none."""
+    """``(n, continuation)``: ``limit`` tokens that followed the most recent earlier occurrence of the
+    longest suffix of ``history`` (``n`` tokens, between ``max_ngram`` and ``min_ngram``); ``(0, [])``
+    if none. Where that occurrence overlaps the suffix (a stretch repeating with a period shorter than
+    ``limit``: "7 7 7", "a b a b"), the continuation runs on into itself, as the repetition would,
+    instead of stopping at the end of the history after a period's worth."""
     if limit <= 0:
         return 0, []
     length = len(history)
@@ -45,7 +47,10 @@ def find_match(history: list[int], max_ngram: int, min_ngram: int, limit: int) -
         first = suffix[0]
         for start in range(length - n - 1, -1, -1):  # an occurrence that has a continuation
             if history[start] == first and history[start : start + n] == suffix:
-                return n, history[start + n : start + n + limit]
+                draft = history[start + n : start + n + limit]
+                while len(draft) < limit:  # copied on from the draft itself: history + draft repeats
+                    draft.append(draft[start + n + len(draft) - length])
+                return n, draft
     return 0, []
 
 
