@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import json
 import os
 import shutil
@@ -163,11 +162,13 @@ def check_inputs(config: TrainConfig) -> None:
             raise ValueError(f"{key}: {value} is not a file; give the path of an existing JSONL file")
     if config.training.mode == "medusa2":
         check_lora_targets_early(config)
-    for tracker, package in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
+    from accelerate.utils import is_tensorboard_available, is_wandb_available
+
+    for tracker, available in (("tensorboard", is_tensorboard_available), ("wandb", is_wandb_available)):
         # accelerate leaves out a tracker whose package is missing with a debug message only
-        if getattr(config.log, tracker) and importlib.util.find_spec(package) is None:
-            raise ValueError(f"log.{tracker}=true logs through the {package} package, which is not installed: "
-                             f"pip install {package}, or set log.{tracker}=false")
+        if getattr(config.log, tracker) and not available():
+            raise ValueError(f"log.{tracker}=true logs through the {tracker} package, which is not installed: "
+                             f"pip install {tracker}, or set log.{tracker}=false")
     if config.eval.push_to_hub:
         from huggingface_hub import constants, get_token
 

@@ -160,6 +160,8 @@ def processor_settings(base_model: Any) -> dict[str, Any]:
     config = getattr(base_model, "generation_config", None)
     found = {}
     for name in PROCESSOR_SETTINGS:
+        if name == "renormalize_logits":  # a normalisation after the others: changes no choice by itself
+            continue
         value = getattr(config, name, None)
         if value is None or value is False or (isinstance(value, (list, tuple, dict)) and not value):
             continue

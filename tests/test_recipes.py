@@ -499,12 +499,11 @@ def test_overrides_go_before_and_after_the_flags(tmp_path, capsys):
 def test_a_logger_whose_package_is_missing_is_refused_by_plan(tmp_path, capsys, monkeypatch):
     """accelerate leaves out a tracker whose package is missing with a debug message only: the GPU
     recipes' log.tensorboard would log nowhere."""
-    import importlib.util
+    import accelerate.utils
 
     import train_heads
 
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    monkeypatch.setattr(accelerate.utils, "is_tensorboard_available", lambda: False)
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(run_recipe(tmp_path)))
     assert train_heads.main(["--config", str(recipe), "--plan"]) == 0

@@ -184,6 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if os.name == "posix":  # as socket.create_server: a restarted server rebinds at once
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if listener.family == socket.AF_INET6:  # as socket.create_server: an IPv6 address serves IPv6 alone
+            listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         listener.bind((args.host, args.port))
     except OSError as error:
         listener.close()
