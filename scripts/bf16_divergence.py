@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=10)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--lookup-tokens", type=int, default=8)
+    parser.add_argument("--lookup-tokens", type=int, default=8, help="draft length of the lookup method")
     args = parser.parse_args()
 
     config = json.load(open(f"{args.heads}/config.json"))
@@ -43,7 +43,8 @@ def main() -> None:
     tokenizer = model.tokenizer
     with open(args.questions) as f:
         questions = [json.loads(line) for line in f]
-    options = argparse.Namespace(lookup_tokens=args.lookup_tokens)
+    # medusa: the heads' own tree, no lookup chain; lookup: drafts of --lookup-tokens (its draft_tokens)
+    options = {"medusa": argparse.Namespace(), "lookup": argparse.Namespace(draft_tokens=args.lookup_tokens)}
     parted = runs = 0
     for question in questions[:: max(1, len(questions) // args.limit)][: args.limit]:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": question["turns"][0]}],
@@ -54,7 +55,7 @@ def main() -> None:
         for method in ("medusa", "lookup"):
             runs += 1
             ours = generate(model, ids, max_new_tokens=args.tokens,
-                            proposer=build_proposer(method, model, options)).new_tokens[0]
+                            proposer=build_proposer(method, model, options[method])).new_tokens[0]
             if ours == plain:
                 print(f"question {question['id']} {method}: identical")
                 continue
