@@ -171,6 +171,12 @@ def check_inputs(config: TrainConfig) -> None:
                              f"pip install {tracker}, or set log.{tracker}=false")
     if config.eval.push_to_hub:
         from huggingface_hub import constants, get_token
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(config.eval.push_to_hub)
+        except HFValidationError as err:  # the upload would fail after training
+            raise ValueError(f"--push-to-hub {config.eval.push_to_hub!r} is no Hub repo id ({err})") from None
 
         later = f"leave --push-to-hub out and upload {run_paths(config).heads} later (hf upload REPO_ID FOLDER)"
         if constants.is_offline_mode():
@@ -500,6 +506,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="recipe YAML (recipes/*.yaml); default: built-in defaults")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, e.g. training.lr=3e-4")
     parser.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the final heads to this Hub repo")
+    parser.add_argument("--private", action="store_true",
+                        help="with --push-to-hub: create the repo private (its datastore.safetensors holds the "
+                             "training conversations)")
     parser.add_argument("--plan", action="store_true", help="print the plan and exit (loads no model)")
     parser.add_argument("--heldout-only", action="store_true",
                         help="print the trained heads' held-out accuracy and exit (reuses the run's data and "
@@ -509,6 +518,8 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, args.overrides)
         if args.push_to_hub:
             config.eval.push_to_hub = args.push_to_hub
+        if args.private:
+            config.eval.private = True
         check_inputs(config)
         pending = distill_pending(config)
         from medusa_train.trainer import check_finished_run, check_init_from
@@ -604,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
         if config.eval.push_to_hub:
             from medusa_train.evaluate import push_to_hub
 
-            say(accelerator, f"uploaded to {push_to_hub(paths.heads, config.eval.push_to_hub)}")
+            say(accelerator, f"uploaded to {push_to_hub(paths.heads, config.eval.push_to_hub, config.eval.private)}")
     accelerator.end_training()
     return 0
 

@@ -254,6 +254,8 @@ class EvalSection:
         tree_size: nodes of the tree fitted to the measured accuracies (16 suits a CPU).
         top_k: accuracies measured for ranks 1..top_k.
         push_to_hub: Hub repo id to upload the heads to (``--push-to-hub`` sets it).
+        private: create that repo private (``--private`` sets it; None: the Hub's default, public).
+            The upload holds the datastore (below) when there is one: the training conversations.
         datastore: write the training split's conversations (the model's own answers) into the
             heads folder as ``datastore.safetensors``, which lookup drafts also search.
     """
@@ -261,6 +263,7 @@ class EvalSection:
     tree_size: int = 16
     top_k: int = 10
     push_to_hub: str | None = None
+    private: bool | None = None
     datastore: bool = True
 
 

@@ -437,7 +437,7 @@ def resume_fingerprint(config: TrainConfig) -> dict[str, Any]:
                if config.heads.init_from else {})}
 
 
-_EVAL_IGNORES = ("push_to_hub",)  # an upload changes nothing in the heads folder
+_EVAL_IGNORES = ("push_to_hub", "private")  # an upload changes nothing in the heads folder
 
 
 def finished_settings(config: TrainConfig) -> dict[str, Any]:

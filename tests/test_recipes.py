@@ -319,6 +319,7 @@ def test_distill_options_are_checked_when_the_recipe_loads(tmp_path, capsys, opt
     (["model.name=smolm2"], r"Unknown model name 'smolm2'"),
     (["training.batch_tokens=100000"], r"do not fill one micro-batch of 100000"),
     (["--push-to-hub", "me/heads"], r"uploading to me/heads needs the Hub, but HF_HUB_OFFLINE is set"),
+    (["--push-to-hub", "me/my heads"], r"--push-to-hub 'me/my heads' is no Hub repo id"),
     (["data.prompts=null", "data.rows=/no/such/rows.jsonl"], r"data.rows: /no/such/rows.jsonl is not a file"),
     (["heads.init_from=/no/such/heads"], r"heads.init_from=/no/such/heads has no config.json"),
 ])

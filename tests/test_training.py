@@ -937,6 +937,26 @@ def test_init_from_refuses_heads_this_run_would_not_build(tiny_dir, tmp_path, co
 
 
 @pytest.mark.slow
+def test_push_to_hub_after_training_takes_private(tiny_dir, tmp_path, monkeypatch):
+    """``--private`` creates the repo private: the upload holds the datastore, the training conversations
+    (there was no way to ask for it)."""
+    import huggingface_hub
+
+    import train_heads
+    from medusa_train import evaluate
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: "token")
+    pushed = []
+    monkeypatch.setattr(evaluate, "push_to_hub", lambda folder, repo, private=None: pushed.append(
+        (Path(folder).name, repo, private)) or "https://hub/commit")
+    values = recipe(tiny_dir, tmp_path / "run", training={"max_steps": 2})
+    config = str(write_recipe(tmp_path / "r.yaml", values))
+    assert train_heads.main(["--config", config, "--push-to-hub", "me/heads", "--private"]) == 0
+    assert train_heads.main(["--config", config, "--push-to-hub", "me/heads"]) == 0  # finished: uploaded again
+    assert pushed == [("heads", "me/heads", True), ("heads", "me/heads", None)]
+
+
 def test_ddp_sends_no_buffers_before_each_forward():
     """Medusa-1 keeps the frozen lm_head and embeddings as buffers of the trained module: DDP's default
     sent them from the first process before every forward (509.8 ms against 4.6 a step at SmolLM2's
