@@ -85,15 +85,16 @@ def main() -> None:
     one_layer(model.base_model.config, args.contexts, args.sizes, args.repeats)
     print(f"\nwhole forward, median ms over {args.rounds} rounds (interleaved):")
     for context in args.contexts:
-        times: dict[str, list[list[float]]] = {"sdpa": [], SDPA_GQA: []}
+        times: dict[str, list[dict[int, float]]] = {"sdpa": [], SDPA_GQA: []}
         for round_ in range(args.rounds):
             for name in (("sdpa", SDPA_GQA) if round_ % 2 == 0 else (SDPA_GQA, "sdpa")):
                 model.base_model.set_attn_implementation(name)
                 profile = measure_verify_cost(model, args.sizes, context=context, repeats=3)
-                times[name].append(profile.seconds)
-        for i, n in enumerate(args.sizes):
-            a = statistics.median(s[i] for s in times["sdpa"]) * 1e3
-            b = statistics.median(s[i] for s in times[SDPA_GQA]) * 1e3
+                # by size: the profile sorts the sizes and measures one token too
+                times[name].append(dict(zip(profile.sizes, profile.seconds)))
+        for n in args.sizes:
+            a = statistics.median(s[n] for s in times["sdpa"]) * 1e3
+            b = statistics.median(s[n] for s in times[SDPA_GQA]) * 1e3
             print(f"  {n:2d} new over {context:5d} cached: sdpa {a:6.1f} ms, {SDPA_GQA} {b:6.1f} ms ({a / b:.3f}x)")
 
 
