@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import math
 
@@ -12,6 +13,7 @@ from medusa_infer.adaptive import StepCosts, TreeController, tree_ladder
 from medusa_infer.decoding import generate
 from medusa_infer.metrics import RECENT_STEPS, GenerationMetrics
 from medusa_infer.model import MedusaModel
+from medusa_infer.proposers import build_proposer
 from medusa_infer.tree_fit import CostProfile, fit_tree, measure_verify_cost
 from medusa_infer.trees import (
     REFERENCE_HEAD_ACCURACY,
@@ -382,7 +384,9 @@ def test_plain_steps_report_to_the_controller_in_generation_with_lookup_chains(m
 
     monkeypatch.setattr(TreeController, "observe_shadow", spy)
     prompt = torch.tensor([[5, 6, 7, 8, 9] * 4])
-    out = generate(model, prompt, max_new_tokens=40, tree="tree-16", eos_token_id=[], lookup_tokens=3)
+    # one-token lookup drafts: the model's answer repeats a token, which longer drafts cross in a few steps
+    options = argparse.Namespace(tree="tree-16", lookup_tokens=3, lookup_max_tokens=1)
+    out = generate(model, prompt, max_new_tokens=40, eos_token_id=[], proposer=build_proposer("medusa", model, options))
     reference = base.generate(prompt, max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert torch.equal(out.sequences, reference)
     # after the first steps on the tree, rung 0 throughout: plain steps and steps of the root plus
