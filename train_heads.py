@@ -613,7 +613,15 @@ def main(argv: list[str] | None = None) -> int:
         (paths.logs / "stages.json").write_text(json.dumps(record, indent=2) + "\n")
         say(accelerator, "stage seconds: " + ", ".join(f"{k} {v}" for k, v in timings.items()))
         if config.eval.push_to_hub:
+            from medusa_infer.models import is_path_like
             from medusa_train.evaluate import push_to_hub
+            from medusa_train.trainer import heads_base_name
+
+            named = heads_base_name(config)
+            if is_path_like(named) or Path(named).expanduser().is_dir():
+                say(accelerator, f"note: the uploaded heads name their base model {named!r}, a local folder that "
+                                 "does not travel: others load them with base_model=; set model.hub_id to its "
+                                 "Hub id (and remove the heads folder to evaluate again) to name it so")
 
             say(accelerator, f"uploaded to {push_to_hub(paths.heads, config.eval.push_to_hub, config.eval.private)}")
     accelerator.end_training()

@@ -937,7 +937,7 @@ def test_init_from_refuses_heads_this_run_would_not_build(tiny_dir, tmp_path, co
 
 
 @pytest.mark.slow
-def test_push_to_hub_after_training_takes_private(tiny_dir, tmp_path, monkeypatch):
+def test_push_to_hub_after_training_takes_private(tiny_dir, tmp_path, monkeypatch, capsys):
     """``--private`` creates the repo private: the upload holds the datastore, the training conversations
     (there was no way to ask for it)."""
     import huggingface_hub
@@ -955,6 +955,8 @@ def test_push_to_hub_after_training_takes_private(tiny_dir, tmp_path, monkeypatc
     assert train_heads.main(["--config", config, "--push-to-hub", "me/heads", "--private"]) == 0
     assert train_heads.main(["--config", config, "--push-to-hub", "me/heads"]) == 0  # finished: uploaded again
     assert pushed == [("heads", "me/heads", True), ("heads", "me/heads", None)]
+    # heads naming a local folder as their base are uploaded, and said so
+    assert "the uploaded heads name their base model" in capsys.readouterr().out
 
 
 def test_ddp_sends_no_buffers_before_each_forward():
