@@ -483,6 +483,7 @@ def stage_evaluate(config: TrainConfig, accelerator: Any, train: list[dict], hel
 
             shutil.copytree(paths.final / ADAPTER_DIR, partial / ADAPTER_DIR)
         if config.eval.datastore:
+            from medusa_infer.checkpoint import note_datastore
             from medusa_infer.datastore import DATASTORE_NAME
             from medusa_train.datastore import build_datastore
 
@@ -492,7 +493,9 @@ def stage_evaluate(config: TrainConfig, accelerator: Any, train: list[dict], hel
                 tokenizer = load_tokenizer(config.model.name, trust_remote_code=config.model.trust_remote_code)
             except (OSError, ValueError):
                 tokenizer = None
-            build_datastore(train, tokenizer).save(partial / DATASTORE_NAME)
+            store = build_datastore(train, tokenizer)
+            store.save(partial / DATASTORE_NAME)
+            note_datastore(partial, len(store))
         _commit_folder(partial, paths.heads)
         print(ev.summary_table(accuracy, [tuple(p) for p in mconfig.tree]), flush=True)
     accelerator.wait_for_everyone()

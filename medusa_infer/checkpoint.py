@@ -226,6 +226,19 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
     return "\n".join(lines)
 
 
+def note_datastore(directory: str | Path, tokens: int) -> None:
+    """Add to the folder's model card what its ``datastore.safetensors`` holds: text others can read
+    back from the upload (the training conversations, when ``train_heads.py`` wrote it)."""
+    card = Path(directory) / CARD_NAME
+    text = card.read_text(encoding="utf-8") if card.is_file() else ""
+    if "## Datastore" in text:
+        return
+    section = (f"## Datastore\n\n`{DATASTORE_NAME}` holds {tokens} tokens of text that lookup drafts search: "
+               "written by `train_heads.py`, the training split's conversations (prompts and the model's answers) "
+               "as token ids, which anyone with the folder can decode; it shares their licence and privacy.\n")
+    card.write_text(text.rstrip("\n") + "\n\n" + section, encoding="utf-8")
+
+
 def accuracy_table(title: str, accuracies: list[list[float]]) -> list[str]:
     """A model card section: each head's cumulative top-1/3/5/10 accuracy (those the rows hold)."""
     shown = [k for k in (1, 3, 5, 10) if k <= max(len(a) for a in accuracies)]

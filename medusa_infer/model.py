@@ -31,6 +31,7 @@ from medusa_infer.checkpoint import (
     DEFAULT_COMMIT_MESSAGE,
     check_state_dict,
     load_heads_state,
+    note_datastore,
     push_folder_to_hub,
     save_heads,
 )
@@ -428,6 +429,7 @@ class MedusaModel(nn.Module):
             shutil.copytree(self.merged_adapter, target)
         if self.datastore is not None:
             self.datastore.save(out / DATASTORE_NAME)
+            note_datastore(out, len(self.datastore))
         elif (out / DATASTORE_NAME).is_file():  # an earlier save's store is not these heads'
             (out / DATASTORE_NAME).unlink()
         return out

@@ -957,6 +957,10 @@ def test_push_to_hub_after_training_takes_private(tiny_dir, tmp_path, monkeypatc
     assert pushed == [("heads", "me/heads", True), ("heads", "me/heads", None)]
     # heads naming a local folder as their base are uploaded, and said so
     assert "the uploaded heads name their base model" in capsys.readouterr().out
+    # the card says what the datastore uploaded with them holds
+    card = (tmp_path / "run" / "heads" / "README.md").read_text()
+    assert (tmp_path / "run" / "heads" / "datastore.safetensors").is_file()
+    assert "## Datastore" in card and "the training split's conversations" in card
 
 
 def test_ddp_sends_no_buffers_before_each_forward():
