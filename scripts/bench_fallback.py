@@ -3,9 +3,9 @@
     python scripts/bench_fallback.py --heads runs/demo/heads --limit 10
     python scripts/bench_fallback.py --heads runs/demo/heads --questions-from rest --limit 40 --tree-nodes 16
 
-For each question (first turns of Spec-Bench-format questions, by default the 16 that
-``medusa-bench --calibrate`` measured the heads on, as stored in ``<heads>/../calibration.json``
-when there is one, else the first ``--limit`` of the file; ``--questions-from rest``: ``--limit`` of
+For each question (first turns of Spec-Bench-format questions, by default the ones (up to
+``--limit``) that ``medusa-bench --calibrate`` measured the heads on, as the heads record them (or
+``<heads>/../calibration.json`` names them), else the first ``--limit`` of the file; ``--questions-from rest``: ``--limit`` of
 the others, balanced across categories as ``medusa-bench`` samples them),
 it answers greedily four ways, one after the other: plain decoding (our loop, ``ar``), the tree
 with the adaptive fallback choosing by the calibration's cost profile alone (``adaptive``), the
@@ -33,7 +33,7 @@ from medusa_infer.decoding import generate
 from medusa_infer.model import MedusaModel
 from medusa_infer.proposers import AutoregressiveProposer
 from medusa_infer.trees import greedy_tree
-from medusa_train.benchmark import load_questions
+from medusa_train.benchmark import calibration_question_ids, load_questions
 
 METHODS = ("ar", "adaptive", "learned", "fixed")
 
@@ -52,21 +52,23 @@ def main() -> None:
                              "(default: the stored tree)")
     parser.add_argument("--lookup-tokens", type=int, default=0, help="graft a prompt-lookup chain (medusa-lookup)")
     args = parser.parse_args()
-    calibration = Path(args.heads).parent / "calibration.json"
-    if args.questions_from == "rest" and not args.ids and not calibration.is_file():
-        raise SystemExit(f"--questions-from rest leaves out the calibration's questions, named in {calibration}, "
-                         "which does not exist; calibrate the heads with medusa-bench --calibrate or pass --ids")
     model = MedusaModel.from_pretrained(args.heads)
+    # the calibration's questions: as the heads record them (medusa-bench --calibrate), else as its report names them
+    calibration = Path(args.heads).parent / "calibration.json"
+    calibrated = calibration_question_ids(model, args.questions) or (
+        json.loads(calibration.read_text())["question_ids"] if calibration.is_file() else [])
+    if args.questions_from == "rest" and not args.ids and not calibrated:
+        raise SystemExit(f"--questions-from rest leaves out the calibration's questions, which neither the heads "
+                         f"nor {calibration} name; calibrate the heads with medusa-bench --calibrate or pass --ids")
     tree = None if args.tree_nodes is None else greedy_tree(model.config.acceptance_model(), args.tree_nodes)
     step_costs = StepCosts()
     questions = [json.loads(line) for line in Path(args.questions).read_text().splitlines() if line.strip()]
     if args.ids:
         wanted = [int(i) for i in args.ids.split(",")]
-    elif calibration.is_file() and args.questions_from == "calibration":
-        wanted = json.loads(calibration.read_text())["question_ids"]
-    elif calibration.is_file():  # the others, balanced across categories as medusa-bench takes them
-        excluded = json.loads(calibration.read_text())["question_ids"]
-        wanted = [q["id"] for q in load_questions(args.questions, args.limit, exclude_ids=excluded)]
+    elif calibrated and args.questions_from == "calibration":
+        wanted = calibrated
+    elif calibrated:  # the others, balanced across categories as medusa-bench takes them
+        wanted = [q["id"] for q in load_questions(args.questions, args.limit, exclude_ids=calibrated)]
     else:
         wanted = [q["id"] for q in questions]
     chosen = [q for q in questions if q["id"] in wanted][: args.limit]
