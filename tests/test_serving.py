@@ -383,6 +383,31 @@ def test_cli_refuses_connections_until_the_model_is_loaded(capsys, monkeypatch):
     assert "stopped while loading" in capsys.readouterr().err
 
 
+def test_cli_on_an_ipv6_address_serves_ipv6_alone(capsys, monkeypatch):
+    """As socket.create_server: ``--host ::`` takes the IPv6 port alone (it took the IPv4 one too, exposing
+    the server on addresses nobody named, and failing where IPv4 held the port)."""
+    import socket
+
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]
+    seen = {}
+
+    def loading(args):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as ipv4:
+            ipv4.bind(("0.0.0.0", port))  # free: the server's socket holds the IPv6 port only
+            seen["ipv4_free"] = True
+        raise ValueError("stopped while loading")
+
+    monkeypatch.setattr(cli, "load_model", loading)
+    try:
+        assert cli.main(["--method", "lookup", "--host", "::", "--port", str(port)]) == 1
+    except OSError as error:  # no IPv6 stack
+        pytest.skip(f"IPv6 unavailable: {error}")
+    assert seen == {"ipv4_free": True}, capsys.readouterr().err
+
+
 def test_cli_says_a_busy_port_before_loading(capsys, monkeypatch):
     import socket
 
