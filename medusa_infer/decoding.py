@@ -807,10 +807,22 @@ def _pad_id(model, tokenizer, stop: StopConfig) -> int:
 
 def make_controller(model, paths: Sequence[Sequence[int]], adaptive: bool | None,
                     step_costs: StepCosts | None = None) -> TreeController | None:
-    """The adaptive-fallback controller for ``paths``, or None when ``adaptive`` is off; it
-    learns batch-1 cost ratios into ``step_costs`` when given (``adaptive.StepCosts``).
+    """The adaptive-fallback controller for ``paths``, or None where none runs (``fallback_paths``);
+    it learns batch-1 cost ratios into ``step_costs`` when given (``adaptive.StepCosts``)."""
+    start = fallback_paths(model, paths, adaptive)
+    if start is None:
+        return None
+    config = model.config
+    acceptance = config.acceptance_model()
+    cost = CostProfile.from_dict(config.cost_profile)
+    return TreeController(tree_ladder(start, acceptance=acceptance), acceptance, cost, step_costs=step_costs)
 
-    Heads whose calibration stored plain decoding (``config.tree == []``) get a controller too,
+
+def fallback_paths(model, paths: Sequence[Sequence[int]], adaptive: bool | None) -> list | None:
+    """The tree the adaptive fallback grows and shrinks for ``paths``, or None when no fallback runs:
+    ``adaptive`` off (None: on for calibrated heads, those with measured accuracies and a cost profile).
+
+    Heads whose calibration stored plain decoding (``config.tree == []``) get a fallback too,
     starting on plain decoding and able to grow to the fastest tree the fit found
     (``FittedTree.speculative_paths``) when head 1's acceptance beats its calibration; pass
     ``adaptive=False`` to keep plain decoding throughout. An empty ``paths`` on heads that have
@@ -828,7 +840,6 @@ def make_controller(model, paths: Sequence[Sequence[int]], adaptive: bool | None
             "run `medusa-bench --calibrate` or train with train_heads.py first"
         )
     acceptance = config.acceptance_model()
-    cost = CostProfile.from_dict(config.cost_profile)
     if not paths:
         if config.tree != []:
             return None  # plain decoding asked for, on heads that have a tree
@@ -843,7 +854,7 @@ def make_controller(model, paths: Sequence[Sequence[int]], adaptive: bool | None
             return None
     if not isinstance(acceptance, Mapping):
         _check_measured(paths, acceptance)
-    return TreeController(tree_ladder(paths, acceptance=acceptance), acceptance, cost, step_costs=step_costs)
+    return list(paths)
 
 
 def _check_measured(paths: Sequence[Sequence[int]], accuracies: Sequence[Sequence[float]]) -> None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import itertools
 import json
 import platform
@@ -398,7 +399,7 @@ class Runner:
         elif method == "medusa-lossless":
             sampling = dict(do_sample=True, acceptance="lossless", temperature=self.args.temperature)
         if method in ("medusa", "medusa-lookup") and self.args.step_costs == "learned" and self.args.fallback \
-                and self._adaptive():
+                and self.adaptive:
             # kept across questions; greedy only, whose output does not depend on the trees (a
             # seeded sample's would then depend on the clock)
             options.step_costs = self.step_costs.setdefault(method, StepCosts())
@@ -427,15 +428,13 @@ class Runner:
         return out.new_tokens, list(run.state.row_steps), set_up + m.ttft_s, set_up + m.total_s
 
 
-    def _adaptive(self) -> bool:
-        """Whether the medusa methods run the adaptive fallback (calibrated heads, a tree to shrink or
-        calibrated plain decoding to grow from), whose controller learns step costs."""
-        from medusa_infer.decoding import resolve_tree
+    @functools.cached_property
+    def adaptive(self) -> bool:
+        """Whether the medusa methods run the adaptive fallback, whose controller learns step costs
+        (``stream()`` refuses step costs where none runs)."""
+        from medusa_infer.decoding import fallback_paths, resolve_tree
 
-        config = self.model.config
-        if not (config.head_accuracies and config.cost_profile):
-            return False
-        return bool(resolve_tree(self.model, self.args.tree)) or config.tree == []
+        return fallback_paths(self.model, resolve_tree(self.model, self.args.tree), None) is not None
 
 
 def hf_answer(row: list[int], eos: Sequence[int]) -> list[int]:

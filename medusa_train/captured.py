@@ -138,11 +138,6 @@ def save_batch(
     return path
 
 
-def _metadata_model(path: Path) -> str | None:
-    with safe_open(str(path), framework="pt") as handle:
-        return (handle.metadata() or {}).get("model")
-
-
 def _fingerprint(recorded: str | None) -> Any:
     """The model fingerprint a batch file records; a file without one (written before states
     carried it: a bare model name) gives the name, which no fingerprint equals."""
@@ -201,13 +196,13 @@ class CapturedHidden:
         run through the backbone (the dtype and attention implementation it may name are not
         compared: distillation records none)."""
         entries: dict[tuple[int, ...], list[tuple[torch.Tensor, States]]] = {}
-        other: list[Path] = []
+        other: list[tuple[Path, Any]] = []  # (file, the fingerprint it records)
         wanted = None if model is None else weights_fingerprint(model)
         for path in sorted(Path(folder).glob("batch-*.safetensors")):
             with safe_open(str(path), framework="pt") as handle:
                 found = _fingerprint((handle.metadata() or {}).get("model"))
                 if wanted is not None and found != wanted:
-                    other.append(path)
+                    other.append((path, found))
                     continue
                 tensors = {name: handle.get_tensor(name) for name in handle.keys() if name != "hidden"}
             tokens = tensors["tokens"]
@@ -220,7 +215,7 @@ class CapturedHidden:
             logger.warning("%d of the hidden-state files in %s hold states of another model or other weights than "
                            "%s (e.g. %s: %s), left out: the features stage runs the backbone over their examples; "
                            "delete them, or distil again, to keep states of this model", len(other), folder, wanted,
-                           other[0].name, _fingerprint(_metadata_model(other[0])))
+                           other[0][0].name, other[0][1])
         return cls(entries)
 
     def __len__(self) -> int:

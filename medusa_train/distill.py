@@ -1148,7 +1148,7 @@ def distill(
             sources[prompt["source"]] = sources.get(prompt["source"], 0) + 1
         logger.info("sampled %d prompts from %s: %s", len(prompts), config.prompts, sources)
     fingerprint = None
-    if config.save_hidden and config.backend == "local":
+    if config.save_hidden:
         # the main process's, on every one: nodes may hold copies of the model written at other times
         # (a modification time is part of it), and the features stage compares them with its own
         fingerprint = model_fingerprint(config.model)

@@ -142,6 +142,15 @@ def walked_tokens_per_step(tree: list[tuple[int, ...]], accuracy: HeadAccuracy) 
     return tokens / steps if steps else 1.0
 
 
+def reported_tokens_per_step(tree: list[tuple[int, ...]], accuracy: HeadAccuracy,
+                             paths: Mapping[tuple[int, ...], float]) -> float:
+    """What the heads' config and the summary report: greedy decoding walked over the held-out answers
+    (``walked_tokens_per_step``), else, for batches that did not say where answers begin, the average
+    over positions (which runs high)."""
+    walked = walked_tokens_per_step(tree, accuracy)
+    return walked if walked is not None else expected_tokens_per_step(tree, paths)
+
+
 def summary_table(accuracy: HeadAccuracy, tree: list[tuple[int, ...]]) -> str:
     """Per-head top-1/3/5/10 accuracy and the tree's expected tokens per step."""
     topk = accuracy.topk()
@@ -149,8 +158,7 @@ def summary_table(accuracy: HeadAccuracy, tree: list[tuple[int, ...]]) -> str:
     lines = ["head  positions  " + "  ".join(f"top-{k:<3}" for k in shown)]
     for i, row in enumerate(topk):
         lines.append(f"{i + 1:>4}  {int(accuracy.totals[i]):>9}  " + "  ".join(f"{row[k - 1]:<7.3f}" for k in shown))
-    walked = walked_tokens_per_step(tree, accuracy)
-    accept = walked if walked is not None else expected_tokens_per_step(tree, stored_paths(accuracy, len(tree)))
+    accept = reported_tokens_per_step(tree, accuracy, stored_paths(accuracy, len(tree)))
     lines.append(f"tree: {len(tree)} nodes, expected tokens per step {accept:.3f} (1.0 = plain decoding)")
     return "\n".join(lines)
 
@@ -165,11 +173,8 @@ def finalize(folder: str | Path, config: MedusaConfig, heads_state: Mapping[str,
     config.path_accuracies = [[list(path), prob] for path, prob in paths.items()]
     config.tree = [list(path) for path in tree]
     config.top_k = len(config.head_accuracies[0])
-    walked = walked_tokens_per_step(tree, accuracy)
     config.acceptance = {
-        # greedy decoding walked over the held-out answers (the average over positions runs high)
-        "expected_tokens_per_step_fitted_tree": round(walked if walked is not None else
-                                                      expected_tokens_per_step(tree, paths), 4),
+        "expected_tokens_per_step_fitted_tree": round(reported_tokens_per_step(tree, accuracy, paths), 4),
         "heldout_positions": [int(n) for n in accuracy.totals],
     }
     if extra:

@@ -35,11 +35,12 @@ def add_lora(base_model: nn.Module, r: int, alpha: int, dropout: float, target_m
 
 def check_lora_targets(base_model: nn.Module, target_modules: list[str]) -> None:
     """``ValueError`` where an entry of ``target_modules`` names no module of ``base_model``, they select
-    a module LoRA cannot adapt (a block, an attention module, a norm), or its input or output embeddings. Needs only the module tree (a meta-device model will do)."""
+    a module LoRA cannot adapt (a block, an attention module, a norm), or its input or output embeddings.
+    Needs only the module tree (a meta-device model will do)."""
     paths = [name for name, _ in base_model.named_modules() if name]
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in base_model.named_modules() if isinstance(m, nn.Linear)})
     unmatched = [t for t in target_modules if not any(lora_selects([t], p) for p in paths)]
     if unmatched:
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in base_model.named_modules() if isinstance(m, nn.Linear)})
         raise ValueError(f"lora.target_modules {unmatched} match no module of {type(base_model).__name__}; "
                          f"its linear layers are named {linear}")
     # peft adapts linear, embedding and convolution layers (and GPT-2's Conv1D) only: a name selecting
@@ -49,7 +50,6 @@ def check_lora_targets(base_model: nn.Module, target_modules: list[str]) -> None
                     and any(lora_selects([t], p) for t in target_modules)
                     and not isinstance(m, adaptable) and type(m).__name__ != "Conv1D"})
     if other:
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in base_model.named_modules() if isinstance(m, nn.Linear)})
         raise ValueError(f"lora.target_modules {list(target_modules)} select {other[:3]}"
                          f"{f' and {len(other) - 3} more' if len(other) > 3 else ''}, which LoRA cannot adapt "
                          f"(it adapts linear layers); name linear layers, e.g. among {linear}")

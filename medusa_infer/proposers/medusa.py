@@ -187,8 +187,8 @@ class MedusaProposer:
         self.rung = self.controller.choose(len(context.sequences)) if chosen else 0
         proposal = self._propose(roots, context)
         proposal.fallback = chosen and self.rung == 0
-        if not chosen:  # nor does it teach the controller anything (no shadow, no step time)
-            self.truncated, self.shadow = True, None
+        if not chosen:  # nor does it teach the controller anything (no step time; no shadow: _propose)
+            self.truncated = True
         return proposal
 
     def _propose(self, roots: torch.Tensor, context: StepContext) -> Proposal:
