@@ -85,9 +85,16 @@ class CostProfile:
                 return t / secs[0]
         if len(sizes) == 1:
             return float(n)
-        # never decreasing: a flat or noisy profile's last slope can be <= 0, which would make
-        # ever larger forwards look free (or cost less than nothing)
-        slope = max((secs[-1] - secs[-2]) / (sizes[-1] - sizes[-2]), 0.0)
+        # never flat: a noisy profile's last slope can be < 0, and a tie at its end (common, as
+        # measure_verify_cost raises each time to the smaller sizes') is 0, which would make ever larger
+        # forwards (a batch's tree step prices batch * nodes tokens) look free; the slope over the whole
+        # profile stands in (the H200 profile in docs/gpu/376fcb4, t(10..64) / t(1) all 1.123, priced
+        # a 2080-token forward like a 64-token one)
+        last = (secs[-1] - secs[-2]) / (sizes[-1] - sizes[-2])
+        overall = (secs[-1] - secs[0]) / (sizes[-1] - sizes[0])
+        slope = max(last, overall)
+        if slope <= 0:  # every size measured alike: past them, a forward costs in proportion to its tokens
+            return n / sizes[-1] * secs[-1] / secs[0]
         return (secs[-1] + slope * (n - sizes[-1])) / secs[0]
 
     def head_ratio(self, depth: int) -> float:
@@ -135,6 +142,7 @@ def measure_verify_cost(
     stands in for the tree mask (the cost does not depend on the mask's pattern).
     """
     sizes = sorted(set(int(n) for n in sizes) | {1})
+    check_cost_context(model, context, sizes)
     device, dtype = model.device, model.dtype
     vocab = model.lm_head.weight.shape[0]
     generator = torch.Generator().manual_seed(0)
@@ -172,6 +180,20 @@ def measure_verify_cost(
     # below a smaller size's is noise, and would promise a speedup above the tokens a step yields.
     seconds = list(itertools.accumulate((statistics.median(times[n]) for n in sizes), max))
     return CostProfile(sizes, seconds, f"{name} {dtype}".replace("torch.", ""), context)
+
+
+def check_cost_context(model, context: int, sizes: Sequence[int] = DEFAULT_SIZES) -> None:
+    """Raise ``ValueError`` unless ``measure_verify_cost(model, sizes, context)`` fits the model's context
+    (a model with learned positions failed with an IndexError past its last position)."""
+    from medusa_infer.decoding import context_length  # decoding imports this module
+
+    limit, largest = context_length(model), max(sizes, default=1)
+    if context < 1 or context + largest > limit:
+        raise ValueError(
+            f"a cost profile measured over {context} cached tokens needs {context} + {largest} positions, but "
+            f"the model attends over {limit}: measure over a context between 1 and {limit - largest} "
+            "(medusa-bench --calibrate-context)"
+        )
 
 
 def _sync(device: torch.device) -> None:

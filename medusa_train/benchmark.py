@@ -745,10 +745,11 @@ def stored_heads_state(model, heads: str | Path) -> dict[str, torch.Tensor]:
 def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[str, Any]:
     """Measure the heads' top-k accuracy on greedy answers to ``questions`` and this device's
     verification cost; fit the tree; store all three in the heads' config (and folder)."""
-    from medusa_infer.tree_fit import fit_tree, measure_verify_cost
+    from medusa_infer.tree_fit import check_cost_context, fit_tree, measure_verify_cost
 
     if model.heads is None:
         raise ValueError("calibrate() needs a model with heads (medusa-bench --calibrate --heads FOLDER)")
+    check_cost_context(model, args.calibrate_context)  # before the answers, which take the time
     sequences = first_turn_answers(model, questions, args.max_new_tokens)
     accuracy = head_topk_accuracy(model, sequences, top_k=model.config.top_k)
     paths = accuracy.paths()

@@ -155,6 +155,28 @@ def test_a_measured_profile_never_decreases(monkeypatch):
     assert profile.seconds == [0.055, 0.055, 0.055, 0.070]
 
 
+def test_a_profile_ending_in_a_tie_still_prices_larger_forwards():
+    """measure_verify_cost's running max often ends a profile in a tie (the H200 profile in
+    docs/gpu/376fcb4: t(10..64) / t(1) all 1.123): a 0 last slope priced a batch step's 2080-token
+    forward like a 64-token one; the slope over the whole profile stands in."""
+    tied = CostProfile([1, 10, 32, 64], [0.0100, 0.01123, 0.01123, 0.01123], "tied tail")
+    assert tied.ratio(64) == pytest.approx(1.123)
+    assert tied.ratio(2080) > tied.ratio(520) > tied.ratio(65) > tied.ratio(64)
+    assert tied.ratio(2080) == pytest.approx(1.123 + 0.123 / 63 * 2016)
+    flat = CostProfile([1, 2, 4], [0.01] * 3, "every size alike")
+    assert flat.ratio(4) == 1.0 and flat.ratio(8) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_cost_profile_past_the_models_context_is_refused(arch):
+    """gpt2's learned positions failed with a bare IndexError past n_positions (256 here)."""
+    model = MedusaModel.without_heads(tiny_model(arch))
+    with pytest.raises(ValueError, match=r"needs 250 \+ 16 positions, but the model attends over 256: measure over "
+                                         r"a context between 1 and 240 \(medusa-bench --calibrate-context\)"):
+        measure_verify_cost(model, sizes=(1, 4, 16), context=250, repeats=1)
+    assert measure_verify_cost(model, sizes=(1, 4, 16), context=240, repeats=1).sizes == [1, 4, 16]
+
+
 def test_ladder_is_nested_and_valid():
     ladder = tree_ladder(greedy_tree(REFERENCE_HEAD_ACCURACY, 20))
     assert ladder[0] == [] and len(ladder[-1]) == 20

@@ -888,3 +888,14 @@ def test_peak_memory_sees_a_peak_that_is_gone_by_the_end(monkeypatch, high_water
         if high_water_mark:
             del block  # gone before the end: only the high-water mark still knows
     assert peak.peak >= before.peak + 200, (before.peak, peak.peak)  # the sampling takes one last look
+
+
+def test_a_calibration_context_past_the_models_is_refused_before_the_answers(model, tmp_path, monkeypatch, capsys):
+    """--calibrate-context was checked only to be positive: past the model's context (256 positions
+    here) the cost measurement failed (gpt2: a bare IndexError) after every calibration answer."""
+    heads, questions = cli_files(model, tmp_path, monkeypatch)
+    monkeypatch.setattr(bench, "first_turn_answers", lambda *a: pytest.fail("answered before the check"))
+    assert main(["--heads", str(heads), "--questions", str(questions), "--max-new-tokens", "4", "--methods", "ar",
+                 "--calibrate", "--calibrate-questions", "1", "--calibrate-context", "250",
+                 "--output", str(tmp_path / "out")]) == 2
+    assert "needs 250 + 64 positions, but the model attends over 256" in capsys.readouterr().err
