@@ -121,17 +121,18 @@ def stage_data(config: TrainConfig, accelerator: Any, pending: int | None) -> tu
         rows = rows_path(config)
         if not rows.is_file() and not d.prompts:
             raise SystemExit(f"{rows} does not exist and data.prompts is not set: give prompts to distil")
-        if owns_rows(config) and (pending is None or pending > 0):  # a killed or enlarged run's are completed
-            from medusa_train.distill import distill, recipe_config
-
-            say(accelerator, f"distilling {d.n or 'all'} prompts from {d.prompts} into {rows}")
-            with unpartitioned(accelerator):  # the model answers alone, in no DeepSpeed engine
-                distill(recipe_config(config), accelerator)  # on its device, one process or several
         from medusa_infer.models import load_tokenizer
 
         tokenizer = load_tokenizer(config.model.name, trust_remote_code=config.model.trust_remote_code)
         if config.model.chat_template:
             tokenizer.chat_template = config.model.chat_template
+        if owns_rows(config) and (pending is None or pending > 0):  # a killed or enlarged run's are completed
+            from medusa_train.distill import distill, recipe_config
+
+            ds.check_template(tokenizer, d.system_prompt)  # before the answers, which take the time
+            say(accelerator, f"distilling {d.n or 'all'} prompts from {d.prompts} into {rows}")
+            with unpartitioned(accelerator):  # the model answers alone, in no DeepSpeed engine
+                distill(recipe_config(config), accelerator)  # on its device, one process or several
         with accelerator.main_process_first():
             dataset = ds.load_or_build_dataset(rows, tokenizer, d.max_length, paths.data, d.system_prompt)
     train, heldout = ds.split_heldout(dataset, d.heldout_fraction, config.training.seed)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jinja2
 import numpy as np
 from datasets import Dataset, load_from_disk
 from transformers import PreTrainedTokenizerBase
@@ -314,7 +315,9 @@ def build_examples(
                 stats.cut_off_unfound += 1
                 cut_off = False
                 input_ids, labels = tokenize_chat(tokenizer, messages)
-        except TemplateError as error:  # one row's: name it, in a file of thousands
+        except (TemplateError, jinja2.TemplateError) as error:  # one row's: name it, in a file of thousands
+            # (jinja2's: the template's own raise_exception, e.g. Gemma's and Mistral's on roles that do not
+            # alternate)
             raise TemplateError(f"row {row.get('id', index)!r}: {error}") from error
         input_ids, labels, cut = cut_example(input_ids, labels, max_length)
         n_label = sum(label != IGNORE_INDEX for label in labels)
@@ -346,6 +349,24 @@ def build_examples(
         max_length, stats.cut_off, stats.dropped_no_assistant, stats.dropped_too_long,
     )
     return examples
+
+
+def check_template(tokenizer: PreTrainedTokenizerBase, system_prompt: str | None = None) -> None:
+    """Raise ``TemplateError`` unless ``build_examples`` can label a distilled answer with ``tokenizer``:
+    it has a chat template, and with ``system_prompt`` first the template renders the conversation
+    as its generation prompt followed by the answer. ``train_heads`` checks this before distilling,
+    whose answers are of no use otherwise (Mistral-7B-Instruct-v0.3's template writes the system
+    prompt into the last user turn only: into the prompt a model answers, not into the conversation
+    that holds the answer)."""
+    row = {"id": "a sample question", "prompt": "What is 2 + 2?", "response": "2 + 2 is 4."}
+    try:
+        build_examples([row], tokenizer, 10**6, system_prompt)
+    except TemplateError as error:
+        fix = ", or leave out data.system_prompt" if system_prompt is not None else ""
+        raise TemplateError(
+            f"{tokenizer.name_or_path!r}: the training examples cannot be built from distilled answers "
+            f"({error}); set model.chat_template to one that can{fix}"
+        ) from error
 
 
 def truncate_examples(examples: Iterable[dict[str, Any]], max_length: int) -> tuple[list[dict[str, Any]], int, int]:

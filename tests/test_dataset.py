@@ -370,3 +370,17 @@ def test_the_cache_key_follows_the_tokenizers_pipeline_not_only_its_vocabulary(s
     padded = copy.deepcopy(smol)
     padded(["a", "a b c"], padding=True, truncation=True, max_length=2)  # leaves padding and truncation set
     assert tokenizer_fingerprint(padded) == tokenizer_fingerprint(smol)
+
+
+def test_a_row_the_template_itself_refuses_is_named(smol):
+    """Gemma's and Mistral's templates raise (jinja2's TemplateError) on roles that do not alternate: the
+    error passed through with no row id, in a file of thousands."""
+    strict = with_template(smol, "{% for m in messages %}{% if loop.index0 % 2 == 0 and m['role'] != 'user' %}"
+                                 "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+                                 "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                                 "{% if add_generation_prompt %}assistant: {% endif %}")
+    rows = [{"id": "fine", "prompt": "Hi", "response": "Hello."},
+            {"id": "two-users", "messages": [{"role": "user", "content": "Hi"}, {"role": "user", "content": "Hey"},
+                                             {"role": "assistant", "content": "Hello."}]}]
+    with pytest.raises(TemplateError, match=r"^row 'two-users': roles must alternate user/assistant"):
+        build_examples(rows, strict, 64)

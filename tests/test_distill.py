@@ -855,3 +855,50 @@ def test_recipe_settings_reach_distillation():
     parser = build_parser()
     assert config_from_args(parser.parse_args(["--prompts", "p.jsonl", "--trust-remote-code"])).trust_remote_code
     assert not config_from_args(parser.parse_args(["--prompts", "p.jsonl"])).trust_remote_code
+
+
+# Mistral-7B-Instruct-v0.3's template (shortened): the system prompt goes into the last user turn only
+MISTRAL_V03_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}"
+    "{{- bos_token }}{%- for message in loop_messages %}{%- if message['role'] == 'user' %}"
+    "{%- if loop.last and system_message is defined %}{{- '[INST] ' + system_message + '\\n\\n' + message['content'] "
+    "+ '[/INST]' }}{%- else %}{{- '[INST] ' + message['content'] + '[/INST]' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content'] + eos_token }}{%- endif %}{%- endfor %}"
+)
+
+
+@pytest.mark.parametrize("template, system_prompt, error", [
+    (MISTRAL_V03_TEMPLATE, "Be brief.", r"not prefix-stable.*set model.chat_template to one that can, or leave out "
+                                        r"data.system_prompt"),
+    (None, None, r"has no chat template.*set model.chat_template to one that can$"),
+])
+def test_train_heads_checks_the_chat_template_before_distilling(tmp_path, model_dir, prompts_file, monkeypatch,
+                                                                 template, system_prompt, error):
+    """A template that cannot label the answers (Mistral v0.3's with a system prompt, or none) failed
+    only when the dataset was built, after every prompt was distilled."""
+    import train_heads
+    from accelerate import PartialState
+
+    from medusa_train.train_config import config_from_dict
+
+    def answered(*args, **kwargs):
+        raise AssertionError("distilled before the template was checked")
+
+    monkeypatch.setattr(distill_module, "distill", answered)
+    data = {"prompts": str(prompts_file), "n": 2, "max_new_tokens": 2, "system_prompt": system_prompt}
+    recipe = config_from_dict({"output_dir": str(tmp_path / "run"),
+                               "model": {"name": str(model_dir), "chat_template": template},
+                               "data": data, "features": {"from_distillation": False}, "log": {"progress": False}})
+    if template is None:
+        import medusa_infer.models as models
+
+        plain = models.load_tokenizer(str(model_dir))
+        plain.chat_template = None
+        monkeypatch.setattr(models, "load_tokenizer", lambda *args, **kwargs: plain)
+    with pytest.raises(ValueError, match=error):
+        train_heads.stage_data(recipe, PartialState(cpu=True), None)
+    if template is not None:  # without the system prompt it labels the answers
+        recipe.data.system_prompt = None
+        with pytest.raises(AssertionError, match="distilled before"):
+            train_heads.stage_data(recipe, PartialState(cpu=True), None)
