@@ -277,3 +277,36 @@ def test_a_draft_model_given_by_name_serves_requests_that_join_a_running_batch(m
         plain = generate(model.__class__(model.base_model, None, model.tokenizer), torch.tensor([prompts[i]]),
                          max_new_tokens=n, eos_token_id=[])
         assert tokens[i] == plain.new_tokens[0]
+
+
+def test_shutdown_answers_the_requests_still_open_with_the_shutdown_error(model):
+    """At shutdown the engine gets its drain time (2 s in tests) and is then stopped, and what it still
+    holds is answered: a 503 ``shutdown`` error, or a stream's error event. uvicorn alone cancelled
+    them after its graceful timeout (a plain-text 500, a stream cut off) and stopped the engine after."""
+    body = {"model": "tiny", "prompt": "the cat", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    served = serve(model, "medusa", max_batch=1)
+    server, engine = served.__enter__()
+    url = server.base_url + "/v1/completions"
+    answers: dict[str, object] = {}
+
+    def whole() -> None:
+        answers["whole"] = httpx.post(url, json=body, timeout=60)
+
+    def streamed() -> None:
+        with httpx.Client(timeout=60) as client, client.stream("POST", url, json={**body, "stream": True}) as reply:
+            answers["stream"] = (reply.status_code, [line for line in reply.iter_lines() if line])
+
+    with engine.hold():  # both sit in the queue past the drain time
+        clients = [threading.Thread(target=whole), threading.Thread(target=streamed)]
+        for client in clients:
+            client.start()
+        wait_until(lambda: engine.snapshot()["waiting"] == 2, message="two requests should be queued")
+        start = time.monotonic()
+        served.__exit__(None, None, None)
+        for client in clients:
+            client.join(30)
+    assert not engine.alive and time.monotonic() - start < 10
+    assert answers["whole"].status_code == 503
+    assert answers["whole"].json()["error"]["code"] == "shutdown"
+    status, lines = answers["stream"]
+    assert '"code":"shutdown"' in lines[-2].replace(" ", "") and lines[-1] == "data: [DONE]", lines

@@ -62,6 +62,45 @@ class ServerSettings:
     acceptance: str = "lossless"
 
 
+ANSWER_S = 5.0
+"""Seconds uvicorn_server's shutdown leaves connections to send their answers once the engine stopped."""
+
+
+def uvicorn_server(app: FastAPI, drain_s: float = 5.0, **config: Any):
+    """A ``uvicorn.Server`` for ``app`` (of ``create_app``) whose shutdown (SIGTERM, Ctrl-C) stops
+    listening, lets the engine finish what it holds for up to ``drain_s`` seconds, then stops it:
+    requests still unanswered get the 503 ``shutdown`` error (a stream: an error event and
+    ``[DONE]``), and their connections close once it is sent (within ``ANSWER_S`` more seconds).
+
+    uvicorn alone stops the engine only in the lifespan's shutdown, after its graceful timeout and
+    after cancelling the requests still open: their clients got a plain-text 500 or a stream cut
+    off mid-way, never the shutdown error. ``config``: ``uvicorn.Config``'s other settings.
+    """
+    import uvicorn
+
+    engine: Engine = app.state.engine
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            drained = asyncio.create_task(_drain(engine, drain_s))
+            try:
+                await super().shutdown(sockets)
+            finally:
+                await drained
+
+    return DrainingServer(uvicorn.Config(app, timeout_graceful_shutdown=drain_s + ANSWER_S, **config))
+
+
+async def _drain(engine: Engine, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        counts = engine.snapshot()
+        if not counts["running"] and not counts["waiting"]:
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.to_thread(engine.stop)  # what is left is answered "shutdown"
+
+
 def create_app(engine: Engine, model: ModelInfo, settings: ServerSettings) -> FastAPI:
     """The FastAPI application; it starts the engine with the server and stops it at shutdown."""
 
@@ -77,6 +116,7 @@ def create_app(engine: Engine, model: ModelInfo, settings: ServerSettings) -> Fa
             engine.stop()
 
     app = FastAPI(title="medusa-serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.engine = engine  # for uvicorn_server's shutdown
     _add_error_handlers(app)
     app.add_middleware(_CountRequests, count=lambda method, path, status: engine.metrics.http_requests.inc(
         method=method, path=path, status=status))

@@ -208,10 +208,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                        request_timeout=args.request_timeout, acceptance=args.acceptance,
                        speculation_gate=args.speculation_gate == "measured")
     log.info("serving %s with %s on http://%s:%d/v1", name, args.method, args.host, args.port)
-    limit = 2 * (args.max_batch + args.max_queue) + 32  # open connections; beyond them uvicorn answers 503
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, limit_concurrency=limit,
-                            timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[listener])
+    from medusa_infer.serving.app import uvicorn_server
+
+    # no limit_concurrency: uvicorn counts idle keep-alive connections against it and answered every route,
+    # /health included, a plain-text 503 past it; the engine's queue (--max-queue) bounds the work
+    uvicorn_server(app, drain_s=5.0, host=args.host, port=args.port, log_level=args.log_level).run(sockets=[listener])
     return 0
 
 

@@ -46,15 +46,14 @@ class ServerThread:
     """
 
     def __init__(self, app: Any, startup_timeout: float = 60.0) -> None:
-        import uvicorn
+        from medusa_infer.serving.app import uvicorn_server
 
         self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.socket.bind(("127.0.0.1", 0))
         self.port = self.socket.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
-        self.server = uvicorn.Server(config)
+        self.server = uvicorn_server(app, drain_s=2.0, log_level="warning", lifespan="on")
         self.startup_timeout = startup_timeout
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]},
                                        name=f"uvicorn-{self.port}", daemon=True)
