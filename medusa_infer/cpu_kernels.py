@@ -310,7 +310,8 @@ def measure_kernel_plan(layers: Iterable[nn.Linear], rows: Sequence[int] = PLAN_
     packed_ok = mkl_packed_works(*weights[0])
     candidates = {r: [k for k in KERNELS if k != "mkl-packed" or (packed_ok and r <= MKL_PACKED_MAX_ROWS)]
                   for r in rows}
-    inputs = {r: torch.randn(r, weights[0][0].shape[1]) for r in rows}
+    generator = torch.Generator().manual_seed(0)  # not the global one: train_heads seeds it before loading
+    inputs = {r: torch.randn(r, weights[0][0].shape[1], generator=generator) for r in rows}
     times: dict[tuple[int, str], list[float]] = {(r, k): [] for r in rows for k in candidates[r]}
     with torch.no_grad():
         for repeat in range(repeats + 1):

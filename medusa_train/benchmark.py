@@ -845,7 +845,8 @@ def measure_head_seconds(model, repeats: int = 20) -> list[float]:
     Heads that read their path (``path_input``) are timed along the greedy path, one position per
     head; a tree runs each of them over all its parents at that level, so a wide tree's heads cost
     somewhat more than this (on a CPU a few more rows through an already-running head)."""
-    hidden = torch.randn(1, model.lm_head.weight.shape[1], device=model.device, dtype=model.dtype)
+    generator = torch.Generator().manual_seed(0)  # the global one seeds the sampled methods after calibration
+    hidden = torch.randn(1, model.lm_head.weight.shape[1], generator=generator).to(model.device, model.dtype)
     root = torch.zeros(1, dtype=torch.long, device=model.device)  # decoding passes its root token
     depths = range(1, model.config.num_heads + 1)
     times: dict[int, list[float]] = {d: [] for d in depths}

@@ -899,3 +899,12 @@ def test_a_calibration_context_past_the_models_is_refused_before_the_answers(mod
                  "--calibrate", "--calibrate-questions", "1", "--calibrate-context", "250",
                  "--output", str(tmp_path / "out")]) == 2
     assert "needs 250 + 64 positions, but the model attends over 256" in capsys.readouterr().err
+
+
+def test_timing_the_heads_leaves_the_global_random_state_alone(model):
+    """Calibration runs before the sampled methods, which a --seed seeds through the global generator."""
+    torch.manual_seed(0)
+    expected = torch.rand(4)
+    torch.manual_seed(0)
+    assert len(bench.measure_head_seconds(model, repeats=1)) == model.config.num_heads
+    assert torch.equal(torch.rand(4), expected)

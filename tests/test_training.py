@@ -1282,6 +1282,9 @@ def test_gradient_accumulation_equals_the_larger_batch(tiny_dir, tmp_path, mode)
     assert len(losses["whole"]) == 3
     for (loss, kl), (half_loss, half_kl) in zip(losses["whole"], losses["halves"]):
         assert half_loss == pytest.approx(loss, rel=1e-5) and (kl is None or half_kl == pytest.approx(kl, rel=1e-5))
-    if mode == "medusa1":  # the same rows to the bit: the weights too (padding makes Medusa-2's forwards
-        for key in heads["whole"]:  # differ in the last bits, which Adam's normalised steps magnify)
-            torch.testing.assert_close(heads["halves"][key], heads["whole"][key], atol=2e-6, rtol=1e-5)
+    # the weights too: Medusa-1's the same rows to the bit; Medusa-2's padding makes its forwards differ in the
+    # last bits, which Adam's normalised steps magnify (its adapter's init differed by 0.3 when loading the
+    # model measured the CPU kernels with the global generator, seeded before it)
+    tolerance = dict(atol=2e-6, rtol=1e-5) if mode == "medusa1" else dict(atol=1e-4, rtol=1e-4)
+    for key in heads["whole"]:
+        torch.testing.assert_close(heads["halves"][key], heads["whole"][key], **tolerance)
