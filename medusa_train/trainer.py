@@ -426,7 +426,9 @@ def resume_fingerprint(config: TrainConfig) -> dict[str, Any]:
     training = {k: v for k, v in data["training"].items() if k not in _RESUME_IGNORES}
     # data.pack only when set: checkpoints from before the key existed were unpacked runs
     section = {k: v for k, v in data["data"].items() if k != "pack" or v}
-    return {"model": data["model"], "data": section, "heads": data["heads"], "training": training,
+    # the model's Hub id only names it in what is saved (and an upload, set at the end)
+    return {"model": {k: v for k, v in data["model"].items() if k != "hub_id"}, "data": section,
+            "heads": data["heads"], "training": training,
             "lora": data["lora"] if config.training.mode == "medusa2" else None,
             "features_topk": config.soft_label_topk,
             # what the features a checkpoint trained on were made from and stored as
@@ -566,7 +568,10 @@ def _save_checkpoint(accelerator: Any, folder: Path, state: dict[str, Any], keep
     accelerator.save_state(str(partial))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (partial / STATE_NAME).write_text(json.dumps(state, indent=2) + "\n")
+        # by a rename: killed or out of disk mid-write, a half state file would make this folder the newest
+        # complete checkpoint, which every later run failed to read
+        (partial / f"{STATE_NAME}.tmp").write_text(json.dumps(state, indent=2) + "\n")
+        os.replace(partial / f"{STATE_NAME}.tmp", partial / STATE_NAME)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
         complete = sorted(p for p in folder.glob(f"{CHECKPOINT_PREFIX}*") if (p / STATE_NAME).is_file())
@@ -757,7 +762,9 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
         expected = {"world_size": world, "micro_batch": micro, "grad_accum": t.grad_accum,
                     **_flatten(resume_fingerprint(config))}
         found = {"world_size": state.get("world_size"), "micro_batch": state.get("micro_batch"),
-                 "grad_accum": state.get("grad_accum"), **_flatten(state.get("fingerprint", {}))}
+                 "grad_accum": state.get("grad_accum"),
+                 **{k: v for k, v in _flatten(state.get("fingerprint", {})).items()
+                    if k != "model.hub_id"}}  # in the fingerprints of checkpoints before it was left out
         for key, value in (("train_examples_sha256", examples_sha256), ("features_cache", features_cache)):
             if state.get(key) is not None:  # checkpoints from before the key have none
                 expected[key], found[key] = value, state[key]

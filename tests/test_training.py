@@ -1288,3 +1288,41 @@ def test_gradient_accumulation_equals_the_larger_batch(tiny_dir, tmp_path, mode)
     tolerance = dict(atol=2e-6, rtol=1e-5) if mode == "medusa1" else dict(atol=1e-4, rtol=1e-4)
     for key in heads["whole"]:
         torch.testing.assert_close(heads["halves"][key], heads["whole"][key], **tolerance)
+
+
+def test_a_checkpoint_whose_state_file_was_cut_short_is_not_resumed(tmp_path, monkeypatch):
+    """Killed or out of disk while writing trainer_state.json into step-N.partial: that folder was taken as
+    the newest complete checkpoint, and every later run failed to read it ("Expecting value")."""
+    import types
+
+    accelerator = types.SimpleNamespace(is_main_process=True, wait_for_everyone=lambda: None,
+                                        save_state=lambda folder: (Path(folder) / "model.safetensors").write_bytes(b"x"))
+    folder = tmp_path / "checkpoints"
+    tr._save_checkpoint(accelerator, folder, {"step": 2, "note": "x" * 100}, keep=2)
+    write_text = Path.write_text
+
+    def disk_full(self, text, *args, **kwargs):
+        write_text(self, text[:20], *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        tr._save_checkpoint(accelerator, folder, {"step": 4, "note": "x" * 100}, keep=2)
+    monkeypatch.undo()
+    assert (folder / "step-00000004.partial").is_dir()
+    assert tr.latest_checkpoint(folder).name == "step-00000002"
+    assert json.loads((tr.latest_checkpoint(folder) / tr.STATE_NAME).read_text())["step"] == 2
+
+
+def test_naming_the_models_hub_id_keeps_the_checkpoints(tiny_dir, tmp_path, capsys):
+    """model.hub_id only names the base model in what is saved: setting it on a rerun refused to resume."""
+    import train_heads
+
+    values = recipe(tiny_dir, tmp_path / "run", training={"max_steps": 6, "save_every": 2, "seed": 3})
+    config_file = str(write_recipe(tmp_path / "r.yaml", values))
+    killed_at_step(3, config_file, tmp_path)
+    capsys.readouterr()
+    assert train_heads.main(["--config", config_file, "model.hub_id=me/tiny"]) == 0
+    assert "resuming from" in capsys.readouterr().out
+    final = json.loads((tmp_path / "run" / "checkpoints" / "final" / "config.json").read_text())
+    assert final["training"]["resumed_from_step"] == 2
