@@ -283,6 +283,19 @@ def test_warp_logits_matches_transformers(temperature, top_k, top_p):
     torch.testing.assert_close(probs, expected)
 
 
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.6), (0, 0.75), (3, 0.6), (0, 0.3)])
+def test_warp_logits_breaks_top_p_ties_as_transformers(top_k, top_p):
+    """Tokens tied in probability at the nucleus's edge (duplicated or untrained vocabulary rows, bfloat16
+    logits): transformers keeps the higher ids; the first ones were kept, another distribution than its
+    generate's."""
+    logits = torch.tensor([[2.0, 1.0, 1.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5, 0.5]])
+    scores = TopKLogitsWarper(top_k)(None, logits) if top_k else logits
+    expected = TopPLogitsWarper(top_p)(None, scores).softmax(-1)
+    probs = warp_logits(logits, 1.0, top_k, top_p)
+    assert torch.equal(probs > 0, expected > 0), (probs, expected)
+    torch.testing.assert_close(probs, expected)
+
+
 def test_warp_logits_temperature_zero_is_one_hot_argmax():
     logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 3.0, 0.0]])
     assert warp_logits(logits, 0.0, top_k=2, top_p=0.5).tolist() == [[0, 1, 0], [1, 0, 0]]
