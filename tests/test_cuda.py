@@ -88,6 +88,19 @@ def test_classic_proposers_greedy_identical_to_generate(method):
     assert out.metrics.tau > (4.0 if method == "draft" else 1.1)
 
 
+@pytest.mark.skipif(CUDA.type != "cuda", reason="a draft on another device than the target's")
+def test_a_draft_on_the_cpu_samples_for_a_target_on_the_gpu():
+    """The seeded generator lives on the target's device; the draft sampled with it on its own (torch
+    refuses a generator of another device). A seed still gives the same answer."""
+    model = cuda_medusa("llama")
+    draft = tiny_model("llama", seed=3)  # on the CPU
+    ids, mask = padded(prompts_of((5, 9)))
+    runs = [generate(model, ids, attention_mask=mask, max_new_tokens=12, eos_token_id=NO_EOS, do_sample=True,
+                     temperature=1.0, seed=7, proposer=DraftProposer(model, draft, num_tokens=3)).new_tokens
+            for _ in range(2)]
+    assert runs[0] == runs[1] and all(len(row) == 12 for row in runs[0])
+
+
 def test_lossless_sampling_has_the_model_distribution():
     """20,000 rows of one prompt sampled on the GPU through Medusa trees; a chi-square test of the
     first two tokens against the law enumerated with plain forwards (see test_lossless_engine)."""

@@ -72,6 +72,10 @@ class DraftProposer:
         """Sample drafts (and report ``draft_probs``) when the verifier samples losslessly."""
         lossless = sampling.acceptance == "lossless" and not sampling.greedy
         self.sampling = sampling if lossless else None
+        if generator is not None and generator.device != self.device:  # a draft on another device: a generator
+            # there, seeded from the verifier's (torch.multinomial refuses one of another device)
+            seed = int(torch.randint(2**62, (1,), generator=generator, device=generator.device))
+            generator = torch.Generator(device=self.device).manual_seed(seed)
         self.generator = generator
 
     def start(self, context: StepContext, hidden: torch.Tensor) -> None:
