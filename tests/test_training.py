@@ -1184,6 +1184,9 @@ def spy(config, accelerator=None, on_batch=None):  # what distill() meets: a mod
     raise KeyboardInterrupt
 
 distill_module.distill = spy
+import medusa_infer.models as models  # the tiny model's folder holds no tokenizer, which stage_data checks first
+default_tokenizer = models.load_tokenizer("smollm2-135m-instruct")
+models.load_tokenizer = lambda *args, **kwargs: default_tokenizer
 try:
     train_heads.stage_data(config, accelerator, None)
 except KeyboardInterrupt:
