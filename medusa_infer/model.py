@@ -693,9 +693,10 @@ def heads_folder(path_or_repo_id: str | os.PathLike, revision: str | None = None
 def _load_base(
     base_model: PreTrainedModel | str, tokenizer: Any
 ) -> tuple[PreTrainedModel, Any, str | None]:
-    """An already loaded model passes through; a name is resolved and loaded with its tokenizer."""
+    """An already loaded model passes through, in eval mode (one built from a config is in training mode,
+    whose dropout made greedy decoding random); a name is resolved and loaded with its tokenizer."""
     if isinstance(base_model, PreTrainedModel):
-        return base_model, tokenizer, getattr(base_model, "name_or_path", None) or None
+        return base_model.eval(), tokenizer, getattr(base_model, "name_or_path", None) or None
     if isinstance(base_model, nn.Module):
         if hasattr(base_model, "peft_config"):
             check_supported(base_model)  # a peft wrapper is named there, with the ways to pass it

@@ -696,3 +696,23 @@ def test_model_card_names_the_hub_id_of_a_default_models_short_name(tmp_path):
 def test_a_missing_folder_that_cannot_be_a_hub_id_is_named_as_a_folder(name):
     with pytest.raises(ValueError, match=f"no such heads folder: {name} .* cannot be a Hub repo id either"):
         MedusaModel.from_pretrained(name)
+
+
+@pytest.mark.parametrize("build", ["from_base", "without_heads", "from_pretrained"])
+def test_a_base_model_built_from_a_config_decodes_in_eval_mode(build, tmp_path):
+    """from_config gives a model in training mode: with dropout in its config, greedy decoding gave other
+    tokens on every call."""
+    config = tiny_config("llama")
+    config.attention_dropout = 0.5
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(config)
+    assert base.training
+    if build == "from_pretrained":
+        MedusaModel.from_base(tiny_model("llama"), num_heads=2).save_pretrained(tmp_path / "heads")
+        model = MedusaModel.from_pretrained(tmp_path / "heads", base_model=base)
+    else:
+        model = getattr(MedusaModel, build)(base, **({"num_heads": 2} if build == "from_base" else {}))
+    assert not base.training
+    prompt = torch.tensor([[3, 5, 7, 9, 11]])
+    runs = [model.generate(prompt, max_new_tokens=12, eos_token_id=[]).new_tokens for _ in range(3)]
+    assert runs[0] == runs[1] == runs[2]
