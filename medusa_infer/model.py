@@ -231,10 +231,15 @@ class MedusaModel(nn.Module):
         self.tokenizer = tokenizer
         self.merged_adapter: Path | None = None  # the Medusa-2 adapter folder from_pretrained merged
         self.datastore: Datastore | None = None
-        self._decoder = base_model.base_model
         self._cache_kw = cache_keyword(self._decoder)
         self.logit_softcap: float | None = getattr(base_model.config.get_text_config(), "final_logit_softcapping",
                                                    None)
+
+    @property
+    def _decoder(self) -> nn.Module:
+        """The base model's decoder (``base_model.base_model``): not a submodule of its own, whose state dict
+        held the backbone twice (a DeepSpeed checkpoint leaving the frozen weights out kept the copy)."""
+        return self.base_model.base_model
 
     @property
     def config(self) -> MedusaConfig:

@@ -565,7 +565,7 @@ def _save_checkpoint(accelerator: Any, folder: Path, state: dict[str, Any], keep
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(partial))
+    accelerator.save_state(str(partial), **_deepspeed_kwargs(accelerator, exclude_frozen_parameters=True))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         # by a rename: killed or out of disk mid-write, a half state file would make this folder the newest
@@ -579,6 +579,14 @@ def _save_checkpoint(accelerator: Any, folder: Path, state: dict[str, Any], keep
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def _deepspeed_kwargs(accelerator: Any, **kwargs: Any) -> dict[str, Any]:
+    """``kwargs`` under DeepSpeed (accelerate hands them to its engine's save_checkpoint/load_checkpoint), else
+    none. Its checkpoints leave the frozen weights out (``_trainable_checkpointing``'s hooks see no weights
+    there: a Medusa-2 step checkpoint held the whole backbone, ~16 GB for an 8B model), and so load
+    non-strictly: the run that resumes them loads the same frozen weights first."""
+    return kwargs if getattr(accelerator.state, "deepspeed_plugin", None) is not None else {}
 
 
 def _trainable_checkpointing(accelerator: Any, module: nn.Module) -> None:
@@ -780,7 +788,7 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
                 + ", ".join(f"{k} was {found.get(k)!r}, now {expected.get(k)!r}" for k in differ[:5]) + why
                 + f"; resume with the same recipe and number of processes, or remove {paths.checkpoints}"
             )
-        accelerator.load_state(str(checkpoint))
+        accelerator.load_state(str(checkpoint), **_deepspeed_kwargs(accelerator, load_module_strict=False))
         start_step = state["step"]
         if accelerator.is_main_process:
             print(f"resuming from {checkpoint} (step {start_step} of {total})", flush=True)

@@ -1132,7 +1132,8 @@ def test_deepspeed_launch_configs_train_heads_on_the_cpu(tiny_dir, tmp_path, sta
     out = tmp_path / "run"
     training = {"mixed_precision": "bf16", "max_steps": 6, "seed": 1, "lr": 0.03}
     if mode == "medusa2":
-        training |= {"mode": "medusa2", "batch_size": 4, "stage1_steps": 2, "heads_warmup_steps": 2, "loss": "ce"}
+        training |= {"mode": "medusa2", "batch_size": 4, "stage1_steps": 2, "heads_warmup_steps": 2, "loss": "ce",
+                     "save_every": 3}
         values = recipe(tiny_dir, out, training=training, lora={"r": 4, "target_modules": ["q_proj", "v_proj"]},
                         model={"dtype": "bfloat16"}, heads={"projection": "shared", "next_token_input": True})
     else:
@@ -1160,6 +1161,13 @@ def test_deepspeed_launch_configs_train_heads_on_the_cpu(tiny_dir, tmp_path, sta
         layers = json.loads((tiny_dir / "model" / "config.json").read_text())["num_hidden_layers"]
         assert len(adapter) == 4 * layers and all("lora_" in k for k in adapter), sorted(adapter)
         assert {t.dtype for t in adapter.values()} == {torch.float32}
+        # a step checkpoint holds what trains, not the frozen backbone (it held all of it: ~16 GB for an 8B model)
+        step = out / "checkpoints" / "step-00000003" / "pytorch_model"
+        assert step.is_dir()
+        if stage == 2:  # (ZeRO-3's files hold partitions)
+            states = torch.load(step / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+            frozen = [k for k in states if "lora_" not in k and ".heads." not in k and "rotary" not in k]
+            assert states and not frozen, frozen[:5]
 
 
 ZERO3_DISTILL = """
