@@ -232,6 +232,7 @@ class MedusaModel(nn.Module):
         self.merged_adapter: Path | None = None  # the Medusa-2 adapter folder from_pretrained merged
         self.datastore: Datastore | None = None
         self._cache_kw = cache_keyword(self._decoder)
+        self._slot_masks = _causal_slot_buffers(base_model)
         self.logit_softcap: float | None = getattr(base_model.config.get_text_config(), "final_logit_softcapping",
                                                    None)
 
@@ -545,6 +546,9 @@ class MedusaModel(nn.Module):
         On a CUDA device, inference runs on the attention kernels ``attention_kernels``
         chooses for decoding.
         """
+        if self._slot_masks:
+            past = 0 if cache is None else cache.get_seq_length()
+            _widen_causal_buffers(self._slot_masks, past + input_ids.shape[1])
         with decoding_attention(input_ids.device):
             outputs = self._decoder(
                 input_ids=input_ids,
@@ -564,6 +568,33 @@ class MedusaModel(nn.Module):
         from medusa_infer.decoding import generate
 
         return generate(self, *args, **kwargs)
+
+
+SLOT_MASK_SPARE = 256
+"""Slots a widened causal buffer (``_widen_causal_buffers``) keeps to spare: a copy every 256 slots."""
+
+
+def _causal_slot_buffers(base_model: nn.Module) -> list[nn.Module]:
+    """The attention modules holding a causal mask buffer (``bias``, boolean ``[1, 1, L, L]``, L the context
+    length) that they slice by cache slots: GPT-Neo's."""
+    return [m for m in base_model.modules() if isinstance(m._buffers.get("bias"), torch.Tensor)
+            and m._buffers["bias"].dtype == torch.bool and m._buffers["bias"].dim() == 4]
+
+
+def _widen_causal_buffers(modules: list[nn.Module], slots: int) -> None:
+    """Widen each module's causal buffer to cover ``slots`` cache slots (past and new). GPT-Neo's attention
+    slices it by slot count, not position: a tree step near the context's end (its nodes past the last
+    position's slot), or over a batch's cache with holes (rows that accepted different lengths), asked for
+    more slots than positions and failed (a size mismatch), though every position fitted. The buffer is
+    causal over slots only (our 4D masks say which slots each token sees), so a wider one changes nothing
+    within the old size."""
+    for module in modules:
+        current = module._buffers["bias"]
+        if current.shape[-1] >= slots:
+            continue
+        size = slots + SLOT_MASK_SPARE
+        wider = torch.ones(size, size, dtype=torch.bool, device=current.device).tril()
+        module._buffers["bias"] = wider.view(1, 1, size, size)  # kept as registered (not persistent)
 
 
 def check_compatible(config: MedusaConfig, base_model: PreTrainedModel) -> None:

@@ -118,3 +118,19 @@ def test_longrope_models_decode_up_to_their_original_context(caplog):
     oracle = OracleProposer([expected], TREE_PRESETS["tree-16"], seed=3)
     out = generate(model, prompt[None], max_new_tokens=24, proposer=oracle, eos_token_id=[])
     assert out.new_tokens == [expected[: 20 - len(prompt)]] and out.finish_reasons == ["context"]
+
+
+@pytest.mark.parametrize("tree", ["tree-16", "tree-64"])
+def test_gpt_neo_decodes_to_the_end_of_its_context(tree):
+    """GPT-Neo's attention slices a causal buffer (its context long) by cache slots, not positions: a tree
+    step near the context's end (nodes past the last position's slot), or over a padded batch's cache with
+    holes (rows accepting different lengths), failed with a size mismatch though every position fitted."""
+    model = MedusaModel.from_base(tiny("gpt_neo", {**CONFIGS["gpt_neo"], "max_position_embeddings": 48}),
+                                  num_heads=4, num_layers=1)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (14, 30, 22)]
+    futures = [reference(model, p, 48 - len(p)) for p in prompts]  # to the last position
+    ids, mask = left_pad(prompts)
+    oracle = OracleProposer(futures, TREE_PRESETS[tree], seed=3)
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=48, proposer=oracle, eos_token_id=[])
+    assert out.new_tokens == futures and out.finish_reasons == ["context"] * 3
+    assert out.metrics.tau > 1.5
