@@ -134,3 +134,20 @@ def test_gpt_neo_decodes_to_the_end_of_its_context(tree):
     out = generate(model, ids, attention_mask=mask, max_new_tokens=48, proposer=oracle, eos_token_id=[])
     assert out.new_tokens == futures and out.finish_reasons == ["context"] * 3
     assert out.metrics.tau > 1.5
+
+
+def test_layerskip_drafts_with_opts_nested_layers():
+    """OPT keeps its layers at model.decoder.layers: layerskip refused it ("cannot tell which module list")."""
+    from medusa_infer.proposers.layerskip import LayerSkipProposer, truncated_model
+
+    base = tiny("opt", {**CONFIGS["opt"], "num_hidden_layers": 3})
+    view = truncated_model(base, 1)
+    assert len(view.model.decoder.layers) == 1 and len(base.model.decoder.layers) == 3
+    model = MedusaModel.without_heads(base)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (2, 11, 5)]
+    ids, mask = left_pad(prompts)
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=16, eos_token_id=[],
+                   proposer=LayerSkipProposer(model, num_layers=1, num_tokens=3))
+    assert out.new_tokens == [reference(model, p, 16) for p in prompts]
+    with torch.no_grad():  # the view runs one layer: other logits than the whole model's
+        assert not torch.allclose(view(ids).logits, base(ids).logits)

@@ -27,12 +27,13 @@ def default_num_layers(total: int) -> int:
 
 
 def decoder_layers(decoder: nn.Module, total: int) -> str:
-    """The name of ``decoder``'s list of ``total`` decoder layers (``layers``, GPT-2's ``h``, ...)."""
+    """The dotted name of ``decoder``'s list of ``total`` decoder layers (``layers``, GPT-2's ``h``, OPT's
+    ``decoder.layers``, ...)."""
     for name in _LAYER_LISTS:
         layers = getattr(decoder, name, None)
         if isinstance(layers, nn.ModuleList) and len(layers) == total:
             return name
-    found = [n for n, m in decoder.named_children() if isinstance(m, nn.ModuleList) and len(m) == total]
+    found = [n for n, m in decoder.named_modules() if isinstance(m, nn.ModuleList) and len(m) == total]
     if len(found) != 1:
         raise ValueError(f"cannot tell which module list of {type(decoder).__name__} holds its {total} "
                          "decoder layers; layerskip supports decoders with one such list")
@@ -65,8 +66,16 @@ def truncated_model(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
     if getattr(view_config, "layer_types", None) is not None:
         view_config.layer_types = list(view_config.layer_types[:num_layers])
     view_decoder = _shallow_copy(decoder)
-    setattr(view_decoder, name, getattr(decoder, name)[:num_layers])
     view_decoder.config = view_config
+    *parents, last = name.split(".")
+    holder = view_decoder
+    for part in parents:  # OPT's decoder.layers: a view of each module on the way
+        inner = _shallow_copy(getattr(holder, part))
+        if hasattr(inner, "config"):
+            inner.config = view_config
+        setattr(holder, part, inner)
+        holder = inner
+    setattr(holder, last, getattr(holder, last)[:num_layers])
     view = _shallow_copy(model)
     setattr(view, model.base_model_prefix, view_decoder)
     view.config = view_config
