@@ -258,6 +258,9 @@ def test_health_and_metrics_counters_increase(server, client):
     assert grew("vllm:generation_tokens_total") == 8
     assert grew("vllm:prompt_tokens_total") == answer.usage.prompt_tokens
     assert grew("medusa:http_requests_total", path="/v1/completions", status="200") == 1
+    httpx.get(server[0].base_url + "/v1/models/tiny", timeout=10)  # counted under its route, not as "other"
+    assert metric_value(metrics_text(server), "medusa:http_requests_total", path="/v1/models/:id") - \
+        metric_value(after, "medusa:http_requests_total", path="/v1/models/:id") == 1
     spec = answer.usage.model_extra["speculative"]
     assert 1 <= grew("vllm:spec_decode_num_drafts_total") <= spec["draft_steps"]
     assert grew("vllm:spec_decode_num_draft_tokens_total") >= grew("vllm:spec_decode_num_drafts_total")

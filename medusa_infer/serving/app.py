@@ -1,7 +1,7 @@
 """The HTTP side: OpenAI-compatible routes over the engine.
 
     GET  /v1/models             the one served model
-    GET  /v1/models/{id}        that model, by its id
+    GET  /v1/models/:id        that model, by its id
     POST /v1/completions        text completion, streamed (SSE) or not
     POST /v1/chat/completions   chat, rendered with the tokenizer's chat template
     GET  /health                200 while the engine runs
@@ -443,8 +443,15 @@ class _CountRequests:
             await self.app(scope, receive, send_and_note)
         finally:
             method = scope.get("method", "")
-            self.count(method if method in ("GET", "POST") else "other",
-                       scope["path"] if scope["path"] in ROUTES else "other", str(status))
+            self.count(method if method in ("GET", "POST") else "other", _route(scope["path"]), str(status))
+
+
+def _route(path: str) -> str:
+    """The metrics label of a request path: one of ``ROUTES``, ``/v1/models/:id``, or ``other`` (a label
+    per unknown path would let clients grow the metrics without bound)."""
+    if path in ROUTES:
+        return path
+    return "/v1/models/:id" if path.startswith("/v1/models/") else "other"
 
 
 def _add_error_handlers(app: FastAPI) -> None:
