@@ -716,3 +716,12 @@ def test_a_base_model_built_from_a_config_decodes_in_eval_mode(build, tmp_path):
     prompt = torch.tensor([[3, 5, 7, 9, 11]])
     runs = [model.generate(prompt, max_new_tokens=12, eos_token_id=[]).new_tokens for _ in range(3)]
     assert runs[0] == runs[1] == runs[2]
+
+
+def test_a_tree_past_the_heads_reduced_vocabulary_is_refused_by_name():
+    """Heads scoring 5 tokens (a token map) and a tree taking rank 7: torch's topk failed mid-decoding."""
+    model = MedusaModel.from_base(tiny_model("llama"), num_heads=2, token_map=torch.arange(7, 12))
+    prompt = torch.tensor([[3, 5, 7]])
+    with pytest.raises(ValueError, match=r"the tree takes rank 7 of a head, but the heads score 5 tokens"):
+        model.generate(prompt, max_new_tokens=4, eos_token_id=[], tree=[[0], [7]])
+    assert len(model.generate(prompt, max_new_tokens=4, eos_token_id=[], tree=[[0], [4]]).new_tokens[0]) == 4

@@ -145,6 +145,10 @@ class MedusaProposer:
         # heads reading their candidate path fill the tree node by node (``_expand``)
         self.path_heads = model.heads is not None and model.config.path_input
         ladder = controller.ladder if controller is not None else [list(tree)]
+        scored = model.config.head_vocab_size if model.heads is not None else None
+        if scored is not None and max(map(_top_k, ladder)) > scored:  # topk failed mid-decoding
+            raise ValueError(f"the tree takes rank {max(map(_top_k, ladder)) - 1} of a head, but the heads score "
+                             f"{scored} tokens: use a tree whose ranks are below {scored}")
         self.trees = [TreeCache(t, num_heads, _top_k(t), model.device) for t in ladder]
         self.hidden: torch.Tensor | None = None  # [batch, hidden] at the last accepted position
         self.rung = 0
