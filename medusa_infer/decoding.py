@@ -633,7 +633,7 @@ def stream(
     _check_unused_sampling(do_sample, acceptance, temperature, top_k, top_p, seed, typical_epsilon, typical_delta)
     sampling = SamplingConfig(acceptance, temperature if do_sample else 0.0, top_k, top_p,
                               typical_epsilon, typical_delta)
-    stop = StopConfig(max_new_tokens, _eos_ids(model, tokenizer, eos_token_id), stop_strings)
+    stop = StopConfig(max_new_tokens, eos_ids(model, tokenizer, eos_token_id), stop_strings)
     if stop.stop_strings and tokenizer is None:
         raise ValueError("stop_strings need a tokenizer; pass tokenizer=")
     if proposer is None and model.heads is None:
@@ -768,7 +768,10 @@ class _TextTracker:
         return new
 
 
-def _eos_ids(model, tokenizer, eos_token_id) -> tuple[int, ...]:
+def eos_ids(model, tokenizer, eos_token_id=None) -> tuple[int, ...]:
+    """The token ids that end a row: ``eos_token_id`` (an id, a list or a tensor of them) when given, else
+    every id the model's generation config, its config and ``tokenizer`` name (a fine-tune may name its
+    end-of-turn token in one of them only). ``ValueError`` for an id outside the vocabulary."""
     if isinstance(eos_token_id, torch.Tensor):  # a 0-d tensor or a vector of ids
         eos_token_id = eos_token_id.tolist()
     if eos_token_id is not None:

@@ -56,7 +56,7 @@ import torch
 from medusa_infer.adaptive import StepCosts
 from medusa_infer.attention_kernels import decoding_attention
 from medusa_infer.checkpoint import load_heads_state
-from medusa_infer.decoding import context_length
+from medusa_infer.decoding import context_length, eos_ids
 from medusa_infer.interop import base_model_name, is_medusa_layout, read_medusa_layout
 from medusa_infer.model import PROCESSOR_SETTINGS
 from medusa_infer.proposers.lookup import LOOKUP_MAX_TOKENS
@@ -364,13 +364,16 @@ class Runner:
         # the attention kernels our methods decode with (attention_kernels), so both sides are
         # timed on the same kernels
         drafts = plain_greedy(self.assistant) if method == "hf-assisted" else contextlib.nullcontext()
+        # the ids our methods stop at (generate's own are its generation config's alone: a fine-tune naming its
+        # end-of-turn token in its tokenizer only answered on past it, and was reported inexact and slower)
+        eos = list(eos_ids(self.model, self.tokenizer))
         with torch.inference_mode(), decoding_attention(self.model.device), plain_greedy(base), drafts:
-            out = base.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+            out = base.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=eos,
                                 do_sample=False, streamer=timer, pad_token_id=self.tokenizer.pad_token_id, **extra)
         _sync(self.model.device)
         seconds = time.perf_counter() - start
         counter.close()
-        answers = [hf_answer(row, _eos(base)) for row in out[:, ids.shape[1]:].tolist()]
+        answers = [hf_answer(row, eos) for row in out[:, ids.shape[1]:].tolist()]
         if len(answers) == 1:
             steps = [max(counter.count - 1, 0)]
         else:  # plain decoding (the only batched HF method): one forward per token of a row
@@ -465,11 +468,6 @@ def _sync(device: torch.device) -> None:
 def _or(value: int | None, default: int) -> int:
     """``value``, or ``default`` where it is None (a flag not given)."""
     return default if value is None else value
-
-
-def _eos(model) -> set[int]:
-    value = model.generation_config.eos_token_id
-    return set([value] if isinstance(value, int) else (value or []))
 
 
 def fitting_questions(model, tokenizer, questions: list[dict], max_new_tokens: int) -> tuple[list[dict], list]:

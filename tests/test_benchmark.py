@@ -908,3 +908,19 @@ def test_timing_the_heads_leaves_the_global_random_state_alone(model):
     torch.manual_seed(0)
     assert len(bench.measure_head_seconds(model, repeats=1)) == model.config.num_heads
     assert torch.equal(torch.rand(4), expected)
+
+
+def test_hf_methods_stop_at_the_end_tokens_ours_stop_at(model):
+    """A fine-tune naming its end-of-turn token in its config only (the generation config keeps </s>):
+    generate stopped at the generation config's ids alone, answered on past it, and the report called
+    hf inexact and compared its speed on longer answers."""
+    messages = [{"role": "user", "content": QUESTIONS[0]["turns"][0]}]
+    first = bench.Runner(model, args(methods=["ar"], max_new_tokens=12)).run("ar", messages).tokens
+    end = next(t for i, t in enumerate(first[2:], 2) if t not in first[:i] and t != 2)
+    model.base_model.config.eos_token_id = [2, end]
+    try:
+        runner = bench.Runner(model, args(methods=["hf", "hf-lookup", "ar"], max_new_tokens=12))
+        answers = {m: runner.run(m, messages).tokens for m in ("hf", "hf-lookup", "ar")}
+        assert answers["ar"][-1] == end and answers["hf"] == answers["hf-lookup"] == answers["ar"], answers
+    finally:
+        model.base_model.config.eos_token_id = 2

@@ -150,7 +150,7 @@ def build_app(model, name: str, method: str, *, options: Any = None, api_key: st
         speculation_gate: whether the engine speculates only while it measures speculation
             faster at the running batch size (``speculation_gate.SpeculationGate``).
     """
-    from medusa_infer.decoding import context_length, _eos_ids
+    from medusa_infer.decoding import context_length, eos_ids
     from medusa_infer.serving.app import ServerSettings, create_app
     from medusa_infer.serving.metrics import ServingMetrics
     from medusa_infer.serving.protocol import ModelInfo
@@ -161,7 +161,7 @@ def build_app(model, name: str, method: str, *, options: Any = None, api_key: st
                     max_prefill_tokens=max_prefill_tokens, metrics=ServingMetrics(name),
                     gate=None if speculation_gate else False)
     info = ModelInfo(name, tokenizer, context_length(model), model.lm_head.weight.shape[0])
-    settings = ServerSettings(method, _eos_ids(model, tokenizer, None), api_key, request_timeout or None, acceptance)
+    settings = ServerSettings(method, eos_ids(model, tokenizer, None), api_key, request_timeout or None, acceptance)
     return create_app(engine, info, settings), engine
 
 
