@@ -586,7 +586,7 @@ def _deepspeed_kwargs(accelerator: Any, **kwargs: Any) -> dict[str, Any]:
     none. Its checkpoints leave the frozen weights out (``_trainable_checkpointing``'s hooks see no weights
     there: a Medusa-2 step checkpoint held the whole backbone, ~16 GB for an 8B model), and so load
     non-strictly: the run that resumes them loads the same frozen weights first."""
-    return kwargs if getattr(accelerator.state, "deepspeed_plugin", None) is not None else {}
+    return kwargs if getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None) is not None else {}
 
 
 def _trainable_checkpointing(accelerator: Any, module: nn.Module) -> None:
