@@ -115,8 +115,8 @@ def warp_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p:
 
     Applies temperature, then top-k, then top-p (nucleus), in the order of transformers'
     ``generate``: top-k keeps every token scoring at least the k-th best; top-p keeps the smallest
-    set of most probable tokens whose mass reaches ``top_p`` (of tokens tied at its edge, the
-    higher ids, as transformers does). ``temperature == 0`` gives a
+    set of most probable tokens whose mass reaches ``top_p`` (of tokens tied at its edge, those
+    transformers keeps). ``temperature == 0`` gives a
     one-hot on the argmax (first one on ties). ``top_k == 0`` and ``top_p == 1`` disable them.
     """
     _check_sampling_args(temperature, top_k, top_p)
@@ -130,10 +130,11 @@ def warp_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p:
         scores = scores.masked_fill(scores < kth_best, -math.inf)
     probs = scores.softmax(-1)
     if top_p < 1.0:
-        # as transformers' TopPLogitsWarper: least probable first (stable: of tokens tied in probability the
-        # higher id is kept, as there), dropped while the mass up to and with them is at most 1 - top_p
-        sorted_probs, order = probs.sort(dim=-1, stable=True)
-        drop_sorted = sorted_probs.cumsum(-1) <= 1 - top_p
+        # as transformers' TopPLogitsWarper does it, its sort included (of tokens tied at the nucleus's edge,
+        # which stay is the sort's choice): least probable first, dropped while the mass up to and with them
+        # is at most 1 - top_p
+        sorted_scores, order = torch.sort(scores, descending=False)
+        drop_sorted = sorted_scores.softmax(-1).cumsum(-1) <= 1 - top_p
         drop_sorted[..., -1] = False  # the most probable token stays, however small top_p (or its float32)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)

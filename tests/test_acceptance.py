@@ -283,17 +283,19 @@ def test_warp_logits_matches_transformers(temperature, top_k, top_p):
     torch.testing.assert_close(probs, expected)
 
 
-@pytest.mark.parametrize("top_k, top_p", [(0, 0.6), (0, 0.75), (3, 0.6), (0, 0.3)])
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.6), (0, 0.75), (3, 0.6), (0, 0.3), (0, 0.9), (50, 0.5)])
 def test_warp_logits_breaks_top_p_ties_as_transformers(top_k, top_p):
     """Tokens tied in probability at the nucleus's edge (duplicated or untrained vocabulary rows, bfloat16
-    logits): transformers keeps the higher ids; the first ones were kept, another distribution than its
-    generate's."""
-    logits = torch.tensor([[2.0, 1.0, 1.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5, 0.5]])
-    scores = TopKLogitsWarper(top_k)(None, logits) if top_k else logits
-    expected = TopPLogitsWarper(top_p)(None, scores).softmax(-1)
-    probs = warp_logits(logits, 1.0, top_k, top_p)
-    assert torch.equal(probs > 0, expected > 0), (probs, expected)
-    torch.testing.assert_close(probs, expected)
+    logits): the ones transformers keeps, in a small vocabulary and in SmolLM2's; the first ones were kept,
+    another distribution than its generate's."""
+    small = torch.tensor([[2.0, 1.0, 1.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5, 0.5]])
+    large = (torch.randn(4, 49152, generator=torch.Generator().manual_seed(1)) * 3).bfloat16().float()  # ties
+    for logits in (small, large):
+        scores = TopKLogitsWarper(top_k)(None, logits) if 0 < top_k < logits.shape[-1] else logits
+        expected = TopPLogitsWarper(top_p)(None, scores).softmax(-1)
+        probs = warp_logits(logits, 1.0, top_k, top_p)
+        assert torch.equal(probs > 0, expected > 0), (probs, expected)
+        torch.testing.assert_close(probs, expected)
 
 
 def test_warp_logits_temperature_zero_is_one_hot_argmax():
