@@ -593,7 +593,8 @@ def _widen_causal_buffers(modules: list[nn.Module], slots: int) -> None:
         if current.shape[-1] >= slots:
             continue
         size = slots + SLOT_MASK_SPARE
-        wider = torch.ones(size, size, dtype=torch.bool, device=current.device).tril()
+        with torch.inference_mode(False):  # a normal tensor: made under generate's inference mode, training
+            wider = torch.ones(size, size, dtype=torch.bool, device=current.device).tril()  # the model failed
         module._buffers["bias"] = wider.view(1, 1, size, size)  # kept as registered (not persistent)
 
 

@@ -134,6 +134,8 @@ def test_gpt_neo_decodes_to_the_end_of_its_context(tree):
     out = generate(model, ids, attention_mask=mask, max_new_tokens=48, proposer=oracle, eos_token_id=[])
     assert out.new_tokens == futures and out.finish_reasons == ["context"] * 3
     assert out.metrics.tau > 1.5
+    # the widened buffer is no inference tensor: the model still trains
+    model.base_model(ids[:, :8], labels=ids[:, :8]).loss.backward()
 
 
 def test_layerskip_drafts_with_opts_nested_layers():
