@@ -310,3 +310,28 @@ def test_shutdown_answers_the_requests_still_open_with_the_shutdown_error(model)
     assert answers["whole"].json()["error"]["code"] == "shutdown"
     status, lines = answers["stream"]
     assert '"code":"shutdown"' in lines[-2].replace(" ", "") and lines[-1] == "data: [DONE]", lines
+
+
+def test_shutdown_serves_a_request_whose_body_was_still_arriving(model):
+    """Its headers in before the shutdown, its body after: the drain waited on the engine's counts alone,
+    stopped the engine at once, and the request was refused (503 engine_unavailable)."""
+    import json
+    import socket
+
+    served = serve(model, "medusa", max_batch=1)
+    server, _ = served.__enter__()
+    body = json.dumps({"model": "tiny", "prompt": "the cat", "max_tokens": 5, "temperature": 0}).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as connection:
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           + f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:10])
+        time.sleep(0.3)
+        stopping = threading.Thread(target=served.__exit__, args=(None, None, None))
+        stopping.start()
+        time.sleep(0.3)
+        connection.sendall(body[10:])
+        answer = b""
+        while chunk := connection.recv(65536):
+            answer += chunk
+    stopping.join(30)
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["usage"]["completion_tokens"] == 5

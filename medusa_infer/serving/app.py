@@ -82,21 +82,23 @@ def uvicorn_server(app: FastAPI, drain_s: float = 5.0, **config: Any):
 
     class DrainingServer(uvicorn.Server):
         async def shutdown(self, sockets: Any = None) -> None:
-            drained = asyncio.create_task(_drain(engine, drain_s))
+            # requests still open: their bodies read, tokenised, queued, decoding (the engine's counts miss
+            # the first ones, which were refused as the engine stopped at once)
+            drained = asyncio.create_task(_drain(engine, drain_s, lambda: bool(self.server_state.tasks)))
             try:
                 await super().shutdown(sockets)
             finally:
-                await drained
+                if self.force_exit:  # a second Ctrl-C: no more waiting
+                    drained.cancel()
+                    engine.stop(timeout=0)
+                await asyncio.gather(drained, return_exceptions=True)
 
     return DrainingServer(uvicorn.Config(app, timeout_graceful_shutdown=drain_s + ANSWER_S, **config))
 
 
-async def _drain(engine: Engine, seconds: float) -> None:
+async def _drain(engine: Engine, seconds: float, open_requests: Callable[[], bool]) -> None:
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        counts = engine.snapshot()
-        if not counts["running"] and not counts["waiting"]:
-            break
+    while time.monotonic() < deadline and open_requests():
         await asyncio.sleep(0.05)
     await asyncio.to_thread(engine.stop)  # what is left is answered "shutdown"
 
