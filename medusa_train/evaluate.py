@@ -116,12 +116,12 @@ def expected_tokens_per_step(tree: list[tuple[int, ...]], paths: Mapping[tuple[i
 
 
 def walked_tokens_per_step(tree: list[tuple[int, ...]], accuracy: HeadAccuracy) -> float | None:
-    """Tokens per step of greedy decoding with ``tree`` over the held-out answers: each answer is
-    walked as decoding walks it, a step at a position emitting its root and the tree's longest path
-    whose ranks are all right there, the next step at the position after them (None without
-    ``accuracy.starts``). Decoding runs the heads where the last step ended, which falls on hard
+    """Tokens per step of greedy decoding with ``tree`` over the held-out answers, as ``metrics.tau``
+    counts them (the prefill's first token is no step's): each answer is walked as decoding walks it, a
+    step at a position emitting the tree's longest path whose ranks are all right there and the base
+    model's next token, the next step at the position after them (None without ``accuracy.starts``). Decoding runs the heads where the last step ended, which falls on hard
     positions more often than the average over every position does (easy runs are crossed in one
-    step): for the demo's heads 2.111 walked against 2.328 averaged over positions (README)."""
+    step): for the demo's heads 2.114 walked against 2.328 averaged over positions (README)."""
     if accuracy.starts is None:
         return None
     accepted_paths = set(tree)
@@ -129,15 +129,17 @@ def walked_tokens_per_step(tree: list[tuple[int, ...]], accuracy: HeadAccuracy) 
     bounds = sorted({0, *(i for i, start in enumerate(starts) if start)}) + [len(starts)]
     tokens = steps = 0
     for first, end in zip(bounds, bounds[1:]):
-        rows = end - first  # heads run from the prompt's last position to two before the answer's end:
-        total, at = rows + 1, 0  # the answer holds one token more than there are rows
-        while at < total:
+        # heads run from the prompt's last position to two before the answer's end: the answer holds one
+        # token more than there are rows, its first the prefill's (no step's, as metrics.tau counts them);
+        # a step at row r emits the answer's tokens r + 1 on (its path, then the base model's next token)
+        rows, at = end - first, 0
+        while at < rows:
             path: tuple[int, ...] = ()
-            for rank in (ranks[first + at] if at < rows else ()):
+            for rank in ranks[first + at]:
                 if rank < 0 or path + (rank,) not in accepted_paths:
                     break
                 path += (rank,)
-            made = min(1 + len(path), total - at)
+            made = min(1 + len(path), rows - at)
             tokens, steps, at = tokens + made, steps + 1, at + made
     return tokens / steps if steps else 1.0
 

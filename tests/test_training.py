@@ -266,7 +266,7 @@ def test_heldout_accuracy_counts_only_positions_where_decoding_runs_the_heads():
 def test_tokens_per_step_walk_the_answers_as_greedy_decoding_does():
     """Decoding runs the heads where the last step ended: an easy stretch is crossed in one step, so
     hard positions weigh more than in the average over every position (2.328 tokens a step for the
-    demo's heads, against 2.111 walked)."""
+    demo's heads, against 2.114 walked)."""
     from medusa_train.evaluate import HeadAccuracy, expected_tokens_per_step, stored_paths, walked_tokens_per_step
 
     tree = [(0,), (0, 0)]
@@ -275,11 +275,45 @@ def test_tokens_per_step_walk_the_answers_as_greedy_decoding_does():
     ranks = torch.tensor([easy] * 3 + [hard] * 3 + [easy] * 2)
     starts = torch.tensor([True] + [False] * 5 + [True, False])
     accuracy = HeadAccuracy(torch.zeros(2, 1), torch.tensor([8, 8]), ranks, starts)
-    # by hand: 3 + 1 + 1 + 1 + 1 tokens in 5 steps, then 3 tokens in 1 step
-    assert walked_tokens_per_step(tree, accuracy) == pytest.approx(10 / 6)
+    # by hand, the first token of each the prefill's: 3 + 1 + 1 + 1 tokens in 4 steps, then 2 tokens in 1 step
+    # (the first token was counted as a step's: 10 tokens in 6 steps, above and below decoding's tau at once)
+    assert walked_tokens_per_step(tree, accuracy) == pytest.approx(8 / 5)
     assert expected_tokens_per_step(tree, stored_paths(accuracy, 2)) == pytest.approx((5 * 3 + 3 * 1) / 8)
     assert walked_tokens_per_step([], accuracy) == 1.0
     assert walked_tokens_per_step(tree, HeadAccuracy(torch.zeros(2, 1), torch.tensor([8, 8]), ranks)) is None
+
+
+@pytest.mark.parametrize("next_token_input", [False, True])
+def test_walked_tokens_per_step_is_the_tau_greedy_decoding_measures(next_token_input):
+    """Held-out answers that are the model's own greedy answers: the walk over them gives exactly the tau
+    that decoding them with the same tree measures (it counted each answer's first token, the prefill's,
+    as a step's: about (tau - 1) / length off, either way)."""
+    import copy
+
+    from medusa_infer.decoding import generate
+    from medusa_train.evaluate import head_accuracy, walked_tokens_per_step
+    from medusa_train.features import batch_hidden
+    from medusa_train.trainer import HeadsModule
+
+    model = MedusaModel.from_base(tiny_model("llama", seed=1), num_heads=3, next_token_input=next_token_input)
+    torch.manual_seed(2)
+    for parameter in model.heads.parameters():
+        torch.nn.init.normal_(parameter, std=0.3)
+    tree = [(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]
+    examples, step_tokens, steps = [], 0, 0
+    for prompt in ([1, 5, 9, 14, 22, 7, 30], [1, 7, 30, 5, 9, 3], [1, 44, 12, 3, 8]):
+        out = generate(model, torch.tensor([prompt]), max_new_tokens=40, tree=tree, adaptive=False, eos_token_id=[])
+        examples.append({"input_ids": out.sequences[0].tolist(),
+                         "labels": [IGNORE] * len(prompt) + out.sequences[0].tolist()[len(prompt):]})
+        step_tokens, steps = step_tokens + out.metrics.step_tokens, steps + out.metrics.steps
+    batch = pad_batch(examples)
+    with torch.no_grad():
+        block = block_from_hidden(batch_hidden(model, batch), batch["input_ids"], batch["labels"], batch["lengths"])
+    rows = FeatureDataset(block, 3, model.heads.token_map, model.config.vocab_size)
+    heads = HeadsModule(copy.deepcopy(model.heads), model.lm_head.weight, None, model.logit_softcap,
+                        model.base_model.get_input_embeddings().weight).eval()
+    walked = walked_tokens_per_step(tree, head_accuracy(heads, rows.sequential(1000), top_k=10))
+    assert steps < step_tokens and walked == pytest.approx(step_tokens / steps, abs=1e-12)
 
 
 def test_rows_are_the_positions_where_decoding_runs_the_heads_in_every_turn():
