@@ -582,6 +582,9 @@ class GenerationStream:
         self._output = state.output(self.pad_token_id)
 
     def result(self) -> GenerationOutput:
+        # the chunks drained here are read by no one: no text for them (each re-decoded its row's whole answer,
+        # quadratic in its length: generate() and medusa-bench's timings paid for it, Hugging Face's did not)
+        self._texts = _TextTracker(None, 0)
         for _ in self._chunks:
             pass
         assert self._output is not None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from unittest import mock
 
 import pytest
 import torch
@@ -799,3 +800,23 @@ def test_nothing_a_call_gives_is_silently_ignored():
     for messages in ("the cat", {"role": "user", "content": "the cat"}, [["the cat"]]):
         with pytest.raises(ValueError, match=r"messages must be a chat \(a list of \{'role', 'content'\} dicts\)"):
             generate(chat_model, messages=messages, max_new_tokens=2)
+
+
+def test_a_result_drained_without_reading_its_chunks_decodes_no_text_per_step():
+    """generate() (and medusa-bench's timings) drain the stream for its result: each chunk re-decoded its
+    row's whole answer, work quadratic in the answer's length that no one read (128 decodes of 8256 tokens
+    for a 128-token answer). Chunks read before result() keep their text."""
+    from medusa_infer.serving.testing import word_tokenizer
+
+    tokenizer = word_tokenizer()
+    model = MedusaModel.without_heads(tiny_model("llama", vocab_size=len(tokenizer)), tokenizer)
+    decoded: list[int] = []
+    decode = type(tokenizer).decode
+    with mock.patch.object(type(tokenizer), "decode", lambda self, ids, **kw: decoded.append(len(ids)) or
+                           decode(self, ids, **kw)):
+        ids = torch.tensor([tokenizer("the cat sat")["input_ids"]])
+        out = generate(model, ids, max_new_tokens=40, eos_token_id=[])
+        assert len(out.new_tokens[0]) == 40 and sum(decoded) <= 2 * 40, decoded
+        chunks = stream(model, ids, max_new_tokens=40, eos_token_id=[])
+        first = next(iter(chunks))
+        assert first.text and chunks.result().new_tokens == out.new_tokens
