@@ -700,6 +700,8 @@ def _fmt(value: Any) -> str:
     if isinstance(value, bool):
         return "yes" if value else "NO"
     if isinstance(value, float):
+        if 0 < abs(value) < 0.1:  # a GPU's seconds a token: three significant digits (0.000 said nothing)
+            return f"{value:.3g}"
         return f"{value:.3f}" if value < 10 else f"{value:.1f}"
     return str(value)
 

@@ -924,3 +924,9 @@ def test_hf_methods_stop_at_the_end_tokens_ours_stop_at(model):
         assert answers["ar"][-1] == end and answers["hf"] == answers["hf-lookup"] == answers["ar"], answers
     finally:
         model.base_model.config.eos_token_id = 2
+
+
+def test_report_md_keeps_three_significant_digits_of_small_times():
+    """TTFT and TPOT under a millisecond (a GPU's) all read 0.000 in report.md."""
+    assert [bench._fmt(x) for x in (0.00036, 0.0152, 0.4, 1.623, 12.34, None, True)] == \
+        ["0.00036", "0.0152", "0.400", "1.623", "12.3", "-", "yes"]
