@@ -747,6 +747,7 @@ def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> Generati
     if chunks.input_ids.shape[0] != 1:
         raise ValueError("streamer= supports batch size 1; iterate medusa_infer.decoding.stream() for batches")
     streamer.put(chunks.input_ids)
+    chunks._texts = _TextTracker(None, 0)  # the streamer takes the tokens and decodes them itself
     for chunk in chunks:
         streamer.put(torch.tensor(chunk.token_ids))
     streamer.end()

@@ -679,13 +679,12 @@ def make_row(
 
 
 def eos_token_ids(model: Any, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """End-of-sequence ids: the model's generation config's and the tokenizer's."""
-    ids: list[int] = []
-    configured = getattr(model.generation_config, "eos_token_id", None)
-    for value in (configured, tokenizer.eos_token_id):
-        for token in value if isinstance(value, list) else [value]:
-            if token is not None and token not in ids:
-                ids.append(int(token))
+    """End-of-sequence ids, those decoding stops at (``decoding.eos_ids``: the generation config's, the
+    model config's and the tokenizer's; the model config's were left out, so a fine-tune naming its end of
+    turn there alone was distilled past it). ``model`` is a ``MedusaModel``."""
+    from medusa_infer.decoding import eos_ids
+
+    ids = list(eos_ids(model, tokenizer))
     if not ids:
         raise ValueError("neither the model nor the tokenizer defines an EOS token id")
     return ids
@@ -779,8 +778,8 @@ def run_local(
     prepared.sort(key=lambda item: -len(item[2]))
     base = load_base_model(config.model, dtype=torch.float32, device=device,
                            trust_remote_code=config.trust_remote_code)
-    eos_ids = eos_token_ids(base, tokenizer)
     model = MedusaModel.without_heads(base, tokenizer)
+    eos_ids = eos_token_ids(model, tokenizer)
     threads = torch.get_num_threads()
     if config.threads is not None:
         torch.set_num_threads(config.threads)

@@ -820,3 +820,18 @@ def test_a_result_drained_without_reading_its_chunks_decodes_no_text_per_step():
         chunks = stream(model, ids, max_new_tokens=40, eos_token_id=[])
         first = next(iter(chunks))
         assert first.text and chunks.result().new_tokens == out.new_tokens
+        decoded.clear()  # a streamer takes the tokens and decodes them itself
+
+        class Streamer:
+            def __init__(self):
+                self.tokens: list[int] = []
+
+            def put(self, value):
+                self.tokens.extend(value.flatten().tolist())
+
+            def end(self):
+                pass
+
+        streamer = Streamer()
+        assert generate(model, ids, max_new_tokens=40, eos_token_id=[], streamer=streamer).new_tokens == out.new_tokens
+        assert streamer.tokens[ids.shape[1]:] == out.new_tokens[0] and sum(decoded) <= 2 * 40, decoded

@@ -902,3 +902,15 @@ def test_train_heads_checks_the_chat_template_before_distilling(tmp_path, model_
         recipe.data.system_prompt = None
         with pytest.raises(AssertionError, match="distilled before"):
             train_heads.stage_data(recipe, PartialState(cpu=True), None)
+
+
+def test_distillation_stops_at_the_end_tokens_decoding_stops_at(model_dir, tokenizer):
+    """A fine-tune naming its end-of-turn token in its model config alone: distillation left the config's
+    ids out (decoding and medusa-bench stop there), so its answers ran on past it."""
+    from transformers import AutoModelForCausalLM
+
+    from medusa_infer.model import MedusaModel
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    base.config.eos_token_id = [2, 50]
+    assert sorted(distill_module.eos_token_ids(MedusaModel.without_heads(base, tokenizer), tokenizer)) == [2, 50]
