@@ -1,7 +1,7 @@
 """The HTTP side: OpenAI-compatible routes over the engine.
 
     GET  /v1/models             the one served model
-    GET  /v1/models/:id        that model, by its id
+    GET  /v1/models/{id}        that model, by its id
     POST /v1/completions        text completion, streamed (SSE) or not
     POST /v1/chat/completions   chat, rendered with the tokenizer's chat template
     GET  /health                200 while the engine runs
