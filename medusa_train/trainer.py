@@ -585,7 +585,8 @@ def _deepspeed_kwargs(accelerator: Any, **kwargs: Any) -> dict[str, Any]:
     """``kwargs`` under DeepSpeed (accelerate hands them to its engine's save_checkpoint/load_checkpoint), else
     none. Its checkpoints leave the frozen weights out (``_trainable_checkpointing``'s hooks see no weights
     there: a Medusa-2 step checkpoint held the whole backbone, ~16 GB for an 8B model), and so load
-    non-strictly: the run that resumes them loads the same frozen weights first."""
+    non-strictly: the run that resumes them loads the same frozen weights first, and a checkpoint of
+    another configuration is refused before loading (its fingerprint, ``resume_fingerprint``)."""
     return kwargs if getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None) is not None else {}
 
 
