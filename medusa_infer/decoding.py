@@ -565,6 +565,11 @@ class GenerationStream:
     def __iter__(self) -> Iterator[StreamChunk]:
         return self._chunks
 
+    def _without_text(self) -> None:
+        """Chunks from here on carry their tokens only: each chunk's text re-decodes its row's whole answer,
+        work quadratic in its length (generate() and medusa-bench's timings paid for it unread)."""
+        self._texts = _TextTracker(None, 0)
+
     def _run(self) -> Iterator[StreamChunk]:
         state, start = self.state, time.perf_counter()
         with torch.inference_mode():
@@ -582,9 +587,7 @@ class GenerationStream:
         self._output = state.output(self.pad_token_id)
 
     def result(self) -> GenerationOutput:
-        # the chunks drained here are read by no one: no text for them (each re-decoded its row's whole answer,
-        # quadratic in its length: generate() and medusa-bench's timings paid for it, Hugging Face's did not)
-        self._texts = _TextTracker(None, 0)
+        self._without_text()  # the chunks drained here are read by no one
         for _ in self._chunks:
             pass
         assert self._output is not None
@@ -747,7 +750,7 @@ def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> Generati
     if chunks.input_ids.shape[0] != 1:
         raise ValueError("streamer= supports batch size 1; iterate medusa_infer.decoding.stream() for batches")
     streamer.put(chunks.input_ids)
-    chunks._texts = _TextTracker(None, 0)  # the streamer takes the tokens and decodes them itself
+    chunks._without_text()  # the streamer takes the tokens and decodes them itself
     for chunk in chunks:
         streamer.put(torch.tensor(chunk.token_ids))
     streamer.end()

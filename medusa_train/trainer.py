@@ -584,10 +584,22 @@ def _save_checkpoint(accelerator: Any, folder: Path, state: dict[str, Any], keep
 def _deepspeed_kwargs(accelerator: Any, **kwargs: Any) -> dict[str, Any]:
     """``kwargs`` under DeepSpeed (accelerate hands them to its engine's save_checkpoint/load_checkpoint), else
     none. Its checkpoints leave the frozen weights out (``_trainable_checkpointing``'s hooks see no weights
-    there: a Medusa-2 step checkpoint held the whole backbone, ~16 GB for an 8B model), and so load
-    non-strictly: the run that resumes them loads the same frozen weights first, and a checkpoint of
-    another configuration is refused before loading (its fingerprint, ``resume_fingerprint``)."""
+    there: a Medusa-2 step checkpoint held the whole backbone, ~16 GB for an 8B model), and so load with
+    ``load_trainable``: the run that resumes them loads the same frozen weights first."""
     return kwargs if getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None) is not None else {}
+
+
+def load_trainable(src: Mapping[str, torch.Tensor], dst: nn.Module) -> None:
+    """Load a checkpoint's module state that leaves the frozen weights out (DeepSpeed's ``custom_load_fn``):
+    ``ValueError`` when a trainable weight is missing or a tensor is not ``dst``'s (a checkpoint that does
+    not fit fails loudly, which a plain non-strict load would let pass)."""
+    result = dst.load_state_dict(src, strict=False)
+    trainable = {name for name, p in dst.named_parameters() if p.requires_grad}
+    missing = sorted(trainable & set(result.missing_keys))
+    if missing or result.unexpected_keys:
+        raise ValueError(f"the checkpoint does not fit this run: trainable weights missing {missing[:5]}, tensors "
+                         f"it does not have {sorted(result.unexpected_keys)[:5]}; it was written by another "
+                         "configuration")
 
 
 def _trainable_checkpointing(accelerator: Any, module: nn.Module) -> None:
@@ -789,7 +801,7 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
                 + ", ".join(f"{k} was {found.get(k)!r}, now {expected.get(k)!r}" for k in differ[:5]) + why
                 + f"; resume with the same recipe and number of processes, or remove {paths.checkpoints}"
             )
-        accelerator.load_state(str(checkpoint), **_deepspeed_kwargs(accelerator, load_module_strict=False))
+        accelerator.load_state(str(checkpoint), **_deepspeed_kwargs(accelerator, custom_load_fn=load_trainable))
         start_step = state["step"]
         if accelerator.is_main_process:
             print(f"resuming from {checkpoint} (step {start_step} of {total})", flush=True)

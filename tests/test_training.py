@@ -1199,7 +1199,7 @@ def test_deepspeed_launch_configs_train_heads_on_the_cpu(tiny_dir, tmp_path, sta
         step = out / "checkpoints" / "step-00000003" / "pytorch_model"
         assert step.is_dir()
         if stage == 2:  # (ZeRO-3's files hold partitions)
-            states = torch.load(step / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+            states = torch.load(step / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)["module"]
             frozen = [k for k in states if "lora_" not in k and ".heads." not in k and "rotary" not in k]
             assert states and not frozen, frozen[:5]
 
@@ -1340,8 +1340,10 @@ def test_a_checkpoint_whose_state_file_was_cut_short_is_not_resumed(tmp_path, mo
     the newest complete checkpoint, and every later run failed to read it ("Expecting value")."""
     import types
 
-    accelerator = types.SimpleNamespace(is_main_process=True, wait_for_everyone=lambda: None,
-                                        save_state=lambda folder: (Path(folder) / "model.safetensors").write_bytes(b"x"))
+    def save_state(folder):
+        (Path(folder) / "model.safetensors").write_bytes(b"x")
+
+    accelerator = types.SimpleNamespace(is_main_process=True, wait_for_everyone=lambda: None, save_state=save_state)
     folder = tmp_path / "checkpoints"
     tr._save_checkpoint(accelerator, folder, {"step": 2, "note": "x" * 100}, keep=2)
     write_text = Path.write_text
@@ -1371,3 +1373,18 @@ def test_naming_the_models_hub_id_keeps_the_checkpoints(tiny_dir, tmp_path, caps
     assert "resuming from" in capsys.readouterr().out
     final = json.loads((tmp_path / "run" / "checkpoints" / "final" / "config.json").read_text())
     assert final["training"]["resumed_from_step"] == 2
+
+
+def test_a_checkpoint_without_frozen_weights_loads_only_where_it_fits():
+    """DeepSpeed step checkpoints leave the frozen weights out, so they cannot load strictly; a trainable
+    weight missing or a tensor the module lacks still fails loudly."""
+    module = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    module[0].requires_grad_(False)
+    saved = {k: torch.full_like(v, 7.0) for k, v in module.state_dict().items() if k.startswith("1.")}
+    tr.load_trainable(saved, module)
+    assert torch.equal(module[1].weight, torch.full((2, 3), 7.0)) and not torch.equal(module[0].weight,
+                                                                                      torch.full((3, 3), 7.0))
+    with pytest.raises(ValueError, match=r"trainable weights missing \['1.bias'\]"):
+        tr.load_trainable({"1.weight": saved["1.weight"]}, module)
+    with pytest.raises(ValueError, match=r"tensors it does not have \['2.weight'\]"):
+        tr.load_trainable({**saved, "2.weight": torch.zeros(1)}, module)
