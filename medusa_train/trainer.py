@@ -557,8 +557,11 @@ def latest_checkpoint(folder: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def _save_checkpoint(accelerator: Any, folder: Path, state: dict[str, Any], keep: int) -> Path:
-    """``save_state`` into a side folder, then rename: a killed run never leaves a half checkpoint."""
+def _save_checkpoint(accelerator: Any, folder: Path, state: dict[str, Any], keep: int,
+                     log_window: dict[str, Any] | None = None) -> Path:
+    """``save_state`` into a side folder, then rename: a killed run never leaves a half checkpoint.
+    ``log_window``: this process's metrics since its last log line (``_window_file``), so that a resumed
+    run's next line averages the same steps as an uninterrupted run's."""
     final = folder / f"{CHECKPOINT_PREFIX}{state['step']:08d}"
     partial = final.with_name(final.name + ".partial")
     if accelerator.is_main_process:
@@ -566,6 +569,8 @@ def _save_checkpoint(accelerator: Any, folder: Path, state: dict[str, Any], keep
         partial.mkdir(parents=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(partial), **_deepspeed_kwargs(accelerator, exclude_frozen_parameters=True))
+    if log_window is not None:
+        torch.save(log_window, partial / _window_file(accelerator.process_index))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         # by a rename: killed or out of disk mid-write, a half state file would make this folder the newest
@@ -579,6 +584,10 @@ def _save_checkpoint(accelerator: Any, folder: Path, state: dict[str, Any], keep
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def _window_file(rank: int) -> str:
+    return f"log_window_{rank}.pt"
 
 
 def _deepspeed_kwargs(accelerator: Any, **kwargs: Any) -> dict[str, Any]:
@@ -813,6 +822,11 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
     window: dict[str, torch.Tensor] = {}
     measured: dict[str, int] = {}  # micro-steps that measured each metric (base_kl: joint steps only)
     window_units, window_start = 0, time.perf_counter()
+    saved_window = checkpoint / _window_file(rank) if checkpoint is not None else None
+    if saved_window is not None and saved_window.is_file():  # checkpoints from before it have none
+        kept = torch.load(saved_window, map_location=accelerator.device, weights_only=True)
+        window, measured, window_units = kept["sums"], kept["measured"], kept["units"]
+        window_start -= kept["seconds"]
     record = None
     start_time = time.perf_counter()
     module.train()
@@ -855,7 +869,8 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
                 "world_size": world, "micro_batch": micro, "grad_accum": t.grad_accum, "total_steps": total,
                 "fingerprint": resume_fingerprint(config), "train_examples_sha256": examples_sha256,
                 "features_cache": features_cache,
-            }, t.keep_checkpoints)
+            }, t.keep_checkpoints, {"sums": window, "measured": measured, "units": window_units,
+                                    "seconds": time.perf_counter() - window_start})
     bar.close()
     logger.close()
     heads_state = {k: v.detach().cpu().clone() for k, v in task.heads_state(accelerator, module).items()}

@@ -686,6 +686,25 @@ def test_kill_9_then_resume_equals_uninterrupted_run(tiny_dir, tmp_path):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)
 
 
+def test_a_resumed_run_logs_the_same_windows_as_an_uninterrupted_run(tiny_dir, tmp_path):
+    """A checkpoint between two log lines (``save_every`` 4, ``log.every`` 3, as the 8B recipes' 50 and 20):
+    the resumed run's first line averages the steps since the last line, those before the kill included
+    (it averaged only those after the checkpoint: step 6's line held steps 5-6, not 4-6)."""
+    import train_heads
+
+    values = {"training": {"max_steps": 12, "save_every": 4, "seed": 3, "loss": "ce"}, "log": {"every": 3}}
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    train_heads.main(["--config", str(write_recipe(tmp_path / "a.yaml", recipe(tiny_dir, whole, **values)))])
+    killed_recipe = str(write_recipe(tmp_path / "b.yaml", recipe(tiny_dir, killed, **values)))
+    killed_at_step(6, killed_recipe, tmp_path)
+    train_heads.main(["--config", killed_recipe])
+    a, b = train_log(whole), train_log(killed)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [3, 6, 9, 12]
+    for x, y in zip(a, b):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), (x["step"], x["loss"], y["loss"])
+        assert y["head_top1"] == pytest.approx(x["head_top1"], abs=1e-4)
+
+
 def test_kill_9_then_resume_a_medusa2_run_equals_uninterrupted_run(tiny_dir, tmp_path):
     """Medusa-2's steps draw random numbers (LoRA dropout), so its resume must restore the RNG states too:
     killed after the heads-only stage, the resumed run's heads, adapter and losses are the uninterrupted
