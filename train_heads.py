@@ -609,8 +609,9 @@ def main(argv: list[str] | None = None) -> int:
         if named != wanted:  # model.hub_id set or changed after the heads were made
             say(accelerator, f"note: {paths.heads} names its base model {named!r}, not {wanted!r} (model.hub_id): "
                              f"remove {paths.heads} to evaluate again and name it so")
-    else:
-        stage_evaluate(config, accelerator, train, heldout, folders, timings)
+    else:  # the heads' record of the stages this run reused is a previous run's, not the seconds it took to find them
+        stage_evaluate(config, accelerator, train, heldout, folders,
+                       stage_record(paths.logs / "stages.json", timings, reused))
     timings["evaluate"] = round(time.perf_counter() - started, 1)
     if accelerator.is_main_process:
         record = stage_record(paths.logs / "stages.json", timings, reused)

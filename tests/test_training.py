@@ -574,8 +574,14 @@ def test_medusa1_from_cache_learns_head_k_predicts_t_plus_k_plus_2(tiny_dir, tmp
     # ... though the heads name their base model otherwise: said (config.yaml claimed me/tiny silently)
     assert "names its base model" in (said := capsys.readouterr().out) and "not 'me/tiny' (model.hub_id)" in said
     # evaluated again with other eval settings, the heads record them: a re-run with those passes
+    recorded_seconds = json.loads((out / "heads" / "config.json").read_text())["training"]["stage_seconds"]
     shutil.rmtree(out / "heads")
     assert train_heads.main(["--config", config_file, "eval.tree_size=5", "model.hub_id=me/tiny"]) == 0
+    # ... and the seconds the first run recorded for the stages this one found done (it recorded the
+    # near-zero seconds it took to find them: the card said distilling took a second)
+    again = json.loads((out / "heads" / "config.json").read_text())["training"]["stage_seconds"]
+    assert {k: again[k] for k in ("data", "features", "train")} == {
+        k: recorded_seconds[k] for k in ("data", "features", "train")}, (again, recorded_seconds)
     assert len(json.loads((out / "heads" / "config.json").read_text())["tree"]) == 5
     assert json.loads((out / "heads" / "config.json").read_text())["base_model_name_or_path"] == "me/tiny"
     assert train_heads.main(["--config", config_file, "eval.tree_size=5"]) == 0
