@@ -194,7 +194,8 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
         "",
         "Where this folder holds `adapter/` (Medusa-2), `from_pretrained` merges that LoRA adapter into the base "
         "model, which the heads were trained to read: answers are the adapted model's. Other engines need those "
-        "merged weights: `model.base_model.save_pretrained(DIR)` after loading writes them.",
+        "merged weights: `model.base_model.save_pretrained(DIR)` and `model.tokenizer.save_pretrained(DIR)` "
+        "after loading write them.",
         "",
     ]
     if config.chat_template:

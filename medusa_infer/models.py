@@ -369,9 +369,17 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTra
     Raises:
         ValueError: the tokenizer has neither a pad token nor an EOS token.
     """
-    tokenizer = AutoTokenizer.from_pretrained(
-        resolve_model(name_or_path), trust_remote_code=trust_remote_code
-    )
+    resolved = resolve_model(name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        folder = Path(resolved)
+        if folder.is_dir() and not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            # e.g. a model saved with model.save_pretrained(DIR) alone: transformers' error names a backend
+            raise ValueError(f"{folder} holds no tokenizer (no tokenizer.json or tokenizer_config.json): save "
+                             "the model's tokenizer beside its weights (tokenizer.save_pretrained(DIR)), or pass "
+                             "tokenizer=") from err
+        raise
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(

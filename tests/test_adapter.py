@@ -89,6 +89,10 @@ def test_the_merged_base_model_saved_loads_the_heads_without_a_second_merge(head
     torch.testing.assert_close(logits(again), logits(MedusaModel.without_heads(merged_by_hand(pairs))),
                                atol=1e-5, rtol=1e-5)
     assert again.merged_adapter == folder / ADAPTER_DIR
+    # loaded by folder name, the folder needs the tokenizer too: without it, an error that says so (it was
+    # transformers' own, naming a tokenizer backend)
+    with pytest.raises(ValueError, match=r"merged holds no tokenizer .*tokenizer.save_pretrained\(DIR\)"):
+        MedusaModel.from_pretrained(folder, base_model=str(tmp_path / "merged"))
     other = MedusaModel.from_pretrained(folder, base_model=LlamaForCausalLM.from_pretrained(tmp_path / "merged"),
                                         adapter=False)
     assert other.merged_adapter is None
