@@ -349,12 +349,6 @@ class MedusaModel(nn.Module):
                     f"{directory}/config.json names no base_model_name_or_path; pass base_model="
                 )
             base_model, tokenizer, _ = _load_base(base_model or config.base_model_name_or_path, tokenizer)
-        if config.chat_template and tokenizer is not None:
-            tokenizer.chat_template = config.chat_template
-        elif config.chat_template:
-            logger.warning("the heads in %s were trained on their own chat template (config.json, "
-                           "chat_template) and no tokenizer was given to install it on; pass tokenizer=, "
-                           "or render chats with model.config.chat_template", directory)
         adapter_folder = directory / ADAPTER_DIR
         merge = adapter and adapter_folder.is_dir()
         digest = adapter_digest(adapter_folder) if merge else None
@@ -379,21 +373,30 @@ class MedusaModel(nn.Module):
         heads.load_state_dict(state, strict=True)
         if heads.token_map is not None:
             check_token_map(heads.token_map, config)
-        if merge and not in_weights:
-            check_compatible(config, base_model)  # before the merge changes a given base model in place
-            base_model = merge_adapter(base_model, adapter_folder)
-        model = cls(base_model, heads, tokenizer)
-        model.merged_adapter = adapter_folder if merge else None
+        datastore = None
         if (directory / DATASTORE_NAME).is_file():
-            model.datastore = Datastore.load(directory / DATASTORE_NAME)
-            model.datastore.check_tokenizer(tokenizer, directory / DATASTORE_NAME)
-            largest = int(model.datastore.tokens.max())
+            datastore = Datastore.load(directory / DATASTORE_NAME)
+            datastore.check_tokenizer(tokenizer, directory / DATASTORE_NAME)
+            largest = int(datastore.tokens.max())
             if largest >= config.vocab_size:
                 raise ValueError(
                     f"{directory / DATASTORE_NAME} holds token id {largest}, outside this model's vocabulary of "
                     f"{config.vocab_size}: it was built with another tokenizer; rebuild it with "
                     "`python -m medusa_train.datastore` or delete it"
                 )
+        # every check before anything changes: a refused load leaves a given base model and tokenizer as they were
+        if merge and not in_weights:
+            check_compatible(config, base_model)
+            base_model = merge_adapter(base_model, adapter_folder)
+        model = cls(base_model, heads, tokenizer)
+        model.merged_adapter = adapter_folder if merge else None
+        model.datastore = datastore
+        if config.chat_template and tokenizer is not None:
+            tokenizer.chat_template = config.chat_template
+        elif config.chat_template:
+            logger.warning("the heads in %s were trained on their own chat template (config.json, "
+                           "chat_template) and no tokenizer was given to install it on; pass tokenizer=, "
+                           "or render chats with model.config.chat_template", directory)
         return model
 
     # ------------------------------------------------------------------ saving

@@ -220,3 +220,37 @@ def test_heads_for_another_model_leave_the_given_base_model_unmerged(heads_folde
         MedusaModel.from_pretrained(folder, base_model=other)
     assert all(torch.equal(v, other.state_dict()[k]) for k, v in before.items())
     assert getattr(other, MERGED_ADAPTER_ATTR, None) is None
+
+
+def test_a_refused_datastore_leaves_the_given_base_model_and_tokenizer_as_they_were(heads_folder, tmp_path):
+    """Every check comes before anything changes: a datastore of another tokenizer (a token id past the
+    vocabulary) was refused after the adapter had been merged into the given base model, which a later
+    load with ``adapter=False`` then refused; the heads' chat template was installed on the given tokenizer
+    before the heads were checked at all."""
+    from medusa_infer.datastore import DATASTORE_NAME, Datastore
+    from medusa_infer.serving.testing import word_tokenizer
+
+    folder, _ = heads_folder
+    copied = tmp_path / "copy"
+    shutil.copytree(folder, copied)
+    config = json.loads((copied / "config.json").read_text())
+    (copied / "config.json").write_text(json.dumps({**config, "chat_template": "{{ 'HEADS TEMPLATE' }}"}))
+    Datastore.from_sequences([[5, 6, 7, VOCAB + 3]]).save(copied / DATASTORE_NAME)
+    base, tokenizer = tiny_model("llama"), word_tokenizer()
+    template = tokenizer.chat_template
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    with pytest.raises(ValueError, match=f"holds token id {VOCAB + 3}, outside this model's vocabulary"):
+        MedusaModel.from_pretrained(copied, base_model=base, tokenizer=tokenizer)
+    assert all(torch.equal(v, base.state_dict()[k]) for k, v in before.items())
+    assert getattr(base, MERGED_ADAPTER_ATTR, None) is None
+    assert tokenizer.chat_template == template
+    assert MedusaModel.from_pretrained(folder, base_model=base, adapter=False).merged_adapter is None
+    # refused for another vocabulary: the tokenizer keeps its template too
+    with pytest.raises(ValueError, match="vocabulary of"):
+        MedusaModel.from_pretrained(copied, base_model=tiny_model("llama", vocab_size=VOCAB + 8),
+                                    tokenizer=tokenizer)
+    assert tokenizer.chat_template == template
+    # a load that succeeds installs it
+    (copied / DATASTORE_NAME).unlink()
+    MedusaModel.from_pretrained(copied, base_model=tiny_model("llama"), tokenizer=tokenizer)
+    assert tokenizer.chat_template == "{{ 'HEADS TEMPLATE' }}"
