@@ -46,6 +46,10 @@ WEIGHTS_NAMES = {"safetensors": SAFETENSORS_NAME, "pt": PT_NAME}
 BASE_MODEL_KEY = "medusa_forge_base_model"
 """``config.json`` key naming the base model as medusa-forge loads it, where that differs from the Hub id."""
 
+TOP_K_KEY = "medusa_forge_top_k"
+"""``config.json`` key keeping the heads' ``top_k`` (the candidates per head their default tree may rank),
+which the layout has no place for: heads with no tree of their own decode with the default tree it allows."""
+
 logger = logging.getLogger(__name__)
 
 _BLOCK = re.compile(r"heads\.(\d+)\.blocks\.(\d+)\.linear\.(weight|bias)")
@@ -104,6 +108,15 @@ def _choices(raw: Any, num_heads: int, where: Path) -> list[list[int]] | None:
         raise ValueError(f"{where}: medusa_choices is not a tree of rank paths ({err}); fix or remove it") from err
 
 
+def _top_k(raw: Any, where: Path) -> int:
+    """``TOP_K_KEY``'s value checked, or ``MedusaConfig``'s default where an export did not write it."""
+    if raw is None:
+        return MedusaConfig.top_k
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 1:
+        raise ValueError(f"{where}: {TOP_K_KEY} must be a positive integer, got {raw!r}; fix or remove it")
+    return raw
+
+
 def read_medusa_layout(
     path: str | Path,
     hidden_size: int | None = None,
@@ -156,7 +169,8 @@ def read_medusa_layout(
         base_model_name_or_path=_base_model(data),
         training={IMPORTED_FROM: "FasterDecoding/Medusa layout"},
         tree=tree,
-        top_k=max(MedusaConfig.top_k, 1 + max((rank for p in tree or [] for rank in p), default=0)),
+        top_k=max(_top_k(data.get(TOP_K_KEY), path / CONFIG_NAME),
+                  1 + max((rank for p in tree or [] for rank in p), default=0)),
     )
     expected = _expected(config)
     ours_to_theirs = {name: _their_name(name, num_layers) for name in expected}
@@ -272,6 +286,7 @@ def write_medusa_layout(
         "hidden_size": config.hidden_size,
         "vocab_size": config.vocab_size,
         "version": version,
+        TOP_K_KEY: config.top_k,
     }
     if config.tree is not None:  # the heads' own (fitted) tree, in the format TensorRT-LLM's medusa_choices takes;
         # empty where calibration measured plain decoding fastest

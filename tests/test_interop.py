@@ -13,7 +13,7 @@ from torch.nn import functional as F
 
 from medusa_infer.config import MedusaConfig
 from medusa_infer.heads import MedusaHeads
-from medusa_infer.interop import is_medusa_layout, read_medusa_layout, write_medusa_layout
+from medusa_infer.interop import TOP_K_KEY, is_medusa_layout, read_medusa_layout, write_medusa_layout
 from medusa_infer.trees import validate_tree
 
 HIDDEN, VOCAB, HEADS, LAYERS = 16, 50, 3, 2
@@ -365,11 +365,30 @@ def test_the_heads_tree_travels_as_medusa_choices(tmp_path):
 @pytest.mark.parametrize("tree, top_k", [([], 10), ([[0], [12], [0, 0]], 13)])
 def test_an_empty_tree_and_ranks_past_ten_survive_the_round_trip(tmp_path, tree, top_k):
     """A calibrated empty tree (plain decoding measured fastest) is written and read back, not dropped
-    for a default tree; a tree with ranks past the default top_k (10) reads back with a top_k that
-    covers them (the layout has no top_k: decoding refused the imported tree)."""
+    for a default tree; the heads' top_k is kept in a key of ours; a folder without it (FasterDecoding's
+    own, which has no top_k) reads a tree with ranks past the default top_k (10) with a top_k that covers
+    them (decoding refused the imported tree)."""
     config = tiny_config("own", tree=tree, top_k=16)
     write_medusa_layout(config, random_state(config, torch.float32), tmp_path)
+    back = read_medusa_layout(tmp_path)[0]
+    assert back.tree == tree and back.top_k == 16
+    data = json.loads((tmp_path / "config.json").read_text())
+    del data[TOP_K_KEY]
+    (tmp_path / "config.json").write_text(json.dumps(data))
     back = read_medusa_layout(tmp_path)[0]
     assert back.tree == tree and back.top_k == top_k
     if tree:
         validate_tree(back.tree, back.num_heads, back.top_k)
+
+
+def test_heads_without_a_tree_keep_their_top_k_and_so_their_default_tree(tmp_path):
+    """Heads with no tree of their own decode with the first default tree their top_k allows: exported
+    and read back, they came back with top_k 10 (the layout had no place for it), so another tree."""
+    config = tiny_config("own", tree=None, top_k=4)
+    write_medusa_layout(config, random_state(config, torch.float32), tmp_path)
+    assert read_medusa_layout(tmp_path)[0].top_k == 4
+    data = json.loads((tmp_path / "config.json").read_text())
+    for bad in (0, "4", True):
+        (tmp_path / "config.json").write_text(json.dumps({**data, TOP_K_KEY: bad}))
+        with pytest.raises(ValueError, match=f"{TOP_K_KEY} must be a positive integer, got {bad!r}"):
+            read_medusa_layout(tmp_path)
