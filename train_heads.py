@@ -133,6 +133,10 @@ def stage_data(config: TrainConfig, accelerator: Any, pending: int | None) -> tu
             say(accelerator, f"distilling {d.n or 'all'} prompts from {d.prompts} into {rows}")
             with unpartitioned(accelerator):  # the model answers alone, in no DeepSpeed engine
                 distill(recipe_config(config), accelerator)  # on its device, one process or several
+        elif owns_rows(config) and accelerator.is_main_process:  # nothing to answer, so no distill() to say it
+            from medusa_train.distill import recipe_config, warn_rows_outside_sample
+
+            warn_rows_outside_sample(recipe_config(config))
         with accelerator.main_process_first():
             dataset = ds.load_or_build_dataset(rows, tokenizer, d.max_length, paths.data, d.system_prompt)
     train, heldout = ds.split_heldout(dataset, d.heldout_fraction, config.training.seed)

@@ -543,6 +543,15 @@ def _warn_extra_rows(output: Path, row_ids: Iterable[str], sampled: Iterable[str
         )
 
 
+def warn_rows_outside_sample(config: DistillConfig) -> None:
+    """Warn when ``config.output`` holds rows of prompts ``config`` does not sample (a run with a larger
+    ``n`` or another prompt file made them): they are trained on. For a run that answers nothing, as
+    ``distill`` warns when it has nothing left to answer."""
+    prompts = sample_prompts(config.prompts, config.n, config.per_source, config.seed, config.exclude_ids)
+    output = Path(config.output)
+    _warn_extra_rows(output, (str(row["id"]) for row in read_jsonl_tolerant(output)), (p["id"] for p in prompts))
+
+
 def merge_shards(
     output: str | Path, prompts: Sequence[dict[str, Any]], fmt: str = "jsonl"
 ) -> Path:

@@ -310,6 +310,32 @@ def test_train_heads_merges_the_answers_a_killed_run_left_in_shards(tmp_path, mo
     assert len(train) + len(heldout) == 8 and len(read_rows(rows)) == 8 and not shard_path(rows, 0).exists()
 
 
+def test_train_heads_says_it_trains_on_rows_outside_a_smaller_sample(tmp_path, model_dir, prompts_file, caplog):
+    """data.n lowered after a run: nothing is left to answer, so no distill() ran to warn that the rows
+    file keeps the larger sample's rows, which are trained on (silently, as the README's 3229 rows were)."""
+    import train_heads
+    from accelerate import PartialState
+
+    from medusa_train.train_config import config_from_dict
+
+    def recipe(n):
+        return config_from_dict({"output_dir": str(tmp_path / "run"), "model": {"name": str(model_dir)},
+                                 "data": {"prompts": str(prompts_file), "n": n, "max_new_tokens": 4,
+                                          "distill_batch_size": 4},
+                                 "features": {"from_distillation": False}, "log": {"progress": False}})
+
+    distill(distill_module.recipe_config(recipe(6)))
+    assert train_heads.distill_pending(recipe(4)) == 0
+    with caplog.at_level("WARNING", logger="medusa_train.distill"):
+        train, heldout = train_heads.stage_data(recipe(4), PartialState(cpu=True), 0)
+    assert len(train) + len(heldout) == 6
+    assert "keeps 2 rows whose prompts are not in this run's sample" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="medusa_train.distill"):
+        train_heads.stage_data(recipe(6), PartialState(cpu=True), 0)
+    assert "not in this run's sample" not in caplog.text
+
+
 def test_train_heads_distils_on_its_accelerators_device(tmp_path, model_dir, prompts_file, monkeypatch):
     """One process too: distill() took no accelerator then, and ran the model on the CPU on a GPU machine."""
     import types
