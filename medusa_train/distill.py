@@ -1034,6 +1034,10 @@ def run_openai(
     batch: list[dict[str, Any]] = []
     batch_index = 0
     errors: list[str] = []
+    refusals: list[str] = []
+    # requests that failed for good one after another, none answered between: past this many the endpoint
+    # is taken for down (each prompt would otherwise wait out its own retries, hours for a large sample)
+    failing, give_up_after, sent = 0, max(2, config.concurrency), 0
     executor = ThreadPoolExecutor(max_workers=config.concurrency)
     stopping = threading.Event()
     try:
@@ -1041,12 +1045,16 @@ def run_openai(
         in_flight = {}
 
         def submit_next() -> bool:
+            nonlocal sent
+            if stopping.is_set():
+                return False
             job = next(queue, None)
             if job is None:
                 return False
             prompt, text = job
             future = executor.submit(request_completion, url, body_for(prompt["id"], text), headers, config, stopping)
             in_flight[future] = job
+            sent += 1
             return True
 
         while len(in_flight) < config.concurrency and submit_next():
@@ -1060,13 +1068,19 @@ def run_openai(
                     row = completion_row(prompt, text, future.result(), config, tokenizer)
                 except RejectedError as err:  # counted and logged; a rerun asks again
                     stats.rejected += 1
+                    refusals.append(f"{prompt['id']}: {err}")
                     logger.error("prompt %s refused by the endpoint, left out: %s", prompt["id"], err)
                     continue
                 except RuntimeError as err:
                     stats.failed += 1
                     errors.append(f"{prompt['id']}: {err}")
                     logger.error("prompt %s failed: %s", prompt["id"], err)
+                    failing += 1
+                    if failing >= give_up_after and not stopping.is_set():
+                        logger.error("%d requests in a row failed: asking no more (the ones in flight end)", failing)
+                        stopping.set()  # no new request; those waiting to retry give up
                     continue
+                failing = 0
                 writer.write(row)
                 stats.add(row)
                 batch.append(row)
@@ -1086,9 +1100,18 @@ def run_openai(
         executor.shutdown(wait=False, cancel_futures=True)
         bar.close()
     if errors:
+        asked = "" if sent == len(jobs) else (
+            f"; after {give_up_after} failures in a row the other {len(jobs) - sent} were not asked (the endpoint "
+            "looks down)")
         raise RuntimeError(
-            f"{len(errors)} of {len(jobs)} requests failed (rows written so far are kept; rerun "
+            f"{len(errors)} of {len(jobs)} requests failed{asked} (rows written so far are kept; rerun "
             f"to retry the rest). First: {errors[0]}"
+        )
+    if jobs and len(refusals) == len(jobs):  # a setting every request carries, most likely: no row to train on
+        raise RuntimeError(
+            f"the endpoint refused all {len(jobs)} prompts, so no row was written; first: {refusals[0]}. Check the "
+            "settings every request carries: max_new_tokens past the served model's context, or a parameter "
+            "the endpoint does not take"
         )
 
 

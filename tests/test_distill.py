@@ -732,6 +732,26 @@ def test_openai_backend_gives_up_on_dead_server(tmp_path, prompts_file):
     config = openai_config(prompts_file, tmp_path / "rows.jsonl", url, n=2, max_retries=2)
     with pytest.raises(RuntimeError, match="giving up after 3 attempts"):
         distill(config)
+    # with more prompts than requests in flight, the run stops once that many failed in a row: every prompt
+    # waited out its own retries first (a dead server took hours to report on a large sample)
+    config = openai_config(prompts_file, tmp_path / "rows.jsonl", url, n=12, max_retries=1, concurrency=3)
+    with pytest.raises(RuntimeError, match=r"failed; after 3 failures in a row the other [1-9]\d* were not asked "
+                                           r"\(the endpoint looks down\).*giving up after 2 attempts"):
+        distill(config)
+
+
+def test_openai_backend_fails_when_the_endpoint_refuses_every_prompt(tmp_path):
+    """Every prompt refused (a 400 for each: say max_new_tokens past the served model's context) is a
+    setting's fault, not the prompts': the run fails saying so (it ended with an empty rows file, and
+    training then blamed data.max_length)."""
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"id": str(i), "source": "s", "prompt": f"forbidden words {i}"}) + "\n"
+                                    for i in range(3)))
+    with FakeServer() as server:
+        config = openai_config(prompts_file, tmp_path / "rows.jsonl", server.url, n=None)
+        with pytest.raises(RuntimeError, match=r"the endpoint refused all 3 prompts, so no row was written; "
+                                               r"first: \d: HTTP 400.*max_new_tokens past the served model's context"):
+            distill(config)
 
 
 # ---------------------------------------------------------------------------------------------
