@@ -129,12 +129,26 @@ TEXT_CONTEXT_TOKENS = 6
 after the prompt (a SentencePiece tokenizer drops the leading space of a text's first word)."""
 
 
+def context_start(tokenizer: Any, ids: Sequence[int], start: int) -> int:
+    """Where the tokens decoded before ``ids[start:]`` as their context begin: ``TEXT_CONTEXT_TOKENS``
+    back, and up to 3 tokens further while the context's text begins inside a character. A byte-fallback
+    tokenizer (Llama-2, Mistral) decodes a run of byte tokens that starts mid-character to U+FFFD, every
+    byte of it, those of the text after the context that continue the run too (an emoji after a prompt
+    ending in emoji came out as four U+FFFD, and a stop string in it was never seen)."""
+    begin = max(0, start - TEXT_CONTEXT_TOKENS)
+    for _ in range(3):  # a UTF-8 character is at most 4 bytes
+        if begin == 0 or not tokenizer.decode(list(ids[begin:start]), skip_special_tokens=True).startswith("\ufffd"):
+            break
+        begin -= 1
+    return begin
+
+
 def generated_text_tail(tokenizer: Any, history: Sequence[int], prompt_length: int, window: int) -> str:
     """The text of (up to) the last ``window`` generated tokens of ``history`` (prompt, then generated
     tokens), special tokens left out, as it reads after what precedes it: the text a client is sent,
     where stop strings are looked for. Text of the prompt itself is never part of it."""
     start = max(prompt_length, len(history) - window)
-    context = list(history[max(0, start - TEXT_CONTEXT_TOKENS) : start])
+    context = list(history[context_start(tokenizer, history, start) : start])
     before = tokenizer.decode(context, skip_special_tokens=True) if context else ""
     text = tokenizer.decode(context + list(history[start:]), skip_special_tokens=True)
     if text.startswith(before):

@@ -220,6 +220,29 @@ def test_text_assembler_holds_back_what_may_become_a_stop_string(model):
     assert flushed.add([ids("the"), ids("cat")]) == "the " and flushed.add([], final=True) == "cat"
 
 
+def test_text_after_a_prompt_ending_inside_byte_tokens_is_whole_and_its_stop_strings_found():
+    """A byte-fallback tokenizer (Llama-2, Mistral) with a prompt ending in emoji: the last prompt tokens
+    decoded as context started inside a character, so the generated emoji continuing their run of byte
+    tokens came out as four U+FFFD, and a stop string in it was never found (the server's text and the
+    engine's stop-string window both)."""
+    from medusa_infer.decoding import generated_text_tail
+    from tiny import byte_fallback_tokenizer
+
+    tokenizer = byte_fallback_tokenizer()
+    prompt = tokenizer("party time \U0001F389\U0001F389")["input_ids"]
+    new = tokenizer("\U0001F389 the party", add_special_tokens=False)["input_ids"][1:]  # the emoji's bytes first
+    assert tokenizer.convert_ids_to_tokens(new[:4]) == ["<0xF0>", "<0x9F>", "<0x8E>", "<0x89>"]
+    whole = tokenizer.decode(prompt + new, skip_special_tokens=True)
+    expected = whole[len(tokenizer.decode(prompt, skip_special_tokens=True)):]
+    assert expected == "\U0001F389 the party"
+    for chunks in ([[token] for token in new], [new]):
+        text = TextAssembler(tokenizer, (), prompt)
+        assert "".join(text.add(chunk, final=i == len(chunks) - 1) for i, chunk in enumerate(chunks)) == expected
+    stopped = TextAssembler(tokenizer, ("\U0001F389",), prompt)
+    assert stopped.add(new) == "" and stopped.stopped
+    assert generated_text_tail(tokenizer, prompt + new, len(prompt), window=12) == expected
+
+
 def test_usage_carries_speculative_statistics(client, model):
     answer = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0, extra_body=NO_EOS)
     usage = answer.usage

@@ -105,3 +105,29 @@ def metaspace_tokenizer():
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.padding_side = "left"
     return tokenizer
+
+
+def byte_fallback_tokenizer():
+    """A Llama-2-style tokenizer: SentencePiece words (``▁the``, ...) and, for every other character, its
+    UTF-8 bytes as ``<0xXX>`` tokens, which decoding joins back (a run of them that starts inside a
+    character decodes to U+FFFD, every byte of it); built offline."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ("the", "party", "time", "is", "now")
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁": 3, **{f"<0x{b:02X}>": 4 + b for b in range(256)}}
+    merges = []
+    for word in words:  # "▁" + the word's letters, merged left to right
+        vocab.update((c, len(vocab)) for c in word if c not in vocab)
+        piece = "▁"
+        for c in word:
+            merges.append((piece, c))
+            piece += c
+            vocab.setdefault(piece, len(vocab))
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<unk>")
+

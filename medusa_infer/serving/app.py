@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from medusa_infer.decoding import TEXT_CONTEXT_TOKENS, SamplingConfig, StopConfig
+from medusa_infer.decoding import SamplingConfig, StopConfig, context_start
 from medusa_infer.serving import protocol
 from medusa_infer.serving.protocol import APIError, GenerationParams, ModelInfo, Speculation
 from medusa_infer.serving.scheduler import ABORT_REASONS, Engine, EngineStopped, QueueFull, Update
@@ -317,7 +317,7 @@ class TextAssembler:
         the text starts as it reads after the prompt (with the leading space a SentencePiece
         tokenizer drops from a text's first word), and are never part of the text."""
         self.tokenizer, self.stops = tokenizer, stops
-        self.tokens: list[int] = list(context[len(context) - TEXT_CONTEXT_TOKENS:]) if context else []
+        self.tokens: list[int] = list(context[context_start(tokenizer, context, len(context)):]) if context else []
         self.prefix_offset, self.read_offset = 0, len(self.tokens)
         self.text = ""  # decoded so far
         self.sent = 0  # characters of ``text`` handed out
