@@ -41,11 +41,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="draft and layerskip: adapt k to the acceptance (heuristic, the default) or keep "
                              "it (constant)")
     parser.add_argument("--lookup-max-ngram", type=int, default=None,
-                        help="longest n-gram lookup drafts search for, then shorter ones (--method lookup, or "
-                             "medusa with --lookup-tokens; default 3)")
+                        help="longest n-gram lookup drafts search for in the conversation, then shorter ones "
+                             "(--method lookup, or medusa with --lookup-tokens; default 3; the heads' datastore "
+                             "searches the lengths it was built with, 6 to 2 by default)")
     parser.add_argument("--lookup-min-ngram", type=int, default=None,
-                        help="shortest n-gram lookup drafts accept as a match, longer: fewer, surer drafts "
-                             "(default 1)")
+                        help="shortest n-gram lookup drafts accept as a match in the conversation, longer: "
+                             "fewer, surer drafts (default 1; not the heads' datastore's, see --lookup-max-ngram)")
     parser.add_argument("--layerskip-layers", type=int, default=None,
                         help="target layers used as the draft by --method layerskip (default: a third)")
     add_tree_arguments(parser)
