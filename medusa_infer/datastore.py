@@ -208,6 +208,15 @@ class Datastore:
             raise ValueError(f"{where} was built with another tokenizer than this model's: its token ids stand for "
                              "other text; rebuild it with `python -m medusa_train.datastore` or delete it")
 
+    def check_vocabulary(self, vocab_size: int, where: str | Path) -> None:
+        """``ValueError`` when the store holds a token id outside a vocabulary of ``vocab_size``: it was built
+        with another tokenizer (and its drafts would fail in the model's embedding)."""
+        largest = int(self.tokens.max()) if self.tokens.numel() else -1
+        if largest >= vocab_size:
+            raise ValueError(f"{where} holds token id {largest}, outside this model's vocabulary of {vocab_size}: "
+                             "it was built with another tokenizer; rebuild it with `python -m medusa_train.datastore` "
+                             "or delete it")
+
     def save(self, path: str | Path) -> Path:
         """Write the tokens and settings to ``path`` (safetensors)."""
         path = Path(path)

@@ -377,13 +377,7 @@ class MedusaModel(nn.Module):
         if (directory / DATASTORE_NAME).is_file():
             datastore = Datastore.load(directory / DATASTORE_NAME)
             datastore.check_tokenizer(tokenizer, directory / DATASTORE_NAME)
-            largest = int(datastore.tokens.max())
-            if largest >= config.vocab_size:
-                raise ValueError(
-                    f"{directory / DATASTORE_NAME} holds token id {largest}, outside this model's vocabulary of "
-                    f"{config.vocab_size}: it was built with another tokenizer; rebuild it with "
-                    "`python -m medusa_train.datastore` or delete it"
-                )
+            datastore.check_vocabulary(config.vocab_size, directory / DATASTORE_NAME)
         # every check before anything changes: a refused load leaves a given base model and tokenizer as they were
         if merge and not in_weights:
             check_compatible(config, base_model)

@@ -302,6 +302,30 @@ def test_merged_medusa_proposers_keep_both_gates_counts():
     assert a.propose(torch.tensor([3, 5]), context).tree.num_nodes > 1 + len(GRAFT_TREE)
 
 
+def test_proposers_refuse_a_store_of_another_vocabulary_and_merges_of_other_settings():
+    """A store set directly (``model.datastore = ...``, ``datastore=``), not loaded with the heads, is checked
+    too: its out-of-vocabulary ids failed in the embedding, an IndexError naming no store. Batches of
+    proposers with other lookup settings are not joined (the joined rows drafted with the first's)."""
+    model = random_heads(target_model("llama"))
+    outside = Datastore.from_sequences([[1, 2, 3, 10_000]])
+    with pytest.raises(ValueError, match="the datastore holds token id 10000, outside this model's vocabulary"):
+        LookupProposer(model, datastore=outside)
+    model.datastore = outside
+    with pytest.raises(ValueError, match="token id 10000, outside this model's vocabulary"):
+        build_proposer("medusa", model, SimpleNamespace(tree=GRAFT_TREE, adaptive=False, lookup_tokens=4))
+    store = Datastore.from_sequences([[1, 2, 3, 4]])
+    for a, b in ((LookupProposer(model, num_tokens=4), LookupProposer(model, num_tokens=2)),
+                 (LookupProposer(model, min_ngram=1), LookupProposer(model, min_ngram=2)),
+                 (LookupProposer(model), LookupProposer(model, datastore=store))):
+        with pytest.raises(ValueError, match="cannot merge lookup proposers with different settings"):
+            a.merge(b)
+    LookupProposer(model, datastore=store).merge(LookupProposer(model, datastore=store))
+    a, b = MedusaProposer(model, GRAFT_TREE, lookup_tokens=4), MedusaProposer(model, GRAFT_TREE, lookup_tokens=4,
+                                                                              datastore=store)
+    with pytest.raises(ValueError, match="different lookup settings"):
+        a.merge(b)
+
+
 def test_a_store_built_with_another_tokenizer_is_refused_at_load(tmp_path):
     """The store records its tokenizer's fingerprint: with heads on a model whose tokenizer differs (ids
     standing for other text, all within the vocabulary), loading is refused; with the same one it loads."""

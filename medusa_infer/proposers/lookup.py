@@ -187,7 +187,7 @@ class LookupProposer:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
         self.num_tokens, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram
-        self.max_tokens, self.datastore = max_tokens, datastore
+        self.max_tokens, self.datastore = max_tokens, checked_datastore(model, datastore)
         self.trees = ChainTrees(model.device)
         cost = cost if cost is not None else model_cost(model)
         self.gate = LookupGate(cost) if cost is not None else None
@@ -215,8 +215,23 @@ class LookupProposer:
         pass  # the histories come with each step's context: nothing kept per row
 
     def merge(self, other: "LookupProposer") -> None:
+        """Append the rows of another proposer of the same settings (batches joining)."""
+        mine = (self.num_tokens, self.max_ngram, self.min_ngram, self.max_tokens)
+        if (other.num_tokens, other.max_ngram, other.min_ngram, other.max_tokens) != mine or \
+                other.datastore is not self.datastore:
+            raise ValueError("cannot merge lookup proposers with different settings (num_tokens, n-gram lengths, "
+                             "max_tokens or datastore): the joined rows would draft with the first batch's")
         if self.gate is not None and other.gate is not None:
             self.gate.merge(other.gate)
+
+
+def checked_datastore(model, datastore: Datastore | None) -> Datastore | None:
+    """``datastore``, checked to hold only token ids of ``model``'s vocabulary (``ValueError``: a store of
+    another tokenizer failed in the embedding, an ``IndexError`` naming no store)."""
+    if datastore is not None:
+        weight = model.base_model.get_output_embeddings().weight
+        datastore.check_vocabulary(getattr(weight, "ds_shape", weight.shape)[0], "the datastore")
+    return datastore
 
 
 def model_cost(model) -> CostProfile | None:

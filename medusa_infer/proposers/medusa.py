@@ -23,6 +23,7 @@ from medusa_infer.proposers.base import Proposal, StepContext
 from medusa_infer.proposers.lookup import (
     LOOKUP_MAX_TOKENS,
     LookupGate,
+    checked_datastore,
     gated_matches,
     model_cost,
     pad_drafts,
@@ -135,7 +136,7 @@ class MedusaProposer:
         if lookup_max_tokens < 1:
             raise ValueError(f"lookup_max_tokens must be >= 1, got {lookup_max_tokens}")
         self.lookup_tokens, self.lookup_ngram, self.lookup_max_tokens = lookup_tokens, lookup_ngram, lookup_max_tokens
-        self.datastore = datastore
+        self.datastore = checked_datastore(model, datastore)
         self.grafted = 0  # length of the lookup chain in the last proposal
         self.grafted_tokens: torch.Tensor | None = None  # [batch, n] that proposal's node tokens
         cost = model_cost(model) if lookup_tokens else None
@@ -293,7 +294,8 @@ class MedusaProposer:
         """Append the rows of another proposer of the same trees (batches joining)."""
         if [t.paths for t in other.trees] != [t.paths for t in self.trees]:
             raise ValueError("cannot merge Medusa proposers with different trees")
-        if (other.lookup_tokens, other.lookup_ngram) != (self.lookup_tokens, self.lookup_ngram):
+        if (other.lookup_tokens, other.lookup_ngram, other.lookup_max_tokens) != (
+                self.lookup_tokens, self.lookup_ngram, self.lookup_max_tokens) or other.datastore is not self.datastore:
             raise ValueError("cannot merge Medusa proposers with different lookup settings")
         self.hidden = torch.cat([self.hidden, other.hidden])
         if self.gate is not None and other.gate is not None:
