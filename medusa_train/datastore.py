@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from medusa_infer.interop import base_model_name
     from medusa_infer.models import load_tokenizer
-    from medusa_train.dataset import build_examples, read_rows
+    from medusa_train.dataset import BuildStats, build_examples, read_rows
 
     heads = Path(args.heads)
     if not (heads / "config.json").is_file():
@@ -106,7 +106,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokenizer = load_tokenizer(model)
     if chat_template:
         tokenizer.chat_template = chat_template
-    examples = build_examples(rows, tokenizer, max_length, system_prompt)
+    stats = BuildStats()
+    examples = build_examples(rows, tokenizer, max_length, system_prompt, stats)
+    if not examples:
+        parser.error(f"no conversation to build a datastore from: {len(rows)} rows in {' '.join(args.rows)}, "
+                     f"{stats.dropped_too_long} dropped as longer than --max-length={max_length} tokens, "
+                     f"{stats.dropped_no_assistant} with no assistant answer")
     store = build_datastore(examples, tokenizer)
     path = store.save(heads / DATASTORE_NAME)
     print(f"{path}: {len(store)} tokens from {len(examples)} conversations")

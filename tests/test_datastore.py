@@ -4,6 +4,7 @@ by the lookup proposers (greedy output unchanged, drafts taken from the store)."
 from __future__ import annotations
 
 import json
+import re
 import random
 from types import SimpleNamespace
 
@@ -188,6 +189,15 @@ def test_the_builder_renders_rows_as_the_heads_recipe_did(tmp_path, capsys):
     expected = load_tokenizer("smollm2-135m-instruct")("user: Name a colour.\nassistant: Blue.\n",
                                                        add_special_tokens=False)["input_ids"]
     assert Datastore.load(own / DATASTORE_NAME).tokens[:-1].tolist() == expected
+    # no conversation left (every prompt past --max-length, or no rows): said as a usage error, with the
+    # counts (a traceback said "the examples are empty")
+    for text, says in ((rows.read_text(), "1 rows in .*, 1 dropped as longer than --max-length=4 tokens"),
+                       ("", "0 rows in .*, 0 dropped")):
+        rows.write_text(text)
+        capsys.readouterr()
+        with pytest.raises(SystemExit):
+            main(["--heads", str(own), "--rows", str(rows), "--max-length", "4"])
+        assert re.search("no conversation to build a datastore from: " + says, capsys.readouterr().err)
 
 
 def test_gated_matches_choose_between_prompt_and_datastore():
