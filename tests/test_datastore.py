@@ -4,8 +4,8 @@ by the lookup proposers (greedy output unchanged, drafts taken from the store)."
 from __future__ import annotations
 
 import json
-import re
 import random
+import re
 from types import SimpleNamespace
 
 import pytest
