@@ -165,6 +165,8 @@ def check_inputs(config: TrainConfig) -> None:
     for key, value in files:
         if not Path(value).is_file():
             raise ValueError(f"{key}: {value} is not a file; give the path of an existing JSONL file")
+    check_attn_implementation(config.model.attn_implementation)
+    check_vocabulary_settings(config)
     if config.training.mode == "medusa2":
         check_lora_targets_early(config)
     from accelerate.utils import is_tensorboard_available, is_wandb_available
@@ -192,20 +194,57 @@ def check_inputs(config: TrainConfig) -> None:
                              f"or set HF_TOKEN, or {later}")
 
 
+def check_attn_implementation(name: str | None) -> None:
+    """``ValueError`` for a ``model.attn_implementation`` transformers does not know (a typo failed at feature
+    extraction, after distilling); a Hub kernel (``org/repo``) passes, checked when the model loads."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    known = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
+    if name is not None and name not in known and "/" not in name:
+        raise ValueError(f"model.attn_implementation={name!r} is none transformers knows: one of {known}, a Hub "
+                         "kernel (org/repo), or null to let transformers pick")
+
+
+def _model_folder(config: TrainConfig) -> Path | None:
+    """The folder holding the recipe model's ``config.json`` where it is on disk (a folder, or a default
+    model already fetched), else None (a Hub model, checked when it loads)."""
+    from medusa_infer.models import DEFAULT_MODELS, default_model_folder
+
+    name = config.model.name
+    folder = Path(name).expanduser()
+    if name in DEFAULT_MODELS and not folder.is_dir():
+        folder = default_model_folder(DEFAULT_MODELS[name])
+    return folder if (folder / "config.json").is_file() else None
+
+
+def check_vocabulary_settings(config: TrainConfig) -> None:
+    """``features.topk`` and ``heads.reduced_vocab_size`` checked against the model's vocabulary, where its
+    config is on disk: past it, they failed after distilling and feature extraction (topk in a traceback)."""
+    folder = _model_folder(config)
+    if folder is None:
+        return
+    from transformers import AutoConfig
+
+    model_config = AutoConfig.from_pretrained(folder, trust_remote_code=config.model.trust_remote_code)
+    vocab = getattr(model_config.get_text_config(), "vocab_size", None)
+    if vocab is None:
+        return
+    soft = config.soft_label_topk
+    for key, value in (("features.topk", soft), ("heads.reduced_vocab_size", config.heads.reduced_vocab_size)):
+        if value is not None and value > vocab:
+            raise ValueError(f"{key}={value} is past the model's vocabulary of {vocab} tokens; lower it")
+
+
 def check_lora_targets_early(config: TrainConfig) -> None:
     """``lora.target_modules`` checked on the model's module tree, built on the meta device from its
     config, where that config is on disk (a folder, or a default model already fetched); a Hub model's
     are checked when it loads, after distillation."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from medusa_infer.models import DEFAULT_MODELS, default_model_folder
     from medusa_train.lora import check_lora_targets
 
-    name = config.model.name
-    folder = Path(name).expanduser()
-    if name in DEFAULT_MODELS and not folder.is_dir():
-        folder = default_model_folder(DEFAULT_MODELS[name])
-    if not (folder / "config.json").is_file():
+    folder = _model_folder(config)
+    if folder is None:
         return
     trust = config.model.trust_remote_code
     with torch.device("meta"):

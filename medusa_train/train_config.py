@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -34,6 +35,11 @@ SCHEDULERS = ("cosine", "linear", "constant")
 HEADS_WEIGHT_SCHEDULES = ("linear", "sine", "constant")
 DTYPES = ("float32", "bfloat16", "float16")
 PROJECTIONS = ("shared", "own")
+
+
+def _home(path: str | None) -> str | None:
+    """A path with a leading ``~`` expanded, as ``model.name`` is (``~/x.jsonl`` was looked for in ``./~``)."""
+    return os.path.expanduser(path) if isinstance(path, str) and path.startswith("~") else path
 
 
 @dataclass
@@ -106,6 +112,11 @@ class DataSection:
     distill_options: dict[str, Any] = field(default_factory=dict)
     pack: bool = False
 
+    def __post_init__(self) -> None:
+        if self.per_source == {}:  # no quotas, as null (distilling read it as "no source", 0 prompts)
+            self.per_source = None
+        self.prompts, self.rows, self.tokenized = (_home(p) for p in (self.prompts, self.rows, self.tokenized))
+
 
 @dataclass
 class HeadsSection:
@@ -165,6 +176,9 @@ class FeaturesSection:
     shard_examples: int = 256
     dtype: str = "float32"
     from_distillation: bool = True
+
+    def __post_init__(self) -> None:
+        self.dir = _home(self.dir)
 
 
 @dataclass
@@ -281,6 +295,9 @@ class TrainConfig:
     log: LogSection = field(default_factory=LogSection)
     eval: EvalSection = field(default_factory=EvalSection)
 
+    def __post_init__(self) -> None:
+        self.output_dir = _home(self.output_dir)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -338,7 +355,7 @@ def convert_value(value: Any, tp: Any, key: str) -> Any:
     if origin is list:
         (item,) = typing.get_args(tp)
         if isinstance(value, str):
-            parsed = yaml.safe_load(value) if value.strip().startswith("[") else [
+            parsed = _yaml_value(value, key) if value.strip().startswith("[") else [
                 v.strip() for v in value.split(",") if v.strip()
             ]
             value = parsed
@@ -348,7 +365,7 @@ def convert_value(value: Any, tp: Any, key: str) -> Any:
     if origin is dict:
         key_type, value_type = typing.get_args(tp)
         if isinstance(value, str):
-            value = yaml.safe_load(value)
+            value = _yaml_value(value, key)
         if not isinstance(value, dict):
             raise ValueError(f"{key}: expected a mapping like {{a: 1, b: 2}}, got {value!r}")
         return {convert_value(k, key_type, key): convert_value(v, value_type, f"{key}.{k}") for k, v in value.items()}
@@ -427,6 +444,14 @@ def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
+def _yaml_value(text: str, key: str) -> Any:
+    """``text`` read as YAML (a list or mapping override); ``ValueError`` naming ``key`` when it is none."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ValueError(f"{key}: {text!r} is not valid YAML ({str(err).splitlines()[0]})") from None
+
+
 def _set_dotted(tree: dict[str, Any], dotted: str, value: str) -> None:
     """Put an override's raw string into the nested recipe dict (converted later with the rest)."""
     parts = dotted.split(".")
@@ -441,10 +466,13 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: str) -> None:
             typing.get_origin(option) is dict for option in typing.get_args(cls)
             if typing.get_origin(cls) in (typing.Union, types.UnionType))
         if mapping and i == len(parts) - 2:  # one entry of a mapping field
+            if isinstance(node.get(part), str):  # set whole by an earlier override: its text, read now
+                node[part] = _yaml_value(node[part], ".".join(parts[: i + 1]))
             if node.get(part) is None:
                 node[part] = {}
             if not isinstance(node[part], dict):
-                raise ValueError(f"{'.'.join(parts[: i + 1])!r} in the recipe is not a mapping")
+                raise ValueError(f"{'.'.join(parts[: i + 1])!r} is not a mapping (in the recipe or an earlier "
+                                 f"override): {node[part]!r}")
             node[part][parts[-1]] = value
             return
         if i == len(parts) - 1:
@@ -495,7 +523,12 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"recipe {path} does not exist; see recipes/ for the shipped ones")
-        values = yaml.safe_load(path.read_text()) or {}
+        try:
+            values = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ValueError(f"recipe {path} is not valid YAML: {err}") from None
+        if not isinstance(values, dict):
+            raise ValueError(f"recipe {path} holds a {type(values).__name__}, not a mapping of sections")
     return config_from_dict(values, overrides)
 
 
@@ -547,6 +580,10 @@ def validate(config: TrainConfig) -> None:
         raise ValueError(f"training.epochs must be > 0 (or set training.max_steps), got {t.epochs}")
     if t.max_steps is not None and t.max_steps < 1:
         raise ValueError(f"training.max_steps must be >= 1 or null, got {t.max_steps}")
+    if not 0 <= t.seed < 2**32:  # numpy's seeds (accelerate's set_seed, the held-out split)
+        raise ValueError(f"training.seed must be in [0, 2**32 - 1], got {t.seed}")
+    if d.max_length < 2:
+        raise ValueError(f"data.max_length must be >= 2 (a prompt token and an answer token), got {d.max_length}")
     if not 0 <= t.warmup_ratio < 1:
         raise ValueError(f"training.warmup_ratio must be in [0, 1), got {t.warmup_ratio}")
     if not 0 < t.head_decay <= 1:

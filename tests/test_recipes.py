@@ -100,7 +100,7 @@ def test_overrides_are_typed_and_dotted():
     with pytest.raises(ValueError, match="model.name: expected a non-empty string, got None"):
         config_from_dict({"model": {"name": None}, "data": {"prompts": "p.jsonl"}})
     # integers past 2**53 keep every digit (they went through a float)
-    assert load_config(None, ["data.prompts=p.jsonl", "training.seed=9007199254740993"]).training.seed == 9007199254740993
+    assert load_config(None, ["data.prompts=p.jsonl", "data.n=9007199254740993"]).data.n == 9007199254740993
     # no quotas, written as null or {}: data.n keeps its default (it became "every prompt")
     for empty in ("null", "~", "{}"):
         assert load_config(None, ["data.prompts=p.jsonl", f"data.per_source={empty}"]).data.n == 300, empty
@@ -117,12 +117,65 @@ def test_overrides_are_typed_and_dotted():
     ("output_dir=", "output_dir: expected a non-empty string, got ''"),
     ("training.mode=medusa2 training.loss=kl features.topk=0", "training.loss=kl trains on the model's top-k"),
     ("heads.next_token_input=false heads.path_input=true", "heads.path_input=true needs heads.next_token_input=true"),
+    # these passed, then failed after distilling (the rows then recorded the bad seed, so were not reusable)
+    ("training.seed=-1", "training.seed must be in [0, 2**32 - 1], got -1"),
+    ("training.seed=4294967296", "training.seed must be in [0, 2**32 - 1], got 4294967296"),
+    ("data.max_length=1", "data.max_length must be >= 2"),
+    # YAML that does not parse names the key (a traceback named "<unicode string>")
+    ("data.per_source={a:1", "data.per_source: '{a:1' is not valid YAML"),
+    ("lora.target_modules=[q_proj", "lora.target_modules: '[q_proj' is not valid YAML"),
 ])
 def test_bad_overrides_name_the_key(override, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")) as err:
+    with pytest.raises(ValueError, match=re.escape(message)) as err:
         load_config(RECIPES / "smollm2-135m.yaml", override.split(" "))
     if "unknown key" in message:
         assert "training.lr" in str(err.value) and "heads.num_heads" in str(err.value)  # lists the valid keys
+
+
+def test_recipe_files_overrides_and_paths_read_as_a_user_means_them(tmp_path, monkeypatch):
+    """A recipe file that is no YAML is named; a mapping set whole by one override takes an entry from a later
+    one; per_source {} means no quotas everywhere (distilling read it as no source: 0 prompts); a path
+    starting with ~ is the home folder's, as model.name is."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  name: [x\n")
+    with pytest.raises(ValueError, match=f"recipe {re.escape(str(bad))} is not valid YAML"):
+        load_config(bad)
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(ValueError, match="holds a list, not a mapping of sections"):
+        load_config(bad)
+    config = load_config(None, ["data.prompts=p.jsonl", "data.distill_options={backend: openai}",
+                                "data.distill_options.endpoint=http://127.0.0.1:8000"])
+    assert config.data.distill_options == {"backend": "openai", "endpoint": "http://127.0.0.1:8000"}
+    with pytest.raises(ValueError, match=r"'data.distill_options' is not a mapping \(in the recipe or an earlier"):
+        load_config(None, ["data.prompts=p.jsonl", "data.distill_options=[1]", "data.distill_options.endpoint=x"])
+    for values in ({"data": {"prompts": "p.jsonl", "per_source": {}}}, {"data": {"prompts": "p.jsonl"}}):
+        assert config_from_dict(values, ["data.per_source={}"]).data.per_source is None
+        assert config_from_dict(values).data.per_source is None
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = load_config(None, ["data.prompts=~/p.jsonl", "output_dir=~/run", "features.dir=~/features"])
+    assert (config.data.prompts, config.output_dir, config.features.dir) == (
+        str(tmp_path / "p.jsonl"), str(tmp_path / "run"), str(tmp_path / "features"))
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["model.attn_implementation=flash_attention2"], r"model.attn_implementation='flash_attention2' is none "
+                                                     r"transformers knows"),
+    (["training.loss=kl", "features.topk=200"], r"features.topk=200 is past the model's vocabulary of \d+ tokens"),
+    (["heads.reduced_vocab_size=200"], r"heads.reduced_vocab_size=200 is past the model's vocabulary"),
+])
+def test_settings_past_the_model_are_refused_by_plan(tmp_path, capsys, arguments, message):
+    """They passed --plan and failed after distilling and feature extraction (topk in a traceback)."""
+    import train_heads
+    from tiny import VOCAB, tiny_model
+
+    assert VOCAB < 200
+    tiny_model("llama").save_pretrained(tmp_path / "model")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({**run_recipe(tmp_path), "model": {"name": str(tmp_path / "model")}}))
+    with pytest.raises(SystemExit) as exit_info:
+        train_heads.main(["--config", str(recipe), "--plan", *arguments])
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
 
 
 def test_unknown_recipe_key_is_an_error():
