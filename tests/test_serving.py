@@ -434,6 +434,32 @@ def test_cli_on_an_ipv6_address_serves_ipv6_alone(capsys, monkeypatch):
     assert seen == {"ipv4_free": True}, capsys.readouterr().err
 
 
+def test_cli_strips_the_api_key_and_says_where_an_empty_one_came_from(capsys, monkeypatch):
+    """A key read from a file ends in a newline no client sends: it was kept, and every request refused."""
+    monkeypatch.setenv(cli.API_KEY_ENV, "s3cret\n")
+    assert cli.parse_args(["--method", "lookup"]).api_key == "s3cret"
+    assert cli.parse_args(["--method", "lookup", "--api-key", " other "]).api_key == "other"
+    monkeypatch.setenv(cli.API_KEY_ENV, " ")
+    for argv, says in ((["--method", "lookup"], f"${cli.API_KEY_ENV} is empty"),
+                       (["--method", "lookup", "--api-key", ""], "--api-key is empty")):
+        with pytest.raises(SystemExit):
+            cli.parse_args(argv)
+        assert says in capsys.readouterr().err
+
+
+def test_cli_says_options_the_loaded_model_refuses_without_a_traceback(capsys, monkeypatch):
+    """A tree the heads cannot take (a fitted tree without measured accuracies, say), found by the warm-up
+    after loading: medusa-serve: error, as medusa-generate says it (it was a traceback)."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]
+    model = word_medusa()
+    monkeypatch.setattr(cli, "load_model", lambda args: model)
+    assert cli.main(["--heads", "h", "--tree", "fitted-4", "--port", str(port)]) == 1
+    assert "medusa-serve: error:" in (err := capsys.readouterr().err) and "fitted" in err
+
+
 def test_cli_says_a_busy_port_before_loading(capsys, monkeypatch):
     import socket
 

@@ -42,7 +42,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="the model id clients send (default: --model, or the heads' base model)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+    parser.add_argument("--api-key", default=None,
                         help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV})")
     parser.add_argument("--max-batch", type=int, default=16, help="rows decoded at once, all batches together")
     parser.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get HTTP 503")
@@ -88,8 +88,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--threads must be >= 1, got {args.threads}")
     if not args.request_timeout >= 0 or math.isinf(args.request_timeout):  # NaN too
         parser.error(f"--request-timeout must be a number of seconds >= 0 (0: no limit), got {args.request_timeout}")
-    if args.api_key is not None and not args.api_key.strip():
-        parser.error("--api-key is empty")
+    source = "--api-key" if args.api_key is not None else f"${API_KEY_ENV}"
+    if args.api_key is None:
+        args.api_key = os.environ.get(API_KEY_ENV)
+    if args.api_key is not None:
+        # a key read from a file often ends in a newline, which no client sends: every request was refused
+        args.api_key = args.api_key.strip()
+        if not args.api_key:
+            parser.error(f"{source} is empty")
     return args
 
 
@@ -198,10 +204,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     try:
         model = load_model(args)
+        warm_up(model, args.method, args)  # options the model refuses (a tree, layers, a draft's vocabulary) too
     except (ValueError, RuntimeError, OSError) as error:
         print(f"medusa-serve: error: {error}", file=sys.stderr)
         return 1
-    warm_up(model, args.method, args)
     name = served_name(args, model)
     app, _ = build_app(model, name, args.method, options=args, api_key=args.api_key, max_batch=args.max_batch,
                        max_queue=args.max_queue, max_prefill_tokens=args.max_prefill_tokens,
