@@ -39,6 +39,7 @@ import copy
 import functools
 import itertools
 import json
+import math
 import platform
 import random
 import re
@@ -981,6 +982,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error(f"--tree {args.tree!r} is no tree: give a JSON list of paths, each a list of candidate "
                          f"ranks such as [[0], [1], [0, 0]], or a name (fitted-N, ...) ({error})")
         args.tree = [tuple(p) for p in paths]
+    if not (args.temperature > 0 and math.isfinite(args.temperature)):  # NaN too
+        parser.error(f"--temperature must be a finite number > 0 (the sampling methods' temperature), got "
+                     f"{args.temperature}")
+    if args.time_budget is not None and not (args.time_budget > 0 and math.isfinite(args.time_budget)):
+        parser.error(f"--time-budget must be a number of seconds > 0, got {args.time_budget}")  # NaN: no budget, written as NaN
+    if args.calibrate and isinstance(args.tree, str) and args.tree.startswith("fitted-") and not (
+            args.tree[len("fitted-"):].isdigit() and int(args.tree[len("fitted-"):]) >= 1):
+        parser.error(f"--tree {args.tree!r}: a fitted tree is fitted-N, N >= 1 nodes")
     for flag, value, least in (("--threads", args.threads, 1), ("--calibrate-questions", args.calibrate_questions, 1),
                                ("--calibrate-context", args.calibrate_context, 1)):
         if value is not None and value < least:
@@ -1011,6 +1020,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, started: float) -> int:
     """Load the model and heads, calibrate if asked, benchmark and write the report."""
+    if not Path(args.questions).is_file():  # else found after loading the model, which takes a while
+        raise ValueError(f"--questions {args.questions} is not a file; give a Spec-Bench-format JSONL")
     if args.threads:
         torch.set_num_threads(args.threads)
     from medusa_infer.model import MedusaModel, heads_folder
@@ -1032,10 +1043,13 @@ def run(args: argparse.Namespace, started: float) -> int:
                                                           cpu_kernels=args.cpu_kernels),
                                           tokenizer=load_tokenizer(base_name))
     args.model = base_name
-    if args.tree and heads is not None and not args.calibrate:
+    fitted_later = args.calibrate and isinstance(args.tree, str) and args.tree.startswith("fitted-")
+    if args.tree and heads is not None and not fitted_later:
         from medusa_infer.decoding import resolve_tree
 
-        resolve_tree(model, args.tree)  # a bad --tree (fitted-N on unmeasured heads, say) fails before any method runs
+        # a bad --tree (fitted-N on unmeasured heads, an unknown preset) fails before any method runs, and before
+        # calibrating (a fitted tree needs the calibration's accuracies: checked after it)
+        resolve_tree(model, args.tree)
     exclude = [x.strip() for x in args.exclude_ids.split(",") if x.strip()]  # as written: "007" is not 7
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)

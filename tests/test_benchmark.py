@@ -273,6 +273,14 @@ def test_heads_from_the_hub_name_their_base_model(model, tmp_path, monkeypatch):
         (["--methods", "ar", "--device", "gpu"], "--device 'gpu' is no torch device"),
         (["--methods", "ar", "--calibrate-context", "0"], "--calibrate-context must be at least 1, got 0"),
         (["--methods", "ar", "--calibrate-questions", "0"], "--calibrate-questions must be at least 1, got 0"),
+        # these were found only after loading the model, or not at all (a NaN budget was no budget, in
+        # report.json as NaN, which is no JSON)
+        (["--methods", "ar", "--temperature", "-1"], "--temperature must be a finite number > 0"),
+        (["--methods", "ar", "--temperature", "nan"], "--temperature must be a finite number > 0"),
+        (["--methods", "ar", "--time-budget", "nan"], "--time-budget must be a number of seconds > 0, got nan"),
+        (["--methods", "ar", "--time-budget", "-5"], "--time-budget must be a number of seconds > 0, got -5"),
+        (["--methods", "medusa", "--heads", "h", "--calibrate", "--calibrated-heads", "out", "--tree", "fitted-x"],
+         "--tree 'fitted-x': a fitted tree is fitted-N, N >= 1 nodes"),
     ],
 )
 def test_bad_arguments_are_refused_before_loading_anything(argv, message, capsys):
@@ -298,6 +306,11 @@ def test_errors_found_while_loading_are_reported_without_a_traceback(tmp_path, c
     assert code == 2
     err = capsys.readouterr().err
     assert err.startswith("medusa-bench: error: no such heads folder") and "Traceback" not in err
+    # a questions file that is not there is said before the model loads
+    code = main(["--questions", str(tmp_path / "no-such.jsonl"), "--heads", str(tmp_path / "no-such-heads"),
+                 "--methods", "medusa", "--output", str(tmp_path / "out")])
+    assert code == 2
+    assert capsys.readouterr().err.startswith(f"medusa-bench: error: --questions {tmp_path / 'no-such.jsonl'} is not a file")
 
 
 def test_calibration_leaves_out_a_question_too_long_for_the_context(model, tmp_path, monkeypatch, capsys):
