@@ -586,18 +586,22 @@ class GenerationStream:
 
     def _run(self) -> Iterator[StreamChunk]:
         state, start = self.state, time.perf_counter()
+        away = 0.0  # spent by the consumer between chunks (writing them out, say): not the generation's time
         with torch.inference_mode():
             emitted = state.prefill()
         while True:
             for row, tokens in emitted.items():
                 if tokens:
-                    yield StreamChunk(row, tokens, self._texts.update(row, state.generated[row],
-                                                                      final=state.finish[row] is not None))
+                    chunk = StreamChunk(row, tokens, self._texts.update(row, state.generated[row],
+                                                                        final=state.finish[row] is not None))
+                    handed = time.perf_counter()
+                    yield chunk
+                    away += time.perf_counter() - handed
             if state.done:
                 break
             with torch.inference_mode():
                 emitted, _ = gated_step(state, self.gate)
-        state.metrics.total_s = time.perf_counter() - start
+        state.metrics.total_s = time.perf_counter() - start - away
         self._output = state.output(self.pad_token_id)
 
     def result(self) -> GenerationOutput:

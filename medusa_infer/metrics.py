@@ -33,7 +33,7 @@ class GenerationMetrics:
         phase_s: seconds spent in propose / verify / accept / commit.
         prefill_s: seconds of the prompt forward.
         ttft_s: time to the first token (the prefill, sampling included).
-        total_s: wall-clock seconds of the call.
+        total_s: wall-clock seconds of the call (of a stream, less the time its consumer kept each chunk).
         tree_nodes: sum over steps of the tree size (nodes, root included).
         plain_steps: steps that verified the root alone (no speculation), whatever the cause: the
             adaptive fallback, a serving gate's plain step, or a step cut to the root by
