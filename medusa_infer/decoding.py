@@ -305,12 +305,14 @@ class DecodeBatch:
             self.proposer.observe(accepted, hidden, self._context(accepted))
             stepped = list(self.rows)  # _emit releases rows that stop
             emitted = self._emit(accepted)
-            # Counted as emitted: what a row accepted past its stopping point was dropped.
-            kept = [len(emitted[row]) - 1 for row in stepped]
-            for row, drafts in zip(stepped, kept):
+            # Counted as emitted: what a row accepted past its stopping point was dropped. A row that stops on
+            # a draft (an EOS, its last allowed token) emits no token after it: its drafts are all it emitted.
+            tokens = [len(emitted[row]) for row in stepped]
+            drafts = [min(count, length) for count, length in zip(tokens, lengths)]
+            for row, count in zip(stepped, drafts):
                 self.row_steps[row] += 1
-                self.row_accepted[row] += drafts
-            metrics.record_step(kept, tree.max_depth, n, proposal.fallback)
+                self.row_accepted[row] += count
+            metrics.record_step(drafts, tree.max_depth, n, proposal.fallback, tokens)
         return emitted
 
     # -- bookkeeping --------------------------------------------------------------------------

@@ -100,23 +100,25 @@ class GenerationMetrics:
         return (self.total_s - self.ttft_s) * self.row_steps / self.steps / later_tokens
 
     def record_step(self, accepted: torch.Tensor | Sequence[int], offered_depth: int, tree_size: int,
-                    fallback: bool = False) -> None:
+                    fallback: bool = False, emitted: Sequence[int] | None = None) -> None:
         """Count one step of a tree of ``tree_size`` nodes reaching ``offered_depth``.
 
         Args:
-            accepted: ``[rows]`` per active row, the drafts it emitted: its tokens kept this step
-                less the one every step yields. Tokens accepted past a row's stopping point (an
-                EOS, a stop string, ``max_new_tokens``) were dropped and are not counted, so tau
-                and the acceptance by depth describe the output.
+            accepted: ``[rows]`` per active row, the drafts it emitted. Tokens accepted past a row's
+                stopping point (an EOS, a stop string, ``max_new_tokens``) were dropped and are not
+                counted, so tau and the acceptance by depth describe the output.
             offered_depth: the proposal's depth.
             tree_size: nodes verified, root included.
             fallback: the adaptive fallback chose plain decoding for the heads this step.
+            emitted: ``[rows]`` the tokens each row emitted; default its drafts and the token every step
+                yields after them, which a row that stopped on a draft did not emit.
         """
         accepted = torch.as_tensor(accepted, dtype=torch.long)
         rows = accepted.numel()
+        tokens = int(accepted.sum()) + rows if emitted is None else int(sum(emitted))
         self.steps += 1
         self.row_steps += rows
-        self.step_tokens += int(accepted.sum()) + rows
+        self.step_tokens += tokens
         self.tree_nodes += tree_size
         self.plain_steps += tree_size == 1
         self.fallback_steps += bool(fallback)
@@ -127,7 +129,7 @@ class GenerationMetrics:
         for depth in range(1, offered_depth + 1):
             self.offered_by_depth[depth - 1] += rows
             self.accepted_by_depth[depth - 1] += int((accepted >= depth).sum())
-        self.new_tokens += int(accepted.sum()) + rows
+        self.new_tokens += tokens
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from unittest import mock
@@ -293,6 +294,22 @@ def test_streaming_yields_the_same_tokens_in_order():
     result = chunks.result()
     assert seen == {0: result.new_tokens[0], 1: result.new_tokens[1]}
     assert all(len(t) == 12 for t in seen.values())
+
+
+def test_a_draft_a_row_stops_on_counts_as_accepted():
+    """A row that stops on a draft (here its 4th, the EOS) emits no token after it: its drafts are all it
+    emitted, and acceptance by depth counts the 4th as accepted (it counted one draft fewer, taking every
+    step to end in a token of its own)."""
+    model = medusa("llama")
+    prompt = torch.tensor([5, 17, 33, 41, 8, 60])
+    future = reference(model, prompt, 12)
+    assert future[4] not in future[:4]
+    every_path = [p for depth in range(1, 5) for p in itertools.product(range(2), repeat=depth)]
+    out = generate(model, prompt[None], max_new_tokens=12, proposer=OracleProposer([future], every_path),
+                   eos_token_id=[future[4]])
+    assert out.new_tokens[0] == future[:5] and out.metrics.steps == 1
+    assert out.metrics.accepted_by_depth == [1, 1, 1, 1] and out.metrics.acceptance_by_depth == [1.0] * 4
+    assert out.metrics.step_tokens == 4 and out.metrics.new_tokens == 5
 
 
 def test_a_streams_seconds_leave_out_the_time_its_consumer_keeps_each_chunk():
@@ -621,8 +638,9 @@ def test_tau_and_acceptance_count_the_tokens_emitted():
     metrics, state = out.metrics, chunks.state
     assert out.new_tokens[0] == free[:8] and out.finish_reasons == ["eos"]
     assert metrics.steps == 1 and metrics.tau == 7.0  # the prefill's token, then 7 (of 9 accepted) kept
-    assert state.row_steps[0] + state.row_accepted[0] == 7
-    assert sum(metrics.accepted_by_depth) == state.row_accepted[0] == 6
+    # all 7 drafts, the EOS the 7th: the step emitted no token of its own after them
+    assert state.row_steps[0] == 1 and metrics.step_tokens == 7
+    assert sum(metrics.accepted_by_depth) == state.row_accepted[0] == 7
     assert metrics.new_tokens == metrics.rows + metrics.step_tokens
 
 
@@ -643,7 +661,10 @@ def test_rows_counts_add_up_to_their_output_in_a_batch():
     metrics = out.metrics
     assert out.finish_reasons[1] == "eos" and out.new_tokens[1] == free[: stop_at + 1]
     for row, tokens in enumerate(out.new_tokens):
-        assert state.row_steps[row] + state.row_accepted[row] + 1 == len(tokens)
+        # the prefill's token and each step's own token after its drafts; a row that stopped on a draft (row 1
+        # by construction; another may too, at the same EOS) emitted none after it in its last step
+        left = len(tokens) - state.row_steps[row] - state.row_accepted[row]
+        assert left == (0 if row == 1 else 1) or (left == 0 and out.finish_reasons[row] == "eos"), (row, left)
     assert metrics.new_tokens == metrics.rows + metrics.step_tokens == sum(len(t) for t in out.new_tokens)
     assert sum(metrics.accepted_by_depth) == sum(state.row_accepted)
 

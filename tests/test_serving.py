@@ -253,6 +253,9 @@ def test_usage_carries_speculative_statistics(client, model):
     # the first token comes from the prefill; each step adds its accepted drafts plus one token
     assert 1 <= spec["draft_steps"] <= 15 and spec["accepted_tokens"] >= 0
     assert spec["draft_steps"] + spec["accepted_tokens"] >= 15
+    # tokens per step, the prefill's token not a step's; stopped by the length on a step's own token here, so
+    # each step emitted its accepted drafts and one token more
+    assert spec["tau"] == pytest.approx(15 / spec["draft_steps"], abs=1e-3)
     assert spec["tau"] == pytest.approx((spec["accepted_tokens"] + spec["draft_steps"]) / spec["draft_steps"], abs=1e-3)
     assert usage.completion_tokens_details.accepted_prediction_tokens == spec["accepted_tokens"]
 

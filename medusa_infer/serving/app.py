@@ -234,6 +234,7 @@ class _Answer:
             update = getter.result()
             self.completion_tokens += len(update.token_ids)
             self.speculation.draft_steps, self.speculation.accepted_tokens = update.draft_steps, update.accepted_tokens
+            self.speculation.step_tokens = max(self.completion_tokens - 1, 0)  # all but the prefill's
             return update
         getter.cancel()
         if disconnected is not None and disconnected in done:

@@ -413,15 +413,18 @@ def _short(error: BaseException) -> str:
 @dataclass
 class Speculation:
     """A request's speculative statistics: ``draft_steps`` decoding steps (after the prefill) in
-    which ``accepted_tokens`` draft tokens were accepted; ``tau`` counts the bonus token."""
+    which ``accepted_tokens`` draft tokens were accepted and emitted, ``step_tokens`` tokens emitted in
+    all; ``tau`` is tokens per step, the bonus token counted (a request that stopped on a draft emitted
+    none after it)."""
 
     method: str
     draft_steps: int = 0
     accepted_tokens: int = 0
+    step_tokens: int = 0
 
     @property
     def tau(self) -> float:
-        return (self.accepted_tokens + self.draft_steps) / self.draft_steps if self.draft_steps else 1.0
+        return self.step_tokens / self.draft_steps if self.draft_steps else 1.0
 
     def to_dict(self) -> dict[str, Any]:
         return {"method": self.method, "tau": round(self.tau, 4), "accepted_tokens": self.accepted_tokens,
