@@ -98,15 +98,24 @@ def examples_hash(examples: Sequence[Mapping[str, Any]]) -> str:
 
 def model_fingerprint(name_or_path: str, dtype: str | None = None,
                       attn_implementation: str | None = None) -> dict[str, Any]:
-    """What identifies a base model without loading it: its name and, for a local folder, its
-    ``config.json`` and each weight file's size, modification time and first and last MiB (the
-    time catches weights saved again over the same folder, changed only in the middle: hashing
-    every byte would read the whole model at every run); with ``dtype``, also the dtype and
-    attention implementation it is loaded with (None: transformers' choice), which change its
-    hidden states (``build_feature_cache`` checks them against the model it runs)."""
+    """What identifies a base model without loading it: its name and, for a local folder or a Hub
+    id's snapshot in the local Hub cache (the one its ``main`` points to), its ``config.json`` and each
+    weight file's size, modification time and first and last MiB (the time catches weights saved again
+    over the same folder, changed only in the middle: hashing every byte would read the whole model at
+    every run; a Hub id was its name alone, so weights pushed again under it reused the old features);
+    with ``dtype``, also the dtype and attention implementation it is loaded with (None: transformers'
+    choice), which change its hidden states (``build_feature_cache`` checks them against the model it
+    runs)."""
     from medusa_infer.models import resolve_model
 
     resolved = Path(resolve_model(name_or_path))
+    if not resolved.is_dir():  # a Hub id: its cached snapshot, where it was downloaded
+        from huggingface_hub import snapshot_download
+
+        try:
+            resolved = Path(snapshot_download(name_or_path, local_files_only=True))
+        except (OSError, ValueError):  # not downloaded yet: its name alone
+            pass
     found: dict[str, Any] = {"name": name_or_path}
     if dtype is not None:
         found.update(dtype=dtype, attn_implementation=attn_implementation)
