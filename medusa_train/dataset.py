@@ -36,7 +36,7 @@ from transformers import PreTrainedTokenizerBase
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
-CACHE_FORMAT_VERSION = 2
+CACHE_FORMAT_VERSION = 3
 """Bump when the tokenisation or the example layout changes: old caches are then ignored."""
 
 ROLES = ("system", "user", "assistant")
@@ -123,6 +123,9 @@ def encode_rendered(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
 # Labels
 
 
+_MARK = "\ue000"  # a private-use character: no template or tokenizer gives it a meaning
+
+
 def assistant_char_spans(
     tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]]
 ) -> tuple[str, list[tuple[int, int]]]:
@@ -138,7 +141,7 @@ def assistant_char_spans(
         if message["role"] != "assistant":
             continue
         before = render_chat(tokenizer, messages[:i], add_generation_prompt=True)
-        through = render_chat(tokenizer, messages[: i + 1])
+        through = _through_turn(tokenizer, messages[: i + 1])
         for name, text in (("up to", before), ("through", through)):
             if not full.startswith(text):
                 raise TemplateError(
@@ -159,11 +162,34 @@ def assistant_char_spans(
     return full, spans
 
 
+def _through_turn(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]]) -> str:
+    """The conversation rendered through its last turn, without what the template writes only at a
+    conversation's end: Phi-3's templates, say, end one with the EOS token after the last turn's
+    ``<|end|>\n``, which no turn followed by another holds (it was labelled as the answer's, and made such
+    templates fail on multi-turn rows as not prefix-stable). Found as the tokens the rendering shares
+    with one where a user turn follows; the rendering itself where that one continues it (most templates),
+    or where the tokenizer gives no character offsets."""
+    through = render_chat(tokenizer, messages)
+    try:
+        following = render_chat(tokenizer, [*messages, {"role": "user", "content": _MARK}])
+    except jinja2.TemplateError:  # a template that takes no user turn there: the rendering as it is
+        return through
+    if following.startswith(through):
+        return through
+    try:
+        ends = tokenizer(through, add_special_tokens=False, return_offsets_mapping=True)
+    except NotImplementedError:  # no offsets (a slow tokenizer)
+        return through
+    shared = 0
+    for mine, theirs in zip(ends["input_ids"], tokenizer(following, add_special_tokens=False)["input_ids"]):
+        if mine != theirs:
+            break
+        shared += 1
+    return through[: ends["offset_mapping"][shared - 1][1]] if shared else through
+
+
 class CutOffNotFound(TemplateError):
     """The chat template rewrites an answer, so where a cut-off answer ends cannot be found."""
-
-
-_MARK = "\ue000"  # a private-use character: no template or tokenizer gives it a meaning
 
 
 def tokenize_chat(

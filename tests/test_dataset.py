@@ -43,6 +43,10 @@ ZEPHYR_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+PHI3_TEMPLATE = (  # Phi-3's and Phi-4-mini's: the EOS token ends a conversation, after its last turn's <|end|>
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + '<|end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
 NOT_PREFIX_STABLE = (
     "Conversation of {{ messages | length }} messages\n"
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -111,8 +115,11 @@ def test_prompt_response_row_with_default_system_prompt(smol):
     [
         (LLAMA3_TEMPLATE, ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"), "<|eot_id|>"),
         (ZEPHYR_TEMPLATE, (), "<|im_end|>"),  # role tags are plain text, as in Zephyr
+        # the EOS the template writes after the last turn is no turn's: it was labelled as the last answer's
+        # (with the newline before it), and multi-turn rows failed as not prefix-stable
+        (PHI3_TEMPLATE, ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>"), "<|end|>"),
     ],
-    ids=["llama3-like", "zephyr-like"],
+    ids=["llama3-like", "zephyr-like", "phi3-like"],
 )
 def test_other_templates(smol, template, special_tokens, end_of_turn):
     tokenizer = with_template(smol, template, special_tokens)
@@ -120,6 +127,8 @@ def test_other_templates(smol, template, special_tokens, end_of_turn):
     runs = labelled_runs(tokenizer, example["input_ids"], example["labels"])
     assert [run.strip() for run in runs] == [f"{text}{end_of_turn}" for text in ASSISTANT]
     assert "<|assistant|>" not in "".join(runs) and "end_header_id" not in "".join(runs)
+    [example] = build_examples([{"id": "r", "prompt": "Hi?", "response": "Hello."}], tokenizer, 256)
+    assert labelled_runs(tokenizer, example["input_ids"], example["labels"]) == [f"Hello.{end_of_turn}"]
 
 
 def test_prefix_fallback_matches_offsets(smol):
