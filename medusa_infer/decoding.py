@@ -16,6 +16,7 @@ per call, never on the model.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 import numbers
@@ -567,6 +568,18 @@ def encode_chat(tokenizer, messages) -> list[str]:
     return [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
 
 
+def generator_seed(seed: int) -> int:
+    """``seed`` as a torch generator's seed: itself in [0, 2**63), else (a negative seed, as OpenAI's
+    int64 seeds may be, or one past 2**63) a 63-bit hash of it. ``ValueError`` for a non-integer.
+    torch's CPU generator keeps 63 bits, so 2**63 + s drew as s, and it refuses seeds past 64 bits."""
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    seed = int(seed)
+    if 0 <= seed < 2**63:
+        return seed
+    return int.from_bytes(hashlib.sha256(str(seed).encode()).digest()[:8], "big") >> 1
+
+
 class GenerationStream:
     """An iterator of ``StreamChunk`` as tokens are accepted; ``result()`` gives the final
     ``GenerationOutput`` (draining the iterator first if needed)."""
@@ -694,7 +707,7 @@ def stream(
                          "proposer passed in (use the lookup proposer's own num_tokens)")
     generator = None
     if seed is not None:
-        generator = torch.Generator(device=model.device).manual_seed(seed)
+        generator = torch.Generator(device=model.device).manual_seed(generator_seed(seed))
     state = DecodeBatch(model, input_ids, attention_mask, proposer, sampling, stop, tokenizer, generator)
     if speculation_gate is None:  # greedy batches: the output is the same whichever steps speculate
         speculation_gate = sampling.greedy and input_ids.shape[0] > 1

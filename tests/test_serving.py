@@ -268,6 +268,9 @@ def test_seeded_sampling_is_reproducible(client):
 
     assert sample(7) == sample(7)
     assert len({sample(seed) for seed in range(5)}) > 1  # it samples (a server decoding greedily passed)
+    # OpenAI's seeds are int64, negative ones too (they were refused); past 2**63 a seed is not drawn as
+    # seed - 2**63 (torch's CPU generator keeps 63 bits)
+    assert sample(-1) == sample(-1) and sample(2**63 + 5) != sample(5)
 
 
 def test_health_and_metrics_counters_increase(server, client):

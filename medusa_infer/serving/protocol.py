@@ -24,7 +24,7 @@ MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 512
 MAX_CHARS_PER_TOKEN = 256  # a prompt with more characters than this per context token cannot fit (real
 # vocabularies' longest tokens are under 100 characters: SmolLM2's, a newline and 80 spaces)
-MAX_SEED = 2**64 - 1  # a CUDA generator takes all 64 bits; torch's CPU one takes 63 (2**63 + s draws as s)
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # OpenAI's int64 seeds, and unsigned 64-bit ones (decoding.generator_seed)
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 ACCEPTANCE_CHOICES = ("lossless", "typical")
@@ -201,7 +201,7 @@ def _params(kind: str, body: dict[str, Any], model: ModelInfo, prompt_ids: list[
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0, exclusive_minimum=True)
     top_k = _integer(body, "top_k", 0, -1, model.vocab_size) or 0
-    seed = _integer(body, "seed", None, 0, MAX_SEED)
+    seed = _integer(body, "seed", None, MIN_SEED, MAX_SEED)
     stream = _boolean(body, "stream", False)
     ignore_eos = _boolean(body, "ignore_eos", False)
     include_usage = _stream_options(body, stream)

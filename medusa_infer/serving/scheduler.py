@@ -36,7 +36,7 @@ from typing import Any, Callable, Hashable, Iterator
 import torch
 
 from medusa_infer.adaptive import StepCosts
-from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig, context_length, left_pad
+from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig, context_length, generator_seed, left_pad
 from medusa_infer.metrics import GenerationMetrics
 from medusa_infer.proposers import build_proposer
 from medusa_infer.proposers.draft import as_draft_model
@@ -360,7 +360,7 @@ class Engine:
         ids, mask = left_pad([r.prompt_ids for r in requests], self.pad_token_id)
         generator = None
         if isinstance(key, tuple) and seed is not None:  # a seeded request: its own generator
-            generator = torch.Generator(device=self.model.device).manual_seed(seed)
+            generator = torch.Generator(device=self.model.device).manual_seed(generator_seed(seed))
         proposer = build_proposer(self.method, self.model, self.options_for(key))
         batch = DecodeBatch(self.model, ids, mask, proposer, sampling, [r.stop for r in requests],
                             self.tokenizer, generator)
