@@ -2,17 +2,18 @@
 
 Protocol (Spec-Bench's): every question's turns are answered in the conversation so far; speed is
 new tokens over wall-clock time; speedup is the ratio of speeds against Hugging Face ``generate``
-measured in the same run; tau (mean tokens per target forward) counts the bonus token, so plain
-decoding scores 1.0. Methods run one after the other on each question (interleaved), so a noisy
-machine slows all of them alike.
+measured in the same run; tau is the mean tokens per decoding step, the bonus token counted, as
+Spec-Bench, vLLM and ``GenerationMetrics.tau`` count it (the prefill's token is no step's; Hugging Face's
+assisted methods verify drafts in their first forward already, whose tokens past the first count as a
+step's), so plain decoding scores 1.0. Methods run one after the other on each question (interleaved),
+so a noisy machine slows all of them alike.
 
 With ``--batch-size B`` the questions are answered in groups of B: for each turn index, the rows of
 the group that have that turn are decoded together as one left-padded batch, and each row's answer
 goes on in its own conversation. Speed is still all new tokens over all wall-clock seconds, a
 batch's seconds counted once (per category, a batch's seconds are shared among its rows in
-proportion to their tokens). tau is per row: a row's tokens over the target forwards it took part
-in (its prefill plus the decoding steps while it was unfinished), so a batch that decodes plainly
-still scores 1.0. TTFT is the batch's time to its first tokens and TPOT the time per token of one
+proportion to their tokens). tau is per row: a row's tokens after its first over the decoding steps it
+took part in (while it was unfinished), so a batch that decodes plainly still scores 1.0. TTFT is the batch's time to its first tokens and TPOT the time per token of one
 row (its decoding seconds over its later tokens: the batch's decoding seconds in proportion to the steps
 the row was still decoding in, so a row finishing early is not charged the others' steps), as a user of
 one row would see them.
@@ -88,6 +89,8 @@ class Turn:
         peak_mem_mb: the call's peak memory.
         call_s: wall-clock seconds of the whole call (equal to ``seconds`` at batch size 1).
         call_steps: the most ``steps`` of any row of the call (the steps its decoding took).
+        first_tokens: tokens the call's first forward gave the row: 1, or more where it verified drafts
+            too (Hugging Face's assisted methods).
     """
 
     tokens: list[int]
@@ -97,6 +100,7 @@ class Turn:
     peak_mem_mb: float
     call_s: float
     call_steps: int
+    first_tokens: int = 1
 
 
 @dataclass
@@ -108,6 +112,7 @@ class MethodTotals:
     tokens: int = 0
     seconds: float = 0.0
     steps: int = 0
+    step_tokens: int = 0  # tokens the decoding steps gave (the first forward's not included)
     ttft: list[float] = field(default_factory=list)
     decode_s: float = 0.0
     peak_mem_mb: float = 0.0
@@ -118,6 +123,7 @@ class MethodTotals:
         self.tokens += len(turn.tokens)
         self.seconds += turn.seconds
         self.steps += turn.steps
+        self.step_tokens += len(turn.tokens) - min(turn.first_tokens, len(turn.tokens))
         self.ttft.append(turn.ttft_s)
         if len(turn.tokens) > 1:  # a row that stopped at its first token has no later tokens to charge
             self.decode_s += (turn.call_s - turn.ttft_s) * turn.steps / max(turn.call_steps, 1)
@@ -129,7 +135,8 @@ class MethodTotals:
         return {
             "tokens": self.tokens,
             "seconds": round(self.seconds, 3),
-            "tau": round(self.tokens / (self.steps + len(self.ttft)), 3) if self.steps else 1.0,
+            # tokens per decoding step (None: every turn ended in its first forward, with no step to count)
+            "tau": round(self.step_tokens / self.steps, 3) if self.steps else None,
             "tokens_per_s": round(speed, 3),
             "speedup": round(speed / baseline_speed, 3) if baseline_speed else None,
             "exact": self.identical == self.compared if self.compared else None,
@@ -207,12 +214,14 @@ class _FirstTokenTimer:
     def __init__(self) -> None:
         self.start = time.perf_counter()
         self.first: float | None = None
+        self.first_tokens = 1  # of a row, in the first forward (more where it verified drafts)
         self._puts = 0
 
     def put(self, value: torch.Tensor) -> None:
         self._puts += 1
         if self._puts == 2 and self.first is None:  # the first put is the prompt
             self.first = time.perf_counter() - self.start
+            self.first_tokens = int(value.shape[-1]) if value.dim() else 1
 
     def end(self) -> None:
         pass
@@ -342,17 +351,20 @@ class Runner:
         ids, mask = left_pad(rows, self.tokenizer.pad_token_id)
         ids, mask = ids.to(self.model.device), mask.to(self.model.device)
         with _PeakMemory(self.model.device) as memory:
+            first = 1
             if method in HF_METHODS:
-                tokens, steps, ttft, seconds = self._run_hf(method, ids, mask, limit)
+                tokens, steps, ttft, seconds, first = self._run_hf(method, ids, mask, limit)
             else:
                 tokens, steps, ttft, seconds = self._run_ours(method, ids, mask, limit)
         total = sum(len(t) for t in tokens)
         shares = [seconds] if len(tokens) == 1 else [seconds * len(t) / max(total, 1) for t in tokens]
-        return [Turn(t, share, s, ttft, memory.peak, seconds, max(steps)) for t, share, s in zip(tokens, shares, steps)]
+        return [Turn(t, share, s, ttft, memory.peak, seconds, max(steps), first)
+                for t, share, s in zip(tokens, shares, steps)]
 
     def _run_hf(self, method: str, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int
-                ) -> tuple[list[list[int]], list[int], float, float]:
-        """Per row: new tokens and target forwards after the prefill; the call's TTFT and seconds."""
+                ) -> tuple[list[list[int]], list[int], float, float, int]:
+        """Per row: new tokens and target forwards after the prefill; the call's TTFT and seconds, and the
+        tokens a row got from the first forward (more than 1 where it verified drafts: batch size 1)."""
         extra: dict[str, Any] = {}
         if method == "hf-lookup":
             extra["prompt_lookup_num_tokens"] = _or(self.args.lookup_tokens, HF_LOOKUP_TOKENS)
@@ -379,7 +391,7 @@ class Runner:
             steps = [max(counter.count - 1, 0)]
         else:  # plain decoding (the only batched HF method): one forward per token of a row
             steps = [max(len(row) - 1, 0) for row in answers]
-        return answers, steps, timer.first or seconds, seconds
+        return answers, steps, timer.first or seconds, seconds, timer.first_tokens if len(answers) == 1 else 1
 
     def _run_ours(self, method: str, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int
                   ) -> tuple[list[list[int]], list[int], float, float]:
@@ -659,7 +671,7 @@ def report_markdown(report: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for method, r in report["methods"].items():
-        lines.append(f"| {method} | {r['tokens_per_s']:.2f} | {_fmt(r['speedup'])} | {r['tau']:.2f} | "
+        lines.append(f"| {method} | {r['tokens_per_s']:.2f} | {_fmt(r['speedup'])} | {_tau(r['tau'])} | "
                      f"{_exact_cell(r)} | {_fmt(r['ttft_s'])} | {_fmt(r['tpot_s'])} | {r['peak_mem_mb']:.0f} |")
     if s["dtype"] != "float32" and any(r["exact"] is False for r in report["methods"].values()):
         reference = _reference(list(report["methods"]))
@@ -672,7 +684,7 @@ def report_markdown(report: dict[str, Any]) -> str:
     lines += ["", "## Speedup vs hf by category (tau in brackets)", "",
               "| category | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
     for cat, group in report["categories"].items():
-        cells = [f"{_fmt(group[m]['speedup'])} ({group[m]['tau']:.2f})" for m in methods]
+        cells = [f"{_fmt(group[m]['speedup'])} ({_tau(group[m]['tau'])})" for m in methods]
         lines.append(f"| {cat} | " + " | ".join(cells) + " |")
     learned = {m: pairs for m, pairs in report.get("step_costs", {}).items() if pairs}
     if learned:
@@ -693,6 +705,10 @@ def _exact_cell(row: dict[str, Any]) -> str:
 def _reference(methods: Sequence[str]) -> str | None:
     """The method whose greedy answers the others must equal: our plain loop, else ``generate``."""
     return "ar" if "ar" in methods else ("hf" if "hf" in methods else None)
+
+
+def _tau(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _fmt(value: Any) -> str:
@@ -722,8 +738,8 @@ def report_png(report: dict[str, Any], path: Path) -> None:
     for i, method in enumerate(methods):
         xs = [g + (i - (len(methods) - 1) / 2) * width for g in range(len(groups))]
         axes[0].bar(xs, [data[g][method]["tokens_per_s"] for g in groups], width, label=method)
-        axes[1].bar(xs, [data[g][method]["tau"] for g in groups], width, label=method)
-    for ax, title in zip(axes, ("tokens/s", "tau (tokens per target forward)")):
+        axes[1].bar(xs, [data[g][method]["tau"] or 0.0 for g in groups], width, label=method)
+    for ax, title in zip(axes, ("tokens/s", "tau (tokens per decoding step)")):
         ax.set_xticks(range(len(groups)), groups, rotation=30, ha="right")
         ax.set_title(title)
     axes[0].legend(fontsize=8)

@@ -815,6 +815,47 @@ def test_calibration_in_bfloat16_keeps_the_stored_float32_weights(model, tmp_pat
     assert {t.dtype for t in after.values() if t.is_floating_point()} == {torch.float32}
 
 
+def test_tau_is_tokens_per_decoding_step_as_generation_metrics_count_them(model, monkeypatch):
+    """The report's tau is the issue's, Spec-Bench's and vLLM's (and GenerationMetrics.tau): tokens per decoding
+    step, the bonus token counted and the prefill's token no step's. It was tokens per target forward, the
+    prefill counted as a step: lower by steps / (steps + 1), so below what generate() printed for the same
+    answers. Hugging Face's assisted methods verify drafts in their first forward: its tokens past the
+    first count as a step's."""
+    from medusa_infer.decoding import GenerationStream
+
+    seen = []
+    result = GenerationStream.result
+
+    def recorded(self):
+        out = result(self)
+        seen.append(out.metrics)
+        return out
+
+    monkeypatch.setattr(GenerationStream, "result", recorded)
+    report = benchmark(model, QUESTIONS, args(methods=["medusa"]))
+    calls = [m for m in seen if m.steps][1:]  # after the untimed warm-up
+    expected = sum(m.step_tokens for m in calls) / sum(m.steps for m in calls)
+    assert report["methods"]["medusa"]["tau"] == pytest.approx(expected, abs=1e-3) and expected > 1.0
+    # by hand: a 40-token answer in 13 steps is 3 a step; plain decoding 1; assisted generation that verified
+    # drafts in its first forward (4 tokens of it, then 6 in 2 steps), and one answered by that forward alone
+    totals = bench.MethodTotals()
+    totals.add(bench.Turn(list(range(40)), 0.1, 13, 0.01, 0.0, 0.1, 13))
+    assert totals.summary(None)["tau"] == 3.0
+    plain = bench.MethodTotals()
+    plain.add(bench.Turn(list(range(10)), 0.1, 9, 0.01, 0.0, 0.1, 9))
+    assert plain.summary(None)["tau"] == 1.0
+    assisted = bench.MethodTotals()
+    assisted.add(bench.Turn(list(range(4)), 0.1, 0, 0.01, 0.0, 0.1, 0, first_tokens=4))
+    assert assisted.summary(None)["tau"] is None  # no decoding step (it read 1.0)
+    assisted.add(bench.Turn(list(range(10)), 0.1, 2, 0.01, 0.0, 0.1, 2, first_tokens=4))
+    assert assisted.summary(None)["tau"] == 3.0
+    assert bench._tau(None) == "-" and bench._tau(2.345) == "2.35"  # report.md's cell
+    timer = bench._FirstTokenTimer()
+    timer.put(torch.tensor([[1, 2, 3]]))  # the prompt
+    timer.put(torch.tensor([[4, 5, 6]]))  # the first forward's tokens
+    assert timer.first_tokens == 3
+
+
 def test_a_row_that_stopped_at_its_first_token_adds_no_decoding_time():
     """TPOT is a row's decoding seconds over its later tokens: a row with none adds none."""
     totals = bench.MethodTotals()
