@@ -984,3 +984,24 @@ def test_report_md_keeps_three_significant_digits_of_small_times():
     """TTFT and TPOT under a millisecond (a GPU's) all read 0.000 in report.md."""
     assert [bench._fmt(x) for x in (0.00036, 0.0152, 0.4, 1.623, 12.34, None, True)] == \
         ["0.00036", "0.0152", "0.400", "1.623", "12.3", "-", "yes"]
+
+
+def test_retau_recovers_a_stored_reports_steps_and_gives_tokens_per_step():
+    """scripts/retau.py: a report from before tau was per decoding step keeps tokens, turns and the tau per
+    target forward (3 decimals); the steps consistent with them give today's tau, a range where several
+    are, and nothing for Hugging Face's assisted methods, whose first forward's tokens it did not keep."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "retau.py"
+    spec = importlib.util.spec_from_file_location("retau", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    tokens, turns, steps = 3731, 65, 1199
+    old = round(tokens / (steps + turns), 3)
+    assert list(script.steps_range(tokens, turns, old)) == [steps]
+    assert script.retau("medusa-lookup", {"tokens": tokens, "turns": turns, "tau": old}) == f"{(tokens - turns) / steps:.3f}"
+    wide = script.retau("medusa", {"tokens": 15252, "turns": 130, "tau": 2.136})
+    assert ".." in wide and all(2.15 < float(x) < 2.16 for x in wide.split(".."))
+    assert script.retau("hf-lookup", {"tokens": tokens, "turns": turns, "tau": 1.8}) == "n/a"
+    assert script.retau("ar", {"tokens": tokens, "turns": turns, "tau": 1.0}) == "1.00"

@@ -1,0 +1,56 @@
+"""tau of a stored ``medusa-bench`` report under today's definition (tokens per decoding step, the prefill's
+token no step's), for reports written before commit c190c01, whose tau was tokens per target forward (the
+prefill counted as a step: ``tokens / (steps + turns)``, lower by ``steps / (steps + 1)``).
+
+Such a report keeps ``tokens``, ``turns`` and that tau rounded to 3 decimals per method; the steps are the
+whole numbers consistent with them, one where the tokens are few enough (under about 4 * tau**2 thousand),
+else a range. Hugging Face's assisted methods verified drafts in their first forward, whose tokens the old
+report did not keep: theirs cannot be recomputed (n/a).
+
+    python scripts/retau.py docs/tau40-128-xl-s32/report.json [...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+ASSISTED = ("hf-lookup", "hf-assisted")
+
+
+def steps_range(tokens: int, turns: int, tau: float) -> range:
+    """Decoding steps consistent with ``tau == round(tokens / (steps + turns), 3)``."""
+    low = math.ceil(tokens / (tau + 0.0005) - 1e-9) - turns
+    high = math.floor(tokens / (tau - 0.0005) + 1e-9) - turns
+    return range(max(low, 0), high + 1)
+
+
+def retau(method: str, row: dict) -> str:
+    tokens, turns, tau = row["tokens"], row["turns"], row["tau"]
+    if method in ASSISTED:
+        return "n/a"
+    if tau == 1.0:
+        return "1.00"
+    found = [(tokens - turns) / s for s in steps_range(tokens, turns, tau) if s > 0]
+    if not found:
+        return "?"
+    low, high = min(found), max(found)
+    return f"{low:.3f}" if round(low, 3) == round(high, 3) else f"{low:.3f}..{high:.3f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("reports", nargs="+", type=Path)
+    for path in parser.parse_args().reports:
+        report = json.loads(path.read_text())
+        print(path)
+        print("| method | tokens | turns | tau then (per forward) | tau now (per step) |")
+        print("|---|---|---|---|---|")
+        for method, row in report["methods"].items():
+            print(f"| {method} | {row['tokens']} | {row['turns']} | {row['tau']:.3f} | {retau(method, row)} |")
+
+
+if __name__ == "__main__":
+    main()
