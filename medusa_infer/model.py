@@ -93,13 +93,17 @@ def check_supported(base_model: PreTrainedModel) -> None:
     indices, not position ids: a tree's siblings and a batch's left padding would get other biases than
     their positions), attention layers the 4D masks cannot express (chunked attention, GPT-Neo's local
     layers), no key/value cache (RWKV's recurrent state, GPT-1), positions numbered from the cache's
-    length rather than taken as ids (BART's and TrOCR's decoders), or an output projection applied
-    after a transform of the final hidden states (BERT-style LM heads, ModernBERT's decoder)."""
+    length rather than taken as ids (BART's and TrOCR's decoders), an output projection applied
+    after a transform of the final hidden states (BERT-style LM heads, ModernBERT's decoder) or none at
+    all (a bare decoder), or attention scaled by cache slot (Llama 4's no-RoPE layers' temperature)."""
     name = type(base_model).__name__
     if hasattr(base_model, "peft_config") and hasattr(base_model, "get_base_model"):
         raise NotImplementedError(f"{name} is a peft wrapper: pass the model it wraps (get_base_model()), with "
                                   "the adapter merged into it (merge_and_unload()), or load heads trained with "
                                   "the adapter through MedusaModel.from_pretrained, which merges it")
+    if base_model.get_output_embeddings() is None:  # a bare decoder, a classifier: no lm_head to propose with
+        raise NotImplementedError(f"{name} has no language-model head (get_output_embeddings() is None): load the "
+                                  "model with AutoModelForCausalLM, a *ForCausalLM class")
     text = base_model.config.get_text_config()
     supports_cache = getattr(type(base_model), "_supports_default_dynamic_cache", None)
     inputs = inspect.signature(type(base_model).forward).parameters
@@ -144,6 +148,11 @@ def check_supported(base_model: PreTrainedModel) -> None:
         raise NotImplementedError(f"{name} has {', '.join(other)} layers, which tree steps (a 4D attention mask, "
                                   "a key/value cache cut back to the accepted path) cannot run; medusa-forge "
                                   f"supports {' and '.join(TREE_LAYER_TYPES)} layers")
+    if getattr(text, "attn_temperature_tuning", False) and 0 in (getattr(text, "no_rope_layers", None) or ()):
+        raise NotImplementedError(f"{name} scales attention in its no-RoPE layers by cache slot index "
+                                  "(attn_temperature_tuning), not position, so a tree's nodes and a left-padded "
+                                  "batch's rows would be scaled otherwise than the model does; set "
+                                  "attn_temperature_tuning=False in its config only if it was trained without it")
 
 
 PROCESSOR_SETTINGS = ("repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size",
@@ -239,8 +248,11 @@ class MedusaModel(nn.Module):
     @property
     def _decoder(self) -> nn.Module:
         """The base model's decoder (``base_model.base_model``): not a submodule of its own, whose state dict
-        held the backbone twice (a DeepSpeed checkpoint leaving the frozen weights out kept the copy)."""
-        return self.base_model.base_model
+        held the backbone twice (a DeepSpeed checkpoint leaving the frozen weights out kept the copy). Where
+        the model's ``base_model_prefix`` names no submodule (Mllama's and Llama 4's ``language_model``), its
+        ``model`` (the whole model was taken for the decoder, and the first forward failed)."""
+        decoder = self.base_model.base_model
+        return getattr(self.base_model, "model", decoder) if decoder is self.base_model else decoder
 
     @property
     def config(self) -> MedusaConfig:
@@ -730,6 +742,7 @@ def _load_base(
     """An already loaded model passes through, in eval mode (one built from a config is in training mode,
     whose dropout made greedy decoding random); a name is resolved and loaded with its tokenizer."""
     if isinstance(base_model, PreTrainedModel):
+        check_supported(base_model)  # before its weights are read (a bare decoder has no lm_head)
         return base_model.eval(), tokenizer, getattr(base_model, "name_or_path", None) or None
     if isinstance(base_model, nn.Module):
         if hasattr(base_model, "peft_config"):

@@ -94,6 +94,55 @@ def test_what_cannot_decode_exactly_is_refused_by_name(name):
         MedusaModel.from_base(tiny(name, settings), num_heads=2)
 
 
+def _oracle_batch_matches_generate(base: torch.nn.Module) -> None:
+    model = MedusaModel.from_base(base, num_heads=4, num_layers=1)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (2, 11, 5)]
+    futures = [reference(model, p, 16) for p in prompts]
+    ids, mask = left_pad(prompts)
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=16, eos_token_id=[],
+                   proposer=OracleProposer(futures, TREE_PRESETS["tree-16"], seed=3))
+    assert out.new_tokens == futures and out.metrics.tau > 1.5
+
+
+def llama4_unchunked(no_rope_layers: list[int]) -> torch.nn.Module:
+    """A tiny Llama 4 text model without chunked attention (``tiny`` drops a None setting)."""
+    config = AutoConfig.for_model("llama4_text", **{**_BASE, "head_dim": 8, "intermediate_size_mlp": 64,
+                                                    "num_local_experts": 2, "num_experts_per_tok": 1,
+                                                    "attention_chunk_size": None, "interleave_moe_layer_step": 1,
+                                                    "no_rope_layers": no_rope_layers, "initializer_range": 0.2})
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+
+
+def test_models_whose_base_model_prefix_names_no_submodule_find_their_decoder():
+    """Mllama's and Llama 4's CausalLM name their decoder "language_model" (base_model_prefix) but hold it as
+    .model: the whole model was taken for the decoder, and the first forward failed (no last_hidden_state)."""
+    from transformers import MllamaForCausalLM
+    from transformers.models.mllama.configuration_mllama import MllamaTextConfig
+
+    torch.manual_seed(0)
+    mllama = MllamaForCausalLM(MllamaTextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, cross_attention_layers=[1], bos_token_id=1,
+        eos_token_id=2, pad_token_id=0, initializer_range=0.2)).eval()
+    assert mllama.base_model is mllama
+    _oracle_batch_matches_generate(mllama)
+    llama4 = llama4_unchunked([1, 1])
+    assert llama4.base_model is llama4
+    _oracle_batch_matches_generate(llama4)
+
+
+def test_models_that_cannot_decode_here_for_other_reasons_are_refused_by_name():
+    """A model without a language-model head failed on its missing lm_head's weight; Llama 4's no-RoPE layers
+    scale attention by cache slot (attn_temperature_tuning), which tree steps and padding do not keep."""
+    from transformers import LlamaModel
+
+    with pytest.raises(NotImplementedError, match=r"LlamaModel has no language-model head .*AutoModelForCausalLM"):
+        MedusaModel.from_base(LlamaModel(tiny("llama", {}).config), num_heads=2)
+    with pytest.raises(NotImplementedError, match="scales attention in its no-RoPE layers by cache slot index"):
+        MedusaModel.from_base(llama4_unchunked([1, 0]), num_heads=2)
+
+
 def test_flex_attention_is_refused_by_name():
     """Tree steps' float masks under flex attention failed at the first tree step on the CPU (or aborted
     the process in a padded batch)."""
