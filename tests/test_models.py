@@ -119,11 +119,18 @@ def test_local_folder_passes_through(tmp_path: Path) -> None:
     assert models.resolve_model(str(tmp_path)) == str(tmp_path)
 
 
-def test_local_folder_wins_over_default_name(
+def test_local_model_folder_wins_over_default_name(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A folder of a default model's name holding a model is that model; one holding none (a run's output
+    folder: recipes/gemma3-270m.yaml writes runs/gemma3-270m) does not hide the default model, which heads
+    record by its name (loading them from runs/ failed on the folder's missing config.json)."""
     (tmp_path / "smollm2-135m-instruct").mkdir()
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(models, "fetch_default_model", lambda spec, cache_dir=None: Path("/cache") / spec.name)
+    assert models.resolve_model("smollm2-135m-instruct") == str(Path("/cache") / models.DEFAULT_MODELS[
+        "smollm2-135m-instruct"].name)
+    (tmp_path / "smollm2-135m-instruct" / "config.json").write_text("{}")
     monkeypatch.setattr(models, "download_wheel", forbidden_download)
     assert models.resolve_model("smollm2-135m-instruct") == "smollm2-135m-instruct"
 
