@@ -11,6 +11,7 @@ not the original float weights of the Hub model.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -308,6 +310,19 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
+@contextlib.contextmanager
+def _cached_copy_errors(name: str, folder: str) -> Iterator[None]:
+    """A default model's converted copy in the cache that fails to load (damaged from outside: a cut copy, a
+    full disk) is named with the fix; transformers' and safetensors' own errors named neither."""
+    try:
+        yield
+    except Exception as err:
+        if name in DEFAULT_MODELS and Path(folder) != Path(name).expanduser():
+            raise RuntimeError(f"{folder}, this machine's converted copy of {name}, cannot be read ({err}); delete "
+                               "that folder and the next load builds it again") from err
+        raise
+
+
 def load_base_model(
     name_or_path: str,
     dtype: torch.dtype = torch.float32,
@@ -333,12 +348,14 @@ def load_base_model(
 
     if cpu_kernels not in CPU_KERNELS:  # before a load that can take minutes
         raise ValueError(f"cpu_kernels must be one of {CPU_KERNELS}, got {cpu_kernels!r}")
-    model = AutoModelForCausalLM.from_pretrained(
-        resolve_model(name_or_path),
-        dtype=dtype,
-        attn_implementation=attn_implementation,
-        trust_remote_code=trust_remote_code,
-    )
+    folder = resolve_model(name_or_path)
+    with _cached_copy_errors(name_or_path, folder):
+        model = AutoModelForCausalLM.from_pretrained(
+            folder,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code,
+        )
     if name_or_path in DEFAULT_MODELS:
         model.name_or_path = name_or_path
     if (attn_implementation is None and model.config._attn_implementation == "sdpa"
@@ -373,7 +390,8 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTra
     """
     resolved = resolve_model(name_or_path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+        with _cached_copy_errors(name_or_path, resolved):
+            tokenizer = AutoTokenizer.from_pretrained(resolved, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
         folder = Path(resolved)
         if folder.is_dir() and not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
@@ -417,7 +435,7 @@ def main(argv: list[str] | None = None) -> None:
         if Path(args.name).expanduser().is_dir():  # the user's folder, not one built here
             check_model_folder(Path(folder))
         print(folder)
-    except (ValueError, RuntimeError) as error:
+    except (ValueError, RuntimeError, OSError) as error:  # OSError: a cache folder it cannot write, say
         parser.exit(1, f"medusa-fetch-model: error: {error}\n")
 
 

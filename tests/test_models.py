@@ -7,6 +7,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import re
 import time
 import zipfile
 from multiprocessing.synchronize import Barrier
@@ -203,6 +204,24 @@ def test_default_model_is_built_once_then_reused(
     assert models.resolve_model(TINY_NAME) == str(folder)
 
 
+def test_a_damaged_cached_copy_is_named_with_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_registry: None
+) -> None:
+    """A converted copy cut short from outside (an interrupted copy, a full disk) failed with safetensors' and
+    transformers' own errors ("incomplete metadata", a tokenizer backend), naming neither the folder nor the fix."""
+    folder = Path(models.resolve_model(TINY_NAME, cache_dir=tmp_path))
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(models, "download_wheel", forbidden_download)
+    weights = next(folder.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(RuntimeError, match=f"{re.escape(str(folder))}, this machine's converted copy of {TINY_NAME}, "
+                                           "cannot be read .*delete that folder"):
+        models.load_base_model(TINY_NAME)
+    (folder / "tokenizer_config.json").write_text("{")
+    with pytest.raises(RuntimeError, match="cannot be read .*delete that folder"):
+        models.load_tokenizer(TINY_NAME)
+
+
 def test_incomplete_folder_and_leftovers_are_replaced(tmp_path: Path, tiny_registry: None) -> None:
     models_dir = tmp_path / "models"
     incomplete = models_dir / TINY_NAME
@@ -299,11 +318,16 @@ def test_cli_prints_the_folder(
     assert "saved tiny-test" in captured.err
 
 
-def test_cli_reports_errors(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_reports_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str], tiny_registry: None) -> None:
     with pytest.raises(SystemExit) as caught:
         models.main(["no-such-model"])
     assert caught.value.code == 1
     assert "Unknown model name 'no-such-model'" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")  # a cache folder it cannot make: said, not a traceback
+    with pytest.raises(SystemExit) as caught:
+        models.main([TINY_NAME, "--cache-dir", str(tmp_path / "file" / "cache")])
+    assert caught.value.code == 1
+    assert capsys.readouterr().err.startswith("medusa-fetch-model: error:")
 
 
 def test_cli_refuses_what_it_does_not_fetch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
