@@ -561,12 +561,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="print the trained heads' held-out accuracy and exit (reuses the run's data and "
                              "features, extracting the held-out split's where missing; trains and saves nothing)")
     args = parser.parse_intermixed_args(argv)  # overrides before and after the flags
+    if args.plan and args.heldout_only:
+        parser.error("--plan and --heldout-only each print something and exit: give one")
     try:
         config = load_config(args.config, args.overrides)
         if args.push_to_hub:
             config.eval.push_to_hub = args.push_to_hub
         if args.private:
             config.eval.private = True
+        if config.eval.private and not config.eval.push_to_hub:
+            raise ValueError("--private (eval.private) makes the uploaded repo private, and nothing is uploaded: add "
+                             "--push-to-hub REPO_ID, or drop it")
         check_inputs(config)
         pending = distill_pending(config)
         from medusa_train.trainer import check_finished_run, check_init_from

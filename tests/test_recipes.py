@@ -375,6 +375,8 @@ def test_distill_options_are_checked_when_the_recipe_loads(tmp_path, capsys, opt
     (["--push-to-hub", "me/my heads"], r"--push-to-hub 'me/my heads' is no Hub repo id"),
     (["data.prompts=null", "data.rows=/no/such/rows.jsonl"], r"data.rows: /no/such/rows.jsonl is not a file"),
     (["heads.init_from=/no/such/heads"], r"heads.init_from=/no/such/heads has no config.json"),
+    (["--private"], r"--private \(eval.private\) makes the uploaded repo private, and nothing is uploaded"),
+    (["--heldout-only"], r"--plan and --heldout-only each print something and exit: give one"),
 ])
 def test_what_a_run_cannot_do_is_refused_by_plan(tmp_path, capsys, arguments, message):
     import train_heads
