@@ -281,19 +281,26 @@ def test_a_jsonl_merge_leaves_no_stale_arrow_copy(tmp_path, model_dir, prompts_f
     assert len(read_rows(output)) == 8
 
 
+def small_recipe(tmp_path: Path, model_dir: Path, prompts_file: Path, n: int):
+    """A recipe distilling ``n`` of ``prompts_file``'s prompts, 4 tokens each, into ``tmp_path / "run"``."""
+    from medusa_train.train_config import config_from_dict
+
+    return config_from_dict({"output_dir": str(tmp_path / "run"), "model": {"name": str(model_dir)},
+                             "data": {"prompts": str(prompts_file), "n": n, "max_new_tokens": 4,
+                                      "distill_batch_size": 4},
+                             "features": {"from_distillation": False}, "log": {"progress": False}})
+
+
 def test_train_heads_merges_the_answers_a_killed_run_left_in_shards(tmp_path, model_dir, prompts_file):
     """Killed after its last answer, before the merge: the shard holds every missing answer, and
     train_heads must merge it rather than train on the shorter rows file."""
     import train_heads
     from accelerate import PartialState
 
-    from medusa_train.train_config import config_from_dict, rows_path
+    from medusa_train.train_config import rows_path
 
     def recipe(n):
-        return config_from_dict({"output_dir": str(tmp_path / "run"), "model": {"name": str(model_dir)},
-                                 "data": {"prompts": str(prompts_file), "n": n, "max_new_tokens": 4,
-                                          "distill_batch_size": 4},
-                                 "features": {"from_distillation": False}, "log": {"progress": False}})
+        return small_recipe(tmp_path, model_dir, prompts_file, n)
 
     distill(distill_module.recipe_config(recipe(4)))
 
@@ -316,13 +323,8 @@ def test_train_heads_says_it_trains_on_rows_outside_a_smaller_sample(tmp_path, m
     import train_heads
     from accelerate import PartialState
 
-    from medusa_train.train_config import config_from_dict
-
     def recipe(n):
-        return config_from_dict({"output_dir": str(tmp_path / "run"), "model": {"name": str(model_dir)},
-                                 "data": {"prompts": str(prompts_file), "n": n, "max_new_tokens": 4,
-                                          "distill_batch_size": 4},
-                                 "features": {"from_distillation": False}, "log": {"progress": False}})
+        return small_recipe(tmp_path, model_dir, prompts_file, n)
 
     distill(distill_module.recipe_config(recipe(6)))
     assert train_heads.distill_pending(recipe(4)) == 0
