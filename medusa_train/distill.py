@@ -1107,11 +1107,13 @@ def run_openai(
             f"{len(errors)} of {len(jobs)} requests failed{asked} (rows written so far are kept; rerun "
             f"to retry the rest). First: {errors[0]}"
         )
-    if jobs and len(refusals) == len(jobs):  # a setting every request carries, most likely: no row to train on
+    if jobs and len(refusals) == len(jobs) and not stats.already_done:
+        # a setting every request carries, most likely: no row to train on (a rerun asking again for the
+        # prompts an earlier run had refused, beside its rows, goes on)
         raise RuntimeError(
-            f"the endpoint refused all {len(jobs)} prompts, so no row was written; first: {refusals[0]}. Check the "
-            "settings every request carries: max_new_tokens past the served model's context, or a parameter "
-            "the endpoint does not take"
+            f"the endpoint refused all {len(jobs)} prompts and no row was written before; first: {refusals[0]}. "
+            "Check the settings every request carries: max_new_tokens past the served model's context, or a "
+            "parameter the endpoint does not take"
         )
 
 

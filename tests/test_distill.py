@@ -751,9 +751,16 @@ def test_openai_backend_fails_when_the_endpoint_refuses_every_prompt(tmp_path):
                                     for i in range(3)))
     with FakeServer() as server:
         config = openai_config(prompts_file, tmp_path / "rows.jsonl", server.url, n=None)
-        with pytest.raises(RuntimeError, match=r"the endpoint refused all 3 prompts, so no row was written; "
+        with pytest.raises(RuntimeError, match=r"the endpoint refused all 3 prompts and no row was written before; "
                                                r"first: \d: HTTP 400.*max_new_tokens past the served model's context"):
             distill(config)
+        # beside rows an earlier run wrote, the prompts it had refused are asked again, refused again, and
+        # the run goes on (it failed: a recipe with one refused prompt could never be run a second time)
+        with prompts_file.open("a") as handle:
+            handle.write(json.dumps({"id": "ok", "source": "s", "prompt": "hello there"}) + "\n")
+        distill(config)  # one answered, three refused
+        distill(config)  # the three refused again, beside the row
+    assert [row["id"] for row in read_rows(tmp_path / "rows.jsonl")] == ["ok"]
 
 
 # ---------------------------------------------------------------------------------------------
