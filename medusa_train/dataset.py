@@ -185,7 +185,12 @@ def _through_turn(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[st
         if mine != theirs:
             break
         shared += 1
-    return through[: ends["offset_mapping"][shared - 1][1]] if shared else through
+    cut = ends["offset_mapping"][shared - 1][1] if shared else 0
+    # only what follows the turn's content is cut: a template that writes the last turn itself otherwise
+    # (Qwen3's thinking block, written only for a last assistant turn) parts before it
+    content = str(messages[-1].get("content") or "").strip()
+    last = through.rfind(content) if content else -1
+    return through[:cut] if last >= 0 and cut >= last + len(content) else through
 
 
 class CutOffNotFound(TemplateError):

@@ -131,6 +131,19 @@ def test_other_templates(smol, template, special_tokens, end_of_turn):
     assert labelled_runs(tokenizer, example["input_ids"], example["labels"]) == [f"Hello.{end_of_turn}"]
 
 
+def test_a_template_writing_the_last_turn_otherwise_keeps_its_labels(smol):
+    """Qwen3's template writes a thinking block only in an assistant turn that ends the conversation: a
+    rendering with a user turn after it parts before the answer, which must not cut the answer away (the
+    row was dropped as having no assistant answer)."""
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and loop.last %}"
+                "<think>\n\n</think>\n\n{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tokenizer = with_template(smol, template)
+    [example] = build_examples([{"id": "r", "prompt": "Hi?", "response": "Hello."}], tokenizer, 256)
+    assert labelled_runs(tokenizer, example["input_ids"], example["labels"]) == [
+        "<think>\n\n</think>\n\nHello.<|im_end|>"]
+
+
 def test_prefix_fallback_matches_offsets(smol):
     full = render_chat(smol, CONVERSATION)
     assert _tokenize_chat_by_prefix(smol, CONVERSATION, full) == tokenize_chat(smol, CONVERSATION)
