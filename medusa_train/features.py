@@ -98,25 +98,22 @@ def examples_hash(examples: Sequence[Mapping[str, Any]]) -> str:
 
 def model_fingerprint(name_or_path: str, dtype: str | None = None,
                       attn_implementation: str | None = None) -> dict[str, Any]:
-    """What identifies a base model without loading it: its name and, for a local folder or a Hub
-    id's snapshot in the local Hub cache (the one its ``main`` points to), its ``config.json`` and each
-    weight file's size, modification time and first and last MiB (the time catches weights saved again
-    over the same folder, changed only in the middle: hashing every byte would read the whole model at
-    every run; a Hub id was its name alone, so weights pushed again under it reused the old features);
-    with ``dtype``, also the dtype and attention implementation it is loaded with (None: transformers'
-    choice), which change its hidden states (``build_feature_cache`` checks them against the model it
-    runs)."""
+    """What identifies a base model without loading it: its name and, for a local folder, its
+    ``config.json`` and each weight file's size, modification time and first and last MiB (the
+    time catches weights saved again over the same folder, changed only in the middle: hashing
+    every byte would read the whole model at every run); for a Hub id, the revision its ``main``
+    points to (``hub_revision``: the id alone reused old features after weights were pushed again
+    under it); with ``dtype``, also the dtype and attention implementation it is loaded with (None:
+    transformers' choice), which change its hidden states (``build_feature_cache`` checks them
+    against the model it runs)."""
     from medusa_infer.models import resolve_model
 
     resolved = Path(resolve_model(name_or_path))
-    if not resolved.is_dir():  # a Hub id: its cached snapshot, where it was downloaded
-        from huggingface_hub import snapshot_download
-
-        try:
-            resolved = Path(snapshot_download(name_or_path, local_files_only=True))
-        except (OSError, ValueError):  # not downloaded yet: its name alone
-            pass
     found: dict[str, Any] = {"name": name_or_path}
+    if not resolved.is_dir():
+        revision = hub_revision(name_or_path)
+        if revision is not None:
+            found["revision"] = revision
     if dtype is not None:
         found.update(dtype=dtype, attn_implementation=attn_implementation)
     if resolved.is_dir():
@@ -134,6 +131,23 @@ def model_fingerprint(name_or_path: str, dtype: str | None = None,
                 digest.update(handle.read(1 << 20))
         found["content"] = digest.hexdigest()
     return found
+
+
+def hub_revision(repo_id: str) -> str | None:
+    """The commit a Hub model's ``main`` points to: the Hub's answer online, the local Hub cache's offline
+    (the same before and after the model is downloaded, so a run's first fingerprint keys what later ones
+    find); None where neither tells (offline and never downloaded)."""
+    from huggingface_hub import HfApi, constants, snapshot_download
+
+    if not constants.HF_HUB_OFFLINE:
+        try:
+            return HfApi().model_info(repo_id).sha
+        except Exception:  # unreachable, gated, or a private repo without a login: the cache's, if any
+            pass
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True)).name
+    except (OSError, ValueError):
+        return None
 
 
 def weights_fingerprint(model: Mapping[str, Any]) -> dict[str, Any]:

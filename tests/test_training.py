@@ -479,25 +479,31 @@ def test_model_fingerprint_changes_with_weights_saved_again_over_the_same_folder
     assert model_fingerprint(str(folder)) != before
 
 
-def test_a_hub_models_fingerprint_follows_the_snapshot_its_main_points_to(tmp_path, monkeypatch):
-    """Weights pushed again under the same Hub id (a fine-tune's new revision, downloaded) name another
-    model: the fingerprint was the id alone, so the feature cache of the old weights was reused."""
-    from huggingface_hub import constants
+def test_a_hub_models_fingerprint_is_the_revision_its_main_points_to(tmp_path, monkeypatch):
+    """Weights pushed again under the same Hub id (a fine-tune's new revision) name another model: the
+    fingerprint was the id alone, so the feature cache of the old weights was reused. The revision is the
+    Hub's online and the local cache's offline, the same before and after the download (hashing the
+    downloaded files instead changed the key once the model was there: kept states and caches refused)."""
+    from types import SimpleNamespace
+
+    from huggingface_hub import HfApi, constants
 
     hub = tmp_path / "hub"
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
     repo = hub / "models--me--tiny-sft"
-    assert model_fingerprint("me/tiny-sft") == {"name": "me/tiny-sft"}  # not downloaded: its name alone
+    assert model_fingerprint("me/tiny-sft") == {"name": "me/tiny-sft"}  # offline, never downloaded
     prints = []
     for seed, commit in ((0, "a" * 40), (1, "b" * 40)):
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # online: the Hub says, before any download
+        monkeypatch.setattr(HfApi, "model_info", lambda self, repo_id, **kw: SimpleNamespace(sha=commit))
+        before = model_fingerprint("me/tiny-sft", "float32")
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # offline, downloaded: the cache says
         tiny_model("llama", seed=seed).save_pretrained(repo / "snapshots" / commit)
         (repo / "refs").mkdir(parents=True, exist_ok=True)
         (repo / "refs" / "main").write_text(commit)
         prints.append(model_fingerprint("me/tiny-sft", "float32"))
-        assert prints[-1]["name"] == "me/tiny-sft" and "content" in prints[-1]
+        assert prints[-1] == before and prints[-1]["revision"] == commit
     assert prints[0] != prints[1]
-    (repo / "refs" / "main").write_text("a" * 40)
-    assert model_fingerprint("me/tiny-sft", "float32") == prints[0]
 
 
 # ---------------------------------------------------------------------------------------------
