@@ -199,8 +199,11 @@ def check_attn_implementation(name: str | None) -> None:
     extraction, after distilling); a Hub kernel (``org/repo``) passes, checked when the model loads."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    import medusa_infer.attention_kernels  # noqa: F401  (registers this project's sdpa_gqa)
+
     known = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
-    if name is not None and name not in known and "/" not in name:
+    plain = name.removeprefix("paged|") if name is not None else None  # transformers still takes paged|<name>
+    if name is not None and plain not in known and "/" not in name:
         raise ValueError(f"model.attn_implementation={name!r} is none transformers knows: one of {known}, a Hub "
                          "kernel (org/repo), or null to let transformers pick")
 
@@ -212,7 +215,7 @@ def _model_folder(config: TrainConfig) -> Path | None:
 
     name = config.model.name
     folder = Path(name).expanduser()
-    if name in DEFAULT_MODELS and not folder.is_dir():
+    if name in DEFAULT_MODELS and not (folder / "config.json").is_file():  # resolve_model's rule
         folder = default_model_folder(DEFAULT_MODELS[name])
     return folder if (folder / "config.json").is_file() else None
 
@@ -658,8 +661,9 @@ def main(argv: list[str] | None = None) -> int:
             say(accelerator, f"note: {paths.heads} names its base model {named!r}, not {wanted!r} (model.hub_id): "
                              f"remove {paths.heads} to evaluate again and name it so")
     else:  # the heads' record of the stages this run reused is a previous run's, not the seconds it took to find them
-        stage_evaluate(config, accelerator, train, heldout, folders,
-                       stage_record(paths.logs / "stages.json", timings, reused))
+        recorded = stage_record(paths.logs / "stages.json", timings, reused)
+        recorded.pop("evaluate", None)  # a previous evaluation's: this one is being timed
+        stage_evaluate(config, accelerator, train, heldout, folders, recorded)
     timings["evaluate"] = round(time.perf_counter() - started, 1)
     if accelerator.is_main_process:
         record = stage_record(paths.logs / "stages.json", timings, reused)
