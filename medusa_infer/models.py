@@ -312,15 +312,37 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
 @contextlib.contextmanager
 def _cached_copy_errors(name: str, folder: str) -> Iterator[None]:
-    """A default model's converted copy in the cache that fails to load (damaged from outside: a cut copy, a
-    full disk) is named with the fix; transformers' and safetensors' own errors named neither."""
+    """A default model's converted copy in the cache that fails to load because its files are damaged (from
+    outside: a cut copy, a full disk) is named with the fix; transformers' and safetensors' own errors named
+    neither. Any other error (a missing attention kernel, memory) is left as it is."""
     try:
         yield
     except Exception as err:
-        if name in DEFAULT_MODELS and Path(folder) != Path(name).expanduser():
-            raise RuntimeError(f"{folder}, this machine's converted copy of {name}, cannot be read ({err}); delete "
+        damage = _damage(Path(folder)) if name in DEFAULT_MODELS and Path(folder) != Path(name).expanduser() \
+            else None
+        if damage is not None:
+            raise RuntimeError(f"{folder}, this machine's converted copy of {name}, is damaged ({damage}); delete "
                                "that folder and the next load builds it again") from err
         raise
+
+
+def _damage(folder: Path) -> str | None:
+    """What keeps a converted copy's files from being read (JSON that does not parse, a weights file whose
+    header does not), or None."""
+    from safetensors import safe_open
+
+    for path in sorted(folder.glob("*.json")):
+        try:
+            json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            return f"{path.name}: {err}"
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), "pt") as weights:
+                list(weights.keys())
+        except Exception as err:  # safetensors' own error type
+            return f"{path.name}: {err}"
+    return None
 
 
 def load_base_model(

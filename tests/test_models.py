@@ -212,14 +212,21 @@ def test_a_damaged_cached_copy_is_named_with_the_fix(
     folder = Path(models.resolve_model(TINY_NAME, cache_dir=tmp_path))
     monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(models, "download_wheel", forbidden_download)
+    # an error of another cause (an attention kernel that is not there) in a sound copy is left as it is
+    sound = tmp_path / "sound"
+    write_tiny_model(sound)
+    with pytest.raises(ValueError, match="^no_such_kernel is not installed$"):
+        with models._cached_copy_errors(TINY_NAME, str(sound)):
+            raise ValueError("no_such_kernel is not installed")
     weights = next(folder.glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(RuntimeError, match=f"{re.escape(str(folder))}, this machine's converted copy of {TINY_NAME}, "
-                                           "cannot be read .*delete that folder"):
+                                           "is damaged .*delete that folder"):
         models.load_base_model(TINY_NAME)
     (folder / "tokenizer_config.json").write_text("{")
-    with pytest.raises(RuntimeError, match="cannot be read .*delete that folder"):
+    with pytest.raises(RuntimeError, match="is damaged .*tokenizer_config.json.*delete that folder"):
         models.load_tokenizer(TINY_NAME)
+
 
 
 def test_incomplete_folder_and_leftovers_are_replaced(tmp_path: Path, tiny_registry: None) -> None:
