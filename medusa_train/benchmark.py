@@ -1036,7 +1036,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, started: float) -> int:
     """Load the model and heads, calibrate if asked, benchmark and write the report."""
-    if not Path(args.questions).is_file():  # else found after loading the model, which takes a while
+    questions = Path(args.questions)
+    if not questions.exists() or questions.is_dir():  # else found after loading the model (a pipe passes)
         raise ValueError(f"--questions {args.questions} is not a file; give a Spec-Bench-format JSONL")
     if args.threads:
         torch.set_num_threads(args.threads)

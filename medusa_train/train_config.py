@@ -145,6 +145,9 @@ class HeadsSection:
     path_input: bool = False
     init_from: str | None = None
 
+    def __post_init__(self) -> None:
+        self.init_from = _home(self.init_from)
+
 
 @dataclass
 class FeaturesSection:

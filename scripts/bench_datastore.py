@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         ratio = on["tokens_per_s"] / off["tokens_per_s"]
         same = answers[method, True] == answers[method, False]
         results[method] = {"with": on, "without": off, "ratio": round(ratio, 3), "identical": same}
-        print(f"| {method} | {on['tokens_per_s']:.2f} | {off['tokens_per_s']:.2f} | {ratio:.3f} | {on['tau']:.2f} | "
-              f"{off['tau']:.2f} | {'yes' if same else 'NO'} |")
+        print(f"| {method} | {on['tokens_per_s']:.2f} | {off['tokens_per_s']:.2f} | {ratio:.3f} | {bench._tau(on['tau'])} | "
+              f"{bench._tau(off['tau'])} | {'yes' if same else 'NO'} |")
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps({"heads": args.heads, "datastore_tokens": len(model.datastore),

@@ -1,6 +1,6 @@
 """tau of a stored ``medusa-bench`` report under today's definition (tokens per decoding step, the prefill's
-token no step's), for reports written before commit c190c01, whose tau was tokens per target forward (the
-prefill counted as a step: ``tokens / (steps + turns)``, lower by ``steps / (steps + 1)``).
+token no step's, ``(tokens - turns) / steps``), for reports written before commit c190c01, whose tau was
+tokens per target forward (the prefill's forward and token counted too: ``tokens / (steps + turns)``).
 
 Such a report keeps ``tokens``, ``turns`` and that tau rounded to 3 decimals per method; the steps are the
 whole numbers consistent with them, one where the tokens are few enough (under about 4 * tau**2 thousand),

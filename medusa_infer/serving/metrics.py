@@ -8,8 +8,10 @@ The speculative counters carry vLLM's names, so dashboards built for vLLM read t
 * ``vllm:spec_decode_num_accepted_tokens`` - accepted draft tokens (the bonus token not counted);
 * ``vllm:spec_decode_num_accepted_tokens_per_pos{position}`` - the same per 0-based depth.
 
-So ``accepted / draft_tokens`` is the acceptance rate and ``1 + accepted / drafts`` the mean
-acceptance length (tau). Counters are exposed with the ``_total`` suffix, as prometheus_client does.
+So ``accepted / draft_tokens`` is the acceptance rate and ``1 + accepted / drafts`` vLLM's mean
+acceptance length, which is tau where every step ends in a token of its own: a row that stopped on a
+draft (an EOS) emitted none after it, so the formula runs above tau there (``usage.speculative.tau``
+is tokens per step). Counters are exposed with the ``_total`` suffix, as prometheus_client does.
 """
 
 from __future__ import annotations
