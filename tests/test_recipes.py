@@ -152,9 +152,29 @@ def test_recipe_files_overrides_and_paths_read_as_a_user_means_them(tmp_path, mo
         assert config_from_dict(values, ["data.per_source={}"]).data.per_source is None
         assert config_from_dict(values).data.per_source is None
     monkeypatch.setenv("HOME", str(tmp_path))
-    config = load_config(None, ["data.prompts=~/p.jsonl", "output_dir=~/run", "features.dir=~/features"])
-    assert (config.data.prompts, config.output_dir, config.features.dir) == (
-        str(tmp_path / "p.jsonl"), str(tmp_path / "run"), str(tmp_path / "features"))
+    config = load_config(None, ["data.prompts=~/p.jsonl", "output_dir=~/run", "features.dir=~/features",
+                                "heads.init_from=~/heads"])
+    assert (config.data.prompts, config.output_dir, config.features.dir, config.heads.init_from) == (
+        str(tmp_path / "p.jsonl"), str(tmp_path / "run"), str(tmp_path / "features"), str(tmp_path / "heads"))
+
+
+def test_model_checks_take_the_names_the_loader_takes_and_the_model_it_loads(tmp_path, monkeypatch):
+    """This project's sdpa_gqa and transformers' paged|<name> load, so --plan takes them; a folder named as
+    the default model holding no model (a run's output folder) is not the model --plan checks against."""
+    import train_heads
+
+    for name in ("sdpa_gqa", "paged|sdpa", "eager", "kernels-community/flash-attn", None):
+        train_heads.check_attn_implementation(name)
+    with pytest.raises(ValueError, match="'flash_attention2' is none transformers knows"):
+        train_heads.check_attn_implementation("flash_attention2")
+    cached = tmp_path / "cache" / "smollm2"
+    cached.mkdir(parents=True)
+    (cached / "config.json").write_text("{}")
+    monkeypatch.setattr("medusa_infer.models.default_model_folder", lambda spec: cached)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "smollm2-135m-instruct").mkdir()  # no model in it
+    config = load_config(None, ["data.prompts=p.jsonl", "model.name=smollm2-135m-instruct"])
+    assert train_heads._model_folder(config) == cached
 
 
 @pytest.mark.parametrize("arguments, message", [
