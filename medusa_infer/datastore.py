@@ -115,6 +115,7 @@ class Datastore:
         self.max_occurrences, self.min_share, self.modulus = max_occurrences, min_share, modulus
         self.tokenizer = tokenizer  # tokenizer_digest of the tokenizer the tokens come from, when known
         self._list = tokens.tolist()  # drafts read single tokens: list indexing beats tensor indexing
+        self._largest = int(tokens.max())  # the highest id (the separator where none), checked per proposer
         self._index: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # built on first use
 
     @classmethod
@@ -211,7 +212,7 @@ class Datastore:
     def check_vocabulary(self, vocab_size: int, where: str | Path) -> None:
         """``ValueError`` when the store holds a token id outside a vocabulary of ``vocab_size``: it was built
         with another tokenizer (and its drafts would fail in the model's embedding)."""
-        largest = int(self.tokens.max()) if self.tokens.numel() else -1
+        largest = self._largest
         if largest >= vocab_size:
             raise ValueError(f"{where} holds token id {largest}, outside this model's vocabulary of {vocab_size}: "
                              "it was built with another tokenizer; rebuild it with `python -m medusa_train.datastore` "
