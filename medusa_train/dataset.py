@@ -36,7 +36,7 @@ from transformers import PreTrainedTokenizerBase
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
-CACHE_FORMAT_VERSION = 3
+CACHE_FORMAT_VERSION = 4
 """Bump when the tokenisation or the example layout changes: old caches are then ignored."""
 
 ROLES = ("system", "user", "assistant")
@@ -187,10 +187,12 @@ def _through_turn(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[st
         shared += 1
     cut = ends["offset_mapping"][shared - 1][1] if shared else 0
     # only what follows the turn's content is cut: a template that writes the last turn itself otherwise
-    # (Qwen3's thinking block, written only for a last assistant turn) parts before it
+    # (Qwen3's thinking block, written only for a last assistant turn) parts before it. The content is
+    # looked for from the turn's start (a short answer, "end", is also found inside an <|im_end|> after it)
+    start = len(render_chat(tokenizer, messages[:-1], add_generation_prompt=True))
     content = str(messages[-1].get("content") or "").strip()
-    last = through.rfind(content) if content else -1
-    return through[:cut] if last >= 0 and cut >= last + len(content) else through
+    found = through.find(content, start)
+    return through[:cut] if found >= 0 and cut >= found + len(content) and cut > start else through
 
 
 class CutOffNotFound(TemplateError):

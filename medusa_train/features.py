@@ -141,7 +141,7 @@ def hub_revision(repo_id: str) -> str | None:
 
     if not constants.HF_HUB_OFFLINE:
         try:
-            return HfApi().model_info(repo_id).sha
+            return HfApi().model_info(repo_id, timeout=10).sha  # a Hub that never answers: the cache's
         except Exception:  # unreachable, gated, or a private repo without a login: the cache's, if any
             pass
     try:

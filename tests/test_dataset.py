@@ -144,6 +144,21 @@ def test_a_template_writing_the_last_turn_otherwise_keeps_its_labels(smol):
         "<think>\n\n</think>\n\nHello.<|im_end|>"]
 
 
+def test_short_and_empty_answers_under_a_template_ending_conversations_with_eos(smol):
+    """An answer found inside the template's own closing text ("end" in <|im_end|>) or an empty one was not
+    cut from the EOS after it: labelled again, or, in an earlier turn, the whole build failed as not
+    prefix-stable."""
+    tokenizer = with_template(smol, PHI3_TEMPLATE, ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>"))
+    for answer in ("end", "im", ""):
+        [example] = build_examples([{"id": "r", "prompt": "Hi?", "response": answer}], tokenizer, 256)
+        assert labelled_runs(tokenizer, example["input_ids"], example["labels"]) == [f"{answer}<|end|>"]
+        chat = [{"role": "user", "content": "One?"}, {"role": "assistant", "content": answer},
+                {"role": "user", "content": "Two?"}, {"role": "assistant", "content": "A two."}]
+        [example] = build_examples([{"id": "m", "messages": chat}], tokenizer, 256)
+        assert labelled_runs(tokenizer, example["input_ids"], example["labels"]) == [f"{answer}<|end|>",
+                                                                                      "A two.<|end|>"]
+
+
 def test_prefix_fallback_matches_offsets(smol):
     full = render_chat(smol, CONVERSATION)
     assert _tokenize_chat_by_prefix(smol, CONVERSATION, full) == tokenize_chat(smol, CONVERSATION)
