@@ -742,7 +742,7 @@ def test_openai_backend_gives_up_on_dead_server(tmp_path, prompts_file):
         distill(config)
 
 
-def test_openai_backend_fails_when_the_endpoint_refuses_every_prompt(tmp_path):
+def test_openai_backend_fails_when_the_endpoint_refuses_every_prompt(tmp_path, caplog):
     """Every prompt refused (a 400 for each: say max_new_tokens past the served model's context) is a
     setting's fault, not the prompts': the run fails saying so (it ended with an empty rows file, and
     training then blamed data.max_length)."""
@@ -759,8 +759,10 @@ def test_openai_backend_fails_when_the_endpoint_refuses_every_prompt(tmp_path):
         with prompts_file.open("a") as handle:
             handle.write(json.dumps({"id": "ok", "source": "s", "prompt": "hello there"}) + "\n")
         distill(config)  # one answered, three refused
-        distill(config)  # the three refused again, beside the row
+        with caplog.at_level(logging.WARNING, logger="medusa_train.distill"):
+            distill(config)  # the three refused again, beside the row: said
     assert [row["id"] for row in read_rows(tmp_path / "rows.jsonl")] == ["ok"]
+    assert "the endpoint refused all 3 prompts asked" in caplog.text and "the 1 rows already there are kept" in caplog.text
 
 
 # ---------------------------------------------------------------------------------------------
