@@ -211,12 +211,10 @@ def check_attn_implementation(name: str | None) -> None:
 def _model_folder(config: TrainConfig) -> Path | None:
     """The folder holding the recipe model's ``config.json`` where it is on disk (a folder, or a default
     model already fetched), else None (a Hub model, checked when it loads)."""
-    from medusa_infer.models import DEFAULT_MODELS, default_model_folder
+    from medusa_infer.models import DEFAULT_MODELS, default_model_folder, names_default_model
 
     name = config.model.name
-    folder = Path(name).expanduser()
-    if name in DEFAULT_MODELS and not (folder / "config.json").is_file():  # resolve_model's rule
-        folder = default_model_folder(DEFAULT_MODELS[name])
+    folder = default_model_folder(DEFAULT_MODELS[name]) if names_default_model(name) else Path(name).expanduser()
     return folder if (folder / "config.json").is_file() else None
 
 

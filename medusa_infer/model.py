@@ -609,10 +609,7 @@ def _widen_causal_buffers(modules: list[nn.Module], slots: int) -> None:
 
 def check_compatible(config: MedusaConfig, base_model: PreTrainedModel) -> None:
     """Raise ``ValueError`` when heads were trained for a different kind of base model."""
-    lm_head = base_model.get_output_embeddings()
-    if lm_head is None:
-        raise ValueError(f"{type(base_model).__name__} has no output embeddings (lm_head); use a *ForCausalLM model")
-    vocab, hidden = full_shape(lm_head.weight)
+    vocab, hidden = full_shape(base_model.get_output_embeddings().weight)  # check_supported saw it is there
     if config.hidden_size != hidden:
         raise ValueError(
             f"heads were trained for hidden size {config.hidden_size}, this model has {hidden}: "

