@@ -832,7 +832,8 @@ def test_tau_is_tokens_per_decoding_step_as_generation_metrics_count_them(model,
         return out
 
     monkeypatch.setattr(GenerationStream, "result", recorded)
-    report = benchmark(model, QUESTIONS, args(methods=["medusa"]))
+    # the speculation gate off: measuring step times, on a busy machine it may decode these turns plainly
+    report = benchmark(model, QUESTIONS, args(methods=["medusa"], speculation_gate="off"))
     calls = [m for m in seen if m.steps][1:]  # after the untimed warm-up
     expected = sum(m.step_tokens for m in calls) / sum(m.steps for m in calls)
     assert report["methods"]["medusa"]["tau"] == pytest.approx(expected, abs=1e-3) and expected > 1.0
