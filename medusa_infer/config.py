@@ -6,7 +6,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from medusa_infer.trees import AcceptanceModel
@@ -101,6 +101,7 @@ class MedusaConfig:
                              "set both")
         if self.top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+        self._check_tables()
         if self.tree is not None:
             self.tree = [list(p) for p in self.tree]
         if self.head_accuracies is not None:
@@ -110,6 +111,31 @@ class MedusaConfig:
                                      "(non-decreasing); trees.per_rank_accuracies gives per-rank ones")
         if self.path_accuracies is not None:
             self.path_accuracies = [[list(path), float(prob)] for path, prob in self.path_accuracies]
+
+    def _check_tables(self) -> None:
+        """``tree``, ``head_accuracies`` and ``path_accuracies`` have their documented shapes (a
+        hand-edited config.json with a flat list failed later with a bare TypeError)."""
+        def is_int(x: Any) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        def is_number(x: Any) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+        def rows(value: Any, ok: Callable[[Any], bool]) -> bool:
+            return isinstance(value, (list, tuple)) and all(ok(row) for row in value)
+
+        checks = (
+            ("tree", lambda v: rows(v, lambda path: rows(path, is_int)), "a list of rank paths, e.g. [[0], [0, 0], [1]]"),
+            ("head_accuracies", lambda v: rows(v, lambda row: rows(row, is_number)),
+             "a list of each head's cumulative top-k accuracies, e.g. [[0.5, 0.6], [0.3, 0.4]]"),
+            ("path_accuracies", lambda v: rows(v, lambda pair: isinstance(pair, (list, tuple)) and len(pair) == 2
+                                               and rows(pair[0], is_int) and is_number(pair[1])),
+             "a list of [rank path, probability] pairs, e.g. [[[0], 0.5], [[0, 0], 0.3]]"),
+        )
+        for name, ok, shape in checks:
+            value = getattr(self, name)
+            if value is not None and not ok(value):
+                raise ValueError(f"heads config {name} must be null or {shape}, got {value!r:.200}")
 
     def acceptance_model(self) -> "AcceptanceModel | None":
         """What trees are fitted to: the joint path accuracies when measured, else the per-rank

@@ -576,6 +576,10 @@ def test_truncated_weights_file_is_reported(saved):
     (lambda c: {**c, "num_heads": "3"}, "heads config num_heads must be int, got '3'"),
     (lambda c: {**c, "training": None}, "heads config training must be dict, got None"),
     (lambda c: {**c, "next_token_input": "yes"}, "heads config next_token_input must be bool"),
+    (lambda c: {**c, "tree": [0, 1, 2]}, r"heads config tree must be null or a list of rank paths"),
+    (lambda c: {**c, "tree": [[0], None]}, r"heads config tree must be null or a list of rank paths"),
+    (lambda c: {**c, "head_accuracies": [0.5, 0.7]}, "heads config head_accuracies must be null or a list of each"),
+    (lambda c: {**c, "path_accuracies": [[[0], 0.5, 1]]}, r"heads config path_accuracies must be null or a list of \[rank"),
 ])
 def test_a_config_of_the_wrong_shape_is_named(saved, edit, message):
     """Valid JSON that is no heads config: a ValueError naming the value (TypeError or AttributeError
