@@ -222,8 +222,13 @@ class DecodeBatch:
     """All mutable state of the rows being decoded together; one object per generation call
     (or per server batch, which other batches can join between steps with ``merge``).
 
-    Rows are numbered in the order they were added (``0..``); ``rows`` lists the active ones.
+    Rows are numbered in the order they were added (``0..``); ``rows`` lists the active ones. The
+    per-row tables (``histories``, ``prompt_lengths``, ``generated``, ``finish``, ``stops``,
+    ``row_steps``, ``row_accepted``) map a row's number to its entry; ``release`` deletes a
+    finished row's entries, so that a batch rows keep joining holds only the rows not yet released.
     """
+
+    ROW_TABLES = ("histories", "prompt_lengths", "generated", "finish", "stops", "row_steps", "row_accepted")
 
     def __init__(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, proposer: Proposer,
                  sampling: SamplingConfig, stop: StopConfig | Sequence[StopConfig], tokenizer: Any,
@@ -232,18 +237,20 @@ class DecodeBatch:
         self.tokenizer, self.generator = tokenizer, generator
         self.input_ids, self.attention_mask = input_ids, attention_mask
         batch = input_ids.shape[0]
-        self.stops = list(stop) if isinstance(stop, Sequence) else [stop] * batch
-        if len(self.stops) != batch:
-            raise ValueError(f"{len(self.stops)} stop configs for {batch} rows")
+        stops = list(stop) if isinstance(stop, Sequence) else [stop] * batch
+        if len(stops) != batch:
+            raise ValueError(f"{len(stops)} stop configs for {batch} rows")
         self.context_length = context_length(model)
-        self.rows = list(range(batch))  # index of each active row
-        self.histories = [input_ids[b][attention_mask[b].bool()].tolist() for b in range(batch)]
-        self.prompt_lengths = [len(h) for h in self.histories]
-        self.generated: list[list[int]] = [[] for _ in range(batch)]
-        self.finish: list[str | None] = [None] * batch
-        self.row_steps = [0] * batch
-        self.row_accepted = [0] * batch
-        self.released: set[int] = set()  # finished rows whose tokens were dropped (release)
+        self.rows = list(range(batch))  # number of each active row
+        self.row_count = batch  # rows ever added: the next one joining is numbered this
+        self.stops: dict[int, StopConfig] = dict(enumerate(stops))
+        self.histories = {b: input_ids[b][attention_mask[b].bool()].tolist() for b in range(batch)}
+        self.prompt_lengths = {b: len(h) for b, h in self.histories.items()}
+        self.generated: dict[int, list[int]] = {b: [] for b in range(batch)}
+        self.finish: dict[int, str | None] = dict.fromkeys(range(batch))
+        self.row_steps = dict.fromkeys(range(batch), 0)
+        self.row_accepted = dict.fromkeys(range(batch), 0)
+        self.released = 0  # finished rows whose entries were dropped (release)
         self.metrics = GenerationMetrics(rows=batch)
         self.kv = KVState.empty(batch, AttentionLayout.from_config(model.base_model.config), model.device)
         self.roots = torch.zeros(batch, dtype=torch.long, device=model.device)
@@ -371,10 +378,11 @@ class DecodeBatch:
             raise ValueError(f"{type(self.proposer).__name__} batches cannot be merged")
         self.proposer.merge(other.proposer)  # first: it refuses (another draft model, trees) before any change
         self.kv.merge(other.kv)
-        offset = len(self.generated)
-        for name in ("histories", "prompt_lengths", "generated", "finish", "stops", "row_steps", "row_accepted"):
-            getattr(self, name).extend(getattr(other, name))
-        self.released.update(offset + r for r in other.released)
+        offset = self.row_count
+        for name in self.ROW_TABLES:
+            getattr(self, name).update((offset + row, entry) for row, entry in getattr(other, name).items())
+        self.row_count += other.row_count
+        self.released += other.released
         joined = [offset + r for r in other.rows]
         self.rows += joined
         self.roots = torch.cat([self.roots, other.roots])
@@ -384,14 +392,17 @@ class DecodeBatch:
         return joined
 
     def release(self, row: int) -> None:
-        """Drop a finished row's tokens (its prompt and output). A server batch that rows keep
-        joining never ends, and would otherwise keep every request's tokens; ``output`` refuses a
-        batch with released rows."""
+        """Drop a finished row's entries (its prompt, output, stop settings and counts). A server
+        batch that rows keep joining never ends, and would otherwise keep every request's; ``output``
+        refuses a batch with released rows."""
+        if row not in self.finish:
+            raise ValueError(f"row {row} is not in this batch (numbers 0..{self.row_count - 1}) or was released "
+                             "already")
         if self.finish[row] is None:
             raise ValueError(f"row {row} is still decoding; only a finished row can be released")
-        self.histories[row] = []
-        self.generated[row] = []
-        self.released.add(row)
+        for name in self.ROW_TABLES:
+            del getattr(self, name)[row]
+        self.released += 1
 
     def _stop_reason(self, row: int, kept: list[int], token: int) -> str | None:
         stop = self.stops[row]
@@ -413,17 +424,19 @@ class DecodeBatch:
 
     def output(self, pad_token_id: int) -> GenerationOutput:
         if self.released:
-            raise ValueError(f"rows {sorted(self.released)} were released and their tokens dropped; "
+            raise ValueError(f"{self.released} rows were released and their tokens dropped; "
                              "call output() before release()")
-        width = max(len(g) for g in self.generated)
-        new = torch.full((len(self.generated), width), pad_token_id, dtype=torch.long)
-        for row, tokens in enumerate(self.generated):
+        order = range(self.row_count)
+        generated = [self.generated[row] for row in order]
+        width = max(len(g) for g in generated)
+        new = torch.full((len(generated), width), pad_token_id, dtype=torch.long)
+        for row, tokens in enumerate(generated):
             new[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         prompts = self.input_ids.cpu()
-        if prompts.shape[0] != len(self.generated):  # rows joined by merge: lay prompts out anew
-            prompts, _ = left_pad([h[:n] for h, n in zip(self.histories, self.prompt_lengths)], pad_token_id)
+        if prompts.shape[0] != len(generated):  # rows joined by merge: lay prompts out anew
+            prompts, _ = left_pad([self.histories[row][: self.prompt_lengths[row]] for row in order], pad_token_id)
         sequences = torch.cat([prompts, new], dim=1)
-        return GenerationOutput(sequences, self.metrics, [r or "length" for r in self.finish], self.generated)
+        return GenerationOutput(sequences, self.metrics, [self.finish[row] or "length" for row in order], generated)
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:

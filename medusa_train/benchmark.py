@@ -441,7 +441,7 @@ class Runner:
         set_up = time.perf_counter() - start  # the stream's own clock starts when it runs
         out = run.result()  # what generate() returns; the stream also keeps each row's step count
         m = out.metrics
-        return out.new_tokens, list(run.state.row_steps), set_up + m.ttft_s, set_up + m.total_s
+        return out.new_tokens, list(run.state.row_steps.values()), set_up + m.ttft_s, set_up + m.total_s
 
 
     @functools.cached_property

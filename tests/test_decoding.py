@@ -507,7 +507,7 @@ def test_batches_merge_between_steps_and_rows_can_be_cancelled():
     assert running.generated[0] == futures[0] and running.generated[1] == futures[1]
     assert running.finish[2] == "cancelled" and futures[2][: len(running.generated[2])] == running.generated[2]
     assert running.row_steps[0] >= 1 and running.row_accepted[0] + running.row_steps[0] + 1 == len(futures[0])
-    emitted = sum(len(tokens) for tokens in running.generated)  # the joining rows' prefill tokens included
+    emitted = sum(len(tokens) for tokens in running.generated.values())  # the joining rows' prefill tokens included
     assert running.metrics.new_tokens == running.metrics.rows + running.metrics.step_tokens == emitted
 
 
@@ -528,8 +528,12 @@ def test_a_finished_row_can_release_its_tokens():
         while not batch.done:
             batch.step()
     batch.release(1)
-    assert batch.histories[1] == [] and batch.generated[1] == [] and len(batch.generated[0]) == 6
-    with pytest.raises(ValueError, match=r"rows \[1\] were released"):
+    for name in DecodeBatch.ROW_TABLES:  # nothing of the row is kept: not its tokens, stop settings or counts
+        assert list(getattr(batch, name)) == [0], name
+    assert len(batch.generated[0]) == 6
+    with pytest.raises(ValueError, match="row 1 is not in this batch .* or was released already"):
+        batch.release(1)
+    with pytest.raises(ValueError, match=r"1 rows were released"):
         batch.output(0)
 
 
@@ -666,7 +670,7 @@ def test_rows_counts_add_up_to_their_output_in_a_batch():
         left = len(tokens) - state.row_steps[row] - state.row_accepted[row]
         assert left == (0 if row == 1 else 1) or (left == 0 and out.finish_reasons[row] == "eos"), (row, left)
     assert metrics.new_tokens == metrics.rows + metrics.step_tokens == sum(len(t) for t in out.new_tokens)
-    assert sum(metrics.accepted_by_depth) == sum(state.row_accepted)
+    assert sum(metrics.accepted_by_depth) == sum(state.row_accepted.values())
 
 
 @pytest.mark.parametrize("num_heads, top_k, preset", [

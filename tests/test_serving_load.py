@@ -241,6 +241,41 @@ def test_a_burst_of_prompts_is_prefilled_within_the_token_budget_a_turn(model, m
     assert all(len(tokens) == 5 for tokens in texts.values())
 
 
+def test_a_batch_requests_keep_joining_holds_only_the_rows_still_decoding(model):
+    """A server batch that never empties (a request joins whenever one ends) keeps no entry of a
+    served request: it held each one's stop strings, finish and counts, growing with every request."""
+    from medusa_infer.decoding import SamplingConfig, StopConfig
+    from medusa_infer.serving.scheduler import Engine, Request
+
+    tokenizer = model.tokenizer
+    engine = Engine(model, tokenizer, "medusa", max_batch=8)
+    finished: list[int] = []
+    batches, sizes = set(), []
+    ids = tokenizer("the cat sat")["input_ids"]
+
+    def submit(i: int) -> Request:
+        stop = StopConfig(3 + i % 5, (), (f"zz{i}" + "x" * 200,))
+        request = Request(ids, SamplingConfig("greedy"), stop, lambda u: finished.append(i) if u.finish else None)
+        engine.submit(request)
+        return request
+
+    engine.start()
+    try:
+        live = [submit(i) for i in range(3)]
+        for i in range(3, 40):  # three in flight: the batch the first started keeps running
+            wait_until(lambda: sum(not r.done for r in live) < 3, timeout=60)
+            live = [r for r in live if not r.done] + [submit(i)]
+            with engine._lock:
+                for running in engine._batches:
+                    batches.add(id(running.batch))
+                    sizes.append(len(running.batch.stops))
+        wait_until(lambda: len(finished) == 40, timeout=60)
+    finally:
+        engine.stop()
+    assert len(batches) < 10  # requests joined running batches (else this checks nothing)
+    assert max(sizes) <= 8, sizes  # at most the rows in flight and the ones just joining; was up to 40
+
+
 def test_a_draft_model_given_by_name_serves_requests_that_join_a_running_batch(model, tmp_path):
     """``Engine(..., "draft", options.draft_model=NAME)``: the draft is loaded once, so a request
     arriving while another decodes joins its batch (each batch loaded its own copy, the merge refused

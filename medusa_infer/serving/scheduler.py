@@ -448,9 +448,11 @@ class Engine:
             running, row = request.slot
             running.batch.cancel(row)
             running.requests.pop(row, None)
-            if running.batch.finish[row] is not None:
+        self._finish(request, reason, error=message)  # reads the row's counts: before its release
+        if request.slot is not None:
+            running, row = request.slot
+            if running.batch.finish.get(row) is not None:
                 running.batch.release(row)
-        self._finish(request, reason, error=message)
 
     def _fail_batch(self, running: _Running, error: Exception) -> None:
         for request in list(running.requests.values()):
