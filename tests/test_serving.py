@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
 
 import httpx
 import openai
@@ -206,6 +207,36 @@ def test_a_stop_string_the_engine_misses_still_stops(client, monkeypatch, engine
     assert text == free.choices[0].text[: free.choices[0].text.index(stop)]
     assert finish == "stop"
     assert usage.completion_tokens < 60  # ended at the stop string, not decoded to the limit
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_usage_of_a_stop_the_engine_missed_leaves_out_steps_taken_before_the_cancel_took_effect(
+        server, client, monkeypatch, stream):
+    """The server's cancel of a stop string the engine missed takes effect at the engine's next turn;
+    the steps it took meanwhile (as many as the load made) are not the answer's and not counted."""
+    monkeypatch.setattr(StopConfig, "window", property(lambda self: 1))  # the engine misses the stop
+    free = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=60, temperature=0, extra_body=NO_EOS)
+    stop = " ".join(free.choices[0].text.split(" ")[5:8])
+    kwargs = dict(model="tiny", prompt=PROMPT, max_tokens=60, temperature=0, stop=stop, extra_body=NO_EOS)
+
+    def usage():
+        if stream:
+            return list(client.completions.create(stream=True, stream_options={"include_usage": True},
+                                                  **kwargs))[-1].usage
+        return client.completions.create(**kwargs).usage
+
+    timely = usage()
+    engine, cancel = server[1], server[1].cancel
+
+    def late_cancel(request, reason="disconnect"):  # as under load: the engine steps on a while
+        if reason != "stop":
+            return cancel(request, reason)
+        threading.Timer(0.5, cancel, (request, reason)).start()
+
+    monkeypatch.setattr(engine, "cancel", late_cancel)
+    late = usage()
+    assert late.completion_tokens == timely.completion_tokens < 20
+    assert late.speculative == timely.speculative
 
 
 def test_text_assembler_holds_back_what_may_become_a_stop_string(model):

@@ -112,6 +112,36 @@ def test_full_queue_answers_503_and_the_queued_requests_still_finish(model):
         assert metric_value(_metrics(server), "medusa:http_requests_total", status="503") == 2
 
 
+def test_queued_requests_whose_clients_left_free_their_queue_places_at_once(model):
+    """A cancelled request still waiting leaves the queue when cancelled, not at the engine's next
+    turn (after a long prefill or step new clients got 503 queue_full from requests nobody waited for)."""
+    from medusa_infer.decoding import SamplingConfig, StopConfig
+    from medusa_infer.serving.scheduler import Engine, Request
+
+    engine = Engine(model, model.tokenizer, "medusa", max_batch=1, max_queue=2)
+    ids = model.tokenizer("the cat")["input_ids"]
+    updates: dict[int, list] = {}
+
+    def request(i: int) -> Request:
+        return Request(ids, SamplingConfig("greedy"), StopConfig(max_new_tokens=3),
+                       lambda u: updates.setdefault(i, []).append(u))
+
+    engine.start()
+    try:
+        with engine.hold():  # a turn that does not end while the clients come and go
+            left = [request(0), request(1)]
+            for r in left:
+                engine.submit(r)
+            for r in left:
+                engine.cancel(r)
+            assert engine.snapshot()["waiting"] == 0
+            engine.submit(request(2))  # raised QueueFull
+        wait_until(lambda: all(i in updates and updates[i][-1].finish for i in range(3)), timeout=60)
+    finally:
+        engine.stop()
+    assert [updates[i][-1].finish for i in range(3)] == ["disconnect", "disconnect", "length"]
+
+
 def test_timeouts_abort_queued_and_running_requests(model):
     with serve(model, "medusa", request_timeout=1.0) as (server, engine):
         url = server.base_url + "/v1/completions"

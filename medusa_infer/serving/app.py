@@ -232,9 +232,11 @@ class _Answer:
         getter = next(w for w in waiters if w is not disconnected)
         if getter in done:
             update = getter.result()
-            self.completion_tokens += len(update.token_ids)
-            self.speculation.draft_steps, self.speculation.accepted_tokens = update.draft_steps, update.accepted_tokens
-            self.speculation.step_tokens = max(self.completion_tokens - 1, 0)  # all but the prefill's
+            if not self.text.stopped:  # steps the engine took before the cancel of a stop it missed took effect
+                self.completion_tokens += len(update.token_ids)  # count for nothing, as many as the load made
+                self.speculation.draft_steps, self.speculation.accepted_tokens = (update.draft_steps,
+                                                                                  update.accepted_tokens)
+                self.speculation.step_tokens = max(self.completion_tokens - 1, 0)  # all but the prefill's
             return update
         getter.cancel()
         if disconnected is not None and disconnected in done:

@@ -247,6 +247,9 @@ class Engine:
         with self._lock:
             if not request.done:
                 self._cancels.setdefault(request, reason)  # the first reason given wins
+                if request.slot is None and request in self._waiting:  # its queue place is free now, not
+                    self._waiting.remove(request)  # after a long turn: the engine's next turn tells its client
+                    self.metrics.waiting.set(len(self._waiting))
                 self._wake.notify_all()
 
     @contextmanager
