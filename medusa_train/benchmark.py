@@ -26,9 +26,9 @@ kernel passes (and on CUDA the kernels' set-up) would otherwise count against th
 so the report (written as usual, when the questions being answered are done) still covers every
 category; it says how many questions were answered. A caller with a hard time limit keeps a report.
 
-    medusa-bench --heads runs/demo/heads --questions specbench.jsonl --limit 80 \\
+    medusa-bench --heads runs/demo/heads --questions data/specbench.jsonl --limit 80 \\
         --methods hf,hf-lookup,ar,medusa,lookup --output runs/bench
-    medusa-bench --heads runs/demo/heads --questions specbench.jsonl --limit 80 --batch-size 8 \\
+    medusa-bench --heads runs/demo/heads --questions data/specbench.jsonl --limit 80 --batch-size 8 \\
         --methods hf,ar,medusa,lookup --output runs/bench-b8
 """
 
@@ -723,9 +723,15 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def report_png(report: dict[str, Any], path: Path) -> None:
-    """Tokens/s and tau per method, overall and per category."""
-    import matplotlib
+def report_png(report: dict[str, Any], path: Path) -> bool:
+    """Tokens/s and tau per method, overall and per category; False (and a line on stderr) where
+    matplotlib, the ``plot`` extra, is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"medusa-bench: {path} not drawn: it needs matplotlib: pip install 'medusa-forge[plot]'",
+              file=sys.stderr)
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -749,6 +755,7 @@ def report_png(report: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 def stored_heads_state(model, heads: str | Path) -> dict[str, torch.Tensor]:
@@ -1107,9 +1114,9 @@ def run(args: argparse.Namespace, started: float) -> int:
     (output / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     markdown = report_markdown(report)
     (output / "report.md").write_text(markdown)
-    report_png(report, output / "report.png")
     print(markdown)
-    print(f"wrote {output}/report.json, report.md, report.png", file=sys.stderr)
+    drawn = report_png(report, output / "report.png")
+    print(f"wrote {output}/report.json, report.md" + (", report.png" if drawn else ""), file=sys.stderr)
     return 0
 
 

@@ -7,8 +7,8 @@
 # Stages, each under its own `timeout` (about 12 minutes in all with the defaults, 9.5 with TESTS=0;
 # the timeouts add up to 17.6):
 #   1. nvidia-smi, Python, torch and transformers versions; stop unless torch sees a CUDA device.
-#      Then the GPU tests, tests/test_cuda.py (tiny models, no download; 17 tests, 4 of them accelerate
-#      launches: 140 to 184 s on an H200, docs/gpu/*/gpu_tests.log).
+#      Then the GPU tests, tests/test_cuda.py (tiny models, no download; 18 tests, 4 of them accelerate
+#      launches: 140 to 184 s on an H200 when they were 17, docs/gpu/*/gpu_tests.log).
 #   2. Find the base model the heads name (default smollm2-135m-instruct) in the model cache, or
 #      build it there offline (below; 31 s on the H200's machine).
 #   3. Copy HEADS_DIR to OUT_DIR/heads and calibrate the copy (`medusa-bench --calibrate`): the same

@@ -235,6 +235,23 @@ def test_cli_writes_the_report_files(model, tmp_path, monkeypatch):
     assert (out / "report.md").read_text().startswith("# medusa-bench")
     assert (out / "report.png").stat().st_size > 1000
 
+
+def test_cli_without_matplotlib_prints_the_table_and_names_the_plot_extra(model, tmp_path, monkeypatch, capsys):
+    """matplotlib is the ``plot`` extra's: a base install's benchmark ended in ModuleNotFoundError after
+    running every question, before printing its table."""
+    import sys
+
+    heads, questions = cli_files(model, tmp_path, monkeypatch)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # an import of it raises ImportError
+    out = tmp_path / "bench"
+    assert main(["--heads", str(heads), "--questions", str(questions), "--limit", "1", "--max-new-tokens", "4",
+                 "--methods", "ar", "--output", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert printed.out.startswith("# medusa-bench")
+    assert "not drawn: it needs matplotlib: pip install 'medusa-forge[plot]'" in printed.err
+    assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md"]
+
+
 def test_heads_from_the_hub_name_their_base_model(model, tmp_path, monkeypatch):
     """``--heads owner/repo`` without ``--model``: the repo is fetched as MedusaModel.from_pretrained
     fetches it (a stand-in for the Hub here) and its config names the base model."""

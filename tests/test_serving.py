@@ -423,6 +423,20 @@ def test_cli_refuses_flags_the_method_cannot_use_before_loading(argv, message, c
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("missing", ["fastapi", "uvicorn"])
+def test_cli_without_the_serve_extra_says_so_before_loading(missing, capsys, monkeypatch):
+    """uvicorn without fastapi (or the reverse) loaded and warmed up the model, then failed in a traceback."""
+    import sys
+
+    def no_loading(args):
+        raise AssertionError("a model was loaded before the serve extra was checked")
+
+    monkeypatch.setattr(cli, "load_model", no_loading)
+    monkeypatch.setitem(sys.modules, missing, None)  # an import of it raises ImportError
+    assert cli.main([]) == 1
+    assert "the server needs the serve extra: pip install 'medusa-forge[serve]'" in capsys.readouterr().err
+
+
 def test_cli_refuses_connections_until_the_model_is_loaded(capsys, monkeypatch):
     """The port is taken before the model loads but listened on only once it is ready: a TCP readiness
     probe passed (and requests waited) during the whole load."""

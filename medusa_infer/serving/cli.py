@@ -175,6 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        import fastapi  # noqa: F401  (the app's; checked before the model loads)
         import uvicorn
     except ImportError:
         print("medusa-serve: error: the server needs the serve extra: pip install 'medusa-forge[serve]'",
