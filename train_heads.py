@@ -286,17 +286,18 @@ def distill_pending(config: TrainConfig) -> int | None:
     return pending_prompts(distill_config, merged=True)[1] if rows_path(config).is_file() else None
 
 
-def load_base(config: TrainConfig, accelerator: Any, whole: bool = False) -> Any:
+def load_base(config: TrainConfig, accelerator: Any, whole: bool = False, cpu_kernels: str = "tuned") -> Any:
     """The recipe's base model on this process's device. Under DeepSpeed ZeRO-3, transformers
     partitions it as it loads (for training, whatever the launch config's zero3_init_flag);
     ``whole`` loads every weight in full instead, for a model no DeepSpeed engine holds (the frozen
-    backbone of Medusa-1 and of feature extraction, one process's evaluation)."""
+    backbone of Medusa-1 and of feature extraction, one process's evaluation). ``cpu_kernels``:
+    as ``load_base_model``'s."""
     from medusa_infer.models import load_base_model
 
     with unpartitioned(accelerator) if whole else nullcontext():
         return load_base_model(config.model.name, dtype=getattr(torch, config.model.dtype),
                                device=accelerator.device, attn_implementation=config.model.attn_implementation,
-                               trust_remote_code=config.model.trust_remote_code)
+                               trust_remote_code=config.model.trust_remote_code, cpu_kernels=cpu_kernels)
 
 
 @contextmanager
@@ -414,7 +415,10 @@ def stage_train(config: TrainConfig, accelerator: Any, train: list[dict], folder
                                      model_type, token_map, cache.embed_weight)
         task: Any = tr.Medusa1Task(config, module, FeatureDataset(cache.block, h.num_heads, token_map, vocab, soft=kl))
     else:
-        base = load_base(config, accelerator, whole=t.mode == "medusa1")  # Medusa-1: frozen, never sharded
+        # Medusa-1: frozen, never sharded. Medusa-2: the kernels the student's passes with grad run on, also
+        # for the teacher's without (the tuned CPU kernels take those only): else the two differ at step 0
+        base = load_base(config, accelerator, whole=t.mode == "medusa1",
+                         cpu_kernels="tuned" if t.mode == "medusa1" else "default")
         base.requires_grad_(False)
         vocab, hidden = full_shape(base.get_output_embeddings().weight)
         model_type = base.config.model_type
@@ -590,6 +594,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     accelerator = make_accelerator(config)
+    if config.training.mixed_precision == "fp16" and accelerator.device.type == "cpu":
+        raise SystemExit("train_heads.py: error: training.mixed_precision=fp16 has no autocast on the CPU "
+                         "(accelerate would train in float32 and say fp16); set training.mixed_precision=bf16 "
+                         "or no")
     say(accelerator, f"accelerate: {accelerator.distributed_type.value} on {accelerator.device.type}, "
                      f"{accelerator.num_processes} process(es), mixed precision {accelerator.mixed_precision}")
     launched = int(os.environ.get("WORLD_SIZE", "1"))

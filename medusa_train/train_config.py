@@ -199,7 +199,7 @@ class TrainingSection:
         warmup_ratio: share of the steps with a linear LR warm-up.
         loss: ``ce`` against the data's tokens or ``kl`` against the base model's top-k.
         head_decay: head k's loss weighs ``head_decay**k`` (normalised).
-        mixed_precision: ``no``, ``bf16`` or ``fp16`` (accelerate's autocast).
+        mixed_precision: ``no``, ``bf16`` or ``fp16`` (accelerate's autocast; fp16 on a GPU only).
         save_every: checkpoint every N optimizer steps (0: only at the end).
         keep_checkpoints: newest checkpoints kept.
         stage1_steps: Medusa-2: steps training the heads alone before the joint stage.

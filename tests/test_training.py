@@ -916,6 +916,36 @@ def test_medusa2_trains_adapter_and_heads_then_evaluates(tiny_dir, tmp_path):
     assert config["reduced_vocab_size"] == 30 and len(config["head_accuracies"]) == 3 and config["tree"]
 
 
+def test_medusa2_run_starts_at_a_base_kl_of_zero_on_cpu_kernels(tiny_dir, tmp_path, monkeypatch):
+    """train_heads loads the base on this CPU's tuned linear kernels, which take passes without grad only:
+    the teacher ran on them (oneDNN here), the student on PyTorch's, and the step-0 KL was not 0."""
+    import medusa_infer.cpu_kernels as kernels
+    import medusa_infer.models as models
+    import train_heads
+
+    load, run = models.load_base_model, kernels._run
+    monkeypatch.setattr(models, "load_base_model", lambda *a, cpu_kernels="tuned", **kw: load(
+        *a, cpu_kernels="onednn" if cpu_kernels == "tuned" else cpu_kernels, **kw))  # a plan taking oneDNN
+    # whose rounding differs from PyTorch's (at the tiny model's widths the two sum alike; at SmolLM2's they
+    # part by ~1e-4 in the logits)
+    monkeypatch.setattr(kernels, "_run", lambda *a: run(*a) * (1 + 1e-6))
+    out = tmp_path / "run"
+    values = recipe(tiny_dir, out, training={"mode": "medusa2", "batch_size": 4, "max_steps": 2, "loss": "kl"},
+                    lora={"r": 4, "target_modules": ["q_proj", "v_proj"]}, log={"every": 1})
+    assert train_heads.main(["--config", str(write_recipe(tmp_path / "r.yaml", values))]) == 0
+    assert train_log(out)[0]["base_kl"] == 0.0
+
+
+def test_fp16_on_the_cpu_is_refused_by_name(tiny_dir, tmp_path, capsys):
+    """accelerate takes fp16 on the CPU without autocast: the run trained in float32 and said fp16."""
+    import train_heads
+
+    values = recipe(tiny_dir, tmp_path / "run", training={"mixed_precision": "fp16", "max_steps": 1})
+    with pytest.raises(SystemExit, match="training.mixed_precision=fp16 has no autocast on the CPU .* set "
+                                         "training.mixed_precision=bf16 or no"):
+        train_heads.main(["--config", str(write_recipe(tmp_path / "r.yaml", values))])
+
+
 @pytest.fixture(scope="module")
 def counting_heads(tiny_dir, tmp_path_factory) -> Path:
     """A Medusa-1 run's heads (feature cache, a 30-token head vocabulary) that learnt to count."""
