@@ -851,14 +851,16 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
                 window[key] = window.get(key, 0) + value
                 measured[key] = measured.get(key, 0) + 1
             window_units += len(index)
+        used_lrs = scheduler.get_last_lr()  # what this step's optimizer steps ran with (not the next step's)
         scheduler.step()
         step += 1
         bar.update(1)
         if step % config.log.every == 0 or step == total:
             record = _summarise(accelerator, window, measured, window_units, window_start)
             record.update(step=step, total_steps=total, epoch=(step * t.grad_accum) / micro_per_epoch,
-                          lr=scheduler.get_last_lr()[-1], unit=unit,
-                          elapsed_s=round(time.perf_counter() - start_time, 2))
+                          lr=used_lrs[-1], unit=unit, elapsed_s=round(time.perf_counter() - start_time, 2))
+            if len(used_lrs) > 1:  # Medusa-2: lr is the adapter's (training.lr), the heads have their own
+                record["heads_lr"] = used_lrs[0]
             logger.log(record, bar)
             bar.set_postfix(loss=f"{record['loss']:.3f}")
             window, measured, window_units, window_start = {}, {}, 0, time.perf_counter()

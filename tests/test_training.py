@@ -936,6 +936,21 @@ def test_medusa2_run_starts_at_a_base_kl_of_zero_on_cpu_kernels(tiny_dir, tmp_pa
     assert train_log(out)[0]["base_kl"] == 0.0
 
 
+def test_the_log_gives_the_learning_rates_each_step_ran_with(tiny_dir, tmp_path):
+    """The log's lr was the next step's (read after the scheduler's step), and in Medusa-2 the adapter's
+    alone: the heads-only stage logged 0 while the heads trained at training.heads_lr."""
+    import train_heads
+
+    out = tmp_path / "run"
+    values = recipe(tiny_dir, out, training={"mode": "medusa2", "batch_size": 4, "max_steps": 3, "stage1_steps": 1,
+                                             "lr": 0.01, "heads_lr": 0.02, "warmup_ratio": 0.0, "loss": "ce"},
+                    lora={"r": 4, "target_modules": ["q_proj", "v_proj"]}, log={"every": 1})
+    assert train_heads.main(["--config", str(write_recipe(tmp_path / "r.yaml", values))]) == 0
+    log = train_log(out)
+    assert [r["lr"] for r in log] == pytest.approx([0.0, 0.01, 0.005])  # cosine over the 2 joint steps
+    assert [r["heads_lr"] for r in log] == pytest.approx([0.02, 0.02 * 0.75, 0.02 * 0.25])  # cosine over all 3
+
+
 def test_fp16_on_the_cpu_is_refused_by_name(tiny_dir, tmp_path, capsys):
     """accelerate takes fp16 on the CPU without autocast: the run trained in float32 and said fp16."""
     import train_heads
