@@ -604,6 +604,14 @@ def validate(config: TrainConfig) -> None:
                          "t + 1); set both")
     if t.mode == "medusa1" and t.stage1_steps:
         raise ValueError("training.stage1_steps applies to training.mode=medusa2 only; set it to 0")
+    if t.mode == "medusa1":  # read by Medusa-2 only, yet part of a run's settings (a change refused a rerun)
+        default = TrainingSection()
+        joint_only = [f"training.{name}={getattr(t, name)!r}" for name in (
+            "kl_weight", "heads_loss_weight", "heads_warmup_steps", "heads_weight_schedule", "gradient_checkpointing")
+            if getattr(t, name) != getattr(default, name)]
+        if joint_only:
+            raise ValueError(f"{', '.join(joint_only)} applies to training.mode=medusa2 only (Medusa-1 trains the "
+                             "heads alone on a frozen backbone); leave it out, or train training.mode=medusa2")
     if not 0 <= lora.dropout < 1:
         raise ValueError(f"lora.dropout must be in [0, 1), got {lora.dropout}")
     if t.mode == "medusa2" and not lora.target_modules:

@@ -461,6 +461,10 @@ def test_per_source_quotas_without_n_are_taken_whole(tmp_path):
     ("data.n=0", "data.n must be >= 1 (prompts to distil) or null (all of them), got 0"),
     ("data.n=-5", "data.n must be >= 1"),
     ("training.heads_lr=0.01", "training.heads_lr=0.01 applies to training.mode=medusa2 only"),  # it was ignored
+    # also ignored, yet part of the run's settings: changing one refused a rerun that would train the same heads
+    ("training.kl_weight=0.5", "training.kl_weight=0.5 applies to training.mode=medusa2 only"),
+    ("training.gradient_checkpointing=true", "training.gradient_checkpointing=True applies to training.mode=medusa2"),
+    ("training.heads_weight_schedule=sine", "training.heads_weight_schedule='sine' applies to training.mode=medusa2"),
     # these failed only once training started (after distillation), or trained an adapter scaled by 0
     ("lora.alpha=0", "lora.alpha must be >= 1, got 0"), ("lora.dropout=1.5", "lora.dropout must be in [0, 1), got 1.5"),
 ])
