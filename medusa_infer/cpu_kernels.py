@@ -156,7 +156,9 @@ def _takes_plan(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def tensor_version(tensor: torch.Tensor) -> int:
     """``tensor``'s version counter (bumped by in-place updates), what derived copies are kept by; -1 for
-    an inference tensor, which has none (and cannot change outside inference mode)."""
+    an inference tensor, which has none (and cannot change outside inference mode: an in-place change
+    within it goes unseen; ``CPULinear`` drops its packed copy when it loads a state dict, other code
+    changing an inference tensor in place calls ``forget_packed``)."""
     return -1 if tensor.is_inference() else tensor._version
 
 
@@ -230,6 +232,12 @@ class CPULinear(nn.Linear):
         state = dict(super().__getstate__())
         state.pop("_kernel_cache", None)
         return state
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        """``load_state_dict`` copies into the weight in place; under ``torch.inference_mode`` that
+        bumps no version (an inference tensor has none), so the packed copy is dropped here."""
+        self.__dict__.pop("_kernel_cache", None)
+        super()._load_from_state_dict(*args, **kwargs)
 
 
 def onednn_works() -> bool:

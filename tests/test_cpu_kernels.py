@@ -110,6 +110,20 @@ def test_the_packed_copy_follows_the_weight():
         torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias))
 
 
+@pytest.mark.parametrize("kernel", ["onednn", "mkl-packed"])
+def test_weights_loaded_in_place_under_inference_mode_are_computed_with(kernel):
+    """A layer made under inference mode has inference tensors, whose version never changes: a state dict
+    loaded in place there left every layer computing with the packed copy of the old weights."""
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        layer = switched(nn.Linear(16, 8), KernelPlan.uniform(kernel))
+        x = torch.randn(4, 16)
+        layer(x)  # packs the weight
+        layer.load_state_dict({"weight": torch.randn(8, 16), "bias": torch.randn(8)})
+        assert layer.weight.is_inference()
+        torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias))
+
+
 def test_an_adapter_merged_into_a_model_that_already_ran_is_computed_with(tmp_path):
     """peft's merge adds the LoRA delta through ``.data`` (no new version, the same storage): the copies packed
     by earlier forwards must not outlive it, or the merged model computes with the weights before it."""
