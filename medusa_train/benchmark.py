@@ -320,7 +320,7 @@ class Runner:
         self.tokenizer = model.tokenizer
         self.gates: dict[str, Any] = {}  # method -> SpeculationGate of its greedy batches
         self.step_costs: dict[str, StepCosts] = {}  # medusa method -> cost ratios its steps measured
-        self.assistant = None
+        self.assistant = self.assistant_tokenizer = self.draft = None
         if any(m in DRAFT_METHODS for m in args.methods):
             if not args.draft_model:
                 raise ValueError(f"methods {' and '.join(DRAFT_METHODS)} need --draft-model")
@@ -334,6 +334,10 @@ class Runner:
             except (OSError, ValueError):  # a folder without a tokenizer: the vocabulary sizes alone are compared
                 draft_tokenizer = None
             check_same_vocabulary(model, as_draft_model(self.assistant, draft_tokenizer))
+            self.assistant_tokenizer = draft_tokenizer
+            # the proposers' draft: the same tokenizer (just checked), as the target's own object, which
+            # they take without comparing again (an LM head padded to another size needs one)
+            self.draft = as_draft_model(self.assistant, model.tokenizer)
 
     def run(self, method: str, messages: list[dict]) -> Turn:
         """The next turn of one conversation."""
@@ -370,6 +374,10 @@ class Runner:
             extra["prompt_lookup_num_tokens"] = _or(self.args.lookup_tokens, HF_LOOKUP_TOKENS)
         elif method == "hf-assisted":
             extra["assistant_model"] = self.assistant
+            if self.assistant.get_output_embeddings().weight.shape[0] != self.model.lm_head.weight.shape[0]:
+                # LM heads padded to other sizes (the tokenizers are the same: checked): generate takes the
+                # pair only with both tokenizers
+                extra.update(tokenizer=self.tokenizer, assistant_tokenizer=self.assistant_tokenizer)
         base = self.model.base_model
         counter = _ForwardCounter(base)
         timer = _FirstTokenTimer()
@@ -405,7 +413,7 @@ class Runner:
         start = time.perf_counter()
 
         options = argparse.Namespace(
-            tree=self.args.tree, draft_model=self.assistant, layerskip_layers=None,
+            tree=self.args.tree, draft_model=self.draft, layerskip_layers=None,
             draft_tokens=self.args.lookup_tokens if method == "lookup" else None,  # None: DEFAULT_DRAFT_TOKENS
             lookup_max_tokens=self.args.lookup_max_tokens, datastore=self.args.datastore,
         )

@@ -604,6 +604,18 @@ def test_assisted_generation_and_grafted_lookup_run_and_stay_exact(model, tmp_pa
         assert methods[name]["tokens_per_s"] > 0
 
 
+def test_a_draft_model_of_the_same_tokenizer_with_a_padded_lm_head_is_benchmarked(model, tmp_path):
+    """Qwen2.5-0.5B for Qwen2.5-7B: one tokenizer, LM heads of other sizes. ``generate`` takes the pair only
+    with both tokenizers, and the draft proposer only drafts the target's tokens."""
+    config = copy.deepcopy(model.base_model.config)
+    config.vocab_size += 16
+    AutoModelForCausalLM.from_config(config).eval().save_pretrained(tmp_path / "draft")
+    model.tokenizer.save_pretrained(tmp_path / "draft")
+    report = benchmark(model, QUESTIONS[:2], args(methods=["hf", "hf-assisted", "ar", "draft"],
+                                                  draft_model=str(tmp_path / "draft")))
+    assert report["methods"]["hf-assisted"]["exact"] is True and report["methods"]["draft"]["exact"] is True
+
+
 def test_a_draft_model_with_another_tokenizer_is_refused_before_the_benchmark(model, tmp_path):
     """--draft-model's tokenizer is compared with the target's once, when the runner starts (the proposers
     get the bare model: a same-size vocabulary of other tokens ran, accepting almost nothing)."""

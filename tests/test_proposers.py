@@ -289,7 +289,7 @@ def test_rows_can_join_a_draft_batch_between_steps():
         assert running.merge(late) == [1, 2]
         while not running.done:
             running.step()
-    assert running.generated == futures
+    assert list(running.generated.values()) == futures
     with pytest.raises(ValueError, match="different draft models"):
         DraftProposer(target, draft).merge(LayerSkipProposer(target, num_layers=1))
 
@@ -323,7 +323,7 @@ def test_a_prompt_past_the_draft_context_joins_a_draft_batch(order):
         assert running.merge(late) == [1]
         while not running.done:
             running.step()
-    assert running.generated == [reference(target, first, 10), reference(target, second, 10)]
+    assert list(running.generated.values()) == [reference(target, first, 10), reference(target, second, 10)]
 
 
 def test_a_refused_merge_leaves_the_running_batch_as_it_was():
@@ -349,7 +349,7 @@ def test_a_refused_merge_leaves_the_running_batch_as_it_was():
             running.merge(late)
         while not running.done:
             running.step()
-    assert running.generated == [reference(target, prompts[0], 12)]
+    assert list(running.generated.values()) == [reference(target, prompts[0], 12)]
 
 
 def test_a_draft_model_named_is_loaded_like_its_target(tmp_path):
@@ -376,14 +376,42 @@ def word_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
 def test_a_draft_with_another_vocabulary_is_refused():
     target = target_model("llama")
     small = tiny_model("llama", seed=5, vocab_size=64)
-    with pytest.raises(ValueError, match=r"predicts 64 tokens but target .* predicts 96"):
+    with pytest.raises(ValueError, match=r"predicts 64 tokens but target .* predicts 96, and without both "
+                                         r"tokenizers .* give the draft's tokenizer"):
         DraftProposer(target, small)
+    words = [f"w{i}" for i in range(80)]
+    with pytest.raises(ValueError, match=r"predicts 64 tokens and target .* 96, fewer than their tokenizer's 80"):
+        DraftProposer(MedusaModel(target.base_model, None, word_tokenizer(words)),
+                      MedusaModel(small, None, word_tokenizer(words)))
     words = [f"w{i}" for i in range(VOCAB)]
     ours = MedusaModel(tiny_model("llama", seed=0), None, word_tokenizer(words))
     theirs = MedusaModel(tiny_model("llama", seed=5), None, word_tokenizer(words[::-1]))
     with pytest.raises(ValueError, match="different tokenizer from target"):
         DraftProposer(ours, theirs)
     DraftProposer(ours, MedusaModel(tiny_model("llama", seed=5), None, word_tokenizer(words)))  # same: fine
+
+
+@pytest.mark.parametrize("target_rows, draft_rows", [(VOCAB, VOCAB + 16), (VOCAB + 16, VOCAB)])
+def test_a_draft_of_the_same_tokenizer_with_a_padded_lm_head_drafts_exactly(target_rows, draft_rows):
+    """Qwen2.5-0.5B (151936 rows) drafting for Qwen2.5-7B (152064): one tokenizer, LM heads padded to other
+    sizes. It was refused as another tokenizer; greedy drafts stay exact, sampled ones lossless in shape."""
+    words = [f"w{i}" for i in range(VOCAB)]
+    target = MedusaModel(tiny_model("llama", seed=0, vocab_size=target_rows), None, word_tokenizer(words))
+    draft_base = tiny_model("llama", seed=1, vocab_size=draft_rows)
+    with torch.no_grad():  # the target's weights, on the tokenizer's rows too
+        for name, weight in draft_base.state_dict().items():
+            weight[: min(VOCAB, len(weight))] = target.base_model.state_dict()[name][: min(VOCAB, len(weight))]
+    draft = MedusaModel(draft_base, None, word_tokenizer(words))
+    ids = torch.tensor([[5, 9, 12, 7], [0, 0, 3, 4]])
+    mask = (ids > 0).long()
+    plain = generate(target, ids, attention_mask=mask, max_new_tokens=16)
+    proposer = DraftProposer(target, draft, num_tokens=3)
+    spec = generate(target, ids, attention_mask=mask, max_new_tokens=16, proposer=proposer)
+    assert spec.new_tokens == plain.new_tokens
+    assert spec.metrics.accepted_by_depth[0] > 0  # the same weights on the real rows: drafts accepted
+    sampled = generate(target, ids, attention_mask=mask, max_new_tokens=8, do_sample=True, temperature=0.8, seed=1,
+                       proposer=DraftProposer(target, draft, num_tokens=3))
+    assert all(len(tokens) == 8 for tokens in sampled.new_tokens)
 
 
 # -- LayerSkip: a view of the first layers, sharing the weights --------------------------------------

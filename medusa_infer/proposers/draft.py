@@ -52,6 +52,8 @@ class DraftProposer:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         self.draft = as_draft_model(draft, draft_tokenizer, target)
         check_same_vocabulary(target, self.draft)
+        self.vocab = target.lm_head.weight.shape[0]  # drafts are the target's tokens (fit_vocabulary)
+        self.draft_vocab = self.draft.base_model.get_input_embeddings().weight.shape[0]
         self.k, self.schedule, self.max_tokens = num_tokens, schedule, max(max_tokens, num_tokens)
         self.trees = ChainTrees(target.device)
         self.device = self.draft.device
@@ -163,10 +165,12 @@ class DraftProposer:
 
     def _forward(self, ids, valid, positions, new_mask) -> torch.Tensor:
         mask = self.kv.attention_mask(positions, valid, new_mask, self.draft.dtype)
+        if self.draft_vocab < self.vocab:  # a padding id of the target's (never a token) is none of the draft's
+            ids = ids.clamp(max=self.draft_vocab - 1)
         out = self.draft(ids, attention_mask=mask, position_ids=positions, cache=self.kv.cache,
                          logits_positions=slice(-1, None))
         self.kv.append(valid, positions)
-        return out.logits[:, -1].float()
+        return fit_vocabulary(out.logits[:, -1].float(), self.vocab)
 
     def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A draft token per row: argmax, or a sample from the warped distribution (returned)."""
@@ -208,20 +212,40 @@ def model_name(model) -> str:
 
 
 def check_same_vocabulary(target, draft) -> None:
-    """Raise ``ValueError`` naming both models when the draft's vocabulary is not the target's."""
+    """Raise ``ValueError`` naming both models when the draft's vocabulary is not the target's. The
+    same tokenizer with LM heads padded to other sizes (Qwen2.5-0.5B's 151936 rows, Qwen2.5-7B's
+    152064) is the same vocabulary: the rows past the tokenizer's tokens are padding, never a token."""
     target_vocab = target.lm_head.weight.shape[0]
     draft_vocab = draft.lm_head.weight.shape[0]
-    if target_vocab != draft_vocab:
+    both = target.tokenizer is not None and draft.tokenizer is not None
+    if both and target.tokenizer is not draft.tokenizer:  # (layerskip: the target's own)
+        ours, theirs = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+        if ours != theirs:
+            differing = len(set(ours.items()) ^ set(theirs.items()))
+            raise ValueError(
+                f"draft model {model_name(draft)} has a different tokenizer from target {model_name(target)} "
+                f"({differing} token entries differ): a draft must share the target's tokenizer and vocabulary"
+            )
+    if target_vocab == draft_vocab:
+        return
+    if not both:
         raise ValueError(
             f"draft model {model_name(draft)} predicts {draft_vocab} tokens but target {model_name(target)} "
-            f"predicts {target_vocab}: a draft must share the target's tokenizer and vocabulary"
+            f"predicts {target_vocab}, and without both tokenizers nothing tells whether only padding rows differ: "
+            "give the draft's tokenizer (a draft must share the target's tokenizer and vocabulary)"
         )
-    if target.tokenizer is None or draft.tokenizer is None or target.tokenizer is draft.tokenizer:
-        return  # nothing to compare (layerskip: the target's own), or a model given without one
-    ours, theirs = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
-    if ours != theirs:
-        differing = len(set(ours.items()) ^ set(theirs.items()))
+    tokens = len(target.tokenizer)
+    if tokens > min(target_vocab, draft_vocab):
         raise ValueError(
-            f"draft model {model_name(draft)} has a different tokenizer from target {model_name(target)} "
-            f"({differing} token entries differ): a draft must share the target's tokenizer and vocabulary"
+            f"draft model {model_name(draft)} predicts {draft_vocab} tokens and target {model_name(target)} "
+            f"{target_vocab}, fewer than their tokenizer's {tokens}: a draft must predict every token the target can"
         )
+
+
+def fit_vocabulary(logits: torch.Tensor, width: int) -> torch.Tensor:
+    """A padded draft's ``[..., vocab]`` logits at the target's ``width``: its extra padding rows cut, or
+    missing ones added at ``-inf`` (never drafted; probability 0)."""
+    have = logits.shape[-1]
+    if have >= width:
+        return logits[..., :width]
+    return torch.nn.functional.pad(logits, (0, width - have), value=float("-inf"))
