@@ -593,11 +593,11 @@ def main(argv: list[str] | None = None) -> int:
             print(layout.summary())
         return 0
 
-    accelerator = make_accelerator(config)
-    if config.training.mixed_precision == "fp16" and accelerator.device.type == "cpu":
+    if config.training.mixed_precision == "fp16" and (config.training.cpu or not torch.cuda.is_available()):
         raise SystemExit("train_heads.py: error: training.mixed_precision=fp16 has no autocast on the CPU "
                          "(accelerate would train in float32 and say fp16); set training.mixed_precision=bf16 "
                          "or no")
+    accelerator = make_accelerator(config)
     say(accelerator, f"accelerate: {accelerator.distributed_type.value} on {accelerator.device.type}, "
                      f"{accelerator.num_processes} process(es), mixed precision {accelerator.mixed_precision}")
     launched = int(os.environ.get("WORLD_SIZE", "1"))
