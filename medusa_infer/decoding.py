@@ -374,8 +374,11 @@ class DecodeBatch:
         between steps; returns their row numbers here."""
         if other.model is not self.model or other.sampling != self.sampling:
             raise ValueError("only batches of the same model and sampling settings can be merged")
-        if type(other.proposer) is not type(self.proposer) or not hasattr(self.proposer, "merge"):
+        if not hasattr(self.proposer, "merge"):
             raise ValueError(f"{type(self.proposer).__name__} batches cannot be merged")
+        if type(other.proposer) is not type(self.proposer):
+            raise ValueError(f"{type(other.proposer).__name__}'s batch cannot join {type(self.proposer).__name__}'s; "
+                             "only batches of one method merge")
         self.proposer.merge(other.proposer)  # first: it refuses (another draft model, trees) before any change
         self.kv.merge(other.kv)
         offset = self.row_count

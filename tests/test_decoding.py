@@ -511,6 +511,23 @@ def test_batches_merge_between_steps_and_rows_can_be_cancelled():
     assert running.metrics.new_tokens == running.metrics.rows + running.metrics.step_tokens == emitted
 
 
+def test_batches_of_two_methods_are_refused_a_merge_by_name():
+    """A layerskip batch joining a draft batch was told "DraftProposer batches cannot be merged"."""
+    from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig
+    from medusa_infer.proposers.autoregressive import AutoregressiveProposer
+    from medusa_infer.proposers.lookup import LookupProposer
+
+    model = medusa("llama")
+    ids, mask = left_pad([torch.arange(3, 9)])
+    with torch.no_grad():
+        lookup, plain = (DecodeBatch(model, ids, mask, proposer, SamplingConfig(), StopConfig(6), None, None)
+                         for proposer in (LookupProposer(model), AutoregressiveProposer(model)))
+        lookup.prefill()
+        plain.prefill()
+        with pytest.raises(ValueError, match="AutoregressiveProposer's batch cannot join LookupProposer's"):
+            lookup.merge(plain)
+
+
 def test_a_finished_row_can_release_its_tokens():
     """A server batch that rows keep joining never ends: delivered rows must not keep their tokens."""
     from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig

@@ -40,7 +40,8 @@ def build_proposer(method: str, model: Any, options: Any = None) -> Proposer:
             ``adaptive`` and ``step_costs`` (medusa: as ``decoding.generate``'s).
 
     The decoding loop tells the proposer its sampling settings (``configure``), so a draft samples
-    exactly when the verifier does.
+    exactly when the verifier does. Settings ``method`` does not read are ignored (a server passes
+    one options object to every method); ``decoding.generate`` refuses them by name.
     """
 
     def option(name: str, default: Any = None) -> Any:
