@@ -112,7 +112,7 @@ class MethodTotals:
     tokens: int = 0
     seconds: float = 0.0
     steps: int = 0
-    step_tokens: int = 0  # tokens the decoding steps gave (the first forward's not included)
+    step_tokens: int = 0  # tokens the decoding steps gave (all but the prefill's first)
     ttft: list[float] = field(default_factory=list)
     decode_s: float = 0.0
     peak_mem_mb: float = 0.0
@@ -122,8 +122,10 @@ class MethodTotals:
     def add(self, turn: Turn) -> None:
         self.tokens += len(turn.tokens)
         self.seconds += turn.seconds
-        self.steps += turn.steps
-        self.step_tokens += len(turn.tokens) - min(turn.first_tokens, len(turn.tokens))
+        # a first forward that verified drafts (Hugging Face's assisted methods) is also a step, of the
+        # tokens it gave past the prefill's
+        self.steps += turn.steps + (min(turn.first_tokens, len(turn.tokens)) > 1)
+        self.step_tokens += max(len(turn.tokens) - 1, 0)
         self.ttft.append(turn.ttft_s)
         if len(turn.tokens) > 1:  # a row that stopped at its first token has no later tokens to charge
             self.decode_s += (turn.call_s - turn.ttft_s) * turn.steps / max(turn.call_steps, 1)
@@ -135,7 +137,7 @@ class MethodTotals:
         return {
             "tokens": self.tokens,
             "seconds": round(self.seconds, 3),
-            # tokens per decoding step (None: every turn ended in its first forward, with no step to count)
+            # tokens per decoding step (None: every turn ended at its first token, with no step to count)
             "tau": round(self.step_tokens / self.steps, 3) if self.steps else None,
             "tokens_per_s": round(speed, 3),
             "speedup": round(speed / baseline_speed, 3) if baseline_speed else None,

@@ -3,7 +3,7 @@ token no step's, ``(tokens - turns) / steps``), for reports written before commi
 tokens per target forward (the prefill's forward and token counted too: ``tokens / (steps + turns)``).
 
 Such a report keeps ``tokens``, ``turns`` and that tau rounded to 3 decimals per method; the steps are the
-whole numbers consistent with them, one where the tokens are few enough (under about 4 * tau**2 thousand),
+whole numbers consistent with them, one where the tokens are few enough (under about tau**2 thousand),
 else a range. Hugging Face's assisted methods verified drafts in their first forward, whose tokens the old
 report did not keep: theirs cannot be recomputed (n/a).
 
@@ -27,8 +27,9 @@ def steps_range(tokens: int, turns: int, tau: float) -> range:
     return range(max(low, 0), high + 1)
 
 
-def retau(method: str, row: dict) -> str:
-    tokens, turns, tau = row["tokens"], row["turns"], row["tau"]
+def retau(method: str, row: dict, turns: int) -> str:
+    """``turns``: the method's (reports before commit f8ca5fd keep only the run's, every method's)."""
+    tokens, turns, tau = row["tokens"], row.get("turns", turns), row["tau"]
     if method in ASSISTED:
         return "n/a"
     if tau == 1.0:
@@ -40,16 +41,17 @@ def retau(method: str, row: dict) -> str:
     return f"{low:.3f}" if round(low, 3) == round(high, 3) else f"{low:.3f}..{high:.3f}"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("reports", nargs="+", type=Path)
-    for path in parser.parse_args().reports:
+    for path in parser.parse_args(argv).reports:
         report = json.loads(path.read_text())
         print(path)
         print("| method | tokens | turns | tau then (per forward) | tau now (per step) |")
         print("|---|---|---|---|---|")
         for method, row in report["methods"].items():
-            print(f"| {method} | {row['tokens']} | {row['turns']} | {row['tau']:.3f} | {retau(method, row)} |")
+            turns = row.get("turns", report["settings"]["turns"])
+            print(f"| {method} | {row['tokens']} | {turns} | {row['tau']:.3f} | {retau(method, row, turns)} |")
 
 
 if __name__ == "__main__":

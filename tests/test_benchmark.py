@@ -875,10 +875,13 @@ def test_tau_is_tokens_per_decoding_step_as_generation_metrics_count_them(model,
     plain.add(bench.Turn(list(range(10)), 0.1, 9, 0.01, 0.0, 0.1, 9))
     assert plain.summary(None)["tau"] == 1.0
     assisted = bench.MethodTotals()
-    assisted.add(bench.Turn(list(range(4)), 0.1, 0, 0.01, 0.0, 0.1, 0, first_tokens=4))
+    assisted.add(bench.Turn(list(range(1)), 0.1, 0, 0.01, 0.0, 0.1, 0))
     assert assisted.summary(None)["tau"] is None  # no decoding step (it read 1.0)
-    assisted.add(bench.Turn(list(range(10)), 0.1, 2, 0.01, 0.0, 0.1, 2, first_tokens=4))
-    assert assisted.summary(None)["tau"] == 3.0
+    assisted.add(bench.Turn(list(range(4)), 0.1, 0, 0.01, 0.0, 0.1, 0, first_tokens=4))
+    assert assisted.summary(None)["tau"] == 3.0  # the first forward verified drafts: a step of 3 tokens
+    assisted = bench.MethodTotals()  # 3 tokens from the first forward, then 21 in 21 steps: 23 in 22 steps
+    assisted.add(bench.Turn(list(range(24)), 0.1, 21, 0.01, 0.0, 0.1, 21, first_tokens=3))
+    assert assisted.summary(None)["tau"] == round(23 / 22, 3)  # it read 1.0: those 2 tokens were nobody's
     assert bench._tau(None) == "-" and bench._tau(2.345) == "2.35"  # report.md's cell
     timer = bench._FirstTokenTimer()
     timer.put(torch.tensor([[1, 2, 3]]))  # the prompt
@@ -1030,8 +1033,12 @@ def test_retau_recovers_a_stored_reports_steps_and_gives_tokens_per_step():
     tokens, turns, steps = 3731, 65, 1199
     old = round(tokens / (steps + turns), 3)
     assert list(script.steps_range(tokens, turns, old)) == [steps]
-    assert script.retau("medusa-lookup", {"tokens": tokens, "turns": turns, "tau": old}) == f"{(tokens - turns) / steps:.3f}"
-    wide = script.retau("medusa", {"tokens": 15252, "turns": 130, "tau": 2.136})
+    per_step = f"{(tokens - turns) / steps:.3f}"
+    assert script.retau("medusa-lookup", {"tokens": tokens, "turns": turns, "tau": old}, 0) == per_step
+    # reports before commit f8ca5fd keep the run's turns only (every method's): it failed with a KeyError
+    assert script.retau("medusa-lookup", {"tokens": tokens, "tau": old}, turns) == per_step
+    wide = script.retau("medusa", {"tokens": 15252, "turns": 130, "tau": 2.136}, 130)
     assert ".." in wide and all(2.15 < float(x) < 2.16 for x in wide.split(".."))
-    assert script.retau("hf-lookup", {"tokens": tokens, "turns": turns, "tau": 1.8}) == "n/a"
-    assert script.retau("ar", {"tokens": tokens, "turns": turns, "tau": 1.0}) == "1.00"
+    assert script.retau("hf-lookup", {"tokens": tokens, "turns": turns, "tau": 1.8}, turns) == "n/a"
+    assert script.retau("ar", {"tokens": tokens, "turns": turns, "tau": 1.0}, turns) == "1.00"
+    script.main([str(p) for p in sorted((path.parents[1] / "docs").rglob("report.json"))])  # every stored one
