@@ -247,8 +247,12 @@ def load_questions(path: str | Path, limit: int | None = None, seed: int = 0,
                    exclude_ids: Sequence[Any] = ()) -> list[dict]:
     """Spec-Bench-format questions (``id``, ``category``, ``turns``); with ``limit``, a sample
     balanced across categories (round robin in a seeded shuffle), in file order."""
+    return pick_questions(read_questions(path), limit, seed, exclude_ids)
+
+
+def read_questions(path: str | Path) -> list[dict]:
+    """Every Spec-Bench-format question of ``path``, checked (read once: it may be a pipe)."""
     rows = []
-    excluded = {str(x) for x in exclude_ids}
     for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if not line.strip():
             continue
@@ -260,8 +264,16 @@ def load_questions(path: str | Path, limit: int | None = None, seed: int = 0,
         if problem:
             raise ValueError(f"{path}:{number}: {problem}; a question is "
                              '{"id": 1, "category": "writing", "turns": ["first turn", ...]}')
-        if str(row["id"]) not in excluded:  # 81 and "81" alike: ids come as given in files and on command lines
-            rows.append(row)
+        rows.append(row)
+    return rows
+
+
+def pick_questions(questions: Sequence[dict], limit: int | None = None, seed: int = 0,
+                   exclude_ids: Sequence[Any] = ()) -> list[dict]:
+    """``questions`` but ``exclude_ids``; with ``limit``, a sample balanced across categories (round
+    robin in a seeded shuffle), in their order."""
+    excluded = {str(x) for x in exclude_ids}  # 81 and "81" alike: ids come as given in files and on command lines
+    rows = [row for row in questions if str(row["id"]) not in excluded]
     if limit is None or limit >= len(rows):
         return rows
     by_category: dict[str, list[dict]] = defaultdict(list)
@@ -1092,8 +1104,9 @@ def run(args: argparse.Namespace, started: float) -> int:
         exclude += calibrated_on
         print(f"leaving out the {len(calibrated_on)} questions of {Path(args.questions).name} these heads were "
               "calibrated on", file=sys.stderr)
+    all_questions = read_questions(args.questions)  # once: --questions may be a pipe
     if args.calibrate:
-        calib_questions = load_questions(args.questions, args.calibrate_questions, seed=args.seed + 1,
+        calib_questions = pick_questions(all_questions, args.calibrate_questions, seed=args.seed + 1,
                                          exclude_ids=exclude)
         # calibration answers first turns: one too long for the context (with its answer) is left out, as
         # the benchmark leaves out questions that may not fit (it stopped the run)
@@ -1115,7 +1128,7 @@ def run(args: argparse.Namespace, started: float) -> int:
         print(f"calibrated: tree of {result['tree_nodes']} nodes, expected tau {result['expected_tau']:.2f}, "
               f"expected speedup {result['expected_speedup']:.2f}x; saved into {saved}", file=sys.stderr)
         exclude += [q["id"] for q in calib_questions]
-    questions = load_questions(args.questions, args.limit, seed=args.seed, exclude_ids=exclude)
+    questions = pick_questions(all_questions, args.limit, seed=args.seed, exclude_ids=exclude)
     if not questions:
         left_out = "--exclude-ids" + (" and the calibration's questions" if args.calibrate or calibrated_on else "")
         raise ValueError(f"no question of {args.questions} is left to benchmark after {left_out}; "

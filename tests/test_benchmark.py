@@ -529,6 +529,23 @@ def test_cli_calibrates_then_benchmarks_in_batches(model, tmp_path, monkeypatch,
     assert json.loads((tmp_path / "b3" / "report.json").read_text())["settings"]["questions_answered"] == 5
 
 
+def test_cli_calibrates_on_questions_from_a_pipe(model, tmp_path, monkeypatch):
+    """--questions may be a pipe: calibration and the benchmark pick from one reading (the second read of
+    the pipe found nothing, and the run failed as if every question had been excluded)."""
+    import os
+    import threading
+
+    heads, questions = cli_files(model, tmp_path, monkeypatch)
+    read, write = os.pipe()
+    text = questions.read_bytes()
+    threading.Thread(target=lambda: (os.write(write, text), os.close(write)), daemon=True).start()
+    assert main(["--heads", str(heads), "--questions", f"/dev/fd/{read}", "--max-new-tokens", "4", "--device", "cpu",
+                 "--methods", "hf,ar", "--calibrate", "--calibrate-questions", "2", "--calibrate-context", "16",
+                 "--output", str(tmp_path / "out")]) == 0
+    os.close(read)
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["settings"]["questions_answered"] == 3
+
+
 def test_calibrating_faster_decoding_heads_leaves_their_folder_to_other_engines(model, tmp_path, monkeypatch,
                                                                                  capsys):
     _, questions = cli_files(model, tmp_path, monkeypatch)
