@@ -593,7 +593,9 @@ def main(argv: list[str] | None = None) -> int:
             print(layout.summary())
         return 0
 
-    if config.training.mixed_precision == "fp16" and (config.training.cpu or not torch.cuda.is_available()):
+    trains = any(stage.name == "train" and not stage.done for stage in layout.stages)
+    if trains and config.training.mixed_precision == "fp16" and (config.training.cpu or not torch.cuda.is_available()):
+        # (a finished fp16 run is evaluated on a CPU alike: its settings, fp16 included, must stay as trained)
         raise SystemExit("train_heads.py: error: training.mixed_precision=fp16 has no autocast on the CPU "
                          "(accelerate would train in float32 and say fp16); set training.mixed_precision=bf16 "
                          "or no")

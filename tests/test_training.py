@@ -961,6 +961,29 @@ def test_fp16_on_the_cpu_is_refused_by_name(tiny_dir, tmp_path, capsys):
         train_heads.main(["--config", str(write_recipe(tmp_path / "r.yaml", values))])
 
 
+def test_a_finished_fp16_run_is_evaluated_on_the_cpu(tiny_dir, tmp_path):
+    """The fp16 refusal is for training: a run a GPU trained in fp16 (its settings say so, and a rerun must
+    keep them) is evaluated on a CPU (it was refused, and with the precision changed refused as another run)."""
+    import shutil
+
+    import train_heads
+
+    out = tmp_path / "run"
+    config_file = str(write_recipe(tmp_path / "r.yaml", recipe(tiny_dir, out, training={"max_steps": 2})))
+    assert train_heads.main(["--config", config_file]) == 0
+    final = out / "checkpoints" / "final" / "config.json"  # as a GPU's fp16 run writes it
+    stored = json.loads(final.read_text())
+    assert stored["training"]["settings"]["training.mixed_precision"] == "no"
+    stored["training"]["settings"]["training.mixed_precision"] = "fp16"
+    final.write_text(json.dumps(stored))
+    shutil.rmtree(out / "heads")
+    # a process of its own: accelerate keeps one precision a process
+    done = subprocess.run([sys.executable, "train_heads.py", "--config", config_file, "training.mixed_precision=fp16"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (out / "heads" / "config.json").is_file()
+
+
 @pytest.fixture(scope="module")
 def counting_heads(tiny_dir, tmp_path_factory) -> Path:
     """A Medusa-1 run's heads (feature cache, a 30-token head vocabulary) that learnt to count."""
