@@ -141,6 +141,18 @@ def test_queued_requests_whose_clients_left_free_their_queue_places_at_once(mode
         engine.stop()
     assert [updates[i][-1].finish for i in range(3)] == ["disconnect", "disconnect", "length"]
 
+    # cancelled while queued, then the engine stops before its next turn: the request is still told
+    engine = Engine(model, model.tokenizer, "medusa", max_batch=1, max_queue=2)
+    updates.clear()
+    engine.start()
+    with engine.hold():
+        left, waiting = request(0), request(1)
+        engine.submit(left)
+        engine.submit(waiting)
+        engine.cancel(left)
+        engine.stop(timeout=10)  # stop() waits out no turn: the loop ends without one
+    assert [updates[i][-1].finish for i in range(2)] == ["disconnect", "shutdown"] and left.done
+
 
 def test_timeouts_abort_queued_and_running_requests(model):
     with serve(model, "medusa", request_timeout=1.0) as (server, engine):

@@ -299,6 +299,10 @@ class Engine:
             with self._lock:
                 self._stopping = True
                 waiting, self._waiting = list(self._waiting), deque()
+                cancels, self._cancels = self._cancels, {}
+            for request, reason in cancels.items():  # cancelled but not yet told (a cancel leaves the queue at once)
+                if request.slot is None:
+                    self._finish(request, reason, error=CANCEL_MESSAGES.get(reason))
             for request in list(self._active.values()) + waiting:
                 self._finish(request, "shutdown", error="the server is shutting down")
             self._batches.clear()
