@@ -412,6 +412,11 @@ def test_a_draft_of_the_same_tokenizer_with_a_padded_lm_head_drafts_exactly(targ
     sampled = generate(target, ids, attention_mask=mask, max_new_tokens=8, do_sample=True, temperature=0.8, seed=1,
                        proposer=DraftProposer(target, draft, num_tokens=3))
     assert all(len(tokens) == 8 for tokens in sampled.new_tokens)
+    # a draft given without its tokenizer takes the one given beside it (the refusal says to)
+    bare = MedusaModel(draft_base, None, None)
+    with pytest.raises(ValueError, match="give the draft's tokenizer"):
+        DraftProposer(target, bare)
+    DraftProposer(target, bare, draft_tokenizer=draft.tokenizer)
 
 
 # -- LayerSkip: a view of the first layers, sharing the weights --------------------------------------

@@ -183,14 +183,16 @@ class DraftProposer:
 
 def as_draft_model(draft: Any, tokenizer: Any = None, target: Any = None):
     """A ``MedusaModel`` wrapping ``draft`` (a ``MedusaModel``, a causal LM, or a name to load: on
-    ``target``'s device and in its dtype when given, else on the CPU in float32)."""
+    ``target``'s device and in its dtype when given, else on the CPU in float32), with ``tokenizer``
+    (default: the draft's own)."""
     from transformers import PreTrainedModel
 
     from medusa_infer.model import MedusaModel
     from medusa_infer.models import load_base_model, load_tokenizer
 
-    if isinstance(draft, MedusaModel):
-        return draft
+    if isinstance(draft, MedusaModel):  # its heads are not read: a tokenizer given replaces its own
+        return draft if tokenizer is None or tokenizer is draft.tokenizer else MedusaModel(draft.base_model, None,
+                                                                                           tokenizer)
     if isinstance(draft, PreTrainedModel):
         return MedusaModel(draft.eval(), None, tokenizer)
     if isinstance(draft, str):
