@@ -184,8 +184,9 @@ class MedusaConfig:
             )
         if version < 2 and data.get("cost_profile") and data.get("head_accuracies"):
             # calibrated under version 1: per-rank accuracies, made cumulative here
-            data = {**data, "head_accuracies": [[round(sum(row[: j + 1]), 5) for j in range(len(row))]
-                                                for row in data["head_accuracies"]]}
+            data = {**data, "head_accuracies": [  # a row of another shape is named by _check_tables
+                [round(sum(row[: j + 1]), 5) for j in range(len(row))] if isinstance(row, list) else row
+                for row in data["head_accuracies"]]}
         if "chat_template" not in data:  # heads saved before the field: their recipe's template
             recipe_model = ((data.get("training") or {}).get("recipe") or {}).get("model") or {}
             data = {**data, "chat_template": recipe_model.get("chat_template")}

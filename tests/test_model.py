@@ -579,6 +579,8 @@ def test_truncated_weights_file_is_reported(saved):
     (lambda c: {**c, "tree": [0, 1, 2]}, r"heads config tree must be null or a list of rank paths"),
     (lambda c: {**c, "tree": [[0], None]}, r"heads config tree must be null or a list of rank paths"),
     (lambda c: {**c, "head_accuracies": [0.5, 0.7]}, "heads config head_accuracies must be null or a list of each"),
+    (lambda c: {**c, "head_accuracies": [0.5, 0.7], "format_version": 1, "cost_profile": {"seconds": [1.0]}},
+     "heads config head_accuracies must be null or a list of each"),  # converted from per-rank ones first
     (lambda c: {**c, "path_accuracies": [[[0], 0.5, 1]]}, r"heads config path_accuracies must be null or a list of \[rank"),
 ])
 def test_a_config_of_the_wrong_shape_is_named(saved, edit, message):
