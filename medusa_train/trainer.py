@@ -693,7 +693,8 @@ class MetricLogger:
                 handle.write(json.dumps(record) + "\n")
         heads = " ".join(f"{a:.2f}" for a in record["head_top1"])
         line = (f"step {record['step']}/{record['total_steps']} epoch {record['epoch']:.2f} "
-                f"loss {record['loss']:.4f} lr {record['lr']:.2e} top1 [{heads}]")
+                f"loss {record['loss']:.4f} lr {record['lr']:.2e}"
+                + (f" heads_lr {record['heads_lr']:.2e}" if "heads_lr" in record else "") + f" top1 [{heads}]")
         if "base_kl" in record:
             line += f" base_kl {record['base_kl']:.2e} heads_w {record['heads_weight']:.3f}"
         line += f" {record['units_per_s']:.0f} {record['unit']}/s"

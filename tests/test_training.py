@@ -936,7 +936,7 @@ def test_medusa2_run_starts_at_a_base_kl_of_zero_on_cpu_kernels(tiny_dir, tmp_pa
     assert train_log(out)[0]["base_kl"] == 0.0
 
 
-def test_the_log_gives_the_learning_rates_each_step_ran_with(tiny_dir, tmp_path):
+def test_the_log_gives_the_learning_rates_each_step_ran_with(tiny_dir, tmp_path, capsys):
     """The log's lr was the next step's (read after the scheduler's step), and in Medusa-2 the adapter's
     alone: the heads-only stage logged 0 while the heads trained at training.heads_lr."""
     import train_heads
@@ -949,6 +949,8 @@ def test_the_log_gives_the_learning_rates_each_step_ran_with(tiny_dir, tmp_path)
     log = train_log(out)
     assert [r["lr"] for r in log] == pytest.approx([0.0, 0.01, 0.005])  # cosine over the 2 joint steps
     assert [r["heads_lr"] for r in log] == pytest.approx([0.02, 0.02 * 0.75, 0.02 * 0.25])  # cosine over all 3
+    printed = capsys.readouterr()
+    assert "lr 0.00e+00 heads_lr 2.00e-02 top1" in printed.out + printed.err  # the console line too
 
 
 def test_fp16_on_the_cpu_is_refused_by_name(tiny_dir, tmp_path, capsys):
