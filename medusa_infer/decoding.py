@@ -503,10 +503,10 @@ def _prepare_inputs(model, tokenizer, input_ids, attention_mask, prompt, message
         if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
             raise ValueError(f"prompt must be a string or a list of strings, got {type(prompt).__name__}; "
                              "pass token ids as input_ids=")
-        if not texts or any(not t for t in texts):
-            raise ValueError("empty prompt: give at least one token of input")
         # padded here: a tokenizer without a pad token (GPT-2's, Llama 2's) refuses to pad
-        rows = tokenizer(list(texts), add_special_tokens=messages is None)["input_ids"]
+        rows = tokenizer(list(texts), add_special_tokens=messages is None)["input_ids"] if texts else []
+        if not rows or any(not row for row in rows):  # "" is a prompt where the tokenizer adds a BOS (Gemma's)
+            raise ValueError("empty prompt: give at least one token of input")
         input_ids, attention_mask = left_pad(rows, _known_pad_id(model, tokenizer) or 0)
     input_ids = torch.as_tensor(input_ids)
     if input_ids.dtype == torch.bool or input_ids.is_floating_point() or input_ids.is_complex():
@@ -518,7 +518,10 @@ def _prepare_inputs(model, tokenizer, input_ids, attention_mask, prompt, message
         raise ValueError(f"input_ids must be [batch, length] or [length], got shape {tuple(input_ids.shape)}")
     if attention_mask is None:
         pad = _known_pad_id(model, tokenizer)
-        if input_ids.shape[0] > 1 and pad is not None and bool((input_ids[:, 0] == pad).any()):
+        bos = getattr(tokenizer if tokenizer is not None else model.base_model.config, "bos_token_id", None)
+        # one row too (its pads were attended to as prompt), unless the pad id is also the BOS it starts with
+        padded = input_ids.shape[0] > 1 or pad != bos
+        if padded and pad is not None and input_ids.shape[1] and bool((input_ids[:, 0] == pad).any()):
             raise ValueError(f"input_ids has rows that start with the pad id {pad} and no attention_mask: pass "
                              "attention_mask (1 for prompt tokens, 0 for the left padding), or the prompts as prompt=")
         attention_mask = torch.ones_like(input_ids)

@@ -415,6 +415,22 @@ def test_an_attention_mask_beside_text_is_refused():
             generate(word_medusa(0), attention_mask=torch.zeros(1, 9), max_new_tokens=2, **text)
 
 
+def test_an_empty_prompt_text_a_tokenizer_gives_a_bos_is_a_prompt():
+    """prompt="" with a tokenizer that adds a BOS (Gemma's, Llama 2's) is that token, as input_ids=[[bos]]
+    (it was refused as empty before tokenising); without one it stays an empty prompt."""
+    from tokenizers.processors import TemplateProcessing
+
+    from tiny import word_medusa
+
+    model = word_medusa(0)
+    with pytest.raises(ValueError, match="empty prompt"):
+        generate(model, prompt="", max_new_tokens=2)
+    model.tokenizer.backend_tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    assert model.tokenizer("")["input_ids"] == [1]
+    assert generate(model, prompt="", max_new_tokens=4).new_tokens == \
+        generate(model, torch.tensor([[1]]), max_new_tokens=4).new_tokens
+
+
 @pytest.mark.parametrize("prompt, message", [
     ([], "empty prompt"),
     (5, "prompt must be a string or a list of strings, got int"),
@@ -848,8 +864,9 @@ def test_nothing_a_call_gives_is_silently_ignored():
         with pytest.raises(ValueError, match=says):  # before the prefill: a 1-token answer was given, unchecked
             generate(model, torch.tensor([5, 6, 7]), max_new_tokens=1, do_sample=True, acceptance="typical", **given)
     padded = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]])
-    with pytest.raises(ValueError, match="rows that start with the pad id 0 and no attention_mask"):
-        generate(model, padded, max_new_tokens=4)
+    for rows in (padded, padded[:1]):  # one left-padded row too: its pads were decoded as prompt tokens
+        with pytest.raises(ValueError, match="rows that start with the pad id 0 and no attention_mask"):
+            generate(model, rows, max_new_tokens=4)
     mask = (padded != 0).long()
     assert generate(model, padded, attention_mask=mask, max_new_tokens=4).new_tokens[0] == \
         generate(model, torch.tensor([5, 6]), max_new_tokens=4).new_tokens[0]
