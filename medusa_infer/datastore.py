@@ -223,9 +223,11 @@ class Datastore:
         path = Path(path)
         settings = {"min_ngram": self.min_ngram, "max_ngram": self.max_ngram,
                     "max_occurrences": self.max_occurrences, "min_share": self.min_share}
-        metadata = {"format": "pt", "settings": json.dumps(settings, sort_keys=True)}
         if self.tokenizer is not None:
-            metadata["tokenizer"] = self.tokenizer
+            settings["tokenizer"] = self.tokenizer
+        # one metadata key: safetensors writes the map in random order, and the same store must give the
+        # same bytes (a Hub upload of unchanged heads sent it again)
+        metadata = {"settings": json.dumps(settings, sort_keys=True)}
         save_file({"tokens": self.tokens.to(torch.int32).contiguous()}, str(path), metadata=metadata)
         return path
 
@@ -239,8 +241,9 @@ class Datastore:
             with safe_open(str(path), framework="pt") as f:
                 metadata = f.metadata() or {}
             settings = json.loads(metadata.get("settings", "{}"))
+            tokenizer = settings.pop("tokenizer", metadata.get("tokenizer"))  # a key of its own before
             tokens = load_file(str(path))["tokens"].long()
-            return cls(tokens, **settings, tokenizer=metadata.get("tokenizer"))
+            return cls(tokens, **settings, tokenizer=tokenizer)
         except (SafetensorError, OSError, KeyError, TypeError, json.JSONDecodeError) as err:
             raise ValueError(f"{path} is not a readable datastore ({err}); rebuild it with "
                              "`python -m medusa_train.datastore`") from err

@@ -120,6 +120,17 @@ def test_settings_are_checked_and_files_round_trip(tmp_path):
     (tmp_path / "bad.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match="python -m medusa_train.datastore"):
         Datastore.load(tmp_path / "bad.safetensors")
+    # the same store, the same bytes (safetensors writes its metadata map in random order: each save of unchanged
+    # heads was a new file to upload); the tokenizer digest comes back, also from a store of the earlier layout
+    store = Datastore(store.tokens, tokenizer="abc123")
+    assert len({store.save(tmp_path / f"{run}.safetensors").read_bytes() for run in range(8)}) == 1
+    assert Datastore.load(tmp_path / "0.safetensors").tokenizer == "abc123"
+    from safetensors.torch import save_file
+
+    save_file({"tokens": store.tokens.to(torch.int32)}, str(tmp_path / "old.safetensors"),
+              metadata={"format": "pt", "settings": '{"min_ngram": 1}', "tokenizer": "abc123"})
+    old = Datastore.load(tmp_path / "old.safetensors")
+    assert (old.tokenizer, old.min_ngram) == ("abc123", 1)
 
 
 def test_build_datastore_keeps_whole_conversations():
