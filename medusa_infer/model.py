@@ -676,6 +676,15 @@ def merge_adapter(base_model: PreTrainedModel, folder: str | os.PathLike) -> Pre
         raise ValueError(f"the adapter in {folder} adapts {selected}, the embeddings the heads read directly: "
                          "merged, it would not be the model the heads were trained with; retrain with "
                          "lora.target_modules outside the embeddings and lm_head")
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    for weights in sorted(Path(folder).glob("*.safetensors")):  # before peft changes the model: it injects
+        try:  # LoRA layers into it, then fails on a file that does not read
+            load_file(str(weights))
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"{weights} could not be read ({err}): the adapter is truncated or corrupted; "
+                             "save or download it again") from err
     merged = PeftModel.from_pretrained(base_model, str(folder), is_trainable=False).merge_and_unload()
     forget_packed(merged)  # the merge wrote through .data: copies packed before it hold the old weights
     digest = adapter_digest(folder)

@@ -70,6 +70,18 @@ def test_adapter_is_merged_into_a_stock_model(heads_folder):
     assert (got - plain).abs().max() > 1e-2, "the adapter should change the base model's logits"
 
 
+def test_a_truncated_adapter_is_named_and_leaves_the_given_base_model_alone(heads_folder, tmp_path):
+    """peft injected LoRA layers into the caller's model, then failed with a bare SafetensorError."""
+    folder = tmp_path / "heads"
+    shutil.copytree(heads_folder[0], folder)
+    weights = folder / ADAPTER_DIR / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a download cut short
+    base = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"adapter_model.safetensors could not be read .* the adapter is truncated"):
+        MedusaModel.from_pretrained(folder, base_model=base)
+    assert not [name for name, _ in base.named_modules() if "lora" in name]
+
+
 def test_adapter_false_keeps_the_plain_base(heads_folder):
     folder, _ = heads_folder
     model = MedusaModel.from_pretrained(folder, base_model=tiny_model("llama"), adapter=False)
