@@ -13,6 +13,7 @@ The run's metrics (tokens per step, tokens/s, ...) are printed to stderr at the 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -227,7 +228,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         return generate_from_args(args)
-    except (ValueError, OSError) as error:
+    except BrokenPipeError:  # the reader went away (`| head`): nothing left to say, and no one to say it to
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 1
+    except (ValueError, OSError, NotImplementedError) as error:  # NotImplementedError: an unsupported model
         sys.stdout.flush()
         print(f"medusa-generate: error: {error}", file=sys.stderr)
         return 2

@@ -1057,7 +1057,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         return run(args, started)
-    except (ValueError, OSError) as error:
+    except (ValueError, OSError, NotImplementedError) as error:  # NotImplementedError: an unsupported model
         sys.stdout.flush()
         print(f"medusa-bench: error: {error}", file=sys.stderr)
         return 2

@@ -236,6 +236,16 @@ def test_cli_writes_the_report_files(model, tmp_path, monkeypatch):
     assert (out / "report.png").stat().st_size > 1000
 
 
+def test_cli_names_an_unsupported_model_without_a_traceback(monkeypatch, capsys):
+    """check_supported's NotImplementedError (ALiBi, no KV cache, ...) escaped as a traceback, status 1."""
+    def unsupported(args, started):
+        raise NotImplementedError("BloomForCausalLM (bloom) adds ALiBi")
+
+    monkeypatch.setattr(bench, "run", unsupported)
+    assert main(["--methods", "ar", "--output", "unused"]) == 2
+    assert "medusa-bench: error: BloomForCausalLM (bloom) adds ALiBi" in capsys.readouterr().err
+
+
 def test_cli_without_matplotlib_prints_the_table_and_names_the_plot_extra(model, tmp_path, monkeypatch, capsys):
     """matplotlib is the ``plot`` extra's: a base install's benchmark ended in ModuleNotFoundError after
     running every question, before printing its table."""

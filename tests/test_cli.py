@@ -145,6 +145,29 @@ def test_errors_after_loading_are_reported_without_a_traceback(monkeypatch, caps
     monkeypatch.setattr(cli, "load", lambda args: MedusaModel.without_heads(word_medusa().base_model, tokenizer))
     assert cli.main(["--system", "be brief", "hi"]) == 2  # a tokenizer without a chat template
     assert "--system goes into the chat template, and this model's tokenizer has none" in capsys.readouterr().err
+    from transformers import BloomConfig, BloomForCausalLM  # ALiBi, which tree attention cannot take: a traceback
+
+    BloomForCausalLM(BloomConfig(vocab_size=len(tokenizer), hidden_size=32, n_layer=2, n_head=4)).save_pretrained(
+        tmp_path / "bloom")
+    word_tokenizer().save_pretrained(tmp_path / "bloom")
+    monkeypatch.undo()
+    assert cli.main(["--model", str(tmp_path / "bloom"), "--max-new-tokens", "2", "--raw", "the cat"]) == 2
+    assert "medusa-generate: error: BloomForCausalLM (bloom) adds ALiBi" in capsys.readouterr().err
+
+
+def test_a_reader_that_goes_away_ends_medusa_generate_quietly(tmp_path):
+    """`medusa-generate ... | head -c 1` printed "error: [Errno 32] Broken pipe" and exited 2."""
+    from medusa_infer.serving.testing import word_tokenizer
+    from tiny import tiny_model
+
+    tokenizer = word_tokenizer()
+    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    command = (f"{sys.executable} -m medusa_infer --model {tmp_path / 'base'} --max-new-tokens 400 --raw "
+               "'the cat' | head -c 1")
+    done = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert "error" not in done.stderr.lower() and "Traceback" not in done.stderr, done.stderr[-1500:]
 
 
 @pytest.mark.parametrize("tokenizer", ["words", "metaspace"])
