@@ -236,13 +236,15 @@ def test_cli_writes_the_report_files(model, tmp_path, monkeypatch):
     assert (out / "report.png").stat().st_size > 1000
 
 
-def test_cli_names_an_unsupported_model_without_a_traceback(monkeypatch, capsys):
+def test_cli_names_an_unsupported_model_without_a_traceback(model, tmp_path, monkeypatch, capsys):
     """check_supported's NotImplementedError (ALiBi, no KV cache, ...) escaped as a traceback, status 1."""
     def unsupported(args, started):
         raise NotImplementedError("BloomForCausalLM (bloom) adds ALiBi")
 
+    heads, questions = cli_files(model, tmp_path, monkeypatch)
     monkeypatch.setattr(bench, "run", unsupported)
-    assert main(["--methods", "ar", "--output", "unused"]) == 2
+    assert main(["--heads", str(heads), "--questions", str(questions), "--methods", "ar",
+                 "--output", str(tmp_path / "out")]) == 2
     assert "medusa-bench: error: BloomForCausalLM (bloom) adds ALiBi" in capsys.readouterr().err
 
 
