@@ -223,12 +223,13 @@ class Datastore:
         path = Path(path)
         settings = {"min_ngram": self.min_ngram, "max_ngram": self.max_ngram,
                     "max_occurrences": self.max_occurrences, "min_share": self.min_share}
-        if self.tokenizer is not None:
-            settings["tokenizer"] = self.tokenizer
         # one metadata key: safetensors writes the map in random order, and the same store must give the
-        # same bytes (a Hub upload of unchanged heads sent it again)
-        metadata = {"settings": json.dumps(settings, sort_keys=True)}
-        save_file({"tokens": self.tokens.to(torch.int32).contiguous()}, str(path), metadata=metadata)
+        # same bytes (a Hub upload of unchanged heads sent it again); the tokenizer digest is a tensor of
+        # its own (its bytes), which earlier releases leave unread
+        tensors = {"tokens": self.tokens.to(torch.int32).contiguous()}
+        if self.tokenizer is not None:
+            tensors["tokenizer"] = torch.tensor(list(self.tokenizer.encode()), dtype=torch.uint8)
+        save_file(tensors, str(path), metadata={"settings": json.dumps(settings, sort_keys=True)})
         return path
 
     @classmethod
@@ -241,9 +242,10 @@ class Datastore:
             with safe_open(str(path), framework="pt") as f:
                 metadata = f.metadata() or {}
             settings = json.loads(metadata.get("settings", "{}"))
-            tokenizer = settings.pop("tokenizer", metadata.get("tokenizer"))  # a key of its own before
-            tokens = load_file(str(path))["tokens"].long()
-            return cls(tokens, **settings, tokenizer=tokenizer)
+            tensors = load_file(str(path))
+            digest = tensors.get("tokenizer")  # a metadata key of its own before
+            tokenizer = bytes(digest.tolist()).decode() if digest is not None else metadata.get("tokenizer")
+            return cls(tensors["tokens"].long(), **settings, tokenizer=tokenizer)
         except (SafetensorError, OSError, KeyError, TypeError, json.JSONDecodeError) as err:
             raise ValueError(f"{path} is not a readable datastore ({err}); rebuild it with "
                              "`python -m medusa_train.datastore`") from err

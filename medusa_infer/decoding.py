@@ -507,7 +507,7 @@ def _prepare_inputs(model, tokenizer, input_ids, attention_mask, prompt, message
         rows = tokenizer(list(texts), add_special_tokens=messages is None)["input_ids"] if texts else []
         if not rows or any(not row for row in rows):  # "" is a prompt where the tokenizer adds a BOS (Gemma's)
             raise ValueError("empty prompt: give at least one token of input")
-        input_ids, attention_mask = left_pad(rows, _known_pad_id(model, tokenizer) or 0)
+        input_ids, attention_mask = left_pad(rows, _known_token_id(model, tokenizer, "pad_token_id") or 0)
     input_ids = torch.as_tensor(input_ids)
     if input_ids.dtype == torch.bool or input_ids.is_floating_point() or input_ids.is_complex():
         raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
@@ -517,8 +517,7 @@ def _prepare_inputs(model, tokenizer, input_ids, attention_mask, prompt, message
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, length] or [length], got shape {tuple(input_ids.shape)}")
     if attention_mask is None:
-        pad = _known_pad_id(model, tokenizer)
-        bos = getattr(tokenizer if tokenizer is not None else model.base_model.config, "bos_token_id", None)
+        pad, bos = _known_token_id(model, tokenizer, "pad_token_id"), _known_token_id(model, tokenizer, "bos_token_id")
         # one row too (its pads were attended to as prompt), unless the pad id is also the BOS it starts with
         padded = input_ids.shape[0] > 1 or pad != bos
         if padded and pad is not None and input_ids.shape[1] and bool((input_ids[:, 0] == pad).any()):
@@ -851,17 +850,18 @@ def eos_ids(model, tokenizer, eos_token_id=None) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def _known_pad_id(model, tokenizer) -> int | None:
-    """The pad id the model's generation config, the tokenizer or the model's config names, if any."""
+def _known_token_id(model, tokenizer, name: str) -> int | None:
+    """``name`` (``pad_token_id``, ``bos_token_id``) as the model's generation config, the tokenizer or the
+    model's config gives it, the first that does."""
     for source in (getattr(model.base_model, "generation_config", None), tokenizer, model.base_model.config):
-        value = getattr(source, "pad_token_id", None) if source is not None else None
-        if value is not None:
+        value = getattr(source, name, None) if source is not None else None
+        if value is not None and not isinstance(value, (list, tuple)):  # (a list: not one id)
             return int(value)
     return None
 
 
 def _pad_id(model, tokenizer, stop: StopConfig) -> int:
-    found = _known_pad_id(model, tokenizer)
+    found = _known_token_id(model, tokenizer, "pad_token_id")
     if found is not None:
         return found
     return stop.eos_token_ids[0] if stop.eos_token_ids else 0

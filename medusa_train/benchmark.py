@@ -4,8 +4,8 @@ Protocol (Spec-Bench's): every question's turns are answered in the conversation
 new tokens over wall-clock time; speedup is the ratio of speeds against Hugging Face ``generate``
 measured in the same run; tau is the mean tokens per decoding step, the bonus token counted, as
 Spec-Bench, vLLM and ``GenerationMetrics.tau`` count it (the prefill's token is no step's; Hugging Face's
-assisted methods verify drafts in their first forward already, whose tokens past the first count as a
-step's), so plain decoding scores 1.0. Methods run one after the other on each question (interleaved),
+assisted methods verify drafts in their first forward already: one that accepted some is a step of its
+tokens past the first, one that accepted none counts as the prefill alone), so plain decoding scores 1.0. Methods run one after the other on each question (interleaved),
 so a noisy machine slows all of them alike.
 
 With ``--batch-size B`` the questions are answered in groups of B: for each turn index, the rows of
@@ -122,8 +122,8 @@ class MethodTotals:
     def add(self, turn: Turn) -> None:
         self.tokens += len(turn.tokens)
         self.seconds += turn.seconds
-        # a first forward that verified drafts (Hugging Face's assisted methods) is also a step, of the
-        # tokens it gave past the prefill's
+        # a first forward that accepted drafts (Hugging Face's assisted methods) is also a step, of the tokens
+        # it gave past the prefill's (one that accepted none looks like the prefill alone: not counted)
         self.steps += turn.steps + (min(turn.first_tokens, len(turn.tokens)) > 1)
         self.step_tokens += max(len(turn.tokens) - 1, 0)
         self.ttft.append(turn.ttft_s)
@@ -818,7 +818,9 @@ def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[st
                          "head_accuracies_measured_on": f"greedy answers to {len(questions)} questions from "
                                                         f"{Path(args.questions).name}",
                          # left out of later benchmarks of these heads on that file (main)
-                         "calibration_questions": {"file": Path(args.questions).name,
+                         # (a pipe's name, "63" of every <(...), names no questions: none recorded)
+                         "calibration_questions": {"file": Path(args.questions).name
+                                                   if Path(args.questions).is_file() else None,
                                                    "ids": [q["id"] for q in questions]},
                          "calibrated_tree_nodes": len(fitted.paths),
                          "calibrated_expected_tau": round(fitted.expected_tau, 4),
@@ -834,7 +836,8 @@ def calibration_question_ids(model, questions_file: str | Path) -> list[Any]:
     """The ids of the questions of ``questions_file`` (by name) that ``model``'s heads were calibrated on
     (``calibrate``); [] for heads calibrated elsewhere, on other questions, or not at all."""
     found = ((model.config.acceptance or {}).get("calibration_questions") or {}) if model.heads is not None else {}
-    return list(found.get("ids") or []) if found.get("file") == Path(questions_file).name else []
+    same = found.get("file") is not None and found.get("file") == Path(questions_file).name
+    return list(found.get("ids") or []) if same and Path(questions_file).is_file() else []
 
 
 def first_turn_answers(model, questions: Sequence[dict], max_new_tokens: int) -> list[tuple[torch.Tensor, int]]:

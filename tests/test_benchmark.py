@@ -556,6 +556,11 @@ def test_cli_calibrates_on_questions_from_a_pipe(model, tmp_path, monkeypatch):
                  "--output", str(tmp_path / "out")]) == 0
     os.close(read)
     assert json.loads((tmp_path / "out" / "report.json").read_text())["settings"]["questions_answered"] == 3
+    # a pipe's name ("63" of every <(...)) names no questions: none are recorded, and none left out later
+    acceptance = json.loads((heads / "config.json").read_text())["acceptance"]
+    assert acceptance["calibration_questions"]["file"] is None
+    model.config.acceptance = {"calibration_questions": {"file": str(read), "ids": [1, 2]}}  # an older record
+    assert bench.calibration_question_ids(model, f"/dev/fd/{read}") == []
 
 
 def test_calibrating_faster_decoding_heads_leaves_their_folder_to_other_engines(model, tmp_path, monkeypatch,

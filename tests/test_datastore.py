@@ -125,6 +125,11 @@ def test_settings_are_checked_and_files_round_trip(tmp_path):
     store = Datastore(store.tokens, tokenizer="abc123")
     assert len({store.save(tmp_path / f"{run}.safetensors").read_bytes() for run in range(8)}) == 1
     assert Datastore.load(tmp_path / "0.safetensors").tokenizer == "abc123"
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "0.safetensors"), framework="pt") as f:  # what the earlier loader reads:
+        settings = json.loads(f.metadata()["settings"])  # settings alone (a tokenizer among them failed it)
+    assert set(settings) == {"min_ngram", "max_ngram", "max_occurrences", "min_share"}
     from safetensors.torch import save_file
 
     save_file({"tokens": store.tokens.to(torch.int32)}, str(tmp_path / "old.safetensors"),

@@ -867,6 +867,16 @@ def test_nothing_a_call_gives_is_silently_ignored():
     for rows in (padded, padded[:1]):  # one left-padded row too: its pads were decoded as prompt tokens
         with pytest.raises(ValueError, match="rows that start with the pad id 0 and no attention_mask"):
             generate(model, rows, max_new_tokens=4)
+    # Qwen2.5's ids: the generation config's pad is its BOS (<|endoftext|>), the tokenizer has no BOS; one row
+    # starting with it is a prompt, with the tokenizer or without
+    from tiny import word_medusa
+
+    qwen_like = word_medusa(0)
+    qwen_like.base_model.generation_config.pad_token_id = qwen_like.base_model.generation_config.bos_token_id = 1
+    qwen_like.tokenizer.bos_token = None
+    starts_with_bos = torch.tensor([[1, 9, 10, 11]])
+    assert generate(qwen_like, starts_with_bos, max_new_tokens=3).new_tokens == generate(
+        MedusaModel(qwen_like.base_model, qwen_like.heads, None), starts_with_bos, max_new_tokens=3).new_tokens
     mask = (padded != 0).long()
     assert generate(model, padded, attention_mask=mask, max_new_tokens=4).new_tokens[0] == \
         generate(model, torch.tensor([5, 6]), max_new_tokens=4).new_tokens[0]
