@@ -819,8 +819,8 @@ def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[st
                                                         f"{Path(args.questions).name}",
                          # left out of later benchmarks of these heads on that file (main)
                          # (a pipe's name, "63" of every <(...), names no questions: none recorded)
-                         "calibration_questions": {"file": Path(args.questions).name
-                                                   if Path(args.questions).is_file() else None,
+                         "calibration_questions": {"file": None if _is_pipe(args.questions)
+                                                   else Path(args.questions).name,
                                                    "ids": [q["id"] for q in questions]},
                          "calibrated_tree_nodes": len(fitted.paths),
                          "calibrated_expected_tau": round(fitted.expected_tau, 4),
@@ -837,7 +837,12 @@ def calibration_question_ids(model, questions_file: str | Path) -> list[Any]:
     (``calibrate``); [] for heads calibrated elsewhere, on other questions, or not at all."""
     found = ((model.config.acceptance or {}).get("calibration_questions") or {}) if model.heads is not None else {}
     same = found.get("file") is not None and found.get("file") == Path(questions_file).name
-    return list(found.get("ids") or []) if same and Path(questions_file).is_file() else []
+    return list(found.get("ids") or []) if same and not _is_pipe(questions_file) else []
+
+
+def _is_pipe(path: str | Path) -> bool:
+    """Whether ``path`` is there and no regular file (a pipe, ``<(...)``, ``/dev/stdin``)."""
+    return Path(path).exists() and not Path(path).is_file()
 
 
 def first_turn_answers(model, questions: Sequence[dict], max_new_tokens: int) -> list[tuple[torch.Tensor, int]]:
