@@ -212,9 +212,11 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
     estimated = {key: value for key, value in acceptance.items() if is_estimate(key)}
     measured = {key: value for key, value in acceptance.items() if key not in estimated}
     calibrated_on = (config.acceptance or {}).get("calibration_questions")
-    if calibrated_on:
+    if calibrated_on and calibrated_on.get("file"):
         lines += [f"Calibrated on {len(calibrated_on['ids'])} questions of `{calibrated_on['file']}`, which "
                   "`medusa-bench` leaves out of later benchmarks of these heads on that file.", ""]
+    elif calibrated_on:  # questions read from a pipe: no file to leave them out of
+        lines += [f"Calibrated on {len(calibrated_on['ids'])} questions read from a pipe.", ""]
     for title, figures in (("Measured acceptance", measured),
                            ("Expected acceptance (estimated from the measured accuracies and, for speedups, "
                             "the cost model; not measured)", estimated)):

@@ -5,8 +5,8 @@ new tokens over wall-clock time; speedup is the ratio of speeds against Hugging 
 measured in the same run; tau is the mean tokens per decoding step, the bonus token counted, as
 Spec-Bench, vLLM and ``GenerationMetrics.tau`` count it (the prefill's token is no step's; Hugging Face's
 assisted methods verify drafts in their first forward already: one that accepted some is a step of its
-tokens past the first, one that accepted none counts as the prefill alone), so plain decoding scores 1.0. Methods run one after the other on each question (interleaved),
-so a noisy machine slows all of them alike.
+tokens past the first, one that accepted none counts as the prefill alone), so plain decoding scores 1.0.
+Methods run one after the other on each question (interleaved), so a noisy machine slows all of them alike.
 
 With ``--batch-size B`` the questions are answered in groups of B: for each turn index, the rows of
 the group that have that turn are decoded together as one left-padded batch, and each row's answer
