@@ -446,20 +446,19 @@ class Engine:
     def _abort(self, request: Request, reason: str, message: str | None) -> None:
         if request.done:
             return
-        if request.slot is None:
+        slot = request.slot
+        if slot is None:
             with self._lock:
                 if request in self._waiting:
                     self._waiting.remove(request)
                 self.metrics.waiting.set(len(self._waiting))
         else:
-            running, row = request.slot
+            running, row = slot
             running.batch.cancel(row)
             running.requests.pop(row, None)
         self._finish(request, reason, error=message)  # reads the row's counts: before its release
-        if request.slot is not None:
-            running, row = request.slot
-            if running.batch.finish.get(row) is not None:
-                running.batch.release(row)
+        if slot is not None and running.batch.finish.get(row) is not None:
+            running.batch.release(row)
 
     def _fail_batch(self, running: _Running, error: Exception) -> None:
         for request in list(running.requests.values()):
