@@ -80,13 +80,20 @@ class MedusaConfig:
     def __post_init__(self) -> None:
         for name, kind in (("num_heads", int), ("num_layers", int), ("hidden_size", int), ("vocab_size", int),
                            ("top_k", int), ("next_token_input", bool), ("path_input", bool), ("training", dict),
-                           ("reduced_vocab_size", (int, type(None))), ("tree", (list, type(None)))):
+                           ("reduced_vocab_size", (int, type(None))), ("tree", (list, type(None))),
+                           ("base_model_name_or_path", (str, type(None))), ("base_model_type", (str, type(None))),
+                           ("chat_template", (str, type(None))), ("acceptance", (dict, type(None))),
+                           ("cost_profile", (dict, type(None)))):
             value = getattr(self, name)
-            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-                names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+            kinds = kind if isinstance(kind, tuple) else (kind,)
+            if not isinstance(value, kind) or (int in kinds and isinstance(value, bool)):
+                names = " or ".join(k.__name__ for k in kinds)
                 raise ValueError(f"heads config {name} must be {names.replace('NoneType', 'null')}, got {value!r}")
         if self.num_heads < 1:
             raise ValueError(f"num_heads must be >= 1, got {self.num_heads}")
+        for name in ("hidden_size", "vocab_size"):  # 0: not known yet (filled in from the base model)
+            if getattr(self, name) < 0:
+                raise ValueError(f"heads config {name} must be >= 0, got {getattr(self, name)}")
         if self.num_layers < 0:
             raise ValueError(f"num_layers must be >= 0, got {self.num_layers}")
         if self.projection not in PROJECTIONS:
@@ -177,6 +184,9 @@ class MedusaConfig:
                 "(vLLM's, EAGLE's) need converting to one of the two."
             )
         version = data.get("format_version", FORMAT_VERSION)
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise ValueError(f"heads config format_version must be an integer (this release writes {FORMAT_VERSION}), "
+                             f"got {version!r}")
         if version > FORMAT_VERSION:
             raise ValueError(
                 f"heads config format_version {version} is newer than this medusa-forge supports "

@@ -99,7 +99,10 @@ def check_token_map(token_map: torch.Tensor, config: MedusaConfig) -> None:
         raise ValueError(f"token_map has shape {tuple(token_map.shape)}, expected ({config.reduced_vocab_size},) "
                          "to match reduced_vocab_size")
     if token_map.min() < 0 or token_map.max() >= config.vocab_size:
-        raise ValueError(f"token_map ids must lie in [0, {config.vocab_size})")
+        outside = token_map[(token_map < 0) | (token_map >= config.vocab_size)].unique()
+        raise ValueError(f"token_map holds token ids {outside[:8].tolist()} outside the vocabulary [0, "
+                         f"{config.vocab_size}): these heads were made for a model with a larger vocabulary; "
+                         "load them on that model")
     values, counts = token_map.unique(return_counts=True)
     if bool((counts > 1).any()):
         raise ValueError(f"token_map gives token ids {values[counts > 1][:8].tolist()} more than once; "

@@ -121,12 +121,17 @@ def read_medusa_layout(
     path: str | Path,
     hidden_size: int | None = None,
     vocab_size: int | None = None,
+    lm_head_weight: torch.Tensor | None = None,
+    lm_head_bias: torch.Tensor | None = None,
 ) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
     """Read a FasterDecoding-layout folder as our config and state dict.
 
     ``medusa_lm_head.safetensors`` is read when present, else ``medusa_lm_head.pt`` (only with
     ``torch.load(weights_only=True)``). Heads with projection tensors become ``projection="own"``;
-    heads without (version 2) become ``"shared"``. Tensor dtypes are kept. The config's ``training``
+    heads without (version 2) become ``"shared"``, as do heads whose every projection is a bitwise copy
+    of ``lm_head_weight`` in its dtype (version 1 of shared heads, which ``write_medusa_layout`` writes
+    so; as ``own`` they would hold a copy of the vocabulary projection each and compute their logits
+    head by head, not bitwise as the heads exported). Tensor dtypes are kept. The config's ``training``
     records the import (``checkpoint.IMPORTED_FROM``), and its base model is ``base_model_name``'s.
 
     Args:
@@ -135,6 +140,8 @@ def read_medusa_layout(
             needed only when neither tells it (shared heads with no blocks).
         vocab_size: the base model's vocabulary size; checked likewise, needed for shared heads
             when ``config.json`` has no ``vocab_size`` (the original trainer never wrote it).
+        lm_head_weight, lm_head_bias: the base model's ``lm_head`` weight and bias, to recognise
+            projections that copy it (a bias other than zeros: they cannot).
 
     Returns:
         ``(config, state_dict)``, the state dict in our naming, ready for
@@ -153,10 +160,20 @@ def read_medusa_layout(
             f"if the weights are complete, set medusa_num_heads to {heads_found[-1] + 1} in config.json "
             "(some early FasterDecoding uploads understate it)"
         )
+    layers_found = _layers_found(tensors)
+    if layers_found is not None and layers_found != num_layers:
+        raise ValueError(
+            f"{weights_path} holds heads of {layers_found} ResBlock layers but {path / CONFIG_NAME} says "
+            f"medusa_num_layers={num_layers}; if the weights are complete, set medusa_num_layers to {layers_found} "
+            "in config.json"
+        )
     tree = _choices(data.get("medusa_choices"), num_heads, path / CONFIG_NAME)  # its ranks bound top_k below
     proj_names = [f"{k}.{num_layers}.weight" for k in range(num_heads)]
     block_names = [f"{k}.{l}.linear.weight" for k in range(num_heads) for l in range(num_layers)]
     has_projections = any(name in tensors for name in proj_names)
+    if has_projections and _copies_lm_head([tensors.get(name) for name in proj_names], lm_head_weight, lm_head_bias):
+        tensors = {name: t for name, t in tensors.items() if name not in proj_names}
+        has_projections = False
     found = [tensors[name] for name in proj_names + block_names if name in tensors]  # projections first
     config = MedusaConfig(
         num_heads=num_heads,
@@ -176,6 +193,32 @@ def read_medusa_layout(
     ours_to_theirs = {name: _their_name(name, num_layers) for name in expected}
     check_state_dict({ours_to_theirs[name]: t for name, t in expected.items()}, tensors, str(weights_path))
     return config, {ours: tensors[theirs] for ours, theirs in ours_to_theirs.items()}
+
+
+_FD_BLOCK = re.compile(r"\d+\.(\d+)\.linear\.weight")
+_FD_PROJ = re.compile(r"\d+\.(\d+)\.weight")
+
+
+def _layers_found(tensors: dict[str, torch.Tensor]) -> int | None:
+    """The ResBlock layers per head that the tensors' names show (the projection's index where there
+    is one, else one past the last block's), or None where they show none."""
+    projections = {int(m[1]) for m in map(_FD_PROJ.fullmatch, tensors) if m}
+    blocks = {int(m[1]) for m in map(_FD_BLOCK.fullmatch, tensors) if m}
+    if len(projections) == 1:
+        return projections.pop()
+    return max(blocks) + 1 if blocks and not projections else None
+
+
+def _copies_lm_head(
+    projections: list[torch.Tensor | None], weight: torch.Tensor | None, bias: torch.Tensor | None
+) -> bool:
+    """Whether every head's projection is ``weight`` bit for bit (same shape and dtype) and the base
+    ``lm_head`` adds no bias: version 1 of shared heads."""
+    if weight is None or (bias is not None and bool(bias.any())):
+        return False
+    weight = weight.detach().to("cpu")
+    return all(p is not None and p.shape == weight.shape and p.dtype == weight.dtype and torch.equal(p, weight)
+               for p in projections)
 
 
 def write_medusa_layout(

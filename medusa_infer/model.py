@@ -349,9 +349,11 @@ class MedusaModel(nn.Module):
                 if not base_model:
                     raise ValueError(f"{directory}/config.json names no base_model_name_or_path; pass base_model=")
             base_model, tokenizer, _ = _load_base(base_model, tokenizer)
-            lm_weight = base_model.get_output_embeddings().weight
+            lm_head = base_model.get_output_embeddings()
+            lm_weight = lm_head.weight
             config, state = interop.read_medusa_layout(
-                directory, hidden_size=lm_weight.shape[1], vocab_size=lm_weight.shape[0]
+                directory, hidden_size=lm_weight.shape[1], vocab_size=lm_weight.shape[0], lm_head_weight=lm_weight,
+                lm_head_bias=getattr(lm_head, "bias", None),
             )
             config.base_model_type = base_model.config.model_type
         else:
@@ -453,8 +455,9 @@ class MedusaModel(nn.Module):
         self, directory: str | os.PathLike, fmt: str = "safetensors", version: str | None = None
     ) -> Path:
         """Write the heads in the FasterDecoding/Medusa layout (read by TGI and TensorRT-LLM);
-        see ``medusa_infer.interop.write_medusa_layout``. As with ``save_pretrained``, a merged
-        Medusa-2 adapter is not written; those engines need the base model with it merged."""
+        see ``medusa_infer.interop.write_medusa_layout``. Unlike ``save_pretrained``, it writes neither
+        a merged Medusa-2 adapter (those engines need the base model with it merged) nor the lookup
+        datastore (no engine that reads the layout uses one); either left out is warned about."""
         from medusa_infer.interop import write_medusa_layout
 
         copies = version == "1" and self.config.projection == "shared"
@@ -484,6 +487,9 @@ class MedusaModel(nn.Module):
             logger.warning("writing the heads only to %s: the Medusa-2 adapter merged from %s is not included "
                            "in this layout; engines that read it need the base model with the adapter merged",
                            directory, self.merged_adapter)
+        if self.datastore is not None:
+            logger.warning("the lookup datastore (%d entries) is not part of the layout written to %s: "
+                           "save_pretrained keeps it beside the heads", len(self.datastore), directory)
         if self.config.chat_template:
             logger.warning("the chat template these heads were trained on is not part of the layout written to %s; "
                            "engines that read it must render chats with it (the heads' config.json, chat_template)",

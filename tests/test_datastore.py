@@ -315,6 +315,14 @@ def test_medusa_lookup_uses_the_models_datastore_and_it_is_saved_with_the_heads(
     assert MedusaModel.from_pretrained(tmp_path / "heads", base_model=target.base_model).datastore is None
 
 
+def test_exporting_the_faster_decoding_layout_says_it_leaves_the_datastore_out(tmp_path, caplog):
+    model = MedusaModel.from_base(target_model("llama").base_model, num_heads=2, base_model_name_or_path="org/x")
+    model.datastore = Datastore.from_sequences([[3, 4, 5, 6]])
+    model.export_medusa_layout(tmp_path / "fd")
+    assert "lookup datastore (4 entries) is not part of the layout" in caplog.text
+    assert not (tmp_path / "fd" / DATASTORE_NAME).exists()
+
+
 def test_merged_medusa_proposers_keep_both_gates_counts():
     model = random_heads(target_model("llama"))
     model.config.cost_profile = CPU_COST.to_dict()

@@ -115,6 +115,22 @@ def test_shared_heads_as_version_1_carry_lm_head_copies(tmp_path, fmt):
     assert_identical(read_state, {**state, **projections})
 
 
+def test_version_1_copies_of_the_base_lm_head_are_read_as_shared_heads(tmp_path):
+    config = tiny_config("shared")
+    state = random_state(config, torch.bfloat16)
+    lm_head = torch.randn(VOCAB, HIDDEN).to(torch.bfloat16)
+    write_medusa_layout(config, state, tmp_path, lm_head_weight=lm_head, version="1")
+
+    read_config, read_state = read_medusa_layout(tmp_path, lm_head_weight=lm_head.clone())
+    assert read_config.projection == "shared"
+    assert_identical(read_state, state)
+    MedusaHeads(read_config).load_state_dict(read_state)
+    # not the base's lm_head bit for bit (another dtype, another weight, a bias it adds): own projections
+    for weight, bias in [(lm_head.float(), None), (lm_head + 1, None), (lm_head, torch.ones(VOCAB))]:
+        assert read_medusa_layout(tmp_path, lm_head_weight=weight, lm_head_bias=bias)[0].projection == "own"
+    assert read_medusa_layout(tmp_path, lm_head_weight=lm_head, lm_head_bias=torch.zeros(VOCAB))[0].projection == "shared"
+
+
 def test_export_writes_independent_tensors_from_views(tmp_path):
     config = tiny_config("own")
     state = random_state(config)
@@ -239,6 +255,16 @@ def test_more_heads_than_the_config_says_are_refused(tmp_path):
     source = make_fd_folder(tmp_path, fd_tensors(projections=True), medusa_num_heads=2)
     with pytest.raises(ValueError, match=r"holds heads \[0, 1, 2\].*medusa_num_heads=2.*set medusa_num_heads to 3"):
         read_medusa_layout(source)
+
+
+@pytest.mark.parametrize("projections", [True, False])
+@pytest.mark.parametrize("stated", [LAYERS - 1, LAYERS + 1])
+def test_another_layer_count_than_the_config_says_is_named(tmp_path, projections, stated):
+    source = make_fd_folder(tmp_path, fd_tensors(projections), medusa_num_layers=stated,
+                            **({} if projections else {"version": "2"}))
+    with pytest.raises(ValueError, match=rf"heads of {LAYERS} ResBlock layers.*medusa_num_layers={stated}.*"
+                                         rf"set medusa_num_layers to {LAYERS}"):
+        read_medusa_layout(source, hidden_size=HIDDEN, vocab_size=VOCAB)
 
 
 def test_non_float_tensor_is_refused(tmp_path):

@@ -184,6 +184,17 @@ def test_a_token_map_giving_an_id_twice_is_refused(tmp_path):
         MedusaModel.from_pretrained(tmp_path / "heads", base_model=base_model("llama"))
 
 
+def test_a_token_map_with_ids_outside_the_vocabulary_names_them(tmp_path):
+    medusa(base_model("llama"), "reduced").save_pretrained(tmp_path / "heads")
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(tmp_path / "heads" / "model.safetensors")
+    state["token_map"][0] = 500
+    save_file(state, str(tmp_path / "heads" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"token_map holds token ids \[500\] outside the vocabulary \[0, \d+\)"):
+        MedusaModel.from_pretrained(tmp_path / "heads", base_model=base_model("llama"))
+
+
 def test_own_projections_are_copies_not_views_of_lm_head():
     model = medusa(base_model("llama"), "own")
     lm_weight = model.lm_head.weight
@@ -383,7 +394,9 @@ def test_shared_heads_exported_as_version_1_give_the_same_logits(tmp_path):
     model = randomize(medusa(base_model("mistral"), "shared"))
     model.export_medusa_layout(tmp_path, version="1")
     loaded = MedusaModel.from_pretrained(tmp_path, base_model=model.base_model)
-    assert loaded.config.projection == "own"
+    # recognised as copies of the base lm_head: shared again, not a vocabulary projection per head
+    assert loaded.config.projection == "shared"
+    assert_identical(loaded.heads.state_dict(), model.heads.state_dict())
     ids = input_ids()
     assert torch.equal(all_logits(loaded, ids)[1], all_logits(model, ids)[1])
 
@@ -582,6 +595,13 @@ def test_truncated_weights_file_is_reported(saved):
     (lambda c: {**c, "head_accuracies": [0.5, 0.7], "format_version": 1, "cost_profile": {"seconds": [1.0]}},
      "heads config head_accuracies must be null or a list of each"),  # converted from per-rank ones first
     (lambda c: {**c, "path_accuracies": [[[0], 0.5, 1]]}, r"heads config path_accuracies must be null or a list of \[rank"),
+    (lambda c: {**c, "format_version": "2"}, "heads config format_version must be an integer .*, got '2'"),
+    (lambda c: {**c, "format_version": None}, "heads config format_version must be an integer .*, got None"),
+    (lambda c: {**c, "hidden_size": -32}, "heads config hidden_size must be >= 0, got -32"),
+    (lambda c: {**c, "reduced_vocab_size": True}, "heads config reduced_vocab_size must be int or null, got True"),
+    (lambda c: {**c, "acceptance": [1, 2]}, r"heads config acceptance must be dict or null, got \[1, 2\]"),
+    (lambda c: {**c, "chat_template": 5}, "heads config chat_template must be str or null, got 5"),
+    (lambda c: {**c, "base_model_name_or_path": 5}, "heads config base_model_name_or_path must be str or null"),
 ])
 def test_a_config_of_the_wrong_shape_is_named(saved, edit, message):
     """Valid JSON that is no heads config: a ValueError naming the value (TypeError or AttributeError
