@@ -137,8 +137,16 @@ def stage_data(config: TrainConfig, accelerator: Any, pending: int | None) -> tu
             from medusa_train.distill import recipe_config, warn_rows_outside_sample
 
             warn_rows_outside_sample(recipe_config(config))
+        stats = ds.BuildStats()
         with accelerator.main_process_first():
-            dataset = ds.load_or_build_dataset(rows, tokenizer, d.max_length, paths.data, d.system_prompt)
+            dataset = ds.load_or_build_dataset(rows, tokenizer, d.max_length, paths.data, d.system_prompt, stats)
+        left_out = [f"{count} {what}" for count, what in (
+            (stats.truncated, f"cut to data.max_length={d.max_length} tokens"),
+            (stats.dropped_no_assistant, "dropped with no assistant turn"),
+            (stats.dropped_too_long, f"dropped with a prompt that fills data.max_length={d.max_length}"),
+        ) if count]
+        if left_out:
+            say(accelerator, f"data: {len(dataset)} examples from {stats.rows} rows of {rows}; " + ", ".join(left_out))
     train, heldout = ds.split_heldout(dataset, d.heldout_fraction, config.training.seed)
 
     def plain(split: Any) -> list[dict]:

@@ -24,7 +24,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -285,6 +285,10 @@ def _tokenize_chat_by_prefix(
     return input_ids, labels
 
 
+BUILD_STATS_NAME = "medusa_build_stats.json"
+"""The ``BuildStats`` of a cached tokenised dataset, in its folder."""
+
+
 @dataclass
 class BuildStats:
     """Counters of one ``build_examples`` call."""
@@ -392,14 +396,25 @@ def check_template(tokenizer: PreTrainedTokenizerBase, system_prompt: str | None
     prompt into the last user turn only: into the prompt a model answers, not into the conversation
     that holds the answer)."""
     row = {"id": "a sample question", "prompt": "What is 2 + 2?", "response": "2 + 2 is 4."}
+    fix = ", or leave out data.system_prompt" if system_prompt is not None else ""
     try:
-        build_examples([row], tokenizer, 10**6, system_prompt)
+        examples = build_examples([row], tokenizer, 10**6, system_prompt)
     except TemplateError as error:
-        fix = ", or leave out data.system_prompt" if system_prompt is not None else ""
         raise TemplateError(
             f"{tokenizer.name_or_path!r}: the training examples cannot be built from distilled answers "
             f"({error}); set model.chat_template to one that can{fix}"
         ) from error
+    labelled = [tokenizer.decode([t for t in ex["labels"] if t != IGNORE_INDEX]) for ex in examples]
+    if not any(row["response"] in text for text in labelled):
+        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+        hint = (f" (model.chat_template is the template's text, and {template!r:.80} has no {{{{ or {{% in it: "
+                "give the template itself, not a file's name)" if "{{" not in template and "{%" not in template
+                else "")
+        raise TemplateError(
+            f"{tokenizer.name_or_path!r}: the chat template does not write an assistant's answer into the "
+            f"conversation (a sample answer {row['response']!r} came out labelled as {labelled or 'nothing'})"
+            f"{hint}; set model.chat_template to one that does{fix}"
+        )
 
 
 def truncate_examples(examples: Iterable[dict[str, Any]], max_length: int) -> tuple[list[dict[str, Any]], int, int]:
@@ -507,10 +522,13 @@ def load_or_build_dataset(
     max_length: int,
     cache_dir: str | Path,
     system_prompt: str | None = None,
+    stats: BuildStats | None = None,
 ) -> Dataset:
     """The tokenised dataset of ``rows_path`` (JSONL or a saved ``datasets`` folder), from the
     cache when it holds one for the same rows, tokenizer, template and settings; otherwise built
     and saved to ``cache_dir/tokenized-<key>`` (written aside, then renamed into place).
+    ``stats``, when given, receives the build's counts (kept with the cache, ``BUILD_STATS_NAME``:
+    a cached dataset reports what its build truncated and dropped as well).
 
     One row per example: packing happens per batch, in the forward passes that pay for padding
     (``data.pack``, ``medusa_train.features.pad_batch``).
@@ -520,10 +538,16 @@ def load_or_build_dataset(
     """
     key = dataset_cache_key(rows_path, tokenizer, max_length, system_prompt)
     target = Path(cache_dir) / f"tokenized-{key[:24]}"
+    stats = stats if stats is not None else BuildStats()
     if (target / "dataset_info.json").is_file():
         logger.info("loading tokenised dataset from cache %s", target)
+        try:
+            saved = json.loads((target / BUILD_STATS_NAME).read_text())
+            for name in vars(stats):
+                setattr(stats, name, int(saved.get(name, 0)))
+        except (OSError, ValueError, TypeError, AttributeError):  # a cache of an earlier release has none
+            pass
         return load_from_disk(str(target))
-    stats = BuildStats()
     examples = build_examples(read_rows(rows_path), tokenizer, max_length, system_prompt, stats)
     if not examples:
         raise ValueError(
@@ -536,6 +560,7 @@ def load_or_build_dataset(
     work = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
     try:
         dataset.save_to_disk(str(work / "data"))
+        (work / "data" / BUILD_STATS_NAME).write_text(json.dumps(asdict(stats)) + "\n")
         if target.exists():  # an incomplete folder (no dataset_info.json) from a killed run
             shutil.rmtree(target)
         os.replace(work / "data", target)

@@ -17,6 +17,7 @@ from medusa_train.dataset import (
     TemplateError,
     _tokenize_chat_by_prefix,
     build_examples,
+    check_template,
     load_or_build_dataset,
     render_chat,
     split_heldout,
@@ -178,6 +179,19 @@ def test_template_errors(smol):
                            ([{"role": "user", "content": ["x"]}], r"row 'r7': messages\[0\] must have a string")):
         with pytest.raises(ValueError, match=says):
             build_examples([{"id": "r7", "messages": messages}], smol, 512)
+
+
+def test_check_template_refuses_a_template_that_labels_no_answer(smol):
+    """A template that writes no assistant turn (or a file's name given as the template's text) gave no
+    example, which build_examples counts and drops: the check before distilling passed, and every prompt
+    was answered before the dataset found nothing to train on."""
+    check_template(smol)
+    check_template(with_template(smol, LLAMA3_TEMPLATE, ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]))
+    user_only = "{% for m in messages %}{% if m['role'] == 'user' %}Q: {{ m['content'] }}\n{% endif %}{% endfor %}"
+    with pytest.raises(TemplateError, match="does not write an assistant's answer.*labelled as nothing"):
+        check_template(with_template(smol, user_only))
+    with pytest.raises(TemplateError, match=r"'recipes/vicuna.jinja' has no \{\{ or \{% in it: give the template itself"):
+        check_template(with_template(smol, "recipes/vicuna.jinja"))
 
 
 def test_truncation_and_dropping(smol, caplog):
@@ -374,6 +388,37 @@ def test_ready_examples_are_cut_to_max_length_like_built_ones(tmp_path, capsys):
                                "data": {"tokenized": str(ready), "max_length": 3, "heldout_fraction": 0.5}})
     train_heads.stage_data(config, OneProcess(), 0)  # none cut, one dropped: said too
     assert "0 of 3 examples" in capsys.readouterr().out
+
+
+def test_rows_the_build_cuts_or_drops_are_reported_by_the_run(tmp_path, capsys):
+    """build_examples' counts went to a logger train_heads never shows: rows dropped or cut in silence."""
+    import contextlib
+
+    import train_heads
+    from medusa_train.train_config import config_from_dict
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"id": "a", "prompt": "Hi?", "response": "Hello there."},
+        {"id": "b", "prompt": "Tell me a long story.", "response": " ".join(["word"] * 80)},  # cut
+        {"id": "c", "messages": [{"role": "user", "content": "No answer here."}]},          # dropped
+        {"id": "d", "prompt": " ".join(["question"] * 80), "response": "Fine."},             # prompt fills it
+    ]))
+
+    class OneProcess:
+        is_main_process = True
+
+        @contextlib.contextmanager
+        def main_process_first(self):
+            yield
+
+    config = config_from_dict({"output_dir": str(tmp_path / "run"), "model": {"name": "smollm2-135m-instruct"},
+                               "data": {"rows": str(rows), "max_length": 40, "heldout_fraction": 0.5}})
+    for _ in range(2):  # built, then from the cache: said both times
+        train, heldout = train_heads.stage_data(config, OneProcess(), 0)
+        assert len(train) + len(heldout) == 2
+        assert (f"data: 2 examples from 4 rows of {rows}; 1 cut to data.max_length=40 tokens, 1 dropped with no "
+                "assistant turn, 1 dropped with a prompt that fills data.max_length=40") in capsys.readouterr().out
 
 
 def test_rows_that_are_not_chats_and_template_errors_are_named_by_row(smol):
