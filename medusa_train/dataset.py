@@ -425,6 +425,11 @@ def truncate_examples(examples: Iterable[dict[str, Any]], max_length: int) -> tu
         raise ValueError(f"max_length must be >= 2, got {max_length}")
     kept, cut, dropped = [], 0, 0
     for index, example in enumerate(examples):
+        for key in ("input_ids", "labels"):
+            value = example.get(key)
+            if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+                raise ValueError(f"ready example {example.get('id', index)!r} needs {key!r} as a list of token ids "
+                                 f"(-100 for labels not trained on), got {value!r:.80}")
         if len(example["labels"]) != len(example["input_ids"]):
             raise ValueError(f"ready example {example.get('id', index)!r} has {len(example['labels'])} labels for "
                              f"{len(example['input_ids'])} input_ids; give one label per token (-100: not trained on)")
@@ -466,9 +471,13 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{number} is not valid JSON ({err})") from err
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{number} is a JSON {type(row).__name__}, not an object: each line is one "
+                                 f"row, e.g. {{\"prompt\": ..., \"response\": ...}}; got {line.strip()!r:.80}")
+            rows.append(row)
     return rows
 
 

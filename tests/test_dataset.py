@@ -19,6 +19,7 @@ from medusa_train.dataset import (
     build_examples,
     check_template,
     load_or_build_dataset,
+    read_rows,
     render_chat,
     split_heldout,
     to_dataset,
@@ -367,6 +368,15 @@ def test_ready_examples_are_cut_to_max_length_like_built_ones(tmp_path, capsys):
     assert truncate_examples([examples[0], unlabelled], 6) == ([examples[0]], 0, 1)
     with pytest.raises(ValueError, match=r"ready example 'short' has 2 labels for 3 input_ids"):  # a raw error later
         truncate_examples([{"id": "short", "input_ids": [1, 2, 3], "labels": [ignore, 2]}], 6)
+    for bad, says in (({"id": "n", "input_ids": [1, 2, 3]}, r"ready example 'n' needs 'labels' as a list of token ids"),
+                      ({"input_ids": [1, 2], "labels": None}, r"ready example 0 needs 'labels' as a list.*got None"),
+                      ({"input_ids": "1 2", "labels": [1, 2]}, r"ready example 0 needs 'input_ids' as a list")):
+        with pytest.raises(ValueError, match=says):  # KeyError and TypeError tracebacks
+            truncate_examples([bad], 6)
+    not_objects = tmp_path / "lists.jsonl"
+    not_objects.write_text('{"input_ids": [1], "labels": [1]}\n[1, 2, 3]\n')
+    with pytest.raises(ValueError, match=r"lists.jsonl:2 is a JSON list, not an object"):
+        read_rows(not_objects)
 
     import train_heads
     from medusa_train.train_config import config_from_dict
