@@ -651,10 +651,12 @@ def main(argv: list[str] | None = None) -> int:
     # main process had just written, skip evaluating, and leave it waiting at the evaluation's barrier
     trained, evaluated = main_process_says(accelerator, ((paths.final / "config.json").is_file(),
                                                          (paths.heads / "config.json").is_file()))
+    evaluated = evaluated and trained  # heads/ of a run whose final heads are gone: trained again, evaluated again
     finished = trained and evaluated
     if config.uses_feature_cache and not finished:  # only training and evaluation read the features
         started = time.perf_counter()
-        folders = stage_features(config, accelerator, train, heldout)
+        # trained heads are evaluated on the held-out split alone
+        folders = stage_features(config, accelerator, None if trained else train, heldout)
         timings["features"] = round(time.perf_counter() - started, 1)
         say(accelerator, f"features ready ({timings['features']} s)")
 

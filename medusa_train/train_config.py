@@ -870,7 +870,9 @@ def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | Non
         Stage("train", str(paths.final), (paths.final / "config.json").is_file(),
               f"{t.mode}, {total} steps, loss {t.loss}" + (", batches packed" if live else "")
               + (f", heads from {h.init_from}" if h.init_from else "")),
-        Stage("evaluate", str(paths.heads), (paths.heads / "config.json").is_file(),
+        # heads/ of a run whose final heads are gone is a previous training's: evaluated again
+        Stage("evaluate", str(paths.heads), (paths.heads / "config.json").is_file()
+              and (paths.final / "config.json").is_file(),
               f"top-1..{config.eval.top_k} accuracy on held-out data, {config.eval.tree_size}-node tree"),
     ]
     return Plan(

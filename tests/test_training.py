@@ -792,6 +792,41 @@ def test_a_checkpoint_is_not_resumed_on_other_examples(tiny_dir, tmp_path, capsy
         str(exit_info.value), captured.out[-2000:], captured.err[-2000:])
 
 
+def test_heads_of_a_run_whose_final_heads_are_gone_are_evaluated_again(tiny_dir, tmp_path, capsys):
+    """checkpoints/ removed (heads/ kept), the examples changed: the rerun trains on the new examples, and
+    heads/ was kept as the old training's ("evaluate: heads exists, skipping"), the plan saying done."""
+    import train_heads
+
+    examples = tmp_path / "examples.jsonl"
+    shutil.copy(tiny_dir / "examples.jsonl", examples)
+    values = recipe(tiny_dir, tmp_path / "run", training={"max_steps": 3, "seed": 1})
+    values["data"]["tokenized"] = str(examples)
+    config_file = str(write_recipe(tmp_path / "r.yaml", values))
+    assert train_heads.main(["--config", config_file]) == 0
+    with examples.open("w") as handle:
+        for example in counting_examples(64, seed=9):
+            handle.write(json.dumps(example) + "\n")
+    shutil.rmtree(tmp_path / "run" / "checkpoints")
+    capsys.readouterr()
+    assert train_heads.main(["--config", config_file, "--plan"]) == 0
+    assert "[todo] evaluate" in capsys.readouterr().out
+    assert train_heads.main(["--config", config_file]) == 0
+    out = capsys.readouterr().out
+    assert "heads exists, skipping" not in out
+
+    def trained_on(folder):
+        return json.loads((tmp_path / "run" / folder / "config.json").read_text())["training"]["train_examples_sha256"]
+
+    assert trained_on("heads") == trained_on("checkpoints/final")
+    # trained heads whose evaluation is missing are evaluated on the held-out split's features alone
+    shutil.rmtree(tmp_path / "run" / "heads")
+    shutil.rmtree(tmp_path / "run" / "features")
+    capsys.readouterr()
+    assert train_heads.main(["--config", config_file]) == 0
+    out = capsys.readouterr().out
+    assert "features: heldout split" in out and "features: train split" not in out
+
+
 def test_a_half_written_log_line_does_not_stop_the_resume(tiny_dir, tmp_path):
     """A run killed while writing ``logs/train.jsonl`` (or on a full disk) leaves half a line: the resume
     drops it with the lines past its checkpoint and goes on, instead of failing on it every time."""
