@@ -587,10 +587,11 @@ def main(argv: list[str] | None = None) -> int:
                              "--push-to-hub REPO_ID, or drop it")
         check_inputs(config)
         pending = distill_pending(config)
-        from medusa_train.trainer import check_finished_run, check_init_from
+        from medusa_train.trainer import check_checkpoint, check_finished_run, check_init_from
 
         if not args.heldout_only:  # which reports the trained heads whatever the settings now
             check_finished_run(config, run_paths(config))
+            check_checkpoint(config, run_paths(config), int(os.environ.get("WORLD_SIZE", "1")))
         if not (run_paths(config).final / "config.json").is_file():  # the starting heads, before any work
             check_init_from(config)
         layout = plan(config, int(os.environ.get("WORLD_SIZE", "1")), distill_pending=pending)

@@ -418,14 +418,19 @@ class Medusa2Task:
 # Checkpoints
 
 
+_RESUME_DATA_IGNORES = ("distill_batch_size", "distill_options")
+"""How rows are distilled: the rows' own record is checked against them (``distill.check_resumable``),
+and the examples by content (``train_examples_sha256``)."""
+
+
 def resume_fingerprint(config: TrainConfig) -> dict[str, Any]:
     """The settings a step checkpoint must share with the run that resumes it: every one that shapes the
     training's course, paths included (stricter than ``finished_settings``, which finished heads are
-    compared by)."""
+    compared by), how rows are distilled excepted (``_RESUME_DATA_IGNORES``)."""
     data = config.to_dict()
     training = {k: v for k, v in data["training"].items() if k not in _RESUME_IGNORES}
     # data.pack only when set: checkpoints from before the key existed were unpacked runs
-    section = {k: v for k, v in data["data"].items() if k != "pack" or v}
+    section = {k: v for k, v in data["data"].items() if (k != "pack" or v) and k not in _RESUME_DATA_IGNORES}
     # the model's Hub id only names it in what is saved (and an upload, set at the end)
     return {"model": {k: v for k, v in data["model"].items() if k != "hub_id"}, "data": section,
             "heads": data["heads"], "training": training,
@@ -549,6 +554,47 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[f"{prefix}{key}"] = value
     return flat
+
+
+def _resume_settings(config: TrainConfig, state: dict[str, Any], world: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(expected, found)``: the settings a step checkpoint's ``state`` recorded that can be told from
+    ``config`` and the number of processes alone, as the resuming run has them and as the checkpoint does."""
+    expected = {"world_size": world, "grad_accum": config.training.grad_accum, **_flatten(resume_fingerprint(config))}
+    found = {"world_size": state.get("world_size"), "grad_accum": state.get("grad_accum"),
+             # model.hub_id: in the fingerprints of checkpoints before it was left out; the distilling
+             # settings likewise
+             **{k: v for k, v in _flatten(state.get("fingerprint", {})).items()
+                if k != "model.hub_id" and k.split(".")[:2] not in (["data", n] for n in _RESUME_DATA_IGNORES)}}
+    return expected, found
+
+
+def _refuse_other_run(checkpoint: Path, expected: dict[str, Any], found: dict[str, Any], paths: RunPaths) -> None:
+    """``ValueError`` naming the settings in which a step checkpoint's run and this one differ."""
+    differ = sorted(k for k in set(expected) | set(found) if expected.get(k) != found.get(k))
+    if "train_examples_sha256" in differ and "features_cache" in differ:  # other examples, so another cache
+        differ.remove("features_cache")
+    if differ:
+        why = ("; the feature cache differs (the model's weights, the examples, the features settings, or "
+               "whether the distillation's kept hidden states were there): a resumed step would read other rows"
+               if "features_cache" in differ else "")
+        raise ValueError(
+            f"{checkpoint} was written by a different run: "
+            + ", ".join(f"{k} was {found.get(k)!r}, now {expected.get(k)!r}" for k in differ[:5]) + why
+            + f"; resume with the same recipe and number of processes, or remove {paths.checkpoints}"
+        )
+
+
+def check_checkpoint(config: TrainConfig, paths: RunPaths, world: int) -> None:
+    """Refuse, before any stage runs, the step checkpoint a training would resume when its settings are not
+    ``config``'s (the training stage refused it only after distilling and extracting features, with
+    ``config.yaml`` and the features index rewritten: a run distilling more prompts then could never
+    resume it). What needs the data (the examples, the feature cache, the micro-batch) is checked there."""
+    if (paths.final / "config.json").is_file():
+        return
+    checkpoint = latest_checkpoint(paths.checkpoints)
+    if checkpoint is not None:
+        _refuse_other_run(checkpoint, *_resume_settings(config, json.loads((checkpoint / STATE_NAME).read_text()),
+                                                        world), paths)
 
 
 def latest_checkpoint(folder: Path) -> Path | None:
@@ -790,27 +836,12 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
     checkpoint = latest_checkpoint(paths.checkpoints)
     if checkpoint is not None:
         state = json.loads((checkpoint / STATE_NAME).read_text())
-        expected = {"world_size": world, "micro_batch": micro, "grad_accum": t.grad_accum,
-                    **_flatten(resume_fingerprint(config))}
-        found = {"world_size": state.get("world_size"), "micro_batch": state.get("micro_batch"),
-                 "grad_accum": state.get("grad_accum"),
-                 **{k: v for k, v in _flatten(state.get("fingerprint", {})).items()
-                    if k != "model.hub_id"}}  # in the fingerprints of checkpoints before it was left out
+        expected, found = _resume_settings(config, state, world)
+        expected["micro_batch"], found["micro_batch"] = micro, state.get("micro_batch")
         for key, value in (("train_examples_sha256", examples_sha256), ("features_cache", features_cache)):
             if state.get(key) is not None:  # checkpoints from before the key have none
                 expected[key], found[key] = value, state[key]
-        differ = sorted(k for k in set(expected) | set(found) if expected.get(k) != found.get(k))
-        if "train_examples_sha256" in differ and "features_cache" in differ:  # other examples, so another cache
-            differ.remove("features_cache")
-        if differ:
-            why = ("; the feature cache differs (the model's weights, the examples, the features settings, or "
-                   "whether the distillation's kept hidden states were there): a resumed step would read other rows"
-                   if "features_cache" in differ else "")
-            raise ValueError(
-                f"{checkpoint} was written by a different run: "
-                + ", ".join(f"{k} was {found.get(k)!r}, now {expected.get(k)!r}" for k in differ[:5]) + why
-                + f"; resume with the same recipe and number of processes, or remove {paths.checkpoints}"
-            )
+        _refuse_other_run(checkpoint, expected, found, paths)
         accelerator.load_state(str(checkpoint), **_deepspeed_kwargs(accelerator, custom_load_fn=load_trainable))
         start_step = state["step"]
         if accelerator.is_main_process:

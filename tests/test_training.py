@@ -827,6 +827,28 @@ def test_heads_of_a_run_whose_final_heads_are_gone_are_evaluated_again(tiny_dir,
     assert "features: heldout split" in out and "features: train split" not in out
 
 
+def test_a_checkpoint_of_other_settings_is_refused_before_any_stage_runs(tiny_dir, tmp_path, capsys):
+    """features.dtype changed on a killed run: refused only in the training stage, after the features were
+    extracted again and config.yaml rewritten (--plan said nothing); the distilling settings, which change
+    no training step, refused the resume."""
+    import train_heads
+
+    values = recipe(tiny_dir, tmp_path / "run", training={"max_steps": 6, "save_every": 2, "seed": 3})
+    config_file = str(write_recipe(tmp_path / "r.yaml", values))
+    killed_at_step(3, config_file, tmp_path)
+    saved = (tmp_path / "run" / "config.yaml").read_text()
+    caches = sorted((tmp_path / "run" / "features").iterdir())
+    for flags in ([], ["--plan"]):
+        with pytest.raises(SystemExit):
+            train_heads.main(["--config", config_file, "features.dtype=bfloat16", *flags])
+        assert "step-00000002 was written by a different run: features.dtype was 'float32', now 'bfloat16'" \
+            in capsys.readouterr().err
+    assert (tmp_path / "run" / "config.yaml").read_text() == saved
+    assert sorted((tmp_path / "run" / "features").iterdir()) == caches
+    assert train_heads.main(["--config", config_file, "data.distill_batch_size=3"]) == 0
+    assert "resuming from" in capsys.readouterr().out
+
+
 def test_a_half_written_log_line_does_not_stop_the_resume(tiny_dir, tmp_path):
     """A run killed while writing ``logs/train.jsonl`` (or on a full disk) leaves half a line: the resume
     drops it with the lines past its checkpoint and goes on, instead of failing on it every time."""
