@@ -658,8 +658,10 @@ class Plan:
     """What a run will do, computed from the config (and the files already present) alone.
 
     Token and step counts are estimates until the data exist: each example is taken to have
-    ``data.max_new_tokens`` assistant tokens (an upper bound). Once the feature cache or the
-    tokenised data exist, ``plan`` counts them instead (``exact`` is then True).
+    ``data.max_new_tokens`` assistant tokens where the run distils its rows, ``data.max_length``
+    where it reads rows or examples made otherwise (upper bounds; ready examples' labelled tokens
+    when fewer). Once the feature cache or the tokenised data exist, ``plan`` counts them instead
+    (``exact``, of the steps, is then True; ``tokens_exact``, of the tokens, once the cache exists).
     """
 
     mode: str
@@ -680,12 +682,13 @@ class Plan:
     warmup_steps: int
     head_vocab: str
     exact: bool
+    tokens_exact: bool = False
 
     def summary(self) -> str:
         rows = [
             ("mode", f"{self.mode} on {self.num_processes} process(es)"),
             ("examples", f"{self.examples} ({self.train_examples} train, {self.heldout_examples} held out)"),
-            ("train tokens", f"{'' if self.exact else '<= '}{self.est_train_tokens:,} assistant tokens"),
+            ("train tokens", f"{'' if self.tokens_exact else '<= '}{self.est_train_tokens:,} assistant tokens"),
             ("batch", f"{self.micro_batch} {self.unit} x {self.num_processes} process(es) x "
                       f"{self.global_batch // (self.micro_batch * self.num_processes)} accumulation = "
                       f"{self.global_batch} {self.unit} per step"),
@@ -816,9 +819,13 @@ def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | Non
     t, d = config.training, config.data
     paths = run_paths(config)
     rows_file = rows_path(config)
-    exact = False
-    if d.tokenized and Path(d.tokenized).is_file():
-        examples, exact = _count_lines(Path(d.tokenized)), True
+    exact, labelled = False, None
+    if d.tokenized and Path(d.tokenized).is_file():  # counted as the run keeps them (data.max_length)
+        from medusa_train.dataset import IGNORE_INDEX, read_rows, truncate_examples
+
+        kept = truncate_examples(read_rows(d.tokenized), d.max_length)[0]
+        examples, exact = len(kept), True
+        labelled = sum(label != IGNORE_INDEX for example in kept for label in example["labels"])
     elif rows_file.is_file():
         examples = _count_lines(rows_file) + (distill_pending or 0)
     elif d.n is not None:
@@ -828,7 +835,11 @@ def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | Non
     else:
         examples = _count_lines(Path(d.prompts)) if d.prompts and Path(d.prompts).is_file() else 0
     train_examples, heldout_examples = split_sizes(examples, d.heldout_fraction)
-    est_tokens = train_examples * min(d.max_new_tokens, d.max_length)
+    # answers this run distils are at most max_new_tokens long; rows or examples made otherwise, max_length
+    est_tokens = train_examples * (min(d.max_new_tokens, d.max_length) if owns_rows(config) else d.max_length)
+    if labelled is not None:
+        est_tokens = min(est_tokens, labelled)
+    tokens_exact = False
 
     if config.uses_feature_cache:
         unit, micro = "positions", t.batch_tokens
@@ -836,7 +847,7 @@ def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | Non
         units = cached if cached is not None else est_tokens
         exact = exact and cached is not None
         if cached is not None:
-            est_tokens = cached
+            est_tokens, tokens_exact = cached, True
     else:
         unit, micro, units = "sequences", t.batch_size, train_examples
     micro_per_epoch, steps_per_epoch, total, warmup = step_counts(config, units, num_processes)
@@ -881,5 +892,5 @@ def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | Non
         est_train_tokens=est_tokens, micro_batch=micro, global_batch=micro * num_processes * t.grad_accum,
         micro_steps_per_epoch=micro_per_epoch, steps_per_epoch=steps_per_epoch, total_steps=total,
         stage1_steps=t.stage1_steps if t.mode == "medusa2" else 0, warmup_steps=warmup,
-        head_vocab=head_vocab, exact=exact,
+        head_vocab=head_vocab, exact=exact, tokens_exact=tokens_exact,
     )

@@ -219,6 +219,32 @@ def test_plan_counts_existing_data_and_features(tmp_path):
     assert [s.done for s in after.stages if s.name == "features"] == [True]
 
 
+def test_plan_bounds_ready_examples_by_their_length_and_counts_them_as_kept(tmp_path):
+    """data.tokenized: the estimate took data.max_new_tokens per example (their length is max_length's), so
+    a plan refused long examples that fill a batch; it counted examples max_length leaves unlabelled, and
+    called its token estimate exact."""
+    ready = tmp_path / "ready.jsonl"
+    long = [{"input_ids": list(range(600)), "labels": [-100] * 10 + list(range(10, 600))} for _ in range(4)]
+    prompt_only = {"input_ids": list(range(40)), "labels": [-100] * 30 + list(range(30, 40))}
+    ready.write_text("".join(json.dumps(e) + "\n" for e in long + [prompt_only]))
+    config = config_from_dict({"output_dir": str(tmp_path / "run"),
+                               "data": {"tokenized": str(ready), "heldout_fraction": 0.25, "max_length": 700},
+                               "training": {"batch_tokens": 1024}})
+    laid = plan(config)  # 3 train examples of up to 590 labelled tokens: a batch of 1024 is filled
+    assert laid.examples == 5 and laid.est_train_tokens == min(4 * 700, 4 * 590 + 10)
+    assert "<= " in laid.summary().split("train tokens")[1].splitlines()[0]
+    cut = plan(config_from_dict({**config.to_dict(), "data": {**config.to_dict()["data"], "max_length": 30},
+                                 "training": {"batch_tokens": 16}}))
+    assert cut.examples == 4  # the prompt-only example keeps no label at 30 tokens: dropped, as the run drops it
+    # rows this run does not distil are bounded by max_length too
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"id": i, "prompt": "p", "response": "r"}) + "\n" for i in range(8)))
+    given = plan(config_from_dict({"output_dir": str(tmp_path / "run2"), "training": {"batch_tokens": 100},
+                                   "data": {"rows": str(rows), "heldout_fraction": 0.25, "max_length": 300,
+                                            "max_new_tokens": 64}}))
+    assert given.est_train_tokens == 6 * 300
+
+
 def test_every_valid_key_has_a_default():
     keys = valid_keys()
     assert "training.mode" in keys and "lora.r" in keys and "eval.tree_size" in keys
