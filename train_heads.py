@@ -30,6 +30,8 @@ import torch
 
 from medusa_train.train_config import (
     TrainConfig,
+    example_settings,
+    feature_settings,
     features_root,
     load_config,
     owns_rows,
@@ -139,7 +141,8 @@ def stage_data(config: TrainConfig, accelerator: Any, pending: int | None) -> tu
             warn_rows_outside_sample(recipe_config(config))
         stats = ds.BuildStats()
         with accelerator.main_process_first():
-            dataset = ds.load_or_build_dataset(rows, tokenizer, d.max_length, paths.data, d.system_prompt, stats)
+            dataset = ds.load_or_build_dataset(rows, tokenizer, d.max_length, paths.data, d.system_prompt, stats,
+                                               record={"settings": example_settings(config)})
         left_out = [f"{count} {what}" for count, what in (
             (stats.truncated, f"cut to data.max_length={d.max_length} tokens"),
             (stats.dropped_no_assistant, "dropped with no assistant turn"),
@@ -388,7 +391,8 @@ def stage_features(config: TrainConfig, accelerator: Any, train: list[dict] | No
     if accelerator.is_main_process and train is not None:
         index = run_paths(config).features
         index.mkdir(parents=True, exist_ok=True)
-        (index / "index.json").write_text(json.dumps({k: v.name for k, v in folders.items()}, indent=2) + "\n")
+        (index / "index.json").write_text(json.dumps({**{k: v.name for k, v in folders.items()},
+                                                      "settings": feature_settings(config)}, indent=2) + "\n")
     return folders
 
 

@@ -532,12 +532,14 @@ def load_or_build_dataset(
     cache_dir: str | Path,
     system_prompt: str | None = None,
     stats: BuildStats | None = None,
+    record: dict[str, Any] | None = None,
 ) -> Dataset:
     """The tokenised dataset of ``rows_path`` (JSONL or a saved ``datasets`` folder), from the
     cache when it holds one for the same rows, tokenizer, template and settings; otherwise built
     and saved to ``cache_dir/tokenized-<key>`` (written aside, then renamed into place).
     ``stats``, when given, receives the build's counts (kept with the cache, ``BUILD_STATS_NAME``:
-    a cached dataset reports what its build truncated and dropped as well).
+    a cached dataset reports what its build truncated and dropped as well), and ``record`` beside
+    them (what the caller wants to find there later: ``train_heads`` the settings it was built for).
 
     One row per example: packing happens per batch, in the forward passes that pay for padding
     (``data.pack``, ``medusa_train.features.pad_batch``).
@@ -552,7 +554,7 @@ def load_or_build_dataset(
         logger.info("loading tokenised dataset from cache %s", target)
         try:
             saved = json.loads((target / BUILD_STATS_NAME).read_text())
-            for name in vars(stats):
+            for name in asdict(stats):
                 setattr(stats, name, int(saved.get(name, 0)))
         except (OSError, ValueError, TypeError, AttributeError):  # a cache of an earlier release has none
             pass
@@ -569,7 +571,7 @@ def load_or_build_dataset(
     work = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
     try:
         dataset.save_to_disk(str(work / "data"))
-        (work / "data" / BUILD_STATS_NAME).write_text(json.dumps(asdict(stats)) + "\n")
+        (work / "data" / BUILD_STATS_NAME).write_text(json.dumps({**asdict(stats), **(record or {})}) + "\n")
         if target.exists():  # an incomplete folder (no dataset_info.json) from a killed run
             shutil.rmtree(target)
         os.replace(work / "data", target)

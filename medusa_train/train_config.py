@@ -777,13 +777,49 @@ def split_sizes(n: int, fraction: float) -> tuple[int, int]:
     return n - heldout, heldout
 
 
+def example_settings(config: TrainConfig) -> dict[str, Any]:
+    """The settings besides the rows' content that shape the training examples (``load_or_build_dataset``'s
+    cache key takes them from the tokenizer and its arguments): recorded with a tokenised dataset and a
+    feature index, so that ``plan`` can tell whether those were made for this config."""
+    m, d = config.model, config.data
+    return {"model": m.name, "chat_template": m.chat_template, "max_length": d.max_length,
+            "system_prompt": d.system_prompt, "source": d.tokenized or str(rows_path(config))}
+
+
+def feature_settings(config: TrainConfig) -> dict[str, Any]:
+    """``example_settings`` and the settings that shape the feature caches (``features.cache_key``'s,
+    the model's weights and the examples' content excepted), as ``features/index.json`` records them."""
+    f = config.features
+    return {**example_settings(config), "dtype": config.model.dtype, "attn": config.model.attn_implementation,
+            "features_dtype": f.dtype, "topk": config.soft_label_topk, "shard_examples": f.shard_examples,
+            "from_distillation": config.keeps_distillation_hidden}
+
+
 def _feature_rows(config: TrainConfig) -> int | None:
-    """Cached positions of the training split, when a run already wrote its feature index."""
+    """Cached positions of the training split, when a run of these settings (``feature_settings``)
+    already wrote its feature index."""
     index = run_paths(config).features / "index.json"
     if not index.is_file():
         return None
-    manifest = features_root(config) / json.loads(index.read_text())["train"] / "manifest.json"
+    written = json.loads(index.read_text())
+    if written.get("settings") != json.loads(json.dumps(feature_settings(config))) or "train" not in written:
+        return None  # another run's (or an index from before the record): extracted again
+    manifest = features_root(config) / written["train"] / "manifest.json"
     return json.loads(manifest.read_text())["num_rows"] if manifest.is_file() else None
+
+
+def _dataset_built(config: TrainConfig) -> bool:
+    """Whether a tokenised dataset of these settings (``example_settings``) is in the run's data folder."""
+    from medusa_train.dataset import BUILD_STATS_NAME
+
+    wanted = json.loads(json.dumps(example_settings(config)))
+    for folder in run_paths(config).data.glob("tokenized-*"):
+        try:
+            if json.loads((folder / BUILD_STATS_NAME).read_text()).get("settings") == wanted:
+                return True
+        except (OSError, ValueError):
+            continue
+    return False
 
 
 def step_counts(config: TrainConfig, units: int, num_processes: int) -> tuple[int, int, int, int]:
@@ -863,7 +899,7 @@ def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | Non
         Stage("distill", str(rows_file), bool(d.tokenized) or (rows_file.is_file() and not distill_pending),
               "skipped: data.tokenized given" if d.tokenized else
               f"{config.model.name} answers {answering}, <= {d.max_new_tokens} new tokens"),
-        Stage("dataset", str(d.tokenized or paths.data), bool(d.tokenized) or any(paths.data.glob("tokenized-*")),
+        Stage("dataset", str(d.tokenized or paths.data), bool(d.tokenized) or _dataset_built(config),
               f"tokenise, max_length {d.max_length}, hold out {d.heldout_fraction:.0%}"),
     ]
     if config.uses_feature_cache:

@@ -14,6 +14,7 @@ from medusa_train.distill import read_prompts
 from medusa_train.train_config import (
     TrainConfig,
     config_from_dict,
+    feature_settings,
     load_config,
     plan,
     save_config,
@@ -214,9 +215,40 @@ def test_plan_counts_existing_data_and_features(tmp_path):
     (features / "abc").mkdir(parents=True)
     (features / "abc" / "manifest.json").write_text(json.dumps({"num_rows": 1000}))
     (features / "index.json").write_text(json.dumps({"train": "abc", "heldout": "def"}))
+    assert [s.done for s in plan(config).stages if s.name == "features"] == [False]  # no record of its settings
+    (features / "index.json").write_text(json.dumps({"train": "abc", "heldout": "def",
+                                                     "settings": feature_settings(config)}))
     after = plan(config)
     assert after.train_units == 1000 and after.steps_per_epoch == 10
     assert [s.done for s in after.stages if s.name == "features"] == [True]
+    # another max_length makes other examples, so other features: the plan said done, and counted these
+    other = config_from_dict({**config.to_dict(), "data": {**config.to_dict()["data"], "max_length": 64}})
+    assert [s.done for s in plan(other).stages if s.name == "features"] == [False]
+    assert plan(other).train_units != 1000
+
+
+def test_plan_says_done_for_a_tokenised_dataset_of_these_settings_only(tmp_path, capsys):
+    import train_heads
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"id": i, "prompt": f"q{i}", "response": "an answer"}) + "\n"
+                            for i in range(20)))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"output_dir": str(tmp_path / "run"), "model": {"name": "smollm2-135m-instruct"},
+                                      "data": {"rows": str(rows), "heldout_fraction": 0.2}}))
+    config = load_config(recipe)
+
+    class OneProcess:
+        is_main_process = True
+
+        def main_process_first(self):
+            import contextlib
+            return contextlib.nullcontext()
+
+    train_heads.stage_data(config, OneProcess(), 0)
+    assert [s.done for s in plan(config).stages if s.name == "dataset"] == [True]
+    for change in ("data.max_length=64", "data.system_prompt=Be brief."):
+        assert [s.done for s in plan(load_config(recipe, [change])).stages if s.name == "dataset"] == [False]
 
 
 def test_plan_bounds_ready_examples_by_their_length_and_counts_them_as_kept(tmp_path):
