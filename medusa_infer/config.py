@@ -112,6 +112,10 @@ class MedusaConfig:
         if self.tree is not None:
             self.tree = [list(p) for p in self.tree]
         if self.head_accuracies is not None:
+            if len({len(row) for row in self.head_accuracies}) > 1:  # trees rank every head's candidates alike
+                raise ValueError(f"heads config head_accuracies rows have lengths "
+                                 f"{[len(row) for row in self.head_accuracies]}; give every head the same top-k "
+                                 "(cut the longer rows to the shortest)")
             for head, row in enumerate(self.head_accuracies):
                 if any(b < a - 1e-9 for a, b in zip(row, row[1:])):
                     raise ValueError(f"head_accuracies[{head}] = {row} must be cumulative top-k accuracies "

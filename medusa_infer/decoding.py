@@ -310,7 +310,7 @@ class DecodeBatch:
             ]
             self.roots = acc.next_token
             self.root_pos = self.root_pos + acc.accept_length + 1
-            self.proposer.observe(accepted, hidden, self._context(accepted))
+            self.proposer.observe(accepted, hidden, self._context())
             stepped = list(self.rows)  # _emit releases rows that stop
             emitted = self._emit(accepted)
             # Counted as emitted: what a row accepted past its stopping point was dropped. A row that stops on
@@ -325,7 +325,7 @@ class DecodeBatch:
 
     # -- bookkeeping --------------------------------------------------------------------------
 
-    def _context(self, accepted: list[list[int]] | None = None) -> StepContext:
+    def _context(self) -> StepContext:
         room_context = self.context_length - 2 - int(self.root_pos.max())  # the bonus token must fit too
         # The row with the most room sets the depth; rows with less drop the surplus when emitting.
         room_tokens = max(self.stops[r].max_new_tokens - len(self.generated[r]) for r in self.rows) - 1

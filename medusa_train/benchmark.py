@@ -814,13 +814,13 @@ def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[st
     config.path_accuracies = [[list(path), prob] for path, prob in paths.items()]
     kept = {key: value for key, value in (config.acceptance or {}).items()
             if key != "expected_tokens_per_step_fitted_tree"}  # training's tree's, which this one replaces
+    # a pipe's name, "63" of every <(...), names no questions: none recorded
+    source = None if _is_pipe(args.questions) else Path(args.questions).name
     config.acceptance = {**kept,
-                         "head_accuracies_measured_on": f"greedy answers to {len(questions)} questions from "
-                                                        f"{Path(args.questions).name}",
+                         "head_accuracies_measured_on": f"greedy answers to {len(questions)} questions "
+                                                        + (f"from {source}" if source else "read from a pipe"),
                          # left out of later benchmarks of these heads on that file (main)
-                         # (a pipe's name, "63" of every <(...), names no questions: none recorded)
-                         "calibration_questions": {"file": None if _is_pipe(args.questions)
-                                                   else Path(args.questions).name,
+                         "calibration_questions": {"file": source,
                                                    "ids": [q["id"] for q in questions]},
                          "calibrated_tree_nodes": len(fitted.paths),
                          "calibrated_expected_tau": round(fitted.expected_tau, 4),

@@ -558,7 +558,9 @@ def test_cli_calibrates_on_questions_from_a_pipe(model, tmp_path, monkeypatch):
     # a pipe's name ("63" of every <(...)) names no questions: none are recorded, and none left out later
     acceptance = json.loads((heads / "config.json").read_text())["acceptance"]
     assert acceptance["calibration_questions"]["file"] is None
-    assert "Calibrated on 2 questions read from a pipe." in (heads / "README.md").read_text()  # was "of `None`"
+    assert acceptance["head_accuracies_measured_on"] == "greedy answers to 2 questions read from a pipe"  # "from 3"
+    card = (heads / "README.md").read_text()
+    assert "Calibrated on 2 questions read from a pipe." in card and f"questions from {read})" not in card
     before = model.config.acceptance
     try:
         model.config.acceptance = {"calibration_questions": {"file": str(read), "ids": [1, 2]}}  # an older record

@@ -595,6 +595,7 @@ def test_truncated_weights_file_is_reported(saved):
     (lambda c: {**c, "head_accuracies": [0.5, 0.7], "format_version": 1, "cost_profile": {"seconds": [1.0]}},
      "heads config head_accuracies must be null or a list of each"),  # converted from per-rank ones first
     (lambda c: {**c, "path_accuracies": [[[0], 0.5, 1]]}, r"heads config path_accuracies must be null or a list of \[rank"),
+    (lambda c: {**c, "head_accuracies": [[0.5, 0.6], [0.3]]}, r"head_accuracies rows have lengths \[2, 1\]"),
     (lambda c: {**c, "format_version": "2"}, "heads config format_version must be an integer .*, got '2'"),
     (lambda c: {**c, "format_version": None}, "heads config format_version must be an integer .*, got None"),
     (lambda c: {**c, "hidden_size": -32}, "heads config hidden_size must be >= 0, got -32"),

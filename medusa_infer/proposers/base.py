@@ -40,8 +40,10 @@ class StepContext:
     """What a proposer may read when proposing or observing.
 
     Attributes:
-        sequences: per active row, the whole token history (prompt and output, no padding),
-            the current roots included.
+        sequences: per active row, the token history (prompt and output, no padding): in
+            ``start``, the prompt alone (the first root is not chosen yet); in ``propose``, all of
+            it, the current roots included; in ``observe``, as it was in that step's ``propose``
+            (the tokens just accepted are ``observe``'s ``accepted``, not yet appended).
         max_depth: deepest candidate the target can still verify this step (context and
             ``max_new_tokens`` limits); proposals must not exceed it.
     """
