@@ -842,7 +842,14 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
             if state.get(key) is not None:  # checkpoints from before the key have none
                 expected[key], found[key] = value, state[key]
         _refuse_other_run(checkpoint, expected, found, paths)
-        accelerator.load_state(str(checkpoint), **_deepspeed_kwargs(accelerator, custom_load_fn=load_trainable))
+        try:
+            accelerator.load_state(str(checkpoint), **_deepspeed_kwargs(accelerator, custom_load_fn=load_trainable))
+        except Exception as err:  # a file damaged after it was written (the writer renames complete folders)
+            older = [p.name for p in sorted(paths.checkpoints.glob(f"{CHECKPOINT_PREFIX}*"))
+                     if (p / STATE_NAME).is_file() and p != checkpoint]
+            fallback = f" to resume from {older[-1]}, the one before it" if older else " to train from the start"
+            raise ValueError(f"{checkpoint} could not be loaded ({type(err).__name__}: {err}): a file in it is damaged; "
+                             f"remove that folder{fallback}") from err
         start_step = state["step"]
         if accelerator.is_main_process:
             print(f"resuming from {checkpoint} (step {start_step} of {total})", flush=True)

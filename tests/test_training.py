@@ -849,6 +849,28 @@ def test_a_checkpoint_of_other_settings_is_refused_before_any_stage_runs(tiny_di
     assert "resuming from" in capsys.readouterr().out
 
 
+def test_a_damaged_checkpoint_is_named_with_the_one_to_resume_from(tiny_dir, tmp_path, capsys):
+    """A newest checkpoint damaged after it was written (cut by a full disk, a copy): a bare SafetensorError
+    traceback, naming neither the folder nor the older checkpoint kept beside it."""
+    import train_heads
+
+    values = recipe(tiny_dir, tmp_path / "run", training={"max_steps": 8, "save_every": 2, "seed": 1})
+    config_file = str(write_recipe(tmp_path / "r.yaml", values))
+    killed_at_step(5, config_file, tmp_path)
+    newest = tmp_path / "run" / "checkpoints" / "step-00000004"
+    weights = newest / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        train_heads.main(["--config", config_file])
+    said = str(exit_info.value) + capsys.readouterr().err
+    assert f"{newest} could not be loaded (SafetensorError" in said
+    assert "remove that folder to resume from step-00000002, the one before it" in said
+    shutil.rmtree(newest)
+    assert train_heads.main(["--config", config_file]) == 0
+    assert "resuming from" in capsys.readouterr().out and (tmp_path / "run" / "heads" / "config.json").is_file()
+
+
 def test_a_half_written_log_line_does_not_stop_the_resume(tiny_dir, tmp_path):
     """A run killed while writing ``logs/train.jsonl`` (or on a full disk) leaves half a line: the resume
     drops it with the lines past its checkpoint and goes on, instead of failing on it every time."""
