@@ -36,7 +36,7 @@ from medusa_infer.proposers.base import Proposal, Proposer, StepContext
 from medusa_infer.proposers.autoregressive import AutoregressiveProposer
 from medusa_infer.proposers.medusa import MedusaProposer
 from medusa_infer.speculation_gate import SpeculationGate, gated_step
-from medusa_infer.tree_fit import CostProfile, fit_tree
+from medusa_infer.tree_fit import CostProfile, fit_tree, warn_if_measured_elsewhere
 from medusa_infer.trees import TREE_PRESETS, get_tree, greedy_tree, tree_depth
 
 ACCEPTANCE_RULES = ("greedy", "typical", "lossless")
@@ -964,6 +964,7 @@ def resolve_tree(model, tree: str | Sequence[Sequence[int]] | None) -> list[tupl
     accuracies, or N is below 1 or above the paths measured (joint path accuracies keep the most
     probable paths only; per-head accuracies allow any tree their heads and ``top_k`` allow)."""
     config = model.config
+    warn_if_measured_elsewhere(model)
     fitted = FITTED_TREE.fullmatch(tree) if isinstance(tree, str) else None
     if fitted:
         acceptance = config.acceptance_model()

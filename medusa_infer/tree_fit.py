@@ -16,6 +16,7 @@ quickly with n, and a large one on a GPU, where verifying 64 tokens costs about 
 from __future__ import annotations
 
 import itertools
+import logging
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -47,7 +48,8 @@ class CostProfile:
     Attributes:
         sizes: tokens per forward, ascending, starting at 1.
         seconds: median seconds per forward for each size.
-        device: where it was measured (e.g. ``"cpu"``, ``"cuda:NVIDIA H200"``), with the dtype.
+        device: where it was measured, with the dtype (``device_label``: e.g. ``"cpu float32"``,
+            ``"NVIDIA H200 bfloat16"``).
         context: cached tokens before the new ones during the measurement.
         head_seconds: median seconds of running the first ``d`` Medusa heads (and their top-k) at
             one position, at index ``d - 1``: a tree of depth ``d`` runs only those (empty: not
@@ -175,11 +177,38 @@ def measure_verify_cost(
             _sync(device)
             if repeat:
                 times[n].append(time.perf_counter() - start)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     # A forward of more tokens never needs to cost less than one of fewer (it could pad them): a median
     # below a smaller size's is noise, and would promise a speedup above the tokens a step yields.
     seconds = list(itertools.accumulate((statistics.median(times[n]) for n in sizes), max))
-    return CostProfile(sizes, seconds, f"{name} {dtype}".replace("torch.", ""), context)
+    return CostProfile(sizes, seconds, device_label(device, dtype), context)
+
+
+def device_label(device: torch.device, dtype: torch.dtype) -> str:
+    """Where a cost profile was measured, as ``CostProfile.device`` records it: the CUDA device's name
+    (else the device type) and the dtype, e.g. ``"NVIDIA H200 bfloat16"``, ``"cpu float32"``."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return f"{name} {dtype}".replace("torch.", "")
+
+
+logger = logging.getLogger(__name__)
+_WARNED_ELSEWHERE: set[tuple[str, str]] = set()
+
+
+def warn_if_measured_elsewhere(model) -> None:
+    """Log a warning (once per pair of devices in a process) where ``model``'s heads carry a cost profile
+    measured on another device or dtype than the model runs on: their stored tree, the adaptive
+    fallback and lookup's draft lengths then follow the other machine's costs. The fix is calibrating
+    here (``medusa-bench --calibrate --calibrated-heads DIR``)."""
+    profile = getattr(getattr(model, "config", None), "cost_profile", None)
+    measured = (profile or {}).get("device") or ""
+    if not measured:  # profiles written by hand or before the field say nothing to compare
+        return
+    here = device_label(model.device, model.dtype)
+    if here != measured and (measured, here) not in _WARNED_ELSEWHERE:
+        _WARNED_ELSEWHERE.add((measured, here))
+        logger.warning("these heads' tree and cost profile were measured on %s and the model runs on %s: the tree "
+                       "and the adaptive fallback follow the other machine's costs; calibrate here for this one's "
+                       "(medusa-bench --calibrate --calibrated-heads DIR)", measured, here)
 
 
 def check_cost_context(model, context: int, sizes: Sequence[int] = DEFAULT_SIZES) -> None:

@@ -563,3 +563,28 @@ def test_layerskip_and_lookup_on_smollm2_are_exact():
     assert taus["layerskip", 25] > 1.0 and taus["lookup", None] > 1.0, taus  # 10 layers: rarely right
     view = truncated_model(target.base_model, 10)
     assert len(view.model.layers) == 10 and len(target.base_model.model.layers) == 30
+
+
+def test_heads_calibrated_on_another_device_say_so_once(caplog, monkeypatch):
+    """A cost profile records where it was measured, and nothing compared it: heads calibrated on a GPU
+    decoded on a CPU with the GPU's tree and costs, without a word."""
+    import logging
+
+    from medusa_infer import tree_fit
+
+    monkeypatch.setattr(tree_fit, "_WARNED_ELSEWHERE", set())
+    model = random_heads(target_model("llama"))
+    model.config.head_accuracies = [[0.6, 0.7, 0.75, 0.8]] * 3
+    model.config.tree = [[0], [1], [0, 0]]
+    prompt = torch.arange(3, 9)[None]
+    model.config.cost_profile = CPU_COST.to_dict()  # this machine's: nothing to say
+    with caplog.at_level(logging.WARNING, logger="medusa_infer.tree_fit"):
+        generate(model, prompt, max_new_tokens=4, eos_token_id=NO_EOS)
+        assert "measured on" not in caplog.text
+        model.config.cost_profile = {**CPU_COST.to_dict(), "device": "NVIDIA H200 bfloat16"}
+        for _ in range(2):
+            generate(model, prompt, max_new_tokens=4, eos_token_id=NO_EOS)
+            build_proposer("lookup", model)
+    said = [r.getMessage() for r in caplog.records if "measured on" in r.getMessage()]
+    assert len(said) == 1 and "measured on NVIDIA H200 bfloat16 and the model runs on cpu float32" in said[0]
+    assert "medusa-bench --calibrate --calibrated-heads" in said[0]

@@ -30,7 +30,7 @@ import torch
 
 from medusa_infer.datastore import Datastore
 from medusa_infer.proposers.base import ChainTrees, Proposal, StepContext
-from medusa_infer.tree_fit import CostProfile
+from medusa_infer.tree_fit import CostProfile, warn_if_measured_elsewhere
 
 
 def find_match(history: list[int], max_ngram: int, min_ngram: int, limit: int) -> tuple[int, list[int]]:
@@ -237,6 +237,8 @@ def checked_datastore(model, datastore: Datastore | None) -> Datastore | None:
 def model_cost(model) -> CostProfile | None:
     """The heads' measured verification cost, if ``model`` (a ``MedusaModel``) has one."""
     profile = getattr(getattr(model, "config", None), "cost_profile", None) if model.heads is not None else None
+    if profile:
+        warn_if_measured_elsewhere(model)
     return CostProfile.from_dict(profile) if profile else None
 
 
