@@ -444,6 +444,9 @@ def resume_fingerprint(config: TrainConfig) -> dict[str, Any]:
                if config.heads.init_from else {})}
 
 
+_DISTILLED_KEYS = ("data.n", "data.per_source", "data.max_new_tokens")
+"""``finished_settings``' keys of which prompts are distilled, recorded only where the run distils them."""
+
 _EVAL_IGNORES = ("push_to_hub", "private")  # an upload changes nothing in the heads folder
 
 
@@ -515,6 +518,13 @@ def check_finished_run(config: TrainConfig, paths: RunPaths) -> None:
             continue
         if "init_from_sha256" not in wanted:  # the starting heads are gone: their content cannot be compared
             found.pop("init_from_sha256", None)
+        for key in _DISTILLED_KEYS:  # recorded where the run distils its rows, which a given data.rows file
+            def under(k: str) -> bool:  # decides by being there (owns_rows): the examples are compared
+                return k == key or k.startswith(key + ".")  # noqa: B023 (used at once)
+
+            if any(map(under, found)) != any(map(under, wanted)):
+                found = {k: v for k, v in found.items() if not under(k)}
+                wanted = {k: v for k, v in wanted.items() if not under(k)}
         differ = sorted(k for k in set(wanted) | set(found) if wanted.get(k) != found.get(k))
         if differ:
             changes = ", ".join(f"{k} was {found.get(k)!r}, now {wanted.get(k)!r}" for k in differ[:6])

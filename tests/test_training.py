@@ -1592,3 +1592,24 @@ def test_a_checkpoint_without_frozen_weights_loads_only_where_it_fits():
         tr.load_trainable({"1.weight": saved["1.weight"]}, module)
     with pytest.raises(ValueError, match=r"tensors it does not have \['2.weight'\]"):
         tr.load_trainable({**saved, "2.weight": torch.zeros(1)}, module)
+
+
+@pytest.mark.parametrize("choice", [{"n": 8}, {"per_source": {"a": 3, "b": 5}}])
+def test_a_finished_run_whose_own_rows_file_was_removed_is_not_refused_for_it(tmp_path, choice):
+    """Rows distilled into a data.rows path record no distilling choice (a rows file there is read as
+    given); with the file removed to save disk the rerun would distil, and was refused for the data.n,
+    data.per_source and data.max_new_tokens nobody changed."""
+    prompts, rows = tmp_path / "prompts.jsonl", tmp_path / "my_rows.jsonl"
+    prompts.write_text(json.dumps({"id": "1", "prompt": "hi", "source": "a"}) + "\n")
+    rows.write_text(json.dumps({"id": "1", "prompt": "hi", "response": "hello"}) + "\n")
+    values = {"output_dir": str(tmp_path / "run"), "data": {"prompts": str(prompts), "rows": str(rows),
+                                                             "max_new_tokens": 16, **choice}}
+    config = config_from_dict(values)
+    paths = run_paths(config)
+    paths.final.mkdir(parents=True)
+    (paths.final / "config.json").write_text(json.dumps({"training": {"settings": tr.finished_settings(config)}}))
+    rows.unlink()
+    tr.check_finished_run(config, paths)
+    changed = config_from_dict(values, ["data.max_length=64"])
+    with pytest.raises(ValueError, match="data.max_length was 1024, now 64"):
+        tr.check_finished_run(changed, run_paths(changed))
