@@ -36,7 +36,7 @@ from transformers import PreTrainedTokenizerBase
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
-CACHE_FORMAT_VERSION = 4
+CACHE_FORMAT_VERSION = 5
 """Bump when the tokenisation or the example layout changes: old caches are then ignored."""
 
 ROLES = ("system", "user", "assistant")
@@ -178,14 +178,18 @@ def _through_turn(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[st
         return through
     try:
         ends = tokenizer(through, add_special_tokens=False, return_offsets_mapping=True)
-    except NotImplementedError:  # no offsets (a slow tokenizer)
-        return through
+    except NotImplementedError:  # no offsets (a slow tokenizer): the shared tokens' text, where it is the start
+        ends = {"input_ids": tokenizer(through, add_special_tokens=False)["input_ids"], "offset_mapping": None}
     shared = 0
     for mine, theirs in zip(ends["input_ids"], tokenizer(following, add_special_tokens=False)["input_ids"]):
         if mine != theirs:
             break
         shared += 1
-    cut = ends["offset_mapping"][shared - 1][1] if shared else 0
+    if ends["offset_mapping"] is not None:
+        cut = ends["offset_mapping"][shared - 1][1] if shared else 0
+    else:
+        text = tokenizer.decode(ends["input_ids"][:shared], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        cut = len(text) if through.startswith(text) else len(through)
     # only what follows the turn's content is cut: a template that writes the last turn itself otherwise
     # (Qwen3's thinking block, written only for a last assistant turn) parts before it. The content is
     # looked for from the turn's start (a short answer, "end", is also found inside an <|im_end|> after it)
@@ -274,7 +278,7 @@ def _tokenize_chat_by_prefix(
             continue
         before = encode(render_chat(tokenizer, messages[:i], add_generation_prompt=True))
         open_end = cut_off and i == len(messages) - 1
-        through = input_ids if open_end else encode(render_chat(tokenizer, messages[: i + 1]).rstrip())
+        through = input_ids if open_end else encode(_through_turn(tokenizer, messages[: i + 1]).rstrip())
         if input_ids[: len(before)] != before or input_ids[: len(through)] != through:
             raise TemplateError(
                 f"assistant turn {i} does not tokenise as a prefix of the whole conversation "

@@ -269,6 +269,16 @@ def test_tokenizers_without_offsets_cut_answers_at_the_same_token(smol, answer):
     assert labelled_runs(smol, example["input_ids"], example["labels"])[-1] == answer
 
 
+def test_tokenizers_without_offsets_label_phi3_style_templates_as_those_with(smol):
+    """A template writing an EOS after a conversation's last turn (Phi-3's): without offsets that EOS was
+    labelled as the answer's, and multi-turn rows failed as not prefix-stable."""
+    tokenizer = with_template(smol, PHI3_TEMPLATE, ["<|user|>", "<|assistant|>", "<|end|>", "<|system|>"])
+    for row in ({"id": "r", "prompt": "Hi?", "response": "Hello."}, {"id": "m", "messages": CONVERSATION}):
+        [example] = build_examples([row], NoOffsets(tokenizer), 512)
+        assert example == build_examples([row], tokenizer, 512)[0]
+        assert all(run.endswith("<|end|>") for run in labelled_runs(tokenizer, example["input_ids"], example["labels"]))
+
+
 def test_a_cut_answer_is_found_after_its_own_header_not_where_its_text_came_earlier(smol):
     tokenizer = with_template(smol, LLAMA3_TEMPLATE, ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"))
     # The user wrote the answer's text first, and the answer "assistant" is the header's own word.
