@@ -595,9 +595,12 @@ def main(argv: list[str] | None = None) -> int:
 
         if not args.heldout_only:  # which reports the trained heads whatever the settings now
             check_finished_run(config, run_paths(config))
-            check_checkpoint(config, run_paths(config), int(os.environ.get("WORLD_SIZE", "1")))
         if not (run_paths(config).final / "config.json").is_file():  # the starting heads, before any work
             check_init_from(config)
+        if not args.heldout_only:
+            # a plain `--plan` of a launch's run knows no number of processes: the resume checks it
+            world = os.environ.get("WORLD_SIZE")
+            check_checkpoint(config, run_paths(config), int(world) if world else None if args.plan else 1)
         layout = plan(config, int(os.environ.get("WORLD_SIZE", "1")), distill_pending=pending)
     except ValueError as err:
         parser.error(str(err))

@@ -877,6 +877,7 @@ def make_controller(model, paths: Sequence[Sequence[int]], adaptive: bool | None
     config = model.config
     acceptance = config.acceptance_model()
     cost = CostProfile.from_dict(config.cost_profile)
+    warn_if_measured_elsewhere(model)
     return TreeController(tree_ladder(start, acceptance=acceptance), acceptance, cost, step_costs=step_costs)
 
 
@@ -964,7 +965,6 @@ def resolve_tree(model, tree: str | Sequence[Sequence[int]] | None) -> list[tupl
     accuracies, or N is below 1 or above the paths measured (joint path accuracies keep the most
     probable paths only; per-head accuracies allow any tree their heads and ``top_k`` allow)."""
     config = model.config
-    warn_if_measured_elsewhere(model)
     fitted = FITTED_TREE.fullmatch(tree) if isinstance(tree, str) else None
     if fitted:
         acceptance = config.acceptance_model()
@@ -982,6 +982,8 @@ def resolve_tree(model, tree: str | Sequence[Sequence[int]] | None) -> list[tupl
         except ValueError as error:
             raise ValueError(f"tree={tree!r}: {error}") from None
         return get_tree(paths, config.num_heads, config.top_k)
+    if tree is None and config.tree is not None:  # fitted to the device the heads were calibrated on
+        warn_if_measured_elsewhere(model)
     if tree is None:
         tree = config.tree if config.tree is not None else next(
             name for name in DEFAULT_TREES

@@ -98,8 +98,11 @@ def check_token_map(token_map: torch.Tensor, config: MedusaConfig) -> None:
     if token_map.shape != (config.reduced_vocab_size,):
         raise ValueError(f"token_map has shape {tuple(token_map.shape)}, expected ({config.reduced_vocab_size},) "
                          "to match reduced_vocab_size")
-    if token_map.min() < 0 or token_map.max() >= config.vocab_size:
-        outside = token_map[(token_map < 0) | (token_map >= config.vocab_size)].unique()
+    if token_map.min() < 0:
+        raise ValueError(f"token_map holds negative token ids {token_map[token_map < 0].unique()[:8].tolist()}: the "
+                         "heads' weights file is damaged; save or download them again")
+    if token_map.max() >= config.vocab_size:
+        outside = token_map[token_map >= config.vocab_size].unique()
         raise ValueError(f"token_map holds token ids {outside[:8].tolist()} outside the vocabulary [0, "
                          f"{config.vocab_size}): these heads were made for a model with a larger vocabulary; "
                          "load them on that model")

@@ -128,8 +128,8 @@ def read_medusa_layout(
 
     ``medusa_lm_head.safetensors`` is read when present, else ``medusa_lm_head.pt`` (only with
     ``torch.load(weights_only=True)``). Heads with projection tensors become ``projection="own"``;
-    heads without (version 2) become ``"shared"``, as do heads whose every projection is a bitwise copy
-    of ``lm_head_weight`` in its dtype (version 1 of shared heads, which ``write_medusa_layout`` writes
+    heads without (version 2) become ``"shared"``, as do heads whose every projection is an exact copy
+    of ``lm_head_weight`` (version 1 of shared heads, which ``write_medusa_layout`` writes
     so; as ``own`` they would hold a copy of the vocabulary projection each and compute their logits
     head by head, not bitwise as the heads exported). Tensor dtypes are kept. The config's ``training``
     records the import (``checkpoint.IMPORTED_FROM``), and its base model is ``base_model_name``'s.
@@ -212,13 +212,18 @@ def _layers_found(tensors: dict[str, torch.Tensor]) -> int | None:
 def _copies_lm_head(
     projections: list[torch.Tensor | None], weight: torch.Tensor | None, bias: torch.Tensor | None
 ) -> bool:
-    """Whether every head's projection is ``weight`` bit for bit (same shape and dtype) and the base
-    ``lm_head`` adds no bias: version 1 of shared heads."""
+    """Whether every head's projection holds ``weight``'s numbers exactly (each casts to the other's dtype
+    without change: a bfloat16 model's copies read onto its float32 load too) and the base ``lm_head``
+    adds no bias: version 1 of shared heads."""
     if weight is None or (bias is not None and bool(bias.any())):
         return False
     weight = weight.detach().to("cpu")
-    return all(p is not None and p.shape == weight.shape and p.dtype == weight.dtype and torch.equal(p, weight)
-               for p in projections)
+
+    def same(p: torch.Tensor | None) -> bool:
+        return (p is not None and p.shape == weight.shape and torch.equal(p.to(weight.dtype), weight)
+                and torch.equal(weight.to(p.dtype), p))
+
+    return all(same(p) for p in projections)
 
 
 def write_medusa_layout(

@@ -289,6 +289,15 @@ def _tokenize_chat_by_prefix(
     return input_ids, labels
 
 
+def _write_atomic(path: Path, text: str) -> None:
+    """``path`` holds ``text`` whole or not at all (written aside, then renamed: processes may read it)."""
+    handle, aside = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(handle, "w") as out:
+        out.write(text)
+    os.chmod(aside, 0o644)  # as the files beside it (mkstemp's are the owner's only)
+    os.replace(aside, path)
+
+
 BUILD_STATS_NAME = "medusa_build_stats.json"
 """The ``BuildStats`` of a cached tokenised dataset, in its folder."""
 
@@ -485,7 +494,8 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _content_hash(path: Path) -> str:
+def content_hash(path: Path) -> str:
+    """sha256 of a file's bytes, or of a folder's files (names and bytes, in sorted order)."""
     digest = hashlib.sha256()
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     for file in files:
@@ -521,7 +531,7 @@ def dataset_cache_key(
     """The cache key of a tokenised dataset (hex): rows content, tokenizer, settings, format."""
     parts = {
         "format": CACHE_FORMAT_VERSION,
-        "rows": _content_hash(Path(rows_path)),
+        "rows": content_hash(Path(rows_path)),
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "max_length": max_length,
         "system_prompt": system_prompt,
@@ -561,7 +571,10 @@ def load_or_build_dataset(
             for name in asdict(stats):
                 setattr(stats, name, int(saved.get(name, 0)))
         except (OSError, ValueError, TypeError, AttributeError):  # a cache of an earlier release has none
-            pass
+            saved = {}
+        if record and any(saved.get(key) != value for key, value in record.items()):
+            # (a cache of an earlier release: its counts are unknown, the record is added)
+            _write_atomic(target / BUILD_STATS_NAME, json.dumps({**saved, **record}) + "\n")
         return load_from_disk(str(target))
     examples = build_examples(read_rows(rows_path), tokenizer, max_length, system_prompt, stats)
     if not examples:

@@ -781,9 +781,13 @@ def example_settings(config: TrainConfig) -> dict[str, Any]:
     """The settings besides the rows' content that shape the training examples (``load_or_build_dataset``'s
     cache key takes them from the tokenizer and its arguments): recorded with a tokenised dataset and a
     feature index, so that ``plan`` can tell whether those were made for this config."""
+    from medusa_train.dataset import content_hash
+
     m, d = config.model, config.data
+    source = Path(d.tokenized) if d.tokenized else rows_path(config)
     return {"model": m.name, "chat_template": m.chat_template, "max_length": d.max_length,
-            "system_prompt": d.system_prompt, "source": d.tokenized or str(rows_path(config))}
+            "system_prompt": d.system_prompt, "source": str(source),
+            "source_sha256": content_hash(source) if source.exists() else None}
 
 
 def feature_settings(config: TrainConfig) -> dict[str, Any]:
@@ -877,9 +881,10 @@ def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | Non
         est_tokens = min(est_tokens, labelled)
     tokens_exact = False
 
+    cached = None
     if config.uses_feature_cache:
         unit, micro = "positions", t.batch_tokens
-        cached = _feature_rows(config)
+        cached = None if distill_pending else _feature_rows(config)  # rows still to distil: other examples
         units = cached if cached is not None else est_tokens
         exact = exact and cached is not None
         if cached is not None:
@@ -899,7 +904,8 @@ def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | Non
         Stage("distill", str(rows_file), bool(d.tokenized) or (rows_file.is_file() and not distill_pending),
               "skipped: data.tokenized given" if d.tokenized else
               f"{config.model.name} answers {answering}, <= {d.max_new_tokens} new tokens"),
-        Stage("dataset", str(d.tokenized or paths.data), bool(d.tokenized) or _dataset_built(config),
+        Stage("dataset", str(d.tokenized or paths.data), bool(d.tokenized) or (not distill_pending
+                                                                             and _dataset_built(config)),
               f"tokenise, max_length {d.max_length}, hold out {d.heldout_fraction:.0%}"),
     ]
     if config.uses_feature_cache:
@@ -911,7 +917,7 @@ def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | Non
         source = ("the distillation's hidden states, the backbone where they do not cover an example" if kept
                   else "backbone once over the data")
         packed = ", batches packed" if d.pack else ""
-        stages.append(Stage("features", str(feats), _feature_rows(config) is not None, f"{source}, {soft}{packed}"))
+        stages.append(Stage("features", str(feats), cached is not None, f"{source}, {soft}{packed}"))
     live = d.pack and not config.uses_feature_cache  # training runs the backbone
     stages += [
         Stage("train", str(paths.final), (paths.final / "config.json").is_file(),

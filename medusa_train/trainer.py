@@ -594,17 +594,21 @@ def _refuse_other_run(checkpoint: Path, expected: dict[str, Any], found: dict[st
         )
 
 
-def check_checkpoint(config: TrainConfig, paths: RunPaths, world: int) -> None:
+def check_checkpoint(config: TrainConfig, paths: RunPaths, world: int | None) -> None:
     """Refuse, before any stage runs, the step checkpoint a training would resume when its settings are not
     ``config``'s (the training stage refused it only after distilling and extracting features, with
     ``config.yaml`` and the features index rewritten: a run distilling more prompts then could never
-    resume it). What needs the data (the examples, the feature cache, the micro-batch) is checked there."""
+    resume it). What needs the data (the examples, the feature cache, the micro-batch) is checked there,
+    and the number of processes only where ``world`` is known (None: not)."""
     if (paths.final / "config.json").is_file():
         return
     checkpoint = latest_checkpoint(paths.checkpoints)
     if checkpoint is not None:
-        _refuse_other_run(checkpoint, *_resume_settings(config, json.loads((checkpoint / STATE_NAME).read_text()),
-                                                        world), paths)
+        state = json.loads((checkpoint / STATE_NAME).read_text())
+        expected, found = _resume_settings(config, state, world or 0)
+        if world is None:
+            del expected["world_size"], found["world_size"]
+        _refuse_other_run(checkpoint, expected, found, paths)
 
 
 def latest_checkpoint(folder: Path) -> Path | None:
@@ -854,12 +858,15 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
         _refuse_other_run(checkpoint, expected, found, paths)
         try:
             accelerator.load_state(str(checkpoint), **_deepspeed_kwargs(accelerator, custom_load_fn=load_trainable))
+        except ValueError:  # load_trainable's own, naming what does not fit
+            raise
         except Exception as err:  # a file damaged after it was written (the writer renames complete folders)
             older = [p.name for p in sorted(paths.checkpoints.glob(f"{CHECKPOINT_PREFIX}*"))
                      if (p / STATE_NAME).is_file() and p != checkpoint]
             fallback = f" to resume from {older[-1]}, the one before it" if older else " to train from the start"
-            raise ValueError(f"{checkpoint} could not be loaded ({type(err).__name__}: {err}): a file in it is damaged; "
-                             f"remove that folder{fallback}") from err
+            raise ValueError(f"{checkpoint} could not be loaded ({type(err).__name__}: {err}): a file in it is damaged "
+                             f"or missing (or it was saved under another kind of launch: DeepSpeed, FSDP or "
+                             f"DDP, which resumes under the same one only); remove that folder{fallback}") from err
         start_step = state["step"]
         if accelerator.is_main_process:
             print(f"resuming from {checkpoint} (step {start_step} of {total})", flush=True)

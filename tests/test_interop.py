@@ -125,10 +125,13 @@ def test_version_1_copies_of_the_base_lm_head_are_read_as_shared_heads(tmp_path)
     assert read_config.projection == "shared"
     assert_identical(read_state, state)
     MedusaHeads(read_config).load_state_dict(read_state)
-    # not the base's lm_head bit for bit (another dtype, another weight, a bias it adds): own projections
-    for weight, bias in [(lm_head.float(), None), (lm_head + 1, None), (lm_head, torch.ones(VOCAB))]:
+    # not the base's lm_head (another weight, one the copies round, a bias it adds): own projections
+    rounded = lm_head.float() + 1e-3 * torch.rand(VOCAB, HIDDEN)  # bfloat16 copies of it are not exact
+    for weight, bias in [(lm_head + 1, None), (rounded, None), (lm_head, torch.ones(VOCAB))]:
         assert read_medusa_layout(tmp_path, lm_head_weight=weight, lm_head_bias=bias)[0].projection == "own"
     assert read_medusa_layout(tmp_path, lm_head_weight=lm_head, lm_head_bias=torch.zeros(VOCAB))[0].projection == "shared"
+    # the same numbers in float32 (the bfloat16 model's weights loaded in float32, as a base named by its id is)
+    assert read_medusa_layout(tmp_path, lm_head_weight=lm_head.float())[0].projection == "shared"
 
 
 def test_export_writes_independent_tensors_from_views(tmp_path):

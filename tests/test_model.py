@@ -193,6 +193,10 @@ def test_a_token_map_with_ids_outside_the_vocabulary_names_them(tmp_path):
     save_file(state, str(tmp_path / "heads" / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"token_map holds token ids \[500\] outside the vocabulary \[0, \d+\)"):
         MedusaModel.from_pretrained(tmp_path / "heads", base_model=base_model("llama"))
+    state["token_map"][0] = -3  # no vocabulary has it: a damaged file
+    save_file(state, str(tmp_path / "heads" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"token_map holds negative token ids \[-3\]: the heads' weights file is damaged"):
+        MedusaModel.from_pretrained(tmp_path / "heads", base_model=base_model("llama"))
 
 
 def test_own_projections_are_copies_not_views_of_lm_head():

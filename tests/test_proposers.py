@@ -582,6 +582,9 @@ def test_heads_calibrated_on_another_device_say_so_once(caplog, monkeypatch):
         generate(model, prompt, max_new_tokens=4, eos_token_id=NO_EOS)
         assert "measured on" not in caplog.text
         model.config.cost_profile = {**CPU_COST.to_dict(), "device": "NVIDIA H200 bfloat16"}
+        # a tree given, no fallback: the profile is not used, nothing to say
+        generate(model, prompt, max_new_tokens=4, eos_token_id=NO_EOS, tree=[[0], [0, 0]], adaptive=False)
+        assert "measured on" not in caplog.text
         for _ in range(2):
             generate(model, prompt, max_new_tokens=4, eos_token_id=NO_EOS)
             build_proposer("lookup", model)

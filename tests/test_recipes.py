@@ -221,6 +221,11 @@ def test_plan_counts_existing_data_and_features(tmp_path):
     after = plan(config)
     assert after.train_units == 1000 and after.steps_per_epoch == 10
     assert [s.done for s in after.stages if s.name == "features"] == [True]
+    # rows still to distil make other examples: the cache is another run's
+    assert [s.done for s in plan(config, distill_pending=3).stages if s.name == "features"] == [False]
+    assert "<= " in plan(config, distill_pending=3).summary().split("train tokens")[1].splitlines()[0]
+    rows.write_text(rows.read_text() + json.dumps({"id": 50, "prompt": "p", "response": "r"}) + "\n")
+    assert [s.done for s in plan(config).stages if s.name == "features"] == [False]  # the rows changed
     # another max_length makes other examples, so other features: the plan said done, and counted these
     other = config_from_dict({**config.to_dict(), "data": {**config.to_dict()["data"], "max_length": 64}})
     assert [s.done for s in plan(other).stages if s.name == "features"] == [False]
@@ -249,6 +254,18 @@ def test_plan_says_done_for_a_tokenised_dataset_of_these_settings_only(tmp_path,
     assert [s.done for s in plan(config).stages if s.name == "dataset"] == [True]
     for change in ("data.max_length=64", "data.system_prompt=Be brief."):
         assert [s.done for s in plan(load_config(recipe, [change])).stages if s.name == "dataset"] == [False]
+    assert [s.done for s in plan(config, distill_pending=5).stages if s.name == "dataset"] == [False]  # more rows
+    # a cache of an earlier release (no record) is recorded when the run reuses it
+    from medusa_train.dataset import BUILD_STATS_NAME
+
+    [stats] = (tmp_path / "run" / "data").glob(f"tokenized-*/{BUILD_STATS_NAME}")
+    stats.unlink()
+    assert [s.done for s in plan(config).stages if s.name == "dataset"] == [False]
+    train_heads.stage_data(config, OneProcess(), 0)
+    assert [s.done for s in plan(config).stages if s.name == "dataset"] == [True]
+    # other rows under the same path: other examples
+    rows.write_text(rows.read_text().replace("an answer", "another answer"))
+    assert [s.done for s in plan(config).stages if s.name == "dataset"] == [False]
 
 
 def test_plan_bounds_ready_examples_by_their_length_and_counts_them_as_kept(tmp_path):

@@ -845,6 +845,16 @@ def test_a_checkpoint_of_other_settings_is_refused_before_any_stage_runs(tiny_di
             in capsys.readouterr().err
     assert (tmp_path / "run" / "config.yaml").read_text() == saved
     assert sorted((tmp_path / "run" / "features").iterdir()) == caches
+    # a launch's checkpoint: a plain --plan knows no number of processes (it printed no plan), a run does
+    state_file = tmp_path / "run" / "checkpoints" / "step-00000002" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state_file.write_text(json.dumps({**state, "world_size": 2}))
+    capsys.readouterr()
+    assert train_heads.main(["--config", config_file, "--plan"]) == 0
+    with pytest.raises(SystemExit):
+        train_heads.main(["--config", config_file])
+    assert "world_size was 2, now 1" in capsys.readouterr().err
+    state_file.write_text(json.dumps(state))
     assert train_heads.main(["--config", config_file, "data.distill_batch_size=3"]) == 0
     assert "resuming from" in capsys.readouterr().out
 
@@ -1613,3 +1623,20 @@ def test_a_finished_run_whose_own_rows_file_was_removed_is_not_refused_for_it(tm
     changed = config_from_dict(values, ["data.max_length=64"])
     with pytest.raises(ValueError, match="data.max_length was 1024, now 64"):
         tr.check_finished_run(changed, run_paths(changed))
+
+
+def test_a_killed_run_whose_starting_heads_are_gone_is_told_so(tiny_dir, tmp_path, counting_heads, capsys):
+    """The early checkpoint check hashed heads.init_from's weights unchecked: FileNotFoundError traceback."""
+    import train_heads
+
+    start = tmp_path / "start"
+    shutil.copytree(counting_heads, start)
+    values = recipe(tiny_dir, tmp_path / "run", training={"max_steps": 6, "save_every": 2, "seed": 3, "lr": 1e-4},
+                    heads={"reduced_vocab_size": 30, "init_from": str(start)})
+    config_file = str(write_recipe(tmp_path / "r.yaml", values))
+    killed_at_step(3, config_file, tmp_path)
+    shutil.rmtree(start)
+    for flags in (["--plan"], []):
+        with pytest.raises(SystemExit):
+            train_heads.main(["--config", config_file, *flags])
+        assert f"heads.init_from={start} has no config.json" in capsys.readouterr().err
