@@ -555,8 +555,13 @@ def stage_evaluate(config: TrainConfig, accelerator: Any, train: list[dict], hel
             except (OSError, ValueError):
                 tokenizer = None
             store = build_datastore(train, tokenizer)
+            d = config.data
+            store.origin = ("written by `train_heads.py`: the training split's "
+                            + (f"ready examples ({Path(d.tokenized).name})" if d.tokenized else
+                               "conversations, prompts and the model's own answers" if owns_rows(config) else
+                               f"conversations as given in {rows_path(config).name}"))
             store.save(partial / DATASTORE_NAME)
-            note_datastore(partial, len(store))
+            note_datastore(partial, len(store), store.origin)
         _commit_folder(partial, paths.heads)
         print(ev.summary_table(accuracy, [tuple(p) for p in mconfig.tree]), flush=True)
     accelerator.wait_for_everyone()

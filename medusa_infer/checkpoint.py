@@ -229,16 +229,20 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
     return "\n".join(lines)
 
 
-def note_datastore(directory: str | Path, tokens: int) -> None:
-    """Add to the folder's model card what its ``datastore.safetensors`` holds: text others can read
-    back from the upload (the training conversations, when ``train_heads.py`` wrote it)."""
+def note_datastore(directory: str | Path, tokens: int, origin: str | None) -> None:
+    """Say in the folder's model card what its ``datastore.safetensors`` holds: text others can read
+    back from the upload. ``origin`` (``Datastore.origin``): where the text comes from, in words; None:
+    not recorded. A section an earlier store left is replaced."""
     card = Path(directory) / CARD_NAME
     text = card.read_text(encoding="utf-8") if card.is_file() else ""
-    if "## Datastore" in text:
-        return
+    start = text.find("## Datastore")
+    if start >= 0:  # up to the next section
+        end = text.find("\n## ", start + 1)
+        text = text[:start] + (text[end + 1:] if end >= 0 else "")
+    source = origin or "text whose origin was not recorded (a store set in code, or built by an earlier release)"
     section = (f"## Datastore\n\n`{DATASTORE_NAME}` holds {tokens} tokens of text that lookup drafts search: "
-               "written by `train_heads.py`, the training split's conversations (prompts and the model's answers) "
-               "as token ids, which anyone with the folder can decode; it shares their licence and privacy.\n")
+               f"{source}, as token ids, which anyone with the folder can decode; it shares that text's licence "
+               "and privacy.\n")
     card.write_text(text.rstrip("\n") + "\n\n" + section, encoding="utf-8")
 
 

@@ -92,11 +92,13 @@ class Datastore:
         modulus: the hash modulus (tests use a tiny one to force collisions).
         tokenizer: ``tokenizer_digest`` of the tokenizer the tokens come from (saved with them;
             ``from_pretrained`` refuses the store on a model of another tokenizer), or None.
+        origin: where the text comes from, in words (saved with it; the model card says it: the
+            folder's readers can decode the text), or None: not recorded.
     """
 
     def __init__(self, tokens: torch.Tensor, min_ngram: int = 2, max_ngram: int = 6,
                  max_occurrences: int = 256, min_share: float = 0.3, modulus: int = _MODULUS,
-                 tokenizer: str | None = None) -> None:
+                 tokenizer: str | None = None, origin: str | None = None) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"a datastore needs 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
         if not 0.0 < min_share <= 1.0:
@@ -114,6 +116,7 @@ class Datastore:
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
         self.max_occurrences, self.min_share, self.modulus = max_occurrences, min_share, modulus
         self.tokenizer = tokenizer  # tokenizer_digest of the tokenizer the tokens come from, when known
+        self.origin = origin
         self._list = tokens.tolist()  # drafts read single tokens: list indexing beats tensor indexing
         self._largest = int(tokens.max())  # the highest id (the separator where none), checked per proposer
         self._index: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # built on first use
@@ -227,8 +230,9 @@ class Datastore:
         # same bytes (a Hub upload of unchanged heads sent it again); the tokenizer digest is a tensor of
         # its own (its bytes), which earlier releases leave unread
         tensors = {"tokens": self.tokens.to(torch.int32).contiguous()}
-        if self.tokenizer is not None:
-            tensors["tokenizer"] = torch.tensor(list(self.tokenizer.encode()), dtype=torch.uint8)
+        for name, text in (("tokenizer", self.tokenizer), ("origin", self.origin)):
+            if text is not None:  # tensors of their own (their bytes), as the tokenizer digest
+                tensors[name] = torch.tensor(list(text.encode()), dtype=torch.uint8)
         save_file(tensors, str(path), metadata={"settings": json.dumps(settings, sort_keys=True)})
         return path
 
@@ -245,7 +249,8 @@ class Datastore:
             tensors = load_file(str(path))
             digest = tensors.get("tokenizer")  # a metadata key of its own before
             tokenizer = bytes(digest.tolist()).decode() if digest is not None else metadata.get("tokenizer")
-            return cls(tensors["tokens"].long(), **settings, tokenizer=tokenizer)
+            origin = bytes(tensors["origin"].tolist()).decode() if "origin" in tensors else None
+            return cls(tensors["tokens"].long(), **settings, tokenizer=tokenizer, origin=origin)
         except (SafetensorError, OSError, KeyError, TypeError, json.JSONDecodeError) as err:
             raise ValueError(f"{path} is not a readable datastore ({err}); rebuild it with "
                              "`python -m medusa_train.datastore`") from err

@@ -446,7 +446,7 @@ class MedusaModel(nn.Module):
             shutil.copytree(self.merged_adapter, target)
         if self.datastore is not None:
             self.datastore.save(out / DATASTORE_NAME)
-            note_datastore(out, len(self.datastore))
+            note_datastore(out, len(self.datastore), self.datastore.origin)
         elif (out / DATASTORE_NAME).is_file():  # an earlier save's store is not these heads'
             (out / DATASTORE_NAME).unlink()
         return out

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from medusa_infer.checkpoint import note_datastore
 from medusa_infer.datastore import DATASTORE_NAME, Datastore, tokenizer_digest
 
 
@@ -113,7 +114,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                      f"{stats.dropped_too_long} dropped as longer than --max-length={max_length} tokens, "
                      f"{stats.dropped_no_assistant} with no assistant answer")
     store = build_datastore(examples, tokenizer)
+    store.origin = ("written by `python -m medusa_train.datastore` from the conversations in "
+                    + ", ".join(Path(p).name for p in args.rows))
     path = store.save(heads / DATASTORE_NAME)
+    note_datastore(heads, len(store), store.origin)
     print(f"{path}: {len(store)} tokens from {len(examples)} conversations")
     return 0
 

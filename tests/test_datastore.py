@@ -181,6 +181,12 @@ def test_the_builder_renders_rows_as_the_heads_recipe_did(tmp_path, capsys):
     assert "pass --system-prompt ''" in capsys.readouterr().err
     assert main(["--heads", str(tmp_path), "--rows", str(rows), "--system-prompt", ""]) == 0
     assert not Datastore.load(tmp_path / DATASTORE_NAME).occurrences(system[:2])
+    # the card says what the store now holds, and where it came from (it said nothing, or an earlier store's)
+    card = (tmp_path / "README.md").read_text()
+    stored = Datastore.load(tmp_path / DATASTORE_NAME)
+    assert card.count("## Datastore") == 1 and f"holds {len(stored)} tokens" in card
+    assert stored.origin == "written by `python -m medusa_train.datastore` from the conversations in rows.jsonl"
+    assert stored.origin in card
     # FasterDecoding-layout heads: no recipe, the defaults (the rows carry no record either)
     layout = tmp_path / "layout"
     layout.mkdir()
@@ -313,6 +319,22 @@ def test_medusa_lookup_uses_the_models_datastore_and_it_is_saved_with_the_heads(
     model.save_pretrained(tmp_path / "heads")  # the folder's old store goes with it
     assert not (tmp_path / "heads" / DATASTORE_NAME).exists()
     assert MedusaModel.from_pretrained(tmp_path / "heads", base_model=target.base_model).datastore is None
+
+
+def test_the_card_says_where_a_datastore_set_in_code_comes_from(tmp_path):
+    """A store set in code was described as the training split's conversations written by train_heads.py,
+    on heads the same card called never trained; a second save with another store kept the first's count."""
+    model = MedusaModel.from_base(target_model("llama").base_model, num_heads=2, base_model_name_or_path="org/x")
+    model.datastore = Datastore.from_sequences([[3, 4, 5, 6]])
+    model.save_pretrained(tmp_path)
+    card = (tmp_path / "README.md").read_text()
+    assert "text whose origin was not recorded" in card and "train_heads.py" not in card.split("## Datastore")[1]
+    model.datastore = Datastore.from_sequences([[3, 4, 5, 6, 7, 8]], origin="my notes, CC-BY")
+    model.save_pretrained(tmp_path)
+    card = (tmp_path / "README.md").read_text()
+    assert card.count("## Datastore") == 1 and f"holds {len(model.datastore)} tokens of text" in card
+    assert "my notes, CC-BY" in card
+    assert MedusaModel.from_pretrained(tmp_path, base_model=model.base_model).datastore.origin == "my notes, CC-BY"
 
 
 def test_exporting_the_faster_decoding_layout_says_it_leaves_the_datastore_out(tmp_path, caplog):

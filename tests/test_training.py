@@ -1208,7 +1208,8 @@ def test_push_to_hub_after_training_takes_private(tiny_dir, tmp_path, monkeypatc
     # the card says what the datastore uploaded with them holds
     card = (tmp_path / "run" / "heads" / "README.md").read_text()
     assert (tmp_path / "run" / "heads" / "datastore.safetensors").is_file()
-    assert "## Datastore" in card and "the training split's conversations" in card
+    assert "## Datastore" in card and "written by `train_heads.py`: the training split's ready examples " \
+        "(examples.jsonl)" in card
 
 
 def test_ddp_sends_no_buffers_before_each_forward():
