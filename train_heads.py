@@ -196,7 +196,10 @@ def check_inputs(config: TrainConfig) -> None:
         except HFValidationError as err:  # the upload would fail after training
             raise ValueError(f"--push-to-hub {config.eval.push_to_hub!r} is no Hub repo id ({err})") from None
 
-        later = f"leave --push-to-hub out and upload {run_paths(config).heads} later (hf upload REPO_ID FOLDER)"
+        heads = run_paths(config).heads
+        later = (f"leave --push-to-hub out and upload {heads} later (python -c \"from medusa_infer.checkpoint import "
+                 f"push_folder_to_hub; print(push_folder_to_hub('{heads}', '{config.eval.push_to_hub}'))\", which "
+                 "also deletes an earlier upload's adapter and datastore)")
         if constants.is_offline_mode():
             raise ValueError(f"uploading to {config.eval.push_to_hub} needs the Hub, but HF_HUB_OFFLINE is set; "
                              f"unset it, or {later}")
@@ -585,12 +588,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)  # overrides before and after the flags
     if args.plan and args.heldout_only:
         parser.error("--plan and --heldout-only each print something and exit: give one")
+    if args.heldout_only and (args.push_to_hub or args.private):
+        parser.error("--heldout-only prints the held-out table and uploads nothing: leave out --push-to-hub and "
+                     "--private")
     try:
         config = load_config(args.config, args.overrides)
         if args.push_to_hub:
             config.eval.push_to_hub = args.push_to_hub
         if args.private:
             config.eval.private = True
+        if args.heldout_only:  # a recipe's upload settings: nothing is uploaded, nothing to check
+            config.eval.push_to_hub, config.eval.private = None, False
         if config.eval.private and not config.eval.push_to_hub:
             raise ValueError("--private (eval.private) makes the uploaded repo private, and nothing is uploaded: add "
                              "--push-to-hub REPO_ID, or drop it")
@@ -723,13 +731,14 @@ STAGE_TIMING = {"distill": "data"}
 def stage_record(path: Path, timings: dict[str, float], reused: set[str]) -> dict[str, float]:
     """What ``stages.json`` should hold after a run: the seconds of the stages this run did, and
     for the stages whose outputs it found (``reused``), the seconds a previous run recorded for
-    them at ``path``, where there is such a record. A re-run of a finished recipe thus leaves the
-    record as it was, and a partial one does not replace, say, the distillation's minutes with the
-    seconds it took to find its rows."""
+    them at ``path``, where there is such a record, and none where there is not (a run stopped before
+    it wrote ``stages.json``: the seconds it took to find them are no stage's, and the card showed
+    0.0 s for a training that had run). A re-run of a finished recipe thus leaves the record as it
+    was, and a partial one does not replace, say, the distillation's minutes with the seconds it
+    took to find its rows."""
     previous = json.loads(path.read_text()) if path.is_file() else {}
     record = dict(previous)
-    record.update({stage: seconds for stage, seconds in timings.items()
-                   if stage not in reused or stage not in previous})
+    record.update({stage: seconds for stage, seconds in timings.items() if stage not in reused})
     return record
 
 

@@ -95,12 +95,18 @@ def push_folder_to_hub(
     and the folder does not is deleted in the same commit (they would load with these heads).
 
     Creates ``repo_id`` (``private=None``: the Hub's default visibility) and the ``revision``
-    branch when missing. ``token=None`` uses the locally stored login.
+    branch when missing. ``private=True`` on a repo that exists and is public is a ``ValueError``
+    (nothing is uploaded: the folder may hold a datastore of training conversations). ``token=None``
+    uses the locally stored login.
     """
     from huggingface_hub import HfApi
 
     api = HfApi(token=token)
     api.create_repo(repo_id, private=private, exist_ok=True)
+    if private and not api.repo_info(repo_id).private:  # create_repo leaves an existing repo as it is
+        raise ValueError(f"{repo_id} exists and is public, and the upload was asked to be private: nothing was "
+                         f"uploaded; make the repo private first (huggingface_hub.update_repo_settings("
+                         f"{repo_id!r}, private=True), or its settings page) or upload without private")
     if revision is not None:
         api.create_branch(repo_id, branch=revision, exist_ok=True)
     # Files an earlier upload left that change how the repo loads (another adapter would be merged

@@ -880,8 +880,11 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
     window_units, window_start = 0, time.perf_counter()
     saved_window = checkpoint / _window_file(rank) if checkpoint is not None else None
     if saved_window is not None and saved_window.is_file():  # checkpoints from before it have none
-        kept = torch.load(saved_window, map_location=accelerator.device, weights_only=True)
-        window, measured, window_units = kept["sums"], kept["measured"], kept["units"]
+        # read onto the CPU, then moved: torch.load cannot map storages to "cpu:0", the device accelerate
+        # gives each process of a multi-process CPU launch (every such resume failed here)
+        kept = torch.load(saved_window, map_location="cpu", weights_only=True)
+        window = {name: value.to(accelerator.device) for name, value in kept["sums"].items()}
+        measured, window_units = kept["measured"], kept["units"]
         window_start -= kept["seconds"]
     record = None
     start_time = time.perf_counter()

@@ -70,6 +70,13 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 # huggingface_hub's best-effort agent-detection registry (fetched from ENDPOINT by its
                 # progress display); a 404 makes it fall back to "no agent" and cache nothing.
                 hub.calls.append("agent-harnesses")
+            elif len(parts) == 3 and parts[0] == "models":  # repo_info
+                hub.calls.append("info")
+                repo_id = f"{parts[1]}/{parts[2]}"
+                if repo_id not in hub.repos:
+                    return self.reply(404, {"error": "Repository not found"})
+                return self.reply(200, {"id": repo_id, "private": hub.repos[repo_id].get("visibility") == "private",
+                                        "sha": COMMIT_OID + "0" * 6, "siblings": []})
             elif len(parts) == 5 and parts[0] == "models" and parts[3] == "tree":  # list_repo_files, one page
                 hub.calls.append("tree")
                 held = hub.files.get((f"{parts[1]}/{parts[2]}", parts[4]), {})
@@ -218,6 +225,20 @@ def test_push_to_hub_uploads_what_save_pretrained_writes(hub, monkeypatch, tmp_p
     for name, tensor in expected.items():
         assert tensors[name].dtype == tensor.dtype and torch.equal(tensors[name], tensor), name
     assert uploaded["model.safetensors"] == (tmp_path / "model.safetensors").read_bytes()
+
+
+def test_a_private_upload_to_a_public_repo_is_refused(hub, monkeypatch):
+    """create_repo(private=True, exist_ok=True) leaves an existing public repo public: the heads, and a
+    datastore of training conversations, were uploaded there without a word."""
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    model = tiny_heads()
+    model.push_to_hub(REPO_ID, private=False, token=TOKEN)
+    with pytest.raises(ValueError, match=f"{REPO_ID} exists and is public.*nothing was uploaded"):
+        model.push_to_hub(REPO_ID, private=True, token=TOKEN)
+    assert len(hub.commits) == 1 and not hub.unexpected
+    hub.repos[REPO_ID]["visibility"] = "private"  # made private on the Hub
+    model.push_to_hub(REPO_ID, private=True, token=TOKEN)
+    assert len(hub.commits) == 2
 
 
 def test_push_to_existing_repo_and_branch_succeeds(hub, monkeypatch):

@@ -1225,8 +1225,12 @@ def test_ddp_sends_no_buffers_before_each_forward():
 
 
 def test_two_process_cpu_launch_matches_one_process(tiny_dir, tmp_path):
+    """... and one killed, then resumed, ends as the uninterrupted launch (each process of a CPU launch
+    runs on "cpu:0", onto which torch.load could not map the checkpoint's log window: every such resume
+    failed)."""
     env = quiet_env(tmp_path)
-    values = {"training": {"max_steps": 6, "batch_tokens": 64, "seed": 1}, "heads": {"reduced_vocab_size": 40}}
+    values = {"training": {"max_steps": 6, "batch_tokens": 64, "seed": 1, "save_every": 2},
+              "heads": {"reduced_vocab_size": 40}}
     two = recipe(tiny_dir, tmp_path / "two", **values)
     one = recipe(tiny_dir, tmp_path / "one", **values)
     one["training"]["batch_tokens"] = 128  # the same global batch on one process
@@ -1244,6 +1248,24 @@ def test_two_process_cpu_launch_matches_one_process(tiny_dir, tmp_path):
     a, b = final_heads(tmp_path / "one"), final_heads(tmp_path / "two")
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4)
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_SCRIPT)
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/cpu-ddp-2proc.yaml"]
+    # logged every 3 steps: the step-2 checkpoint holds a log window with sums in it
+    killed = str(write_recipe(tmp_path / "killed.yaml", recipe(tiny_dir, tmp_path / "killed", **values,
+                                                                log={"every": 3, "progress": False})))
+    result = subprocess.run([*launch, "--main_process_port", "29573", str(script), "3", "--config", killed],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0 and (tmp_path / "killed" / "checkpoints" / "step-00000002").is_dir(), \
+        result.stderr[-2000:]
+    resumed = run_script([*launch, "--main_process_port", "29574", "train_heads.py", "--config", killed], env)
+    assert "resuming from" in resumed.stdout
+    c = final_heads(tmp_path / "killed")
+    for name in b:
+        assert torch.equal(b[name], c[name]), name
+    lines = train_log(tmp_path / "killed")
+    assert [r["step"] for r in lines] == [3, 6]
+    assert lines[0]["loss"] == pytest.approx(sum(r["loss"] for r in logs[1][:3]) / 3, rel=1e-5)
 
 
 LAGGING_RANK_SCRIPT = """
@@ -1641,3 +1663,34 @@ def test_a_killed_run_whose_starting_heads_are_gone_is_told_so(tiny_dir, tmp_pat
         with pytest.raises(SystemExit):
             train_heads.main(["--config", config_file, *flags])
         assert f"heads.init_from={start} has no config.json" in capsys.readouterr().err
+
+
+def test_stages_a_run_found_done_without_a_record_are_left_out_of_it(tmp_path):
+    """A run stopped before it wrote stages.json: the re-run found its training done and recorded the
+    seconds it took to find it (the card said training took 0.0 s)."""
+    import train_heads
+
+    record = train_heads.stage_record(tmp_path / "stages.json", {"data": 0.0, "train": 0.0, "evaluate": 1.5},
+                                      {"data", "train"})
+    assert record == {"evaluate": 1.5}
+    (tmp_path / "stages.json").write_text(json.dumps({"data": 60.0, "train": 30.0}))
+    assert train_heads.stage_record(tmp_path / "stages.json", {"data": 0.0, "train": 0.0, "evaluate": 1.5},
+                                    {"data", "train"}) == {"data": 60.0, "train": 30.0, "evaluate": 1.5}
+
+
+def test_heldout_only_ignores_a_recipes_upload_and_refuses_the_flags(tiny_dir, tmp_path, monkeypatch, capsys):
+    """--heldout-only uploads nothing: a recipe's eval.push_to_hub was checked offline and refused it."""
+    import huggingface_hub
+    import train_heads
+
+    values = recipe(tiny_dir, tmp_path / "run", training={"max_steps": 2})
+    config = str(write_recipe(tmp_path / "r.yaml", values))
+    assert train_heads.main(["--config", config]) == 0
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert train_heads.main(["--config", config, "--heldout-only", "eval.push_to_hub=me/heads"]) == 0
+    with pytest.raises(SystemExit):
+        train_heads.main(["--config", config, "--heldout-only", "--push-to-hub", "me/heads"])
+    assert "--heldout-only prints the held-out table and uploads nothing" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a run that would upload is still refused before any work
+        train_heads.main(["--config", config, "--push-to-hub", "me/heads"])
+    assert "push_folder_to_hub('" in capsys.readouterr().err
