@@ -218,6 +218,9 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
     estimated = {key: value for key, value in acceptance.items() if is_estimate(key)}
     measured = {key: value for key, value in acceptance.items() if key not in estimated}
     calibrated_on = (config.acceptance or {}).get("calibration_questions")
+    if calibrated_on and "heldout_positions" in measured:  # training's count, kept by calibration: said so
+        measured = {(f"{key} (training's held-out evaluation)" if key == "heldout_positions" else key): value
+                    for key, value in measured.items()}
     if calibrated_on and calibrated_on.get("file"):
         lines += [f"Calibrated on {len(calibrated_on['ids'])} questions of `{calibrated_on['file']}`, which "
                   "`medusa-bench` leaves out of later benchmarks of these heads on that file.", ""]

@@ -239,6 +239,7 @@ class MedusaModel(nn.Module):
         self.heads = heads
         self.tokenizer = tokenizer
         self.merged_adapter: Path | None = None  # the Medusa-2 adapter folder from_pretrained merged
+        self.skipped_adapter: Path | None = None  # the one it left unmerged (adapter=False)
         self.datastore: Datastore | None = None
         self._cache_kw = cache_keyword(self._decoder)
         self._slot_masks = _causal_slot_buffers(base_model)
@@ -398,6 +399,7 @@ class MedusaModel(nn.Module):
             base_model = merge_adapter(base_model, adapter_folder)
         model = cls(base_model, heads, tokenizer)
         model.merged_adapter = adapter_folder if merge else None
+        model.skipped_adapter = adapter_folder if not adapter and adapter_folder.is_dir() else None
         model.datastore = datastore
         if config.chat_template and tokenizer is not None:
             tokenizer.chat_template = config.chat_template
@@ -433,6 +435,10 @@ class MedusaModel(nn.Module):
             raise ValueError(f"the Medusa-2 adapter merged into the base model at load time ({self.merged_adapter}) "
                              "is gone, and the heads need it: nothing was written; restore that folder, or load the "
                              "heads again from a folder that holds it")
+        if self.skipped_adapter is not None:
+            logger.warning("these heads were loaded with adapter=False from a folder holding their Medusa-2 adapter "
+                           "(%s): %s gets the heads alone, whose accuracies were measured with the adapter merged; "
+                           "copy that folder along to keep them together", self.skipped_adapter, directory)
         if self.merged_adapter is None and target.exists():
             raise ValueError(f"{target} holds a Medusa-2 adapter and these heads have none merged (merged_adapter "
                              "is None): from_pretrained would merge it under them; save into another folder, or "

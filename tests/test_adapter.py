@@ -82,12 +82,15 @@ def test_a_truncated_adapter_is_named_and_leaves_the_given_base_model_alone(head
     assert not [name for name, _ in base.named_modules() if "lora" in name]
 
 
-def test_adapter_false_keeps_the_plain_base(heads_folder):
+def test_adapter_false_keeps_the_plain_base(heads_folder, tmp_path, caplog):
     folder, _ = heads_folder
     model = MedusaModel.from_pretrained(folder, base_model=tiny_model("llama"), adapter=False)
     assert model.merged_adapter is None
     torch.testing.assert_close(logits(model), logits(MedusaModel.without_heads(tiny_model("llama"))),
                                atol=0, rtol=0)
+    model.save_pretrained(tmp_path / "copy")  # the heads alone: said (they went without a word)
+    assert not (tmp_path / "copy" / ADAPTER_DIR).exists()
+    assert "loaded with adapter=False from a folder holding their Medusa-2 adapter" in caplog.text
 
 
 def test_the_merged_base_model_saved_loads_the_heads_without_a_second_merge(heads_folder, tmp_path):

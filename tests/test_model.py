@@ -506,6 +506,11 @@ def test_model_card_tells_trained_untrained_and_estimated_figures_apart(tmp_path
     model.config.training = {"heldout_head_accuracies": [[0.5]]}  # calibration's record, not training's
     model.save_pretrained(tmp_path / "calibrated")
     assert "not trained" in (tmp_path / "calibrated" / "README.md").read_text()
+    # calibrated: training's held-out count stays, and is not shown as the calibration's
+    model.config.acceptance["calibration_questions"] = {"file": "q.jsonl", "ids": [1, 2]}
+    model.save_pretrained(tmp_path / "calibrated")
+    card = (tmp_path / "calibrated" / "README.md").read_text()
+    assert "| heldout_positions (training's held-out evaluation) | [10, 10, 10] |" in card
 
 
 # ----- errors
