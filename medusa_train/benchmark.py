@@ -612,11 +612,17 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
             "kernel_plans": {shape: plan.to_dict() for shape, plan in kernel_plans(model.base_model).items()},
             "torch_threads": torch.get_num_threads(), "methods": methods,
             "tree": _tree_note(model, args.tree),
+            # what tau counts (reports before commit c190c01 counted target forwards: scripts/retau.py)
+            "tau_definition": TAU_DEFINITION,
         },
         "methods": summarise(totals),
         "categories": {cat: summarise(group) for cat, group in sorted(per_category.items())},
         "step_costs": {method: costs.summary() for method, costs in runner.step_costs.items()},
     }
+
+
+TAU_DEFINITION = "tokens per decoding step, the prefill's token no step's"
+"""``settings.tau_definition`` of a report: how its tau counts (``scripts/retau.py`` converts older ones)."""
 
 
 def warm_up(runner: Runner, methods: Sequence[str], questions: list[dict], batch_size: int,

@@ -5,7 +5,7 @@
 Loads the model once (float32), measures the ``tuned`` plans on its layers, one per weight shape
 (``medusa_infer.cpu_kernels.measure_kernel_plan``, printed with each kernel's milliseconds per row
 count), then times a forward of n new tokens over 256 cached ones (``tree_fit.measure_verify_cost``,
-what calibration measures) for n in 1, 2, 4, ... 64 with each plan: ``default`` (PyTorch's own
+what calibration measures) for n in ``tree_fit.DEFAULT_SIZES`` (1 to 17, 24, 32, 48, 64) with each plan: ``default`` (PyTorch's own
 kernels throughout), ``onednn`` (oneDNN with packed weights throughout), ``mkl-packed`` (MKL with
 packed weights up to 64 rows) and ``tuned``. The plans
 are interleaved round by round, so a noisy machine slows them alike; it prints each one's median

@@ -60,6 +60,9 @@ def main() -> None:
     if args.questions_from == "rest" and not args.ids and not calibrated:
         raise SystemExit(f"--questions-from rest leaves out the calibration's questions, which neither the heads "
                          f"nor {calibration} name; calibrate the heads with medusa-bench --calibrate or pass --ids")
+    if args.tree_nodes is not None and model.config.acceptance_model() is None:
+        raise SystemExit(f"--tree-nodes fits a tree to the heads' measured accuracies, which {args.heads} does not "
+                         "hold: calibrate the heads (medusa-bench --calibrate) or leave --tree-nodes out")
     tree = None if args.tree_nodes is None else greedy_tree(model.config.acceptance_model(), args.tree_nodes)
     step_costs = StepCosts()
     questions = [json.loads(line) for line in Path(args.questions).read_text().splitlines() if line.strip()]
@@ -72,6 +75,9 @@ def main() -> None:
     else:
         wanted = [q["id"] for q in questions]
     chosen = [q for q in questions if q["id"] in wanted][: args.limit]
+    if not chosen:
+        raise SystemExit(f"no question of {args.questions} is chosen (ids {wanted[:10]}): check --ids, --limit "
+                         "and --questions-from")
     totals = {m: {"step_tokens": 0, "row_steps": 0, "steps": 0, "plain": 0, "seconds": 0.0} for m in METHODS}
 
     def answer(method: str, messages: list[dict], max_new_tokens: int, costs: StepCosts):

@@ -3,6 +3,7 @@
 # size 1 and 8. One prepared run, from the repo root:
 #
 #     bash scripts/gpu_bench.sh [HEADS_DIR] [OUT_DIR]      # defaults: runs/demo/heads runs/gpu_bench
+#     PRESET=session bash scripts/gpu_bench.sh             # what fits one command of a lent GPU machine
 #
 # Stages, each under its own `timeout` (about 12 minutes in all with the defaults, 9.5 with TESTS=0;
 # the timeouts add up to 17.6):
@@ -48,10 +49,23 @@
 #   DEVICE=cpu DTYPE=float32 (defaults cuda, bfloat16) is a dry run of the plumbing on a machine
 #   without a GPU, with tiny settings: `DEVICE=cpu DTYPE=float32 LIMIT=3 TOKENS=8 BATCH=2 ...`
 #   (the GPU tests then run on the CPU too).
+#   PRESET=session: the settings of the stored run (docs/gpu/376fcb4/, 431 s), which fit one 10-minute
+#   command of a lent GPU machine: TESTS=0 B1_BUDGET_S=220 B8_BUDGET_S=120 F32_BUDGET_S=40 F32_LIMIT=4
+#   SLACK_S=30 TOKENS=64 (each still overridable). The GPU tests then need a call of their own
+#   (`pytest tests/test_cuda.py`), and the model its own transfer (docs/gpu/376fcb4/device_steps.sh).
+#   Where $OUT is set (the device tool's folder that comes back), OUT_DIR defaults to $OUT/gpu_bench.
 set -euo pipefail
 
+if [[ ${PRESET:-} == session ]]; then
+  : "${TESTS:=0}" "${B1_BUDGET_S:=220}" "${B8_BUDGET_S:=120}" "${F32_BUDGET_S:=40}" "${F32_LIMIT:=4}"
+  : "${SLACK_S:=30}" "${TOKENS:=64}"
+elif [[ -n ${PRESET:-} ]]; then
+  echo "gpu_bench.sh: unknown PRESET=$PRESET (known: session)" >&2
+  exit 2
+fi
 HEADS_DIR=${1:-runs/demo/heads}
-OUT_DIR=${2:-runs/gpu_bench}
+OUT_DIR=${2:-${OUT:+$OUT/gpu_bench}}
+OUT_DIR=${OUT_DIR:-runs/gpu_bench}
 LIMIT=${LIMIT:-80}
 TOKENS=${TOKENS:-128}
 BATCH=${BATCH:-8}

@@ -10,7 +10,8 @@ that source's quota::
         --quota gsm8k_train=1000 gpteacher_codegen=1000 gpteacher_roleplay=1000 dolly_open_qa=1000
 
 Sources in ``--include`` but not in ``--quota`` keep their included rows only. Rows come out as
-``--source`` holds them, in its order, whatever order the seed drew them in.
+``medusa_train.distill.read_prompts`` reads them (``id`` as a string, ``source``, ``prompt``; other
+fields, a licence say, are not kept), in ``--source``'s order, whatever order the seed drew them in.
 """
 
 from __future__ import annotations

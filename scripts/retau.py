@@ -47,10 +47,16 @@ def main(argv: list[str] | None = None) -> None:
     for path in parser.parse_args(argv).reports:
         report = json.loads(path.read_text())
         print(path)
+        if report["settings"].get("tau_definition"):  # written knowing today's definition: nothing to convert
+            print(f"its tau is already {report['settings']['tau_definition']}")
+            continue
         print("| method | tokens | turns | tau then (per forward) | tau now (per step) |")
         print("|---|---|---|---|---|")
         for method, row in report["methods"].items():
             turns = row.get("turns", report["settings"]["turns"])
+            if row.get("tau") is None:  # no step: nothing to convert
+                print(f"| {method} | {row['tokens']} | {turns} | - | - |")
+                continue
             print(f"| {method} | {row['tokens']} | {turns} | {row['tau']:.3f} | {retau(method, row, turns)} |")
 
 

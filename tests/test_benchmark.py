@@ -554,7 +554,8 @@ def test_cli_calibrates_on_questions_from_a_pipe(model, tmp_path, monkeypatch):
     assert main(["--heads", str(heads), "--questions", f"/dev/fd/{read}", "--max-new-tokens", "4", "--device", "cpu",
                  "--methods", "hf,ar", "--calibrate", "--calibrate-questions", "2", "--calibrate-context", "16",
                  "--output", str(tmp_path / "out")]) == 0
-    assert json.loads((tmp_path / "out" / "report.json").read_text())["settings"]["questions_answered"] == 3
+    settings = json.loads((tmp_path / "out" / "report.json").read_text())["settings"]
+    assert settings["questions_answered"] == 3 and settings["tau_definition"] == bench.TAU_DEFINITION
     # a pipe's name ("63" of every <(...)) names no questions: none are recorded, and none left out later
     acceptance = json.loads((heads / "config.json").read_text())["acceptance"]
     assert acceptance["calibration_questions"]["file"] is None
@@ -1085,3 +1086,23 @@ def test_retau_recovers_a_stored_reports_steps_and_gives_tokens_per_step():
     assert script.retau("hf-lookup", {"tokens": tokens, "turns": turns, "tau": 1.8}, turns) == "n/a"
     assert script.retau("ar", {"tokens": tokens, "turns": turns, "tau": 1.0}, turns) == "1.00"
     script.main([str(p) for p in sorted((path.parents[1] / "docs").rglob("report.json"))])  # every stored one
+
+
+def test_retau_leaves_reports_that_record_their_tau_definition_alone(tmp_path, capsys):
+    """A report written under today's definition was converted again (tau lowered twice), and a method with
+    no tau (None: every turn ended in its first forward) failed the script with a TypeError."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "retau.py"
+    spec = importlib.util.spec_from_file_location("retau", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rows = {"medusa": {"tokens": 300, "turns": 3, "tau": 2.5}, "hf-lookup": {"tokens": 9, "turns": 3, "tau": None}}
+    new, old = tmp_path / "new.json", tmp_path / "old.json"
+    new.write_text(json.dumps({"settings": {"turns": 3, "tau_definition": bench.TAU_DEFINITION}, "methods": rows}))
+    old.write_text(json.dumps({"settings": {"turns": 3}, "methods": rows}))
+    script.main([str(new), str(old)])
+    out = capsys.readouterr().out
+    assert f"its tau is already {bench.TAU_DEFINITION}" in out
+    assert "| hf-lookup | 9 | 3 | - | - |" in out
