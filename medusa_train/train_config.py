@@ -443,7 +443,9 @@ def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
                 f"unknown key {dotted!r}; valid keys: {', '.join(valid_keys(cls, prefix))}"
             )
         tp = fields[key]
-        kwargs[key] = _build(tp, value or {}, f"{dotted}.") if _is_section(tp) else convert_value(value, tp, dotted)
+        # an empty section (`data:` with nothing under it) is the defaults; [] or 0 there is a mistake, named
+        kwargs[key] = (_build(tp, {} if value is None else value, f"{dotted}.") if _is_section(tp)
+                       else convert_value(value, tp, dotted))
     return cls(**kwargs)
 
 

@@ -144,6 +144,12 @@ def test_recipe_files_overrides_and_paths_read_as_a_user_means_them(tmp_path, mo
     bad.write_text("- a\n- b\n")
     with pytest.raises(ValueError, match="holds a list, not a mapping of sections"):
         load_config(bad)
+    for section in ("[]", "0"):  # taken for the defaults in silence (`training:` alone still is)
+        bad.write_text(f"data:\n  prompts: p.jsonl\ntraining: {section}\n")
+        with pytest.raises(ValueError, match=r"training: expected a mapping, got (\[\]|0)"):
+            load_config(bad)
+    bad.write_text("data:\n  prompts: p.jsonl\ntraining:\n")
+    assert load_config(bad).training.lr == load_config(None, ["data.prompts=p.jsonl"]).training.lr
     config = load_config(None, ["data.prompts=p.jsonl", "data.distill_options={backend: openai}",
                                 "data.distill_options.endpoint=http://127.0.0.1:8000"])
     assert config.data.distill_options == {"backend": "openai", "endpoint": "http://127.0.0.1:8000"}
