@@ -103,9 +103,11 @@ def _commit_folder(partial: Path, final: Path) -> None:
 # Stages
 
 
-def stage_data(config: TrainConfig, accelerator: Any, pending: int | None) -> tuple[list[dict], list[dict]]:
+def stage_data(config: TrainConfig, accelerator: Any, pending: int | None,
+               record: bool = True) -> tuple[list[dict], list[dict]]:
     """(a) distil the rows that are missing (``pending``: ``distill_pending``'s count; 0 distils
-    nothing), (b) tokenise and split; returns (train, heldout) examples."""
+    nothing), (b) tokenise and split; returns (train, heldout) examples. ``record``: note the settings
+    with the tokenised dataset (``example_settings``, what ``--plan`` reads)."""
     paths = run_paths(config)
     d = config.data
     try:
@@ -142,7 +144,7 @@ def stage_data(config: TrainConfig, accelerator: Any, pending: int | None) -> tu
         stats = ds.BuildStats()
         with accelerator.main_process_first():
             dataset = ds.load_or_build_dataset(rows, tokenizer, d.max_length, paths.data, d.system_prompt, stats,
-                                               record={"settings": example_settings(config)})
+                                               record={"settings": example_settings(config)} if record else None)
         left_out = [f"{count} {what}" for count, what in (
             (stats.truncated, f"cut to data.max_length={d.max_length} tokens"),
             (stats.dropped_no_assistant, "dropped with no assistant turn"),
@@ -197,15 +199,25 @@ def check_inputs(config: TrainConfig) -> None:
             raise ValueError(f"--push-to-hub {config.eval.push_to_hub!r} is no Hub repo id ({err})") from None
 
         heads = run_paths(config).heads
+        private = ", private=True" if config.eval.private else ""
         later = (f"leave --push-to-hub out and upload {heads} later (python -c \"from medusa_infer.checkpoint import "
-                 f"push_folder_to_hub; print(push_folder_to_hub('{heads}', '{config.eval.push_to_hub}'))\", which "
-                 "also deletes an earlier upload's adapter and datastore)")
+                 f"push_folder_to_hub; print(push_folder_to_hub('{heads}', '{config.eval.push_to_hub}'{private}))\", "
+                 "which also deletes an earlier upload's adapter and datastore)")
         if constants.is_offline_mode():
             raise ValueError(f"uploading to {config.eval.push_to_hub} needs the Hub, but HF_HUB_OFFLINE is set; "
                              f"unset it, or {later}")
         if get_token() is None:
             raise ValueError(f"uploading to {config.eval.push_to_hub} needs a Hub login: run `hf auth login` "
                              f"or set HF_TOKEN, or {later}")
+        if config.eval.private:
+            from medusa_infer.checkpoint import check_private_upload
+
+            try:
+                check_private_upload(config.eval.push_to_hub)
+            except ValueError:
+                raise
+            except Exception:  # the Hub not reached now: the upload checks again before it sends anything
+                pass
 
 
 def check_attn_implementation(name: str | None) -> None:
@@ -343,7 +355,7 @@ def captured_folder(config: TrainConfig) -> Path | None:
 
 
 def stage_features(config: TrainConfig, accelerator: Any, train: list[dict] | None,
-                   heldout: list[dict]) -> dict[str, Path]:
+                   heldout: list[dict], reused: set[str] | None = None) -> dict[str, Path]:
     """(c) Medusa-1: the frozen backbone's features of both splits, cached on disk (``train`` None:
     the held-out split's alone, as ``--heldout-only`` needs)."""
     from medusa_infer.model import MedusaModel
@@ -372,8 +384,10 @@ def stage_features(config: TrainConfig, accelerator: Any, train: list[dict] | No
     # before ce runs left them out) serve it as well as caches without
     options = [caches(topk)] + ([caches(f.topk)] if topk == 0 and f.topk else [])
     folders = next((found for found in options if complete(found)), options[0])
-    if complete(folders):
+    if complete(folders):  # into ``reused``: no stage seconds of this run's for them (stage_record)
         say(accelerator, f"features: reusing {', '.join(str(p) for p in folders.values())}")
+        if reused is not None:
+            reused.add("features")
     else:
         from medusa_train.captured import CapturedHidden
 
@@ -677,7 +691,7 @@ def main(argv: list[str] | None = None) -> int:
     if config.uses_feature_cache and not finished:  # only training and evaluation read the features
         started = time.perf_counter()
         # trained heads are evaluated on the held-out split alone
-        folders = stage_features(config, accelerator, None if trained else train, heldout)
+        folders = stage_features(config, accelerator, None if trained else train, heldout, reused)
         timings["features"] = round(time.perf_counter() - started, 1)
         say(accelerator, f"features ready ({timings['features']} s)")
 
@@ -719,7 +733,9 @@ def main(argv: list[str] | None = None) -> int:
                                  "does not travel: others load them with base_model=; set model.hub_id to its "
                                  "Hub id (and remove the heads folder to evaluate again) to name it so")
 
-            say(accelerator, f"uploaded to {push_to_hub(paths.heads, config.eval.push_to_hub, config.eval.private)}")
+            with script_errors():  # e.g. a private upload to a repo made public since the run began
+                url = push_to_hub(paths.heads, config.eval.push_to_hub, config.eval.private)
+            say(accelerator, f"uploaded to {url}")
     accelerator.end_training()
     return 0
 
@@ -749,8 +765,8 @@ def report_heldout(config: TrainConfig, accelerator: Any) -> int:
     paths = run_paths(config)
     if not (paths.final / "config.json").is_file():
         raise SystemExit(f"train_heads.py: error: no trained heads in {paths.final}; run the recipe first")
-    with script_errors():  # the run's rows as they are: this writes nothing
-        train, heldout = stage_data(config, accelerator, 0)
+    with script_errors():  # the run's rows as they are, distilling nothing and recording nothing
+        train, heldout = stage_data(config, accelerator, 0, record=False)
     folders = stage_features(config, accelerator, None, heldout) if config.uses_feature_cache else None
     if accelerator.is_main_process:
         _, _, accuracy = heldout_accuracy(config, accelerator, heldout, folders)

@@ -103,10 +103,8 @@ def push_folder_to_hub(
 
     api = HfApi(token=token)
     api.create_repo(repo_id, private=private, exist_ok=True)
-    if private and not api.repo_info(repo_id).private:  # create_repo leaves an existing repo as it is
-        raise ValueError(f"{repo_id} exists and is public, and the upload was asked to be private: nothing was "
-                         f"uploaded; make the repo private first (huggingface_hub.update_repo_settings("
-                         f"{repo_id!r}, private=True), or its settings page) or upload without private")
+    if private:  # create_repo leaves an existing repo as it is
+        check_private_upload(repo_id, token)
     if revision is not None:
         api.create_branch(repo_id, branch=revision, exist_ok=True)
     # Files an earlier upload left that change how the repo loads (another adapter would be merged
@@ -118,6 +116,23 @@ def push_folder_to_hub(
         delete_patterns=stale,
     )
     return str(getattr(info, "commit_url", info))
+
+
+def check_private_upload(repo_id: str, token: str | None = None) -> None:
+    """``ValueError`` where ``repo_id`` exists on the Hub and is public: a private upload would land there
+    (``create_repo`` leaves an existing repo's visibility as it is). A repo not there yet passes; other
+    Hub errors (unreachable, no access) are raised as they are."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.utils import RepositoryNotFoundError
+
+    try:
+        public = not HfApi(token=token).repo_info(repo_id).private
+    except RepositoryNotFoundError:
+        return
+    if public:
+        raise ValueError(f"{repo_id} exists and is public, and the upload was asked to be private: nothing was "
+                         f"uploaded; make the repo private first (huggingface_hub.update_repo_settings("
+                         f"{repo_id!r}, private=True), or its settings page) or upload without private")
 
 
 def check_state_dict(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor], source: str) -> None:

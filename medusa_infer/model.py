@@ -489,6 +489,10 @@ class MedusaModel(nn.Module):
                                       commit_message=commit_message)
 
     def _warn_heads_only(self, directory: str | os.PathLike) -> None:
+        if self.skipped_adapter is not None:
+            logger.warning("these heads were loaded with adapter=False from a folder holding their Medusa-2 adapter "
+                           "(%s), which the layout written to %s does not include; engines that read it need the "
+                           "base model with that adapter merged", self.skipped_adapter, directory)
         if self.merged_adapter is not None:
             logger.warning("writing the heads only to %s: the Medusa-2 adapter merged from %s is not included "
                            "in this layout; engines that read it need the base model with the adapter merged",

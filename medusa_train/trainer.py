@@ -594,6 +594,16 @@ def _refuse_other_run(checkpoint: Path, expected: dict[str, Any], found: dict[st
         )
 
 
+def _unloadable(checkpoint: Path, paths: RunPaths, err: Exception) -> ValueError:
+    """The error for a step checkpoint that could not be loaded, naming the older one to resume from."""
+    older = [p.name for p in sorted(paths.checkpoints.glob(f"{CHECKPOINT_PREFIX}*"))
+             if (p / STATE_NAME).is_file() and p != checkpoint]
+    fallback = f" to resume from {older[-1]}, the one before it" if older else " to train from the start"
+    return ValueError(f"{checkpoint} could not be loaded ({type(err).__name__}: {err}): a file in it is damaged "
+                      f"or missing (or it was saved under another kind of launch: DeepSpeed, FSDP or DDP, which "
+                      f"resumes under the same one only); remove that folder{fallback}")
+
+
 def check_checkpoint(config: TrainConfig, paths: RunPaths, world: int | None) -> None:
     """Refuse, before any stage runs, the step checkpoint a training would resume when its settings are not
     ``config``'s (the training stage refused it only after distilling and extracting features, with
@@ -861,12 +871,7 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
         except ValueError:  # load_trainable's own, naming what does not fit
             raise
         except Exception as err:  # a file damaged after it was written (the writer renames complete folders)
-            older = [p.name for p in sorted(paths.checkpoints.glob(f"{CHECKPOINT_PREFIX}*"))
-                     if (p / STATE_NAME).is_file() and p != checkpoint]
-            fallback = f" to resume from {older[-1]}, the one before it" if older else " to train from the start"
-            raise ValueError(f"{checkpoint} could not be loaded ({type(err).__name__}: {err}): a file in it is damaged "
-                             f"or missing (or it was saved under another kind of launch: DeepSpeed, FSDP or "
-                             f"DDP, which resumes under the same one only); remove that folder{fallback}") from err
+            raise _unloadable(checkpoint, paths, err) from err
         start_step = state["step"]
         if accelerator.is_main_process:
             print(f"resuming from {checkpoint} (step {start_step} of {total})", flush=True)
@@ -882,7 +887,10 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
     if saved_window is not None and saved_window.is_file():  # checkpoints from before it have none
         # read onto the CPU, then moved: torch.load cannot map storages to "cpu:0", the device accelerate
         # gives each process of a multi-process CPU launch (every such resume failed here)
-        kept = torch.load(saved_window, map_location="cpu", weights_only=True)
+        try:
+            kept = torch.load(saved_window, map_location="cpu", weights_only=True)
+        except Exception as err:  # cut or emptied after it was written
+            raise _unloadable(checkpoint, paths, err) from err
         window = {name: value.to(accelerator.device) for name, value in kept["sums"].items()}
         measured, window_units = kept["measured"], kept["units"]
         window_start -= kept["seconds"]

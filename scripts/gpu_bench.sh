@@ -53,7 +53,9 @@
 #   command of a lent GPU machine: TESTS=0 B1_BUDGET_S=220 B8_BUDGET_S=120 F32_BUDGET_S=40 F32_LIMIT=4
 #   SLACK_S=30 TOKENS=64 (each still overridable). The GPU tests then need a call of their own
 #   (`pytest tests/test_cuda.py`), and the model its own transfer (docs/gpu/376fcb4/device_steps.sh).
-#   Where $OUT is set (the device tool's folder that comes back), OUT_DIR defaults to $OUT/gpu_bench.
+#   Where $OUT is set (the device tool's folder that comes back, a few files at most), the reports,
+#   the calibration and the calibrated heads' config are copied there at the end, under flat names
+#   (b1_report.md/.json, b8_report.md/.json, f32_report.json, calibration.json, heads_config.json).
 set -euo pipefail
 
 if [[ ${PRESET:-} == session ]]; then
@@ -64,8 +66,7 @@ elif [[ -n ${PRESET:-} ]]; then
   exit 2
 fi
 HEADS_DIR=${1:-runs/demo/heads}
-OUT_DIR=${2:-${OUT:+$OUT/gpu_bench}}
-OUT_DIR=${OUT_DIR:-runs/gpu_bench}
+OUT_DIR=${2:-runs/gpu_bench}
 LIMIT=${LIMIT:-80}
 TOKENS=${TOKENS:-128}
 BATCH=${BATCH:-8}
@@ -209,6 +210,16 @@ for run in batch1 "batch$BATCH" float32; do
 done
 echo
 echo "reports: $OUT_DIR/batch1/, $OUT_DIR/batch$BATCH/ and $OUT_DIR/float32/ (report.json, report.md, report.png); logs: $OUT_DIR/*.log; ${SECONDS}s in all"
+if [[ -n ${OUT:-} && -d ${OUT:-} ]]; then  # what comes back from a device call: the results, few files
+    for pair in "batch1/report.md b1_report.md" "batch1/report.json b1_report.json" \
+                "batch$BATCH/report.md b${BATCH}_report.md" "batch$BATCH/report.json b${BATCH}_report.json" \
+                "float32/report.json f32_report.json" "batch1/calibration.json calibration.json" \
+                "heads/config.json heads_config.json"; do
+        read -r from to <<<"$pair"
+        if [[ -f $OUT_DIR/$from ]]; then cp "$OUT_DIR/$from" "$OUT/$to"; fi
+    done
+    echo "copied to $OUT: $(ls "$OUT" | tr '\n' ' ')"
+fi
 if ((${#failed[@]})); then
     printf 'gpu_bench: failed: %s\n' "${failed[@]}" >&2
     exit 1

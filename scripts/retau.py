@@ -18,6 +18,9 @@ import math
 from pathlib import Path
 
 ASSISTED = ("hf-lookup", "hf-assisted")
+PER_STEP_FOLDERS = ("demo-ec1ff2d",)
+"""Stored reports (by their folder under docs/) written after commit c190c01 but before reports recorded
+``settings.tau_definition``: already per step."""
 
 
 def steps_range(tokens: int, turns: int, tau: float) -> range:
@@ -49,6 +52,9 @@ def main(argv: list[str] | None = None) -> None:
         print(path)
         if report["settings"].get("tau_definition"):  # written knowing today's definition: nothing to convert
             print(f"its tau is already {report['settings']['tau_definition']}")
+            continue
+        if path.resolve().parent.name in PER_STEP_FOLDERS:
+            print("its tau is already tokens per decoding step (written after commit c190c01)")
             continue
         print("| method | tokens | turns | tau then (per forward) | tau now (per step) |")
         print("|---|---|---|---|---|")

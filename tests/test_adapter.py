@@ -91,6 +91,10 @@ def test_adapter_false_keeps_the_plain_base(heads_folder, tmp_path, caplog):
     model.save_pretrained(tmp_path / "copy")  # the heads alone: said (they went without a word)
     assert not (tmp_path / "copy" / ADAPTER_DIR).exists()
     assert "loaded with adapter=False from a folder holding their Medusa-2 adapter" in caplog.text
+    caplog.clear()
+    model.config.base_model_name_or_path = "tiny-random/llama"
+    model.export_medusa_layout(tmp_path / "fd")  # nor does the FasterDecoding layout hold it: said too
+    assert "which the layout written to" in caplog.text
 
 
 def test_the_merged_base_model_saved_loads_the_heads_without_a_second_merge(heads_folder, tmp_path):

@@ -1106,3 +1106,6 @@ def test_retau_leaves_reports_that_record_their_tau_definition_alone(tmp_path, c
     out = capsys.readouterr().out
     assert f"its tau is already {bench.TAU_DEFINITION}" in out
     assert "| hf-lookup | 9 | 3 | - | - |" in out
+    # the stored report made after the definition changed, before reports recorded it: left alone too
+    script.main([str(Path(__file__).resolve().parents[1] / "docs" / "demo-ec1ff2d" / "report.json")])
+    assert "already tokens per decoding step" in capsys.readouterr().out

@@ -267,6 +267,8 @@ def test_plan_says_done_for_a_tokenised_dataset_of_these_settings_only(tmp_path,
     [stats] = (tmp_path / "run" / "data").glob(f"tokenized-*/{BUILD_STATS_NAME}")
     stats.unlink()
     assert [s.done for s in plan(config).stages if s.name == "dataset"] == [False]
+    train_heads.stage_data(config, OneProcess(), 0, record=False)  # --heldout-only's read: records nothing
+    assert not stats.exists()
     train_heads.stage_data(config, OneProcess(), 0)
     assert [s.done for s in plan(config).stages if s.name == "dataset"] == [True]
     # other rows under the same path: other examples

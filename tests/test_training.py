@@ -876,6 +876,13 @@ def test_a_damaged_checkpoint_is_named_with_the_one_to_resume_from(tiny_dir, tmp
     said = str(exit_info.value) + capsys.readouterr().err
     assert f"{newest} could not be loaded (SafetensorError" in said
     assert "remove that folder to resume from step-00000002, the one before it" in said
+    window = newest / "log_window_0.pt"  # the log's window, read after the weights: an EOFError traceback
+    weights.unlink()
+    shutil.copy(newest.parent / "step-00000002" / "model.safetensors", weights)
+    window.write_bytes(b"")
+    with pytest.raises(SystemExit) as exit_info:
+        train_heads.main(["--config", config_file])
+    assert f"{newest} could not be loaded (EOFError" in str(exit_info.value) + capsys.readouterr().err
     shutil.rmtree(newest)
     assert train_heads.main(["--config", config_file]) == 0
     assert "resuming from" in capsys.readouterr().out and (tmp_path / "run" / "heads" / "config.json").is_file()
@@ -1193,6 +1200,8 @@ def test_push_to_hub_after_training_takes_private(tiny_dir, tmp_path, monkeypatc
     import train_heads
     from medusa_train import evaluate
 
+    from medusa_infer import checkpoint
+
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: "token")
     pushed = []
@@ -1200,6 +1209,16 @@ def test_push_to_hub_after_training_takes_private(tiny_dir, tmp_path, monkeypatc
         (Path(folder).name, repo, private)) or "https://hub/commit")
     values = recipe(tiny_dir, tmp_path / "run", training={"max_steps": 2})
     config = str(write_recipe(tmp_path / "r.yaml", values))
+
+    def public(repo_id, token=None):
+        raise ValueError(f"{repo_id} exists and is public")
+
+    # a private upload into a public repo is refused before any work (it failed after training)
+    monkeypatch.setattr(checkpoint, "check_private_upload", public)
+    with pytest.raises(SystemExit):
+        train_heads.main(["--config", config, "--push-to-hub", "me/heads", "--private"])
+    assert "me/heads exists and is public" in capsys.readouterr().err and not (tmp_path / "run" / "heads").exists()
+    monkeypatch.setattr(checkpoint, "check_private_upload", lambda repo_id, token=None: None)
     assert train_heads.main(["--config", config, "--push-to-hub", "me/heads", "--private"]) == 0
     assert train_heads.main(["--config", config, "--push-to-hub", "me/heads"]) == 0  # finished: uploaded again
     assert pushed == [("heads", "me/heads", True), ("heads", "me/heads", None)]
@@ -1694,3 +1713,25 @@ def test_heldout_only_ignores_a_recipes_upload_and_refuses_the_flags(tiny_dir, t
     with pytest.raises(SystemExit):  # a run that would upload is still refused before any work
         train_heads.main(["--config", config, "--push-to-hub", "me/heads"])
     assert "push_folder_to_hub('" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the advised upload keeps it private (it left private=True out)
+        train_heads.main(["--config", config, "--push-to-hub", "me/heads", "--private"])
+    assert "'me/heads', private=True))" in capsys.readouterr().err
+
+
+def test_features_a_run_reuses_keep_their_recorded_seconds_whatever_the_plan_said(tiny_dir, tmp_path):
+    """An index an earlier release wrote (no settings record) made the plan say features to do; the run
+    reused the caches in 0.0 s and recorded that as the stage's seconds, the card showing it."""
+    import train_heads
+
+    values = recipe(tiny_dir, tmp_path / "run", training={"max_steps": 2})
+    config = str(write_recipe(tmp_path / "r.yaml", values))
+    assert train_heads.main(["--config", config]) == 0
+    out = tmp_path / "run"
+    index = json.loads((out / "features" / "index.json").read_text())
+    (out / "features" / "index.json").write_text(json.dumps({k: v for k, v in index.items() if k != "settings"}))
+    stages = json.loads((out / "logs" / "stages.json").read_text())
+    (out / "logs" / "stages.json").write_text(json.dumps({**stages, "features": 120.0}))
+    shutil.rmtree(out / "heads")
+    assert train_heads.main(["--config", config]) == 0
+    assert json.loads((out / "logs" / "stages.json").read_text())["features"] == 120.0
+    assert json.loads((out / "heads" / "config.json").read_text())["training"]["stage_seconds"]["features"] == 120.0
