@@ -670,10 +670,17 @@ def main(argv: list[str] | None = None) -> int:
     accelerator.wait_for_everyone()
 
     timings: dict[str, float] = {}
+
+    def note_stages() -> None:  # after each stage: a run stopped later keeps the seconds of those it did
+        if accelerator.is_main_process:
+            record = stage_record(paths.logs / "stages.json", timings, reused)
+            (paths.logs / "stages.json").write_text(json.dumps(record, indent=2) + "\n")
+
     started = time.perf_counter()
     with script_errors():
         train, heldout = stage_data(config, accelerator, pending)
     timings["data"] = round(time.perf_counter() - started, 1)
+    note_stages()
     say(accelerator, f"data: {len(train)} train and {len(heldout)} held-out examples ({timings['data']} s)")
     from medusa_train.features import examples_hash
     from medusa_train.trainer import check_finished_examples
@@ -694,6 +701,7 @@ def main(argv: list[str] | None = None) -> int:
         folders = stage_features(config, accelerator, None if trained else train, heldout, reused)
         timings["features"] = round(time.perf_counter() - started, 1)
         say(accelerator, f"features ready ({timings['features']} s)")
+        note_stages()
 
     started = time.perf_counter()
     if trained:
@@ -702,6 +710,7 @@ def main(argv: list[str] | None = None) -> int:
         with script_errors():  # e.g. fewer cached positions than the plan's upper bound fill a batch
             stage_train(config, accelerator, train, folders)
     timings["train"] = round(time.perf_counter() - started, 1)
+    note_stages()
 
     started = time.perf_counter()
     if evaluated:
@@ -718,9 +727,8 @@ def main(argv: list[str] | None = None) -> int:
         recorded.pop("evaluate", None)  # a previous evaluation's: this one is being timed
         stage_evaluate(config, accelerator, train, heldout, folders, recorded)
     timings["evaluate"] = round(time.perf_counter() - started, 1)
+    note_stages()
     if accelerator.is_main_process:
-        record = stage_record(paths.logs / "stages.json", timings, reused)
-        (paths.logs / "stages.json").write_text(json.dumps(record, indent=2) + "\n")
         say(accelerator, "stage seconds: " + ", ".join(f"{k} {v}" for k, v in timings.items()))
         if config.eval.push_to_hub:
             from medusa_infer.models import is_path_like
@@ -747,14 +755,14 @@ STAGE_TIMING = {"distill": "data"}
 def stage_record(path: Path, timings: dict[str, float], reused: set[str]) -> dict[str, float]:
     """What ``stages.json`` should hold after a run: the seconds of the stages this run did, and
     for the stages whose outputs it found (``reused``), the seconds a previous run recorded for
-    them at ``path``, where there is such a record, and none where there is not (a run stopped before
-    it wrote ``stages.json``: the seconds it took to find them are no stage's, and the card showed
-    0.0 s for a training that had run). A re-run of a finished recipe thus leaves the record as it
-    was, and a partial one does not replace, say, the distillation's minutes with the seconds it
-    took to find its rows."""
+    them at ``path``, where there is such a record. A re-run of a finished recipe thus leaves the
+    record as it was, and a partial one does not replace, say, the distillation's minutes with the
+    seconds it took to find its rows. ``main`` writes the record after each stage, so that a run
+    stopped later (in the evaluation, say) leaves the seconds of the stages it finished."""
     previous = json.loads(path.read_text()) if path.is_file() else {}
     record = dict(previous)
-    record.update({stage: seconds for stage, seconds in timings.items() if stage not in reused})
+    record.update({stage: seconds for stage, seconds in timings.items()
+                   if stage not in reused or stage not in previous})
     return record
 
 

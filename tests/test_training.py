@@ -1684,17 +1684,27 @@ def test_a_killed_run_whose_starting_heads_are_gone_is_told_so(tiny_dir, tmp_pat
         assert f"heads.init_from={start} has no config.json" in capsys.readouterr().err
 
 
-def test_stages_a_run_found_done_without_a_record_are_left_out_of_it(tmp_path):
-    """A run stopped before it wrote stages.json: the re-run found its training done and recorded the
-    seconds it took to find it (the card said training took 0.0 s)."""
+def test_a_run_stopped_in_its_evaluation_keeps_the_seconds_of_the_stages_it_did(tiny_dir, tmp_path, monkeypatch):
+    """stages.json was written at the very end: a run stopped in its evaluation left none, and the re-run
+    recorded the seconds it took to find the trained heads as the training's (the card said 0.0 s)."""
     import train_heads
 
-    record = train_heads.stage_record(tmp_path / "stages.json", {"data": 0.0, "train": 0.0, "evaluate": 1.5},
-                                      {"data", "train"})
-    assert record == {"evaluate": 1.5}
-    (tmp_path / "stages.json").write_text(json.dumps({"data": 60.0, "train": 30.0}))
-    assert train_heads.stage_record(tmp_path / "stages.json", {"data": 0.0, "train": 0.0, "evaluate": 1.5},
-                                    {"data", "train"}) == {"data": 60.0, "train": 30.0, "evaluate": 1.5}
+    values = recipe(tiny_dir, tmp_path / "run", training={"max_steps": 2})
+    config = str(write_recipe(tmp_path / "r.yaml", values))
+
+    def stop(*args, **kwargs):
+        raise RuntimeError("stopped")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(train_heads, "stage_evaluate", stop)
+        with pytest.raises(RuntimeError, match="stopped"):
+            train_heads.main(["--config", config])
+    stages = json.loads((tmp_path / "run" / "logs" / "stages.json").read_text())
+    assert set(stages) == {"data", "features", "train"}
+    (tmp_path / "run" / "logs" / "stages.json").write_text(json.dumps({**stages, "train": 123.4}))
+    assert train_heads.main(["--config", config]) == 0
+    recorded = json.loads((tmp_path / "run" / "heads" / "config.json").read_text())["training"]["stage_seconds"]
+    assert recorded["train"] == 123.4 and recorded["features"] == stages["features"]
 
 
 def test_heldout_only_ignores_a_recipes_upload_and_refuses_the_flags(tiny_dir, tmp_path, monkeypatch, capsys):
