@@ -672,9 +672,11 @@ def main(argv: list[str] | None = None) -> int:
     timings: dict[str, float] = {}
 
     def note_stages() -> None:  # after each stage: a run stopped later keeps the seconds of those it did
-        if accelerator.is_main_process:
+        if accelerator.is_main_process:  # written aside, then renamed: never read half-written
             record = stage_record(paths.logs / "stages.json", timings, reused)
-            (paths.logs / "stages.json").write_text(json.dumps(record, indent=2) + "\n")
+            aside = paths.logs / "stages.json.partial"
+            aside.write_text(json.dumps(record, indent=2) + "\n")
+            os.replace(aside, paths.logs / "stages.json")
 
     started = time.perf_counter()
     with script_errors():
@@ -697,7 +699,9 @@ def main(argv: list[str] | None = None) -> int:
     finished = trained and evaluated
     if config.uses_feature_cache and not finished:  # only training and evaluation read the features
         started = time.perf_counter()
-        # trained heads are evaluated on the held-out split alone
+        # trained heads are evaluated on the held-out split alone (whose seconds are no extraction's)
+        if trained:
+            reused.add("features")
         folders = stage_features(config, accelerator, None if trained else train, heldout, reused)
         timings["features"] = round(time.perf_counter() - started, 1)
         say(accelerator, f"features ready ({timings['features']} s)")
@@ -723,7 +727,8 @@ def main(argv: list[str] | None = None) -> int:
             say(accelerator, f"note: {paths.heads} names its base model {named!r}, not {wanted!r} (model.hub_id): "
                              f"remove {paths.heads} to evaluate again and name it so")
     else:  # the heads' record of the stages this run reused is a previous run's, not the seconds it took to find them
-        recorded = stage_record(paths.logs / "stages.json", timings, reused)
+        # (the main process's: it alone writes the heads, and stages.json, which others might read mid-write)
+        recorded = stage_record(paths.logs / "stages.json", timings, reused) if accelerator.is_main_process else {}
         recorded.pop("evaluate", None)  # a previous evaluation's: this one is being timed
         stage_evaluate(config, accelerator, train, heldout, folders, recorded)
     timings["evaluate"] = round(time.perf_counter() - started, 1)
@@ -759,7 +764,10 @@ def stage_record(path: Path, timings: dict[str, float], reused: set[str]) -> dic
     record as it was, and a partial one does not replace, say, the distillation's minutes with the
     seconds it took to find its rows. ``main`` writes the record after each stage, so that a run
     stopped later (in the evaluation, say) leaves the seconds of the stages it finished."""
-    previous = json.loads(path.read_text()) if path.is_file() else {}
+    try:
+        previous = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:  # emptied by a run killed while writing it (before writes were renamed into place)
+        previous = {}
     record = dict(previous)
     record.update({stage: seconds for stage, seconds in timings.items()
                    if stage not in reused or stage not in previous})

@@ -1705,6 +1705,17 @@ def test_a_run_stopped_in_its_evaluation_keeps_the_seconds_of_the_stages_it_did(
     assert train_heads.main(["--config", config]) == 0
     recorded = json.loads((tmp_path / "run" / "heads" / "config.json").read_text())["training"]["stage_seconds"]
     assert recorded["train"] == 123.4 and recorded["features"] == stages["features"]
+    # evaluated again without features: the held-out split's extraction is not the stage's seconds
+    record = json.loads((tmp_path / "run" / "logs" / "stages.json").read_text())
+    (tmp_path / "run" / "logs" / "stages.json").write_text(json.dumps({**record, "features": 222.0}))
+    shutil.rmtree(tmp_path / "run" / "heads")
+    shutil.rmtree(tmp_path / "run" / "features")
+    assert train_heads.main(["--config", config]) == 0
+    assert json.loads((tmp_path / "run" / "logs" / "stages.json").read_text())["features"] == 222.0
+    # a stages.json emptied by a run killed while writing it is no record (the re-run failed on it)
+    (tmp_path / "run" / "logs" / "stages.json").write_text("")
+    shutil.rmtree(tmp_path / "run" / "heads")
+    assert train_heads.main(["--config", config]) == 0
 
 
 def test_heldout_only_ignores_a_recipes_upload_and_refuses_the_flags(tiny_dir, tmp_path, monkeypatch, capsys):
