@@ -33,6 +33,7 @@ from medusa_train.train_config import (
     example_settings,
     feature_settings,
     features_root,
+    heads_from_final,
     load_config,
     owns_rows,
     plan,
@@ -694,8 +695,7 @@ def main(argv: list[str] | None = None) -> int:
     # decided once, by the main process, for all: a process that looked later could find the heads the
     # main process had just written, skip evaluating, and leave it waiting at the evaluation's barrier
     trained, evaluated = main_process_says(accelerator, ((paths.final / "config.json").is_file(),
-                                                         (paths.heads / "config.json").is_file()))
-    evaluated = evaluated and trained  # heads/ of a run whose final heads are gone: trained again, evaluated again
+                                                         heads_from_final(paths)))
     finished = trained and evaluated
     if config.uses_feature_cache and not finished:  # only training and evaluation read the features
         started = time.perf_counter()

@@ -289,15 +289,6 @@ def _tokenize_chat_by_prefix(
     return input_ids, labels
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """``path`` holds ``text`` whole or not at all (written aside, then renamed: processes may read it)."""
-    handle, aside = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(handle, "w") as out:
-        out.write(text)
-    os.chmod(aside, 0o644)  # as the files beside it (mkstemp's are the owner's only)
-    os.replace(aside, path)
-
-
 BUILD_STATS_NAME = "medusa_build_stats.json"
 """The ``BuildStats`` of a cached tokenised dataset, in its folder."""
 
@@ -574,7 +565,9 @@ def load_or_build_dataset(
             saved = {}
         if record and any(saved.get(key) != value for key, value in record.items()):
             # (a cache of an earlier release: its counts are unknown, the record is added)
-            _write_atomic(target / BUILD_STATS_NAME, json.dumps({**saved, **record}) + "\n")
+            aside = target / f"{BUILD_STATS_NAME}.tmp"  # renamed into place: other processes read it
+            aside.write_text(json.dumps({**saved, **record}) + "\n")
+            os.replace(aside, target / BUILD_STATS_NAME)
         return load_from_disk(str(target))
     examples = build_examples(read_rows(rows_path), tokenizer, max_length, system_prompt, stats)
     if not examples:

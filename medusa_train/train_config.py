@@ -779,6 +779,21 @@ def split_sizes(n: int, fraction: float) -> tuple[int, int]:
     return n - heldout, heldout
 
 
+def heads_from_final(paths: RunPaths) -> bool:
+    """Whether the run's ``heads/`` was evaluated from its ``checkpoints/final``: both there, trained on the
+    same examples (``train_examples_sha256``; folders from before the record are taken as such). Heads of
+    an earlier training beside a newer final (checkpoints removed, the run trained again and was stopped
+    before its evaluation) are evaluated again."""
+    digests = []
+    for folder in (paths.final, paths.heads):
+        try:
+            digests.append((json.loads((folder / "config.json").read_text()).get("training") or {})
+                           .get("train_examples_sha256"))
+        except (OSError, ValueError, AttributeError):  # missing, or unreadable: evaluated again
+            return False
+    return None in digests or digests[0] == digests[1]
+
+
 def example_settings(config: TrainConfig) -> dict[str, Any]:
     """The settings besides the rows' content that shape the training examples (``load_or_build_dataset``'s
     cache key takes them from the tokenizer and its arguments): recorded with a tokenised dataset and a
@@ -925,9 +940,7 @@ def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | Non
         Stage("train", str(paths.final), (paths.final / "config.json").is_file(),
               f"{t.mode}, {total} steps, loss {t.loss}" + (", batches packed" if live else "")
               + (f", heads from {h.init_from}" if h.init_from else "")),
-        # heads/ of a run whose final heads are gone is a previous training's: evaluated again
-        Stage("evaluate", str(paths.heads), (paths.heads / "config.json").is_file()
-              and (paths.final / "config.json").is_file(),
+        Stage("evaluate", str(paths.heads), heads_from_final(paths),
               f"top-1..{config.eval.top_k} accuracy on held-out data, {config.eval.tree_size}-node tree"),
     ]
     return Plan(

@@ -604,6 +604,17 @@ def _unloadable(checkpoint: Path, paths: RunPaths, err: Exception) -> ValueError
                       f"resumes under the same one only); remove that folder{fallback}")
 
 
+def _checkpoint_state(checkpoint: Path, paths: RunPaths) -> dict[str, Any]:
+    """A step checkpoint's ``trainer_state.json``; a damaged one is named like its other files."""
+    try:
+        state = json.loads((checkpoint / STATE_NAME).read_text())
+    except (OSError, ValueError) as err:
+        raise _unloadable(checkpoint, paths, err) from err
+    if not isinstance(state, dict):
+        raise _unloadable(checkpoint, paths, ValueError(f"{STATE_NAME} holds {state!r:.40}"))
+    return state
+
+
 def check_checkpoint(config: TrainConfig, paths: RunPaths, world: int | None) -> None:
     """Refuse, before any stage runs, the step checkpoint a training would resume when its settings are not
     ``config``'s (the training stage refused it only after distilling and extracting features, with
@@ -614,7 +625,7 @@ def check_checkpoint(config: TrainConfig, paths: RunPaths, world: int | None) ->
         return
     checkpoint = latest_checkpoint(paths.checkpoints)
     if checkpoint is not None:
-        state = json.loads((checkpoint / STATE_NAME).read_text())
+        state = _checkpoint_state(checkpoint, paths)
         expected, found = _resume_settings(config, state, world or 0)
         if world is None:
             del expected["world_size"], found["world_size"]
@@ -859,7 +870,7 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
     start_step = 0
     checkpoint = latest_checkpoint(paths.checkpoints)
     if checkpoint is not None:
-        state = json.loads((checkpoint / STATE_NAME).read_text())
+        state = _checkpoint_state(checkpoint, paths)
         expected, found = _resume_settings(config, state, world)
         expected["micro_batch"], found["micro_batch"] = micro, state.get("micro_batch")
         for key, value in (("train_examples_sha256", examples_sha256), ("features_cache", features_cache)):

@@ -3,6 +3,7 @@ held-out splits. Uses the real SmolLM2 tokenizer (no model weights)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -54,6 +55,15 @@ NOT_PREFIX_STABLE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
+
+
+class OneProcess:
+    """The accelerator of a one-process run, as train_heads' data stage uses it."""
+
+    is_main_process = True
+
+    def main_process_first(self):
+        return contextlib.nullcontext()
 
 
 @pytest.fixture(scope="module")
@@ -394,9 +404,6 @@ def test_ready_examples_are_cut_to_max_length_like_built_ones(tmp_path, capsys):
     ready = tmp_path / "examples.jsonl"
     ready.write_text("".join(json.dumps(e) + "\n" for e in examples * 4))
 
-    class OneProcess:
-        is_main_process = True
-
     config = config_from_dict({"output_dir": str(tmp_path / "run"), "model": {"name": "smollm2-135m-instruct"},
                                "data": {"tokenized": str(ready), "max_length": 3, "heldout_fraction": 0.25}})
     train, heldout = train_heads.stage_data(config, OneProcess(), 0)
@@ -412,8 +419,6 @@ def test_ready_examples_are_cut_to_max_length_like_built_ones(tmp_path, capsys):
 
 def test_rows_the_build_cuts_or_drops_are_reported_by_the_run(tmp_path, capsys):
     """build_examples' counts went to a logger train_heads never shows: rows dropped or cut in silence."""
-    import contextlib
-
     import train_heads
     from medusa_train.train_config import config_from_dict
 
@@ -424,13 +429,6 @@ def test_rows_the_build_cuts_or_drops_are_reported_by_the_run(tmp_path, capsys):
         {"id": "c", "messages": [{"role": "user", "content": "No answer here."}]},          # dropped
         {"id": "d", "prompt": " ".join(["question"] * 80), "response": "Fine."},             # prompt fills it
     ]))
-
-    class OneProcess:
-        is_main_process = True
-
-        @contextlib.contextmanager
-        def main_process_first(self):
-            yield
 
     config = config_from_dict({"output_dir": str(tmp_path / "run"), "model": {"name": "smollm2-135m-instruct"},
                                "data": {"rows": str(rows), "max_length": 40, "heldout_fraction": 0.5}})

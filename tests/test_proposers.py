@@ -591,3 +591,13 @@ def test_heads_calibrated_on_another_device_say_so_once(caplog, monkeypatch):
     said = [r.getMessage() for r in caplog.records if "measured on" in r.getMessage()]
     assert len(said) == 1 and "measured on NVIDIA H200 bfloat16 and the model runs on cpu float32" in said[0]
     assert "medusa-bench --calibrate --calibrated-heads" in said[0]
+    # each use of the profile says it where it is the only one: the fallback's controller (no stored tree),
+    # and lookup's draft lengths
+    model.config.tree = None
+    for use in (lambda: generate(model, prompt, max_new_tokens=4, eos_token_id=NO_EOS, tree=[[0], [0, 0]]),
+                lambda: build_proposer("lookup", model)):
+        monkeypatch.setattr(tree_fit, "_WARNED_ELSEWHERE", set())
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="medusa_infer.tree_fit"):
+            use()
+        assert "measured on NVIDIA H200 bfloat16" in caplog.text

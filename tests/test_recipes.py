@@ -249,12 +249,7 @@ def test_plan_says_done_for_a_tokenised_dataset_of_these_settings_only(tmp_path,
                                       "data": {"rows": str(rows), "heldout_fraction": 0.2}}))
     config = load_config(recipe)
 
-    class OneProcess:
-        is_main_process = True
-
-        def main_process_first(self):
-            import contextlib
-            return contextlib.nullcontext()
+    from test_dataset import OneProcess
 
     train_heads.stage_data(config, OneProcess(), 0)
     assert [s.done for s in plan(config).stages if s.name == "dataset"] == [True]
@@ -287,7 +282,7 @@ def test_plan_bounds_ready_examples_by_their_length_and_counts_them_as_kept(tmp_
     config = config_from_dict({"output_dir": str(tmp_path / "run"),
                                "data": {"tokenized": str(ready), "heldout_fraction": 0.25, "max_length": 700},
                                "training": {"batch_tokens": 1024}})
-    laid = plan(config)  # 3 train examples of up to 590 labelled tokens: a batch of 1024 is filled
+    laid = plan(config)  # 4 train examples of up to 590 labelled tokens: a batch of 1024 is filled
     assert laid.examples == 5 and laid.est_train_tokens == min(4 * 700, 4 * 590 + 10)
     assert "<= " in laid.summary().split("train tokens")[1].splitlines()[0]
     cut = plan(config_from_dict({**config.to_dict(), "data": {**config.to_dict()["data"], "max_length": 30},

@@ -818,6 +818,26 @@ def test_heads_of_a_run_whose_final_heads_are_gone_are_evaluated_again(tiny_dir,
         return json.loads((tmp_path / "run" / folder / "config.json").read_text())["training"]["train_examples_sha256"]
 
     assert trained_on("heads") == trained_on("checkpoints/final")
+    # the same, stopped in its evaluation: the next run found heads/ and final/ both there, and kept heads/
+    # of the earlier training beside the newer final
+    with examples.open("w") as handle:
+        for example in counting_examples(64, seed=11):
+            handle.write(json.dumps(example) + "\n")
+    shutil.rmtree(tmp_path / "run" / "checkpoints")
+
+    def stop(*args, **kwargs):
+        raise RuntimeError("stopped")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(train_heads, "stage_evaluate", stop)
+        with pytest.raises(RuntimeError, match="stopped"):
+            train_heads.main(["--config", config_file])
+    assert trained_on("heads") != trained_on("checkpoints/final")
+    capsys.readouterr()
+    assert train_heads.main(["--config", config_file, "--plan"]) == 0
+    assert "[todo] evaluate" in capsys.readouterr().out
+    assert train_heads.main(["--config", config_file]) == 0
+    assert trained_on("heads") == trained_on("checkpoints/final")
     # trained heads whose evaluation is missing are evaluated on the held-out split's features alone
     shutil.rmtree(tmp_path / "run" / "heads")
     shutil.rmtree(tmp_path / "run" / "features")
@@ -883,6 +903,12 @@ def test_a_damaged_checkpoint_is_named_with_the_one_to_resume_from(tiny_dir, tmp
     with pytest.raises(SystemExit) as exit_info:
         train_heads.main(["--config", config_file])
     assert f"{newest} could not be loaded (EOFError" in str(exit_info.value) + capsys.readouterr().err
+    state = newest / "trainer_state.json"  # read before any stage: a bare JSON error naming no checkpoint
+    state.write_text(state.read_text()[:20])
+    with pytest.raises(SystemExit) as exit_info:
+        train_heads.main(["--config", config_file])
+    said = str(exit_info.value) + capsys.readouterr().err
+    assert f"{newest} could not be loaded (JSONDecodeError" in said and "resume from step-00000002" in said
     shutil.rmtree(newest)
     assert train_heads.main(["--config", config_file]) == 0
     assert "resuming from" in capsys.readouterr().out and (tmp_path / "run" / "heads" / "config.json").is_file()
