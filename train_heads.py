@@ -146,11 +146,7 @@ def stage_data(config: TrainConfig, accelerator: Any, pending: int | None,
         with accelerator.main_process_first():
             dataset = ds.load_or_build_dataset(rows, tokenizer, d.max_length, paths.data, d.system_prompt, stats,
                                                record={"settings": example_settings(config)} if record else None)
-        left_out = [f"{count} {what}" for count, what in (
-            (stats.truncated, f"cut to data.max_length={d.max_length} tokens"),
-            (stats.dropped_no_assistant, "dropped with no assistant turn"),
-            (stats.dropped_too_long, f"dropped with a prompt that fills data.max_length={d.max_length}"),
-        ) if count]
+        left_out = stats.left_out("data.max_length", d.max_length)
         if left_out:
             say(accelerator, f"data: {len(dataset)} examples from {stats.rows} rows of {rows}; " + ", ".join(left_out))
     train, heldout = ds.split_heldout(dataset, d.heldout_fraction, config.training.seed)

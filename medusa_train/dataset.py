@@ -307,6 +307,15 @@ class BuildStats:
     tokens: int = 0
     label_tokens: int = 0
 
+    def left_out(self, setting: str, max_length: int) -> list[str]:
+        """What the build cut or dropped, in words (the counts that are not 0); ``setting``: the name
+        the caller gives ``max_length`` (``data.max_length``, ``--max-length``)."""
+        return [f"{count} {what}" for count, what in (
+            (self.truncated, f"cut to {setting}={max_length} tokens"),
+            (self.dropped_no_assistant, "dropped with no assistant turn"),
+            (self.dropped_too_long, f"dropped with a prompt that fills {setting}={max_length}"),
+        ) if count]
+
 
 def build_examples(
     rows: Iterable[dict[str, Any]],
@@ -572,9 +581,9 @@ def load_or_build_dataset(
     examples = build_examples(read_rows(rows_path), tokenizer, max_length, system_prompt, stats)
     if not examples:
         raise ValueError(
-            f"no examples in {rows_path} ({stats.rows} rows): prompt longer than max_length={max_length} "
-            f"tokens, leaving no assistant token: {stats.dropped_too_long}; no assistant turn: "
-            f"{stats.dropped_no_assistant}. Raise data.max_length (or give rows with answers)"
+            f"no examples in {rows_path} ({stats.rows} rows): "
+            f"{', '.join(stats.left_out('data.max_length', max_length)) or 'none given'}; raise data.max_length "
+            "(or give rows with answers)"
         )
     dataset = to_dataset(examples)
     target.parent.mkdir(parents=True, exist_ok=True)

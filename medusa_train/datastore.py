@@ -110,9 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     stats = BuildStats()
     examples = build_examples(rows, tokenizer, max_length, system_prompt, stats)
     if not examples:
-        parser.error(f"no conversation to build a datastore from: {len(rows)} rows in {' '.join(args.rows)}, "
-                     f"{stats.dropped_too_long} dropped as longer than --max-length={max_length} tokens, "
-                     f"{stats.dropped_no_assistant} with no assistant answer")
+        parser.error(f"no conversation to build a datastore from: {len(rows)} rows in {' '.join(args.rows)}: "
+                     f"{', '.join(stats.left_out('--max-length', max_length)) or 'none given'}")
     store = build_datastore(examples, tokenizer)
     store.origin = ("written by `python -m medusa_train.datastore` from the conversations in "
                     + ", ".join(Path(p).name for p in args.rows))

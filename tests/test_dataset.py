@@ -321,8 +321,8 @@ def test_no_example_left_names_why_and_the_fix(tmp_path, smol):
     rows_path = tmp_path / "rows.jsonl"
     rows = [{"prompt": "Tell me about the sea " * 3, "response": "It is big."}] * 3 + [{"prompt": "Q?"}]
     rows_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(ValueError, match=r"\(4 rows\): prompt longer than max_length=40 tokens, leaving no "
-                                         r"assistant token: 3; no assistant turn: 1\. Raise data.max_length"):
+    with pytest.raises(ValueError, match=r"\(4 rows\): 1 dropped with no assistant turn, 3 dropped with a prompt "
+                                         r"that fills data.max_length=40; raise data.max_length"):
         load_or_build_dataset(rows_path, smol, 40, tmp_path / "cache")
 
 
