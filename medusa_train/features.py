@@ -98,18 +98,21 @@ def examples_hash(examples: Sequence[Mapping[str, Any]]) -> str:
 
 def model_fingerprint(name_or_path: str, dtype: str | None = None,
                       attn_implementation: str | None = None) -> dict[str, Any]:
-    """What identifies a base model without loading it: its name and, for a local folder, its
-    ``config.json`` and each weight file's size, modification time and first and last MiB (the
+    """What identifies a base model without loading it: its name (a local folder's absolute path) and, for
+    a local folder, its ``config.json`` and each weight file's size, modification time and first and last MiB (the
     time catches weights saved again over the same folder, changed only in the middle: hashing
     every byte would read the whole model at every run); for a Hub id, the revision its ``main``
     points to (``hub_revision``: the id alone reused old features after weights were pushed again
     under it); with ``dtype``, also the dtype and attention implementation it is loaded with (None:
     transformers' choice), which change its hidden states (``build_feature_cache`` checks them
     against the model it runs)."""
-    from medusa_infer.models import resolve_model
+    from medusa_infer.models import names_default_model, resolve_model
 
     resolved = Path(resolve_model(name_or_path))
-    found: dict[str, Any] = {"name": name_or_path}
+    # a local folder by where it is, however the path was spelt (m, ./m, m/, its absolute path or a link:
+    # distillation's kept states and feature caches were thrown away for another spelling of one folder)
+    local = resolved.is_dir() and not names_default_model(name_or_path)
+    found: dict[str, Any] = {"name": str(resolved.resolve()) if local else name_or_path}
     if not resolved.is_dir():
         revision = hub_revision(name_or_path)
         if revision is not None:

