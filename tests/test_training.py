@@ -474,8 +474,7 @@ def test_model_fingerprint_changes_with_weights_saved_again_over_the_same_folder
     before = model_fingerprint(str(folder))
     assert model_fingerprint(str(folder)) == before  # stable while the folder is untouched
     # ... and however the path is spelt (another spelling threw away kept states and feature caches)
-    (tmp_path / "link").symlink_to(folder)
-    for spelling in (f"{folder}/", str(tmp_path / "link"), str(tmp_path / "." / "model")):
+    for spelling in (f"{folder}/", f"{tmp_path}/./model", f"{tmp_path}//model"):
         assert model_fingerprint(spelling) == before, spelling
     time.sleep(0.01)
     weights["b"][1 << 19] = 1.0  # 4 MiB into the file: outside the first and last MiB
