@@ -88,7 +88,18 @@ class SamplingConfig:
         object.__setattr__(self, "top_p", top_p)
         object.__setattr__(self, "top_k", top_k)
         if self.acceptance == "typical":
-            rules.check_typical_thresholds(self.typical_epsilon, self.typical_delta)  # before any prefill
+            epsilon, delta = _real(self.typical_epsilon), _real(self.typical_delta)
+            if epsilon is None or delta is None:  # a string or a bool: named, not a bare TypeError later
+                bad = ("typical_epsilon", self.typical_epsilon) if epsilon is None else ("typical_delta",
+                                                                                          self.typical_delta)
+                raise ValueError(f"{bad[0]} must be a number, got {bad[1]!r}")
+            try:
+                rules.check_typical_thresholds(epsilon, delta)  # before any prefill
+            except ValueError as err:
+                raise ValueError(f"typical_epsilon={self.typical_epsilon!r}, typical_delta={self.typical_delta!r}: "
+                                 f"{err}") from None
+            object.__setattr__(self, "typical_epsilon", epsilon)
+            object.__setattr__(self, "typical_delta", delta)
         if self.acceptance == "typical" and (self.top_k or self.top_p < 1):
             given = [f"top_k={self.top_k!r}"] if self.top_k else []
             given += [f"top_p={self.top_p!r}"] if self.top_p < 1 else []
@@ -508,6 +519,10 @@ def _prepare_inputs(model, tokenizer, input_ids, attention_mask, prompt, message
         if not rows or any(not row for row in rows):  # "" is a prompt where the tokenizer adds a BOS (Gemma's)
             raise ValueError("empty prompt: give at least one token of input")
         input_ids, attention_mask = left_pad(rows, _known_token_id(model, tokenizer, "pad_token_id") or 0)
+    if isinstance(input_ids, str) or (isinstance(input_ids, (list, tuple)) and input_ids
+                                      and all(isinstance(x, str) for x in input_ids)):
+        raise ValueError(f"input_ids must be token ids, got text {input_ids!r:.60}: pass text as prompt= (or a chat "
+                         "as messages=)")
     input_ids = torch.as_tensor(input_ids)
     if input_ids.dtype == torch.bool or input_ids.is_floating_point() or input_ids.is_complex():
         raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
@@ -559,6 +574,14 @@ def _check_unused_sampling(do_sample: bool, acceptance: str, temperature: Any, t
         if given:
             raise ValueError(f"{', '.join(given)} shape sampling, but do_sample=False decodes greedily; pass "
                              "do_sample=True, or drop them")
+    if do_sample and _real(temperature) == 0:  # greedy: the settings that shape sampling would do nothing
+        given = [f"{name}={value!r}" for name, value, neutral in (
+            ("top_k", top_k, (None, 0)), ("top_p", top_p, (None, 1)), ("seed", seed, (None,)),
+            ("typical_epsilon", typical_epsilon, (SamplingConfig.typical_epsilon,)),
+            ("typical_delta", typical_delta, (SamplingConfig.typical_delta,))) if value not in neutral]
+        if given:
+            raise ValueError(f"{', '.join(given)} shape sampling, but temperature=0 decodes greedily; give a "
+                             "temperature above 0, or drop them")
     if acceptance != "typical" and (typical_epsilon, typical_delta) != (SamplingConfig.typical_epsilon,
                                                                        SamplingConfig.typical_delta):
         raise ValueError(f"typical_epsilon={typical_epsilon!r} and typical_delta={typical_delta!r} set typical "

@@ -859,10 +859,23 @@ def test_nothing_a_call_gives_is_silently_ignored():
     with pytest.raises(ValueError, match="typical_epsilon=0.5 and typical_delta=0.3 set typical acceptance, and this "
                                          "call accepts by 'lossless'"):
         generate(model, torch.tensor([5, 6, 7]), max_new_tokens=4, do_sample=True, typical_epsilon=0.5)
-    for given, says in (({"typical_epsilon": 5.0}, r"epsilon \(posterior threshold\) must lie in \(0, 1\], got 5.0"),
-                        ({"typical_delta": -1.0}, r"delta \(posterior alpha\) must be a finite number > 0, got -1.0")):
+    for given, says in (({"typical_epsilon": 5.0}, r"typical_epsilon=5.0, typical_delta=0.3: epsilon \(posterior "
+                                                   r"threshold\) must lie in \(0, 1\], got 5.0"),
+                        ({"typical_delta": -1.0}, r"delta \(posterior alpha\) must be a finite number > 0, got -1.0"),
+                        ({"typical_epsilon": "0.1"}, "typical_epsilon must be a number, got '0.1'"),  # a TypeError
+                        ({"typical_delta": True}, "typical_delta must be a number, got True")):  # taken as 1.0
         with pytest.raises(ValueError, match=says):  # before the prefill: a 1-token answer was given, unchecked
             generate(model, torch.tensor([5, 6, 7]), max_new_tokens=1, do_sample=True, acceptance="typical", **given)
+    for text in ("the cat", ["the cat", "a dog"]):  # positionally: a bare torch TypeError
+        with pytest.raises(ValueError, match="input_ids must be token ids, got text .*: pass text as prompt="):
+            generate(model, text, max_new_tokens=4)
+    # temperature 0 decodes greedily: what shapes sampling beside it did nothing, in silence
+    for given, says in (({"top_k": 5, "seed": 1}, "top_k=5, seed=1"),
+                        ({"acceptance": "typical", "typical_epsilon": 0.5}, "typical_epsilon=0.5")):
+        with pytest.raises(ValueError, match=f"{says} shape sampling, but temperature=0 decodes greedily"):
+            generate(model, torch.tensor([5, 6, 7]), max_new_tokens=4, do_sample=True, temperature=0, **given)
+    assert generate(model, torch.tensor([5, 6, 7]), max_new_tokens=4, do_sample=True, temperature=0).new_tokens == \
+        generate(model, torch.tensor([5, 6, 7]), max_new_tokens=4).new_tokens
     padded = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]])
     for rows in (padded, padded[:1]):  # one left-padded row too: its pads were decoded as prompt tokens
         with pytest.raises(ValueError, match="rows that start with the pad id 0 and no attention_mask"):
