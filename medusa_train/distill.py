@@ -974,7 +974,11 @@ def completion_row(
     n_tokens = (reply.get("usage") or {}).get("completion_tokens")
     if n_tokens is None:  # the server's count when it reports usage; else the tokenizer's
         n_tokens = len(tokenizer()(response, add_special_tokens=False)["input_ids"])
-    return make_row(prompt, text, response, finish, n_tokens, config)
+    row = make_row(prompt, text, response, finish, n_tokens, config)
+    served = reply.get("model")
+    if isinstance(served, str) and served != config.model_label:  # TGI and llama.cpp answer whatever is asked
+        row["served_model"] = served
+    return row
 
 
 def run_openai(
@@ -1035,6 +1039,7 @@ def run_openai(
     batch_index = 0
     errors: list[str] = []
     refusals: list[str] = []
+    served_others: set[str] = set()  # model names the endpoint answered as, other than the one asked for
     # requests that failed for good one after another, none answered between: past this many the endpoint
     # is taken for down (each prompt would otherwise wait out its own retries, hours for a large sample)
     failing, give_up_after, sent = 0, max(2, config.concurrency), 0
@@ -1066,6 +1071,12 @@ def run_openai(
                 submit_next()
                 try:
                     row = completion_row(prompt, text, future.result(), config, tokenizer)
+                    if "served_model" in row and row["served_model"] not in served_others:
+                        served_others.add(row["served_model"])
+                        logger.warning("the endpoint answers as %r, not %r, the model these rows are for (kept in "
+                                       "each row as served_model): self-distillation needs the model's own "
+                                       "answers; check that it serves %s", row["served_model"],
+                                       config.model_label, config.model_label)
                 except RejectedError as err:  # counted and logged; a rerun asks again
                     stats.rejected += 1
                     refusals.append(f"{prompt['id']}: {err}")

@@ -573,7 +573,8 @@ class FakeServer:
                 usage = {} if "uncounted" in prompt else {
                     "usage": {"prompt_tokens": len(words), "completion_tokens": len(words)}}
                 self.reply(200, {
-                    "id": "cmpl-1", "object": "chat.completion", "model": body["model"],
+                    "id": "cmpl-1", "object": "chat.completion",
+                    "model": "some-other-model" if "elsewhere" in prompt else body["model"],  # TGI's way
                     "choices": [{"index": 0, "finish_reason": finish,
                                  "message": {"role": "assistant", "content": f"Answer: {words[-1]}"}}],
                     **usage,
@@ -692,7 +693,7 @@ def test_openai_backend_prompts_the_endpoint_refuses_are_left_out_and_counted(tm
         "".join(json.dumps({"id": str(i), "source": "s", "prompt": p}) + "\n"
                 for i, p in enumerate(["hello there", "forbidden words", "good day", "filtered words",
                                        "garbled reply", "uncounted reply", "throttled reply", "dropped reply",
-                                       "surrogate reply", "late reply"]))
+                                       "surrogate reply", "late reply", "elsewhere reply"]))
     )
     output = tmp_path / "rows.jsonl"
     with FakeServer() as server, caplog.at_level(logging.INFO, logger="medusa_train.distill"):
@@ -705,7 +706,10 @@ def test_openai_backend_prompts_the_endpoint_refuses_are_left_out_and_counted(tm
     assert asked.count("late reply") == 2
     assert throttled[1] - throttled[0] >= 0.9  # Retry-After: 1, where the backoff alone is 1 ms
     rows = {r["id"]: r for r in read_rows(output)}
-    assert sorted(rows) == ["0", "2", "4", "5", "6", "7", "9"]
+    assert sorted(rows) == ["0", "10", "2", "4", "5", "6", "7", "9"]
+    # an endpoint answering as another model (TGI, llama.cpp serve whatever they hold): kept and said
+    assert rows["10"]["served_model"] == "some-other-model" and "served_model" not in rows["0"]
+    assert "the endpoint answers as 'some-other-model'" in caplog.text
     assert rows["5"]["response_tokens"] == len(load_tokenizer(str(model_dir))("Answer: reply",
                                                                            add_special_tokens=False)["input_ids"])
     assert "refused by the endpoint 3" in caplog.text and "finish_reason 'content_filter'" in caplog.text
