@@ -331,20 +331,24 @@ def sample_prompts(
     """
     excluded = {str(i) for i in exclude_ids}
     by_source: dict[str, list[dict[str, Any]]] = {}
+    in_file: dict[str, int] = {}  # every source's prompts, excluded ones too
     for row in read_prompts(path):
+        in_file[row["source"]] = in_file.get(row["source"], 0) + 1
         if row["id"] not in excluded:
             by_source.setdefault(row["source"], []).append(row)
     if per_source is not None:
-        unknown = sorted(set(per_source) - set(by_source))
+        unknown = sorted(set(per_source) - set(in_file))
         if unknown:
             raise ValueError(
-                f"per_source names sources not in {path}: {unknown}; sources there: {sorted(by_source)}"
+                f"per_source names sources not in {path}: {unknown}; sources there: {sorted(in_file)}"
             )
         for source, quota in per_source.items():
-            if quota > len(by_source[source]):
+            eligible = len(by_source.get(source, []))
+            if quota > eligible:
+                left_out = in_file[source] - eligible
                 logger.warning(
-                    "source %s has %d prompts, fewer than its quota %d", source,
-                    len(by_source[source]), quota,
+                    "source %s has %d prompts%s, fewer than its quota %d", source, eligible,
+                    f" once {left_out} excluded ones are left out" if left_out else "", quota,
                 )
     queues = []
     for source in sorted(by_source):

@@ -128,6 +128,16 @@ def test_sample_prompts_balanced_and_deterministic(prompts_file):
         sample_prompts(prompts_file, 4, per_source={"nope": 1})
 
 
+def test_a_quota_whose_source_is_all_excluded_says_so(prompts_file, caplog):
+    """Every prompt of a quota's source in exclude_ids (a held-out set): the error said the source was not
+    in the file, though it is."""
+    small = [r["id"] for r in sample_prompts(prompts_file, None) if r["source"] == "small"]
+    with caplog.at_level(logging.WARNING, logger="medusa_train.distill"):
+        quotas = sample_prompts(prompts_file, None, per_source={"big": 2, "small": 2}, exclude_ids=small)
+    assert sorted(r["source"] for r in quotas) == ["big", "big"]
+    assert "source small has 0 prompts once 4 excluded ones are left out, fewer than its quota 2" in caplog.text
+
+
 @pytest.mark.parametrize("line, says", [
     ('{"id": "a", "prompt": "again"}', "id 'a' is already on line 1"),
     ('{"id": "b", "prompt": ["hi"]}', "'prompt' must be a string"),
