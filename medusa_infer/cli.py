@@ -93,6 +93,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.temperature = 1.0 if args.temperature is None else args.temperature
     args.top_p = 1.0 if args.top_p is None else args.top_p
     args.top_k = 0 if args.top_k is None else args.top_k
+    shaping = [flag for flag, unused in (("--top-p", args.top_p != 1.0), ("--top-k", args.top_k != 0),
+                                         ("--seed", args.seed is not None)) if unused]
+    if args.do_sample and args.temperature == 0 and shaping:  # as generation refuses it, before the model loads
+        parser.error(f"{', '.join(shaping)} shape sampling, and --temperature 0 decodes greedily: give a temperature "
+                     "above 0, or drop them")
     if args.do_sample:  # the sampling settings, checked as generation will (before the model loads)
         from medusa_infer.decoding import SamplingConfig
 

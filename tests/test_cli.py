@@ -36,6 +36,8 @@ def parse_error(capsys, argv: list[str]) -> str:
         (["--temperature", "1.9", "--seed", "3", "hi"], "--temperature, --seed set the sampling, but without "
                                                         "--do-sample decoding is greedy: add --do-sample"),
         (["--top-p", "0.9", "hi"], "--top-p set the sampling"),
+        (["--do-sample", "--temperature", "0", "--seed", "3", "hi"], "--seed shape sampling, and --temperature 0 "
+                                                                      "decodes greedily"),
         (["--chat", "hi"], "--chat reads its prompts interactively; drop the prompt 'hi' or drop --chat"),
         (["--method", "lookup", "--tree", "chain-2", "hi"], "--tree shapes the Medusa heads' candidates"),
         (["--heads", "h", "--acceptance", "typical", "hi"], "--acceptance typical samples: add --do-sample"),
