@@ -519,8 +519,10 @@ def _prepare_inputs(model, tokenizer, input_ids, attention_mask, prompt, message
         if not rows or any(not row for row in rows):  # "" is a prompt where the tokenizer adds a BOS (Gemma's)
             raise ValueError("empty prompt: give at least one token of input")
         input_ids, attention_mask = left_pad(rows, _known_token_id(model, tokenizer, "pad_token_id") or 0)
-    if isinstance(input_ids, str) or (isinstance(input_ids, (list, tuple)) and input_ids
-                                      and all(isinstance(x, str) for x in input_ids)):
+    def is_text(value: Any) -> bool:  # a string, or (nested) lists of them
+        return isinstance(value, str) or (isinstance(value, (list, tuple)) and bool(value) and all(map(is_text, value)))
+
+    if is_text(input_ids):
         raise ValueError(f"input_ids must be token ids, got text {input_ids!r:.60}: pass text as prompt= (or a chat "
                          "as messages=)")
     input_ids = torch.as_tensor(input_ids)
@@ -575,10 +577,11 @@ def _check_unused_sampling(do_sample: bool, acceptance: str, temperature: Any, t
             raise ValueError(f"{', '.join(given)} shape sampling, but do_sample=False decodes greedily; pass "
                              "do_sample=True, or drop them")
     if do_sample and _real(temperature) == 0:  # greedy: the settings that shape sampling would do nothing
+        typical = (("typical_epsilon", typical_epsilon, (SamplingConfig.typical_epsilon,)),
+                   ("typical_delta", typical_delta, (SamplingConfig.typical_delta,))) if acceptance == "typical" else ()
         given = [f"{name}={value!r}" for name, value, neutral in (
-            ("top_k", top_k, (None, 0)), ("top_p", top_p, (None, 1)), ("seed", seed, (None,)),
-            ("typical_epsilon", typical_epsilon, (SamplingConfig.typical_epsilon,)),
-            ("typical_delta", typical_delta, (SamplingConfig.typical_delta,))) if value not in neutral]
+            ("top_k", top_k, (None, 0)), ("top_p", top_p, (None, 1)), ("seed", seed, (None,)), *typical)
+            if value not in neutral]
         if given:
             raise ValueError(f"{', '.join(given)} shape sampling, but temperature=0 decodes greedily; give a "
                              "temperature above 0, or drop them")

@@ -866,7 +866,7 @@ def test_nothing_a_call_gives_is_silently_ignored():
                         ({"typical_delta": True}, "typical_delta must be a number, got True")):  # taken as 1.0
         with pytest.raises(ValueError, match=says):  # before the prefill: a 1-token answer was given, unchecked
             generate(model, torch.tensor([5, 6, 7]), max_new_tokens=1, do_sample=True, acceptance="typical", **given)
-    for text in ("the cat", ["the cat", "a dog"]):  # positionally: a bare torch TypeError
+    for text in ("the cat", ["the cat", "a dog"], [["the", "cat"]]):  # positionally: a bare torch TypeError
         with pytest.raises(ValueError, match="input_ids must be token ids, got text .*: pass text as prompt="):
             generate(model, text, max_new_tokens=4)
     # temperature 0 decodes greedily: what shapes sampling beside it did nothing, in silence
@@ -874,6 +874,9 @@ def test_nothing_a_call_gives_is_silently_ignored():
                         ({"acceptance": "typical", "typical_epsilon": 0.5}, "typical_epsilon=0.5")):
         with pytest.raises(ValueError, match=f"{says} shape sampling, but temperature=0 decodes greedily"):
             generate(model, torch.tensor([5, 6, 7]), max_new_tokens=4, do_sample=True, temperature=0, **given)
+    # thresholds of an acceptance this call does not use are named as such (the advice above would not do)
+    with pytest.raises(ValueError, match="typical_epsilon=0.2 and typical_delta=0.3 set typical acceptance"):
+        generate(model, torch.tensor([5, 6, 7]), max_new_tokens=4, do_sample=True, temperature=0, typical_epsilon=0.2)
     assert generate(model, torch.tensor([5, 6, 7]), max_new_tokens=4, do_sample=True, temperature=0).new_tokens == \
         generate(model, torch.tensor([5, 6, 7]), max_new_tokens=4).new_tokens
     padded = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]])
