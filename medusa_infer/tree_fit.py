@@ -34,6 +34,8 @@ from medusa_infer.trees import (
     tree_depth,
 )
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_SIZES = tuple(range(1, 18)) + (24, 32, 48, 64)
 """The forward sizes a cost profile measures: every size a tree of up to 16 nodes verifies, since
 on a CPU the cost is not smooth between powers of two (the default model on a 2-core Xeon, with
@@ -190,7 +192,6 @@ def device_label(device: torch.device, dtype: torch.dtype) -> str:
     return f"{name} {dtype}".replace("torch.", "")
 
 
-logger = logging.getLogger(__name__)
 _WARNED_ELSEWHERE: set[tuple[str, str]] = set()
 
 
