@@ -847,7 +847,9 @@ def _dataset_built(config: TrainConfig) -> bool:
 def step_counts(config: TrainConfig, units: int, num_processes: int) -> tuple[int, int, int, int]:
     """``(micro_steps_per_epoch, steps_per_epoch, total_steps, warmup_steps)`` for ``units``
     training items (positions with the feature cache, else sequences); an incomplete last
-    micro-batch of an epoch is dropped."""
+    micro-batch of an epoch is dropped, and so are the micro-batches of the last epoch that do not
+    fill a whole optimizer step (``grad_accum`` of them): the run's last step would take them from an
+    epoch beyond ``training.epochs``."""
     t = config.training
     micro = t.batch_tokens if config.uses_feature_cache else t.batch_size
     unit = "positions" if config.uses_feature_cache else "sequences"
@@ -858,10 +860,12 @@ def step_counts(config: TrainConfig, units: int, num_processes: int) -> tuple[in
             f"{units} training {unit} do not fill one micro-batch of {micro} x {num_processes} "
             "process(es); lower the batch size or add data"
         )
-    total = t.max_steps if t.max_steps is not None else math.ceil(t.epochs * micro_per_epoch / t.grad_accum)
+    # rounded first: 0.29 epochs of 100 micro-batches are 29 of them, not the 28.999... a float gives
+    total = t.max_steps if t.max_steps is not None else math.floor(round(t.epochs * micro_per_epoch, 6) / t.grad_accum)
     if total < 1:
-        raise ValueError(f"the run would take 0 optimizer steps ({micro_per_epoch} micro-batches per epoch, "
-                         f"grad_accum {t.grad_accum}); raise training.epochs or set training.max_steps")
+        raise ValueError(f"the run would take 0 optimizer steps ({t.epochs:g} epoch(s) of {micro_per_epoch} "
+                         f"micro-batches, grad_accum {t.grad_accum} a step); raise training.epochs, lower "
+                         "training.grad_accum or set training.max_steps")
     if t.mode == "medusa2" and t.stage1_steps >= total:
         raise ValueError(f"training.stage1_steps={t.stage1_steps} leaves no joint stage in {total} steps")
     return micro_per_epoch, steps_per_epoch, total, math.floor(t.warmup_ratio * total)

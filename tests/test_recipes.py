@@ -567,6 +567,25 @@ def test_plan_shows_the_accumulation_and_is_printed_once_per_launch(tmp_path, ca
     assert plan_output(capsys, tmp_path, values) == ""
 
 
+def test_the_last_epoch_lends_no_micro_batches_to_a_step_it_does_not_fill(tmp_path):
+    """12 micro-batches an epoch, 8 a step: one epoch is one step (the second one took 4 micro-batches of a
+    second epoch, so `epochs: 1` trained 64 examples of 51, 15 of them twice)."""
+    from medusa_train.train_config import step_counts
+
+    def steps(units, **training):
+        config = config_from_dict({"output_dir": str(tmp_path), "data": {"rows": str(tmp_path / "rows.jsonl")},
+                                   "training": {"batch_tokens": 4, **training}})
+        return step_counts(config, units, 1)[2]
+
+    assert steps(51, epochs=1, grad_accum=8) == 1
+    assert steps(51, epochs=2, grad_accum=8) == 3  # 24 micro-batches: the third step crosses the epochs
+    assert steps(48, epochs=1, grad_accum=4) == 3
+    assert steps(400, epochs=0.29, grad_accum=1) == 29  # 0.29 x 100 is 28.999... as a float
+    assert steps(51, epochs=1, grad_accum=8, max_steps=5) == 5
+    with pytest.raises(ValueError, match=r"0 optimizer steps \(1 epoch\(s\) of 3 micro-batches, grad_accum 4"):
+        steps(12, epochs=1, grad_accum=4)
+
+
 @pytest.mark.parametrize("targets, message", [
     ("[q_proj,lm_head]", r"select \['lm_head'\], the embeddings the heads read directly"),
     ("[q_proj,v_prj]", r"\['v_prj'\] match no module of LlamaForCausalLM"),
