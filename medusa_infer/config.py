@@ -160,6 +160,14 @@ class MedusaConfig:
         return None
 
     @property
+    def trained_with_adapter(self) -> bool:
+        """Whether training's record (``training.recipe.training.mode``) says Medusa-2: heads trained with a
+        LoRA adapter on the backbone, whose hidden states they read."""
+        recipe = self.training.get("recipe")
+        section = recipe.get("training") if isinstance(recipe, dict) else None
+        return isinstance(section, dict) and section.get("mode") == "medusa2"
+
+    @property
     def head_vocab_size(self) -> int:
         """Width of each head's logits: the reduced vocabulary when set, else the full one."""
         return self.reduced_vocab_size or self.vocab_size

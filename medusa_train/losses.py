@@ -30,13 +30,17 @@ class HeadLoss:
 
     Attributes:
         loss: scalar, ``sum_k weight_k * per_head[k]``.
-        per_head: ``[K]`` each head's mean loss over its valid positions (detached).
+        per_head: ``[K]`` each head's loss sum over its denominator (detached): its mean over its valid
+            positions when no ``denominators`` are given.
         counts: ``[K]`` valid positions per head.
+        sums: ``[K]`` each head's loss summed over its valid positions (detached), so that means over
+            several calls are ``sum(sums) / sum(counts)``.
     """
 
     loss: torch.Tensor
     per_head: torch.Tensor
     counts: torch.Tensor
+    sums: torch.Tensor
 
 
 def head_weights(num_heads: int, decay: float, device: torch.device | str | None = None) -> torch.Tensor:
@@ -74,7 +78,7 @@ def _weighted(per_sum: torch.Tensor, counts: torch.Tensor, decay: float,
     summed over all processes) replace the local counts when given."""
     per_head = per_sum / _divisor((counts if denominators is None else denominators).to(per_sum.dtype))
     weights = head_weights(len(per_sum), decay, per_sum.device)
-    return HeadLoss(loss=(weights * per_head).sum(), per_head=per_head.detach(), counts=counts)
+    return HeadLoss(loss=(weights * per_head).sum(), per_head=per_head.detach(), counts=counts, sums=per_sum.detach())
 
 
 def head_ce_loss(

@@ -320,7 +320,8 @@ class Medusa1Task:
         out = _heads_loss(self.config, logits, batch["targets"], batch.get("soft_ids"), batch.get("soft_probs"),
                           denominators["heads"])
         hits, totals = topk_correct(logits.detach(), batch["targets"], 1)
-        return out.loss, {"head_loss": out.per_head, "top1_hits": hits[:, 0], "top1_total": totals}
+        return out.loss, {"head_loss_sum": out.sums, "head_loss_count": out.counts, "top1_hits": hits[:, 0],
+                          "top1_total": totals}
 
     def heads_state(self, accelerator: Any, module: nn.Module) -> dict[str, torch.Tensor]:
         return trained_state(accelerator, module, "heads.")
@@ -388,7 +389,8 @@ class Medusa2Task:
         heads = _heads_loss(self.config, out["head_logits"], targets, soft_ids, out.get("soft_probs"),
                             denominators["heads"])
         hits, totals = topk_correct(out["head_logits"].detach(), targets, 1)
-        metrics = {"head_loss": heads.per_head, "top1_hits": hits[:, 0], "top1_total": totals}
+        metrics = {"head_loss_sum": heads.sums, "head_loss_count": heads.counts, "top1_hits": hits[:, 0],
+                   "top1_total": totals}
         weight = heads_loss_weight(self.config, step)
         metrics["heads_weight"] = torch.tensor(weight)
         if not joint:
@@ -761,9 +763,12 @@ class MetricLogger:
                 for key, value in items:
                     name = f"{section}.{key}" if key else section
                     flat[name] = value if isinstance(value, (int, float, str, bool)) else str(value)
+            init_kwargs: dict[str, dict[str, Any]] = {"wandb": {"dir": str(paths.logs),
+                                                                "name": Path(config.output_dir).name}}
+            if resume_step:  # hide what a killed run logged after its checkpoint (TensorBoard read it twice)
+                init_kwargs["tensorboard"] = {"purge_step": resume_step + 1}
             accelerator.init_trackers(  # TensorBoard writes into logs/<wandb_project>/
-                config.log.wandb_project, config=flat,
-                init_kwargs={"wandb": {"dir": str(paths.logs), "name": Path(config.output_dir).name}},
+                config.log.wandb_project, config=flat, init_kwargs=init_kwargs,
             )
 
     def log(self, record: dict[str, Any], bar: Any) -> None:
@@ -787,6 +792,9 @@ class MetricLogger:
             scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
             for k, acc in enumerate(record["head_top1"]):
                 scalars[f"head{k + 1}_top1"] = acc
+            for k, loss in enumerate(record.get("head_loss") or []):
+                if loss is not None:
+                    scalars[f"head{k + 1}_loss"] = loss
             self.accelerator.log(scalars, step=record["step"])
 
     def close(self) -> None:
@@ -960,12 +968,22 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
 def _summarise(accelerator: Any, window: dict[str, torch.Tensor], measured: Mapping[str, int], units: int,
                started: float) -> dict[str, Any]:
     """Means over the window's micro-steps that measured each metric (``measured``), reduced over
-    processes."""
+    processes; each head's top-1 accuracy and loss pooled over the window's positions (a step without
+    positions for a head adds none: its mean loss of 0 pulled the window's mean down), None for a head
+    the window gave none."""
     world = accelerator.num_processes
+
+    def pooled(key: str) -> torch.Tensor:
+        value = window.pop(key)
+        return accelerator.reduce(value, reduction="sum") if world > 1 else value
+
     out: dict[str, Any] = {}
-    hits = accelerator.reduce(window.pop("top1_hits"), reduction="sum") if world > 1 else window.pop("top1_hits")
-    totals = accelerator.reduce(window.pop("top1_total"), reduction="sum") if world > 1 else window.pop("top1_total")
+    hits, totals = pooled("top1_hits"), pooled("top1_total")
     out["head_top1"] = [round(float(x), 4) for x in (hits / totals.clamp(min=1)).tolist()]
+    if "head_loss_sum" in window:
+        sums, counts = pooled("head_loss_sum"), pooled("head_loss_count")
+        out["head_loss"] = [round(float(s), 5) if c > 0 else None for s, c in zip((sums / counts.clamp(min=1)).tolist(),
+                                                                                  counts.tolist())]
     for key, value in window.items():
         value = value / measured[key]
         if world > 1:
@@ -1037,6 +1055,10 @@ def check_init_from(config: TrainConfig) -> MedusaConfig | None:
         raise ValueError(f"heads.init_from={folder} holds a Medusa-2 adapter ({ADAPTER_DIR}/): its heads read the "
                          "adapted backbone; start from a Medusa-1 run's heads")
     found = MedusaConfig.load(Path(folder) / CONFIG_NAME)
+    if found.trained_with_adapter:  # its adapter/ left behind: the heads still read the adapted backbone
+        raise ValueError(f"heads.init_from={folder} holds heads a Medusa-2 run trained with a LoRA adapter (their "
+                         "config.json's training.recipe.training.mode), which read the adapted backbone; start "
+                         "from a Medusa-1 run's heads")
     expected = heads_config(config, found.hidden_size, found.vocab_size, found.base_model_type, None)
     for key in _INIT_MUST_MATCH:
         if getattr(found, key) != getattr(expected, key):

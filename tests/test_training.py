@@ -243,6 +243,25 @@ def test_a_log_window_across_the_heads_only_stage_averages_base_kl_over_joint_st
     assert record["base_kl"] == 0.5 and record["loss"] == 2.5 and record["head_top1"] == [0.5]
 
 
+def test_a_log_windows_head_loss_is_pooled_over_its_positions():
+    """A step without positions for head 2 adds none to its loss (its mean of 0 halved the window's mean),
+    and a head the window gave no positions is logged as None, not 0."""
+    from types import SimpleNamespace
+
+    window, measured = {}, {}
+    steps = [([6.0, 3.0, 0.0], [3, 1, 0]), ([2.0, 0.0, 0.0], [1, 0, 0])]
+    for sums, counts in steps:
+        metrics = {"loss": torch.tensor(1.0), "top1_hits": torch.tensor([1.0, 0.0, 0.0]),
+                   "top1_total": torch.tensor([2.0, 1.0, 0.0]), "head_loss_sum": torch.tensor(sums),
+                   "head_loss_count": torch.tensor(counts, dtype=torch.float32)}
+        for key, value in metrics.items():
+            window[key] = window.get(key, 0) + value
+            measured[key] = measured.get(key, 0) + 1
+    record = tr._summarise(SimpleNamespace(num_processes=1), window, measured, 4, 0.0)
+    assert record["head_loss"] == [2.0, 3.0, None]
+    assert record["head_top1"] == [0.5, 0.0, 0.0]
+
+
 def test_heldout_accuracy_counts_only_positions_where_decoding_runs_the_heads():
     from medusa_train.evaluate import head_accuracy
 
@@ -742,6 +761,7 @@ def test_a_resumed_run_logs_the_same_windows_as_an_uninterrupted_run(tiny_dir, t
     for x, y in zip(a, b):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), (x["step"], x["loss"], y["loss"])
         assert y["head_top1"] == pytest.approx(x["head_top1"], abs=1e-4)
+        assert y["head_loss"] == pytest.approx(x["head_loss"], rel=1e-5)
 
 
 def test_kill_9_then_resume_a_medusa2_run_equals_uninterrupted_run(tiny_dir, tmp_path):
@@ -1192,6 +1212,11 @@ def test_init_from_refuses_heads_this_run_would_not_build(tiny_dir, tmp_path, co
     shutil.copytree(counting_heads, adapted)
     (adapted / "adapter").mkdir()
     check("holds a Medusa-2 adapter", adapted)
+    shutil.rmtree(adapted / "adapter")  # copied without it: still heads of the adapted backbone
+    saved = json.loads((adapted / "config.json").read_text())
+    saved["training"] = {"recipe": {"training": {"mode": "medusa2"}}}
+    (adapted / "config.json").write_text(json.dumps(saved))
+    check("holds heads a Medusa-2 run trained with a LoRA adapter", adapted)
     faster = tmp_path / "fd"
     faster.mkdir()
     (faster / "config.json").write_text(json.dumps({"medusa_num_heads": 3, "medusa_num_layers": 1}))
@@ -1409,12 +1434,22 @@ def test_logs_to_jsonl_tensorboard_and_offline_wandb(tiny_dir, tmp_path, monkeyp
     for name, value in quiet_env(tmp_path).items():
         if name in ("HOME", "TMPDIR", "WANDB_MODE", "WANDB_DIR"):
             monkeypatch.setenv(name, value)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     out = tmp_path / "run"
-    values = recipe(tiny_dir, out, training={"max_steps": 3}, log={"tensorboard": True, "wandb": True})
-    train_heads.main(["--config", str(write_recipe(tmp_path / "r.yaml", values))])
-    assert [r["step"] for r in train_log(out)] == [1, 2, 3]
-    assert list((out / "logs" / "medusa-forge").glob("events.out.tfevents.*"))
+    values = recipe(tiny_dir, out, training={"max_steps": 4, "save_every": 2},
+                    log={"tensorboard": True, "wandb": True})
+    config_file = str(write_recipe(tmp_path / "r.yaml", values))
+    killed_at_step(3, config_file, tmp_path)  # logged step 3 after its checkpoint at step 2
+    train_heads.main(["--config", config_file])
+    assert [r["step"] for r in train_log(out)] == [1, 2, 3, 4]
     assert list((out / "logs" / "wandb").glob("offline-run-*"))
+    events = EventAccumulator(str(out / "logs" / "medusa-forge"))
+    events.Reload()
+    # each step once (the killed run's step 3 was read beside the resumed one's), each head's loss too
+    assert [e.step for e in events.Scalars("loss")] == [1, 2, 3, 4]
+    for k, record in enumerate(train_log(out)):
+        assert [e.value for e in events.Scalars("head2_loss")][k] == pytest.approx(record["head_loss"][1])
 
 
 @pytest.mark.parametrize("name, hub_id, recorded", [
