@@ -27,7 +27,9 @@ row count, ``"default"`` leaves the model alone. Either way:
 * only float32 inference on the CPU takes the plan; with gradients enabled (training), other
   dtypes or devices, a layer computes ``F.linear`` as before;
 * a packed copy is made when a layer first takes a packed kernel, and made again when the weight
-  changes (another tensor, storage, or an in-place update); it is never saved, pickled or
+  changes (another tensor, storage, or an in-place update), and dropped by any forward with gradients
+  enabled (a fused optimizer, ``AdamW(fused=True)``, updates weights without bumping their version, so
+  the copy after training would be of the old weights); it is never saved, pickled or
   deep-copied. Each packed kernel a layer takes adds a copy of its weight to memory (a layer can
   take both at different row counts: keeping one packed kernel per shape measured slower, t(4)
   53.5 ms against 46.7 with MKL's packed kernel throughout, on the Intel machine).
@@ -224,6 +226,9 @@ class CPULinear(nn.Linear):
     kernel_plan: KernelPlan | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():  # training: the weights may change in ways no version counter shows
+            self.__dict__.pop("_kernel_cache", None)
+            return F.linear(x, self.weight, self.bias)
         cache = self.__dict__.setdefault("_kernel_cache", {})
         return planned_linear(x, self.weight, self.bias, self.kernel_plan, cache)
 
@@ -352,12 +357,17 @@ def use_cpu_kernels(model: nn.Module, plan: KernelPlan | str = "tuned", plan_cac
     ``plan_cache``: with ``"tuned"``, a JSON file of plans measured before, by weight shape and
     ``machine_key``: a shape found there is not measured again, and the plans measured now are
     added to it. Delete the file to measure afresh (say, after a run on a machine busy with other work).
+
+    Only layers whose weights are float32 on the CPU are switched (the kernels serve nothing else, and
+    timing float32 inputs on a bfloat16 layer failed); one switched before and cast since keeps its
+    class and computes ``F.linear``.
     """
     if isinstance(plan, str) and plan not in ("tuned", "onednn"):
         raise ValueError(f"plan must be a KernelPlan, 'tuned' or 'onednn', got {plan!r}")
     if not onednn_works():
         return 0
-    layers = [m for m in model.modules() if type(m) in (nn.Linear, CPULinear)]
+    layers = [m for m in model.modules() if type(m) in (nn.Linear, CPULinear)
+              and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
     groups: dict[str, list[nn.Linear]] = {}
     for layer in layers:
         groups.setdefault(shape_key(layer), []).append(layer)

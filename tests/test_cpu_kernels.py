@@ -111,6 +111,26 @@ def test_the_packed_copy_follows_the_weight():
 
 
 @pytest.mark.parametrize("kernel", ["onednn", "mkl-packed"])
+def test_a_fused_optimizers_update_is_computed_with(kernel):
+    """AdamW(fused=True) updates the weight without bumping its version: the next no-grad forward took the
+    packed copy of the old weight (off by up to 5.7 on a small model)."""
+    if kernel == "mkl-packed" and not mkl_packed_available():
+        pytest.skip("MKL's packed GEMM is not in this PyTorch build")
+    torch.manual_seed(0)
+    layer = switched(nn.Linear(16, 8), KernelPlan.uniform(kernel))
+    x = torch.randn(4, 16)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1, fused=True)
+    with torch.no_grad():
+        layer(x)  # packs the weight
+    version = layer.weight._version
+    layer(x).sum().backward()
+    optimizer.step()
+    assert layer.weight._version == version  # what hid the update
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("kernel", ["onednn", "mkl-packed"])
 def test_weights_loaded_in_place_under_inference_mode_are_computed_with(kernel):
     """A layer made under inference mode has inference tensors, whose version never changes: a state dict
     loaded in place there left every layer computing with the packed copy of the old weights."""
@@ -268,6 +288,16 @@ def test_only_float32_cpu_models_are_switched():
     assert apply_cpu_kernels(tiny_model("qwen3"), "tuned") > 0
     assert apply_cpu_kernels(tiny_model("qwen3"), "default") == 0
     assert apply_cpu_kernels(tiny_model("qwen3").to(torch.bfloat16), "onednn") == 0
+    # switched, then cast: heads added to it (match_kernels times float32 inputs) failed on its bf16 layers
+    base = tiny_model("qwen3")
+    assert apply_cpu_kernels(base, "tuned") > 0
+    base.to(torch.bfloat16)
+    model = MedusaModel.from_base(base, num_heads=2)
+    assert use_cpu_kernels(base, "tuned") == 0 and linear_kernels(model.heads) == "default"
+    model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2)
+    partly = tiny_model("qwen3")
+    partly.lm_head.to(torch.bfloat16)
+    assert use_cpu_kernels(partly, "tuned") == sum(isinstance(m, nn.Linear) for m in partly.modules()) - 1
     with pytest.raises(ValueError, match="cpu_kernels must be one of"):
         apply_cpu_kernels(tiny_model("qwen3"), "mkl")
 
