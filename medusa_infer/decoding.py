@@ -855,7 +855,8 @@ class _TextTracker:
 def eos_ids(model, tokenizer, eos_token_id=None) -> tuple[int, ...]:
     """The token ids that end a row: ``eos_token_id`` (an id, a list or a tensor of them) when given, else
     every id the model's generation config, its config and ``tokenizer`` name (a fine-tune may name its
-    end-of-turn token in one of them only). ``ValueError`` for an id outside the vocabulary."""
+    end-of-turn token in one of them only), in that order without repeats: the first pads finished rows
+    where no pad id is known, as in ``model.generate``. ``ValueError`` for an id outside the vocabulary."""
     if isinstance(eos_token_id, torch.Tensor):  # a 0-d tensor or a vector of ids
         eos_token_id = eos_token_id.tolist()
     if eos_token_id is not None:
@@ -868,12 +869,12 @@ def eos_ids(model, tokenizer, eos_token_id=None) -> tuple[int, ...]:
                              f"{eos_token_id!r}; for a text use stop_strings=, for a token "
                              "tokenizer.convert_tokens_to_ids(...)")
         return tuple(int(i) for i in ids)
-    ids: set[int] = set()
+    ids: list[int] = []  # the generation config's first, in its order: the first pads, as in model.generate
     for source in (getattr(model.base_model, "generation_config", None), model.base_model.config, tokenizer):
         value = getattr(source, "eos_token_id", None) if source is not None else None
         if value is not None:
-            ids.update([value] if isinstance(value, int) else value)
-    return tuple(sorted(ids))
+            ids += [int(i) for i in ([value] if isinstance(value, int) else value) if int(i) not in ids]
+    return tuple(ids)
 
 
 def _known_token_id(model, tokenizer, name: str) -> int | None:

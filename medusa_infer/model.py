@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import tempfile
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,14 +184,56 @@ def processor_settings(base_model: Any) -> dict[str, Any]:
     return found
 
 
+SAMPLING_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+"""``GenerationConfig`` sampling fields with what ``generate`` here takes when not passed: the values
+``model.generate`` takes from a model's generation config instead (Qwen2.5-Instruct ships do_sample=True,
+temperature 0.7, top_p 0.8, top_k 20)."""
+
+UNSUPPORTED_SAMPLING = {"min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None}
+"""``GenerationConfig`` truncation fields (with their neutral values) that sampling here has no counterpart for."""
+
+
+def sampling_settings(base_model: Any) -> dict[str, Any]:
+    """The ``SAMPLING_DEFAULTS`` and ``UNSUPPORTED_SAMPLING`` fields ``base_model``'s generation config sets to
+    something else than what ``generate`` here samples with (None: not set)."""
+    config = getattr(base_model, "generation_config", None)
+    found = {}
+    for name, neutral in {**SAMPLING_DEFAULTS, **UNSUPPORTED_SAMPLING}.items():
+        value = getattr(config, name, None)
+        if value is not None and value != neutral and not (name == "top_k" and value == 0):
+            found[name] = value
+    return found
+
+
+_WARNED: "weakref.WeakKeyDictionary[Any, set[str]]" = weakref.WeakKeyDictionary()
+"""Messages ``_warn_processors`` gave, per base model: each once (generate checks again at each call)."""
+
+
 def _warn_processors(base_model: PreTrainedModel) -> None:
-    """Say which of its generation config's logits processors decoding here leaves out."""
+    """Say which of its generation config's logits processors and sampling defaults decoding here leaves
+    out: when the model is wrapped, and again at a call after the config changed."""
+    name = type(base_model).__name__
+    messages = []
     found = processor_settings(base_model)
     if found:
-        settings = ", ".join(f"{name}={value!r}" for name, value in found.items())
-        logger.warning("%s's generation_config sets %s, which medusa-forge does not apply: greedy decoding here is "
-                       "plain greedy (model.generate with these settings gives other text; set them to None in "
-                       "base_model.generation_config to compare)", type(base_model).__name__, settings)
+        settings = ", ".join(f"{key}={value!r}" for key, value in found.items())
+        messages.append(f"{name}'s generation_config sets {settings}, which medusa-forge does not apply: greedy "
+                        "decoding here is plain greedy (model.generate with these settings gives other text; set "
+                        "them to None in base_model.generation_config to compare)")
+    found = sampling_settings(base_model)
+    if found:
+        settings = ", ".join(f"{key}={value!r}" for key, value in found.items())
+        unsupported = [key for key in found if key in UNSUPPORTED_SAMPLING]
+        messages.append(f"{name}'s generation_config sets {settings}, which generate() here does not take from it: "
+                        "it decodes greedily unless given do_sample=True, and samples at the temperature, top_k and "
+                        "top_p it is given (1, none, none when not given; model.generate takes the config's)"
+                        + (f"; {', '.join(unsupported)} has no counterpart here" if unsupported else "")
+                        + ": pass the settings to generate() to sample as the model's authors set it")
+    given = _WARNED.setdefault(base_model, set())
+    for message in messages:
+        if message not in given:
+            given.add(message)
+            logger.warning(message)
 
 
 def _warn_longrope(base_model: PreTrainedModel) -> None:
@@ -393,6 +436,13 @@ class MedusaModel(nn.Module):
             datastore = Datastore.load(directory / DATASTORE_NAME)
             datastore.check_tokenizer(tokenizer, directory / DATASTORE_NAME)
             datastore.check_vocabulary(config.vocab_size, directory / DATASTORE_NAME)
+        if adapter and not adapter_folder.is_dir() and config.trained_with_adapter and already is None \
+                and recorded is None:
+            logger.warning("the heads in %s were trained with a Medusa-2 adapter (config.json: training.recipe."
+                           "training.mode medusa2) and the folder holds none (%s/): they run on the plain base "
+                           "model, which they draft for worse than their accuracies say; copy the run's heads/%s "
+                           "along, or pass the base model with that adapter merged", directory, ADAPTER_DIR,
+                           ADAPTER_DIR)
         # every check before anything changes: a refused load leaves a given base model and tokenizer as they were
         if merge and not in_weights:
             check_compatible(config, base_model)
@@ -592,6 +642,7 @@ class MedusaModel(nn.Module):
         """Speculative generation with the heads; see ``medusa_infer.decoding.generate``."""
         from medusa_infer.decoding import generate
 
+        _warn_processors(self.base_model)  # a generation config changed since: said once
         return generate(self, *args, **kwargs)
 
 

@@ -337,6 +337,25 @@ def test_stops_at_any_eos_and_at_max_new_tokens():
     assert out.new_tokens[0] == free[:9] and out.finish_reasons == ["length"]
 
 
+def test_finished_rows_are_padded_with_the_generation_configs_first_eos_as_model_generate_pads_them():
+    """With no pad id anywhere, the first of the generation config's end ids pads (the smallest of all the
+    end ids did: 80 where model.generate writes 86)."""
+    model = medusa("llama")
+    base = base.generation_config if (base := model.base_model) else None
+    prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 7)]
+    free, other = reference(model, prompts[0], 12), reference(model, prompts[1], 12)
+    early = next(t for t in free[1:] if t not in other)  # ends row 0 and not row 1
+    late = max(t for t in range(3, VOCAB) if t not in free + other)  # ends none: it only pads
+    assert late > early
+    base.eos_token_id, base.pad_token_id = [late, early], None
+    model.base_model.config.pad_token_id = model.base_model.config.eos_token_id = None
+    ids, mask = left_pad(prompts)
+    ours = generate(model, ids, attention_mask=mask, max_new_tokens=12)
+    theirs = model.base_model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    assert ours.sequences.tolist() == theirs.tolist()
+    assert ours.sequences[0, -1].item() == late
+
+
 def test_context_limit_is_a_clean_stop():
     model = medusa("llama")
     limit = model.base_model.config.max_position_embeddings

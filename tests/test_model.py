@@ -561,6 +561,22 @@ def saved(tmp_path) -> tuple[Path, PreTrainedModel]:
     return tmp_path, model.base_model
 
 
+def test_medusa2_heads_copied_without_their_adapter_are_named_when_loaded(saved, caplog):
+    """A Medusa-2 run's heads read the adapted backbone: a folder copied without adapter/ loaded on the plain
+    base model without a word (base logits off by up to 4.4 on a tiny run)."""
+    directory, base = saved
+    MedusaModel.from_pretrained(directory, base_model=base)
+    assert "trained with a Medusa-2 adapter" not in caplog.text
+    config = json.loads((directory / "config.json").read_text())
+    config["training"] = {"recipe": {"training": {"mode": "medusa2"}}}
+    (directory / "config.json").write_text(json.dumps(config))
+    MedusaModel.from_pretrained(directory, base_model=base)
+    assert re.search(r"were trained with a Medusa-2 adapter .* and the folder holds none \(adapter/\)", caplog.text)
+    caplog.clear()
+    MedusaModel.from_pretrained(directory, base_model=base, adapter=False)  # asked for the heads alone
+    assert "trained with a Medusa-2 adapter" not in caplog.text
+
+
 def test_missing_tensor_is_named(saved):
     directory, base = saved
     edit_weights(directory, lambda t: t.pop("heads.2.blocks.1.linear.bias"))
@@ -641,6 +657,30 @@ def test_logits_processors_a_generation_config_asks_for_are_named_when_loaded(ca
     MedusaModel.without_heads(base)
     assert "LlamaForCausalLM's generation_config sets repetition_penalty=1.05, which medusa-forge does not apply" \
         in caplog.text
+
+
+def test_sampling_defaults_a_generation_config_sets_are_named_and_a_later_change_too(caplog):
+    """model.generate samples at the temperature, top_k and top_p of a model's generation config (Qwen2.5's
+    0.7 / 20 / 0.8); generate() here takes what it is given: loading said nothing of them, nor of a
+    repetition penalty set on the generation config after loading."""
+    from medusa_infer.model import sampling_settings
+
+    base = base_model("llama")
+    assert sampling_settings(base) == {}
+    config = base.generation_config
+    config.do_sample, config.temperature, config.top_k, config.top_p, config.min_p = True, 0.7, 20, 0.8, 0.2
+    assert sampling_settings(base) == {"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.8,
+                                       "min_p": 0.2}
+    model = MedusaModel.without_heads(base)
+    assert ("LlamaForCausalLM's generation_config sets do_sample=True, temperature=0.7, top_k=20, top_p=0.8, "
+            "min_p=0.2, which generate() here does not take from it") in caplog.text
+    assert "min_p has no counterpart here" in caplog.text
+    caplog.clear()
+    model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2)
+    assert caplog.text == ""  # said once
+    config.repetition_penalty = 3.0
+    model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2)
+    assert "sets repetition_penalty=3.0, which medusa-forge does not apply" in caplog.text
 
 
 def test_unknown_config_key_is_named(saved):
