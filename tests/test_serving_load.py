@@ -169,6 +169,8 @@ def test_timeouts_abort_queued_and_running_requests(model):
         thread.join(30)
         assert answers[0].status_code == 504
         assert answers[0].json()["error"]["type"] == "timeout_error"
+        # OpenAI's SDKs retry a 5xx twice unless told not to: three times the engine time for the same 504
+        assert answers[0].headers["x-should-retry"] == "false"
         # decoding past its deadline, streamed: the stream ends with an error event
         with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as client:
             with _stopped_after_first_token(model, engine):

@@ -374,11 +374,14 @@ def _abort_error(update: Update) -> APIError:
         return _timeout_error(update.error or "timed out")
     if update.finish == "shutdown":
         return APIError(503, update.error or "the server is shutting down", "server_error", None, "shutdown")
-    return APIError(500, update.error or "generation failed", "server_error", None, update.finish)
+    return APIError(500, update.error or "generation failed", "server_error", None, update.finish,
+                    protocol.NO_RETRY)
 
 
 def _timeout_error(message: str) -> APIError:
-    return APIError(504, f"The request timed out: {message}.", "timeout_error", None, "request_timeout")
+    # not retried by OpenAI's SDKs (their default: twice, so three times the request's engine time)
+    return APIError(504, f"The request timed out: {message}.", "timeout_error", None, "request_timeout",
+                    protocol.NO_RETRY)
 
 
 def _sse(body: dict[str, Any]) -> str:
@@ -462,7 +465,7 @@ def _route(path: str) -> str:
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers or None)
 
     @app.exception_handler(_ClientGone)
     async def client_gone(request: Request, error: _ClientGone) -> Response:

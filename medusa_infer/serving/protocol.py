@@ -30,13 +30,19 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 ACCEPTANCE_CHOICES = ("lossless", "typical")
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 
+NO_RETRY = {"x-should-retry": "false"}
+"""The header OpenAI's SDKs read before retrying a failed request (they retry any status >= 500 twice by
+default): sent where a retry would only do the same work again (a timeout, a failed generation)."""
+
+
 class APIError(Exception):
-    """An error answered to the client as ``status`` with an OpenAI-style body."""
+    """An error answered to the client as ``status`` with an OpenAI-style body, and ``headers``."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
