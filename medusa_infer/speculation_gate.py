@@ -21,8 +21,9 @@ the engine actually takes:
 
 A step of ``B`` rows speculates when ``a / t(B * v) >= (1 - margin) / t(B)``: where the two are
 close (one row, on a CPU) speculation keeps the benefit of the doubt, and the gate only steps in
-where speculation clearly costs. Until ``t`` has been seen near ``B`` (a plain step) and near
-``B * v`` (a speculative one) or on both sides of it, it takes the step that measures the missing one. While speculation is
+where speculation clearly costs. Until ``t`` has been seen near ``B`` (a plain step; ``MIN_PLAIN_TIMES``
+of them where that range was measured at all) and near ``B * v`` (a speculative one) or on both sides of
+it, it takes the step that measures the missing one. While speculation is
 off it still probes now and then, so ``a`` and ``v`` follow the text: each plain step earns
 ``probe_budget * t(B)`` seconds of credit, and a probe is taken when the credit pays for its extra
 cost ``t(B * v) - t(B)``. Probes are thus frequent where they are cheap (one row) and rare where a
@@ -52,6 +53,12 @@ TIME_WINDOW = 8
 """Step times a range of forward sizes keeps: its time is their median, so one slow step (a garbage
 collection, another process on the cores) is outvoted instead of weighing in a moving average, where
 it had kept speculation off for hundreds of steps (probes being rare while it is off)."""
+
+MIN_PLAIN_TIMES = 2
+"""Step times a batch size's range holds before the gate compares speculation with it: it takes plain
+steps until then (the median of two is the lower one). On one sample, a slow first plain step made
+speculation look cheap for good (the gate speculating on every later step, and no step measured that
+range again; at batch 8, where speculating was 1.9x slower per token, on all of them)."""
 
 
 @dataclass
@@ -152,7 +159,8 @@ class SpeculationGate:
         if self.speculative_steps < self.warmup:
             return True
         plain = self.step_seconds(batch)
-        if plain is None:
+        measured = self._times.get(self._range(batch))
+        if plain is None or (measured is not None and len(measured.recent) < MIN_PLAIN_TIMES):
             return False
         tokens, verified = self._by_batch.get(self._range(batch), (self.tokens_per_row, self.verified_per_row))
         speculative = self.step_seconds(batch * verified)

@@ -38,13 +38,13 @@ def test_speculates_where_it_pays_and_not_where_the_batch_fills_the_forward():
     gate = SpeculationGate(warmup=2)
     choices = run(gate, batch=1, steps=30, tokens_per_row=1.6)
     assert choices[:2] == [True, True]  # the warm-up measures speculation
-    assert choices[2] is False  # then one plain step measures t(1)
-    assert all(choices[3:])
+    assert choices[2:4] == [False, False]  # then two plain steps measure t(1) (MIN_PLAIN_TIMES)
+    assert all(choices[4:])
     # sixteen rows: 80 tokens cost 0.36 s against 0.104 s for 16; 1.6 tokens a row does not pay
     choices = run(gate, batch=16, steps=40, tokens_per_row=1.6)
-    assert choices[0] is False  # t(16) unknown: a plain step measures it; t(80) is unknown too,
-    assert choices[1] is True  # so a speculative one measures that
-    assert not any(choices[2:])  # then plain: a probe here costs 2.5 plain steps, more than 40 steps earn
+    assert choices[:2] == [False, False]  # t(16) unknown: plain steps measure it; t(80) is unknown too,
+    assert choices[2] is True  # so a speculative one measures that
+    assert not any(choices[3:])  # then plain: a probe here costs 2.5 plain steps, more than 40 steps earn
 
 
 def test_probes_take_about_the_probe_budget():
@@ -75,7 +75,7 @@ def test_what_one_batch_size_taught_serves_the_others():
 def test_close_calls_go_to_speculation():
     # one row, 1.3 tokens a speculative step: 1.3 / 0.060 = 21.7 tokens/s against 22.7 plain, 4% slower
     close = run(SpeculationGate(warmup=1), batch=1, steps=20, tokens_per_row=1.3)
-    assert all(close[2:])
+    assert all(close[3:])
     strict = run(SpeculationGate(warmup=1, margin=0.0), batch=1, steps=20, tokens_per_row=1.3)
     assert strict[2:].count(False) > 10
 
@@ -97,16 +97,17 @@ def test_speculation_comes_back_within_a_few_probes_with_the_default_settings():
     run(gate, batch=1, steps=60, tokens_per_row=1.0)  # a request whose drafts all miss: plain
     assert gate.speculate(1) is False
     # the next request's text suits the drafts (2.2 tokens a step): its first probe (credit earned
-    # during the first request pays for it at once) turns speculation back on for good; with every
-    # probe weighed as an ordinary step it took three probes and 39 steps
+    # during the first request pays for it at once, or a step later) turns speculation back on for good;
+    # with every probe weighed as an ordinary step it took three probes and 39 steps
     choices = run(gate, batch=1, steps=40, tokens_per_row=2.2)
-    assert all(choices)
+    assert choices.index(True) <= 1 and all(choices[choices.index(True):])
 
 
 def test_a_probe_whose_step_failed_is_forgotten():
     gate = SpeculationGate(warmup=1)
     run(gate, batch=1, steps=60, tokens_per_row=1.0)
-    gate.record(64, False, 64, linear_time(64), 64)  # a plain step of 64 rows
+    for _ in range(2):  # plain steps of 64 rows (MIN_PLAIN_TIMES)
+        gate.record(64, False, 64, linear_time(64), 64)
     while not gate.speculate(1):  # plain steps until a probe is asked for; its step then fails, unrecorded
         gate.record(1, False, 1, linear_time(1), 1)
     # the next step speculates for an ordinary reason: 64 rows, whose speculative forward size the gate
@@ -281,6 +282,24 @@ def test_one_slow_step_does_not_turn_speculation_off():
     assert sum(step() for _ in range(50)) > 40
     assert step(hiccup=True)
     assert all(step() for _ in range(20))
+
+
+def test_one_slow_first_plain_step_does_not_turn_speculation_on_for_good():
+    """Batch 8, where speculating is 1.9x slower per token: the gate's one plain step after warm-up, 3x slow
+    (another process on the cores), was its only sample of t(8), and it speculated on every later step."""
+    rows, verified, tokens = 8, 5, 1.6
+    gate, first = SpeculationGate(), [True]
+
+    def step():
+        spec = gate.speculate(rows)
+        seconds = linear_time(rows * (verified if spec else 1))
+        if not spec and first:
+            seconds, first[:] = seconds * 3, []
+        gate.record(rows, spec, rows * (tokens if spec else 1), seconds, rows * (verified if spec else 1))
+        return spec
+
+    choices = [step() for _ in range(200)]
+    assert sum(choices[20:]) < 10, sum(choices[20:])
 
 
 def test_a_draft_size_between_measured_ones_is_interpolated():
