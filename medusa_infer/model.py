@@ -436,6 +436,10 @@ class MedusaModel(nn.Module):
             datastore = Datastore.load(directory / DATASTORE_NAME)
             datastore.check_tokenizer(tokenizer, directory / DATASTORE_NAME)
             datastore.check_vocabulary(config.vocab_size, directory / DATASTORE_NAME)
+            if tokenizer is None and datastore.tokenizer is not None:
+                logger.warning("%s was not checked against the model's tokenizer (a base model given as an object "
+                               "and no tokenizer=): a store built with another one drafts tokens that stand for "
+                               "other text; pass tokenizer= to check it", directory / DATASTORE_NAME)
         if adapter and not adapter_folder.is_dir() and config.trained_with_adapter and already is None \
                 and recorded is None:
             logger.warning("the heads in %s were trained with a Medusa-2 adapter (config.json: training.recipe."

@@ -73,7 +73,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="longer conversations are cut, in tokens (default: the heads' recipe's, else 1024)")
     parser.add_argument("--system-prompt", help="the system prompt the rows were distilled with ('': none; "
                                                 "default: the heads' recipe's)")
+    parser.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=None,
+                        help="load a tokenizer that runs its repository's code (default: the heads' recipe's "
+                             "model.trust_remote_code)")
     args = parser.parse_args(argv)
+
+    from jinja2 import TemplateError
 
     from medusa_infer.interop import base_model_name
     from medusa_infer.models import load_tokenizer
@@ -99,16 +104,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         system_prompt = recipe_data.get("system_prompt")
     max_length = args.max_length if args.max_length is not None else recipe_data.get("max_length") or 1024
-    rows = [row for path in args.rows for row in read_rows(path)]
-    try:
-        check_rows(rows, chat_template, system_prompt)
-    except ValueError as err:
-        parser.error(str(err))
-    tokenizer = load_tokenizer(model)
-    if chat_template:
-        tokenizer.chat_template = chat_template
+    remote = args.trust_remote_code if args.trust_remote_code is not None else bool(
+        recipe_model.get("trust_remote_code"))
     stats = BuildStats()
-    examples = build_examples(rows, tokenizer, max_length, system_prompt, stats)
+    try:  # a missing or bad rows file, a tokenizer that does not load, a template that fails: the message alone
+        rows = [row for path in args.rows for row in read_rows(path)]
+        check_rows(rows, chat_template, system_prompt)
+        tokenizer = load_tokenizer(model, trust_remote_code=remote)
+        if chat_template:
+            tokenizer.chat_template = chat_template
+        examples = build_examples(rows, tokenizer, max_length, system_prompt, stats)
+    except (OSError, ValueError, TemplateError) as err:
+        parser.error(str(err))
     if not examples:
         parser.error(f"no conversation to build a datastore from: {len(rows)} rows in {' '.join(args.rows)}: "
                      f"{', '.join(stats.left_out('--max-length', max_length)) or 'none given'}")

@@ -222,6 +222,33 @@ def test_the_builder_renders_rows_as_the_heads_recipe_did(tmp_path, capsys):
         assert re.search("no conversation to build a datastore from: " + says, capsys.readouterr().err.strip())
 
 
+def test_the_builders_bad_inputs_are_usage_errors_and_it_loads_the_recipes_remote_code(tmp_path, capsys,
+                                                                                        monkeypatch):
+    """A missing or bad rows file and a bad --max-length were tracebacks; a tokenizer needing its repository's
+    code could not be loaded (the recipe's model.trust_remote_code was not read, and no flag set it)."""
+    import medusa_infer.models
+
+    recipe = {"model": {"trust_remote_code": True}, "data": {"max_length": 64}}
+    MedusaConfig(num_heads=1, hidden_size=576, vocab_size=49152, base_model_name_or_path="smollm2-135m-instruct",
+                 training={"recipe": recipe}).save(tmp_path / "config.json")
+    rows = tmp_path / "rows.jsonl"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    rows.write_text(json.dumps({"prompt": "Name a colour.", "response": "Blue."}) + "\n")
+    for arguments, says in (([str(tmp_path / "missing.jsonl")], "No such file"), ([str(bad)], "bad.jsonl:1"),
+                            ([str(rows), "--max-length", "0"], "max_length must be >= 2")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--heads", str(tmp_path), "--rows", *arguments])
+        assert exit_info.value.code == 2 and says in capsys.readouterr().err
+    asked = []
+    real = medusa_infer.models.load_tokenizer
+    monkeypatch.setattr(medusa_infer.models, "load_tokenizer",
+                        lambda name, trust_remote_code=False: asked.append(trust_remote_code) or real(name))
+    assert main(["--heads", str(tmp_path), "--rows", str(rows)]) == 0
+    assert main(["--heads", str(tmp_path), "--rows", str(rows), "--no-trust-remote-code"]) == 0
+    assert asked == [True, False]
+
+
 def test_gated_matches_choose_between_prompt_and_datastore():
     store = Datastore.from_sequences([[1, 2, 3, 4, 5, 6, 7]])
     history = [9, 2, 3, 8, 1, 2, 3]  # the prompt has "2 3" -> 8; the store "1 2 3" -> 4 5 6 7
@@ -382,7 +409,7 @@ def test_proposers_refuse_a_store_of_another_vocabulary_and_merges_of_other_sett
         a.merge(b)
 
 
-def test_a_store_built_with_another_tokenizer_is_refused_at_load(tmp_path):
+def test_a_store_built_with_another_tokenizer_is_refused_at_load(tmp_path, caplog):
     """The store records its tokenizer's fingerprint: with heads on a model whose tokenizer differs (ids
     standing for other text, all within the vocabulary), loading is refused; with the same one it loads."""
     from tiny import metaspace_tokenizer, word_medusa
@@ -404,6 +431,10 @@ def test_a_store_built_with_another_tokenizer_is_refused_at_load(tmp_path):
     model.save_pretrained(tmp_path / "heads")
     loaded = MedusaModel.from_pretrained(tmp_path / "heads", base_model=model.base_model, tokenizer=model.tokenizer)
     assert loaded.datastore.tokenizer == tokenizer_digest(model.tokenizer)
+    # a base model object and no tokenizer: nothing to check the store against, which is said (it loaded silently)
+    with caplog.at_level("WARNING"):
+        MedusaModel.from_pretrained(tmp_path / "heads", base_model=model.base_model)
+    assert "datastore.safetensors was not checked against the model's tokenizer" in caplog.text
 
     class BytesVocab:  # tiktoken-based remote-code tokenizers (Qwen v1's): get_vocab() keys are bytes
         def __init__(self, vocab):
