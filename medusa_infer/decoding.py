@@ -875,7 +875,9 @@ def eos_ids(model, tokenizer, eos_token_id=None) -> tuple[int, ...]:
     for source in (getattr(model.base_model, "generation_config", None), model.base_model.config, tokenizer):
         value = getattr(source, "eos_token_id", None) if source is not None else None
         if value is not None:
-            ids += [int(i) for i in ([value] if isinstance(value, int) else value) if int(i) not in ids]
+            for i in [value] if isinstance(value, int) else value:
+                if int(i) not in ids:
+                    ids.append(int(i))
     return tuple(ids)
 
 

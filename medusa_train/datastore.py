@@ -96,7 +96,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     recipe = (config.get("training") or {}).get("recipe") or {}
     recipe_model, recipe_data = recipe.get("model") or {}, recipe.get("data") or {}
     if args.chat_template is not None:
-        chat_template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
+        try:
+            chat_template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
+        except (OSError, UnicodeDecodeError) as err:
+            parser.error(f"--chat-template {args.chat_template}: {err}")
     else:
         chat_template = config.get("chat_template") or recipe_model.get("chat_template")  # older folders: the recipe's
     if args.system_prompt is not None:

@@ -765,8 +765,8 @@ class MetricLogger:
                     flat[name] = value if isinstance(value, (int, float, str, bool)) else str(value)
             init_kwargs: dict[str, dict[str, Any]] = {"wandb": {"dir": str(paths.logs),
                                                                 "name": Path(config.output_dir).name}}
-            if resume_step:  # hide what a killed run logged after its checkpoint (TensorBoard read it twice)
-                init_kwargs["tensorboard"] = {"purge_step": resume_step + 1}
+            # hide what a killed run logged after its checkpoint, or before its first (TensorBoard read it twice)
+            init_kwargs["tensorboard"] = {"purge_step": resume_step + 1}
             accelerator.init_trackers(  # TensorBoard writes into logs/<wandb_project>/
                 config.log.wandb_project, config=flat, init_kwargs=init_kwargs,
             )
@@ -910,8 +910,9 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
             kept = torch.load(saved_window, map_location="cpu", weights_only=True)
         except Exception as err:  # cut or emptied after it was written
             raise _unloadable(checkpoint, paths, err) from err
-        window = {name: value.to(accelerator.device) for name, value in kept["sums"].items()}
-        measured, window_units = kept["measured"], kept["units"]
+        # an earlier release's per-step head_loss means cannot be pooled: the window's line pools the steps after
+        window = {name: value.to(accelerator.device) for name, value in kept["sums"].items() if name != "head_loss"}
+        measured, window_units = {k: v for k, v in kept["measured"].items() if k != "head_loss"}, kept["units"]
         window_start -= kept["seconds"]
     record = None
     start_time = time.perf_counter()

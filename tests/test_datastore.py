@@ -236,7 +236,8 @@ def test_the_builders_bad_inputs_are_usage_errors_and_it_loads_the_recipes_remot
     bad.write_text("{not json\n")
     rows.write_text(json.dumps({"prompt": "Name a colour.", "response": "Blue."}) + "\n")
     for arguments, says in (([str(tmp_path / "missing.jsonl")], "No such file"), ([str(bad)], "bad.jsonl:1"),
-                            ([str(rows), "--max-length", "0"], "max_length must be >= 2")):
+                            ([str(rows), "--max-length", "0"], "max_length must be >= 2"),
+                            ([str(rows), "--chat-template", str(tmp_path / "missing.jinja")], "missing.jinja")):
         with pytest.raises(SystemExit) as exit_info:
             main(["--heads", str(tmp_path), "--rows", *arguments])
         assert exit_info.value.code == 2 and says in capsys.readouterr().err

@@ -354,6 +354,10 @@ def test_finished_rows_are_padded_with_the_generation_configs_first_eos_as_model
     theirs = model.base_model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
     assert ours.sequences.tolist() == theirs.tolist()
     assert ours.sequences[0, -1].item() == late
+    from medusa_infer.decoding import eos_ids
+
+    base.eos_token_id = [late, late, early]  # each id once
+    assert eos_ids(model, None) == (late, early)
 
 
 def test_context_limit_is_a_clean_stop():

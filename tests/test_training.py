@@ -764,6 +764,28 @@ def test_a_resumed_run_logs_the_same_windows_as_an_uninterrupted_run(tiny_dir, t
         assert y["head_loss"] == pytest.approx(x["head_loss"], rel=1e-5)
 
 
+def test_a_log_window_an_earlier_release_checkpointed_is_resumed_without_its_head_loss_means(tiny_dir, tmp_path):
+    """Earlier releases kept per-step head_loss means in the checkpointed log window: resumed, they overwrote
+    the pooled head_loss of the window's line (divided by the steps before the checkpoint alone)."""
+    import train_heads
+
+    values = {"training": {"max_steps": 8, "save_every": 4, "seed": 3, "loss": "ce"}, "log": {"every": 3}}
+    killed = tmp_path / "killed"
+    killed_recipe = str(write_recipe(tmp_path / "b.yaml", recipe(tiny_dir, killed, **values)))
+    killed_at_step(6, killed_recipe, tmp_path)
+    window_file = tr.latest_checkpoint(killed / "checkpoints") / tr._window_file(0)
+    kept = torch.load(window_file, weights_only=True)
+    kept["sums"]["head_loss"] = torch.full_like(kept["sums"].pop("head_loss_sum"), 1e6)  # as they were kept
+    del kept["sums"]["head_loss_count"]
+    kept["measured"]["head_loss"] = kept["measured"].pop("head_loss_sum")
+    del kept["measured"]["head_loss_count"]
+    torch.save(kept, window_file)
+    train_heads.main(["--config", killed_recipe])
+    lines = train_log(killed)
+    assert [r["step"] for r in lines] == [3, 6, 8]
+    assert all(0 < loss < 100 for r in lines for loss in r["head_loss"])
+
+
 def test_kill_9_then_resume_a_medusa2_run_equals_uninterrupted_run(tiny_dir, tmp_path):
     """Medusa-2's steps draw random numbers (LoRA dropout), so its resume must restore the RNG states too:
     killed after the heads-only stage, the resumed run's heads, adapter and losses are the uninterrupted
@@ -1450,6 +1472,14 @@ def test_logs_to_jsonl_tensorboard_and_offline_wandb(tiny_dir, tmp_path, monkeyp
     assert [e.step for e in events.Scalars("loss")] == [1, 2, 3, 4]
     for k, record in enumerate(train_log(out)):
         assert [e.value for e in events.Scalars("head2_loss")][k] == pytest.approx(record["head_loss"][1])
+    # killed before its first checkpoint: the run starts again, and TensorBoard drops the killed one's steps
+    out = tmp_path / "early"
+    config_file = str(write_recipe(tmp_path / "early.yaml", {**values, "output_dir": str(out)}))
+    killed_at_step(1, config_file, tmp_path)
+    train_heads.main(["--config", config_file])
+    events = EventAccumulator(str(out / "logs" / "medusa-forge"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == [r["step"] for r in train_log(out)] == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("name, hub_id, recorded", [
