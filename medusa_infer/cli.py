@@ -159,8 +159,10 @@ def check_method_flags(parser: argparse.ArgumentParser, args: argparse.Namespace
     if args.lookup_tokens < 0:
         parser.error(f"--lookup-tokens must be >= 0 (0 turns the grafted lookup off), got {args.lookup_tokens}")
     if args.lookup_tokens and args.method != "medusa":
+        instead = ("use --draft-tokens" if args.method in ("draft", "layerskip", "lookup") else
+                   "drop --lookup-tokens, or use --method lookup (its drafts: --draft-tokens) or medusa")
         parser.error(f"--lookup-tokens grafts lookup onto the Medusa tree (--method medusa); with --method "
-                     f"{args.method} use --draft-tokens")
+                     f"{args.method} {instead}")
     if getattr(args, "datastore", True) is False and not (
             args.method == "lookup" or (args.method == "medusa" and args.lookup_tokens)):
         parser.error(f"--no-datastore keeps lookup drafts (--method lookup, or medusa with --lookup-tokens) off the "

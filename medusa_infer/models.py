@@ -464,12 +464,17 @@ def main(argv: list[str] | None = None) -> None:
         description="Download and convert a default model (or check a folder) and print its path.",
     )
     parser.add_argument(
-        "name", help=f"a default-model name ({', '.join(DEFAULT_MODELS)}), a folder or a Hub id"
+        "name", help=f"a default-model name ({', '.join(DEFAULT_MODELS)}) or a model folder (checked); a Hub "
+                     "model is downloaded by transformers on first use"
     )
     parser.add_argument(
         "--cache-dir", help=f"cache folder (default: ${CACHE_ENV} or {DEFAULT_CACHE})"
     )
     args = parser.parse_args(argv)
+    path = Path(args.name).expanduser()
+    if not path.is_dir() and (path.exists() or is_path_like(args.name)):  # resolve_model's advice names Hub ids
+        parser.error(f"{args.name!r} is not a model folder: pass a folder holding config.json and the weights, or "
+                     f"one of: {', '.join(DEFAULT_MODELS)}")
     try:
         # stdout holds the folder alone (scripts read it): what libraries print while converting goes to stderr
         with contextlib.redirect_stdout(sys.stderr):

@@ -127,7 +127,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     + ", ".join(Path(p).name for p in args.rows))
     path = store.save(heads / DATASTORE_NAME)
     note_datastore(heads, len(store), store.origin)
-    print(f"{path}: {len(store)} tokens from {len(examples)} conversations")
+    left_out = stats.left_out("--max-length", max_length)  # cut or dropped rows were not said
+    print(f"{path}: {len(store)} tokens from {len(examples)} conversations of {len(rows)} rows"
+          + (f" ({', '.join(left_out)})" if left_out else ""))
     return 0
 
 

@@ -925,6 +925,7 @@ def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | Non
     stages = [
         Stage("distill", str(rows_file), bool(d.tokenized) or (rows_file.is_file() and not distill_pending),
               "skipped: data.tokenized given" if d.tokenized else
+              "rows given (data.rows), read as they are" if not owns_rows(config) and rows_file.is_file() else
               f"{config.model.name} answers {answering}, <= {d.max_new_tokens} new tokens"),
         Stage("dataset", str(d.tokenized or paths.data), bool(d.tokenized) or (not distill_pending
                                                                              and _dataset_built(config)),

@@ -290,6 +290,8 @@ def test_heads_from_the_hub_name_their_base_model(model, tmp_path, monkeypatch):
          "--heads someone/tiny-heads is no local folder (a Hub repo?): add --calibrated-heads DIR"),
         (["--methods", "lookup", "--lookup-tokens", "0"], "--lookup-tokens must be at least 1, got 0"),
         (["--methods", "hf,ar", "--lookup-tokens", "6"], "--methods has none of them"),
+        (["--methods", "hf,ar", "--heads", "h", "--tree", "chain-2"], "--tree shapes the medusa methods' candidates, "
+                                                                      "and --methods has none of them"),
         (["--methods", "ar", "--limit", "0"], "--limit must be at least 1, got 0"),
         (["--methods", "ar", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1, got 0"),
         (["--methods", ""], "--methods is empty; choose from"),

@@ -30,7 +30,12 @@ def parse_error(capsys, argv: list[str]) -> str:
         (["--method", "lookup", "--lookup-min-ngram", "4", "hi"], "--lookup-min-ngram must lie in [1, --lookup-max"),
         (["--method", "draft", "--draft-model", "x", "--draft-schedule", "fast", "hi"], "invalid choice: 'fast'"),
         (["--method", "medusa", "hi"], "--method medusa needs --heads"),
-        (["--method", "lookup", "--lookup-tokens", "3", "hi"], "--lookup-tokens grafts lookup onto the Medusa"),
+        (["--method", "lookup", "--lookup-tokens", "3", "hi"], "--lookup-tokens grafts lookup onto the Medusa "
+                                                                "tree (--method medusa); with --method lookup use "
+                                                                "--draft-tokens"),
+        # autoregressive reads no --draft-tokens either: the advice led to a second refusal
+        (["--method", "autoregressive", "--lookup-tokens", "3", "hi"], "autoregressive drop --lookup-tokens, or use "
+                                                                        "--method lookup"),
         (["--heads", "h", "--lookup-tokens", "-1", "hi"], "--lookup-tokens must be >= 0"),
         (["--method", "lookup"], "give a prompt"),
         (["--temperature", "1.9", "--seed", "3", "hi"], "--temperature, --seed set the sampling, but without "

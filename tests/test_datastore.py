@@ -248,6 +248,11 @@ def test_the_builders_bad_inputs_are_usage_errors_and_it_loads_the_recipes_remot
     assert main(["--heads", str(tmp_path), "--rows", str(rows)]) == 0
     assert main(["--heads", str(tmp_path), "--rows", str(rows), "--no-trust-remote-code"]) == 0
     assert asked == [True, False]
+    # rows cut to --max-length are said (only a build left with none was)
+    rows.write_text(json.dumps({"prompt": "Name a colour.", "response": "Blue " * 100}) + "\n")
+    capsys.readouterr()
+    assert main(["--heads", str(tmp_path), "--rows", str(rows)]) == 0
+    assert "conversations of 1 rows (1 cut to --max-length=64 tokens)" in capsys.readouterr().out
 
 
 def test_gated_matches_choose_between_prompt_and_datastore():

@@ -374,8 +374,15 @@ def test_cli_refuses_what_it_does_not_fetch(tmp_path: Path, capsys: pytest.Captu
         models.main([str(heads)])
     assert caught.value.code == 1
     assert "is a Medusa heads folder (its config.json has no model_type), not a base model" in capsys.readouterr().err
-    models.main([str(write_tiny_model(tmp_path / "tiny"))])
+    tiny = write_tiny_model(tmp_path / "tiny")
+    capsys.readouterr()  # what saving it printed (DeepSpeed's first import says which accelerator it found)
+    models.main([str(tiny)])
     assert capsys.readouterr().out.strip() == str(tmp_path / "tiny")
+    with pytest.raises(SystemExit) as caught:  # its advice named a Hub id, which the command refuses next
+        models.main([str(tmp_path / "no-such-folder")])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert "is not a model folder: pass a folder holding config.json" in err and "Hub id" not in err
 
 
 # --- the real default models ------------------------------------------------------------------

@@ -217,6 +217,8 @@ def test_plan_counts_existing_data_and_features(tmp_path):
                                "training": {"batch_tokens": 100}})
     before = plan(config)
     assert before.examples == 50 and before.train_examples == 45 and before.stages[0].done
+    # given rows are read as they are: not the recipe's model answering with its token limit
+    assert before.stages[0].detail == "rows given (data.rows), read as they are"
     features = tmp_path / "run" / "features"
     (features / "abc").mkdir(parents=True)
     (features / "abc" / "manifest.json").write_text(json.dumps({"num_rows": 1000}))
