@@ -629,9 +629,16 @@ def warm_up(runner: Runner, methods: Sequence[str], questions: list[dict], batch
             max_new_tokens: int = 8) -> None:
     """Each method answers the first question's first turn once, ``batch_size`` times over, untimed,
     so that one-time costs (CUDA context, library handles, kernel loading, on a CPU the first pass
-    through each kernel and the packing of weights) do not land on the first method measured."""
+    through each kernel and the packing of weights) do not land on the first method measured. Every
+    packed copy the CPU kernels' plans name is made first (``pack_planned``): one short answer meets few
+    of the row counts the methods' trees and drafts give."""
+    from medusa_infer.cpu_kernels import pack_planned
+
     if not questions:
         return
+    for model in (runner.model, runner.assistant):
+        if model is not None:
+            pack_planned(model)
     batch = [[{"role": "user", "content": questions[0]["turns"][0]}]] * batch_size
     for method in methods:
         runner.run_batch(method, batch, max_new_tokens=max_new_tokens)
@@ -1080,6 +1087,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def _benchmark_questions(questions: Sequence[dict], args: argparse.Namespace, exclude: Sequence[Any],
+                         calibrated: bool) -> list[dict]:
+    """The questions to benchmark (``--limit`` of them, ``exclude`` left out); ``ValueError`` when none is left."""
+    picked = pick_questions(questions, args.limit, seed=args.seed, exclude_ids=exclude)
+    if not picked:
+        left_out = ("--exclude-ids and the calibration's questions" if calibrated and args.exclude_ids.strip() else
+                    "the calibration's questions" if calibrated else "--exclude-ids")
+        raise ValueError(f"no question of {args.questions} is left to benchmark after {left_out}; "
+                         "exclude fewer, or give more questions"
+                         + (" (or fewer --calibrate-questions)" if args.calibrate else ""))
+    return picked
+
+
 def run(args: argparse.Namespace, started: float) -> int:
     """Load the model and heads, calibrate if asked, benchmark and write the report."""
     questions = Path(args.questions)
@@ -1090,6 +1110,8 @@ def run(args: argparse.Namespace, started: float) -> int:
     from medusa_infer.model import MedusaModel, heads_folder
     from medusa_infer.models import load_base_model, load_tokenizer
 
+    # a regular file's questions are checked before any model loads (minutes for a 7B one); a pipe is read once
+    early = None if _is_pipe(args.questions) else read_questions(args.questions)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype)
     heads = None
@@ -1121,7 +1143,10 @@ def run(args: argparse.Namespace, started: float) -> int:
         exclude += calibrated_on
         print(f"leaving out the {len(calibrated_on)} questions of {Path(args.questions).name} these heads were "
               "calibrated on", file=sys.stderr)
-    all_questions = read_questions(args.questions)  # once: --questions may be a pipe
+    all_questions = early if early is not None else read_questions(args.questions)  # once: it may be a pipe
+    if not all_questions:
+        raise ValueError(f"{args.questions} holds no question; each line holds one: "
+                         '{"id": 1, "category": "writing", "turns": ["first turn", ...]}')
     if args.calibrate:
         calib_questions = pick_questions(all_questions, args.calibrate_questions, seed=args.seed + 1,
                                          exclude_ids=exclude)
@@ -1136,6 +1161,13 @@ def run(args: argparse.Namespace, started: float) -> int:
                 raise ValueError("no calibration question fits the model's context with --max-new-tokens "
                                  f"{args.max_new_tokens}: lower it or give shorter --questions")
             calib_questions = [q for q in calib_questions if q["id"] not in set(too_long)]
+        if not calib_questions:
+            raise ValueError(f"no question of {args.questions} is left to calibrate on after --exclude-ids"
+                             + (" and the questions these heads were calibrated on" if calibrated_on else "")
+                             + "; exclude fewer, or give more questions")
+        # checked before calibrating, which rewrites the heads' folder: a run left with nothing to benchmark
+        # had changed it (and a later run left the same questions out, failing again)
+        _benchmark_questions(all_questions, args, exclude + [q["id"] for q in calib_questions], calibrated=True)
         result = calibrate(model, calib_questions, args)
         result["question_ids"] = [q["id"] for q in calib_questions]  # left out of the benchmark
         # the weights as stored (the model computes with them converted to --dtype, rounded in bfloat16)
@@ -1145,11 +1177,7 @@ def run(args: argparse.Namespace, started: float) -> int:
         print(f"calibrated: tree of {result['tree_nodes']} nodes, expected tau {result['expected_tau']:.2f}, "
               f"expected speedup {result['expected_speedup']:.2f}x; saved into {saved}", file=sys.stderr)
         exclude += [q["id"] for q in calib_questions]
-    questions = pick_questions(all_questions, args.limit, seed=args.seed, exclude_ids=exclude)
-    if not questions:
-        left_out = "--exclude-ids" + (" and the calibration's questions" if args.calibrate or calibrated_on else "")
-        raise ValueError(f"no question of {args.questions} is left to benchmark after {left_out}; "
-                         "exclude fewer, or give more questions")
+    questions = _benchmark_questions(all_questions, args, exclude, bool(args.calibrate or calibrated_on))
     report = benchmark(model, questions, args, started=started)
     (output / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     markdown = report_markdown(report)

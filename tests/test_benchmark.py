@@ -370,6 +370,35 @@ def test_no_question_left_to_benchmark_is_an_error_not_an_empty_report(model, tm
     assert code == 0 and (tmp_path / "out" / "report.json").exists()
 
 
+def test_questions_and_calibration_are_checked_before_the_work_they_would_waste(model, tmp_path, monkeypatch,
+                                                                               capsys):
+    """--calibrate taking every question rewrote the heads' folder, then stopped with nothing to benchmark; an
+    empty file was blamed on --exclude-ids, no calibration question on --max-new-tokens; a bad row was named
+    only after the model loaded (minutes for a 7B one)."""
+    import medusa_infer.models as models
+
+    heads, questions = cli_files(model, tmp_path, monkeypatch)
+    before = {p.name: p.read_bytes() for p in heads.iterdir()}
+    out = tmp_path / "out"
+    base = ["--heads", str(heads), "--methods", "ar,medusa", "--max-new-tokens", "2", "--output", str(out)]
+    for extra, says in ((["--calibrate", "--calibrate-questions", "5"],
+                         "is left to benchmark after the calibration's questions; exclude fewer, or give more "
+                         "questions (or fewer --calibrate-questions)"),
+                        (["--calibrate", "--exclude-ids", "1,2,3,4,5"], "is left to calibrate on after --exclude-ids")):
+        assert main([*base, "--questions", str(questions), *extra]) == 2
+        assert says in capsys.readouterr().err
+        assert {p.name: p.read_bytes() for p in heads.iterdir()} == before
+        assert not (out / "calibration.json").exists()
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    assert main([*base, "--questions", str(empty)]) == 2
+    assert "empty.jsonl holds no question" in capsys.readouterr().err
+    monkeypatch.setattr(models, "load_base_model", lambda name, **kw: pytest.fail("loaded before the rows were read"))
+    empty.write_text('{"id": 1}\n')
+    assert main([*base, "--questions", str(empty)]) == 2
+    assert "empty.jsonl:1: " in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("given, expected", [(None, {"hf-lookup": 10, "lookup": 4, "medusa-lookup": 4}),
                                              (7, {"hf-lookup": 7, "lookup": 7, "medusa-lookup": 7})])
 def test_lookup_tokens_sets_every_lookup_method(model, monkeypatch, given, expected):
@@ -464,8 +493,13 @@ def test_warm_up_runs_each_method_once_at_the_batch_size(model, monkeypatch):
     calls = []
     monkeypatch.setattr(bench.Runner, "run_batch", lambda self, method, chats, max_new_tokens=None:
                         calls.append((method, len(chats), max_new_tokens)))
+    import medusa_infer.cpu_kernels as cpu_kernels
+
+    packed = []
+    monkeypatch.setattr(cpu_kernels, "pack_planned", lambda m: packed.append(m) or 0)
     bench.warm_up(bench.Runner(model, args()), ["hf", "medusa"], QUESTIONS, 3)
     assert calls == [("hf", 3, 8), ("medusa", 3, 8)]
+    assert packed == [model]  # every packed copy first: one short answer meets few of the methods' row counts
 
 
 @pytest.mark.parametrize("method", ["hf-lookup", "hf-assisted"])

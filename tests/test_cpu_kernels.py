@@ -18,6 +18,7 @@ from medusa_infer.cpu_kernels import (
     kernel_plans,
     match_kernels,
     linear_kernels,
+    pack_planned,
     machine_key,
     measure_kernel_plan,
     mkl_packed_works,
@@ -108,6 +109,27 @@ def test_the_packed_copy_follows_the_weight():
         torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias))
         layer.weight = nn.Parameter(torch.randn(8, 16))  # another tensor
         torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias))
+
+
+def test_every_kernel_a_plan_names_can_be_packed_before_the_first_product():
+    """A layer packed its weight the first time a product of a row count its plan gives a packed kernel came:
+    in a benchmark, inside whichever method met that count first. pack_planned makes them all at once."""
+    kernels = ("onednn", "mkl-packed") if mkl_packed_available() else ("onednn",)
+    torch.manual_seed(0)
+    layers = nn.Sequential(switched(nn.Linear(16, 8), KernelPlan((1, 4)[:len(kernels)], kernels, ())),
+                           switched(nn.Linear(8, 8), KernelPlan.uniform("onednn")), nn.Linear(8, 4))
+    assert pack_planned(layers) == len(kernels) + 1
+    made = {k: v[2] for k, v in layers[0]._kernel_cache.items()}
+    assert set(made) == set(kernels)
+    assert pack_planned(layers) == 0  # made once
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        for rows in (1, 5):
+            torch.testing.assert_close(layers(x[:rows]), nn.functional.linear(nn.functional.linear(
+                nn.functional.linear(x[:rows], layers[0].weight, layers[0].bias), layers[1].weight, layers[1].bias),
+                layers[2].weight, layers[2].bias))
+    assert all(layers[0]._kernel_cache[k][2] is made[k] for k in kernels)  # the products took the copies made
+    assert pack_planned(nn.Sequential(switched(nn.Linear(16, 8), KernelPlan.uniform("onednn")).to(torch.bfloat16))) == 0
 
 
 @pytest.mark.parametrize("kernel", ["onednn", "mkl-packed"])
