@@ -262,8 +262,7 @@ def pack_planned(model: nn.Module) -> int:
                 if kernel == "mkl-packed" and _MKL is None:
                     continue
                 before = cache.get(kernel)
-                packed_weight(weight, kernel, cache)
-                made += cache.get(kernel) is not before
+                made += packed_weight(weight, kernel, cache) is not None and cache.get(kernel) is not before
     return made
 
 

@@ -471,20 +471,16 @@ def main(argv: list[str] | None = None) -> None:
         "--cache-dir", help=f"cache folder (default: ${CACHE_ENV} or {DEFAULT_CACHE})"
     )
     args = parser.parse_args(argv)
-    path = Path(args.name).expanduser()
-    if not path.is_dir() and (path.exists() or is_path_like(args.name)):  # resolve_model's advice names Hub ids
-        parser.error(f"{args.name!r} is not a model folder: pass a folder holding config.json and the weights, or "
-                     f"one of: {', '.join(DEFAULT_MODELS)}")
+    if not Path(args.name).expanduser().is_dir() and not names_default_model(args.name):
+        # a Hub id, a misspelt name or a missing folder (resolve_model's advice names Hub ids, which this refuses)
+        parser.exit(1, f"medusa-fetch-model: error: {args.name!r} is neither a default model "
+                       f"({', '.join(DEFAULT_MODELS)}) nor a folder here: medusa-fetch-model fetches the default "
+                       "models and checks model folders (one holding config.json and the weights); transformers "
+                       f"downloads a Hub model on first use (or fetch it with `hf download {args.name}`)\n")
     try:
         # stdout holds the folder alone (scripts read it): what libraries print while converting goes to stderr
         with contextlib.redirect_stdout(sys.stderr):
             folder = resolve_model(args.name, cache_dir=args.cache_dir)
-        if not Path(folder).is_dir():
-            raise ValueError(
-                f"{args.name!r} is a Hub id: medusa-fetch-model fetches the default models "
-                f"({', '.join(DEFAULT_MODELS)}) and checks local model folders; transformers downloads a Hub "
-                f"model on first use (or fetch it with `hf download {args.name}`)"
-            )
         if Path(args.name).expanduser().is_dir():  # the user's folder, not one built here
             check_model_folder(Path(folder))
         print(folder)

@@ -629,14 +629,15 @@ def warm_up(runner: Runner, methods: Sequence[str], questions: list[dict], batch
             max_new_tokens: int = 8) -> None:
     """Each method answers the first question's first turn once, ``batch_size`` times over, untimed,
     so that one-time costs (CUDA context, library handles, kernel loading, on a CPU the first pass
-    through each kernel and the packing of weights) do not land on the first method measured. Every
-    packed copy the CPU kernels' plans name is made first (``pack_planned``): one short answer meets few
-    of the row counts the methods' trees and drafts give."""
+    through each kernel and the packing of weights) do not land on the first method measured. Where a
+    method speculates, every packed copy the CPU kernels' plans name is made first (``pack_planned``): one
+    short answer meets few of the row counts its trees and drafts give, and over a run they meet nearly
+    all (hf and ar alone meet one row a step and the prompts, which the warm-up meets too)."""
     from medusa_infer.cpu_kernels import pack_planned
 
     if not questions:
         return
-    for model in (runner.model, runner.assistant):
+    for model in (runner.model, runner.assistant) if set(methods) - {"hf", "ar"} else ():
         if model is not None:
             pack_planned(model)
     batch = [[{"role": "user", "content": questions[0]["turns"][0]}]] * batch_size
@@ -1162,9 +1163,8 @@ def run(args: argparse.Namespace, started: float) -> int:
                                  f"{args.max_new_tokens}: lower it or give shorter --questions")
             calib_questions = [q for q in calib_questions if q["id"] not in set(too_long)]
         if not calib_questions:
-            raise ValueError(f"no question of {args.questions} is left to calibrate on after --exclude-ids"
-                             + (" and the questions these heads were calibrated on" if calibrated_on else "")
-                             + "; exclude fewer, or give more questions")
+            raise ValueError(f"no question of {args.questions} is left to calibrate on after --exclude-ids; "
+                             "exclude fewer, or give more questions")
         # checked before calibrating, which rewrites the heads' folder: a run left with nothing to benchmark
         # had changed it (and a later run left the same questions out, failing again)
         _benchmark_questions(all_questions, args, exclude + [q["id"] for q in calib_questions], calibrated=True)

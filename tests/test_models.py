@@ -332,7 +332,7 @@ def test_cli_prints_the_folder(
     assert "saved tiny-test" in captured.err
 
 
-def test_cli_keeps_what_libraries_print_while_converting_off_stdout(tmp_path, capsys, monkeypatch):
+def test_cli_keeps_what_libraries_print_while_converting_off_stdout(tmp_path, capsys, monkeypatch, tiny_registry):
     """DeepSpeed, imported by save_pretrained on the first conversion, printed a warning line to stdout
     before the folder: `$(medusa-fetch-model NAME)` was no path."""
     folder = write_tiny_model(tmp_path / "tiny")
@@ -352,7 +352,7 @@ def test_cli_reports_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str], 
     with pytest.raises(SystemExit) as caught:
         models.main(["no-such-model"])
     assert caught.value.code == 1
-    assert "Unknown model name 'no-such-model'" in capsys.readouterr().err
+    assert "'no-such-model' is neither a default model (" in capsys.readouterr().err
     (tmp_path / "file").write_text("")  # a cache folder it cannot make: said, not a traceback
     with pytest.raises(SystemExit) as caught:
         models.main([TINY_NAME, "--cache-dir", str(tmp_path / "file" / "cache")])
@@ -360,13 +360,15 @@ def test_cli_reports_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str], 
     assert capsys.readouterr().err.startswith("medusa-fetch-model: error:")
 
 
-def test_cli_refuses_what_it_does_not_fetch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_refuses_what_it_does_not_fetch(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """A Hub id is not fetched and a heads folder is not a model: neither may exit 0 as if it were."""
     with pytest.raises(SystemExit) as caught:
         models.main(["some-org/some-model"])
     assert caught.value.code == 1
     err = capsys.readouterr().err
-    assert "'some-org/some-model' is a Hub id" in err and "smollm2-135m-instruct" in err
+    assert "'some-org/some-model' is neither a default model (" in err and "smollm2-135m-instruct" in err
+    assert "hf download some-org/some-model" in err
     heads = tmp_path / "heads"
     heads.mkdir()
     (heads / "config.json").write_text(json.dumps({"num_heads": 4, "base_model_name_or_path": "x"}))
@@ -378,11 +380,17 @@ def test_cli_refuses_what_it_does_not_fetch(tmp_path: Path, capsys: pytest.Captu
     capsys.readouterr()  # what saving it printed (DeepSpeed's first import says which accelerator it found)
     models.main([str(tiny)])
     assert capsys.readouterr().out.strip() == str(tmp_path / "tiny")
-    with pytest.raises(SystemExit) as caught:  # its advice named a Hub id, which the command refuses next
-        models.main([str(tmp_path / "no-such-folder")])
-    assert caught.value.code == 2
-    err = capsys.readouterr().err
-    assert "is not a model folder: pass a folder holding config.json" in err and "Hub id" not in err
+    for name in (str(tmp_path / "no-such-folder"), "no-such-model"):  # their advice named a Hub id, refused next
+        with pytest.raises(SystemExit) as caught:
+            models.main([name])
+        assert caught.value.code == 1
+        err = capsys.readouterr().err
+        assert "is neither a default model" in err and "Hub id" not in err
+    (tmp_path / "smollm2-135m-instruct").write_text("")  # a file does not hide the default model's name
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(models, "resolve_model", lambda name, cache_dir=None: str(tmp_path / "cached"))
+    models.main(["smollm2-135m-instruct"])
+    assert capsys.readouterr().out.strip() == str(tmp_path / "cached")
 
 
 # --- the real default models ------------------------------------------------------------------
