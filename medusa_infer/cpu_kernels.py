@@ -287,7 +287,8 @@ def mkl_packed_works(weight: torch.Tensor, bias: torch.Tensor | None = None) -> 
     this shape for each row count of ``CHECK_ROWS`` (every one to 16, then up to
     ``MKL_PACKED_MAX_ROWS``): MKL documents a packed weight for the row count it was packed for,
     and this module packs once for all of them. Checked once per shape in a process (the first
-    weight's values stand for the shape's); ``"mkl-packed"`` takes ``F.linear`` for a shape that
+    weight's values stand for the shape's), and not at all for a shape whose plan, read from the plan cache
+    of this machine and PyTorch, takes it (measuring checked it: ``use_cpu_kernels``); ``"mkl-packed"`` takes ``F.linear`` for a shape that
     fails. (Every count from 1 to 100 agreed on SmolLM2-135M's five weight shapes; checking them
     all took 3.5 s for its ``lm_head``.)"""
     if _MKL is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
@@ -397,7 +398,12 @@ def use_cpu_kernels(model: nn.Module, plan: KernelPlan | str = "tuned", plan_cac
     for shape, members in groups.items():
         if plan == "tuned":  # the layers timed (up to MEASURE_BYTES) decide whether reads come from memory
             key = f"{machine_key()}|{shape}|layers={len(members)}"
-            chosen = cached.get(key) or measured.setdefault(key, measure_kernel_plan(members))
+            found = cached.get(key)
+            chosen = found or measured.setdefault(key, measure_kernel_plan(members))
+            if found is not None and "mkl-packed" in found.kernels:
+                # measured on this machine and PyTorch, where MKL's packed kernel competes only for a shape
+                # mkl_packed_works passes: not checked again (16 s for Gemma-3's lm_head, in every process)
+                _MKL_CHECKED.setdefault((tuple(members[0].weight.shape), torch.float32), True)
         else:
             chosen = KernelPlan.uniform("onednn") if plan == "onednn" else plan
         for module in members:

@@ -290,6 +290,29 @@ def test_measured_plans_are_kept_for_later_loads_on_the_same_machine(tmp_path, m
     assert not list(cache.parent.glob(".*.tmp"))
 
 
+def test_a_cached_plan_with_mkls_packed_kernel_is_not_checked_again(tmp_path, monkeypatch):
+    """MKL's packed kernel competes only for a shape mkl_packed_works passes: a plan measured on this machine
+    that took it was checked there. A later process checked it again at its first product (16 s for
+    Gemma-3's 262144 x 640 lm_head, in every run of medusa-generate)."""
+    import medusa_infer.cpu_kernels as ck
+
+    if not mkl_packed_available():
+        pytest.skip("MKL's packed GEMM is not in this PyTorch build")
+    cache = tmp_path / "plans.json"
+    model = tiny_model("llama")
+    shapes = Counter("x".join(map(str, m.weight.shape)) for m in model.modules() if isinstance(m, nn.Linear))
+    plan = KernelPlan((1,), ("mkl-packed",), ({"mkl-packed": 0.001, "default": 0.002},))
+    write_plan_cache(cache, {f"{machine_key()}|{shape}|layers={n}": plan for shape, n in shapes.items()})
+    monkeypatch.setattr(ck, "_MKL_CHECKED", {})
+    monkeypatch.setattr(ck, "_check_mkl_packed", lambda *a: pytest.fail("checked again"))
+    monkeypatch.setattr(ck, "measure_kernel_plan", lambda *a, **k: pytest.fail("measured again"))
+    use_cpu_kernels(model, plan_cache=cache)
+    plain = copy.deepcopy(model)
+    restore_linear(plain)
+    with torch.no_grad():
+        torch.testing.assert_close(model(torch.arange(3, 9)[None]).logits, plain(torch.arange(3, 9)[None]).logits)
+
+
 def test_switch_keeps_parameters_ties_and_state_dict_and_can_be_undone():
     model = tiny_model("llama")
     before = {k: v.data_ptr() for k, v in model.state_dict().items()}
