@@ -55,12 +55,19 @@ __all__ = [
 ]
 
 
+MAX_TREE_NODES = 4096
+"""The most nodes a tree may have: its attention mask is nodes x nodes (a 111,111-node tree, every path of
+5 heads at top_k 10, took 12 GB and 30 s to build before any forward); trees that pay for themselves
+have tens to hundreds."""
+
+
 def validate_tree(paths: Iterable[Sequence[int]], num_heads: int, top_k: int) -> list[Path]:
     """Check a tree and return it normalised: tuples, duplicates dropped, sorted by (len, path).
 
     Raises ``ValueError`` naming the bad path when a path is empty, deeper than
     ``num_heads``, holds a rank that is not an integer in ``[0, top_k)``, or when a
-    path's parent (the path minus its last rank) is missing from the tree.
+    path's parent (the path minus its last rank) is missing from the tree; and when the tree has
+    more than ``MAX_TREE_NODES`` nodes.
     """
     _check_sizes(num_heads, top_k)
     if isinstance(paths, str):
@@ -81,6 +88,9 @@ def validate_tree(paths: Iterable[Sequence[int]], num_heads: int, top_k: int) ->
         normalised.add(path)
     if not normalised:
         raise ValueError("tree has no paths; give at least one, e.g. [(0,)]")
+    if len(normalised) > MAX_TREE_NODES:
+        raise ValueError(f"the tree has {len(normalised)} nodes, more than MAX_TREE_NODES={MAX_TREE_NODES} (its "
+                         "attention mask is nodes x nodes); give a smaller tree")
     for path in normalised:
         if len(path) > 1 and path[:-1] not in normalised:
             raise ValueError(f"path {path} has no parent {path[:-1]} in the tree; "
@@ -236,13 +246,14 @@ def expansion_plan(buffers: TreeBuffers, top_k: int | None = None) -> list[Expan
         if not paths:
             break  # a node's parent is one of the heads' nodes too, so nothing deeper follows
         parents = list(dict.fromkeys(p[:-1] for p in paths))
+        slot_of = {parent: i for i, parent in enumerate(parents)}
         levels.append(ExpansionLevel(
             depth=depth,
             parents=torch.tensor([node_of.get(p, 0) for p in parents], dtype=torch.long),
             ancestors=torch.tensor([[node_of[p[:j]] for j in range(1, depth)] for p in parents],
                                    dtype=torch.long).view(len(parents), depth - 1),
             nodes=torch.tensor([node_of[p] for p in paths], dtype=torch.long),
-            slot=torch.tensor([parents.index(p[:-1]) for p in paths], dtype=torch.long),
+            slot=torch.tensor([slot_of[p[:-1]] for p in paths], dtype=torch.long),
             ranks=torch.tensor([p[-1] for p in paths], dtype=torch.long),
             top_k=max(p[-1] for p in paths) + 1,
         ))
