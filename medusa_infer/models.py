@@ -471,12 +471,17 @@ def main(argv: list[str] | None = None) -> None:
         "--cache-dir", help=f"cache folder (default: ${CACHE_ENV} or {DEFAULT_CACHE})"
     )
     args = parser.parse_args(argv)
-    if not Path(args.name).expanduser().is_dir() and not names_default_model(args.name):
+    path = Path(args.name).expanduser()
+    if not path.is_dir() and not names_default_model(args.name):
         # a Hub id, a misspelt name or a missing folder (resolve_model's advice names Hub ids, which this refuses)
-        parser.exit(1, f"medusa-fetch-model: error: {args.name!r} is neither a default model "
-                       f"({', '.join(DEFAULT_MODELS)}) nor a folder here: medusa-fetch-model fetches the default "
-                       "models and checks model folders (one holding config.json and the weights); transformers "
-                       f"downloads a Hub model on first use (or fetch it with `hf download {args.name}`)\n")
+        local = path.exists() or is_path_like(args.name)  # a file, or a path that cannot be a Hub id
+        what = ("is no folder" if path.exists() else "names no folder" if local else
+                "is neither a default model nor a folder here")
+        hub = "" if local else (f"; transformers downloads a Hub model on first use (or fetch it with "
+                                f"`hf download {args.name}`)")
+        parser.exit(1, f"medusa-fetch-model: error: {args.name!r} {what}: medusa-fetch-model fetches the default "
+                       f"models ({', '.join(DEFAULT_MODELS)}) and checks model folders (one holding config.json "
+                       f"and the weights){hub}\n")
     try:
         # stdout holds the folder alone (scripts read it): what libraries print while converting goes to stderr
         with contextlib.redirect_stdout(sys.stderr):

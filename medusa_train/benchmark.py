@@ -629,15 +629,15 @@ def warm_up(runner: Runner, methods: Sequence[str], questions: list[dict], batch
             max_new_tokens: int = 8) -> None:
     """Each method answers the first question's first turn once, ``batch_size`` times over, untimed,
     so that one-time costs (CUDA context, library handles, kernel loading, on a CPU the first pass
-    through each kernel and the packing of weights) do not land on the first method measured. Where a
-    method speculates, every packed copy the CPU kernels' plans name is made first (``pack_planned``): one
-    short answer meets few of the row counts its trees and drafts give, and over a run they meet nearly
-    all (hf and ar alone meet one row a step and the prompts, which the warm-up meets too)."""
+    through each kernel and the packing of weights) do not land on the first method measured. Every
+    packed copy the CPU kernels' plans name is made first (``pack_planned``): one short answer meets few
+    of the row counts the methods' trees, drafts and other prompts give, and over a run they meet nearly
+    all (a plan's kernel that no product of the run takes costs a copy of its weights all the same)."""
     from medusa_infer.cpu_kernels import pack_planned
 
     if not questions:
         return
-    for model in (runner.model, runner.assistant) if set(methods) - {"hf", "ar"} else ():
+    for model in (runner.model, runner.assistant):
         if model is not None:
             pack_planned(model)
     batch = [[{"role": "user", "content": questions[0]["turns"][0]}]] * batch_size

@@ -352,7 +352,7 @@ def test_cli_reports_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str], 
     with pytest.raises(SystemExit) as caught:
         models.main(["no-such-model"])
     assert caught.value.code == 1
-    assert "'no-such-model' is neither a default model (" in capsys.readouterr().err
+    assert "'no-such-model' is neither a default model nor a folder here" in capsys.readouterr().err
     (tmp_path / "file").write_text("")  # a cache folder it cannot make: said, not a traceback
     with pytest.raises(SystemExit) as caught:
         models.main([TINY_NAME, "--cache-dir", str(tmp_path / "file" / "cache")])
@@ -367,7 +367,7 @@ def test_cli_refuses_what_it_does_not_fetch(tmp_path: Path, capsys: pytest.Captu
         models.main(["some-org/some-model"])
     assert caught.value.code == 1
     err = capsys.readouterr().err
-    assert "'some-org/some-model' is neither a default model (" in err and "smollm2-135m-instruct" in err
+    assert "'some-org/some-model' is neither a default model" in err and "smollm2-135m-instruct" in err
     assert "hf download some-org/some-model" in err
     heads = tmp_path / "heads"
     heads.mkdir()
@@ -380,12 +380,15 @@ def test_cli_refuses_what_it_does_not_fetch(tmp_path: Path, capsys: pytest.Captu
     capsys.readouterr()  # what saving it printed (DeepSpeed's first import says which accelerator it found)
     models.main([str(tiny)])
     assert capsys.readouterr().out.strip() == str(tmp_path / "tiny")
-    for name in (str(tmp_path / "no-such-folder"), "no-such-model"):  # their advice named a Hub id, refused next
-        with pytest.raises(SystemExit) as caught:
+    (tmp_path / "a-file").write_text("")
+    for name, says in ((str(tmp_path / "no-such-folder"), "names no folder"), (str(tmp_path / "a-file"), "is no folder"),
+                       ("no-such-model", "is neither a default model nor a folder here")):
+        with pytest.raises(SystemExit) as caught:  # their advice named Hub ids, which it refuses next
             models.main([name])
         assert caught.value.code == 1
         err = capsys.readouterr().err
-        assert "is neither a default model" in err and "Hub id" not in err
+        assert f"{name!r} {says}: medusa-fetch-model fetches the default models" in err
+        assert ("hf download" in err) == (name == "no-such-model")
     (tmp_path / "smollm2-135m-instruct").write_text("")  # a file does not hide the default model's name
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(models, "resolve_model", lambda name, cache_dir=None: str(tmp_path / "cached"))
