@@ -815,8 +815,8 @@ def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> Generati
         seed: seed for sampling (with ``do_sample=False`` a ``ValueError``, as is any sampling
             setting: nothing given is silently ignored). A row's sample depends on the seed, on the
             batch it is drawn in and on ``max_new_tokens`` (the last steps' trees are cut to the tokens
-            left, which changes the random numbers a step draws: another limit gives another text, not
-            a prefix of it).
+            left, which changes the random numbers a step draws: a lower limit's text agrees with the
+            longer one up to its last few tokens, and is in general not a prefix of it).
         streamer: an object with ``put(token_ids)`` / ``end()`` (e.g. transformers'
             ``TextStreamer``); batch size 1. The prompt is put first, as transformers does.
 

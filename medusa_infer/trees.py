@@ -56,9 +56,9 @@ __all__ = [
 
 
 MAX_TREE_NODES = 4096
-"""The most nodes a tree may have: its attention mask is nodes x nodes (a 111,111-node tree, every path of
-5 heads at top_k 10, took 12 GB and 30 s to build before any forward); trees that pay for themselves
-have tens to hundreds."""
+"""The most paths (nodes besides the root) a tree may have: its attention mask is (paths + 1)^2 (every
+path of 5 heads at top_k 10, 111,110 of them, took 12 GB and 30 s to build before any forward); trees
+that pay for themselves have tens to hundreds."""
 
 
 def validate_tree(paths: Iterable[Sequence[int]], num_heads: int, top_k: int) -> list[Path]:
@@ -67,7 +67,7 @@ def validate_tree(paths: Iterable[Sequence[int]], num_heads: int, top_k: int) ->
     Raises ``ValueError`` naming the bad path when a path is empty, deeper than
     ``num_heads``, holds a rank that is not an integer in ``[0, top_k)``, or when a
     path's parent (the path minus its last rank) is missing from the tree; and when the tree has
-    more than ``MAX_TREE_NODES`` nodes.
+    more than ``MAX_TREE_NODES`` paths.
     """
     _check_sizes(num_heads, top_k)
     if isinstance(paths, str):
@@ -89,8 +89,8 @@ def validate_tree(paths: Iterable[Sequence[int]], num_heads: int, top_k: int) ->
     if not normalised:
         raise ValueError("tree has no paths; give at least one, e.g. [(0,)]")
     if len(normalised) > MAX_TREE_NODES:
-        raise ValueError(f"the tree has {len(normalised)} nodes, more than MAX_TREE_NODES={MAX_TREE_NODES} (its "
-                         "attention mask is nodes x nodes); give a smaller tree")
+        raise ValueError(f"the tree has {len(normalised)} paths, more than MAX_TREE_NODES={MAX_TREE_NODES} (its "
+                         "attention mask is (paths + 1)^2); give a smaller tree")
     for path in normalised:
         if len(path) > 1 and path[:-1] not in normalised:
             raise ValueError(f"path {path} has no parent {path[:-1]} in the tree; "

@@ -141,14 +141,14 @@ def test_validation_errors(paths, message):
 
 
 def test_a_tree_too_large_for_its_mask_is_refused_by_its_size():
-    """Every path of 4 heads at top_k 10 is 11,110 nodes: its nodes x nodes mask (12 GB and 30 s at 5 heads)
+    """Every path of 4 heads at top_k 10 is 11,110 paths: its (paths + 1)^2 mask (12 GB and 30 s at 5 heads)
     was built without a word."""
     import itertools
 
     from medusa_infer.trees import MAX_TREE_NODES
 
     paths = [p for depth in range(1, 5) for p in itertools.product(range(10), repeat=depth)]
-    with pytest.raises(ValueError, match=f"the tree has 11110 nodes, more than MAX_TREE_NODES={MAX_TREE_NODES}"):
+    with pytest.raises(ValueError, match=f"the tree has 11110 paths, more than MAX_TREE_NODES={MAX_TREE_NODES}"):
         validate_tree(paths, num_heads=4, top_k=10)
     assert len(validate_tree(paths[:MAX_TREE_NODES], num_heads=4, top_k=10)) == MAX_TREE_NODES
 
