@@ -763,12 +763,11 @@ class MetricLogger:
                 for key, value in items:
                     name = f"{section}.{key}" if key else section
                     flat[name] = value if isinstance(value, (int, float, str, bool)) else str(value)
-            init_kwargs: dict[str, dict[str, Any]] = {"wandb": {"dir": str(paths.logs),
-                                                                "name": Path(config.output_dir).name}}
-            # hide what a killed run logged after its checkpoint, or before its first (TensorBoard read it twice)
-            init_kwargs["tensorboard"] = {"purge_step": resume_step + 1}
             accelerator.init_trackers(  # TensorBoard writes into logs/<wandb_project>/
-                config.log.wandb_project, config=flat, init_kwargs=init_kwargs,
+                config.log.wandb_project, config=flat,
+                init_kwargs={"wandb": {"dir": str(paths.logs), "name": Path(config.output_dir).name},
+                             # what a killed run logged after its checkpoint, or before its first: read twice
+                             "tensorboard": {"purge_step": resume_step + 1}},
             )
 
     def log(self, record: dict[str, Any], bar: Any) -> None:
