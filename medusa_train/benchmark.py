@@ -798,7 +798,11 @@ def stored_heads_state(model, heads: str | Path) -> dict[str, torch.Tensor]:
     """The heads' weights as ``heads`` (a folder, ours or the FasterDecoding layout) stores them, in
     our naming: what a calibration saves, not the weights rounded to the model's ``--dtype``."""
     if is_medusa_layout(heads):
-        return read_medusa_layout(heads, hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size)[1]
+        # with the base's lm_head, as from_pretrained read them: a version-1 export's copies of it are shared
+        # heads again (read without it, they were heads of their own, which the loaded config refused)
+        lm_head = model.base_model.get_output_embeddings()
+        return read_medusa_layout(heads, hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size,
+                                  lm_head_weight=lm_head.weight, lm_head_bias=getattr(lm_head, "bias", None))[1]
     return load_heads_state(heads)[1]
 
 

@@ -99,8 +99,10 @@ class DistillConfig:
         max_new_tokens, do_sample, temperature, top_p, seed: generation settings; ``seed`` also
             drives prompt sampling. Greedy rows do not depend on batching (float32); sampled rows
             are reproducible for the same batches (each batch is seeded from ``seed`` and its
-            ids), so a resumed run, which re-batches what is left, draws other samples; an
-            endpoint gets a seed of each prompt's own, from ``seed`` and its id.
+            ids): a run resumed after a kill between batches draws the same samples as an
+            uninterrupted one, and other samples only after a kill within a batch, or with another
+            number of processes or ``n``; an endpoint gets a seed of each prompt's own, from
+            ``seed`` and its id.
         batch_size: prompts per ``generate`` call (local) or rows per sync (openai).
         format: ``"jsonl"``, or ``"arrow"`` to also save a ``datasets`` folder
             (``arrow_path(output)``) once the JSONL is complete.
@@ -602,7 +604,10 @@ def save_arrow(rows: Sequence[dict[str, Any]], folder: Path) -> Path:
 
     work = folder.with_name(folder.name + ".partial")
     shutil.rmtree(work, ignore_errors=True)
-    Dataset.from_list(list(rows)).save_to_disk(str(work))
+    # every key any row has (from_list takes the first row's: an endpoint's served_model, on the rows whose
+    # reply named another model only, was dropped from them all), None where a row lacks it
+    keys = list(dict.fromkeys(key for row in rows for key in row))
+    Dataset.from_list([{key: row.get(key) for key in keys} for row in rows]).save_to_disk(str(work))
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(work, folder)
     logger.info("saved %d rows as a datasets folder: %s", len(rows), folder)

@@ -625,6 +625,14 @@ def test_calibrating_faster_decoding_heads_leaves_their_folder_to_other_engines(
     assert main(common + ["--calibrated-heads", str(tmp_path / "calibrated"), "--output", str(tmp_path / "b")]) == 0
     assert {path.name: path.read_bytes() for path in fd.iterdir()} == before
     assert "cost_profile" in json.loads((tmp_path / "calibrated" / "config.json").read_text())
+    # TensorRT-LLM's version 1 writes shared heads' projection as copies of the lm_head: loaded as shared heads
+    # again, and stored as such (read without the lm_head, the stored ones had projections of their own, which
+    # the save refused after the whole calibration)
+    assert model.config.projection == "shared"
+    fd1 = model.export_medusa_layout(tmp_path / "fd1", version="1")
+    common[1] = str(fd1)
+    assert main(common + ["--calibrated-heads", str(tmp_path / "calibrated1"), "--output", str(tmp_path / "c")]) == 0
+    assert json.loads((tmp_path / "calibrated1" / "config.json").read_text())["projection"] == "shared"
 
 
 def test_the_hf_baseline_decodes_plain_greedy_whatever_the_models_generation_config(model):

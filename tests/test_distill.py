@@ -282,6 +282,19 @@ def test_an_output_name_with_glob_characters_merges_its_shards(tmp_path, model_d
     assert read_rows(output) == reference_rows and not shard_path(output, 0).exists()
 
 
+def test_the_arrow_copy_keeps_a_key_the_first_row_lacks(tmp_path):
+    """An endpoint's served_model is kept on the rows whose reply named another model only: the datasets
+    folder took its columns from the first row and dropped it from every row."""
+    from datasets import load_from_disk
+
+    from medusa_train.distill import save_arrow
+
+    rows = [{"id": "0", "response": "a"}, {"id": "1", "response": "b", "served_model": "other"}]
+    saved = load_from_disk(str(save_arrow(rows, tmp_path / "rows.arrow")))
+    assert saved.to_list() == [{"id": "0", "response": "a", "served_model": None},
+                               {"id": "1", "response": "b", "served_model": "other"}]
+
+
 def test_a_jsonl_merge_leaves_no_stale_arrow_copy(tmp_path, model_dir, prompts_file):
     output = tmp_path / "rows.jsonl"
     distill(make_config(model_dir, prompts_file, output, n=4, format="arrow"))
