@@ -96,7 +96,8 @@ class DistillConfig:
             sources take turns (round robin) so that large sources do not dominate.
         exclude_ids: ids never sampled (e.g. a held-out set); a string is a file of them, as
             ``--exclude-ids`` takes (``read_ids``: JSONL rows with an ``id``, or one id a line).
-        max_new_tokens, do_sample, temperature, top_p, seed: generation settings; ``seed`` also
+        max_new_tokens, do_sample, temperature, top_p, seed: generation settings (temperature and top_p
+            only with ``do_sample``, where they default to 0.7 and 1; without it a ``ValueError``); ``seed`` also
             drives prompt sampling. Greedy rows do not depend on batching (float32); sampled rows
             are reproducible for the same batches (each batch is seeded from ``seed`` and its
             ids): a run resumed after a kill between batches draws the same samples as an
@@ -142,8 +143,8 @@ class DistillConfig:
     max_new_tokens: int = 256
     batch_size: int = 16
     do_sample: bool = False
-    temperature: float = 0.7
-    top_p: float = 1.0
+    temperature: float | None = None
+    top_p: float | None = None
     seed: int = 0
     format: str = "jsonl"
     max_prompt_tokens: int | None = 1024
@@ -170,6 +171,14 @@ class DistillConfig:
                 raise ValueError(f"exclude_ids={str(self.exclude_ids)!r} is not a file: give a file of ids (JSONL "
                                  "rows with an 'id', or one id a line) or a list of ids")
             self.exclude_ids = read_ids(self.exclude_ids)
+        given = [name for name in ("temperature", "top_p") if getattr(self, name) is not None]
+        if given and not self.do_sample:  # answered greedily, the setting silently dropped
+            raise ValueError(f"{' and '.join(given)} set the sampling, but do_sample is off, so the answers would be "
+                             "greedy: add do_sample (--do-sample, data.distill_options.do_sample=true) or drop "
+                             f"{' and '.join(given)}")
+        if self.do_sample:  # the defaults of sampling
+            self.temperature = 0.7 if self.temperature is None else self.temperature
+            self.top_p = 1.0 if self.top_p is None else self.top_p
         checks = (
             (self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}"),
             (self.format in FORMATS, f"format must be one of {FORMATS}, got {self.format!r}"),
@@ -184,7 +193,7 @@ class DistillConfig:
              f"per_source quotas must be >= 1, got {self.per_source}"),
             (not self.do_sample or self.temperature > 0,
              f"sampling needs temperature > 0, got {self.temperature}; use do_sample=False for greedy"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_p is None or 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.max_prompt_tokens is None or self.max_prompt_tokens >= 1,
              f"max_prompt_tokens must be >= 1 or None, got {self.max_prompt_tokens}"),
             (self.backend != "openai" or bool(self.endpoint),

@@ -466,6 +466,19 @@ def test_sampling_option_is_reproducible(tmp_path, model_dir, prompts_file, refe
     assert rows[0][0]["generation"]["do_sample"] is True and rows[0][0]["generation"]["top_p"] == 0.9
 
 
+def test_sampling_settings_without_do_sample_are_refused(tmp_path, model_dir, prompts_file):
+    """temperature and top_p without do_sample distilled greedily, the rows saying temperature 0 and the
+    setting dropped without a word."""
+    for given, says in (({"temperature": 1.3}, "temperature set"), ({"temperature": 1.3, "top_p": 0.8},
+                                                                     "temperature and top_p set")):
+        with pytest.raises(ValueError, match=f"{says} the sampling, but do_sample is off.*add do_sample"):
+            make_config(model_dir, prompts_file, tmp_path / "x.jsonl", **given)
+    sampled = make_config(model_dir, prompts_file, tmp_path / "x.jsonl", do_sample=True)
+    assert (sampled.temperature, sampled.top_p) == (0.7, 1.0)  # sampling's defaults
+    greedy = make_config(model_dir, prompts_file, tmp_path / "x.jsonl")
+    assert greedy.generation_record()["temperature"] == 0.0 and greedy.generation_record()["top_p"] == 1.0
+
+
 def test_long_prompts_skipped_or_truncated(tmp_path, model_dir, prompts_file, tokenizer, caplog):
     config = make_config(model_dir, prompts_file, tmp_path / "x.jsonl", max_prompt_tokens=40)
     long_prompt = "Tell me about " + " ".join(WORDS * 3)
