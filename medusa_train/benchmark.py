@@ -1152,6 +1152,7 @@ def run(args: argparse.Namespace, started: float) -> int:
     if not all_questions:
         raise ValueError(f"{args.questions} holds no question; each line holds one: "
                          '{"id": 1, "category": "writing", "turns": ["first turn", ...]}')
+    questions = None
     if args.calibrate:
         calib_questions = pick_questions(all_questions, args.calibrate_questions, seed=args.seed + 1,
                                          exclude_ids=exclude)
@@ -1169,9 +1170,10 @@ def run(args: argparse.Namespace, started: float) -> int:
         if not calib_questions:
             raise ValueError(f"no question of {args.questions} is left to calibrate on after --exclude-ids; "
                              "exclude fewer, or give more questions")
-        # checked before calibrating, which rewrites the heads' folder: a run left with nothing to benchmark
-        # had changed it (and a later run left the same questions out, failing again)
-        _benchmark_questions(all_questions, args, exclude + [q["id"] for q in calib_questions], calibrated=True)
+        exclude += [q["id"] for q in calib_questions]
+        # picked before calibrating, which rewrites the heads' folder: a run left with nothing to benchmark had
+        # changed it (and a later run left the same questions out, failing again)
+        questions = _benchmark_questions(all_questions, args, exclude, calibrated=True)
         result = calibrate(model, calib_questions, args)
         result["question_ids"] = [q["id"] for q in calib_questions]  # left out of the benchmark
         # the weights as stored (the model computes with them converted to --dtype, rounded in bfloat16)
@@ -1180,8 +1182,8 @@ def run(args: argparse.Namespace, started: float) -> int:
         (output / "calibration.json").write_text(json.dumps(result, indent=2))
         print(f"calibrated: tree of {result['tree_nodes']} nodes, expected tau {result['expected_tau']:.2f}, "
               f"expected speedup {result['expected_speedup']:.2f}x; saved into {saved}", file=sys.stderr)
-        exclude += [q["id"] for q in calib_questions]
-    questions = _benchmark_questions(all_questions, args, exclude, bool(args.calibrate or calibrated_on))
+    if questions is None:
+        questions = _benchmark_questions(all_questions, args, exclude, bool(calibrated_on))
     report = benchmark(model, questions, args, started=started)
     (output / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     markdown = report_markdown(report)
