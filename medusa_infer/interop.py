@@ -50,6 +50,11 @@ TOP_K_KEY = "medusa_forge_top_k"
 """``config.json`` key keeping the heads' ``top_k`` (the candidates per head their default tree may rank),
 which the layout has no place for: heads with no tree of their own decode with the default tree it allows."""
 
+TRAINING_MODE_KEY = "medusa_forge_training_mode"
+"""``config.json`` key set to ``"medusa2"`` for heads trained with a LoRA adapter on the backbone, which the layout
+does not hold: read back, the heads' config records that mode (``MedusaConfig.trained_with_adapter``), so that
+loading them on a base model without that adapter merged is warned about and ``heads.init_from`` refuses them."""
+
 logger = logging.getLogger(__name__)
 
 _BLOCK = re.compile(r"heads\.(\d+)\.blocks\.(\d+)\.linear\.(weight|bias)")
@@ -184,7 +189,7 @@ def read_medusa_layout(
                           data.get("vocab_size"), vocab_size),
         projection="own" if has_projections else "shared",
         base_model_name_or_path=_base_model(data),
-        training={IMPORTED_FROM: "FasterDecoding/Medusa layout"},
+        training=_imported_training(data.get(TRAINING_MODE_KEY), path / CONFIG_NAME),
         tree=tree,
         top_k=max(_top_k(data.get(TOP_K_KEY), path / CONFIG_NAME),
                   1 + max((rank for p in tree or [] for rank in p), default=0)),
@@ -193,6 +198,17 @@ def read_medusa_layout(
     ours_to_theirs = {name: _their_name(name, num_layers) for name in expected}
     check_state_dict({ours_to_theirs[name]: t for name, t in expected.items()}, tensors, str(weights_path))
     return config, {ours: tensors[theirs] for ours, theirs in ours_to_theirs.items()}
+
+
+def _imported_training(mode: Any, where: Path) -> dict[str, Any]:
+    """The training record of imported heads: their origin, and the Medusa-2 mode where ``TRAINING_MODE_KEY``
+    says so (as ``MedusaConfig.trained_with_adapter`` reads a run's recipe)."""
+    if mode not in (None, "medusa1", "medusa2"):
+        raise ValueError(f"{where}: {TRAINING_MODE_KEY} must be 'medusa1' or 'medusa2', got {mode!r}")
+    record: dict[str, Any] = {IMPORTED_FROM: "FasterDecoding/Medusa layout"}
+    if mode is not None:
+        record["recipe"] = {"training": {"mode": mode}}
+    return record
 
 
 _FD_BLOCK = re.compile(r"\d+\.(\d+)\.linear\.weight")
@@ -336,6 +352,8 @@ def write_medusa_layout(
         "version": version,
         TOP_K_KEY: config.top_k,
     }
+    if config.trained_with_adapter:  # the adapter is not in the layout: readers are told the heads need it
+        data[TRAINING_MODE_KEY] = "medusa2"
     if config.tree is not None:  # the heads' own (fitted) tree, in the format TensorRT-LLM's medusa_choices takes;
         # empty where calibration measured plain decoding fastest
         data["medusa_choices"] = [list(path) for path in config.tree]

@@ -171,6 +171,37 @@ def test_faster_decoding_export_warns_that_the_adapter_is_left_out(heads_folder,
     assert "not included" in caplog.text
 
 
+def test_faster_decoding_export_of_medusa2_heads_keeps_their_mode(heads_folder, tmp_path, caplog):
+    """The layout has no adapter: exported Medusa-2 heads read back as Medusa-1 heads, loaded on the plain base
+    model without a word (and, saved again, passed heads.init_from's Medusa-2 check)."""
+    folder, _ = heads_folder
+    copy = tmp_path / "heads"
+    shutil.copytree(folder, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config["training"] = {"recipe": {"training": {"mode": "medusa2"}}}
+    (copy / "config.json").write_text(json.dumps(config))
+    model = MedusaModel.from_pretrained(copy, base_model=tiny_model("llama"))
+    model.config.base_model_name_or_path = "org/tiny-llama"
+    model.export_medusa_layout(tmp_path / "fd")
+    assert json.loads((tmp_path / "fd" / "config.json").read_text())["medusa_forge_training_mode"] == "medusa2"
+    caplog.clear()
+    plain = MedusaModel.from_pretrained(tmp_path / "fd", base_model=tiny_model("llama"))
+    assert plain.config.trained_with_adapter
+    assert "were trained with a Medusa-2 adapter" in caplog.text
+    plain.save_pretrained(tmp_path / "resaved")
+    assert json.loads((tmp_path / "resaved" / "config.json").read_text())["training"]["recipe"] == {
+        "training": {"mode": "medusa2"}}
+    model.base_model.save_pretrained(tmp_path / "merged")  # records the adapter merged into its weights
+    caplog.clear()
+    MedusaModel.from_pretrained(tmp_path / "fd", base_model=LlamaForCausalLM.from_pretrained(tmp_path / "merged"))
+    assert "were trained with a Medusa-2 adapter" not in caplog.text
+    fd1 = MedusaModel.from_base(tiny_model("llama"), num_heads=2)
+    fd1.config.base_model_name_or_path = "org/tiny-llama"
+    fd1.export_medusa_layout(tmp_path / "fd1")
+    assert "medusa_forge_training_mode" not in json.loads((tmp_path / "fd1" / "config.json").read_text())
+    assert not MedusaModel.from_pretrained(tmp_path / "fd1", base_model=tiny_model("llama")).config.trained_with_adapter
+
+
 def test_training_uses_the_same_adapter_folder_name():
     assert lora.ADAPTER_DIR == ADAPTER_DIR
 

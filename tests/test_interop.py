@@ -313,6 +313,13 @@ def test_config_without_medusa_keys_is_refused(tmp_path):
         read_medusa_layout(source)
 
 
+def test_a_training_mode_other_than_medusa_forge_writes_is_refused(tmp_path):
+    source = make_fd_folder(tmp_path, fd_tensors(projections=True), medusa_forge_training_mode="lora")
+    with pytest.raises(ValueError, match=r"config.json: medusa_forge_training_mode must be 'medusa1' or 'medusa2', "
+                                         r"got 'lora'"):
+        read_medusa_layout(source)
+
+
 # ----- export errors
 
 
