@@ -29,6 +29,7 @@ from typing import Any, Iterator
 import torch
 
 from medusa_train.train_config import (
+    RunPaths,
     TrainConfig,
     example_settings,
     feature_settings,
@@ -770,6 +771,21 @@ def stage_record(path: Path, timings: dict[str, float], reused: set[str]) -> dic
     return record
 
 
+def check_heldout_split(paths: RunPaths, train: Any) -> None:
+    """``ValueError`` where the examples left for training are not the ones the heads were trained on: the held-out
+    split would then hold examples they learned (another ``training.seed`` or ``data.heldout_fraction``, or rows
+    that changed, scored them on their own training data)."""
+    from medusa_train.features import examples_hash
+
+    recorded = (json.loads((paths.final / "config.json").read_text()).get("training") or {}).get(
+        "train_examples_sha256")
+    if recorded is not None and recorded != examples_hash(train):
+        raise ValueError(f"the held-out split drawn now is not the one the heads in {paths.final} were trained beside "
+                         "(another training.seed or data.heldout_fraction, or the run's rows or data.max_length "
+                         "changed): it would score them on examples they were trained on; give the settings the run "
+                         "was trained with")
+
+
 def report_heldout(config: TrainConfig, accelerator: Any) -> int:
     """``--heldout-only``: the held-out table of a finished run's trained heads, printed."""
     from medusa_train import evaluate as ev
@@ -779,6 +795,7 @@ def report_heldout(config: TrainConfig, accelerator: Any) -> int:
         raise SystemExit(f"train_heads.py: error: no trained heads in {paths.final}; run the recipe first")
     with script_errors():  # the run's rows as they are, distilling nothing and recording nothing
         train, heldout = stage_data(config, accelerator, 0, record=False)
+        check_heldout_split(paths, train)
     folders = stage_features(config, accelerator, None, heldout) if config.uses_feature_cache else None
     if accelerator.is_main_process:
         _, _, accuracy = heldout_accuracy(config, accelerator, heldout, folders)

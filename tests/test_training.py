@@ -576,6 +576,10 @@ def test_medusa1_from_cache_learns_head_k_predicts_t_plus_k_plus_2(tiny_dir, tmp
     first = next(line for line in table if line.strip().startswith("1 "))
     assert float(first.split()[2]) == pytest.approx(accuracies[0][0], abs=1e-3)
     assert (out / "heads" / "config.json").read_text() == saved
+    # another split would score the heads on examples they were trained on (it printed the table without a word)
+    for other in ("training.seed=7", "data.heldout_fraction=0.5"):
+        with pytest.raises(SystemExit, match="the held-out split drawn now is not the one the heads"):
+            train_heads.main(["--config", config_file, "--heldout-only", other])
     # Check the alignment against the sequence itself, not against our own targets: on a fresh
     # counting sequence head k's top token at position t >= 3 (the shortest prompt the heads
     # trained after) must be token t + k + 2.
