@@ -105,6 +105,11 @@ def _commit_folder(partial: Path, final: Path) -> None:
 # Stages
 
 
+RECIPE_FIXES = ("set model.chat_template=null (the tokenizer's own)", "set model.chat_template to that template",
+                "set data.system_prompt=null", "set data.system_prompt to it")
+"""``dataset.check_rows``'s advice for rows given as ``data.rows``, in the recipe's keys."""
+
+
 def stage_data(config: TrainConfig, accelerator: Any, pending: int | None,
                record: bool = True) -> tuple[list[dict], list[dict]]:
     """(a) distil the rows that are missing (``pending``: ``distill_pending``'s count; 0 distils
@@ -176,6 +181,10 @@ def check_inputs(config: TrainConfig) -> None:
     for key, value in files:
         if not Path(value).is_file():
             raise ValueError(f"{key}: {value} is not a file; give the path of an existing JSONL file")
+    if d.rows and not d.tokenized and not owns_rows(config):  # distilled elsewhere: as the recipe renders prompts?
+        from medusa_train.dataset import check_rows, read_rows
+
+        check_rows(read_rows(d.rows), config.model.chat_template, d.system_prompt, RECIPE_FIXES)
     check_attn_implementation(config.model.attn_implementation)
     check_vocabulary_settings(config)
     if config.training.mode == "medusa2":

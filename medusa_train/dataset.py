@@ -539,6 +539,37 @@ def dataset_cache_key(
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
+CLI_FIXES = ("pass --chat-template '' (the tokenizer's own)", "pass that template as --chat-template FILE",
+             "pass --system-prompt ''", "pass it as --system-prompt")
+"""``check_rows``'s advice in the words of a command's flags: a template of the tokenizer's own, another one, no
+system prompt, another one."""
+
+
+def check_rows(rows: Sequence[dict[str, Any]], chat_template: str | None, system_prompt: str | None,
+               fixes: tuple[str, str, str, str] = CLI_FIXES) -> None:
+    """Refuse distilled rows whose recorded chat template or system prompt differs from the ones the
+    examples are built with (rows without a ``generation`` record are taken as they are): built otherwise, the
+    heads learn answers to a prompt the model was never shown. ``fixes`` words the advice (``CLI_FIXES``)."""
+    from medusa_train.distill import template_digest
+
+    digest = template_digest(chat_template)
+    for row in rows:
+        generation = row.get("generation")
+        if not isinstance(generation, dict):
+            continue
+        recorded = generation.get("chat_template", digest)
+        if recorded != digest:
+            fix = fixes[0] if recorded is None else fixes[1]
+            raise ValueError(f"row {row.get('id')!r} was distilled with chat template "
+                             f"{recorded or 'of the tokenizer'}, the examples would be built with "
+                             f"{digest or 'the tokenizer template'}; {fix}")
+        recorded = generation.get("system_prompt", system_prompt)
+        if recorded != system_prompt:
+            fix = fixes[2] if recorded is None else fixes[3]
+            raise ValueError(f"row {row.get('id')!r} was distilled with system prompt {recorded!r}, the examples "
+                             f"would be built with {system_prompt!r}; {fix}")
+
+
 def load_or_build_dataset(
     rows_path: str | Path,
     tokenizer: PreTrainedTokenizerBase,

@@ -22,6 +22,7 @@ from typing import Any
 
 from medusa_infer.checkpoint import note_datastore
 from medusa_infer.datastore import DATASTORE_NAME, Datastore, tokenizer_digest
+from medusa_train.dataset import check_rows  # noqa: F401  (also this command's: the tests import it from here)
 
 
 def build_datastore(examples: Iterable[Mapping[str, Any]], tokenizer: Any = None) -> Datastore:
@@ -33,30 +34,6 @@ def build_datastore(examples: Iterable[Mapping[str, Any]], tokenizer: Any = None
     if not len(store):
         raise ValueError("no tokens to build a datastore from: the examples are empty")
     return store
-
-
-def check_rows(rows: Sequence[Mapping[str, Any]], chat_template: str | None, system_prompt: str | None) -> None:
-    """Refuse distilled rows whose recorded chat template or system prompt differs from the ones the
-    store is built with (rows without a ``generation`` record are taken as they are)."""
-    from medusa_train.distill import template_digest
-
-    digest = template_digest(chat_template)
-    for row in rows:
-        generation = row.get("generation")
-        if not isinstance(generation, Mapping):
-            continue
-        recorded = generation.get("chat_template", digest)
-        if recorded != digest:
-            fix = ("pass --chat-template '' (the tokenizer's own)" if recorded is None
-                   else "pass that template as --chat-template FILE")
-            raise ValueError(f"row {row.get('id')!r} was distilled with chat template "
-                             f"{recorded or 'of the tokenizer'}, the store would be built with "
-                             f"{digest or 'the tokenizer template'}; {fix}")
-        recorded = generation.get("system_prompt", system_prompt)
-        if recorded != system_prompt:
-            fix = "pass --system-prompt ''" if recorded is None else "pass it as --system-prompt"
-            raise ValueError(f"row {row.get('id')!r} was distilled with system prompt {recorded!r}, the store "
-                             f"would be built with {system_prompt!r}; {fix}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -447,6 +447,31 @@ def test_given_rows_file_is_read_as_it_is(tmp_path, capsys):
     assert "[done] distill" in out and re.search(r"examples\s+7 ", out)
 
 
+def test_given_rows_distilled_with_another_system_prompt_or_template_are_refused(tmp_path, capsys):
+    """Rows given as data.rows were built under the recipe's system prompt whatever they were answered under (the
+    heads learned answers to a prompt the model was never shown), without a word."""
+    import train_heads
+
+    values = run_recipe(tmp_path)
+    rows = tmp_path / "elsewhere.jsonl"
+    for generation, named in (({"system_prompt": "Always answer in French.", "chat_template": None},
+                               r"row 'x0' was distilled with system prompt 'Always answer in French.'.*"
+                               r"set data.system_prompt to it"),
+                              ({"system_prompt": None, "chat_template": "sha256:0123456789abcdef"},
+                               r"row 'x0' was distilled with chat template sha256:0123456789abcdef.*"
+                               r"set model.chat_template to that template")):
+        rows.write_text("".join(json.dumps({"id": f"x{i}", "prompt": "q", "response": "a", "generation": generation})
+                                + "\n" for i in range(7)))
+        recipe = tmp_path / "recipe.yaml"
+        recipe.write_text(yaml.safe_dump(values))
+        with pytest.raises(SystemExit):
+            train_heads.main(["--config", str(recipe), "--plan", f"data.rows={rows}"])
+        assert re.search(named, capsys.readouterr().err)
+    rows.write_text("".join(json.dumps({"id": f"x{i}", "prompt": "q", "response": "a", "generation": {
+        "system_prompt": None, "chat_template": None}}) + "\n" for i in range(7)))  # as the recipe renders them
+    assert "[done] distill" in plan_output(capsys, tmp_path, values, f"data.rows={rows}")
+
+
 @pytest.mark.parametrize("options, message", [
     ({"backnd": "openai"}, r"unknown data.distill_options \['backnd'\]; known: \[.*'backend'"),
     ({"max_new_tokens": 512},
