@@ -433,7 +433,9 @@ def check_template(tokenizer: PreTrainedTokenizerBase, system_prompt: str | None
 def truncate_examples(examples: Iterable[dict[str, Any]], max_length: int) -> tuple[list[dict[str, Any]], int, int]:
     """Ready examples (``data.tokenized``) under the rule ``build_examples`` applies: each cut to its first
     ``max_length`` tokens, and one with no labelled token (left) dropped. Returns ``(examples, cut,
-    dropped)``; ``ValueError`` naming an example whose labels are not one per token."""
+    dropped)``; ``ValueError`` naming an example whose labels are not one per token, or not each either -100 or
+    the token at its own position (labels shifted by one, or another ignore value such as -1, trained on
+    other targets than the heads are meant to, the prompt's soft labels included, without a word)."""
     if max_length < 2:
         raise ValueError(f"max_length must be >= 2, got {max_length}")
     kept, cut, dropped = [], 0, 0
@@ -446,6 +448,13 @@ def truncate_examples(examples: Iterable[dict[str, Any]], max_length: int) -> tu
         if len(example["labels"]) != len(example["input_ids"]):
             raise ValueError(f"ready example {example.get('id', index)!r} has {len(example['labels'])} labels for "
                              f"{len(example['input_ids'])} input_ids; give one label per token (-100: not trained on)")
+        wrong = next((t for t, (token, label) in enumerate(zip(example["input_ids"], example["labels"]))
+                      if label not in (IGNORE_INDEX, token)), None)
+        if wrong is not None:
+            raise ValueError(f"ready example {example.get('id', index)!r} has label {example['labels'][wrong]} at "
+                             f"position {wrong}, where input_ids holds {example['input_ids'][wrong]}: labels are "
+                             f"the tokens themselves, not shifted (labels[t] == input_ids[t]), and {IGNORE_INDEX} "
+                             "where not trained on")
         input_ids, labels, was_cut = cut_example(list(example["input_ids"]), list(example["labels"]), max_length)
         cut += was_cut
         if all(label == IGNORE_INDEX for label in labels):

@@ -393,6 +393,12 @@ def test_ready_examples_are_cut_to_max_length_like_built_ones(tmp_path, capsys):
                       ({"input_ids": "1 2", "labels": [1, 2]}, r"ready example 0 needs 'input_ids' as a list")):
         with pytest.raises(ValueError, match=says):  # KeyError and TypeError tracebacks
             truncate_examples([bad], 6)
+    # labels shifted by one, or -1 for "ignore": trained on other targets (the prompt's soft labels too) silently
+    for labels, says in (([ignore, 3, 4, ignore], r"ready example 's' has label 3 at position 1, where input_ids "
+                                                  r"holds 2: labels are the tokens themselves, not shifted"),
+                         ([-1, 2, 3, 4], r"ready example 's' has label -1 at position 0")):
+        with pytest.raises(ValueError, match=says):
+            truncate_examples([{"id": "s", "input_ids": [1, 2, 3, 4], "labels": labels}], 6)
     not_objects = tmp_path / "lists.jsonl"
     not_objects.write_text('{"input_ids": [1], "labels": [1]}\n[1, 2, 3]\n')
     with pytest.raises(ValueError, match=r"lists.jsonl:2 is a JSON list, not an object"):
