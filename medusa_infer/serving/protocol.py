@@ -298,11 +298,18 @@ def _content(content: Any, param: str) -> str:
         return content
     if isinstance(content, list) and content:
         texts = []
-        for part in content:
+        for index, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise invalid(f"{param}: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported", param)
+            for key, value in part.items():  # cache_control and the like: refused as a message's other fields are
+                if key not in ("type", "text") and value is not None:
+                    where = f"{param}[{index}].{_clip(key, 40)}"
+                    raise invalid(f"{where} is not supported by this server (only a text part's type and text "
+                                  "reach the chat template); leave it out", where, "unsupported_parameter")
             texts.append(part["text"])
         return "\n".join(texts)
+    if content == []:
+        raise invalid(f"{param} is an empty list: give at least one text part, or a string", param)
     if content is None:
         raise invalid(f"{param} is required", param)
     raise invalid(f"{param} must be a string or a list of text parts, got {_type(content)}", param)
@@ -369,12 +376,14 @@ def _number(body: dict[str, Any], name: str, default: float, minimum: float, max
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise invalid(f"{name} must be a number, got {_type(value)} {_clip(repr(value))}", name)
+    # (an integer is compared as it is: JSON's integers have no bound, and one past a float's range made
+    # math.isfinite raise OverflowError, a 500)
     low_ok = value > minimum if exclusive_minimum else value >= minimum
-    if not low_ok or value > maximum:
+    if not low_ok or value > maximum or (isinstance(value, float) and math.isnan(value)):
         interval = f"({minimum}, {maximum}]" if exclusive_minimum else f"[{minimum}, {maximum}]"
-        raise invalid(f"{name} must be in {interval}, got {value}", name)
+        raise invalid(f"{name} must be a finite number in {interval}, got {_clip(str(value))}", name)
     return float(value)
 
 
