@@ -220,7 +220,9 @@ class TreeController:
 
     def step_cost_ratios(self) -> list[float]:
         """Per rung, the cost of a batch-1 step against a plain one: the profile's
-        (``cost_ratios(1)``), with each neighbouring pair's ratio as ``step_costs`` measured it."""
+        (``cost_ratios(1)``), with each neighbouring pair's ratio as ``step_costs`` measured it, and none below
+        1 (a tree step costs at least a plain one, as ``CostProfile`` holds its t(n) to t(1): one noisy sample
+        below it made a tree expected to accept nothing look faster than plain decoding)."""
         prior = self.cost_ratios(1)
         if self.step_costs is None:
             return prior
@@ -228,7 +230,7 @@ class TreeController:
             costs = [1.0]
             for r in range(1, len(self.ladder)):
                 step = self.step_costs.log_ratio(self.keys[r - 1], self.keys[r], math.log(prior[r] / prior[r - 1]))
-                costs.append(costs[-1] * math.exp(step))
+                costs.append(max(costs[-1] * math.exp(step), 1.0))
             self._step_cost_ratios = (self.step_costs.version, costs)
         return self._step_cost_ratios[1]
 

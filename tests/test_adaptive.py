@@ -517,6 +517,20 @@ def test_a_due_probe_does_not_take_the_place_of_a_neighbour_step_down_to_plain_d
     assert downs == 15 and costs.samples(control.keys[0], control.keys[1]) == 15  # 30 neighbour steps
 
 
+def test_learned_step_costs_never_price_a_tree_step_below_a_plain_one():
+    """Noisy samples of a tree step at 0.8x the plain steps around it made a tree whose heads are expected to
+    accept nothing look 1.12x faster than plain decoding, and the controller decoded on it."""
+    accuracy = [[0.0, 0.0]] * 3
+    profile = CostProfile([1, 2, 4, 8, 16, 32, 64], [1.0, 1.05, 1.1, 1.2, 1.4, 1.8, 2.6])
+    costs = StepCosts()
+    control = TreeController(tree_ladder([(0,)]), accuracy, profile, step_costs=costs)
+    for _ in range(3):
+        costs.record(control.keys[0], control.keys[1], math.log(0.8))
+    assert control.step_cost_ratios() == [1.0, 1.0]
+    control.observe_shadow(0.0)
+    assert control.choose() == 0
+
+
 def test_step_costs_reject_bad_settings_and_keep_a_window():
     costs = StepCosts(window=3, prior_weight=0.0)
     small, large = (1, 0), (2, 1)
