@@ -782,7 +782,9 @@ def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> Generati
             acceptance) or ``"lossless"`` (default with sampling; the output has exactly the
             model's sampling distribution).
         tree: a preset name, ``fitted-N`` (the N-node tree fitted to the heads' measured
-            accuracies, ``resolve_tree``) or a list of paths (an empty list: plain decoding);
+            accuracies, ``resolve_tree``) or a list of paths (an empty list: plain decoding, which
+            the adaptive fallback may leave for a tree where it runs: with ``adaptive=True``, or by
+            default on heads whose calibration stored plain decoding; ``adaptive=False`` keeps it);
             default: the heads' stored tree, else the largest of ``DEFAULT_TREES`` their number
             and ``top_k`` allow.
         adaptive: shrink the tree (down to plain decoding) while acceptance is too low for
@@ -798,7 +800,9 @@ def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> Generati
             size (``speculation_gate.SpeculationGate``: a batch's rows share one forward, which
             on a CPU can cost more than the drafts bring). Default: a fresh gate for a greedy
             batch of more than one row, whose output does not depend on it; ``False``: none; a
-            gate object: that gate, so that it keeps learning across calls.
+            gate object: that gate, so that it keeps learning across calls. A gate decides by the
+            clock: a seeded sample it gates is no longer reproducible from its seed alone (the
+            server gates no seeded request).
         step_costs: with the adaptive fallback at batch size 1, learn the trees' cost ratios from
             the steps taken (``adaptive.StepCosts``) rather than trust the calibration's profile
             alone; pass the same object to many calls so that it keeps learning. The trees then
@@ -920,9 +924,11 @@ def fallback_paths(model, paths: Sequence[Sequence[int]], adaptive: bool | None)
     starting on plain decoding and able to grow to the fastest tree the fit found
     (``FittedTree.speculative_paths``) when head 1's acceptance beats its calibration; pass
     ``adaptive=False`` to keep plain decoding throughout. An empty ``paths`` on heads that have
-    a tree (an explicit ``tree=[]``) is plain decoding throughout.
+    a tree (an explicit ``tree=[]``) is plain decoding throughout unless ``adaptive=True`` asks for
+    the fallback, which then starts there as on heads that stored plain decoding.
     """
     config = model.config
+    asked = adaptive is True
     known = bool(config.head_accuracies and config.cost_profile)
     if adaptive is None:
         adaptive = known
@@ -935,7 +941,7 @@ def fallback_paths(model, paths: Sequence[Sequence[int]], adaptive: bool | None)
         )
     acceptance = config.acceptance_model()
     if not paths:
-        if config.tree != []:
+        if config.tree != [] and not asked:
             return None  # plain decoding asked for, on heads that have a tree
         # calibration expected plain decoding to be fastest: start there (the controller's best rung
         # under the calibrated acceptance), and grow to the fastest tree if acceptance beats it

@@ -274,6 +274,9 @@ def test_a_plain_decoding_verdict_grows_a_tree_when_acceptance_recovers():
     assert make_controller(model, [], False) is None  # adaptive=False: plain decoding throughout
     model.config.tree = [[0]]
     assert make_controller(model, [], None) is None  # an explicit empty tree on heads that have one
+    # adaptive=True asks for the fallback there too: it starts on plain decoding (it was dropped without a word)
+    asked = make_controller(model, [], True)
+    assert asked is not None and asked.rung == 0 and asked.ladder[-1] == fitted.speculative_paths
     prompt = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
     model.config.tree = []
     out = generate(model, prompt, max_new_tokens=12, eos_token_id=[])
