@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from medusa_infer.proposers import AutoregressiveProposer
@@ -199,12 +199,17 @@ class CapturedHidden:
         other: list[tuple[Path, Any]] = []  # (file, the fingerprint it records)
         wanted = None if model is None else weights_fingerprint(model)
         for path in sorted(Path(folder).glob("batch-*.safetensors")):
-            with safe_open(str(path), framework="pt") as handle:
-                found = _fingerprint((handle.metadata() or {}).get("model"))
-                if wanted is not None and found != wanted:
-                    other.append((path, found))
-                    continue
-                tensors = {name: handle.get_tensor(name) for name in handle.keys() if name != "hidden"}
+            try:
+                with safe_open(str(path), framework="pt") as handle:
+                    found = _fingerprint((handle.metadata() or {}).get("model"))
+                    if wanted is not None and found != wanted:
+                        other.append((path, found))
+                        continue
+                    tensors = {name: handle.get_tensor(name) for name in handle.keys() if name != "hidden"}
+            except (SafetensorError, OSError) as err:  # cut short (a power loss before its write reached the disk)
+                logger.warning("hidden-state file %s cannot be read (%s), left out: the features stage runs the "
+                               "backbone over its examples", path, err)
+                continue
             tokens = tensors["tokens"]
             token_at, hidden_at = tensors["token_offsets"].tolist(), tensors["hidden_offsets"].tolist()
             for row, prompt_length in enumerate(tensors["prompt_lengths"].tolist()):

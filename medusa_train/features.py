@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
@@ -545,7 +545,9 @@ def build_feature_cache(
     folder = Path(root) / cache_key(model_info, examples_hash(examples), topk, dtype, captured is not None,
                                     shard_examples)
     if (folder / MANIFEST).is_file():
-        return folder
+        if not _damaged_shards(folder):
+            return folder
+        (folder / MANIFEST).unlink(missing_ok=True)  # built again below: the intact shards are kept
     if pack:
         check_packed_attention(model)
     folder.mkdir(parents=True, exist_ok=True)
@@ -608,6 +610,17 @@ def _shard_examples(path: Path) -> list[int] | None:
         return None
 
 
+def _damaged_shards(folder: Path) -> list[Path]:
+    """The shard files a finished cache's manifest lists that are missing or damaged (cut short or emptied after
+    the manifest was written), each warned about by ``_shard_examples``."""
+    try:
+        listed = [folder / shard["file"] for shard in json.loads((folder / MANIFEST).read_text())["shards"]]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        logger.warning("feature cache manifest %s is damaged (%s): building the cache again", folder / MANIFEST, error)
+        return [folder / MANIFEST]
+    return [path for path in listed if _shard_examples(path) is None]
+
+
 def _write_manifest(model: Any, folder: Path, num_shards: int, num_examples: int, topk: int, dtype: str,
                     model_info: Mapping[str, Any], seconds: float) -> None:
     lm_head = model.lm_head
@@ -666,6 +679,15 @@ def eos_token_ids(base_model: Any) -> list[int]:
 # Reading a cache
 
 
+def _load_shard(folder: Path, path: Path) -> dict[str, torch.Tensor]:
+    """A cache file's tensors; ``ValueError`` naming it where it cannot be read."""
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{path} cannot be read ({err}): the feature cache {folder} is damaged; run the features "
+                         "stage again, which builds the damaged shards again") from err
+
+
 @dataclass
 class FeatureCache:
     """A loaded cache: its manifest, one block with every shard, and the base ``lm_head``."""
@@ -687,8 +709,8 @@ class FeatureCache:
             newer = "a newer medusa-forge: upgrade, or" if version > FORMAT_VERSION else "an older medusa-forge:"
             raise ValueError(f"{folder} was written by {newer} delete it and run the features stage again "
                              f"(cache format {version}, this medusa-forge reads {FORMAT_VERSION})")
-        blocks = [load_file(str(folder / shard["file"])) for shard in manifest["shards"]]
-        return cls(folder, manifest, concat_blocks(blocks), load_file(str(folder / LM_HEAD)))
+        blocks = [_load_shard(folder, folder / shard["file"]) for shard in manifest["shards"]]
+        return cls(folder, manifest, concat_blocks(blocks), _load_shard(folder, folder / LM_HEAD))
 
     @property
     def embed_weight(self) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -126,6 +127,19 @@ def test_save_batch_checks_its_rows(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="medusa_train.captured"):
         assert len(CapturedHidden.load(older, model)) == 0
     assert "1 of the hidden-state files" in caplog.text and ": m)" in caplog.text
+    # a file cut short or emptied (a power loss before its write reached the disk) stopped the features stage
+    # with a bare SafetensorError: left out, said, its examples run through the backbone
+    whole = next(tmp_path.glob("batch-*.safetensors"))
+    for damage in (b"", whole.read_bytes()[:-8]):
+        damaged = tmp_path / "damaged"
+        damaged.mkdir(exist_ok=True)
+        (damaged / whole.name).write_bytes(damage)
+        save_batch(damaged, ["c"], [[1, 6]], [[3, 4]], [False], [torch.zeros(2, 3)], model)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="medusa_train.captured"):
+            assert len(CapturedHidden.load(damaged, model)) == 1
+        assert f"hidden-state file {damaged / whole.name} cannot be read" in caplog.text
+        shutil.rmtree(damaged)
 
 
 def test_loaded_states_stay_in_their_files_until_an_example_takes_them(tmp_path):

@@ -436,6 +436,17 @@ def test_feature_cache_round_trip_equals_live_forward(tiny_dir, tmp_path):
         assert found.keys() == whole.keys()
         assert all(torch.equal(found[n][k], whole[n][k]) for n in whole for k in whole[n])
         (folder / "manifest.json").unlink()
+    # damaged after its manifest was written: loading named no file (a bare SafetensorError) and building
+    # again kept the finished cache as it was, so every later run stopped alike
+    build_feature_cache(model, examples, tmp_path, info, topk=4, batch_size=4, shard_examples=5, progress=False)
+    (folder / "shard-00001.safetensors").write_bytes(damaged[:-16])
+    with pytest.raises(ValueError, match=r"shard-00001.safetensors cannot be read .* the feature cache .* is damaged"):
+        FeatureCache.load(folder)
+    assert build_feature_cache(model, examples, tmp_path, info, topk=4, batch_size=4, shard_examples=5,
+                               progress=False) == folder
+    found = shards()
+    assert all(torch.equal(found[n][k], whole[n][k]) for n in whole for k in whole[n])
+    FeatureCache.load(folder)
 
 
 def test_feature_cache_key_covers_shards_and_how_the_backbone_runs(tmp_path):
