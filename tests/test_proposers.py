@@ -380,15 +380,37 @@ def test_a_draft_with_another_vocabulary_is_refused():
                                          r"tokenizers .* give the draft's tokenizer"):
         DraftProposer(target, small)
     words = [f"w{i}" for i in range(80)]
-    with pytest.raises(ValueError, match=r"predicts 64 tokens and target .* 96, fewer than their tokenizer's 80"):
+    with pytest.raises(ValueError, match=r"predicts 64 tokens, fewer than the 80 of their tokenizer that target "):
         DraftProposer(MedusaModel(target.base_model, None, word_tokenizer(words)),
                       MedusaModel(small, None, word_tokenizer(words)))
+    # a tokenizer of more entries than the target's rows (a pad token added without resizing): a draft of more
+    # rows than the target's covers every token the target predicts (it was refused, naming its 128 rows "fewer")
+    words = [f"w{i}" for i in range(VOCAB + 4)]
+    DraftProposer(MedusaModel(target.base_model, None, word_tokenizer(words)),
+                  MedusaModel(tiny_model("llama", seed=5, vocab_size=VOCAB + 32), None, word_tokenizer(words)))
     words = [f"w{i}" for i in range(VOCAB)]
     ours = MedusaModel(tiny_model("llama", seed=0), None, word_tokenizer(words))
     theirs = MedusaModel(tiny_model("llama", seed=5), None, word_tokenizer(words[::-1]))
     with pytest.raises(ValueError, match="different tokenizer from target"):
         DraftProposer(ours, theirs)
     DraftProposer(ours, MedusaModel(tiny_model("llama", seed=5), None, word_tokenizer(words)))  # same: fine
+
+
+def test_a_draft_model_object_without_a_tokenizer_is_said_to_go_unchecked(caplog):
+    """A draft of another tokenizer of the same size given as a model object went unchecked without a word
+    (by name it is refused): exact, but every draft useless."""
+    words = [f"w{i}" for i in range(VOCAB)]
+    target = MedusaModel(tiny_model("llama", seed=0), None, word_tokenizer(words))
+    bare = tiny_model("llama", seed=5)
+    with caplog.at_level("WARNING", logger="medusa_infer.proposers.draft"):
+        DraftProposer(target, bare)
+        DraftProposer(target, bare)
+    assert caplog.text.count("came without a tokenizer") == 1  # once per draft model
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="medusa_infer.proposers.draft"):
+        DraftProposer(target, bare, draft_tokenizer=word_tokenizer(words))
+        DraftProposer(target, target)  # self-drafting: the target's own tokenizer
+    assert "came without a tokenizer" not in caplog.text
 
 
 @pytest.mark.parametrize("target_rows, draft_rows", [(VOCAB, VOCAB + 16), (VOCAB + 16, VOCAB)])

@@ -16,6 +16,8 @@ its tokens are the target's token ids, and ``draft_probs`` must be over the same
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections import deque
 from typing import Any
 
@@ -25,6 +27,9 @@ from medusa_infer.acceptance import greedy_tokens, warp_logits
 from medusa_infer.kv_cache import AttentionLayout, KVState
 from medusa_infer.metrics import RECENT_STEPS
 from medusa_infer.proposers.base import ChainTrees, Proposal, StepContext
+
+logger = logging.getLogger(__name__)
+_UNCHECKED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # draft models whose tokenizer was said to go unchecked
 
 SCHEDULES = ("heuristic", "constant")
 
@@ -229,6 +234,12 @@ def check_same_vocabulary(target, draft) -> None:
                 f"({differing} token entries differ): a draft must share the target's tokenizer and vocabulary"
             )
     if target_vocab == draft_vocab:
+        if target.tokenizer is not None and draft.tokenizer is None and draft.base_model not in _UNCHECKED:
+            _UNCHECKED.add(draft.base_model)
+            logger.warning("draft model %s came without a tokenizer (a model object and no draft_tokenizer=): its "
+                           "vocabulary was not checked against target %s's; a draft of another tokenizer of the same "
+                           "size stays exact but drafts tokens that stand for other text (no speedup): pass "
+                           "draft_tokenizer=, or the draft by name", model_name(draft), model_name(target))
         return
     if not both:
         raise ValueError(
@@ -236,11 +247,11 @@ def check_same_vocabulary(target, draft) -> None:
             f"predicts {target_vocab}, and without both tokenizers nothing tells whether only padding rows differ: "
             "give the draft's tokenizer (a draft must share the target's tokenizer and vocabulary)"
         )
-    tokens = len(target.tokenizer)
-    if tokens > min(target_vocab, draft_vocab):
+    needed = min(len(target.tokenizer), target_vocab)  # the tokens the target can predict
+    if draft_vocab < needed:
         raise ValueError(
-            f"draft model {model_name(draft)} predicts {draft_vocab} tokens and target {model_name(target)} "
-            f"{target_vocab}, fewer than their tokenizer's {tokens}: a draft must predict every token the target can"
+            f"draft model {model_name(draft)} predicts {draft_vocab} tokens, fewer than the {needed} of their "
+            f"tokenizer that target {model_name(target)} predicts: a draft must predict every token the target can"
         )
 
 
