@@ -312,11 +312,13 @@ def distill_pending(config: TrainConfig) -> int | None:
     """
     if not owns_rows(config):
         return None
-    from medusa_train.distill import pending_prompts, recipe_config
+    from medusa_train.distill import pending_prompts, recipe_config, shard_files
 
     distill_config = recipe_config(config)
-    # answers left in shards by a run killed before its merge are pending: distill() merges them
-    return pending_prompts(distill_config, merged=True)[1] if rows_path(config).is_file() else None
+    # answers left in shards by a run killed before its merge (its rows file not written yet, as a first run
+    # leaves it) are pending: distill() merges them; they are checked against the recipe here, before anything
+    started = rows_path(config).is_file() or shard_files(rows_path(config))
+    return pending_prompts(distill_config, merged=True)[1] if started else None
 
 
 def load_base(config: TrainConfig, accelerator: Any, whole: bool = False, cpu_kernels: str = "tuned") -> Any:

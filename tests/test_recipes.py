@@ -419,6 +419,15 @@ def test_rows_of_another_model_or_settings_are_refused_before_anything_runs(tmp_
         assert exit_info.value.code == 2
         message = capsys.readouterr().err
         assert "already holds row" in message and named in message and "Use another output path" in message
+    # a run killed before its merge leaves its answers in shards only: they were checked only inside the
+    # distillation, after config.yaml had been rewritten with the new settings
+    from medusa_train.distill import shard_path
+
+    path = write_rows(config, ids, generation={"max_new_tokens": 512})
+    path.rename(shard_path(path, 0))
+    with pytest.raises(SystemExit):
+        train_heads.main(["--config", str(recipe), "--plan"])
+    assert "already holds row" in capsys.readouterr().err
 
 
 def test_plan_says_a_run_with_part_of_its_rows_resumes_distilling(tmp_path, capsys):
