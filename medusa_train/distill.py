@@ -513,9 +513,15 @@ def existing_rows(output: str | Path, repair_rank: int | None = None) -> list[di
 
 
 def check_resumable(rows: Sequence[dict[str, Any]], config: DistillConfig) -> None:
-    """Refuse to mix rows made with another model or other generation settings."""
+    """Refuse to mix rows made with another model or other generation settings, and rows of prompts
+    ``exclude_ids`` excludes (answered before it excluded them: they would be trained on)."""
     expected = (config.model_label, config.generation_record())
+    excluded = {str(i) for i in config.exclude_ids}
     for row in rows:
+        if str(row.get("id")) in excluded:
+            raise ValueError(f"{config.output} holds row {row.get('id')!r}, a prompt exclude_ids excludes (answered "
+                             "before it was excluded): it would be trained on; delete its rows from that file (and "
+                             "its shards), or distil into another output path")
         # rows written before the template and system prompt were recorded: the defaults
         generation = {"chat_template": None, "system_prompt": None, **(row.get("generation") or {})}
         found = (row.get("model"), generation)

@@ -441,6 +441,10 @@ def test_resume_refuses_other_generation_settings(tmp_path, model_dir, prompts_f
     template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
     with pytest.raises(ValueError, match="chat_template.: .sha256:"):
         distill(make_config(model_dir, prompts_file, output, n=4, chat_template=template))
+    # exclude_ids added after its prompt was answered: the row stayed, trained on (a held-out set's prompt)
+    answered = read_rows(output)[0]["id"]
+    with pytest.raises(ValueError, match=rf"holds row '{answered}', a prompt exclude_ids excludes"):
+        distill(make_config(model_dir, prompts_file, output, n=4, exclude_ids=[answered]))
 
 
 def test_rows_written_before_templates_were_recorded_still_resume(tmp_path, model_dir, prompts_file):
