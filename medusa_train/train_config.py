@@ -169,7 +169,9 @@ class FeaturesSection:
             the cache from them, running the backbone only over the examples they do not cover.
             That saves the forward pass over the data (on the default recipe, about a third of
             the distillation's time). The states take about as much disk as the cache, and stay
-            (in ``<rows>.hidden/``) for another cache of the same data.
+            (in ``<rows>.hidden/``) for another cache of the same data. Only with
+            ``model.dtype=float32``, the dtype distillation decodes in: a cache of another dtype's
+            backbone takes none (mixed in, its examples' states were the float32 model's).
     """
 
     enabled: bool = True
@@ -317,9 +319,11 @@ class TrainConfig:
     @property
     def keeps_distillation_hidden(self) -> bool:
         """Whether the distillation keeps hidden states for the feature cache
-        (``features.from_distillation`` with the local backend)."""
+        (``features.from_distillation`` with the local backend, which decodes in float32: for a backbone of
+        ``model.dtype`` float32 only, as the rest of the cache is extracted)."""
         backend = self.data.distill_options.get("backend", "local")
-        return self.uses_feature_cache and self.features.from_distillation and backend == "local"
+        return (self.uses_feature_cache and self.features.from_distillation and backend == "local"
+                and self.model.dtype == "float32")
 
     @property
     def soft_label_topk(self) -> int:

@@ -251,6 +251,12 @@ def test_train_heads_keeps_the_distillations_states_for_its_features(model_dir, 
     index = json.loads((tmp_path / "off" / "features" / "index.json").read_text())
     manifest = json.loads((tmp_path / "off" / "features" / index["train"] / "manifest.json").read_text())
     assert manifest["captured_examples"] == 0
+    # a bfloat16 backbone's cache took the float32 distillation's states for most examples (off by up to 0.05)
+    from medusa_train.train_config import config_from_dict
+
+    bf16 = config_from_dict(dict(recipe, model={"name": str(model_dir), "dtype": "bfloat16"}))
+    assert train_heads.captured_folder(bf16) is None and not bf16.keeps_distillation_hidden
+    assert train_heads.captured_folder(config_from_dict(recipe)) == hidden_dir(out / "data" / "distilled.jsonl")
 
 
 def test_kept_states_record_the_fingerprint_they_are_given(model_dir, prompts_file, tmp_path):
