@@ -59,7 +59,7 @@ from medusa_infer.model import MedusaModel
 from medusa_infer.proposers import AutoregressiveProposer
 from medusa_train.captured import HiddenRecorder, hidden_dir, save_batch
 from medusa_train.dataset import encode_rendered, has_chat_template, render_prompt, row_messages
-from medusa_train.features import model_fingerprint
+from medusa_train.features import model_fingerprint, weights_identity
 from medusa_train.train_config import TrainConfig, convert_value, rows_path
 
 logger = logging.getLogger(__name__)
@@ -517,7 +517,16 @@ def check_resumable(rows: Sequence[dict[str, Any]], config: DistillConfig) -> No
     ``exclude_ids`` excludes (answered before it excluded them: they would be trained on)."""
     expected = (config.model_label, config.generation_record())
     excluded = {str(i) for i in config.exclude_ids}
+    weights: list[str | None] = []  # the model's weights_identity, once a row records one
     for row in rows:
+        if row.get("model_weights") is not None and config.backend == "local":
+            if not weights:
+                weights.append(weights_identity(config.model))
+            if weights[0] is not None and row["model_weights"] != weights[0]:
+                raise ValueError(f"{config.output} already holds row {row.get('id')!r} answered by other weights "
+                                 f"under the name {config.model!r} (weights {row['model_weights']}, now "
+                                 f"{weights[0]}: the model was trained or converted again since); use another "
+                                 "output path, or the weights that answered them")
         if str(row.get("id")) in excluded:
             raise ValueError(f"{config.output} holds row {row.get('id')!r}, a prompt exclude_ids excludes (answered "
                              "before it was excluded): it would be trained on; delete its rows from that file (and "
@@ -693,8 +702,10 @@ def prepare_prompt(
 
 def make_row(
     prompt: dict[str, Any], text: str, response: str, finish: str, n_tokens: int,
-    config: DistillConfig,
+    config: DistillConfig, weights: str | None = None,
 ) -> dict[str, Any]:
+    """A row; ``weights``: the local model's ``features.weights_identity`` (recorded where known, so that rows
+    of other weights under the same name are not mixed in: ``check_resumable``)."""
     return {
         "id": prompt["id"],
         "source": prompt["source"],
@@ -704,6 +715,7 @@ def make_row(
         "generation": config.generation_record(),
         "finish_reason": finish,
         "response_tokens": int(n_tokens),
+        **({"model_weights": weights} if weights is not None else {}),
     }
 
 
@@ -842,6 +854,7 @@ def _generate_all(
     if config.save_hidden and fingerprint is None:
         fingerprint = model_fingerprint(config.model)
     fingerprint = fingerprint or {}
+    weights = weights_identity(config.model)
     try:
         for batch_index, first in enumerate(range(0, len(prepared), config.batch_size)):
             batch = prepared[first : first + config.batch_size]
@@ -856,7 +869,7 @@ def _generate_all(
             rows = []
             for (prompt, text, _), (tokens, finish) in zip(batch, answers):
                 tokens, response = answer_text(tokenizer, tokens, finish)
-                row = make_row(prompt, text, response, finish, len(tokens), config)
+                row = make_row(prompt, text, response, finish, len(tokens), config, weights)
                 writer.write(row)
                 rows.append(row)
                 stats.add(row)

@@ -136,6 +136,39 @@ def model_fingerprint(name_or_path: str, dtype: str | None = None,
     return found
 
 
+def weights_identity(name_or_path: str) -> str | None:
+    """What tells a model's weights apart in records that travel with a run (distilled rows, trained heads): for
+    a default model, the GGUF file its weights are dequantized from (by its SHA-256: nothing is fetched); for a
+    local folder, a digest of its ``config.json`` (but the transformers release that wrote it) and each weight
+    file's name, size and first, middle and last MiB, not their times (a copy on another machine keeps it; weights
+    changed only elsewhere go unnoticed); for a Hub id, the commit its ``main`` points to (``hub_revision``);
+    None where neither tells (offline, never downloaded): not compared."""
+    from medusa_infer.models import DEFAULT_MODELS, names_default_model, resolve_model
+
+    if names_default_model(name_or_path):
+        return "gguf-sha256:" + DEFAULT_MODELS[name_or_path].sha256[:32]
+    resolved = Path(resolve_model(name_or_path))
+    if not resolved.is_dir():
+        return hub_revision(name_or_path)
+    digest = hashlib.sha256()
+    config = resolved / "config.json"
+    if config.is_file():
+        try:  # the transformers release that wrote it is not the weights
+            found = json.loads(config.read_text())
+            found.pop("transformers_version", None)
+            digest.update(json.dumps(found, sort_keys=True).encode())
+        except (ValueError, AttributeError):
+            digest.update(config.read_bytes())
+    for weights in sorted(resolved.glob("*.safetensors")) + sorted(resolved.glob("*.bin")):
+        size = weights.stat().st_size
+        digest.update(f"{weights.name}:{size}".encode())
+        with weights.open("rb") as handle:
+            for offset in (0, max(0, size // 2 - (1 << 19)), max(0, size - (1 << 20))):
+                handle.seek(offset)
+                digest.update(handle.read(1 << 20))
+    return "sha256:" + digest.hexdigest()[:32]
+
+
 def hub_revision(repo_id: str) -> str | None:
     """The commit a Hub model's ``main`` points to: the Hub's answer online, the local Hub cache's offline
     (the same before and after the model is downloaded, so a run's first fingerprint keys what later ones

@@ -47,6 +47,7 @@ from medusa_train.features import (
     pad_batch,
     rows_from_block,
     soft_labels,
+    weights_identity,
 )
 from medusa_train.losses import HeadLoss, head_ce_loss, head_kl_loss, logits_kl, to_head_vocab, topk_correct
 from medusa_train.train_config import RunPaths, TrainConfig, config_from_dict, owns_rows, step_counts
@@ -435,6 +436,8 @@ def resume_fingerprint(config: TrainConfig) -> dict[str, Any]:
     section = {k: v for k, v in data["data"].items() if (k != "pack" or v) and k not in _RESUME_DATA_IGNORES}
     # the model's Hub id only names it in what is saved (and an upload, set at the end)
     return {"model": {k: v for k, v in data["model"].items() if k != "hub_id"}, "data": section,
+            # the weights under model.name (trained again into the same folder: another backbone)
+            "model_weights": weights_identity(config.model.name),
             "heads": data["heads"], "training": training,
             "lora": data["lora"] if config.training.mode == "medusa2" else None,
             "features_topk": config.soft_label_topk,
@@ -471,6 +474,7 @@ def finished_settings(config: TrainConfig) -> dict[str, Any]:
     init = Path(h.init_from) / "model.safetensors" if h.init_from else None
     settings = {
         "model": {k: v for k, v in data["model"].items() if k != "hub_id"}, "data": section,
+        "model_weights": weights_identity(config.model.name),  # trained again under the same name: other heads
         "heads": {k: v for k, v in data["heads"].items() if k != "init_from"},
         "training": {k: v for k, v in data["training"].items() if k not in _RESUME_IGNORES},
         "lora": data["lora"] if config.training.mode == "medusa2" else None,
@@ -520,6 +524,7 @@ def check_finished_run(config: TrainConfig, paths: RunPaths) -> None:
             continue
         if "init_from_sha256" not in wanted:  # the starting heads are gone: their content cannot be compared
             found.pop("init_from_sha256", None)
+        _skip_unknown_weights(found, wanted)
         for key in _DISTILLED_KEYS:  # recorded where the run distils its rows, which a given data.rows file
             def under(k: str) -> bool:  # decides by being there (owns_rows): the examples are compared
                 return k == key or k.startswith(key + ".")  # noqa: B023 (used at once)
@@ -577,7 +582,16 @@ def _resume_settings(config: TrainConfig, state: dict[str, Any], world: int) -> 
              # settings likewise
              **{k: v for k, v in _flatten(state.get("fingerprint", {})).items()
                 if k != "model.hub_id" and k.split(".")[:2] not in (["data", n] for n in _RESUME_DATA_IGNORES)}}
+    _skip_unknown_weights(found, expected)
     return expected, found
+
+
+def _skip_unknown_weights(found: dict[str, Any], wanted: dict[str, Any]) -> None:
+    """Leave ``model_weights`` out of a comparison where either side does not know it (recorded before it was,
+    or a Hub model offline and never downloaded: ``features.weights_identity``)."""
+    if found.get("model_weights") is None or wanted.get("model_weights") is None:
+        found.pop("model_weights", None)
+        wanted.pop("model_weights", None)
 
 
 def _refuse_other_run(checkpoint: Path, expected: dict[str, Any], found: dict[str, Any], paths: RunPaths) -> None:

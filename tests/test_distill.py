@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -161,7 +162,7 @@ def test_batched_rows_equal_unbatched_greedy(reference_rows, model_dir, prompts_
     assert [r["id"] for r in reference_rows] == expected_ids
     model = load_base_model(str(model_dir))
     for row in reference_rows:
-        assert set(row) == ROW_KEYS
+        assert set(row) == ROW_KEYS | {"model_weights"}  # the local model's, which an endpoint does not tell
         assert row["model"] == str(model_dir)
         assert row["generation"] == {
             "max_new_tokens": 16, "do_sample": False, "temperature": 0.0, "top_p": 1.0, "seed": 0,
@@ -445,6 +446,29 @@ def test_resume_refuses_other_generation_settings(tmp_path, model_dir, prompts_f
     answered = read_rows(output)[0]["id"]
     with pytest.raises(ValueError, match=rf"holds row '{answered}', a prompt exclude_ids excludes"):
         distill(make_config(model_dir, prompts_file, output, n=4, exclude_ids=[answered]))
+
+
+def test_rows_of_other_weights_under_the_same_name_are_refused(tmp_path, model_dir, prompts_file, tokenizer):
+    """A model folder trained or converted again between two runs into one rows file: the second run's answers
+    (another model's) were mixed with the first's without a word (only the name was compared)."""
+    folder = tmp_path / "model"
+    shutil.copytree(model_dir, folder)
+    output = tmp_path / "rows.jsonl"
+    distill(make_config(folder, prompts_file, output, n=2))
+    recorded = {row["model_weights"] for row in read_rows(output)}
+    assert len(recorded) == 1 and recorded.pop().startswith("sha256:")
+    shutil.copytree(folder, tmp_path / "copy")  # a copy elsewhere (other file times) is the same weights
+    distill(make_config(tmp_path / "copy", prompts_file, tmp_path / "copy.jsonl", n=2))
+    assert read_rows(tmp_path / "copy.jsonl")[0]["model_weights"] == read_rows(output)[0]["model_weights"]
+    other = tiny_model("llama", seed=7, vocab_size=len(tokenizer))
+    other.save_pretrained(folder)
+    with pytest.raises(ValueError, match=r"already holds row .* answered by other weights under the name"):
+        distill(make_config(folder, prompts_file, output, n=4))
+    rows = read_rows(output)  # rows from before weights were recorded resume as they are
+    for row in rows:
+        del row["model_weights"]
+    output.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    distill(make_config(folder, prompts_file, output, n=3))
 
 
 def test_rows_written_before_templates_were_recorded_still_resume(tmp_path, model_dir, prompts_file):

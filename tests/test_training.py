@@ -667,6 +667,17 @@ def test_medusa1_from_cache_learns_head_k_predicts_t_plus_k_plus_2(tiny_dir, tmp
     changed = config_from_dict(values, ["training.lr=0.01"])
     with pytest.raises(ValueError, match="training.lr was 0.03, now 0.01"):
         tr.check_finished_run(changed, run_paths(changed))
+    # the base model trained again into its folder: other heads would be needed (they were reused silently)
+    current = config_from_dict(values, ["eval.tree_size=5"])  # as heads/ was evaluated above
+    recorded = tr.finished_settings(current)
+    assert recorded["model_weights"].startswith("sha256:")
+    final["training"]["settings"] = {**recorded, "model_weights": "sha256:" + "0" * 32}
+    (out / "checkpoints" / "final" / "config.json").write_text(json.dumps(final))
+    with pytest.raises(ValueError, match="model_weights was 'sha256:0+', now 'sha256:"):
+        tr.check_finished_run(current, run_paths(current))
+    del final["training"]["settings"]["model_weights"]  # recorded before weights were: not compared
+    (out / "checkpoints" / "final" / "config.json").write_text(json.dumps(final))
+    tr.check_finished_run(current, run_paths(current))
     # a partial re-run (rows there, features, heads and final checkpoint gone) records the seconds
     # of the stages it ran, and keeps the recorded distillation seconds rather than its own
     recorded = {"data": 1234.5, "features": 2345.6, "train": 3456.7, "evaluate": 4567.8}
@@ -934,6 +945,16 @@ def test_a_checkpoint_of_other_settings_is_refused_before_any_stage_runs(tiny_di
     with pytest.raises(SystemExit):
         train_heads.main(["--config", config_file])
     assert "world_size was 2, now 1" in capsys.readouterr().err
+    # the base model trained again into its folder: the steps ran on another backbone (resumed silently without
+    # the feature cache)
+    assert state["fingerprint"]["model_weights"].startswith("sha256:")
+    state_file.write_text(json.dumps({**state, "fingerprint": {**state["fingerprint"], "model_weights": "sha256:0"}}))
+    with pytest.raises(SystemExit):
+        train_heads.main(["--config", config_file, "--plan"])
+    assert "model_weights was 'sha256:0', now 'sha256:" in capsys.readouterr().err
+    older = {k: v for k, v in state["fingerprint"].items() if k != "model_weights"}  # before weights were recorded
+    state_file.write_text(json.dumps({**state, "fingerprint": older}))
+    assert train_heads.main(["--config", config_file, "--plan"]) == 0
     state_file.write_text(json.dumps(state))
     assert train_heads.main(["--config", config_file, "data.distill_batch_size=3"]) == 0
     assert "resuming from" in capsys.readouterr().out
