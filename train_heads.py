@@ -369,7 +369,14 @@ def stage_features(config: TrainConfig, accelerator: Any, train: list[dict] | No
     """(c) Medusa-1: the frozen backbone's features of both splits, cached on disk (``train`` None:
     the held-out split's alone, as ``--heldout-only`` needs)."""
     from medusa_infer.model import MedusaModel
-    from medusa_train.features import MANIFEST, build_feature_cache, cache_key, examples_hash, model_fingerprint
+    from medusa_train.features import (
+        MANIFEST,
+        build_feature_cache,
+        cache_complete,
+        cache_key,
+        examples_hash,
+        model_fingerprint,
+    )
 
     f = config.features
     root = features_root(config)
@@ -387,8 +394,8 @@ def stage_features(config: TrainConfig, accelerator: Any, train: list[dict] | No
         return {name: root / cache_key(info, digest, k, f.dtype, kept is not None, f.shard_examples)
                 for name, digest in hashes.items()}
 
-    def complete(found: dict[str, Path]) -> bool:
-        return all((folder / MANIFEST).is_file() for folder in found.values())
+    def complete(found: dict[str, Path]) -> bool:  # finished, and whole (a damaged one is built again)
+        return all(cache_complete(folder) for folder in found.values())
 
     # loss ce reads no soft labels, so caches extracted with them (by a kl run on the same data, or
     # before ce runs left them out) serve it as well as caches without
@@ -497,7 +504,7 @@ def stage_train(config: TrainConfig, accelerator: Any, train: list[dict], folder
         module.heads.load_state_dict(init[0])
     result = tr.train(config, task, accelerator, paths, examples_hash(train),
                       folders["train"].name if config.uses_feature_cache else None)
-    info = {"recipe": config.to_dict(), "settings": tr.finished_settings(config),
+    info = {"recipe": config.to_dict(), "settings": tr.finished_settings(config, result.model_weights),
             "train_examples_sha256": examples_hash(train), "steps": result.steps,
             "train_seconds": round(result.seconds, 1), "resumed_from_step": result.resumed_from,
             "num_processes": accelerator.num_processes,

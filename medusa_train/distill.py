@@ -525,7 +525,7 @@ def check_resumable(rows: Sequence[dict[str, Any]], config: DistillConfig) -> No
             if weights[0] is not None and row["model_weights"] != weights[0]:
                 raise ValueError(f"{config.output} already holds row {row.get('id')!r} answered by other weights "
                                  f"under the name {config.model!r} (weights {row['model_weights']}, now "
-                                 f"{weights[0]}: the model was trained or converted again since); use another "
+                                 f"{weights[0]}: its files changed since, trained, converted or downloaded again); use another "
                                  "output path, or the weights that answered them")
         if str(row.get("id")) in excluded:
             raise ValueError(f"{config.output} holds row {row.get('id')!r}, a prompt exclude_ids excludes (answered "

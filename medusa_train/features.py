@@ -139,17 +139,23 @@ def model_fingerprint(name_or_path: str, dtype: str | None = None,
 def weights_identity(name_or_path: str) -> str | None:
     """What tells a model's weights apart in records that travel with a run (distilled rows, trained heads): for
     a default model, the GGUF file its weights are dequantized from (by its SHA-256: nothing is fetched); for a
-    local folder, a digest of its ``config.json`` (but the transformers release that wrote it) and each weight
-    file's name, size and first, middle and last MiB, not their times (a copy on another machine keeps it; weights
-    changed only elsewhere go unnoticed); for a Hub id, the commit its ``main`` points to (``hub_revision``);
-    None where neither tells (offline, never downloaded): not compared."""
+    local folder, or a Hub id's snapshot in the local Hub cache (no request is made: a commit that leaves the
+    weights as they were, a model card's, keeps it), a digest of its ``config.json`` (but the transformers
+    release that wrote it) and of the weight files ``from_pretrained`` loads (``model_weight_files``): each one's
+    name, size and first, middle and last MiB, not their times (a copy on another machine keeps it; weights
+    changed only elsewhere go unnoticed); None for a Hub id not downloaded: not compared."""
     from medusa_infer.models import DEFAULT_MODELS, names_default_model, resolve_model
 
     if names_default_model(name_or_path):
         return "gguf-sha256:" + DEFAULT_MODELS[name_or_path].sha256[:32]
     resolved = Path(resolve_model(name_or_path))
     if not resolved.is_dir():
-        return hub_revision(name_or_path)
+        from huggingface_hub import snapshot_download
+
+        try:
+            resolved = Path(snapshot_download(name_or_path, local_files_only=True))
+        except (OSError, ValueError):
+            return None
     digest = hashlib.sha256()
     config = resolved / "config.json"
     if config.is_file():
@@ -159,7 +165,7 @@ def weights_identity(name_or_path: str) -> str | None:
             digest.update(json.dumps(found, sort_keys=True).encode())
         except (ValueError, AttributeError):
             digest.update(config.read_bytes())
-    for weights in sorted(resolved.glob("*.safetensors")) + sorted(resolved.glob("*.bin")):
+    for weights in model_weight_files(resolved):
         size = weights.stat().st_size
         digest.update(f"{weights.name}:{size}".encode())
         with weights.open("rb") as handle:
@@ -167,6 +173,23 @@ def weights_identity(name_or_path: str) -> str | None:
                 handle.seek(offset)
                 digest.update(handle.read(1 << 20))
     return "sha256:" + digest.hexdigest()[:32]
+
+
+def model_weight_files(folder: Path) -> list[Path]:
+    """The weight files ``from_pretrained`` loads from ``folder``: those its safetensors index names, else
+    ``model.safetensors``, else the ``pytorch_model`` index's or ``pytorch_model.bin`` (an unused ``.bin`` beside
+    safetensors, a ``training_args.bin``, an adapter's file: none of them)."""
+    for index, single in (("model.safetensors.index.json", "model.safetensors"),
+                          ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        if (folder / index).is_file():
+            try:
+                names = sorted(set(json.loads((folder / index).read_text())["weight_map"].values()))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                names = []
+            return [folder / name for name in names if (folder / name).is_file()]
+        if (folder / single).is_file():
+            return [folder / single]
+    return []
 
 
 def hub_revision(repo_id: str) -> str | None:
@@ -577,10 +600,9 @@ def build_feature_cache(
     model_info = backbone_fingerprint(model, model_info)
     folder = Path(root) / cache_key(model_info, examples_hash(examples), topk, dtype, captured is not None,
                                     shard_examples)
-    if (folder / MANIFEST).is_file():
-        if not _damaged_shards(folder):
-            return folder
-        (folder / MANIFEST).unlink(missing_ok=True)  # built again below: the intact shards are kept
+    if cache_complete(folder):
+        return folder
+    (folder / MANIFEST).unlink(missing_ok=True)  # damaged since: built again below, the intact shards kept
     if pack:
         check_packed_attention(model)
     folder.mkdir(parents=True, exist_ok=True)
@@ -628,6 +650,17 @@ def build_feature_cache(
 def _shard_examples(path: Path) -> list[int] | None:
     """The example indices a shard file says it holds, in the plan's order (None: no such file, or one
     cut short or damaged, as a power loss between its write and its rename can leave it: built again)."""
+    header = _safetensors_header(path)
+    try:
+        return None if header is None else json.loads((header.get("__metadata__") or {}).get("examples", "null"))
+    except (ValueError, TypeError, AttributeError) as error:
+        logger.warning("feature shard %s is damaged (%s): building it again", path, error)
+        return None
+
+
+def _safetensors_header(path: Path) -> dict[str, Any] | None:
+    """A safetensors file's header, where the file is whole (None, warned about, where it is missing, cut short or
+    damaged: built again)."""
     if not path.is_file():
         return None
     try:
@@ -637,21 +670,29 @@ def _shard_examples(path: Path) -> list[int] | None:
         end = max((entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"), default=0)
         if 8 + length + end != path.stat().st_size:
             raise ValueError(f"{path.stat().st_size} bytes where its header describes {8 + length + end}")
-        return json.loads((header.get("__metadata__") or {}).get("examples", "null"))
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        logger.warning("feature shard %s is damaged (%s): building it again", path, error)
+        return header
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        logger.warning("feature cache file %s is damaged (%s): building it again", path, error)
         return None
 
 
+def cache_complete(folder: Path) -> bool:
+    """Whether ``folder`` holds a finished cache (its manifest) whose files are whole: one damaged since it was
+    written (a shard or its ``lm_head`` file cut short) is built again by ``build_feature_cache``, keeping the
+    files that are whole."""
+    return (folder / MANIFEST).is_file() and not _damaged_shards(folder)
+
+
 def _damaged_shards(folder: Path) -> list[Path]:
-    """The shard files a finished cache's manifest lists that are missing or damaged (cut short or emptied after
-    the manifest was written), each warned about by ``_shard_examples``."""
+    """The shard files a finished cache's manifest lists, and its ``lm_head`` file, that are missing or damaged
+    (cut short or emptied after the manifest was written), each warned about (``_safetensors_header``)."""
     try:
         listed = [folder / shard["file"] for shard in json.loads((folder / MANIFEST).read_text())["shards"]]
     except (OSError, ValueError, KeyError, TypeError) as error:
         logger.warning("feature cache manifest %s is damaged (%s): building the cache again", folder / MANIFEST, error)
         return [folder / MANIFEST]
-    return [path for path in listed if _shard_examples(path) is None]
+    damaged = [path for path in listed if _shard_examples(path) is None]
+    return damaged + ([] if _safetensors_header(folder / LM_HEAD) is not None else [folder / LM_HEAD])
 
 
 def _write_manifest(model: Any, folder: Path, num_shards: int, num_examples: int, topk: int, dtype: str,
@@ -718,7 +759,7 @@ def _load_shard(folder: Path, path: Path) -> dict[str, torch.Tensor]:
         return load_file(str(path))
     except (SafetensorError, OSError) as err:
         raise ValueError(f"{path} cannot be read ({err}): the feature cache {folder} is damaged; run the features "
-                         "stage again, which builds the damaged shards again") from err
+                         "stage again, which builds its damaged files again") from err
 
 
 @dataclass

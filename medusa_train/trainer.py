@@ -426,10 +426,15 @@ _RESUME_DATA_IGNORES = ("distill_batch_size", "distill_options")
 and the examples by content (``train_examples_sha256``)."""
 
 
-def resume_fingerprint(config: TrainConfig) -> dict[str, Any]:
+_NOW: Any = object()
+"""``model_weights`` argument meaning: the base model's ``weights_identity`` as its files are now."""
+
+
+def resume_fingerprint(config: TrainConfig, model_weights: str | None = _NOW) -> dict[str, Any]:
     """The settings a step checkpoint must share with the run that resumes it: every one that shapes the
     training's course, paths included (stricter than ``finished_settings``, which finished heads are
-    compared by), how rows are distilled excepted (``_RESUME_DATA_IGNORES``)."""
+    compared by), how rows are distilled excepted (``_RESUME_DATA_IGNORES``). ``model_weights``: the
+    backbone's ``weights_identity`` as the training took it (default: as the files are now)."""
     data = config.to_dict()
     training = {k: v for k, v in data["training"].items() if k not in _RESUME_IGNORES}
     # data.pack only when set: checkpoints from before the key existed were unpacked runs
@@ -437,7 +442,7 @@ def resume_fingerprint(config: TrainConfig) -> dict[str, Any]:
     # the model's Hub id only names it in what is saved (and an upload, set at the end)
     return {"model": {k: v for k, v in data["model"].items() if k != "hub_id"}, "data": section,
             # the weights under model.name (trained again into the same folder: another backbone)
-            "model_weights": weights_identity(config.model.name),
+            "model_weights": weights_identity(config.model.name) if model_weights is _NOW else model_weights,
             "heads": data["heads"], "training": training,
             "lora": data["lora"] if config.training.mode == "medusa2" else None,
             "features_topk": config.soft_label_topk,
@@ -455,9 +460,10 @@ _DISTILLED_KEYS = ("data.n", "data.per_source", "data.max_new_tokens")
 _EVAL_IGNORES = ("push_to_hub", "private")  # an upload changes nothing in the heads folder
 
 
-def finished_settings(config: TrainConfig) -> dict[str, Any]:
+def finished_settings(config: TrainConfig, model_weights: str | None = _NOW) -> dict[str, Any]:
     """The settings that decide trained heads besides their examples (compared by content:
     ``train_examples_sha256``), flattened: what a re-run of a finished run must share with it.
+    ``model_weights`` as ``resume_fingerprint``'s.
 
     Left out: paths (``data.prompts``, ``data.rows``, ``data.tokenized``, ``heads.init_from``, whose
     contents are compared: the examples, ``init_from_sha256`` while the starting heads are there), the
@@ -474,7 +480,8 @@ def finished_settings(config: TrainConfig) -> dict[str, Any]:
     init = Path(h.init_from) / "model.safetensors" if h.init_from else None
     settings = {
         "model": {k: v for k, v in data["model"].items() if k != "hub_id"}, "data": section,
-        "model_weights": weights_identity(config.model.name),  # trained again under the same name: other heads
+        # trained again under the same name: other heads
+        "model_weights": weights_identity(config.model.name) if model_weights is _NOW else model_weights,
         "heads": {k: v for k, v in data["heads"].items() if k != "init_from"},
         "training": {k: v for k, v in data["training"].items() if k not in _RESUME_IGNORES},
         "lora": data["lora"] if config.training.mode == "medusa2" else None,
@@ -830,6 +837,8 @@ class TrainResult:
     resumed_from: int
     seconds: float
     last_record: dict[str, Any] | None
+    model_weights: str | None = None
+    """The backbone's ``weights_identity`` as the training began (what its records name)."""
 
 
 def micro_batch_index(g: int, n: int, micro: int, micro_per_epoch: int, seed: int, rank: int, world: int,
@@ -869,6 +878,9 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
     the hidden states kept while distilling)."""
     t = config.training
     world, rank = accelerator.num_processes, accelerator.process_index
+    # once, as the backbone is (its folder rewritten later: the records name the weights trained on), not at
+    # every save (3 MiB read a weight file, or a Hub lookup, each time)
+    model_weights = weights_identity(config.model.name)
     cached = isinstance(task.source, FeatureDataset)
     micro, unit = (t.batch_tokens, "positions") if cached else (t.batch_size, "sequences")
     n = len(task.source)
@@ -969,14 +981,15 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
                 "step": step, "epoch": (step * t.grad_accum) // micro_per_epoch,
                 "micro_step": step * t.grad_accum, "micro_steps_per_epoch": micro_per_epoch,
                 "world_size": world, "micro_batch": micro, "grad_accum": t.grad_accum, "total_steps": total,
-                "fingerprint": resume_fingerprint(config), "train_examples_sha256": examples_sha256,
+                "fingerprint": resume_fingerprint(config, model_weights), "train_examples_sha256": examples_sha256,
                 "features_cache": features_cache,
             }, t.keep_checkpoints, {"sums": window, "measured": measured, "units": window_units,
                                     "seconds": time.perf_counter() - window_start})
     bar.close()
     logger.close()
     heads_state = {k: v.detach().cpu().clone() for k, v in task.heads_state(accelerator, module).items()}
-    return TrainResult(heads_state, module, step, start_step, time.perf_counter() - start_time, record)
+    return TrainResult(heads_state, module, step, start_step, time.perf_counter() - start_time, record,
+                       model_weights)
 
 
 def _summarise(accelerator: Any, window: dict[str, torch.Tensor], measured: Mapping[str, int], units: int,

@@ -32,6 +32,7 @@ from medusa_train.features import (
     model_fingerprint,
     pad_batch,
     token_counts,
+    weights_identity,
 )
 from medusa_train.losses import (
     IGNORE,
@@ -447,6 +448,12 @@ def test_feature_cache_round_trip_equals_live_forward(tiny_dir, tmp_path):
     found = shards()
     assert all(torch.equal(found[n][k], whole[n][k]) for n in whole for k in whole[n])
     FeatureCache.load(folder)
+    head = (folder / "lm_head.safetensors").read_bytes()  # its lm_head file too (was never built again)
+    (folder / "lm_head.safetensors").write_bytes(head[:-16])
+    with pytest.raises(ValueError, match=r"lm_head.safetensors cannot be read"):
+        FeatureCache.load(folder)
+    build_feature_cache(model, examples, tmp_path, info, topk=4, batch_size=4, shard_examples=5, progress=False)
+    assert (folder / "lm_head.safetensors").read_bytes() == head
 
 
 def test_feature_cache_key_covers_shards_and_how_the_backbone_runs(tmp_path):
@@ -539,6 +546,38 @@ def test_a_hub_models_fingerprint_is_the_revision_its_main_points_to(tmp_path, m
     assert prints[0] != prints[1]
 
 
+def test_weights_identity_names_the_weights_loaded_not_the_commit_or_other_files(tmp_path, monkeypatch):
+    """Records that travel with a run (rows, heads, checkpoints) name the weights: a Hub commit that changed only
+    the model card refused them as "other weights", and so did a copy without an unused pytorch_model.bin."""
+    from huggingface_hub import constants
+
+    folder = tmp_path / "model"
+    tiny_model("llama", seed=0).save_pretrained(folder)
+    first = weights_identity(str(folder))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "transformers_version": "9.9.9"}))
+    torch.save({"unused": torch.zeros(3)}, folder / "pytorch_model.bin")
+    torch.save({"args": 1}, folder / "training_args.bin")
+    assert weights_identity(str(folder)) == first
+    tiny_model("llama", seed=1).save_pretrained(folder)
+    assert weights_identity(str(folder)) != first
+    assert weights_identity("smollm2-135m-instruct").startswith("gguf-sha256:")  # nothing fetched
+    hub = tmp_path / "hub"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    repo = hub / "models--me--tiny-sft"
+    assert weights_identity("me/tiny-sft") is None  # never downloaded: not compared
+    found = []
+    for commit, seed, card in (("a" * 40, 0, None), ("b" * 40, 0, "# a card"), ("c" * 40, 1, None)):
+        tiny_model("llama", seed=seed).save_pretrained(repo / "snapshots" / commit)
+        if card:
+            (repo / "snapshots" / commit / "README.md").write_text(card)
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / "main").write_text(commit)
+        found.append(weights_identity("me/tiny-sft"))
+    assert found[0] == found[1] != found[2]  # a model card's commit keeps it, new weights do not
+
+
 # ---------------------------------------------------------------------------------------------
 # Medusa-1: what trains and what must not
 
@@ -591,6 +630,16 @@ def test_medusa1_from_cache_learns_head_k_predicts_t_plus_k_plus_2(tiny_dir, tmp
     for other in ("training.seed=7", "data.heldout_fraction=0.5"):
         with pytest.raises(SystemExit, match="the held-out split drawn now is not the one the heads"):
             train_heads.main(["--config", config_file, "--heldout-only", other])
+    # a cache damaged since it was finished is built again by the features stage (it was reused, and failed)
+    heldout_cache = out / "features" / json.loads((out / "features" / "index.json").read_text())["heldout"]
+    from safetensors.torch import load_file
+
+    shard = next(heldout_cache.glob("shard-*.safetensors"))
+    whole = {k: v.clone() for k, v in load_file(str(shard)).items()}
+    shard.write_bytes(shard.read_bytes()[:-8])
+    assert train_heads.main(["--config", config_file, "--heldout-only"]) == 0
+    rebuilt = load_file(str(shard))
+    assert rebuilt.keys() == whole.keys() and all(torch.allclose(rebuilt[k].float(), whole[k].float()) for k in whole)
     # Check the alignment against the sequence itself, not against our own targets: on a fresh
     # counting sequence head k's top token at position t >= 3 (the shortest prompt the heads
     # trained after) must be token t + k + 2.
@@ -958,6 +1007,29 @@ def test_a_checkpoint_of_other_settings_is_refused_before_any_stage_runs(tiny_di
     state_file.write_text(json.dumps(state))
     assert train_heads.main(["--config", config_file, "data.distill_batch_size=3"]) == 0
     assert "resuming from" in capsys.readouterr().out
+
+
+def test_the_weights_a_training_records_are_the_ones_it_began_on(tiny_dir, tmp_path, monkeypatch):
+    """model_weights was read again at every checkpoint save and for the final heads: a folder trained again
+    during the run had the old backbone's heads record the new weights (and each save read 3 MiB of every weight
+    file, or asked the Hub)."""
+    import train_heads
+    from medusa_train import trainer as tr
+
+    calls = []
+
+    def identity(name: str) -> str:
+        calls.append(name)
+        return f"sha256:{len(calls)}"
+
+    monkeypatch.setattr(tr, "weights_identity", identity)
+    values = recipe(tiny_dir, tmp_path / "run", training={"max_steps": 4, "save_every": 1, "keep_checkpoints": 4},
+                    features={"enabled": False})
+    assert train_heads.main(["--config", str(write_recipe(tmp_path / "r.yaml", values))]) == 0
+    checkpoints = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))
+    recorded = {json.loads((c / "trainer_state.json").read_text())["fingerprint"]["model_weights"] for c in checkpoints}
+    final = json.loads((tmp_path / "run" / "checkpoints" / "final" / "config.json").read_text())
+    assert len(checkpoints) == 3 and recorded == {final["training"]["settings"]["model_weights"]}
 
 
 def test_a_damaged_checkpoint_is_named_with_the_one_to_resume_from(tiny_dir, tmp_path, capsys):
