@@ -512,6 +512,13 @@ def existing_rows(output: str | Path, repair_rank: int | None = None) -> list[di
     return rows
 
 
+def _recipe_key(field_name: str) -> str:
+    """The training recipe's key that sets a distillation setting (``RECIPE_KEYS``, else ``data.distill_options``)."""
+    if field_name == "model":
+        return "model.name"
+    return RECIPE_KEYS.get(field_name, f"data.distill_options.{field_name}")
+
+
 def check_resumable(rows: Sequence[dict[str, Any]], config: DistillConfig) -> None:
     """Refuse to mix rows made with another model or other generation settings, and rows of prompts
     ``exclude_ids`` excludes (answered before it excluded them: they would be trained on)."""
@@ -535,10 +542,14 @@ def check_resumable(rows: Sequence[dict[str, Any]], config: DistillConfig) -> No
         generation = {"chat_template": None, "system_prompt": None, **(row.get("generation") or {})}
         found = (row.get("model"), generation)
         if found != expected:
+            differ = [("model", found[0], expected[0])] if found[0] != expected[0] else []
+            differ += [(key, generation.get(key), value) for key, value in expected[1].items()
+                       if generation.get(key) != value]
+            differ += [(key, value, None) for key, value in generation.items() if key not in expected[1]]
+            said = ", ".join(f"{key} {was!r} (now {now!r}; {_recipe_key(key)} in a recipe)" for key, was, now in differ)
             raise ValueError(
-                f"{config.output} already holds row {row.get('id')!r} made with model "
-                f"{found[0]!r} and generation {found[1]}, but this run uses {expected[0]!r} and "
-                f"{expected[1]}. Use another output path, or the same settings to resume."
+                f"{config.output} already holds row {row.get('id')!r} made with {said}. Use another output path "
+                "(a recipe's output_dir), or the same settings to resume."
             )
 
 

@@ -411,8 +411,9 @@ def test_rows_of_another_model_or_settings_are_refused_before_anything_runs(tmp_
     ids = [p["id"] for p in sample_prompts(config.data.prompts, 10)]
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(values))
-    for changes, named in (({"model": "gemma3-270m"}, "'gemma3-270m'"),
-                           ({"generation": {"max_new_tokens": 512}}, "'max_new_tokens': 512")):
+    for changes, named in (({"model": "gemma3-270m"}, "made with model 'gemma3-270m' (now "),
+                           ({"generation": {"max_new_tokens": 512}},
+                            "made with max_new_tokens 512 (now 32; data.max_new_tokens in a recipe)")):
         write_rows(config, ids, **changes)
         with pytest.raises(SystemExit) as exit_info:
             train_heads.main(["--config", str(recipe), "--plan"])
