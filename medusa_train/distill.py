@@ -423,6 +423,7 @@ def pending_prompts(config: DistillConfig, merged: bool = False) -> tuple[int, i
     prompts = sample_prompts(config.prompts, config.n, config.per_source, config.seed, config.exclude_ids)
     done = existing_rows(config.output)
     check_resumable(done, config)
+    check_prompt_texts(done, prompts, config)
     if merged:
         done = read_jsonl_tolerant(Path(config.output))
     done_ids = {str(row["id"]) for row in done}
@@ -510,6 +511,21 @@ def existing_rows(output: str | Path, repair_rank: int | None = None) -> list[di
         own = repair_rank is not None and path == shard_path(output, repair_rank)
         rows.extend(read_jsonl_tolerant(path, repair=own))
     return rows
+
+
+def check_prompt_texts(rows: Sequence[dict[str, Any]], prompts: Sequence[dict[str, Any]], config: DistillConfig) -> None:
+    """Refuse rows whose prompt text is not the one the prompts file now gives their id (the file rewritten under
+    the same ids: the old answers were kept, as answers to the new prompts). Rows of prompts cut to
+    ``max_prompt_tokens`` (``prompt_overflow="truncate"``) hold a decoded prefix: not compared."""
+    if config.prompt_overflow == "truncate":
+        return
+    texts = {p["id"]: p["prompt"] for p in prompts}
+    for row in rows:
+        text = texts.get(str(row.get("id")))
+        if text is not None and isinstance(row.get("prompt"), str) and row["prompt"] != text:
+            raise ValueError(f"{config.output} holds row {row.get('id')!r} answering another prompt than {config.prompts} "
+                             f"now gives that id ({row['prompt'][:60]!r} there, {text[:60]!r} now): the prompts file "
+                             "changed under its ids; use another output path, or the prompts the rows answered")
 
 
 def _recipe_key(field_name: str) -> str:
@@ -1201,6 +1217,7 @@ def distill_shard(
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
     done = existing_rows(config.output, repair_rank=rank)
     check_resumable(done, config)
+    check_prompt_texts(done, prompts, config)
     done_ids = {str(row["id"]) for row in done}
     mine = list(prompts[rank::world_size])
     pending = [p for p in mine if p["id"] not in done_ids]

@@ -443,6 +443,13 @@ def test_resume_refuses_other_generation_settings(tmp_path, model_dir, prompts_f
     with pytest.raises(ValueError, match=r"made with chat_template None \(now 'sha256:[0-9a-f]+'; model.chat_template in a "
                                          r"recipe\)"):
         distill(make_config(model_dir, prompts_file, output, n=4, chat_template=template))
+    # the prompts file rewritten under the same ids: the old answers were kept as the new prompts' answers
+    rows = read_rows(output)
+    changed = tmp_path / "prompts.jsonl"
+    changed.write_text("".join(json.dumps({**json.loads(line), "prompt": json.loads(line)["prompt"] + " Why?"})
+                               + "\n" for line in Path(prompts_file).read_text().splitlines()))
+    with pytest.raises(ValueError, match=rf"holds row '{rows[0]['id']}' answering another prompt than .*prompts.jsonl"):
+        distill(make_config(model_dir, changed, output, n=4))
     # exclude_ids added after its prompt was answered: the row stayed, trained on (a held-out set's prompt)
     answered = read_rows(output)[0]["id"]
     with pytest.raises(ValueError, match=rf"holds row '{answered}', a prompt exclude_ids excludes"):

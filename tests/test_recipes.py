@@ -388,8 +388,9 @@ def write_rows(config: TrainConfig, ids: list[str], **changes) -> Path:
     path = rows_path(config)
     path.parent.mkdir(parents=True, exist_ok=True)
     model = changes.get("model", made.model)
-    path.write_text("".join(json.dumps({"id": i, "prompt": "q", "response": "a", "model": model, "generation": record})
-                            + "\n" for i in ids))
+    texts = {str(p["id"]): p["prompt"] for p in map(json.loads, Path(config.data.prompts).read_text().splitlines())}
+    path.write_text("".join(json.dumps({"id": i, "prompt": texts[i], "response": "a", "model": model,
+                                        "generation": record}) + "\n" for i in ids))
     return path
 
 
