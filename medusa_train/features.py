@@ -143,7 +143,8 @@ def weights_identity(name_or_path: str) -> str | None:
     weights as they were, a model card's, keeps it), a digest of its ``config.json`` (but the transformers
     release that wrote it) and of the weight files ``from_pretrained`` loads (``model_weight_files``): each one's
     name, size and first, middle and last MiB, not their times (a copy on another machine keeps it; weights
-    changed only elsewhere go unnoticed); None for a Hub id not downloaded: not compared."""
+    changed only elsewhere go unnoticed); None where those files are not all there (a Hub id not downloaded, or
+    not completely): not compared."""
     from medusa_infer.models import DEFAULT_MODELS, names_default_model, resolve_model
 
     if names_default_model(name_or_path):
@@ -165,7 +166,10 @@ def weights_identity(name_or_path: str) -> str | None:
             digest.update(json.dumps(found, sort_keys=True).encode())
         except (ValueError, AttributeError):
             digest.update(config.read_bytes())
-    for weights in model_weight_files(resolved):
+    files = model_weight_files(resolved)
+    if files is None:  # not all there (a download cut short): nothing to tell them by
+        return None
+    for weights in files:
         size = weights.stat().st_size
         digest.update(f"{weights.name}:{size}".encode())
         with weights.open("rb") as handle:
@@ -175,21 +179,23 @@ def weights_identity(name_or_path: str) -> str | None:
     return "sha256:" + digest.hexdigest()[:32]
 
 
-def model_weight_files(folder: Path) -> list[Path]:
-    """The weight files ``from_pretrained`` loads from ``folder``: those its safetensors index names, else
-    ``model.safetensors``, else the ``pytorch_model`` index's or ``pytorch_model.bin`` (an unused ``.bin`` beside
-    safetensors, a ``training_args.bin``, an adapter's file: none of them)."""
-    for index, single in (("model.safetensors.index.json", "model.safetensors"),
-                          ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+def model_weight_files(folder: Path) -> list[Path] | None:
+    """The weight files ``from_pretrained`` loads from ``folder``, in its order: ``model.safetensors``, else those
+    the safetensors index names, else ``pytorch_model.bin``, else those its index names (an unused ``.bin`` beside
+    safetensors, a ``training_args.bin``, an adapter's file: none of them); None where they are not all there (no
+    weights, an index naming a missing file: a Hub snapshot whose download is not finished)."""
+    for single, index in (("model.safetensors", "model.safetensors.index.json"),
+                          ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        if (folder / single).is_file():
+            return [folder / single]
         if (folder / index).is_file():
             try:
                 names = sorted(set(json.loads((folder / index).read_text())["weight_map"].values()))
             except (ValueError, KeyError, TypeError, AttributeError):
-                names = []
-            return [folder / name for name in names if (folder / name).is_file()]
-        if (folder / single).is_file():
-            return [folder / single]
-    return []
+                return None
+            files = [folder / name for name in names]
+            return files if files and all(f.is_file() for f in files) else None
+    return None
 
 
 def hub_revision(repo_id: str) -> str | None:

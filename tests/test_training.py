@@ -561,12 +561,24 @@ def test_weights_identity_names_the_weights_loaded_not_the_commit_or_other_files
     assert weights_identity(str(folder)) == first
     tiny_model("llama", seed=1).save_pretrained(folder)
     assert weights_identity(str(folder)) != first
+    # from_pretrained's order: model.safetensors before a (stale) index, which hid every later save's weights
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-00001-of-00002"}}))
+    second = weights_identity(str(folder))
+    tiny_model("llama", seed=2).save_pretrained(folder)
+    assert weights_identity(str(folder)) not in (second, None)
+    (folder / "model.safetensors").unlink()  # an index naming a file not there: unknown, not compared
+    assert weights_identity(str(folder)) is None
     assert weights_identity("smollm2-135m-instruct").startswith("gguf-sha256:")  # nothing fetched
     hub = tmp_path / "hub"
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     repo = hub / "models--me--tiny-sft"
     assert weights_identity("me/tiny-sft") is None  # never downloaded: not compared
+    (repo / "snapshots" / ("0" * 40)).mkdir(parents=True)  # a download cut short: its config, no weights yet
+    (repo / "snapshots" / ("0" * 40) / "config.json").write_text("{}")
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    assert weights_identity("me/tiny-sft") is None
     found = []
     for commit, seed, card in (("a" * 40, 0, None), ("b" * 40, 0, "# a card"), ("c" * 40, 1, None)):
         tiny_model("llama", seed=seed).save_pretrained(repo / "snapshots" / commit)
