@@ -219,6 +219,10 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
         "after loading write them.",
         "",
     ]
+    if config.trained_with_adapter:
+        lines += ["These heads were trained with a Medusa-2 LoRA adapter on the backbone (`training.recipe.training."
+                  "mode`): the figures on this card were measured with it merged, and on a base model without it "
+                  "the heads draft worse than they say.", ""]
     if config.chat_template:
         lines += ["The heads were trained on conversations rendered with the chat template in `config.json` "
                   "(`chat_template`), not the tokenizer's own: `from_pretrained` installs it on the tokenizer, "

@@ -95,6 +95,13 @@ def test_adapter_false_keeps_the_plain_base(heads_folder, tmp_path, caplog):
     model.config.base_model_name_or_path = "tiny-random/llama"
     model.export_medusa_layout(tmp_path / "fd")  # nor does the FasterDecoding layout hold it: said too
     assert "which the layout written to" in caplog.text
+    # pushed, the heads alone deleted the repo's adapter/ as stale, after a warning naming a temporary folder
+    model.config.training = {"recipe": {"training": {"mode": "medusa2"}}}
+    with pytest.raises(ValueError, match=r"Medusa-2 heads were loaded with adapter=False from .*adapter; uploading "
+                                         r"them alone would delete me/heads's adapter/ as stale"):
+        model.push_to_hub("me/heads")
+    model.save_pretrained(tmp_path / "carded")  # the card says what its figures were measured with
+    assert "trained with a Medusa-2 LoRA adapter" in (tmp_path / "carded" / "README.md").read_text()
 
 
 def test_the_merged_base_model_saved_loads_the_heads_without_a_second_merge(heads_folder, tmp_path):
