@@ -174,6 +174,14 @@ def _looks_like_hub_id(name: str) -> bool:
     return True
 
 
+def _local_base(config: MedusaConfig) -> bool:
+    """Whether the config names its base model by a local folder, which a copy of the heads elsewhere lacks."""
+    from medusa_infer.models import is_path_like
+
+    name = config.base_model_name_or_path
+    return bool(name) and is_path_like(name)
+
+
 def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
     """A Hugging Face model card with front matter, usage and the measured figures when known.
 
@@ -208,7 +216,10 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
         "```python",
         "from medusa_infer.model import MedusaModel",
         "",
-        'model = MedusaModel.from_pretrained("<this repo or folder>")',
+        *(['model = MedusaModel.from_pretrained("<this repo or folder>")'] if not _local_base(config) else [
+            f"# config.json names the base model by a local folder ({config.base_model_name_or_path}): give it",
+            f'model = MedusaModel.from_pretrained("<this repo or folder>", base_model="'
+            f'{base if _looks_like_hub_id(base) else "<base model folder or Hub id>"}")']),
         'out = model.generate(prompt="What is the capital of France?", max_new_tokens=64)',
         "print(model.tokenizer.decode(out.new_tokens[0]))",
         "```",

@@ -300,3 +300,9 @@ def test_the_card_names_a_base_model_in_its_front_matter_only_when_it_can_be_a_h
         config.base_model_name_or_path = local
         card = model_card(config)
         assert "base_model" not in front(card) and f"# Medusa heads for {local}" in card, local
+    # its usage snippet gives the base model a copy elsewhere cannot find by the folder (it failed as written)
+    config.base_model_name_or_path = "/home/me/models/llama"
+    assert 'from_pretrained("<this repo or folder>", base_model="org/llama")' in model_card(config, "org/llama")
+    assert 'base_model="<base model folder or Hub id>")' in model_card(config)
+    config.base_model_name_or_path = "org/llama"
+    assert 'from_pretrained("<this repo or folder>")\n' in model_card(config)
