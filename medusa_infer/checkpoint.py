@@ -174,6 +174,19 @@ def _looks_like_hub_id(name: str) -> bool:
     return True
 
 
+def _gguf_note(config: MedusaConfig) -> list[str]:
+    """For a default model's heads, the lines saying which weights they were trained and measured on."""
+    from medusa_infer.models import DEFAULT_MODELS, names_default_model
+
+    name = config.base_model_name_or_path
+    if not name or not names_default_model(name):
+        return []
+    model = DEFAULT_MODELS[name]
+    return [f"They were trained and measured on float32 weights dequantized from the GGUF file `{model.gguf_file}` "
+            f"of {model.hub_id} (medusa-forge's default model `{name}`, which `from_pretrained` loads by that name), "
+            "not on the original checkpoint.", ""]
+
+
 def _local_base(config: MedusaConfig) -> bool:
     """Whether the config names its base model by a local folder, which a copy of the heads elsewhere lacks."""
     from medusa_infer.models import is_path_like
@@ -211,6 +224,7 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
         + (" and the candidate path it extends (reading the candidate path: Hydra-style)" if config.path_input else "")
         + provenance(config),
         "",
+        *_gguf_note(config),
         "## Usage",
         "",
         "```python",

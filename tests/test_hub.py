@@ -295,6 +295,7 @@ def test_the_card_names_a_base_model_in_its_front_matter_only_when_it_can_be_a_h
     front = lambda card: card.split("---")[1]  # noqa: E731
     config.base_model_name_or_path = "smollm2-135m-instruct"  # a default model: its original repository
     assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct\n" in front(model_card(config))
+    assert "dequantized from the GGUF file `SmolLM2-135M-Instruct.Q4_1.gguf`" in model_card(config)  # said nowhere
     assert "base_model: org/llama\n" in front(model_card(config, base_model_id="org/llama"))
     for local in ("/home/me/models/llama", str(tmp_path), "runs/demo/model"):
         config.base_model_name_or_path = local
