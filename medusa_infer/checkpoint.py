@@ -277,6 +277,10 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
             lines += [f"## {title}", "", "| metric | value |", "|---|---|"]
             lines += [f"| {key} | {value} |" for key, value in figures.items()]
             lines.append("")
+            profile = config.cost_profile or {}
+            if figures is estimated and profile.get("device"):  # a CPU's speedup is not a GPU's
+                lines += [f"The cost model was measured on {profile['device']}, {profile.get('context', 0)} cached "
+                          "tokens before each forward: speedups estimated elsewhere differ.", ""]
     if config.training:
         lines += ["## Training", "", "```json", json.dumps(config.training, indent=2), "```", ""]
     return "\n".join(lines)

@@ -503,6 +503,13 @@ def test_model_card_tells_trained_untrained_and_estimated_figures_apart(tmp_path
     assert "heldout_positions" in measured and "expected" not in measured and "calibrated" not in measured
     estimated = card.split("## Expected acceptance (estimated", 1)[1].split("## ", 1)[0]
     assert "| calibrated_expected_tau | 2.1 |" in estimated and "| calibrated_expected_speedup | 1.7 |" in estimated
+    assert "measured on" not in estimated  # no profile: no device to name
+    model.config.cost_profile = {"sizes": [1, 2], "seconds": [1.0, 1.2], "device": "cpu float32", "context": 64}
+    model.save_pretrained(tmp_path / "trained")  # a CPU's estimated speedup read as any device's
+    card = (tmp_path / "trained" / "README.md").read_text()
+    estimated = card.split("## Expected acceptance (estimated", 1)[1].split("## ", 1)[0]
+    assert "The cost model was measured on cpu float32, 64 cached tokens before each forward" in estimated
+    model.config.cost_profile = None
     model.config.training = {"heldout_head_accuracies": [[0.5]]}  # calibration's record, not training's
     model.save_pretrained(tmp_path / "calibrated")
     assert "not trained" in (tmp_path / "calibrated" / "README.md").read_text()
