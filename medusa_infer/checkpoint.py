@@ -182,7 +182,7 @@ def _gguf_note(config: MedusaConfig) -> list[str]:
     if not name or not names_default_model(name):
         return []
     model = DEFAULT_MODELS[name]
-    return [f"They were trained and measured on float32 weights dequantized from the GGUF file `{model.gguf_file}` "
+    return [f"They were trained and measured on weights dequantized from the GGUF file `{model.gguf_file}` "
             f"of {model.hub_id} (medusa-forge's default model `{name}`, which `from_pretrained` loads by that name), "
             "not on the original checkpoint.", ""]
 
@@ -192,7 +192,7 @@ def _local_base(config: MedusaConfig) -> bool:
     from medusa_infer.models import is_path_like
 
     name = config.base_model_name_or_path
-    return bool(name) and is_path_like(name)
+    return bool(name) and (is_path_like(name) or Path(name).expanduser().exists())
 
 
 def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:

@@ -540,11 +540,11 @@ class MedusaModel(nn.Module):
         a base model it was merged into beforehand) are refused: the upload would delete the repo's
         ``adapter/`` as stale, leaving heads that read an adapted backbone nobody can load."""
         if self.config.trained_with_adapter and self.merged_adapter is None:
-            held = (f"loaded with adapter=False from {self.skipped_adapter}" if self.skipped_adapter is not None
-                    else "loaded without their adapter")
-            raise ValueError(f"these Medusa-2 heads were {held}; uploading them alone would delete {repo_id}'s "
-                             "adapter/ as stale: load them with their adapter (adapter=True, on the plain base "
-                             "model) and push again, or upload a folder holding adapter/ with "
+            fix = (f"load them with adapter=True (their adapter is in {self.skipped_adapter})"
+                   if self.skipped_adapter is not None else "load them from a folder holding their adapter/")
+            raise ValueError(f"these Medusa-2 heads were loaded without their adapter; uploaded alone, they would "
+                             f"delete {repo_id}'s adapter/ if it has one, as stale, and nobody could load the "
+                             f"backbone they read: {fix} and push again, or upload a folder holding adapter/ with "
                              "medusa_infer.checkpoint.push_folder_to_hub")
         with tempfile.TemporaryDirectory() as tmp:
             self.save_pretrained(tmp)  # first: a model that cannot be saved leaves no empty repo behind

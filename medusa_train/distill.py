@@ -515,23 +515,37 @@ def existing_rows(output: str | Path, repair_rank: int | None = None) -> list[di
 
 def check_prompt_texts(rows: Sequence[dict[str, Any]], prompts: Sequence[dict[str, Any]], config: DistillConfig) -> None:
     """Refuse rows whose prompt text is not the one the prompts file now gives their id (the file rewritten under
-    the same ids: the old answers were kept, as answers to the new prompts). Rows of prompts cut to
-    ``max_prompt_tokens`` (``prompt_overflow="truncate"``) hold a decoded prefix: not compared."""
-    if config.prompt_overflow == "truncate":
-        return
+    the same ids: the old answers were kept, as answers to the new prompts). A row holding its prompt as
+    ``prompt_overflow="truncate"`` cuts it to ``max_prompt_tokens`` is kept, whichever the setting is now (the
+    tokenizer is loaded for rows whose text differs only)."""
     texts = {p["id"]: p["prompt"] for p in prompts}
-    for row in rows:
-        text = texts.get(str(row.get("id")))
-        if text is not None and isinstance(row.get("prompt"), str) and row["prompt"] != text:
-            raise ValueError(f"{config.output} holds row {row.get('id')!r} answering another prompt than {config.prompts} "
-                             f"now gives that id ({row['prompt'][:60]!r} there, {text[:60]!r} now): the prompts file "
-                             "changed under its ids; use another output path, or the prompts the rows answered")
+    differing = [(row, texts[str(row.get("id"))]) for row in rows
+                 if str(row.get("id")) in texts and isinstance(row.get("prompt"), str)
+                 and row["prompt"] != texts[str(row.get("id"))]]
+    if not differing:
+        return
+    limits = dataclasses.replace(prompt_limits(config) if config.backend == "local" else config,
+                                 prompt_overflow="truncate")
+    tokenizer = load_distill_tokenizer(config) if limits.max_prompt_tokens is not None else None
+    for row, text in differing:
+        found = row["prompt"]
+        if tokenizer is not None and len(found) < len(text):
+            cut = prepare_prompt(tokenizer, text, limits)
+            if cut is not None and cut[0] == found:
+                continue
+        at = next((i for i, (a, b) in enumerate(zip(found, text)) if a != b), min(len(found), len(text)))
+        start = max(0, at - 20)
+        raise ValueError(f"{config.output} holds row {row.get('id')!r} answering another prompt than {config.prompts} "
+                         f"now gives that id (from character {at}: {found[start:at + 40]!r} there, "
+                         f"{text[start:at + 40]!r} now): the prompts file changed under its ids; use another output "
+                         "path, or the prompts the rows answered")
 
 
-def _recipe_key(field_name: str) -> str:
-    """The training recipe's key that sets a distillation setting (``RECIPE_KEYS``, else ``data.distill_options``)."""
+def _recipe_key(field_name: str, config: DistillConfig) -> str:
+    """The training recipe's key that sets a distillation setting (``RECIPE_KEYS``, else ``data.distill_options``;
+    an endpoint's model, ``data.distill_options.endpoint_model``)."""
     if field_name == "model":
-        return "model.name"
+        return "data.distill_options.endpoint_model" if config.model_label != config.model else "model.name"
     return RECIPE_KEYS.get(field_name, f"data.distill_options.{field_name}")
 
 
@@ -562,7 +576,7 @@ def check_resumable(rows: Sequence[dict[str, Any]], config: DistillConfig) -> No
             differ += [(key, generation.get(key), value) for key, value in expected[1].items()
                        if generation.get(key) != value]
             differ += [(key, value, None) for key, value in generation.items() if key not in expected[1]]
-            said = ", ".join(f"{key} {was!r} (now {now!r}; {_recipe_key(key)} in a recipe)" for key, was, now in differ)
+            said = ", ".join(f"{key} {was!r} (now {now!r}; {_recipe_key(key, config)} in a recipe)" for key, was, now in differ)
             raise ValueError(
                 f"{config.output} already holds row {row.get('id')!r} made with {said}. Use another output path "
                 "(a recipe's output_dir), or the same settings to resume."

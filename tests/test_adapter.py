@@ -97,8 +97,9 @@ def test_adapter_false_keeps_the_plain_base(heads_folder, tmp_path, caplog):
     assert "which the layout written to" in caplog.text
     # pushed, the heads alone deleted the repo's adapter/ as stale, after a warning naming a temporary folder
     model.config.training = {"recipe": {"training": {"mode": "medusa2"}}}
-    with pytest.raises(ValueError, match=r"Medusa-2 heads were loaded with adapter=False from .*adapter; uploading "
-                                         r"them alone would delete me/heads's adapter/ as stale"):
+    with pytest.raises(ValueError, match=r"Medusa-2 heads were loaded without their adapter; uploaded alone, they "
+                                         r"would delete me/heads's adapter/ if it has one.*load them with "
+                                         r"adapter=True \(their adapter is in .*adapter\)"):
         model.push_to_hub("me/heads")
     model.save_pretrained(tmp_path / "carded")  # the card says what its figures were measured with
     assert "trained with a Medusa-2 LoRA adapter" in (tmp_path / "carded" / "README.md").read_text()

@@ -27,6 +27,7 @@ from medusa_train.distill import (
     DistillConfig,
     answer_text,
     build_parser,
+    check_prompt_texts,
     config_from_args,
     distill,
     distill_shard,
@@ -477,6 +478,43 @@ def test_rows_of_other_weights_under_the_same_name_are_refused(tmp_path, model_d
         del row["model_weights"]
     output.write_text("".join(json.dumps(row) + "\n" for row in rows))
     distill(make_config(folder, prompts_file, output, n=3))
+
+
+def test_rows_of_another_endpoint_model_name_the_setting_that_picks_it():
+    from medusa_train.distill import check_resumable
+
+    config = DistillConfig(prompts="p.jsonl", output="rows.jsonl", backend="openai", endpoint="http://x/v1",
+                           endpoint_model="served-b")
+    rows = [{"id": "a", "model": "served-a", "generation": config.generation_record()}]
+    with pytest.raises(ValueError, match=r"made with model 'served-a' \(now 'served-b'; "
+                                         r"data.distill_options.endpoint_model in a recipe\)"):  # said model.name
+        check_resumable(rows, config)
+
+
+def test_rows_are_compared_with_their_prompts_text_and_a_cut_prompt_is_kept(model_dir, tokenizer):
+    """A prompt cut under prompt_overflow=truncate (a resume under the default "skip" was refused as a rewritten
+    prompts file); under truncate a rewritten file went unchecked; the message showed the first 60 characters,
+    the same on both sides when the change came later."""
+    prompt = "Please write a detailed summary of the history of the Roman Empire, from its founding to its fall."
+    prompts = [{"id": "a", "prompt": prompt}]
+    short = prompt[:-1] + " and after."  # a prompt lengthened past its old text's end is no cut
+    changed = prompt.replace(" fall.", " fall, said the scribe.")
+    for overflow in ("skip", "truncate"):
+        config = DistillConfig(model=str(model_dir), prompts="p.jsonl", output="rows.jsonl", prompt_overflow=overflow,
+                               max_prompt_tokens=40)
+        cut = prepare_prompt(tokenizer, prompt, DistillConfig(model=str(model_dir), prompts="p.jsonl",
+                                                              prompt_overflow="truncate",
+                                                              max_prompt_tokens=40))[0]
+        assert prompt.startswith(cut.rstrip()) and cut != prompt
+        check_prompt_texts([{"id": "a", "prompt": prompt}, {"id": "a", "prompt": cut}, {"id": "b", "prompt": "x"}],
+                           prompts, config)
+        with pytest.raises(ValueError, match=r"holds row 'a' answering another prompt than p.jsonl now gives that id "
+                                             r"\(from character 97: 'founding to its fall, said the scribe.' there"):
+            check_prompt_texts([{"id": "a", "prompt": changed}], prompts, config)
+        with pytest.raises(ValueError, match="answering another prompt"):
+            check_prompt_texts([{"id": "a", "prompt": prompt}], [{"id": "a", "prompt": short}], config)
+        with pytest.raises(ValueError, match="answering another prompt"):
+            check_prompt_texts([{"id": "a", "prompt": prompt[:30]}], prompts, config)  # no cut the limit makes
 
 
 def test_rows_written_before_templates_were_recorded_still_resume(tmp_path, model_dir, prompts_file):

@@ -286,7 +286,7 @@ def test_a_new_upload_deletes_what_an_earlier_one_left_that_would_load_with_the_
     assert sorted(hub.files[(REPO_ID, "main")]) == ["README.md", "config.json", "model.safetensors", "notes.txt"]
 
 
-def test_the_card_names_a_base_model_in_its_front_matter_only_when_it_can_be_a_hub_id(tmp_path):
+def test_the_card_names_a_base_model_in_its_front_matter_only_when_it_can_be_a_hub_id(tmp_path, monkeypatch):
     """The Hub refuses a README whose ``base_model`` is no model id: a base loaded from a local folder is
     named in the card's text only."""
     from medusa_infer.checkpoint import model_card
@@ -307,3 +307,7 @@ def test_the_card_names_a_base_model_in_its_front_matter_only_when_it_can_be_a_h
     assert 'base_model="<base model folder or Hub id>")' in model_card(config)
     config.base_model_name_or_path = "org/llama"
     assert 'from_pretrained("<this repo or folder>")\n' in model_card(config)
+    (tmp_path / "mymodels" / "llama").mkdir(parents=True)  # a relative folder, as a recipe names it
+    monkeypatch.chdir(tmp_path)
+    config.base_model_name_or_path = "mymodels/llama"
+    assert 'base_model="<base model folder or Hub id>")' in model_card(config)
