@@ -189,10 +189,12 @@ def _gguf_note(config: MedusaConfig) -> list[str]:
 
 def _local_base(config: MedusaConfig) -> bool:
     """Whether the config names its base model by a local folder, which a copy of the heads elsewhere lacks."""
-    from medusa_infer.models import is_path_like
+    from medusa_infer.models import is_path_like, names_default_model
 
     name = config.base_model_name_or_path
-    return bool(name) and (is_path_like(name) or Path(name).expanduser().exists())
+    if not name or names_default_model(name):  # loaded by its name wherever the heads go
+        return False
+    return is_path_like(name) or Path(name).expanduser().is_dir()
 
 
 def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:

@@ -515,22 +515,25 @@ def existing_rows(output: str | Path, repair_rank: int | None = None) -> list[di
 
 def check_prompt_texts(rows: Sequence[dict[str, Any]], prompts: Sequence[dict[str, Any]], config: DistillConfig) -> None:
     """Refuse rows whose prompt text is not the one the prompts file now gives their id (the file rewritten under
-    the same ids: the old answers were kept, as answers to the new prompts). A row holding its prompt as
-    ``prompt_overflow="truncate"`` cuts it to ``max_prompt_tokens`` is kept, whichever the setting is now (the
-    tokenizer is loaded for rows whose text differs only)."""
+    the same ids: the old answers were kept, as answers to the new prompts). A row whose prompt was cut to
+    ``max_prompt_tokens`` (``prompt_cut``, under ``prompt_overflow="truncate"``, at whatever limit) holds its
+    start; rows written before ``prompt_cut`` was recorded are taken as cut where they hold the prompt's start
+    or, decoded from tokens, what cutting it under today's limit gives (the tokenizer is loaded for those only)."""
     texts = {p["id"]: p["prompt"] for p in prompts}
-    differing = [(row, texts[str(row.get("id"))]) for row in rows
-                 if str(row.get("id")) in texts and isinstance(row.get("prompt"), str)
-                 and row["prompt"] != texts[str(row.get("id"))]]
-    if not differing:
-        return
-    limits = dataclasses.replace(prompt_limits(config) if config.backend == "local" else config,
-                                 prompt_overflow="truncate")
-    tokenizer = load_distill_tokenizer(config) if limits.max_prompt_tokens is not None else None
-    for row, text in differing:
-        found = row["prompt"]
-        if tokenizer is not None and len(found) < len(text):
-            cut = prepare_prompt(tokenizer, text, limits)
+    tokenizer, limits = None, None
+    for row in rows:
+        text, found = texts.get(str(row.get("id"))), row.get("prompt")
+        if text is None or not isinstance(found, str) or found == text:
+            continue
+        could_be_cut = len(found) < len(text) and row.get("prompt_cut", True) is not False
+        if could_be_cut and text.startswith(found.rstrip()):
+            continue
+        if could_be_cut:  # a decoded cut need not give the text back character for character
+            if limits is None:
+                limits = dataclasses.replace(prompt_limits(config) if config.backend == "local" else config,
+                                             prompt_overflow="truncate")
+                tokenizer = load_distill_tokenizer(config) if limits.max_prompt_tokens is not None else None
+            cut = prepare_prompt(tokenizer, text, limits) if tokenizer is not None else None
             if cut is not None and cut[0] == found:
                 continue
         at = next((i for i, (a, b) in enumerate(zip(found, text)) if a != b), min(len(found), len(text)))
@@ -545,7 +548,8 @@ def _recipe_key(field_name: str, config: DistillConfig) -> str:
     """The training recipe's key that sets a distillation setting (``RECIPE_KEYS``, else ``data.distill_options``;
     an endpoint's model, ``data.distill_options.endpoint_model``)."""
     if field_name == "model":
-        return "data.distill_options.endpoint_model" if config.model_label != config.model else "model.name"
+        return "data.distill_options.endpoint_model" if config.backend == "openai" and config.endpoint_model \
+            else "model.name"
     return RECIPE_KEYS.get(field_name, f"data.distill_options.{field_name}")
 
 
@@ -746,11 +750,13 @@ def make_row(
     config: DistillConfig, weights: str | None = None,
 ) -> dict[str, Any]:
     """A row; ``weights``: the local model's ``features.weights_identity`` (recorded where known, so that rows
-    of other weights under the same name are not mixed in: ``check_resumable``)."""
+    of other weights under the same name are not mixed in: ``check_resumable``). ``prompt_cut``: whether ``text``
+    is the prompt cut to ``max_prompt_tokens`` (``prompt_overflow="truncate"``; ``check_prompt_texts``)."""
     return {
         "id": prompt["id"],
         "source": prompt["source"],
         "prompt": text,
+        "prompt_cut": text != prompt["prompt"],
         "response": response,
         "model": config.model_label,
         "generation": config.generation_record(),

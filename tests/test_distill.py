@@ -42,7 +42,7 @@ from medusa_train.distill import (
 from tiny import tiny_model
 
 ROW_KEYS = {
-    "id", "source", "prompt", "response", "model", "generation", "finish_reason", "response_tokens",
+    "id", "source", "prompt", "prompt_cut", "response", "model", "generation", "finish_reason", "response_tokens",
 }
 SOURCES = {"big": 20, "mid": 6, "small": 4}
 WORDS = "cat dog bird fish tree rock cloud river stone lamp book door".split()
@@ -483,38 +483,40 @@ def test_rows_of_other_weights_under_the_same_name_are_refused(tmp_path, model_d
 def test_rows_of_another_endpoint_model_name_the_setting_that_picks_it():
     from medusa_train.distill import check_resumable
 
-    config = DistillConfig(prompts="p.jsonl", output="rows.jsonl", backend="openai", endpoint="http://x/v1",
-                           endpoint_model="served-b")
-    rows = [{"id": "a", "model": "served-a", "generation": config.generation_record()}]
-    with pytest.raises(ValueError, match=r"made with model 'served-a' \(now 'served-b'; "
-                                         r"data.distill_options.endpoint_model in a recipe\)"):  # said model.name
-        check_resumable(rows, config)
+    for name in ("served-b", "smollm2-135m-instruct"):  # (the latter: the model.name it equals)
+        config = DistillConfig(prompts="p.jsonl", output="rows.jsonl", backend="openai", endpoint="http://x/v1",
+                               endpoint_model=name)
+        rows = [{"id": "a", "model": "served-a", "generation": config.generation_record()}]
+        with pytest.raises(ValueError, match=rf"made with model 'served-a' \(now '{name}'; "
+                                             r"data.distill_options.endpoint_model in a recipe\)"):  # said model.name
+            check_resumable(rows, config)
 
 
-def test_rows_are_compared_with_their_prompts_text_and_a_cut_prompt_is_kept(model_dir, tokenizer):
-    """A prompt cut under prompt_overflow=truncate (a resume under the default "skip" was refused as a rewritten
-    prompts file); under truncate a rewritten file went unchecked; the message showed the first 60 characters,
-    the same on both sides when the change came later."""
+def test_rows_are_compared_with_their_prompts_text_and_a_cut_prompt_is_kept(model_dir, tokenizer, tmp_path):
+    """A prompt cut under prompt_overflow=truncate (a resume under the default "skip", or at another limit, was
+    refused as a rewritten prompts file); under truncate a rewritten file went unchecked; the message showed the
+    first 60 characters, the same on both sides when the change came later."""
     prompt = "Please write a detailed summary of the history of the Roman Empire, from its founding to its fall."
     prompts = [{"id": "a", "prompt": prompt}]
-    short = prompt[:-1] + " and after."  # a prompt lengthened past its old text's end is no cut
     changed = prompt.replace(" fall.", " fall, said the scribe.")
-    for overflow in ("skip", "truncate"):
+    cut = prepare_prompt(tokenizer, prompt, DistillConfig(model=str(model_dir), prompts="p.jsonl",
+                                                          prompt_overflow="truncate", max_prompt_tokens=40))[0]
+    assert prompt.startswith(cut.rstrip()) and cut != prompt
+    for overflow, limit in (("skip", 40), ("truncate", 40), ("truncate", 60), ("skip", None)):
         config = DistillConfig(model=str(model_dir), prompts="p.jsonl", output="rows.jsonl", prompt_overflow=overflow,
-                               max_prompt_tokens=40)
-        cut = prepare_prompt(tokenizer, prompt, DistillConfig(model=str(model_dir), prompts="p.jsonl",
-                                                              prompt_overflow="truncate",
-                                                              max_prompt_tokens=40))[0]
-        assert prompt.startswith(cut.rstrip()) and cut != prompt
-        check_prompt_texts([{"id": "a", "prompt": prompt}, {"id": "a", "prompt": cut}, {"id": "b", "prompt": "x"}],
-                           prompts, config)
+                               max_prompt_tokens=limit)
+        check_prompt_texts([{"id": "a", "prompt": prompt, "prompt_cut": False}, {"id": "b", "prompt": "x"},
+                            {"id": "a", "prompt": cut, "prompt_cut": True}, {"id": "a", "prompt": cut}], prompts, config)
         with pytest.raises(ValueError, match=r"holds row 'a' answering another prompt than p.jsonl now gives that id "
                                              r"\(from character 97: 'founding to its fall, said the scribe.' there"):
             check_prompt_texts([{"id": "a", "prompt": changed}], prompts, config)
-        with pytest.raises(ValueError, match="answering another prompt"):
-            check_prompt_texts([{"id": "a", "prompt": prompt}], [{"id": "a", "prompt": short}], config)
-        with pytest.raises(ValueError, match="answering another prompt"):
-            check_prompt_texts([{"id": "a", "prompt": prompt[:30]}], prompts, config)  # no cut the limit makes
+        with pytest.raises(ValueError, match="answering another prompt"):  # a prompt lengthened since: no cut
+            check_prompt_texts([{"id": "a", "prompt": prompt, "prompt_cut": False}],
+                               [{"id": "a", "prompt": prompt + " Why?"}], config)
+    # a row that cannot be a cut is refused without loading the model (a load error hid the message)
+    gone = DistillConfig(model=str(tmp_path / "no-model"), prompts="p.jsonl", output="rows.jsonl")
+    with pytest.raises(ValueError, match="answering another prompt"):
+        check_prompt_texts([{"id": "a", "prompt": changed}], prompts, gone)
 
 
 def test_rows_written_before_templates_were_recorded_still_resume(tmp_path, model_dir, prompts_file):

@@ -311,3 +311,6 @@ def test_the_card_names_a_base_model_in_its_front_matter_only_when_it_can_be_a_h
     monkeypatch.chdir(tmp_path)
     config.base_model_name_or_path = "mymodels/llama"
     assert 'base_model="<base model folder or Hub id>")' in model_card(config)
+    (tmp_path / "smollm2-135m-instruct").mkdir()  # a folder named like a default model, which loads by name
+    config.base_model_name_or_path = "smollm2-135m-instruct"
+    assert 'from_pretrained("<this repo or folder>")\n' in model_card(config)
