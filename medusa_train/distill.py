@@ -516,32 +516,50 @@ def existing_rows(output: str | Path, repair_rank: int | None = None) -> list[di
 def check_prompt_texts(rows: Sequence[dict[str, Any]], prompts: Sequence[dict[str, Any]], config: DistillConfig) -> None:
     """Refuse rows whose prompt text is not the one the prompts file now gives their id (the file rewritten under
     the same ids: the old answers were kept, as answers to the new prompts). A row whose prompt was cut to
-    ``max_prompt_tokens`` (``prompt_cut``, under ``prompt_overflow="truncate"``, at whatever limit) holds its
-    start; rows written before ``prompt_cut`` was recorded are taken as cut where they hold the prompt's start
-    or, decoded from tokens, what cutting it under today's limit gives (the tokenizer is loaded for those only)."""
+    ``max_prompt_tokens`` (``prompt_cut``, under ``prompt_overflow="truncate"``, at whatever limit) holds the
+    prompt's first tokens, decoded; a row written before ``prompt_cut`` was recorded is taken as cut where cutting
+    the prompt under today's limit gives its text. The tokenizer is loaded for such rows only."""
     texts = {p["id"]: p["prompt"] for p in prompts}
-    tokenizer, limits = None, None
+    loaded: list[Any] = []  # [tokenizer, limits] once needed
+
+    def cut_of(text: str, found: str, flagged: bool) -> bool:
+        if not loaded:
+            limits = dataclasses.replace(prompt_limits(config) if config.backend == "local" else config,
+                                         prompt_overflow="truncate")
+            loaded.extend([load_distill_tokenizer(config), limits])
+        tokenizer, limits = loaded
+        if not flagged:  # an older row: cut only if today's limit cuts the prompt so
+            cut = prepare_prompt(tokenizer, text, limits) if limits.max_prompt_tokens is not None else None
+            return cut is not None and cut[0] == found
+        content = tokenizer(text, add_special_tokens=False)["input_ids"]
+        for keep in range(len(content) - 1, 0, -1):  # the cut's first tokens, decoded as prepare_prompt does
+            decoded = tokenizer.decode(content[:keep], skip_special_tokens=True)
+            if decoded == found:
+                return True
+            if len(decoded) < len(found):
+                return False
+        return False
+
     for row in rows:
         text, found = texts.get(str(row.get("id"))), row.get("prompt")
         if text is None or not isinstance(found, str) or found == text:
             continue
-        could_be_cut = len(found) < len(text) and row.get("prompt_cut", True) is not False
-        if could_be_cut and text.startswith(found.rstrip()):
-            continue
-        if could_be_cut:  # a decoded cut need not give the text back character for character
-            if limits is None:
-                limits = dataclasses.replace(prompt_limits(config) if config.backend == "local" else config,
-                                             prompt_overflow="truncate")
-                tokenizer = load_distill_tokenizer(config) if limits.max_prompt_tokens is not None else None
-            cut = prepare_prompt(tokenizer, text, limits) if tokenizer is not None else None
-            if cut is not None and cut[0] == found:
+        flagged = row.get("prompt_cut")
+        unchecked = ""
+        if len(found) < len(text) and flagged is not False:
+            if flagged is True and text.startswith(found.rstrip()):
                 continue
+            try:
+                if cut_of(text, found, flagged is True):
+                    continue
+            except (OSError, ValueError) as err:  # the tokenizer or model config could not be read
+                unchecked = f" (whether it is the prompt cut to max_prompt_tokens could not be checked: {err})"
         at = next((i for i, (a, b) in enumerate(zip(found, text)) if a != b), min(len(found), len(text)))
         start = max(0, at - 20)
         raise ValueError(f"{config.output} holds row {row.get('id')!r} answering another prompt than {config.prompts} "
                          f"now gives that id (from character {at}: {found[start:at + 40]!r} there, "
-                         f"{text[start:at + 40]!r} now): the prompts file changed under its ids; use another output "
-                         "path, or the prompts the rows answered")
+                         f"{text[start:at + 40]!r} now){unchecked}: the prompts file changed under its ids; use "
+                         "another output path, or the prompts the rows answered")
 
 
 def _recipe_key(field_name: str, config: DistillConfig) -> str:

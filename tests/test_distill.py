@@ -505,18 +505,34 @@ def test_rows_are_compared_with_their_prompts_text_and_a_cut_prompt_is_kept(mode
     for overflow, limit in (("skip", 40), ("truncate", 40), ("truncate", 60), ("skip", None)):
         config = DistillConfig(model=str(model_dir), prompts="p.jsonl", output="rows.jsonl", prompt_overflow=overflow,
                                max_prompt_tokens=limit)
+        older = [{"id": "a", "prompt": cut}] if limit == 40 else []  # no prompt_cut: today's limit decides
         check_prompt_texts([{"id": "a", "prompt": prompt, "prompt_cut": False}, {"id": "b", "prompt": "x"},
-                            {"id": "a", "prompt": cut, "prompt_cut": True}, {"id": "a", "prompt": cut}], prompts, config)
+                            {"id": "a", "prompt": cut, "prompt_cut": True}, *older], prompts, config)
         with pytest.raises(ValueError, match=r"holds row 'a' answering another prompt than p.jsonl now gives that id "
                                              r"\(from character 97: 'founding to its fall, said the scribe.' there"):
             check_prompt_texts([{"id": "a", "prompt": changed}], prompts, config)
         with pytest.raises(ValueError, match="answering another prompt"):  # a prompt lengthened since: no cut
             check_prompt_texts([{"id": "a", "prompt": prompt, "prompt_cut": False}],
                                [{"id": "a", "prompt": prompt + " Why?"}], config)
-    # a row that cannot be a cut is refused without loading the model (a load error hid the message)
+    # an older row (no prompt_cut) is a cut only where today's limit cuts the prompt so: a prompt lengthened since
+    # kept its old answer
+    with pytest.raises(ValueError, match="answering another prompt"):
+        check_prompt_texts([{"id": "a", "prompt": prompt}], [{"id": "a", "prompt": prompt + " Why?"}],
+                           DistillConfig(model=str(model_dir), prompts="p.jsonl", output="rows.jsonl"))
+    # a cut decoded without a special token's text is no prefix of its prompt: kept at another limit too
+    special = "What does <|im_end|> mean in a ChatML template? " * 8
+    config = DistillConfig(model=str(model_dir), prompts="p.jsonl", prompt_overflow="truncate", max_prompt_tokens=40)
+    cut = prepare_prompt(tokenizer, special, config)[0]
+    assert not special.startswith(cut.rstrip())
+    for limit in (40, 60, None):
+        check_prompt_texts([{"id": "a", "prompt": cut, "prompt_cut": True}], [{"id": "a", "prompt": special}],
+                           dataclasses.replace(config, max_prompt_tokens=limit))
+    # a row that cannot be a cut is refused without loading the model; one that might be, with the load error
     gone = DistillConfig(model=str(tmp_path / "no-model"), prompts="p.jsonl", output="rows.jsonl")
     with pytest.raises(ValueError, match="answering another prompt"):
         check_prompt_texts([{"id": "a", "prompt": changed}], prompts, gone)
+    with pytest.raises(ValueError, match=r"answering another prompt .* could not be checked"):
+        check_prompt_texts([{"id": "a", "prompt": prompt[:30] + "!", "prompt_cut": True}], prompts, gone)
 
 
 def test_rows_written_before_templates_were_recorded_still_resume(tmp_path, model_dir, prompts_file):
