@@ -532,13 +532,15 @@ def check_prompt_texts(rows: Sequence[dict[str, Any]], prompts: Sequence[dict[st
             cut = prepare_prompt(tokenizer, text, limits) if limits.max_prompt_tokens is not None else None
             return cut is not None and cut[0] == found
         content = tokenizer(text, add_special_tokens=False)["input_ids"]
-        for keep in range(len(content) - 1, 0, -1):  # the cut's first tokens, decoded as prepare_prompt does
-            decoded = tokenizer.decode(content[:keep], skip_special_tokens=True)
-            if decoded == found:
-                return True
-            if len(decoded) < len(found):
-                return False
-        return False
+
+        def decoded(keep: int) -> str:  # the first tokens, decoded as prepare_prompt decodes a cut
+            return tokenizer.decode(content[:keep], skip_special_tokens=True)
+
+        low, high = 1, len(content)  # the fewest tokens whose text is as long as the row's (lengths grow with them)
+        while low < high:
+            middle = (low + high) // 2
+            low, high = (middle + 1, high) if len(decoded(middle)) < len(found) else (low, middle)
+        return any(decoded(keep) == found for keep in range(max(1, low - 1), min(len(content), low + 2)))
 
     for row in rows:
         text, found = texts.get(str(row.get("id"))), row.get("prompt")
