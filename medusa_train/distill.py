@@ -536,11 +536,19 @@ def check_prompt_texts(rows: Sequence[dict[str, Any]], prompts: Sequence[dict[st
         def decoded(keep: int) -> str:  # the first tokens, decoded as prepare_prompt decodes a cut
             return tokenizer.decode(content[:keep], skip_special_tokens=True)
 
-        low, high = 1, len(content)  # the fewest tokens whose text is as long as the row's (lengths grow with them)
+        def length(keep: int) -> int:  # grows with the tokens kept: a character's incomplete bytes left out
+            return len(decoded(keep).rstrip("\ufffd"))
+
+        low, high = 1, len(content)  # the fewest tokens whose text is as long as the row's
         while low < high:
             middle = (low + high) // 2
-            low, high = (middle + 1, high) if len(decoded(middle)) < len(found) else (low, middle)
-        return any(decoded(keep) == found for keep in range(max(1, low - 1), min(len(content), low + 2)))
+            low, high = (middle + 1, high) if length(middle) < len(found) else (low, middle)
+        for keep in range(max(1, low - 1), len(content)):  # every count of that length (a character's bytes)
+            if decoded(keep) == found:
+                return True
+            if length(keep) > len(found):
+                break
+        return False
 
     for row in rows:
         text, found = texts.get(str(row.get("id"))), row.get("prompt")
@@ -549,13 +557,16 @@ def check_prompt_texts(rows: Sequence[dict[str, Any]], prompts: Sequence[dict[st
         flagged = row.get("prompt_cut")
         unchecked = ""
         if len(found) < len(text) and flagged is not False:
-            if flagged is True and text.startswith(found.rstrip()):
+            if flagged is True and found and text.startswith(found):
                 continue
             try:
                 if cut_of(text, found, flagged is True):
                     continue
             except (OSError, ValueError) as err:  # the tokenizer or model config could not be read
                 unchecked = f" (whether it is the prompt cut to max_prompt_tokens could not be checked: {err})"
+            if not unchecked and flagged is None:  # written before rows said whether they were cut
+                unchecked = (" (or it is the prompt cut at another max_prompt_tokens than today's: resume with the "
+                             "limit it was written under)")
         at = next((i for i, (a, b) in enumerate(zip(found, text)) if a != b), min(len(found), len(text)))
         start = max(0, at - 20)
         raise ValueError(f"{config.output} holds row {row.get('id')!r} answering another prompt than {config.prompts} "

@@ -520,13 +520,18 @@ def test_rows_are_compared_with_their_prompts_text_and_a_cut_prompt_is_kept(mode
         check_prompt_texts([{"id": "a", "prompt": prompt}], [{"id": "a", "prompt": prompt + " Why?"}],
                            DistillConfig(model=str(model_dir), prompts="p.jsonl", output="rows.jsonl"))
     # a cut decoded without a special token's text is no prefix of its prompt: kept at another limit too
-    special = "What does <|im_end|> mean in a ChatML template? " * 8
+    special = "What does <|im_end|> mean in a ChatML template? Rate it: x\U0002000b\U0002000b\U0001f600. " * 8
     config = DistillConfig(model=str(model_dir), prompts="p.jsonl", prompt_overflow="truncate", max_prompt_tokens=40)
     cut = prepare_prompt(tokenizer, special, config)[0]
     assert not special.startswith(cut.rstrip())
     for limit in (40, 60, None):
         check_prompt_texts([{"id": "a", "prompt": cut, "prompt_cut": True}], [{"id": "a", "prompt": special}],
                            dataclasses.replace(config, max_prompt_tokens=limit))
+    for limit in range(30, 70):  # cuts ending among a character's bytes (decoded lengths do not grow there)
+        found = prepare_prompt(tokenizer, special, dataclasses.replace(config, max_prompt_tokens=limit))
+        if found is not None and found[0] != special:
+            check_prompt_texts([{"id": "a", "prompt": found[0], "prompt_cut": True}], [{"id": "a", "prompt": special}],
+                               dataclasses.replace(config, max_prompt_tokens=None))
     # a row that cannot be a cut is refused without loading the model; one that might be, with the load error
     gone = DistillConfig(model=str(tmp_path / "no-model"), prompts="p.jsonl", output="rows.jsonl")
     with pytest.raises(ValueError, match="answering another prompt"):
