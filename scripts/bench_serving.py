@@ -239,7 +239,7 @@ def summarize(method: str, concurrency: int, results: list[RequestResult], wall_
     return LevelResult(
         method=method, concurrency=concurrency, requests=len(results), ok=len(ok), wall_s=round(wall_s, 3),
         output_tokens=tokens, throughput_tok_s=round(tokens / wall_s, 2), requests_per_s=round(len(ok) / wall_s, 3),
-        tau=round(float(np.mean([r.tau for r in ok])), 3) if ok else float("nan"),
+        tau=round(float(np.mean([r.tau for r in ok])), 3) if ok else float("nan"),  # per request, then the mean
         plain_step_share=round(plain_step_share, 3),
         ttft_p50_ms=pct(ttft, 50, 1000), ttft_p90_ms=pct(ttft, 90, 1000),
         tpot_p50_ms=pct(tpot, 50, 1000), tpot_p90_ms=pct(tpot, 90, 1000),
@@ -280,7 +280,7 @@ def bench_method(args: argparse.Namespace, method: str, log_dir: Path, gate: str
 
 
 def markdown(levels: list[LevelResult], baseline: dict[int, LevelResult], same: dict[tuple[str, int], int]) -> str:
-    rows = ["| method | conc. | ok | tok/s | speed-up | tau | plain steps | TTFT p50 / p90 (ms) "
+    rows = ["| method | conc. | ok | tok/s | speed-up | tau (mean per request) | plain steps | TTFT p50 / p90 (ms) "
             "| TPOT p50 / p90 (ms) | E2E p50 / p90 (s) | same text as AR |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for level in levels:
