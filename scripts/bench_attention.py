@@ -80,10 +80,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8, help="short profiles of the whole forward per implementation")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     torch.set_num_threads(args.threads)
     model = MedusaModel.without_heads(load_base_model(args.model))
     one_layer(model.base_model.config, args.contexts, args.sizes, args.repeats)
-    print(f"\nwhole forward, median ms over {args.rounds} rounds (interleaved):")
+    print(f"\nwhole forward, median ms over {args.rounds} rounds (interleaved) of the cost profiles, each of which "
+          "raises a size's time to the largest of the smaller sizes' (never decreasing):")
     for context in args.contexts:
         times: dict[str, list[dict[int, float]]] = {"sdpa": [], SDPA_GQA: []}
         for round_ in range(args.rounds):

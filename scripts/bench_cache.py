@@ -57,6 +57,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     torch.set_num_threads(args.threads)
     model = MedusaModel.from_base(load_base_model(args.model, dtype=torch.float32), num_heads=1)
     vocab = model.lm_head.weight.shape[0]

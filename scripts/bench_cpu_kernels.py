@@ -63,7 +63,8 @@ def main() -> None:
                 times[name][n].append(seconds)
         print(f"round {round_ + 1}/{args.rounds} done", flush=True)
     median = {name: {n: statistics.median(v) for n, v in per.items()} for name, per in times.items()}
-    print("\nforward of n tokens over 256 cached, median ms (t(n) / t(1); vs default at the same n)")
+    print("\nforward of n tokens over 256 cached, median ms (t(n) / t(1); vs default at the same n) of the cost "
+          "profiles, each of which raises a size's time to the largest of the smaller sizes' (never decreasing)")
     print("    n  " + "  ".join(f"{name:>22}" for name in plans))
     for n in DEFAULT_SIZES:
         cells = [f"{median[name][n] * 1e3:7.1f} ({median[name][n] / median[name][1]:.2f}; "

@@ -38,6 +38,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--tokens", type=int, default=128)
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     torch.set_num_threads(1)
     config = LlamaConfig(vocab_size=2000, hidden_size=64, intermediate_size=128, num_hidden_layers=30,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,

@@ -86,7 +86,7 @@ class LevelResult:
     tpot_p90_ms: float
     e2e_p50_s: float
     e2e_p90_s: float
-    texts: list[str] = field(default_factory=list, repr=False)
+    texts: list[str | None] = field(default_factory=list, repr=False)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -243,7 +243,8 @@ def summarize(method: str, concurrency: int, results: list[RequestResult], wall_
         plain_step_share=round(plain_step_share, 3),
         ttft_p50_ms=pct(ttft, 50, 1000), ttft_p90_ms=pct(ttft, 90, 1000),
         tpot_p50_ms=pct(tpot, 50, 1000), tpot_p90_ms=pct(tpot, 90, 1000),
-        e2e_p50_s=pct(e2e, 50), e2e_p90_s=pct(e2e, 90), texts=[r.text for r in results],
+        e2e_p50_s=pct(e2e, 50), e2e_p90_s=pct(e2e, 90),
+        texts=[r.text if r.ok else None for r in results],  # a failed request matches nothing
     )
 
 
@@ -307,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench_serving: error: {error}", file=sys.stderr)
             return 1
     baseline = {lv.concurrency: lv for lv in levels if lv.method == "autoregressive"}
-    same = {(lv.method, lv.concurrency): sum(a == b for a, b in zip(lv.texts, baseline[lv.concurrency].texts))
+    same = {(lv.method, lv.concurrency): sum(a is not None and a == b for a, b in zip(lv.texts, baseline[lv.concurrency].texts))
             for lv in levels if lv.concurrency in baseline}
     table = markdown(levels, baseline, same)
     print(table)
