@@ -17,7 +17,7 @@ from medusa_infer.proposers import build_proposer
 from medusa_infer.serving import cli
 from medusa_infer.serving.app import TextAssembler
 from medusa_infer.serving.scheduler import Request
-from medusa_infer.serving.testing import ServerThread, metric_value, serve, torch_threads
+from medusa_infer.serving.testing import ServerThread, metric_value, serve, torch_threads, word_tokenizer
 from medusa_infer.tree_fit import CostProfile
 from medusa_infer.trees import REFERENCE_HEAD_ACCURACY
 from tiny import word_medusa
@@ -435,6 +435,27 @@ def test_cli_without_the_serve_extra_says_so_before_loading(missing, capsys, mon
     monkeypatch.setitem(sys.modules, missing, None)  # an import of it raises ImportError
     assert cli.main([]) == 1
     assert "the server needs the serve extra: pip install 'medusa-forge[serve]'" in capsys.readouterr().err
+
+
+def test_cli_ends_on_ctrl_c_without_a_traceback(monkeypatch):
+    """uvicorn shuts down on Ctrl-C, then raises the KeyboardInterrupt again (uvicorn.run swallows it; the
+    server object's run does not): every Ctrl-C printed two tracebacks."""
+    import socket
+
+    from medusa_infer.serving import app as app_module
+    from tiny import tiny_model
+
+    class Interrupted:
+        def run(self, sockets):
+            raise KeyboardInterrupt
+
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]
+    model = MedusaModel.without_heads(tiny_model("llama"), word_tokenizer())
+    monkeypatch.setattr(cli, "load_model", lambda args: model)
+    monkeypatch.setattr(cli, "warm_up", lambda *args: None)
+    monkeypatch.setattr(app_module, "uvicorn_server", lambda *args, **kwargs: Interrupted())
+    assert cli.main(["--method", "autoregressive", "--port", str(port)]) == 130
 
 
 def test_cli_refuses_connections_until_the_model_is_loaded(capsys, monkeypatch):

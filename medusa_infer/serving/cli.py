@@ -219,7 +219,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # no limit_concurrency: uvicorn counts idle keep-alive connections against it and answered every route,
     # /health included, a plain-text 503 past it; the engine's queue (--max-queue) bounds the work
-    uvicorn_server(app, drain_s=5.0, host=args.host, port=args.port, log_level=args.log_level).run(sockets=[listener])
+    try:
+        uvicorn_server(app, drain_s=5.0, host=args.host, port=args.port, log_level=args.log_level).run(
+            sockets=[listener])
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down (drained) and raises it again; no traceback
+        return 130
     return 0
 
 
