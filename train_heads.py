@@ -355,11 +355,12 @@ def unpartitioned(accelerator: Any) -> Iterator[None]:
 
 def captured_folder(config: TrainConfig) -> Path | None:
     """The folder of the hidden states kept while distilling this run's rows
-    (``features.from_distillation``), or None when there are none or the backbone runs in another dtype
-    than float32, the one distillation decodes in."""
+    (``features.from_distillation``), or None when there are none or the recipe keeps none
+    (``TrainConfig.keeps_distillation_hidden``: a backbone in another dtype than the float32 distillation
+    decodes in, say)."""
     from medusa_train.captured import kept_states
 
-    if config.data.tokenized or not config.features.from_distillation or config.model.dtype != "float32":
+    if config.data.tokenized or not config.keeps_distillation_hidden:
         return None
     return kept_states(rows_path(config))
 

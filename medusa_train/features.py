@@ -128,10 +128,7 @@ def model_fingerprint(name_or_path: str, dtype: str | None = None,
             stat = weights.stat()
             size = stat.st_size
             digest.update(f"{weights.name}:{size}:{stat.st_mtime_ns}".encode())
-            with weights.open("rb") as handle:
-                digest.update(handle.read(1 << 20))
-                handle.seek(max(0, size - (1 << 20)))
-                digest.update(handle.read(1 << 20))
+            _digest_samples(digest, weights, (0, max(0, size - (1 << 20))))
         found["content"] = digest.hexdigest()
     return found
 
@@ -172,11 +169,16 @@ def weights_identity(name_or_path: str) -> str | None:
     for weights in files:
         size = weights.stat().st_size
         digest.update(f"{weights.name}:{size}".encode())
-        with weights.open("rb") as handle:
-            for offset in (0, max(0, size // 2 - (1 << 19)), max(0, size - (1 << 20))):
-                handle.seek(offset)
-                digest.update(handle.read(1 << 20))
+        _digest_samples(digest, weights, (0, max(0, size // 2 - (1 << 19)), max(0, size - (1 << 20))))
     return "sha256:" + digest.hexdigest()[:32]
+
+
+def _digest_samples(digest: Any, path: Path, offsets: Sequence[int]) -> None:
+    """Feed ``digest`` the MiB of ``path`` at each offset (a weight file sampled, not read whole)."""
+    with path.open("rb") as handle:
+        for offset in offsets:
+            handle.seek(offset)
+            digest.update(handle.read(1 << 20))
 
 
 def model_weight_files(folder: Path) -> list[Path] | None:
