@@ -287,7 +287,11 @@ def test_a_burst_of_prompts_is_prefilled_within_the_token_budget_a_turn(model, m
 
 def test_a_batch_requests_keep_joining_holds_only_the_rows_still_decoding(model):
     """A server batch that never empties (a request joins whenever one ends) keeps no entry of a
-    served request: it held each one's stop strings, finish and counts, growing with every request."""
+    served request: it held each one's stop strings, finish and counts, growing with every request.
+
+    Deterministic on any machine: a long request keeps the batch running, and each request that ends
+    submits the next from its callback (on the engine thread), so it joins at the engine's next turn
+    (the test thread used to submit it, and on a slow machine the batch had sometimes emptied first)."""
     from medusa_infer.decoding import SamplingConfig, StopConfig
     from medusa_infer.serving.scheduler import Engine, Request
 
@@ -296,28 +300,37 @@ def test_a_batch_requests_keep_joining_holds_only_the_rows_still_decoding(model)
     finished: list[int] = []
     batches, sizes = set(), []
     ids = tokenizer("the cat sat")["input_ids"]
+    total, lanes = 40, 3
 
-    def submit(i: int) -> Request:
+    def submit(i: int) -> None:
+        def update(u) -> None:  # called between two steps: the engine's batches are not changing
+            for running in engine._batches:
+                batches.add(id(running.batch))
+                sizes.append(len(running.batch.stops))
+            if u.finish:
+                finished.append(i)
+                if i + lanes < total:
+                    submit(i + lanes)
+
         stop = StopConfig(3 + i % 5, (), (f"zz{i}" + "x" * 200,))
-        request = Request(ids, SamplingConfig("greedy"), stop, lambda u: finished.append(i) if u.finish else None)
-        engine.submit(request)
-        return request
+        engine.submit(Request(ids, SamplingConfig("greedy"), stop, update))
 
+    # 200 tokens: well past the 60 or so it reaches while the 40 go through, within the model's 256 positions
+    anchor = Request(ids, SamplingConfig("greedy"), StopConfig(200), lambda u: None)
     engine.start()
     try:
-        live = [submit(i) for i in range(3)]
-        for i in range(3, 40):  # three in flight: the batch the first started keeps running
-            wait_until(lambda: sum(not r.done for r in live) < 3, timeout=60)
-            live = [r for r in live if not r.done] + [submit(i)]
-            with engine._lock:
-                for running in engine._batches:
-                    batches.add(id(running.batch))
-                    sizes.append(len(running.batch.stops))
-        wait_until(lambda: len(finished) == 40, timeout=60)
+        with engine.hold():
+            engine.submit(anchor)
+            for i in range(lanes):
+                submit(i)
+        wait_until(lambda: len(finished) == total, timeout=120)
+        assert not anchor.done  # the batch never emptied (else this checks nothing)
+        engine.cancel(anchor, "stop")
+        wait_until(lambda: anchor.done, timeout=60)
     finally:
         engine.stop()
-    assert len(batches) < 10  # requests joined running batches (else this checks nothing)
-    assert max(sizes) <= 8, sizes  # at most the rows in flight and the ones just joining; was up to 40
+    assert len(batches) == 1  # every request joined the anchor's batch
+    assert max(sizes) <= 1 + lanes, sizes  # the rows in flight; was up to 41 (every request served)
 
 
 def test_a_draft_model_given_by_name_serves_requests_that_join_a_running_batch(model, tmp_path):
