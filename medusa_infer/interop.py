@@ -55,6 +55,11 @@ TRAINING_MODE_KEY = "medusa_forge_training_mode"
 does not hold: read back, the heads' config records that mode (``MedusaConfig.trained_with_adapter``), so that
 loading them on a base model without that adapter merged is warned about and ``heads.init_from`` refuses them."""
 
+CHAT_TEMPLATE_KEY = "medusa_forge_chat_template"
+"""``config.json`` key keeping the chat template the heads were trained on where it is not the tokenizer's own
+(``MedusaConfig.chat_template``, e.g. a recipe's Vicuna template), which the layout has no place for: read back, the
+heads render chats as they were trained to; other engines need to be given that template themselves."""
+
 logger = logging.getLogger(__name__)
 
 _BLOCK = re.compile(r"heads\.(\d+)\.blocks\.(\d+)\.linear\.(weight|bias)")
@@ -190,6 +195,7 @@ def read_medusa_layout(
         projection="own" if has_projections else "shared",
         base_model_name_or_path=_base_model(data),
         training=_imported_training(data.get(TRAINING_MODE_KEY), path / CONFIG_NAME),
+        chat_template=_chat_template(data.get(CHAT_TEMPLATE_KEY), path / CONFIG_NAME),
         tree=tree,
         top_k=max(_top_k(data.get(TOP_K_KEY), path / CONFIG_NAME),
                   1 + max((rank for p in tree or [] for rank in p), default=0)),
@@ -198,6 +204,14 @@ def read_medusa_layout(
     ours_to_theirs = {name: _their_name(name, num_layers) for name in expected}
     check_state_dict({ours_to_theirs[name]: t for name, t in expected.items()}, tensors, str(weights_path))
     return config, {ours: tensors[theirs] for ours, theirs in ours_to_theirs.items()}
+
+
+def _chat_template(raw: Any, where: Path) -> str | None:
+    """``CHAT_TEMPLATE_KEY``'s value checked: None where an export did not write it (the tokenizer's template)."""
+    if raw is not None and (not isinstance(raw, str) or not raw.strip()):
+        raise ValueError(f"{where}: {CHAT_TEMPLATE_KEY} must be a jinja chat template (a non-empty string), "
+                         f"got {raw!r}; fix or remove it")
+    return raw
 
 
 def _imported_training(mode: Any, where: Path) -> dict[str, Any]:
@@ -354,6 +368,11 @@ def write_medusa_layout(
     }
     if config.trained_with_adapter:  # the adapter is not in the layout: readers are told the heads need it
         data[TRAINING_MODE_KEY] = "medusa2"
+    if config.chat_template is not None:
+        data[CHAT_TEMPLATE_KEY] = config.chat_template
+        logger.warning("these heads were trained on a chat template other than the tokenizer's own (%s keeps it as "
+                       "%s, which this package reads back): other engines render chats with the tokenizer's "
+                       "template unless given this one", path / CONFIG_NAME, CHAT_TEMPLATE_KEY)
     if config.tree is not None:  # the heads' own (fitted) tree, in the format TensorRT-LLM's medusa_choices takes;
         # empty where calibration measured plain decoding fastest
         data["medusa_choices"] = [list(path) for path in config.tree]

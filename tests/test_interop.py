@@ -320,6 +320,27 @@ def test_a_training_mode_other_than_medusa_forge_writes_is_refused(tmp_path):
         read_medusa_layout(source)
 
 
+def test_the_chat_template_the_heads_were_trained_on_survives_the_layout(tmp_path, caplog):
+    """The layout has no place for a recipe's chat template (``MedusaConfig.chat_template``): it was
+    dropped, and re-imported heads rendered chats with the tokenizer's own template without a word."""
+    template = "{% for m in messages %}USER: {{ m['content'] }} ASSISTANT:{% endfor %}"
+    config = tiny_config("own", chat_template=template)
+    with caplog.at_level("WARNING", logger="medusa_infer.interop"):
+        write_medusa_layout(config, random_state(config), tmp_path)
+    assert "other engines render chats with the tokenizer's template" in caplog.text
+    assert json.loads((tmp_path / "config.json").read_text())["medusa_forge_chat_template"] == template
+    assert read_medusa_layout(tmp_path)[0].chat_template == template
+
+    plain = tiny_config("own")
+    write_medusa_layout(plain, random_state(plain), tmp_path / "plain")
+    assert "medusa_forge_chat_template" not in json.loads((tmp_path / "plain" / "config.json").read_text())
+    assert read_medusa_layout(tmp_path / "plain")[0].chat_template is None
+
+    source = make_fd_folder(tmp_path / "bad", fd_tensors(projections=True), medusa_forge_chat_template=["x"])
+    with pytest.raises(ValueError, match=r"medusa_forge_chat_template must be a jinja chat template.*got \['x'\]"):
+        read_medusa_layout(source)
+
+
 # ----- export errors
 
 
