@@ -1010,6 +1010,10 @@ def resolve_tree(model, tree: str | Sequence[Sequence[int]] | None) -> list[tupl
                              "none: train them with train_heads.py or run `medusa-bench --calibrate`, or pass a "
                              f"preset ({', '.join(TREE_PRESETS)}) or explicit paths")
         nodes = int(fitted.group(1))
+        if config.path_accuracies == []:  # measured (acceptance_model gives the per-rank ones then, all zero)
+            raise ValueError(f"tree={tree!r}: the heads' measured path accuracies hold no path (none of their drafts "
+                             "was ever accepted), so there is no tree to fit: decode plainly (tree=[]) or train "
+                             "the heads further")
         if isinstance(acceptance, Mapping) and nodes > len(acceptance):
             raise ValueError(f"tree={tree!r}: the heads' measured path accuracies hold {len(acceptance)} paths, so a "
                              f"fitted tree has at most {len(acceptance)} nodes (the rest would be paths never seen "

@@ -790,6 +790,11 @@ def test_a_fitted_tree_is_greedy_tree_on_the_heads_own_accuracies():
     prompt = torch.tensor([5, 17, 33])
     out = generate(model, prompt[None], max_new_tokens=6, eos_token_id=NO_EOS, tree="fitted-3", adaptive=False)
     assert out.new_tokens[0] == reference(model, prompt, 6)
+    # measured with no path ever accepted (training and calibration store []): no tree to fit; it was
+    # fitted to the per-rank accuracies instead, a tree of paths never seen accepted
+    model.config.path_accuracies = []
+    with pytest.raises(ValueError, match=r"'fitted-3'.*hold no path.*decode plainly \(tree=\[\]\)"):
+        resolve_tree(model, "fitted-3")
 
 
 def test_stop_strings_are_looked_for_in_the_text_as_it_reads_after_the_prompt():
