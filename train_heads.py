@@ -699,6 +699,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     with script_errors():
         train, heldout = stage_data(config, accelerator, pending)
+        from medusa_train.dataset import check_head_positions
+
+        check_head_positions(train, heldout)
     timings["data"] = round(time.perf_counter() - started, 1)
     note_stages()
     say(accelerator, f"data: {len(train)} train and {len(heldout)} held-out examples ({timings['data']} s)")
@@ -747,7 +750,8 @@ def main(argv: list[str] | None = None) -> int:
         # (the main process's: it alone writes the heads, and stages.json, which others might read mid-write)
         recorded = stage_record(paths.logs / "stages.json", timings, reused) if accelerator.is_main_process else {}
         recorded.pop("evaluate", None)  # a previous evaluation's: this one is being timed
-        stage_evaluate(config, accelerator, train, heldout, folders, recorded)
+        with script_errors():
+            stage_evaluate(config, accelerator, train, heldout, folders, recorded)
     timings["evaluate"] = round(time.perf_counter() - started, 1)
     note_stages()
     if accelerator.is_main_process:

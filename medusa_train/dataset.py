@@ -640,6 +640,26 @@ def load_or_build_dataset(
     return load_from_disk(str(target))
 
 
+def head_positions(labels: Sequence[int]) -> int:
+    """The positions of an example where the heads are trained and scored: ``t`` whose ``labels[t + 1]``
+    and ``labels[t + 2]`` are both assistant tokens (decoding runs the heads where the base model's next
+    token is the answer's, and head 1 predicts the one after it)."""
+    return sum(a != IGNORE_INDEX and b != IGNORE_INDEX for a, b in zip(labels[1:], labels[2:]))
+
+
+def check_head_positions(train: Sequence[dict[str, Any]], heldout: Sequence[dict[str, Any]]) -> None:
+    """``ValueError`` where a split's examples hold no position the heads learn from or are scored at
+    (``head_positions``: answers of one token), before training: the evaluation failed after it."""
+    for name, split, use, fix in (
+        ("training", train, "learn from", "distil longer answers (data.max_new_tokens) or give more rows"),
+        ("held-out", heldout, "are scored at", "hold out more (data.heldout_fraction) or distil longer answers "
+                                              "(data.max_new_tokens)"),
+    ):
+        if split and not any(head_positions(example["labels"]) for example in split):
+            raise ValueError(f"none of the {len(split)} {name} examples has two answer tokens in a row, the positions "
+                             f"the heads {use} (head 1 predicts the token after the base model's next one): {fix}")
+
+
 def split_heldout(dataset: Dataset, fraction: float, seed: int = 0) -> tuple[Dataset, Dataset]:
     """``(train, heldout)``: a deterministic random split by example, each keeping file order.
 

@@ -924,6 +924,29 @@ def test_a_checkpoint_is_not_resumed_on_other_examples(tiny_dir, tmp_path, capsy
         str(exit_info.value), captured.out[-2000:], captured.err[-2000:])
 
 
+def test_a_split_with_no_position_for_the_heads_is_refused_before_training(tiny_dir, tmp_path, capsys):
+    """Held-out answers of one token each hold no position the heads are scored at (two answer tokens in
+    a row): refused with the fix named before anything trains. Training ran to its end and the
+    evaluation then died with a traceback, leaving no heads (and a rerun skipped to the same crash)."""
+    import numpy as np
+
+    import train_heads
+
+    examples = counting_examples(20, seed=1)
+    for i in np.random.default_rng(0).permutation(20)[:4].tolist():  # split_heldout's 4 of 20 (seed 0, 0.2)
+        ids = examples[i]["input_ids"]
+        examples[i]["labels"] = [IGNORE] * (len(ids) - 1) + ids[-1:]
+    data = tmp_path / "examples.jsonl"
+    data.write_text("".join(json.dumps(e) + "\n" for e in examples))
+    values = recipe(tiny_dir, tmp_path / "run", training={"max_steps": 2, "seed": 0})
+    values["data"].update(tokenized=str(data), heldout_fraction=0.2)
+    config_file = str(write_recipe(tmp_path / "r.yaml", values))
+    with pytest.raises(SystemExit, match=r"none of the 4 held-out examples has two answer tokens in a row.*"
+                                         r"data.heldout_fraction"):
+        train_heads.main(["--config", config_file])
+    assert not (tmp_path / "run" / "checkpoints" / "final").exists()
+
+
 def test_heads_of_a_run_whose_final_heads_are_gone_are_evaluated_again(tiny_dir, tmp_path, capsys):
     """checkpoints/ removed (heads/ kept), the examples changed: the rerun trains on the new examples, and
     heads/ was kept as the old training's ("evaluate: heads exists, skipping"), the plan saying done."""
