@@ -605,6 +605,10 @@ def validate(config: TrainConfig) -> None:
     if t.loss == "kl" and f.topk < 1:
         raise ValueError("training.loss=kl trains on the model's top-k next-token distributions (soft labels): set "
                          "features.topk >= 1 (e.g. 20), or use training.loss=ce")
+    if h.num_layers == 0 and h.projection == "shared" and not h.next_token_input:
+        raise ValueError("heads.num_layers=0 with heads.projection=shared leaves the heads nothing to train: each "
+                         "would be the base lm_head itself, predicting token t + 1 where head k should predict "
+                         "t + k + 2; set heads.num_layers>=1 or heads.projection=own")
     if h.path_input and not h.next_token_input:
         raise ValueError("heads.path_input=true needs heads.next_token_input=true (the path starts at the token "
                          "t + 1); set both")

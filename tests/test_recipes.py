@@ -118,6 +118,9 @@ def test_overrides_are_typed_and_dotted():
     ("output_dir=", "output_dir: expected a non-empty string, got ''"),
     ("training.mode=medusa2 training.loss=kl features.topk=0", "training.loss=kl trains on the model's top-k"),
     ("heads.next_token_input=false heads.path_input=true", "heads.path_input=true needs heads.next_token_input=true"),
+    # heads with no parameter: Medusa-1 failed at its first backward, Medusa-2 saved lm_head copies as heads
+    ("heads.num_layers=0 heads.projection=shared heads.next_token_input=false heads.path_input=false",
+     "heads.num_layers=0 with heads.projection=shared leaves the heads nothing to train"),
     # these passed, then failed after distilling (the rows then recorded the bad seed, so were not reusable)
     ("training.seed=-1", "training.seed must be in [0, 2**32 - 1], got -1"),
     ("training.seed=4294967296", "training.seed must be in [0, 2**32 - 1], got 4294967296"),
