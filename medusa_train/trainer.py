@@ -590,6 +590,8 @@ def _resume_settings(config: TrainConfig, state: dict[str, Any], world: int) -> 
              **{k: v for k, v in _flatten(state.get("fingerprint", {})).items()
                 if k != "model.hub_id" and k.split(".")[:2] not in (["data", n] for n in _RESUME_DATA_IGNORES)}}
     _skip_unknown_weights(found, expected)
+    for settings in (expected, found):  # recorded only when set (resume_fingerprint): a refusal says False, not None
+        settings.setdefault("data.pack", False)
     return expected, found
 
 

@@ -189,6 +189,13 @@ def test_resume_fingerprint_has_pack_only_when_set(tiny_dir, tmp_path):
     fingerprints = [tr.resume_fingerprint(config_from_dict(recipe(tiny_dir, tmp_path, data={"pack": pack})))
                     for pack in (False, True)]
     assert "pack" not in fingerprints[0]["data"] and fingerprints[1]["data"]["pack"] is True
+    # a packed run's checkpoint resumed unpacked is refused, the setting named as it is (it said "now None")
+    packed, unpacked = (config_from_dict(recipe(tiny_dir, tmp_path, data={"pack": pack})) for pack in (True, False))
+    state = {"world_size": 1, "grad_accum": packed.training.grad_accum, "fingerprint": fingerprints[1]}
+    expected, found = tr._resume_settings(unpacked, state, 1)
+    assert (found["data.pack"], expected["data.pack"]) == (True, False)
+    expected, found = tr._resume_settings(packed, state, 1)
+    assert expected == found
 
 
 def test_medusa2_loss_and_gradients_packed_equal_padded(tiny_dir, tmp_path):
