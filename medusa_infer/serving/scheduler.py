@@ -461,11 +461,12 @@ class Engine:
             running.batch.release(row)
 
     def _fail_batch(self, running: _Running, error: Exception) -> None:
-        for request in list(running.requests.values()):
-            self._finish(request, "error", error=f"decoding failed: {error}")
+        requests = list(running.requests.values())
         running.requests.clear()
         if running in self._batches:
             self._batches.remove(running)
+        for request in requests:
+            self._finish(request, "error", error=f"decoding failed: {error}")
 
     def _finish(self, request: Request, finish: str, tokens: list[int] | None = None,
                 error: str | None = None) -> None:
@@ -485,6 +486,7 @@ class Engine:
             self.metrics.e2e.observe(now - request.arrival)
             if request.first_token_at is not None and request.generated > 1:
                 self.metrics.tpot.observe((now - request.first_token_at) / (request.generated - 1))
+        self._publish_counts()  # before its client hears: the counts it may read next no longer hold it
         _notify(request, Update(tokens or [], finish, error, steps, accepted))
 
     def _record_speculation(self, before: tuple[list[int], list[int]], after: tuple[list[int], list[int]]) -> None:
@@ -499,10 +501,11 @@ class Engine:
             self.metrics.spec_accepted_per_pos.inc(count, position=position)
 
     def _publish_counts(self) -> None:
-        self.metrics.running.set(sum(len(r.requests) for r in self._batches))
+        live = [r for r in self._batches if not r.batch.done]  # a batch whose last row just ended: gone at turn's end
+        self.metrics.running.set(sum(len(r.requests) for r in live))
         with self._lock:
             self.metrics.waiting.set(len(self._waiting))
-            self._num_batches = len(self._batches)
+            self._num_batches = len(live)
 
 
 def _notify(request: Request, update: Update) -> None:
