@@ -155,6 +155,21 @@ def context_start(tokenizer: Any, ids: Sequence[int], start: int) -> int:
     return begin
 
 
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def byte_run_start(tokenizer: Any, ids: Sequence[int], floor: int = 0) -> int:
+    """Where the run of byte tokens that ``ids`` end in begins (``len(ids)`` where they end otherwise),
+    not before ``floor``: the ``<0xNN>`` tokens a byte-fallback tokenizer (Gemma, Llama-2, Mistral) spells
+    a character outside its vocabulary with. Its decoder decodes a run of them as one: while the run ends
+    inside a character, every byte of it reads U+FFFD, characters it completed before included, so the
+    run's text is known only once another token ends it (or the text does)."""
+    end = len(ids)
+    while end > floor and _BYTE_TOKEN.fullmatch(tokenizer.convert_ids_to_tokens(int(ids[end - 1])) or ""):
+        end -= 1
+    return end
+
+
 def generated_text_tail(tokenizer: Any, history: Sequence[int], prompt_length: int, window: int) -> str:
     """The text of (up to) the last ``window`` generated tokens of ``history`` (prompt, then generated
     tokens), special tokens left out, as it reads after what precedes it: the text a client is sent,
@@ -848,10 +863,13 @@ class _TextTracker:
 
     def update(self, row: int, tokens: list[int], final: bool = False) -> str:
         """The text ``tokens`` (the row's new tokens so far) add; ``final``: the row ends with them, so
-        no text is held back (the chunks' texts then join to the decoded answer)."""
+        no text is held back (the chunks' texts then join to the decoded answer). Until then the text
+        of a run of byte tokens they end in is held back (``byte_run_start``), as is an incomplete
+        character."""
         if self.tokenizer is None:
             return ""
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        end = len(tokens) if final else byte_run_start(self.tokenizer, tokens)
+        text = self.tokenizer.decode(tokens[:end], skip_special_tokens=True)
         if text.endswith("\ufffd") and not final:  # an incomplete multi-byte character: wait for the rest
             return ""
         new, self.sent[row] = text[len(self.sent[row]):], text

@@ -274,6 +274,29 @@ def test_text_after_a_prompt_ending_inside_byte_tokens_is_whole_and_its_stop_str
     assert generated_text_tail(tokenizer, prompt + new, len(prompt), window=12) == expected
 
 
+def test_streamed_text_of_a_run_of_byte_tokens_joins_to_the_decoded_answer():
+    """A byte-fallback tokenizer (Gemma, Llama-2) decodes a run of byte tokens as one, every byte U+FFFD
+    while it ends inside a character, characters it completed before included: a character sent as
+    soon as its bytes were in read otherwise in the answer once an incomplete one (a stray byte, or the
+    answer cut mid-character) joined the run. Both the server's text and ``stream()``'s are checked."""
+    from medusa_infer.decoding import _TextTracker
+    from tiny import byte_fallback_tokenizer
+
+    tokenizer = byte_fallback_tokenizer()
+    byte = lambda b: tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>")  # noqa: E731
+    sun = [byte(b) for b in "\u65e5".encode()]  # a whole character, then the first byte of another
+    word = tokenizer("the", add_special_tokens=False)["input_ids"]
+    for answer in (sun + [byte(0xE6)] + word, sun + [byte(0xE6)], word + sun + word):
+        expected = tokenizer.decode(answer, skip_special_tokens=True)
+        for end in range(1, len(answer) + 1):  # each token as it comes, the last one final
+            tracker, assembler = _TextTracker(tokenizer, 1), TextAssembler(tokenizer)
+            streamed = "".join(tracker.update(0, answer[:i], final=i == end) for i in range(1, end + 1))
+            served = "".join(assembler.add(answer[i - 1:i], final=i == end) for i in range(1, end + 1))
+            cut = tokenizer.decode(answer[:end], skip_special_tokens=True)
+            assert streamed == served == cut, (answer[:end], streamed, served, cut)
+        assert cut == expected
+
+
 def test_usage_carries_speculative_statistics(client, model):
     answer = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0, extra_body=NO_EOS)
     usage = answer.usage
