@@ -914,7 +914,11 @@ def _known_token_id(model, tokenizer, name: str) -> int | None:
 
 
 def _pad_id(model, tokenizer, stop: StopConfig) -> int:
-    found = _known_token_id(model, tokenizer, "pad_token_id")
+    """The id finished rows are padded with in ``sequences``, as ``model.generate`` picks it: the model's
+    generation config's pad id, its config's, else the first end id. The tokenizer's is not asked (as
+    there): Llama-3's, set to its end-of-turn id, would pad where ``model.generate`` pads with
+    ``<|end_of_text|>``. (Prompts given as text are padded with it: their padding is masked.)"""
+    found = _known_token_id(model, None, "pad_token_id")
     if found is not None:
         return found
     return stop.eos_token_ids[0] if stop.eos_token_ids else 0

@@ -354,6 +354,13 @@ def test_finished_rows_are_padded_with_the_generation_configs_first_eos_as_model
     theirs = model.base_model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
     assert ours.sequences.tolist() == theirs.tolist()
     assert ours.sequences[0, -1].item() == late
+    # a tokenizer's pad id (Llama-3's usual pad_token = eos_token) is not model.generate's: it padded with it
+    from tiny import metaspace_tokenizer
+
+    tokenizer = metaspace_tokenizer()
+    assert tokenizer.pad_token_id not in (None, late)
+    with_tokenizer = MedusaModel(model.base_model, model.heads, tokenizer)
+    assert generate(with_tokenizer, ids, attention_mask=mask, max_new_tokens=12).sequences.tolist() == theirs.tolist()
     from medusa_infer.decoding import eos_ids
 
     base.eos_token_id = [late, late, early]  # each id once
