@@ -134,22 +134,22 @@ class SpeculationGate:
         """The expected seconds of a step verifying ``tokens`` tokens in all (every row together),
         or None before any step in that range of forward sizes, or in ranges on both sides of it,
         has been measured (an average size between two measured ones, as steps of mixed draft
-        lengths give, no step measures itself). The measured times are taken as never decreasing with
-        the size (each as at least every smaller size's), so that one slow step of a small size
-        cannot price a larger forward below it, by interpolation or past the largest size measured."""
+        lengths give, no step measures itself). Past the largest size measured the time is never
+        below that size's: a falling last segment (one slow step of a smaller size) extended priced a
+        larger forward at down to nothing."""
         if self._range(tokens) not in self._times:
             sizes = [a.tokens for a in self._times.values()]
             if not sizes or not min(sizes) <= tokens <= max(sizes):
                 return None
         points = sorted((a.tokens, a.seconds) for a in self._times.values())
-        points = [(n, max(t for _, t in points[: i + 1])) for i, (n, _) in enumerate(points)]
         if len(points) == 1:
             return points[0][1]
         for (n0, t0), (n1, t1) in zip(points, points[1:]):
             if tokens <= n1 or (n1, t1) == points[-1]:
                 if n1 == n0:
                     return t1
-                return max(t0 + (t1 - t0) * (tokens - n0) / (n1 - n0), t0, 1e-9)
+                estimate = t0 + (t1 - t0) * (tokens - n0) / (n1 - n0)
+                return max(estimate, t1 if tokens > n1 else 1e-9, 1e-9)
         return points[-1][1]
 
     # -- the decision -------------------------------------------------------------------------

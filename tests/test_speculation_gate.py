@@ -316,9 +316,9 @@ def test_a_draft_size_between_measured_ones_is_interpolated():
 
 
 def test_a_slow_small_step_does_not_price_a_larger_forward_below_it():
-    """Step times are taken as never decreasing with the forward's size: one slow 3-token step and faster
-    5-token ones extended a falling segment past the largest size measured, down to 1e-9 s, and a
-    batch whose drafts were never accepted speculated on that price."""
+    """Past the largest size measured a forward costs at least that size's time: one slow 3-token step
+    and faster 5-token ones extended a falling segment, down to 1e-9 s, and a batch whose drafts were
+    never accepted speculated on that price. Sizes measured keep their own times."""
     gate = SpeculationGate(warmup=1)
     gate.record(1, True, 1, 0.030, 3)
     gate.record(1, False, 1, 0.010, 1)
@@ -327,7 +327,7 @@ def test_a_slow_small_step_does_not_price_a_larger_forward_below_it():
         gate.record(1, True, 1, 0.020, 5)  # no draft ever accepted: 1 token a step
     gate.record(2, False, 2, 0.011, 2)
     gate.record(2, False, 2, 0.011, 2)
-    assert [gate.step_seconds(n) for n in (1, 2, 3, 5, 8)] == pytest.approx([0.010, 0.011, 0.030, 0.030, 0.030])
+    assert [gate.step_seconds(n) for n in (1, 2, 3, 5, 8)] == pytest.approx([0.010, 0.011, 0.030, 0.020, 0.020])
     assert not gate.speculate(2)
 
 
