@@ -158,16 +158,40 @@ def context_start(tokenizer: Any, ids: Sequence[int], start: int) -> int:
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
-def byte_run_start(tokenizer: Any, ids: Sequence[int], floor: int = 0) -> int:
-    """Where the run of byte tokens that ``ids`` end in begins (``len(ids)`` where they end otherwise),
-    not before ``floor``: the ``<0xNN>`` tokens a byte-fallback tokenizer (Gemma, Llama-2, Mistral) spells
-    a character outside its vocabulary with. Its decoder decodes a run of them as one: while the run ends
-    inside a character, every byte of it reads U+FFFD, characters it completed before included, so the
-    run's text is known only once another token ends it (or the text does)."""
-    end = len(ids)
-    while end > floor and _BYTE_TOKEN.fullmatch(tokenizer.convert_ids_to_tokens(int(ids[end - 1])) or ""):
-        end -= 1
-    return end
+class ByteRun:
+    """Where the run of byte tokens a growing list of token ids ends in begins, for text that must wait
+    for it: the ``<0xNN>`` tokens a byte-fallback tokenizer (Gemma, Llama-2, Mistral) spells a character
+    outside its vocabulary with. Its decoder decodes a run of them as one (special tokens in between are
+    skipped before, so they join it): while the run ends inside a character, every byte of it reads
+    U+FFFD, characters it completed before included, so its text is known only once another token ends
+    it (or the text ends). Each call looks only at the ids added since the last one."""
+
+    def __init__(self, tokenizer: Any, start: int = 0) -> None:
+        """``start``: the ids before it are never part of a run (a prompt decoded as context)."""
+        self.tokenizer, self.start, self.checked = tokenizer, start, start
+        self._special: set[int] | None = None
+
+    def __call__(self, ids: Sequence[int]) -> int:
+        """The index of the first id of the trailing run of ``ids`` (``len(ids)`` where there is none);
+        ``ids`` is the list of the last call with ids appended."""
+        end = i = len(ids)
+        while i > self.checked and self._in_run(int(ids[i - 1])):
+            i -= 1
+        if i > self.checked:  # a token that ends any run before it: the run, if any, begins after it
+            self.start = i
+        self.checked = end
+        return self.start
+
+    def _in_run(self, token_id: int) -> bool:
+        try:
+            token = self.tokenizer.convert_ids_to_tokens(token_id)
+        except Exception:  # a tokenizer that refuses some ids (e.g. remote-code tiktoken ones): no byte token
+            token = None
+        if isinstance(token, str) and _BYTE_TOKEN.fullmatch(token):
+            return True
+        if self._special is None:
+            self._special = set(getattr(self.tokenizer, "all_special_ids", None) or ())
+        return token_id in self._special
 
 
 def generated_text_tail(tokenizer: Any, history: Sequence[int], prompt_length: int, window: int) -> str:
@@ -860,15 +884,16 @@ class _TextTracker:
 
     def __init__(self, tokenizer: Any, rows: int) -> None:
         self.tokenizer, self.sent = tokenizer, [""] * rows
+        self.runs = [ByteRun(tokenizer) for _ in range(rows)]
 
     def update(self, row: int, tokens: list[int], final: bool = False) -> str:
         """The text ``tokens`` (the row's new tokens so far) add; ``final``: the row ends with them, so
         no text is held back (the chunks' texts then join to the decoded answer). Until then the text
-        of a run of byte tokens they end in is held back (``byte_run_start``), as is an incomplete
+        of a run of byte tokens they end in is held back (``ByteRun``), as is an incomplete
         character."""
         if self.tokenizer is None:
             return ""
-        end = len(tokens) if final else byte_run_start(self.tokenizer, tokens)
+        end = len(tokens) if final else self.runs[row](tokens)
         text = self.tokenizer.decode(tokens[:end], skip_special_tokens=True)
         if text.endswith("\ufffd") and not final:  # an incomplete multi-byte character: wait for the rest
             return ""
@@ -915,12 +940,15 @@ def _known_token_id(model, tokenizer, name: str) -> int | None:
 
 def _pad_id(model, tokenizer, stop: StopConfig) -> int:
     """The id finished rows are padded with in ``sequences``, as ``model.generate`` picks it: the model's
-    generation config's pad id, its config's, else the first end id. The tokenizer's is not asked (as
-    there): Llama-3's, set to its end-of-turn id, would pad where ``model.generate`` pads with
-    ``<|end_of_text|>``. (Prompts given as text are padded with it: their padding is masked.)"""
-    found = _known_token_id(model, None, "pad_token_id")
-    if found is not None:
-        return found
+    generation config's pad id (its config's where it has no generation config), else the first end id.
+    Neither the tokenizer's (Llama-3's, set to its end-of-turn id, padded where ``model.generate`` pads
+    with ``<|end_of_text|>``) nor, beside a generation config, the model config's is asked, as there.
+    (Prompts given as text are padded with the tokenizer's: their padding is masked.)"""
+    base = model.base_model
+    source = getattr(base, "generation_config", None) or base.config
+    found = getattr(source, "pad_token_id", None)
+    if found is not None and not isinstance(found, (list, tuple)):
+        return int(found)
     return stop.eos_token_ids[0] if stop.eos_token_ids else 0
 
 

@@ -361,6 +361,11 @@ def test_finished_rows_are_padded_with_the_generation_configs_first_eos_as_model
     assert tokenizer.pad_token_id not in (None, late)
     with_tokenizer = MedusaModel(model.base_model, model.heads, tokenizer)
     assert generate(with_tokenizer, ids, attention_mask=mask, max_new_tokens=12).sequences.tolist() == theirs.tolist()
+    # nor the model config's beside a generation config without one (model.generate pads with the end id)
+    model.base_model.config.pad_token_id = 0
+    assert model.base_model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False).tolist() \
+        == theirs.tolist()
+    assert generate(model, ids, attention_mask=mask, max_new_tokens=12).sequences.tolist() == theirs.tolist()
     from medusa_infer.decoding import eos_ids
 
     base.eos_token_id = [late, late, early]  # each id once

@@ -286,7 +286,8 @@ def test_streamed_text_of_a_run_of_byte_tokens_joins_to_the_decoded_answer():
     byte = lambda b: tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>")  # noqa: E731
     sun = [byte(b) for b in "\u65e5".encode()]  # a whole character, then the first byte of another
     word = tokenizer("the", add_special_tokens=False)["input_ids"]
-    for answer in (sun + [byte(0xE6)] + word, sun + [byte(0xE6)], word + sun + word):
+    end_id = tokenizer.eos_token_id  # skipped in decoding: the bytes either side of it decode as one run
+    for answer in (sun + [byte(0xE6)] + word, sun + [byte(0xE6)], word + sun + word, sun + [end_id, byte(0xE6)] + word):
         expected = tokenizer.decode(answer, skip_special_tokens=True)
         for end in range(1, len(answer) + 1):  # each token as it comes, the last one final
             tracker, assembler = _TextTracker(tokenizer, 1), TextAssembler(tokenizer)
@@ -295,6 +296,43 @@ def test_streamed_text_of_a_run_of_byte_tokens_joins_to_the_decoded_answer():
             cut = tokenizer.decode(answer[:end], skip_special_tokens=True)
             assert streamed == served == cut, (answer[:end], streamed, served, cut)
         assert cut == expected
+
+
+def test_a_run_of_byte_tokens_is_followed_in_time_linear_in_its_length():
+    """Each update looks at the tokens it adds only (a run held back was scanned whole at every token:
+    4000 byte tokens took 10 s of the server's event loop), and a tokenizer whose ``convert_ids_to_tokens``
+    gives bytes or refuses an id (remote-code tiktoken ones) has no byte tokens (it raised)."""
+    from medusa_infer.decoding import ByteRun
+    from tiny import byte_fallback_tokenizer
+
+    tokenizer = byte_fallback_tokenizer()
+    emoji = tokenizer("\U0001F389", add_special_tokens=False)["input_ids"][1:]
+    assert tokenizer.convert_ids_to_tokens(emoji[0]) == "<0xF0>"
+    looked = []
+
+    class Counting:
+        all_special_ids = tokenizer.all_special_ids
+
+        def convert_ids_to_tokens(self, token_id):
+            looked.append(token_id)
+            return tokenizer.convert_ids_to_tokens(token_id)
+
+    ids, run = [], ByteRun(Counting())
+    for token in emoji * 250:
+        ids.append(token)
+        assert run(ids) == 0
+    ids += tokenizer("the", add_special_tokens=False)["input_ids"]
+    assert run(ids) == len(ids) and len(looked) == len(ids)
+
+    class Tiktoken:
+        all_special_ids = [0]
+
+        def convert_ids_to_tokens(self, token_id):
+            if token_id > 9:
+                raise ValueError("unknown ids")
+            return b"<0xF0>"
+
+    assert ByteRun(Tiktoken())([5, 11]) == 2
 
 
 def test_usage_carries_speculative_statistics(client, model):

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from medusa_infer.decoding import SamplingConfig, StopConfig, byte_run_start, context_start
+from medusa_infer.decoding import ByteRun, SamplingConfig, StopConfig, context_start
 from medusa_infer.serving import protocol
 from medusa_infer.serving.protocol import APIError, GenerationParams, ModelInfo, Speculation
 from medusa_infer.serving.scheduler import ABORT_REASONS, Engine, EngineStopped, QueueFull, Update
@@ -313,7 +313,7 @@ class TextAssembler:
     """A request's text as its tokens arrive, decoded incrementally (a window of recent tokens,
     not the whole output each time). The text is cut before the first stop string; until the
     request ends, text that may be the start of a stop string or of a multi-byte character (or a
-    run of byte tokens: ``byte_run_start``) is held back, so a stream never shows what the final
+    run of byte tokens: ``ByteRun``) is held back, so a stream never shows what the final
     text will not contain."""
 
     def __init__(self, tokenizer: Any, stops: tuple[str, ...] = (), context: Sequence[int] = ()) -> None:
@@ -323,6 +323,7 @@ class TextAssembler:
         self.tokenizer, self.stops = tokenizer, stops
         self.tokens: list[int] = list(context[context_start(tokenizer, context, len(context)):]) if context else []
         self.prefix_offset, self.read_offset = 0, len(self.tokens)
+        self.byte_run = ByteRun(tokenizer, len(self.tokens))
         self.text = ""  # decoded so far
         self.sent = 0  # characters of ``text`` handed out
         self.stopped = False
@@ -348,7 +349,7 @@ class TextAssembler:
 
     def _decode(self, final: bool) -> None:
         decode = self.tokenizer.decode
-        end = len(self.tokens) if final else byte_run_start(self.tokenizer, self.tokens, self.read_offset)
+        end = len(self.tokens) if final else self.byte_run(self.tokens)
         before = decode(self.tokens[self.prefix_offset : self.read_offset], skip_special_tokens=True)
         after = decode(self.tokens[self.prefix_offset : end], skip_special_tokens=True)
         if len(after) > len(before) and (final or not after.endswith("\ufffd")):
