@@ -368,7 +368,7 @@ def write_medusa_layout(
     }
     if config.trained_with_adapter:  # the adapter is not in the layout: readers are told the heads need it
         data[TRAINING_MODE_KEY] = "medusa2"
-    if config.chat_template is not None:
+    if config.chat_template:  # ("" is none, as from_pretrained reads it)
         data[CHAT_TEMPLATE_KEY] = config.chat_template
         logger.warning("these heads were trained on a chat template other than the tokenizer's own (%s keeps it as "
                        "%s, which this package reads back): other engines render chats with the tokenizer's "

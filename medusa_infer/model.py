@@ -458,9 +458,9 @@ class MedusaModel(nn.Module):
         if config.chat_template and tokenizer is not None:
             tokenizer.chat_template = config.chat_template
         elif config.chat_template:
-            logger.warning("the heads in %s were trained on their own chat template (config.json, "
-                           "chat_template) and no tokenizer was given to install it on; pass tokenizer=, "
-                           "or render chats with model.config.chat_template", directory)
+            logger.warning("the heads in %s were trained on their own chat template (model.config.chat_template) "
+                           "and no tokenizer was given to install it on; pass tokenizer=, or render chats with "
+                           "model.config.chat_template", directory)
         return model
 
     # ------------------------------------------------------------------ saving
@@ -563,10 +563,6 @@ class MedusaModel(nn.Module):
         if self.datastore is not None:
             logger.warning("the lookup datastore (%d entries) is not part of the layout written to %s: "
                            "save_pretrained keeps it beside the heads", len(self.datastore), directory)
-        if self.config.chat_template:
-            logger.warning("the chat template these heads were trained on is not part of the layout written to %s; "
-                           "engines that read it must render chats with it (the heads' config.json, chat_template)",
-                           directory)
 
     # ------------------------------------------------------------------ forward
 

@@ -331,7 +331,7 @@ def test_the_chat_template_the_heads_were_trained_on_survives_the_layout(tmp_pat
     assert json.loads((tmp_path / "config.json").read_text())["medusa_forge_chat_template"] == template
     assert read_medusa_layout(tmp_path)[0].chat_template == template
 
-    plain = tiny_config("own")
+    plain = tiny_config("own", chat_template="")  # none, as from_pretrained reads it (its import refused "")
     write_medusa_layout(plain, random_state(plain), tmp_path / "plain")
     assert "medusa_forge_chat_template" not in json.loads((tmp_path / "plain" / "config.json").read_text())
     assert read_medusa_layout(tmp_path / "plain")[0].chat_template is None

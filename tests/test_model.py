@@ -345,8 +345,10 @@ def test_heads_trained_on_a_recipes_chat_template_bring_it_to_the_tokenizer(tmp_
     loaded = MedusaModel.from_pretrained(tmp_path, base_model=model.base_model, tokenizer=tokenizer)
     assert loaded.tokenizer is tokenizer and tokenizer.chat_template == QA_TEMPLATE
     assert encode_chat(loaded.tokenizer, [{"role": "user", "content": "w5 w6"}]) == ["<s>Q w5 w6 A"]
-    loaded.export_medusa_layout(tmp_path / "layout")  # a layout without a place for it says so
-    assert "must render chats with it" in caplog.text
+    loaded.export_medusa_layout(tmp_path / "layout")  # the layout keeps it under a key of ours: said, once
+    assert caplog.text.count("other engines render chats with the tokenizer's template unless given this one") == 1
+    assert MedusaModel.from_pretrained(tmp_path / "layout", base_model=model.base_model).config.chat_template \
+        == QA_TEMPLATE
     MedusaModel.from_pretrained(tmp_path, base_model=model.base_model)  # no tokenizer to install it on: said
     assert "no tokenizer was given" in caplog.text
     # heads saved before the field hold the template only in their recipe record

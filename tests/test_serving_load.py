@@ -360,11 +360,15 @@ def test_a_request_s_client_hears_its_end_after_the_counts_stop_holding_it(model
         with engine.hold():
             engine.submit(request(0, 3))
             engine.submit(request(1, 40))
-        wait_until(lambda: len(seen) == 2, timeout=60)
+            engine.submit(request(2, 1))  # ends at its prefill, before its batch joins the engine's
+        wait_until(lambda: len(seen) == 3, timeout=60)
+        engine.submit(request(3, 200))
+        wait_until(lambda: engine.snapshot()["running"] == 1)
     finally:
-        engine.stop()
+        engine.stop()  # request 3 hears the shutdown
+    assert seen[2] == {"running": 2, "waiting": 0, "pending_cancels": 0, "batches": 1}  # (it counted none)
     assert seen[0] == {"running": 1, "waiting": 0, "pending_cancels": 0, "batches": 1}  # the other row decodes on
-    assert seen[1] == {"running": 0, "waiting": 0, "pending_cancels": 0, "batches": 0}
+    assert seen[1] == seen[3] == {"running": 0, "waiting": 0, "pending_cancels": 0, "batches": 0}
 
 
 def test_a_draft_model_given_by_name_serves_requests_that_join_a_running_batch(model, tmp_path):

@@ -207,6 +207,7 @@ class Engine:
         self._in_turn = False
         self._stopping = False
         self._batches: list[_Running] = []  # engine thread only
+        self._prefilling: _Running | None = None  # engine thread only: a batch whose prefill's tokens are delivered
         self._active: dict[int, Request] = {}  # engine thread only: id -> request, waiting or decoding
         self._num_batches = 0
         self._thread = threading.Thread(target=self._run, name="medusa-engine", daemon=True)
@@ -300,13 +301,13 @@ class Engine:
                 self._stopping = True
                 waiting, self._waiting = list(self._waiting), deque()
                 cancels, self._cancels = self._cancels, {}
+            self._batches.clear()  # before any client hears: the counts it may read hold nothing
+            self._publish_counts()
             for request, reason in cancels.items():  # cancelled but not yet told (a cancel leaves the queue at once)
                 if request.slot is None:
                     self._finish(request, reason, error=CANCEL_MESSAGES.get(reason))
             for request in list(self._active.values()) + waiting:
                 self._finish(request, "shutdown", error="the server is shutting down")
-            self._batches.clear()
-            self._publish_counts()
 
     def _has_work(self) -> bool:
         return bool(self._waiting or self._cancels or self._batches)
@@ -376,7 +377,11 @@ class Engine:
         for row, request in fresh.requests.items():
             request.slot = (fresh, row)
         emitted = batch.prefill()
-        self._deliver(fresh, emitted)
+        self._prefilling = fresh  # counted while its first tokens are delivered (it joins the batches after)
+        try:
+            self._deliver(fresh, emitted)
+        finally:
+            self._prefilling = None
         if batch.done:
             return
         target = next((r for r in self._batches if r.key == key and r.can_merge and not r.batch.done), None)
@@ -501,7 +506,8 @@ class Engine:
             self.metrics.spec_accepted_per_pos.inc(count, position=position)
 
     def _publish_counts(self) -> None:
-        live = [r for r in self._batches if not r.batch.done]  # a batch whose last row just ended: gone at turn's end
+        batches = self._batches + ([self._prefilling] if self._prefilling is not None else [])
+        live = [r for r in batches if not r.batch.done]  # a batch whose last row just ended: gone at turn's end
         self.metrics.running.set(sum(len(r.requests) for r in live))
         with self._lock:
             self.metrics.waiting.set(len(self._waiting))
