@@ -208,10 +208,10 @@ def read_medusa_layout(
 
 def _chat_template(raw: Any, where: Path) -> str | None:
     """``CHAT_TEMPLATE_KEY``'s value checked: None where an export did not write it (the tokenizer's template)."""
-    if raw is not None and (not isinstance(raw, str) or not raw.strip()):
-        raise ValueError(f"{where}: {CHAT_TEMPLATE_KEY} must be a jinja chat template (a non-empty string), "
-                         f"got {raw!r}; fix or remove it")
-    return raw
+    if raw is not None and not isinstance(raw, str):
+        raise ValueError(f"{where}: {CHAT_TEMPLATE_KEY} must be a jinja chat template (a string), got {raw!r:.200}; "
+                         "fix or remove it")
+    return raw or None
 
 
 def _imported_training(mode: Any, where: Path) -> dict[str, Any]:

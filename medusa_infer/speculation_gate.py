@@ -134,9 +134,9 @@ class SpeculationGate:
         """The expected seconds of a step verifying ``tokens`` tokens in all (every row together),
         or None before any step in that range of forward sizes, or in ranges on both sides of it,
         has been measured (an average size between two measured ones, as steps of mixed draft
-        lengths give, no step measures itself). Past the largest size measured the time is never
-        below that size's: a falling last segment (one slow step of a smaller size) extended priced a
-        larger forward at down to nothing."""
+        lengths give, no step measures itself). Past the largest size measured, or below the smallest,
+        the time is never below that size's: a segment extended past its ends (one slow step of one
+        size) priced a forward at down to nothing."""
         if self._range(tokens) not in self._times:
             sizes = [a.tokens for a in self._times.values()]
             if not sizes or not min(sizes) <= tokens <= max(sizes):
@@ -149,7 +149,8 @@ class SpeculationGate:
                 if n1 == n0:
                     return t1
                 estimate = t0 + (t1 - t0) * (tokens - n0) / (n1 - n0)
-                return max(estimate, t1 if tokens > n1 else 1e-9, 1e-9)
+                nearest = t1 if tokens > n1 else t0 if tokens < n0 else 1e-9  # extrapolated: no cheaper than it
+                return max(estimate, nearest, 1e-9)
         return points[-1][1]
 
     # -- the decision -------------------------------------------------------------------------

@@ -337,7 +337,8 @@ def test_the_chat_template_the_heads_were_trained_on_survives_the_layout(tmp_pat
     assert read_medusa_layout(tmp_path / "plain")[0].chat_template is None
 
     source = make_fd_folder(tmp_path / "bad", fd_tensors(projections=True), medusa_forge_chat_template=["x"])
-    with pytest.raises(ValueError, match=r"medusa_forge_chat_template must be a jinja chat template.*got \['x'\]"):
+    with pytest.raises(ValueError, match=r"medusa_forge_chat_template must be a jinja chat template \(a string\), "
+                                         r"got \['x'\]"):
         read_medusa_layout(source)
 
 

@@ -349,11 +349,14 @@ def test_a_request_s_client_hears_its_end_after_the_counts_stop_holding_it(model
     engine = Engine(model, model.tokenizer, "medusa", max_batch=4)
     seen: dict[int, dict] = {}
 
-    def request(i: int, n: int) -> Request:
+    def request(i: int, n: int, sampling: SamplingConfig = SamplingConfig("greedy")) -> Request:
         def update(u) -> None:  # on the engine thread, as the server's handler is woken
             if u.finish:
                 seen[i] = engine.snapshot()
-        return Request([5, 6, 7], SamplingConfig("greedy"), StopConfig(n), update)
+        return Request([5, 6, 7], sampling, StopConfig(n), update)
+
+    def counts(running: int, batches: int) -> dict:
+        return {"running": running, "waiting": 0, "pending_cancels": 0, "batches": batches}
 
     engine.start()
     try:
@@ -361,14 +364,17 @@ def test_a_request_s_client_hears_its_end_after_the_counts_stop_holding_it(model
             engine.submit(request(0, 3))
             engine.submit(request(1, 40))
             engine.submit(request(2, 1))  # ends at its prefill, before its batch joins the engine's
-        wait_until(lambda: len(seen) == 3, timeout=60)
+            engine.submit(request(4, 40, SamplingConfig("lossless", temperature=0.7)))  # a batch of its own, after
+        wait_until(lambda: len(seen) == 4, timeout=60)
         engine.submit(request(3, 200))
         wait_until(lambda: engine.snapshot()["running"] == 1)
     finally:
         engine.stop()  # request 3 hears the shutdown
-    assert seen[2] == {"running": 2, "waiting": 0, "pending_cancels": 0, "batches": 1}  # (it counted none)
-    assert seen[0] == {"running": 1, "waiting": 0, "pending_cancels": 0, "batches": 1}  # the other row decodes on
-    assert seen[1] == seen[3] == {"running": 0, "waiting": 0, "pending_cancels": 0, "batches": 0}
+    # request 2: its batch's other rows and the sampled request admitted with them (it counted none of them)
+    assert seen[2] == counts(3, 1)
+    assert seen[0] == counts(2, 2)  # the other rows decode on
+    first, last = sorted((1, 4), key=list(seen).index)
+    assert (seen[first], seen[last], seen[3]) == (counts(1, 1), counts(0, 0), counts(0, 0))
 
 
 def test_a_draft_model_given_by_name_serves_requests_that_join_a_running_batch(model, tmp_path):

@@ -329,6 +329,15 @@ def test_a_slow_small_step_does_not_price_a_larger_forward_below_it():
     gate.record(2, False, 2, 0.011, 2)
     assert [gate.step_seconds(n) for n in (1, 2, 3, 5, 8)] == pytest.approx([0.010, 0.011, 0.030, 0.020, 0.020])
     assert not gate.speculate(2)
+    # below the smallest size measured likewise: 8-token steps, 12-token ones, then plain 5-row steps, whose
+    # range (5-8) the 8-token ones share: the segment through both ranges' average sizes went below zero
+    gate = SpeculationGate(warmup=1)
+    for _ in range(4):
+        gate.record(1, True, 1, 0.010, 8)
+        gate.record(1, True, 1, 0.030, 12)
+    gate.record(5, False, 5, 0.009, 5)
+    gate.record(5, False, 5, 0.009, 5)
+    assert gate.step_seconds(5) >= 0.009
 
 
 def test_each_batch_size_range_has_its_own_yield():

@@ -208,6 +208,7 @@ class Engine:
         self._stopping = False
         self._batches: list[_Running] = []  # engine thread only
         self._prefilling: _Running | None = None  # engine thread only: a batch whose prefill's tokens are delivered
+        self._admitted: list[Request] = []  # engine thread only: taken from the queue this turn, batched or not yet
         self._active: dict[int, Request] = {}  # engine thread only: id -> request, waiting or decoding
         self._num_batches = 0
         self._thread = threading.Thread(target=self._run, name="medusa-engine", daemon=True)
@@ -341,7 +342,16 @@ class Engine:
                 if admitted and tokens > self.max_prefill_tokens:
                     break
                 admitted.append(self._waiting.popleft())
-            self.metrics.waiting.set(len(self._waiting))
+        if not admitted:
+            return
+        self._admitted = admitted  # running from here: their prefills may take seconds
+        try:
+            self._start_batches(admitted)
+        finally:
+            self._admitted = []
+
+    def _start_batches(self, admitted: list[Request]) -> None:
+        self._publish_counts()
         groups: dict[Hashable, list[Request]] = {}
         for request in admitted:
             self._active[request.id] = request
@@ -508,7 +518,9 @@ class Engine:
     def _publish_counts(self) -> None:
         batches = self._batches + ([self._prefilling] if self._prefilling is not None else [])
         live = [r for r in batches if not r.batch.done]  # a batch whose last row just ended: gone at turn's end
-        self.metrics.running.set(sum(len(r.requests) for r in live))
+        running = {request.id for r in live for request in r.requests.values()}
+        running.update(request.id for request in self._admitted if not request.done)  # batched or being prefilled
+        self.metrics.running.set(len(running))
         with self._lock:
             self.metrics.waiting.set(len(self._waiting))
             self._num_batches = len(live)
