@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 import time
 
@@ -358,6 +359,10 @@ def test_a_request_s_client_hears_its_end_after_the_counts_stop_holding_it(model
     def counts(running: int, batches: int) -> dict:
         return {"running": running, "waiting": 0, "pending_cancels": 0, "batches": batches}
 
+    locked = []  # each gauge is set under the engine's lock, with the queue it counts: /health never saw a
+    for gauge in (engine.metrics.running, engine.metrics.waiting):  # request just taken in neither count
+        gauge.set = functools.partial(lambda set_, value, **labels: (locked.append(engine._lock.locked()),
+                                                                     set_(value, **labels)), gauge.set)
     engine.start()
     try:
         with engine.hold():
@@ -375,6 +380,7 @@ def test_a_request_s_client_hears_its_end_after_the_counts_stop_holding_it(model
     assert seen[0] == counts(2, 2)  # the other rows decode on
     first, last = sorted((1, 4), key=list(seen).index)
     assert (seen[first], seen[last], seen[3]) == (counts(1, 1), counts(0, 0), counts(0, 0))
+    assert locked and all(locked)
 
 
 def test_a_draft_model_given_by_name_serves_requests_that_join_a_running_batch(model, tmp_path):

@@ -147,7 +147,7 @@ class ServingMetrics:
             "vllm:spec_decode_num_accepted_tokens", "Accepted draft tokens (bonus token not counted).")
         self.spec_accepted_per_pos = Counter(
             "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by 0-based depth.", ("position",))
-        self.running = Gauge("vllm:num_requests_running", "Requests being decoded.")
+        self.running = Gauge("vllm:num_requests_running", "Requests being prefilled or decoded.")
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests queued, not yet decoding.")
         self.request_success = Counter(
             "vllm:request_success", "Requests that finished, by OpenAI finish reason.", ("finished_reason",))

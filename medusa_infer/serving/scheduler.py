@@ -342,16 +342,16 @@ class Engine:
                 if admitted and tokens > self.max_prefill_tokens:
                     break
                 admitted.append(self._waiting.popleft())
-        if not admitted:
-            return
-        self._admitted = admitted  # running from here: their prefills may take seconds
+            if not admitted:
+                return
+            self._admitted = admitted  # running from here (their prefills may take seconds): in the same
+            self._publish_counts_locked()  # hold of the lock as they leave the queue, never in neither count
         try:
             self._start_batches(admitted)
         finally:
             self._admitted = []
 
     def _start_batches(self, admitted: list[Request]) -> None:
-        self._publish_counts()
         groups: dict[Hashable, list[Request]] = {}
         for request in admitted:
             self._active[request.id] = request
@@ -516,14 +516,18 @@ class Engine:
             self.metrics.spec_accepted_per_pos.inc(count, position=position)
 
     def _publish_counts(self) -> None:
+        with self._lock:
+            self._publish_counts_locked()
+
+    def _publish_counts_locked(self) -> None:
+        """The counts ``snapshot`` and ``/metrics`` read, all set under the lock (a reader sees all or none)."""
         batches = self._batches + ([self._prefilling] if self._prefilling is not None else [])
         live = [r for r in batches if not r.batch.done]  # a batch whose last row just ended: gone at turn's end
         running = {request.id for r in live for request in r.requests.values()}
         running.update(request.id for request in self._admitted if not request.done)  # batched or being prefilled
         self.metrics.running.set(len(running))
-        with self._lock:
-            self.metrics.waiting.set(len(self._waiting))
-            self._num_batches = len(live)
+        self.metrics.waiting.set(len(self._waiting))
+        self._num_batches = len(live)
 
 
 def _notify(request: Request, update: Update) -> None:
