@@ -11,7 +11,7 @@ import pytest
 
 from medusa_infer.model import MedusaModel
 from medusa_infer.serving import parameters, protocol
-from medusa_infer.serving.testing import serve, torch_threads, word_tokenizer
+from medusa_infer.serving.testing import serve, torch_threads, wait_until, word_tokenizer
 from tiny import tiny_model
 
 CONTEXT = 256  # tiny_model's max_position_embeddings
@@ -293,6 +293,32 @@ def test_an_internal_error_is_a_500_that_keeps_the_connection(server, monkeypatc
         assert answer.status == 200 and json.loads(answer.read())["usage"]["completion_tokens"] >= 1
     finally:
         connection.close()
+
+
+def test_an_internal_error_in_a_stream_under_way_ends_it_with_an_error_event(server, monkeypatch, caplog):
+    """The 200 already sent, an unexpected error cut the stream off mid-way (the client read an incomplete
+    chunked body, no error, no ``[DONE]``): it is logged and the stream ends with a ``server_error`` event."""
+    from medusa_infer.serving import app
+
+    client, engine = server
+    add, calls = app.TextAssembler.add, []
+
+    def fail_on_the_second(self, token_ids, final=False):
+        calls.append(token_ids)
+        if len(calls) == 2:
+            raise RuntimeError("a bug")
+        return add(self, token_ids, final)
+
+    monkeypatch.setattr(app.TextAssembler, "add", fail_on_the_second)
+    with client.stream("POST", "/v1/completions", json=completion(max_tokens=30, temperature=0, ignore_eos=True,
+                                                                 stream=True)) as answer:
+        assert answer.status_code == 200
+        lines = [line for line in answer.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]", lines
+    error = json.loads(lines[-2].removeprefix("data: "))["error"]
+    assert error["type"] == "server_error" and "a bug" not in error["message"]
+    assert "unhandled error in a stream" in caplog.text
+    wait_until(lambda: engine.snapshot()["running"] == 0)  # its row was let go
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 1e-300}, {"temperature": 1.0, "top_p": 1e-46}],

@@ -280,7 +280,18 @@ class _Answer:
     async def events(self) -> AsyncIterator[str]:
         """The answer as server-sent events. As in OpenAI's API, no chunk carries usage unless the request
         set ``stream_options.include_usage``; then every chunk has ``"usage": null`` and one extra chunk
-        with no choices, before ``[DONE]``, has the usage (and ``usage.speculative``)."""
+        with no choices, before ``[DONE]``, has the usage (and ``usage.speculative``). An unexpected
+        error once the stream has begun (its 200 sent) is logged and ends it with a ``server_error``
+        event and ``[DONE]``: it was cut off mid-way."""
+        try:
+            async for event in self._events():
+                yield event
+        except Exception:
+            log.exception("unhandled error in a stream (request %s)", self.id)
+            yield _sse(protocol.error_body("internal server error", "server_error"))
+            yield "data: [DONE]\n\n"
+
+    async def _events(self) -> AsyncIterator[str]:
         kind, name, with_usage = self.params.kind, self.model.name, self.params.include_usage
 
         def chunk(text: str | None, finish: str | None = None, first: bool = False) -> str:
@@ -492,8 +503,8 @@ class _AnswerInternalErrors:
 
     Starlette's handler for ``Exception`` answers too, but then re-raises, and the server closes
     the client's keep-alive connection without saying so: its next request fails with a reset.
-    Here the error ends with the answer. Once a response has started (a stream) it cannot be
-    answered again, so the exception goes on up."""
+    Here the error ends with the answer. Once a response has started it cannot be answered again,
+    so the exception goes on up (a stream ends itself with an error event: ``_Answer.events``)."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
