@@ -11,7 +11,7 @@ import pytest
 
 from medusa_infer.model import MedusaModel
 from medusa_infer.serving import parameters, protocol
-from medusa_infer.serving.testing import serve, torch_threads, wait_until, word_tokenizer
+from medusa_infer.serving.testing import metric_value, serve, torch_threads, wait_until, word_tokenizer
 from tiny import tiny_model
 
 CONTEXT = 256  # tiny_model's max_position_embeddings
@@ -310,6 +310,9 @@ def test_an_internal_error_in_a_stream_under_way_ends_it_with_an_error_event(ser
         return add(self, token_ids, final)
 
     monkeypatch.setattr(app.TextAssembler, "add", fail_on_the_second)
+    aborted = lambda reason: metric_value(client.get("/metrics").text,  # noqa: E731
+                                          "medusa:requests_aborted_total", reason=reason)
+    before = {reason: aborted(reason) for reason in ("error", "disconnect")}
     with client.stream("POST", "/v1/completions", json=completion(max_tokens=30, temperature=0, ignore_eos=True,
                                                                  stream=True)) as answer:
         assert answer.status_code == 200
@@ -319,6 +322,7 @@ def test_an_internal_error_in_a_stream_under_way_ends_it_with_an_error_event(ser
     assert error["type"] == "server_error" and "a bug" not in error["message"]
     assert "unhandled error in a stream" in caplog.text
     wait_until(lambda: engine.snapshot()["running"] == 0)  # its row was let go
+    assert {reason: aborted(reason) - before[reason] for reason in before} == {"error": 1, "disconnect": 0}
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 1e-300}, {"temperature": 1.0, "top_p": 1e-46}],

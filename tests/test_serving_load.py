@@ -383,6 +383,16 @@ def test_a_request_s_client_hears_its_end_after_the_counts_stop_holding_it(model
     assert locked and all(locked)
 
 
+def test_metrics_are_read_under_the_engine_lock(model):
+    """``/metrics`` reads its gauges under the engine's lock, as ``snapshot`` does: read without it, a
+    scrape could take the running gauge before a request left the queue and the waiting one after."""
+    with serve(model, "medusa") as (server, engine):
+        render, locked = engine.metrics.render, []
+        engine.metrics.render = lambda: (locked.append(engine._lock.locked()), render())[1]
+        assert "vllm:num_requests_running" in _metrics(server)
+    assert locked == [True]
+
+
 def test_a_draft_model_given_by_name_serves_requests_that_join_a_running_batch(model, tmp_path):
     """``Engine(..., "draft", options.draft_model=NAME)``: the draft is loaded once, so a request
     arriving while another decodes joins its batch (each batch loaded its own copy, the merge refused

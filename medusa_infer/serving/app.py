@@ -168,7 +168,7 @@ def create_app(engine: Engine, model: ModelInfo, settings: ServerSettings) -> Fa
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return PlainTextResponse(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(engine.render_metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def _generate(request: Request, params: GenerationParams) -> Response:
         loop = asyncio.get_running_loop()
@@ -288,6 +288,7 @@ class _Answer:
                 yield event
         except Exception:
             log.exception("unhandled error in a stream (request %s)", self.id)
+            self.engine.cancel(self.job, "error")  # its row freed now, and counted as an error, not a disconnect
             yield _sse(protocol.error_body("internal server error", "server_error"))
             yield "data: [DONE]\n\n"
 

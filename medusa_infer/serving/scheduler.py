@@ -269,6 +269,12 @@ class Engine:
                 self._holds -= 1
                 self._wake.notify_all()
 
+    def render_metrics(self) -> str:
+        """``/metrics``' text, read under the engine's lock as ``snapshot`` is: a request being taken from
+        the queue is counted running or waiting, never in neither gauge or in both."""
+        with self._lock:
+            return self.metrics.render()
+
     def snapshot(self) -> dict[str, int]:
         """Counts for health checks and tests: rows decoding, requests waiting, cancels pending."""
         with self._lock:
@@ -520,7 +526,8 @@ class Engine:
             self._publish_counts_locked()
 
     def _publish_counts_locked(self) -> None:
-        """The counts ``snapshot`` and ``/metrics`` read, all set under the lock (a reader sees all or none)."""
+        """The counts ``snapshot`` and ``render_metrics`` read under the lock, all set under it (a reader sees
+        all of a change or none)."""
         batches = self._batches + ([self._prefilling] if self._prefilling is not None else [])
         live = [r for r in batches if not r.batch.done]  # a batch whose last row just ended: gone at turn's end
         running = {request.id for r in live for request in r.requests.values()}
