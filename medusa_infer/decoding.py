@@ -194,6 +194,19 @@ class ByteRun:
         return token_id in self._special
 
 
+def text_added(before: str, after: str) -> str | None:
+    """The text that ``after``, the decoding of some tokens and more after them, adds to ``before``, theirs;
+    where ``before`` ends in an incomplete character (U+FFFD, tokens cut inside a character) that the
+    tokens after complete, that whole character with it. None where ``after`` rewrote more of ``before``
+    (a tokenizer that cleans up spaces at the seam)."""
+    if after.startswith(before):
+        return after[len(before):]
+    stem = before.rstrip("\ufffd")
+    if stem != before and after.startswith(stem):
+        return after[len(stem):]
+    return None
+
+
 def generated_text_tail(tokenizer: Any, history: Sequence[int], prompt_length: int, window: int) -> str:
     """The text of (up to) the last ``window`` generated tokens of ``history`` (prompt, then generated
     tokens), special tokens left out, as it reads after what precedes it: the text a client is sent,
@@ -201,9 +214,9 @@ def generated_text_tail(tokenizer: Any, history: Sequence[int], prompt_length: i
     start = max(prompt_length, len(history) - window)
     context = list(history[context_start(tokenizer, history, start) : start])
     before = tokenizer.decode(context, skip_special_tokens=True) if context else ""
-    text = tokenizer.decode(context + list(history[start:]), skip_special_tokens=True)
-    if text.startswith(before):
-        return text[len(before):]
+    added = text_added(before, tokenizer.decode(context + list(history[start:]), skip_special_tokens=True))
+    if added is not None:  # (a prompt ending inside a character: the character the answer completes too)
+        return added
     return tokenizer.decode(list(history[start:]), skip_special_tokens=True)  # a tokenizer that rewrites the seam
 
 

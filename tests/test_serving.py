@@ -274,6 +274,37 @@ def test_text_after_a_prompt_ending_inside_byte_tokens_is_whole_and_its_stop_str
     assert generated_text_tail(tokenizer, prompt + new, len(prompt), window=12) == expected
 
 
+def test_an_answer_completing_a_character_its_prompt_ids_end_inside_of_begins_with_it():
+    """A prompt given as token ids may end inside a character (its first bytes): the answer's text began
+    as many characters late as the prompt's text ended in U+FFFD (an emoji and the next word were lost),
+    and the engine's stop-string window missed that character. The text begins with the character the
+    answer completes, in the server's text (streamed token by token or at once) and in that window, for
+    a byte-fallback tokenizer (Llama-2, Gemma) and the default model's byte-level one."""
+    from medusa_infer.decoding import generated_text_tail
+    from medusa_infer.models import load_tokenizer
+    from tiny import byte_fallback_tokenizer
+
+    for tokenizer in (byte_fallback_tokenizer(), load_tokenizer("smollm2-135m-instruct")):
+        ids = tokenizer("party time \U0001F389\u65e5 the party")["input_ids"]
+        whole = tokenizer.decode(ids, skip_special_tokens=True)
+        cuts = 0
+        for cut in range(2, len(ids) - 1):
+            prompt, new = ids[:cut], ids[cut:]
+            before = tokenizer.decode(prompt, skip_special_tokens=True)
+            stem = before.rstrip("\ufffd")
+            expected = whole[len(stem):]
+            cuts += stem != before  # a cut inside a character
+            for chunks in ([[token] for token in new], [new]):
+                text = TextAssembler(tokenizer, (), prompt)
+                joined = "".join(text.add(chunk) for chunk in chunks) + text.add([], final=True)
+                assert joined == expected, (tokenizer.convert_ids_to_tokens(prompt), joined, expected)
+            assert generated_text_tail(tokenizer, ids, cut, window=20) == expected
+            if "\U0001F389" in expected:
+                stopped = TextAssembler(tokenizer, ("\U0001F389",), prompt)
+                assert stopped.add(new) == expected[:expected.index("\U0001F389")] and stopped.stopped
+        assert cuts >= 3
+
+
 def test_streamed_text_of_a_run_of_byte_tokens_joins_to_the_decoded_answer():
     """A byte-fallback tokenizer (Gemma, Llama-2) decodes a run of byte tokens as one, every byte U+FFFD
     while it ends inside a character, characters it completed before included: a character sent as

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from medusa_infer.decoding import ByteRun, SamplingConfig, StopConfig, context_start
+from medusa_infer.decoding import ByteRun, SamplingConfig, StopConfig, context_start, text_added
 from medusa_infer.serving import protocol
 from medusa_infer.serving.protocol import APIError, GenerationParams, ModelInfo, Speculation
 from medusa_infer.serving.scheduler import ABORT_REASONS, Engine, EngineStopped, QueueFull, Update
@@ -331,7 +331,8 @@ class TextAssembler:
     def __init__(self, tokenizer: Any, stops: tuple[str, ...] = (), context: Sequence[int] = ()) -> None:
         """``context``: the prompt's token ids; its last few are decoded before the first new token, so
         the text starts as it reads after the prompt (with the leading space a SentencePiece
-        tokenizer drops from a text's first word), and are never part of the text."""
+        tokenizer drops from a text's first word), and are never part of the text, bar a character
+        they end inside of (prompt ids cut mid-character), which the text begins with once complete."""
         self.tokenizer, self.stops = tokenizer, stops
         self.tokens: list[int] = list(context[context_start(tokenizer, context, len(context)):]) if context else []
         self.prefix_offset, self.read_offset = 0, len(self.tokens)
@@ -364,8 +365,11 @@ class TextAssembler:
         end = len(self.tokens) if final else self.byte_run(self.tokens)
         before = decode(self.tokens[self.prefix_offset : self.read_offset], skip_special_tokens=True)
         after = decode(self.tokens[self.prefix_offset : end], skip_special_tokens=True)
-        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
-            self.text += after[len(before):]
+        added = text_added(before, after)
+        if added is None:  # a tokenizer that cleaned up spaces at the seam
+            added = after[len(before):]
+        if added and (final or not after.endswith("\ufffd")):
+            self.text += added
             self.prefix_offset, self.read_offset = self.read_offset, end
 
 
