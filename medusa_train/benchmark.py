@@ -151,7 +151,9 @@ class MethodTotals:
 
 
 class _PeakMemory:
-    """Peak resident memory (CPU) or peak allocated memory (CUDA) while the block runs, in MB.
+    """Peak resident memory (CPU) or peak allocated memory (CUDA) while the block runs, in MB: the
+    process's, so the model and what earlier blocks left allocated count too. Memory freed before is
+    given back to the system first (``_give_back_freed_memory``), or a resident peak would carry over.
 
     On Linux the kernel's own high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``), which
     misses no short peak; elsewhere resident memory sampled every 10 ms and once more at the end."""
@@ -164,6 +166,7 @@ class _PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             return self
+        _give_back_freed_memory()
         if _reset_high_water_mark():
             return self
         import psutil
@@ -191,6 +194,21 @@ class _PeakMemory:
             import psutil
 
             self.peak = max(self.peak, psutil.Process().memory_info().rss / 2**20)
+
+
+def _give_back_freed_memory() -> None:
+    """Collect unreachable objects and return the C heap's free pages to the system (glibc's
+    ``malloc_trim``, where there is one), so that the resident memory counts what is held, not what an
+    earlier method freed: a method measured after another was charged with the first one's peak."""
+    import gc
+
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _reset_high_water_mark() -> bool:
@@ -547,7 +565,7 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
                          f"{args.max_new_tokens} new tokens a turn; lower --max-new-tokens")
     if args.time_budget is not None:
         questions = interleave_categories(questions)
-    warm_up(runner, methods, questions, args.batch_size)
+    warm_up(runner, methods, questions, args.batch_size, min(8, args.max_new_tokens))  # within the context checked
     runner.step_costs.clear()  # what the untimed warm-up steps taught is left out of the report
     runner.gates.clear()
     planned = len(questions)
@@ -612,6 +630,8 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
             "kernel_plans": {shape: plan.to_dict() for shape, plan in kernel_plans(model.base_model).items()},
             "torch_threads": torch.get_num_threads(), "methods": methods,
             "tree": _tree_note(model, args.tree),
+            # what exact compares with (its own exact: true) and speedup divides by; None: not measured
+            "exact_reference": reference, "speedup_baseline": "hf" if "hf" in methods else None,
             # what tau counts (reports before commit c190c01 counted target forwards: scripts/retau.py)
             "tau_definition": TAU_DEFINITION,
         },
@@ -703,21 +723,27 @@ def report_markdown(report: dict[str, Any]) -> str:
            f"{', '.join(map(str, s['questions_left_out_for_context']))}."
            if s.get("questions_left_out_for_context") else ""),
         "",
-        "| method | tokens/s | speedup vs hf | tau | exact | TTFT s | TPOT s | peak MB |",
+        f"| method | tokens/s | {_speedup_title(report)} | tau | exact | TTFT s | TPOT s | peak MB |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for method, r in report["methods"].items():
         lines.append(f"| {method} | {r['tokens_per_s']:.2f} | {_fmt(r['speedup'])} | {_tau(r['tau'])} | "
                      f"{_exact_cell(r)} | {_fmt(r['ttft_s'])} | {_fmt(r['tpot_s'])} | {r['peak_mem_mb']:.0f} |")
+    reference = _reference(list(report["methods"]))
+    lines += ["", (f"exact: greedy answers identical to {reference}'s, turn by turn (sampling methods: -)."
+                   if reference else "exact: not measured (neither ar nor hf ran, whose greedy answers are the "
+                   "reference).") + ("" if "hf" in report["methods"] else " speedup: not measured (hf, its "
+                                     "baseline, did not run).")
+              + " peak MB: the process's peak memory during the method's turns (resident on a CPU, allocated on a "
+                "GPU), the model's and what earlier methods left allocated included."]
     if s["dtype"] != "float32" and any(r["exact"] is False for r in report["methods"].values()):
-        reference = _reference(list(report["methods"]))
-        lines += ["", f"exact: identical to {reference}, turn by turn. In {s['dtype']} a forward of "
+        lines += ["", f"In {s['dtype']} a forward of "
                   "several tokens rounds differently from one of a single token (and a padded batch from one row), "
                   "so greedy outputs can part where two tokens nearly tie, and the later turns of that conversation "
                   "then differ too; tests/test_cuda.py checks, with tiny models on a GPU, that they part only at "
                   "near-ties. In float32 they are identical."]
     methods = list(report["methods"])
-    lines += ["", "## Speedup vs hf by category (tau in brackets)", "",
+    lines += ["", f"## {_speedup_title(report).capitalize()} by category (tau in brackets)", "",
               "| category | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
     for cat, group in report["categories"].items():
         cells = [f"{_fmt(group[m]['speedup'])} ({_tau(group[m]['tau'])})" for m in methods]
@@ -730,6 +756,10 @@ def report_markdown(report: dict[str, Any]) -> str:
             lines += [f"| {method} | {pair} | {v['ratio']:.3f} | {_fmt(v['profile'])} | {v['samples']} |"
                       for pair, v in pairs.items()]
     return "\n".join(lines) + "\n"
+
+
+def _speedup_title(report: dict[str, Any]) -> str:
+    return "speedup vs hf" if "hf" in report["methods"] else "speedup (no hf run)"
 
 
 def _exact_cell(row: dict[str, Any]) -> str:
@@ -759,6 +789,13 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def plot_groups(report: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The bar groups of ``report.png``, labelled: all questions, then each category (a category named
+    "all" is labelled "category all": it replaced the overall figures)."""
+    return [("all", report["methods"])] + [("category all" if category == "all" else category, rows)
+                                           for category, rows in report["categories"].items()]
+
+
 def report_png(report: dict[str, Any], path: Path) -> bool:
     """Tokens/s and tau per method, overall and per category; False (and a line on stderr) where
     matplotlib, the ``plot`` extra, is not installed."""
@@ -773,16 +810,15 @@ def report_png(report: dict[str, Any], path: Path) -> bool:
     import matplotlib.pyplot as plt
 
     methods = list(report["methods"])
-    groups = ["all"] + list(report["categories"])
-    data = {"all": report["methods"], **report["categories"]}
+    groups = plot_groups(report)
     fig, axes = plt.subplots(1, 2, figsize=(max(10, 1.4 * len(groups)), 4.5))
     width = 0.8 / len(methods)
     for i, method in enumerate(methods):
         xs = [g + (i - (len(methods) - 1) / 2) * width for g in range(len(groups))]
-        axes[0].bar(xs, [data[g][method]["tokens_per_s"] for g in groups], width, label=method)
-        axes[1].bar(xs, [data[g][method]["tau"] or 0.0 for g in groups], width, label=method)
+        axes[0].bar(xs, [rows[method]["tokens_per_s"] for _, rows in groups], width, label=method)
+        axes[1].bar(xs, [rows[method]["tau"] or 0.0 for _, rows in groups], width, label=method)
     for ax, title in zip(axes, ("tokens/s", "tau (tokens per decoding step)")):
-        ax.set_xticks(range(len(groups)), groups, rotation=30, ha="right")
+        ax.set_xticks(range(len(groups)), [label for label, _ in groups], rotation=30, ha="right")
         ax.set_title(title)
     axes[0].legend(fontsize=8)
     s = report["settings"]
@@ -971,7 +1007,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="lookup and medusa-lookup search only the prompt and output, not the heads' "
                              "datastore of the model's own answers (datastore.safetensors)")
     parser.add_argument("--temperature", type=float, default=0.7, help="for the sampling methods")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the sampling methods' seed; also which questions --limit and --calibrate take (a "
+                             "run with another seed answers other questions)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -1190,6 +1228,8 @@ def run(args: argparse.Namespace, started: float) -> int:
     (output / "report.md").write_text(markdown)
     print(markdown)
     drawn = report_png(report, output / "report.png")
+    if not drawn:  # a plot of an earlier run in this folder would pass for this one's
+        (output / "report.png").unlink(missing_ok=True)
     print(f"wrote {output}/report.json, report.md" + (", report.png" if drawn else ""), file=sys.stderr)
     return 0
 

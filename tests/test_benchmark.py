@@ -256,6 +256,8 @@ def test_cli_without_matplotlib_prints_the_table_and_names_the_plot_extra(model,
     heads, questions = cli_files(model, tmp_path, monkeypatch)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # an import of it raises ImportError
     out = tmp_path / "bench"
+    out.mkdir()
+    (out / "report.png").write_bytes(b"an earlier run's plot")  # removed: it would pass for this run's
     assert main(["--heads", str(heads), "--questions", str(questions), "--limit", "1", "--max-new-tokens", "4",
                  "--methods", "ar", "--output", str(out)]) == 0
     printed = capsys.readouterr()
@@ -1155,3 +1157,77 @@ def test_retau_leaves_reports_that_record_their_tau_definition_alone(tmp_path, c
     # the stored report made after the definition changed, before reports recorded it: left alone too
     script.main([str(Path(__file__).resolve().parents[1] / "docs" / "demo-ec1ff2d" / "report.json")])
     assert "already tokens per decoding step" in capsys.readouterr().out
+
+
+def test_a_methods_peak_memory_does_not_count_what_an_earlier_one_freed():
+    """The CPU peak is the process's resident high-water mark, reset before each call: memory an earlier
+    method freed but the process still held (garbage in reference cycles, the C heap's free pages) was
+    charged to every method measured after it (200 MB of `medusa-lookup`'s to `ar` on the default model)."""
+    import gc
+
+    if not bench._reset_high_water_mark():
+        pytest.skip("no resettable high-water mark here (not Linux)")
+    enabled = gc.isenabled()
+    gc.disable()  # the garbage stays until collected
+    try:
+        with bench._PeakMemory(torch.device("cpu")) as first:
+            held: list = [bytearray(100_000) for _ in range(2000)]  # 200 MB in 100 kB blocks, on the C heap
+            held.append(held)  # a cycle: freed by the collector alone
+        del held
+        with bench._PeakMemory(torch.device("cpu")) as second:
+            pass
+    finally:
+        if enabled:
+            gc.enable()
+    assert second.peak < first.peak - 150, (first.peak, second.peak)
+
+
+def test_the_plot_keeps_the_overall_figures_beside_a_category_named_all(model):
+    """The plot's groups were a dict keyed by "all" for the overall figures, then by category: a category
+    named "all" replaced them, and its bars were drawn twice."""
+    questions = [dict(q, category="all" if q["category"] == "qa" else q["category"]) for q in QUESTIONS[:4]]
+    report = benchmark(model, questions, args(methods=["ar", "lookup"]))
+    groups = bench.plot_groups(report)
+    assert [label for label, _ in groups] == ["all", "category all", "writing"]
+    assert groups[0][1] is report["methods"] and groups[1][1] is report["categories"]["all"]
+    assert groups[0][1]["lookup"]["tokens"] != groups[1][1]["lookup"]["tokens"]
+
+
+def test_the_report_names_what_exact_and_speedup_are_measured_against(model):
+    """Without `ar` the answers are compared with `hf`'s, without `hf` no speedup is measured: the report
+    said neither (its table's column read "speedup vs hf" all the same)."""
+    without_hf = benchmark(model, QUESTIONS[:2], args(methods=["ar", "lookup"]))
+    assert without_hf["settings"]["exact_reference"] == "ar" and without_hf["settings"]["speedup_baseline"] is None
+    assert without_hf["methods"]["lookup"]["speedup"] is None and without_hf["methods"]["lookup"]["exact"] is True
+    text = report_markdown(without_hf)
+    assert "| method | tokens/s | speedup (no hf run) |" in text and "speedup: not measured (hf" in text
+    assert "exact: greedy answers identical to ar's, turn by turn" in text
+    with_hf = benchmark(model, QUESTIONS[:2], args(methods=["hf", "lookup", "medusa-lossless"]))
+    assert with_hf["settings"]["exact_reference"] == "hf" and with_hf["settings"]["speedup_baseline"] == "hf"
+    assert "| method | tokens/s | speedup vs hf |" in report_markdown(with_hf)
+    neither = benchmark(model, QUESTIONS[:1], args(methods=["lookup"]))
+    assert neither["settings"]["exact_reference"] is None and neither["methods"]["lookup"]["exact"] is None
+    assert "exact: not measured (neither ar nor hf ran" in report_markdown(neither)
+
+
+def test_the_warm_up_decodes_no_further_than_the_questions_were_checked_to_fit():
+    """The untimed warm-up decoded 8 new tokens whatever --max-new-tokens: a question that fits the context
+    with 2 did not with 8, and `generate` on a model of learned positions (GPT-2) failed with an IndexError."""
+    from transformers import GPT2Config
+
+    tokenizer = word_tokenizer()
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    base = AutoModelForCausalLM.from_config(config).eval()
+    base.name_or_path = "tiny-gpt2"
+    model = MedusaModel.from_base(base, num_heads=4, tokenizer=tokenizer)
+    from medusa_infer.decoding import encode_chat
+
+    words = "the cat sat on the mat and the dog ran".split()
+    turn = next(t for t in (" ".join((words * 10)[:n]) for n in range(10, 80))
+                if len(tokenizer(encode_chat(tokenizer, [[{"role": "user", "content": t}]])[0],
+                                 add_special_tokens=False)["input_ids"]) == 62)
+    report = benchmark(model, [{"id": 1, "category": "writing", "turns": [turn]}],
+                       args(methods=["hf", "ar"], max_new_tokens=2, heads=None, tree=None))
+    assert report["settings"]["questions_answered"] == 1 and report["methods"]["hf"]["exact"] is True
