@@ -18,10 +18,13 @@ the Medusa-1 feature cache (``medusa_train.captured``).
 
 Row: ``{"id", "source", "prompt", "response", "model", "generation": {"max_new_tokens",
 "do_sample", "temperature", "top_p", "seed", "chat_template", "system_prompt"}, "finish_reason":
-"eos" | "length", "response_tokens"}``. For greedy rows ``temperature`` is recorded as 0.0 and
+"eos" | "length", "response_tokens"}`` (the answer's tokens, an end token not counted). For greedy rows ``temperature`` is recorded as 0.0 and
 ``top_p`` as 1.0; ``chat_template`` is a digest of a template that replaced the tokenizer's own
 (None: the tokenizer's).
 ``prompt`` is the text the model answered (shortened when ``prompt_overflow="truncate"`` cut it).
+An endpoint's answers are its text, special tokens left out where the server leaves them out (vLLM's
+and medusa-serve's default): a special token the model wrote inside an answer, which the local
+backend keeps, is missing from them.
 """
 
 from __future__ import annotations
@@ -187,6 +190,12 @@ class DistillConfig:
             (self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}"),
             (self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}"),
             (self.concurrency >= 1, f"concurrency must be >= 1, got {self.concurrency}"),
+            (self.max_retries >= 0, f"max_retries must be >= 0 (0: ask once), got {self.max_retries}"),
+            (self.request_timeout_s > 0, f"request_timeout_s must be > 0 seconds, got {self.request_timeout_s}"),
+            (self.retry_backoff_s >= 0, f"retry_backoff_s must be >= 0 seconds, got {self.retry_backoff_s}"),
+            (not self.chat_template or "{{" in self.chat_template or "{%" in self.chat_template,
+             f"chat_template {self.chat_template!r:.100} is neither a file that exists nor a template (it has no "
+             "{{ or {%): every prompt would render as that text; give an existing file or the template itself"),
             (self.threads is None or self.threads >= 1, f"threads must be >= 1, got {self.threads}"),
             (self.n is None or self.n >= 0, f"n must be >= 0, got {self.n}"),
             (all(int(q) >= 1 for q in (self.per_source or {}).values()),
@@ -1087,8 +1096,13 @@ def completion_row(
         raise RejectedError(f"prompt {prompt['id']!r}: the answer is not UTF-8 text (a lone surrogate): "
                             f"{response!r:.200}")
     n_tokens = (reply.get("usage") or {}).get("completion_tokens")
+    if finish == "length" and response.endswith("\ufffd"):  # cut inside a character's bytes: as answer_text,
+        response = response.rstrip("\ufffd")  # the whole characters only (the model never wrote U+FFFD there)
+        n_tokens = None  # fewer than the server counted: the tokenizer's count
     if n_tokens is None:  # the server's count when it reports usage; else the tokenizer's
         n_tokens = len(tokenizer()(response, add_special_tokens=False)["input_ids"])
+    elif finish == "eos" and isinstance(n_tokens, int) and n_tokens > 0:
+        n_tokens -= 1  # the server counts the end token (vLLM, TGI, OpenAI, medusa-serve); the rows do not
     row = make_row(prompt, text, response, finish, n_tokens, config)
     served = reply.get("model")
     if isinstance(served, str) and served != config.model_label:  # TGI and llama.cpp answer whatever is asked

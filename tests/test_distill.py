@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -771,7 +772,8 @@ def test_openai_backend_rows_retries_and_resume(tmp_path, prompts_file, monkeypa
         assert set(row) == ROW_KEYS and row["model"] == "served-model"
         assert row["response"] == f"Answer: {words[-1]}"
         assert row["finish_reason"] == ("length" if len(words) > 8 else "eos")
-        assert row["response_tokens"] == len(words)
+        # the server's count (the fake's: a word a token), whose end token the rows do not count
+        assert row["response_tokens"] == (len(words) if len(words) > 8 else len(words) - 1)
     body = server.requests[0]
     assert body["model"] == "served-model" and body["max_tokens"] == 256
     assert body["temperature"] == 0.0 and body["messages"] == [{"role": "user", "content": body["messages"][0]["content"]}]
@@ -930,6 +932,47 @@ def test_chat_template_option_renders_prompts(tmp_path, model_dir, prompts_file,
     assert sorted(seen) == sorted(expected)
     own = encode_rendered(tokenizer, render_prompt(tokenizer, sample_prompts(prompts_file, 1)[0]["prompt"]))
     assert own not in seen, "without the option the tokenizer's own template renders the prompt"
+
+
+def test_endpoint_rows_count_and_cut_answers_as_the_local_backend_does(tokenizer):
+    """An endpoint's `completion_tokens` counts the end token (vLLM, OpenAI, medusa-serve), which the local
+    backend's `response_tokens` leaves out: every row that ended at it counted one more. An answer cut at the
+    token limit inside a character ended in U+FFFD, which the local backend drops (`answer_text`)."""
+    config = DistillConfig(prompts="p.jsonl", backend="openai", endpoint="http://127.0.0.1:1", progress=False)
+    prompt = {"id": "1", "source": "s", "prompt": "hi"}
+
+    def reply(content, finish, usage):
+        return {"choices": [{"finish_reason": finish, "message": {"role": "assistant", "content": content}}],
+                **({"usage": {"completion_tokens": usage}} if usage is not None else {})}
+
+    ended = distill_module.completion_row(prompt, "hi", reply("The sea.", "stop", 4), config, lambda: tokenizer)
+    assert (ended["finish_reason"], ended["response_tokens"]) == ("eos", 3)
+    cut = distill_module.completion_row(prompt, "hi", reply("The sea \ufffd", "length", 5), config, lambda: tokenizer)
+    assert (cut["response"], cut["finish_reason"]) == ("The sea ", "length")
+    assert cut["response_tokens"] == len(tokenizer("The sea ", add_special_tokens=False)["input_ids"])
+    whole = distill_module.completion_row(prompt, "hi", reply("The sea", "length", 5), config, lambda: tokenizer)
+    assert (whole["response"], whole["response_tokens"]) == ("The sea", 5)  # the limit: no end token to count
+    uncounted = distill_module.completion_row(prompt, "hi", reply("The sea.", "stop", None), config, lambda: tokenizer)
+    assert uncounted["response_tokens"] == len(tokenizer("The sea.", add_special_tokens=False)["input_ids"])
+
+
+@pytest.mark.parametrize("setting, message", [
+    (dict(max_retries=-1), "max_retries must be >= 0 (0: ask once), got -1"),
+    (dict(request_timeout_s=0), "request_timeout_s must be > 0 seconds, got 0"),
+    (dict(retry_backoff_s=-1.0), "retry_backoff_s must be >= 0 seconds, got -1.0"),
+    (dict(chat_template="templates/vicuna_v1.1.jinja"), "is neither a file that exists nor a template"),
+])
+def test_settings_that_would_fail_every_request_or_render_every_prompt_alike_are_refused(setting, message):
+    """max_retries=-1 ended in AssertionError("unreachable"), a timeout of 0 failed every request after 31 s
+    of retries with a "connection in progress" error, and a mistyped --chat-template path became the
+    template itself: every prompt rendered as that path's text, without a word."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        DistillConfig(prompts="p.jsonl", backend="openai", endpoint="http://127.0.0.1:1", **setting)
+    flags = {"max_retries": "--max-retries", "chat_template": "--chat-template"}  # the command line's
+    for name, value in setting.items():
+        if name in flags:
+            with pytest.raises(ValueError, match=re.escape(message)):
+                config_from_args(build_parser().parse_args(["--prompts", "p.jsonl", flags[name], str(value)]))
 
 
 def test_chat_template_flag_takes_a_file_or_the_template(tmp_path, prompts_file):
