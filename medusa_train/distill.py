@@ -194,8 +194,9 @@ class DistillConfig:
             (self.request_timeout_s > 0, f"request_timeout_s must be > 0 seconds, got {self.request_timeout_s}"),
             (self.retry_backoff_s >= 0, f"retry_backoff_s must be >= 0 seconds, got {self.retry_backoff_s}"),
             (not self.chat_template or "{{" in self.chat_template or "{%" in self.chat_template,
-             f"chat_template {self.chat_template!r:.100} is neither a file that exists nor a template (it has no "
-             "{{ or {%): every prompt would render as that text; give an existing file or the template itself"),
+             f"chat_template {self.chat_template!r:.100} has no {{{{ or {{%, so it is no template: every prompt would "
+             "render as that text; give the template's text (a recipe's model.chat_template), or a file that "
+             "exists (--chat-template reads one)"),
             (self.threads is None or self.threads >= 1, f"threads must be >= 1, got {self.threads}"),
             (self.n is None or self.n >= 0, f"n must be >= 0, got {self.n}"),
             (all(int(q) >= 1 for q in (self.per_source or {}).values()),

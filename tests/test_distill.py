@@ -960,7 +960,7 @@ def test_endpoint_rows_count_and_cut_answers_as_the_local_backend_does(tokenizer
     (dict(max_retries=-1), "max_retries must be >= 0 (0: ask once), got -1"),
     (dict(request_timeout_s=0), "request_timeout_s must be > 0 seconds, got 0"),
     (dict(retry_backoff_s=-1.0), "retry_backoff_s must be >= 0 seconds, got -1.0"),
-    (dict(chat_template="templates/vicuna_v1.1.jinja"), "is neither a file that exists nor a template"),
+    (dict(chat_template="templates/vicuna_v1.1.jinja"), "has no {{ or {%, so it is no template"),
 ])
 def test_settings_that_would_fail_every_request_or_render_every_prompt_alike_are_refused(setting, message):
     """max_retries=-1 ended in AssertionError("unreachable"), a timeout of 0 failed every request after 31 s
