@@ -194,30 +194,46 @@ class ByteRun:
         return token_id in self._special
 
 
-def text_added(before: str, after: str) -> str | None:
-    """The text that ``after``, the decoding of some tokens and more after them, adds to ``before``, theirs;
-    where ``before`` ends in an incomplete character (U+FFFD, tokens cut inside a character) that the
-    tokens after complete, that whole character with it. None where ``after`` rewrote more of ``before``
-    (a tokenizer that cleans up spaces at the seam)."""
-    if after.startswith(before):
-        return after[len(before):]
-    stem = before.rstrip("\ufffd")
-    if stem != before and after.startswith(stem):
-        return after[len(stem):]
-    return None
+def whole_text(tokenizer: Any, context: Sequence[int], text: str) -> str:
+    """The text of ``context``'s tokens up to its last whole character, ``text`` being theirs: ``text`` unless
+    it ends in U+FFFD (tokens cut inside a character's bytes), else that of up to 3 fewer tokens."""
+    end = len(context)
+    for _ in range(3):  # a UTF-8 character is at most 4 bytes
+        if end == 0 or not text.endswith("\ufffd"):
+            break
+        end -= 1
+        text = tokenizer.decode(list(context[:end]), skip_special_tokens=True)
+    return text
+
+
+def text_start(before: str, whole: str, after: str) -> int | None:
+    """Where, in ``after`` (the text of a context's tokens and of tokens after them), the later tokens' text
+    begins: past the longest of these that ``after`` begins with: ``before``, the context's text; ``before``
+    without the U+FFFD it ends in where the context ends inside a character (prompt ids cut there), which the
+    later tokens complete: a byte-level tokenizer (GPT-2, SmolLM2) reads only that character so; and ``whole``
+    (``whole_text``): a byte-fallback one (Llama-2, Gemma) reads all the run of byte tokens it ends in so,
+    characters complete before it included. None where it begins with none of them (a tokenizer that rewrote
+    the seam)."""
+    found = [len(text) for text in (before, before.rstrip("\ufffd"), whole) if after.startswith(text)]
+    return max(found) if found else None
 
 
 def generated_text_tail(tokenizer: Any, history: Sequence[int], prompt_length: int, window: int) -> str:
     """The text of (up to) the last ``window`` generated tokens of ``history`` (prompt, then generated
     tokens), special tokens left out, as it reads after what precedes it: the text a client is sent,
-    where stop strings are looked for. Text of the prompt itself is never part of it."""
+    where stop strings are looked for. Text of the prompt itself is never part of it, bar a character the
+    prompt's ids end inside of, which the answer completes."""
+    decode = functools.partial(tokenizer.decode, skip_special_tokens=True)
     start = max(prompt_length, len(history) - window)
+    for _ in range(3):  # a window that begins inside a character (a run of byte tokens longer than it): at it
+        if start <= prompt_length or not decode(list(history[start:])).startswith("\ufffd"):
+            break  # (a byte-fallback tokenizer read all the run as U+FFFD: a stop string in it was missed)
+        start -= 1
     context = list(history[context_start(tokenizer, history, start) : start])
-    before = tokenizer.decode(context, skip_special_tokens=True) if context else ""
-    added = text_added(before, tokenizer.decode(context + list(history[start:]), skip_special_tokens=True))
-    if added is not None:  # (a prompt ending inside a character: the character the answer completes too)
-        return added
-    return tokenizer.decode(list(history[start:]), skip_special_tokens=True)  # a tokenizer that rewrites the seam
+    before = decode(context) if context else ""
+    after = decode(context + list(history[start:]))
+    at = text_start(before, whole_text(tokenizer, context, before), after)
+    return after[at:] if at is not None else decode(list(history[start:]))
 
 
 @dataclass

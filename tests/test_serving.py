@@ -278,31 +278,62 @@ def test_an_answer_completing_a_character_its_prompt_ids_end_inside_of_begins_wi
     """A prompt given as token ids may end inside a character (its first bytes): the answer's text began
     as many characters late as the prompt's text ended in U+FFFD (an emoji and the next word were lost),
     and the engine's stop-string window missed that character. The text begins with the character the
-    answer completes, in the server's text (streamed token by token or at once) and in that window, for
-    a byte-fallback tokenizer (Llama-2, Gemma) and the default model's byte-level one."""
+    answer completes, and with none of the prompt's whole characters (a byte-fallback tokenizer reads all
+    the run of byte tokens a cut ends, characters complete before it included, as U+FFFD): in the server's
+    text (streamed token by token or at once) and in that window, for a byte-fallback tokenizer (Llama-2,
+    Gemma) and the default model's byte-level one."""
     from medusa_infer.decoding import generated_text_tail
     from medusa_infer.models import load_tokenizer
     from tiny import byte_fallback_tokenizer
 
-    for tokenizer in (byte_fallback_tokenizer(), load_tokenizer("smollm2-135m-instruct")):
-        ids = tokenizer("party time \U0001F389\u65e5 the party")["input_ids"]
-        whole = tokenizer.decode(ids, skip_special_tokens=True)
-        cuts = 0
-        for cut in range(2, len(ids) - 1):
+    text = "party time \U0001F389\u65e5 the party"
+    # prompt cuts (tokens kept) and the answer's text: the tokens are listed in the comments
+    cases = {
+        # '▁party' '▁time' '▁' <F0> <9F> <8E> <89> <E6> <97> <A5> '▁the' '▁party'
+        "byte-fallback": (byte_fallback_tokenizer(), {3: "\U0001F389\u65e5 the party", 4: "\U0001F389\u65e5 the party",
+                                                      6: "\U0001F389\u65e5 the party", 7: "\u65e5 the party",
+                                                      8: "\u65e5 the party", 9: "\u65e5 the party", 10: " the party"}),
+        # 'party' 'Ġtime' 'ĠðŁ' 'İ' 'ī' 'æĹ' '¥' 'Ġthe' 'Ġparty'
+        "byte-level": (load_tokenizer("smollm2-135m-instruct"), {2: " \U0001F389\u65e5 the party",
+                                                                   3: "\U0001F389\u65e5 the party",
+                                                                   4: "\U0001F389\u65e5 the party",
+                                                                   5: "\u65e5 the party", 6: "\u65e5 the party",
+                                                                   7: " the party"}),
+    }
+    for name, (tokenizer, answers) in cases.items():
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert tokenizer.decode(ids) == text, name
+        for cut, expected in answers.items():
             prompt, new = ids[:cut], ids[cut:]
-            before = tokenizer.decode(prompt, skip_special_tokens=True)
-            stem = before.rstrip("\ufffd")
-            expected = whole[len(stem):]
-            cuts += stem != before  # a cut inside a character
             for chunks in ([[token] for token in new], [new]):
-                text = TextAssembler(tokenizer, (), prompt)
-                joined = "".join(text.add(chunk) for chunk in chunks) + text.add([], final=True)
-                assert joined == expected, (tokenizer.convert_ids_to_tokens(prompt), joined, expected)
-            assert generated_text_tail(tokenizer, ids, cut, window=20) == expected
-            if "\U0001F389" in expected:
-                stopped = TextAssembler(tokenizer, ("\U0001F389",), prompt)
-                assert stopped.add(new) == expected[:expected.index("\U0001F389")] and stopped.stopped
-        assert cuts >= 3
+                assembler = TextAssembler(tokenizer, (), prompt)
+                joined = "".join(assembler.add(chunk) for chunk in chunks) + assembler.add([], final=True)
+                assert joined == expected, (name, cut, joined)
+            assert generated_text_tail(tokenizer, ids, cut, window=20) == expected, (name, cut)
+            for stop in ("\U0001F389", "\u65e5"):  # a stop string in the answer's text only stops it
+                stopped = TextAssembler(tokenizer, (stop,), prompt)
+                assert stopped.add(new) == expected.split(stop)[0] and stopped.stopped == (stop in expected)
+
+
+def test_a_stop_string_ending_a_run_of_byte_tokens_longer_than_the_window_is_found():
+    """The engine looks for stop strings in the text of a row's last tokens; within a run of byte tokens
+    longer than that window the window began inside a character, and a byte-fallback tokenizer read all
+    the run as U+FFFD: the row ran past its stop string (or to its token limit)."""
+    from medusa_infer.decoding import StopConfig, generated_text_tail
+    from tiny import byte_fallback_tokenizer
+
+    tokenizer = byte_fallback_tokenizer()
+    answer = "\u1000\u2c0e\u307c\u40ba\u50f8\u6136\u7174"  # 7 characters of 3 bytes: 21 byte tokens
+    tokens = tokenizer(answer, add_special_tokens=False)["input_ids"]
+    tokens = tokens[tokens.index(tokenizer.convert_tokens_to_ids("<0xE1>")):]
+    assert len(tokens) == 21 and tokenizer.decode(tokens) == answer
+    prompt = tokenizer("the party", add_special_tokens=False)["input_ids"]
+    window = StopConfig(64, (), ("\u7174",)).window
+    assert window < len(tokens)
+    for end in range(window + 1, len(tokens) + 1, 3):  # each time the run ends on a whole character
+        tail = generated_text_tail(tokenizer, prompt + tokens[:end], len(prompt), window)
+        assert tail and answer[:end // 3].endswith(tail), (end, tail)
+    assert generated_text_tail(tokenizer, prompt + tokens, len(prompt), window).endswith("\u7174")
 
 
 def test_streamed_text_of_a_run_of_byte_tokens_joins_to_the_decoded_answer():

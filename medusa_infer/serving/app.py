@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from medusa_infer.decoding import ByteRun, SamplingConfig, StopConfig, context_start, text_added
+from medusa_infer.decoding import ByteRun, SamplingConfig, StopConfig, context_start, text_start, whole_text
 from medusa_infer.serving import protocol
 from medusa_infer.serving.protocol import APIError, GenerationParams, ModelInfo, Speculation
 from medusa_infer.serving.scheduler import ABORT_REASONS, Engine, EngineStopped, QueueFull, Update
@@ -336,7 +336,9 @@ class TextAssembler:
         self.tokenizer, self.stops = tokenizer, stops
         self.tokens: list[int] = list(context[context_start(tokenizer, context, len(context)):]) if context else []
         self.prefix_offset, self.read_offset = 0, len(self.tokens)
-        self.byte_run = ByteRun(tokenizer, len(self.tokens))
+        before = tokenizer.decode(self.tokens, skip_special_tokens=True)
+        self.whole: str | None = whole_text(tokenizer, self.tokens, before)  # until the first text: text_start
+        self.byte_run = ByteRun(tokenizer, len(self.tokens) if self.whole == before else 0)
         self.text = ""  # decoded so far
         self.sent = 0  # characters of ``text`` handed out
         self.stopped = False
@@ -365,10 +367,10 @@ class TextAssembler:
         end = len(self.tokens) if final else self.byte_run(self.tokens)
         before = decode(self.tokens[self.prefix_offset : self.read_offset], skip_special_tokens=True)
         after = decode(self.tokens[self.prefix_offset : end], skip_special_tokens=True)
-        added = text_added(before, after)
-        if added is None:  # a tokenizer that cleaned up spaces at the seam
-            added = after[len(before):]
+        at = text_start(before, before if self.whole is None else self.whole, after)
+        added = after[len(before) if at is None else at:]  # (None: a tokenizer that cleaned up spaces at the seam)
         if added and (final or not after.endswith("\ufffd")):
+            self.whole = None
             self.text += added
             self.prefix_offset, self.read_offset = self.read_offset, end
 
