@@ -351,6 +351,8 @@ def convert_value(value: Any, tp: Any, key: str) -> Any:
             if type(None) in options:
                 return None
         errors = []
+        if isinstance(value, str) and value.strip().startswith("["):  # a list given on the command line: the
+            options = sorted(options, key=lambda option: typing.get_origin(option) is not list)  # list, not text
         for option in options:
             if option is type(None):
                 continue
@@ -415,6 +417,10 @@ def convert_value(value: Any, tp: Any, key: str) -> Any:
     if tp is str:
         if isinstance(value, (dict, list)) or value is None or (isinstance(value, str) and not value.strip()):
             raise ValueError(f"{key}: expected a non-empty string, got {value!r}")
+        if isinstance(value, bool) or (isinstance(value, str) and value.strip().lower() in ("true", "false")):
+            # (eval.push_to_hub: false uploaded the heads to a repo named "False")
+            raise ValueError(f"{key}: expected a text, got {value!r}, a boolean (a text setting is never true or "
+                             "false): null leaves it unset")
         return str(value)
     raise TypeError(f"{key}: unsupported field type {tp!r}")
 

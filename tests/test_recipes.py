@@ -128,6 +128,9 @@ def test_overrides_are_typed_and_dotted():
     # YAML that does not parse names the key (a traceback named "<unicode string>")
     ("data.per_source={a:1", "data.per_source: '{a:1' is not valid YAML"),
     ("lora.target_modules=[q_proj", "lora.target_modules: '[q_proj' is not valid YAML"),
+    # a boolean for a text: "eval.push_to_hub=false" uploaded the heads to a repo named "false"
+    ("eval.push_to_hub=false", "eval.push_to_hub: expected a text, got 'false', a boolean"),
+    ("data.system_prompt=True", "data.system_prompt: expected a text, got 'True', a boolean"),
 ])
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ValueError, match=re.escape(message)) as err:
@@ -558,6 +561,19 @@ def test_distill_options_take_dotted_overrides_converted_to_their_types(tmp_path
                                                                                   "api_key_env": "yes"})))
     made = recipe_config(config_from_dict(quoted))
     assert (made.endpoint_model, made.api_key_env) == ("0123", "yes")
+    # a list of ids on the command line (it was read as a file's name, then refused as no file)
+    listed = recipe_config(config_from_dict(run_recipe(tmp_path), ["data.distill_options.exclude_ids=[a:0, 7]"]))
+    assert listed.exclude_ids == ["a:0", "7"]
+
+
+def test_a_yaml_boolean_for_a_text_setting_is_refused():
+    """`push_to_hub: false` in a recipe (meaning: do not upload) became the text "False", and the heads were
+    uploaded to a repo of that name; `system_prompt: false` distilled with the system prompt "False"."""
+    for section, key in (("eval", "push_to_hub"), ("data", "system_prompt"), ("model", "chat_template")):
+        values = {"data": {"prompts": "p.jsonl"}}
+        values.setdefault(section, {})[key] = False
+        with pytest.raises(ValueError, match=re.escape(f"{section}.{key}: expected a text, got False, a boolean")):
+            config_from_dict(values)
 
 
 def test_per_source_quotas_without_n_are_taken_whole(tmp_path):
