@@ -630,6 +630,10 @@ def validate(config: TrainConfig) -> None:
                              "heads alone on a frozen backbone); leave it out, or train training.mode=medusa2")
     if not 0 <= lora.dropout < 1:
         raise ValueError(f"lora.dropout must be in [0, 1), got {lora.dropout}")
+    if t.mode == "medusa1" and lora != LoraSection():  # set, and never read: said, as the joint-only keys are
+        changed = [f"lora.{k}={v!r}" for k, v in dataclasses.asdict(lora).items() if v != getattr(LoraSection(), k)]
+        raise ValueError(f"{', '.join(changed)} applies to training.mode=medusa2 only (Medusa-1 adapts no backbone "
+                         "weights); leave the lora section out, or train training.mode=medusa2")
     if t.mode == "medusa2" and not lora.target_modules:
         raise ValueError("lora.target_modules is empty: Medusa-2 adapts those modules of the backbone; name some "
                          "(e.g. [q_proj, v_proj]), or train training.mode=medusa1")
@@ -904,12 +908,18 @@ def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | Non
         labelled = sum(label != IGNORE_INDEX for example in kept for label in example["labels"])
     elif rows_file.is_file():
         examples = _count_lines(rows_file) + (distill_pending or 0)
+    elif owns_rows(config) and Path(d.prompts).is_file():  # the prompts the run samples: data.n, cut by the
+        from medusa_train.distill import recipe_config, sample_prompts  # quotas and the file (their sources named)
+
+        distilled = recipe_config(config)
+        examples = len(sample_prompts(distilled.prompts, distilled.n, distilled.per_source, distilled.seed,
+                                      distilled.exclude_ids))
     elif d.n is not None:
         examples = d.n
     elif d.per_source:
         examples = sum(d.per_source.values())
     else:
-        examples = _count_lines(Path(d.prompts)) if d.prompts and Path(d.prompts).is_file() else 0
+        examples = 0
     train_examples, heldout_examples = split_sizes(examples, d.heldout_fraction)
     # answers this run distils are at most max_new_tokens long; rows or examples made otherwise, max_length
     est_tokens = train_examples * (min(d.max_new_tokens, d.max_length) if owns_rows(config) else d.max_length)

@@ -454,6 +454,29 @@ def resume_fingerprint(config: TrainConfig, model_weights: str | None = _NOW) ->
                if config.heads.init_from else {})}
 
 
+def unread_settings(config: TrainConfig) -> tuple[str, ...]:
+    """The recipe's keys (flattened, as the fingerprints record them) that this run does not read, so that a
+    change of them leaves its heads as they are: left out wherever a finished run or a step checkpoint is
+    compared (a re-run with another ``training.batch_size`` under the feature cache was refused, and told to
+    train again). ``training.batch_size`` with the feature cache (the held-out evaluation's batches only),
+    ``training.batch_tokens`` without it, ``training.epochs`` beside ``training.max_steps``, which prompts are
+    distilled and whether from the distillation's hidden states where the run distils none (``owns_rows``),
+    and with ``data.tokenized``, the rows and system prompt that examples are made from elsewhere."""
+    unread = ["training.batch_size" if config.uses_feature_cache else "training.batch_tokens"]
+    if config.training.max_steps is not None:
+        unread.append("training.epochs")
+    if not owns_rows(config):
+        unread += ["data.prompts", "data.n", "data.per_source", "data.max_new_tokens", "features.from_distillation"]
+    if config.data.tokenized:
+        unread += ["data.rows", "data.system_prompt"]
+    return tuple(unread)
+
+
+def _without(settings: dict[str, Any], keys: Sequence[str]) -> dict[str, Any]:
+    """``settings`` (flattened) less ``keys`` and the entries under them (``data.per_source.NAME``)."""
+    return {k: v for k, v in settings.items() if not any(k == key or k.startswith(key + ".") for key in keys)}
+
+
 _DISTILLED_KEYS = ("data.n", "data.per_source", "data.max_new_tokens")
 """``finished_settings``' keys of which prompts are distilled, recorded only where the run distils them."""
 
@@ -529,6 +552,7 @@ def check_finished_run(config: TrainConfig, paths: RunPaths) -> None:
             wanted.update(eval_settings(config))
         if found is None:
             continue
+        found, wanted = _without(found, unread_settings(config)), _without(wanted, unread_settings(config))
         if "init_from_sha256" not in wanted:  # the starting heads are gone: their content cannot be compared
             found.pop("init_from_sha256", None)
         _skip_unknown_weights(found, wanted)
@@ -592,7 +616,7 @@ def _resume_settings(config: TrainConfig, state: dict[str, Any], world: int) -> 
     _skip_unknown_weights(found, expected)
     for settings in (expected, found):  # recorded only when set (resume_fingerprint): a refusal says False, not None
         settings.setdefault("data.pack", False)
-    return expected, found
+    return _without(expected, unread_settings(config)), _without(found, unread_settings(config))
 
 
 def _skip_unknown_weights(found: dict[str, Any], wanted: dict[str, Any]) -> None:

@@ -262,10 +262,10 @@ def test_train_heads_with_packing_follows_the_padded_run(tiny_dir, tmp_path, mod
     for pack in (False, True):
         out = tmp_path / f"pack-{pack}"
         data = {"pack": pack, "tokenized": str(examples)}
+        lora = {"lora": {"r": 4, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}} if mode == "medusa2" else {}
         values = recipe(tiny_dir, out, data=data, training=training, features={"enabled": False},
                         model={"name": str(tiny_dir / "model"), "attn_implementation": "sdpa"},
-                        lora={"r": 4, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]},
-                        heads={"reduced_vocab_size": 30})  # dropout draws its masks per layout
+                        heads={"reduced_vocab_size": 30}, **lora)  # dropout draws its masks per layout
         train_heads.main(["--config", str(write_recipe(tmp_path / f"r-{pack}.yaml", values))])
         logs.append(train_log(out))
         assert json.loads((out / "heads" / "config.json").read_text())["training"]["recipe"]["data"]["pack"] is pack

@@ -89,6 +89,7 @@ def test_overrides_are_typed_and_dotted():
     config = load_config(RECIPES / "smollm2-135m.yaml", [
         "training.lr=3e-4", "training.epochs=2", "heads.reduced_vocab_size=null", "log.wandb=true",
         "lora.target_modules=q_proj,v_proj", "data.per_source={gsm8k_train: 10}", "training.max_steps=5",
+        "training.mode=medusa2",  # which reads lora (Medusa-1 refuses a lora setting)
     ])
     assert config.training.lr == 3e-4 and isinstance(config.training.lr, float)
     assert config.training.epochs == 2.0 and config.training.max_steps == 5
@@ -128,6 +129,9 @@ def test_overrides_are_typed_and_dotted():
     # YAML that does not parse names the key (a traceback named "<unicode string>")
     ("data.per_source={a:1", "data.per_source: '{a:1' is not valid YAML"),
     ("lora.target_modules=[q_proj", "lora.target_modules: '[q_proj' is not valid YAML"),
+    # set, and never read by Medusa-1: a change refused a re-run of a finished run
+    ("lora.r=64", "lora.r=64 applies to training.mode=medusa2 only"),
+    ("lora.target_modules=no_such_module", "lora.target_modules=['no_such_module'] applies to training.mode=medusa2"),
     # a boolean for a text: "eval.push_to_hub=false" uploaded the heads to a repo named "false"
     ("eval.push_to_hub=false", "eval.push_to_hub: expected a text, got 'false', a boolean"),
     ("data.system_prompt=True", "data.system_prompt: expected a text, got 'True', a boolean"),
@@ -769,3 +773,24 @@ def test_heads_count_as_evaluated_beside_the_final_heads_they_came_from_only(tmp
         assert heads_from_final(paths) == evaluated, (final, heads)
     (paths.heads / "config.json").write_text("{")
     assert not heads_from_final(paths)
+
+
+def test_plan_counts_the_prompts_the_run_samples_and_names_a_source_not_in_the_file(tmp_path, capsys):
+    """The plan counted data.n examples whatever the quotas or the prompts file held (1600 where the run
+    would answer one prompt), so its checks passed (a split with nothing held out, batches the data could
+    not fill) and the run failed after distilling; a misspelled source in the quotas passed it too."""
+    import train_heads
+
+    values = run_recipe(tmp_path)  # 20 prompts, 10 of each source
+    out = plan_output(capsys, tmp_path, values, "data.n=100", "data.per_source={alpha: 3, beta: 4}")
+    assert re.search(r"examples\s+7 \(", out), out
+    out = plan_output(capsys, tmp_path, values, "data.n=100", "data.per_source=null")
+    assert re.search(r"examples\s+20 \(", out), out
+    out = plan_output(capsys, tmp_path, values, "data.n=5", "data.distill_options.exclude_ids=[p0, p1]")
+    assert re.search(r"examples\s+5 \(", out), out
+    recipe = tmp_path / "recipe.yaml"
+    for overrides, message in ((["data.per_source={alpah: 3}"], "per_source names sources not in"),
+                               (["data.per_source={alpha: 1}"], r"1 example\(s\) cannot be split")):
+        with pytest.raises(SystemExit) as exit_info:
+            train_heads.main(["--config", str(recipe), "--plan", *overrides])
+        assert exit_info.value.code == 2 and re.search(message, capsys.readouterr().err), overrides

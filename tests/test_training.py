@@ -1995,3 +1995,62 @@ def test_features_a_run_reuses_keep_their_recorded_seconds_whatever_the_plan_sai
     assert train_heads.main(["--config", config]) == 0
     assert json.loads((out / "logs" / "stages.json").read_text())["features"] == 120.0
     assert json.loads((out / "heads" / "config.json").read_text())["training"]["stage_seconds"]["features"] == 120.0
+
+
+def test_settings_a_run_does_not_read_neither_refuse_its_rerun_nor_its_resume(tmp_path):
+    """A finished run re-run, or a step checkpoint resumed, with a changed setting that run never reads was
+    refused and told to train again: `training.batch_size` under the feature cache, `training.batch_tokens`
+    without it (Medusa-2), `training.epochs` beside `max_steps`, and on tokenized data the distilling settings
+    (on a resume) and `features.from_distillation`. Settings it reads still are refused."""
+    model = tmp_path / "model"
+    model.mkdir()  # a folder name: no model is loaded to compare settings
+    examples = tmp_path / "examples.jsonl"
+    examples.write_text("")
+
+    def config(mode: str, *overrides: str):
+        sections = {"training": {"mode": mode, "max_steps": 5, **({"loss": "kl"} if mode == "medusa2" else {})}}
+        if mode == "medusa2":
+            sections["lora"] = {"target_modules": ["q_proj"]}
+        values = recipe(tmp_path, tmp_path / "run", **sections)
+        values["model"]["name"] = str(model)
+        values["data"]["tokenized"] = str(examples)
+        return config_from_dict(values, list(overrides))
+
+    def refusals(mode: str, *overrides: str) -> tuple[str, str]:
+        """What a re-run of a finished run, and a resume of a step checkpoint, with ``overrides`` say."""
+        before, after = config(mode), config(mode, *overrides)
+        paths = run_paths(after)
+        final = paths.final / "config.json"
+        final.parent.mkdir(parents=True, exist_ok=True)
+        final.write_text(json.dumps({"training": {"settings": tr.finished_settings(before, "sha256:w")}}))
+        said = []
+        try:
+            tr.check_finished_run(after, paths)
+            said.append("")
+        except ValueError as err:
+            said.append(str(err))
+        shutil.rmtree(paths.final)
+        state = {"fingerprint": tr.resume_fingerprint(before, "sha256:w"), "world_size": 1,
+                 "grad_accum": before.training.grad_accum}
+        expected, found = tr._resume_settings(after, json.loads(json.dumps(state)), 1)
+        try:
+            tr._refuse_other_run(paths.checkpoints / "step-1", expected, found, paths)
+            said.append("")
+        except ValueError as err:
+            said.append(str(err))
+        return said[0], said[1]
+
+    for mode, overrides in (
+        ("medusa1", ["training.batch_size=8"]), ("medusa1", ["training.epochs=3"]),
+        ("medusa1", ["features.from_distillation=false"]),
+        ("medusa1", ["data.n=7", "data.max_new_tokens=5", "data.prompts=p.jsonl", "data.system_prompt=Be brief."]),
+        ("medusa2", ["training.batch_tokens=64"]), ("medusa2", ["training.epochs=3"]),
+    ):
+        assert refusals(mode, *overrides) == ("", ""), (mode, overrides)
+    rerun, resume = refusals("medusa1", "training.batch_tokens=64", "training.lr=0.5")
+    assert "training.batch_tokens was 128, now 64" in rerun and "training.lr was 0.01, now 0.5" in rerun
+    assert "training.batch_tokens was 128, now 64" in resume
+    rerun, resume = refusals("medusa2", "training.batch_size=8")
+    assert "training.batch_size was 4, now 8" in rerun and "training.batch_size was 4, now 8" in resume
+    rerun, resume = refusals("medusa1", "training.max_steps=null", "training.epochs=3")
+    assert "training.epochs was 2.0, now 3.0" in rerun and "training.max_steps was 5, now None" in resume
