@@ -269,6 +269,30 @@ def check_vocabulary_settings(config: TrainConfig) -> None:
             raise ValueError(f"{key}={value} is past the model's vocabulary of {vocab} tokens; lower it")
 
 
+def check_example_lengths(config: TrainConfig, examples: list[dict]) -> None:
+    """Examples longer than the model's context (where its config is on disk) refused before any feature or
+    training step: past it a model of learned positions (GPT-2) failed with an IndexError in the feature
+    extraction (a device-side assert on a GPU), and a rotary one runs past the positions it learned. Rows the
+    run distils fit it; ``data.tokenized`` examples, or rows made elsewhere, under ``data.max_length``, may not."""
+    folder = _model_folder(config)
+    if folder is None or not examples:
+        return
+    from transformers import AutoConfig
+
+    from medusa_infer.decoding import config_context_length
+
+    try:
+        context = config_context_length(AutoConfig.from_pretrained(
+            folder, trust_remote_code=config.model.trust_remote_code))
+    except ValueError:  # a config that states no context length
+        return
+    longest = max(len(example["input_ids"]) for example in examples)
+    if longest > context:
+        raise ValueError(f"examples of up to {longest} tokens are past the model's context of {context} positions "
+                         f"(data.max_length={config.data.max_length} cuts them at that length); set "
+                         f"data.max_length={context} or lower")
+
+
 def check_lora_targets_early(config: TrainConfig) -> None:
     """``lora.target_modules`` checked on the model's module tree, built on the meta device from its
     config, where that config is on disk (a folder, or a default model already fetched); a Hub model's
@@ -649,17 +673,18 @@ def main(argv: list[str] | None = None) -> int:
         layout = plan(config, int(os.environ.get("WORLD_SIZE", "1")), distill_pending=pending)
     except ValueError as err:
         parser.error(str(err))
+    trains = any(stage.name == "train" and not stage.done for stage in layout.stages)
+    if trains and config.training.mixed_precision == "fp16" and (config.training.cpu or not torch.cuda.is_available()):
+        # (a finished fp16 run is evaluated on a CPU alike: its settings, fp16 included, must stay as trained;
+        # --plan says so too: it passed, and the run stopped at once)
+        raise SystemExit("train_heads.py: error: training.mixed_precision=fp16 has no autocast on the CPU "
+                         "(accelerate would train in float32 and say fp16); set training.mixed_precision=bf16 "
+                         "or no")
     if args.plan:
         if int(os.environ.get("RANK", "0")) == 0:  # once, not once per process of a launch
             print(layout.summary())
         return 0
 
-    trains = any(stage.name == "train" and not stage.done for stage in layout.stages)
-    if trains and config.training.mixed_precision == "fp16" and (config.training.cpu or not torch.cuda.is_available()):
-        # (a finished fp16 run is evaluated on a CPU alike: its settings, fp16 included, must stay as trained)
-        raise SystemExit("train_heads.py: error: training.mixed_precision=fp16 has no autocast on the CPU "
-                         "(accelerate would train in float32 and say fp16); set training.mixed_precision=bf16 "
-                         "or no")
     accelerator = make_accelerator(config)
     say(accelerator, f"accelerate: {accelerator.distributed_type.value} on {accelerator.device.type}, "
                      f"{accelerator.num_processes} process(es), mixed precision {accelerator.mixed_precision}")
@@ -702,6 +727,7 @@ def main(argv: list[str] | None = None) -> int:
         from medusa_train.dataset import check_head_positions
 
         check_head_positions(train, heldout)
+        check_example_lengths(config, train + heldout)
     timings["data"] = round(time.perf_counter() - started, 1)
     note_stages()
     say(accelerator, f"data: {len(train)} train and {len(heldout)} held-out examples ({timings['data']} s)")

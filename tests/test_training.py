@@ -7,6 +7,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import shutil
 import subprocess
@@ -1270,9 +1271,31 @@ def test_fp16_on_the_cpu_is_refused_by_name(tiny_dir, tmp_path, capsys):
     import train_heads
 
     values = recipe(tiny_dir, tmp_path / "run", training={"mixed_precision": "fp16", "max_steps": 1})
-    with pytest.raises(SystemExit, match="training.mixed_precision=fp16 has no autocast on the CPU .* set "
-                                         "training.mixed_precision=bf16 or no"):
-        train_heads.main(["--config", str(write_recipe(tmp_path / "r.yaml", values))])
+    for flags in (["--plan"], []):  # --plan said nothing of it, and the run stopped at once
+        with pytest.raises(SystemExit, match="training.mixed_precision=fp16 has no autocast on the CPU .* set "
+                                             "training.mixed_precision=bf16 or no"):
+            train_heads.main(["--config", str(write_recipe(tmp_path / "r.yaml", values)), *flags])
+
+
+def test_examples_past_the_models_context_are_refused_before_features_are_extracted(tmp_path):
+    """`data.tokenized` examples longer than the model's context under the default data.max_length=1024: the
+    run failed in the feature extraction with an IndexError traceback (GPT-2's learned positions)."""
+    import train_heads
+
+    (tmp_path / "tiny").mkdir()
+    tiny_model("gpt2").save_pretrained(tmp_path / "tiny" / "model")  # 256 positions
+    examples = tmp_path / "tiny" / "examples.jsonl"
+    examples.write_text("".join(json.dumps({"input_ids": ids, "labels": [-100] * 10 + ids[10:]}) + "\n"
+                                for ids in ([3 + (i + j) % 24 for j in range(300)] for i in range(16))))
+    values = recipe(tmp_path / "tiny", tmp_path / "run", training={"max_steps": 2},
+                    heads={"num_heads": 2, "projection": "own"}, features={"topk": 0, "batch_size": 4})
+    config_file = str(write_recipe(tmp_path / "r.yaml", values))
+    with pytest.raises(SystemExit, match=re.escape("examples of up to 300 tokens are past the model's context of 256 "
+                                                   "positions (data.max_length=1024 cuts them at that length); set "
+                                                   "data.max_length=256 or lower")):
+        train_heads.main(["--config", config_file])
+    assert not (tmp_path / "run" / "features").exists() or not any((tmp_path / "run" / "features").iterdir())
+    assert train_heads.main(["--config", config_file, "data.max_length=256"]) == 0
 
 
 def test_a_finished_fp16_run_is_evaluated_on_the_cpu(tiny_dir, tmp_path):
