@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -185,6 +186,11 @@ def check_inputs(config: TrainConfig) -> None:
         from medusa_train.dataset import check_rows, read_rows
 
         check_rows(read_rows(d.rows), config.model.chat_template, d.system_prompt, RECIPE_FIXES)
+    if d.distill_options and not owns_rows(config):  # checked as a run that distils checks them (distill_pending):
+        from medusa_train.distill import recipe_config  # a misspelt option passed, and backend=bogus changed the
+
+        stand_in = d.prompts or "the prompts"  # plan's features stage; no prompt is read
+        recipe_config(dataclasses.replace(config, data=dataclasses.replace(d, prompts=stand_in)))
     check_attn_implementation(config.model.attn_implementation)
     check_vocabulary_settings(config)
     if config.training.mode == "medusa2":

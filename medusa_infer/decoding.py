@@ -149,7 +149,9 @@ def context_start(tokenizer: Any, ids: Sequence[int], start: int) -> int:
     ending in emoji came out as four U+FFFD, and a stop string in it was never seen)."""
     begin = max(0, start - TEXT_CONTEXT_TOKENS)
     for _ in range(3):  # a UTF-8 character is at most 4 bytes
-        if begin == 0 or not tokenizer.decode(list(ids[begin:start]), skip_special_tokens=True).startswith("\ufffd"):
+        context = list(ids[begin:start])  # (its last character whole: a byte-fallback tokenizer reads all of a run
+        text = tokenizer.decode(context, skip_special_tokens=True)  # cut inside one as U+FFFD, its start too)
+        if begin == 0 or not whole_text(tokenizer, context, text).startswith("\ufffd"):
             break
         begin -= 1
     return begin
@@ -225,15 +227,16 @@ def generated_text_tail(tokenizer: Any, history: Sequence[int], prompt_length: i
     prompt's ids end inside of, which the answer completes."""
     decode = functools.partial(tokenizer.decode, skip_special_tokens=True)
     start = max(prompt_length, len(history) - window)
-    for _ in range(3):  # a window that begins inside a character (a run of byte tokens longer than it): at it
-        if start <= prompt_length or not decode(list(history[start:])).startswith("\ufffd"):
+    for _ in range(4):  # a window that begins inside a character (a run of byte tokens longer than it): at it
+        context = list(history[context_start(tokenizer, history, start) : start])
+        before = decode(context) if context else ""
+        after = decode(context + list(history[start:]))
+        at = text_start(before, whole_text(tokenizer, context, before), after)
+        tail = after[at:] if at is not None else decode(list(history[start:]))
+        if start <= prompt_length or not tail.startswith("\ufffd"):
             break  # (a byte-fallback tokenizer read all the run as U+FFFD: a stop string in it was missed)
         start -= 1
-    context = list(history[context_start(tokenizer, history, start) : start])
-    before = decode(context) if context else ""
-    after = decode(context + list(history[start:]))
-    at = text_start(before, whole_text(tokenizer, context, before), after)
-    return after[at:] if at is not None else decode(list(history[start:]))
+    return tail
 
 
 @dataclass

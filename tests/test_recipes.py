@@ -501,11 +501,19 @@ def test_given_rows_distilled_with_another_system_prompt_or_template_are_refused
     ({"backend": "openai"}, r"backend 'openai' needs endpoint"),
     ({"concurrency": "many"}, r"data.distill_options.concurrency: expected an integer"),
 ])
-def test_distill_options_are_checked_when_the_recipe_loads(tmp_path, capsys, options, message):
+@pytest.mark.parametrize("distils", [True, False], ids=["distilling", "tokenized"])
+def test_distill_options_are_checked_when_the_recipe_loads(tmp_path, capsys, options, message, distils):
+    """Also where the run distils nothing (data.tokenized): a misspelt option passed, and backend=bogus turned
+    the plan's features stage from done to to-do."""
     import train_heads
 
+    values = run_recipe(tmp_path, distill_options=options)
+    if not distils:
+        examples = tmp_path / "examples.jsonl"
+        examples.write_text(json.dumps({"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}) + "\n")
+        values["data"] = {"tokenized": str(examples), "distill_options": options}
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump(run_recipe(tmp_path, distill_options=options)))
+    recipe.write_text(yaml.safe_dump(values))
     with pytest.raises(SystemExit):
         train_heads.main(["--config", str(recipe), "--plan"])
     assert re.search(message, capsys.readouterr().err)

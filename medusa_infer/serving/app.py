@@ -367,6 +367,11 @@ class TextAssembler:
         end = len(self.tokens) if final else self.byte_run(self.tokens)
         before = decode(self.tokens[self.prefix_offset : self.read_offset], skip_special_tokens=True)
         after = decode(self.tokens[self.prefix_offset : end], skip_special_tokens=True)
+        if final and after.endswith("\ufffd"):  # the answer ends inside a character: the characters before it
+            # whole (a byte-fallback tokenizer read all its run of byte tokens as U+FFFD: an answer cut inside
+            # a run of 20 CJK characters lost them all), then one U+FFFD, as a byte-level tokenizer reads it
+            whole = whole_text(self.tokenizer, self.tokens[self.prefix_offset : end], after)
+            after = max(after.rstrip("\ufffd"), whole, key=len) + "\ufffd"
         at = text_start(before, before if self.whole is None else self.whole, after)
         added = after[len(before) if at is None else at:]  # (None: a tokenizer that cleaned up spaces at the seam)
         if added and (final or not after.endswith("\ufffd")):
