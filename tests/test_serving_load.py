@@ -463,6 +463,59 @@ def test_shutdown_answers_the_requests_still_open_with_the_shutdown_error(model)
     assert '"code":"shutdown"' in lines[-2].replace(" ", "") and lines[-1] == "data: [DONE]", lines
 
 
+def test_shutdown_answers_the_requests_of_an_engine_turn_that_outlasts_it(model):
+    """An engine turn longer than the shutdown's grace (a long prefill on a CPU): the engine could not answer
+    the requests it held, and uvicorn cancelled them at its graceful timeout: a stream cut off without its
+    shutdown error event or [DONE]. They are answered from the HTTP side once the engine's wait ends."""
+    body = {"model": "tiny", "prompt": "the cat", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    served = serve(model, "medusa", max_batch=1)
+    server, engine = served.__enter__()
+    url = server.base_url + "/v1/completions"
+    turn, stuck, release = engine._turn, threading.Event(), threading.Event()
+
+    def long_turn() -> None:  # once the stream has its first token: a turn that lasts until released
+        if stuck.is_set():
+            release.wait(60)
+        turn()
+
+    engine._turn = long_turn
+    answers: dict[str, object] = {}
+
+    def streamed() -> None:
+        with httpx.Client(timeout=60) as client, client.stream("POST", url, json={**body, "stream": True}) as reply:
+            lines = []
+            for line in reply.iter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) == 1:
+                    stuck.set()
+            answers["stream"] = lines
+
+    def whole() -> None:
+        answers["whole"] = httpx.post(url, json=body, timeout=60)
+
+    clients = [threading.Thread(target=streamed)]
+    clients[0].start()
+    wait_until(stuck.is_set, timeout=60, message="the stream never began")
+    clients.append(threading.Thread(target=whole))  # queued behind the stream (one row a batch)
+    clients[1].start()
+    wait_until(lambda: engine.snapshot()["waiting"] == 1, timeout=30, message="the second request never queued")
+    stopping = threading.Thread(target=served.__exit__, args=(None, None, None))
+    start = time.monotonic()
+    stopping.start()
+    try:
+        for client in clients:
+            client.join(30)
+        answered = time.monotonic() - start
+    finally:
+        release.set()  # the turn ends: the engine thread too
+        stopping.join(30)
+    lines = answers["stream"]
+    assert '"code":"shutdown"' in lines[-2].replace(" ", "") and lines[-1] == "data: [DONE]", lines
+    assert answers["whole"].status_code == 503 and answers["whole"].json()["error"]["code"] == "shutdown"
+    assert answered < 2.0 + 5.0, answered  # within the drain and the answering time, before uvicorn's cut
+
+
 def test_shutdown_serves_a_request_whose_body_was_still_arriving(model):
     """Its headers in before the shutdown, its body after: the drain waited on the engine's counts alone,
     stopped the engine at once, and the request was refused (503 engine_unavailable)."""

@@ -65,12 +65,17 @@ class ServerSettings:
 ANSWER_S = 5.0
 """Seconds uvicorn_server's shutdown leaves connections to send their answers once the engine stopped."""
 
+STOP_WAIT_S = ANSWER_S / 2
+"""Of those, the seconds it waits for the engine's thread to end its turn; past them the requests it still
+holds are answered from here (a turn can take longer on a CPU: a long prefill)."""
+
 
 def uvicorn_server(app: FastAPI, drain_s: float = 5.0, **config: Any):
     """A ``uvicorn.Server`` for ``app`` (of ``create_app``) whose shutdown (SIGTERM, Ctrl-C) stops
     listening, lets the engine finish what it holds for up to ``drain_s`` seconds, then stops it:
     requests still unanswered get the 503 ``shutdown`` error (a stream: an error event and
-    ``[DONE]``), and their connections close once it is sent (within ``ANSWER_S`` more seconds).
+    ``[DONE]``), and their connections close once it is sent (within ``ANSWER_S`` more seconds): from
+    the engine, or where its turn outlasts ``STOP_WAIT_S`` of those (a long prefill), from here.
 
     uvicorn alone stops the engine only in the lifespan's shutdown, after its graceful timeout and
     after cancelling the requests still open: their clients got a plain-text 500 or a stream cut
@@ -84,7 +89,8 @@ def uvicorn_server(app: FastAPI, drain_s: float = 5.0, **config: Any):
         async def shutdown(self, sockets: Any = None) -> None:
             # requests still open: their bodies read, tokenised, queued, decoding (the engine's counts miss
             # the first ones, which were refused as the engine stopped at once)
-            drained = asyncio.create_task(_drain(engine, drain_s, lambda: bool(self.server_state.tasks)))
+            drained = asyncio.create_task(_drain(engine, drain_s, lambda: bool(self.server_state.tasks),
+                                                 app.state.answers))
             try:
                 await super().shutdown(sockets)
             finally:
@@ -96,11 +102,14 @@ def uvicorn_server(app: FastAPI, drain_s: float = 5.0, **config: Any):
     return DrainingServer(uvicorn.Config(app, timeout_graceful_shutdown=drain_s + ANSWER_S, **config))
 
 
-async def _drain(engine: Engine, seconds: float, open_requests: Callable[[], bool]) -> None:
+async def _drain(engine: Engine, seconds: float, open_requests: Callable[[], bool],
+                 answers: set[_Answer]) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and open_requests():
         await asyncio.sleep(0.05)
-    await asyncio.to_thread(engine.stop)  # what is left is answered "shutdown"
+    await asyncio.to_thread(engine.stop, STOP_WAIT_S)  # what is left is answered "shutdown"
+    for answer in list(answers):  # the engine still in its turn, past the wait: uvicorn would cut these off
+        answer.shut_down()  # (a stream without its error event or [DONE]) once its graceful timeout ends
 
 
 def create_app(engine: Engine, model: ModelInfo, settings: ServerSettings) -> FastAPI:
@@ -119,6 +128,8 @@ def create_app(engine: Engine, model: ModelInfo, settings: ServerSettings) -> Fa
 
     app = FastAPI(title="medusa-serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = engine  # for uvicorn_server's shutdown
+    answers: set[_Answer] = set()  # the requests being answered: uvicorn_server's shutdown answers them
+    app.state.answers = answers
     _add_error_handlers(app)
     app.add_middleware(_CountRequests, count=lambda method, path, status: engine.metrics.http_requests.inc(
         method=method, path=path, status=status))
@@ -188,9 +199,9 @@ def create_app(engine: Engine, model: ModelInfo, settings: ServerSettings) -> Fa
         except EngineStopped as error:
             raise APIError(503, f"The server cannot take requests: {error}.", "server_error", None,
                            "engine_unavailable") from None
-        answer = _Answer(engine, job, params, model, settings.method, updates, settings.request_timeout)
+        answer = _Answer(engine, job, params, model, settings.method, updates, settings.request_timeout, answers)
         if params.stream:
-            return _EventStream(answer.events(), on_close=lambda: engine.cancel(job, "disconnect"),
+            return _EventStream(answer.events(), on_close=answer.close,
                                 media_type="text/event-stream",
                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await answer.whole(request)
@@ -213,9 +224,10 @@ class _Answer:
     """Turns one request's engine updates into an OpenAI response, whole or as server-sent events."""
 
     def __init__(self, engine: Engine, job: EngineRequest, params: GenerationParams, model: ModelInfo,
-                 method: str, updates: asyncio.Queue[Update], timeout: float | None) -> None:
+                 method: str, updates: asyncio.Queue[Update], timeout: float | None, answers: set[_Answer]) -> None:
         self.engine, self.job, self.params, self.model = engine, job, params, model
-        self.updates = updates
+        self.updates, self.answers = updates, answers
+        answers.add(self)  # until it is answered (whole or events)
         self.deadline = job.arrival + timeout + TIMEOUT_GRACE_S if timeout else None
         self.text = TextAssembler(model.tokenizer, params.stop, params.prompt_ids)
         self.speculation = Speculation(method)
@@ -244,6 +256,17 @@ class _Answer:
         self.engine.cancel(self.job, "timeout")
         raise _timeout_error("the engine did not answer in time")
 
+    def close(self) -> None:
+        """The response is over (answered, or its client gone): the request ends (a no-op once finished)."""
+        self.engine.cancel(self.job, "disconnect")
+        self.answers.discard(self)
+
+    def shut_down(self) -> None:
+        """At shutdown, the engine stopped while still in a turn that holds this request: answer it the
+        shutdown error now (an update after the engine's own, if any, is never read)."""
+        if not self.job.done:
+            self.updates.put_nowait(Update([], "shutdown", "the server is shutting down"))
+
     def _stop_early(self) -> None:
         """The text holds a stop string the engine has not seen yet (it only looks at the last
         tokens): end the request there, as a normal stop."""
@@ -270,7 +293,7 @@ class _Answer:
                 self._stop_early()
         finally:  # a _ClientGone goes on to the app's handler: a 499 nobody reads
             disconnected.cancel()
-            self.engine.cancel(self.job, "disconnect")  # no-op once finished
+            self.close()
         if update.finish in ABORT_REASONS:
             raise _abort_error(update)
         body = protocol.response_body(self.params.kind, self.id, self.model.name, self.created, text,
