@@ -161,6 +161,7 @@ class GenerationMetrics:
         rates = ", ".join(f"{r:.2f}" for r in self.acceptance_by_depth)
         return (
             f"{self.new_tokens} tokens in {self.total_s:.2f} s ({self.tokens_per_s:.1f} tok/s), "
-            f"{self.steps} steps, tau {self.tau:.2f}, acceptance by depth [{rates}], "
+            # no decoding step (every row ended at its first token): no tau to tell, as medusa-bench's "-"
+            f"{self.steps} steps, tau {f'{self.tau:.2f}' if self.row_steps else '-'}, acceptance by depth [{rates}], "
             f"TTFT {self.ttft_s * 1000:.0f} ms, TPOT {self.tpot_s * 1000:.1f} ms"
         )

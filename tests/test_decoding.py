@@ -513,6 +513,11 @@ def test_metrics_are_filled():
     assert m.ttft_s > 0 and m.total_s >= m.ttft_s and m.tokens_per_s > 0
     assert set(m.phase_s) == {"propose", "verify", "accept", "commit"} and m.phase_s["verify"] > 0
     assert "tau" in m.to_dict() and "tokens_per_s" in m.to_dict()
+    assert f"tau {m.tau:.2f}," in m.summary()
+    # a call whose rows all ended at their first token took no decoding step: no tau to tell (it said 1.00,
+    # where medusa-bench says "-")
+    one = generate(model, torch.tensor([[5, 6, 7]]), max_new_tokens=1, tree="tree-8", eos_token_id=NO_EOS).metrics
+    assert one.steps == 0 and "0 steps, tau -," in one.summary()
 
 
 def test_tpot_charges_a_row_the_steps_it_was_decoding_in():
