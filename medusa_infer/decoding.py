@@ -596,7 +596,12 @@ def _prepare_inputs(model, tokenizer, input_ids, attention_mask, prompt, message
     if is_text(input_ids):
         raise ValueError(f"input_ids must be token ids, got text {input_ids!r:.60}: pass text as prompt= (or a chat "
                          "as messages=)")
-    input_ids = torch.as_tensor(input_ids)
+    try:
+        rows = isinstance(input_ids, (list, tuple)) and input_ids and all(torch.is_tensor(r) for r in input_ids)
+        input_ids = torch.stack(list(input_ids)) if rows else torch.as_tensor(input_ids)  # (tensors: rows)
+    except (ValueError, TypeError, RuntimeError) as error:  # rows of different lengths
+        raise ValueError(f"input_ids must be one row of token ids or rows of equal length ({error}): left-pad rows "
+                         "of different lengths and pass attention_mask=, or give the texts as prompt=") from None
     if input_ids.dtype == torch.bool or input_ids.is_floating_point() or input_ids.is_complex():
         raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
     input_ids = input_ids.long()
@@ -776,8 +781,11 @@ def stream(
     temperature = 1.0 if temperature is None else temperature
     top_k, top_p = (0 if top_k is None else top_k), (1.0 if top_p is None else top_p)
     stop_strings = () if stop_strings is None else stop_strings
+    lookup_tokens = 0 if lookup_tokens is None else lookup_tokens
     if acceptance is None:
         acceptance = "lossless" if do_sample else "greedy"
+    if acceptance not in ACCEPTANCE_RULES:  # before what it implies (a typo was told to pass do_sample=True)
+        raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
     if not do_sample and acceptance != "greedy":
         raise ValueError(f"acceptance={acceptance!r} samples; pass do_sample=True (or acceptance='greedy')")
     if do_sample and acceptance == "greedy":
@@ -824,6 +832,8 @@ def stream(
     if seed is not None:
         generator = torch.Generator(device=model.device).manual_seed(generator_seed(seed))
     state = DecodeBatch(model, input_ids, attention_mask, proposer, sampling, stop, tokenizer, generator)
+    if not (speculation_gate is None or isinstance(speculation_gate, (bool, SpeculationGate))):
+        raise ValueError(f"speculation_gate must be True, False, None or a SpeculationGate, got {speculation_gate!r}")
     if speculation_gate is None:  # greedy batches: the output is the same whichever steps speculate
         speculation_gate = sampling.greedy and input_ids.shape[0] > 1
     if isinstance(proposer, AutoregressiveProposer):
@@ -847,7 +857,9 @@ def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> Generati
         do_sample: sample instead of greedy decoding.
         temperature, top_p, top_k: the sampling distribution (lossless keeps it exactly). Typical
             acceptance samples at ``temperature`` alone (Medusa-2's rule): with it, ``top_k > 0`` or
-            ``top_p < 1`` is a ``ValueError``.
+            ``top_p < 1`` is a ``ValueError``. Unset, ``top_k`` is 0, the whole vocabulary (as vLLM), where
+            Hugging Face's ``generate`` keeps the 50 likeliest tokens unless something sets it: pass
+            ``top_k=50`` to sample as it does.
         acceptance: ``"greedy"`` (default without sampling; output identical to greedy
             decoding; with ``do_sample=True`` a ``ValueError``), ``"typical"`` (Medusa-2 typical
             acceptance) or ``"lossless"`` (default with sampling; the output has exactly the

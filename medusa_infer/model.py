@@ -683,18 +683,22 @@ def _widen_causal_buffers(modules: list[nn.Module], slots: int) -> None:
         module._buffers["bias"] = wider.view(1, 1, size, size)  # kept as registered (not persistent)
 
 
+def _named(name: str | None) -> str:
+    return f" ({name})" if name else " (their config names none)"
+
+
 def check_compatible(config: MedusaConfig, base_model: PreTrainedModel) -> None:
     """Raise ``ValueError`` when heads were trained for a different kind of base model."""
     vocab, hidden = full_shape(base_model.get_output_embeddings().weight)  # check_supported saw it is there
     if config.hidden_size != hidden:
         raise ValueError(
             f"heads were trained for hidden size {config.hidden_size}, this model has {hidden}: "
-            f"load the base model they were trained for ({config.base_model_name_or_path})"
+            f"load the base model they were trained for{_named(config.base_model_name_or_path)}"
         )
     if config.vocab_size != vocab:
         raise ValueError(
             f"heads were trained for a vocabulary of {config.vocab_size} tokens, this model has {vocab}: "
-            f"load the base model they were trained for ({config.base_model_name_or_path})"
+            f"load the base model they were trained for{_named(config.base_model_name_or_path)}"
         )
     model_type = base_model.config.model_type
     if config.base_model_type and config.base_model_type != model_type:

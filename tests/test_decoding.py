@@ -414,10 +414,21 @@ def test_context_limit_is_a_clean_stop():
         (dict(eos_token_id=-1), "eos_token_id must be a token id"),
         (dict(eos_token_id=2.0), "eos_token_id must be a token id in .* got 2.0"),
         (dict(eos_token_id=[2, 10**6]), "eos_token_id must be a token id"),
+        # a typo was told to pass do_sample=True, and only then named
+        (dict(acceptance="losless"), r"acceptance must be one of \('greedy', 'typical', 'lossless'\), got 'losless'"),
+        # failed at the first step with an AttributeError ('str' object has no attribute 'speculate')
+        (dict(speculation_gate="off"), "speculation_gate must be True, False, None or a SpeculationGate, got 'off'"),
+        # rows of different lengths or a list of tensors: torch's own words, with no way out
+        (dict(input_ids=[[5, 6, 7], [8, 9]]), "left-pad rows of different lengths and pass attention_mask="),
+        (dict(input_ids=[torch.tensor([5, 6]), torch.tensor([8])]), "rows of equal length"),
     ],
 )
 def test_bad_input_is_a_clear_value_error(kwargs, message):
+    """(A list of rows as tensors of one length is a batch.)"""
     model = medusa("llama")
+    rows = [torch.tensor([5, 6, 7]), torch.tensor([8, 9, 10])]
+    assert generate(model, input_ids=rows, max_new_tokens=2, eos_token_id=NO_EOS).new_tokens == \
+        generate(model, input_ids=torch.stack(rows), max_new_tokens=2, eos_token_id=NO_EOS).new_tokens
     kwargs.setdefault("input_ids", torch.tensor([[5, 6, 7]]))
     with pytest.raises(ValueError, match=message):
         generate(model, **kwargs)

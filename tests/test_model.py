@@ -548,6 +548,14 @@ def test_heads_for_another_base_model_are_refused(tmp_path, source, target, mess
     medusa(source(), "own").save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=message):
         MedusaModel.from_pretrained(tmp_path, base_model=target())
+    if "model type" not in message:  # heads that name no base model: said so (it read "trained for (None)")
+        from medusa_infer.config import MedusaConfig
+        from medusa_infer.model import check_compatible
+
+        config = MedusaConfig.load(tmp_path / "config.json")
+        config.base_model_name_or_path = None
+        with pytest.raises(ValueError, match=r"the base model they were trained for \(their config names none\)"):
+            check_compatible(config, target())
 
 
 def test_heads_for_another_hidden_size_are_refused_from_faster_decoding_layout(tmp_path):

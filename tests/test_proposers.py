@@ -513,7 +513,7 @@ def test_grafted_lookup_adds_a_chain_beside_the_heads_tree():
     assert torch.equal(proposal.tokens[:, [0] + same], plain.tokens)  # the heads' candidates unchanged
     no_match = proposer.propose(torch.tensor([50, 51]), StepContext([[3, 4, 50], [5, 6, 51]], 8))
     assert no_match.tree.num_nodes == 1 + len(GRAFT_TREE)
-    with pytest.raises(ValueError, match="lookup_tokens must be >= 0"):
+    with pytest.raises(ValueError, match=r"lookup_tokens must be an integer >= 0 \(0 turns the lookup branch off\)"):
         MedusaProposer(model, GRAFT_TREE, lookup_tokens=-1)
 
 
@@ -623,3 +623,36 @@ def test_heads_calibrated_on_another_device_say_so_once(caplog, monkeypatch):
         with caplog.at_level(logging.WARNING, logger="medusa_infer.tree_fit"):
             use()
         assert "measured on NVIDIA H200 bfloat16" in caplog.text
+
+
+def test_counts_that_are_no_integers_are_refused_when_the_proposer_is_built():
+    """`lookup_tokens=2.5` or `draft_tokens=2.5` passed every check and failed mid-decoding with a TypeError
+    ("slice indices must be integers"), after tokens had been streamed; `lookup_tokens=None`, "not set" as
+    elsewhere, failed comparing None with 0."""
+    from medusa_infer.decoding import stream
+
+    target = target_model("llama")
+    model = random_heads(target)
+    prompt = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match=r"lookup_tokens must be an integer >= 0 .*got 2.5"):
+        stream(model, prompt, max_new_tokens=4, lookup_tokens=2.5, eos_token_id=NO_EOS)
+    for method in ("lookup", "layerskip", "draft"):
+        with pytest.raises(ValueError, match=r"num_tokens must be an integer >= 1, got 2.5"):
+            build_proposer(method, target, SimpleNamespace(draft_tokens=2.5, draft_model=target))
+    with pytest.raises(ValueError, match=r"max_ngram must be an integer >= 1, got '3'"):
+        build_proposer("lookup", target, SimpleNamespace(lookup_max_ngram="3"))
+    plain = generate(model, prompt, max_new_tokens=6, eos_token_id=NO_EOS)
+    assert generate(model, prompt, max_new_tokens=6, lookup_tokens=None, eos_token_id=NO_EOS).new_tokens == \
+        plain.new_tokens
+    assert MedusaProposer(model, GRAFT_TREE, lookup_tokens=torch.tensor(2)).lookup_tokens == 2  # an integer tensor
+
+
+def test_build_proposer_reads_settings_given_as_a_mapping():
+    """Settings were read as attributes only: a dict's were all dropped (draft_tokens 9 drafted 4, a
+    draft_model given was "needed")."""
+    target = target_model("llama")
+    lookup = build_proposer("lookup", target, {"draft_tokens": 9, "lookup_max_ngram": 5})
+    assert (lookup.num_tokens, lookup.max_ngram) == (9, 5)
+    assert build_proposer("draft", target, {"draft_model": target, "draft_tokens": 2}).k == 2
+    grafted = build_proposer("medusa", random_heads(target), {"tree": "chain-1", "lookup_tokens": 3})
+    assert grafted.lookup_tokens == 3

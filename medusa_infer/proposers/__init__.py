@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import SimpleNamespace
 from typing import Any
 
 from medusa_infer.proposers.autoregressive import AutoregressiveProposer
@@ -28,7 +30,7 @@ def build_proposer(method: str, model: Any, options: Any = None) -> Proposer:
     Args:
         method: one of ``METHODS``.
         model: the target ``MedusaModel``.
-        options: an object with the method's settings as attributes (e.g. CLI arguments), each
+        options: an object with the method's settings as attributes (e.g. CLI arguments), or a mapping, each
             optional: ``tree``, ``lookup_tokens`` (medusa: a grafted prompt-lookup chain);
             ``draft_model`` (draft: a name or a loaded model);
             ``draft_tokens`` (k for draft, layerskip and lookup); ``draft_schedule``
@@ -43,6 +45,9 @@ def build_proposer(method: str, model: Any, options: Any = None) -> Proposer:
     exactly when the verifier does. Settings ``method`` does not read are ignored (a server passes
     one options object to every method); ``decoding.generate`` refuses them by name.
     """
+
+    if isinstance(options, Mapping):  # its entries were read as attributes: every setting given was dropped
+        options = SimpleNamespace(**options)
 
     def option(name: str, default: Any = None) -> Any:
         value = getattr(options, name, None)

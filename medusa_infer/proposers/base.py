@@ -9,11 +9,25 @@ told what was committed. A chain (draft model, prompt lookup) is a tree with one
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from medusa_infer.trees import TreeBuffers, build_tree_buffers, root_only_tree
+
+
+def whole_number(name: str, value: Any, minimum: int, note: str = "") -> int:
+    """``value`` as an int, for a count setting (a draft's length, an n-gram's): ``ValueError`` naming ``name``
+    for one that is no integer (2.5 failed mid-decoding with a TypeError, after tokens were streamed) or below
+    ``minimum``."""
+    if not isinstance(value, bool):
+        try:
+            number = int(value.__index__())  # an int, numpy's, a 0-d integer tensor
+        except (AttributeError, TypeError, RuntimeError):
+            number = None
+        if number is not None and number >= minimum:
+            return number
+    raise ValueError(f"{name} must be an integer >= {minimum}{note}, got {value!r}")
 
 
 @dataclass

@@ -26,7 +26,7 @@ import torch
 from medusa_infer.acceptance import greedy_tokens, warp_logits
 from medusa_infer.kv_cache import AttentionLayout, KVState
 from medusa_infer.metrics import RECENT_STEPS
-from medusa_infer.proposers.base import ChainTrees, Proposal, StepContext
+from medusa_infer.proposers.base import ChainTrees, Proposal, StepContext, whole_number
 
 logger = logging.getLogger(__name__)
 _UNCHECKED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # draft models whose tokenizer was said to go unchecked
@@ -51,8 +51,7 @@ class DraftProposer:
 
     def __init__(self, target, draft: Any, num_tokens: int = 4, schedule: str = "heuristic",
                  max_tokens: int = 16, draft_tokenizer: Any = None) -> None:
-        if num_tokens < 1:
-            raise ValueError(f"a draft model needs num_tokens >= 1, got {num_tokens}")
+        num_tokens, max_tokens = whole_number("num_tokens", num_tokens, 1), whole_number("max_tokens", max_tokens, 1)
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         self.draft = as_draft_model(draft, draft_tokenizer, target)

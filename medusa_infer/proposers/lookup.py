@@ -29,7 +29,7 @@ from collections.abc import Hashable
 import torch
 
 from medusa_infer.datastore import Datastore
-from medusa_infer.proposers.base import ChainTrees, Proposal, StepContext
+from medusa_infer.proposers.base import ChainTrees, Proposal, StepContext, whole_number
 from medusa_infer.tree_fit import CostProfile, warn_if_measured_elsewhere
 
 
@@ -182,8 +182,8 @@ class LookupProposer:
     def __init__(self, model, num_tokens: int = 4, max_ngram: int = 3, min_ngram: int = 1,
                  cost: CostProfile | None = None, max_tokens: int = LOOKUP_MAX_TOKENS,
                  datastore: Datastore | None = None) -> None:
-        if num_tokens < 1 or max_tokens < 1:
-            raise ValueError(f"prompt lookup needs num_tokens and max_tokens >= 1, got {num_tokens} and {max_tokens}")
+        num_tokens, max_tokens = whole_number("num_tokens", num_tokens, 1), whole_number("max_tokens", max_tokens, 1)
+        max_ngram, min_ngram = whole_number("max_ngram", max_ngram, 1), whole_number("min_ngram", min_ngram, 1)
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
         self.num_tokens, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram

@@ -19,7 +19,7 @@ import torch
 
 from medusa_infer.adaptive import TreeController, reached_shares
 from medusa_infer.datastore import Datastore
-from medusa_infer.proposers.base import Proposal, StepContext
+from medusa_infer.proposers.base import Proposal, StepContext, whole_number
 from medusa_infer.proposers.lookup import (
     LOOKUP_MAX_TOKENS,
     LookupGate,
@@ -127,14 +127,14 @@ class MedusaProposer:
     def __init__(self, model, tree: Sequence[Sequence[int]], controller: TreeController | None = None,
                  lookup_tokens: int = 0, lookup_ngram: tuple[int, int] = (3, 1),
                  lookup_max_tokens: int = LOOKUP_MAX_TOKENS, datastore: Datastore | None = None) -> None:
-        if lookup_tokens < 0:
-            raise ValueError(f"lookup_tokens must be >= 0 (0 turns the lookup branch off), got {lookup_tokens}")
-        if not 1 <= lookup_ngram[1] <= lookup_ngram[0]:
+        lookup_tokens = whole_number("lookup_tokens", lookup_tokens, 0, " (0 turns the lookup branch off)")
+        lookup_ngram = (whole_number("lookup max_ngram", lookup_ngram[0], 1),
+                        whole_number("lookup min_ngram", lookup_ngram[1], 1))
+        if not lookup_ngram[1] <= lookup_ngram[0]:
             raise ValueError(f"lookup_ngram must be (max_ngram, min_ngram) with 1 <= min <= max, got {lookup_ngram}")
         self.model = model
         self.controller = controller
-        if lookup_max_tokens < 1:
-            raise ValueError(f"lookup_max_tokens must be >= 1, got {lookup_max_tokens}")
+        lookup_max_tokens = whole_number("lookup_max_tokens", lookup_max_tokens, 1)
         self.lookup_tokens, self.lookup_ngram, self.lookup_max_tokens = lookup_tokens, lookup_ngram, lookup_max_tokens
         self.datastore = checked_datastore(model, datastore)
         self.grafted = 0  # length of the lookup chain in the last proposal
