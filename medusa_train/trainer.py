@@ -54,6 +54,7 @@ from medusa_train.train_config import RunPaths, TrainConfig, config_from_dict, o
 
 STATE_NAME = "trainer_state.json"
 CHECKPOINT_PREFIX = "step-"
+PARTIAL_SUFFIX = ".partial"  # a checkpoint being written
 # Keys whose change would make a resumed run differ from an uninterrupted one.
 _RESUME_IGNORES = ("save_every", "keep_checkpoints", "cpu")
 
@@ -645,8 +646,7 @@ def _refuse_other_run(checkpoint: Path, expected: dict[str, Any], found: dict[st
 
 def _unloadable(checkpoint: Path, paths: RunPaths, err: Exception) -> ValueError:
     """The error for a step checkpoint that could not be loaded, naming the older one to resume from."""
-    older = [p.name for p in sorted(paths.checkpoints.glob(f"{CHECKPOINT_PREFIX}*"))
-             if (p / STATE_NAME).is_file() and p != checkpoint]
+    older = [p.name for p in _complete_checkpoints(paths.checkpoints) if p != checkpoint]
     fallback = f" to resume from {older[-1]}, the one before it" if older else " to train from the start"
     return ValueError(f"{checkpoint} could not be loaded ({type(err).__name__}: {err}): a file in it is damaged "
                       f"or missing (or it was saved under another kind of launch: DeepSpeed, FSDP or DDP, which "
@@ -681,9 +681,17 @@ def check_checkpoint(config: TrainConfig, paths: RunPaths, world: int | None) ->
         _refuse_other_run(checkpoint, expected, found, paths)
 
 
+def _complete_checkpoints(folder: Path) -> list[Path]:
+    """``folder``'s step checkpoints that hold ``trainer_state.json``, oldest first. A side folder
+    (``.partial``) is none, even one killed between its state file and its rename: it was resumed from
+    and never renamed or removed (the run then resumes the one before it, which is still there)."""
+    return sorted(p for p in folder.glob(f"{CHECKPOINT_PREFIX}*")
+                  if not p.name.endswith(PARTIAL_SUFFIX) and (p / STATE_NAME).is_file())
+
+
 def latest_checkpoint(folder: Path) -> Path | None:
     """The newest complete checkpoint (one holding ``trainer_state.json``) in ``folder``."""
-    found = sorted(p for p in folder.glob(f"{CHECKPOINT_PREFIX}*") if (p / STATE_NAME).is_file())
+    found = _complete_checkpoints(folder)
     return found[-1] if found else None
 
 
@@ -693,7 +701,7 @@ def _save_checkpoint(accelerator: Any, folder: Path, state: dict[str, Any], keep
     ``log_window``: this process's metrics since its last log line (``_window_file``), so that a resumed
     run's next line averages the same steps as an uninterrupted run's."""
     final = folder / f"{CHECKPOINT_PREFIX}{state['step']:08d}"
-    partial = final.with_name(final.name + ".partial")
+    partial = final.with_name(final.name + PARTIAL_SUFFIX)
     if accelerator.is_main_process:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
@@ -709,7 +717,7 @@ def _save_checkpoint(accelerator: Any, folder: Path, state: dict[str, Any], keep
         os.replace(partial / f"{STATE_NAME}.tmp", partial / STATE_NAME)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
-        complete = sorted(p for p in folder.glob(f"{CHECKPOINT_PREFIX}*") if (p / STATE_NAME).is_file())
+        complete = _complete_checkpoints(folder)
         for old in complete[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()

@@ -2077,3 +2077,15 @@ def test_settings_a_run_does_not_read_neither_refuse_its_rerun_nor_its_resume(tm
     assert "training.batch_size was 4, now 8" in rerun and "training.batch_size was 4, now 8" in resume
     rerun, resume = refusals("medusa1", "training.max_steps=null", "training.epochs=3")
     assert "training.epochs was 2.0, now 3.0" in rerun and "training.max_steps was 5, now None" in resume
+
+
+def test_a_checkpoint_side_folder_is_never_resumed_from(tmp_path):
+    """A run killed between a checkpoint's state file and its folder's rename left `step-N.partial` holding
+    everything: it sorted after `step-N` and was resumed from, then never renamed nor removed. The complete
+    checkpoint before it is resumed, and the side folder is written over when that step is saved again."""
+    folder = tmp_path / "checkpoints"
+    for name in ("step-00000002", "step-00000004.partial"):
+        (folder / name).mkdir(parents=True)
+        (folder / name / tr.STATE_NAME).write_text("{}")
+    assert tr.latest_checkpoint(folder) == folder / "step-00000002"
+    assert tr._complete_checkpoints(folder) == [folder / "step-00000002"]
