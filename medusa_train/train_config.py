@@ -966,10 +966,14 @@ def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | Non
         packed = ", batches packed" if d.pack else ""
         stages.append(Stage("features", str(feats), cached is not None, f"{source}, {soft}{packed}"))
     live = d.pack and not config.uses_feature_cache  # training runs the backbone
+    from medusa_train.trainer import latest_checkpoint
+
+    resumed = latest_checkpoint(paths.checkpoints) if paths.checkpoints.is_dir() else None
     stages += [
         Stage("train", str(paths.final), (paths.final / "config.json").is_file(),
               f"{t.mode}, {total} steps, loss {t.loss}" + (", batches packed" if live else "")
-              + (f", heads from {h.init_from}" if h.init_from else "")),
+              + (f", heads from {h.init_from}" if h.init_from else "")
+              + (f", resuming {resumed.name}" if resumed is not None else "")),
         Stage("evaluate", str(paths.heads), heads_from_final(paths),
               f"top-1..{config.eval.top_k} accuracy on held-out data, {config.eval.tree_size}-node tree"),
     ]

@@ -1029,6 +1029,8 @@ def test_a_checkpoint_of_other_settings_is_refused_before_any_stage_runs(tiny_di
     state_file.write_text(json.dumps({**state, "world_size": 2}))
     capsys.readouterr()
     assert train_heads.main(["--config", config_file, "--plan"]) == 0
+    # the plan says which checkpoint the training resumes (it said nothing of it)
+    assert re.search(r"\[todo\] train .*, resuming step-00000002\)", capsys.readouterr().out)
     with pytest.raises(SystemExit):
         train_heads.main(["--config", config_file])
     assert "world_size was 2, now 1" in capsys.readouterr().err
