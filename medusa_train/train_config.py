@@ -340,6 +340,10 @@ def _is_section(tp: Any) -> bool:
     return dataclasses.is_dataclass(tp) and isinstance(tp, type)
 
 
+BOOLEAN_WORDS = ("true", "yes", "on", "1", "false", "no", "off", "0")
+"""The command line's words for a boolean setting."""
+
+
 def convert_value(value: Any, tp: Any, key: str) -> Any:
     """``value`` (from YAML or a command-line string) as type ``tp``; ``ValueError`` naming ``key``."""
     if tp is Any:  # converted where its type is known (data.distill_options: distill.recipe_config); a
@@ -381,7 +385,7 @@ def convert_value(value: Any, tp: Any, key: str) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in ("true", "yes", "on", "1", "false", "no", "off", "0"):
+        if isinstance(value, str) and value.lower() in BOOLEAN_WORDS:
             return value.lower() in ("true", "yes", "on", "1")
         raise ValueError(f"{key}: expected true or false, got {value!r}")
     if tp is int:
@@ -554,6 +558,9 @@ def save_config(config: TrainConfig, path: str | Path) -> None:
 def validate(config: TrainConfig) -> None:
     """Raise ``ValueError`` naming the first bad value and what it may be."""
     t, h, d, f, lora = config.training, config.heads, config.data, config.features, config.lora
+    for key, value in (("eval.push_to_hub", config.eval.push_to_hub), ("model.hub_id", config.model.hub_id)):
+        if value is not None and value.strip().lower() in BOOLEAN_WORDS:  # a command line's off, no: a repo
+            raise ValueError(f"{key}={value!r} reads as a boolean, not a Hub repo id: null leaves it unset")
     choices = (
         ("training.mode", t.mode, MODES),
         ("training.loss", t.loss, LOSSES),

@@ -50,7 +50,7 @@ from medusa_train.features import (
     weights_identity,
 )
 from medusa_train.losses import HeadLoss, head_ce_loss, head_kl_loss, logits_kl, to_head_vocab, topk_correct
-from medusa_train.train_config import RunPaths, TrainConfig, config_from_dict, owns_rows, step_counts
+from medusa_train.train_config import RunPaths, TrainConfig, config_from_dict, owns_rows, rows_path, step_counts
 
 STATE_NAME = "trainer_state.json"
 CHECKPOINT_PREFIX = "step-"
@@ -459,15 +459,20 @@ def unread_settings(config: TrainConfig) -> tuple[str, ...]:
     """The recipe's keys (flattened, as the fingerprints record them) that this run does not read, so that a
     change of them leaves its heads as they are: left out wherever a finished run or a step checkpoint is
     compared (a re-run with another ``training.batch_size`` under the feature cache was refused, and told to
-    train again). ``training.batch_size`` with the feature cache (the held-out evaluation's batches only),
-    ``training.batch_tokens`` without it, ``training.epochs`` beside ``training.max_steps``, which prompts are
-    distilled and whether from the distillation's hidden states where the run distils none (``owns_rows``),
-    and with ``data.tokenized``, the rows and system prompt that examples are made from elsewhere."""
+    train again). ``training.batch_size`` with the feature cache, ``training.batch_tokens`` without it,
+    ``training.epochs`` beside ``training.max_steps``, which prompts are distilled where the run distils none
+    (``owns_rows``) and whether features come from the distillation's hidden states where none were kept
+    beside its rows, and with ``data.tokenized``, the rows and system prompt that examples are made from
+    elsewhere."""
     unread = ["training.batch_size" if config.uses_feature_cache else "training.batch_tokens"]
     if config.training.max_steps is not None:
         unread.append("training.epochs")
     if not owns_rows(config):
-        unread += ["data.prompts", "data.n", "data.per_source", "data.max_new_tokens", "features.from_distillation"]
+        unread += ["data.prompts", "data.n", "data.per_source", "data.max_new_tokens"]
+        from medusa_train.captured import kept_states
+
+        if config.data.tokenized or kept_states(rows_path(config)) is None:  # (rows given with the states kept
+            unread.append("features.from_distillation")  # while distilling them: read)
     if config.data.tokenized:
         unread += ["data.rows", "data.system_prompt"]
     return tuple(unread)

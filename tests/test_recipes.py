@@ -135,6 +135,8 @@ def test_overrides_are_typed_and_dotted():
     # a boolean for a text: "eval.push_to_hub=false" uploaded the heads to a repo named "false"
     ("eval.push_to_hub=false", "eval.push_to_hub: expected a text, got 'false', a boolean"),
     ("data.system_prompt=True", "data.system_prompt: expected a text, got 'True', a boolean"),
+    ("eval.push_to_hub=off", "eval.push_to_hub='off' reads as a boolean, not a Hub repo id"),
+    ("model.hub_id=no", "model.hub_id='no' reads as a boolean, not a Hub repo id"),
 ])
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ValueError, match=re.escape(message)) as err:

@@ -542,3 +542,24 @@ def test_shutdown_serves_a_request_whose_body_was_still_arriving(model):
     stopping.join(30)
     assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
     assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["usage"]["completion_tokens"] == 5
+
+
+def test_the_engine_takes_its_methods_settings_as_a_mapping_as_build_proposer_does(model):
+    """``Engine``'s options are ``build_proposer``'s, which takes a mapping: the engine set an attribute on it
+    (AttributeError for "medusa") and read a draft model from it as an attribute (never loaded up front)."""
+    from medusa_infer.decoding import SamplingConfig, StopConfig
+    from medusa_infer.serving.scheduler import Engine, Request
+
+    engine = Engine(model, model.tokenizer, "medusa", {"tree": "chain-1", "lookup_tokens": 2})
+    assert (engine.options.tree, engine.options.lookup_tokens) == ("chain-1", 2)
+    draft = Engine(model, model.tokenizer, "draft", {"draft_model": model.base_model, "draft_tokens": 2})
+    assert draft.options.draft_model is not model.base_model  # made a draft model once, up front
+    finished = []
+    engine.start()
+    try:
+        engine.submit(Request(model.tokenizer("the cat")["input_ids"], SamplingConfig("greedy"),
+                              StopConfig(max_new_tokens=3), lambda u: u.finish and finished.append(u.finish)))
+        wait_until(lambda: finished, timeout=60)
+    finally:
+        engine.stop()
+    assert finished == ["length"]

@@ -2079,6 +2079,21 @@ def test_settings_a_run_does_not_read_neither_refuse_its_rerun_nor_its_resume(tm
     assert "training.batch_size was 4, now 8" in rerun and "training.batch_size was 4, now 8" in resume
     rerun, resume = refusals("medusa1", "training.max_steps=null", "training.epochs=3")
     assert "training.epochs was 2.0, now 3.0" in rerun and "training.max_steps was 5, now None" in resume
+    # rows given (the run distils none) with the hidden states kept while distilling them: features come
+    # from those states or the backbone as features.from_distillation says, so a change of it is refused
+    from medusa_train.captured import hidden_dir
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("")
+    before = config("medusa1", f"data.rows={rows}", "data.tokenized=null")
+    after = config("medusa1", f"data.rows={rows}", "data.tokenized=null", "features.from_distillation=false")
+    assert "features.from_distillation" in tr.unread_settings(after)  # no states kept: unread
+    hidden_dir(rows).mkdir()
+    (hidden_dir(rows) / "batch-00000.safetensors").write_bytes(b"")
+    assert "features.from_distillation" not in tr.unread_settings(after)
+    wanted = tr._without(tr.finished_settings(after, "w"), tr.unread_settings(after))
+    found = tr._without(tr.finished_settings(before, "w"), tr.unread_settings(after))
+    assert {k for k in wanted if wanted[k] != found.get(k)} == {"features.from_distillation"}
 
 
 def test_a_checkpoint_side_folder_is_never_resumed_from(tmp_path):

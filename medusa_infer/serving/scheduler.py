@@ -29,6 +29,7 @@ import threading
 import time
 import types
 from collections import OrderedDict, deque
+from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterator
@@ -174,6 +175,8 @@ class Engine:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         self.max_prefill_tokens = max_prefill_tokens
         self.step_costs: StepCosts | None = None
+        if isinstance(options, Mapping):  # as build_proposer takes them (its attributes were read: a crash)
+            options = types.SimpleNamespace(**options)
         if method == "draft" and getattr(options, "draft_model", None) is not None:
             # loaded once (a name), not for every batch: batches join only batches with the same draft
             options = copy.copy(options)
