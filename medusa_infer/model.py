@@ -391,7 +391,8 @@ class MedusaModel(nn.Module):
             if base_model is None:
                 base_model = interop.base_model_name(directory)
                 if not base_model:
-                    raise ValueError(f"{directory}/config.json names no base_model_name_or_path; pass base_model=")
+                    raise ValueError(f"{directory}/config.json names no base_model_name_or_path; give the base model "
+                                     "(base_model=, or the command lines' --model)")
             base_model, tokenizer, _ = _load_base(base_model, tokenizer)
             lm_head = base_model.get_output_embeddings()
             lm_weight = lm_head.weight
@@ -404,7 +405,8 @@ class MedusaModel(nn.Module):
             config, state = load_heads_state(directory)
             if base_model is None and not config.base_model_name_or_path:
                 raise ValueError(
-                    f"{directory}/config.json names no base_model_name_or_path; pass base_model="
+                    f"{directory}/config.json names no base_model_name_or_path; give the base model (base_model=, "
+                    "or the command lines' --model)"
                 )
             base_model, tokenizer, _ = _load_base(base_model or config.base_model_name_or_path, tokenizer)
         adapter_folder = directory / ADAPTER_DIR

@@ -466,8 +466,9 @@ def get_tree(name_or_paths: str | Iterable[Sequence[int]], num_heads: int, top_k
         return validate_tree(name_or_paths, num_heads, top_k)
     if name_or_paths not in TREE_PRESETS:
         raise ValueError(f"unknown tree preset {name_or_paths!r}; known presets: "
-                         f"{', '.join(TREE_PRESETS)} (or pass explicit paths; generate() and the command lines also "
-                         "take fitted-N, the N-node tree fitted to the heads' measured accuracies)")
+                         f"{', '.join(TREE_PRESETS)} (or explicit paths: generate()'s tree=, medusa-bench's --tree "
+                         "[[0], [1], [0, 0]]; generate() and the command lines also take fitted-N, the N-node tree "
+                         "fitted to the heads' measured accuracies)")
     _check_sizes(num_heads, top_k)
     preset = TREE_PRESETS[name_or_paths]
     needed_heads = tree_depth(preset)

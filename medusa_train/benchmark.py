@@ -1001,12 +1001,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "lookup and medusa-lookup (the grafted chain) alike; default: 10 for hf-lookup, 4 for "
                              "the other two. With a cost profile, lookup and medusa-lookup choose each draft's "
                              "length up to --lookup-max-tokens instead")
-    parser.add_argument("--lookup-max-tokens", type=int, default=LOOKUP_MAX_TOKENS,
+    parser.add_argument("--lookup-max-tokens", type=int, default=None,
                         help="lookup and medusa-lookup: the longest draft the heads' cost profile may choose")
     parser.add_argument("--no-datastore", dest="datastore", action="store_false",
                         help="lookup and medusa-lookup search only the prompt and output, not the heads' "
                              "datastore of the model's own answers (datastore.safetensors)")
-    parser.add_argument("--temperature", type=float, default=0.7, help="for the sampling methods")
+    parser.add_argument("--temperature", type=float, default=None, help="for the sampling methods (default 0.7)")
     parser.add_argument("--seed", type=int, default=0,
                         help="the sampling methods' seed; also which questions --limit and --calibrate take (a "
                              "run with another seed answers other questions)")
@@ -1028,8 +1028,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--calibrate", action="store_true",
                         help="measure head accuracy and verification cost, fit the tree, save it into the heads "
                              "folder (--heads: a local folder in medusa-forge's layout) or --calibrated-heads")
-    parser.add_argument("--calibrate-questions", type=int, default=16)
-    parser.add_argument("--calibrate-context", type=int, default=256)
+    parser.add_argument("--calibrate-questions", type=int, default=None, help="with --calibrate (default 16)")
+    parser.add_argument("--calibrate-context", type=int, default=None,
+                        help="with --calibrate: cached tokens before each timed forward (default 256)")
     parser.add_argument("--calibrated-heads", metavar="DIR",
                         help="with --calibrate: save the calibrated heads (medusa-forge's layout) into DIR instead of "
                              "the --heads folder; needed for --heads in the FasterDecoding layout "
@@ -1058,6 +1059,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if drafted and not args.draft_model:
         parser.error(f"--methods with {' and '.join(drafted)} needs --draft-model (a smaller model with the same "
                      "tokenizer)")
+    # settings no method run reads: refused, as --lookup-tokens, --tree and --no-fallback are (the report
+    # recorded them as if they had applied, and a --draft-model that does not exist was never opened)
+    looked_up = any(m in ("lookup", "medusa-lookup") for m in args.methods)  # ours, which search the datastore
+    for flag, given, read, readers in (
+            ("--draft-model", args.draft_model, bool(drafted), DRAFT_METHODS),
+            ("--no-datastore", not args.datastore, looked_up, ("lookup", "medusa-lookup")),
+            ("--lookup-max-tokens", args.lookup_max_tokens is not None, looked_up, ("lookup", "medusa-lookup")),
+            ("--temperature", args.temperature is not None, any(m in SAMPLING_METHODS for m in args.methods),
+             SAMPLING_METHODS)):
+        if given and not read:
+            parser.error(f"{flag} is read by {', '.join(readers)}, and --methods has none of them: add one or drop "
+                         f"{flag}")
+    for flag, value in (("--calibrate-questions", args.calibrate_questions),
+                        ("--calibrate-context", args.calibrate_context)):
+        if value is not None and not args.calibrate:
+            parser.error(f"{flag} sets the calibration: add --calibrate or drop {flag}")
+    if args.lookup_max_tokens is None:
+        args.lookup_max_tokens = LOOKUP_MAX_TOKENS
+    if args.temperature is None:
+        args.temperature = 0.7
     if args.calibrate and not args.heads:
         parser.error("--calibrate measures the heads and fits their tree: give --heads FOLDER")
     if args.calibrate and not args.calibrated_heads and not Path(args.heads).is_dir():
@@ -1106,6 +1127,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                ("--calibrate-context", args.calibrate_context, 1)):
         if value is not None and value < least:
             parser.error(f"{flag} must be at least {least}, got {value}")
+    args.calibrate_questions = 16 if args.calibrate_questions is None else args.calibrate_questions
+    args.calibrate_context = 256 if args.calibrate_context is None else args.calibrate_context
+    if Path(args.output).exists() and not Path(args.output).is_dir():
+        parser.error(f"--output {args.output} is a file: give a folder for report.json, report.md and report.png")
     if args.device is not None:
         try:
             device = torch.device(args.device)

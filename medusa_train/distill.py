@@ -208,6 +208,10 @@ class DistillConfig:
              f"max_prompt_tokens must be >= 1 or None, got {self.max_prompt_tokens}"),
             (self.backend != "openai" or bool(self.endpoint),
              "backend 'openai' needs endpoint, e.g. http://127.0.0.1:8000"),
+            # (the local model answered, and the rows were labelled with it: a 7B model loaded for a server's work)
+            (self.backend == "openai" or not (self.endpoint or self.endpoint_model),
+             f"endpoint and endpoint_model are read by backend 'openai', and the backend is {self.backend!r}: add "
+             "--backend openai (data.distill_options.backend=openai), or drop them"),
             (bool(self.prompts), "prompts (a JSONL file of {id, source, prompt} rows) is required"),
             (not self.save_hidden or self.backend == "local",
              "save_hidden needs the local backend (an endpoint returns text, not hidden states); "
@@ -1405,7 +1409,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also keep the final hidden states of the answers, for the Medusa-1 feature cache")
     add("--trust-remote-code", action="store_true", default=None,
         help="run the model repository's own code (only for models that need it)")
-    add("--log-level", default="INFO")
+    add("--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return parser
 
 

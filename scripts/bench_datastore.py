@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from medusa_infer.interop import base_model_name
 from medusa_infer.model import MedusaModel
 from medusa_infer.models import load_base_model, load_tokenizer
 from medusa_train import benchmark as bench
@@ -33,7 +34,9 @@ def main(argv: list[str] | None = None) -> int:
 
     bench_args = bench.parse_args(["--heads", args.heads, "--questions", args.questions, "--limit", str(args.limit),
                                    "--max-new-tokens", str(args.max_new_tokens), "--methods", args.methods])
-    name = json.loads((Path(args.heads) / "config.json").read_text())["base_model_name_or_path"]
+    name = base_model_name(args.heads)  # (a FasterDecoding folder's too, as medusa-bench reads it)
+    if not name:
+        parser.error(f"{args.heads}/config.json names no base model (base_model_name_or_path)")
     model = MedusaModel.from_pretrained(args.heads, base_model=load_base_model(name), tokenizer=load_tokenizer(name))
     if model.datastore is None:
         parser.error(f"{args.heads} has no datastore.safetensors; build one with `python -m medusa_train.datastore`")

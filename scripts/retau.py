@@ -35,6 +35,8 @@ def retau(method: str, row: dict, turns: int) -> str:
     tokens, turns, tau = row["tokens"], row.get("turns", turns), row["tau"]
     if method in ASSISTED:
         return "n/a"
+    if tokens == turns:  # every turn ended at its first token: no decoding step, no tau (medusa-bench's "-")
+        return "-"
     if tau == 1.0:
         return "1.00"
     found = [(tokens - turns) / s for s in steps_range(tokens, turns, tau) if s > 0]
@@ -48,7 +50,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("reports", nargs="+", type=Path)
     for path in parser.parse_args(argv).reports:
-        report = json.loads(path.read_text())
+        try:
+            report = json.loads(path.read_text())
+            report["settings"], report["methods"]  # noqa: B018 (a report's: else no report)
+        except (OSError, ValueError, KeyError, TypeError) as err:  # a traceback named neither the file nor the fix
+            parser.error(f"{path} is no medusa-bench report.json ({type(err).__name__}: {err})")
         print(path)
         if report["settings"].get("tau_definition"):  # written knowing today's definition: nothing to convert
             print(f"its tau is already {report['settings']['tau_definition']}")

@@ -58,8 +58,9 @@ def args(**overrides) -> argparse.Namespace:
     values = vars(parse_args([
         "--questions", "q.jsonl", "--model", "tiny", "--heads", "tiny-heads", "--tree", "tree-8",
         "--methods", "hf,hf-lookup,ar,medusa,medusa-lossless,lookup", "--max-new-tokens", "8",
-        "--lookup-tokens", "4", "--calibrate-context", "16",
+        "--lookup-tokens", "4",
     ]))
+    values["calibrate_context"] = 16  # the tiny model's (the command line takes it with --calibrate only)
     values.update(overrides)
     return argparse.Namespace(**values)
 
@@ -304,19 +305,33 @@ def test_heads_from_the_hub_name_their_base_model(model, tmp_path, monkeypatch):
         (["--methods", "medusa", "--heads", "h", "--tree", "[[0], [0,"], "--tree '[[0], [0,' is no tree"),
         (["--methods", "ar", "--threads", "-1"], "--threads must be at least 1, got -1"),
         (["--methods", "ar", "--device", "gpu"], "--device 'gpu' is no torch device"),
-        (["--methods", "ar", "--calibrate-context", "0"], "--calibrate-context must be at least 1, got 0"),
-        (["--methods", "ar", "--calibrate-questions", "0"], "--calibrate-questions must be at least 1, got 0"),
+        (["--methods", "ar", "--heads", "h", "--calibrate", "--calibrated-heads", "out", "--calibrate-context", "0"],
+         "--calibrate-context must be at least 1, got 0"),
+        (["--methods", "ar", "--heads", "h", "--calibrate", "--calibrated-heads", "out", "--calibrate-questions", "0"],
+         "--calibrate-questions must be at least 1, got 0"),
         # these were found only after loading the model, or not at all (a NaN budget was no budget, in
         # report.json as NaN, which is no JSON)
-        (["--methods", "ar", "--temperature", "-1"], "--temperature must be a finite number > 0"),
-        (["--methods", "ar", "--temperature", "nan"], "--temperature must be a finite number > 0"),
+        (["--methods", "medusa-lossless", "--heads", "h", "--temperature", "-1"],
+         "--temperature must be a finite number > 0"),
+        (["--methods", "medusa-lossless", "--heads", "h", "--temperature", "nan"],
+         "--temperature must be a finite number > 0"),
+        # settings no method run reads (accepted, and recorded in the report as if they had applied)
+        (["--methods", "ar,lookup", "--draft-model", "no/such-draft"],
+         "--draft-model is read by hf-assisted, draft, and --methods has none of them"),
+        (["--methods", "ar,hf-lookup", "--no-datastore"], "--no-datastore is read by lookup, medusa-lookup, and"),
+        (["--methods", "ar", "--lookup-max-tokens", "7"], "--lookup-max-tokens is read by lookup, medusa-lookup"),
+        (["--methods", "ar,lookup", "--temperature", "0.3"],
+         "--temperature is read by medusa-typical, medusa-lossless, and --methods has none of them"),
+        (["--methods", "ar", "--calibrate-questions", "5"], "--calibrate-questions sets the calibration: add "
+                                                            "--calibrate or drop --calibrate-questions"),
         (["--methods", "ar", "--time-budget", "nan"], "--time-budget must be a number of seconds > 0, got nan"),
         (["--methods", "ar", "--time-budget", "-5"], "--time-budget must be a number of seconds > 0, got -5"),
         (["--methods", "medusa", "--heads", "h", "--calibrate", "--calibrated-heads", "out", "--tree", "fitted-x"],
          "--tree 'fitted-x': a fitted tree is fitted-N, N >= 1 nodes"),
     ],
 )
-def test_bad_arguments_are_refused_before_loading_anything(argv, message, capsys):
+def test_bad_arguments_are_refused_before_loading_anything(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # (no "h" or "out" folder of the repository's own)
     with pytest.raises(SystemExit) as exit_info:
         parse_args(["--questions", "q.jsonl"] + argv)
     assert exit_info.value.code == 2
@@ -1133,7 +1148,11 @@ def test_retau_recovers_a_stored_reports_steps_and_gives_tokens_per_step():
     assert ".." in wide and all(2.15 < float(x) < 2.16 for x in wide.split(".."))
     assert script.retau("hf-lookup", {"tokens": tokens, "turns": turns, "tau": 1.8}, turns) == "n/a"
     assert script.retau("ar", {"tokens": tokens, "turns": turns, "tau": 1.0}, turns) == "1.00"
+    assert script.retau("ar", {"tokens": turns, "turns": turns, "tau": 1.0}, turns) == "-"  # no step: it said 1.00
     script.main([str(p) for p in sorted((path.parents[1] / "docs").rglob("report.json"))])  # every stored one
+    with pytest.raises(SystemExit) as exit_info:  # a traceback, naming neither the file nor the fix
+        script.main([str(path.parent / "no-such-report.json")])
+    assert exit_info.value.code == 2
 
 
 def test_retau_leaves_reports_that_record_their_tau_definition_alone(tmp_path, capsys):
@@ -1231,3 +1250,29 @@ def test_the_warm_up_decodes_no_further_than_the_questions_were_checked_to_fit()
     report = benchmark(model, [{"id": 1, "category": "writing", "turns": [turn]}],
                        args(methods=["hf", "ar"], max_new_tokens=2, heads=None, tree=None))
     assert report["settings"]["questions_answered"] == 1 and report["methods"]["hf"]["exact"] is True
+
+
+def test_an_output_that_is_a_file_is_refused_by_its_flag(tmp_path, capsys):
+    """It failed after loading the model, as "[Errno 17] File exists", naming no flag."""
+    taken = tmp_path / "report"
+    taken.write_text("a file")
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--questions", "q.jsonl", "--methods", "ar", "--output", str(taken)])
+    assert exit_info.value.code == 2
+    assert f"--output {taken} is a file: give a folder" in capsys.readouterr().err
+
+
+def test_bench_datastore_names_heads_that_name_no_base_model(tmp_path, capsys):
+    """scripts/bench_datastore.py read config.json's base_model_name_or_path raw: heads naming none ended in a
+    TypeError traceback (and a FasterDecoding export's exported name was not the one read)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_datastore.py"
+    spec = importlib.util.spec_from_file_location("bench_datastore", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    (tmp_path / "config.json").write_text(json.dumps({"num_heads": 4}))
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--heads", str(tmp_path)])
+    assert exit_info.value.code == 2 and "names no base model" in capsys.readouterr().err

@@ -975,6 +975,22 @@ def test_settings_that_would_fail_every_request_or_render_every_prompt_alike_are
                 config_from_args(build_parser().parse_args(["--prompts", "p.jsonl", flags[name], str(value)]))
 
 
+def test_endpoint_settings_without_the_endpoint_backend_are_refused(capsys):
+    """`--endpoint URL` without `--backend openai`: the local model answered, exit 0, the rows labelled with it
+    (a 7B model loaded for a server's work); a bad --log-level ended in a traceback."""
+    for given in ({"endpoint": "http://127.0.0.1:8000"}, {"endpoint_model": "served"}):
+        with pytest.raises(ValueError, match=r"endpoint and endpoint_model are read by backend 'openai', and the "
+                                             r"backend is 'local': add --backend openai"):
+            DistillConfig(prompts="p.jsonl", **given)
+    with pytest.raises(ValueError, match="are read by backend 'openai'"):
+        config_from_args(build_parser().parse_args(["--prompts", "p.jsonl", "--endpoint", "http://127.0.0.1:9"]))
+    assert DistillConfig(prompts="p.jsonl", backend="openai", endpoint="http://127.0.0.1:9").endpoint
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["--prompts", "p.jsonl", "--log-level", "verbose"])
+    assert exit_info.value.code == 2 and "--log-level: invalid choice: 'VERBOSE'" in capsys.readouterr().err
+    assert build_parser().parse_args(["--prompts", "p.jsonl", "--log-level", "debug"]).log_level == "DEBUG"
+
+
 def test_chat_template_flag_takes_a_file_or_the_template(tmp_path, prompts_file):
     template_file = tmp_path / "vicuna.jinja"
     template_file.write_text(VICUNA_LIKE)
