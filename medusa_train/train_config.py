@@ -975,9 +975,10 @@ def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | Non
     live = d.pack and not config.uses_feature_cache  # training runs the backbone
     from medusa_train.trainer import latest_checkpoint
 
-    resumed = latest_checkpoint(paths.checkpoints) if paths.checkpoints.is_dir() else None
+    trained = (paths.final / "config.json").is_file()  # (its step checkpoints are kept, and never resumed)
+    resumed = latest_checkpoint(paths.checkpoints) if paths.checkpoints.is_dir() and not trained else None
     stages += [
-        Stage("train", str(paths.final), (paths.final / "config.json").is_file(),
+        Stage("train", str(paths.final), trained,
               f"{t.mode}, {total} steps, loss {t.loss}" + (", batches packed" if live else "")
               + (f", heads from {h.init_from}" if h.init_from else "")
               + (f", resuming {resumed.name}" if resumed is not None else "")),

@@ -471,8 +471,12 @@ def unread_settings(config: TrainConfig) -> tuple[str, ...]:
         unread += ["data.prompts", "data.n", "data.per_source", "data.max_new_tokens"]
         from medusa_train.captured import kept_states
 
-        if config.data.tokenized or kept_states(rows_path(config)) is None:  # (rows given with the states kept
-            unread.append("features.from_distillation")  # while distilling them: read)
+        # read where states kept while distilling the given rows sit beside them and the features stage takes
+        # them (keeps_distillation_hidden but for this very setting, which a flip of it would let through)
+        backend = config.data.distill_options.get("backend", "local")
+        takes = config.uses_feature_cache and config.model.dtype == "float32" and backend == "local"
+        if config.data.tokenized or not takes or kept_states(rows_path(config)) is None:
+            unread.append("features.from_distillation")
     if config.data.tokenized:
         unread += ["data.rows", "data.system_prompt"]
     return tuple(unread)

@@ -2091,6 +2091,9 @@ def test_settings_a_run_does_not_read_neither_refuse_its_rerun_nor_its_resume(tm
     hidden_dir(rows).mkdir()
     (hidden_dir(rows) / "batch-00000.safetensors").write_bytes(b"")
     assert "features.from_distillation" not in tr.unread_settings(after)
+    for other in ("model.dtype=bfloat16", "data.distill_options.backend=openai"):  # states the features never take
+        assert "features.from_distillation" in tr.unread_settings(config(
+            "medusa1", f"data.rows={rows}", "data.tokenized=null", "features.from_distillation=false", other)), other
     wanted = tr._without(tr.finished_settings(after, "w"), tr.unread_settings(after))
     found = tr._without(tr.finished_settings(before, "w"), tr.unread_settings(after))
     assert {k for k in wanted if wanted[k] != found.get(k)} == {"features.from_distillation"}
@@ -2106,3 +2109,19 @@ def test_a_checkpoint_side_folder_is_never_resumed_from(tmp_path):
         (folder / name / tr.STATE_NAME).write_text("{}")
     assert tr.latest_checkpoint(folder) == folder / "step-00000002"
     assert tr._complete_checkpoints(folder) == [folder / "step-00000002"]
+
+
+def test_the_plan_of_a_finished_run_resumes_no_checkpoint(tiny_dir, tmp_path):
+    """A finished run keeps its step checkpoints: its plan said the done training stage was "resuming" one."""
+    from medusa_train.train_config import plan
+
+    config = config_from_dict(recipe(tiny_dir, tmp_path / "run", training={"max_steps": 2}))
+    step = run_paths(config).checkpoints / "step-00000002"
+    step.mkdir(parents=True)
+    (step / tr.STATE_NAME).write_text("{}")
+    train = next(s for s in plan(config).stages if s.name == "train")
+    assert not train.done and "resuming step-00000002" in train.detail
+    (run_paths(config).final).mkdir(parents=True)
+    (run_paths(config).final / "config.json").write_text("{}")
+    train = next(s for s in plan(config).stages if s.name == "train")
+    assert train.done and "resuming" not in train.detail
