@@ -571,8 +571,8 @@ def test_distill_options_take_dotted_overrides_converted_to_their_types(tmp_path
     assert (made.backend, made.endpoint, made.concurrency) == ("openai", "http://127.0.0.1:8000", 32)
     assert made.max_new_tokens == 32 and made.n == 10 and made.save_hidden is False
     # a string the recipe quotes stays that string (it was parsed as YAML a second time: '0123' became 83)
-    quoted = yaml.safe_load(yaml.safe_dump(run_recipe(tmp_path, distill_options={"endpoint_model": "0123",
-                                                                                  "api_key_env": "yes"})))
+    quoted = yaml.safe_load(yaml.safe_dump(run_recipe(tmp_path, distill_options={
+        "backend": "openai", "endpoint": "http://127.0.0.1:8000", "endpoint_model": "0123", "api_key_env": "yes"})))
     made = recipe_config(config_from_dict(quoted))
     assert (made.endpoint_model, made.api_key_env) == ("0123", "yes")
     # a list of ids on the command line (it was read as a file's name, then refused as no file)
