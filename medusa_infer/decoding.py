@@ -233,8 +233,10 @@ def generated_text_tail(tokenizer: Any, history: Sequence[int], prompt_length: i
         after = decode(context + list(history[start:]))
         at = text_start(before, whole_text(tokenizer, context, before), after)
         tail = after[at:] if at is not None else decode(list(history[start:]))
-        if start <= prompt_length or not tail.startswith("\ufffd"):
-            break  # (a byte-fallback tokenizer read all the run as U+FFFD: a stop string in it was missed)
+        if start <= prompt_length or not tail.startswith("\ufffd") or after.endswith("\ufffd"):
+            # (a byte-fallback tokenizer read all the run as U+FFFD: a stop string in it was missed; while the
+            # history ends inside a character it reads so from any start: 47 decodes a call found nothing more)
+            break
         start -= 1
     return tail
 
