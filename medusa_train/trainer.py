@@ -879,6 +879,7 @@ class TrainResult:
     steps: int
     resumed_from: int
     seconds: float
+    """Training seconds, those of the runs a resume continued included (a resumed run counted its own only)."""
     last_record: dict[str, Any] | None
     model_weights: str | None = None
     """The backbone's ``weights_identity`` as the training began (what its records name)."""
@@ -943,10 +944,11 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
     module, optimizer = accelerator.prepare(module, optimizer)
     accelerator.register_for_checkpointing(scheduler)
 
-    start_step = 0
+    start_step, seconds_before = 0, 0.0  # (the training seconds of the runs before a resume)
     checkpoint = latest_checkpoint(paths.checkpoints)
     if checkpoint is not None:
         state = _checkpoint_state(checkpoint, paths)
+        seconds_before = float(state.get("train_seconds") or 0.0)  # (checkpoints from before the key: 0)
         expected, found = _resume_settings(config, state, world)
         expected["micro_batch"], found["micro_batch"] = micro, state.get("micro_batch")
         for key, value in (("train_examples_sha256", examples_sha256), ("features_cache", features_cache)):
@@ -1026,13 +1028,14 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
                 "world_size": world, "micro_batch": micro, "grad_accum": t.grad_accum, "total_steps": total,
                 "fingerprint": resume_fingerprint(config, model_weights), "train_examples_sha256": examples_sha256,
                 "features_cache": features_cache,
+                "train_seconds": seconds_before + time.perf_counter() - start_time,
             }, t.keep_checkpoints, {"sums": window, "measured": measured, "units": window_units,
                                     "seconds": time.perf_counter() - window_start})
     bar.close()
     logger.close()
     heads_state = {k: v.detach().cpu().clone() for k, v in task.heads_state(accelerator, module).items()}
-    return TrainResult(heads_state, module, step, start_step, time.perf_counter() - start_time, record,
-                       model_weights)
+    return TrainResult(heads_state, module, step, start_step, seconds_before + time.perf_counter() - start_time,
+                       record, model_weights)
 
 
 def _summarise(accelerator: Any, window: dict[str, torch.Tensor], measured: Mapping[str, int], units: int,

@@ -820,9 +820,12 @@ def test_kill_9_then_resume_equals_uninterrupted_run(tiny_dir, tmp_path):
     assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
     assert tr.latest_checkpoint(killed / "checkpoints").name == "step-00000004"
     assert not (killed / "checkpoints" / "final").exists()
+    before = json.loads((killed / "checkpoints" / "step-00000004" / tr.STATE_NAME).read_text())["train_seconds"]
     train_heads.main(["--config", killed_recipe])
     final = json.loads((killed / "checkpoints" / "final" / "config.json").read_text())
     assert final["training"]["resumed_from_step"] == 4
+    # the training seconds before the kill count too (the card's time was the resumed run's alone)
+    assert before > 0 and final["training"]["train_seconds"] >= round(before, 1)
     a, b = final_heads(whole), final_heads(killed)
     assert a.keys() == b.keys()
     for name in a:
