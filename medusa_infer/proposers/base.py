@@ -20,13 +20,11 @@ def whole_number(name: str, value: Any, minimum: int, note: str = "") -> int:
     """``value`` as an int, for a count setting (a draft's length, an n-gram's): ``ValueError`` naming ``name``
     for one that is no integer (2.5 failed mid-decoding with a TypeError, after tokens were streamed) or below
     ``minimum``."""
-    if not isinstance(value, bool):
-        try:
-            number = int(value.__index__())  # an int, numpy's, a 0-d integer tensor
-        except (AttributeError, TypeError, RuntimeError):
-            number = None
-        if number is not None and number >= minimum:
-            return number
+    from medusa_infer.decoding import _integer  # (decoding imports this module: here, not at its top)
+
+    number = _integer(value)  # an int, numpy's, a 0-d integer tensor; not a bool
+    if number is not None and number >= minimum:
+        return number
     raise ValueError(f"{name} must be an integer >= {minimum}{note}, got {value!r}")
 
 
