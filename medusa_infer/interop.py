@@ -55,6 +55,11 @@ TRAINING_MODE_KEY = "medusa_forge_training_mode"
 does not hold: read back, the heads' config records that mode (``MedusaConfig.trained_with_adapter``), so that
 loading them on a base model without that adapter merged is warned about and ``heads.init_from`` refuses them."""
 
+BASE_MODEL_TYPE_KEY = "medusa_forge_base_model_type"
+"""``config.json`` key keeping the ``model_type`` of the base model the heads were trained on
+(``MedusaConfig.base_model_type``): read back, loading them on a model of another type is refused as for
+heads saved with ``save_pretrained`` (a llama's heads on a qwen2 of the same sizes draft nothing useful)."""
+
 CHAT_TEMPLATE_KEY = "medusa_forge_chat_template"
 """``config.json`` key keeping the chat template the heads were trained on where it is not the tokenizer's own
 (``MedusaConfig.chat_template``, e.g. a recipe's Vicuna template), which the layout has no place for: read back, the
@@ -196,6 +201,7 @@ def read_medusa_layout(
         base_model_name_or_path=_base_model(data),
         training=_imported_training(data.get(TRAINING_MODE_KEY), path / CONFIG_NAME),
         chat_template=_chat_template(data.get(CHAT_TEMPLATE_KEY), path / CONFIG_NAME),
+        base_model_type=_base_model_type(data.get(BASE_MODEL_TYPE_KEY), path / CONFIG_NAME),
         tree=tree,
         top_k=max(_top_k(data.get(TOP_K_KEY), path / CONFIG_NAME),
                   1 + max((rank for p in tree or [] for rank in p), default=0)),
@@ -204,6 +210,14 @@ def read_medusa_layout(
     ours_to_theirs = {name: _their_name(name, num_layers) for name in expected}
     check_state_dict({ours_to_theirs[name]: t for name, t in expected.items()}, tensors, str(weights_path))
     return config, {ours: tensors[theirs] for ours, theirs in ours_to_theirs.items()}
+
+
+def _base_model_type(raw: Any, where: Path) -> str | None:
+    """``BASE_MODEL_TYPE_KEY``'s value checked: None where an export did not write it."""
+    if raw is not None and (not isinstance(raw, str) or not raw):
+        raise ValueError(f"{where}: {BASE_MODEL_TYPE_KEY} must be a model type such as 'llama', got {raw!r}; fix or "
+                         "remove it")
+    return raw
 
 
 def _chat_template(raw: Any, where: Path) -> str | None:
@@ -366,6 +380,8 @@ def write_medusa_layout(
         "version": version,
         TOP_K_KEY: config.top_k,
     }
+    if config.base_model_type:
+        data[BASE_MODEL_TYPE_KEY] = config.base_model_type
     if config.trained_with_adapter:  # the adapter is not in the layout: readers are told the heads need it
         data[TRAINING_MODE_KEY] = "medusa2"
     if config.chat_template:  # ("" is none, as from_pretrained reads it)

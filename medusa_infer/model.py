@@ -400,7 +400,8 @@ class MedusaModel(nn.Module):
                 directory, hidden_size=lm_weight.shape[1], vocab_size=lm_weight.shape[0], lm_head_weight=lm_weight,
                 lm_head_bias=getattr(lm_head, "bias", None),
             )
-            config.base_model_type = base_model.config.model_type
+            if config.base_model_type is None:  # an export older than BASE_MODEL_TYPE_KEY, or another trainer's
+                config.base_model_type = base_model.config.model_type
         else:
             config, state = load_heads_state(directory)
             if base_model is None and not config.base_model_name_or_path:
@@ -413,7 +414,10 @@ class MedusaModel(nn.Module):
         merge = adapter and adapter_folder.is_dir()
         digest = adapter_digest(adapter_folder) if merge else None
         already = getattr(base_model, MERGED_ADAPTER_ATTR, None)
-        if already is not None and (not merge or digest != already[1]):
+        # Medusa-2 heads whose folder has no adapter (a FasterDecoding-layout export) need one merged: which one
+        # cannot be checked, as on weights saved with an adapter merged
+        wants_adapted = config.trained_with_adapter and not adapter_folder.is_dir()
+        if already is not None and (digest != already[1] if merge else not wants_adapted):
             # a base_model object an earlier from_pretrained merged another adapter into
             wanted = (f"the adapter in {adapter_folder}" if merge else
                       "adapter=False" if adapter_folder.is_dir() else f"the heads in {directory} (no adapter)")

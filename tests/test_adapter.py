@@ -203,6 +203,14 @@ def test_faster_decoding_export_of_medusa2_heads_keeps_their_mode(heads_folder, 
     caplog.clear()
     MedusaModel.from_pretrained(tmp_path / "fd", base_model=LlamaForCausalLM.from_pretrained(tmp_path / "merged"))
     assert "were trained with a Medusa-2 adapter" not in caplog.text
+    # ... as onto the very object the adapter was merged into (refused: "needs the plain base model")
+    again = MedusaModel.from_pretrained(tmp_path / "fd", base_model=model.base_model)
+    assert again.base_model is model.base_model and "were trained with a Medusa-2 adapter" not in caplog.text
+    plain_fd = tmp_path / "plain-fd"  # heads trained without an adapter still need the plain base model
+    fresh = MedusaModel.from_base(tiny_model("llama"), num_heads=2, base_model_name_or_path="org/tiny-llama")
+    fresh.export_medusa_layout(plain_fd)
+    with pytest.raises(ValueError, match=r"already has the adapter .*\(no adapter\) needs the plain base"):
+        MedusaModel.from_pretrained(plain_fd, base_model=model.base_model)
     fd1 = MedusaModel.from_base(tiny_model("llama"), num_heads=2)
     fd1.config.base_model_name_or_path = "org/tiny-llama"
     fd1.export_medusa_layout(tmp_path / "fd1")

@@ -396,6 +396,25 @@ def test_faster_decoding_export_round_trip(tmp_path, arch, projection, version, 
     assert torch.equal(all_logits(loaded, ids)[1], all_logits(model, ids)[1])
 
 
+def test_the_base_model_type_survives_the_layout(tmp_path):
+    """Heads refused on a model of another type in our layout were accepted once exported and re-imported
+    (the layout dropped the type, and the import took the given model's)."""
+    model = medusa(base_model("llama"), "shared")
+    model.export_medusa_layout(tmp_path / "fd")
+    assert json.loads((tmp_path / "fd" / "config.json").read_text())["medusa_forge_base_model_type"] == "llama"
+    with pytest.raises(ValueError, match="heads were trained for model type 'llama', this model is 'qwen2'"):
+        MedusaModel.from_pretrained(tmp_path / "fd", base_model=base_model("qwen2"))
+    config = json.loads((tmp_path / "fd" / "config.json").read_text())
+    config["medusa_forge_base_model_type"] = ["llama"]
+    (tmp_path / "fd" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config.json: medusa_forge_base_model_type must be a model type such as "
+                                         r"'llama', got \['llama'\]"):
+        MedusaModel.from_pretrained(tmp_path / "fd", base_model=base_model("llama"))
+    del config["medusa_forge_base_model_type"]  # another trainer's folder: the type of the model given
+    (tmp_path / "fd" / "config.json").write_text(json.dumps(config))
+    assert MedusaModel.from_pretrained(tmp_path / "fd", base_model=base_model("qwen2")).config.base_model_type == "qwen2"
+
+
 def test_shared_heads_exported_as_version_1_give_the_same_logits(tmp_path):
     model = randomize(medusa(base_model("mistral"), "shared"))
     model.export_medusa_layout(tmp_path, version="1")
