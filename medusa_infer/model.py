@@ -209,6 +209,12 @@ _WARNED: "weakref.WeakKeyDictionary[Any, set[str]]" = weakref.WeakKeyDictionary(
 """Messages ``_warn_processors`` gave, per base model: each once (generate checks again at each call)."""
 
 
+def said_as(view: PreTrainedModel, model: PreTrainedModel) -> None:
+    """``view`` (a view of ``model`` sharing its generation config, as layerskip's draft) has said what ``model``
+    said and says nothing ``model`` has said: wrapping it does not repeat ``model``'s warnings."""
+    _WARNED[view] = _WARNED.setdefault(model, set())
+
+
 def _warn_processors(base_model: PreTrainedModel) -> None:
     """Say which of its generation config's logits processors and sampling defaults decoding here leaves
     out: when the model is wrapped, and again at a call after the config changed."""

@@ -7,6 +7,7 @@ batches whose rows accept different lengths and stop at different times.
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -396,6 +397,33 @@ def test_a_draft_with_another_vocabulary_is_refused():
     DraftProposer(ours, MedusaModel(tiny_model("llama", seed=5), None, word_tokenizer(words)))  # same: fine
 
 
+def test_a_draft_tokenizer_is_compared_once_until_it_grows(monkeypatch):
+    """A proposer is built for every server batch and chat turn: each compared both vocabularies again (0.1 s
+    with SmolLM2's, 0.8 s with Gemma-3's), though the tokenizers had not changed."""
+    words = [f"w{i}" for i in range(VOCAB)]
+    target = MedusaModel(tiny_model("llama", seed=0), None, word_tokenizer(words))
+    draft = MedusaModel(tiny_model("llama", seed=5), None, word_tokenizer(words))
+    reads = []
+    for tokenizer in (target.tokenizer, draft.tokenizer):
+        monkeypatch.setattr(tokenizer, "get_vocab", lambda t=tokenizer: reads.append(t) or type(t).get_vocab(t))
+    for _ in range(3):
+        DraftProposer(target, draft)
+    assert len(reads) == 2
+    draft.tokenizer.add_tokens(["extra"])  # (a tokenizer grown since: compared again, and refused)
+    with pytest.raises(ValueError, match="different tokenizer from target"):
+        DraftProposer(target, draft)
+    assert len(reads) == 4
+
+
+def test_max_tokens_below_the_first_draft_length_is_refused():
+    """It was raised to num_tokens without a word (max_tokens=3, num_tokens=6 drafted 6)."""
+    target = target_model("llama")
+    with pytest.raises(ValueError, match=r"max_tokens=3 is less than num_tokens=6"):
+        DraftProposer(target, target.base_model, num_tokens=6, max_tokens=3)
+    assert DraftProposer(target, target.base_model, num_tokens=20).max_tokens == 20
+    assert DraftProposer(target, target.base_model, num_tokens=2).max_tokens == 16
+
+
 def test_a_draft_model_object_without_a_tokenizer_is_said_to_go_unchecked(caplog):
     """A draft of another tokenizer of the same size given as a model object went unchecked without a word
     (by name it is refused): exact, but every draft useless."""
@@ -492,7 +520,25 @@ def test_layerskip_layers_are_checked():
     target = target_model("llama")
     with pytest.raises(ValueError, match=r"1 <= layers <= 2"):
         LayerSkipProposer(target, num_layers=3)
+    for bad in (1.5, True, "1", 0):  # (1.5 failed in transformers' config check, "1" with a TypeError)
+        with pytest.raises(ValueError, match=r"layerskip layers must be an integer >= 1 and at most 2 "
+                                             r"\(LlamaForCausalLM has 2 layers\), got"):
+            LayerSkipProposer(target, num_layers=bad)
+    assert LayerSkipProposer(target, num_layers=torch.tensor(1)).num_layers == 1
+    assert type(truncated_model(target.base_model, torch.tensor(1)).config.num_hidden_layers) is int
     assert default_num_layers(30) == 10 and default_num_layers(2) == 1
+
+
+def test_layerskip_drafts_do_not_repeat_the_targets_warnings(caplog):
+    """Each build wrapped a new view of the target, whose generation config is the target's: the target's
+    warnings about it came again for every server batch and chat turn."""
+    base = tiny_model("llama")
+    base.generation_config.repetition_penalty = 1.05
+    with caplog.at_level(logging.WARNING, logger="medusa_infer.model"):
+        target = MedusaModel.without_heads(base)
+        for _ in range(3):
+            LayerSkipProposer(target, num_layers=1)
+    assert caplog.text.count("does not apply") == 1
 
 
 def test_grafted_lookup_adds_a_chain_beside_the_heads_tree():

@@ -16,6 +16,7 @@ import copy
 from torch import nn
 from transformers import PreTrainedModel
 
+from medusa_infer.proposers.base import whole_number
 from medusa_infer.proposers.draft import DraftProposer
 
 _LAYER_LISTS = ("layers", "h", "blocks", "layer")
@@ -54,6 +55,8 @@ def truncated_model(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
     its final norm and ``lm_head``), sharing every parameter tensor with ``model``."""
     config = model.config
     total = config.num_hidden_layers
+    num_layers = whole_number("layerskip layers", num_layers, 1, f" and at most {total} ({type(model).__name__} has "
+                              f"{total} layers)")
     if not 1 <= num_layers <= total:
         raise ValueError(f"layerskip needs 1 <= layers <= {total} ({type(model).__name__} has {total} layers), "
                          f"got {num_layers}")
@@ -92,10 +95,11 @@ class LayerSkipProposer(DraftProposer):
     """
 
     def __init__(self, target, num_layers: int | None = None, num_tokens: int = 4, schedule: str = "heuristic",
-                 max_tokens: int = 16) -> None:
-        from medusa_infer.model import MedusaModel
+                 max_tokens: int | None = None) -> None:
+        from medusa_infer.model import MedusaModel, said_as
 
         total = target.base_model.config.num_hidden_layers
-        self.num_layers = default_num_layers(total) if num_layers is None else num_layers
-        view = truncated_model(target.base_model, self.num_layers)
+        view = truncated_model(target.base_model, default_num_layers(total) if num_layers is None else num_layers)
+        self.num_layers = view.config.num_hidden_layers
+        said_as(view, target.base_model)  # the view's generation config is the target's: said once, not per build
         super().__init__(target, MedusaModel(view, None, target.tokenizer), num_tokens, schedule, max_tokens)
