@@ -25,7 +25,7 @@ row count, ``"default"`` leaves the model alone. Either way:
 * each ``nn.Linear`` becomes a ``CPULinear`` (a subclass; same parameters, same state dict, tied
   weights stay tied), so ``model.generate`` and every method of this package use the same kernels;
 * only float32 inference on the CPU takes the plan; with gradients enabled (training), other
-  dtypes or devices, a layer computes ``F.linear`` as before;
+  dtypes or devices, or under ``torch.autocast``, a layer computes ``F.linear`` as before;
 * a packed copy is made when a layer first takes a packed kernel, and made again when the weight
   changes (another tensor, storage, or an in-place update), and dropped by any forward with gradients
   enabled (a fused optimizer, ``AdamW(fused=True)``, updates weights without bumping their version, so
@@ -153,7 +153,8 @@ class KernelPlan:
 
 def _takes_plan(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (_ONEDNN is not None and not torch.is_grad_enabled() and x.device.type == "cpu"
-            and x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.device.type == "cpu")
+            and x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.device.type == "cpu"
+            and not torch.is_autocast_enabled("cpu"))  # (autocast: F.linear computes in its dtype)
 
 
 def tensor_version(tensor: torch.Tensor) -> int:
@@ -273,13 +274,13 @@ def onednn_works() -> bool:
     generator = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(24, 16, generator=generator), torch.randn(24, generator=generator)
     x = torch.randn(2, 3, 16, generator=generator)
-    try:
-        with torch.no_grad():
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):  # float32, also where called under autocast
+        try:
             found = _run("onednn", x, _rows(x), weight, bias, {})
-    except RuntimeError as err:
-        logger.warning("oneDNN linear kernel unavailable (%s); keeping PyTorch's default kernels", err)
-        return False
-    return bool(torch.allclose(found, F.linear(x, weight, bias), atol=1e-4, rtol=1e-4))
+        except RuntimeError as err:
+            logger.warning("oneDNN linear kernel unavailable (%s); keeping PyTorch's default kernels", err)
+            return False
+        return bool(torch.allclose(found, F.linear(x, weight, bias), atol=1e-4, rtol=1e-4))
 
 
 def mkl_packed_works(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
@@ -303,7 +304,7 @@ def _check_mkl_packed(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     generator = torch.Generator().manual_seed(0)
     try:
         packed = _MKL[1](weight, PACK_ROWS)
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):  # (under autocast F.linear gave bfloat16)
             for rows in CHECK_ROWS:
                 x = torch.randn(rows, weight.shape[1], generator=generator)
                 expected = F.linear(x, weight, bias)
@@ -348,7 +349,7 @@ def measure_kernel_plan(layers: Iterable[nn.Linear], rows: Sequence[int] = PLAN_
     generator = torch.Generator().manual_seed(0)  # not the global one: train_heads seeds it before loading
     inputs = {r: torch.randn(r, weights[0][0].shape[1], generator=generator) for r in rows}
     times: dict[tuple[int, str], list[float]] = {(r, k): [] for r in rows for k in candidates[r]}
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):  # float32 products, as the plans serve
         for repeat in range(repeats + 1):
             for r in rows:
                 order = candidates[r][repeat % len(candidates[r]):] + candidates[r][: repeat % len(candidates[r])]
@@ -521,16 +522,17 @@ def kernel_plans(model: nn.Module) -> dict[str, KernelPlan]:
     return {shape_key(m): m.kernel_plan for m in model.modules() if isinstance(m, CPULinear)}
 
 
-def match_kernels(model: nn.Module, like: nn.Module) -> int:
+def match_kernels(model: nn.Module, like: nn.Module, plan_cache: str | Path | None = None) -> int:
     """Switch ``model``'s linear layers as ``like``'s are: ``like``'s plan where it has one plan,
     never measured, for every layer (``"onednn"`` or a given ``KernelPlan``), else measured on
-    ``model``'s own layers (``"tuned"``); nothing when ``like`` has no switched layer. Returns how
-    many layers were switched."""
+    ``model``'s own layers (``"tuned"``; ``plan_cache`` as for ``use_cpu_kernels``: a load of heads
+    with their own projections measured 10 s each time without one); nothing when ``like`` has no
+    switched layer. Returns how many layers were switched."""
     plans = set(kernel_plans(like).values())
     if not plans:
         return 0
     only = next(iter(plans))
-    return use_cpu_kernels(model, only if len(plans) == 1 and not only.seconds else "tuned")
+    return use_cpu_kernels(model, only if len(plans) == 1 and not only.seconds else "tuned", plan_cache)
 
 
 def linear_kernels(model: nn.Module) -> str:

@@ -283,7 +283,9 @@ class MedusaModel(nn.Module):
         if heads is not None:
             check_compatible(heads.config, base_model)
             heads = heads.to(device=base_model.device, dtype=base_model.dtype)
-            match_kernels(heads, base_model)  # the heads use CPU kernels as the base model does
+            from medusa_infer.models import kernel_plan_cache
+
+            match_kernels(heads, base_model, kernel_plan_cache())  # the heads use CPU kernels as the base model does
         self.base_model = base_model
         self.heads = heads
         self.tokenizer = tokenizer

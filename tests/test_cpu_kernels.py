@@ -290,6 +290,48 @@ def test_measured_plans_are_kept_for_later_loads_on_the_same_machine(tmp_path, m
     assert not list(cache.parent.glob(".*.tmp"))
 
 
+def test_switched_layers_follow_autocast(monkeypatch):
+    """Under ``torch.autocast("cpu", dtype=torch.bfloat16)`` a switched layer computed float32 with oneDNN (an
+    nn.Linear computes bfloat16), switching failed comparing float32 with bfloat16, and MKL's packed kernel,
+    first checked there, was turned off for that weight shape for the rest of the process."""
+    import medusa_infer.cpu_kernels as ck
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 64)
+    reference, layer = nn.Linear(64, 32), nn.Linear(64, 32)
+    layer.load_state_dict(reference.state_dict())
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert use_cpu_kernels(layer, "onednn") == 1
+        assert torch.equal(layer(x), reference(x)) and layer(x).dtype == torch.bfloat16
+    if not mkl_packed_available():
+        return
+    monkeypatch.setattr(ck, "_MKL_CHECKED", {})
+    packed = nn.Linear(64, 48)
+    use_cpu_kernels(packed, KernelPlan.uniform("mkl-packed"))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        packed(x)
+    assert mkl_packed_works(packed.weight)
+
+
+def test_the_heads_plans_are_kept_for_later_loads_too(tmp_path, monkeypatch):
+    """The heads matched a tuned base model's kernels with plans measured at every load and never kept (10 s a
+    load of SmolLM2's heads with their own projections, in every process)."""
+    import medusa_infer.cpu_kernels as ck
+
+    monkeypatch.setenv("MEDUSA_FORGE_KERNEL_PLANS", str(tmp_path / "plans.json"))
+    base = tiny_model("llama")
+    use_cpu_kernels(base, plan_cache=tmp_path / "plans.json")
+    first = MedusaModel.from_base(base, num_heads=2, projection="own")
+    assert linear_kernels(first.heads) == "tuned"
+
+    def no_measuring(layers, *args, **kwargs):
+        raise AssertionError("a cached plan was measured again")
+
+    monkeypatch.setattr(ck, "measure_kernel_plan", no_measuring)
+    again = MedusaModel.from_base(base, num_heads=2, projection="own")
+    assert kernel_plans(again.heads) == kernel_plans(first.heads)
+
+
 def test_a_cached_plan_with_mkls_packed_kernel_is_not_checked_again(tmp_path, monkeypatch):
     """MKL's packed kernel competes only for a shape mkl_packed_works passes: a plan measured on this machine
     that took it was checked there. A later process checked it again at its first product (16 s for
