@@ -98,11 +98,16 @@ def validate_tree(paths: Iterable[Sequence[int]], num_heads: int, top_k: int) ->
     return sorted(normalised, key=lambda p: (len(p), p))
 
 
+def _is_count(value: object, minimum: int) -> bool:
+    """Whether ``value`` is an integer (Python's or numpy's; not a bool) of at least ``minimum``."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum
+
+
 def _check_sizes(num_heads: int, top_k: int) -> None:
     """Raise unless ``num_heads`` and ``top_k`` are positive integers."""
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+    if not _is_count(num_heads, 1):
         raise ValueError(f"num_heads must be a positive integer, got {num_heads!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+    if not _is_count(top_k, 1):
         raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
 
 
@@ -321,6 +326,9 @@ def _check_accuracies(model: AcceptanceModel) -> None:
     if not model or any(len(row) == 0 for row in model):
         raise ValueError("head_topk_acc needs one non-empty row of top-k accuracies per head, "
                          f"got {model!r}")
+    if len({len(row) for row in model}) > 1:  # (a table cut to its shortest row dropped ranks without a word)
+        raise ValueError(f"head_topk_acc needs rows of one length (the same ranks for every head), got rows of "
+                         f"{[len(row) for row in model]}: pad the short rows with 0.0 or cut the long ones")
     for head, row in enumerate(model):
         if any(not 0.0 <= acc <= 1.0 for acc in row):
             raise ValueError(f"head {head} accuracies {list(row)} must lie in [0, 1]")
@@ -388,7 +396,7 @@ def greedy_tree(head_topk_acc: AcceptanceModel, num_nodes: int) -> list[Path]:
     _check_accuracies(head_topk_acc)
     num_heads, top_k = _shape(head_topk_acc)
     capacity = sum(top_k ** depth for depth in range(1, num_heads + 1))
-    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or not 1 <= num_nodes <= capacity:
+    if not _is_count(num_nodes, 1) or num_nodes > capacity:
         raise ValueError(f"num_nodes={num_nodes!r} must be an integer in [1, {capacity}] for "
                          f"{num_heads} heads with top_k={top_k}")
 

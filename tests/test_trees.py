@@ -229,6 +229,17 @@ def test_expected_accept_length_errors(acc, paths, message):
         expected_accept_length(paths, acc)
 
 
+def test_sizes_may_be_numpy_integers_and_rank_tables_must_be_whole():
+    """numpy's integers were refused as sizes (ranks took them); a table of ragged rows was cut to its
+    shortest row, dropping ranks without a word."""
+    import numpy as np
+
+    assert validate_tree([(0,), (1,)], np.int64(3), np.int32(2)) == [(0,), (1,)]
+    assert greedy_tree([[0.5, 0.2]], np.int64(2)) == [(0,), (1,)]
+    with pytest.raises(ValueError, match=r"rows of one length .* got rows of \[3, 1\]: pad the short rows"):
+        greedy_tree([[0.5, 0.3, 0.1], [0.4]], 3)
+
+
 def test_greedy_tree_size_errors():
     with pytest.raises(ValueError, match=r"num_nodes=0 must be an integer in \[1, 6\]"):
         greedy_tree([[0.5, 0.2], [0.4, 0.1]], 0)
