@@ -598,12 +598,17 @@ def _prepare_inputs(model, tokenizer, input_ids, attention_mask, prompt, message
     if is_text(input_ids):
         raise ValueError(f"input_ids must be token ids, got text {input_ids!r:.60}: pass text as prompt= (or a chat "
                          "as messages=)")
+    if isinstance(input_ids, Mapping):  # a tokenizer's output (a BatchEncoding), given whole
+        raise ValueError(f"input_ids must be token ids, got a mapping of {sorted(input_ids)}: unpack a tokenizer's "
+                         "output, generate(model, **encoded)")
     try:
         rows = isinstance(input_ids, (list, tuple)) and input_ids and all(torch.is_tensor(r) for r in input_ids)
         input_ids = torch.stack(list(input_ids)) if rows else torch.as_tensor(input_ids)  # (tensors: rows)
     except (ValueError, TypeError, RuntimeError) as error:  # rows of different lengths
         raise ValueError(f"input_ids must be one row of token ids or rows of equal length ({error}): left-pad rows "
                          "of different lengths and pass attention_mask=, or give the texts as prompt=") from None
+    if input_ids.numel() == 0:  # ([] and [[]] read as float32 tensors)
+        raise ValueError("empty prompt: every row needs at least one token of input")
     if input_ids.dtype == torch.bool or input_ids.is_floating_point() or input_ids.is_complex():
         raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
     input_ids = input_ids.long()
@@ -952,7 +957,7 @@ def eos_ids(model, tokenizer, eos_token_id=None) -> tuple[int, ...]:
     every id the model's generation config, its config and ``tokenizer`` name (a fine-tune may name its
     end-of-turn token in one of them only), in that order without repeats: the first pads finished rows
     where no pad id is known, as in ``model.generate``. ``ValueError`` for an id outside the vocabulary."""
-    if isinstance(eos_token_id, torch.Tensor):  # a 0-d tensor or a vector of ids
+    if isinstance(eos_token_id, torch.Tensor) or type(eos_token_id).__module__ == "numpy":  # 0-d too
         eos_token_id = eos_token_id.tolist()
     if eos_token_id is not None:
         ids = [eos_token_id] if isinstance(eos_token_id, numbers.Integral) else eos_token_id

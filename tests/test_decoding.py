@@ -421,6 +421,13 @@ def test_context_limit_is_a_clean_stop():
         # rows of different lengths or a list of tensors: torch's own words, with no way out
         (dict(input_ids=[[5, 6, 7], [8, 9]]), "left-pad rows of different lengths and pass attention_mask="),
         (dict(input_ids=[torch.tensor([5, 6]), torch.tensor([8])]), "rows of equal length"),
+        # read as float32 tensors: "must hold integer token ids"
+        (dict(input_ids=[]), "empty prompt"),
+        (dict(input_ids=[[]]), "empty prompt"),
+        # a tokenizer's output given whole: blamed on rows of different lengths, told to pass attention_mask=
+        (dict(input_ids={"input_ids": torch.tensor([[5, 6]]), "attention_mask": torch.ones(1, 2)}),
+         r"got a mapping of \['attention_mask', 'input_ids'\]: unpack a tokenizer's output, generate\(model, "
+         r"\*\*encoded\)"),
     ],
 )
 def test_bad_input_is_a_clear_value_error(kwargs, message):
@@ -662,6 +669,10 @@ def test_none_is_not_set_as_hugging_face_takes_it():
                         **kwargs).new_tokens == sampled, kwargs
     first = greedy[0][0]
     assert generate(model, ids, max_new_tokens=4, eos_token_id=torch.tensor(first)).new_tokens == [[first]]
+    import numpy as np  # (a 0-d array failed with a bare TypeError: iteration over a 0-d array)
+
+    for given in (np.array(first), np.array([first]), np.int64(first)):
+        assert generate(model, ids, max_new_tokens=4, eos_token_id=given).new_tokens == [[first]]
 
 
 def test_step_costs_without_an_adaptive_fallback_are_refused():

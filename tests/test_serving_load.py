@@ -155,6 +155,37 @@ def test_queued_requests_whose_clients_left_free_their_queue_places_at_once(mode
     assert [updates[i][-1].finish for i in range(2)] == ["disconnect", "shutdown"] and left.done
 
 
+def test_the_engine_refuses_a_prompt_the_model_cannot_take(model):
+    """An id outside the vocabulary, prefilled with a good request, failed both ("prefill failed: index out of
+    range in self"); a prompt filling the context was decoded past it (a model of learned positions failed)."""
+    from medusa_infer.decoding import SamplingConfig, StopConfig
+    from medusa_infer.serving.scheduler import Engine, Request
+
+    engine = Engine(model, model.tokenizer, "medusa", max_batch=4)
+    ids = model.tokenizer("the cat")["input_ids"]
+    updates: dict[int, list] = {}
+
+    def request(i: int, prompt: list[int]) -> Request:
+        return Request(prompt, SamplingConfig("greedy"), StopConfig(max_new_tokens=3),
+                       lambda u: updates.setdefault(i, []).append(u))
+
+    vocab = model.base_model.get_output_embeddings().weight.shape[0]
+    engine.start()
+    try:
+        with engine.hold():  # one turn would prefill them together
+            engine.submit(request(0, ids))
+            with pytest.raises(ValueError, match=rf"prompt token ids \[{vocab}\] are not token ids of the model's "
+                                                 rf"vocabulary \[0, {vocab}\)"):
+                engine.submit(request(1, ids + [vocab]))
+            with pytest.raises(ValueError, match=rf"a prompt of {engine.context_length} tokens leaves no room in the "
+                                                 rf"model's context of {engine.context_length} tokens"):
+                engine.submit(request(2, ids[:1] * engine.context_length))
+        wait_until(lambda: 0 in updates and updates[0][-1].finish, timeout=60)
+    finally:
+        engine.stop()
+    assert updates[0][-1].finish == "length" and set(updates) == {0}
+
+
 def test_timeouts_abort_queued_and_running_requests(model):
     with serve(model, "medusa", request_timeout=1.0) as (server, engine):
         url = server.base_url + "/v1/completions"

@@ -37,7 +37,15 @@ from typing import Any, Callable, Hashable, Iterator
 import torch
 
 from medusa_infer.adaptive import StepCosts
-from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig, context_length, generator_seed, left_pad
+from medusa_infer.decoding import (
+    DecodeBatch,
+    SamplingConfig,
+    StopConfig,
+    _integer,
+    context_length,
+    generator_seed,
+    left_pad,
+)
 from medusa_infer.metrics import GenerationMetrics
 from medusa_infer.proposers import build_proposer
 from medusa_infer.proposers.draft import as_draft_model
@@ -200,6 +208,7 @@ class Engine:
         # per sampling setting, a sibling of the gate (its step times, its own yield per step): see _gate_for
         self._gates: OrderedDict[Hashable, tuple[SpeculationGate, SpeculationGate]] = OrderedDict()
         self.context_length = context_length(model)
+        self.vocab_size = model.base_model.get_output_embeddings().weight.shape[0]
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else 0
         self._lock = threading.Lock()  # guards everything below that other threads touch
@@ -234,7 +243,17 @@ class Engine:
         return self._thread.is_alive() and not self._stopping
 
     def submit(self, request: Request) -> None:
-        """Queue ``request``; raises ``QueueFull`` or ``EngineStopped``."""
+        """Queue ``request``; raises ``QueueFull`` or ``EngineStopped``, and ``ValueError`` for a prompt the model
+        cannot take (ids outside its vocabulary, or no room left in its context): prefilled with others, it
+        failed them all with an error that named neither it nor its value."""
+        ids = request.prompt_ids
+        if len(ids) >= self.context_length:
+            raise ValueError(f"a prompt of {len(ids)} tokens leaves no room in the model's context of "
+                             f"{self.context_length} tokens: shorten it")
+        bad = [t for t in ids if _integer(t) is None or not 0 <= _integer(t) < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]!r} are not token ids of the model's vocabulary "
+                             f"[0, {self.vocab_size}): encode the prompt with the model's tokenizer")
         with self._lock:
             if not self.alive:
                 raise EngineStopped("the engine is not running")
