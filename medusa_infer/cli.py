@@ -167,6 +167,9 @@ def check_method_flags(parser: argparse.ArgumentParser, args: argparse.Namespace
             args.method == "lookup" or (args.method == "medusa" and args.lookup_tokens)):
         parser.error(f"--no-datastore keeps lookup drafts (--method lookup, or medusa with --lookup-tokens) off the "
                      f"heads' datastore, and --method {args.method} drafts none: drop --no-datastore")
+    if getattr(args, "datastore", True) is False and not args.heads:
+        parser.error("--no-datastore leaves out the datastore of a heads folder (its datastore.safetensors), and "
+                     "no --heads is given: drop --no-datastore")
     if args.method == "lookup" and getattr(args, "draft_tokens", None) is not None:
         args.lookup_max_tokens = args.draft_tokens  # with a cost profile: the longest draft its gate may choose
     # the proposer flags each method reads (medusa-serve has some of them only)

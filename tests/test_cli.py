@@ -68,6 +68,9 @@ def parse_error(capsys, argv: list[str]) -> str:
                                                             "--lookup-tokens grafts onto the Medusa tree"),
         (["--no-datastore", "hi"], "--method autoregressive drafts none: drop --no-datastore"),
         (["--heads", "h", "--no-datastore", "hi"], "--method medusa drafts none: drop --no-datastore"),
+        # (taken: the datastore comes only with heads)
+        (["--method", "lookup", "--no-datastore", "hi"], "--no-datastore leaves out the datastore of a heads folder "
+                                                         "(its datastore.safetensors), and no --heads is given"),
     ],
 )
 def test_bad_arguments_are_refused_before_loading_anything(capsys, argv, message):
