@@ -306,6 +306,8 @@ class BuildStats:
     dropped_too_long: int = 0
     tokens: int = 0
     label_tokens: int = 0
+    from_ids: int = 0
+    ids_unused: int = 0
 
     def left_out(self, setting: str, max_length: int) -> list[str]:
         """What the build cut or dropped, in words (the counts that are not 0); ``setting``: the name
@@ -358,13 +360,17 @@ def build_examples(
             continue
         # A distilled answer cut by max_new_tokens: the model did not end its turn there.
         cut_off = row.get("finish_reason") == "length" and messages[-1]["role"] == "assistant"
+        written = _as_written(tokenizer, row, messages, stats)
         try:
-            try:
-                input_ids, labels = tokenize_chat(tokenizer, messages, cut_off)
-            except CutOffNotFound:  # kept whole, counted and reported below
-                stats.cut_off_unfound += 1
-                cut_off = False
-                input_ids, labels = tokenize_chat(tokenizer, messages)
+            if written is not None:  # the tokens the model wrote, not its text tokenised again
+                input_ids, labels = written
+            else:
+                try:
+                    input_ids, labels = tokenize_chat(tokenizer, messages, cut_off)
+                except CutOffNotFound:  # kept whole, counted and reported below
+                    stats.cut_off_unfound += 1
+                    cut_off = False
+                    input_ids, labels = tokenize_chat(tokenizer, messages)
         except (TemplateError, jinja2.TemplateError) as error:  # one row's: name it, in a file of thousands
             # (jinja2's: the template's own raise_exception, e.g. Gemma's and Mistral's on roles that do not
             # alternate)
@@ -385,6 +391,11 @@ def build_examples(
         examples.append(
             {"id": str(row.get("id", index)), "input_ids": input_ids, "labels": labels}
         )
+    if stats.ids_unused:
+        logger.warning(
+            "%d rows' response_ids do not decode to their response (edited, or of another tokenizer): their "
+            "answers were tokenised from the text", stats.ids_unused,
+        )
     if stats.cut_off_unfound:
         logger.warning(
             "%d answers cut by the token limit keep an end-of-turn label: the chat template does not write "
@@ -392,13 +403,39 @@ def build_examples(
             "dropping reasoning)", stats.cut_off_unfound,
         )
     logger.info(
-        "built %d examples from %d rows (%d tokens, %d labelled); %d truncated to %d tokens, "
+        "built %d examples from %d rows (%d from the answers' token ids as generated; %d tokens, %d labelled); "
+        "%d truncated to %d tokens, "
         "%d answers cut by the token limit (no end-of-turn label), %d dropped with no assistant turn, "
         "%d with a prompt that fills max_length",
-        stats.examples, stats.rows, stats.tokens, stats.label_tokens, stats.truncated,
+        stats.examples, stats.rows, stats.from_ids, stats.tokens, stats.label_tokens, stats.truncated,
         max_length, stats.cut_off, stats.dropped_no_assistant, stats.dropped_too_long,
     )
     return examples
+
+
+def _as_written(tokenizer: PreTrainedTokenizerBase, row: dict[str, Any], messages: Sequence[dict[str, str]],
+                stats: BuildStats) -> tuple[list[int], list[int]] | None:
+    """``(input_ids, labels)`` of a distilled row from the tokens the model wrote (its ``response_ids``, the end
+    token included where it ended its turn) after its prompt as decoding renders it; None for a row without them
+    (an endpoint's, a conversation), or whose ids do not decode to its ``response`` (counted in ``ids_unused``).
+    Its text tokenised again parts otherwise in about one answer in twelve (SmolLM2: ``"\n\n1."`` as two
+    newline tokens the model wrote as one; an answer starting with a newline merged with the header's): the
+    heads learnt from sequences decoding never produces."""
+    ids = row.get("response_ids")
+    if ids is None or "messages" in row or messages[-1]["role"] != "assistant":
+        return None
+    vocab = len(tokenizer)
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                            for t in ids):
+        raise ValueError(f"row {row.get('id', '?')!r}: 'response_ids' must be a list of token ids in [0, {vocab}), "
+                         f"got {ids!r:.80}")
+    answer = ids[:-1] if row.get("finish_reason") == "eos" and ids else ids
+    if tokenizer.decode(answer, skip_special_tokens=False) != messages[-1]["content"]:
+        stats.ids_unused += 1
+        return None
+    prompt = encode_rendered(tokenizer, render_chat(tokenizer, messages[:-1], add_generation_prompt=True))
+    stats.from_ids += 1
+    return prompt + list(ids), [IGNORE_INDEX] * len(prompt) + list(ids)
 
 
 def check_template(tokenizer: PreTrainedTokenizerBase, system_prompt: str | None = None) -> None:

@@ -18,7 +18,10 @@ the Medusa-1 feature cache (``medusa_train.captured``).
 
 Row: ``{"id", "source", "prompt", "response", "model", "generation": {"max_new_tokens",
 "do_sample", "temperature", "top_p", "seed", "chat_template", "system_prompt"}, "finish_reason":
-"eos" | "length", "response_tokens"}`` (the answer's tokens, an end token not counted). For greedy rows ``temperature`` is recorded as 0.0 and
+"eos" | "length", "response_tokens"}`` (the answer's tokens, an end token not counted), and from the local backend
+``"response_ids"``: the answer's token ids as the model wrote them, its end token included where it ended its turn
+(training builds its examples from these: the text tokenised again can part otherwise, ``"\n\n"`` as two tokens
+the model wrote as one). For greedy rows ``temperature`` is recorded as 0.0 and
 ``top_p`` as 1.0; ``chat_template`` is a digest of a template that replaced the tokenizer's own
 (None: the tokenizer's).
 ``prompt`` is the text the model answered (shortened when ``prompt_overflow="truncate"`` cut it).
@@ -792,11 +795,12 @@ def prepare_prompt(
 
 def make_row(
     prompt: dict[str, Any], text: str, response: str, finish: str, n_tokens: int,
-    config: DistillConfig, weights: str | None = None,
+    config: DistillConfig, weights: str | None = None, response_ids: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """A row; ``weights``: the local model's ``features.weights_identity`` (recorded where known, so that rows
     of other weights under the same name are not mixed in: ``check_resumable``). ``prompt_cut``: whether ``text``
-    is the prompt cut to ``max_prompt_tokens`` (``prompt_overflow="truncate"``; ``check_prompt_texts``)."""
+    is the prompt cut to ``max_prompt_tokens`` (``prompt_overflow="truncate"``; ``check_prompt_texts``).
+    ``response_ids``: the answer's ids as written, the end token included (the local backend's)."""
     return {
         "id": prompt["id"],
         "source": prompt["source"],
@@ -808,6 +812,7 @@ def make_row(
         "finish_reason": finish,
         "response_tokens": int(n_tokens),
         **({"model_weights": weights} if weights is not None else {}),
+        **({"response_ids": [int(t) for t in response_ids]} if response_ids is not None else {}),
     }
 
 
@@ -834,8 +839,9 @@ def generate_batch(
     config: DistillConfig,
     eos_ids: Sequence[int],
     proposer: AutoregressiveProposer | None = None,
-) -> list[tuple[list[int], str]]:
-    """Answers to a batch of tokenised prompts: ``[(response ids without EOS, finish_reason)]``.
+) -> list[tuple[list[int], str, int | None]]:
+    """Answers to a batch of tokenised prompts: ``[(response ids without EOS, finish_reason, the EOS id the
+    row ended with or None)]``.
 
     ``model`` is a ``MedusaModel`` without heads (``MedusaModel.without_heads``): the answers come
     from medusa_infer's decoding loop with plain steps, where a row that finished leaves the batch.
@@ -857,9 +863,9 @@ def generate_batch(
     answers = []
     for tokens, finish in zip(output.new_tokens, output.finish_reasons):
         if finish == "eos":
-            answers.append((tokens[:-1], "eos"))
+            answers.append((tokens[:-1], "eos", tokens[-1]))
         else:  # the token limit, or the model's context full
-            answers.append((tokens, "length"))
+            answers.append((tokens, "length", None))
     return answers
 
 
@@ -956,12 +962,13 @@ def _generate_all(
                 answers = generate_batch(model, tokenizer, [ids for _, _, ids in batch], config, eos_ids, recorder)
             if recorder is not None:  # before the rows: a kill in between leaves states of unwritten rows
                 save_batch(hidden_dir(config.output), [p["id"] for p, _, _ in batch], [ids for _, _, ids in batch],
-                           [tokens for tokens, _ in answers], [finish == "eos" for _, finish in answers],
+                           [tokens for tokens, _, _ in answers], [finish == "eos" for _, finish, _ in answers],
                            recorder.states(), fingerprint)
             rows = []
-            for (prompt, text, _), (tokens, finish) in zip(batch, answers):
+            for (prompt, text, _), (tokens, finish, end) in zip(batch, answers):
                 tokens, response = answer_text(tokenizer, tokens, finish)
-                row = make_row(prompt, text, response, finish, len(tokens), config, weights)
+                row = make_row(prompt, text, response, finish, len(tokens), config, weights,
+                               tokens + ([end] if end is not None else []))
                 writer.write(row)
                 rows.append(row)
                 stats.add(row)

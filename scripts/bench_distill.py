@@ -80,8 +80,8 @@ def main() -> None:
         hf_s, ours_s = timed["hf"], timed["ours"]
         totals["hf"] += hf_s
         totals["ours"] += ours_s
-        same += sum(a == b for a, (b, _) in zip(reference, ours))
-        tokens += sum(len(b) for b, _ in ours)
+        same += sum(a == b for a, (b, *_) in zip(reference, ours))
+        tokens += sum(len(b) for b, *_ in ours)
         print(f"batch {first // args.batch_size}: {len(batch)} prompts, generate {hf_s:.1f} s, "
               f"distillation {ours_s:.1f} s ({hf_s / ours_s:.3f}x)", flush=True)
     print(f"{len(ids)} prompts, {tokens} answer tokens: generate {totals['hf']:.1f} s, distillation "

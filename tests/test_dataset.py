@@ -19,9 +19,11 @@ from medusa_train.dataset import (
     _tokenize_chat_by_prefix,
     build_examples,
     check_template,
+    encode_rendered,
     load_or_build_dataset,
     read_rows,
     render_chat,
+    render_prompt,
     split_heldout,
     to_dataset,
     truncate_examples,
@@ -120,6 +122,34 @@ def test_prompt_response_row_with_default_system_prompt(smol):
     )
     assert "Be kind." in smol.decode(example["input_ids"])
     assert "SmolLM" not in smol.decode(example["input_ids"])
+
+
+def test_a_distilled_answer_is_trained_on_the_tokens_the_model_wrote(smol, caplog):
+    """Its text tokenised again parts otherwise in about one answer in twelve: the model wrote "\n\n" as one
+    token that the text reads as two newlines, and an answer starting with a newline merged with the assistant
+    header's; the heads learnt from sequences decoding never produces (and a kept hidden state never matched)."""
+    newline, pair, end = (smol.convert_tokens_to_ids(t) for t in ("Ċ", "ĊĊ", "<|im_end|>"))
+    written = smol("A", add_special_tokens=False)["input_ids"] + [pair] + smol("B", add_special_tokens=False)["input_ids"]
+    assert smol("A\n\nB", add_special_tokens=False)["input_ids"] != written  # the case itself
+    prompt = encode_rendered(smol, render_prompt(smol, "Hi?"))
+    rows = [{"id": "eos", "prompt": "Hi?", "response": "A\n\nB", "finish_reason": "eos", "response_ids": written + [end]},
+            {"id": "cut", "prompt": "Hi?", "response": "A\n\nB", "finish_reason": "length", "response_ids": written},
+            {"id": "lead", "prompt": "Hi?", "response": "\nA", "finish_reason": "eos",
+             "response_ids": [newline] + written[:1] + [end]}]
+    stats = BuildStats()
+    eos, cut, lead = build_examples(rows, smol, 256, stats=stats)
+    assert eos["input_ids"] == prompt + written + [end] and eos["labels"] == [-100] * len(prompt) + written + [end]
+    assert cut["input_ids"] == prompt + written and cut["labels"][len(prompt):] == written
+    assert lead["input_ids"][:len(prompt)] == prompt and lead["labels"][len(prompt)] == newline
+    assert (stats.from_ids, stats.ids_unused, stats.cut_off) == (3, 0, 1)
+    # ids that are not the response's (edited, another tokenizer's): its text, tokenised, as for an endpoint's row
+    edited = dict(rows[0], response="A\n\nC")
+    with caplog.at_level(logging.WARNING, logger="medusa_train.dataset"):
+        [again] = build_examples([edited], smol, 256, stats=(stats := BuildStats()))
+    assert stats.ids_unused == 1 and "1 rows' response_ids do not decode to their response" in caplog.text
+    assert labelled_runs(smol, again["input_ids"], again["labels"]) == ["A\n\nC<|im_end|>"]
+    with pytest.raises(ValueError, match=r"row 'eos': 'response_ids' must be a list of token ids in \[0, "):
+        build_examples([dict(rows[0], response_ids=[-1])], smol, 256)
 
 
 @pytest.mark.parametrize(

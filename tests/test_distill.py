@@ -164,7 +164,8 @@ def test_batched_rows_equal_unbatched_greedy(reference_rows, model_dir, prompts_
     assert [r["id"] for r in reference_rows] == expected_ids
     model = load_base_model(str(model_dir))
     for row in reference_rows:
-        assert set(row) == ROW_KEYS | {"model_weights"}  # the local model's, which an endpoint does not tell
+        # the local model's, which an endpoint does not tell
+        assert set(row) == ROW_KEYS | {"model_weights", "response_ids"}
         assert row["model"] == str(model_dir)
         assert row["generation"] == {
             "max_new_tokens": 16, "do_sample": False, "temperature": 0.0, "top_p": 1.0, "seed": 0,
@@ -178,6 +179,7 @@ def test_batched_rows_equal_unbatched_greedy(reference_rows, model_dir, prompts_
         stop = out.index(2) if 2 in out else len(out)
         assert row["response"] == tokenizer.decode(out[:stop])
         assert row["response_tokens"] == stop
+        assert row["response_ids"] == out[:stop + 1]  # the tokens as written, the end token included
         assert row["finish_reason"] == ("eos" if stop < len(out) else "length")
     reasons = {r["finish_reason"] for r in reference_rows}
     assert reasons == {"eos", "length"}, "the tiny model should give both kinds of ending"
