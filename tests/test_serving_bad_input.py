@@ -344,3 +344,22 @@ def test_server_still_serves_after_bad_input(server):
     answer = client.post("/v1/chat/completions", json=chat(max_tokens=3))
     assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["role"] == "assistant"
     assert engine.snapshot() == {"running": 0, "waiting": 0, "pending_cancels": 0, "batches": 0}
+
+
+def test_a_chat_whose_tokens_lie_outside_the_vocabulary_is_a_400():
+    """A token added to the tokenizer without resizing the model's embeddings: /v1/completions refused it (400),
+    /v1/chat/completions answered 500 (the engine refuses such prompts)."""
+    from tiny import word_medusa
+
+    model = word_medusa()
+    vocab = model.lm_head.weight.shape[0]
+    model.tokenizer.add_tokens(["zzz"])
+    with torch_threads(1), serve(model, "autoregressive") as (server, engine):
+        for path, body, param in (("/v1/completions", {"prompt": "zzz"}, "prompt"),
+                                  ("/v1/chat/completions", {"messages": [{"role": "user", "content": "zzz"}]},
+                                   "messages")):
+            answer = httpx.post(server.base_url + path, json={"model": "tiny", "max_tokens": 2, **body}, timeout=60)
+            assert answer.status_code == 400, answer.text
+            error = answer.json()["error"]
+            assert error["param"] == param and error["type"] == "invalid_request_error"
+            assert error["message"] == f"token id {vocab} is outside the vocabulary [0, {vocab})"

@@ -213,6 +213,12 @@ def _params(kind: str, body: dict[str, Any], model: ModelInfo, prompt_ids: list[
     include_usage = _stream_options(body, stream)
     stop = _stop(body)
     acceptance = _choice(body, "acceptance", ACCEPTANCE_CHOICES)
+    # given as ids, or a tokenizer's for a token added without resizing the model's embeddings (a chat's was a
+    # 500: the engine refuses it)
+    bad = next((t for t in prompt_ids if not 0 <= t < model.vocab_size), None)
+    if bad is not None:
+        raise invalid(f"token id {bad} is outside the vocabulary [0, {model.vocab_size})",
+                      "messages" if kind == "chat" else "prompt")
     room = model.context_length - len(prompt_ids)
     if room < 1:
         raise invalid(f"This model's maximum context length is {model.context_length} tokens, and the prompt "
@@ -251,9 +257,6 @@ def _prompt_ids(body: dict[str, Any], model: ModelInfo) -> list[int]:
         raise invalid("prompt must be a string, a list of token ids, or a list with one of these", "prompt")
     if not ids:
         raise invalid("the prompt has no tokens", "prompt")
-    bad = next((t for t in ids if not 0 <= t < model.vocab_size), None)
-    if bad is not None:
-        raise invalid(f"token id {bad} is outside the vocabulary [0, {model.vocab_size})", "prompt")
     return ids
 
 
