@@ -55,6 +55,11 @@ TRAINING_MODE_KEY = "medusa_forge_training_mode"
 does not hold: read back, the heads' config records that mode (``MedusaConfig.trained_with_adapter``), so that
 loading them on a base model without that adapter merged is warned about and ``heads.init_from`` refuses them."""
 
+ADAPTER_DIGEST_KEY = "medusa_forge_adapter_digest"
+"""``config.json`` key keeping the digest (``model.adapter_digest``) of the Medusa-2 adapter the heads were
+trained with, which the layout does not hold: read back, the heads load onto a base model with that adapter merged
+and are refused on one with another merged (onto any, without the key)."""
+
 BASE_MODEL_TYPE_KEY = "medusa_forge_base_model_type"
 """``config.json`` key keeping the ``model_type`` of the base model the heads were trained on
 (``MedusaConfig.base_model_type``): read back, loading them on a model of another type is refused as for
@@ -278,6 +283,7 @@ def write_medusa_layout(
     fmt: Literal["safetensors", "pt"] = "safetensors",
     version: Literal["1", "2"] | None = None,
     lm_head_bias: torch.Tensor | None = None,
+    adapter_digest: str | None = None,
 ) -> Path:
     """Write heads as a FasterDecoding-layout folder (``config.json`` + ``medusa_lm_head.*``).
 
@@ -296,6 +302,8 @@ def write_medusa_layout(
             ``own`` heads can only be written as version 1.
         lm_head_bias: the base ``lm_head``'s bias, if it has one: version 1 of ``shared`` heads is
             refused then (the layout's projections have no bias, so the copies would drop it).
+        adapter_digest: of Medusa-2 heads, the digest of the adapter they were trained with, where known
+            (``ADAPTER_DIGEST_KEY``).
 
     Returns:
         The folder. Tensors are written contiguous, in their own float dtype.
@@ -384,6 +392,8 @@ def write_medusa_layout(
         data[BASE_MODEL_TYPE_KEY] = config.base_model_type
     if config.trained_with_adapter:  # the adapter is not in the layout: readers are told the heads need it
         data[TRAINING_MODE_KEY] = "medusa2"
+        if adapter_digest is not None:
+            data[ADAPTER_DIGEST_KEY] = adapter_digest
     if config.chat_template:  # ("" is none, as from_pretrained reads it)
         data[CHAT_TEMPLATE_KEY] = config.chat_template
         logger.warning("these heads were trained on a chat template other than the tokenizer's own (%s keeps it as "
@@ -401,6 +411,16 @@ def write_medusa_layout(
     else:
         torch.save(tensors, path / PT_NAME)
     return path
+
+
+def exported_adapter_digest(path: str | Path) -> str | None:
+    """``ADAPTER_DIGEST_KEY`` of a FasterDecoding-layout folder's ``config.json``: None where not written."""
+    where = Path(path) / CONFIG_NAME
+    raw = _read_json_object(where, "a heads folder").get(ADAPTER_DIGEST_KEY)
+    if raw is not None and (not isinstance(raw, str) or not raw):
+        raise ValueError(f"{where}: {ADAPTER_DIGEST_KEY} must be an adapter's digest (a hex string), got {raw!r}; fix "
+                         "or remove it")
+    return raw
 
 
 def base_model_keys(name: str) -> dict[str, str]:

@@ -384,7 +384,9 @@ class MedusaModel(nn.Module):
         default) it is loaded with peft and merged into the base model's weights, which stays a
         stock transformers model (no peft wrapper while decoding); a ``base_model`` given as an
         object is changed in place (loading heads on it again takes the same adapter as merged; other
-        heads, or ``adapter=False``, are a ``ValueError``: pass a fresh base model). ``adapter=False``
+        heads, or ``adapter=False``, are a ``ValueError``: pass a fresh base model; Medusa-2 heads of the
+        FasterDecoding layout, which holds no adapter, load onto a base model with theirs merged, named by
+        ``interop.ADAPTER_DIGEST_KEY``, and are refused on one with another merged). ``adapter=False``
         keeps the plain base model. Folders without an adapter load the same either way.
 
         Heads whose config records a ``chat_template`` (trained on a template other than the
@@ -394,8 +396,10 @@ class MedusaModel(nn.Module):
         from medusa_infer import interop
 
         directory = heads_folder(heads_path_or_repo_id, revision)
+        exported_digest = None  # the adapter a FasterDecoding-layout export of Medusa-2 heads was trained with
         if interop.is_medusa_layout(directory):
             interop.weights_file(directory)  # before loading a base model for nothing
+            exported_digest = interop.exported_adapter_digest(directory)
             if base_model is None:
                 base_model = interop.base_model_name(directory)
                 if not base_model:
@@ -433,6 +437,15 @@ class MedusaModel(nn.Module):
                              f"earlier from_pretrained changed it in place); {wanted} needs the plain base "
                              "model: load a fresh one")
         recorded = getattr(base_model.config, MERGED_ADAPTER_KEY, None)
+        merged_in = already[1] if already is not None else recorded  # the adapter in base_model's weights, if known
+        if wants_adapted and exported_digest is not None and merged_in is not None and merged_in != exported_digest:
+            raise ValueError(f"the heads in {directory} were trained with the Medusa-2 adapter {exported_digest[:12]} "
+                             f"(config.json's {interop.ADAPTER_DIGEST_KEY}), and base_model has another merged into its "
+                             f"weights ({merged_in[:12]}): load them on the base model with their own adapter merged")
+        if wants_adapted and exported_digest is None and merged_in is not None:
+            logger.warning("the heads in %s were trained with a Medusa-2 adapter and their config.json does not name "
+                           "it (%s): loaded onto a base model with an adapter merged, which could not be checked to "
+                           "be theirs", directory, interop.ADAPTER_DIGEST_KEY)
         if merge and already is None and recorded is not None and recorded != digest:
             raise ValueError(f"the base model's weights were saved with another Medusa-2 adapter merged into them "
                              f"(its config.json's {MERGED_ADAPTER_KEY}); the adapter in {adapter_folder} needs the "
@@ -536,8 +549,10 @@ class MedusaModel(nn.Module):
 
         copies = version == "1" and self.config.projection == "shared"
         lm_weight, lm_bias = (self.lm_head.weight, self.lm_head.bias) if copies else (None, None)
+        already = getattr(self.base_model, MERGED_ADAPTER_ATTR, None)
+        merged_in = already[1] if already is not None else getattr(self.base_model.config, MERGED_ADAPTER_KEY, None)
         out = write_medusa_layout(self.config, self.heads.state_dict(), directory, lm_head_weight=lm_weight,
-                                  fmt=fmt, version=version, lm_head_bias=lm_bias)
+                                  fmt=fmt, version=version, lm_head_bias=lm_bias, adapter_digest=merged_in)
         self._warn_heads_only(directory)  # once written: heads the layout cannot hold fail without it
         return out
 

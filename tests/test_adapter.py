@@ -206,6 +206,21 @@ def test_faster_decoding_export_of_medusa2_heads_keeps_their_mode(heads_folder, 
     # ... as onto the very object the adapter was merged into (refused: "needs the plain base model")
     again = MedusaModel.from_pretrained(tmp_path / "fd", base_model=model.base_model)
     assert again.base_model is model.base_model and "were trained with a Medusa-2 adapter" not in caplog.text
+    # ... and not onto one with another adapter merged (loaded without a word): the export names its adapter
+    other = tmp_path / "other"
+    shutil.copytree(copy, other)
+    settings = other / ADAPTER_DIR / "adapter_config.json"
+    settings.write_text(settings.read_text() + "\n")  # another adapter's files (here, the same weights)
+    elsewhere = MedusaModel.from_pretrained(other, base_model=tiny_model("llama")).base_model
+    with pytest.raises(ValueError, match=r"were trained with the Medusa-2 adapter \w{12} \(config.json's "
+                                         r"medusa_forge_adapter_digest\), and base_model has another merged"):
+        MedusaModel.from_pretrained(tmp_path / "fd", base_model=elsewhere)
+    exported = json.loads((tmp_path / "fd" / "config.json").read_text())
+    del exported["medusa_forge_adapter_digest"]  # (an export that does not name it: said)
+    (tmp_path / "fd" / "config.json").write_text(json.dumps(exported))
+    caplog.clear()
+    MedusaModel.from_pretrained(tmp_path / "fd", base_model=elsewhere)
+    assert "could not be checked to be theirs" in caplog.text
     plain_fd = tmp_path / "plain-fd"  # heads trained without an adapter still need the plain base model
     fresh = MedusaModel.from_base(tiny_model("llama"), num_heads=2, base_model_name_or_path="org/tiny-llama")
     fresh.export_medusa_layout(plain_fd)
