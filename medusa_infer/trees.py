@@ -164,6 +164,7 @@ class TreeBuffers:
 def build_tree_buffers(paths: Iterable[Sequence[int]], num_heads: int, top_k: int) -> TreeBuffers:
     """Validate ``paths`` and build the CPU tensors that drive tree decoding and acceptance."""
     tree = validate_tree(paths, num_heads, top_k)
+    num_heads, top_k = int(num_heads), int(top_k)  # checked: numpy's uint8 overflowed in candidate_index
     node_of: dict[Path, int] = {(): 0}
     node_of.update({path: i + 1 for i, path in enumerate(tree)})
     n = len(node_of)
@@ -478,6 +479,7 @@ def get_tree(name_or_paths: str | Iterable[Sequence[int]], num_heads: int, top_k
                          "[[0], [1], [0, 0]]; generate() and the command lines also take fitted-N, the N-node tree "
                          "fitted to the heads' measured accuracies)")
     _check_sizes(num_heads, top_k)
+    num_heads, top_k = int(num_heads), int(top_k)
     preset = TREE_PRESETS[name_or_paths]
     needed_heads = tree_depth(preset)
     needed_top_k = 1 + max(max(path) for path in preset)

@@ -540,8 +540,6 @@ def test_cli_serves_heads_loaded_from_a_folder(model, tmp_path):
     # (taken, and nothing read them)
     (["--method", "autoregressive", "--speculation-gate", "off"], "--method autoregressive never speculates: drop "
                                                                   "--speculation-gate"),
-    (["--acceptance", "typical"], "--method autoregressive drafts none (its sampled requests are plain sampling): "
-                                  "drop --acceptance"),
     (["--method", "lookup", "--no-datastore"], "and no --heads is given: drop --no-datastore"),
 ])
 def test_cli_refuses_lookup_tokens_it_cannot_use(argv, message, capsys):

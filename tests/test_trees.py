@@ -235,6 +235,9 @@ def test_sizes_may_be_numpy_integers_and_rank_tables_must_be_whole():
     import numpy as np
 
     assert validate_tree([(0,), (1,)], np.int64(3), np.int32(2)) == [(0,), (1,)]
+    paths = [(0,), (0, 0), (0, 0, 199)]  # (uint8: 2 * 200 overflowed into candidate_index with a warning)
+    assert build_tree_buffers(paths, np.uint8(3), np.uint8(200)).candidate_index.tolist() == \
+        build_tree_buffers(paths, 3, 200).candidate_index.tolist() == [0, 1, 201, 600]
     assert greedy_tree([[0.5, 0.2]], np.int64(2)) == [(0,), (1,)]
     with pytest.raises(ValueError, match=r"rows of one length .* got rows of \[3, 1\]: pad the short rows"):
         greedy_tree([[0.5, 0.3, 0.1], [0.4]], 3)

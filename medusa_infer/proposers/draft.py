@@ -34,7 +34,8 @@ _SAME_VOCABULARY: "weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary[Any,
     weakref.WeakKeyDictionary()
 """Per target tokenizer, the draft tokenizers found to hold its vocabulary, with both sizes then: a proposer is
 built for every server batch and chat turn, and comparing two vocabularies takes 0.1 s (SmolLM2's 49k entries)
-to 0.8 s (Gemma-3's 262k); checked again where a tokenizer has grown since."""
+to 0.8 s (Gemma-3's 262k); checked again where a tokenizer has grown since (an entry changed in place, the size
+kept, goes unseen: a tokenizer's vocabulary is not meant to change so)."""
 
 SCHEDULES = ("heuristic", "constant")
 

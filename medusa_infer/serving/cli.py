@@ -79,9 +79,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.method == "autoregressive" and args.speculation_gate == "off":
         parser.error("--speculation-gate off speculates at every batch size, and --method autoregressive never "
                      "speculates: drop --speculation-gate")
-    if args.method == "autoregressive" and args.acceptance == "typical":
-        parser.error("--acceptance typical accepts drafted tokens, and --method autoregressive drafts none (its "
-                     "sampled requests are plain sampling): drop --acceptance")
     if args.heads and args.trust_remote_code and not args.model:
         parser.error("--trust-remote-code applies to --model: name the base model with --model")
     if args.max_batch < 1 or args.max_queue < 1:
