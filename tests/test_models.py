@@ -53,7 +53,7 @@ def fake_convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Stands in for the transformers conversion (no torch, so it is safe in forked processes)."""
     assert gguf_path.read_bytes() == b"".join(TINY_CHUNKS)
     out_dir.mkdir(parents=True)
-    for name in ("config.json", "tokenizer_config.json"):
+    for name in ("config.json", "tokenizer_config.json", "tokenizer.json"):
         (out_dir / name).write_text("{}")
     (out_dir / "model.safetensors").write_bytes(b"weights")
     (out_dir / "model.safetensors").chmod(0o600)  # as safetensors 0.8 writes its files
@@ -234,6 +234,33 @@ def test_a_damaged_cached_copy_is_named_with_the_fix(
     with pytest.raises(RuntimeError, match="is damaged .*tokenizer_config.json.*delete that folder"):
         models.load_tokenizer(TINY_NAME)
 
+
+
+def test_a_cached_copy_missing_a_file_is_named_with_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tiny_registry: None
+) -> None:
+    """Gemma-3's copy without tokenizer.json loaded a 5-token tokenizer (everything <unk>), SmolLM2's without
+    chat_template.jinja no chat template, without a word; medusa-fetch-model said such a copy was fine."""
+    folder = Path(models.resolve_model(TINY_NAME, cache_dir=tmp_path))
+    listed = json.loads((folder / models.SOURCE_NAME).read_text())["files"]
+    assert set(listed) == {p.name for p in folder.iterdir()} - {models.SOURCE_NAME}
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(models, "download_wheel", forbidden_download)
+    (folder / "tokenizer_config.json").unlink()
+    (folder / "tokenizer_config.json").write_text("{}")  # (written again alike: sound)
+    assert models.resolve_model(TINY_NAME) == str(folder)
+    (folder / "model.safetensors").write_bytes(b"weigh")
+    with pytest.raises(RuntimeError, match=f"{re.escape(str(folder))}, this machine's converted copy of {TINY_NAME}, "
+                                           "is damaged \\(model.safetensors has 5 bytes, 7 when written\\); delete "
+                                           "that folder and the next load builds it again"):
+        models.resolve_model(TINY_NAME)
+    (folder / "model.safetensors").write_bytes(b"weights")
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(RuntimeError, match="is damaged \\(tokenizer.json is missing\\)"):
+        models.load_tokenizer(TINY_NAME)
+    with pytest.raises(SystemExit):
+        models.main([TINY_NAME])
+    assert "is damaged (tokenizer.json is missing)" in capsys.readouterr().err
 
 
 def test_incomplete_folder_and_leftovers_are_replaced(tmp_path: Path, tiny_registry: None) -> None:
