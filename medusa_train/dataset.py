@@ -385,6 +385,7 @@ def build_examples(
             continue
         stats.truncated += cut
         stats.cut_off += cut_off
+        stats.from_ids += written is not None
         stats.examples += 1
         stats.tokens += len(input_ids)
         stats.label_tokens += n_label
@@ -417,24 +418,24 @@ def _as_written(tokenizer: PreTrainedTokenizerBase, row: dict[str, Any], message
                 stats: BuildStats) -> tuple[list[int], list[int]] | None:
     """``(input_ids, labels)`` of a distilled row from the tokens the model wrote (its ``response_ids``, the end
     token included where it ended its turn) after its prompt as decoding renders it; None for a row without them
-    (an endpoint's, a conversation), or whose ids do not decode to its ``response`` (counted in ``ids_unused``).
+    (an endpoint's, a conversation), or whose ids do not decode to its ``response`` or hold one past the
+    tokenizer's (counted in ``ids_unused``).
     Its text tokenised again parts otherwise in about one answer in twelve (SmolLM2: ``"\n\n1."`` as two
     newline tokens the model wrote as one; an answer starting with a newline merged with the header's): the
     heads learnt from sequences decoding never produces."""
     ids = row.get("response_ids")
-    if ids is None or "messages" in row or messages[-1]["role"] != "assistant":
+    if ids is None or row.get("messages") is not None or messages[-1]["role"] != "assistant":
         return None
-    vocab = len(tokenizer)
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-                                            for t in ids):
-        raise ValueError(f"row {row.get('id', '?')!r}: 'response_ids' must be a list of token ids in [0, {vocab}), "
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise ValueError(f"row {row.get('id', '?')!r}: 'response_ids' must be a list of token ids (integers >= 0), "
                          f"got {ids!r:.80}")
     answer = ids[:-1] if row.get("finish_reason") == "eos" and ids else ids
-    if tokenizer.decode(answer, skip_special_tokens=False) != messages[-1]["content"]:
+    # an id past the tokenizer's (a padded embedding's row the model sampled) has no text: as ids that do not decode
+    if any(t >= len(tokenizer) for t in ids) or \
+            tokenizer.decode(answer, skip_special_tokens=False) != messages[-1]["content"]:
         stats.ids_unused += 1
         return None
     prompt = encode_rendered(tokenizer, render_chat(tokenizer, messages[:-1], add_generation_prompt=True))
-    stats.from_ids += 1
     return prompt + list(ids), [IGNORE_INDEX] * len(prompt) + list(ids)
 
 

@@ -148,8 +148,20 @@ def test_a_distilled_answer_is_trained_on_the_tokens_the_model_wrote(smol, caplo
         [again] = build_examples([edited], smol, 256, stats=(stats := BuildStats()))
     assert stats.ids_unused == 1 and "1 rows' response_ids do not decode to their response" in caplog.text
     assert labelled_runs(smol, again["input_ids"], again["labels"]) == ["A\n\nC<|im_end|>"]
-    with pytest.raises(ValueError, match=r"row 'eos': 'response_ids' must be a list of token ids in \[0, "):
+    with pytest.raises(ValueError, match=r"row 'eos': 'response_ids' must be a list of token ids \(integers >= 0\)"):
         build_examples([dict(rows[0], response_ids=[-1])], smol, 256)
+    # an id past the tokenizer's (a padded embedding row the model sampled: no text) stopped the whole build;
+    # a row of "messages": null (a datasets folder mixing conversations with distilled rows) lost its ids; a row
+    # dropped for its length was counted as built from its ids
+    padded = dict(rows[0], response_ids=written + [len(smol) + 3])
+    mixed = dict(rows[0], messages=None)
+    stats = BuildStats()
+    from_text, from_ids = build_examples([padded, mixed], smol, 256, stats=stats)
+    assert from_ids["input_ids"] == prompt + written + [end]
+    assert from_text["input_ids"][len(prompt):] != written + [end]  # the text's tokens, "\n\n" read as two
+    assert (stats.ids_unused, stats.from_ids, stats.examples) == (1, 1, 2)
+    assert build_examples([rows[0]], smol, len(prompt), stats=(stats := BuildStats())) == []
+    assert (stats.dropped_too_long, stats.from_ids) == (1, 0)
 
 
 @pytest.mark.parametrize(
