@@ -979,7 +979,7 @@ def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | Non
     resumed = latest_checkpoint(paths.checkpoints) if paths.checkpoints.is_dir() and not trained else None
     stages += [
         Stage("train", str(paths.final), trained,
-              f"{t.mode}, {total} steps, loss {t.loss}" + (", batches packed" if live else "")
+              f"{t.mode}, {'' if exact else '<= '}{total} steps, loss {t.loss}" + (", batches packed" if live else "")
               + (f", heads from {h.init_from}" if h.init_from else "")
               + (f", resuming {resumed.name}" if resumed is not None else "")),
         Stage("evaluate", str(paths.heads), heads_from_final(paths),

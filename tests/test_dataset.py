@@ -484,7 +484,21 @@ def test_rows_the_build_cuts_or_drops_are_reported_by_the_run(tmp_path, capsys):
         train, heldout = train_heads.stage_data(config, OneProcess(), 0)
         assert len(train) + len(heldout) == 2
         assert (f"data: 2 examples from 4 rows of {rows}; 1 cut to data.max_length=40 tokens, 1 dropped with no "
-                "assistant turn, 1 dropped with a prompt that fills data.max_length=40") in capsys.readouterr().out
+                "assistant turn, 1 dropped with a prompt that fills data.max_length=40, 2 of 2 examples tokenised "
+                "from the answers' text") in capsys.readouterr().out
+    # how many examples come from the tokens the model wrote went to the logger alone, too
+    smol = load_tokenizer("smollm2-135m-instruct")
+    written = smol("Hello there.", add_special_tokens=False)["input_ids"] + [smol.convert_tokens_to_ids("<|im_end|>")]
+    rows.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"id": "a", "prompt": "Hi?", "response": "Hello there.", "finish_reason": "eos", "response_ids": written},
+        {"id": "e", "prompt": "Hey?", "response": "Hi."}]))
+    train_heads.stage_data(config, OneProcess(), 0)
+    assert (f"data: 2 examples from 2 rows of {rows}; 1 of 2 examples tokenised from the answers' text (rows "
+            "without the token ids the model wrote") in capsys.readouterr().out
+    rows.write_text("".join(json.dumps({"id": name, "prompt": "Hi?", "response": "Hello there.",
+                                        "finish_reason": "eos", "response_ids": written}) + "\n" for name in "ab"))
+    train_heads.stage_data(config, OneProcess(), 0)
+    assert "data:" not in capsys.readouterr().out  # every example from the ids, nothing left out: nothing to say
 
 
 def test_rows_that_are_not_chats_and_template_errors_are_named_by_row(smol):

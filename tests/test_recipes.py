@@ -229,6 +229,9 @@ def test_plan_counts_existing_data_and_features(tmp_path):
                                "training": {"batch_tokens": 100}})
     before = plan(config)
     assert before.examples == 50 and before.train_examples == 45 and before.stages[0].done
+    # the steps are a bound until the features are counted: the train stage's line said so as the summary did
+    [train] = [s for s in before.stages if s.name == "train"]
+    assert not before.exact and train.detail.startswith(f"medusa1, <= {before.total_steps} steps")
     # given rows are read as they are: not the recipe's model answering with its token limit
     assert before.stages[0].detail == "rows given (data.rows), read as they are"
     features = tmp_path / "run" / "features"
@@ -240,6 +243,8 @@ def test_plan_counts_existing_data_and_features(tmp_path):
                                                      "settings": feature_settings(config)}))
     after = plan(config)
     assert after.train_units == 1000 and after.steps_per_epoch == 10
+    assert [s.detail for s in after.stages if s.name == "train"][0].startswith(
+        f"medusa1, {'' if after.exact else '<= '}{after.total_steps} steps")
     assert [s.done for s in after.stages if s.name == "features"] == [True]
     # rows still to distil make other examples: the cache is another run's
     assert [s.done for s in plan(config, distill_pending=3).stages if s.name == "features"] == [False]
