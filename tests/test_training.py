@@ -46,7 +46,7 @@ from medusa_train.losses import (
     topk_correct,
 )
 from medusa_train.train_config import config_from_dict, run_paths
-from tiny import tiny_model
+from tiny import VOCAB, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENS = 24  # the counting task uses ids 3..26
@@ -304,11 +304,18 @@ def test_tokens_per_step_walk_the_answers_as_greedy_decoding_does():
     assert walked_tokens_per_step(tree, HeadAccuracy(torch.zeros(2, 1), torch.tensor([8, 8]), ranks)) is None
 
 
-@pytest.mark.parametrize("next_token_input", [False, True])
-def test_walked_tokens_per_step_is_the_tau_greedy_decoding_measures(next_token_input):
+RECIPE_HEADS = {"projection": "own", "next_token_input": True, "path_input": True}  # + a reduced vocabulary
+
+
+@pytest.mark.parametrize("arch, heads", [("llama", {"next_token_input": False}), ("llama", {"next_token_input": True}),
+                                         ("llama", RECIPE_HEADS), ("gemma3_text", RECIPE_HEADS)],
+                         ids=["plain", "next-token", "recipe", "recipe-gemma3"])
+def test_walked_tokens_per_step_is_the_tau_greedy_decoding_measures(arch, heads, tmp_path):
     """Held-out answers that are the model's own greedy answers: the walk over them gives exactly the tau
     that decoding them with the same tree measures (it counted each answer's first token, the prefill's,
-    as a step's: about (tau - 1) / length off, either way)."""
+    as a step's: about (tau - 1) / length off, either way). Also for the recipes' heads (their own
+    projections over a reduced vocabulary, next-token and path inputs; Gemma-3's logit softcap), saved and
+    loaded as decoding loads them: what training measures is what decoding does."""
     import copy
 
     from medusa_infer.decoding import generate
@@ -316,10 +323,14 @@ def test_walked_tokens_per_step_is_the_tau_greedy_decoding_measures(next_token_i
     from medusa_train.features import batch_hidden
     from medusa_train.trainer import HeadsModule
 
-    model = MedusaModel.from_base(tiny_model("llama", seed=1), num_heads=3, next_token_input=next_token_input)
+    base = tiny_model(arch, seed=1)
+    token_map = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(5))[:80] if "path_input" in heads else None
+    trained = MedusaModel.from_base(base, num_heads=3, token_map=token_map, **heads)
     torch.manual_seed(2)
-    for parameter in model.heads.parameters():
+    for parameter in trained.heads.parameters():
         torch.nn.init.normal_(parameter, std=0.3)
+    trained.save_pretrained(tmp_path / "heads", base_model_id="tiny")
+    model = MedusaModel.from_pretrained(tmp_path / "heads", base_model=base)
     tree = [(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]
     examples, step_tokens, steps = [], 0, 0
     for prompt in ([1, 5, 9, 14, 22, 7, 30], [1, 7, 30, 5, 9, 3], [1, 44, 12, 3, 8]):
@@ -330,10 +341,10 @@ def test_walked_tokens_per_step_is_the_tau_greedy_decoding_measures(next_token_i
     batch = pad_batch(examples)
     with torch.no_grad():
         block = block_from_hidden(batch_hidden(model, batch), batch["input_ids"], batch["labels"], batch["lengths"])
-    rows = FeatureDataset(block, 3, model.heads.token_map, model.config.vocab_size)
-    heads = HeadsModule(copy.deepcopy(model.heads), model.lm_head.weight, None, model.logit_softcap,
-                        model.base_model.get_input_embeddings().weight).eval()
-    walked = walked_tokens_per_step(tree, head_accuracy(heads, rows.sequential(1000), top_k=10))
+    rows = FeatureDataset(block, 3, trained.heads.token_map, trained.config.vocab_size)
+    module = HeadsModule(copy.deepcopy(trained.heads), trained.lm_head.weight, None, trained.logit_softcap,
+                         trained.base_model.get_input_embeddings().weight).eval()
+    walked = walked_tokens_per_step(tree, head_accuracy(module, rows.sequential(1000), top_k=10))
     assert steps < step_tokens and walked == pytest.approx(step_tokens / steps, abs=1e-12)
 
 
