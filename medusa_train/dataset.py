@@ -36,7 +36,7 @@ from transformers import PreTrainedTokenizerBase
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
-CACHE_FORMAT_VERSION = 5
+CACHE_FORMAT_VERSION = 6  # 6: distilled rows' examples from their response_ids
 """Bump when the tokenisation or the example layout changes: old caches are then ignored."""
 
 ROLES = ("system", "user", "assistant")

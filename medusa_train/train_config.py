@@ -939,7 +939,7 @@ def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | Non
         unit, micro = "positions", t.batch_tokens
         cached = None if distill_pending else _feature_rows(config)  # rows still to distil: other examples
         units = cached if cached is not None else est_tokens
-        exact = exact and cached is not None
+        exact = cached is not None  # the steps count the cache's positions, as training does
         if cached is not None:
             est_tokens, tokens_exact = cached, True
     else:

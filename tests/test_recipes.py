@@ -243,8 +243,9 @@ def test_plan_counts_existing_data_and_features(tmp_path):
                                                      "settings": feature_settings(config)}))
     after = plan(config)
     assert after.train_units == 1000 and after.steps_per_epoch == 10
-    assert [s.detail for s in after.stages if s.name == "train"][0].startswith(
-        f"medusa1, {'' if after.exact else '<= '}{after.total_steps} steps")
+    assert after.exact and [s.detail for s in after.stages if s.name == "train"][0].startswith(
+        f"medusa1, {after.total_steps} steps")  # (the cache's positions: exact, said "<=")
+    assert "steps <= " not in after.summary()
     assert [s.done for s in after.stages if s.name == "features"] == [True]
     # rows still to distil make other examples: the cache is another run's
     assert [s.done for s in plan(config, distill_pending=3).stages if s.name == "features"] == [False]

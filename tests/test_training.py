@@ -314,8 +314,8 @@ def test_walked_tokens_per_step_is_the_tau_greedy_decoding_measures(arch, heads,
     """Held-out answers that are the model's own greedy answers: the walk over them gives exactly the tau
     that decoding them with the same tree measures (it counted each answer's first token, the prefill's,
     as a step's: about (tau - 1) / length off, either way). Also for the recipes' heads (their own
-    projections over a reduced vocabulary, next-token and path inputs; Gemma-3's logit softcap), saved and
-    loaded as decoding loads them: what training measures is what decoding does."""
+    projections over a reduced vocabulary, next-token and path inputs; on Gemma-3 too), saved and loaded as
+    decoding loads them: what training measures is what decoding does."""
     import copy
 
     from medusa_infer.decoding import generate
