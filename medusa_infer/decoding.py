@@ -59,6 +59,18 @@ def _integer(value: Any) -> int | None:
         return None
 
 
+def token_outside(ids: Iterable[Any], vocab: int) -> str | None:
+    """Why ``ids`` (prompt token ids) cannot be fed to a model of ``vocab`` rows, naming the first id that is
+    not one of them (not an integer, or outside ``[0, vocab)``) and the two usual causes; None when all are.
+    The one check of ``generate``, ``Engine.submit`` and the server's requests."""
+    for token in ids:
+        number = _integer(token)
+        if number is None or not 0 <= number < vocab:
+            return (f"token id {token!r} is outside the vocabulary [0, {vocab}): encode prompts with the model's "
+                    "tokenizer (a token added to it needs the model's embeddings resized)")
+    return None
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How tokens are chosen. ``acceptance`` greedy needs no sampling; typical and lossless sample
@@ -644,7 +656,7 @@ def _prepare_inputs(model, tokenizer, input_ids, attention_mask, prompt, message
         raise ValueError(f"prompt of {longest} tokens does not fit the model's context of {limit} tokens; shorten it")
     vocab = model.base_model.get_output_embeddings().weight.shape[0]
     if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
-        raise ValueError(f"input_ids hold token ids outside [0, {vocab})")
+        raise ValueError(f"input_ids: {token_outside(input_ids.flatten().tolist(), vocab)}")
     return input_ids, attention_mask
 
 

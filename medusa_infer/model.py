@@ -397,7 +397,8 @@ class MedusaModel(nn.Module):
 
         directory = heads_folder(heads_path_or_repo_id, revision)
         exported_digest = None  # the adapter a FasterDecoding-layout export of Medusa-2 heads was trained with
-        if interop.is_medusa_layout(directory):
+        exported = interop.is_medusa_layout(directory)
+        if exported:
             interop.weights_file(directory)  # before loading a base model for nothing
             exported_digest = interop.exported_adapter_digest(directory)
             if base_model is None:
@@ -426,9 +427,9 @@ class MedusaModel(nn.Module):
         merge = adapter and adapter_folder.is_dir()
         digest = adapter_digest(adapter_folder) if merge else None
         already = getattr(base_model, MERGED_ADAPTER_ATTR, None)
-        # Medusa-2 heads whose folder has no adapter (a FasterDecoding-layout export) need one merged: which one
-        # cannot be checked, as on weights saved with an adapter merged
-        wants_adapted = config.trained_with_adapter and not adapter_folder.is_dir()
+        # Medusa-2 heads of the FasterDecoding layout, which holds no adapter, need theirs merged (named by the
+        # export); in our layout a Medusa-2 folder without one is plain heads' case (the adapter was not copied)
+        wants_adapted = exported and config.trained_with_adapter
         if already is not None and (digest != already[1] if merge else not wants_adapted):
             # a base_model object an earlier from_pretrained merged another adapter into
             wanted = (f"the adapter in {adapter_folder}" if merge else

@@ -99,8 +99,12 @@ def validate_tree(paths: Iterable[Sequence[int]], num_heads: int, top_k: int) ->
 
 
 def _is_count(value: object, minimum: int) -> bool:
-    """Whether ``value`` is an integer (Python's or numpy's; not a bool) of at least ``minimum``."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum
+    """Whether ``value`` is an integer of at least ``minimum``: as ``decoding``'s counts take them (Python's,
+    numpy's, a 0-d integer tensor; not a bool)."""
+    from medusa_infer.decoding import _integer  # (decoding imports this module: here, not at its top)
+
+    number = _integer(value)
+    return number is not None and number >= minimum
 
 
 def _check_sizes(num_heads: int, top_k: int) -> None:
@@ -397,9 +401,10 @@ def greedy_tree(head_topk_acc: AcceptanceModel, num_nodes: int) -> list[Path]:
     _check_accuracies(head_topk_acc)
     num_heads, top_k = _shape(head_topk_acc)
     capacity = sum(top_k ** depth for depth in range(1, num_heads + 1))
-    if not _is_count(num_nodes, 1) or num_nodes > capacity:
+    if not _is_count(num_nodes, 1) or int(num_nodes) > capacity:
         raise ValueError(f"num_nodes={num_nodes!r} must be an integer in [1, {capacity}] for "
                          f"{num_heads} heads with top_k={top_k}")
+    num_nodes = int(num_nodes)
 
     def entry(path: Path) -> tuple[float, int, Path]:
         return (-path_probability(path, head_topk_acc), len(path), path)

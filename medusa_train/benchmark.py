@@ -1071,6 +1071,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if given and not read:
             parser.error(f"{flag} is read by {', '.join(readers)}, and --methods has none of them: add one or drop "
                          f"{flag}")
+    if not args.datastore and not args.heads:  # (as medusa-generate and medusa-serve refuse it)
+        parser.error("--no-datastore leaves out the datastore of a heads folder (its datastore.safetensors), and no "
+                     "--heads is given: drop --no-datastore")
     for flag, value in (("--calibrate-questions", args.calibrate_questions),
                         ("--calibrate-context", args.calibrate_context)):
         if value is not None and not args.calibrate:

@@ -642,6 +642,8 @@ def load_or_build_dataset(
     key = dataset_cache_key(rows_path, tokenizer, max_length, system_prompt)
     target = Path(cache_dir) / f"tokenized-{key[:24]}"
     stats = stats if stats is not None else BuildStats()
+    if record:  # the folder's format (the key holds it too), which the plan cannot compute: a record of its own
+        record = {**record, "format": CACHE_FORMAT_VERSION}
     if (target / "dataset_info.json").is_file():
         logger.info("loading tokenised dataset from cache %s", target)
         try:
@@ -668,7 +670,8 @@ def load_or_build_dataset(
     work = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
     try:
         dataset.save_to_disk(str(work / "data"))
-        (work / "data" / BUILD_STATS_NAME).write_text(json.dumps({**asdict(stats), **(record or {})}) + "\n")
+        (work / "data" / BUILD_STATS_NAME).write_text(
+            json.dumps({**asdict(stats), **(record or {})}) + "\n")
         if target.exists():  # an incomplete folder (no dataset_info.json) from a killed run
             shutil.rmtree(target)
         os.replace(work / "data", target)

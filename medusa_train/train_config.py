@@ -856,13 +856,15 @@ def _feature_rows(config: TrainConfig) -> int | None:
 
 
 def _dataset_built(config: TrainConfig) -> bool:
-    """Whether a tokenised dataset of these settings (``example_settings``) is in the run's data folder."""
-    from medusa_train.dataset import BUILD_STATS_NAME
+    """Whether a tokenised dataset of these settings (``example_settings``) and of this cache format is in the
+    run's data folder (one of an earlier format is built again: the plan said done)."""
+    from medusa_train.dataset import BUILD_STATS_NAME, CACHE_FORMAT_VERSION
 
     wanted = json.loads(json.dumps(example_settings(config)))
     for folder in run_paths(config).data.glob("tokenized-*"):
         try:
-            if json.loads((folder / BUILD_STATS_NAME).read_text()).get("settings") == wanted:
+            saved = json.loads((folder / BUILD_STATS_NAME).read_text())
+            if saved.get("settings") == wanted and saved.get("format") == CACHE_FORMAT_VERSION:
                 return True
         except (OSError, ValueError):
             continue

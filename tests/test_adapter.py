@@ -215,6 +215,12 @@ def test_faster_decoding_export_of_medusa2_heads_keeps_their_mode(heads_folder, 
     with pytest.raises(ValueError, match=r"were trained with the Medusa-2 adapter \w{12} \(config.json's "
                                          r"medusa_forge_adapter_digest\), and base_model has another merged"):
         MedusaModel.from_pretrained(tmp_path / "fd", base_model=elsewhere)
+    # our layout holds the adapter: a Medusa-2 folder without it is refused on an adapted base, as before (the
+    # export's rule took it, with a warning about a key our layout never writes)
+    again.save_pretrained(tmp_path / "resaved-ours")
+    assert not (tmp_path / "resaved-ours" / ADAPTER_DIR).exists()
+    with pytest.raises(ValueError, match=r"already has the adapter .*\(no adapter\) needs the plain base"):
+        MedusaModel.from_pretrained(tmp_path / "resaved-ours", base_model=elsewhere)
     exported = json.loads((tmp_path / "fd" / "config.json").read_text())
     del exported["medusa_forge_adapter_digest"]  # (an export that does not name it: said)
     (tmp_path / "fd" / "config.json").write_text(json.dumps(exported))

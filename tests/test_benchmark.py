@@ -319,6 +319,8 @@ def test_heads_from_the_hub_name_their_base_model(model, tmp_path, monkeypatch):
         (["--methods", "ar,lookup", "--draft-model", "no/such-draft"],
          "--draft-model is read by hf-assisted, draft, and --methods has none of them"),
         (["--methods", "ar,hf-lookup", "--no-datastore"], "--no-datastore is read by lookup, medusa-lookup, and"),
+        (["--methods", "ar,lookup", "--no-datastore"], "--no-datastore leaves out the datastore of a heads folder "
+                                                       "(its datastore.safetensors), and no --heads is given"),
         (["--methods", "ar", "--lookup-max-tokens", "7"], "--lookup-max-tokens is read by lookup, medusa-lookup"),
         (["--methods", "ar,lookup", "--temperature", "0.3"],
          "--temperature is read by medusa-typical, medusa-lossless, and --methods has none of them"),

@@ -421,6 +421,9 @@ def test_context_limit_is_a_clean_stop():
         # rows of different lengths or a list of tensors: torch's own words, with no way out
         (dict(input_ids=[[5, 6, 7], [8, 9]]), "left-pad rows of different lengths and pass attention_mask="),
         (dict(input_ids=[torch.tensor([5, 6]), torch.tensor([8])]), "rows of equal length"),
+        # it named neither the id nor a fix
+        (dict(input_ids=torch.tensor([[5, 96]])), r"input_ids: token id 96 is outside the vocabulary \[0, 96\): "
+                                                  r"encode prompts with the model's tokenizer"),
         # read as float32 tensors: "must hold integer token ids"
         (dict(input_ids=[]), "empty prompt"),
         (dict(input_ids=[[]]), "empty prompt"),

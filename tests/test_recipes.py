@@ -232,6 +232,7 @@ def test_plan_counts_existing_data_and_features(tmp_path):
     # the steps are a bound until the features are counted: the train stage's line said so as the summary did
     [train] = [s for s in before.stages if s.name == "train"]
     assert not before.exact and train.detail.startswith(f"medusa1, <= {before.total_steps} steps")
+    assert [line for line in before.summary().splitlines() if line.split()[:1] == ["steps"]][0].split()[1] == "<="
     # given rows are read as they are: not the recipe's model answering with its token limit
     assert before.stages[0].detail == "rows given (data.rows), read as they are"
     features = tmp_path / "run" / "features"
@@ -245,7 +246,8 @@ def test_plan_counts_existing_data_and_features(tmp_path):
     assert after.train_units == 1000 and after.steps_per_epoch == 10
     assert after.exact and [s.detail for s in after.stages if s.name == "train"][0].startswith(
         f"medusa1, {after.total_steps} steps")  # (the cache's positions: exact, said "<=")
-    assert "steps <= " not in after.summary()
+    [steps] = [line for line in after.summary().splitlines() if line.split()[:1] == ["steps"]]
+    assert "<=" not in steps
     assert [s.done for s in after.stages if s.name == "features"] == [True]
     # rows still to distil make other examples: the cache is another run's
     assert [s.done for s in plan(config, distill_pending=3).stages if s.name == "features"] == [False]
@@ -286,6 +288,11 @@ def test_plan_says_done_for_a_tokenised_dataset_of_these_settings_only(tmp_path,
     assert not stats.exists()
     train_heads.stage_data(config, OneProcess(), 0)
     assert [s.done for s in plan(config).stages if s.name == "dataset"] == [True]
+    # a cache of an earlier format (built again by the run): the plan said done
+    saved = json.loads(stats.read_text())
+    stats.write_text(json.dumps({**saved, "format": saved["format"] - 1}))
+    assert [s.done for s in plan(config).stages if s.name == "dataset"] == [False]
+    stats.write_text(json.dumps(saved))
     # other rows under the same path: other examples
     rows.write_text(rows.read_text().replace("an answer", "another answer"))
     assert [s.done for s in plan(config).stages if s.name == "dataset"] == [False]

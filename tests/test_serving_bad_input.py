@@ -362,4 +362,6 @@ def test_a_chat_whose_tokens_lie_outside_the_vocabulary_is_a_400():
             assert answer.status_code == 400, answer.text
             error = answer.json()["error"]
             assert error["param"] == param and error["type"] == "invalid_request_error"
-            assert error["message"] == f"token id {vocab} is outside the vocabulary [0, {vocab})"
+            assert error["message"] == (f"token id {vocab} is outside the vocabulary [0, {vocab}): encode prompts "
+                                        "with the model's tokenizer (a token added to it needs the model's "
+                                        "embeddings resized)")

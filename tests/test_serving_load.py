@@ -174,8 +174,8 @@ def test_the_engine_refuses_a_prompt_the_model_cannot_take(model):
     try:
         with engine.hold():  # one turn would prefill them together
             engine.submit(request(0, ids))
-            with pytest.raises(ValueError, match=rf"prompt token ids \[{vocab}\] are not token ids of the model's "
-                                                 rf"vocabulary \[0, {vocab}\)"):
+            with pytest.raises(ValueError, match=rf"the prompt's token id {vocab} is outside the vocabulary "
+                                                 rf"\[0, {vocab}\): encode prompts with the model's tokenizer"):
                 engine.submit(request(1, ids + [vocab]))
             with pytest.raises(ValueError, match=rf"a prompt of {engine.context_length} tokens leaves no room in the "
                                                  rf"model's context of {engine.context_length} tokens"):

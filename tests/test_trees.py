@@ -239,6 +239,9 @@ def test_sizes_may_be_numpy_integers_and_rank_tables_must_be_whole():
     assert build_tree_buffers(paths, np.uint8(3), np.uint8(200)).candidate_index.tolist() == \
         build_tree_buffers(paths, 3, 200).candidate_index.tolist() == [0, 1, 201, 600]
     assert greedy_tree([[0.5, 0.2]], np.int64(2)) == [(0,), (1,)]
+    # as decoding's counts take them (refused as "num_nodes=tensor(2) must be an integer in [1, 2]")
+    assert greedy_tree([[0.5, 0.2]], torch.tensor(2)) == [(0,), (1,)]
+    assert validate_tree([(0,)], torch.tensor(3), torch.tensor(2)) == [(0,)]
     with pytest.raises(ValueError, match=r"rows of one length .* got rows of \[3, 1\]: pad the short rows"):
         greedy_tree([[0.5, 0.3, 0.1], [0.4]], 3)
 

@@ -199,6 +199,8 @@ def create_app(engine: Engine, model: ModelInfo, settings: ServerSettings) -> Fa
         except EngineStopped as error:
             raise APIError(503, f"The server cannot take requests: {error}.", "server_error", None,
                            "engine_unavailable") from None
+        except ValueError as error:  # a prompt the engine refuses (the request's checks take these first)
+            raise protocol.invalid(str(error), "messages" if params.kind == "chat" else "prompt") from None
         answer = _Answer(engine, job, params, model, settings.method, updates, settings.request_timeout, answers)
         if params.stream:
             return _EventStream(answer.events(), on_close=answer.close,

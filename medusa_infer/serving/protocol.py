@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from medusa_infer.decoding import token_outside
 from medusa_infer.serving import parameters
 
 MAX_BODY_BYTES = 8 << 20
@@ -215,10 +216,9 @@ def _params(kind: str, body: dict[str, Any], model: ModelInfo, prompt_ids: list[
     acceptance = _choice(body, "acceptance", ACCEPTANCE_CHOICES)
     # given as ids, or a tokenizer's for a token added without resizing the model's embeddings (a chat's was a
     # 500: the engine refuses it)
-    bad = next((t for t in prompt_ids if not 0 <= t < model.vocab_size), None)
-    if bad is not None:
-        raise invalid(f"token id {bad} is outside the vocabulary [0, {model.vocab_size})",
-                      "messages" if kind == "chat" else "prompt")
+    outside = token_outside(prompt_ids, model.vocab_size)
+    if outside is not None:
+        raise invalid(outside, "messages" if kind == "chat" else "prompt")
     room = model.context_length - len(prompt_ids)
     if room < 1:
         raise invalid(f"This model's maximum context length is {model.context_length} tokens, and the prompt "

@@ -41,10 +41,10 @@ from medusa_infer.decoding import (
     DecodeBatch,
     SamplingConfig,
     StopConfig,
-    _integer,
     context_length,
     generator_seed,
     left_pad,
+    token_outside,
 )
 from medusa_infer.metrics import GenerationMetrics
 from medusa_infer.proposers import build_proposer
@@ -250,10 +250,9 @@ class Engine:
         if len(ids) >= self.context_length:
             raise ValueError(f"a prompt of {len(ids)} tokens leaves no room in the model's context of "
                              f"{self.context_length} tokens: shorten it")
-        bad = [t for t in ids if _integer(t) is None or not 0 <= _integer(t) < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]!r} are not token ids of the model's vocabulary "
-                             f"[0, {self.vocab_size}): encode the prompt with the model's tokenizer")
+        outside = token_outside(ids, self.vocab_size)
+        if outside is not None:
+            raise ValueError(f"the prompt's {outside}")
         with self._lock:
             if not self.alive:
                 raise EngineStopped("the engine is not running")
