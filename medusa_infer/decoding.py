@@ -51,8 +51,8 @@ def _real(value: Any) -> float | None:
 
 def _integer(value: Any) -> int | None:
     """``value`` as an int when it is an integer (numpy's, a 0-d integer tensor; not a bool), else None."""
-    if isinstance(value, bool):
-        return None
+    if isinstance(value, bool) or "bool" in str(getattr(value, "dtype", "")) or getattr(value, "shape", ()) != ():
+        return None  # (a bool tensor, or a one-element tensor of any shape, read as its number)
     try:
         return int(value.__index__())
     except (AttributeError, TypeError, RuntimeError):
@@ -66,7 +66,7 @@ def token_outside(ids: Iterable[Any], vocab: int) -> str | None:
     for token in ids:
         number = _integer(token)
         if number is None or not 0 <= number < vocab:
-            return (f"token id {token!r} is outside the vocabulary [0, {vocab}): encode prompts with the model's "
+            return (f"token id {token if number is None else number!r} is outside the vocabulary [0, {vocab}): encode prompts with the model's "
                     "tokenizer (a token added to it needs the model's embeddings resized)")
     return None
 

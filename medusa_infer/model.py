@@ -429,7 +429,7 @@ class MedusaModel(nn.Module):
         already = getattr(base_model, MERGED_ADAPTER_ATTR, None)
         # Medusa-2 heads of the FasterDecoding layout, which holds no adapter, need theirs merged (named by the
         # export); in our layout a Medusa-2 folder without one is plain heads' case (the adapter was not copied)
-        wants_adapted = exported and config.trained_with_adapter
+        wants_adapted = exported and config.trained_with_adapter and not merge  # (merged: checked by its digest)
         if already is not None and (digest != already[1] if merge else not wants_adapted):
             # a base_model object an earlier from_pretrained merged another adapter into
             wanted = (f"the adapter in {adapter_folder}" if merge else

@@ -242,6 +242,9 @@ def test_sizes_may_be_numpy_integers_and_rank_tables_must_be_whole():
     # as decoding's counts take them (refused as "num_nodes=tensor(2) must be an integer in [1, 2]")
     assert greedy_tree([[0.5, 0.2]], torch.tensor(2)) == [(0,), (1,)]
     assert validate_tree([(0,)], torch.tensor(3), torch.tensor(2)) == [(0,)]
+    for bad in (torch.tensor(True), torch.tensor([2]), np.array([2])):  # (read as 1, 2 and 2)
+        with pytest.raises(ValueError, match="num_nodes=.* must be an integer"):
+            greedy_tree([[0.5, 0.2]], bad)
     with pytest.raises(ValueError, match=r"rows of one length .* got rows of \[3, 1\]: pad the short rows"):
         greedy_tree([[0.5, 0.3, 0.1], [0.4]], 3)
 
