@@ -420,7 +420,7 @@ def _as_written(tokenizer: PreTrainedTokenizerBase, row: dict[str, Any], message
     token included where it ended its turn) after its prompt as decoding renders it; None for a row without them
     (an endpoint's, a conversation), or whose ids do not decode to its ``response`` or hold one past the
     tokenizer's (counted in ``ids_unused``).
-    Its text tokenised again parts otherwise in about one answer in twelve (SmolLM2: ``"\n\n1."`` as two
+    Its text tokenised again parts otherwise in some answers (SmolLM2: ``"\n\n1."`` as two
     newline tokens the model wrote as one; an answer starting with a newline merged with the header's): the
     heads learnt from sequences decoding never produces."""
     ids = row.get("response_ids")

@@ -125,7 +125,7 @@ def test_prompt_response_row_with_default_system_prompt(smol):
 
 
 def test_a_distilled_answer_is_trained_on_the_tokens_the_model_wrote(smol, caplog):
-    """Its text tokenised again parts otherwise in about one answer in twelve: the model wrote "\n\n" as one
+    """Its text tokenised again parts otherwise in some answers: the model wrote "\n\n" as one
     token that the text reads as two newlines, and an answer starting with a newline merged with the assistant
     header's; the heads learnt from sequences decoding never produces (and a kept hidden state never matched)."""
     newline, pair, end = (smol.convert_tokens_to_ids(t) for t in ("Ċ", "ĊĊ", "<|im_end|>"))
