@@ -155,9 +155,10 @@ def stage_data(config: TrainConfig, accelerator: Any, pending: int | None,
                                                record={"settings": example_settings(config)} if record else None)
         left_out = stats.left_out("data.max_length", d.max_length)
         if stats.rows and stats.from_ids < stats.examples:  # (a cached dataset's too: its build's counts are kept)
+            unused = ", or ids that do not decode to the text" if stats.ids_unused else ""
             left_out.append(f"{stats.examples - stats.from_ids} of {stats.examples} examples tokenised from the "
                             "answers' text (rows without the token ids the model wrote: conversations, an "
-                            f"endpoint's answers, earlier files{', or ids that do not decode to the text' if stats.ids_unused else ''})")
+                            f"endpoint's answers, earlier files{unused})")
         if left_out:
             say(accelerator, f"data: {len(dataset)} examples from {stats.rows} rows of {rows}; " + ", ".join(left_out))
     train, heldout = ds.split_heldout(dataset, d.heldout_fraction, config.training.seed)

@@ -66,8 +66,9 @@ def token_outside(ids: Iterable[Any], vocab: int) -> str | None:
     for token in ids:
         number = _integer(token)
         if number is None or not 0 <= number < vocab:
-            return (f"token id {token if number is None else number!r} is outside the vocabulary [0, {vocab}): encode prompts with the model's "
-                    "tokenizer (a token added to it needs the model's embeddings resized)")
+            return (f"token id {token if number is None else number!r} is outside the vocabulary [0, {vocab}): "
+                    "encode prompts with the model's tokenizer (a token added to it needs the model's embeddings "
+                    "resized)")
     return None
 
 
@@ -969,7 +970,7 @@ def eos_ids(model, tokenizer, eos_token_id=None) -> tuple[int, ...]:
     every id the model's generation config, its config and ``tokenizer`` name (a fine-tune may name its
     end-of-turn token in one of them only), in that order without repeats: the first pads finished rows
     where no pad id is known, as in ``model.generate``. ``ValueError`` for an id outside the vocabulary."""
-    if isinstance(eos_token_id, torch.Tensor) or type(eos_token_id).__module__ == "numpy":  # 0-d too
+    if hasattr(eos_token_id, "tolist"):  # a tensor or a numpy array or scalar, 0-d too
         eos_token_id = eos_token_id.tolist()
     if eos_token_id is not None:
         ids = [eos_token_id] if isinstance(eos_token_id, numbers.Integral) else eos_token_id

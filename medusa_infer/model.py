@@ -441,8 +441,9 @@ class MedusaModel(nn.Module):
         merged_in = already[1] if already is not None else recorded  # the adapter in base_model's weights, if known
         if wants_adapted and exported_digest is not None and merged_in is not None and merged_in != exported_digest:
             raise ValueError(f"the heads in {directory} were trained with the Medusa-2 adapter {exported_digest[:12]} "
-                             f"(config.json's {interop.ADAPTER_DIGEST_KEY}), and base_model has another merged into its "
-                             f"weights ({merged_in[:12]}): load them on the base model with their own adapter merged")
+                             f"(config.json's {interop.ADAPTER_DIGEST_KEY}), and base_model has another merged into "
+                             f"its weights ({merged_in[:12]}): load them on the base model with their own adapter "
+                             "merged")
         if wants_adapted and exported_digest is None and merged_in is not None:
             logger.warning("the heads in %s were trained with a Medusa-2 adapter and their config.json does not name "
                            "it (%s): loaded onto a base model with an adapter merged, which could not be checked to "

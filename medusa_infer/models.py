@@ -21,9 +21,9 @@ import sys
 import tempfile
 import zipfile
 from collections.abc import Iterator
-from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from filelock import FileLock

@@ -670,8 +670,7 @@ def load_or_build_dataset(
     work = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
     try:
         dataset.save_to_disk(str(work / "data"))
-        (work / "data" / BUILD_STATS_NAME).write_text(
-            json.dumps({**asdict(stats), **(record or {})}) + "\n")
+        (work / "data" / BUILD_STATS_NAME).write_text(json.dumps({**asdict(stats), **(record or {})}) + "\n")
         if target.exists():  # an incomplete folder (no dataset_info.json) from a killed run
             shutil.rmtree(target)
         os.replace(work / "data", target)
