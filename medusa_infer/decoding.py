@@ -368,7 +368,9 @@ class DecodeBatch:
         self.kv.append(mask, positions)
         self.roots = self.sampling.first_token(out.logits[:, -1], self.generator)
         self.metrics.prefill_s = time.perf_counter() - start
-        self.proposer.start(self._context(), out.hidden_states[:, -1])
+        context = self._context()
+        context.target_kv = self.kv
+        self.proposer.start(context, out.hidden_states[:, -1])
         emitted = self._emit([[int(t)] for t in self.roots])
         self.metrics.new_tokens += sum(len(t) for t in emitted.values())
         self.metrics.ttft_s = time.perf_counter() - start

@@ -210,6 +210,16 @@ class KVState:
         self.valid = torch.cat([_pad_slots(self.valid, width), _pad_slots(other.valid, width)])
         self.positions = torch.cat([_pad_slots(self.positions, width), _pad_slots(other.positions, width)])
 
+    def copy(self, layers: int | None = None, layout: AttentionLayout | None = None) -> "KVState":
+        """A copy of this state sharing no tensor with it: of every layer's cache, or of the first
+        ``layers`` alone (a draft that runs the model's own first layers starts from them) with
+        that draft's ``layout``."""
+        have = len(_layers(self.cache))
+        if layers is not None and not 0 < layers <= have:
+            raise ValueError(f"cannot copy the first {layers} layers of a cache of {have} layers")
+        return KVState(copy_cache(self.cache, layers), self.valid.clone(), self.positions.clone(),
+                       layout or self.layout)
+
     def compact(self) -> None:
         """Drop slot columns that are holes in every row (keeps the cache from growing needlessly)."""
         used = self.valid.any(dim=0)
@@ -285,12 +295,13 @@ class GrowingCache(DynamicCache):
         Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
 
 
-def copy_cache(cache: Any) -> GrowingCache:
+def copy_cache(cache: Any, count: int | None = None) -> GrowingCache:
     """A ``GrowingCache`` with the contents of ``cache`` (``KVState``'s: every layer a full-length
-    layer, all initialised), sharing no tensor with it."""
+    layer, all initialised), or of its first ``count`` layers, sharing no tensor with it (each
+    layer's first update writes into a new buffer)."""
     copy = GrowingCache()
-    for index, layer in enumerate(cache.layers):
-        copy.update(layer.keys.clone(), layer.values.clone(), index)
+    for index, layer in enumerate(cache.layers[:count]):
+        copy.update(layer.keys, layer.values, index)
     return copy
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from medusa_infer.kv_cache import AttentionLayout, KVState, copy_cache
+from medusa_infer.kv_cache import AttentionLayout, KVState
 from medusa_infer.trees import (
     AcceptanceModel,
     Path,
@@ -167,7 +167,7 @@ def measure_verify_cost(
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for repeat in range(repeats + 1):  # the first round warms up and is discarded
         for n in sizes:
-            kv = KVState(copy_cache(base.cache), base.valid.clone(), base.positions.clone(), layout)
+            kv = base.copy()
             tokens = torch.randint(0, vocab, (1, n), generator=generator).to(device)
             positions = context + torch.arange(n, device=device)[None]
             valid = torch.ones_like(positions, dtype=torch.bool)

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from medusa_infer.kv_cache import AttentionLayout, KVState, copy_cache
+from medusa_infer.kv_cache import AttentionLayout, KVState
 from medusa_infer.model import MedusaModel
 from medusa_infer.models import load_base_model
 
@@ -75,7 +75,7 @@ def decode(model: MedusaModel, ids: torch.Tensor, steps: int, repeats: int) -> N
         one = torch.ones(1, 1, dtype=torch.bool)
 
         def run(explicit: bool) -> tuple[float, list[int]]:
-            state = KVState(copy_cache(kv.cache), kv.valid.clone(), kv.positions.clone(), layout)
+            state = kv.copy()
             token, tokens = first, []
             start = time.perf_counter()
             for step in range(steps):

@@ -94,6 +94,26 @@ def test_a_copy_shares_nothing():
     copy.update(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4), 0)
     assert cache.layers[0].keys.shape[2] == 10 and copy.layers[0].keys.shape[2] == 13
     assert torch.equal(copy.layers[0].keys[:, :, :10], cache.layers[0].keys)
+    cache.layers[0].keys.zero_()  # the original written in place: the copy keeps what it copied
+    assert copy.layers[0].keys[:, :, :10].abs().sum() > 0
+
+
+def test_a_state_copies_its_first_layers_alone():
+    cache = GrowingCache()
+    for index in range(3):
+        cache.update(torch.full((2, 1, 4, 2), float(index)), torch.full((2, 1, 4, 2), -float(index)), index)
+    layout = AttentionLayout({"full_attention": None}, as_dict=False)
+    state = KVState(cache, torch.ones(2, 4, dtype=torch.bool), torch.arange(4).expand(2, 4), layout)
+    windowed = AttentionLayout({"sliding_attention": 2}, as_dict=True)
+    first = state.copy(2, windowed)
+    assert len(first.cache.layers) == 2 and first.layout == windowed and state.layout == layout
+    assert [float(layer.values[0, 0, 0, 0]) for layer in first.cache.layers] == [0.0, -1.0]
+    first.valid[0, 0] = False
+    assert bool(state.valid[0, 0])
+    assert len(state.copy().cache.layers) == 3
+    for bad in (0, 4):
+        with pytest.raises(ValueError, match=f"cannot copy the first {bad} layers of a cache of 3 layers"):
+            state.copy(bad)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES + ("gemma3_text-window-8",))

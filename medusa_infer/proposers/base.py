@@ -58,10 +58,14 @@ class StepContext:
             (the tokens just accepted are ``observe``'s ``accepted``, not yet appended).
         max_depth: deepest candidate the target can still verify this step (context and
             ``max_new_tokens`` limits); proposals must not exceed it.
+        target_kv: in ``start`` alone, the target's ``KVState`` after the prefill (its slots hold
+            the prompts' keys and values); a proposer whose draft runs the target's own first
+            layers copies them from it instead of computing them again. Read only; None elsewhere.
     """
 
     sequences: list[list[int]]
     max_depth: int
+    target_kv: Any = None
 
 
 class Proposer(Protocol):

@@ -10,7 +10,10 @@ One step, for every active row at once::
               adapt k to the acceptance
 
 The draft has its own ``KVState``, so left padding, rows that accept different lengths and rows
-that leave the batch work as in the target's cache. The draft must share the target's tokenizer:
+that leave the batch work as in the target's cache. A draft that is the target's own first layers
+(layerskip, or the target itself) copies the prompts' keys and values of those layers from the
+target's cache after its prefill instead of running its own prefill (the same weights over the
+same tokens: the same keys and values): its first token costs no more than plain decoding's. The draft must share the target's tokenizer:
 its tokens are the target's token ids, and ``draft_probs`` must be over the same vocabulary.
 """
 
@@ -76,6 +79,8 @@ class DraftProposer:
 
         self.context_length = context_length(self.draft)
         self.layout = AttentionLayout.from_config(self.draft.base_model.config)
+        self.shared_layers = shared_layers(target, self.draft)
+        self.target_layers = getattr(target.base_model.config, "num_hidden_layers", None)
         self.sampling: Any = None  # drafts are argmax until configure() asks for sampling
         self.generator: torch.Generator | None = None
         self.kv = KVState.empty(0, self.layout, self.device)
@@ -99,7 +104,13 @@ class DraftProposer:
         batch = len(context.sequences)
         self.kv = KVState.empty(batch, self.layout, self.device)
         self.cached = [0] * batch
-        if self._room(context) > 0:
+        if self._room(context) <= 0:
+            return  # no prompt token fits the draft's context: nothing to draft from
+        if self.shared_layers and context.target_kv is not None and \
+                len(context.target_kv.cache.layers) == self.target_layers:  # a cache layer per decoder layer
+            self.kv = context.target_kv.copy(self.shared_layers, self.layout)
+            self.cached = [len(s) for s in context.sequences]
+        else:
             self._catch_up(context.sequences)  # the draft's prefill
 
     def propose(self, roots: torch.Tensor, context: StepContext) -> Proposal:
@@ -215,6 +226,31 @@ def as_draft_model(draft: Any, tokenizer: Any = None, target: Any = None):
         return MedusaModel(load_base_model(draft, **placed), None,
                            tokenizer if tokenizer is not None else load_tokenizer(draft))
     raise TypeError(f"draft must be a model or a model name, got {type(draft).__name__}")
+
+
+def shared_layers(target, draft) -> int:
+    """How many first decoder layers ``draft`` runs that are ``target``'s own, over its own embedding,
+    so that their keys and values are the target's (all of them for the target itself, N for a
+    layerskip view of N layers); 0 for any other draft."""
+    mine, theirs = _decoder_layers(target.base_model), _decoder_layers(draft.base_model)
+    same_input = target.base_model.get_input_embeddings() is draft.base_model.get_input_embeddings()
+    if not (same_input and mine and theirs) or len(theirs) > len(mine):
+        return 0
+    return len(theirs) if all(a is b for a, b in zip(mine, theirs)) else 0
+
+
+def _decoder_layers(model) -> list[Any]:
+    """``model``'s decoder layers (its ``num_hidden_layers`` of them), or [] where it holds no such list."""
+    from medusa_infer.proposers.layerskip import decoder_layers
+
+    decoder, total = model.base_model, getattr(model.config, "num_hidden_layers", None)
+    if decoder is model or not isinstance(total, int):
+        return []
+    try:
+        name = decoder_layers(decoder, total)
+    except ValueError:
+        return []
+    return list(decoder.get_submodule(name))
 
 
 def _same_model(a, b) -> bool:
