@@ -424,6 +424,11 @@ class DecodeBatch:
 
     # -- bookkeeping --------------------------------------------------------------------------
 
+    def room(self) -> int:
+        """The deepest candidate the next step may verify (0: a plain step; the context or
+        ``max_new_tokens`` leaves no room for a draft)."""
+        return self._context().max_depth
+
     def _context(self) -> StepContext:
         room_context = self.context_length - 2 - int(self.root_pos.max())  # the bonus token must fit too
         # The row with the most room sets the depth; rows with less drop the surplus when emitting.
@@ -514,7 +519,9 @@ class DecodeBatch:
             window = stop.window
             history = self.histories[row] + kept
             tail = generated_text_tail(self.tokenizer, history, self.prompt_lengths[row], window)
-            if any(s in tail for s in stop.stop_strings):
+            # a trailing U+FFFD may be a character whose bytes are still to come (an emoji's first byte token):
+            # matched once text follows it (a stop string holding U+FFFD ended rows inside ordinary characters)
+            if any(s in tail.rstrip("\ufffd") for s in stop.stop_strings):
                 return "stop"
         if len(self.generated[row]) + len(kept) >= stop.max_new_tokens:
             return "length"

@@ -10,16 +10,20 @@ threads and per-row bookkeeping that no such profile captures. So the gate learn
 the engine actually takes:
 
 * the step time as a function of the tokens in the forward, ``t(N)``: the median of the last
-  ``TIME_WINDOW`` step times in each power-of-two range of ``N`` (one slow step is outvoted),
+  ``TIME_WINDOW`` steps in each power-of-two range of ``N`` (its size and time; one slow step is outvoted),
   interpolated between ranges. Every step teaches it, plain or
   speculative, at any batch size. (A table per range of batch sizes would model per-row costs
   too, but in the serving benchmark exploring each range cost more than it saved.)
+  The time of a step's proposing is left out of ``t``: a draft model's (or layerskip's) k forwards
+  cost the same whatever the verified forward's size, and a lone row's speculative step, charged to
+  the range a batch's plain step reads, made plain steps there look dear.
 * what a speculative step yields per row: tokens emitted (``a``, the bonus token included) and
-  tokens verified (``v``), moving averages per power-of-two range of batch sizes (the adaptive
-  fallback fits smaller trees to bigger batches), a batch size no speculative step has run at yet
-  taking the averages over every size (how much of a draft is accepted depends on the text).
+  tokens verified (``v``), and what proposing costs it (``d``), moving averages per power-of-two range
+  of batch sizes (the adaptive fallback fits smaller trees to bigger batches), a batch size no
+  speculative step has run at yet taking the averages over every size (how much of a draft is accepted
+  depends on the text).
 
-A step of ``B`` rows speculates when ``a / t(B * v) >= (1 - margin) / t(B)``: where the two are
+A step of ``B`` rows speculates when ``a / (t(B * v) + d) >= (1 - margin) / t(B)``: where the two are
 close (one row, on a CPU) speculation keeps the benefit of the doubt, and the gate only steps in
 where speculation clearly costs. Until ``t`` has been seen near ``B`` (a plain step; ``MIN_PLAIN_TIMES``
 of them where that range was measured at all) and near ``B * v`` (a speculative one) or on both sides of
@@ -28,7 +32,10 @@ off it still probes now and then, so ``a`` and ``v`` follow the text: each plain
 ``probe_budget * t(B)`` seconds of credit, and a probe is taken when the credit pays for its extra
 cost ``t(B * v) - t(B)``. Probes are thus frequent where they are cheap (one row) and rare where a
 speculative step costs several plain ones (a full batch), and they take about ``probe_budget`` of
-the time either way. Being rare, a probe weighs more in ``a`` and ``v`` than a step taken while
+the time either way. While speculation is on, the gate likewise takes a plain step (a check) whenever
+the speculative steps' ``probe_budget`` share of their time pays for one, so that ``t(B)`` follows the
+machine: a plain step or two measured while another process held the cores made speculation look
+cheap, and without plain steps nothing measured ``t(B)`` again. Being rare, a probe weighs more in ``a`` and ``v`` than a step taken while
 speculation is on (``probe_weight``): the text a probe reads is the text now, and with the ordinary
 weight a server that had spent a request on text its drafts missed (a sampled request on untrained
 heads, say) took several probes, hundreds of plain steps, to speculate again on text they fit.
@@ -57,24 +64,33 @@ it had kept speculation off for hundreds of steps (probes being rare while it is
 MIN_PLAIN_TIMES = 2
 """Step times a batch size's range holds before the gate compares speculation with it: it takes plain
 steps until then (the median of two is the lower one). On one sample, a slow first plain step made
-speculation look cheap for good (the gate speculating on every later step, and no step measured that
-range again; at batch 8, where speculating was 1.9x slower per token, on all of them)."""
+speculation look cheap (the gate speculating on every later step; at batch 8, where speculating was 1.9x
+slower per token, on all of them); two slow ones did so until checks (plain steps taken while speculation
+is on) outvoted them."""
 
 
 @dataclass
 class _Average:
-    """A step's forward size (moving average) and its last ``TIME_WINDOW`` times, for one power-of-two
-    range of sizes."""
+    """The last ``TIME_WINDOW`` steps of one power-of-two range of forward sizes, ``(tokens, seconds)`` each;
+    the range's point is the median step (by time, the lower one of an even count): its size and its time.
+    (A moving average of the sizes beside the median time priced a range's sizes wrong where steps of two
+    sizes shared it: 24 tokens at the time of 17, where a lone row's 17-token steps and a batch's 24-token
+    ones met, and speculation at 12 rows looked 15% dearer than it measured.)"""
 
-    tokens: float
-    recent: list[float]
+    recent: list[tuple[float, float]]
     samples: int = 1
+
+    def _median(self) -> tuple[float, float]:
+        ordered = sorted(self.recent, key=lambda step: (step[1], step[0]))
+        return ordered[(len(ordered) - 1) // 2]
+
+    @property
+    def tokens(self) -> float:
+        return self._median()[0]
 
     @property
     def seconds(self) -> float:
-        """The median of the recent times (the lower one of an even count)."""
-        ordered = sorted(self.recent)
-        return ordered[(len(ordered) - 1) // 2]
+        return self._median()[1]
 
 
 class SpeculationGate:
@@ -112,6 +128,10 @@ class SpeculationGate:
         self.speculative_steps = 0
         self.plain_steps = 0
         self._credit = 0.0  # seconds of probing earned by plain steps
+        self._check_credit = 0.0  # seconds of plain checks earned by speculative steps
+        self.checks = 0  # plain steps taken as checks (speculation on)
+        self.proposing_seconds = 0.0  # d: what proposing costs a speculative step
+        self._proposing: dict[int, float] = {}  # power-of-two range of batch sizes -> d
 
     def sibling(self) -> "SpeculationGate":
         """A gate for other text (another sampling setting, whose drafts are accepted at another
@@ -121,7 +141,8 @@ class SpeculationGate:
         other.tokens_per_row = other.verified_per_row = 1.0
         other._by_batch = {}
         other.speculative_steps = other.plain_steps = 0
-        other._credit, other._probing = 0.0, False
+        other._credit, other._probing, other._check_credit, other.checks = 0.0, False, 0.0, 0
+        other.proposing_seconds, other._proposing = 0.0, {}
         return other
 
     # -- what has been measured ---------------------------------------------------------------
@@ -170,7 +191,13 @@ class SpeculationGate:
         speculative = self.step_seconds(batch * verified)
         if speculative is None:
             return True
+        speculative += self._proposing.get(self._range(batch), self.proposing_seconds)
         if tokens / speculative >= (1 - self.margin) / plain:
+            self._check_credit += self.probe_budget * speculative
+            if self._check_credit >= plain:  # a check: t(B) measured again
+                self._check_credit = 0.0
+                self.checks += 1
+                return False
             return True
         self._credit += self.probe_budget * plain
         if self._credit >= speculative - plain:
@@ -179,19 +206,21 @@ class SpeculationGate:
             return True
         return False
 
-    def record(self, batch: int, speculated: bool, tokens: float, seconds: float, verified: int) -> None:
+    def record(self, batch: int, speculated: bool, tokens: float, seconds: float, verified: int,
+               proposing: float = 0.0) -> None:
         """A step of ``batch`` rows, speculative or not, verified ``verified`` tokens in one forward
-        (all rows together) and emitted ``tokens`` in ``seconds``."""
-        if batch < 1 or tokens < 0 or seconds <= 0 or verified < batch:
-            raise ValueError(f"need batch >= 1, tokens >= 0, seconds > 0 and verified >= batch, got batch={batch}, "
-                             f"tokens={tokens}, seconds={seconds}, verified={verified}")
+        (all rows together) and emitted ``tokens`` in ``seconds``, ``proposing`` of them spent proposing."""
+        if batch < 1 or tokens < 0 or seconds <= 0 or verified < batch or not 0 <= proposing < seconds:
+            raise ValueError(f"need batch >= 1, tokens >= 0, seconds > 0, verified >= batch and 0 <= proposing < "
+                             f"seconds, got batch={batch}, tokens={tokens}, seconds={seconds}, verified={verified}, "
+                             f"proposing={proposing}")
+        seconds -= proposing if speculated else 0.0  # a plain step proposes nothing (its time is all t's)
         key, w = self._range(verified), self.smoothing
         average = self._times.get(key)
         if average is None:
-            self._times[key] = _Average(float(verified), [seconds])
+            self._times[key] = _Average([(float(verified), seconds)])
         else:
-            average.tokens = (1 - w) * average.tokens + w * verified
-            average.recent = (average.recent + [seconds])[-TIME_WINDOW:]
+            average.recent = (average.recent + [(float(verified), seconds)])[-TIME_WINDOW:]
             average.samples += 1
         probe, self._probing = self._probing and speculated, False
         if not speculated:
@@ -200,9 +229,13 @@ class SpeculationGate:
         w = self.probe_weight if probe else w
         if self.speculative_steps == 0:
             self.tokens_per_row, self.verified_per_row = tokens / batch, verified / batch
+            self.proposing_seconds = proposing
         else:
             self.tokens_per_row = (1 - w) * self.tokens_per_row + w * tokens / batch
             self.verified_per_row = (1 - w) * self.verified_per_row + w * verified / batch
+            self.proposing_seconds = (1 - w) * self.proposing_seconds + w * proposing
+        before = self._proposing.get(self._range(batch))
+        self._proposing[self._range(batch)] = proposing if before is None else (1 - w) * before + w * proposing
         same = self._by_batch.get(self._range(batch))
         if same is None:
             self._by_batch[self._range(batch)] = [tokens / batch, verified / batch]
@@ -217,21 +250,28 @@ class SpeculationGate:
         return {
             "tokens_per_row": self.tokens_per_row,
             "verified_per_row": self.verified_per_row,
+            "proposing_seconds": self.proposing_seconds,
             "step_seconds": {f"~{a.tokens:.0f} tokens": a.seconds for _, a in sorted(self._times.items())},
             "speculative_steps": self.speculative_steps,
             "plain_steps": self.plain_steps,
+            "checks": self.checks,
         }
 
 
 def gated_step(batch: Any, gate: SpeculationGate | None) -> tuple[dict[int, list[int]], bool]:
     """One step of ``batch`` (a ``decoding.DecodeBatch``), speculative or plain as ``gate`` decides
-    (always speculative without a gate), reported back to the gate: ``(emitted, speculated)``."""
+    (always speculative without a gate), reported back to the gate: ``(emitted, gated)``, ``gated`` telling
+    whether the gate chose a plain step (speculation measured slower, or a check)."""
     if gate is None:
-        return batch.step(), True
+        return batch.step(), False
     rows = len(batch.rows)
-    speculate = gate.speculate(rows)
-    start = time.perf_counter()
+    # a step with no room for a draft (every row's last token) is plain whatever the gate would say: asked, the
+    # gate spent a probe on it and learnt that speculating yields one token for one verified
+    room = batch.room() > 0
+    speculate = room and gate.speculate(rows)
+    start, proposing = time.perf_counter(), batch.metrics.phase_s["propose"]
     emitted = batch.step(speculate=speculate)
-    gate.record(rows, speculate, sum(len(t) for t in emitted.values()), time.perf_counter() - start,
-                rows * batch.metrics.recent_tree_sizes[-1])
-    return emitted, speculate
+    seconds, proposing = time.perf_counter() - start, batch.metrics.phase_s["propose"] - proposing
+    gate.record(rows, speculate, sum(len(t) for t in emitted.values()), seconds,
+                rows * batch.metrics.recent_tree_sizes[-1], min(proposing, 0.99 * seconds))  # (a part of it)
+    return emitted, room and not speculate

@@ -862,9 +862,8 @@ def test_stop_strings_are_looked_for_in_the_text_as_it_reads_after_the_prompt():
     assert out.new_tokens[0] == free.new_tokens[0][:2] and out.finish_reasons == ["stop"]
 
 
-def test_streamed_text_joins_to_the_answer_when_a_row_ends_inside_a_character():
-    """A byte-level tokenizer's answer cut (token limit) inside a multi-byte character: the text held
-    back while waiting for the character's other bytes is sent with the row's last chunk."""
+def byte_tokenizer():
+    """A byte-level tokenizer of one token per byte (no merges): a multi-byte character takes several tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import PreTrainedTokenizerFast
@@ -875,7 +874,39 @@ def test_streamed_text_joins_to_the_answer_when_a_row_ends_inside_a_character():
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def test_a_stop_string_of_u_fffd_waits_for_a_characters_other_bytes():
+    """While a character's bytes are still coming the text read ends in U+FFFD: a stop string holding one (a client
+    cutting broken output) ended rows at the first byte of every emoji. It matches once text follows it."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig
+
+    tokenizer = byte_tokenizer()
+    model = MedusaModel.without_heads(tiny_model("llama", vocab_size=len(tokenizer)), tokenizer)
+    prompt = tokenizer("Say:")["input_ids"]
+    ids = torch.tensor([prompt])
+    batch = DecodeBatch(model, ids, torch.ones_like(ids), AutoregressiveProposer(model), SamplingConfig(),
+                        StopConfig(50, (), ("\ufffd", "x\ufffdy")), tokenizer, None)
+
+    def stops_at(text: bytes) -> int | None:
+        new = [tokenizer.convert_tokens_to_ids(bytes_to_unicode()[b]) for b in text]  # a token per byte
+        for n in range(1, len(new) + 1):
+            if batch._stop_reason(0, new[:n], new[n - 1]) == "stop":
+                return n
+        return None
+
+    assert stops_at(" party 🎉 now".encode()) is None  # an emoji's first three bytes read as U+FFFD
+    assert stops_at(b"ab\xffcd") == 4  # a byte that begins no character: broken text, cut
+    assert stops_at(b"x\xffy") == 3
+
+
+def test_streamed_text_joins_to_the_answer_when_a_row_ends_inside_a_character():
+    """A byte-level tokenizer's answer cut (token limit) inside a multi-byte character: the text held
+    back while waiting for the character's other bytes is sent with the row's last chunk."""
+    tokenizer = byte_tokenizer()
     model = MedusaModel.without_heads(tiny_model("llama", vocab_size=len(tokenizer)), tokenizer)
     ids = torch.tensor([tokenizer("héllo wörld")["input_ids"]])
     cut_inside = 0

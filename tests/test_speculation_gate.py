@@ -85,8 +85,10 @@ def test_the_choice_follows_the_text():
     run(gate, batch=4, steps=10, tokens_per_row=1.0)  # nothing accepted: plain
     assert gate.speculate(4) is False
     # the text turns repetitive: 4 of 5 drafted tokens accepted; the probes find out
-    choices = run(gate, batch=4, steps=30, tokens_per_row=5.0)
-    assert all(choices[-8:])
+    run(gate, batch=4, steps=22, tokens_per_row=5.0)
+    checks = gate.checks
+    choices = run(gate, batch=4, steps=8, tokens_per_row=5.0)
+    assert choices.count(False) == gate.checks - checks <= 2  # its plain steps are checks of t(4) alone
     summary = gate.summary()
     assert summary["tokens_per_row"] == pytest.approx(5.0, rel=0.01) and summary["verified_per_row"] == 5
 
@@ -99,8 +101,10 @@ def test_speculation_comes_back_within_a_few_probes_with_the_default_settings():
     # the next request's text suits the drafts (2.2 tokens a step): its first probe (credit earned
     # during the first request pays for it at once, or a step later) turns speculation back on for good;
     # with every probe weighed as an ordinary step it took three probes and 39 steps
+    checks = gate.checks
     choices = run(gate, batch=1, steps=40, tokens_per_row=2.2)
-    assert choices.index(True) <= 1 and all(choices[choices.index(True):])
+    back = choices.index(True)
+    assert back <= 1 and choices[back:].count(False) == gate.checks - checks <= 1  # then only a check of t(1)
 
 
 def test_a_probe_whose_step_failed_is_forgotten():
@@ -201,9 +205,10 @@ class Forced(SpeculationGate):
         self.asked.append(batch)
         return self.rule(batch)
 
-    def record(self, batch: int, speculated: bool, tokens: float, seconds: float, verified: int) -> None:
+    def record(self, batch: int, speculated: bool, tokens: float, seconds: float, verified: int,
+               proposing: float = 0.0) -> None:
         self.records.append((batch, speculated, tokens, verified))
-        super().record(batch, speculated, tokens, seconds, verified)
+        super().record(batch, speculated, tokens, seconds, verified, proposing)
 
 
 def answer(server, **kwargs) -> tuple[str, dict]:
@@ -302,6 +307,64 @@ def test_one_slow_first_plain_step_does_not_turn_speculation_on_for_good():
     assert sum(choices[20:]) < 10, sum(choices[20:])
 
 
+def test_two_slow_first_plain_steps_do_not_turn_speculation_on_for_good():
+    """Both plain steps measuring t(8) were slow (another process on the cores): the gate then speculated on every
+    later step, 1.9x slower per token, and no plain step measured t(8) again. Checks (plain steps taken while
+    speculation is on) measure it again and outvote the two."""
+    rows, verified, tokens = 8, 5, 1.6
+    gate, slow = SpeculationGate(), [2]
+
+    def step():
+        spec = gate.speculate(rows)
+        seconds = linear_time(rows * (verified if spec else 1))
+        if not spec and slow[0]:
+            seconds, slow[0] = seconds * 3, slow[0] - 1
+        gate.record(rows, spec, rows * (tokens if spec else 1), seconds, rows * (verified if spec else 1))
+        return spec
+
+    choices = [step() for _ in range(600)]
+    assert not slow[0] and gate.checks > 0
+    assert sum(choices[-200:]) < 20, sum(choices[-200:])
+
+
+def test_checks_take_about_the_probe_budget_where_speculation_pays():
+    gate = SpeculationGate(warmup=1)
+    choices = run(gate, batch=1, steps=600, tokens_per_row=2.0)  # 2 tokens in 0.060 s against 1 in 0.044
+    spent = gate.checks * linear_time(1) / (choices.count(True) * linear_time(5) + gate.checks * linear_time(1))
+    assert choices[3:].count(False) == gate.checks and 0.01 < spent <= 0.021, (gate.checks, spent)
+
+
+def test_proposing_is_priced_apart_from_the_forward():
+    """A draft model's k forwards cost the same whatever the verified forward's size: a lone row's speculative
+    step, its drafting counted in the time of its 5-token forward, priced the range a batch of 8's plain step
+    reads (5 to 8 tokens) at nearly twice its time. The table holds the forward's time; drafting is priced
+    beside it, per range of batch sizes, on the speculative side."""
+    gate, drafting = SpeculationGate(warmup=2), 0.05
+    choices = []
+    for _ in range(60):
+        spec = gate.speculate(1)
+        verified, proposing = (5, drafting) if spec else (1, 0.0)
+        gate.record(1, spec, 1.6 if spec else 1, linear_time(verified) + proposing, verified, proposing)
+        choices.append(spec)
+    assert gate.step_seconds(5) == pytest.approx(linear_time(5))  # the forward's time alone
+    assert gate.step_seconds(8) == pytest.approx(linear_time(8))  # what a batch of 8's plain step reads
+    assert gate.summary()["proposing_seconds"] == pytest.approx(drafting)
+    assert sum(choices[4:]) < 6  # 1.6 tokens in 0.11 s against 1 in 0.044: plain, but for a probe or two
+    with pytest.raises(ValueError, match="0 <= proposing < seconds"):
+        gate.record(1, True, 1, 0.1, 5, 0.1)
+
+
+def test_a_step_with_no_room_for_a_draft_is_plain_and_asks_the_gate_nothing(model):
+    """Every row's last token: the step can verify the root alone. Asked, a gate due a probe spent it on that step
+    and learnt that speculating yields one token for one verified."""
+    ids, mask = left_pad([[5, 6, 7, 8, 5, 6, 7], [9, 10, 9, 10, 9], [5, 6, 5, 6], [7, 8, 9]], 0)
+    gate = Forced(lambda batch: True)
+    out = stream(model, ids, mask, max_new_tokens=2, eos_token_id=[], speculation_gate=gate).result()
+    assert [len(t) for t in out.new_tokens] == [2, 2, 2, 2]
+    assert gate.asked == [] and gate.records == [(4, False, 4, 4)]
+    assert gate.speculative_steps == 0 and gate.verified_per_row == 1.0
+
+
 def test_a_draft_size_between_measured_ones_is_interpolated():
     """Drafts of 9 tokens on every other step, the root alone on the others (a plain rung, lookup rows
     without a match): the average forward size falls in a range no step verifies, and the gate took
@@ -366,8 +429,9 @@ def test_each_batch_size_range_has_its_own_yield():
     for _ in range(5):
         for _ in range(60):
             step(1)
-        plain.append(sum(not step(12) for _ in range(60)))
-    assert sum(plain) < 10, plain
+        checks = gate.checks
+        plain.append(sum(not step(12) for _ in range(60)) - (gate.checks - checks))  # checks of t(12) aside
+    assert sum(plain) < 10 and gate.checks < 25, (plain, gate.checks)
 
 
 def test_the_engine_keeps_a_gate_per_sampling_setting(model):

@@ -161,7 +161,8 @@ class ServingMetrics:
         self.batch_row_steps = Counter("medusa:batch_row_steps",
                                        "Rows decoded, summed over steps (divided by batch_steps: mean batch size).")
         self.gated_steps = Counter("medusa:gated_steps",
-                                   "Steps decoded without speculation because the gate measured it slower.")
+                                   "Steps the speculation gate decoded plainly: it measured speculation slower, or "
+                                   "checked the plain step's time.")
         self.batch_joins = Counter("medusa:batch_joins", "Newly prefilled requests that joined a running batch.")
         self.aborted = Counter("medusa:requests_aborted",
                                "Requests ended early, by reason (disconnect, timeout, error, shutdown).", ("reason",))

@@ -441,12 +441,12 @@ class Engine:
         # generator is drawn, and its output must depend on its seed alone, not on timings.
         gate = self._gate_for(running.key)
         try:
-            emitted, speculated = gated_step(running.batch, gate)
+            emitted, gated = gated_step(running.batch, gate)
         except Exception as error:
             log.exception("decoding step failed")
             self._fail_batch(running, error)
             return
-        if not speculated:
+        if gated:
             self.metrics.gated_steps.inc()
         self._record_speculation(before, _spec_counts(running.batch.metrics))
         self._deliver(running, emitted)
