@@ -1029,6 +1029,8 @@ def make_controller(model, paths: Sequence[Sequence[int]], adaptive: bool | None
                     step_costs: StepCosts | None = None) -> TreeController | None:
     """The adaptive-fallback controller for ``paths``, or None where none runs (``fallback_paths``);
     it learns batch-1 cost ratios into ``step_costs`` when given (``adaptive.StepCosts``)."""
+    if step_costs is not None and not isinstance(step_costs, StepCosts):
+        raise ValueError(f"step_costs must be an adaptive.StepCosts (or None), got {step_costs!r}")
     start = fallback_paths(model, paths, adaptive)
     if start is None:
         return None
@@ -1050,6 +1052,8 @@ def fallback_paths(model, paths: Sequence[Sequence[int]], adaptive: bool | None)
     a tree (an explicit ``tree=[]``) is plain decoding throughout unless ``adaptive=True`` asks for
     the fallback, which then starts there as on heads that stored plain decoding.
     """
+    if adaptive is not None and not isinstance(adaptive, bool):  # "false" would turn the fallback on
+        raise ValueError(f"adaptive must be True, False or None (on for calibrated heads), got {adaptive!r}")
     config = model.config
     asked = adaptive is True
     known = bool(config.head_accuracies and config.cost_profile)

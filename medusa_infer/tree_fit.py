@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -67,10 +68,11 @@ class CostProfile:
     def __post_init__(self) -> None:
         if not self.sizes or self.sizes[0] != 1 or list(self.sizes) != sorted(set(self.sizes)):
             raise ValueError(f"sizes must be ascending, distinct and start at 1, got {self.sizes}")
-        if len(self.seconds) != len(self.sizes) or min(self.seconds) <= 0:
-            raise ValueError("seconds must hold one positive time per size")
-        if any(t < 0 for t in self.head_seconds):
-            raise ValueError(f"head_seconds must not be negative, got {self.head_seconds}")
+        if len(self.seconds) != len(self.sizes) or not all(0 < t < math.inf for t in self.seconds):
+            raise ValueError(f"seconds must hold one positive, finite time per size, got {self.seconds} (a NaN or an "
+                             "infinity, which JSON readers take, kept the adaptive fallback on plain decoding)")
+        if not all(0 <= t < math.inf for t in self.head_seconds):
+            raise ValueError(f"head_seconds must be finite and not negative, got {self.head_seconds}")
         # no forward costs less than one token's: a profile saved before measure_verify_cost raised each
         # time to the smaller sizes' can hold t(n) < t(1), which promises a speedup above tau (dips between
         # larger sizes can be real on a CPU, where the linear kernels are chosen per row count)

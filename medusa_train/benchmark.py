@@ -113,6 +113,7 @@ class MethodTotals:
     seconds: float = 0.0
     steps: int = 0
     step_tokens: int = 0  # tokens the decoding steps gave (all but the prefill's first)
+    later_tokens: int = 0  # tokens after the first forward's (TPOT's denominator; its numerator is their time)
     ttft: list[float] = field(default_factory=list)
     decode_s: float = 0.0
     peak_mem_mb: float = 0.0
@@ -126,6 +127,8 @@ class MethodTotals:
         # it gave past the prefill's (one that accepted none looks like the prefill alone: not counted)
         self.steps += turn.steps + (min(turn.first_tokens, len(turn.tokens)) > 1)
         self.step_tokens += max(len(turn.tokens) - 1, 0)
+        # an assisted first forward's accepted drafts came in the TTFT's time: not in TPOT's
+        self.later_tokens += len(turn.tokens) - min(max(turn.first_tokens, 1), len(turn.tokens))
         self.ttft.append(turn.ttft_s)
         if len(turn.tokens) > 1:  # a row that stopped at its first token has no later tokens to charge
             self.decode_s += (turn.call_s - turn.ttft_s) * turn.steps / max(turn.call_steps, 1)
@@ -133,7 +136,7 @@ class MethodTotals:
 
     def summary(self, baseline_speed: float | None) -> dict[str, Any]:
         speed = self.tokens / self.seconds if self.seconds else 0.0
-        later = self.tokens - len(self.ttft)
+        later = self.later_tokens
         return {
             "tokens": self.tokens,
             "seconds": round(self.seconds, 3),
@@ -541,28 +544,38 @@ def fitting_questions(model, tokenizer, questions: list[dict], max_new_tokens: i
     return fits, [q["id"] for q in too_long]
 
 
+def usable_questions(model, questions: list[dict], args: argparse.Namespace, say: bool = True
+                     ) -> tuple[list[dict], list]:
+    """``(questions that fit the model's context with args.max_new_tokens a turn, ids of the others)``
+    (``fitting_questions``), saying which were left out (``say``); ``ValueError`` where none fits."""
+    questions, too_long = fitting_questions(model, model.tokenizer, questions, args.max_new_tokens)
+    if too_long and say:
+        print(f"leaving out {len(too_long)} questions whose turns and answers could outgrow the model's context "
+              f"of {context_length(model)} tokens: {', '.join(map(str, too_long))}", file=sys.stderr)
+    if not questions:
+        raise ValueError(f"no question fits the model's context of {context_length(model)} tokens with "
+                         f"{args.max_new_tokens} new tokens a turn; lower --max-new-tokens")
+    return questions, too_long
+
+
 def benchmark(model, questions: list[dict], args: argparse.Namespace,
-              progress: Callable[[str], None] = lambda s: None, started: float | None = None) -> dict[str, Any]:
+              progress: Callable[[str], None] = lambda s: None, started: float | None = None,
+              runner: "Runner | None" = None) -> dict[str, Any]:
     """Run every method on every question (interleaved) and return the report dictionary.
 
     With ``args.batch_size`` B > 1 the questions go in groups of B (in order), and for each method
     and turn index the group's rows that have that turn are decoded as one batch. With
     ``args.time_budget`` (seconds since ``started``, a ``time.perf_counter()`` value; default: this
-    call) no group but the first starts after the budget is spent.
+    call) no group but the first starts after the budget is spent. ``runner``: the ``Runner`` to answer
+    with (default: a new one, which loads ``args.draft_model``).
     """
     from medusa_infer.cpu_kernels import kernel_plans, linear_kernels
 
     started = time.perf_counter() if started is None else started
     methods = list(args.methods)
     check_batch_size(methods, args.batch_size)
-    runner = Runner(model, args)
-    questions, too_long = fitting_questions(model, runner.tokenizer, questions, args.max_new_tokens)
-    if too_long:
-        print(f"leaving out {len(too_long)} questions whose turns and answers could outgrow the model's context "
-              f"of {context_length(model)} tokens: {', '.join(map(str, too_long))}", file=sys.stderr)
-    if not questions:
-        raise ValueError(f"no question fits the model's context of {context_length(model)} tokens with "
-                         f"{args.max_new_tokens} new tokens a turn; lower --max-new-tokens")
+    runner = Runner(model, args) if runner is None else runner
+    questions, too_long = usable_questions(model, questions, args)
     if args.time_budget is not None:
         questions = interleave_categories(questions)
     warm_up(runner, methods, questions, args.batch_size, min(8, args.max_new_tokens))  # within the context checked
@@ -1071,6 +1084,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if given and not read:
             parser.error(f"{flag} is read by {', '.join(readers)}, and --methods has none of them: add one or drop "
                          f"{flag}")
+    gated = [m for m in args.methods if m in OUR_METHODS and m not in SAMPLING_METHODS and m != "ar"]
+    if args.speculation_gate == "off" and not (gated and args.batch_size > 1):
+        parser.error("--speculation-gate off turns off the gate of greedy batches of "
+                     f"{', '.join(m for m in OUR_METHODS if m not in SAMPLING_METHODS and m != 'ar')}, and "
+                     + ("--batch-size is 1 (one row has no gate)" if gated else "--methods has none of them")
+                     + ": drop it")
+    if args.step_costs != "learned" and not (args.fallback and {"medusa", "medusa-lookup"} & set(args.methods)):
+        parser.error(f"--step-costs {args.step_costs} sets what the adaptive fallback of medusa and medusa-lookup "
+                     "learns, and " + ("--no-fallback turns it off" if args.fallback is False else
+                                       "--methods has neither") + ": drop it")
+    if args.lookup_max_tokens is not None and not args.heads:
+        parser.error("--lookup-max-tokens bounds the drafts a cost profile chooses, which calibrated --heads carry, "
+                     "and no --heads is given: drop it (without a profile, lookup drafts --lookup-tokens)")
     if not args.datastore and not args.heads:  # (as medusa-generate and medusa-serve refuse it)
         parser.error("--no-datastore leaves out the datastore of a heads folder (its datastore.safetensors), and no "
                      "--heads is given: drop --no-datastore")
@@ -1218,7 +1244,7 @@ def run(args: argparse.Namespace, started: float) -> int:
     if not all_questions:
         raise ValueError(f"{args.questions} holds no question; each line holds one: "
                          '{"id": 1, "category": "writing", "turns": ["first turn", ...]}')
-    questions = None
+    questions, runner = None, None
     if args.calibrate:
         calib_questions = pick_questions(all_questions, args.calibrate_questions, seed=args.seed + 1,
                                          exclude_ids=exclude)
@@ -1237,9 +1263,12 @@ def run(args: argparse.Namespace, started: float) -> int:
             raise ValueError(f"no question of {args.questions} is left to calibrate on after --exclude-ids; "
                              "exclude fewer, or give more questions")
         exclude += [q["id"] for q in calib_questions]
-        # picked before calibrating, which rewrites the heads' folder: a run left with nothing to benchmark had
-        # changed it (and a later run left the same questions out, failing again)
+        # picked, fitted to the context and the draft model loaded before calibrating, which rewrites the heads'
+        # folder: a run left with nothing to benchmark, or with a draft model that does not load, had changed it
+        # (and a later run left the same questions out, failing again)
         questions = _benchmark_questions(all_questions, args, exclude, calibrated=True)
+        usable_questions(model, questions, args, say=False)  # (the benchmark says which it leaves out)
+        runner = Runner(model, args)
         result = calibrate(model, calib_questions, args)
         result["question_ids"] = [q["id"] for q in calib_questions]  # left out of the benchmark
         # the weights as stored (the model computes with them converted to --dtype, rounded in bfloat16)
@@ -1250,7 +1279,7 @@ def run(args: argparse.Namespace, started: float) -> int:
               f"expected speedup {result['expected_speedup']:.2f}x; saved into {saved}", file=sys.stderr)
     if questions is None:
         questions = _benchmark_questions(all_questions, args, exclude, bool(calibrated_on))
-    report = benchmark(model, questions, args, started=started)
+    report = benchmark(model, questions, args, started=started, runner=runner)
     (output / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     markdown = report_markdown(report)
     (output / "report.md").write_text(markdown)

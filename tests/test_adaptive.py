@@ -253,6 +253,21 @@ def test_useless_heads_engage_the_fallback_and_output_stays_exact():
     fixed = generate(model, prompt, max_new_tokens=60, tree="tree-16", eos_token_id=[], adaptive=False)
     assert fixed.metrics.fallback_fraction < 0.05  # only the last step, cut short by max_new_tokens
     assert fixed.metrics.fallback_steps == 0
+    # "false" is a true value: it turned the fallback on; a wrong step_costs failed mid-decoding (AttributeError)
+    for given, says in (({"adaptive": "false"}, "adaptive must be True, False or None .* got 'false'"),
+                        ({"adaptive": 0.0}, "adaptive must be True, False or None"),
+                        ({"step_costs": "learned"}, "step_costs must be an adaptive.StepCosts .* got 'learned'")):
+        with pytest.raises(ValueError, match=says):
+            generate(model, prompt, max_new_tokens=4, tree="tree-16", **given)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_cost_profile_of_nan_or_infinity_is_refused(bad):
+    """JSON readers take NaN and Infinity: such a profile kept the fallback on plain decoding, its ratios NaN."""
+    with pytest.raises(ValueError, match="seconds must hold one positive, finite time per size"):
+        CostProfile([1, 2, 4], [bad, 0.02, 0.03])
+    with pytest.raises(ValueError, match="head_seconds must be finite and not negative"):
+        CostProfile([1, 2, 4], [0.01, 0.02, 0.03], head_seconds=[bad])
 
 
 def test_a_plain_decoding_verdict_grows_a_tree_when_acceptance_recovers():

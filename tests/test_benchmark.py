@@ -322,6 +322,14 @@ def test_heads_from_the_hub_name_their_base_model(model, tmp_path, monkeypatch):
         (["--methods", "ar,lookup", "--no-datastore"], "--no-datastore leaves out the datastore of a heads folder "
                                                        "(its datastore.safetensors), and no --heads is given"),
         (["--methods", "ar", "--lookup-max-tokens", "7"], "--lookup-max-tokens is read by lookup, medusa-lookup"),
+        (["--methods", "lookup", "--lookup-max-tokens", "7"], "--lookup-max-tokens bounds the drafts a cost profile "
+                                                               "chooses, which calibrated --heads carry, and no"),
+        (["--methods", "hf,lookup", "--speculation-gate", "off"], "and --batch-size is 1 (one row has no gate)"),
+        (["--methods", "ar", "--batch-size", "2", "--speculation-gate", "off"], "and --methods has none of them"),
+        (["--methods", "ar,lookup", "--step-costs", "profile"], "--step-costs profile sets what the adaptive fallback "
+                                                                "of medusa and medusa-lookup learns, and --methods"),
+        (["--methods", "medusa", "--heads", "h", "--no-fallback", "--step-costs", "profile"],
+         "and --no-fallback turns it off: drop it"),
         (["--methods", "ar,lookup", "--temperature", "0.3"],
          "--temperature is read by medusa-typical, medusa-lossless, and --methods has none of them"),
         (["--methods", "ar", "--calibrate-questions", "5"], "--calibrate-questions sets the calibration: add "
@@ -364,17 +372,27 @@ def test_errors_found_while_loading_are_reported_without_a_traceback(tmp_path, c
 
 
 def test_calibration_leaves_out_a_question_too_long_for_the_context(model, tmp_path, monkeypatch, capsys):
-    """The benchmark leaves such questions out; calibration stopped the run on one."""
+    """The benchmark leaves such questions out; calibration stopped the run on one. Where none is left to benchmark,
+    the run stops before calibrating: it had rewritten the heads' folder first (the calibration's questions
+    named in it, which later runs left out), then stopped."""
     heads, questions = cli_files(model, tmp_path, monkeypatch)
     with questions.open("a") as handle:
         handle.write(json.dumps({"id": 99, "category": "writing", "turns": ["the cat sat " * 100]}) + "\n")
-    code = main(["--heads", str(heads), "--questions", str(questions), "--methods", "ar", "--calibrate",
-                 "--calibrate-questions", "8", "--calibrate-context", "16", "--max-new-tokens", "4",
-                 "--exclude-ids", "1,2", "--output", str(tmp_path / "out")])
+    before = {p.name: p.read_bytes() for p in heads.iterdir()}
+    given = ["--heads", str(heads), "--questions", str(questions), "--methods", "ar", "--calibrate",
+             "--calibrate-context", "16", "--max-new-tokens", "4", "--output", str(tmp_path / "out")]
+    code = main([*given, "--calibrate-questions", "8", "--exclude-ids", "1,2"])  # 99 alone left to benchmark
     err = capsys.readouterr().err
     assert "leaving out 1 calibration questions whose first turn and 4 new tokens may not fit" in err, err
-    assert "calibrated: tree of" in err  # on the others (the one left for the benchmark does not fit: refused)
-    assert code == 2 and "no question fits the model's context" in err
+    assert code == 2 and "no question fits the model's context" in err and "calibrated:" not in err
+    assert {p.name: p.read_bytes() for p in heads.iterdir()} == before
+    assert not (tmp_path / "out" / "calibration.json").exists()
+    code = main([*given, "--calibrate-questions", "4", "--exclude-ids", "1"])  # calibrates on 2, 3, 5 (and 99)
+    err = capsys.readouterr().err
+    assert "leaving out 1 calibration questions whose first turn and 4 new tokens may not fit" in err, err
+    assert code == 0 and "calibrated: tree of" in err, err
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["settings"]["questions_answered"] == 1 and report["settings"]["turns"] == 1
 
 
 def test_no_question_left_to_benchmark_is_an_error_not_an_empty_report(model, tmp_path, monkeypatch, capsys):
@@ -408,6 +426,18 @@ def test_questions_and_calibration_are_checked_before_the_work_they_would_waste(
         assert says in capsys.readouterr().err
         assert {p.name: p.read_bytes() for p in heads.iterdir()} == before
         assert not (out / "calibration.json").exists()
+    tiny = models.load_base_model
+
+    def no_draft(name, **kw):
+        if name == "no-such-draft":
+            raise ValueError("no-such-draft is not a model folder or Hub repo")
+        return tiny(name, **kw)
+
+    monkeypatch.setattr(models, "load_base_model", no_draft)  # a draft model that does not load: before calibrating
+    assert main([*base[:2], "--methods", "ar,draft", "--draft-model", "no-such-draft", *base[4:], "--questions",
+                 str(questions), "--calibrate", "--calibrate-questions", "2", "--calibrate-context", "16"]) == 2
+    assert "no-such-draft is not a model folder" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in heads.iterdir()} == before and not (out / "calibration.json").exists()
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     assert main([*base, "--questions", str(empty)]) == 2
@@ -1004,6 +1034,18 @@ def test_a_row_that_stopped_at_its_first_token_adds_no_decoding_time():
     totals.add(bench.Turn([7], 0.03, 1, 0.0024, 0.0, 0.0552, 39))
     totals.add(bench.Turn(list(range(40)), 0.03, 39, 0.0024, 0.0, 0.0552, 39))
     assert totals.summary(None)["tpot_s"] == pytest.approx((0.0552 - 0.0024) / 39, abs=1e-5)
+
+
+def test_an_assisted_first_forwards_tokens_are_not_in_tpot():
+    """Hugging Face's assisted methods may take several tokens from their first forward, in the TTFT's time: they
+    were counted among TPOT's later tokens (their time not), down to a TPOT of 0 for an answer the first forward
+    gave whole."""
+    whole = bench.MethodTotals()
+    whole.add(bench.Turn([77, 10], 0.0066, 0, 0.0065, 0.0, 0.0066, 0, first_tokens=2))
+    assert whole.summary(None)["tpot_s"] is None  # no later token: no TPOT (it read 0.0)
+    assisted = bench.MethodTotals()  # 3 tokens from the first forward, then 21 in 21 steps of 0.01 s
+    assisted.add(bench.Turn(list(range(24)), 0.3, 21, 0.09, 0.0, 0.09 + 21 * 0.01, 21, first_tokens=3))
+    assert assisted.summary(None)["tpot_s"] == pytest.approx(0.01)  # it read 0.21 s / 23 tokens
 
 
 def test_a_row_finishing_early_in_a_batch_is_charged_its_own_steps():
