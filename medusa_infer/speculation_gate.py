@@ -18,8 +18,8 @@ the engine actually takes:
   cost the same whatever the verified forward's size, and a lone row's speculative step, charged to
   the range a batch's plain step reads, made plain steps there look dear.
 * what a speculative step yields per row: tokens emitted (``a``, the bonus token included) and
-  tokens verified (``v``), and what proposing costs it (``d``), moving averages per power-of-two range
-  of batch sizes (the adaptive fallback fits smaller trees to bigger batches), a batch size no
+  tokens verified (``v``), moving averages, and what proposing costs it (``d``, the median of the last
+  ``TIME_WINDOW``), per power-of-two range of batch sizes (the adaptive fallback fits smaller trees to bigger batches), a batch size no
   speculative step has run at yet taking the averages over every size (how much of a draft is accepted
   depends on the text).
 
@@ -35,7 +35,8 @@ speculative step costs several plain ones (a full batch), and they take about ``
 the time either way. While speculation is on, the gate likewise takes a plain step (a check) whenever
 the speculative steps' ``probe_budget`` share of their time pays for one, so that ``t(B)`` follows the
 machine: a plain step or two measured while another process held the cores made speculation look
-cheap, and without plain steps nothing measured ``t(B)`` again. Being rare, a probe weighs more in ``a`` and ``v`` than a step taken while
+cheap, and without plain steps nothing measured ``t(B)`` again. Each range of batch sizes earns and
+spends its own credit for checks. Being rare, a probe weighs more in ``a`` and ``v`` than a step taken while
 speculation is on (``probe_weight``): the text a probe reads is the text now, and with the ordinary
 weight a server that had spent a request on text its drafts missed (a sampled request on untrained
 heads, say) took several probes, hundreds of plain steps, to speculate again on text they fit.
@@ -69,6 +70,12 @@ slower per token, on all of them); two slow ones did so until checks (plain step
 is on) outvoted them."""
 
 
+def _median(values: list, key: Any = None) -> Any:
+    """The median of ``values`` (the lower one of an even count)."""
+    ordered = sorted(values, key=key)
+    return ordered[(len(ordered) - 1) // 2]
+
+
 @dataclass
 class _Average:
     """The last ``TIME_WINDOW`` steps of one power-of-two range of forward sizes, ``(tokens, seconds)`` each;
@@ -81,8 +88,7 @@ class _Average:
     samples: int = 1
 
     def _median(self) -> tuple[float, float]:
-        ordered = sorted(self.recent, key=lambda step: (step[1], step[0]))
-        return ordered[(len(ordered) - 1) // 2]
+        return _median(self.recent, key=lambda step: (step[1], step[0]))
 
     @property
     def tokens(self) -> float:
@@ -128,10 +134,10 @@ class SpeculationGate:
         self.speculative_steps = 0
         self.plain_steps = 0
         self._credit = 0.0  # seconds of probing earned by plain steps
-        self._check_credit = 0.0  # seconds of plain checks earned by speculative steps
+        self._check_credit: dict[int, float] = {}  # range of batch sizes -> seconds of checks its steps earned
         self.checks = 0  # plain steps taken as checks (speculation on)
-        self.proposing_seconds = 0.0  # d: what proposing costs a speculative step
-        self._proposing: dict[int, float] = {}  # power-of-two range of batch sizes -> d
+        self._proposing: dict[int, list[float]] = {}  # range of batch sizes -> recent proposing seconds (d)
+        self._proposing_all: list[float] = []  # the same over every batch size
 
     def sibling(self) -> "SpeculationGate":
         """A gate for other text (another sampling setting, whose drafts are accepted at another
@@ -141,8 +147,8 @@ class SpeculationGate:
         other.tokens_per_row = other.verified_per_row = 1.0
         other._by_batch = {}
         other.speculative_steps = other.plain_steps = 0
-        other._credit, other._probing, other._check_credit, other.checks = 0.0, False, 0.0, 0
-        other.proposing_seconds, other._proposing = 0.0, {}
+        other._credit, other._probing, other._check_credit, other.checks = 0.0, False, {}, 0
+        other._proposing, other._proposing_all = {}, []
         return other
 
     # -- what has been measured ---------------------------------------------------------------
@@ -174,6 +180,15 @@ class SpeculationGate:
                 return max(estimate, nearest, 1e-9)
         return points[-1][1]
 
+    @property
+    def proposing_seconds(self) -> float:
+        """d over every batch size: the median of the last ``TIME_WINDOW`` speculative steps' proposing."""
+        return _median(self._proposing_all) if self._proposing_all else 0.0
+
+    def _proposing_at(self, batch: int) -> float:
+        recent = self._proposing.get(self._range(batch)) or self._proposing_all
+        return _median(recent) if recent else 0.0
+
     # -- the decision -------------------------------------------------------------------------
 
     def speculate(self, batch: int) -> bool:
@@ -191,13 +206,18 @@ class SpeculationGate:
         speculative = self.step_seconds(batch * verified)
         if speculative is None:
             return True
-        speculative += self._proposing.get(self._range(batch), self.proposing_seconds)
+        speculative += self._proposing_at(batch)
         if tokens / speculative >= (1 - self.margin) / plain:
-            self._check_credit += self.probe_budget * speculative
-            if self._check_credit >= plain:  # a check: t(B) measured again
-                self._check_credit = 0.0
+            # a check, paid for by this range's own speculative steps (a server's small batches spent what its
+            # large ones earned): t(B) measured again, at least as often as a step priced at t(B * v) pays for,
+            # the t(B) believed being maybe the wrong one (slow samples made it dearer than speculating)
+            key = self._range(batch)
+            credit = self._check_credit.get(key, 0.0)
+            if credit >= min(plain, speculative):
+                self._check_credit[key] = 0.0
                 self.checks += 1
                 return False
+            self._check_credit[key] = credit + self.probe_budget * speculative
             return True
         self._credit += self.probe_budget * plain
         if self._credit >= speculative - plain:
@@ -207,14 +227,16 @@ class SpeculationGate:
         return False
 
     def record(self, batch: int, speculated: bool, tokens: float, seconds: float, verified: int,
-               proposing: float = 0.0) -> None:
+               proposing: float | None = None) -> None:
         """A step of ``batch`` rows, speculative or not, verified ``verified`` tokens in one forward
-        (all rows together) and emitted ``tokens`` in ``seconds``, ``proposing`` of them spent proposing."""
-        if batch < 1 or tokens < 0 or seconds <= 0 or verified < batch or not 0 <= proposing < seconds:
-            raise ValueError(f"need batch >= 1, tokens >= 0, seconds > 0, verified >= batch and 0 <= proposing < "
-                             f"seconds, got batch={batch}, tokens={tokens}, seconds={seconds}, verified={verified}, "
-                             f"proposing={proposing}")
-        seconds -= proposing if speculated else 0.0  # a plain step proposes nothing (its time is all t's)
+        (all rows together) and emitted ``tokens`` in ``seconds``, its proposing left out; ``proposing``: the
+        seconds proposing took, for a speculative step whose proposing is typical (None: not one, e.g. a
+        draft model's that caught up on the plain steps before it)."""
+        if batch < 1 or tokens < 0 or seconds <= 0 or verified < batch or not (
+                proposing is None or 0 <= proposing < float("inf")):
+            raise ValueError(f"need batch >= 1, tokens >= 0, seconds > 0, verified >= batch and proposing None or "
+                             f"finite >= 0, got batch={batch}, tokens={tokens}, seconds={seconds}, "
+                             f"verified={verified}, proposing={proposing}")
         key, w = self._range(verified), self.smoothing
         average = self._times.get(key)
         if average is None:
@@ -229,13 +251,13 @@ class SpeculationGate:
         w = self.probe_weight if probe else w
         if self.speculative_steps == 0:
             self.tokens_per_row, self.verified_per_row = tokens / batch, verified / batch
-            self.proposing_seconds = proposing
         else:
             self.tokens_per_row = (1 - w) * self.tokens_per_row + w * tokens / batch
             self.verified_per_row = (1 - w) * self.verified_per_row + w * verified / batch
-            self.proposing_seconds = (1 - w) * self.proposing_seconds + w * proposing
-        before = self._proposing.get(self._range(batch))
-        self._proposing[self._range(batch)] = proposing if before is None else (1 - w) * before + w * proposing
+        if proposing is not None:  # a median, as the step times: one slow proposing step is outvoted
+            for recent in (self._proposing.setdefault(self._range(batch), []), self._proposing_all):
+                recent.append(proposing)
+                del recent[:-TIME_WINDOW]
         same = self._by_batch.get(self._range(batch))
         if same is None:
             self._by_batch[self._range(batch)] = [tokens / batch, verified / batch]
@@ -269,9 +291,12 @@ def gated_step(batch: Any, gate: SpeculationGate | None) -> tuple[dict[int, list
     # gate spent a probe on it and learnt that speculating yields one token for one verified
     room = batch.room() > 0
     speculate = room and gate.speculate(rows)
+    sizes = batch.metrics.recent_tree_sizes
+    after_plain = bool(sizes) and sizes[-1] == 1  # a draft model then catches up on the plain steps' tokens
     start, proposing = time.perf_counter(), batch.metrics.phase_s["propose"]
     emitted = batch.step(speculate=speculate)
     seconds, proposing = time.perf_counter() - start, batch.metrics.phase_s["propose"] - proposing
-    gate.record(rows, speculate, sum(len(t) for t in emitted.values()), seconds,
-                rows * batch.metrics.recent_tree_sizes[-1], min(proposing, 0.99 * seconds))  # (a part of it)
+    proposing = min(proposing, 0.99 * seconds)  # (a part of the step)
+    gate.record(rows, speculate, sum(len(t) for t in emitted.values()), seconds - proposing,
+                rows * sizes[-1], proposing if speculate and not after_plain else None)
     return emitted, room and not speculate

@@ -1084,12 +1084,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if given and not read:
             parser.error(f"{flag} is read by {', '.join(readers)}, and --methods has none of them: add one or drop "
                          f"{flag}")
-    gated = [m for m in args.methods if m in OUR_METHODS and m not in SAMPLING_METHODS and m != "ar"]
-    if args.speculation_gate == "off" and not (gated and args.batch_size > 1):
-        parser.error("--speculation-gate off turns off the gate of greedy batches of "
-                     f"{', '.join(m for m in OUR_METHODS if m not in SAMPLING_METHODS and m != 'ar')}, and "
-                     + ("--batch-size is 1 (one row has no gate)" if gated else "--methods has none of them")
-                     + ": drop it")
     if args.step_costs != "learned" and not (args.fallback and {"medusa", "medusa-lookup"} & set(args.methods)):
         parser.error(f"--step-costs {args.step_costs} sets what the adaptive fallback of medusa and medusa-lookup "
                      "learns, and " + ("--no-fallback turns it off" if args.fallback is False else

@@ -324,8 +324,6 @@ def test_heads_from_the_hub_name_their_base_model(model, tmp_path, monkeypatch):
         (["--methods", "ar", "--lookup-max-tokens", "7"], "--lookup-max-tokens is read by lookup, medusa-lookup"),
         (["--methods", "lookup", "--lookup-max-tokens", "7"], "--lookup-max-tokens bounds the drafts a cost profile "
                                                                "chooses, which calibrated --heads carry, and no"),
-        (["--methods", "hf,lookup", "--speculation-gate", "off"], "and --batch-size is 1 (one row has no gate)"),
-        (["--methods", "ar", "--batch-size", "2", "--speculation-gate", "off"], "and --methods has none of them"),
         (["--methods", "ar,lookup", "--step-costs", "profile"], "--step-costs profile sets what the adaptive fallback "
                                                                 "of medusa and medusa-lookup learns, and --methods"),
         (["--methods", "medusa", "--heads", "h", "--no-fallback", "--step-costs", "profile"],

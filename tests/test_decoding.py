@@ -901,6 +901,8 @@ def test_a_stop_string_of_u_fffd_waits_for_a_characters_other_bytes():
     assert stops_at(" party 🎉 now".encode()) is None  # an emoji's first three bytes read as U+FFFD
     assert stops_at(b"ab\xffcd") == 4  # a byte that begins no character: broken text, cut
     assert stops_at(b"x\xffy") == 3
+    batch.stops[0] = StopConfig(3, (), ("\ufffd",))
+    assert stops_at(b"ab\xff") == 3  # at the row's last token: what the answer ends with
 
 
 def test_streamed_text_joins_to_the_answer_when_a_row_ends_inside_a_character():
