@@ -29,7 +29,7 @@ from typing import Any, Iterator
 import torch
 
 from medusa_infer import acceptance as rules
-from medusa_infer.adaptive import StepCosts, TreeController, tree_ladder
+from medusa_infer.adaptive import StepCosts, TreeController, frozen_acceptance, thawed_acceptance, tree_ladder
 from medusa_infer.kv_cache import AttentionLayout, KVState
 from medusa_infer.metrics import GenerationMetrics
 from medusa_infer.proposers.base import Proposal, Proposer, StepContext
@@ -520,8 +520,11 @@ class DecodeBatch:
             history = self.histories[row] + kept
             tail = generated_text_tail(self.tokenizer, history, self.prompt_lengths[row], window)
             # a trailing U+FFFD may be a character whose bytes are still to come (an emoji's first byte token):
-            # matched once text follows it (a stop string holding U+FFFD ended rows inside ordinary characters)
-            if any(s in tail.rstrip("\ufffd") for s in stop.stop_strings):
+            # matched once text follows it, or at the row's last token (a stop string holding U+FFFD ended rows
+            # inside ordinary characters)
+            if len(self.generated[row]) + len(kept) < stop.max_new_tokens:
+                tail = tail.rstrip("\ufffd")
+            if any(s in tail for s in stop.stop_strings):
                 return "stop"
         if len(self.generated[row]) + len(kept) >= stop.max_new_tokens:
             return "length"
@@ -1072,11 +1075,8 @@ def fallback_paths(model, paths: Sequence[Sequence[int]], adaptive: bool | None)
             return None  # plain decoding asked for, on heads that have a tree
         # calibration expected plain decoding to be fastest: start there (the controller's best rung
         # under the calibrated acceptance), and grow to the fastest tree if acceptance beats it
-        if isinstance(acceptance, Mapping):
-            frozen: tuple = ("paths", tuple(sorted(acceptance.items())))
-        else:
-            frozen = ("ranks", tuple(tuple(row) for row in acceptance))
-        paths = [list(p) for p in _speculative_paths(frozen, json.dumps(config.cost_profile, sort_keys=True))]
+        paths = [list(p) for p in _speculative_paths(frozen_acceptance(acceptance),
+                                                     json.dumps(config.cost_profile, sort_keys=True))]
         if not paths:
             return None
     if not isinstance(acceptance, Mapping):
@@ -1102,9 +1102,7 @@ def _speculative_paths(acceptance: tuple, cost_profile: str) -> tuple[tuple[int,
     """``fit_tree(...).speculative_paths`` for a calibration (its acceptance model as a tuple,
     its cost profile as JSON): fitted once per calibration (about 16 ms on a 2-core CPU), not at
     every ``generate`` call."""
-    kind, entries = acceptance
-    model = dict(entries) if kind == "paths" else [list(row) for row in entries]
-    fitted = fit_tree(model, CostProfile.from_dict(json.loads(cost_profile)))
+    fitted = fit_tree(thawed_acceptance(acceptance), CostProfile.from_dict(json.loads(cost_profile)))
     return tuple(tuple(p) for p in fitted.speculative_paths)
 
 
