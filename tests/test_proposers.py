@@ -589,6 +589,22 @@ def test_only_a_draft_of_the_targets_own_layers_copies_them():
     assert out.new_tokens[0] == reference(target, ids[0], 10)
 
 
+def test_layerskip_refuses_a_model_whose_layers_take_per_layer_inputs():
+    """Gemma-3n's per-layer inputs are sized for all its layers: a view of the first ones crashed at the first
+    draft step, after the first token was sent."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(
+        "gemma3n_text", vocab_size=VOCAB, hidden_size=32, intermediate_size=[64] * 4, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+        num_kv_shared_layers=2, sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, laurel_rank=4, altup_num_inputs=2,
+        activation_sparsity_pattern=[0.0] * 4)
+    target = MedusaModel.without_heads(AutoModelForCausalLM.from_config(config).eval())
+    with pytest.raises(ValueError, match="layerskip cannot run the first layers of Gemma3nForCausalLM alone"):
+        LayerSkipProposer(target, num_layers=2)
+
+
 def test_layerskip_layers_are_checked():
     target = target_model("llama")
     with pytest.raises(ValueError, match=r"1 <= layers <= 2"):

@@ -60,6 +60,10 @@ def truncated_model(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
     if not 1 <= num_layers <= total:
         raise ValueError(f"layerskip needs 1 <= layers <= {total} ({type(model).__name__} has {total} layers), "
                          f"got {num_layers}")
+    if getattr(config.get_text_config(), "hidden_size_per_layer_input", None):
+        raise ValueError(f"layerskip cannot run the first layers of {type(model).__name__} alone: its per-layer "
+                         f"inputs (hidden_size_per_layer_input, Gemma-3n's) are made for all {total} layers; use "
+                         "another method")
     decoder = model.base_model
     if decoder is model:
         raise ValueError(f"{type(model).__name__} has no separate decoder module; layerskip needs a *ForCausalLM model")
