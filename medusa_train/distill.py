@@ -1033,6 +1033,14 @@ class RejectedError(RuntimeError):
     context, or a content filter): asking again would get the same answer."""
 
 
+class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None  # the 3xx reaches post_json as an HTTPError, which names the new address
+
+
+_NO_REDIRECTS = urllib.request.build_opener(_RefuseRedirects)
+
+
 def post_json(url: str, body: dict[str, Any], headers: dict[str, str], timeout: float) -> dict[str, Any]:
     """One POST; raises ``RetryableError`` for transient failures, ``RuntimeError`` otherwise."""
     request = urllib.request.Request(
@@ -1040,7 +1048,7 @@ def post_json(url: str, body: dict[str, Any], headers: dict[str, str], timeout: 
         headers={"Content-Type": "application/json", **headers},
     )
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
+        with _NO_REDIRECTS.open(request, timeout=timeout) as response:
             payload = response.read()
     except urllib.error.HTTPError as err:
         try:
@@ -1049,7 +1057,7 @@ def post_json(url: str, body: dict[str, Any], headers: dict[str, str], timeout: 
             detail = f"(body unreadable: {type(unread).__name__})"
         if err.code >= 500 or err.code in (408, 425, 429):  # the server's state, not the prompt: worth retrying
             raise RetryableError(f"HTTP {err.code} from {url}: {detail}", _retry_after(err.headers)) from err
-        if 300 <= err.code < 400:  # urllib follows no redirect of a POST: the URL is the endpoint's old one
+        if 300 <= err.code < 400:  # no redirect followed (urllib re-sent 301-303 as a GET, without the body)
             raise RuntimeError(f"HTTP {err.code} from {url}: the endpoint moved to "
                                f"{err.headers.get('Location')!r}; set endpoint to its new address") from err
         if err.code in (401, 403, 404, 405):  # the endpoint, key or model name is wrong, not the prompt
@@ -1095,9 +1103,12 @@ def completion_row(
     no answer (a content filter's)."""
     try:
         choice = reply["choices"][0]
-        response = choice["message"]["content"] or ""
+        response = choice["message"]["content"]
     except (KeyError, IndexError, TypeError) as err:
         raise RuntimeError(f"unexpected reply for prompt {prompt['id']!r}: {str(reply)[:300]}") from err
+    if response is None:  # no answer (vLLM's reasoning parser, cut while the model still reasoned): no row
+        raise RejectedError(f"prompt {prompt['id']!r}: the reply holds no answer (content null, finish_reason "
+                            f"{choice.get('finish_reason')!r})")
     finish = FINISH_REASONS.get(choice.get("finish_reason") or "", None)
     if finish is None:  # content_filter, tool_calls, ...: not an answer to train on
         raise RejectedError(
@@ -1107,7 +1118,10 @@ def completion_row(
     if not isinstance(response, str) or not _encodable(response):
         raise RejectedError(f"prompt {prompt['id']!r}: the answer is not UTF-8 text (a lone surrogate): "
                             f"{response!r:.200}")
-    n_tokens = (reply.get("usage") or {}).get("completion_tokens")
+    usage = reply.get("usage")
+    n_tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None  # (a malformed one: not read)
+    if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
+        n_tokens = None
     if finish == "length" and response.endswith("\ufffd"):  # cut inside a character's bytes: as answer_text,
         response = response.rstrip("\ufffd")  # the whole characters only (the model never wrote U+FFFD there)
         n_tokens = None  # fewer than the server counted: the tokenizer's count
@@ -1158,7 +1172,9 @@ def run_openai(
             "n": 1,
         }
         record = config.generation_record()
-        body.update(temperature=record["temperature"], top_p=record["top_p"])
+        body["temperature"] = record["temperature"]
+        if record["top_p"] < 1.0:  # 1.0, the API's default, is left out: TGI refuses it (top_p must be < 1)
+            body["top_p"] = record["top_p"]
         return body
 
     jobs = []
@@ -1173,6 +1189,12 @@ def run_openai(
                 stats.truncated_prompts += 1
             text = result[0]
         jobs.append((prompt, text))
+    if stats.skipped_too_long or stats.truncated_prompts:  # (counted with config.model's tokenizer)
+        logger.warning("rank %d: %d prompts over max_prompt_tokens=%s skipped, %d truncated, counted with %s's "
+                       "tokenizer%s", stats.rank, stats.skipped_too_long, config.max_prompt_tokens,
+                       stats.truncated_prompts, config.model,
+                       "" if config.model_label == config.model else
+                       f" (model; the endpoint serves {config.model_label}: set model to it for its own count)")
     bar = tqdm(total=len(jobs), unit="prompt", desc=f"distill {url}",
                disable=not config.progress, dynamic_ncols=True)
     start = time.perf_counter()
@@ -1257,7 +1279,7 @@ def run_openai(
             "looks down)")
         raise RuntimeError(
             f"{len(errors)} of {len(jobs)} requests failed{asked} (rows written so far are kept; rerun "
-            f"to retry the rest). First: {errors[0]}"
+            f"to retry the rest; a prompt that fails every time can be left out with exclude_ids). First: {errors[0]}"
         )
     if not jobs or len(refusals) < len(jobs):
         return

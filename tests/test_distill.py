@@ -684,6 +684,8 @@ class FakeServer:
                     server.flaky.discard(prompt)
                 if self.path == "/old/v1/chat/completions":  # moved: urllib follows no redirect of a POST
                     return self.reply(308, {}, headers={"Location": "/v1/chat/completions"})
+                if self.path == "/older/v1/chat/completions":  # a 301: urllib re-sent the POST as a GET, bodiless
+                    return self.reply(301, {}, headers={"Location": "/v1/chat/completions"})
                 if self.path != "/v1/chat/completions":
                     return self.reply(404, {"error": "not found"})
                 if fail:
@@ -704,9 +706,12 @@ class FakeServer:
                 if "surrogate" in prompt:  # JSON's escape of a lone surrogate: valid JSON, no text
                     return self.reply(200, None, json.dumps({"choices": [{"finish_reason": "stop", "message": {
                         "role": "assistant", "content": "bad \udc80"}}]}).encode())
+                if "reasoning" in prompt:  # vLLM's reasoning parser, cut while the model still reasoned
+                    return self.reply(200, {"choices": [{"index": 0, "finish_reason": "length",
+                                                         "message": {"role": "assistant", "content": None}}]})
                 words = prompt.split()
                 finish = "content_filter" if "filtered" in prompt else "length" if len(words) > 8 else "stop"
-                usage = {} if "uncounted" in prompt else {
+                usage = {} if "uncounted" in prompt else {"usage": "n/a"} if "garbled usage" in prompt else {
                     "usage": {"prompt_tokens": len(words), "completion_tokens": len(words)}}
                 self.reply(200, {
                     "id": "cmpl-1", "object": "chat.completion",
@@ -867,6 +872,35 @@ def test_openai_backend_stops_on_a_moved_endpoint(tmp_path, prompts_file):
         config = openai_config(prompts_file, tmp_path / "rows.jsonl", server.url + "/old", n=2)
         with pytest.raises(RuntimeError, match="HTTP 308.*moved to '/v1/chat/completions'"):
             distill(config)
+
+
+def test_openai_backend_names_the_new_address_of_an_endpoint_moved_for_good(tmp_path, prompts_file):
+    """urllib followed a 301 with a bodiless GET, and the run reported the new address's 405."""
+    with FakeServer() as server:
+        config = openai_config(prompts_file, tmp_path / "rows.jsonl", server.url + "/older", n=2)
+        with pytest.raises(RuntimeError, match="HTTP 301.*moved to '/v1/chat/completions'"):
+            distill(config)
+
+
+def test_openai_backend_sends_top_p_only_below_one_and_takes_no_reply_without_an_answer(tmp_path, caplog):
+    """TGI refuses top_p=1.0 (it must lie in (0, 1)), which every request carried, greedy ones included: every
+    prompt was refused. A reply of no content (vLLM's reasoning parser cut short) was written as an empty answer,
+    and a malformed usage stopped the run with an AttributeError."""
+    prompts_file = tmp_path / "prompts.jsonl"
+    texts = ["hello there", "some reasoning here", "garbled usage words"]
+    prompts_file.write_text("".join(json.dumps({"id": str(i), "source": "s", "prompt": text}) + "\n"
+                                    for i, text in enumerate(texts)))
+    with FakeServer() as server:
+        distill(openai_config(prompts_file, tmp_path / "greedy.jsonl", server.url, n=None))
+        assert all("top_p" not in body for body in server.requests)
+        sampled = openai_config(prompts_file, tmp_path / "sampled.jsonl", server.url, n=None, do_sample=True,
+                                temperature=0.7, top_p=0.9)
+        asked = len(server.requests)
+        distill(sampled)
+        assert {body["top_p"] for body in server.requests[asked:]} == {0.9}
+    rows = read_rows(tmp_path / "greedy.jsonl")
+    assert [row["id"] for row in rows] == ["0", "2"]  # no row for the reply without an answer
+    assert rows[1]["response"] == "Answer: words" and rows[1]["response_tokens"] > 0  # counted by the tokenizer
 
 
 def test_openai_backend_gives_up_on_dead_server(tmp_path, prompts_file):
