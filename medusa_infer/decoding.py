@@ -441,16 +441,17 @@ class DecodeBatch:
         keep = []
         for i, (row, new) in enumerate(zip(self.rows, tokens)):
             kept: list[int] = []
-            for token in new:
+            at_context = int(self.root_pos[i]) >= self.context_length - 1  # its last token ends the row
+            for j, token in enumerate(new):
                 kept.append(token)
-                reason = self._stop_reason(row, kept, token)
+                reason = self._stop_reason(row, kept, token, last=at_context and j == len(new) - 1)
                 if reason:
                     self.finish[row] = reason
                     break
             self.generated[row].extend(kept)
             self.histories[row].extend(kept)
             emitted[row] = kept
-            if self.finish[row] is None and int(self.root_pos[i]) >= self.context_length - 1:
+            if self.finish[row] is None and at_context:
                 self.finish[row] = "context"
             if self.finish[row] is None:
                 keep.append(i)
@@ -511,7 +512,9 @@ class DecodeBatch:
             del getattr(self, name)[row]
         self.released += 1
 
-    def _stop_reason(self, row: int, kept: list[int], token: int) -> str | None:
+    def _stop_reason(self, row: int, kept: list[int], token: int, last: bool = False) -> str | None:
+        """Why ``row`` stops at ``token`` (the last of ``kept``, its new tokens so far), or None; ``last``: the
+        row ends there whatever (the context is full)."""
         stop = self.stops[row]
         if token in stop.eos_token_ids:
             return "eos"
@@ -522,7 +525,7 @@ class DecodeBatch:
             # a trailing U+FFFD may be a character whose bytes are still to come (an emoji's first byte token):
             # matched once text follows it, or at the row's last token (a stop string holding U+FFFD ended rows
             # inside ordinary characters)
-            if len(self.generated[row]) + len(kept) < stop.max_new_tokens:
+            if not last and len(self.generated[row]) + len(kept) < stop.max_new_tokens:
                 tail = tail.rstrip("\ufffd")
             if any(s in tail for s in stop.stop_strings):
                 return "stop"

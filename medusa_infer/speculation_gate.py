@@ -76,6 +76,10 @@ def _median(values: list, key: Any = None) -> Any:
     return ordered[(len(ordered) - 1) // 2]
 
 
+MIN_PROPOSING_SAMPLES = 3
+"""Proposing times a range of batch sizes holds before its own median prices its speculative steps."""
+
+
 @dataclass
 class _Average:
     """The last ``TIME_WINDOW`` steps of one power-of-two range of forward sizes, ``(tokens, seconds)`` each;
@@ -186,7 +190,10 @@ class SpeculationGate:
         return _median(self._proposing_all) if self._proposing_all else 0.0
 
     def _proposing_at(self, batch: int) -> float:
-        recent = self._proposing.get(self._range(batch)) or self._proposing_all
+        """d at ``batch``'s range: its own median once it holds ``MIN_PROPOSING_SAMPLES`` (one slow first sample
+        of a range turned speculation off there for good), else the median over every batch size."""
+        own = self._proposing.get(self._range(batch), [])
+        recent = own if len(own) >= MIN_PROPOSING_SAMPLES else self._proposing_all
         return _median(recent) if recent else 0.0
 
     # -- the decision -------------------------------------------------------------------------
@@ -292,7 +299,8 @@ def gated_step(batch: Any, gate: SpeculationGate | None) -> tuple[dict[int, list
     room = batch.room() > 0
     speculate = room and gate.speculate(rows)
     sizes = batch.metrics.recent_tree_sizes
-    after_plain = bool(sizes) and sizes[-1] == 1  # a draft model then catches up on the plain steps' tokens
+    # a draft model's first speculative step after plain ones feeds it their tokens: no typical proposing time
+    after_plain = bool(sizes) and sizes[-1] == 1 and getattr(batch.proposer, "catches_up", False)
     start, proposing = time.perf_counter(), batch.metrics.phase_s["propose"]
     emitted = batch.step(speculate=speculate)
     seconds, proposing = time.perf_counter() - start, batch.metrics.phase_s["propose"] - proposing

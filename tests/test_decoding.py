@@ -903,6 +903,10 @@ def test_a_stop_string_of_u_fffd_waits_for_a_characters_other_bytes():
     assert stops_at(b"x\xffy") == 3
     batch.stops[0] = StopConfig(3, (), ("\ufffd",))
     assert stops_at(b"ab\xff") == 3  # at the row's last token: what the answer ends with
+    batch.stops[0] = StopConfig(50, (), ("\ufffd",))
+    ending = [tokenizer.convert_tokens_to_ids(bytes_to_unicode()[b]) for b in b"ab\xff"]
+    assert batch._stop_reason(0, ending, ending[-1]) is None
+    assert batch._stop_reason(0, ending, ending[-1], last=True) == "stop"  # the row's last token: the context full
 
 
 def test_streamed_text_joins_to_the_answer_when_a_row_ends_inside_a_character():

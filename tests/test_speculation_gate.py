@@ -199,7 +199,7 @@ class Forced(SpeculationGate):
 
     def __init__(self, rule) -> None:
         super().__init__()
-        self.rule, self.asked, self.records = rule, [], []
+        self.rule, self.asked, self.records, self.proposing = rule, [], [], []
 
     def speculate(self, batch: int) -> bool:
         self.asked.append(batch)
@@ -208,6 +208,7 @@ class Forced(SpeculationGate):
     def record(self, batch: int, speculated: bool, tokens: float, seconds: float, verified: int,
                proposing: float | None = None) -> None:
         self.records.append((batch, speculated, tokens, verified))
+        self.proposing.append(proposing)
         super().record(batch, speculated, tokens, seconds, verified, proposing)
 
 
@@ -327,6 +328,27 @@ def test_two_slow_first_plain_steps_do_not_turn_speculation_on_for_good():
     assert sum(choices[-200:]) < 20, sum(choices[-200:])
 
 
+def test_one_slow_first_proposing_time_at_a_new_batch_size_does_not_turn_speculation_off_there():
+    """A range of batch sizes priced its speculative steps with its own proposing times alone: its first one slow,
+    speculation went off there, and the probes (steps after plain ones) recorded none to outvote it."""
+    def t(n):
+        return 0.010 + 0.001 * n  # 3 tokens of 5 verified a row: speculating pays about 2x at 1 and 8 rows
+
+    gate, after_plain, slow, eight = SpeculationGate(), False, True, []
+    for step in range(1040):
+        rows = 1 if step < 40 else 8
+        spec = gate.speculate(rows)
+        proposing = None if not spec or after_plain else 0.002
+        if proposing is not None and rows == 8 and slow:
+            proposing, slow = proposing + 0.2, False
+        gate.record(rows, spec, rows * (3 if spec else 1), t(rows * (5 if spec else 1)), rows * (5 if spec else 1),
+                    proposing)
+        after_plain = not spec
+        if rows == 8:
+            eight.append(spec)
+    assert not slow and sum(eight[-500:]) > 450, sum(eight[-500:])
+
+
 def test_very_slow_plain_steps_are_checked_within_a_few_dozen_steps():
     """The check waited for credit worth the t(B) believed, the very value slow samples inflated: 2 s slow plain
     steps kept a batch of 8 speculating (at 0.72x plain's speed) for a thousand steps."""
@@ -410,6 +432,25 @@ def test_one_slow_proposing_step_does_not_turn_speculation_off():
                     (0.1 if step == 0 else 0.001) if spec else None)
         choices.append(spec)
     assert sum(choices[-100:]) > 90, sum(choices[-100:])  # 2.5 tokens in 0.121 s against 1 in 0.056: it pays
+
+
+def test_a_draft_models_catching_up_after_plain_steps_is_no_proposing_time(model):
+    """After plain steps a draft model's drafting also feeds it their tokens: not a proposing time to price steps
+    with. A proposer that keeps up without them (the heads, lookup) records its proposing time after them too."""
+    from medusa_infer.proposers import LayerSkipProposer
+
+    ids, mask = left_pad([[5, 6, 7, 8, 5, 6, 7], [9, 10, 9, 10, 9]], 0)
+    for proposer, catches_up in ((LayerSkipProposer(model, num_layers=1), True),
+                                 (build_proposer("lookup", model), False)):
+        gate = Forced(lambda batch, turn=iter([True, False, False, True, True] * 10): next(turn))
+        stream(model, ids, mask, max_new_tokens=20, eos_token_id=[], proposer=proposer,
+               speculation_gate=gate).result()
+        taken = [(spec, value) for (_, spec, _, _), value in zip(gate.records, gate.proposing)]
+        assert all(value is None for spec, value in taken if not spec)
+        after_plain = [value for (spec, value), (before, _) in zip(taken[1:], taken) if spec and not before]
+        after_speculative = [value for (spec, value), (before, _) in zip(taken[1:], taken) if spec and before]
+        assert after_plain and after_speculative and all(value is not None for value in after_speculative)
+        assert all((value is None) == catches_up for value in after_plain), (proposer, after_plain)
 
 
 def test_a_step_with_no_room_for_a_draft_is_plain_and_asks_the_gate_nothing(model):

@@ -59,6 +59,9 @@ class DraftProposer:
         draft_tokenizer: the draft's tokenizer, for the vocabulary check (default: the draft's own).
     """
 
+    catches_up = True
+    """Its first drafting after plain steps also feeds the draft their tokens (``speculation_gate`` reads it)."""
+
     def __init__(self, target, draft: Any, num_tokens: int = 4, schedule: str = "heuristic",
                  max_tokens: int | None = None, draft_tokenizer: Any = None) -> None:
         num_tokens = whole_number("num_tokens", num_tokens, 1)
