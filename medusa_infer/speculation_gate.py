@@ -19,9 +19,10 @@ the engine actually takes:
   the range a batch's plain step reads, made plain steps there look dear.
 * what a speculative step yields per row: tokens emitted (``a``, the bonus token included) and
   tokens verified (``v``), moving averages, and what proposing costs it (``d``, the median of the last
-  ``TIME_WINDOW``), per power-of-two range of batch sizes (the adaptive fallback fits smaller trees to bigger batches), a batch size no
-  speculative step has run at yet taking the averages over every size (how much of a draft is accepted
-  depends on the text).
+  ``TIME_WINDOW``), per power-of-two range of batch sizes (the adaptive fallback fits smaller trees to
+  bigger batches), a batch size no speculative step has run at yet taking the averages over every size
+  (how much of a draft is accepted depends on the text; ``d`` until its range holds
+  ``MIN_PROPOSING_SAMPLES``).
 
 A step of ``B`` rows speculates when ``a / (t(B * v) + d) >= (1 - margin) / t(B)``: where the two are
 close (one row, on a CPU) speculation keeps the benefit of the doubt, and the gate only steps in

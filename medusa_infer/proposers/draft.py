@@ -13,8 +13,9 @@ The draft has its own ``KVState``, so left padding, rows that accept different l
 that leave the batch work as in the target's cache. A draft that is the target's own first layers
 (layerskip, or the target itself) copies the prompts' keys and values of those layers from the
 target's cache after its prefill instead of running its own prefill (the same weights over the
-same tokens: the same keys and values): its first token costs no more than plain decoding's. The draft must share the target's tokenizer:
-its tokens are the target's token ids, and ``draft_probs`` must be over the same vocabulary.
+same tokens: the same keys and values): its first token costs no more than plain decoding's. The
+draft must share the target's tokenizer: its tokens are the target's token ids, and ``draft_probs``
+must be over the same vocabulary.
 """
 
 from __future__ import annotations
