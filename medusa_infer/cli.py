@@ -120,7 +120,8 @@ def load(args: argparse.Namespace):
     from medusa_infer.model import MedusaModel
 
     if args.heads:
-        return MedusaModel.from_pretrained(args.heads, base_model=args.model)
+        # --no-datastore: the store left unread (one that does not load stops nothing)
+        return MedusaModel.from_pretrained(args.heads, base_model=args.model, datastore=args.datastore)
     return MedusaModel.without_heads(args.model or DEFAULT_MODEL)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -233,7 +234,10 @@ class Datastore:
         for name, text in (("tokenizer", self.tokenizer), ("origin", self.origin)):
             if text is not None:  # tensors of their own (their bytes), as the tokenizer digest
                 tensors[name] = torch.tensor(list(text.encode()), dtype=torch.uint8)
-        save_file(tensors, str(path), metadata={"settings": json.dumps(settings, sort_keys=True)})
+        partial = path.with_name(path.name + ".partial")  # then moved into place: a write cut short (a killed
+        # build) had left a store that stopped the whole heads folder from loading
+        save_file(tensors, str(partial), metadata={"settings": json.dumps(settings, sort_keys=True)})
+        os.replace(partial, path)
         return path
 
     @classmethod
@@ -253,4 +257,5 @@ class Datastore:
             return cls(tensors["tokens"].long(), **settings, tokenizer=tokenizer, origin=origin)
         except (SafetensorError, OSError, KeyError, TypeError, json.JSONDecodeError) as err:
             raise ValueError(f"{path} is not a readable datastore ({err}); rebuild it with "
-                             "`python -m medusa_train.datastore`") from err
+                             "`python -m medusa_train.datastore`, or delete it (--no-datastore leaves it unread)"
+                             ) from err

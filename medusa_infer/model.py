@@ -373,6 +373,7 @@ class MedusaModel(nn.Module):
         tokenizer: Any = None,
         revision: str | None = None,
         adapter: bool = True,
+        datastore: bool = True,
     ) -> "MedusaModel":
         """Load heads from a folder or Hub repo (medusa-forge or FasterDecoding/Medusa layout).
 
@@ -392,6 +393,9 @@ class MedusaModel(nn.Module):
         Heads whose config records a ``chat_template`` (trained on a template other than the
         tokenizer's own) install it on the tokenizer, a ``tokenizer`` given as an object included,
         so that chats are rendered as in training.
+
+        ``datastore=False`` leaves the folder's ``datastore.safetensors`` unread (``datastore`` None: no lookup
+        draft searches it), an unreadable one included (``save_pretrained`` then writes the heads without it).
         """
         from medusa_infer import interop
 
@@ -460,12 +464,12 @@ class MedusaModel(nn.Module):
         heads.load_state_dict(state, strict=True)
         if heads.token_map is not None:
             check_token_map(heads.token_map, config)
-        datastore = None
-        if (directory / DATASTORE_NAME).is_file():
-            datastore = Datastore.load(directory / DATASTORE_NAME)
-            datastore.check_tokenizer(tokenizer, directory / DATASTORE_NAME)
-            datastore.check_vocabulary(config.vocab_size, directory / DATASTORE_NAME)
-            if tokenizer is None and datastore.tokenizer is not None:
+        store = None
+        if datastore and (directory / DATASTORE_NAME).is_file():
+            store = Datastore.load(directory / DATASTORE_NAME)
+            store.check_tokenizer(tokenizer, directory / DATASTORE_NAME)
+            store.check_vocabulary(config.vocab_size, directory / DATASTORE_NAME)
+            if tokenizer is None and store.tokenizer is not None:
                 logger.warning("%s was not checked against the model's tokenizer (a base model given as an object "
                                "and no tokenizer=): a store built with another one drafts tokens that stand for "
                                "other text; pass tokenizer= to check it", directory / DATASTORE_NAME)
@@ -483,7 +487,7 @@ class MedusaModel(nn.Module):
         model = cls(base_model, heads, tokenizer)
         model.merged_adapter = adapter_folder if merge else None
         model.skipped_adapter = adapter_folder if not adapter and adapter_folder.is_dir() else None
-        model.datastore = datastore
+        model.datastore = store
         if config.chat_template and tokenizer is not None:
             tokenizer.chat_template = config.chat_template
         elif config.chat_template:

@@ -1212,7 +1212,9 @@ def run(args: argparse.Namespace, started: float) -> int:
         if not base_name:
             raise ValueError(f"{heads}/config.json names no base_model_name_or_path; pass --model")
         base = load_base_model(base_name, dtype=dtype, device=device, cpu_kernels=args.cpu_kernels)
-        model = MedusaModel.from_pretrained(heads, base_model=base, tokenizer=load_tokenizer(base_name))
+        # --no-datastore leaves the store unread, unless --calibrate saves the heads (which keeps what it holds)
+        model = MedusaModel.from_pretrained(heads, base_model=base, tokenizer=load_tokenizer(base_name),
+                                            datastore=args.datastore or args.calibrate)
     else:
         base_name = args.model or "smollm2-135m-instruct"
         model = MedusaModel.without_heads(load_base_model(base_name, dtype=dtype, device=device,

@@ -148,6 +148,13 @@ def test_errors_after_loading_are_reported_without_a_traceback(monkeypatch, caps
     MedusaModel.from_base(tiny_model("gpt2", vocab_size=len(tokenizer))).save_pretrained(tmp_path / "heads")
     assert cli.main(["--heads", str(tmp_path / "heads"), "--model", str(tmp_path / "base"), "--raw", "hi"]) == 2
     assert "medusa-generate: error: heads were trained for model type 'gpt2'" in capsys.readouterr().err
+    # --no-datastore leaves a store that does not load unread (it stopped every method of the folder)
+    MedusaModel.from_base(tiny_model("llama", vocab_size=len(tokenizer))).save_pretrained(tmp_path / "fitting")
+    (tmp_path / "fitting" / "datastore.safetensors").write_bytes(b"cut short")
+    given = ["--heads", str(tmp_path / "fitting"), "--model", str(tmp_path / "base"), "--method", "lookup",
+             "--max-new-tokens", "3", "--raw", "hi"]
+    assert cli.main(given) == 2 and "is not a readable datastore" in capsys.readouterr().err
+    assert cli.main([*given, "--no-datastore"]) == 0
     monkeypatch.setattr(cli, "load", lambda args: word_medusa())
     assert cli.main(["--heads", "h", "--tree", "[[0], [0, 0]", "--raw", "the cat"]) == 2  # a tree it cannot read
     assert "medusa-generate: error:" in capsys.readouterr().err

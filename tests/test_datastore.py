@@ -348,6 +348,18 @@ def test_medusa_lookup_uses_the_models_datastore_and_it_is_saved_with_the_heads(
     model.save_pretrained(tmp_path / "heads")
     with pytest.raises(ValueError, match="token id 10000, outside this model's vocabulary"):
         MedusaModel.from_pretrained(tmp_path / "heads", base_model=target.base_model)
+    # unread (--no-datastore): a store that does not load stops nothing; one cut short either (a killed build left
+    # one, written in place: it is written beside and moved in now)
+    unread = MedusaModel.from_pretrained(tmp_path / "heads", base_model=target.base_model, datastore=False)
+    assert unread.datastore is None and unread.heads is not None
+    store = tmp_path / "heads" / DATASTORE_NAME
+    store.write_bytes(store.read_bytes()[: store.stat().st_size // 2])
+    with pytest.raises(ValueError, match="is not a readable datastore .* or delete it \\(--no-datastore leaves it"):
+        MedusaModel.from_pretrained(tmp_path / "heads", base_model=target.base_model)
+    assert MedusaModel.from_pretrained(tmp_path / "heads", base_model=target.base_model, datastore=False).heads
+    (tmp_path / "alone").mkdir()
+    saved = Datastore.from_sequences([[1, 2, 3]]).save(tmp_path / "alone" / DATASTORE_NAME)
+    assert [p.name for p in saved.parent.iterdir()] == [DATASTORE_NAME]  # no partial file left beside it
     model.datastore = None
     model.save_pretrained(tmp_path / "heads")  # the folder's old store goes with it
     assert not (tmp_path / "heads" / DATASTORE_NAME).exists()

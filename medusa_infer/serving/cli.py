@@ -113,7 +113,8 @@ def load_model(args: argparse.Namespace):
 
     if args.heads:
         model, tokenizer = base(args.model) if args.model else (None, None)
-        model = MedusaModel.from_pretrained(args.heads, base_model=model, tokenizer=tokenizer)
+        model = MedusaModel.from_pretrained(args.heads, base_model=model, tokenizer=tokenizer,
+                                            datastore=args.datastore)
     else:
         base_model, tokenizer = base(args.model or DEFAULT_MODEL)
         model = MedusaModel(base_model, None, tokenizer)
