@@ -254,8 +254,14 @@ class Datastore:
             digest = tensors.get("tokenizer")  # a metadata key of its own before
             tokenizer = bytes(digest.tolist()).decode() if digest is not None else metadata.get("tokenizer")
             origin = bytes(tensors["origin"].tolist()).decode() if "origin" in tensors else None
-            return cls(tensors["tokens"].long(), **settings, tokenizer=tokenizer, origin=origin)
-        except (SafetensorError, OSError, KeyError, TypeError, json.JSONDecodeError) as err:
+            tokens = tensors["tokens"]
+            if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+                raise TypeError(f"its tokens are a {tokens.dim()}-d {tokens.dtype} tensor, not 1-d integer ids")
+            if not isinstance(settings, dict) or any(isinstance(v, bool) or not isinstance(v, int)
+                                                     for k, v in settings.items() if k != "min_share"):
+                raise TypeError(f"its settings {settings} are not whole numbers")
+            return cls(tokens.long(), **settings, tokenizer=tokenizer, origin=origin)
+        except (SafetensorError, OSError, KeyError, TypeError, json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ValueError(f"{path} is not a readable datastore ({err}); rebuild it with "
                              "`python -m medusa_train.datastore`, or delete it (--no-datastore leaves it unread)"
                              ) from err

@@ -100,6 +100,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"no conversation to build a datastore from: {len(rows)} rows in {' '.join(args.rows)}: "
                      f"{', '.join(stats.left_out('--max-length', max_length)) or 'none given'}")
     store = build_datastore(examples, tokenizer)
+    # a store the heads' model would refuse at load (another tokenizer's ids) would replace a working one: refused
+    # before writing (--model names the tokenizer to build with; the heads' config the model they decode with)
+    named = base_model_name(heads)
+    try:
+        if args.model and named and named != args.model:
+            try:
+                own = load_tokenizer(named, trust_remote_code=remote)
+            except (OSError, ValueError):  # (offline, a Hub id not downloaded: not compared)
+                own = None
+            store.check_tokenizer(own, f"the store built with --model {args.model}'s tokenizer")
+        if isinstance(config.get("vocab_size"), int):
+            store.check_vocabulary(config["vocab_size"], f"the store built with {model}'s tokenizer")
+    except ValueError as err:
+        parser.error(f"{err} (the heads decode with {named or 'their base model'}; drop --model or give that "
+                     "model's tokenizer; nothing was written)")
     store.origin = ("written by `python -m medusa_train.datastore` from the conversations in "
                     + ", ".join(Path(p).name for p in args.rows))
     path = store.save(heads / DATASTORE_NAME)

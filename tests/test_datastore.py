@@ -136,6 +136,17 @@ def test_settings_are_checked_and_files_round_trip(tmp_path):
               metadata={"format": "pt", "settings": '{"min_ngram": 1}', "tokenizer": "abc123"})
     old = Datastore.load(tmp_path / "old.safetensors")
     assert (old.tokenizer, old.min_ngram) == ("abc123", 1)
+    # read as they were: float ids cut to integers, a 2-d tensor flattened, a float setting failing the first lookup
+    # mid-decoding, a digest of bad bytes a bare UnicodeDecodeError
+    for name, tensors, settings in (
+            ("float", {"tokens": torch.tensor([1.7, 2.0])}, "{}"),
+            ("2d", {"tokens": torch.tensor([[3, 4], [5, 6]], dtype=torch.int32)}, "{}"),
+            ("setting", {"tokens": torch.tensor([3, 4], dtype=torch.int32)}, '{"min_ngram": 2.5}'),
+            ("digest", {"tokens": torch.tensor([3, 4], dtype=torch.int32),
+                        "tokenizer": torch.tensor([255, 254], dtype=torch.uint8)}, "{}")):
+        save_file(tensors, str(tmp_path / f"{name}.safetensors"), metadata={"settings": settings})
+        with pytest.raises(ValueError, match=f"{name}.safetensors is not a readable datastore"):
+            Datastore.load(tmp_path / f"{name}.safetensors")
 
 
 def test_build_datastore_keeps_whole_conversations():
@@ -253,6 +264,17 @@ def test_the_builders_bad_inputs_are_usage_errors_and_it_loads_the_recipes_remot
     capsys.readouterr()
     assert main(["--heads", str(tmp_path), "--rows", str(rows)]) == 0
     assert "conversations of 1 rows (1 cut to --max-length=64 tokens)" in capsys.readouterr().out
+    # built with another model's tokenizer (--model), the store was written over a working one, and the heads' folder
+    # then no longer loaded
+    from tiny import metaspace_tokenizer
+
+    metaspace_tokenizer().save_pretrained(tmp_path / "other")
+    before = (tmp_path / "datastore.safetensors").read_bytes()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--heads", str(tmp_path), "--rows", str(rows), "--model", str(tmp_path / "other")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "built with --model" in err and "nothing was written" in err, err
+    assert (tmp_path / "datastore.safetensors").read_bytes() == before
 
 
 def test_gated_matches_choose_between_prompt_and_datastore():
