@@ -865,20 +865,14 @@ def test_openai_backend_stops_on_a_wrong_endpoint(tmp_path, prompts_file):
             distill(config)
 
 
-def test_openai_backend_stops_on_a_moved_endpoint(tmp_path, prompts_file):
+@pytest.mark.parametrize("path, code", [("/old", 308), ("/older", 301)])
+def test_openai_backend_stops_on_a_moved_endpoint(tmp_path, prompts_file, path, code):
     """A redirect is about the endpoint, not the prompt: every prompt was left out as refused and
-    the run ended with an empty file."""
+    the run ended with an empty file. urllib followed a 301 with a bodiless GET, and the run reported the new
+    address's 405."""
     with FakeServer() as server:
-        config = openai_config(prompts_file, tmp_path / "rows.jsonl", server.url + "/old", n=2)
-        with pytest.raises(RuntimeError, match="HTTP 308.*moved to '/v1/chat/completions'"):
-            distill(config)
-
-
-def test_openai_backend_names_the_new_address_of_an_endpoint_moved_for_good(tmp_path, prompts_file):
-    """urllib followed a 301 with a bodiless GET, and the run reported the new address's 405."""
-    with FakeServer() as server:
-        config = openai_config(prompts_file, tmp_path / "rows.jsonl", server.url + "/older", n=2)
-        with pytest.raises(RuntimeError, match="HTTP 301.*moved to '/v1/chat/completions'"):
+        config = openai_config(prompts_file, tmp_path / "rows.jsonl", server.url + path, n=2)
+        with pytest.raises(RuntimeError, match=f"HTTP {code}.*moved to '/v1/chat/completions'"):
             distill(config)
 
 
