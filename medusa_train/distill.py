@@ -42,6 +42,7 @@ import logging
 import os
 import random
 import shutil
+import ssl
 import sys
 import threading
 import time
@@ -1063,7 +1064,11 @@ def post_json(url: str, body: dict[str, Any], headers: dict[str, str], timeout: 
         if err.code in (401, 403, 404, 405):  # the endpoint, key or model name is wrong, not the prompt
             raise RuntimeError(f"HTTP {err.code} from {url}: {detail}") from err
         raise RejectedError(f"HTTP {err.code} from {url}: {detail}") from err
-    except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError) as err:
+    except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError, ssl.SSLError) as err:
+        if isinstance(getattr(err, "reason", err), ssl.SSLCertVerificationError):  # asking again gets the same
+            raise RuntimeError(f"{url}'s TLS certificate was refused ({err}): check the address, or point "
+                               "SSL_CERT_FILE at the CA bundle that signed it") from err
+        # an SSLError while reading the body (the connection cut mid-reply) is as transient as a reset
         raise RetryableError(f"{type(err).__name__} talking to {url}: {err}") from err
     try:
         return json.loads(payload)

@@ -9,11 +9,13 @@ import os
 import re
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+import urllib.error
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -874,6 +876,33 @@ def test_openai_backend_stops_on_a_moved_endpoint(tmp_path, prompts_file, path, 
         config = openai_config(prompts_file, tmp_path / "rows.jsonl", server.url + path, n=2)
         with pytest.raises(RuntimeError, match=f"HTTP {code}.*moved to '/v1/chat/completions'"):
             distill(config)
+
+
+class _Reply:
+    """A response whose body read fails as a TLS connection cut mid-reply fails."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def read(self):
+        raise ssl.SSLError("EOF occurred in violation of protocol")
+
+
+@pytest.mark.parametrize("failure, expected", [
+    (lambda: _Reply(), distill_module.RetryableError),  # it stopped the run, not retried like a reset
+    (lambda: (_ for _ in ()).throw(urllib.error.URLError(ssl.SSLCertVerificationError("self-signed"))),
+     RuntimeError),  # was retried: the same refusal each time, backing off for minutes
+], ids=["body-cut", "certificate-refused"])
+def test_tls_failures_are_retried_only_when_asking_again_can_help(monkeypatch, failure, expected):
+    monkeypatch.setattr(distill_module._NO_REDIRECTS, "open", lambda request, timeout: failure())
+    with pytest.raises(expected) as raised:
+        distill_module.post_json("https://example.invalid/v1/chat/completions", {}, {}, timeout=1.0)
+    assert (type(raised.value) is RuntimeError) == (expected is RuntimeError)
+    if expected is RuntimeError:
+        assert "certificate was refused" in str(raised.value) and "SSL_CERT_FILE" in str(raised.value)
 
 
 def test_openai_backend_sends_top_p_only_below_one_and_takes_no_reply_without_an_answer(tmp_path, caplog):
