@@ -254,19 +254,21 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
         lines += ["The heads were trained on conversations rendered with the chat template in `config.json` "
                   "(`chat_template`), not the tokenizer's own: `from_pretrained` installs it on the tokenizer, "
                   "and `model.generate(messages=[...])` renders chats with it.", ""]
+    # training's held-out count is the sample size of training's accuracy table, no acceptance figure
+    positions = (config.acceptance or {}).get("heldout_positions")
+    counted = [f"Held-out positions per head: {positions}.", ""] if positions is not None else []
+    trained_table = config.training.get("heldout_head_accuracies")  # training's, kept by calibration beside its own
     if config.head_accuracies:
         source = (config.acceptance or {}).get("head_accuracies_measured_on", "held-out data")
         lines += accuracy_table(f"Measured head accuracy ({source})", config.head_accuracies)
-    if config.training.get("heldout_head_accuracies"):  # training's, kept by calibration beside its own
-        lines += accuracy_table("Head accuracy on held-out data at the end of training",
-                                config.training["heldout_head_accuracies"])
-    acceptance = {key: value for key, value in (config.acceptance or {}).items() if key not in PROVENANCE_KEYS}
+        lines += counted if not trained_table else []
+    if trained_table:
+        lines += accuracy_table("Head accuracy on held-out data at the end of training", trained_table) + counted
+    acceptance = {key: value for key, value in (config.acceptance or {}).items()
+                  if key not in PROVENANCE_KEYS and key != "heldout_positions"}
     estimated = {key: value for key, value in acceptance.items() if is_estimate(key)}
     measured = {key: value for key, value in acceptance.items() if key not in estimated}
     calibrated_on = (config.acceptance or {}).get("calibration_questions")
-    if calibrated_on and "heldout_positions" in measured:  # training's count, kept by calibration: said so
-        measured = {(f"{key} (training's held-out evaluation)" if key == "heldout_positions" else key): value
-                    for key, value in measured.items()}
     if calibrated_on and calibrated_on.get("file"):
         lines += [f"Calibrated on {len(calibrated_on['ids'])} questions of `{calibrated_on['file']}`, which "
                   "`medusa-bench` leaves out of later benchmarks of these heads on that file.", ""]

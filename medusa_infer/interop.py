@@ -442,11 +442,17 @@ def base_model_keys(name: str) -> dict[str, str]:
 
 
 def _read_config_json(config_path: Path) -> dict[str, Any]:
-    """The folder's ``config.json``, with integer ``medusa_num_heads`` and ``medusa_num_layers``."""
+    """The folder's ``config.json``, with integer ``medusa_num_heads`` and ``medusa_num_layers`` (and
+    ``hidden_size`` and ``vocab_size`` integers where present)."""
     data = _read_json_object(config_path, "a FasterDecoding Medusa heads folder")
     for key in ("medusa_num_heads", "medusa_num_layers"):
-        if not isinstance(data.get(key), int):
-            raise ValueError(f"{config_path} has no integer {key!r}: not a FasterDecoding Medusa heads config")
+        if not isinstance(data.get(key), int) or isinstance(data[key], bool):
+            raise ValueError(f"{config_path} has no integer {key!r} (got {data.get(key)!r}): not a FasterDecoding "
+                             "Medusa heads config")
+    for key in ("hidden_size", "vocab_size"):  # a string "16" was compared with the tensors' 16 and "disagreed"
+        if key in data and data[key] is not None and (not isinstance(data[key], int) or isinstance(data[key], bool)):
+            raise ValueError(f"{config_path}: {key} must be an integer, got {data[key]!r} "
+                             f"({type(data[key]).__name__}); fix it or remove the key")
     return data
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -310,6 +311,16 @@ def test_config_without_medusa_keys_is_refused(tmp_path):
     source = make_fd_folder(tmp_path, fd_tensors(projections=True))
     (source / "config.json").write_text(json.dumps({"medusa_num_heads": HEADS}))
     with pytest.raises(ValueError, match="no integer 'medusa_num_layers'"):
+        read_medusa_layout(source)
+
+
+@pytest.mark.parametrize("key, value", [("medusa_num_layers", True), ("hidden_size", "16"), ("vocab_size", 32.0)])
+def test_config_sizes_that_are_no_integers_are_refused_by_name(tmp_path, key, value):
+    """A string hidden_size was compared with the tensors' size and reported as "disagrees ... the tensors: 16,
+    config.json: 16"; a boolean medusa_num_layers passed as 1 and failed later asking for vocab_size=."""
+    source = make_fd_folder(tmp_path, fd_tensors(projections=True), **{key: value})
+    with pytest.raises(ValueError, match=rf"config.json.*(no integer '{key}' \(got|{key} must be an integer, got) "
+                                         rf"{re.escape(repr(value))}"):
         read_medusa_layout(source)
 
 

@@ -516,12 +516,18 @@ def test_model_card_tells_trained_untrained_and_estimated_figures_apart(tmp_path
     model.config.training = {"steps": 100}
     model.config.acceptance = {"head_accuracies_measured_on": "greedy answers to 2 questions from q.jsonl",
                                "heldout_positions": [10, 10, 10], "calibrated_tree_nodes": 8,
-                               "calibrated_expected_tau": 2.1, "calibrated_expected_speedup": 1.7}
+                               "calibrated_expected_tau": 2.1, "calibrated_expected_speedup": 1.7,
+                               "measured_tau": 1.9}
+    model.config.head_accuracies = [[0.5, 0.7], [0.3, 0.4], [0.2, 0.3]]
     model.save_pretrained(tmp_path / "trained")
     card = (tmp_path / "trained" / "README.md").read_text()
     assert "trained with [medusa-forge]" in card and "not trained" not in card
     measured = card.split("## Measured acceptance", 1)[1].split("## ", 1)[0]
-    assert "heldout_positions" in measured and "expected" not in measured and "calibrated" not in measured
+    assert "| measured_tau | 1.9 |" in measured and "expected" not in measured and "calibrated" not in measured
+    # a count of positions is no acceptance figure: it was the only row under "Measured acceptance" after training
+    assert "heldout_positions" not in measured
+    accuracy = card.split("## Measured head accuracy", 1)[1].split("## ", 1)[0]
+    assert "Held-out positions per head: [10, 10, 10]." in accuracy
     estimated = card.split("## Expected acceptance (estimated", 1)[1].split("## ", 1)[0]
     assert "| calibrated_expected_tau | 2.1 |" in estimated and "| calibrated_expected_speedup | 1.7 |" in estimated
     assert "measured on" not in estimated  # no profile: no device to name
@@ -538,7 +544,12 @@ def test_model_card_tells_trained_untrained_and_estimated_figures_apart(tmp_path
     model.config.acceptance["calibration_questions"] = {"file": "q.jsonl", "ids": [1, 2]}
     model.save_pretrained(tmp_path / "calibrated")
     card = (tmp_path / "calibrated" / "README.md").read_text()
-    assert "| heldout_positions (training's held-out evaluation) | [10, 10, 10] |" in card
+    model.config.training = {"heldout_head_accuracies": [[0.6, 0.8], [0.4, 0.5], [0.3, 0.4]]}
+    model.save_pretrained(tmp_path / "calibrated")
+    card = (tmp_path / "calibrated" / "README.md").read_text()
+    trained = card.split("## Head accuracy on held-out data at the end of training", 1)[1].split("## ", 1)[0]
+    assert "Held-out positions per head: [10, 10, 10]." in trained
+    assert card.count("Held-out positions per head") == 1  # not beside the calibration's table
 
 
 # ----- errors
