@@ -55,6 +55,8 @@ TRAINING_MODE_KEY = "medusa_forge_training_mode"
 does not hold: read back, the heads' config records that mode (``MedusaConfig.trained_with_adapter``), so that
 loading them on a base model without that adapter merged is warned about and ``heads.init_from`` refuses them."""
 
+ADAPTER_DIGEST_RECORD = "adapter_digest"
+"""The training record's key (``MedusaConfig.training``) keeping ``ADAPTER_DIGEST_KEY`` of imported heads."""
 ADAPTER_DIGEST_KEY = "medusa_forge_adapter_digest"
 """``config.json`` key keeping the digest (``model.adapter_digest``) of the Medusa-2 adapter the heads were
 trained with, which the layout does not hold: read back, the heads load onto a base model with that adapter merged
@@ -204,7 +206,7 @@ def read_medusa_layout(
                           data.get("vocab_size"), vocab_size),
         projection="own" if has_projections else "shared",
         base_model_name_or_path=_base_model(data),
-        training=_imported_training(data.get(TRAINING_MODE_KEY), path / CONFIG_NAME),
+        training=_imported_training(data.get(TRAINING_MODE_KEY), path / CONFIG_NAME, exported_adapter_digest(path)),
         chat_template=_chat_template(data.get(CHAT_TEMPLATE_KEY), path / CONFIG_NAME),
         base_model_type=_base_model_type(data.get(BASE_MODEL_TYPE_KEY), path / CONFIG_NAME),
         tree=tree,
@@ -233,15 +235,29 @@ def _chat_template(raw: Any, where: Path) -> str | None:
     return raw or None
 
 
-def _imported_training(mode: Any, where: Path) -> dict[str, Any]:
-    """The training record of imported heads: their origin, and the Medusa-2 mode where ``TRAINING_MODE_KEY``
-    says so (as ``MedusaConfig.trained_with_adapter`` reads a run's recipe)."""
+def _imported_training(mode: Any, where: Path, adapter_digest: str | None = None) -> dict[str, Any]:
+    """The training record of imported heads: their origin, the Medusa-2 mode where ``TRAINING_MODE_KEY``
+    says so (as ``MedusaConfig.trained_with_adapter`` reads a run's recipe) and the digest of the adapter
+    they were trained with where the export names it (``ADAPTER_DIGEST_RECORD``: heads saved again in our
+    layout, which then holds no adapter, are still checked against the base model's merged one)."""
     if mode not in (None, "medusa1", "medusa2"):
         raise ValueError(f"{where}: {TRAINING_MODE_KEY} must be 'medusa1' or 'medusa2', got {mode!r}")
     record: dict[str, Any] = {IMPORTED_FROM: "FasterDecoding/Medusa layout"}
     if mode is not None:
         record["recipe"] = {"training": {"mode": mode}}
+    if mode == "medusa2" and adapter_digest is not None:
+        record[ADAPTER_DIGEST_RECORD] = adapter_digest
     return record
+
+
+def recorded_adapter_digest(config: MedusaConfig, where: Path) -> str | None:
+    """The digest of the Medusa-2 adapter heads imported from an export were trained with (their training
+    record's ``ADAPTER_DIGEST_RECORD``); None where not recorded."""
+    raw = config.training.get(ADAPTER_DIGEST_RECORD)
+    if raw is not None and (not isinstance(raw, str) or not raw):
+        raise ValueError(f"{where}: training.{ADAPTER_DIGEST_RECORD} must be an adapter's digest (a hex string), got "
+                         f"{raw!r}; fix or remove it")
+    return raw
 
 
 _FD_BLOCK = re.compile(r"\d+\.(\d+)\.linear\.weight")

@@ -29,6 +29,7 @@ from transformers import PreTrainedModel
 
 from medusa_infer.checkpoint import (
     ADAPTER_DIR,
+    CONFIG_NAME,
     DEFAULT_COMMIT_MESSAGE,
     check_state_dict,
     load_heads_state,
@@ -421,6 +422,7 @@ class MedusaModel(nn.Module):
                 config.base_model_type = base_model.config.model_type
         else:
             config, state = load_heads_state(directory)
+            exported_digest = interop.recorded_adapter_digest(config, directory / CONFIG_NAME)
             if base_model is None and not config.base_model_name_or_path:
                 raise ValueError(
                     f"{directory}/config.json names no base_model_name_or_path; give the base model (base_model=, "
@@ -432,8 +434,10 @@ class MedusaModel(nn.Module):
         digest = adapter_digest(adapter_folder) if merge else None
         already = getattr(base_model, MERGED_ADAPTER_ATTR, None)
         # Medusa-2 heads of the FasterDecoding layout, which holds no adapter, need theirs merged (named by the
-        # export); in our layout a Medusa-2 folder without one is plain heads' case (the adapter was not copied)
-        wants_adapted = exported and config.trained_with_adapter and not merge  # (merged: checked by its digest)
+        # export), as do such heads saved again in our layout (their record keeps the name); in our layout a
+        # Medusa-2 folder without one is otherwise plain heads' case (the adapter was not copied)
+        wants_adapted = ((exported or exported_digest is not None) and config.trained_with_adapter
+                         and not merge)  # (merged: checked by its digest)
         if already is not None and (digest != already[1] if merge else not wants_adapted):
             # a base_model object an earlier from_pretrained merged another adapter into
             wanted = (f"the adapter in {adapter_folder}" if merge else
@@ -444,8 +448,9 @@ class MedusaModel(nn.Module):
         recorded = getattr(base_model.config, MERGED_ADAPTER_KEY, None)
         merged_in = already[1] if already is not None else recorded  # the adapter in base_model's weights, if known
         if wants_adapted and exported_digest is not None and merged_in is not None and merged_in != exported_digest:
+            key = interop.ADAPTER_DIGEST_KEY if exported else f"training.{interop.ADAPTER_DIGEST_RECORD}"
             raise ValueError(f"the heads in {directory} were trained with the Medusa-2 adapter {exported_digest[:12]} "
-                             f"(config.json's {interop.ADAPTER_DIGEST_KEY}), and base_model has another merged into "
+                             f"(config.json's {key}), and base_model has another merged into "
                              f"its weights ({merged_in[:12]}): load them on the base model with their own adapter "
                              "merged")
         if wants_adapted and exported_digest is None and merged_in is not None:
@@ -821,10 +826,17 @@ on that folder, does not merge it a second time; heads with another adapter are 
 on top, the weights would be neither model), and heads with none load on it as on any base model."""
 
 
+ADAPTER_DIGEST_SKIPS = ("README.md",)
+"""Files of an adapter folder that change nothing merged: peft's model card (and hidden files, such as
+``.DS_Store``); an edit to them made the merged base model saved before look like another adapter's."""
+
+
 def adapter_digest(folder: str | os.PathLike) -> str:
-    """SHA-256 of a saved adapter's files (names and contents): equal for copies of one adapter."""
+    """SHA-256 of a saved adapter's files (names and contents), bar ``ADAPTER_DIGEST_SKIPS`` and hidden
+    files: equal for copies of one adapter."""
     digest = hashlib.sha256()
-    for path in sorted(p for p in Path(folder).iterdir() if p.is_file()):
+    for path in sorted(p for p in Path(folder).iterdir()
+                       if p.is_file() and p.name not in ADAPTER_DIGEST_SKIPS and not p.name.startswith(".")):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 

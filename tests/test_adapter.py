@@ -131,6 +131,13 @@ def test_the_merged_base_model_saved_loads_the_heads_without_a_second_merge(head
     (second / ADAPTER_DIR / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 2 * ALPHA}))
     with pytest.raises(ValueError, match="saved with another Medusa-2 adapter merged into them"):
         MedusaModel.from_pretrained(second, base_model=LlamaForCausalLM.from_pretrained(tmp_path / "merged"))
+    # peft's card edited, a hidden file beside: the same adapter (it was refused as another one)
+    touched = tmp_path / "touched"
+    shutil.copytree(folder, touched)
+    (touched / ADAPTER_DIR / "README.md").write_text("# my notes\n")
+    (touched / ADAPTER_DIR / ".DS_Store").write_bytes(b"\0")
+    same = MedusaModel.from_pretrained(touched, base_model=LlamaForCausalLM.from_pretrained(tmp_path / "merged"))
+    torch.testing.assert_close(logits(same), logits(again), atol=0, rtol=0)  # not merged a second time
 
 
 def test_saving_keeps_the_merged_adapter_beside_the_heads(heads_folder, tmp_path):
@@ -215,12 +222,30 @@ def test_faster_decoding_export_of_medusa2_heads_keeps_their_mode(heads_folder, 
     with pytest.raises(ValueError, match=r"were trained with the Medusa-2 adapter \w{12} \(config.json's "
                                          r"medusa_forge_adapter_digest\), and base_model has another merged"):
         MedusaModel.from_pretrained(tmp_path / "fd", base_model=elsewhere)
-    # our layout holds the adapter: a Medusa-2 folder without it is refused on an adapted base, as before (the
-    # export's rule took it, with a warning about a key our layout never writes)
+    # saved in our layout, the heads keep their adapter's name (training.adapter_digest) and are checked by it
     again.save_pretrained(tmp_path / "resaved-ours")
     assert not (tmp_path / "resaved-ours" / ADAPTER_DIR).exists()
+    with pytest.raises(ValueError, match=r"were trained with the Medusa-2 adapter \w{12} \(config.json's "
+                                         r"training.adapter_digest\), and base_model has another merged"):
+        MedusaModel.from_pretrained(tmp_path / "resaved-ours", base_model=elsewhere)
+    # our layout holds the adapter: a Medusa-2 folder without it and without that name is refused on an adapted
+    # base object, as before (the export's rule took it, with a warning about a key our layout never writes)
+    unnamed = json.loads((tmp_path / "resaved-ours" / "config.json").read_text())
+    del unnamed["training"]["adapter_digest"]
+    (tmp_path / "resaved-ours" / "config.json").write_text(json.dumps(unnamed))
     with pytest.raises(ValueError, match=r"already has the adapter .*\(no adapter\) needs the plain base"):
         MedusaModel.from_pretrained(tmp_path / "resaved-ours", base_model=elsewhere)
+    # heads imported from the export and saved in our layout keep the adapter's name: refused on a saved base
+    # with another adapter merged (loaded without a word), loaded on their own
+    plain.save_pretrained(tmp_path / "converted")
+    elsewhere.save_pretrained(tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match=r"were trained with the Medusa-2 adapter \w{12} \(config.json's "
+                                         r"training.adapter_digest\), and base_model has another merged"):
+        MedusaModel.from_pretrained(tmp_path / "converted", base_model=LlamaForCausalLM.from_pretrained(
+            tmp_path / "elsewhere"))
+    converted = MedusaModel.from_pretrained(tmp_path / "converted", base_model=LlamaForCausalLM.from_pretrained(
+        tmp_path / "merged"))
+    torch.testing.assert_close(logits(converted), logits(model), atol=1e-5, rtol=1e-5)
     exported = json.loads((tmp_path / "fd" / "config.json").read_text())
     del exported["medusa_forge_adapter_digest"]  # (an export that does not name it: said)
     (tmp_path / "fd" / "config.json").write_text(json.dumps(exported))
