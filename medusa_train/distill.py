@@ -67,7 +67,7 @@ from medusa_infer.proposers import AutoregressiveProposer
 from medusa_train.captured import HiddenRecorder, hidden_dir, save_batch
 from medusa_train.dataset import encode_rendered, has_chat_template, render_prompt, row_messages
 from medusa_train.features import model_fingerprint, weights_identity
-from medusa_train.train_config import TrainConfig, convert_value, rows_path
+from medusa_train.train_config import TrainConfig, convert_value, read_recipe, rows_path
 
 logger = logging.getLogger(__name__)
 
@@ -1468,9 +1468,7 @@ def _is_file(name: str) -> bool:
 def config_from_args(args: argparse.Namespace) -> DistillConfig:
     values: dict[str, Any] = {}
     if args.recipe:
-        import yaml
-
-        loaded = yaml.safe_load(Path(args.recipe).read_text()) or {}
+        loaded = read_recipe(args.recipe)  # a YAML error or a list was a traceback
         values.update(loaded.get("distill", loaded))
     skip = {"recipe", "log_level", "exclude_ids", "per_source"}
     values.update({k: v for k, v in vars(args).items() if k not in skip and v is not None})

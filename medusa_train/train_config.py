@@ -463,10 +463,43 @@ def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key repeated in one mapping: PyYAML keeps the last one without a
+    word, so a second ``training:`` section appended to a recipe set every setting of the first back to
+    its default."""
+
+
+def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: keys given beside it override its own
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            first = seen.get(key)
+        except TypeError:  # an unhashable key: construct_mapping names it
+            continue
+        seen[key] = key_node.start_mark.line
+        if first is not None:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{key!r} appears twice in one mapping (first on line {first + 1}): YAML would keep "
+                "only the last; merge the two into one", key_node.start_mark)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def read_yaml(text: str) -> Any:
+    """``text`` as ``yaml.safe_load`` reads it, except that a key repeated in one mapping is a
+    ``yaml.YAMLError`` (naming it and its lines) instead of the last one silently winning."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def _yaml_value(text: str, key: str) -> Any:
     """``text`` read as YAML (a list or mapping override); ``ValueError`` naming ``key`` when it is none."""
     try:
-        return yaml.safe_load(text)
+        return read_yaml(text)
     except yaml.YAMLError as err:
         raise ValueError(f"{key}: {text!r} is not valid YAML ({str(err).splitlines()[0]})") from None
 
@@ -537,18 +570,21 @@ def config_from_dict(values: dict[str, Any], overrides: list[str] | tuple[str, .
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
     """A recipe (None: the defaults) with ``key=value`` overrides applied, validated."""
-    values: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"recipe {path} does not exist; see recipes/ for the shipped ones")
-        try:
-            values = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ValueError(f"recipe {path} is not valid YAML: {err}") from None
-        if not isinstance(values, dict):
-            raise ValueError(f"recipe {path} holds a {type(values).__name__}, not a mapping of sections")
-    return config_from_dict(values, overrides)
+    return config_from_dict(read_recipe(path) if path is not None else {}, overrides)
+
+
+def read_recipe(path: str | Path) -> dict[str, Any]:
+    """A recipe file's mapping (``read_yaml``); ``ValueError`` when it is missing, no YAML or no mapping."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"recipe {path} does not exist; see recipes/ for the shipped ones")
+    try:
+        values = read_yaml(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ValueError(f"recipe {path} is not valid YAML: {err}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"recipe {path} holds a {type(values).__name__}, not a mapping of sections")
+    return values
 
 
 def save_config(config: TrainConfig, path: str | Path) -> None:

@@ -403,6 +403,12 @@ def test_exclude_ids_given_as_a_file_in_a_recipe(tmp_path, prompts_file):
     assert by_recipe.exclude_ids == by_flag.exclude_ids == ["big:0", "big:1", "mid:0"]
     sampled = {p["id"] for p in sample_prompts(prompts_file, None, exclude_ids=by_recipe.exclude_ids)}
     assert not sampled & {"big:0", "big:1", "mid:0"} and len(sampled) == 27
+    # a recipe that is no YAML mapping, or gives a key twice (the last silently won), is named (a traceback)
+    for text, message in ((f"prompts: {prompts_file}\nn: 2\nn: 3\n", "'n' appears twice in one mapping"),
+                          ("- a\n", "holds a list, not a mapping"), ("n: [1\n", "is not valid YAML")):
+        recipe.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            config_from_args(parser.parse_args(["--recipe", str(recipe)]))
     from medusa_train.train_config import config_from_dict
 
     train = config_from_dict({"output_dir": "out", "data": {"prompts": str(prompts_file), "distill_options": {

@@ -17,6 +17,7 @@ from medusa_train.train_config import (
     feature_settings,
     load_config,
     plan,
+    read_yaml,
     save_config,
     valid_keys,
 )
@@ -156,6 +157,17 @@ def test_recipe_files_overrides_and_paths_read_as_a_user_means_them(tmp_path, mo
     bad.write_text("- a\n- b\n")
     with pytest.raises(ValueError, match="holds a list, not a mapping of sections"):
         load_config(bad)
+    # a section given twice (a second `training:` appended): every setting of the first went back to its default
+    shipped = (RECIPES / "smollm2-135m.yaml").read_text()
+    assert "\ntraining:\n" in shipped
+    bad.write_text(shipped + "training:\n  lr: 2.0e-3\n")
+    with pytest.raises(ValueError, match=r"'training' appears twice in one mapping \(first on line \d+\).*merge"):
+        load_config(bad)
+    bad.write_text("data:\n  prompts: a.jsonl\n  prompts: b.jsonl\n")
+    with pytest.raises(ValueError, match="'prompts' appears twice"):
+        load_config(bad)
+    bad.write_text("defaults: &d {lr: 0.1, epochs: 2}\ntraining:\n  <<: *d\n  lr: 0.2\n")  # YAML's merge: allowed
+    assert read_yaml(bad.read_text())["training"] == {"lr": 0.2, "epochs": 2}
     for section in ("[]", "0"):  # taken for the defaults in silence (`training:` alone still is)
         bad.write_text(f"data:\n  prompts: p.jsonl\ntraining: {section}\n")
         with pytest.raises(ValueError, match=r"training: expected a mapping, got (\[\]|0)"):
