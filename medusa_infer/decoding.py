@@ -411,6 +411,9 @@ class DecodeBatch:
             self.root_pos = self.root_pos + acc.accept_length + 1
             self.proposer.observe(accepted, hidden, self._context())
             stepped = list(self.rows)  # _emit releases rows that stop
+            # the deepest draft each row could emit: its max_new_tokens left (a row with less room than the batch's
+            # deepest drops the surplus)
+            room = [self.stops[row].max_new_tokens - len(self.generated[row]) for row in stepped]
             emitted = self._emit(accepted)
             # Counted as emitted: what a row accepted past its stopping point was dropped. A row that stops on
             # a draft (an EOS, its last allowed token) emits no token after it: its drafts are all it emitted.
@@ -419,7 +422,10 @@ class DecodeBatch:
             for row, count in zip(stepped, drafts):
                 self.row_steps[row] += 1
                 self.row_accepted[row] += count
-            metrics.record_step(drafts, tree.max_depth, n, proposal.fallback, tokens)
+            # a row that stopped on a draft (no token of the step's own after it) could use none deeper
+            reachable = [count if self.finish[row] is not None and emitted_n <= count else left
+                         for row, count, emitted_n, left in zip(stepped, drafts, tokens, room)]
+            metrics.record_step(drafts, tree.max_depth, n, proposal.fallback, tokens, reachable)
         return emitted
 
     # -- bookkeeping --------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 Definitions follow vLLM and Spec-Bench: ``tau`` (mean accepted tokens per step) counts the bonus
 token, so plain decoding scores 1.0; the acceptance rate at depth d is the fraction of row-steps
-whose accepted path reached depth d among those whose proposal offered depth d.
+whose accepted path reached depth d among those whose proposal offered depth d to a row that could
+emit a draft there (not past its ``max_new_tokens``, nor past a draft it stopped on).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ class GenerationMetrics:
         new_tokens: tokens generated, all rows, the first (prefill) token included.
         step_tokens: tokens the steps emitted, all rows (the prefill's not included).
         accepted_by_depth: per depth d (1-based index d-1), row-steps that emitted depth d's draft.
-        offered_by_depth: per depth d, row-steps whose proposal reached depth d.
+        offered_by_depth: per depth d, row-steps whose proposal reached depth d and whose row could emit
+            depth d's draft (``record_step``'s ``reachable``).
         phase_s: seconds spent in propose / verify / accept / commit.
         prefill_s: seconds of the prompt forward.
         ttft_s: time to the first token (the prefill, sampling included).
@@ -100,7 +102,8 @@ class GenerationMetrics:
         return (self.total_s - self.ttft_s) * self.row_steps / self.steps / later_tokens
 
     def record_step(self, accepted: torch.Tensor | Sequence[int], offered_depth: int, tree_size: int,
-                    fallback: bool = False, emitted: Sequence[int] | None = None) -> None:
+                    fallback: bool = False, emitted: Sequence[int] | None = None,
+                    reachable: Sequence[int] | None = None) -> None:
         """Count one step of a tree of ``tree_size`` nodes reaching ``offered_depth``.
 
         Args:
@@ -112,6 +115,10 @@ class GenerationMetrics:
             fallback: the adaptive fallback chose plain decoding for the heads this step.
             emitted: ``[rows]`` the tokens each row emitted; default its drafts and the token every step
                 yields after them, which a row that stopped on a draft did not emit.
+            reachable: ``[rows]`` the deepest draft each row could have emitted (its ``max_new_tokens``
+                left, or the draft it stopped on); default ``offered_depth`` for every row. A depth past it
+                is not counted as offered to the row: a row cut short by its own limit, or ended by an EOS
+                draft, was counted as rejecting drafts that were right.
         """
         accepted = torch.as_tensor(accepted, dtype=torch.long)
         rows = accepted.numel()
@@ -123,11 +130,14 @@ class GenerationMetrics:
         self.plain_steps += tree_size == 1
         self.fallback_steps += bool(fallback)
         self.recent_tree_sizes.append(tree_size)
+        reach = None if reachable is None else torch.as_tensor(reachable, dtype=torch.long).clamp(max=offered_depth)
+        if reach is not None:  # a depth no row could reach is not offered (nor listed, until one can)
+            offered_depth = int(reach.max()) if rows else 0
         while len(self.offered_by_depth) < offered_depth:
             self.offered_by_depth.append(0)
             self.accepted_by_depth.append(0)
         for depth in range(1, offered_depth + 1):
-            self.offered_by_depth[depth - 1] += rows
+            self.offered_by_depth[depth - 1] += rows if reach is None else int((reach >= depth).sum())
             self.accepted_by_depth[depth - 1] += int((accepted >= depth).sum())
         self.new_tokens += tokens
 

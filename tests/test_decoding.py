@@ -312,6 +312,34 @@ def test_a_draft_a_row_stops_on_counts_as_accepted():
     assert out.metrics.step_tokens == 4 and out.metrics.new_tokens == 5
 
 
+def test_acceptance_by_depth_counts_only_the_drafts_a_row_could_emit():
+    """With the truth always in the tree, every depth's acceptance is 1.0: a row cut short by its own
+    max_new_tokens (beside a row that sets the tree's depth) and a row that ends on an EOS draft were counted
+    as rejecting the right drafts past that point (0.857 / 0.833 and 0.0 at depths 3 and 4)."""
+    from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig
+
+    model = medusa("llama")
+    prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (4, 9)]
+    futures = [reference(model, p, 30) for p in prompts]
+    every_path = [p for depth in range(1, 5) for p in itertools.product(range(2), repeat=depth)]
+    ids, mask = left_pad(prompts)
+    with torch.no_grad():
+        batch = DecodeBatch(model, ids, mask, OracleProposer(futures, every_path), SamplingConfig(),
+                            [StopConfig(3), StopConfig(30)], None, None)
+        batch.prefill()
+        while not batch.done:
+            batch.step()
+    assert batch.generated == {0: futures[0][:3], 1: futures[1]}
+    assert batch.metrics.acceptance_by_depth == [1.0] * 4
+    assert batch.metrics.offered_by_depth[0] > batch.metrics.offered_by_depth[3]  # row 0 could emit 2 drafts only
+    future = futures[1]
+    assert future[2] not in future[:2]
+    out = generate(model, prompts[1][None], max_new_tokens=30, proposer=OracleProposer([future], every_path),
+                   eos_token_id=[future[2]])
+    assert out.new_tokens[0] == future[:3] and out.metrics.steps == 1
+    assert out.metrics.acceptance_by_depth == [1.0, 1.0]  # depths 3 and 4 came after the end
+
+
 def test_a_streams_seconds_leave_out_the_time_its_consumer_keeps_each_chunk():
     """medusa-generate writes each chunk out before asking for the next: that time was the generation's,
     so its tokens/s and TPOT depended on the terminal (streamed ~17x slower than generate() in a repro)."""
