@@ -542,6 +542,21 @@ def test_right_padding_is_refused():
         generate(model, torch.tensor([[5, 6, 0]]), attention_mask=torch.tensor([[1, 1, 0]]))
 
 
+def test_a_mask_with_a_gap_inside_the_prompt_is_refused_only_where_a_window_makes_it_differ():
+    """A 0 after a 1 in a row's mask: a sliding window counted in positions here and in cache slots by
+    transformers decoded such a row unlike ``model.generate`` (at batch size 1, plain steps too); without a
+    window the answer is ``model.generate``'s."""
+    ids, mask = torch.tensor([[3, 8, 6, 12, 0, 9, 10]]), torch.tensor([[1, 1, 1, 1, 0, 1, 1]])
+    windowed = MedusaModel.from_base(sliding_window_base("mistral", 5), num_heads=2)
+    with pytest.raises(ValueError, match=r"attention_mask row 0 has a 0 after a 1 .*sliding-window"):
+        generate(windowed, ids, attention_mask=mask, max_new_tokens=10)
+    model = medusa("llama")
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=10, eos_token_id=NO_EOS)
+    expected = model.base_model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                                         eos_token_id=None, pad_token_id=0)
+    assert out.new_tokens[0] == expected[0, ids.shape[1]:].tolist()
+
+
 def test_typical_and_lossless_sampling_run_and_are_reproducible():
     model = medusa("llama")
     prompt = torch.tensor([[5, 6, 7, 8]])
