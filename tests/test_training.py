@@ -1035,6 +1035,10 @@ def test_a_checkpoint_of_other_settings_is_refused_before_any_stage_runs(tiny_di
             train_heads.main(["--config", config_file, "features.dtype=bfloat16", *flags])
         assert "step-00000002 was written by a different run: features.dtype was 'float32', now 'bfloat16'" \
             in capsys.readouterr().err
+    # the cache's shards too (refused after extracting features again, naming only the caches' hashes)
+    with pytest.raises(SystemExit):
+        train_heads.main(["--config", config_file, "features.shard_examples=7", "--plan"])
+    assert "features.shard_examples was 256, now 7" in capsys.readouterr().err
     assert (tmp_path / "run" / "config.yaml").read_text() == saved
     assert sorted((tmp_path / "run" / "features").iterdir()) == caches
     # a launch's checkpoint: a plain --plan knows no number of processes (it printed no plan), a run does
