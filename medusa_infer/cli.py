@@ -212,7 +212,40 @@ def run_turn(model, args: argparse.Namespace, messages: list[dict] | None, promp
     sys.stdout.write("\n")
     result = chunks.result()
     print(f"[{args.method}] {result.metrics.summary()}", file=sys.stderr)
+    if result.finish_reasons[0] == "context":  # a shorter answer than asked, said only by a smaller count
+        from medusa_infer.decoding import context_length
+
+        print(f"[note] the answer stopped at the end of the model's context ({context_length(model)} tokens, "
+              "prompt included)", file=sys.stderr)
     return result
+
+
+def prompt_tokens(tokenizer, messages: list[dict] | None, prompt: str | None) -> int:
+    """The tokens of a turn's prompt, as ``decoding.generate`` encodes ``messages=`` or ``prompt=``."""
+    from medusa_infer.decoding import encode_chat
+
+    if messages is not None:
+        return len(tokenizer(encode_chat(tokenizer, messages)[0], add_special_tokens=False)["input_ids"])
+    return len(tokenizer(prompt)["input_ids"])
+
+
+def fit_history(model, history: list[dict], use_template: bool) -> int:
+    """Drop the oldest exchanges of ``history`` (after a system message; the last user turn stays) until the
+    next turn's prompt leaves room for an answer in the model's context; returns how many were dropped."""
+    from medusa_infer.decoding import context_length
+
+    limit, first = context_length(model) - 1, int(bool(history) and history[0]["role"] == "system")
+    dropped = 0
+    while len(history) - first > 1:
+        if use_template:
+            size = prompt_tokens(model.tokenizer, history, None)
+        else:
+            size = prompt_tokens(model.tokenizer, None, raw_text(history[first:]))
+        if size < limit:
+            break
+        del history[first:first + 2]  # a user turn and its answer
+        dropped += 1
+    return dropped
 
 
 def raw_text(history: list[dict]) -> str:
@@ -274,8 +307,20 @@ def generate_from_args(args: argparse.Namespace) -> int:
         if not line:
             break
         history.append({"role": "user", "content": line})
+        dropped = fit_history(model, history, use_template)
+        if dropped:
+            from medusa_infer.decoding import context_length
+  # the session ended with "does not fit the model's context" at the next turn
+            print(f"[note] the conversation outgrew the model's context ({context_length(model)} tokens): its "
+                  f"{dropped} oldest exchange{'s' if dropped > 1 else ''} left out", file=sys.stderr)
         text = None if use_template else raw_text(history)
-        result = run_turn(model, args, history if use_template else None, text)
+        try:
+            result = run_turn(model, args, history if use_template else None, text)
+        except ValueError as error:  # this turn's own (a line longer than the context): the chat goes on
+            sys.stdout.flush()
+            print(f"medusa-generate: error: {error}; that line was left out", file=sys.stderr)
+            history.pop()
+            continue
         answer = tokenizer.decode(result.new_tokens[0], skip_special_tokens=True) if use_template else \
             continuation(tokenizer, text, result.new_tokens[0])
         history.append({"role": "assistant", "content": answer})

@@ -226,6 +226,38 @@ def test_raw_chat_sends_the_whole_conversation(monkeypatch, capsys, tokenizer):
     assert encode(prompts[1][: -len("\nthe dog")]) == encode("the cat") + written
 
 
+def test_a_chat_that_outgrows_the_context_goes_on_and_says_so(monkeypatch, capsys):
+    """The third turn's prompt no longer fit: medusa-generate exited with "does not fit the model's context"
+    and the conversation was lost, and an answer cut at the context's end said so by a smaller count alone."""
+    import medusa_infer.cli as cli
+    import medusa_infer.decoding as decoding
+    from medusa_infer.decoding import context_length
+    from tiny import word_medusa
+
+    model = word_medusa()
+    stream, chats = decoding.stream, []
+
+    def spy(*a, messages=None, **kw):
+        chats.append([dict(m) for m in messages])
+        return stream(*a, messages=messages, **kw)
+
+    limit = context_length(model)
+    lines = iter(["hello world", "the cat sat", " ".join(["dog"] * (limit + 10)), "good day", ""])
+    monkeypatch.setattr(decoding, "stream", spy)
+    monkeypatch.setattr(cli, "load", lambda args: model)
+    monkeypatch.setattr("builtins.input", lambda _: next(lines))
+    assert cli.main(["--chat", "--system", "be brief", "--max-new-tokens", str(limit * 3 // 5)]) == 0
+    err = capsys.readouterr().err
+    assert "[note] the answer stopped at the end of the model's context" in err
+    assert "oldest exchange" in err and "left out" in err
+    assert "that line was left out" in err and "does not fit the model's context" in err  # the line too long
+    long_line = " ".join(["dog"] * (limit + 10))
+    assert [c[-1]["content"] for c in chats] == ["hello world", "the cat sat", long_line, "good day"]
+    assert chats[-1][0] == {"role": "system", "content": "be brief"}  # kept while exchanges are dropped
+    assert all(m["content"] not in ("hello world", long_line) for m in chats[-1])
+    assert all(cli.prompt_tokens(model.tokenizer, c, None) < limit for c in chats if c[-1]["content"] != long_line)
+
+
 def test_an_empty_system_message_is_sent_not_dropped(monkeypatch, capsys):
     """``--system ""`` asks for a system turn with no text (a template may then leave out its default one)."""
     import medusa_infer.cli as cli
