@@ -159,8 +159,14 @@ def context_start(tokenizer: Any, ids: Sequence[int], start: int) -> int:
     back, and up to 3 tokens further while the context's text begins inside a character. A byte-fallback
     tokenizer (Llama-2, Mistral) decodes a run of byte tokens that starts mid-character to U+FFFD, every
     byte of it, those of the text after the context that continue the run too (an emoji after a prompt
-    ending in emoji came out as four U+FFFD, and a stop string in it was never seen)."""
-    begin = max(0, start - TEXT_CONTEXT_TOKENS)
+    ending in emoji came out as four U+FFFD, and a stop string in it was never seen). Special tokens, which
+    decode to nothing, are not counted (after a prompt ending in 6 of them the context held no text, and a
+    SentencePiece answer lost its leading space)."""
+    special = set(getattr(tokenizer, "all_special_ids", None) or ())
+    begin, counted = start, 0
+    while begin > 0 and counted < TEXT_CONTEXT_TOKENS and start - begin < 8 * TEXT_CONTEXT_TOKENS:
+        begin -= 1
+        counted += ids[begin] not in special
     for _ in range(3):  # a UTF-8 character is at most 4 bytes
         context = list(ids[begin:start])  # (its last character whole: a byte-fallback tokenizer reads all of a run
         text = tokenizer.decode(context, skip_special_tokens=True)  # cut inside one as U+FFFD, its start too)

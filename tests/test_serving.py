@@ -274,6 +274,26 @@ def test_text_after_a_prompt_ending_inside_byte_tokens_is_whole_and_its_stop_str
     assert generated_text_tail(tokenizer, prompt + new, len(prompt), window=12) == expected
 
 
+def test_an_answer_after_a_prompt_ending_in_special_tokens_keeps_its_leading_space():
+    """The prompt's last 6 tokens, decoded as context, were all special (no text): a SentencePiece answer
+    lost the space before its first word ('out' for ' out'), and a stop string starting with it was missed
+    (in the server's text and the engine's stop-string window both)."""
+    from medusa_infer.decoding import generated_text_tail
+    from tiny import metaspace_tokenizer
+
+    tokenizer = metaspace_tokenizer()
+    word, out = (tokenizer(text, add_special_tokens=False)["input_ids"] for text in ("the", "out"))
+    for specials in (5, 6, 12):
+        prompt = word + [tokenizer.unk_token_id] * specials
+        before = tokenizer.decode(prompt, skip_special_tokens=True)
+        expected = tokenizer.decode(prompt + out, skip_special_tokens=True)[len(before):]
+        assert expected == " out"
+        assert TextAssembler(tokenizer, (), prompt).add(out, final=True) == expected
+        stopped = TextAssembler(tokenizer, (" out",), prompt)
+        assert stopped.add(out) == "" and stopped.stopped
+        assert generated_text_tail(tokenizer, prompt + out, len(prompt), window=4) == expected
+
+
 def test_an_answer_completing_a_character_its_prompt_ids_end_inside_of_begins_with_it():
     """A prompt given as token ids may end inside a character (its first bytes): the answer's text began
     as many characters late as the prompt's text ended in U+FFFD (an emoji and the next word were lost),
