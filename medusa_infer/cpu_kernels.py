@@ -154,6 +154,7 @@ class KernelPlan:
 def _takes_plan(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (_ONEDNN is not None and not torch.is_grad_enabled() and x.device.type == "cpu"
             and x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.device.type == "cpu"
+            and weight.numel() > 0  # (oneDNN makes no primitive for an empty weight; F.linear's answer is zeros)
             and not torch.is_autocast_enabled("cpu"))  # (autocast: F.linear computes in its dtype)
 
 
@@ -177,8 +178,10 @@ def packed_weight(weight: torch.Tensor, kernel: str, cache: dict[str, Any]) -> t
             packed = _ONEDNN[1](weight.detach(), PACK_ROWS)
         else:
             packed = _MKL[1](weight.detach(), PACK_ROWS) if mkl_packed_works(weight) else None
-        # the tensor itself is held, so its address cannot be reused by another while the copy lives
-        found = (weight, stamp, packed)
+        # the storage packed is held (weight.detach(): a view of it), so that its address cannot be reused while
+        # the copy lives: a Parameter whose .data is replaced (Module.to, .bfloat16().float()) frees the old
+        # storage, and a later replacement landing at its address matched the stamp of the old weights
+        found = (weight, stamp, packed, weight.detach())
         cache[kernel] = found
     return found[2]
 
@@ -190,7 +193,8 @@ def _rows(x: torch.Tensor) -> int:
 def _run(kernel: str, x: torch.Tensor, rows: int, weight: torch.Tensor, bias: torch.Tensor | None,
          cache: dict[str, Any]) -> torch.Tensor:
     """``F.linear`` on ``kernel`` for ``x`` (``rows`` rows in all)."""
-    if kernel == "onednn":
+    if kernel == "onednn":  # (a bias that is a strided view was read as if contiguous: other numbers, or past it)
+        bias = bias.contiguous() if bias is not None else None
         return _ONEDNN[0](x.contiguous(), packed_weight(weight, kernel, cache), bias, "none", [], "")
     if kernel == "mkl-packed" and 0 < rows <= MKL_PACKED_MAX_ROWS:
         packed = packed_weight(weight, kernel, cache)
@@ -390,7 +394,7 @@ def use_cpu_kernels(model: nn.Module, plan: KernelPlan | str = "tuned", plan_cac
     if not onednn_works():
         return 0
     layers = [m for m in model.modules() if type(m) in (nn.Linear, CPULinear)
-              and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
+              and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu" and m.weight.numel() > 0]
     groups: dict[str, list[nn.Linear]] = {}
     for layer in layers:
         groups.setdefault(shape_key(layer), []).append(layer)
@@ -444,14 +448,14 @@ def read_plan_cache(path: str | Path) -> dict[str, KernelPlan]:
             raise ValueError(f"a JSON object was expected, got {type(data).__name__}")
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, RecursionError) as err:  # RecursionError: JSON nested past Python's stack
         logger.warning("ignoring the kernel plan cache %s (%s); measuring again", path, err)
         return {}
     plans = {}
     for key, value in data.items():  # one bad entry costs its own measurement, not the others'
         try:
             plans[str(key)] = KernelPlan.from_dict(value)
-        except (ValueError, KeyError, TypeError, AttributeError) as err:
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as err:
             logger.warning("ignoring entry %r of the kernel plan cache %s (%s)", key, path, err)
     return plans
 

@@ -876,6 +876,9 @@ def _load_base(
     whose dropout made greedy decoding random); a name is resolved and loaded with its tokenizer."""
     if isinstance(base_model, PreTrainedModel):
         check_supported(base_model)  # before its weights are read (a bare decoder has no lm_head)
+        # weights changed through .data since its last forward (peft's merge_and_unload, which check_supported
+        # asks for) bump no version: copies packed before would serve the old weights
+        forget_packed(base_model)
         return base_model.eval(), tokenizer, getattr(base_model, "name_or_path", None) or None
     if isinstance(base_model, nn.Module):
         if hasattr(base_model, "peft_config"):

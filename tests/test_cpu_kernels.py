@@ -111,6 +111,68 @@ def test_the_packed_copy_follows_the_weight():
         torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias))
 
 
+@pytest.mark.parametrize("kernel", ["onednn", "mkl-packed"])
+def test_a_weight_whose_data_is_replaced_twice_is_computed_with(kernel):
+    """``.data = ...`` (as ``Module.to`` and ``.bfloat16().float()`` do) frees the storage packed; a second
+    replacement could land at its address with the same version, and the copy of the first weights served it
+    (stale in 5 to 14 of 20 tries): the copy now keeps the storage it was packed from alive."""
+    if kernel == "mkl-packed" and not mkl_packed_available():
+        pytest.skip("no MKL packed kernel in this build")
+    torch.manual_seed(0)
+    for _ in range(20):
+        layer = switched(nn.Linear(64, 64), KernelPlan.uniform(kernel))
+        x = torch.randn(4, 64)
+        with torch.no_grad():
+            layer(x)
+            layer.weight.data = torch.randn(64, 64)
+            layer.weight.data = torch.full((64, 64), 5.0)
+            torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias))
+            layer.bfloat16()
+            layer.float()
+            torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias))
+
+
+def test_strided_biases_and_empty_layers_compute_as_f_linear():
+    """oneDNN read a bias that is a strided view as if contiguous (other numbers, an expanded one 3.5e+31 off),
+    and made no primitive for a layer of zero inputs or outputs (a RuntimeError where nn.Linear gives zeros)."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 16)
+    layer = switched(nn.Linear(16, 8), KernelPlan.uniform("onednn"))
+    with torch.no_grad():
+        for bias in (torch.randn(16)[::2], torch.randn(8, 3)[:, 1], torch.randn(1).expand(8)):
+            assert not bias.is_contiguous()
+            layer.bias = nn.Parameter(bias, requires_grad=False)
+            torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, bias))
+        for inputs, outputs in ((0, 8), (16, 0)):
+            empty = switched(nn.Linear(inputs, outputs), KernelPlan.uniform("onednn"))
+            given = torch.randn(3, inputs)
+            torch.testing.assert_close(empty(given), nn.functional.linear(given, empty.weight, empty.bias))
+    model = nn.Sequential(nn.Linear(16, 0), nn.Linear(16, 8))
+    use_cpu_kernels(model, KernelPlan.uniform("onednn"))
+    assert [type(m) for m in model] == [nn.Linear, CPULinear]  # no plan for an empty layer
+
+
+def test_a_model_merged_with_peft_after_it_ran_is_computed_with_the_merged_weights():
+    """The merge check_supported asks for (peft's merge_and_unload, which adds the delta through ``.data``) on a
+    model that already ran with CPU kernels: MedusaModel computed with the weights from before the merge."""
+    from peft import LoraConfig, get_peft_model
+
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+
+    def merged_logits(kernels: bool) -> torch.Tensor:
+        base = tiny_model("llama")
+        if kernels:
+            use_cpu_kernels(base, KernelPlan.uniform("onednn"))
+        torch.manual_seed(1)
+        adapted = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"],
+                                                  init_lora_weights=False))
+        with torch.no_grad():
+            adapted(ids)  # packs the weights
+            return MedusaModel.without_heads(adapted.merge_and_unload())(ids).logits
+
+    torch.testing.assert_close(merged_logits(True), merged_logits(False), atol=1e-4, rtol=1e-4)
+
+
 def test_every_kernel_a_plan_names_can_be_packed_before_the_first_product():
     """A layer packed its weight the first time a product of a row count its plan gives a packed kernel came:
     in a benchmark, inside whichever method met that count first. pack_planned makes them all at once."""
@@ -285,6 +347,15 @@ def test_measured_plans_are_kept_for_later_loads_on_the_same_machine(tmp_path, m
     cache.write_text(json.dumps(entries))
     assert len(read_plan_cache(cache)) == 2 * len(first) - 1 and "ignoring entry" in caplog.text
     cache.write_text("{not json")
+    use_cpu_kernels(tiny_model("llama"), plan_cache=cache)
+    assert "ignoring the kernel plan cache" in caplog.text and len(read_plan_cache(cache)) == len(first)
+    # a row count past a float's range, and JSON nested past Python's stack: ignored, not a failed model load
+    entries = json.loads(cache.read_text())
+    entries[next(iter(entries))]["rows"] = [1e400]
+    cache.write_text(json.dumps(entries).replace("Infinity", "1e400"))
+    assert len(read_plan_cache(cache)) == len(first) - 1
+    cache.write_text("[" * 100_000 + "]" * 100_000)
+    caplog.clear()
     use_cpu_kernels(tiny_model("llama"), plan_cache=cache)
     assert "ignoring the kernel plan cache" in caplog.text and len(read_plan_cache(cache)) == len(first)
     assert not list(cache.parent.glob(".*.tmp"))
