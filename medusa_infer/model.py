@@ -431,7 +431,8 @@ class MedusaModel(nn.Module):
             base_model, tokenizer, _ = _load_base(base_model or config.base_model_name_or_path, tokenizer)
         adapter_folder = directory / ADAPTER_DIR
         merge = adapter and adapter_folder.is_dir()
-        digest = adapter_digest(adapter_folder) if merge else None
+        digests = adapter_digests(adapter_folder) if merge else ()  # (this digest, and as recorded before README.md
+        digest = digests[0] if merge else None  # and hidden files were left out of it)
         already = getattr(base_model, MERGED_ADAPTER_ATTR, None)
         # Medusa-2 heads of the FasterDecoding layout, which holds no adapter, need theirs merged (named by the
         # export), as do such heads saved again in our layout (their record keeps the name); in our layout a
@@ -447,7 +448,10 @@ class MedusaModel(nn.Module):
                              "model: load a fresh one")
         recorded = getattr(base_model.config, MERGED_ADAPTER_KEY, None)
         merged_in = already[1] if already is not None else recorded  # the adapter in base_model's weights, if known
-        if wants_adapted and exported_digest is not None and merged_in is not None and merged_in != exported_digest:
+        merged_names = (adapter_digests(already[0]) if already is not None and Path(already[0]).is_dir()
+                        else (merged_in,))  # the digests that name the merged adapter
+        if wants_adapted and exported_digest is not None and merged_in is not None \
+                and exported_digest not in merged_names:
             key = interop.ADAPTER_DIGEST_KEY if exported else f"training.{interop.ADAPTER_DIGEST_RECORD}"
             raise ValueError(f"the heads in {directory} were trained with the Medusa-2 adapter {exported_digest[:12]} "
                              f"(config.json's {key}), and base_model has another merged into "
@@ -457,13 +461,13 @@ class MedusaModel(nn.Module):
             logger.warning("the heads in %s were trained with a Medusa-2 adapter and their config.json does not name "
                            "it (%s): loaded onto a base model with an adapter merged, which could not be checked to "
                            "be theirs", directory, interop.ADAPTER_DIGEST_KEY)
-        if merge and already is None and recorded is not None and recorded != digest:
+        if merge and already is None and recorded is not None and recorded not in digests:
             raise ValueError(f"the base model's weights were saved with another Medusa-2 adapter merged into them "
                              f"(its config.json's {MERGED_ADAPTER_KEY}); the adapter in {adapter_folder} needs the "
                              "plain base model: load the heads on it (merging a second adapter on top would give "
                              "neither model)")
         # merged already: into this object, or into weights saved with this very adapter (not twice)
-        in_weights = already is not None or (merge and recorded == digest)
+        in_weights = already is not None or (merge and recorded in digests)
         heads = MedusaHeads(config)
         check_state_dict(heads.state_dict(), state, str(directory))
         heads.load_state_dict(state, strict=True)
@@ -834,11 +838,19 @@ ADAPTER_DIGEST_SKIPS = ("README.md",)
 def adapter_digest(folder: str | os.PathLike) -> str:
     """SHA-256 of a saved adapter's files (names and contents), bar ``ADAPTER_DIGEST_SKIPS`` and hidden
     files: equal for copies of one adapter."""
-    digest = hashlib.sha256()
-    for path in sorted(p for p in Path(folder).iterdir()
-                       if p.is_file() and p.name not in ADAPTER_DIGEST_SKIPS and not p.name.startswith(".")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()
+    return adapter_digests(folder)[0]
+
+
+def adapter_digests(folder: str | os.PathLike) -> tuple[str, str]:
+    """``adapter_digest(folder)``, and the digest of all of its files, which earlier versions recorded
+    (in a merged base model's ``config.json``, an export's): either names the adapter."""
+    digest, every = hashlib.sha256(), hashlib.sha256()
+    for path in sorted(p for p in Path(folder).iterdir() if p.is_file()):
+        entry = path.name.encode() + b"\0" + path.read_bytes()
+        every.update(entry)
+        if path.name not in ADAPTER_DIGEST_SKIPS and not path.name.startswith("."):
+            digest.update(entry)
+    return digest.hexdigest(), every.hexdigest()
 
 
 def heads_folder(path_or_repo_id: str | os.PathLike, revision: str | None = None) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -13,7 +14,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import LlamaForCausalLM
 
 from medusa_infer.checkpoint import ADAPTER_DIR
-from medusa_infer.model import MERGED_ADAPTER_ATTR, MedusaModel
+from medusa_infer.model import MERGED_ADAPTER_ATTR, MERGED_ADAPTER_KEY, MedusaModel, adapter_digest
 from medusa_train import lora
 from tiny import VOCAB, tiny_model
 
@@ -138,6 +139,16 @@ def test_the_merged_base_model_saved_loads_the_heads_without_a_second_merge(head
     (touched / ADAPTER_DIR / ".DS_Store").write_bytes(b"\0")
     same = MedusaModel.from_pretrained(touched, base_model=LlamaForCausalLM.from_pretrained(tmp_path / "merged"))
     torch.testing.assert_close(logits(same), logits(again), atol=0, rtol=0)  # not merged a second time
+    # a merged base saved by an earlier version, whose digest counted every file (README.md too): still this
+    # adapter's (refused as another one when the digest changed)
+    legacy = hashlib.sha256()
+    for path in sorted(p for p in (folder / ADAPTER_DIR).iterdir() if p.is_file()):
+        legacy.update(path.name.encode() + b"\0" + path.read_bytes())
+    assert legacy.hexdigest() != adapter_digest(folder / ADAPTER_DIR)  # (peft writes a README.md)
+    saved = json.loads((tmp_path / "merged" / "config.json").read_text())
+    (tmp_path / "merged" / "config.json").write_text(json.dumps({**saved, MERGED_ADAPTER_KEY: legacy.hexdigest()}))
+    old = MedusaModel.from_pretrained(folder, base_model=LlamaForCausalLM.from_pretrained(tmp_path / "merged"))
+    torch.testing.assert_close(logits(old), logits(again), atol=0, rtol=0)
 
 
 def test_saving_keeps_the_merged_adapter_beside_the_heads(heads_folder, tmp_path):
