@@ -229,23 +229,28 @@ def prompt_tokens(tokenizer, messages: list[dict] | None, prompt: str | None) ->
     return len(tokenizer(prompt)["input_ids"])
 
 
-def fit_history(model, history: list[dict], use_template: bool) -> int:
-    """Drop the oldest exchanges of ``history`` (after a system message; the last user turn stays) until the
-    next turn's prompt leaves room for an answer in the model's context; returns how many were dropped."""
+def fit_history(model, history: list[dict], use_template: bool, answer_tokens: int) -> tuple[list[dict], int]:
+    """``history`` less its oldest exchanges (after a system message; the last user turn stays), as few as
+    leave room in the model's context for the next turn's prompt and ``answer_tokens`` (at most half the
+    context) of its answer, and how many were left out; ``history`` itself is left as it is."""
     from medusa_infer.decoding import context_length
 
-    limit, first = context_length(model) - 1, int(bool(history) and history[0]["role"] == "system")
-    dropped = 0
-    while len(history) - first > 1:
-        if use_template:
-            size = prompt_tokens(model.tokenizer, history, None)
-        else:
-            size = prompt_tokens(model.tokenizer, None, raw_text(history[first:]))
-        if size < limit:
-            break
-        del history[first:first + 2]  # a user turn and its answer
+    limit = context_length(model)
+    room = min(answer_tokens, limit // 2)  # (an answer of one token was all a trimmed chat left room for)
+    first = int(bool(history) and history[0]["role"] == "system")
+    kept, dropped = list(history), 0
+    while len(kept) - first > 1 and turn_tokens(model, kept, use_template) + room > limit:
+        del kept[first:first + 2]  # a user turn and its answer
         dropped += 1
-    return dropped
+    return kept, dropped
+
+
+def turn_tokens(model, history: list[dict], use_template: bool) -> int:
+    """The tokens of the prompt of the turn that ``history`` ends with."""
+    if use_template:
+        return prompt_tokens(model.tokenizer, history, None)
+    first = int(bool(history) and history[0]["role"] == "system")
+    return prompt_tokens(model.tokenizer, None, raw_text(history[first:]))
 
 
 def raw_text(history: list[dict]) -> str:
@@ -299,6 +304,8 @@ def generate_from_args(args: argparse.Namespace) -> int:
         else:
             run_turn(model, args, None, args.prompt)
         return 0
+    from medusa_infer.decoding import context_length
+
     while True:
         try:
             line = input("> ").strip()
@@ -306,24 +313,22 @@ def generate_from_args(args: argparse.Namespace) -> int:
             break
         if not line:
             break
-        history.append({"role": "user", "content": line})
-        dropped = fit_history(model, history, use_template)
-        if dropped:
-            from medusa_infer.decoding import context_length
-  # the session ended with "does not fit the model's context" at the next turn
-            print(f"[note] the conversation outgrew the model's context ({context_length(model)} tokens): its "
-                  f"{dropped} oldest exchange{'s' if dropped > 1 else ''} left out", file=sys.stderr)
-        text = None if use_template else raw_text(history)
+        # the session ended with "does not fit the model's context" once the conversation outgrew it
+        turn, dropped = fit_history(model, history + [{"role": "user", "content": line}], use_template,
+                                    args.max_new_tokens)
+        text = None if use_template else raw_text(turn[int(bool(turn) and turn[0]["role"] == "system"):])
         try:
-            result = run_turn(model, args, history if use_template else None, text)
-        except ValueError as error:  # this turn's own (a line longer than the context): the chat goes on
+            if dropped and turn_tokens(model, turn, use_template) < context_length(model):
+                print(f"[note] the conversation outgrew the model's context ({context_length(model)} tokens): its "
+                      f"{dropped} oldest exchange{'s' if dropped > 1 else ''} left out", file=sys.stderr)
+            result = run_turn(model, args, turn if use_template else None, text)
+        except ValueError as error:  # this turn's own (a line longer than the context): the chat goes on as it was
             sys.stdout.flush()
-            print(f"medusa-generate: error: {error}; that line was left out", file=sys.stderr)
-            history.pop()
+            print(f"medusa-generate: error: {error}; that line was left out, the conversation kept", file=sys.stderr)
             continue
         answer = tokenizer.decode(result.new_tokens[0], skip_special_tokens=True) if use_template else \
             continuation(tokenizer, text, result.new_tokens[0])
-        history.append({"role": "assistant", "content": answer})
+        history[:] = turn + [{"role": "assistant", "content": answer}]
     return 0
 
 

@@ -227,8 +227,10 @@ def test_raw_chat_sends_the_whole_conversation(monkeypatch, capsys, tokenizer):
 
 
 def test_a_chat_that_outgrows_the_context_goes_on_and_says_so(monkeypatch, capsys):
-    """The third turn's prompt no longer fit: medusa-generate exited with "does not fit the model's context"
-    and the conversation was lost, and an answer cut at the context's end said so by a smaller count alone."""
+    """A turn whose prompt no longer fit ended medusa-generate with "does not fit the model's context", the
+    conversation lost: the oldest exchanges are left out (the system message kept) with a note, leaving room
+    for an answer; a line too long for the context alone is refused and the conversation kept as it was; an
+    answer cut at the context's end says so (it did only by a smaller count)."""
     import medusa_infer.cli as cli
     import medusa_infer.decoding as decoding
     from medusa_infer.decoding import context_length
@@ -241,21 +243,26 @@ def test_a_chat_that_outgrows_the_context_goes_on_and_says_so(monkeypatch, capsy
         chats.append([dict(m) for m in messages])
         return stream(*a, messages=messages, **kw)
 
-    limit = context_length(model)
-    lines = iter(["hello world", "the cat sat", " ".join(["dog"] * (limit + 10)), "good day", ""])
+    limit, answer = context_length(model), 60
+    long_line = " ".join(["dog"] * (limit + 10))
+    lines = iter(["hello world", "the cat sat", long_line, "good day", "more words", "and more", ""])
     monkeypatch.setattr(decoding, "stream", spy)
     monkeypatch.setattr(cli, "load", lambda args: model)
     monkeypatch.setattr("builtins.input", lambda _: next(lines))
-    assert cli.main(["--chat", "--system", "be brief", "--max-new-tokens", str(limit * 3 // 5)]) == 0
+    assert cli.main(["--chat", "--system", "be brief", "--max-new-tokens", str(answer)]) == 0
     err = capsys.readouterr().err
-    assert "[note] the answer stopped at the end of the model's context" in err
+    assert "that line was left out, the conversation kept" in err and "does not fit the model's context" in err
     assert "oldest exchange" in err and "left out" in err
-    assert "that line was left out" in err and "does not fit the model's context" in err  # the line too long
-    long_line = " ".join(["dog"] * (limit + 10))
-    assert [c[-1]["content"] for c in chats] == ["hello world", "the cat sat", long_line, "good day"]
-    assert chats[-1][0] == {"role": "system", "content": "be brief"}  # kept while exchanges are dropped
-    assert all(m["content"] not in ("hello world", long_line) for m in chats[-1])
-    assert all(cli.prompt_tokens(model.tokenizer, c, None) < limit for c in chats if c[-1]["content"] != long_line)
+    asked = [c for c in chats if c[-1]["content"] != long_line]
+    assert [c[-1]["content"] for c in asked] == ["hello world", "the cat sat", "good day", "more words", "and more"]
+    # the line refused took nothing with it (every earlier exchange was dropped to make room for it, then lost)
+    assert [m["content"] for m in asked[2] if m["role"] == "user"] == ["hello world", "the cat sat", "good day"]
+    assert all(c[0] == {"role": "system", "content": "be brief"} for c in chats)  # kept while exchanges go
+    assert all(m["content"] != "hello world" for m in asked[-1])
+    assert all(cli.prompt_tokens(model.tokenizer, c, None) + answer <= limit for c in asked)  # room for an answer
+    assert "the answer stopped at the end of the model's context" not in err
+    assert cli.main(["--max-new-tokens", str(limit * 2), "the cat sat"]) == 0
+    assert "[note] the answer stopped at the end of the model's context" in capsys.readouterr().err
 
 
 def test_an_empty_system_message_is_sent_not_dropped(monkeypatch, capsys):
