@@ -40,7 +40,6 @@ from medusa_infer.config import MedusaConfig
 from medusa_infer.heads import MedusaHeads
 from medusa_infer.interop import is_medusa_layout
 from medusa_train.features import (
-    SHARD_EXAMPLES,
     FeatureDataset,
     batch_hidden,
     block_from_hidden,
@@ -449,11 +448,9 @@ def resume_fingerprint(config: TrainConfig, model_weights: str | None = _NOW) ->
             "lora": data["lora"] if config.training.mode == "medusa2" else None,
             "features_topk": config.soft_label_topk,
             # what the features a checkpoint trained on were made from and stored as
-            # (shard_examples, which decides the cache's shards, only when not the default: checkpoints from
-            # before it was recorded had the default; a change was refused only after extracting new features)
+            # (shard_examples decides the cache's shards: a change was refused only after extracting new features)
             "features": {"dtype": config.features.dtype, "from_distillation": config.features.from_distillation,
-                         **({"shard_examples": config.features.shard_examples}
-                            if config.features.shard_examples != SHARD_EXAMPLES else {})}
+                         "shard_examples": config.features.shard_examples}
             if config.uses_feature_cache else None,
             # the starting heads by content: a folder rewritten in between would resume other heads
             **({"init_from_sha256": _file_sha256(Path(config.heads.init_from) / "model.safetensors")}
@@ -631,8 +628,8 @@ def _resume_settings(config: TrainConfig, state: dict[str, Any], world: int) -> 
     _skip_unknown_weights(found, expected)
     for settings in (expected, found):  # recorded only when set (resume_fingerprint): a refusal says False, not None
         settings.setdefault("data.pack", False)
-        if "features.dtype" in settings:  # (the same: recorded only when not the default)
-            settings.setdefault("features.shard_examples", SHARD_EXAMPLES)
+    if "features.shard_examples" not in found:  # a checkpoint from before it was recorded: the cache's hash decides
+        expected.pop("features.shard_examples", None)
     return _without(expected, unread_settings(config)), _without(found, unread_settings(config))
 
 

@@ -168,6 +168,10 @@ def test_recipe_files_overrides_and_paths_read_as_a_user_means_them(tmp_path, mo
         load_config(bad)
     bad.write_text("defaults: &d {lr: 0.1, epochs: 2}\ntraining:\n  <<: *d\n  lr: 0.2\n")  # YAML's merge: allowed
     assert read_yaml(bad.read_text())["training"] == {"lr": 0.2, "epochs": 2}
+    # read as PyYAML reads them: a mapping merged in place and reached again through an alias (refused as holding
+    # its merged key twice), a mapping that holds itself
+    for text in ("a: &a {x: 1}\nc: {<<: &b {<<: *a, x: 2}, y: 1}\nd: *b\n", "a: &a {self: *a}\n"):
+        assert repr(read_yaml(text)) == repr(yaml.safe_load(text))
     for section in ("[]", "0"):  # taken for the defaults in silence (`training:` alone still is)
         bad.write_text(f"data:\n  prompts: p.jsonl\ntraining: {section}\n")
         with pytest.raises(ValueError, match=r"training: expected a mapping, got (\[\]|0)"):
@@ -651,8 +655,24 @@ def test_resume_fingerprint_covers_what_the_features_were_made_from():
     from medusa_train.trainer import resume_fingerprint
 
     base = load_config(RECIPES / "smollm2-135m.yaml")
-    for override in ("features.dtype=bfloat16", "features.from_distillation=false"):
+    for override in ("features.dtype=bfloat16", "features.from_distillation=false", "features.shard_examples=64"):
         assert resume_fingerprint(load_config(RECIPES / "smollm2-135m.yaml", [override])) != resume_fingerprint(base)
+
+
+def test_a_checkpoint_from_before_shard_examples_was_recorded_resumes_with_its_own_setting(monkeypatch):
+    """The setting read as the default where a checkpoint does not record it: one written with 64 shards'
+    worth of examples was refused by its own recipe ("was 256, now 64"); the feature cache's hash decides."""
+    import medusa_train.trainer as tr
+
+    monkeypatch.setattr(tr, "weights_identity", lambda name: None)
+    config = load_config(RECIPES / "smollm2-135m.yaml", ["features.shard_examples=64"])
+    fingerprint = tr.resume_fingerprint(config, None)
+    state = {"world_size": 1, "grad_accum": config.training.grad_accum, "fingerprint": fingerprint}
+    expected, found = tr._resume_settings(config, state, 1)
+    assert expected["features.shard_examples"] == found["features.shard_examples"] == 64
+    del fingerprint["features"]["shard_examples"]  # as written before the key was
+    expected, found = tr._resume_settings(config, state, 1)
+    assert expected == found
 
 
 def test_plan_shows_the_accumulation_and_is_printed_once_per_launch(tmp_path, capsys, monkeypatch):
