@@ -468,26 +468,27 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     word, so a second ``training:`` section appended to a recipe set every setting of the first back to
     its default."""
 
-
-def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-    seen: dict[Any, int] = {}
-    for key_node, _ in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: keys given beside it override its own
-            continue
-        key = loader.construct_object(key_node, deep=True)
-        try:
-            first = seen.get(key)
-        except TypeError:  # an unhashable key: construct_mapping names it
-            continue
-        seen[key] = key_node.start_mark.line
-        if first is not None:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"{key!r} appears twice in one mapping (first on line {first + 1}): YAML would keep "
-                "only the last; merge the two into one", key_node.start_mark)
-    return loader.construct_mapping(node, deep=deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        """Check each mapping once, as written: before ``<<`` merges its keys into it (in place: a mapping
+        reached again through an alias holds a merged key beside its own)."""
+        checked = self.__dict__.setdefault("_checked", set())
+        if id(node) not in checked:
+            checked.add(id(node))
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: keys given beside it override its own
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.get(key)
+                except TypeError:  # an unhashable key: construct_mapping names it
+                    continue
+                seen[key] = key_node.start_mark.line
+                if first is not None:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"{key!r} appears twice in one mapping (first on line {first + 1}): YAML would "
+                        "keep only the last; merge the two into one", key_node.start_mark)
+        super().flatten_mapping(node)
 
 
 def read_yaml(text: str) -> Any:
