@@ -678,15 +678,15 @@ def _prepare_inputs(model, tokenizer, input_ids, attention_mask, prompt, message
         raise ValueError("empty prompt: every row needs at least one token of input")
     if bool((attention_mask[:, -1] == 0).any()):
         raise ValueError("input is right-padded; pad on the left (tokenizer.padding_side = 'left')")
+    limit = context_length(model)
     gaps = (attention_mask[:, 1:] < attention_mask[:, :-1]).any(1)  # a 0 after a 1: not left padding
     windows = [w for w in AttentionLayout.from_config(model.base_model.config).windows.values() if w is not None]
-    if windows and bool(gaps.any()):
+    if any(w < limit for w in windows) and bool(gaps.any()):  # (a window as long as the context never slides)
         # positions count tokens, a sliding window here counts positions and transformers' counts cache slots:
         # the answer would be neither model.generate's nor that of the prompt without the masked tokens
         raise ValueError(f"attention_mask row {int(gaps.nonzero()[0])} has a 0 after a 1 (masked tokens inside the "
                          "prompt), which a model with sliding-window attention cannot decode as transformers does: "
                          "drop those tokens from the row and left-pad it")
-    limit = context_length(model)
     longest = int(attention_mask.sum(1).max())
     if longest >= limit:
         raise ValueError(f"prompt of {longest} tokens does not fit the model's context of {limit} tokens; shorten it")

@@ -550,6 +550,11 @@ def test_a_mask_with_a_gap_inside_the_prompt_is_refused_only_where_a_window_make
     windowed = MedusaModel.from_base(sliding_window_base("mistral", 5), num_heads=2)
     with pytest.raises(ValueError, match=r"attention_mask row 0 has a 0 after a 1 .*sliding-window"):
         generate(windowed, ids, attention_mask=mask, max_new_tokens=10)
+    wide = MedusaModel.from_base(sliding_window_base("mistral", 4096), num_heads=2)  # past the context: no slide
+    out = generate(wide, ids, attention_mask=mask, max_new_tokens=10, eos_token_id=NO_EOS)
+    expected = wide.base_model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                                        eos_token_id=None, pad_token_id=0)
+    assert out.new_tokens[0] == expected[0, ids.shape[1]:].tolist()
     model = medusa("llama")
     out = generate(model, ids, attention_mask=mask, max_new_tokens=10, eos_token_id=NO_EOS)
     expected = model.base_model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
