@@ -237,6 +237,12 @@ class CPULinear(nn.Linear):
         cache = self.__dict__.setdefault("_kernel_cache", {})
         return planned_linear(x, self.weight, self.bias, self.kernel_plan, cache)
 
+    def _apply(self, fn: Any, recurse: bool = True) -> "CPULinear":
+        """A dtype or device change (``Module.to``, ``.bfloat16()``) drops the packed copies, and with them the
+        storage they keep alive (the old weights, a float32 copy of each beside the new ones)."""
+        self.__dict__.pop("_kernel_cache", None)
+        return super()._apply(fn, recurse)
+
     def __getstate__(self) -> dict[str, Any]:
         """Pickling and deep copies leave out the packed weight (oneDNN's opaque tensors have no storage)."""
         state = dict(super().__getstate__())

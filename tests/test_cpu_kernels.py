@@ -128,6 +128,7 @@ def test_a_weight_whose_data_is_replaced_twice_is_computed_with(kernel):
             layer.weight.data = torch.full((64, 64), 5.0)
             torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias))
             layer.bfloat16()
+            assert "_kernel_cache" not in layer.__dict__  # (nor the old float32 storage it kept alive)
             layer.float()
             torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias))
 
