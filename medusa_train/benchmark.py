@@ -586,6 +586,8 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
     per_category: dict[str, dict[str, MethodTotals]] = defaultdict(lambda: {m: MethodTotals() for m in methods})
     answers: dict[str, list[list[int]]] = {m: [] for m in methods}
     answer_categories: list[str] = []  # the category of each answer, in the order answers hold them
+    groups: list[dict[str, Any]] = []  # per group of questions (a batch; one question at batch size 1): its
+    # ids and, per method, the tokens and the seconds of its turns, measured for the group as a whole
     from tqdm import tqdm
 
     bar = tqdm(total=planned, desc="benchmark", unit="question", file=sys.stderr)
@@ -596,6 +598,8 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
             questions = questions[:first]
             break
         group = questions[first : first + args.batch_size]
+        measured = {"questions": [q["id"] for q in group], "tokens": {}, "seconds": {}}
+        groups.append(measured)
         for method in methods:
             conversations: list[list[dict]] = [[] for _ in group]
             for index in range(max(len(q["turns"]) for q in group)):
@@ -604,6 +608,8 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
                     conversations[i].append({"role": "user", "content": group[i]["turns"][index]})
                 turns = runner.run_batch(method, [conversations[i] for i in rows])
                 for i, turn in zip(rows, turns):
+                    measured["tokens"][method] = measured["tokens"].get(method, 0) + len(turn.tokens)
+                    measured["seconds"][method] = measured["seconds"].get(method, 0.0) + turn.seconds
                     totals[method].add(turn)
                     per_category[group[i]["category"]][method].add(turn)
                     answers[method].append(turn.tokens)
@@ -627,6 +633,10 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
         base = group["hf"].tokens / group["hf"].seconds if "hf" in group and group["hf"].seconds else None
         return {m: t.summary(base) for m, t in group.items()}
 
+    overall = summarise(totals)
+    for method, interval in speedup_intervals(groups, methods).items():
+        overall[method]["speedup_ci95"] = interval
+
     return {
         "settings": {
             "model": args.model, "heads": args.heads, "questions": str(args.questions), "limit": args.limit,
@@ -645,13 +655,63 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
             "tree": _tree_note(model, args.tree),
             # what exact compares with (its own exact: true) and speedup divides by; None: not measured
             "exact_reference": reference, "speedup_baseline": "hf" if "hf" in methods else None,
+            # which questions, drawn how, with what: enough to run the same benchmark again
+            "question_ids": [q["id"] for q in questions], "seed": args.seed,
+            "draft_model": getattr(args, "draft_model", None),
+            "temperature": getattr(args, "temperature", None) if any(m in SAMPLING_METHODS for m in methods)
+            else None,
+            "versions": software_versions(),
+            # at batch size > 1 a batch's seconds are shared among its rows by their tokens: the categories'
+            # speeds are apportioned, not measured (their tau is their own)
+            "category_speed": "measured" if args.batch_size == 1 else "apportioned by tokens within each batch",
             # what tau counts (reports before commit c190c01 counted target forwards: scripts/retau.py)
             "tau_definition": TAU_DEFINITION,
         },
-        "methods": summarise(totals),
+        "methods": overall,
         "categories": {cat: summarise(group) for cat, group in sorted(per_category.items())},
+        "groups": [{**g, "seconds": {m: round(s, 4) for m, s in g["seconds"].items()}} for g in groups],
         "step_costs": {method: costs.summary() for method, costs in runner.step_costs.items()},
     }
+
+
+BOOTSTRAP_SAMPLES = 2000
+
+
+def speedup_intervals(groups: list[dict[str, Any]], methods: Sequence[str], samples: int = BOOTSTRAP_SAMPLES,
+                      seed: int = 0) -> dict[str, list[float]]:
+    """Per method, a 95% bootstrap interval of its speedup over ``hf`` (the ratio of total tokens per
+    second, as reported): the groups of questions (``benchmark``'s ``groups``: one question at batch size
+    1) drawn again with replacement, each method's and ``hf``'s times of a group kept together (paired).
+    Empty without ``hf`` or with fewer than 2 groups."""
+    usable = [g for g in groups if all(g["seconds"].get(m) for m in methods)]
+    if "hf" not in methods or len(usable) < 2:
+        return {}
+    draw = random.Random(seed)
+    ratios: dict[str, list[float]] = {m: [] for m in methods}
+    for _ in range(samples):
+        picked = [usable[draw.randrange(len(usable))] for _ in usable]
+        speed = {m: sum(g["tokens"][m] for g in picked) / sum(g["seconds"][m] for g in picked) for m in methods}
+        for m in methods:
+            ratios[m].append(speed[m] / speed["hf"] if speed["hf"] else float("nan"))
+    intervals = {}
+    for m, values in ratios.items():
+        values.sort()
+        intervals[m] = [round(values[int(0.025 * (samples - 1))], 3), round(values[int(0.975 * (samples - 1))], 3)]
+    return intervals
+
+
+def software_versions() -> dict[str, str | None]:
+    """PyTorch's, transformers' and this checkout's commit (None outside a git checkout)."""
+    import subprocess
+
+    import transformers
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
+                                capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "commit": commit}
 
 
 TAU_DEFINITION = "tokens per decoding step, the prefill's token no step's"
@@ -740,7 +800,9 @@ def report_markdown(report: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for method, r in report["methods"].items():
-        lines.append(f"| {method} | {r['tokens_per_s']:.2f} | {_fmt(r['speedup'])} | {_tau(r['tau'])} | "
+        interval = r.get("speedup_ci95")
+        speedup = _fmt(r["speedup"]) + (f" ({interval[0]:.3f}-{interval[1]:.3f})" if interval else "")
+        lines.append(f"| {method} | {r['tokens_per_s']:.2f} | {speedup} | {_tau(r['tau'])} | "
                      f"{_exact_cell(r)} | {_fmt(r['ttft_s'])} | {_fmt(r['tpot_s'])} | {r['peak_mem_mb']:.0f} |")
     reference = _reference(list(report["methods"]))
     lines += ["", (f"exact: greedy answers identical to {reference}'s, turn by turn (sampling methods: -)."
@@ -748,7 +810,11 @@ def report_markdown(report: dict[str, Any]) -> str:
                    "reference).") + ("" if "hf" in report["methods"] else " speedup: not measured (hf, its "
                                      "baseline, did not run).")
               + " peak MB: the process's peak memory during the method's turns (resident on a CPU, allocated on a "
-                "GPU), the model's and what earlier methods left allocated included."]
+                "GPU), the model's and what earlier methods left allocated included."
+              + (" In brackets after a speedup: its 95% bootstrap interval over the questions"
+                 + (" (batches of them)" if s.get("batch_size", 1) > 1 else "") + ", each method's time of a "
+                 "question paired with hf's." if any(r.get("speedup_ci95") for r in report["methods"].values())
+                 else "")]
     if s["dtype"] != "float32" and any(r["exact"] is False for r in report["methods"].values()):
         lines += ["", f"In {s['dtype']} a forward of "
                   "several tokens rounds differently from one of a single token (and a padded batch from one row), "
@@ -756,8 +822,11 @@ def report_markdown(report: dict[str, Any]) -> str:
                   "then differ too; tests/test_cuda.py checks, with tiny models on a GPU, that they part only at "
                   "near-ties. In float32 they are identical."]
     methods = list(report["methods"])
-    lines += ["", f"## {_speedup_title(report).capitalize()} by category (tau in brackets)", "",
-              "| category | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
+    lines += ["", f"## {_speedup_title(report).capitalize()} by category (tau in brackets)", ""]
+    if s.get("batch_size", 1) > 1:  # a category's rows share their batches' seconds with other categories' rows
+        lines += [f"At batch size {s['batch_size']} a batch's seconds are shared among its rows by their tokens: "
+                  "these speedups are apportioned, not measured per category (each category's tau is its own).", ""]
+    lines += ["| category | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
     for cat, group in report["categories"].items():
         cells = [f"{_fmt(group[m]['speedup'])} ({_tau(group[m]['tau'])})" for m in methods]
         lines.append(f"| {cat} | " + " | ".join(cells) + " |")

@@ -109,6 +109,31 @@ def test_report_has_every_field_per_method_and_category(model):
     assert report["settings"]["turns"] == 6
     assert "| medusa |" in report_markdown(report)
     assert report["settings"]["cpu"]  # the hardware the figures were measured on
+    # what a second run needs (the seed, the questions drawn, the versions were not recorded) and the
+    # measurements per question (only totals were: no spread could be told)
+    settings = report["settings"]
+    assert settings["question_ids"] == [q["id"] for q in QUESTIONS] and settings["seed"] == 0
+    assert set(settings["versions"]) == {"torch", "transformers", "commit"} and settings["versions"]["torch"]
+    assert settings["category_speed"] == "measured"
+    groups = report["groups"]
+    assert [g["questions"] for g in groups] == [[q["id"]] for q in QUESTIONS]
+    for method, row in methods.items():
+        assert sum(g["tokens"][method] for g in groups) == row["tokens"]
+        assert sum(g["seconds"][method] for g in groups) == pytest.approx(row["seconds"], abs=0.01)
+        low, high = row["speedup_ci95"]
+        assert low <= high and (method != "hf" or low == high == 1.0)
+
+
+def test_speedup_intervals_resample_question_groups_paired():
+    from medusa_train.benchmark import speedup_intervals
+
+    steady = [{"tokens": {"hf": 10, "x": 10}, "seconds": {"hf": 1.0, "x": 0.5}} for _ in range(6)]
+    assert speedup_intervals(steady, ["hf", "x"]) == {"hf": [1.0, 1.0], "x": [2.0, 2.0]}
+    # x is twice as fast on half the questions and as fast on the others: the interval spans the mix
+    mixed = steady[:3] + [{"tokens": {"hf": 10, "x": 10}, "seconds": {"hf": 1.0, "x": 1.0}} for _ in range(3)]
+    low, high = speedup_intervals(mixed, ["hf", "x"])["x"]
+    assert 1.0 < low < 4 / 3 < high < 2.0
+    assert speedup_intervals(steady[:1], ["hf", "x"]) == {} and speedup_intervals(steady, ["x"]) == {}
 
 
 def test_report_names_the_linear_kernels_each_weight_shape_took(model):
@@ -521,6 +546,12 @@ def test_batch_2_answers_every_question_as_batch_1(model, monkeypatch):
     assert batched["methods"]["ar"]["tau"] == batched["methods"]["hf"]["tau"] == 1.0
     assert batched["methods"]["medusa"]["tau"] == single["methods"]["medusa"]["tau"] > 1.0
     assert "batch size 2" in report_markdown(batched) and "batch size" not in report_markdown(single)
+    # a category's speedup at batch 2 is its batches' time shared out by tokens: said so (it read as measured)
+    assert batched["settings"]["category_speed"].startswith("apportioned")
+    assert "these speedups are apportioned, not measured per category" in report_markdown(batched)
+    assert "apportioned" not in report_markdown(single)
+    assert [g["questions"] for g in batched["groups"]] == [[q["id"] for q in QUESTIONS[i:i + 2]]
+                                                           for i in range(0, len(QUESTIONS), 2)]
 
 
 def test_batch_seconds_are_counted_once(model, monkeypatch):
