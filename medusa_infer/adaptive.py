@@ -359,6 +359,8 @@ class TreeController:
         """Record, for a plain step, the share of rows whose next token was among head 1's
         candidates at the largest tree's first level (``first_level_ranks``), as a tree would
         have seen it. It stands in for a probe: the controller then does not probe."""
+        if not 0.0 <= hit_rate <= 1.0:  # (a NaN kept the scale NaN for good: plain decoding from then on)
+            raise ValueError(f"hit_rate must be a share in [0, 1], got {hit_rate!r}")
         self._since_probe = 0
         if self.first_level_cal > 0:
             ratio = hit_rate / self.first_level_cal

@@ -44,6 +44,12 @@ the linear kernels chosen per row count: t(5) / t(1) 1.42, t(7) 1.61, t(8) 1.45;
 docs/step-costs/sizes.log), then a few larger ones to interpolate between."""
 
 
+EXTRAPOLATION_FLOOR = 1 / 16
+"""Past the largest size measured, a token costs at least this share of a token's mean time at that size
+(``CostProfile.ratio``): a profile that measured flat prices larger forwards as rising, and one a little
+steeper prices them alike (the rule changes smoothly with the times)."""
+
+
 @dataclass
 class CostProfile:
     """Measured seconds of one verification forward of ``sizes[i]`` new tokens.
@@ -96,11 +102,11 @@ class CostProfile:
         # forwards (a batch's tree step prices batch * nodes tokens) look free; the slope over the whole
         # profile stands in (the H200 profile in docs/gpu/376fcb4, t(10..64) / t(1) all 1.123, priced
         # a 2080-token forward like a 64-token one)
+        # a profile measured flat (every size alike) was priced in proportion to tokens, one a microsecond
+        # steeper by that tiny slope: 32.5x against 1.006x at 2080 tokens, flipping a batch's tree
         last = (secs[-1] - secs[-2]) / (sizes[-1] - sizes[-2])
         overall = (secs[-1] - secs[0]) / (sizes[-1] - sizes[0])
-        slope = max(last, overall)
-        if slope <= 0:  # every size measured alike: past them, a forward costs in proportion to its tokens
-            return n / sizes[-1] * secs[-1] / secs[0]
+        slope = max(last, overall, secs[-1] / sizes[-1] * EXTRAPOLATION_FLOOR)
         return (secs[-1] + slope * (n - sizes[-1])) / secs[0]
 
     def head_ratio(self, depth: int) -> float:

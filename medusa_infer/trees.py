@@ -327,6 +327,11 @@ def _check_accuracies(model: AcceptanceModel) -> None:
             if not isinstance(path, tuple) or not path or any(r < 0 for r in path) or not 0.0 <= prob <= 1.0:
                 raise ValueError(f"path probability {path!r}: {prob!r} must map a non-empty tuple of ranks "
                                  "to a probability in [0, 1]")
+        for path, prob in model.items():  # a path is accepted only where its parent is: the fits rely on it
+            parent = model.get(path[:-1], 0.0) if len(path) > 1 else 1.0
+            if prob > parent + 1e-9:
+                raise ValueError(f"path probability {path!r}: {prob!r} exceeds its parent {path[:-1]!r}'s "
+                                 f"({parent!r}, 0 where not given): a path is accepted only where its parent is")
         return
     if not model or any(len(row) == 0 for row in model):
         raise ValueError("head_topk_acc needs one non-empty row of top-k accuracies per head, "

@@ -164,7 +164,31 @@ def test_a_profile_ending_in_a_tie_still_prices_larger_forwards():
     assert tied.ratio(2080) > tied.ratio(520) > tied.ratio(65) > tied.ratio(64)
     assert tied.ratio(2080) == pytest.approx(1.123 + 0.123 / 63 * 2016)
     flat = CostProfile([1, 2, 4], [0.01] * 3, "every size alike")
-    assert flat.ratio(4) == 1.0 and flat.ratio(8) == pytest.approx(2.0)
+    assert flat.ratio(4) == 1.0 and flat.ratio(8) == pytest.approx(1 + 4 * (1 / 4) / 16)
+
+
+def test_a_shadow_report_that_is_no_share_is_refused():
+    """A NaN hit rate made the scale NaN for good: every tree's speed NaN, plain decoding from then on."""
+    control = TreeController(tree_ladder(greedy_tree(REFERENCE_HEAD_ACCURACY, 8)), REFERENCE_HEAD_ACCURACY, STEEP)
+    for bad in (float("nan"), -0.1, 1.5):
+        with pytest.raises(ValueError, match="hit_rate must be a share in"):
+            control.observe_shadow(bad)
+    control.observe_shadow(1.0)
+    assert control.scale == control.scale  # not NaN
+
+
+def test_extrapolated_costs_change_smoothly_with_the_profile():
+    """A profile measured flat was extrapolated in proportion to tokens and one a microsecond steeper by
+    that slope: 32.5x against 1.006x for a 2080-token forward (a batch of 32 rows' tree step), and the
+    batched controller went from its 1-node rung to its 32-node tree."""
+    sizes = [1, 2, 4, 8, 16, 32, 64]
+    flat = CostProfile(sizes, [0.010] * 7, "flat")
+    steeper = CostProfile(sizes, [0.010] * 6 + [0.010001], "a microsecond steeper")
+    assert flat.ratio(2080) == pytest.approx(steeper.ratio(2080), rel=1e-3)
+    assert 1.5 < flat.ratio(2080) < 32.5  # rising past the sizes measured, not in proportion to tokens
+    ladder = tree_ladder(greedy_tree(REFERENCE_HEAD_ACCURACY, 32))
+    choices = {TreeController(ladder, REFERENCE_HEAD_ACCURACY, profile).choose(32) for profile in (flat, steeper)}
+    assert len(choices) == 1
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])

@@ -223,6 +223,10 @@ def test_expected_accept_length_by_hand():
     ([], [(0,)], r"one non-empty row"),
     ([[0.5, 0.2]], [(0,), (0, 0)], r"depth 2 but there are only 1 heads"),
     ([[0.5, 0.2]], [(2,)], r"rank 2 outside \[0, 2\)"),
+    # measured path probabilities where a path beats its parent (hand-edited, another tool's): the greedy fit
+    # took a worse tree as optimal, and the adaptive ladder failed with "has no parent in the tree"
+    ({(0,): 0.5, (0, 0): 0.6}, [(0,)], r"path probability \(0, 0\): 0.6 exceeds its parent \(0,\)'s \(0.5"),
+    ({(1,): 0.3, (0, 0): 0.2}, [(1,)], r"path probability \(0, 0\): 0.2 exceeds its parent \(0,\)'s \(0.0"),
 ])
 def test_expected_accept_length_errors(acc, paths, message):
     with pytest.raises(ValueError, match=message):
