@@ -1144,7 +1144,8 @@ def test_a_half_written_log_line_does_not_stop_the_resume(tiny_dir, tmp_path):
 def test_a_checkpoint_is_not_resumed_on_another_feature_cache(tiny_dir, tmp_path, capsys):
     """Killed, then resumed with the features sharded otherwise: the new cache holds the same examples in
     another row order (rows follow the shards) and a resumed step reads rows by position, so the
-    checkpoint, which names the cache it trained on, is refused."""
+    checkpoint, which names the cache it trained on, is refused: by the setting, before any stage runs, and
+    where the checkpoint does not record it (written before it was), by the cache it names."""
     import train_heads
 
     values = recipe(tiny_dir, tmp_path / "run", training={"max_steps": 6, "save_every": 2, "seed": 3},
@@ -1156,6 +1157,14 @@ def test_a_checkpoint_is_not_resumed_on_another_feature_cache(tiny_dir, tmp_path
     assert state["features_cache"] == train_key
     values["features"]["shard_examples"] = 7
     capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        train_heads.main(["--config", str(write_recipe(tmp_path / "r.yaml", values))])
+    said = capsys.readouterr().err + str(exit_info.value)
+    assert "features.shard_examples was 5, now 7" in said, said
+    for state_file in (tmp_path / "run" / "checkpoints").glob("step-*/trainer_state.json"):
+        written = json.loads(state_file.read_text())
+        del written["fingerprint"]["features"]["shard_examples"]  # as a checkpoint from before the key
+        state_file.write_text(json.dumps(written))
     with pytest.raises(SystemExit) as exit_info:
         train_heads.main(["--config", str(write_recipe(tmp_path / "r.yaml", values))])
     said = capsys.readouterr().err + str(exit_info.value)
