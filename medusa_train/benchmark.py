@@ -396,7 +396,9 @@ class Runner:
             else:
                 tokens, steps, ttft, seconds = self._run_ours(method, ids, mask, limit)
         total = sum(len(t) for t in tokens)
-        shares = [seconds] if len(tokens) == 1 else [seconds * len(t) / max(total, 1) for t in tokens]
+        # a batch's seconds shared by tokens (equally where no row got one: they were lost, 0 s each)
+        shares = [seconds] if len(tokens) == 1 else [seconds * len(t) / total if total else seconds / len(tokens)
+                                                      for t in tokens]
         return [Turn(t, share, s, ttft, memory.peak, seconds, max(steps), first)
                 for t, share, s in zip(tokens, shares, steps)]
 
@@ -682,17 +684,26 @@ def speedup_intervals(groups: list[dict[str, Any]], methods: Sequence[str], samp
     """Per method, a 95% bootstrap interval of its speedup over ``hf`` (the ratio of total tokens per
     second, as reported): the groups of questions (``benchmark``'s ``groups``: one question at batch size
     1) drawn again with replacement, each method's and ``hf``'s times of a group kept together (paired).
-    Empty without ``hf`` or with fewer than 2 groups."""
-    usable = [g for g in groups if all(g["seconds"].get(m) for m in methods)]
+    Every group every method ran on is drawn from; a draw whose speedup is undefined (no ``hf`` token, or
+    no second, in all it drew: a few groups with an empty ``hf`` answer) is drawn again, and where most are
+    (no interval to tell) there is none. Empty without ``hf`` or with fewer than 2 groups."""
+    usable = [g for g in groups if all(m in g["seconds"] for m in methods)]
     if "hf" not in methods or len(usable) < 2:
         return {}
     draw = random.Random(seed)
     ratios: dict[str, list[float]] = {m: [] for m in methods}
-    for _ in range(samples):
+    for _ in range(samples * 2):
+        if len(ratios["hf"]) == samples:
+            break
         picked = [usable[draw.randrange(len(usable))] for _ in usable]
-        speed = {m: sum(g["tokens"][m] for g in picked) / sum(g["seconds"][m] for g in picked) for m in methods}
+        tokens = {m: sum(g["tokens"][m] for g in picked) for m in methods}
+        seconds = {m: sum(g["seconds"][m] for g in picked) for m in methods}
+        if not tokens["hf"] or not all(seconds.values()):  # (a NaN ratio left the sorted draws unordered)
+            continue
         for m in methods:
-            ratios[m].append(speed[m] / speed["hf"] if speed["hf"] else float("nan"))
+            ratios[m].append(tokens[m] / seconds[m] / (tokens["hf"] / seconds["hf"]))
+    if len(ratios["hf"]) < samples:
+        return {}
     intervals = {}
     for m, values in ratios.items():
         values.sort()
@@ -701,17 +712,38 @@ def speedup_intervals(groups: list[dict[str, Any]], methods: Sequence[str], samp
 
 
 def software_versions() -> dict[str, str | None]:
-    """PyTorch's, transformers' and this checkout's commit (None outside a git checkout)."""
+    """PyTorch's, transformers' and this project's version, and the commit of the checkout it runs from
+    (``-dirty`` with changes not committed; None where it is not run from its own checkout: installed into
+    a folder inside another repository, the commit was that repository's)."""
+    import importlib.metadata
     import subprocess
 
     import transformers
 
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*arguments: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *arguments], cwd=root, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() or None if done.returncode == 0 else None
+
+    top = git("rev-parse", "--show-toplevel")
+    own = top is not None and Path(top).resolve() == root and (root / "pyproject.toml").is_file()
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
-                                capture_output=True, text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "commit": commit}
+        version = importlib.metadata.version("medusa-forge")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "medusa_forge": version,
+            "commit": _checkout_commit(git) if own else None}
+
+
+def _checkout_commit(git: Callable[..., str | None]) -> str | None:
+    """HEAD's short id, ``-dirty`` where tracked files differ from it."""
+    head = git("rev-parse", "--short=7", "HEAD")
+    changed = git("status", "--porcelain", "--untracked-files=no")
+    return None if head is None else head + ("-dirty" if changed else "")
 
 
 TAU_DEFINITION = "tokens per decoding step, the prefill's token no step's"

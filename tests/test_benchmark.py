@@ -7,6 +7,7 @@ import contextlib
 import copy
 import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,7 +114,7 @@ def test_report_has_every_field_per_method_and_category(model):
     # measurements per question (only totals were: no spread could be told)
     settings = report["settings"]
     assert settings["question_ids"] == [q["id"] for q in QUESTIONS] and settings["seed"] == 0
-    assert set(settings["versions"]) == {"torch", "transformers", "commit"} and settings["versions"]["torch"]
+    assert set(settings["versions"]) == {"torch", "transformers", "medusa_forge", "commit"} and settings["versions"]["torch"]
     assert settings["category_speed"] == "measured"
     groups = report["groups"]
     assert [g["questions"] for g in groups] == [[q["id"]] for q in QUESTIONS]
@@ -134,6 +135,35 @@ def test_speedup_intervals_resample_question_groups_paired():
     low, high = speedup_intervals(mixed, ["hf", "x"])["x"]
     assert 1.0 < low < 4 / 3 < high < 2.0
     assert speedup_intervals(steady[:1], ["hf", "x"]) == {} and speedup_intervals(steady, ["x"]) == {}
+    # a question whose hf answer was empty (EOS first): draws of it alone have no speedup, and their NaN left
+    # the sorted draws unordered (an interval [1.484, 1.359], or NaN, which is no JSON)
+    empty = {"tokens": {"hf": 0, "x": 3}, "seconds": {"hf": 0.02, "x": 0.02}}
+    for groups in ([empty, *mixed[:2]], [empty, steady[0]], [empty, empty]):
+        interval = speedup_intervals(groups, ["hf", "x"])
+        assert all(low <= high and low == low for low, high in interval.values()), interval
+        json.dumps(interval, allow_nan=False)
+    assert speedup_intervals([empty, empty], ["hf", "x"]) == {}
+
+
+def test_the_report_names_the_commit_of_its_own_checkout_only(tmp_path, monkeypatch):
+    """Installed into a folder inside another git repository, the report named that repository's commit."""
+    import shutil
+    import subprocess
+
+    from medusa_train import benchmark as module
+
+    versions = module.software_versions()
+    assert versions["torch"] == torch.__version__ and "medusa_forge" in versions
+    head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=Path(module.__file__).parents[1],
+                          capture_output=True, text=True).stdout.strip()
+    if head:  # run from a checkout (CI's clone): its commit, marked where files differ from it
+        assert versions["commit"].startswith(head)
+    other = tmp_path / "project"
+    (other / "lib").mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(other)], check=True)
+    shutil.copytree(Path(module.__file__).parent, other / "lib" / "medusa_train")
+    monkeypatch.setattr(module, "__file__", str(other / "lib" / "medusa_train" / "benchmark.py"))
+    assert module.software_versions()["commit"] is None
 
 
 def test_report_names_the_linear_kernels_each_weight_shape_took(model):
