@@ -810,6 +810,20 @@ def _logged_step(line: str) -> float:
         return math.inf
 
 
+def _after_earlier_event_files(folder: Path) -> None:
+    """Wait, where needed, until TensorBoard's next event file is named after every one in ``folder``: the
+    names hold whole seconds, and a run restarted within the second of a killed one's start could sort
+    before it, so that the killed run's steps, read last, purged the new run's (a TensorBoard of step 1)."""
+    stamps = []
+    for path in folder.glob("events.out.tfevents.*"):
+        fields = path.name.split(".")
+        if len(fields) > 3 and fields[3].isdigit():
+            stamps.append(int(fields[3]))
+    wait = max(stamps, default=0) + 1 - time.time()
+    if 0 < wait <= 2:  # (a clock set back further is not waited for)
+        time.sleep(wait)
+
+
 class MetricLogger:
     """Stdout, ``logs/train.jsonl`` and accelerate's trackers (TensorBoard, wandb); main process."""
 
@@ -831,6 +845,7 @@ class MetricLogger:
                 for key, value in items:
                     name = f"{section}.{key}" if key else section
                     flat[name] = value if isinstance(value, (int, float, str, bool)) else str(value)
+            _after_earlier_event_files(paths.logs / config.log.wandb_project)
             accelerator.init_trackers(  # TensorBoard writes into logs/<wandb_project>/
                 config.log.wandb_project, config=flat,
                 init_kwargs={"wandb": {"dir": str(paths.logs), "name": Path(config.output_dir).name},

@@ -1645,6 +1645,22 @@ def test_deepspeed_zero2_on_cpu_trains_heads(tiny_dir, tmp_path):
     assert result["losses"][-1] < result["losses"][0]
 
 
+def test_a_restarted_runs_event_file_sorts_after_the_killed_ones(tmp_path):
+    """TensorBoard names event files by whole seconds: a run restarted within the second its killed run
+    started in could sort first, and the killed run's steps, read last, purged its own (a TensorBoard of
+    step 1; test_logs_to_jsonl_tensorboard_and_offline_wandb failed so under load)."""
+    import medusa_train.trainer as tr
+
+    now = int(time.time())
+    (tmp_path / f"events.out.tfevents.{now}.host.123.0").write_bytes(b"")
+    (tmp_path / "events.out.tfevents.garbled").write_bytes(b"")
+    tr._after_earlier_event_files(tmp_path)
+    assert time.time() >= now + 1
+    started = time.time()
+    tr._after_earlier_event_files(tmp_path / "none")  # no earlier file: no wait
+    assert time.time() - started < 0.5
+
+
 def test_logs_to_jsonl_tensorboard_and_offline_wandb(tiny_dir, tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="wandb is not installed (pip install wandb)")
     pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install tensorboard)")
