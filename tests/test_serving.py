@@ -496,6 +496,11 @@ def test_health_and_metrics_counters_increase(server, client):
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}' in after
     assert grew("vllm:e2e_request_latency_seconds_count") == 1
     assert "# TYPE vllm:time_to_first_token_seconds histogram" in after
+    # vLLM's meanings: one inter-token sample per decoding step after the first token (the old name, vLLM's
+    # alias of it, got one per request: its mean), and the per-request mean under its own name
+    assert grew("vllm:request_time_per_output_token_seconds_count") == 1
+    for name in ("vllm:inter_token_latency_seconds_count", "vllm:time_per_output_token_seconds_count"):
+        assert grew(name) == spec["draft_steps"] > 1, name
 
 
 @pytest.mark.parametrize("sampling, param", [(dict(top_k=5), "top_k"), (dict(top_p=0.9), "top_p")])

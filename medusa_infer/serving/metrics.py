@@ -9,9 +9,15 @@ The speculative counters carry vLLM's names, so dashboards built for vLLM read t
 * ``vllm:spec_decode_num_accepted_tokens_per_pos{position}`` - the same per 0-based depth.
 
 So ``accepted / draft_tokens`` is the acceptance rate and ``1 + accepted / drafts`` vLLM's mean
-acceptance length, which is tau where every step ends in a token of its own: a row that stopped on a
-draft (an EOS) emitted none after it, so the formula runs above tau there (``usage.speculative.tau``
-is tokens per step). Counters are exposed with the ``_total`` suffix, as prometheus_client does.
+acceptance length: tokens per speculative row-step. It is not ``usage.speculative.tau`` (tokens per
+step), which also counts the steps that verified no draft (the speculation gate's plain steps, a row's
+last step with room for one token) and the steps of rows that stopped on a draft (an EOS, no token of
+the step's own after it). Counters are exposed with the ``_total`` suffix, as prometheus_client does.
+
+Latencies as vLLM defines them: ``vllm:inter_token_latency_seconds`` (and its older name
+``vllm:time_per_output_token_seconds``) gets a sample per decoding step of a request after its first
+token, the time since its last tokens (a speculative step brings several at once);
+``vllm:request_time_per_output_token_seconds`` one per request, its mean time per token after the first.
 """
 
 from __future__ import annotations
@@ -155,7 +161,14 @@ class ServingMetrics:
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.")
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Arrival to first token.")
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to last token.")
-        self.tpot = Histogram("vllm:time_per_output_token_seconds",
+        # vLLM's meanings: a sample per decoding step of a request (inter-token latency; the older name is
+        # vLLM's deprecated alias of it), and one per request (its mean time per token after the first)
+        self.itl = Histogram("vllm:inter_token_latency_seconds",
+                             "Per decoding step of a request after its first token: seconds since its last tokens.",
+                             TOKEN_LATENCY_BUCKETS)
+        self.itl_alias = Histogram("vllm:time_per_output_token_seconds",
+                                   "vllm:inter_token_latency_seconds under its older name.", TOKEN_LATENCY_BUCKETS)
+        self.tpot = Histogram("vllm:request_time_per_output_token_seconds",
                               "Per request: time per output token after the first.", TOKEN_LATENCY_BUCKETS)
         self.batch_steps = Counter("medusa:batch_steps", "Decoding steps (one forward of a batch each).")
         self.batch_row_steps = Counter("medusa:batch_row_steps",

@@ -118,6 +118,7 @@ class Request:
         self.arrival = time.monotonic()
         self.deadline = self.arrival + timeout if timeout else None
         self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
         self.generated = 0
         self.finish: str | None = None
         self.slot: tuple[_Running, int] | None = None  # (batch, row) once decoding
@@ -475,6 +476,11 @@ class Engine:
             if tokens and request.first_token_at is None:
                 request.first_token_at = now
                 self.metrics.ttft.observe(now - request.arrival)
+            elif tokens:  # a decoding step's tokens: the time since the request's last ones
+                for histogram in (self.metrics.itl, self.metrics.itl_alias):
+                    histogram.observe(now - request.last_token_at)
+            if tokens:
+                request.last_token_at = now
             request.generated += len(tokens)
             self.metrics.generation_tokens.inc(len(tokens))
             finish = batch.finish[row]
