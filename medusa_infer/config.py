@@ -122,6 +122,40 @@ class MedusaConfig:
                                      "(non-decreasing); trees.per_rank_accuracies gives per-rank ones")
         if self.path_accuracies is not None:
             self.path_accuracies = [[list(path), float(prob)] for path, prob in self.path_accuracies]
+        self._check_against_heads()
+
+    def _check_against_heads(self) -> None:
+        """The tree, the accuracies and the cost profile fit these heads (a hand-edited config.json with a
+        tree deeper than the heads loaded, then failed at the first generate with an error about a path
+        the user never gave, and was exported as it was)."""
+        from medusa_infer.trees import validate_tree
+
+        if self.tree:
+            try:
+                validate_tree(self.tree, self.num_heads, self.top_k)
+            except ValueError as err:
+                raise ValueError(f"heads config tree: {err} (config.json's tree, top_k {self.top_k}, "
+                                 f"{self.num_heads} heads)") from None
+        if self.head_accuracies is not None:
+            if len(self.head_accuracies) > self.num_heads:
+                raise ValueError(f"heads config head_accuracies has {len(self.head_accuracies)} rows for "
+                                 f"{self.num_heads} heads: one row per head")
+            if any(not 0.0 <= value <= 1.0 for row in self.head_accuracies for value in row):  # NaN too
+                raise ValueError(f"heads config head_accuracies must hold accuracies in [0, 1], got "
+                                 f"{self.head_accuracies!r:.200}")
+        for path, prob in self.path_accuracies or []:
+            if not path or len(path) > self.num_heads or min(path) < 0 or not 0.0 <= prob <= 1.0:
+                raise ValueError(f"heads config path_accuracies entry {[path, prob]}: a path of 1 to "
+                                 f"{self.num_heads} ranks >= 0 and a probability in [0, 1]")
+        if self.cost_profile is not None:
+            from medusa_infer.tree_fit import CostProfile
+
+            try:
+                CostProfile.from_dict(self.cost_profile)
+            except (KeyError, TypeError, ValueError) as err:
+                raise ValueError(f"heads config cost_profile {self.cost_profile!r:.120} is not a cost profile "
+                                 f"({type(err).__name__}: {err}); remove it, or measure it again "
+                                 "(medusa-bench --calibrate)") from None
 
     def _check_tables(self) -> None:
         """``tree``, ``head_accuracies`` and ``path_accuracies`` have their documented shapes (a
@@ -174,7 +208,7 @@ class MedusaConfig:
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        recipe = ((data["training"] or {}).get("recipe") or {}).get("model") or {}
+        recipe = _recipe_model(data["training"])
         # None is left out, the common case, readable by releases that predate the field; it is kept
         # where the recipe names a template, which from_dict would otherwise take (heads set back to the
         # tokenizer's own template came back with the recipe's)
@@ -187,31 +221,35 @@ class MedusaConfig:
         if not isinstance(data, dict):
             raise ValueError(f"a heads config is a JSON object of settings, got {type(data).__name__}: {data!r:.80}")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown keys {unknown} in a medusa-forge heads config; known keys: {sorted(known)}. "
-                "Nor is it the FasterDecoding/Medusa layout (a config.json with medusa_num_heads and "
-                "medusa_num_layers, which MedusaModel.from_pretrained reads too); heads in another layout "
-                "(vLLM's, EAGLE's) need converting to one of the two."
-            )
-        version = data.get("format_version", FORMAT_VERSION)
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise ValueError(f"heads config format_version must be an integer (this release writes {FORMAT_VERSION}), "
-                             f"got {version!r}")
+        version = data.get("format_version", FORMAT_VERSION)  # first: a newer release's keys are its own
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise ValueError(f"heads config format_version must be an integer >= 1 (this release writes "
+                             f"{FORMAT_VERSION}), got {version!r}")
         if version > FORMAT_VERSION:
             raise ValueError(
                 f"heads config format_version {version} is newer than this medusa-forge supports "
                 f"({FORMAT_VERSION}); upgrade medusa-forge"
             )
-        if version < 2 and data.get("cost_profile") and data.get("head_accuracies"):
-            # calibrated under version 1: per-rank accuracies, made cumulative here
-            data = {**data, "head_accuracies": [  # a row of another shape is named by _check_tables
-                [round(sum(row[: j + 1]), 5) for j in range(len(row))] if isinstance(row, list) else row
-                for row in data["head_accuracies"]]}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown keys {unknown} in a medusa-forge heads config; known keys: {sorted(known)}. "
+                "Written by a newer medusa-forge, it needs an upgrade. Nor is it the FasterDecoding/Medusa layout "
+                "(a config.json with medusa_num_heads and medusa_num_layers, which MedusaModel.from_pretrained "
+                "reads too); heads in another layout (vLLM's, EAGLE's) need converting to one of the two."
+            )
+        rows = data.get("head_accuracies")
+        if version < 2 and data.get("cost_profile") and isinstance(rows, list):
+            # calibrated under version 1: per-rank accuracies, made cumulative here (a row that is no list of
+            # numbers is left as it is, for _check_tables to name)
+            data = {**data, "head_accuracies": [
+                [round(sum(row[: j + 1]), 5) for j in range(len(row))]
+                if isinstance(row, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in row)
+                else row for row in rows]}
+        if not isinstance(data.get("training", {}), (dict, type(None))):  # (None: named by __post_init__)
+            raise ValueError(f"heads config training must be dict (the run's record), got {data['training']!r:.80}")
         if "chat_template" not in data:  # heads saved before the field: their recipe's template
-            recipe_model = ((data.get("training") or {}).get("recipe") or {}).get("model") or {}
-            data = {**data, "chat_template": recipe_model.get("chat_template")}
+            data = {**data, "chat_template": _recipe_model(data.get("training")).get("chat_template")}
         return cls(**{**data, "format_version": FORMAT_VERSION})
 
     def save(self, path: str | Path) -> None:
@@ -220,3 +258,11 @@ class MedusaConfig:
     @classmethod
     def load(cls, path: str | Path) -> "MedusaConfig":
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def _recipe_model(training: Any) -> dict[str, Any]:
+    """The ``model`` section of a training record's recipe (``training.recipe.model``); {} where any level
+    is missing or no mapping (the record is free-form: a recipe given as a path crashed saving)."""
+    recipe = training.get("recipe") if isinstance(training, dict) else None
+    model = recipe.get("model") if isinstance(recipe, dict) else None
+    return model if isinstance(model, dict) else {}

@@ -348,6 +348,13 @@ class MedusaModel(nn.Module):
         """Fresh (untrained) heads on a base model given as an object, a default-model name, a
         local folder or a Hub id. ``token_map`` (``[n]`` token ids) selects a reduced vocabulary;
         ``base_model_name_or_path`` overrides the name recorded for the base model."""
+        owned = {"hidden_size": "the base model's", "vocab_size": "the base model's",
+                 "base_model_type": "the base model's", "reduced_vocab_size": "token_map's length"}
+        given = sorted(set(config_kwargs) & set(owned))
+        if given:  # (a raw "got multiple values for keyword argument")
+            raise ValueError(f"from_base sets {', '.join(given)} itself ({', '.join(owned[k] for k in given)}): drop "
+                             + ("it" if len(given) == 1 else "them")
+                             + ("; for a reduced vocabulary pass token_map=" if "reduced_vocab_size" in given else ""))
         base_model, tokenizer, name = _load_base(base_model, tokenizer)
         name = base_model_name_or_path or name
         lm_weight = base_model.get_output_embeddings().weight

@@ -675,6 +675,22 @@ def test_truncated_weights_file_is_reported(saved):
     (lambda c: {**c, "acceptance": [1, 2]}, r"heads config acceptance must be dict or null, got \[1, 2\]"),
     (lambda c: {**c, "chat_template": 5}, "heads config chat_template must be str or null, got 5"),
     (lambda c: {**c, "base_model_name_or_path": 5}, "heads config base_model_name_or_path must be str or null"),
+    # a training record that is no mapping crashed the load with an AttributeError (reading its recipe)
+    (lambda c: {**c, "training": ["run 1"]}, r"heads config training must be dict .*, got \['run 1'\]"),
+    # loaded, then failed at the first generate (a path the user never gave) or exported as they were
+    (lambda c: {**c, "tree": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]},
+     r"heads config tree: path \(0, 0, 0, 0\) has depth 4 but there are only 3 heads.*config.json's tree"),
+    (lambda c: {**c, "tree": [[0], [12]]}, r"heads config tree: path \(12,\) has rank 12 outside \[0, 10\)"),
+    (lambda c: {**c, "tree": [[0], [1, 0], [1]][:2]}, r"heads config tree: .*parent"),
+    (lambda c: {**c, "head_accuracies": [[0.5]] * 5}, "head_accuracies has 5 rows for 3 heads"),
+    (lambda c: {**c, "head_accuracies": [[float("nan")]] * 3}, r"head_accuracies must hold accuracies in \[0, 1\]"),
+    (lambda c: {**c, "path_accuracies": [[[0], 5.0]]}, r"path_accuracies entry \[\[0\], 5.0\]"),
+    (lambda c: {**c, "path_accuracies": [[[0, 0, 0, 0], 0.1]]}, r"path_accuracies entry .*a path of 1 to 3 ranks"),
+    (lambda c: {**c, "cost_profile": {"sizes": [1, 2]}}, r"heads config cost_profile .* is not a cost profile"),
+    (lambda c: {**c, "format_version": 0}, r"heads config format_version must be an integer >= 1 .*, got 0"),
+    # a newer release's config: told to upgrade (it was told its heads came from vLLM or EAGLE)
+    (lambda c: {**c, "format_version": 3, "draft_temperature": 0.5}, "is newer than this medusa-forge supports"),
+    (lambda c: {**c, "draft_temperature": 0.5}, r"unknown keys \['draft_temperature'\].*newer medusa-forge"),
 ])
 def test_a_config_of_the_wrong_shape_is_named(saved, edit, message):
     """Valid JSON that is no heads config: a ValueError naming the value (TypeError or AttributeError
@@ -688,6 +704,27 @@ def test_a_config_of_the_wrong_shape_is_named(saved, edit, message):
             MedusaModel.from_pretrained(directory, base_model=base)
     finally:
         path.write_text(original)
+
+
+def test_a_free_form_training_record_saves_and_loads(tmp_path):
+    """The training record is free-form: a recipe given as a path (not the recipe itself) made saving fail
+    with an AttributeError, reading the recipe's template, and nothing was written."""
+    model = medusa(base_model("llama"))
+    model.config.training = {"recipe": "configs/medusa1.yaml", "steps": 5}
+    model.save_pretrained(tmp_path / "heads")
+    again = MedusaModel.from_pretrained(tmp_path / "heads", base_model=base_model("llama"))
+    assert again.config.training == {"recipe": "configs/medusa1.yaml", "steps": 5}
+    model.config.training = {"recipe": {"model": "smollm2"}}
+    model.save_pretrained(tmp_path / "heads")
+    assert MedusaModel.from_pretrained(tmp_path / "heads", base_model=base_model("llama")).config.chat_template is None
+
+
+def test_from_base_names_the_settings_it_takes_from_the_base_model():
+    """from_base(reduced_vocab_size=10), the config field's name, was a raw TypeError ("got multiple values")."""
+    with pytest.raises(ValueError, match="from_base sets reduced_vocab_size itself .*pass token_map="):
+        MedusaModel.from_base(base_model("llama"), num_heads=2, reduced_vocab_size=10)
+    with pytest.raises(ValueError, match="from_base sets hidden_size, vocab_size itself"):
+        MedusaModel.from_base(base_model("llama"), num_heads=2, hidden_size=8, vocab_size=8)
 
 
 def test_logits_processors_a_generation_config_asks_for_are_named_when_loaded(caplog):
