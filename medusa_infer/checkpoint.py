@@ -9,6 +9,7 @@ inside the folder; ``MedusaModel.from_pretrained`` merges it into the base model
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -47,13 +48,20 @@ def save_heads(
     if held:
         raise ValueError(f"{directory} holds heads in the FasterDecoding layout ({held[0]}); saving here would replace "
                          "their config.json: save into another folder")
-    directory.mkdir(parents=True, exist_ok=True)
-    config.save(directory / CONFIG_NAME)
+    # everything made before anything is written, each file written beside and moved into place (a failure
+    # while making the card left a new config.json beside the old weights)
     tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in state_dict.items()}
+    settings = json.dumps(config.to_dict(), indent=2) + "\n"
+    card = model_card(config, base_model_id)
+    directory.mkdir(parents=True, exist_ok=True)
+    partial = directory / (WEIGHTS_NAME + ".partial")
     # One metadata key: safetensors writes the metadata map in random order, and identical heads
     # must give identical bytes (the Hub skips unchanged files by their hash).
-    save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
-    (directory / CARD_NAME).write_text(model_card(config, base_model_id))
+    save_file(tensors, str(partial), metadata={"format": "pt"})
+    os.replace(partial, directory / WEIGHTS_NAME)
+    for name, text in ((CONFIG_NAME, settings), (CARD_NAME, card)):
+        (directory / (name + ".partial")).write_text(text)
+        os.replace(directory / (name + ".partial"), directory / name)
     return directory
 
 
@@ -136,7 +144,17 @@ def check_private_upload(repo_id: str, token: str | None = None) -> None:
 
 
 def check_state_dict(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor], source: str) -> None:
-    """Raise ``ValueError`` naming every missing, unexpected or mis-shaped tensor."""
+    """Raise ``ValueError`` naming every missing, unexpected, mis-shaped or mis-typed tensor (a token map
+    of floats was cut to integers, weights of integers loaded, without a word)."""
+    kinds = [f"{name}: not a tensor ({type(t).__name__})" if not isinstance(t, torch.Tensor)
+             else f"{name}: {str(t.dtype).replace('torch.', '')}, where token ids are integers"
+             if name.split(".")[-1] == "token_map" and (t.is_floating_point() or t.dtype == torch.bool)
+             else f"{name}: {str(t.dtype).replace('torch.', '')}, where weights are floating point"
+             if name.split(".")[-1] != "token_map" and not t.is_floating_point() else None
+             for name, t in found.items()]
+    if any(kinds):
+        raise ValueError(f"{source}: tensors of the wrong type: {'; '.join(k for k in kinds if k)}; re-export "
+                         "the heads")
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected))
     shapes = [
@@ -270,10 +288,10 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
     measured = {key: value for key, value in acceptance.items() if key not in estimated}
     calibrated_on = (config.acceptance or {}).get("calibration_questions")
     if calibrated_on and calibrated_on.get("file"):
-        lines += [f"Calibrated on {len(calibrated_on['ids'])} questions of `{calibrated_on['file']}`, which "
+        lines += [f"Calibrated on {len(calibrated_on.get('ids') or [])} questions of `{calibrated_on['file']}`, which "
                   "`medusa-bench` leaves out of later benchmarks of these heads on that file.", ""]
     elif calibrated_on:  # questions read from a pipe: no file to leave them out of
-        lines += [f"Calibrated on {len(calibrated_on['ids'])} questions read from a pipe.", ""]
+        lines += [f"Calibrated on {len(calibrated_on.get('ids') or [])} questions read from a pipe.", ""]
     for title, figures in (("Measured acceptance", measured),
                            ("Expected acceptance (estimated from the measured accuracies and, for speedups, "
                             "the cost model; not measured)", estimated)):

@@ -647,6 +647,37 @@ def test_misshaped_tensor_is_named(saved):
         MedusaModel.from_pretrained(directory, base_model=base)
 
 
+def test_weights_of_the_wrong_type_are_named(saved):
+    """A token map of floats was cut to integers and integer weights loaded, without a word."""
+    directory, base = saved
+    integers = torch.zeros(32, 32, dtype=torch.int8)
+    edit_weights(directory, lambda t: t.update({"heads.0.blocks.0.linear.weight": integers}))
+    with pytest.raises(ValueError, match=r"heads\.0\.blocks\.0\.linear\.weight: int8, where weights are floating"):
+        MedusaModel.from_pretrained(directory, base_model=base)
+    reduced = MedusaModel.from_base(base_model("llama"), num_heads=2, token_map=torch.arange(3, 40))
+    reduced.save_pretrained(directory / "reduced")
+    edit_weights(directory / "reduced", lambda t: t.update({"token_map": t["token_map"].float() + 0.7}))
+    with pytest.raises(ValueError, match=r"token_map: float32, where token ids are integers"):
+        MedusaModel.from_pretrained(directory / "reduced", base_model=base_model("llama"))
+
+
+def test_a_save_that_fails_writes_nothing(saved, tmp_path):
+    """The config was written before the tensors and the card were made: a heads_state of numpy arrays
+    failed after a new config.json sat beside the old weights."""
+    directory, base = saved
+    model = MedusaModel.from_pretrained(directory, base_model=base)
+    before = {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()}
+    model.config.top_k = 4
+    with pytest.raises(ValueError, match="not a tensor"):
+        model.save_pretrained(directory, heads_state={k: v.numpy() for k, v in model.heads.state_dict().items()})
+    assert {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()} == before
+    # a calibration record without its ids (hand-edited) was a KeyError after the weights were written
+    model.config.acceptance = {"calibration_questions": {"file": "q.jsonl"}}
+    model.save_pretrained(tmp_path / "again")
+    assert "Calibrated on 0 questions of `q.jsonl`" in (tmp_path / "again" / "README.md").read_text()
+    assert not list((tmp_path / "again").glob("*.partial"))
+
+
 def test_truncated_weights_file_is_reported(saved):
     directory, base = saved
     path = directory / "model.safetensors"
