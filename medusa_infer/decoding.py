@@ -1174,9 +1174,11 @@ def resolve_tree(model, tree: str | Sequence[Sequence[int]] | None) -> list[tupl
     if tree is None and config.tree is not None:  # fitted to the device the heads were calibrated on
         warn_if_measured_elsewhere(model)
     if tree is None:
+        # (a reduced vocabulary scores fewer tokens than top_k: a default tree ranking past them failed)
+        ranks = min(config.top_k, config.head_vocab_size or config.top_k)
         tree = config.tree if config.tree is not None else next(
             name for name in DEFAULT_TREES
-            if tree_depth(TREE_PRESETS[name]) <= config.num_heads and _preset_top_k(name) <= config.top_k)
+            if tree_depth(TREE_PRESETS[name]) <= config.num_heads and _preset_top_k(name) <= ranks)
     if not isinstance(tree, (str, Sequence)):
         raise ValueError(f"tree must be a preset name ({', '.join(TREE_PRESETS)}), 'fitted-N' or a list of paths "
                          f"(tuples of child ranks), got {tree!r}")

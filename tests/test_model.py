@@ -916,3 +916,7 @@ def test_a_tree_past_the_heads_reduced_vocabulary_is_refused_by_name():
     with pytest.raises(ValueError, match=r"the tree takes rank 7 of a head, but the heads score 5 tokens"):
         model.generate(prompt, max_new_tokens=4, eos_token_id=[], tree=[[0], [7]])
     assert len(model.generate(prompt, max_new_tokens=4, eos_token_id=[], tree=[[0], [4]]).new_tokens[0]) == 4
+    # no tree given: the default is one that fits the 3 tokens 4 heads score (it failed, ranking past them)
+    narrow = MedusaModel.from_base(tiny_model("llama"), num_heads=4, token_map=torch.arange(10, 13))
+    plain = narrow.generate(prompt, max_new_tokens=6, eos_token_id=[], tree=[]).new_tokens[0]
+    assert narrow.generate(prompt, max_new_tokens=6, eos_token_id=[]).new_tokens[0] == plain
