@@ -160,10 +160,7 @@ def resolve_model(name_or_path: str, cache_dir: str | Path | None = None) -> str
         return str(fetch_default_model(DEFAULT_MODELS[name_or_path], cache_dir))
     if path.is_dir():
         return str(path)
-    # a relative "dir/name" whose dir exists here is a path with a typo, not a Hub id (it was sent to the Hub,
-    # retried for 45 s and reported as a connection error naming neither)
-    local_parent = "/" in name_or_path and Path(name_or_path.split("/")[0]).expanduser().is_dir()
-    if path.exists() or is_path_like(name_or_path) or local_parent:
+    if path.exists() or is_path_like(name_or_path):
         raise ValueError(
             f"{name_or_path!r} is not a model folder. Pass a folder holding config.json and the "
             f"weights, a Hub id such as 'org/model', or one of: {', '.join(DEFAULT_MODELS)}."
@@ -174,6 +171,10 @@ def resolve_model(name_or_path: str, cache_dir: str | Path | None = None) -> str
             "A local model folder or a Hub id with its organisation (e.g. 'openai-community/gpt2') "
             "works too."
         )
+    if Path(name_or_path.split("/")[0]).expanduser().is_dir():  # "sub/localmodl": a typo, or a Hub id?
+        # (it went to the Hub without a word, retried for 45 s, and failed naming neither the path nor the typo)
+        _report(f"{name_or_path!r} names no folder here, though {name_or_path.split('/')[0]}/ is one: taken as a "
+                "Hub id")
     return name_or_path
 
 

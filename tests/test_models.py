@@ -568,14 +568,15 @@ def test_a_model_folder_named_like_a_default_model_is_recorded_by_its_path(tmp_p
     assert heads_base_name(config) == "smollm2-135m-instruct"
 
 
-def test_a_relative_path_with_a_typo_is_named_not_sent_to_the_hub(tmp_path, monkeypatch):
-    """"sub/localmodl" (a typo of sub/localmodel, sub/ existing here) went to the Hub as an id: 45 s of retries,
-    then a connection error naming neither the path nor the typo."""
+def test_a_hub_id_that_could_be_a_path_with_a_typo_is_said_to_be_taken_as_one(tmp_path, monkeypatch, capsys):
+    """"sub/localmodl" (a typo of sub/localmodel, sub/ existing here) went to the Hub as an id without a word:
+    45 s of retries, then a connection error naming neither the path nor the typo."""
     (tmp_path / "sub" / "localmodel").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match="'sub/localmodl' is not a model folder"):
-        models.resolve_model("sub/localmodl")
-    assert models.resolve_model("some-org/some-model") == "some-org/some-model"  # no such folder here: a Hub id
+    assert models.resolve_model("sub/localmodl") == "sub/localmodl"  # (an "org" folder here may hold other models)
+    assert "'sub/localmodl' names no folder here, though sub/ is one: taken as a Hub id" in capsys.readouterr().err
+    assert models.resolve_model("some-org/some-model") == "some-org/some-model"
+    assert "taken as a Hub id" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("options, message", [
