@@ -51,7 +51,9 @@ def save_heads(
     # everything made before anything is written, each file written beside and moved into place (a failure
     # while making the card left a new config.json beside the old weights)
     tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in state_dict.items()}
-    settings = json.dumps(config.to_dict(), indent=2) + "\n"
+    # read back as a load reads it: settings changed after the config was made (a tree deeper than the heads)
+    # were saved, and the folder then failed to load
+    settings = json.dumps(MedusaConfig.from_dict(config.to_dict()).to_dict(), indent=2) + "\n"
     card = model_card(config, base_model_id)
     directory.mkdir(parents=True, exist_ok=True)
     partial = directory / (WEIGHTS_NAME + ".partial")
@@ -119,9 +121,9 @@ def push_folder_to_hub(
     # under these heads, another datastore searched, FasterDecoding weights read instead) are deleted
     # in the same commit; files the folder holds are uploaded, not deleted.
     stale = [ADAPTER_DIR + "/*", DATASTORE_NAME, *FASTERDECODING_WEIGHTS]
-    info = api.upload_folder(
+    info = api.upload_folder(  # (a save cut short leaves *.partial files: not the heads')
         repo_id=repo_id, folder_path=str(folder), revision=revision, commit_message=commit_message,
-        delete_patterns=stale,
+        delete_patterns=[*stale, "*.partial"], ignore_patterns=["*.partial"],
     )
     return str(getattr(info, "commit_url", info))
 

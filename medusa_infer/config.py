@@ -243,7 +243,7 @@ class MedusaConfig:
             # calibrated under version 1: per-rank accuracies, made cumulative here (a row that is no list of
             # numbers is left as it is, for _check_tables to name)
             data = {**data, "head_accuracies": [
-                [round(sum(row[: j + 1]), 5) for j in range(len(row))]
+                [_capped(round(sum(row[: j + 1]), 5)) for j in range(len(row))]
                 if isinstance(row, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in row)
                 else row for row in rows]}
         if not isinstance(data.get("training", {}), (dict, type(None))):  # (None: named by __post_init__)
@@ -266,3 +266,8 @@ def _recipe_model(training: Any) -> dict[str, Any]:
     recipe = training.get("recipe") if isinstance(training, dict) else None
     model = recipe.get("model") if isinstance(recipe, dict) else None
     return model if isinstance(model, dict) else {}
+
+
+def _capped(total: Any) -> Any:
+    """A sum of version 1's per-rank accuracies, each rounded to 5 digits: 1.00002 where the truth is 1."""
+    return 1.0 if isinstance(total, float) and 1.0 < total <= 1.0 + 1e-4 else total

@@ -275,8 +275,10 @@ def test_a_new_upload_deletes_what_an_earlier_one_left_that_would_load_with_the_
     for name in ("adapter/adapter_config.json", "adapter/adapter_model.safetensors", "datastore.safetensors",
                  "medusa_lm_head.pt", "notes.txt"):
         (earlier / name).write_bytes(b"earlier " + name.encode())
+    (earlier / "model.safetensors.partial").write_bytes(b"a save cut short")  # not the heads': not uploaded
     push_folder_to_hub(earlier, REPO_ID, token=TOKEN)
     assert "deleted" not in hub.commits[0]
+    assert "model.safetensors.partial" not in hub.files[(REPO_ID, "main")]
 
     model.push_to_hub(REPO_ID, token=TOKEN, commit_message="Heads without an adapter")
 

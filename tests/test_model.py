@@ -671,6 +671,13 @@ def test_a_save_that_fails_writes_nothing(saved, tmp_path):
     with pytest.raises(ValueError, match="not a tensor"):
         model.save_pretrained(directory, heads_state={k: v.numpy() for k, v in model.heads.state_dict().items()})
     assert {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()} == before
+    # settings changed after the config was made, that the folder would fail to load with: refused before writing
+    model.config.top_k = 10
+    model.config.tree = [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
+    with pytest.raises(ValueError, match="heads config tree: path .* has depth 4 but there are only 3 heads"):
+        model.save_pretrained(directory)
+    assert {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()} == before
+    model.config.tree = None
     # a calibration record without its ids (hand-edited) was a KeyError after the weights were written
     model.config.acceptance = {"calibration_questions": {"file": "q.jsonl"}}
     model.save_pretrained(tmp_path / "again")
@@ -719,6 +726,8 @@ def test_truncated_weights_file_is_reported(saved):
     (lambda c: {**c, "path_accuracies": [[[0, 0, 0, 0], 0.1]]}, r"path_accuracies entry .*a path of 1 to 3 ranks"),
     (lambda c: {**c, "cost_profile": {"sizes": [1, 2]}}, r"heads config cost_profile .* is not a cost profile"),
     (lambda c: {**c, "format_version": 0}, r"heads config format_version must be an integer >= 1 .*, got 0"),
+    (lambda c: {**c, "format_version": 1, "head_accuracies": [[0.5, 0.6]] * 3, "cost_profile": {"sizes": [1],
+     "seconds": [1.0]}}, r"head_accuracies must hold accuracies in \[0, 1\]"),  # summed: 1.1, not rounding
     # a newer release's config: told to upgrade (it was told its heads came from vLLM or EAGLE)
     (lambda c: {**c, "format_version": 3, "draft_temperature": 0.5}, "is newer than this medusa-forge supports"),
     (lambda c: {**c, "draft_temperature": 0.5}, r"unknown keys \['draft_temperature'\].*newer medusa-forge"),
@@ -827,6 +836,9 @@ def test_version_1_calibrated_accuracies_are_read_as_cumulative(saved):
     assert config.format_version == 2
     assert config.head_accuracies[0] == pytest.approx([0.3, 0.4, 0.45])
     assert config.acceptance_model()[0] == pytest.approx([0.3, 0.1, 0.05])
+    # parts rounded to 5 digits summing past 1 where the truth is 1 (refused as above 1)
+    path.write_text(json.dumps({**old, "head_accuracies": [[0.16667] * 6] * HEADS, "top_k": 6}))
+    assert MedusaModel.from_pretrained(directory, base_model=base).config.head_accuracies[0][-1] == 1.0
     path.write_text(json.dumps({**old, "format_version": 2}))  # the same numbers under format 2 are refused
     with pytest.raises(ValueError, match=r"head_accuracies\[0\] = \[0.3, 0.1, 0.05\] must be cumulative"):
         MedusaModel.from_pretrained(directory, base_model=base)
