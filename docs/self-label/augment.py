@@ -67,8 +67,8 @@ def self_labels(ids: list[int], argmax: list[int], prefix: int, keep: list[int] 
     return labels
 
 
-def stage_data(config, accelerator):
-    train, heldout = original_stage_data(config, accelerator)
+def stage_data(config, accelerator, *args, **kwargs):  # (train_heads' own arguments since 2fa46f1 passed along)
+    train, heldout = original_stage_data(config, accelerator, *args, **kwargs)
     started = time.time()
     tokenizer = load_tokenizer(config.model.name)
     model = load_base_model(config.model.name, dtype=torch.float32, device="cpu").eval()
