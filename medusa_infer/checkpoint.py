@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -145,18 +146,24 @@ def check_private_upload(repo_id: str, token: str | None = None) -> None:
                          f"{repo_id!r}, private=True), or its settings page) or upload without private")
 
 
+def _wrong_type(name: str, tensor: Any) -> str | None:
+    """What is wrong with the type of the heads' tensor ``name``, or None: token ids are integers, weights
+    floating point."""
+    if not isinstance(tensor, torch.Tensor):
+        return f"{name}: not a tensor ({type(tensor).__name__})"
+    dtype = str(tensor.dtype).replace("torch.", "")
+    if name.split(".")[-1] == "token_map":
+        return f"{name}: {dtype}, where token ids are integers" if tensor.is_floating_point() or \
+            tensor.dtype == torch.bool else None
+    return None if tensor.is_floating_point() else f"{name}: {dtype}, where weights are floating point"
+
+
 def check_state_dict(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor], source: str) -> None:
     """Raise ``ValueError`` naming every missing, unexpected, mis-shaped or mis-typed tensor (a token map
     of floats was cut to integers, weights of integers loaded, without a word)."""
-    kinds = [f"{name}: not a tensor ({type(t).__name__})" if not isinstance(t, torch.Tensor)
-             else f"{name}: {str(t.dtype).replace('torch.', '')}, where token ids are integers"
-             if name.split(".")[-1] == "token_map" and (t.is_floating_point() or t.dtype == torch.bool)
-             else f"{name}: {str(t.dtype).replace('torch.', '')}, where weights are floating point"
-             if name.split(".")[-1] != "token_map" and not t.is_floating_point() else None
-             for name, t in found.items()]
-    if any(kinds):
-        raise ValueError(f"{source}: tensors of the wrong type: {'; '.join(k for k in kinds if k)}; re-export "
-                         "the heads")
+    kinds = [problem for name, t in found.items() if (problem := _wrong_type(name, t))]
+    if kinds:
+        raise ValueError(f"{source}: tensors of the wrong type: {'; '.join(kinds)}; re-export the heads")
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected))
     shapes = [

@@ -246,11 +246,10 @@ def fit_history(model, history: list[dict], use_template: bool, answer_tokens: i
 
 
 def turn_tokens(model, history: list[dict], use_template: bool) -> int:
-    """The tokens of the prompt of the turn that ``history`` ends with."""
+    """The tokens of the prompt of the turn that ``history`` ends with (``--raw``: no system message)."""
     if use_template:
         return prompt_tokens(model.tokenizer, history, None)
-    first = int(bool(history) and history[0]["role"] == "system")
-    return prompt_tokens(model.tokenizer, None, raw_text(history[first:]))
+    return prompt_tokens(model.tokenizer, None, raw_text(history))
 
 
 def raw_text(history: list[dict]) -> str:
@@ -316,7 +315,7 @@ def generate_from_args(args: argparse.Namespace) -> int:
         # the session ended with "does not fit the model's context" once the conversation outgrew it
         turn, dropped = fit_history(model, history + [{"role": "user", "content": line}], use_template,
                                     args.max_new_tokens)
-        text = None if use_template else raw_text(turn[int(bool(turn) and turn[0]["role"] == "system"):])
+        text = None if use_template else raw_text(turn)
         try:
             if dropped and turn_tokens(model, turn, use_template) < context_length(model):
                 print(f"[note] the conversation outgrew the model's context ({context_length(model)} tokens): its "

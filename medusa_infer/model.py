@@ -455,10 +455,8 @@ class MedusaModel(nn.Module):
                              "model: load a fresh one")
         recorded = getattr(base_model.config, MERGED_ADAPTER_KEY, None)
         merged_in = already[1] if already is not None else recorded  # the adapter in base_model's weights, if known
-        merged_names = (adapter_digests(already[0]) if already is not None and Path(already[0]).is_dir()
-                        else (merged_in,))  # the digests that name the merged adapter
-        if wants_adapted and exported_digest is not None and merged_in is not None \
-                and exported_digest not in merged_names:
+        if wants_adapted and exported_digest is not None and merged_in is not None and exported_digest not in (
+                adapter_digests(already[0]) if already is not None and Path(already[0]).is_dir() else (merged_in,)):
             key = interop.ADAPTER_DIGEST_KEY if exported else f"training.{interop.ADAPTER_DIGEST_RECORD}"
             raise ValueError(f"the heads in {directory} were trained with the Medusa-2 adapter {exported_digest[:12]} "
                              f"(config.json's {key}), and base_model has another merged into "
