@@ -473,6 +473,7 @@ def test_seeded_sampling_is_reproducible(client):
 def test_health_and_metrics_counters_increase(server, client):
     health = httpx.get(server[0].base_url + "/health", timeout=10)
     assert health.status_code == 200 and health.json()["status"] == "ok"
+    assert httpx.head(server[0].base_url + "/health", timeout=10).status_code == 200  # a load balancer's probe
     before = metrics_text(server)
     answer = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, extra_body=NO_EOS)
     after = metrics_text(server)

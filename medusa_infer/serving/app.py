@@ -4,7 +4,7 @@
     GET  /v1/models/{id}        that model, by its id
     POST /v1/completions        text completion, streamed (SSE) or not
     POST /v1/chat/completions   chat, rendered with the tokenizer's chat template
-    GET  /health                200 while the engine runs
+    GET  /health                200 while the engine runs (HEAD too, for load balancers' probes)
     GET  /metrics               Prometheus text format
 
 Requests are validated by ``protocol`` before anything is queued; every failure is answered with
@@ -171,7 +171,7 @@ def create_app(engine: Engine, model: ModelInfo, settings: ServerSettings) -> Fa
 
     app.include_router(v1)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if not engine.alive:
             raise APIError(503, "the engine is not running", "server_error", None, "engine_unavailable")
