@@ -21,6 +21,7 @@ Each rule returns an :class:`Acceptance`. Three rules are offered:
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -67,14 +68,20 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 # Argument checks
 # ---------------------------------------------------------------------------------------------
 
-def _check_sampling_args(temperature: float, top_k: int, top_p: float) -> None:
-    """Raise ``ValueError`` naming the value when a sampling setting is out of range."""
+def _check_sampling_args(temperature: float, top_k: int, top_p: float) -> int:
+    """Raise ``ValueError`` naming the value when a sampling setting is out of range; ``top_k`` as an int (numpy's
+    integers are taken, as ``SamplingConfig`` takes them)."""
     if not 0.0 <= temperature < math.inf:
         raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+    try:
+        k = None if isinstance(top_k, bool) else operator.index(top_k)
+    except TypeError:
+        k = None
+    if k is None or k < 0:
         raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {top_k!r}")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must lie in (0, 1] (1 disables it), got {top_p!r}")
+    return k
 
 
 def _check_inputs(logits: torch.Tensor, tokens: torch.Tensor, buffers: TreeBuffers) -> None:
@@ -119,7 +126,7 @@ def warp_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p:
     transformers keeps). ``temperature == 0`` gives a
     one-hot on the argmax (first one on ties). ``top_k == 0`` and ``top_p == 1`` disable them.
     """
-    _check_sampling_args(temperature, top_k, top_p)
+    top_k = _check_sampling_args(temperature, top_k, top_p)
     scores = logits.float()
     vocab = scores.shape[-1]
     if temperature == 0:

@@ -298,6 +298,13 @@ def test_warp_logits_breaks_top_p_ties_as_transformers(top_k, top_p):
         torch.testing.assert_close(probs, expected)
 
 
+def test_numpy_integer_top_k_is_taken_as_sampling_config_takes_it():
+    from medusa_infer.decoding import SamplingConfig
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.0]])
+    assert torch.equal(warp_logits(logits, 1.0, np.int64(2)), warp_logits(logits, 1.0, 2))
+    assert SamplingConfig(acceptance="lossless", top_k=np.int64(2)).top_k == 2
+
+
 def test_warp_logits_temperature_zero_is_one_hot_argmax():
     logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 3.0, 0.0]])
     assert warp_logits(logits, 0.0, top_k=2, top_p=0.5).tolist() == [[0, 1, 0], [1, 0, 0]]
@@ -308,6 +315,7 @@ def test_warp_logits_temperature_zero_is_one_hot_argmax():
     (math.inf, 0, 1.0, r"temperature .* got inf"),
     (1.0, -1, 1.0, r"top_k must be an integer >= 0.* got -1"),
     (1.0, 2.5, 1.0, r"top_k .* got 2.5"),
+    (1.0, True, 1.0, r"top_k .* got True"),
     (1.0, 0, 0.0, r"top_p must lie in \(0, 1\].* got 0.0"),
     (1.0, 0, 1.2, r"top_p .* got 1.2"),
 ])
