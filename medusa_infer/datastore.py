@@ -34,6 +34,8 @@ from safetensors.torch import load_file, save_file
 DATASTORE_NAME = "datastore.safetensors"
 SEPARATOR = -1
 _MODULUS = 2_147_483_647  # a prime: (h * _BASE + token) stays inside int64
+MAX_NGRAM = 64  # an index is built per n-gram length on first use: 300 lengths took 21 s on 20k tokens
+_SAVED_SETTINGS = ("min_ngram", "max_ngram", "max_occurrences", "min_share")  # what save writes, load reads
 _BASE = 1_000_003
 
 
@@ -100,8 +102,9 @@ class Datastore:
     def __init__(self, tokens: torch.Tensor, min_ngram: int = 2, max_ngram: int = 6,
                  max_occurrences: int = 256, min_share: float = 0.3, modulus: int = _MODULUS,
                  tokenizer: str | None = None, origin: str | None = None) -> None:
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"a datastore needs 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
+        if not 1 <= min_ngram <= max_ngram <= MAX_NGRAM:
+            raise ValueError(f"a datastore needs 1 <= min_ngram <= max_ngram <= {MAX_NGRAM}, got {min_ngram} and "
+                             f"{max_ngram}")
         if not 0.0 < min_share <= 1.0:
             raise ValueError(f"min_share must lie in (0, 1], got {min_share}")
         if max_occurrences < 1:
@@ -225,8 +228,7 @@ class Datastore:
     def save(self, path: str | Path) -> Path:
         """Write the tokens and settings to ``path`` (safetensors)."""
         path = Path(path)
-        settings = {"min_ngram": self.min_ngram, "max_ngram": self.max_ngram,
-                    "max_occurrences": self.max_occurrences, "min_share": self.min_share}
+        settings = {name: getattr(self, name) for name in _SAVED_SETTINGS}
         # one metadata key: safetensors writes the map in random order, and the same store must give the
         # same bytes (a Hub upload of unchanged heads sent it again); the tokenizer digest is a tensor of
         # its own (its bytes), which earlier releases leave unread
@@ -260,8 +262,11 @@ class Datastore:
             if not isinstance(settings, dict) or any(isinstance(v, bool) or not isinstance(v, int)
                                                      for k, v in settings.items() if k != "min_share"):
                 raise TypeError(f"its settings {settings} are not whole numbers")
+            unknown = sorted(set(settings) - set(_SAVED_SETTINGS))
+            if unknown:  # (the hash modulus among them: a store's hashes are rebuilt with the default one)
+                raise KeyError(f"settings {unknown}, which no save writes")
             return cls(tokens.long(), **settings, tokenizer=tokenizer, origin=origin)
-        except (SafetensorError, OSError, KeyError, TypeError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        except (SafetensorError, OSError, KeyError, TypeError, ValueError, UnicodeDecodeError) as err:
             raise ValueError(f"{path} is not a readable datastore ({err}); rebuild it with "
                              "`python -m medusa_train.datastore`, or delete it (--no-datastore leaves it unread)"
                              ) from err

@@ -143,7 +143,14 @@ def test_settings_are_checked_and_files_round_trip(tmp_path):
             ("2d", {"tokens": torch.tensor([[3, 4], [5, 6]], dtype=torch.int32)}, "{}"),
             ("setting", {"tokens": torch.tensor([3, 4], dtype=torch.int32)}, '{"min_ngram": 2.5}'),
             ("digest", {"tokens": torch.tensor([3, 4], dtype=torch.int32),
-                        "tokenizer": torch.tensor([255, 254], dtype=torch.uint8)}, "{}")):
+                        "tokenizer": torch.tensor([255, 254], dtype=torch.uint8)}, "{}"),
+            # settings or tokens the store refuses were a bare ValueError naming neither the file nor the remedy;
+            # a hash modulus is no saved setting; a huge n-gram length built an index per length (21 s)
+            ("negative", {"tokens": torch.tensor([3, -2], dtype=torch.int32)}, "{}"),
+            ("share", {"tokens": torch.tensor([3, 4], dtype=torch.int32)}, '{"min_share": NaN}'),
+            ("order", {"tokens": torch.tensor([3, 4], dtype=torch.int32)}, '{"min_ngram": 4, "max_ngram": 2}'),
+            ("modulus", {"tokens": torch.tensor([3, 4], dtype=torch.int32)}, '{"modulus": 1}'),
+            ("long", {"tokens": torch.tensor([3, 4], dtype=torch.int32)}, '{"max_ngram": 300}')):
         save_file(tensors, str(tmp_path / f"{name}.safetensors"), metadata={"settings": settings})
         with pytest.raises(ValueError, match=f"{name}.safetensors is not a readable datastore"):
             Datastore.load(tmp_path / f"{name}.safetensors")
