@@ -176,19 +176,12 @@ def _through_turn(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[st
         return through
     if following.startswith(through):
         return through
-    try:
-        ends = tokenizer(through, add_special_tokens=False, return_offsets_mapping=True)
-    except NotImplementedError:  # no offsets (a slow tokenizer): the shared tokens' text, where it is the start
-        ends = {"input_ids": tokenizer(through, add_special_tokens=False)["input_ids"], "offset_mapping": None}
-    shared = 0
-    for mine, theirs in zip(ends["input_ids"], tokenizer(following, add_special_tokens=False)["input_ids"]):
-        if mine != theirs:
-            break
-        shared += 1
-    if ends["offset_mapping"] is not None:
-        cut = ends["offset_mapping"][shared - 1][1] if shared else 0
-    else:
-        text = tokenizer.decode(ends["input_ids"][:shared], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    ids, offsets = _with_offsets(tokenizer, through)
+    shared = _shared_prefix(ids, tokenizer(following, add_special_tokens=False)["input_ids"])
+    if offsets is not None:
+        cut = offsets[shared - 1][1] if shared else 0
+    else:  # no offsets: the shared tokens' text, where it is the start
+        text = tokenizer.decode(ids[:shared], skip_special_tokens=False, clean_up_tokenization_spaces=False)
         cut = len(text) if through.startswith(text) else len(through)
     # only what follows the turn's content is cut: a template that writes the last turn itself otherwise
     # (Qwen3's thinking block, written only for a last assistant turn) parts before it. The content is
@@ -197,6 +190,27 @@ def _through_turn(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[st
     content = str(messages[-1].get("content") or "").strip()
     found = through.find(content, start)
     return through[:cut] if found >= 0 and cut >= found + len(content) and cut > start else through
+
+
+def _with_offsets(tokenizer: PreTrainedTokenizerBase, text: str) -> tuple[list[int], list[tuple[int, int]] | None]:
+    """``text``'s token ids and their character offsets, None for a tokenizer that gives none: transformers
+    5's pure-Python ones (SentencePiece's among them) leave them out of the encoding, earlier ones raised."""
+    try:
+        encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    except (NotImplementedError, ValueError):  # (mistral-common's backend raises ValueError)
+        return tokenizer(text, add_special_tokens=False)["input_ids"], None
+    offsets = encoding.get("offset_mapping")
+    return list(encoding["input_ids"]), None if offsets is None else [tuple(pair) for pair in offsets]
+
+
+def _shared_prefix(first: Sequence[int], second: Sequence[int]) -> int:
+    """How many leading tokens ``first`` and ``second`` share."""
+    shared = 0
+    for mine, theirs in zip(first, second):
+        if mine != theirs:
+            break
+        shared += 1
+    return shared
 
 
 class CutOffNotFound(TemplateError):
@@ -220,17 +234,13 @@ def tokenize_chat(
     if cut_off:
         end = _cut_off_end(tokenizer, messages, full)
         full, spans = full[:end], spans[:-1] + [(spans[-1][0], end)]
-    try:
-        encoding = tokenizer(
-            full, add_special_tokens=False, return_offsets_mapping=True
-        )
-    except NotImplementedError:  # tokenizers without offsets (pure-Python or SentencePiece)
+    input_ids, offsets = _with_offsets(tokenizer, full)
+    if offsets is None:  # tokenizers without offsets (pure-Python or SentencePiece)
         return _tokenize_chat_by_prefix(tokenizer, messages, full, cut_off)
-    input_ids = list(encoding["input_ids"])
     labels = [IGNORE_INDEX] * len(input_ids)
     for k, (start, stop) in enumerate(spans):
         open_end = cut_off and k == len(spans) - 1  # the text ends inside this answer
-        for t, (tok_start, tok_end) in enumerate(encoding["offset_mapping"]):
+        for t, (tok_start, tok_end) in enumerate(offsets):
             # A token straddling the header/content boundary holds content: it is labelled. So is
             # a token at the cut answer's very end (some tokenizers give a trailing space (end, end)).
             if (tok_start < stop and tok_end > start) or (open_end and tok_start >= start):
@@ -266,7 +276,9 @@ def _tokenize_chat_by_prefix(
     tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]], full: str, cut_off: bool = False
 ) -> tuple[list[int], list[int]]:
     """Labels from token prefixes, for tokenizers that give no character offsets. With ``cut_off``
-    ``full`` ends inside the last answer (``tokenize_chat``)."""
+    ``full`` ends inside the last answer (``tokenize_chat``). A token the conversation's tokens merge across a
+    turn's boundary (an answer starting with whitespace after its header's newline) is labelled, as a token
+    straddling it is with offsets."""
 
     def encode(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -279,13 +291,16 @@ def _tokenize_chat_by_prefix(
         before = encode(render_chat(tokenizer, messages[:i], add_generation_prompt=True))
         open_end = cut_off and i == len(messages) - 1
         through = input_ids if open_end else encode(_through_turn(tokenizer, messages[: i + 1]).rstrip())
-        if input_ids[: len(before)] != before or input_ids[: len(through)] != through:
+        start = _shared_prefix(input_ids, before)  # the token from which they differ straddles the boundary
+        stop = _shared_prefix(input_ids, through)
+        stop += stop < min(len(through), len(input_ids))  # (one straddling the answer's end, too)
+        if start < len(before) - 1 or stop < len(through) - 1:  # more than one token's merge: not a boundary's
             raise TemplateError(
                 f"assistant turn {i} does not tokenise as a prefix of the whole conversation "
                 "(tokens merge across the turn boundary); use a tokenizer with offsets (fast) "
                 "or a template that separates turns with special tokens."
             )
-        labels[len(before) : len(through)] = input_ids[len(before) : len(through)]
+        labels[start:stop] = input_ids[start:stop]
     return input_ids, labels
 
 
@@ -360,8 +375,8 @@ def build_examples(
             continue
         # A distilled answer cut by max_new_tokens: the model did not end its turn there.
         cut_off = row.get("finish_reason") == "length" and messages[-1]["role"] == "assistant"
-        written = _as_written(tokenizer, row, messages, stats)
         try:
+            written = _as_written(tokenizer, row, messages, stats)  # (renders the chat: errors name the row)
             if written is not None:  # the tokens the model wrote, not its text tokenised again
                 input_ids, labels = written
             else:
@@ -524,7 +539,12 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     """Rows of a JSONL file, or of a ``datasets`` folder saved with ``save_to_disk``."""
     path = Path(path)
     if path.is_dir():
-        return list(load_from_disk(str(path)))
+        loaded = load_from_disk(str(path))
+        if not isinstance(loaded, Dataset):  # a DatasetDict's rows were its split names
+            splits = list(loaded)
+            raise ValueError(f"{path} holds the splits {splits}, not one set of rows: give one split's folder "
+                             f"({path}/{splits[0] if splits else 'train'}) or save that split alone")
+        return list(loaded)
     rows = []
     with path.open(encoding="utf-8") as handle:
         for number, line in enumerate(handle, 1):

@@ -298,13 +298,14 @@ def test_an_answer_cut_by_the_token_limit_has_no_end_of_turn_label(smol, caplog)
 
 
 class NoOffsets:
-    """A tokenizer that gives no character offsets, as pure-Python and SentencePiece ones."""
+    """A tokenizer that gives no character offsets, as pure-Python and SentencePiece ones: transformers 5 leaves
+    them out of the encoding (``raises``: earlier releases raised)."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, raises=False):
+        self.tokenizer, self.raises = tokenizer, raises
 
     def __call__(self, text, **kwargs):
-        if kwargs.get("return_offsets_mapping"):
+        if kwargs.pop("return_offsets_mapping", False) and self.raises:
             raise NotImplementedError("no offsets")
         return self.tokenizer(text, **kwargs)
 
@@ -319,6 +320,31 @@ def test_tokenizers_without_offsets_cut_answers_at_the_same_token(smol, answer):
     [example] = build_examples([row], NoOffsets(smol), 512)
     assert example == build_examples([row], smol, 512)[0]
     assert labelled_runs(smol, example["input_ids"], example["labels"])[-1] == answer
+
+
+def test_a_pure_python_tokenizer_gives_no_offsets_and_is_labelled_from_token_prefixes():
+    """transformers 5's pure-Python tokenizers (ByT5's here; SentencePiece's are built on them) give no offsets
+    without raising: every row failed with KeyError 'offset_mapping'."""
+    from transformers import ByT5Tokenizer
+
+    tokenizer = ByT5Tokenizer()
+    for template in (ZEPHYR_TEMPLATE, PHI3_TEMPLATE):
+        tokenizer.chat_template = template
+        [one, two] = build_examples([{"id": "r", "prompt": "Hi?", "response": "Hello."},
+                                     {"id": "m", "messages": CONVERSATION[1:]}], tokenizer, 512)
+        end = "<|end|>" if template == PHI3_TEMPLATE else "</s>"
+        assert labelled_runs(tokenizer, one["input_ids"], one["labels"]) == ["Hello." + end]
+        assert labelled_runs(tokenizer, two["input_ids"], two["labels"]) == [answer + end for answer in ASSISTANT]
+
+
+@pytest.mark.parametrize("raises", [False, True])
+@pytest.mark.parametrize("answer", ["\n\nHello", "  lead", "\t tab", "Hello"])
+def test_tokenizers_without_offsets_label_an_answer_merged_with_its_header_as_those_with(smol, answer, raises):
+    """An answer starting with whitespace merges with its header's newline into one token: labelled with offsets
+    (it straddles the boundary), it stopped the whole build without them."""
+    rows = [{"id": "r", "prompt": "Hi?", "response": answer},
+            {"id": "m", "messages": [*CONVERSATION[:2], {"role": "assistant", "content": answer}, *CONVERSATION[3:]]}]
+    assert build_examples(rows, NoOffsets(smol, raises), 512) == build_examples(rows, smol, 512)
 
 
 def test_tokenizers_without_offsets_label_phi3_style_templates_as_those_with(smol):
@@ -445,6 +471,13 @@ def test_ready_examples_are_cut_to_max_length_like_built_ones(tmp_path, capsys):
     not_objects.write_text('{"input_ids": [1], "labels": [1]}\n[1, 2, 3]\n')
     with pytest.raises(ValueError, match=r"lists.jsonl:2 is a JSON list, not an object"):
         read_rows(not_objects)
+    # a DatasetDict's folder (load_dataset(...).save_to_disk): its rows were its split names, failing later
+    from datasets import Dataset, DatasetDict
+
+    DatasetDict({"train": Dataset.from_list([{"prompt": "Hi", "response": "Hello."}])}).save_to_disk(tmp_path / "dd")
+    with pytest.raises(ValueError, match=r"dd holds the splits \['train'\], not one set of rows: give one split's"):
+        read_rows(tmp_path / "dd")
+    assert read_rows(tmp_path / "dd" / "train") == [{"prompt": "Hi", "response": "Hello."}]
 
     import train_heads
     from medusa_train.train_config import config_from_dict
@@ -546,3 +579,8 @@ def test_a_row_the_template_itself_refuses_is_named(smol):
                                              {"role": "assistant", "content": "Hello."}]}]
     with pytest.raises(TemplateError, match=r"^row 'two-users': roles must alternate user/assistant"):
         build_examples(rows, strict, 64)
+    # a distilled row's prompt is rendered for its response_ids: that refusal escaped with no row named
+    distilled = {"id": "ids", "messages": None, "prompt": "Hi", "response": "Hello.", "finish_reason": "length",
+                 "response_ids": strict("Hello.", add_special_tokens=False)["input_ids"]}
+    with pytest.raises(TemplateError, match=r"^row 'ids': roles must alternate user/assistant"):
+        build_examples([distilled], strict, 64, system_prompt="Be brief.")
