@@ -357,6 +357,7 @@ def build_examples(
 
     Raises:
         TemplateError: the tokenizer has no chat template, or it is not prefix-stable.
+        ValueError: a distilled row's prompt was rendered by another template (``check_prompt_template``).
     """
     if not has_chat_template(tokenizer):
         raise TemplateError(
@@ -369,6 +370,7 @@ def build_examples(
     examples = []
     for index, row in enumerate(rows):
         stats.rows += 1
+        check_prompt_template([row], tokenizer, TEMPLATE_CHANGED)
         messages = row_messages(row, system_prompt)
         if not any(m["role"] == "assistant" for m in messages):
             stats.dropped_no_assistant += 1
@@ -617,8 +619,6 @@ def check_rows(rows: Sequence[dict[str, Any]], chat_template: str | None, system
     """Refuse distilled rows whose recorded chat template or system prompt differs from the ones the
     examples are built with (rows without a ``generation`` record are taken as they are): built otherwise, the
     heads learn answers to a prompt the model was never shown. ``fixes`` words the advice (``CLI_FIXES``)."""
-    from medusa_train.distill import template_digest
-
     digest = template_digest(chat_template)
     for row in rows:
         generation = row.get("generation")
@@ -635,6 +635,37 @@ def check_rows(rows: Sequence[dict[str, Any]], chat_template: str | None, system
             fix = fixes[2] if recorded is None else fixes[3]
             raise ValueError(f"row {row.get('id')!r} was distilled with system prompt {recorded!r}, the examples "
                              f"would be built with {system_prompt!r}; {fix}")
+
+
+TEMPLATE_CHANGED = ("distil the rows again with the template as it is now (into another output path), or install "
+                    "the one that rendered them (model.chat_template in a recipe)")
+
+
+def template_digest(template: str | None) -> str | None:
+    """How rows record a chat template that replaced the tokenizer's own (None: the tokenizer's), and the one in
+    effect (``rendering_digest``)."""
+    return None if template is None else "sha256:" + hashlib.sha256(template.encode()).hexdigest()[:16]
+
+
+def rendering_digest(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """``template_digest`` of the chat template ``tokenizer`` renders with (None: it has none). A distilled row
+    records it (``prompt_template``): a template edited or updated on the Hub since leaves the weights'
+    identity as it was, and rows answered to another rendering were resumed and trained on the new one."""
+    template = getattr(tokenizer, "chat_template", None) or None
+    if template is not None and not isinstance(template, str):  # named templates: {name: template}
+        template = json.dumps(template, sort_keys=True)
+    return template_digest(template)
+
+
+def check_prompt_template(rows: Iterable[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, fix: str) -> None:
+    """``ValueError`` naming the first row that records (``prompt_template``) another template in effect than
+    ``tokenizer``'s, with ``fix``; rows that record none (an endpoint's, an earlier release's) pass."""
+    digest = rendering_digest(tokenizer)
+    for row in rows:
+        if "prompt_template" in row and row["prompt_template"] != digest:
+            raise ValueError(f"row {row.get('id')!r} was distilled with its prompt rendered by chat template "
+                             f"{row['prompt_template']}, and {tokenizer.name_or_path!r} renders with {digest} now "
+                             f"(its template was edited or updated since: the answers are to another prompt); {fix}")
 
 
 def load_or_build_dataset(

@@ -21,7 +21,8 @@ Row: ``{"id", "source", "prompt", "response", "model", "generation": {"max_new_t
 "eos" | "length", "response_tokens"}`` (the answer's tokens, an end token not counted), and from the local backend
 ``"response_ids"``: the answer's token ids as the model wrote them, its end token included where it ended its turn
 (training builds its examples from these: the text tokenised again can part otherwise, ``"\n\n"`` as two tokens
-the model wrote as one). For greedy rows ``temperature`` is recorded as 0.0 and
+the model wrote as one), and ``"prompt_template"``: a digest of the chat template that rendered the prompt, the
+tokenizer's own included (a resumed run and training refuse rows of another one). For greedy rows ``temperature`` is recorded as 0.0 and
 ``top_p`` as 1.0; ``chat_template`` is a digest of a template that replaced the tokenizer's own
 (None: the tokenizer's).
 ``prompt`` is the text the model answered (shortened when ``prompt_overflow="truncate"`` cut it).
@@ -65,7 +66,15 @@ from medusa_infer.decoding import generate, left_pad
 from medusa_infer.model import MedusaModel
 from medusa_infer.proposers import AutoregressiveProposer
 from medusa_train.captured import HiddenRecorder, hidden_dir, save_batch
-from medusa_train.dataset import encode_rendered, has_chat_template, render_prompt, row_messages
+from medusa_train.dataset import (
+    check_prompt_template,
+    encode_rendered,
+    has_chat_template,
+    render_prompt,
+    rendering_digest,
+    row_messages,
+    template_digest,
+)
 from medusa_train.features import model_fingerprint, weights_identity
 from medusa_train.train_config import TrainConfig, convert_value, read_recipe, rows_path
 
@@ -173,6 +182,8 @@ class DistillConfig:
     trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
+        if self.chat_template == "":  # --chat-template '': the tokenizer's own (a digest of '' was recorded)
+            self.chat_template = None
         if isinstance(self.exclude_ids, (str, Path)):  # a file of ids, as --exclude-ids takes (a name taken
             if not Path(self.exclude_ids).is_file():  # as ids would exclude nothing, character by character)
                 raise ValueError(f"exclude_ids={str(self.exclude_ids)!r} is not a file: give a file of ids (JSONL "
@@ -292,11 +303,6 @@ class ShardStats:
 
 # ---------------------------------------------------------------------------------------------
 # Prompts
-
-
-def template_digest(template: str | None) -> str | None:
-    """How rows record a chat template that replaced the tokenizer's own (None: the tokenizer's)."""
-    return None if template is None else "sha256:" + hashlib.sha256(template.encode()).hexdigest()[:16]
 
 
 def _encodable(text: str) -> bool:
@@ -797,11 +803,14 @@ def prepare_prompt(
 def make_row(
     prompt: dict[str, Any], text: str, response: str, finish: str, n_tokens: int,
     config: DistillConfig, weights: str | None = None, response_ids: Sequence[int] | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> dict[str, Any]:
     """A row; ``weights``: the local model's ``features.weights_identity`` (recorded where known, so that rows
     of other weights under the same name are not mixed in: ``check_resumable``). ``prompt_cut``: whether ``text``
     is the prompt cut to ``max_prompt_tokens`` (``prompt_overflow="truncate"``; ``check_prompt_texts``).
-    ``response_ids``: the answer's ids as written, the end token included (the local backend's)."""
+    ``response_ids``: the answer's ids as written, the end token included (the local backend's). ``tokenizer``:
+    the one that rendered the prompt (the local backend's), whose template in effect the row records
+    (``prompt_template``: ``dataset.check_prompt_template``)."""
     return {
         "id": prompt["id"],
         "source": prompt["source"],
@@ -814,6 +823,7 @@ def make_row(
         "response_tokens": int(n_tokens),
         **({"model_weights": weights} if weights is not None else {}),
         **({"response_ids": [int(t) for t in response_ids]} if response_ids is not None else {}),
+        **({"prompt_template": rendering_digest(tokenizer)} if tokenizer is not None else {}),
     }
 
 
@@ -893,12 +903,17 @@ def run_local(
     device: str | torch.device,
     on_batch: BatchHook | None = None,
     fingerprint: dict[str, Any] | None = None,
+    done: Sequence[dict[str, Any]] = (),
 ) -> None:
     """Answer ``pending`` prompts with the local model, a batch at a time, into ``writer``; kept hidden
-    states (``save_hidden``) record ``fingerprint`` (default: ``model_fingerprint(config.model)``)."""
+    states (``save_hidden``) record ``fingerprint`` (default: ``model_fingerprint(config.model)``). ``done``: the
+    rows already written, refused when their prompts were rendered with another template than the tokenizer's
+    now (``check_prompt_template``)."""
     from medusa_infer.models import load_base_model
 
     tokenizer = load_distill_tokenizer(config)
+    check_prompt_template(done, tokenizer, "use another output path, or install the template that rendered them "
+                                           "(chat_template)")
     if not has_chat_template(tokenizer):
         logger.info("tokenizer of %s has no chat template: prompts are given as plain text", config.model)
     limits = prompt_limits(config)
@@ -969,7 +984,7 @@ def _generate_all(
             for (prompt, text, _), (tokens, finish, end) in zip(batch, answers):
                 tokens, response = answer_text(tokenizer, tokens, finish)
                 row = make_row(prompt, text, response, finish, len(tokens), config, weights,
-                               tokens + ([end] if end is not None else []))
+                               tokens + ([end] if end is not None else []), tokenizer)
                 writer.write(row)
                 rows.append(row)
                 stats.add(row)
@@ -1333,7 +1348,7 @@ def distill_shard(
     writer = ShardWriter(shard_path(config.output, rank))
     try:
         if pending and config.backend == "local":
-            run_local(config, pending, writer, stats, device or config.device or "cpu", on_batch, fingerprint)
+            run_local(config, pending, writer, stats, device or config.device or "cpu", on_batch, fingerprint, done)
         elif pending:
             run_openai(config, pending, writer, stats, on_batch)
     finally:
@@ -1450,10 +1465,16 @@ def build_parser() -> argparse.ArgumentParser:
 def read_ids(path: str | Path) -> list[str]:
     """Ids from a JSONL file with an ``id`` key per row, or a text file with one id per line."""
     ids = []
-    for line in Path(path).read_text(encoding="utf-8").split("\n"):  # not splitlines: JSON strings hold U+2028
-        line = line.strip()
-        if line:
-            ids.append(str(json.loads(line)["id"]) if line.startswith("{") else line)
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").split("\n"), 1):  # not splitlines:
+        line = line.strip()  # JSON strings hold U+2028
+        if not line.startswith("{"):
+            ids.extend([line] if line else [])
+            continue
+        row = json.loads(line)
+        if "id" not in row:  # (a KeyError traceback)
+            raise ValueError(f"{path}:{number} is a JSON row without an 'id' key; give rows with an 'id', or one id "
+                             "a line")
+        ids.append(str(row["id"]))
     return ids
 
 
@@ -1469,7 +1490,10 @@ def config_from_args(args: argparse.Namespace) -> DistillConfig:
     values: dict[str, Any] = {}
     if args.recipe:
         loaded = read_recipe(args.recipe)  # a YAML error or a list was a traceback
-        values.update(loaded.get("distill", loaded))
+        section = loaded.get("distill", loaded)
+        if not isinstance(section, dict):  # an empty "distill:" was a TypeError traceback
+            raise ValueError(f"{args.recipe}: its distill section must be a mapping of settings, got {section!r}")
+        values.update(section)
     skip = {"recipe", "log_level", "exclude_ids", "per_source"}
     values.update({k: v for k, v in vars(args).items() if k not in skip and v is not None})
     if args.per_source:

@@ -167,7 +167,7 @@ def test_batched_rows_equal_unbatched_greedy(reference_rows, model_dir, prompts_
     model = load_base_model(str(model_dir))
     for row in reference_rows:
         # the local model's, which an endpoint does not tell
-        assert set(row) == ROW_KEYS | {"model_weights", "response_ids"}
+        assert set(row) == ROW_KEYS | {"model_weights", "response_ids", "prompt_template"}
         assert row["model"] == str(model_dir)
         assert row["generation"] == {
             "max_new_tokens": 16, "do_sample": False, "temperature": 0.0, "top_p": 1.0, "seed": 0,
@@ -380,7 +380,7 @@ def test_train_heads_distils_on_its_accelerators_device(tmp_path, model_dir, pro
                                "features": {"from_distillation": False}, "log": {"progress": False}})
     seen = {}
 
-    def spy(config, pending, writer, stats, device, on_batch=None, fingerprint=None):
+    def spy(config, pending, writer, stats, device, on_batch=None, fingerprint=None, done=()):
         seen["device"] = device
         raise KeyboardInterrupt
 
@@ -549,6 +549,34 @@ def test_rows_are_compared_with_their_prompts_text_and_a_cut_prompt_is_kept(mode
         check_prompt_texts([{"id": "a", "prompt": changed}], prompts, gone)
     with pytest.raises(ValueError, match=r"answering another prompt .* could not be checked"):
         check_prompt_texts([{"id": "a", "prompt": prompt[:30] + "!", "prompt_cut": True}], prompts, gone)
+
+
+def test_rows_of_a_template_changed_since_are_refused_on_resume_and_in_training(tmp_path, model_dir, prompts_file,
+                                                                               tokenizer):
+    """The tokenizer's own template edited (or updated on the Hub) leaves the weights' identity as it was: a resumed
+    run mixed answers to two renderings, and training put the new rendering before the old answers' ids."""
+    from medusa_train.dataset import build_examples
+
+    folder = tmp_path / "model"
+    shutil.copytree(model_dir, folder)
+    output = tmp_path / "rows.jsonl"
+    distill(make_config(folder, prompts_file, output, n=2))
+    rows = read_rows(output)
+    assert all(row["prompt_template"] == distill_module.rendering_digest(tokenizer) is not None for row in rows)
+    edited = load_tokenizer(str(folder))
+    edited.chat_template = edited.chat_template.replace("You are a helpful AI assistant", "You are a pirate")
+    assert edited.chat_template != tokenizer.chat_template
+    edited.save_pretrained(folder)
+    with pytest.raises(ValueError, match=r"row '[^']+' was distilled with its prompt rendered by chat template sha256:"
+                                         r"\w+, and .* renders with sha256:\w+ now .* use another output path"):
+        distill(make_config(folder, prompts_file, output, n=4))
+    assert read_rows(output) == rows  # nothing answered to the new rendering
+    assert len(build_examples(rows, tokenizer, 512)) == 2
+    with pytest.raises(ValueError, match=r"distil the rows again with the template as it is now"):
+        build_examples(rows, load_tokenizer(str(folder)), 512)
+    # endpoint rows and an earlier release's record none: taken as they are
+    assert len(build_examples([{k: v for k, v in row.items() if k != "prompt_template"} for row in rows],
+                              load_tokenizer(str(folder)), 512)) == 2
 
 
 def test_rows_written_before_templates_were_recorded_still_resume(tmp_path, model_dir, prompts_file):
@@ -1067,6 +1095,17 @@ def test_chat_template_flag_takes_a_file_or_the_template(tmp_path, prompts_file)
     args = parser.parse_args(["--prompts", str(prompts_file), "--chat-template", long])
     assert config_from_args(args).chat_template == long
     assert config_from_args(parser.parse_args(["--prompts", str(prompts_file)])).chat_template is None
+    # '' is the tokenizer's own, as the datastore builder takes it: rows recorded a digest of '' and training refused
+    args = parser.parse_args(["--prompts", str(prompts_file), "--chat-template", ""])
+    config = config_from_args(args)
+    assert config.chat_template is None and config.generation_record()["chat_template"] is None
+    # an empty distill section of a recipe, and ids rows without an id, were tracebacks
+    (tmp_path / "r.yaml").write_text("distill:\n")
+    with pytest.raises(ValueError, match=r"r.yaml: its distill section must be a mapping of settings, got None"):
+        config_from_args(parser.parse_args(["--recipe", str(tmp_path / "r.yaml")]))
+    (tmp_path / "ex.jsonl").write_text('{"id": "a"}\n{"prompt": "held out"}\n')
+    with pytest.raises(ValueError, match=r"ex.jsonl:2 is a JSON row without an 'id' key"):
+        config_from_args(parser.parse_args(["--prompts", str(prompts_file), "--exclude-ids", str(tmp_path / "ex.jsonl")]))
 
 
 def test_answers_are_generated_on_decodings_attention_kernels(tmp_path, model_dir, prompts_file, monkeypatch):
