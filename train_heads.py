@@ -851,9 +851,17 @@ def report_heldout(config: TrainConfig, accelerator: Any) -> int:
     """``--heldout-only``: the held-out table of a finished run's trained heads, printed."""
     from medusa_train import evaluate as ev
 
+    from medusa_infer.config import MedusaConfig
+
     paths = run_paths(config)
     if not (paths.final / "config.json").is_file():
         raise SystemExit(f"train_heads.py: error: no trained heads in {paths.final}; run the recipe first")
+    adapted = MedusaConfig.load(paths.final / "config.json").trained_with_adapter
+    if adapted != (config.training.mode == "medusa2"):  # scored on the backbone without its adapter (exit 0), or
+        trained = "medusa2" if adapted else "medusa1"  # an adapter looked for that the run never made (a traceback)
+        raise SystemExit(f"train_heads.py: error: the heads in {paths.final} were trained with training.mode="
+                         f"{trained}, and the settings now say {config.training.mode}: give the overrides the run was "
+                         f"trained with (training.mode={trained} among them)")
     with script_errors():  # the run's rows as they are, distilling nothing and recording nothing
         train, heldout = stage_data(config, accelerator, 0, record=False)
         check_heldout_split(paths, train)

@@ -656,6 +656,10 @@ def test_medusa1_from_cache_learns_head_k_predicts_t_plus_k_plus_2(tiny_dir, tmp
     for other in ("training.seed=7", "data.heldout_fraction=0.5"):
         with pytest.raises(SystemExit, match="the held-out split drawn now is not the one the heads"):
             train_heads.main(["--config", config_file, "--heldout-only", other])
+    # Medusa-1 heads scored as Medusa-2 ones: an adapter the run never made was looked for (peft's traceback)
+    with pytest.raises(SystemExit, match=r"were trained with training.mode=medusa1, and the settings now say medusa2"):
+        train_heads.main(["--config", config_file, "--heldout-only", "training.mode=medusa2",
+                          "lora.target_modules=[q_proj,v_proj]"])
     # a cache damaged since it was finished is built again by the features stage (it was reused, and failed)
     heldout_cache = out / "features" / json.loads((out / "features" / "index.json").read_text())["heldout"]
     from safetensors.torch import load_file
@@ -1256,6 +1260,13 @@ def test_medusa2_trains_adapter_and_heads_then_evaluates(tiny_dir, tmp_path):
     assert (out / "heads" / "adapter" / "adapter_config.json").is_file()
     config = json.loads((out / "heads" / "config.json").read_text())
     assert config["reduced_vocab_size"] == 30 and len(config["head_accuracies"]) == 3 and config["tree"]
+    # --heldout-only without the mode the run was trained in (an override of the README's two-stage flow): the heads
+    # were scored on the backbone without their adapter, lower figures printed with exit 0
+    plain = {**values, "training": {k: v for k, v in values["training"].items()
+                                    if k not in ("mode", "stage1_steps", "heads_warmup_steps")}}
+    plain.pop("lora")
+    with pytest.raises(SystemExit, match=r"were trained with training.mode=medusa2, and the settings now say medusa1"):
+        train_heads.main(["--config", str(write_recipe(tmp_path / "plain.yaml", plain)), "--heldout-only"])
 
 
 def test_medusa2_run_starts_at_a_base_kl_of_zero_on_cpu_kernels(tiny_dir, tmp_path, monkeypatch):
