@@ -166,7 +166,30 @@ def stage_data(config: TrainConfig, accelerator: Any, pending: int | None,
     def plain(split: Any) -> list[dict]:
         return [{"input_ids": list(r["input_ids"]), "labels": list(r["labels"])} for r in split]
 
-    return plain(train), plain(heldout)
+    train = plain(train)
+    warn_heldout_beside_start(config, accelerator, train)
+    return train, plain(heldout)
+
+
+def warn_heldout_beside_start(config: TrainConfig, accelerator: Any, train: list[dict]) -> None:
+    """Say so where ``heads.init_from``'s heads were trained on other examples than the ones left for training now:
+    the held-out split may then hold examples they learned, and its accuracies (and the tree fitted to them) read
+    high. A warning: a second stage on other data is a choice, its overlap with the first unknown here."""
+    from medusa_train.features import examples_hash
+
+    start = Path(config.heads.init_from) / "config.json" if config.heads.init_from else None
+    if start is None or not start.is_file():
+        return
+    try:
+        recorded = (json.loads(start.read_text()).get("training") or {}).get("train_examples_sha256")
+    except (OSError, ValueError, AttributeError):  # check_init_from names an unreadable folder
+        return
+    if recorded is not None and recorded != examples_hash(train):
+        say(accelerator, f"warning: the heads in heads.init_from={config.heads.init_from} were trained beside another "
+                         "held-out split (another training.seed, data.heldout_fraction or data.max_length, or other "
+                         "rows): this run's held-out examples may include ones they were trained on, and its held-out "
+                         "accuracies and fitted tree read high; for a second stage keep those settings and give "
+                         "data.rows=<the first run>/data/distilled.jsonl")
 
 
 def check_inputs(config: TrainConfig) -> None:

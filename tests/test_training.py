@@ -1376,7 +1376,7 @@ def counting_heads(tiny_dir, tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("mode", ["medusa1", "medusa2"])
-def test_training_starts_from_an_earlier_runs_heads(tiny_dir, tmp_path, counting_heads, mode):
+def test_training_starts_from_an_earlier_runs_heads(tiny_dir, tmp_path, counting_heads, mode, capsys):
     """Medusa's two stages on a CPU: Medusa-1 on the feature cache, then (here) one more step of
     Medusa-1 or a Medusa-2 step from those heads, with their head vocabulary."""
     import train_heads
@@ -1401,7 +1401,9 @@ def test_training_starts_from_an_earlier_runs_heads(tiny_dir, tmp_path, counting
         train_heads.main(["--config", str(write_recipe(out.with_suffix(".yaml"), values))])
         return train_log(out)[0]
 
+    capsys.readouterr()
     started = first_step(tmp_path / "from", init_from=str(start))
+    assert "beside another held-out split" not in capsys.readouterr().out  # the starting heads' split
     fresh = first_step(tmp_path / "fresh")
     # the first step's accuracy is measured before its update: the starting heads' own
     assert min(started["head_top1"]) > 0.9 and max(fresh["head_top1"]) < 0.5, (started, fresh)
@@ -1418,6 +1420,12 @@ def test_training_starts_from_an_earlier_runs_heads(tiny_dir, tmp_path, counting
         train_heads.main(["--config", config_file])
     shutil.move(start, tmp_path / "moved")
     assert train_heads.main(["--config", config_file]) == 0
+    if mode == "medusa1":  # another seed draws another split: the starting heads' training examples may be held out,
+        capsys.readouterr()  # their figures read high (nothing said)
+        values = recipe(tiny_dir, tmp_path / "seed", training={"max_steps": 1, "seed": 5},
+                        heads={"reduced_vocab_size": 30, "init_from": str(tmp_path / "moved")})
+        train_heads.main(["--config", str(write_recipe(tmp_path / "seed.yaml", values))])
+        assert "were trained beside another held-out split" in capsys.readouterr().out
 
 
 def test_init_from_refuses_heads_this_run_would_not_build(tiny_dir, tmp_path, counting_heads):
