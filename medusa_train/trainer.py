@@ -575,12 +575,19 @@ def check_finished_run(config: TrainConfig, paths: RunPaths) -> None:
             if any(map(under, found)) != any(map(under, wanted)):
                 found = {k: v for k, v in found.items() if not under(k)}
                 wanted = {k: v for k, v in wanted.items() if not under(k)}
-        differ = sorted(k for k in set(wanted) | set(found) if wanted.get(k) != found.get(k))
+        # the mode first: a second stage's settings differ in many keys (cut to 6) and it is the one that tells
+        differ = sorted((k for k in set(wanted) | set(found) if wanted.get(k) != found.get(k)),
+                        key=lambda k: (k != "training.mode", k))
         if differ:
             changes = ", ".join(f"{k} was {found.get(k)!r}, now {wanted.get(k)!r}" for k in differ[:6])
             more = f" (and {len(differ) - 6} more)" if len(differ) > 6 else ""
             redo = (f"remove {paths.heads} to evaluate again" if all(k.startswith("eval.") for k in differ)
                     else f"remove {paths.checkpoints} and {paths.heads} to train again (data and features are kept)")
+            start = Path(config.heads.init_from).resolve() if config.heads.init_from else None
+            if start is not None and any(start.is_relative_to(p.resolve()) for p in (paths.heads, paths.checkpoints)):
+                raise ValueError(f"{folder} was made with other settings: {changes}{more}; heads.init_from="
+                                 f"{config.heads.init_from} lies in this run's folders (removing them removes the "
+                                 "starting heads): set output_dir to a new folder")
             raise ValueError(f"{folder} was made with other settings: {changes}{more}; {redo}, "
                              "or set output_dir to a new folder")
 

@@ -710,6 +710,15 @@ def test_medusa1_from_cache_learns_head_k_predicts_t_plus_k_plus_2(tiny_dir, tmp
         err = capsys.readouterr().err
         assert all(s in err for s in says), err
     assert (out / "config.yaml").read_text() == recorded_config
+    # a second stage pointed at the first's own folder: told to remove the heads it starts from, its mode hidden
+    # among "(and 3 more)" of keys sorted by name
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        train_heads.main(["--config", config_file, "training.mode=medusa2", "lora.target_modules=[q_proj,v_proj]",
+                          f"heads.init_from={out / 'heads'}", "heads.num_layers=1", "training.lr=0.02"])
+    err = capsys.readouterr().err
+    assert "other settings: training.mode was 'medusa1', now 'medusa2'" in err and "lies in this run's folders" in err
+    assert "to train again" not in err and (out / "heads" / "config.json").is_file()
     # settings that do not decide the heads pass: logging, the Hub id, and on tokenized data, distilling's
     capsys.readouterr()
     assert train_heads.main(["--config", config_file, "log.every=5", "model.hub_id=me/tiny", "data.n=7",
