@@ -631,7 +631,7 @@ def _prepare_inputs(model, tokenizer, input_ids, attention_mask, prompt, message
         rows = tokenizer(list(texts), add_special_tokens=messages is None)["input_ids"] if texts else []
         if not rows or any(not row for row in rows):  # "" is a prompt where the tokenizer adds a BOS (Gemma's)
             raise ValueError("empty prompt: give at least one token of input")
-        input_ids, attention_mask = left_pad(rows, _known_token_id(model, tokenizer, "pad_token_id") or 0)
+        input_ids, attention_mask = left_pad(rows, padding_id(model, tokenizer))
     def is_text(value: Any) -> bool:  # a string, or (nested) lists of them
         return isinstance(value, str) or (isinstance(value, (list, tuple)) and bool(value) and all(map(is_text, value)))
 
@@ -1025,6 +1025,15 @@ def eos_ids(model, tokenizer, eos_token_id=None) -> tuple[int, ...]:
                 if int(i) not in ids:
                     ids.append(int(i))
     return tuple(ids)
+
+
+def padding_id(model, tokenizer) -> int:
+    """The id prompts are left-padded with (masked: any id of the model's embedding serves): the known pad id,
+    0 where there is none or it lies outside the embedding (a pad token added to a tokenizer whose model was not
+    resized: every prompt batched with a longer one failed, "index out of range in self")."""
+    pad = _known_token_id(model, tokenizer, "pad_token_id")
+    rows = model.base_model.get_input_embeddings().weight.shape[0]
+    return pad if pad is not None and 0 <= pad < rows else 0
 
 
 def _known_token_id(model, tokenizer, name: str) -> int | None:

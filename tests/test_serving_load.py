@@ -186,6 +186,38 @@ def test_the_engine_refuses_a_prompt_the_model_cannot_take(model):
     assert updates[0][-1].finish == "length" and set(updates) == {0}
 
 
+def test_a_pad_token_the_model_has_no_embedding_for_pads_nothing(model, monkeypatch):
+    """A pad token added to a tokenizer whose model was not resized: every prompt prefilled beside a longer one
+    failed ("prefill failed: index out of range in self"); padding is masked, any id of the model serves."""
+    import copy
+
+    from medusa_infer.decoding import SamplingConfig, StopConfig, generate
+    from medusa_infer.serving.scheduler import Engine, Request
+
+    tokenizer = copy.deepcopy(model.tokenizer)
+    tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    assert tokenizer.pad_token_id == model.base_model.get_input_embeddings().weight.shape[0]
+    for config in (model.base_model.generation_config, model.base_model.config):  # (theirs come first)
+        monkeypatch.setattr(config, "pad_token_id", None)
+    texts = ["the cat", "the cat sat on the mat"]
+    alone = [generate(model, prompt=text, tokenizer=tokenizer, max_new_tokens=3).sequences[0, -3:].tolist()
+             for text in texts]
+    assert generate(model, prompt=texts, tokenizer=tokenizer, max_new_tokens=3).sequences[:, -3:].tolist() == alone
+    prompts = [tokenizer(text)["input_ids"] for text in texts]
+    engine = Engine(model, tokenizer, "medusa", max_batch=4)
+    updates: dict[int, list] = {}
+    engine.start()
+    try:
+        with engine.hold():  # one turn prefills them together
+            for i, ids in enumerate(prompts):
+                engine.submit(Request(ids, SamplingConfig("greedy"), StopConfig(max_new_tokens=3),
+                                      lambda u, i=i: updates.setdefault(i, []).append(u)))
+        wait_until(lambda: len(updates) == 2 and all(u[-1].finish for u in updates.values()), timeout=60)
+    finally:
+        engine.stop()
+    assert [updates[i][-1].finish for i in range(2)] == ["length", "length"], updates
+
+
 def test_timeouts_abort_queued_and_running_requests(model):
     with serve(model, "medusa", request_timeout=1.0) as (server, engine):
         url = server.base_url + "/v1/completions"

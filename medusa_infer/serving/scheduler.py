@@ -44,6 +44,7 @@ from medusa_infer.decoding import (
     context_length,
     generator_seed,
     left_pad,
+    padding_id,
     token_outside,
 )
 from medusa_infer.metrics import GenerationMetrics
@@ -210,8 +211,7 @@ class Engine:
         self._gates: OrderedDict[Hashable, tuple[SpeculationGate, SpeculationGate]] = OrderedDict()
         self.context_length = context_length(model)
         self.vocab_size = model.base_model.get_output_embeddings().weight.shape[0]
-        pad = getattr(tokenizer, "pad_token_id", None)
-        self.pad_token_id = int(pad) if pad is not None else 0
+        self.pad_token_id = padding_id(model, tokenizer)
         self._lock = threading.Lock()  # guards everything below that other threads touch
         self._wake = threading.Condition(self._lock)
         self._waiting: deque[Request] = deque()
