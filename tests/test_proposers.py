@@ -439,6 +439,12 @@ def test_a_draft_model_object_without_a_tokenizer_is_said_to_go_unchecked(caplog
         DraftProposer(target, bare, draft_tokenizer=word_tokenizer(words))
         DraftProposer(target, target)  # self-drafting: the target's own tokenizer
     assert "came without a tokenizer" not in caplog.text
+    # the other way round: a target without a tokenizer (without_heads of a model object) said nothing
+    caplog.clear()
+    untold = MedusaModel(tiny_model("llama", seed=1), None, None)
+    with caplog.at_level("WARNING", logger="medusa_infer.proposers.draft"):
+        DraftProposer(untold, MedusaModel(bare, None, word_tokenizer(words)))
+    assert "has no tokenizer: draft model" in caplog.text
 
 
 @pytest.mark.parametrize("target_rows, draft_rows", [(VOCAB, VOCAB + 16), (VOCAB + 16, VOCAB)])

@@ -295,6 +295,12 @@ def check_same_vocabulary(target, draft) -> None:
                            "vocabulary was not checked against target %s's; a draft of another tokenizer of the same "
                            "size stays exact but drafts tokens that stand for other text (no speedup): pass "
                            "draft_tokenizer=, or the draft by name", model_name(draft), model_name(target))
+        elif target.tokenizer is None and draft.tokenizer is not None and target.base_model not in _UNCHECKED:
+            _UNCHECKED.add(target.base_model)  # (MedusaModel.without_heads(model object): no tokenizer)
+            logger.warning("target %s has no tokenizer: draft model %s's vocabulary was not checked against it; a "
+                           "draft of another tokenizer of the same size stays exact but drafts tokens that stand for "
+                           "other text (no speedup): give the target its tokenizer", model_name(target),
+                           model_name(draft))
         return
     if not both:
         raise ValueError(
