@@ -488,7 +488,8 @@ class DecodeBatch:
 
     def merge(self, other: "DecodeBatch") -> list[int]:
         """Let the active rows of ``other`` (prefilled, same model and sampling) join this batch
-        between steps; returns their row numbers here."""
+        between steps; returns their row numbers here. A merge that raises (a refusal, or out of memory
+        copying the caches) leaves both batches as they were, each able to go on alone."""
         if other.model is not self.model or other.sampling != self.sampling:
             raise ValueError("only batches of the same model and sampling settings can be merged")
         if not hasattr(self.proposer, "merge"):
@@ -496,8 +497,13 @@ class DecodeBatch:
         if type(other.proposer) is not type(self.proposer):
             raise ValueError(f"{type(other.proposer).__name__}'s batch cannot join {type(self.proposer).__name__}'s; "
                              "only batches of one method merge")
+        roots, root_pos = torch.cat([self.roots, other.roots]), torch.cat([self.root_pos, other.root_pos])
         self.proposer.merge(other.proposer)  # first: it refuses (another draft model, trees) before any change
-        self.kv.merge(other.kv)
+        try:
+            self.kv.merge(other.kv)  # all or nothing
+        except BaseException:  # (out of memory): the proposer's joined rows out again, this batch as it was
+            self.proposer.select_rows(torch.arange(len(self.rows), device=self.roots.device))
+            raise
         offset = self.row_count
         for name in self.ROW_TABLES:
             getattr(self, name).update((offset + row, entry) for row, entry in getattr(other, name).items())
@@ -505,8 +511,7 @@ class DecodeBatch:
         self.released += other.released
         joined = [offset + r for r in other.rows]
         self.rows += joined
-        self.roots = torch.cat([self.roots, other.roots])
-        self.root_pos = torch.cat([self.root_pos, other.root_pos])
+        self.roots, self.root_pos = roots, root_pos
         self.metrics.rows += other.metrics.rows
         self.metrics.new_tokens += other.metrics.new_tokens  # the joining rows' prefill tokens
         return joined

@@ -194,21 +194,37 @@ class KVState:
     def merge(self, other: "KVState") -> None:
         """Append the rows of ``other`` (same model); the shorter side is left-padded with holes. A
         side that never cached a slot (no forward ran: a draft model's prefill skipped for a prompt
-        past its context) has no layers, and its rows become holes in the other side's."""
+        past its context) has no layers, and its rows become holes in the other side's.
+
+        All or nothing: a merge that fails (out of memory in a layer's copy) leaves both states as they were
+        (merged layers are cut back to views of their rows: a half-merged cache broke the batch's next step)."""
         mine, theirs = _layers(self.cache), _layers(other.cache)
         if mine and theirs and len(mine) != len(theirs):
             raise ValueError(f"cannot merge caches of {len(mine)} and {len(theirs)} layers")
         width = max(self.num_slots, other.num_slots)
-        if not mine:
-            self.cache = other.cache  # its layers, my rows put before its own below
-        for index, layer in enumerate(mine or theirs):
-            for name in ("keys", "values"):
-                parts = [_pad_slots(getattr(side[index], name), width) if side else
-                         _holes(getattr(layer, name), len(state.valid), width)
-                         for side, state in ((mine, self), (theirs, other))]
-                setattr(layer, name, torch.cat(parts))
-        self.valid = torch.cat([_pad_slots(self.valid, width), _pad_slots(other.valid, width)])
-        self.positions = torch.cat([_pad_slots(self.positions, width), _pad_slots(other.positions, width)])
+        cache, rows = self.cache, len(self.valid)
+        merged: list[tuple[Any, str, int]] = []  # (layer, name, its slots before)
+        try:
+            if not mine:
+                self.cache = other.cache  # its layers, my rows put before its own below
+            for index, layer in enumerate(mine or theirs):
+                for name in ("keys", "values"):
+                    parts = [_pad_slots(getattr(side[index], name), width) if side else
+                             _holes(getattr(layer, name), len(state.valid), width)
+                             for side, state in ((mine, self), (theirs, other))]
+                    before = getattr(layer, name).shape[2]
+                    setattr(layer, name, torch.cat(parts))
+                    merged.append((layer, name, before))
+            valid = torch.cat([_pad_slots(self.valid, width), _pad_slots(other.valid, width)])
+            positions = torch.cat([_pad_slots(self.positions, width), _pad_slots(other.positions, width)])
+        except BaseException:
+            for layer, name, before in merged:  # (views: nothing to allocate while memory ran out)
+                tensor = getattr(layer, name)
+                kept = tensor[:rows] if mine else tensor[rows:]
+                setattr(layer, name, kept[:, :, kept.shape[2] - before:])
+            self.cache = cache
+            raise
+        self.valid, self.positions = valid, positions
 
     def copy(self, layers: int | None = None, layout: AttentionLayout | None = None) -> "KVState":
         """A copy of this state sharing no tensor with it: of every layer's cache, or of the first

@@ -70,6 +70,47 @@ def test_growing_cache_matches_dynamic_cache_under_every_operation():
             assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values), f"trial {trial}: {ops}"
 
 
+@pytest.mark.parametrize("cls", [GrowingCache, DynamicCache])
+@pytest.mark.parametrize("empty_side", [None, "mine"])
+def test_a_merge_that_fails_midway_leaves_both_states_as_they_were(cls, empty_side, monkeypatch):
+    """Out of memory in one layer's copy (each layer is briefly held twice on a loaded GPU) left earlier layers
+    merged and later ones not: the batch's next step failed for every row in it."""
+    from medusa_infer import kv_cache
+
+    generator = torch.Generator().manual_seed(0)
+
+    def state(rows: int, slots: int) -> KVState:
+        kv = KVState(cls(), torch.zeros(rows, 0, dtype=torch.bool), torch.zeros(rows, 0, dtype=torch.long), LAYOUT)
+        if slots:
+            _append(kv, slots, generator, layers=3)
+        return kv
+
+    def snapshot(kv: KVState) -> list[torch.Tensor]:
+        layers = [t.clone() for layer in kv_cache._layers(kv.cache) for t in (layer.keys, layer.values)]
+        return [kv.valid.clone(), kv.positions.clone(), *layers]
+
+    for fail_at in range(1, 9):  # each layer's keys and values, then valid and positions
+        mine, theirs = state(2, 0 if empty_side == "mine" else 5), state(1, 7)
+        before = [snapshot(mine), snapshot(theirs)]
+        calls, cat = [0], torch.cat
+
+        def flaky(tensors, *args, **kwargs):
+            calls[0] += 1
+            if calls[0] == fail_at:
+                raise torch.OutOfMemoryError("injected")
+            return cat(tensors, *args, **kwargs)
+
+        monkeypatch.setattr(kv_cache.torch, "cat", flaky)
+        with pytest.raises(torch.OutOfMemoryError):
+            mine.merge(theirs)
+        monkeypatch.undo()
+        after = [snapshot(mine), snapshot(theirs)]
+        assert all(len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b)) for a, b in zip(before, after))
+        mine.merge(theirs)  # and it merges after all, as one that never failed
+        assert mine.valid.shape == (3, 7) and all(layer.keys.shape[:3] == (3, 2, 7)
+                                                  for layer in kv_cache._layers(mine.cache))
+
+
 def test_appends_write_in_place_until_the_buffer_is_full():
     cache = GrowingCache()
     cache.update(torch.zeros(1, 2, 100, 4), torch.zeros(1, 2, 100, 4), 0)

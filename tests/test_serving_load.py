@@ -493,6 +493,71 @@ def test_a_draft_model_given_by_name_serves_requests_that_join_a_running_batch(m
         assert tokens[i] == plain.new_tokens[0]
 
 
+@pytest.mark.parametrize("method", ["medusa", "draft"])
+def test_a_batch_that_fails_to_join_a_running_one_decodes_alone_and_the_running_one_goes_on(model, monkeypatch,
+                                                                                             method):
+    """Out of memory midway through the caches' merge (each layer is held twice a moment on a loaded GPU) left the
+    running batch half merged: its next step failed every request in it ("Sizes of tensors must match"), and the
+    joining request failed though its prefill had worked."""
+    from types import SimpleNamespace
+
+    from medusa_infer import kv_cache
+    from medusa_infer.decoding import SamplingConfig, StopConfig, generate
+    from medusa_infer.serving.scheduler import Engine, Request
+
+    options = SimpleNamespace(draft_model=model.base_model, draft_tokens=3) if method == "draft" else None
+    engine = Engine(model, model.tokenizer, method, options, max_batch=8, gate=False)
+    merge, pad, failed = kv_cache.KVState.merge, kv_cache._pad_slots, []
+
+    def flaky_merge(self, other):  # the running batch's own cache (after a draft's, which merges first)
+        running = engine._batches and self is engine._batches[0].batch.kv
+        calls = []
+
+        def flaky_pad(tensor, width):
+            calls.append(1)
+            if running and not failed and len(calls) == 3:  # the second layer's keys
+                failed.append(1)
+                raise torch.OutOfMemoryError("out of memory (injected)")
+            return pad(tensor, width)
+
+        monkeypatch.setattr(kv_cache, "_pad_slots", flaky_pad)
+        try:
+            return merge(self, other)
+        finally:
+            monkeypatch.setattr(kv_cache, "_pad_slots", pad)
+
+    monkeypatch.setattr(kv_cache.KVState, "merge", flaky_merge)
+    prompts, limits = {"A": [10, 11, 12], "B": [13, 14, 15, 16], "C": [20, 21]}, {"A": 30, "B": 30, "C": 5}
+    tokens, finish = {name: [] for name in prompts}, {}
+
+    def request(name):
+        return Request(prompts[name], SamplingConfig("greedy"), StopConfig(max_new_tokens=limits[name]),
+                       lambda u: update(name, u))
+
+    def update(name, u):
+        tokens[name].extend(u.token_ids)
+        if name == "A" and len(tokens["A"]) >= 3 and "C" not in finish and not tokens["C"] and not failed:
+            finish["C"] = None  # submitted once, from the engine thread: it joins at the next turn
+            engine.submit(request("C"))
+        if u.finish is not None:
+            finish[name] = (u.finish, u.error)
+
+    engine.start()
+    try:
+        with engine.hold():
+            engine.submit(request("A"))
+            engine.submit(request("B"))
+        wait_until(lambda: len(finish) == 3 and None not in finish.values(), timeout=120)
+    finally:
+        engine.stop()
+    assert failed and finish == {name: ("length", None) for name in prompts}
+    assert engine.metrics.batch_joins.value() == 0  # C decoded alone
+    plain = model.__class__(model.base_model, None, model.tokenizer)
+    for name, ids in prompts.items():
+        assert tokens[name] == generate(plain, torch.tensor([ids]), max_new_tokens=limits[name],
+                                        eos_token_id=[]).new_tokens[0], name
+
+
 def test_shutdown_answers_the_requests_still_open_with_the_shutdown_error(model):
     """At shutdown the engine gets its drain time (2 s in tests) and is then stopped, and what it still
     holds is answered: a 503 ``shutdown`` error, or a stream's error event. uvicorn alone cancelled

@@ -387,7 +387,7 @@ class Engine:
         for key, requests in groups.items():
             try:
                 self._start_batch(key, requests)
-            except Exception as error:  # a batch it was merging into fails at its next step
+            except Exception as error:
                 log.exception("prefill failed")
                 for request in requests:
                     if request.slot is not None:
@@ -426,7 +426,12 @@ class Engine:
         if target is None:
             self._batches.append(fresh)
             return
-        joined = target.batch.merge(batch)
+        try:
+            joined = target.batch.merge(batch)
+        except Exception:  # (out of memory copying the caches): both batches as they were; this one goes on alone
+            log.exception("a prefilled batch could not join a running one: it decodes on its own")
+            self._batches.append(fresh)
+            return
         self.metrics.batch_joins.inc(len(joined))
         for row, new_row in zip(batch.rows, joined):
             request = fresh.requests[row]
