@@ -743,10 +743,11 @@ class Plan:
     steps_per_epoch: int
     total_steps: int
     stage1_steps: int
-    warmup_steps: int
+    warmup_steps: int  # the heads' (Medusa-2's adapter warms up over joint_warmup_steps after stage1_steps)
     head_vocab: str
     exact: bool
     tokens_exact: bool = False
+    joint_warmup_steps: int = 0  # Medusa-2: the adapter's, from the end of the heads-only stage
 
     def summary(self) -> str:
         rows = [
@@ -757,8 +758,9 @@ class Plan:
                       f"{self.global_batch // (self.micro_batch * self.num_processes)} accumulation = "
                       f"{self.global_batch} {self.unit} per step"),
             ("steps", f"{'' if self.exact else '<= '}{self.total_steps} ({self.steps_per_epoch} per epoch, "
-                      f"{self.warmup_steps} warm-up"
-                      + (f", {self.stage1_steps} heads-only" if self.stage1_steps else "") + ")"),
+                      + (f"{self.stage1_steps} heads-only; warm-up {self.warmup_steps} for the heads, "
+                         f"{self.joint_warmup_steps} for the adapter after the heads-only steps)" if self.stage1_steps
+                         else f"{self.warmup_steps} warm-up)")),
             ("head vocabulary", self.head_vocab),
         ]
         width = max(len(name) for name, _ in rows)
@@ -935,6 +937,12 @@ def step_counts(config: TrainConfig, units: int, num_processes: int) -> tuple[in
     return micro_per_epoch, steps_per_epoch, total, math.floor(t.warmup_ratio * total)
 
 
+def joint_warmup_steps(training: Any, total: int) -> int:
+    """Medusa-2's adapter warm-up: ``warmup_ratio`` of the steps after the heads-only ones (``training``: a
+    ``TrainConfig.training``), counted from the end of those."""
+    return math.floor(training.warmup_ratio * (total - training.stage1_steps))
+
+
 def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | None = None) -> Plan:
     """Lay out the run from the config alone: no model, tokenizer or data is loaded.
 
@@ -1031,4 +1039,5 @@ def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | Non
         micro_steps_per_epoch=micro_per_epoch, steps_per_epoch=steps_per_epoch, total_steps=total,
         stage1_steps=t.stage1_steps if t.mode == "medusa2" else 0, warmup_steps=warmup,
         head_vocab=head_vocab, exact=exact, tokens_exact=tokens_exact,
+        joint_warmup_steps=joint_warmup_steps(t, total) if t.mode == "medusa2" else 0,
     )

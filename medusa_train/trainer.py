@@ -50,7 +50,15 @@ from medusa_train.features import (
     weights_identity,
 )
 from medusa_train.losses import HeadLoss, head_ce_loss, head_kl_loss, logits_kl, to_head_vocab, topk_correct
-from medusa_train.train_config import RunPaths, TrainConfig, config_from_dict, owns_rows, rows_path, step_counts
+from medusa_train.train_config import (
+    RunPaths,
+    TrainConfig,
+    config_from_dict,
+    joint_warmup_steps,
+    owns_rows,
+    rows_path,
+    step_counts,
+)
 
 STATE_NAME = "trainer_state.json"
 CHECKPOINT_PREFIX = "step-"
@@ -354,7 +362,7 @@ class Medusa2Task:
 
     def lr_lambdas(self, total: int, warmup: int) -> list[Callable[[int], float]]:
         t = self.config.training
-        joint_warmup = math.floor(t.warmup_ratio * (total - t.stage1_steps))
+        joint_warmup = joint_warmup_steps(t, total)
         return [lambda step: _lr_factor(step, 0, total, warmup, t.scheduler),
                 lambda step: _lr_factor(step, t.stage1_steps, total, joint_warmup, t.scheduler)]
 

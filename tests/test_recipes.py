@@ -61,6 +61,10 @@ def test_recipe_parses_and_plans_offline(path, monkeypatch, tmp_path):
     assert plan(config, launch).total_steps > config.training.save_every
     text = result.summary()
     assert "steps" in text and "evaluate" in text
+    t = config.training
+    if t.mode == "medusa2":  # the adapter's warm-up too, counted after the heads-only steps (one count was shown)
+        adapter = int(t.warmup_ratio * (result.total_steps - t.stage1_steps))
+        assert f"warm-up {result.warmup_steps} for the heads, {adapter} for the adapter" in text
     if not result.exact:  # before the data exist both counts are upper bounds, and the plan says so
         assert "train tokens     <= " in text and "steps            <= " in text
     saved = tmp_path / "again.yaml"
