@@ -882,12 +882,21 @@ def generate_batch(
 
 def answer_text(tokenizer: PreTrainedTokenizerBase, tokens: Sequence[int], finish: str) -> tuple[list[int], str]:
     """``(tokens, text)`` of an answer. One cut at the token limit inside a character's bytes (byte-level
-    BPE) keeps the whole characters only: the text would end in U+FFFD, which the model never wrote."""
+    BPE) keeps the whole characters only: the text would end in U+FFFD, which the model never wrote. A U+FFFD the
+    model did write (its tokens are the character's own encoding) is kept (it was cut as bytes cut short)."""
     tokens = list(tokens)
     text = tokenizer.decode(tokens, skip_special_tokens=False)
+    popped: list[int] = []
     while finish == "length" and tokens and text.endswith("\ufffd"):
-        tokens.pop()
-        text = tokenizer.decode(tokens, skip_special_tokens=False)
+        popped.insert(0, tokens.pop())
+        shorter = tokenizer.decode(tokens, skip_special_tokens=False)
+        written = text[len(shorter):] if text.startswith(shorter) else ""  # "" while bytes are still cut short
+        if written and not written.strip("\ufffd") and \
+                tokenizer(written, add_special_tokens=False)["input_ids"] == popped:
+            return tokens + popped, text
+        text = shorter
+        if written:
+            popped = []
     return tokens, text
 
 

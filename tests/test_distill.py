@@ -1199,6 +1199,13 @@ def test_an_answer_cut_inside_a_character_keeps_its_whole_characters(tokenizer):
     tokens, text = answer_text(tokenizer, ids[:cut], "length")
     assert not text.endswith("\ufffd") and text == tokenizer.decode(tokens) and ids[:cut][:len(tokens)] == tokens
     assert answer_text(tokenizer, ids, "eos") == (ids, "Sure 日本語 ok")
+    # U+FFFD characters the model wrote whole were cut off as if they were bytes cut short
+    ids = tokenizer("Replacement char: \ufffd\ufffd", add_special_tokens=False)["input_ids"]
+    assert answer_text(tokenizer, ids, "length") == (ids, "Replacement char: \ufffd\ufffd")
+    written, character = (tokenizer(text, add_special_tokens=False)["input_ids"] for text in ("Sure \ufffd", "語"))
+    for k in range(1, len(character)):  # bytes cut short after one: cut off, the written one kept
+        assert tokenizer.decode(written + character[:k]).endswith("\ufffd\ufffd")
+        assert answer_text(tokenizer, written + character[:k], "length") == (written, "Sure \ufffd")
 
 
 def test_recipe_settings_reach_distillation():
