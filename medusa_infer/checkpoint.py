@@ -291,8 +291,11 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
         lines += counted if not trained_table else []
     if trained_table:
         lines += accuracy_table("Head accuracy on held-out data at the end of training", trained_table) + counted
+    calibrated = "head_accuracies_measured_on" in (config.acceptance or {})
+    # (a config calibrated by an earlier release keeps training's tree's figure, for a tree calibration replaced)
     acceptance = {key: value for key, value in (config.acceptance or {}).items()
-                  if key not in PROVENANCE_KEYS and key != "heldout_positions"}
+                  if key not in PROVENANCE_KEYS and key != "heldout_positions"
+                  and not (calibrated and key == "expected_tokens_per_step_fitted_tree")}
     estimated = {key: value for key, value in acceptance.items() if is_estimate(key)}
     measured = {key: value for key, value in acceptance.items() if key not in estimated}
     calibrated_on = (config.acceptance or {}).get("calibration_questions")

@@ -89,8 +89,10 @@ def head_accuracy(head_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tens
             starts.append(batch["run_start"][decoded.to(batch["run_start"].device)].cpu())
         else:
             starts = None
-    if hits is None:
-        raise ValueError("no held-out batches to evaluate on; raise data.heldout_fraction")
+    if hits is None or int(totals[0]) == 0:  # (a live example is a batch, an empty one too: finalize failed later)
+        raise ValueError("no held-out positions where the heads run (answers of at least 2 labelled tokens, the "
+                         "base model's next token and head 1's target): raise data.heldout_fraction, or give longer "
+                         "answers")
     return HeadAccuracy(hits, totals, torch.cat(ranks), torch.cat(starts) if starts else None)
 
 

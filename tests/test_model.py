@@ -550,6 +550,13 @@ def test_model_card_tells_trained_untrained_and_estimated_figures_apart(tmp_path
     trained = card.split("## Head accuracy on held-out data at the end of training", 1)[1].split("## ", 1)[0]
     assert "Held-out positions per head: [10, 10, 10]." in trained
     assert card.count("Held-out positions per head") == 1  # not beside the calibration's table
+    # an earlier release's calibration kept training's tree's figure, shown beside those of the tree that replaced it
+    model.config.acceptance["expected_tokens_per_step_fitted_tree"] = 1.83
+    model.save_pretrained(tmp_path / "calibrated")
+    assert "expected_tokens_per_step_fitted_tree" not in (tmp_path / "calibrated" / "README.md").read_text()
+    model.config.acceptance = {"expected_tokens_per_step_fitted_tree": 1.83}  # training's own: shown
+    model.save_pretrained(tmp_path / "trained")
+    assert "| expected_tokens_per_step_fitted_tree | 1.83 |" in (tmp_path / "trained" / "README.md").read_text()
 
 
 # ----- errors

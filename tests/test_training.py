@@ -282,6 +282,13 @@ def test_heldout_accuracy_counts_only_positions_where_decoding_runs_the_heads():
     assert accuracy.starts is None  # the batches said nothing of where answers begin
     batch["run_start"] = torch.tensor([False, True, False])
     assert head_accuracy(lambda hidden, next_tokens: logits, [batch], top_k=1).starts.tolist() == [True, False]
+    # held-out answers too short for the heads to run anywhere (live examples come as batches, empty ones too):
+    # finalize failed after training ("ranks must be a non-empty ..."), the cache's path blamed the fraction alone
+    empty = {"hidden": torch.zeros(0, 4), "targets": torch.zeros(0, 2, dtype=torch.long),
+             "next_tokens": torch.zeros(0, dtype=torch.long)}
+    for batches in ([empty, empty], []):
+        with pytest.raises(ValueError, match=r"no held-out positions where the heads run .* or give longer answers"):
+            head_accuracy(lambda hidden, next_tokens: torch.zeros(2, len(hidden), 3), batches, top_k=1)
 
 
 def test_tokens_per_step_walk_the_answers_as_greedy_decoding_does():
