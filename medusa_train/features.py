@@ -40,6 +40,7 @@ import hashlib
 import json
 import logging
 import os
+import socket
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -124,6 +125,8 @@ def model_fingerprint(name_or_path: str, dtype: str | None = None,
         config = resolved / "config.json"
         if config.is_file():
             digest.update(config.read_bytes())
+        for code in sorted(resolved.glob("*.py")):  # a trust_remote_code model's modeling code decides its states
+            digest.update(code.name.encode() + b":" + code.read_bytes())  # (none in most folders: their key is kept)
         for weights in sorted(resolved.glob("*.safetensors")) + sorted(resolved.glob("*.bin")):
             stat = weights.stat()
             size = stat.st_size
@@ -614,6 +617,7 @@ def build_feature_cache(
     if pack:
         check_packed_attention(model)
     folder.mkdir(parents=True, exist_ok=True)
+    _remove_dead_temporaries(folder)
     order = sorted(range(len(examples)), key=lambda i: -len(examples[i]["input_ids"]))
     shards = [order[i : i + shard_examples] for i in range(0, len(order), shard_examples)]
     mine = [i for i in range(len(shards)) if i % world_size == rank]
@@ -640,7 +644,7 @@ def build_feature_cache(
             blocks.append(_backbone_block(model, batch, topk, _as_long(chosen), DTYPES[dtype]))
             bar.update(len(chosen))
         block = {name: tensor.contiguous() for name, tensor in concat_blocks(blocks).items()}
-        tmp = path.with_suffix(".tmp")
+        tmp = _temporary(path)
         save_file(block, str(tmp), metadata={"format": "pt", "captured_examples": str(reused),
                                              "examples": json.dumps(shards[shard_id])})
         os.replace(tmp, path)
@@ -653,6 +657,27 @@ def build_feature_cache(
     if barrier is not None:
         barrier()
     return folder
+
+
+def _temporary(path: Path) -> Path:
+    """Where ``path`` is written before it is moved into place: a name of this process's own (two runs building one
+    shared cache, ``features.dir``, wrote one file and moved each other's away: the later one failed)."""
+    return path.with_name(f"{path.name}.{socket.gethostname()}-{os.getpid()}.tmp")
+
+
+def _remove_dead_temporaries(folder: Path) -> None:
+    """Remove the temporary files of this machine's processes that are gone (killed mid-write: a shard's is as large
+    as the shard); those of live ones, and of other machines sharing the folder, are left."""
+    host = socket.gethostname()
+    for temporary in folder.glob(f"*.{host}-*.tmp"):
+        try:
+            os.kill(int(temporary.name[:-len(".tmp")].rsplit("-", 1)[1]), 0)
+        except ValueError:  # not a name of ours
+            continue
+        except ProcessLookupError:
+            temporary.unlink(missing_ok=True)
+        except PermissionError:  # another user's live process
+            continue
 
 
 def _shard_examples(path: Path) -> list[int] | None:
@@ -674,6 +699,8 @@ def _safetensors_header(path: Path) -> dict[str, Any] | None:
     try:
         with path.open("rb") as handle:
             length = int.from_bytes(handle.read(8), "little")
+            if not 0 < length <= path.stat().st_size - 8:  # (a damaged length was read as such: an OverflowError
+                raise ValueError(f"a header of {length} bytes in a file of {path.stat().st_size}")  # stopped builds)
             header = json.loads(handle.read(length))
         end = max((entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"), default=0)
         if 8 + length + end != path.stat().st_size:
@@ -712,7 +739,9 @@ def _write_manifest(model: Any, folder: Path, num_shards: int, num_examples: int
     embed = model.base_model.get_input_embeddings().weight
     if embed.data_ptr() != lm_head.weight.data_ptr():  # untied: next_token_input heads need it too
         tensors["embed"] = embed.detach().cpu().contiguous()
-    save_file(tensors, str(folder / LM_HEAD), metadata={"format": "pt"})
+    written = _temporary(folder / LM_HEAD)  # (moved into place as the shards: another run may read it meanwhile)
+    save_file(tensors, str(written), metadata={"format": "pt"})
+    os.replace(written, folder / LM_HEAD)
     shards, rows, soft, captured = [], 0, 0, 0
     for shard_id in range(num_shards):
         name = f"shard-{shard_id:05d}.safetensors"
@@ -742,7 +771,7 @@ def _write_manifest(model: Any, folder: Path, num_shards: int, num_examples: int
         "shards": shards,
         "seconds": round(seconds, 1),
     }
-    tmp = folder / (MANIFEST + ".tmp")
+    tmp = _temporary(folder / MANIFEST)
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
     os.replace(tmp, folder / MANIFEST)
 

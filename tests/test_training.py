@@ -448,7 +448,8 @@ def test_feature_cache_round_trip_equals_live_forward(tiny_dir, tmp_path):
 
     whole, damaged = shards(), (folder / "shard-00001.safetensors").read_bytes()
     (folder / "manifest.json").unlink()
-    for damage in (b"", damaged[:200], damaged[:-16]):  # empty, header cut, data cut
+    # empty, header cut, data cut, a header length past the file (an OverflowError or MemoryError stopped every build)
+    for damage in (b"", damaged[:200], damaged[:-16], b"\xff" * 8 + damaged[8:], (10**12).to_bytes(8, "little")):
         (folder / "shard-00001.safetensors").write_bytes(damage)
         assert build_feature_cache(model, examples, tmp_path, info, topk=4, batch_size=4, shard_examples=5,
                                    progress=False) == folder
@@ -473,6 +474,56 @@ def test_feature_cache_round_trip_equals_live_forward(tiny_dir, tmp_path):
         FeatureCache.load(folder)
     build_feature_cache(model, examples, tmp_path, info, topk=4, batch_size=4, shard_examples=5, progress=False)
     assert (folder / "lm_head.safetensors").read_bytes() == head
+    # a killed build's temporary files (as large as a shard) are removed by the next build, a live process's kept
+    import socket
+    import subprocess
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    host = socket.gethostname()
+    dead, alive = (folder / f"shard-00001.safetensors.{host}-{pid}.tmp" for pid in (gone.pid, os.getpid()))
+    dead.write_bytes(b"x"), alive.write_bytes(b"x")
+    (folder / "manifest.json").unlink()
+    build_feature_cache(model, examples, tmp_path, info, topk=4, batch_size=4, shard_examples=5, progress=False)
+    assert not dead.exists() and alive.exists()
+
+
+def test_two_runs_building_one_shared_feature_cache_at_once_both_finish(tmp_path):
+    """Runs sharing features.dir (a sweep started together) wrote one temporary file per shard and moved each
+    other's away: the later run failed (FileNotFoundError)."""
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import torch
+        torch.set_num_threads(1)
+        import medusa_train.features as features
+        from medusa_infer.model import MedusaModel
+        from test_training import counting_examples
+        from tiny import tiny_model
+        model = MedusaModel.from_base(tiny_model("llama"), num_heads=1)
+        write = features.save_file
+        def slow(*args, **kwargs):  # a large shard on a slow disk: the other run writes meanwhile
+            write(*args, **kwargs)
+            time.sleep(0.4)
+        features.save_file = slow
+        start = float(sys.argv[1])
+        while time.time() < start:
+            time.sleep(0.005)
+        folder = features.build_feature_cache(model, counting_examples(8, seed=1), {str(tmp_path)!r}, {{"name": "t"}},
+                                              topk=0, batch_size=4, shard_examples=4, progress=False)
+        print(len(features.FeatureCache.load(folder).block["example_index"]))
+    """)
+    start = str(time.time() + 6)
+    runs = [subprocess.Popen([sys.executable, "-c", script, start], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True) for _ in range(2)]
+    results = [run.communicate(timeout=120) for run in runs]
+    assert [(run.returncode, out.strip()) for run, (out, _) in zip(runs, results)] == [(0, "8"), (0, "8")], results
+    assert not list(tmp_path.rglob("*.tmp"))
 
 
 def test_feature_cache_key_covers_shards_and_how_the_backbone_runs(tmp_path):
@@ -538,6 +589,12 @@ def test_model_fingerprint_changes_with_weights_saved_again_over_the_same_folder
     # saved later: a file system of coarse times (or a fast machine) may give it the same time, which this sets
     os.utime(folder / "model.safetensors", ns=(stamp + 10**9, stamp + 10**9))
     assert model_fingerprint(str(folder)) != before
+    # a trust_remote_code model's modeling code edited: other hidden states (its old cache was reused)
+    before = model_fingerprint(str(folder))
+    (folder / "modeling_mine.py").write_text("SCALE = 1.0\n")
+    edited = model_fingerprint(str(folder))
+    (folder / "modeling_mine.py").write_text("SCALE = 2.0\n")
+    assert len({before["content"], edited["content"], model_fingerprint(str(folder))["content"]}) == 3
 
 
 def test_a_hub_models_fingerprint_is_the_revision_its_main_points_to(tmp_path, monkeypatch):
