@@ -12,6 +12,7 @@ holes, left padding and sliding windows are all handled by one rule:
 
 from __future__ import annotations
 
+import copy
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -197,7 +198,9 @@ class KVState:
         past its context) has no layers, and its rows become holes in the other side's.
 
         All or nothing: a merge that fails (out of memory in a layer's copy) leaves both states as they were
-        (merged layers are cut back to views of their rows: a half-merged cache broke the batch's next step)."""
+        (merged layers are cut back to views of their rows: a half-merged cache broke the batch's next step).
+        ``other`` is never changed: a side without layers takes layer objects of its own (it took ``other``'s, so
+        an undone merge, ``DecodeBatch.merge``'s, emptied the joining batch's draft cache)."""
         mine, theirs = _layers(self.cache), _layers(other.cache)
         if mine and theirs and len(mine) != len(theirs):
             raise ValueError(f"cannot merge caches of {len(mine)} and {len(theirs)} layers")
@@ -205,9 +208,10 @@ class KVState:
         cache, rows = self.cache, len(self.valid)
         merged: list[tuple[Any, str, int]] = []  # (layer, name, its slots before)
         try:
-            if not mine:
-                self.cache = other.cache  # its layers, my rows put before its own below
-            for index, layer in enumerate(mine or theirs):
+            if not mine:  # its layers' objects copied (their tensors shared until replaced), my rows put first below
+                self.cache = copy.copy(other.cache)
+                self.cache.layers = [copy.copy(layer) for layer in other.cache.layers]
+            for index, layer in enumerate(mine or _layers(self.cache)):
                 for name in ("keys", "values"):
                     parts = [_pad_slots(getattr(side[index], name), width) if side else
                              _holes(getattr(layer, name), len(state.valid), width)
@@ -218,11 +222,10 @@ class KVState:
             valid = torch.cat([_pad_slots(self.valid, width), _pad_slots(other.valid, width)])
             positions = torch.cat([_pad_slots(self.positions, width), _pad_slots(other.positions, width)])
         except BaseException:
-            for layer, name, before in merged:  # (views: nothing to allocate while memory ran out)
-                tensor = getattr(layer, name)
-                kept = tensor[:rows] if mine else tensor[rows:]
-                setattr(layer, name, kept[:, :, kept.shape[2] - before:])
-            self.cache = cache
+            for layer, name, before in merged if mine else ():  # (views: nothing to allocate while memory ran out)
+                tensor = getattr(layer, name)[:rows]
+                setattr(layer, name, tensor[:, :, tensor.shape[2] - before:])
+            self.cache = cache  # (a side without layers: the copies dropped)
             raise
         self.valid, self.positions = valid, positions
 

@@ -558,6 +558,62 @@ def test_a_batch_that_fails_to_join_a_running_one_decodes_alone_and_the_running_
                                         eos_token_id=[]).new_tokens[0], name
 
 
+def test_a_failed_join_leaves_the_joining_batchs_draft_cache_whole(model, monkeypatch):
+    """A running batch whose draft cached nothing (its prompt is past the draft's context) took the joining batch's
+    draft cache layers as its own in the merge: undone after the target cache's merge failed, the joining batch's
+    draft cache was emptied and its first step alone failed ("index out of range in self")."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from medusa_infer import kv_cache
+    from medusa_infer.decoding import SamplingConfig, StopConfig, generate
+    from medusa_infer.serving.scheduler import Engine, Request
+    from tiny import tiny_config
+
+    config = tiny_config("llama", vocab_size=model.base_model.get_output_embeddings().weight.shape[0])
+    config.max_position_embeddings = 16
+    torch.manual_seed(0)
+    draft = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    engine = Engine(model, model.tokenizer, "draft", SimpleNamespace(draft_model=draft, draft_tokens=3), max_batch=8,
+                    gate=False)
+    merge, failed = kv_cache.KVState.merge, []
+
+    def flaky(self, other):  # the target cache's merge, after the draft caches merged
+        if engine._batches and self is engine._batches[0].batch.kv and not failed:
+            failed.append(1)
+            raise torch.OutOfMemoryError("out of memory (injected)")
+        return merge(self, other)
+
+    monkeypatch.setattr(kv_cache.KVState, "merge", flaky)
+    prompts, limits = {"A": list(range(10, 30)), "C": [20, 21, 22]}, {"A": 30, "C": 5}  # A: past the draft's 16
+    tokens, finish = {name: [] for name in prompts}, {}
+
+    def request(name):
+        return Request(prompts[name], SamplingConfig("greedy"), StopConfig(max_new_tokens=limits[name]),
+                       lambda u: update(name, u))
+
+    def update(name, u):
+        tokens[name].extend(u.token_ids)
+        if name == "A" and len(tokens["A"]) >= 2 and "C" not in finish:
+            finish["C"] = None
+            engine.submit(request("C"))
+        if u.finish is not None:
+            finish[name] = (u.finish, u.error)
+
+    engine.start()
+    try:
+        engine.submit(request("A"))
+        wait_until(lambda: len(finish) == 2 and None not in finish.values(), timeout=120)
+    finally:
+        engine.stop()
+    assert failed and finish == {"A": ("length", None), "C": ("length", None)}
+    plain = model.__class__(model.base_model, None, model.tokenizer)
+    for name, ids in prompts.items():
+        assert tokens[name] == generate(plain, torch.tensor([ids]), max_new_tokens=limits[name],
+                                        eos_token_id=[]).new_tokens[0], name
+
+
 def test_shutdown_answers_the_requests_still_open_with_the_shutdown_error(model):
     """At shutdown the engine gets its drain time (2 s in tests) and is then stopped, and what it still
     holds is answered: a 503 ``shutdown`` error, or a stream's error event. uvicorn alone cancelled
