@@ -58,7 +58,7 @@ import torch
 from medusa_infer.adaptive import StepCosts
 from medusa_infer.attention_kernels import decoding_attention
 from medusa_infer.checkpoint import load_heads_state
-from medusa_infer.decoding import context_length, eos_ids
+from medusa_infer.decoding import context_length, eos_ids, padding_id
 from medusa_infer.interop import base_model_name, is_medusa_layout, read_medusa_layout
 from medusa_infer.model import PROCESSOR_SETTINGS
 from medusa_infer.proposers.lookup import LOOKUP_MAX_TOKENS
@@ -387,7 +387,7 @@ class Runner:
 
         rows = [self.tokenizer(text, add_special_tokens=False)["input_ids"]
                 for text in encode_chat(self.tokenizer, conversations)]
-        ids, mask = left_pad(rows, self.tokenizer.pad_token_id)
+        ids, mask = left_pad(rows, padding_id(self.model, self.tokenizer))  # (a tokenizer without one: None failed)
         ids, mask = ids.to(self.model.device), mask.to(self.model.device)
         with _PeakMemory(self.model.device) as memory:
             first = 1
@@ -427,7 +427,8 @@ class Runner:
         eos = list(eos_ids(self.model, self.tokenizer))
         with torch.inference_mode(), decoding_attention(self.model.device), plain_greedy(base), drafts:
             out = base.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                                do_sample=False, streamer=timer, pad_token_id=self.tokenizer.pad_token_id, **extra)
+                                do_sample=False, streamer=timer, pad_token_id=padding_id(self.model, self.tokenizer),
+                                **extra)  # (finished rows are fed it: an id the model embeds)
         _sync(self.model.device)
         seconds = time.perf_counter() - start
         counter.close()

@@ -62,7 +62,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from medusa_infer.attention_kernels import decoding_attention
-from medusa_infer.decoding import generate, left_pad
+from medusa_infer.decoding import generate, left_pad, padding_id
 from medusa_infer.model import MedusaModel
 from medusa_infer.proposers import AutoregressiveProposer
 from medusa_train.captured import HiddenRecorder, hidden_dir, save_batch
@@ -862,8 +862,8 @@ def generate_batch(
     draws from the global RNG, which the caller seeds per batch. ``proposer``: plain decoding
     that also does something else, e.g. ``captured.HiddenRecorder`` (default: plain decoding).
     """
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-    input_ids, attention_mask = left_pad(prompt_ids, pad_id)
+    input_ids, attention_mask = left_pad(prompt_ids, padding_id(model, tokenizer))  # (an id the model embeds: a pad
+    # token added to a tokenizer whose model was not resized failed every batch of mixed lengths)
     settings: dict[str, Any] = {}
     if config.do_sample:
         settings.update(do_sample=True, temperature=config.temperature, top_p=config.top_p, top_k=0)

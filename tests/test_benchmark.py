@@ -585,6 +585,21 @@ def test_batch_2_answers_every_question_as_batch_1(model, monkeypatch):
                                                            for i in range(0, len(QUESTIONS), 2)]
 
 
+def test_a_pad_token_the_model_has_no_embedding_for_pads_nothing_in_the_benchmark(model, monkeypatch):
+    """A pad token added to a tokenizer whose model was not resized: every batch of mixed prompt lengths failed,
+    ours and generate's (whose finished rows are fed the pad id); padding is masked, any id the model embeds
+    serves."""
+    tokenizer = copy.deepcopy(model.tokenizer)
+    tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    assert tokenizer.pad_token_id == model.base_model.get_input_embeddings().weight.shape[0]
+    monkeypatch.setattr(model, "tokenizer", tokenizer)
+    for config in (model.base_model.generation_config, model.base_model.config):
+        monkeypatch.setattr(config, "pad_token_id", None)
+    chats = [[{"role": "user", "content": q["turns"][0]}] for q in QUESTIONS[:3]]
+    runner = bench.Runner(model, args(methods=["hf", "ar"], max_new_tokens=6))
+    assert [t.tokens for t in runner.run_batch("hf", chats)] == [t.tokens for t in runner.run_batch("ar", chats)]
+
+
 def test_batch_seconds_are_counted_once(model, monkeypatch):
     """A batch's wall time goes to its rows in proportion to their tokens, summing to the call's time."""
     runner = bench.Runner(model, args(methods=["ar"], max_new_tokens=6))

@@ -1268,6 +1268,26 @@ def test_train_heads_checks_the_chat_template_before_distilling(tmp_path, model_
             train_heads.stage_data(recipe, PartialState(cpu=True), None)
 
 
+def test_a_pad_token_the_model_has_no_embedding_for_pads_nothing_in_distillation(tmp_path):
+    """A pad token added to a tokenizer whose model was not resized: every batch of prompts of mixed lengths
+    failed ("token id 86 is outside the vocabulary"); padding is masked, any id the model embeds serves."""
+    import copy
+
+    from medusa_infer.model import MedusaModel
+    from medusa_infer.serving.testing import word_tokenizer
+
+    tokenizer = copy.deepcopy(word_tokenizer())
+    base = tiny_model("llama", vocab_size=len(tokenizer))
+    tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    assert tokenizer.pad_token_id == len(tokenizer) - 1 == base.get_input_embeddings().weight.shape[0]
+    model = MedusaModel(base, None, tokenizer)
+    config = DistillConfig(model="tiny", prompts=str(tmp_path / "p.jsonl"), output=str(tmp_path / "o.jsonl"),
+                           max_new_tokens=3)
+    prompts = [tokenizer(text)["input_ids"] for text in ("the cat", "the cat sat on the mat")]
+    together = distill_module.generate_batch(model, tokenizer, prompts, config, [2])
+    assert together == [distill_module.generate_batch(model, tokenizer, [ids], config, [2])[0] for ids in prompts]
+
+
 def test_distillation_stops_at_the_end_tokens_decoding_stops_at(model_dir, tokenizer):
     """A fine-tune naming its end-of-turn token in its model config alone: distillation left the config's
     ids out (decoding and medusa-bench stop there), so its answers ran on past it."""
