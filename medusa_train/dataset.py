@@ -624,7 +624,7 @@ def check_rows(rows: Sequence[dict[str, Any]], chat_template: str | None, system
         generation = row.get("generation")
         if not isinstance(generation, dict):
             continue
-        recorded = generation.get("chat_template", digest)
+        recorded = recorded_template(generation.get("chat_template", digest))
         if recorded != digest:
             fix = fixes[0] if recorded is None else fixes[1]
             raise ValueError(f"row {row.get('id')!r} was distilled with chat template "
@@ -645,6 +645,12 @@ def template_digest(template: str | None) -> str | None:
     """How rows record a chat template that replaced the tokenizer's own (None: the tokenizer's), and the one in
     effect (``rendering_digest``)."""
     return None if template is None else "sha256:" + hashlib.sha256(template.encode()).hexdigest()[:16]
+
+
+def recorded_template(digest: str | None) -> str | None:
+    """A row's recorded ``chat_template`` as this release records it: an earlier one recorded ``--chat-template ''``
+    (the tokenizer's own) as the digest of '' (its rows were refused on resume and in training)."""
+    return None if digest == template_digest("") else digest
 
 
 def rendering_digest(tokenizer: PreTrainedTokenizerBase) -> str | None:

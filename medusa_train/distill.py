@@ -69,6 +69,7 @@ from medusa_train.captured import HiddenRecorder, hidden_dir, save_batch
 from medusa_train.dataset import (
     check_prompt_template,
     encode_rendered,
+    recorded_template,
     has_chat_template,
     render_prompt,
     rendering_digest,
@@ -629,6 +630,7 @@ def check_resumable(rows: Sequence[dict[str, Any]], config: DistillConfig) -> No
                              "its shards), or distil into another output path")
         # rows written before the template and system prompt were recorded: the defaults
         generation = {"chat_template": None, "system_prompt": None, **(row.get("generation") or {})}
+        generation["chat_template"] = recorded_template(generation["chat_template"])
         found = (row.get("model"), generation)
         if found != expected:
             differ = [("model", found[0], expected[0])] if found[0] != expected[0] else []

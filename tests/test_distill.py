@@ -1099,6 +1099,13 @@ def test_chat_template_flag_takes_a_file_or_the_template(tmp_path, prompts_file)
     args = parser.parse_args(["--prompts", str(prompts_file), "--chat-template", ""])
     config = config_from_args(args)
     assert config.chat_template is None and config.generation_record()["chat_template"] is None
+    # rows an earlier release recorded so (the digest of '') resume, and train, as the tokenizer's own template's
+    from medusa_train.dataset import check_rows
+
+    old = {"id": "x", "model": config.model_label, "generation": {**config.generation_record(),
+                                                                  "chat_template": distill_module.template_digest("")}}
+    distill_module.check_resumable([old], config)
+    check_rows([old], None, None)
     # an empty distill section of a recipe, and ids rows without an id, were tracebacks
     (tmp_path / "r.yaml").write_text("distill:\n")
     with pytest.raises(ValueError, match=r"r.yaml: its distill section must be a mapping of settings, got None"):
