@@ -493,6 +493,47 @@ def test_a_draft_model_given_by_name_serves_requests_that_join_a_running_batch(m
         assert tokens[i] == plain.new_tokens[0]
 
 
+def run_with_a_late_join(engine, prompts: dict[str, list[int]], limits: dict[str, int], first: list[str]):
+    """Start ``engine``, submit the ``first`` requests in one turn and, once request A has 3 tokens, request C from
+    A's update (from the engine thread: it joins A's batch at the engine's next turn); ``(tokens, finish)`` by name
+    once all are finished."""
+    from medusa_infer.decoding import SamplingConfig, StopConfig
+    from medusa_infer.serving.scheduler import Request
+
+    tokens, finish = {name: [] for name in prompts}, {}
+
+    def request(name):
+        return Request(prompts[name], SamplingConfig("greedy"), StopConfig(max_new_tokens=limits[name]),
+                       lambda u: update(name, u))
+
+    def update(name, u):
+        tokens[name].extend(u.token_ids)
+        if name == "A" and len(tokens["A"]) >= 3 and "C" not in finish:
+            finish["C"] = None  # submitted once
+            engine.submit(request("C"))
+        if u.finish is not None:
+            finish[name] = (u.finish, u.error)
+
+    engine.start()
+    try:
+        with engine.hold():
+            for name in first:
+                engine.submit(request(name))
+        wait_until(lambda: len(finish) == len(prompts) and None not in finish.values(), timeout=120)
+    finally:
+        engine.stop()
+    return tokens, finish
+
+
+def assert_plain_greedy(model, prompts: dict[str, list[int]], limits: dict[str, int], tokens: dict[str, list[int]]):
+    from medusa_infer.decoding import generate
+
+    plain = model.__class__(model.base_model, None, model.tokenizer)
+    for name, ids in prompts.items():
+        assert tokens[name] == generate(plain, torch.tensor([ids]), max_new_tokens=limits[name],
+                                        eos_token_id=[]).new_tokens[0], name
+
+
 @pytest.mark.parametrize("method", ["medusa", "draft"])
 def test_a_batch_that_fails_to_join_a_running_one_decodes_alone_and_the_running_one_goes_on(model, monkeypatch,
                                                                                              method):
@@ -502,8 +543,7 @@ def test_a_batch_that_fails_to_join_a_running_one_decodes_alone_and_the_running_
     from types import SimpleNamespace
 
     from medusa_infer import kv_cache
-    from medusa_infer.decoding import SamplingConfig, StopConfig, generate
-    from medusa_infer.serving.scheduler import Engine, Request
+    from medusa_infer.serving.scheduler import Engine
 
     options = SimpleNamespace(draft_model=model.base_model, draft_tokens=3) if method == "draft" else None
     engine = Engine(model, model.tokenizer, method, options, max_batch=8, gate=False)
@@ -528,34 +568,10 @@ def test_a_batch_that_fails_to_join_a_running_one_decodes_alone_and_the_running_
 
     monkeypatch.setattr(kv_cache.KVState, "merge", flaky_merge)
     prompts, limits = {"A": [10, 11, 12], "B": [13, 14, 15, 16], "C": [20, 21]}, {"A": 30, "B": 30, "C": 5}
-    tokens, finish = {name: [] for name in prompts}, {}
-
-    def request(name):
-        return Request(prompts[name], SamplingConfig("greedy"), StopConfig(max_new_tokens=limits[name]),
-                       lambda u: update(name, u))
-
-    def update(name, u):
-        tokens[name].extend(u.token_ids)
-        if name == "A" and len(tokens["A"]) >= 3 and "C" not in finish and not tokens["C"] and not failed:
-            finish["C"] = None  # submitted once, from the engine thread: it joins at the next turn
-            engine.submit(request("C"))
-        if u.finish is not None:
-            finish[name] = (u.finish, u.error)
-
-    engine.start()
-    try:
-        with engine.hold():
-            engine.submit(request("A"))
-            engine.submit(request("B"))
-        wait_until(lambda: len(finish) == 3 and None not in finish.values(), timeout=120)
-    finally:
-        engine.stop()
+    tokens, finish = run_with_a_late_join(engine, prompts, limits, ["A", "B"])
     assert failed and finish == {name: ("length", None) for name in prompts}
     assert engine.metrics.batch_joins.value() == 0  # C decoded alone
-    plain = model.__class__(model.base_model, None, model.tokenizer)
-    for name, ids in prompts.items():
-        assert tokens[name] == generate(plain, torch.tensor([ids]), max_new_tokens=limits[name],
-                                        eos_token_id=[]).new_tokens[0], name
+    assert_plain_greedy(model, prompts, limits, tokens)
 
 
 def test_a_failed_join_leaves_the_joining_batchs_draft_cache_whole(model, monkeypatch):
@@ -567,8 +583,7 @@ def test_a_failed_join_leaves_the_joining_batchs_draft_cache_whole(model, monkey
     from transformers import AutoModelForCausalLM
 
     from medusa_infer import kv_cache
-    from medusa_infer.decoding import SamplingConfig, StopConfig, generate
-    from medusa_infer.serving.scheduler import Engine, Request
+    from medusa_infer.serving.scheduler import Engine
     from tiny import tiny_config
 
     config = tiny_config("llama", vocab_size=model.base_model.get_output_embeddings().weight.shape[0])
@@ -587,31 +602,9 @@ def test_a_failed_join_leaves_the_joining_batchs_draft_cache_whole(model, monkey
 
     monkeypatch.setattr(kv_cache.KVState, "merge", flaky)
     prompts, limits = {"A": list(range(10, 30)), "C": [20, 21, 22]}, {"A": 30, "C": 5}  # A: past the draft's 16
-    tokens, finish = {name: [] for name in prompts}, {}
-
-    def request(name):
-        return Request(prompts[name], SamplingConfig("greedy"), StopConfig(max_new_tokens=limits[name]),
-                       lambda u: update(name, u))
-
-    def update(name, u):
-        tokens[name].extend(u.token_ids)
-        if name == "A" and len(tokens["A"]) >= 2 and "C" not in finish:
-            finish["C"] = None
-            engine.submit(request("C"))
-        if u.finish is not None:
-            finish[name] = (u.finish, u.error)
-
-    engine.start()
-    try:
-        engine.submit(request("A"))
-        wait_until(lambda: len(finish) == 2 and None not in finish.values(), timeout=120)
-    finally:
-        engine.stop()
+    tokens, finish = run_with_a_late_join(engine, prompts, limits, ["A"])
     assert failed and finish == {"A": ("length", None), "C": ("length", None)}
-    plain = model.__class__(model.base_model, None, model.tokenizer)
-    for name, ids in prompts.items():
-        assert tokens[name] == generate(plain, torch.tensor([ids]), max_new_tokens=limits[name],
-                                        eos_token_id=[]).new_tokens[0], name
+    assert_plain_greedy(model, prompts, limits, tokens)
 
 
 def test_shutdown_answers_the_requests_still_open_with_the_shutdown_error(model):
