@@ -835,6 +835,11 @@ def stream(
 ) -> GenerationStream:
     """Start a generation whose tokens (and text, with a tokenizer) are yielded as they are
     accepted. Arguments as ``generate``; nothing runs until the stream is iterated."""
+    from medusa_infer.model import _warn_processors
+
+    _warn_processors(model.base_model)  # a generation config changed since the model was wrapped: said once
+    if do_sample is not None and type(do_sample).__name__ not in ("bool", "bool_") and _integer(do_sample) not in (0, 1):
+        raise ValueError(f"do_sample must be True or False, got {do_sample!r}")  # "false" sampled
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     input_ids, attention_mask = _prepare_inputs(model, tokenizer, input_ids, attention_mask, prompt, messages)
     # None is "not set", as Hugging Face's generate takes it

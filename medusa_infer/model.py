@@ -193,6 +193,10 @@ temperature 0.7, top_p 0.8, top_k 20)."""
 UNSUPPORTED_SAMPLING = {"min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None}
 """``GenerationConfig`` truncation fields (with their neutral values) that sampling here has no counterpart for."""
 
+SEARCH_SETTINGS = {"num_beams": 1, "num_beam_groups": 1, "max_new_tokens": None}
+"""``GenerationConfig`` fields (with their neutral values) of the search ``model.generate`` takes from a model's
+config and ``generate`` here does not: beam search, and a length (``max_new_tokens`` is 128 when not given)."""
+
 
 def sampling_settings(base_model: Any) -> dict[str, Any]:
     """The ``SAMPLING_DEFAULTS`` and ``UNSUPPORTED_SAMPLING`` fields ``base_model``'s generation config sets to
@@ -236,6 +240,14 @@ def _warn_processors(base_model: PreTrainedModel) -> None:
                         "top_p it is given (1, none, none when not given; model.generate takes the config's)"
                         + (f"; {', '.join(unsupported)} has no counterpart here" if unsupported else "")
                         + ": pass the settings to generate() to sample as the model's authors set it")
+    config = getattr(base_model, "generation_config", None)
+    found = {key: getattr(config, key, None) for key, neutral in SEARCH_SETTINGS.items()
+             if getattr(config, key, None) not in (None, neutral)}
+    if found:
+        settings = ", ".join(f"{key}={value!r}" for key, value in found.items())
+        messages.append(f"{name}'s generation_config sets {settings}, which generate() here does not take from it: "
+                        "it decodes one sequence per prompt (no beam search) for the max_new_tokens it is given "
+                        "(128 when not given; model.generate takes the config's)")
     given = _WARNED.setdefault(base_model, set())
     for message in messages:
         if message not in given:
@@ -700,7 +712,6 @@ class MedusaModel(nn.Module):
         """Speculative generation with the heads; see ``medusa_infer.decoding.generate``."""
         from medusa_infer.decoding import generate
 
-        _warn_processors(self.base_model)  # a generation config changed since: said once
         return generate(self, *args, **kwargs)
 
 

@@ -446,6 +446,9 @@ def test_context_limit_is_a_clean_stop():
         (dict(acceptance="losless"), r"acceptance must be one of \('greedy', 'typical', 'lossless'\), got 'losless'"),
         # failed at the first step with an AttributeError ('str' object has no attribute 'speculate')
         (dict(speculation_gate="off"), "speculation_gate must be True, False, None or a SpeculationGate, got 'off'"),
+        # a setting read from JSON, YAML or a command line as text: "false" sampled
+        (dict(do_sample="false"), "do_sample must be True or False, got 'false'"),
+        (dict(do_sample=2), "do_sample must be True or False, got 2"),
         # rows of different lengths or a list of tensors: torch's own words, with no way out
         (dict(input_ids=[[5, 6, 7], [8, 9]]), "left-pad rows of different lengths and pass attention_mask="),
         (dict(input_ids=[torch.tensor([5, 6]), torch.tensor([8])]), "rows of equal length"),

@@ -812,6 +812,19 @@ def test_sampling_defaults_a_generation_config_sets_are_named_and_a_later_change
     config.repetition_penalty = 3.0
     model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2)
     assert "sets repetition_penalty=3.0, which medusa-forge does not apply" in caplog.text
+    # ... also through decoding.generate, the function the README shows (only MedusaModel.generate looked again)
+    from medusa_infer.decoding import generate
+
+    caplog.clear()
+    config.repetition_penalty = 2.0
+    generate(model, torch.tensor([[3, 4, 5]]), max_new_tokens=2)
+    assert "sets repetition_penalty=2.0, which medusa-forge does not apply" in caplog.text
+    # a length or a beam search set there, which model.generate takes and this does not (silent: other text)
+    caplog.clear()
+    config.num_beams, config.max_new_tokens = 3, 5
+    generate(model, torch.tensor([[3, 4, 5]]), max_new_tokens=2)
+    assert ("sets num_beams=3, max_new_tokens=5, which generate() here does not take from it: it decodes one "
+            "sequence per prompt (no beam search)") in caplog.text
 
 
 def test_unknown_config_key_is_named(saved):
