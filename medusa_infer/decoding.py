@@ -300,7 +300,8 @@ class GenerationOutput:
 
     Attributes:
         sequences: ``[batch, prompt + new]`` prompt (left-padded as given) and new tokens, rows
-            that stopped early padded with the pad token, as ``model.generate`` returns them.
+            that stopped early padded with the pad token, as ``model.generate`` returns them (on the model's
+            device).
         metrics: the call's counters and timings.
         finish_reasons: per row, ``"eos"``, ``"stop"``, ``"length"`` or ``"context"``.
         new_tokens: per row, the generated token ids (no padding).
@@ -567,7 +568,7 @@ class DecodeBatch:
         prompts = self.input_ids.cpu()
         if prompts.shape[0] != len(generated):  # rows joined by merge: lay prompts out anew
             prompts, _ = left_pad([self.histories[row][: self.prompt_lengths[row]] for row in order], pad_token_id)
-        sequences = torch.cat([prompts, new], dim=1)
+        sequences = torch.cat([prompts, new], dim=1).to(self.input_ids.device)  # (model.generate's are on its device)
         return GenerationOutput(sequences, self.metrics, [self.finish[row] or "length" for row in order], generated)
 
 

@@ -70,6 +70,8 @@ def test_float32_greedy_batch_identical_to_generate(arch, attn):
                        speculation_gate=False, adaptive=False)
         for row, prompt in enumerate(prompts):
             assert out.new_tokens[row] == hf_greedy(model, prompt, 24), f"{tree}, row {row}"
+        assert out.sequences.device == model.device  # as model.generate's (they were on the CPU)
+        assert torch.equal(out.sequences[:, :ids.shape[1]], ids.to(model.device))
         if tree == "tree-16":
             assert out.metrics.tau > 1.0, "random heads still get some drafts accepted"
 
