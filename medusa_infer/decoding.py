@@ -260,6 +260,20 @@ def generated_text_tail(tokenizer: Any, history: Sequence[int], prompt_length: i
     return tail
 
 
+def special_stops(tokenizer: Any, stop_strings: str | Sequence[str]) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """``(ids, strings)``: the stop strings that are a special token's text (``"<|im_start|>"``) as that token's id,
+    and the others. Stop strings are matched in text with special tokens left out, where such a one never appears:
+    the model's next turn ran on to the token limit. A row stops at those ids as at its end tokens."""
+    strings = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings)
+    special = {} if tokenizer is None else {
+        str(token): int(i) for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items()
+        if getattr(token, "special", False)}
+    special.update({} if tokenizer is None else {token: int(tokenizer.convert_tokens_to_ids(token))
+                                                  for token in getattr(tokenizer, "all_special_tokens", ())})
+    return (tuple(special[text] for text in strings if text in special),
+            tuple(text for text in strings if text not in special))
+
+
 @dataclass
 class StopConfig:
     """When a row stops: any of ``eos_token_ids``, a stop string, ``max_new_tokens``.
@@ -861,7 +875,8 @@ def stream(
     _check_unused_sampling(do_sample, acceptance, temperature, top_k, top_p, seed, typical_epsilon, typical_delta)
     sampling = SamplingConfig(acceptance, temperature if do_sample else 0.0, top_k, top_p,
                               typical_epsilon, typical_delta)
-    stop = StopConfig(max_new_tokens, eos_ids(model, tokenizer, eos_token_id), stop_strings)
+    token_stops, stop_strings = special_stops(tokenizer, stop_strings)
+    stop = StopConfig(max_new_tokens, (*eos_ids(model, tokenizer, eos_token_id), *token_stops), stop_strings)
     if stop.stop_strings and tokenizer is None:
         raise ValueError("stop_strings need a tokenizer; pass tokenizer=")
     if proposer is None and model.heads is None:

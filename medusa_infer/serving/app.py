@@ -15,6 +15,7 @@ stay open, as in vLLM). A client that goes away, streaming or not, has its row c
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -28,7 +29,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from medusa_infer.decoding import ByteRun, SamplingConfig, StopConfig, context_start, text_start, whole_text
+from medusa_infer.decoding import (
+    ByteRun,
+    SamplingConfig,
+    StopConfig,
+    context_start,
+    special_stops,
+    text_start,
+    whole_text,
+)
 from medusa_infer.serving import protocol
 from medusa_infer.serving.protocol import APIError, GenerationParams, ModelInfo, Speculation
 from medusa_infer.serving.scheduler import ABORT_REASONS, Engine, EngineStopped, QueueFull, Update
@@ -188,7 +197,10 @@ def create_app(engine: Engine, model: ModelInfo, settings: ServerSettings) -> Fa
         def on_update(update: Update) -> None:  # called on the engine thread
             loop.call_soon_threadsafe(updates.put_nowait, update)
 
-        stop = StopConfig(params.max_tokens, () if params.ignore_eos else settings.eos_token_ids, params.stop)
+        token_stops, stop_strings = special_stops(model.tokenizer, params.stop)  # (a special token's text: as its id)
+        params = dataclasses.replace(params, stop=stop_strings)  # (the text is cut at the others)
+        stop = StopConfig(params.max_tokens, (*(() if params.ignore_eos else settings.eos_token_ids), *token_stops),
+                          params.stop)
         job = EngineRequest(params.prompt_ids, _sampling(params, settings.acceptance), stop, on_update,
                             seed=params.seed, timeout=settings.request_timeout)
         try:
