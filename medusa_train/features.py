@@ -40,6 +40,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import socket
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -665,19 +666,30 @@ def _temporary(path: Path) -> Path:
     return path.with_name(f"{path.name}.{socket.gethostname()}-{os.getpid()}.tmp")
 
 
+DEAD_TEMPORARY_S = 600.0
+"""A temporary file untouched this long, of no live process of this machine, is a killed build's (a file being
+written is touched as it grows, and moved into place at once: another container of this host name, whose
+processes this one does not see, writes none this long)."""
+
+
 def _remove_dead_temporaries(folder: Path) -> None:
     """Remove the temporary files of this machine's processes that are gone (killed mid-write: a shard's is as large
-    as the shard); those of live ones, and of other machines sharing the folder, are left."""
-    host = socket.gethostname()
-    for temporary in folder.glob(f"*.{host}-*.tmp"):
+    as the shard), and those an earlier release named ``shard-NNNNN.tmp`` and ``manifest.json.tmp``; those of live
+    processes, of other machines sharing the folder, and any touched in the last ``DEAD_TEMPORARY_S``, are left."""
+    ours = re.compile(rf"(?:.+)\.{re.escape(socket.gethostname())}-(\d+)\.tmp|shard-\d+\.tmp|{re.escape(MANIFEST)}\.tmp")
+    for temporary in folder.glob("*.tmp"):
+        found = ours.fullmatch(temporary.name)
         try:
-            os.kill(int(temporary.name[:-len(".tmp")].rsplit("-", 1)[1]), 0)
-        except ValueError:  # not a name of ours
-            continue
+            if found is None or time.time() - temporary.stat().st_mtime < DEAD_TEMPORARY_S:
+                continue
+            if found.group(1) is not None:
+                os.kill(int(found.group(1)), 0)  # alive: left
+                continue
         except ProcessLookupError:
-            temporary.unlink(missing_ok=True)
-        except PermissionError:  # another user's live process
+            pass
+        except OSError:  # another user's live process (PermissionError), or the file gone meanwhile
             continue
+        temporary.unlink(missing_ok=True)
 
 
 def _shard_examples(path: Path) -> list[int] | None:

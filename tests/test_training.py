@@ -481,11 +481,17 @@ def test_feature_cache_round_trip_equals_live_forward(tiny_dir, tmp_path):
     gone = subprocess.Popen(["true"])
     gone.wait()
     host = socket.gethostname()
-    dead, alive = (folder / f"shard-00001.safetensors.{host}-{pid}.tmp" for pid in (gone.pid, os.getpid()))
-    dead.write_bytes(b"x"), alive.write_bytes(b"x")
+    dead, alive, recent = (folder / f"shard-0000{i}.safetensors.{host}-{pid}.tmp"
+                           for i, pid in ((1, gone.pid), (2, os.getpid()), (0, gone.pid)))
+    # another machine's (whose name ends as this one's: "gpu" and "gpu-12"), and an earlier release's names
+    other, earlier = folder / f"shard-00001.safetensors.{host}-12-{gone.pid}.tmp", folder / "shard-00002.tmp"
+    for file in (dead, alive, recent, other, earlier, folder / "manifest.json.tmp"):
+        file.write_bytes(b"x")
+        if file is not recent:  # untouched for an hour (a file being written is touched as it grows)
+            os.utime(file, (time.time() - 3600, time.time() - 3600))
     (folder / "manifest.json").unlink()
     build_feature_cache(model, examples, tmp_path, info, topk=4, batch_size=4, shard_examples=5, progress=False)
-    assert not dead.exists() and alive.exists()
+    assert sorted(p.name for p in folder.glob("*.tmp")) == sorted(p.name for p in (alive, recent, other))
 
 
 def test_two_runs_building_one_shared_feature_cache_at_once_both_finish(tmp_path):
