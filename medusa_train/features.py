@@ -676,7 +676,8 @@ def _remove_dead_temporaries(folder: Path) -> None:
     """Remove the temporary files of this machine's processes that are gone (killed mid-write: a shard's is as large
     as the shard), and those an earlier release named ``shard-NNNNN.tmp`` and ``manifest.json.tmp``; those of live
     processes, of other machines sharing the folder, and any touched in the last ``DEAD_TEMPORARY_S``, are left."""
-    ours = re.compile(rf"(?:.+)\.{re.escape(socket.gethostname())}-(\d+)\.tmp|shard-\d+\.tmp|{re.escape(MANIFEST)}\.tmp")
+    host, manifest = re.escape(socket.gethostname()), re.escape(MANIFEST)
+    ours = re.compile(rf"(?:.+)\.{host}-(\d+)\.tmp|shard-\d+\.tmp|{manifest}\.tmp")
     for temporary in folder.glob("*.tmp"):
         found = ours.fullmatch(temporary.name)
         try:
