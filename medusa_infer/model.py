@@ -490,6 +490,8 @@ class MedusaModel(nn.Module):
         heads.load_state_dict(state, strict=True)
         if heads.token_map is not None:
             check_token_map(heads.token_map, config)
+        check_supported(base_model)
+        check_compatible(config, base_model)  # first: another model's heads were blamed on their datastore
         store = None
         if datastore and (directory / DATASTORE_NAME).is_file():
             store = Datastore.load(directory / DATASTORE_NAME)
@@ -508,7 +510,6 @@ class MedusaModel(nn.Module):
                            ADAPTER_DIR)
         # every check before anything changes: a refused load leaves a given base model and tokenizer as they were
         if merge and not in_weights:
-            check_compatible(config, base_model)
             base_model = merge_adapter(base_model, adapter_folder)
         model = cls(base_model, heads, tokenizer)
         model.merged_adapter = adapter_folder if merge else None

@@ -585,6 +585,13 @@ def test_heads_for_another_base_model_are_refused(tmp_path, source, target, mess
     medusa(source(), "own").save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=message):
         MedusaModel.from_pretrained(tmp_path, base_model=target())
+    # with their datastore (of their own model's tokenizer): the store was blamed, and its removal advised
+    from medusa_infer.datastore import DATASTORE_NAME, Datastore
+    from medusa_infer.serving.testing import word_tokenizer
+
+    Datastore(torch.tensor([3, 4, 5]), tokenizer="another model's").save(tmp_path / DATASTORE_NAME)
+    with pytest.raises(ValueError, match=message):
+        MedusaModel.from_pretrained(tmp_path, base_model=target(), tokenizer=word_tokenizer())
     if "model type" not in message:  # heads that name no base model: said so (it read "trained for (None)")
         from medusa_infer.config import MedusaConfig
         from medusa_infer.model import check_compatible
