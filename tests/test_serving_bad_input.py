@@ -167,6 +167,15 @@ def test_malformed_request_is_a_4xx_with_an_openai_error(server, name, path, bod
     assert error["type"] == "invalid_request_error"
 
 
+def test_a_prompt_nested_in_two_lists_is_named_as_no_prompt_not_as_several(server):
+    """[["the cat"]] was unwrapped as a batch of one and then told "send one prompt per request (got 1)"."""
+    client, _ = server
+    error = assert_error_body(client.post("/v1/completions", json=completion(prompt=[["the cat"]])))
+    assert error["message"].startswith("prompt must be a string, a list of token ids, or a list with one of these")
+    two = assert_error_body(client.post("/v1/completions", json=completion(prompt=["the cat", "the dog"])))
+    assert two["message"].startswith("send one prompt per request (got 2)")
+
+
 def test_unknown_parameter_is_named_with_what_the_server_takes(server):
     client, _ = server
     answer = client.post("/v1/completions", json=completion(max_tokenz=4))

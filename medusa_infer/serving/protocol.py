@@ -243,15 +243,16 @@ def _prompt_ids(body: dict[str, Any], model: ModelInfo) -> list[int]:
     prompt = body.get("prompt")
     if prompt is None:
         raise invalid("you must provide a prompt", "prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or (
+            isinstance(prompt[0], list) and all(_is_int(t) for t in prompt[0]))):
+        prompt = prompt[0]  # a batch of one (a string or ids: [["text"]] was told to send one prompt, got 1)
     if isinstance(prompt, str):
         if not prompt:
             raise invalid("prompt must not be empty", "prompt")
         ids = _tokenize(model, prompt, True, "prompt")
     elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         ids = list(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise invalid(f"send one prompt per request (got {len(prompt)})", "prompt")
     else:
         raise invalid("prompt must be a string, a list of token ids, or a list with one of these", "prompt")
