@@ -260,23 +260,26 @@ def generated_text_tail(tokenizer: Any, history: Sequence[int], prompt_length: i
     return tail
 
 
-def special_stops(tokenizer: Any, stop_strings: str | Sequence[str]) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """``(ids, strings)``: the stop strings that are a special token's text (``"<|im_start|>"``) as that token's id,
-    and the others. Stop strings are matched in text with special tokens left out, where such a one never appears:
-    the model's next turn ran on to the token limit. A row stops at those ids as at its end tokens."""
-    strings = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings)
-    special = {} if tokenizer is None else {
-        str(token): int(i) for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items()
-        if getattr(token, "special", False)}
-    special.update({} if tokenizer is None else {token: int(tokenizer.convert_tokens_to_ids(token))
-                                                  for token in getattr(tokenizer, "all_special_tokens", ())})
-    return (tuple(special[text] for text in strings if text in special),
-            tuple(text for text in strings if text not in special))
+def special_stop_ids(tokenizer: Any, stop_strings: str | Sequence[str]) -> tuple[int, ...]:
+    """The ids of the special tokens whose text is one of ``stop_strings`` (``"<|im_start|>"``): stop strings are
+    matched in text with special tokens left out, where such a token never appears (the model's next turn ran on
+    to the token limit). A row stops at them as at a stop string (which stays one: a model may write the same
+    text as plain pieces)."""
+    strings = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings or ())
+    found = []
+    for text in strings if tokenizer is not None else ():
+        token = tokenizer.convert_tokens_to_ids(text) if isinstance(text, str) and text else None
+        # a special token of that very text (an unknown text gives the unk id, or None where there is none)
+        if isinstance(token, int) and tokenizer.decode([token], skip_special_tokens=False) == text \
+                and not tokenizer.decode([token], skip_special_tokens=True):
+            found.append(token)
+    return tuple(dict.fromkeys(found))
 
 
 @dataclass
 class StopConfig:
-    """When a row stops: any of ``eos_token_ids``, a stop string, ``max_new_tokens``.
+    """When a row stops: any of ``eos_token_ids``, a stop string (or one of ``stop_token_ids``, the special tokens
+    whose text is one: ``special_stop_ids``), ``max_new_tokens``.
 
     ``stop_strings`` may be one string (as Hugging Face's ``generate`` takes it) or several; it is
     kept as a tuple, and matched in the row's generated text (not in its prompt). An empty stop
@@ -286,6 +289,7 @@ class StopConfig:
     max_new_tokens: int = 128
     eos_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
 
     @functools.cached_property  # read at every step of a row with stop strings
     def window(self) -> int:
@@ -550,6 +554,8 @@ class DecodeBatch:
         stop = self.stops[row]
         if token in stop.eos_token_ids:
             return "eos"
+        if token in stop.stop_token_ids:
+            return "stop"
         if stop.stop_strings:
             window = stop.window
             history = self.histories[row] + kept
@@ -853,7 +859,9 @@ def stream(
     from medusa_infer.model import _warn_processors
 
     _warn_processors(model.base_model)  # a generation config changed since the model was wrapped: said once
-    if do_sample is not None and type(do_sample).__name__ not in ("bool", "bool_") and _integer(do_sample) not in (0, 1):
+    flag = torch.is_tensor(do_sample) and do_sample.dtype == torch.bool and do_sample.dim() == 0  # (a 0-d bool)
+    if do_sample is not None and type(do_sample).__name__ not in ("bool", "bool_") and not flag \
+            and _integer(do_sample) not in (0, 1):
         raise ValueError(f"do_sample must be True or False, got {do_sample!r}")  # "false" sampled
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     input_ids, attention_mask = _prepare_inputs(model, tokenizer, input_ids, attention_mask, prompt, messages)
@@ -875,8 +883,8 @@ def stream(
     _check_unused_sampling(do_sample, acceptance, temperature, top_k, top_p, seed, typical_epsilon, typical_delta)
     sampling = SamplingConfig(acceptance, temperature if do_sample else 0.0, top_k, top_p,
                               typical_epsilon, typical_delta)
-    token_stops, stop_strings = special_stops(tokenizer, stop_strings)
-    stop = StopConfig(max_new_tokens, (*eos_ids(model, tokenizer, eos_token_id), *token_stops), stop_strings)
+    stop = StopConfig(max_new_tokens, eos_ids(model, tokenizer, eos_token_id), stop_strings,
+                      special_stop_ids(tokenizer, stop_strings))
     if stop.stop_strings and tokenizer is None:
         raise ValueError("stop_strings need a tokenizer; pass tokenizer=")
     if proposer is None and model.heads is None:

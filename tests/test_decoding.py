@@ -449,6 +449,7 @@ def test_context_limit_is_a_clean_stop():
         # a setting read from JSON, YAML or a command line as text: "false" sampled
         (dict(do_sample="false"), "do_sample must be True or False, got 'false'"),
         (dict(do_sample=2), "do_sample must be True or False, got 2"),
+        (dict(do_sample=torch.tensor([True, False])), "do_sample must be True or False"),
         # rows of different lengths or a list of tensors: torch's own words, with no way out
         (dict(input_ids=[[5, 6, 7], [8, 9]]), "left-pad rows of different lengths and pass attention_mask="),
         (dict(input_ids=[torch.tensor([5, 6]), torch.tensor([8])]), "rows of equal length"),
@@ -753,6 +754,22 @@ def test_a_stop_string_given_as_one_str_is_one_stop_string():
     assert as_str.finish_reasons == as_list.finish_reasons == ["stop"]
     assert as_str.new_tokens == as_list.new_tokens and len(as_str.new_tokens[0]) > 2
     assert model.tokenizer.decode(as_str.new_tokens[0]).endswith(stop)
+
+
+def test_a_special_tokens_text_written_as_plain_pieces_still_stops_as_a_stop_string():
+    """A stop string that is a special token's text stops at that token; a model may also write the text as plain
+    pieces (a fine-tune whose data tokenised the marker as text), which it stops at as at any stop string."""
+    from medusa_infer.models import load_tokenizer
+    from tiny import scripted_model
+
+    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    pieces = tokenizer.convert_tokens_to_ids(["<", "file", "_", "sep", ">"])
+    assert tokenizer.convert_tokens_to_ids("<file_sep>") not in pieces  # a special token of that text exists
+    script = tokenizer("Sure", add_special_tokens=False)["input_ids"] + pieces + tokenizer(
+        " then more", add_special_tokens=False)["input_ids"]
+    out = generate(scripted_model(tokenizer, script), torch.tensor([script[:1]]), max_new_tokens=12,
+                   stop_strings=["<file_sep>"], eos_token_id=[])
+    assert out.finish_reasons == ["stop"] and out.new_tokens[0] == script[1:6]  # through ">"
 
 
 @pytest.mark.parametrize("tree", ["tree-16", "chain-4"])

@@ -788,26 +788,23 @@ def test_a_stop_string_that_is_a_special_tokens_text_stops_at_that_token():
     """Stop strings are matched in text with special tokens left out: "<s>" never appeared there, and the model's
     next turn ran on to the token limit (finish "length"), in generate() and the server alike."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tiny import scripted_model
 
     tokenizer = word_tokenizer()
     script = [tokenizer.convert_tokens_to_ids(token) for token in ("the", "cat", "<s>", "sat", "on", "mat")]
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=8, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    base = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():  # greedy follows the script: each token's embedding points at the next one's row
-        for parameter in base.parameters():
-            parameter.zero_()
-        base.model.norm.weight.fill_(1.0)
-        for layer in base.model.layers:
-            layer.input_layernorm.weight.fill_(1.0), layer.post_attention_layernorm.weight.fill_(1.0)
-        for slot, (token, following) in enumerate(zip(script, script[1:])):
-            base.model.embed_tokens.weight[token, slot] = 1.0
-            base.lm_head.weight[following, slot] = 20.0
-    model = MedusaModel(base, None, tokenizer)
+    model = scripted_model(tokenizer, script)
     prompt = torch.tensor([script[:1]])
     out = generate(model, prompt, max_new_tokens=5, stop_strings=["<s>"], eos_token_id=[])
-    assert out.new_tokens == [script[1:3]] and out.finish_reasons == ["eos"]  # at the token, as at an end token
+    assert out.new_tokens == [script[1:3]] and out.finish_reasons == ["stop"]
+    # only a special token of that very text: no lookup of other stop strings (an unknown text gave the unk id, or
+    # None where there is none: every call failed), nor of what StopConfig refuses by name
+    from medusa_infer.decoding import special_stop_ids
+
+    assert special_stop_ids(tokenizer, ["<s>", "cat", "zzz", "<s>"]) == (1,) and special_stop_ids(tokenizer, ()) == ()
+    assert special_stop_ids(tokenizer, [["<s>"]]) == special_stop_ids(tokenizer, b"<s>") == ()
+    with pytest.raises(ValueError, match=r"stop_strings must be a string or a list of strings, got \[\['<s>'\]\]"):
+        generate(model, prompt, max_new_tokens=2, stop_strings=[["<s>"]])
     with serve(model, "autoregressive") as (server, _):
         body = {"model": "tiny", "prompt": script[:1], "max_tokens": 5, "temperature": 0, "stop": ["<s>", "zzz"]}
         answer = httpx.post(server.base_url + "/v1/completions", json=body, timeout=30).json()

@@ -131,3 +131,25 @@ def byte_fallback_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                                    pad_token="<unk>")
 
+
+def scripted_model(tokenizer, script: list[int]):
+    """A one-layer llama (no heads) over ``tokenizer`` whose greedy next token after ``script[i]`` is
+    ``script[i + 1]`` (each token's embedding points at its successor's ``lm_head`` row; tokens distinct)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from medusa_infer.model import MedusaModel
+
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=8, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    base = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for parameter in base.parameters():
+            parameter.zero_()
+        base.model.norm.weight.fill_(1.0)
+        for layer in base.model.layers:
+            layer.input_layernorm.weight.fill_(1.0), layer.post_attention_layernorm.weight.fill_(1.0)
+        for slot, (token, following) in enumerate(zip(script, script[1:])):
+            base.model.embed_tokens.weight[token, slot] = 1.0
+            base.lm_head.weight[following, slot] = 20.0
+    return MedusaModel(base, None, tokenizer)

@@ -15,7 +15,6 @@ stay open, as in vLLM). A client that goes away, streaming or not, has its row c
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hmac
 import json
 import logging
@@ -34,7 +33,7 @@ from medusa_infer.decoding import (
     SamplingConfig,
     StopConfig,
     context_start,
-    special_stops,
+    special_stop_ids,
     text_start,
     whole_text,
 )
@@ -197,10 +196,8 @@ def create_app(engine: Engine, model: ModelInfo, settings: ServerSettings) -> Fa
         def on_update(update: Update) -> None:  # called on the engine thread
             loop.call_soon_threadsafe(updates.put_nowait, update)
 
-        token_stops, stop_strings = special_stops(model.tokenizer, params.stop)  # (a special token's text: as its id)
-        params = dataclasses.replace(params, stop=stop_strings)  # (the text is cut at the others)
-        stop = StopConfig(params.max_tokens, (*(() if params.ignore_eos else settings.eos_token_ids), *token_stops),
-                          params.stop)
+        stop = StopConfig(params.max_tokens, () if params.ignore_eos else settings.eos_token_ids, params.stop,
+                          special_stop_ids(model.tokenizer, params.stop))
         job = EngineRequest(params.prompt_ids, _sampling(params, settings.acceptance), stop, on_update,
                             seed=params.seed, timeout=settings.request_timeout)
         try:
