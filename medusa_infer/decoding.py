@@ -987,7 +987,8 @@ def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> Generati
         eos_token_id: one id or several; default: all of the model's EOS ids.
         stop_strings: stop a row once its generated text contains one of these (one string: that
             string). Matched in the generated text alone, as OpenAI's ``stop`` is: a string that
-            begins in the prompt does not stop the row (Hugging Face's ``stop_strings`` would).
+            begins in the prompt does not stop the row (Hugging Face's ``stop_strings`` would). The text
+            leaves special tokens out: one whose text is a stop string stops the row itself.
         seed: seed for sampling (with ``do_sample=False`` a ``ValueError``, as is any sampling
             setting: nothing given is silently ignored). A row's sample depends on the seed, on the
             batch it is drawn in and on ``max_new_tokens`` (the last steps' trees are cut to the tokens
