@@ -612,13 +612,14 @@ def build_feature_cache(
     model_info = backbone_fingerprint(model, model_info)
     folder = Path(root) / cache_key(model_info, examples_hash(examples), topk, dtype, captured is not None,
                                     shard_examples)
+    if folder.is_dir():  # (also once complete: a run restarted within DEAD_TEMPORARY_S of a kill finished it)
+        _remove_dead_temporaries(folder)
     if cache_complete(folder):
         return folder
     (folder / MANIFEST).unlink(missing_ok=True)  # damaged since: built again below, the intact shards kept
     if pack:
         check_packed_attention(model)
     folder.mkdir(parents=True, exist_ok=True)
-    _remove_dead_temporaries(folder)
     order = sorted(range(len(examples)), key=lambda i: -len(examples[i]["input_ids"]))
     shards = [order[i : i + shard_examples] for i in range(0, len(order), shard_examples)]
     mine = [i for i in range(len(shards)) if i % world_size == rank]
@@ -688,8 +689,8 @@ def _remove_dead_temporaries(folder: Path) -> None:
                 continue
         except ProcessLookupError:
             pass
-        except OSError:  # another user's live process (PermissionError), or the file gone meanwhile
-            continue
+        except (OSError, OverflowError):  # another user's live process (PermissionError), the file gone meanwhile,
+            continue  # a number no pid is
         temporary.unlink(missing_ok=True)
 
 

@@ -492,6 +492,10 @@ def test_feature_cache_round_trip_equals_live_forward(tiny_dir, tmp_path):
     (folder / "manifest.json").unlink()
     build_feature_cache(model, examples, tmp_path, info, topk=4, batch_size=4, shard_examples=5, progress=False)
     assert sorted(p.name for p in folder.glob("*.tmp")) == sorted(p.name for p in (alive, recent, other))
+    # ... and by a build that finds the cache complete (a run restarted within the 10 minutes finished it)
+    os.utime(recent, (time.time() - 3600, time.time() - 3600))
+    build_feature_cache(model, examples, tmp_path, info, topk=4, batch_size=4, shard_examples=5, progress=False)
+    assert sorted(p.name for p in folder.glob("*.tmp")) == sorted(p.name for p in (alive, other))
 
 
 def test_two_runs_building_one_shared_feature_cache_at_once_both_finish(tmp_path):
