@@ -691,7 +691,10 @@ def _remove_dead_temporaries(folder: Path) -> None:
             pass
         except (OSError, OverflowError):  # another user's live process (PermissionError), the file gone meanwhile,
             continue  # a number no pid is
-        temporary.unlink(missing_ok=True)
+        try:
+            temporary.unlink(missing_ok=True)
+        except OSError as error:  # a cache folder this user only reads: its reuse goes on
+            logger.warning("a killed build's temporary file %s could not be removed (%s)", temporary, error)
 
 
 def _shard_examples(path: Path) -> list[int] | None:

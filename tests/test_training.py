@@ -498,6 +498,26 @@ def test_feature_cache_round_trip_equals_live_forward(tiny_dir, tmp_path):
     assert sorted(p.name for p in folder.glob("*.tmp")) == sorted(p.name for p in (alive, other))
 
 
+def test_a_cache_folder_whose_dead_temporaries_cannot_be_removed_is_still_read(tmp_path, monkeypatch, caplog):
+    """A shared cache this user only reads: removing another user's killed build's file fails, and is said."""
+    import socket
+    from pathlib import Path as PathType
+
+    from medusa_train import features
+
+    stale = tmp_path / f"shard-00000.safetensors.{socket.gethostname()}-999999999.tmp"
+    stale.write_bytes(b"x")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+
+    def refuse(self, missing_ok=False):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(PathType, "unlink", refuse)
+    with caplog.at_level("WARNING", logger="medusa_train.features"):
+        features._remove_dead_temporaries(tmp_path)
+    assert stale.exists() and "could not be removed" in caplog.text
+
+
 def test_two_runs_building_one_shared_feature_cache_at_once_both_finish(tmp_path):
     """Runs sharing features.dir (a sweep started together) wrote one temporary file per shard and moved each
     other's away: the later run failed (FileNotFoundError)."""
