@@ -883,8 +883,8 @@ def stream(
     _check_unused_sampling(do_sample, acceptance, temperature, top_k, top_p, seed, typical_epsilon, typical_delta)
     sampling = SamplingConfig(acceptance, temperature if do_sample else 0.0, top_k, top_p,
                               typical_epsilon, typical_delta)
-    stop = StopConfig(max_new_tokens, eos_ids(model, tokenizer, eos_token_id), stop_strings,
-                      special_stop_ids(tokenizer, stop_strings))
+    stop = StopConfig(max_new_tokens, eos_ids(model, tokenizer, eos_token_id), stop_strings)  # (checked, a tuple)
+    stop.stop_token_ids = special_stop_ids(tokenizer, stop.stop_strings)  # (a generator was read up before)
     if stop.stop_strings and tokenizer is None:
         raise ValueError("stop_strings need a tokenizer; pass tokenizer=")
     if proposer is None and model.heads is None:

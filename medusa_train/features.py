@@ -687,10 +687,10 @@ def _remove_dead_temporaries(folder: Path) -> None:
             if found.group(1) is not None:
                 os.kill(int(found.group(1)), 0)  # alive: left
                 continue
-        except ProcessLookupError:
+        except (ProcessLookupError, OverflowError):  # (a number past any pid)
             pass
-        except (OSError, OverflowError):  # another user's live process (PermissionError), the file gone meanwhile,
-            continue  # a number no pid is
+        except OSError:  # another user's live process (PermissionError), or the file gone meanwhile
+            continue
         try:
             temporary.unlink(missing_ok=True)
         except OSError as error:  # a cache folder this user only reads: its reuse goes on

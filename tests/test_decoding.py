@@ -753,6 +753,10 @@ def test_a_stop_string_given_as_one_str_is_one_stop_string():
     as_list = generate(model, prompt=prompt, max_new_tokens=40, eos_token_id=NO_EOS, stop_strings=[stop])
     assert as_str.finish_reasons == as_list.finish_reasons == ["stop"]
     assert as_str.new_tokens == as_list.new_tokens and len(as_str.new_tokens[0]) > 2
+    # given as a generator: read up by the special-token lookup before StopConfig saw it (no stop at all)
+    as_generator = generate(model, prompt=prompt, max_new_tokens=40, eos_token_id=NO_EOS,
+                            stop_strings=(text for text in [stop]))
+    assert as_generator.new_tokens == as_str.new_tokens and as_generator.finish_reasons == ["stop"]
     assert model.tokenizer.decode(as_str.new_tokens[0]).endswith(stop)
 
 

@@ -485,7 +485,8 @@ def test_feature_cache_round_trip_equals_live_forward(tiny_dir, tmp_path):
                            for i, pid in ((1, gone.pid), (2, os.getpid()), (0, gone.pid)))
     # another machine's (whose name ends as this one's: "gpu" and "gpu-12"), and an earlier release's names
     other, earlier = folder / f"shard-00001.safetensors.{host}-12-{gone.pid}.tmp", folder / "shard-00002.tmp"
-    for file in (dead, alive, recent, other, earlier, folder / "manifest.json.tmp"):
+    huge = folder / f"shard-00003.safetensors.{host}-{2**70}.tmp"  # no pid is that large: kept for good
+    for file in (dead, alive, recent, other, earlier, huge, folder / "manifest.json.tmp"):
         file.write_bytes(b"x")
         if file is not recent:  # untouched for an hour (a file being written is touched as it grows)
             os.utime(file, (time.time() - 3600, time.time() - 3600))
