@@ -22,7 +22,8 @@ Row: ``{"id", "source", "prompt", "response", "model", "generation": {"max_new_t
 ``"response_ids"``: the answer's token ids as the model wrote them, its end token included where it ended its turn
 (training builds its examples from these: the text tokenised again can part otherwise, ``"\n\n"`` as two tokens
 the model wrote as one), and ``"prompt_template"``: a digest of the chat template that rendered the prompt, the
-tokenizer's own included (a resumed run and training refuse rows of another one). For greedy rows ``temperature`` is recorded as 0.0 and
+tokenizer's own included (a resumed run and training refuse rows of another one). For greedy rows ``temperature``
+is recorded as 0.0 and
 ``top_p`` as 1.0; ``chat_template`` is a digest of a template that replaced the tokenizer's own
 (None: the tokenizer's).
 ``prompt`` is the text the model answered (shortened when ``prompt_overflow="truncate"`` cut it).

@@ -1112,7 +1112,8 @@ def test_chat_template_flag_takes_a_file_or_the_template(tmp_path, prompts_file)
         config_from_args(parser.parse_args(["--recipe", str(tmp_path / "r.yaml")]))
     (tmp_path / "ex.jsonl").write_text('{"id": "a"}\n{"prompt": "held out"}\n')
     with pytest.raises(ValueError, match=r"ex.jsonl:2 is a JSON row without an 'id' key"):
-        config_from_args(parser.parse_args(["--prompts", str(prompts_file), "--exclude-ids", str(tmp_path / "ex.jsonl")]))
+        config_from_args(parser.parse_args(["--prompts", str(prompts_file), "--exclude-ids",
+                                            str(tmp_path / "ex.jsonl")]))
 
 
 def test_answers_are_generated_on_decodings_attention_kernels(tmp_path, model_dir, prompts_file, monkeypatch):
