@@ -368,9 +368,10 @@ def build_examples(
         raise ValueError(f"max_length must be >= 2, got {max_length}")
     stats = stats if stats is not None else BuildStats()
     examples = []
+    rendering = rendering_digest(tokenizer)  # once: the template is hashed, not per row
     for index, row in enumerate(rows):
         stats.rows += 1
-        check_prompt_template([row], tokenizer, TEMPLATE_CHANGED)
+        check_prompt_template([row], tokenizer, TEMPLATE_CHANGED, rendering)
         messages = row_messages(row, system_prompt)
         if not any(m["role"] == "assistant" for m in messages):
             stats.dropped_no_assistant += 1
@@ -663,10 +664,12 @@ def rendering_digest(tokenizer: PreTrainedTokenizerBase) -> str | None:
     return template_digest(template)
 
 
-def check_prompt_template(rows: Iterable[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, fix: str) -> None:
+def check_prompt_template(rows: Iterable[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, fix: str,
+                          digest: str | None = None) -> None:
     """``ValueError`` naming the first row that records (``prompt_template``) another template in effect than
-    ``tokenizer``'s, with ``fix``; rows that record none (an endpoint's, an earlier release's) pass."""
-    digest = rendering_digest(tokenizer)
+    ``tokenizer``'s (``digest``: its ``rendering_digest``, computed when not given), with ``fix``; rows that record
+    none (an endpoint's, an earlier release's) pass."""
+    digest = digest if digest is not None else rendering_digest(tokenizer)
     for row in rows:
         if "prompt_template" in row and row["prompt_template"] != digest:
             raise ValueError(f"row {row.get('id')!r} was distilled with its prompt rendered by chat template "

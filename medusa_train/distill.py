@@ -70,8 +70,8 @@ from medusa_train.captured import HiddenRecorder, hidden_dir, save_batch
 from medusa_train.dataset import (
     check_prompt_template,
     encode_rendered,
-    recorded_template,
     has_chat_template,
+    recorded_template,
     render_prompt,
     rendering_digest,
     row_messages,
@@ -1480,7 +1480,8 @@ def read_ids(path: str | Path) -> list[str]:
     for number, line in enumerate(Path(path).read_text(encoding="utf-8").split("\n"), 1):  # not splitlines:
         line = line.strip()  # JSON strings hold U+2028
         if not line.startswith("{"):
-            ids.extend([line] if line else [])
+            if line:
+                ids.append(line)
             continue
         row = json.loads(line)
         if "id" not in row:  # (a KeyError traceback)

@@ -678,7 +678,7 @@ def _remove_dead_temporaries(folder: Path) -> None:
     as the shard), and those an earlier release named ``shard-NNNNN.tmp`` and ``manifest.json.tmp``; those of live
     processes, of other machines sharing the folder, and any touched in the last ``DEAD_TEMPORARY_S``, are left."""
     host, manifest = re.escape(socket.gethostname()), re.escape(MANIFEST)
-    ours = re.compile(rf"(?:.+)\.{host}-(\d+)\.tmp|shard-\d+\.tmp|{manifest}\.tmp")
+    ours = re.compile(rf".+\.{host}-(\d+)\.tmp|shard-\d+\.tmp|{manifest}\.tmp")
     for temporary in folder.glob("*.tmp"):
         found = ours.fullmatch(temporary.name)
         try:
