@@ -30,6 +30,31 @@ ADAPTER_DIR = "adapter"
 DEFAULT_COMMIT_MESSAGE = "Upload Medusa heads with medusa-forge"
 
 
+def foreign_config(directory: Path, layout: str) -> str | None:
+    """What ``directory/config.json`` is, where it is not a heads config of ``layout`` ("medusa-forge" or
+    "FasterDecoding") that a save may replace: None where there is none or it is one. A base model's
+    config (``model_type``) written over leaves that model unloadable."""
+    try:
+        data = json.loads((directory / CONFIG_NAME).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        return f"a config.json this package cannot read ({type(err).__name__})"
+    if not isinstance(data, dict):
+        return "a config.json that is not a JSON object"
+    fd = "medusa_num_heads" in data and "medusa_num_layers" in data
+    ours = "num_heads" in data and "model_type" not in data and not fd
+    if (layout == "FasterDecoding" and fd) or (layout == "medusa-forge" and ours):
+        return None
+    if fd:
+        return "heads in the FasterDecoding layout (their config.json)"
+    if ours:
+        return "heads saved with save_pretrained (their config.json)"
+    if "model_type" in data:
+        return f"a model's config.json (model_type {data['model_type']!r})"
+    return f"a config.json of another kind (keys {sorted(data)[:6]})"
+
+
 def save_heads(
     directory: str | Path,
     config: MedusaConfig,
@@ -44,11 +69,15 @@ def save_heads(
         state_dict: the heads' tensors (``MedusaHeads.state_dict()``).
         base_model_id: Hub id for the card's ``base_model`` field (defaults to the config's).
     """
-    directory = Path(directory)
+    directory = Path(directory).expanduser()
     held = [name for name in FASTERDECODING_WEIGHTS if (directory / name).exists()]
     if held:
         raise ValueError(f"{directory} holds heads in the FasterDecoding layout ({held[0]}); saving here would replace "
                          "their config.json: save into another folder")
+    other = foreign_config(directory, "medusa-forge")
+    if other is not None:
+        raise ValueError(f"{directory} holds {other}, which saving heads there would replace: save into another "
+                         "folder")
     # everything made before anything is written, each file written beside and moved into place (a failure
     # while making the card left a new config.json beside the old weights)
     tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in state_dict.items()}
@@ -70,7 +99,7 @@ def save_heads(
 
 def load_heads_state(directory: str | Path) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
     """Read a medusa-forge checkpoint folder; corrupted or missing files raise ``ValueError``."""
-    directory = Path(directory)
+    directory = Path(directory).expanduser()
     config_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
     for path in (config_path, weights_path):
         if not path.is_file():
@@ -80,7 +109,7 @@ def load_heads_state(directory: str | Path) -> tuple[MedusaConfig, dict[str, tor
             raise ValueError(f"{path} is missing: {directory} is not a medusa-forge heads checkpoint{layout}")
     try:
         config = MedusaConfig.load(config_path)
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{config_path} is not valid JSON ({err}); re-export or re-download it") from err
     try:
         state_dict = load_file(str(weights_path))

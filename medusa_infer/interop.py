@@ -35,7 +35,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from medusa_infer.checkpoint import FASTERDECODING_WEIGHTS, IMPORTED_FROM, check_state_dict
+from medusa_infer.checkpoint import FASTERDECODING_WEIGHTS, IMPORTED_FROM, check_state_dict, foreign_config
 from medusa_infer.checkpoint import WEIGHTS_NAME as OUR_WEIGHTS_NAME
 from medusa_infer.config import MedusaConfig
 from medusa_infer.heads import MedusaHeads
@@ -277,16 +277,17 @@ def _layers_found(tensors: dict[str, torch.Tensor]) -> int | None:
 def _copies_lm_head(
     projections: list[torch.Tensor | None], weight: torch.Tensor | None, bias: torch.Tensor | None
 ) -> bool:
-    """Whether every head's projection holds ``weight``'s numbers exactly (each casts to the other's dtype
-    without change: a bfloat16 model's copies read onto its float32 load too) and the base ``lm_head``
-    adds no bias: version 1 of shared heads."""
+    """Whether every head's projection, cast to ``weight``'s dtype (the one the heads compute in), holds
+    ``weight``'s numbers exactly and the base ``lm_head`` adds no bias: version 1 of shared heads. A
+    bfloat16 model's copies read onto its float32 load are copies, and so are a float32 model's read
+    onto its bfloat16 load (they round to that ``lm_head``: as own heads they computed the same logits
+    with a vocabulary projection per head more)."""
     if weight is None or (bias is not None and bool(bias.any())):
         return False
     weight = weight.detach().to("cpu")
 
     def same(p: torch.Tensor | None) -> bool:
-        return (p is not None and p.shape == weight.shape and torch.equal(p.to(weight.dtype), weight)
-                and torch.equal(weight.to(p.dtype), p))
+        return p is not None and p.shape == weight.shape and torch.equal(p.to(weight.dtype), weight)
 
     return all(same(p) for p in projections)
 
@@ -370,6 +371,9 @@ def write_medusa_layout(
             config.num_layers, "" if version == "1" else " in version '1' only (TGI reads version 2 with one block "
             "a head, TensorRT-LLM reads no version 2): export with version='1'",
         )
+    if config.num_layers == 0 and version == "2":
+        logger.warning("heads without residual blocks in version '2' leave the weights file empty (each head is the "
+                       "base lm_head itself): TGI reads version 2 with one block a head, TensorRT-LLM no version 2")
     expected = _expected(config)
     check_state_dict(expected, state_dict, "the state dict to export")
     tensors = {_their_name(name, config.num_layers): _plain(name, state_dict[name]) for name in expected}
@@ -382,11 +386,15 @@ def write_medusa_layout(
         for k in range(config.num_heads):
             tensors[f"{k}.{config.num_layers}.weight"] = _plain("lm_head_weight", lm_head_weight)
 
-    path = Path(path)
+    path = Path(path).expanduser()
+    other = foreign_config(path, "FasterDecoding")
+    if other is not None:
+        raise ValueError(f"{path} holds {other}, which writing this layout there would replace: export into another "
+                         "folder")
     if (path / OUR_WEIGHTS_NAME).exists():
         raise ValueError(
-            f"{path} holds heads saved with save_pretrained ({OUR_WEIGHTS_NAME}); writing this layout there would "
-            "replace their config.json: export into another folder"
+            f"{path} holds {OUR_WEIGHTS_NAME} (heads saved with save_pretrained, or a model's weights), which "
+            "readers of this layout would find beside it: export into another folder"
         )
     path.mkdir(parents=True, exist_ok=True)
     for other in set(WEIGHTS_NAMES.values()) - {WEIGHTS_NAMES[fmt]}:

@@ -304,6 +304,7 @@ class MedusaModel(nn.Module):
         self.tokenizer = tokenizer
         self.merged_adapter: Path | None = None  # the Medusa-2 adapter folder from_pretrained merged
         self.skipped_adapter: Path | None = None  # the one it left unmerged (adapter=False)
+        self.skipped_datastore: Path | None = None  # the store it left unread (datastore=False)
         self.datastore: Datastore | None = None
         self._cache_kw = cache_keyword(self._decoder)
         self._slot_masks = _causal_slot_buffers(base_model)
@@ -368,6 +369,8 @@ class MedusaModel(nn.Module):
                              + ("it" if len(given) == 1 else "them")
                              + ("; for a reduced vocabulary pass token_map=" if "reduced_vocab_size" in given else ""))
         base_model, tokenizer, name = _load_base(base_model, tokenizer)
+        if name is not None and not base_model_name_or_path and Path(name).expanduser().is_dir():
+            name = str(Path(name).expanduser().resolve())  # a relative folder named nothing from elsewhere
         name = base_model_name_or_path or name
         lm_weight = base_model.get_output_embeddings().weight
         config = MedusaConfig(
@@ -515,6 +518,8 @@ class MedusaModel(nn.Module):
         model.merged_adapter = adapter_folder if merge else None
         model.skipped_adapter = adapter_folder if not adapter and adapter_folder.is_dir() else None
         model.datastore = store
+        if not datastore and (directory / DATASTORE_NAME).is_file():
+            model.skipped_datastore = directory / DATASTORE_NAME
         if config.chat_template and tokenizer is not None:
             tokenizer.chat_template = config.chat_template
         elif config.chat_template:
@@ -538,17 +543,26 @@ class MedusaModel(nn.Module):
         ``directory/adapter``, replacing what was there: the heads were trained for the adapted
         base model, so the folder (and what ``push_to_hub`` uploads) keeps both. Heads without one
         are not saved into a folder holding an adapter (``ValueError``): it would be merged under
-        them. The ``datastore`` is saved too, as ``datastore.safetensors``.
+        them. The ``datastore`` is saved too, as ``datastore.safetensors``; without one, a store
+        there goes, bar the one loading these heads left unread (``datastore=False``).
         """
         config = self.config  # a model without heads: ValueError
         own = self.heads.state_dict()
+        with torch.device("meta"):  # heads changed since (a head dropped) were saved, and failed to load
+            expected = MedusaHeads(config).state_dict()
+        check_state_dict(expected, own, "the heads (self.heads) against their config")
         if heads_state is not None:
             check_state_dict(own, dict(heads_state), "heads_state")
-        target = Path(directory) / ADAPTER_DIR
+        directory = Path(directory).expanduser()
+        target = directory / ADAPTER_DIR
         if self.merged_adapter is not None and not Path(self.merged_adapter).is_dir():
             raise ValueError(f"the Medusa-2 adapter merged into the base model at load time ({self.merged_adapter}) "
                              "is gone, and the heads need it: nothing was written; restore that folder, or load the "
                              "heads again from a folder that holds it")
+        if self.merged_adapter is not None and self._merged_digest() not in adapter_digests(self.merged_adapter):
+            raise ValueError(f"the Medusa-2 adapter in {self.merged_adapter} changed since it was merged into the base "
+                             "model (another run wrote there?): these heads go with the one merged, not it; nothing "
+                             "was written: load the heads again with the adapter they were trained with")
         if self.skipped_adapter is not None:
             logger.warning("these heads were loaded with adapter=False from a folder holding their Medusa-2 adapter "
                            "(%s): %s gets the heads alone, whose accuracies were measured with the adapter merged; "
@@ -567,24 +581,40 @@ class MedusaModel(nn.Module):
         if self.datastore is not None:
             self.datastore.save(out / DATASTORE_NAME)
             note_datastore(out, len(self.datastore), self.datastore.origin)
+        elif (out / DATASTORE_NAME).is_file() and self.skipped_datastore is not None and os.path.samefile(
+                out / DATASTORE_NAME, self.skipped_datastore):  # left unread (datastore=False), not unwanted
+            logger.info("%s was left as it is: loaded with datastore=False from there", out / DATASTORE_NAME)
         elif (out / DATASTORE_NAME).is_file():  # an earlier save's store is not these heads'
             (out / DATASTORE_NAME).unlink()
         return out
 
+    def _merged_digest(self) -> str | None:
+        """The digest of the adapter merged into the base model's weights: recorded by ``merge_adapter``
+        on the object, or in the config of weights saved merged."""
+        already = getattr(self.base_model, MERGED_ADAPTER_ATTR, None)
+        return already[1] if already is not None else getattr(self.base_model.config, MERGED_ADAPTER_KEY, None)
+
     def export_medusa_layout(
-        self, directory: str | os.PathLike, fmt: str = "safetensors", version: str | None = None
+        self, directory: str | os.PathLike, fmt: str = "safetensors", version: str | None = None,
+        heads_state: Mapping[str, torch.Tensor] | None = None,
     ) -> Path:
         """Write the heads in the FasterDecoding/Medusa layout (read by TGI and TensorRT-LLM);
         see ``medusa_infer.interop.write_medusa_layout``. Unlike ``save_pretrained``, it writes neither
         a merged Medusa-2 adapter (those engines need the base model with it merged) nor the lookup
-        datastore (no engine that reads the layout uses one); either left out is warned about."""
+        datastore (no engine that reads the layout uses one); either left out is warned about.
+
+        As with ``save_pretrained``, the heads are written in the dtype they compute in unless
+        ``heads_state`` gives the weights to write (the full-precision ones they were loaded from)."""
         from medusa_infer.interop import write_medusa_layout
 
         copies = version == "1" and self.config.projection == "shared"
         lm_weight, lm_bias = (self.lm_head.weight, self.lm_head.bias) if copies else (None, None)
-        already = getattr(self.base_model, MERGED_ADAPTER_ATTR, None)
-        merged_in = already[1] if already is not None else getattr(self.base_model.config, MERGED_ADAPTER_KEY, None)
-        out = write_medusa_layout(self.config, self.heads.state_dict(), directory, lm_head_weight=lm_weight,
+        merged_in = self._merged_digest()
+        state = self.heads.state_dict()
+        if heads_state is not None:
+            check_state_dict(state, dict(heads_state), "heads_state")
+            state = dict(heads_state)
+        out = write_medusa_layout(self.config, state, directory, lm_head_weight=lm_weight,
                                   fmt=fmt, version=version, lm_head_bias=lm_bias, adapter_digest=merged_in)
         self._warn_heads_only(directory)  # once written: heads the layout cannot hold fail without it
         return out
@@ -765,7 +795,7 @@ def check_compatible(config: MedusaConfig, base_model: PreTrainedModel) -> None:
     if config.base_model_type and config.base_model_type != model_type:
         raise ValueError(
             f"heads were trained for model type {config.base_model_type!r}, this model is {model_type!r}: "
-            f"load the base model they were trained for ({config.base_model_name_or_path})"
+            f"load the base model they were trained for{_named(config.base_model_name_or_path)}"
         )
 
 
@@ -806,9 +836,10 @@ def merge_adapter(base_model: PreTrainedModel, folder: str | os.PathLike) -> Pre
 
     Raises:
         ValueError: the adapter targets the model's input or output embeddings
-            (``embedding_lora_targets``).
+            (``embedding_lora_targets``), lacks files or weights, or does not fit the model; the model is
+            then left as it was.
     """
-    from peft import PeftModel
+    from peft import PeftConfig, PeftModel
 
     config_file = Path(folder) / "adapter_config.json"
     targets = json.loads(config_file.read_text()).get("target_modules") if config_file.is_file() else None
@@ -826,13 +857,41 @@ def merge_adapter(base_model: PreTrainedModel, folder: str | os.PathLike) -> Pre
         except (SafetensorError, OSError) as err:
             raise ValueError(f"{weights} could not be read ({err}): the adapter is truncated or corrupted; "
                              "save or download it again") from err
-    merged = PeftModel.from_pretrained(base_model, str(folder), is_trainable=False).merge_and_unload()
+    if not config_file.is_file():
+        raise ValueError(f"{folder} holds no adapter_config.json: the adapter was not saved whole; save or download "
+                         "it again")
+    if not any((Path(folder) / name).is_file() for name in ADAPTER_WEIGHTS):
+        raise ValueError(f"{folder} holds no adapter weights ({' or '.join(ADAPTER_WEIGHTS)}): the adapter was not "
+                         "saved whole; save or download it again")
+    config = PeftConfig.from_pretrained(str(folder))
+    config.inference_mode = True
+    wrapped = PeftModel(base_model, config)  # LoRA layers injected into base_model, taken out on any failure
+    try:
+        try:
+            result = wrapped.load_adapter(str(folder), "default", is_trainable=False)
+        except (RuntimeError, KeyError, OSError) as err:  # (a rank other than the config's: a size mismatch)
+            lines = [line.strip() for line in str(err).splitlines() if line.strip()]  # one per weight
+            detail = " ".join(lines[:2]) + (f" ... ({len(lines) - 2} more)" if len(lines) > 2 else "")
+            raise ValueError(f"the adapter in {folder} could not be loaded onto this model ({detail}); it was saved "
+                             "for another model or is damaged: use the adapter the heads were trained with") from err
+        missing = [key for key in result.missing_keys if "lora_" in key]
+        if missing:  # (peft only warns: the layers it lacks weights for stayed as initialised, adding nothing)
+            raise ValueError(f"the adapter in {folder} lacks {len(missing)} of the LoRA weights its config asks "
+                             f"for (such as {missing[0]}): merged, they would add nothing; use the "
+                             "adapter as peft saved it (its keys and adapter_config.json together)")
+    except BaseException:
+        wrapped.unload()  # the given model as it was: refused loads leave it so
+        raise
+    merged = wrapped.merge_and_unload()
     forget_packed(merged)  # the merge wrote through .data: copies packed before it hold the old weights
     digest = adapter_digest(folder)
     setattr(merged, MERGED_ADAPTER_ATTR, (str(folder), digest))
     setattr(merged.config, MERGED_ADAPTER_KEY, digest)  # saved with the merged weights
     return merged
 
+
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+"""The files peft saves an adapter's weights in (either)."""
 
 MERGED_ADAPTER_ATTR = "_medusa_merged_adapter"
 """Set by ``merge_adapter`` on the model it changed: ``(folder, adapter_digest(folder))``, so that a
@@ -879,8 +938,8 @@ def heads_folder(path_or_repo_id: str | os.PathLike, revision: str | None = None
     from medusa_infer.models import is_path_like
 
     path = Path(path_or_repo_id).expanduser()
-    if path.is_dir():
-        return path
+    if path.is_dir():  # absolute: an adapter merged from it is copied from there after a chdir too
+        return path.absolute()
     if path.exists():
         raise ValueError(f"{path} is a file; pass the folder that holds config.json and the weights")
     if not isinstance(path_or_repo_id, str) or is_path_like(path_or_repo_id):

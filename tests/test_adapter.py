@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
 from medusa_infer.checkpoint import ADAPTER_DIR
@@ -81,6 +82,63 @@ def test_a_truncated_adapter_is_named_and_leaves_the_given_base_model_alone(head
     with pytest.raises(ValueError, match=r"adapter_model.safetensors could not be read .* the adapter is truncated"):
         MedusaModel.from_pretrained(folder, base_model=base)
     assert not [name for name, _ in base.named_modules() if "lora" in name]
+
+
+def same_plain_model(base: LlamaForCausalLM) -> bool:
+    """Whether ``base`` holds no LoRA layers and the weights of a fresh tiny Llama (as it was given)."""
+    fresh = tiny_model("llama").state_dict()
+    state = base.state_dict()
+    return (not [name for name, _ in base.named_modules() if "lora" in name] and state.keys() == fresh.keys()
+            and all(torch.equal(state[k], fresh[k]) for k in fresh))
+
+
+@pytest.mark.parametrize("damage", ["keys", "rank", "weights"])
+def test_an_adapter_that_does_not_fit_is_refused_and_leaves_the_given_base_model_alone(heads_folder, tmp_path,
+                                                                                       damage):
+    """Keys peft does not find (saved without its prefix) only warned: the layers without weights merged nothing
+    and the heads ran unadapted; a rank other than the config's, or no weights file, failed with a bare error
+    (about a Hub repo id for the latter) after LoRA layers were put into the caller's model."""
+    folder = tmp_path / "heads"
+    shutil.copytree(heads_folder[0], folder)
+    adapter = folder / ADAPTER_DIR
+    weights = adapter / "adapter_model.safetensors"
+    if damage == "keys":
+        save_file({k.removeprefix("base_model.model."): v for k, v in load_file(weights).items()}, weights)
+    elif damage == "rank":
+        settings = json.loads((adapter / "adapter_config.json").read_text())
+        (adapter / "adapter_config.json").write_text(json.dumps({**settings, "r": 2 * R}))
+    else:
+        weights.unlink()
+    expected = {"keys": r"lacks 12 of the LoRA weights its config asks for \(such as .*lora_A",
+                "rank": r"could not be loaded onto this model \(.*size mismatch",
+                "weights": r"holds no adapter weights \(adapter_model.safetensors or adapter_model.bin\)"}[damage]
+    base = tiny_model("llama")
+    with pytest.raises(ValueError, match=expected):
+        MedusaModel.from_pretrained(folder, base_model=base)
+    assert same_plain_model(base)
+    assert not hasattr(base, MERGED_ADAPTER_ATTR)
+
+
+def test_an_adapter_changed_since_the_merge_is_not_saved_beside_the_heads(heads_folder, tmp_path):
+    """Another run wrote a new adapter where the merged one was: it was copied along with heads that go with the
+    one merged (the saved folder decoded differently), without a word."""
+    folder = tmp_path / "heads"
+    shutil.copytree(heads_folder[0], folder)
+    model = MedusaModel.from_pretrained(folder, base_model=tiny_model("llama"))
+    weights = folder / ADAPTER_DIR / "adapter_model.safetensors"
+    save_file({k: v * 2 for k, v in load_file(weights).items()}, weights)
+    with pytest.raises(ValueError, match=r"adapter in .*adapter changed since it was merged into the base model"):
+        model.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_adapter_loaded_by_a_relative_path_is_saved_after_a_chdir(heads_folder, tmp_path, monkeypatch):
+    shutil.copytree(heads_folder[0], tmp_path / "heads")
+    monkeypatch.chdir(tmp_path)
+    model = MedusaModel.from_pretrained("heads", base_model=tiny_model("llama"))
+    monkeypatch.chdir(tmp_path / "heads")  # the adapter was taken for gone ("heads/adapter" from here)
+    model.save_pretrained(tmp_path / "out")
+    assert (tmp_path / "out" / ADAPTER_DIR / "adapter_model.safetensors").is_file()
 
 
 def test_adapter_false_keeps_the_plain_base(heads_folder, tmp_path, caplog):

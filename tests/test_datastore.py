@@ -386,6 +386,14 @@ def test_medusa_lookup_uses_the_models_datastore_and_it_is_saved_with_the_heads(
     with pytest.raises(ValueError, match="is not a readable datastore .* or delete it \\(--no-datastore leaves it"):
         MedusaModel.from_pretrained(tmp_path / "heads", base_model=target.base_model)
     assert MedusaModel.from_pretrained(tmp_path / "heads", base_model=target.base_model, datastore=False).heads
+    # loaded without reading the store and saved back where they came from: the store stays (it was deleted)
+    model.datastore = Datastore.from_sequences([prompt.tolist() + answer])
+    model.save_pretrained(tmp_path / "heads")
+    unread = MedusaModel.from_pretrained(tmp_path / "heads", base_model=target.base_model, datastore=False)
+    unread.save_pretrained(tmp_path / "heads")
+    unread.save_pretrained(tmp_path / "elsewhere")
+    assert torch.equal(Datastore.load(store).tokens, model.datastore.tokens)
+    assert not (tmp_path / "elsewhere" / DATASTORE_NAME).exists()
     (tmp_path / "alone").mkdir()
     saved = Datastore.from_sequences([[1, 2, 3]]).save(tmp_path / "alone" / DATASTORE_NAME)
     assert [p.name for p in saved.parent.iterdir()] == [DATASTORE_NAME]  # no partial file left beside it

@@ -133,6 +133,12 @@ def test_version_1_copies_of_the_base_lm_head_are_read_as_shared_heads(tmp_path)
     assert read_medusa_layout(tmp_path, lm_head_weight=lm_head, lm_head_bias=torch.zeros(VOCAB))[0].projection == "shared"
     # the same numbers in float32 (the bfloat16 model's weights loaded in float32, as a base named by its id is)
     assert read_medusa_layout(tmp_path, lm_head_weight=lm_head.float())[0].projection == "shared"
+    # a float32 model's copies read onto its bfloat16 load round to that lm_head: copies too (they came back as
+    # own heads, a vocabulary projection per head more for the same logits)
+    write_medusa_layout(config, {k: v.float() for k, v in state.items()}, tmp_path / "f32", lm_head_weight=rounded,
+                        version="1")
+    assert read_medusa_layout(tmp_path / "f32", lm_head_weight=rounded.to(torch.bfloat16))[0].projection == "shared"
+    assert read_medusa_layout(tmp_path / "f32", lm_head_weight=lm_head + 1)[0].projection == "own"
 
 
 def test_export_writes_independent_tensors_from_views(tmp_path):
@@ -412,6 +418,12 @@ def test_export_of_several_blocks_per_head_warns_about_the_reference_loader(tmp_
         config = tiny_config("own", num_layers=1)
         write_medusa_layout(config, random_state(config), tmp_path / "one")
     assert "reads only the last block" not in caplog.text
+    assert "leave the weights file empty" not in caplog.text
+    # no blocks in version 2: an empty weights file that no engine reads (it went without a word)
+    with caplog.at_level("WARNING", logger="medusa_infer.interop"):
+        config = tiny_config("shared", num_layers=0)
+        write_medusa_layout(config, random_state(config), tmp_path / "none")
+    assert "version '2' leave the weights file empty" in caplog.text
 
 
 def test_the_heads_tree_travels_as_medusa_choices(tmp_path):

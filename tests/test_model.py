@@ -445,6 +445,86 @@ def test_heads_folders_of_the_two_layouts_are_not_written_over(tmp_path):
     assert MedusaModel.from_pretrained(tmp_path / "ours", base_model=model.base_model).config.tree == model.config.tree
 
 
+def test_heads_are_not_written_over_a_models_config(tmp_path):
+    """A sharded base model's folder (no model.safetensors) passed every check: its config.json was replaced by the
+    heads' and the model no longer loaded; save_pretrained wrote over a single-file model's weights too."""
+    model = medusa(base_model("llama"), "own")
+    for folder in ("sharded", "single"):
+        model.base_model.save_pretrained(tmp_path / folder, max_shard_size="20KB" if folder == "sharded" else "5GB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    before = {f.name: f.read_bytes() for f in (tmp_path / "single").iterdir()}
+    for folder in ("sharded", "single"):
+        with pytest.raises(ValueError, match=rf"{folder} holds a model's config.json \(model_type 'llama'\), which "
+                                             "writing this layout there would replace: export into another folder"):
+            model.export_medusa_layout(tmp_path / folder)
+        with pytest.raises(ValueError, match=rf"{folder} holds a model's config.json \(model_type 'llama'\), which "
+                                             "saving heads there would replace: save into another folder"):
+            model.save_pretrained(tmp_path / folder)
+        AutoModelForCausalLM.from_pretrained(tmp_path / folder)  # still the model
+    assert {f.name: f.read_bytes() for f in (tmp_path / "single").iterdir()} == before
+    model.export_medusa_layout(tmp_path / "fd")
+    model.export_medusa_layout(tmp_path / "fd")  # its own layout's config.json is written over
+    model.save_pretrained(tmp_path / "ours")
+    model.save_pretrained(tmp_path / "ours")
+    (tmp_path / "fd2").mkdir()
+    (tmp_path / "fd2" / "config.json").write_text('{"medusa_num_heads": 3, "medusa_num_layers": 1}')
+    with pytest.raises(ValueError, match="holds heads in the FasterDecoding layout \\(their config.json\\)"):
+        model.save_pretrained(tmp_path / "fd2")
+
+
+def test_paths_with_a_tilde_and_relative_base_folders_load_from_anywhere(tmp_path, monkeypatch):
+    """Saving took "~/heads" literally (a folder named ~ in the working directory) where loading expands it; a base
+    model from a relative folder was recorded as given, which named nothing from another working directory."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    from medusa_infer.serving.testing import word_tokenizer
+
+    base_model("llama").save_pretrained(tmp_path / "base")
+    word_tokenizer().save_pretrained(tmp_path / "base")
+    model = MedusaModel.from_base("base", num_heads=HEADS)
+    assert model.config.base_model_name_or_path == str(tmp_path / "base")
+    model.save_pretrained("~/heads")
+    model.export_medusa_layout("~/fd")
+    assert not (tmp_path / "~").exists()
+    monkeypatch.chdir(tmp_path / "home")
+    for folder in ("~/heads", "~/fd"):
+        assert MedusaModel.from_pretrained(folder).config.base_model_name_or_path == str(
+            tmp_path / "base")
+
+
+def test_heads_changed_against_their_config_are_not_saved(tmp_path):
+    model = medusa(base_model("llama"), "own")
+    model.heads.heads = model.heads.heads[:2]  # saved, the folder failed to load (missing tensors)
+    with pytest.raises(ValueError, match=r"the heads \(self.heads\) against their config.*heads.2"):
+        model.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_config_that_is_not_text_is_named(tmp_path):
+    medusa(base_model("llama")).save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ValueError, match=r"config.json is not valid JSON \(.*utf-8"):
+        MedusaModel.from_pretrained(tmp_path, base_model=base_model("llama"))
+
+
+def test_export_writes_the_full_precision_heads_state_given(tmp_path):
+    """Float32 heads on a bfloat16 model were exported rounded to bfloat16, with no way around it (save_pretrained
+    had heads_state)."""
+    model = randomize(medusa(base_model("llama"), "own"))
+    full = {k: v.clone() for k, v in model.heads.state_dict().items()}
+    model = MedusaModel.from_base(model.base_model.to(torch.bfloat16), num_heads=HEADS, num_layers=LAYERS,
+                                  projection="own")
+    model.heads.load_state_dict(full)
+    model.export_medusa_layout(tmp_path / "rounded")
+    model.export_medusa_layout(tmp_path / "full", heads_state=full)
+    assert_identical(MedusaModel.from_pretrained(tmp_path / "full", base_model=base_model("llama")).heads.state_dict(),
+                     full)
+    rounded = MedusaModel.from_pretrained(tmp_path / "rounded", base_model=base_model("llama")).heads.state_dict()
+    assert not all(torch.equal(rounded[k], v) for k, v in full.items())
+    with pytest.raises(ValueError, match="heads_state"):
+        model.export_medusa_layout(tmp_path / "bad", heads_state={})
+
+
 def test_export_defaults_to_the_projections_natural_version(tmp_path):
     for projection, version in (("shared", "2"), ("own", "1")):
         out = medusa(base_model("llama"), projection).export_medusa_layout(tmp_path / projection)
@@ -592,14 +672,14 @@ def test_heads_for_another_base_model_are_refused(tmp_path, source, target, mess
     Datastore(torch.tensor([3, 4, 5]), tokenizer="another model's").save(tmp_path / DATASTORE_NAME)
     with pytest.raises(ValueError, match=message):
         MedusaModel.from_pretrained(tmp_path, base_model=target(), tokenizer=word_tokenizer())
-    if "model type" not in message:  # heads that name no base model: said so (it read "trained for (None)")
-        from medusa_infer.config import MedusaConfig
-        from medusa_infer.model import check_compatible
+    # heads that name no base model: said so (it read "trained for (None)"; for another model type too)
+    from medusa_infer.config import MedusaConfig
+    from medusa_infer.model import check_compatible
 
-        config = MedusaConfig.load(tmp_path / "config.json")
-        config.base_model_name_or_path = None
-        with pytest.raises(ValueError, match=r"the base model they were trained for \(their config names none\)"):
-            check_compatible(config, target())
+    config = MedusaConfig.load(tmp_path / "config.json")
+    config.base_model_name_or_path = None
+    with pytest.raises(ValueError, match=r"the base model they were trained for \(their config names none\)"):
+        check_compatible(config, target())
 
 
 def test_heads_for_another_hidden_size_are_refused_from_faster_decoding_layout(tmp_path):
