@@ -6,7 +6,9 @@ measured in the same run; tau is the mean tokens per decoding step, the bonus to
 Spec-Bench, vLLM and ``GenerationMetrics.tau`` count it (the prefill's token is no step's; Hugging Face's
 assisted methods verify drafts in their first forward already: one that accepted some is a step of its
 tokens past the first, one that accepted none counts as the prefill alone), so plain decoding scores 1.0.
-Methods run one after the other on each question (interleaved), so a noisy machine slows all of them alike.
+Methods run one after the other on each question (interleaved), so a noisy machine slows all of them alike;
+each group of questions starts with the next method in turn (rotated), so that none (the baseline was)
+always meets a question first and pays what that costs.
 
 With ``--batch-size B`` the questions are answered in groups of B: for each turn index, the rows of
 the group that have that turn are decoded together as one left-padded batch, and each row's answer
@@ -602,8 +604,11 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
             break
         group = questions[first : first + args.batch_size]
         measured = {"questions": [q["id"] for q in group], "tokens": {}, "seconds": {}}
+        shift = len(groups) % len(methods)
         groups.append(measured)
-        for method in methods:
+        for index in range(max(len(q["turns"]) for q in group)):  # answers' order: by turn, then row
+            answer_categories += [q["category"] for q in group if index < len(q["turns"])]
+        for method in methods[shift:] + methods[:shift]:
             conversations: list[list[dict]] = [[] for _ in group]
             for index in range(max(len(q["turns"]) for q in group)):
                 rows = [i for i, q in enumerate(group) if index < len(q["turns"])]
@@ -616,8 +621,6 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
                     totals[method].add(turn)
                     per_category[group[i]["category"]][method].add(turn)
                     answers[method].append(turn.tokens)
-                    if method == methods[0]:
-                        answer_categories.append(group[i]["category"])
                     conversations[i].append({"role": "assistant",
                                              "content": runner.tokenizer.decode(turn.tokens, skip_special_tokens=True)})
         bar.update(len(group))
@@ -654,7 +657,7 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
             "linear_kernels": linear_kernels(model.base_model),
             "attention": model.base_model.config._attn_implementation,
             "kernel_plans": {shape: plan.to_dict() for shape, plan in kernel_plans(model.base_model).items()},
-            "torch_threads": torch.get_num_threads(), "methods": methods,
+            "torch_threads": torch.get_num_threads(), "methods": methods, "method_order": "rotated per group",
             "tree": _tree_note(model, args.tree),
             # what exact compares with (its own exact: true) and speedup divides by; None: not measured
             "exact_reference": reference, "speedup_baseline": "hf" if "hf" in methods else None,
@@ -678,18 +681,23 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
 
 
 BOOTSTRAP_SAMPLES = 2000
+MIN_INTERVAL_GROUPS = 10
+"""Groups of questions below which no speedup interval is given: a bootstrap of n groups never reaches past
+their own ratios, and covers the truth far less often than 95% (about 50% of the time for 2 groups, 80% for
+5, 90% for 10; 94% for 26, measured with a known speedup)."""
 
 
 def speedup_intervals(groups: list[dict[str, Any]], methods: Sequence[str], samples: int = BOOTSTRAP_SAMPLES,
-                      seed: int = 0) -> dict[str, list[float]]:
+                      seed: int = 0, min_groups: int = MIN_INTERVAL_GROUPS) -> dict[str, list[float]]:
     """Per method, a 95% bootstrap interval of its speedup over ``hf`` (the ratio of total tokens per
     second, as reported): the groups of questions (``benchmark``'s ``groups``: one question at batch size
     1) drawn again with replacement, each method's and ``hf``'s times of a group kept together (paired).
     Every group every method ran on is drawn from; a draw whose speedup is undefined (no ``hf`` token, or
     no second, in all it drew: a few groups with an empty ``hf`` answer) is drawn again, and where most are
-    (no interval to tell) there is none. Empty without ``hf`` or with fewer than 2 groups."""
+    (no interval to tell) there is none. Empty without ``hf`` or with fewer than ``min_groups`` groups
+    (``MIN_INTERVAL_GROUPS``)."""
     usable = [g for g in groups if all(m in g["seconds"] for m in methods)]
-    if "hf" not in methods or len(usable) < 2:
+    if "hf" not in methods or len(usable) < max(2, min_groups):
         return {}
     draw = random.Random(seed)
     ratios: dict[str, list[float]] = {m: [] for m in methods}
@@ -847,7 +855,9 @@ def report_markdown(report: dict[str, Any]) -> str:
               + (" In brackets after a speedup: its 95% bootstrap interval over the questions"
                  + (" (batches of them)" if s.get("batch_size", 1) > 1 else "") + ", each method's time of a "
                  "question paired with hf's." if any(r.get("speedup_ci95") for r in report["methods"].values())
-                 else "")]
+                 else f" No interval for the speedups: {len(report.get('groups', []))} groups of questions, fewer "
+                      f"than the {MIN_INTERVAL_GROUPS} a bootstrap interval needs to mean 95%."
+                 if "hf" in report["methods"] and 1 < len(report.get("groups", [])) < MIN_INTERVAL_GROUPS else "")]
     if s["dtype"] != "float32" and any(r["exact"] is False for r in report["methods"].values()):
         lines += ["", f"In {s['dtype']} a forward of "
                   "several tokens rounds differently from one of a single token (and a padded batch from one row), "

@@ -122,28 +122,58 @@ def test_report_has_every_field_per_method_and_category(model):
     for method, row in methods.items():
         assert sum(g["tokens"][method] for g in groups) == row["tokens"]
         assert sum(g["seconds"][method] for g in groups) == pytest.approx(row["seconds"], abs=0.01)
+        # five groups: a bootstrap interval of them would cover the truth far less often than it says
+        assert "speedup_ci95" not in row
+    assert "No interval for the speedups: 5 groups of questions, fewer than the 10" in report_markdown(report)
+
+
+def test_methods_take_turns_meeting_each_question_first_and_intervals_need_ten_groups(model, monkeypatch):
+    """The baseline always ran first on every question, paying whatever meeting a question first costs, which
+    pushed every speedup one way; a 95% interval was given from 2 groups up (covering the truth half the time)."""
+    from medusa_train import benchmark as bench
+
+    calls = []
+    real = bench.Runner.run_batch
+
+    def spy(self, method, conversations, **options):
+        if "max_new_tokens" not in options and len(conversations[0]) == 1:  # (not the warm-up's) a first turn
+            calls.append(method)
+        return real(self, method, conversations, **options)
+
+    monkeypatch.setattr(bench.Runner, "run_batch", spy)
+    questions = [{**q, "id": 10 * round + q["id"]} for round in range(2) for q in QUESTIONS]  # 10 questions
+    report = benchmark(model, questions, args(methods=["hf", "ar", "medusa"]))
+    orders = [calls[i : i + 3] for i in range(0, len(calls), 3)]  # per question, the methods as they met it
+    assert len(orders) == 10 and all(sorted(order) == ["ar", "hf", "medusa"] for order in orders)
+    assert [order[0] for order in orders] == ["hf", "ar", "medusa"] * 3 + ["hf"]
+    assert report["settings"]["method_order"] == "rotated per group"
+    for method, row in report["methods"].items():
+        assert row["exact"] is True  # answers kept in order whichever method went first
         low, high = row["speedup_ci95"]
         assert low <= high and (method != "hf" or low == high == 1.0)
+    assert "In brackets after a speedup: its 95% bootstrap interval" in report_markdown(report)
 
 
 def test_speedup_intervals_resample_question_groups_paired():
     from medusa_train.benchmark import speedup_intervals
 
-    steady = [{"tokens": {"hf": 10, "x": 10}, "seconds": {"hf": 1.0, "x": 0.5}} for _ in range(6)]
+    steady = [{"tokens": {"hf": 10, "x": 10}, "seconds": {"hf": 1.0, "x": 0.5}} for _ in range(10)]
     assert speedup_intervals(steady, ["hf", "x"]) == {"hf": [1.0, 1.0], "x": [2.0, 2.0]}
     # x is twice as fast on half the questions and as fast on the others: the interval spans the mix
-    mixed = steady[:3] + [{"tokens": {"hf": 10, "x": 10}, "seconds": {"hf": 1.0, "x": 1.0}} for _ in range(3)]
+    mixed = steady[:5] + [{"tokens": {"hf": 10, "x": 10}, "seconds": {"hf": 1.0, "x": 1.0}} for _ in range(5)]
     low, high = speedup_intervals(mixed, ["hf", "x"])["x"]
     assert 1.0 < low < 4 / 3 < high < 2.0
-    assert speedup_intervals(steady[:1], ["hf", "x"]) == {} and speedup_intervals(steady, ["x"]) == {}
+    assert speedup_intervals(steady[:9], ["hf", "x"]) == {} and speedup_intervals(steady, ["x"]) == {}
+    assert speedup_intervals(steady[:2], ["hf", "x"], min_groups=2)["x"] == [2.0, 2.0]
+    assert speedup_intervals(steady[:1], ["hf", "x"], min_groups=1) == {}
     # a question whose hf answer was empty (EOS first): draws of it alone have no speedup, and their NaN left
     # the sorted draws unordered (an interval [1.484, 1.359], or NaN, which is no JSON)
     empty = {"tokens": {"hf": 0, "x": 3}, "seconds": {"hf": 0.02, "x": 0.02}}
     for groups in ([empty, *mixed[:2]], [empty, steady[0]], [empty, empty]):
-        interval = speedup_intervals(groups, ["hf", "x"])
+        interval = speedup_intervals(groups, ["hf", "x"], min_groups=2)
         assert all(low <= high and low == low for low, high in interval.values()), interval
         json.dumps(interval, allow_nan=False)
-    assert speedup_intervals([empty, empty], ["hf", "x"]) == {}
+    assert speedup_intervals([empty, empty], ["hf", "x"], min_groups=2) == {}
 
 
 def test_the_report_names_the_commit_of_its_own_checkout_only(tmp_path, monkeypatch):
