@@ -76,6 +76,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("give a prompt, or --chat for an interactive chat")
     if args.prompt is not None and args.chat:
         parser.error(f"--chat reads its prompts interactively; drop the prompt {args.prompt!r} or drop --chat")
+    for what, text in (("the prompt", args.prompt), ("--system", args.system)):
+        if text is not None and not is_text(text):  # (the tokenizer failed on it with a TypeError)
+            parser.error(f"{what} is not UTF-8 text ({ascii(text)[:60]}): fix its encoding")
     sampling_only = [flag for flag, value in (("--temperature", args.temperature), ("--top-p", args.top_p),
                                               ("--top-k", args.top_k), ("--seed", args.seed)) if value is not None]
     if sampling_only and not args.do_sample:
@@ -116,12 +119,29 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def is_text(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8: bytes that are not (in a command's arguments, or a line read) arrive as
+    lone surrogates, which tokenizers refuse with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def reads_datastore(args: argparse.Namespace) -> bool:
+    """Whether ``args.method`` drafts from the heads' datastore: lookup, or medusa with ``--lookup-tokens``
+    (the others leave it unread: a damaged one stopped them, and --no-datastore was refused for them)."""
+    return args.method == "lookup" or (args.method == "medusa" and bool(args.lookup_tokens))
+
+
 def load(args: argparse.Namespace):
     from medusa_infer.model import MedusaModel
 
     if args.heads:
-        # --no-datastore: the store left unread (one that does not load stops nothing)
-        return MedusaModel.from_pretrained(args.heads, base_model=args.model, datastore=args.datastore)
+        # --no-datastore, or a method that drafts none: the store left unread (one that does not load stops nothing)
+        return MedusaModel.from_pretrained(args.heads, base_model=args.model,
+                                           datastore=args.datastore and reads_datastore(args))
     return MedusaModel.without_heads(args.model or DEFAULT_MODEL)
 
 
@@ -164,8 +184,7 @@ def check_method_flags(parser: argparse.ArgumentParser, args: argparse.Namespace
                    "drop --lookup-tokens, or use --method lookup (its drafts: --draft-tokens) or medusa")
         parser.error(f"--lookup-tokens grafts lookup onto the Medusa tree (--method medusa); with --method "
                      f"{args.method} {instead}")
-    if getattr(args, "datastore", True) is False and not (
-            args.method == "lookup" or (args.method == "medusa" and args.lookup_tokens)):
+    if getattr(args, "datastore", True) is False and not reads_datastore(args):
         parser.error(f"--no-datastore keeps lookup drafts (--method lookup, or medusa with --lookup-tokens) off the "
                      f"heads' datastore, and --method {args.method} drafts none: drop --no-datastore")
     if getattr(args, "datastore", True) is False and not args.heads:
@@ -279,10 +298,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (`| head`): nothing left to say, and no one to say it to
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         return 1
-    except (ValueError, OSError, NotImplementedError) as error:  # NotImplementedError: an unsupported model
+    except (ValueError, OSError, NotImplementedError, RuntimeError) as error:  # NotImplementedError: an
+        # unsupported model; RuntimeError: a default model that could not be fetched or whose cached copy is damaged
         sys.stdout.flush()
         print(f"medusa-generate: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: no traceback (in a chat it stops the answer; at the prompt, the chat)
+        sys.stdout.flush()
+        print(file=sys.stderr)
+        return 130
 
 
 def generate_from_args(args: argparse.Namespace) -> int:
@@ -312,6 +336,10 @@ def generate_from_args(args: argparse.Namespace) -> int:
             break
         if not line:
             break
+        if not is_text(line):
+            print(f"medusa-generate: error: that line is not UTF-8 text ({ascii(line)[:60]}); it was left out, the "
+                  "conversation kept", file=sys.stderr)
+            continue
         # the session ended with "does not fit the model's context" once the conversation outgrew it
         turn, dropped = fit_history(model, history + [{"role": "user", "content": line}], use_template,
                                     args.max_new_tokens)
@@ -321,6 +349,11 @@ def generate_from_args(args: argparse.Namespace) -> int:
                 print(f"[note] the conversation outgrew the model's context ({context_length(model)} tokens): its "
                       f"{dropped} oldest exchange{'s' if dropped > 1 else ''} left out", file=sys.stderr)
             result = run_turn(model, args, turn if use_template else None, text)
+        except KeyboardInterrupt:  # Ctrl-C while it answers: that answer stops, the chat goes on without it
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            print("[interrupted: that answer was left out, the conversation kept]", file=sys.stderr)
+            continue
         except ValueError as error:  # this turn's own (a line longer than the context): the chat goes on as it was
             sys.stdout.flush()
             print(f"medusa-generate: error: {error}; that line was left out, the conversation kept", file=sys.stderr)

@@ -155,6 +155,21 @@ def test_errors_after_loading_are_reported_without_a_traceback(monkeypatch, caps
              "--max-new-tokens", "3", "--raw", "hi"]
     assert cli.main(given) == 2 and "is not a readable datastore" in capsys.readouterr().err
     assert cli.main([*given, "--no-datastore"]) == 0
+    # a method that drafts none leaves it unread too (it stopped them, and --no-datastore was refused for them)
+    for method in (["--method", "medusa"], ["--method", "autoregressive"]):
+        assert cli.main([*given[:4], *method, "--max-new-tokens", "3", "--raw", "hi"]) == 0, method
+    assert cli.main([*given[:4], "--lookup-tokens", "2", "--max-new-tokens", "3", "--raw", "hi"]) == 2
+    assert "is not a readable datastore" in capsys.readouterr().err
+    # a default model that cannot be fetched (or whose cached copy is damaged) raises RuntimeError: a traceback
+    from medusa_infer import models
+
+    def unfetchable(name, **options):
+        raise RuntimeError(f"could not fetch {name}: no index reachable")
+
+    monkeypatch.setattr(models, "load_base_model", unfetchable)
+    assert cli.main(["--max-new-tokens", "2", "hi"]) == 2
+    assert "medusa-generate: error: could not fetch smollm2-135m-instruct" in capsys.readouterr().err
+    monkeypatch.undo()
     monkeypatch.setattr(cli, "load", lambda args: word_medusa())
     assert cli.main(["--heads", "h", "--tree", "[[0], [0, 0]", "--raw", "the cat"]) == 2  # a tree it cannot read
     assert "medusa-generate: error:" in capsys.readouterr().err
@@ -263,6 +278,44 @@ def test_a_chat_that_outgrows_the_context_goes_on_and_says_so(monkeypatch, capsy
     assert "the answer stopped at the end of the model's context" not in err
     assert cli.main(["--max-new-tokens", str(limit * 2), "the cat sat"]) == 0
     assert "[note] the answer stopped at the end of the model's context" in capsys.readouterr().err
+
+
+def test_ctrl_c_and_text_that_is_not_utf8_end_nothing_with_a_traceback(monkeypatch, capsys):
+    """Ctrl-C ended medusa-generate with a KeyboardInterrupt traceback (in a chat, while it answered, the whole
+    chat); bytes that are not UTF-8 (lone surrogates to Python) crashed the tokenizer with a TypeError, ending a
+    chat too."""
+    import medusa_infer.cli as cli
+    import medusa_infer.decoding as decoding
+    from tiny import word_medusa
+
+    model = word_medusa()
+    monkeypatch.setattr(cli, "load", lambda args: model)
+    bad = "the \udcff party"  # b"the \xff party" as Python reads it from argv or a piped line
+    assert "the prompt is not UTF-8 text" in parse_error(capsys, [bad])
+    assert "--system is not UTF-8 text" in parse_error(capsys, ["--system", bad, "hi"])
+    stream, asked = decoding.stream, []
+
+    def interrupted(*a, messages=None, **kw):
+        asked.append(messages[-1]["content"])
+        if messages[-1]["content"] == "the cat sat":
+            raise KeyboardInterrupt
+        return stream(*a, messages=messages, **kw)
+
+    monkeypatch.setattr(decoding, "stream", interrupted)
+    lines = iter(["hello world", bad, "the cat sat", "good day", ""])
+    monkeypatch.setattr("builtins.input", lambda _: next(lines))
+    assert cli.main(["--chat", "--max-new-tokens", "3"]) == 0
+    err = capsys.readouterr().err
+    assert "that line is not UTF-8 text" in err and "[interrupted: that answer was left out" in err
+    assert asked == ["hello world", "the cat sat", "good day"]
+
+    def ctrl_c(_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("builtins.input", ctrl_c)  # at the prompt: the chat ends, as a shell's does
+    assert cli.main(["--chat"]) == 130
+    monkeypatch.setattr(decoding, "stream", lambda *a, **kw: ctrl_c(None))
+    assert cli.main(["hi"]) == 130
 
 
 def test_an_empty_system_message_is_sent_not_dropped(monkeypatch, capsys):

@@ -718,7 +718,10 @@ def test_cli_says_a_busy_port_before_loading(capsys, monkeypatch):
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         assert cli.main(["--method", "lookup", "--port", str(port)]) == 1
-    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in (err := capsys.readouterr().err) and "pick another --port" in err
+    # an address that is not this machine's: the port was blamed
+    assert cli.main(["--method", "lookup", "--host", "192.0.2.1", "--port", str(port)]) == 1
+    assert "check --host" in (err := capsys.readouterr().err) and "--port" not in err.split(";")[-1]
 
 
 def test_cli_takes_the_flags_its_method_uses():

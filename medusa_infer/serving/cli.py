@@ -12,6 +12,7 @@ Then point any OpenAI client at http://127.0.0.1:8000/v1. The server listens on 
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
 import logging
 import math
@@ -20,7 +21,7 @@ import socket
 import sys
 from typing import Any, Sequence
 
-from medusa_infer.cli import add_tree_arguments, check_method_flags
+from medusa_infer.cli import add_tree_arguments, check_method_flags, reads_datastore
 from medusa_infer.proposers import METHODS
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -114,7 +115,7 @@ def load_model(args: argparse.Namespace):
     if args.heads:
         model, tokenizer = base(args.model) if args.model else (None, None)
         model = MedusaModel.from_pretrained(args.heads, base_model=model, tokenizer=tokenizer,
-                                            datastore=args.datastore)
+                                            datastore=args.datastore and reads_datastore(args))
     else:
         base_model, tokenizer = base(args.model or DEFAULT_MODEL)
         model = MedusaModel(base_model, None, tokenizer)
@@ -200,8 +201,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         listener.bind((args.host, args.port))
     except OSError as error:
         listener.close()
-        print(f"medusa-serve: error: cannot listen on {args.host}:{args.port} ({error.strerror or error}); "
-              "pick another --port, or stop what uses this one", file=sys.stderr)
+        fix = ("pick another --port, or stop what uses this one" if error.errno in (errno.EADDRINUSE, errno.EACCES)
+               else "check --host: an address of this machine, such as 127.0.0.1 or 0.0.0.0 (IPv6: ::1 or ::, "
+               "without brackets)")
+        print(f"medusa-serve: error: cannot listen on {args.host}:{args.port} ({error.strerror or error}); {fix}",
+              file=sys.stderr)
         return 1
     if args.threads:
         import torch
