@@ -130,8 +130,8 @@ class StepCosts:
     def __init__(self, window: int = 32, prior_weight: float = 2.0) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1 sample, got {window}")
-        if prior_weight < 0:
-            raise ValueError(f"prior_weight must be >= 0, got {prior_weight}")
+        if not 0 <= prior_weight < math.inf:  # (NaN too: every estimate NaN)
+            raise ValueError(f"prior_weight must be finite and >= 0, got {prior_weight}")
         self.window, self.prior_weight = window, prior_weight
         self._samples: dict[tuple[RungKey, RungKey], deque[float]] = {}
         self._priors: dict[tuple[RungKey, RungKey], float] = {}  # the profile's, as last asked
@@ -226,6 +226,10 @@ class TreeController:
         self._cost_ratios: dict[int, list[float]] = {}
         if self.explore_every < 2:
             raise ValueError(f"explore_every must be >= 2 steps, got {self.explore_every}")
+        if not 0 < self.smoothing <= 1:  # (above 1 turned a scale negative: plain decoding for good; NaN too)
+            raise ValueError(f"smoothing must lie in (0, 1], got {self.smoothing}")
+        if self.probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1 step, got {self.probe_every}")
         self.keys = [rung_key(t) for t in self.ladder]
         self.depths = [tree_depth(t) for t in self.ladder]
         self._recent: deque[tuple[int, float]] = deque(maxlen=self.explore_every)  # (rung, seconds)

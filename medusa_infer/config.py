@@ -147,6 +147,14 @@ class MedusaConfig:
             if not path or len(path) > self.num_heads or min(path) < 0 or not 0.0 <= prob <= 1.0:
                 raise ValueError(f"heads config path_accuracies entry {[path, prob]}: a path of 1 to "
                                  f"{self.num_heads} ranks >= 0 and a probability in [0, 1]")
+        if self.path_accuracies:  # (a table that no path could have been measured with was named at the first
+            from medusa_infer.trees import check_accuracies  # generate, not as the config's)
+
+            try:
+                check_accuracies({tuple(path): prob for path, prob in self.path_accuracies})
+            except ValueError as err:
+                raise ValueError(f"heads config path_accuracies: {err}; remove them, or measure them again "
+                                 "(medusa-bench --calibrate)") from None
         if self.cost_profile is not None:
             from medusa_infer.tree_fit import CostProfile
 

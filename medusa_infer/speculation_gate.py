@@ -240,10 +240,10 @@ class SpeculationGate:
         (all rows together) and emitted ``tokens`` in ``seconds``, its proposing left out; ``proposing``: the
         seconds proposing took, for a speculative step whose proposing is typical (None: not one, e.g. a
         draft model's that caught up on the plain steps before it)."""
-        if batch < 1 or tokens < 0 or seconds <= 0 or verified < batch or not (
-                proposing is None or 0 <= proposing < float("inf")):
-            raise ValueError(f"need batch >= 1, tokens >= 0, seconds > 0, verified >= batch and proposing None or "
-                             f"finite >= 0, got batch={batch}, tokens={tokens}, seconds={seconds}, "
+        if batch < 1 or not 0 <= tokens < float("inf") or not 0 < seconds < float("inf") or verified < batch or not (
+                proposing is None or 0 <= proposing < float("inf")):  # (a NaN kept for good: no comparison held)
+            raise ValueError(f"need batch >= 1, finite tokens >= 0 and seconds > 0, verified >= batch and proposing "
+                             f"None or finite >= 0, got batch={batch}, tokens={tokens}, seconds={seconds}, "
                              f"verified={verified}, proposing={proposing}")
         key, w = self._range(verified), self.smoothing
         average = self._times.get(key)

@@ -72,8 +72,11 @@ class CostProfile:
     head_seconds: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if not self.sizes or self.sizes[0] != 1 or list(self.sizes) != sorted(set(self.sizes)):
-            raise ValueError(f"sizes must be ascending, distinct and start at 1, got {self.sizes}")
+        whole = all(isinstance(n, int) and not isinstance(n, bool) for n in self.sizes)  # (a NaN or an infinity,
+        # which JSON readers take, sorted as sizes: every forward past them priced as the last finite one, or NaN)
+        if not whole or not self.sizes or self.sizes[0] != 1 or list(self.sizes) != sorted(set(self.sizes)):
+            raise ValueError(f"sizes must be whole numbers of tokens, ascending, distinct and start at 1, got "
+                             f"{self.sizes}")
         if len(self.seconds) != len(self.sizes) or not all(0 < t < math.inf for t in self.seconds):
             raise ValueError(f"seconds must hold one positive, finite time per size, got {self.seconds} (a NaN or an "
                              "infinity, which JSON readers take, kept the adaptive fallback on plain decoding)")
@@ -129,7 +132,7 @@ class CostProfile:
         ``head_overhead`` (all heads' cost over ``t(1)``), which is then charged at every depth."""
         seconds = list(data["seconds"])
         head_seconds = data.get("head_seconds")
-        if head_seconds is None and data.get("head_overhead") is not None:
+        if head_seconds is None and data.get("head_overhead") is not None and seconds:  # (none: refused below)
             head_seconds = [float(data["head_overhead"]) * seconds[0]]
         return cls(list(data["sizes"]), seconds, data.get("device", ""), data.get("context", 0),
                    list(head_seconds or []))
@@ -153,6 +156,8 @@ def measure_verify_cost(
     there (the default sizes, 21 of them, take longer). ``model`` is a ``MedusaModel``; a causal mask
     stands in for the tree mask (the cost does not depend on the mask's pattern).
     """
+    if repeats < 1 or any(int(n) < 1 for n in sizes):  # (a median of nothing, or a reshape error, after warm-up)
+        raise ValueError(f"repeats must be >= 1 and sizes >= 1 token, got repeats={repeats}, sizes={list(sizes)}")
     sizes = sorted(set(int(n) for n in sizes) | {1})
     check_cost_context(model, context, sizes)
     device, dtype = model.device, model.dtype

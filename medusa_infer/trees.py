@@ -317,7 +317,7 @@ def path_frequencies(ranks: torch.Tensor, max_paths: int | None = None) -> dict[
     return {path: count / total for path, count in ordered}
 
 
-def _check_accuracies(model: AcceptanceModel) -> None:
+def check_accuracies(model: AcceptanceModel) -> None:
     """Raise if ``model`` is neither a table of per-rank probabilities, one row per head, nor a
     mapping from paths to probabilities."""
     if isinstance(model, Mapping):
@@ -332,6 +332,15 @@ def _check_accuracies(model: AcceptanceModel) -> None:
             if prob > parent + 1e-9:
                 raise ValueError(f"path probability {path!r}: {prob!r} exceeds its parent {path[:-1]!r}'s "
                                  f"({parent!r}, 0 where not given): a path is accepted only where its parent is")
+        children: dict[tuple[int, ...], float] = {}
+        for path, prob in model.items():  # at most one child of a path is accepted (the token its head chose)
+            children[path[:-1]] = children.get(path[:-1], 0.0) + prob
+        for parent, total in children.items():
+            if total > (model[parent] if parent else 1.0) + 1e-4:  # (rounding of stored figures aside)
+                raise ValueError(f"the paths under {parent!r} have probabilities summing to {total!r}, more than "
+                                 f"{'theirs' if parent else '1'} ({model[parent] if parent else 1.0!r}): at most one "
+                                 "of them is accepted at a position; the expected tokens would exceed what a tree "
+                                 "can give")
         return
     if not model or any(len(row) == 0 for row in model):
         raise ValueError("head_topk_acc needs one non-empty row of top-k accuracies per head, "
@@ -351,7 +360,7 @@ def _check_accuracies(model: AcceptanceModel) -> None:
 def tree_capacity(model: AcceptanceModel) -> int:
     """The most nodes a useful tree can have under ``model``: every path the heads' depth and
     ranks allow, or, for measured path probabilities, the paths ever accepted."""
-    _check_accuracies(model)
+    check_accuracies(model)
     if isinstance(model, Mapping):
         return sum(1 for prob in model.values() if prob > 0)
     num_heads, top_k = _shape(model)
@@ -385,7 +394,7 @@ def expected_accept_length(paths: Iterable[Sequence[int]], head_topk_acc: Accept
     probabilities. A node is accepted iff its whole path is correct, so the expected accept
     length is the sum over nodes.
     """
-    _check_accuracies(head_topk_acc)
+    check_accuracies(head_topk_acc)
     if isinstance(head_topk_acc, Mapping):  # paths the measurement never saw accepted count as 0
         paths = [_as_path(p) for p in paths]
         num_heads, top_k = _shape({**head_topk_acc, **{p: 0.0 for p in paths if p}})
@@ -403,7 +412,7 @@ def greedy_tree(head_topk_acc: AcceptanceModel, num_nodes: int) -> list[Path]:
     the ``num_nodes`` most probable paths overall, which is optimal. Ties go to the shorter, then
     lexicographically smaller path.
     """
-    _check_accuracies(head_topk_acc)
+    check_accuracies(head_topk_acc)
     num_heads, top_k = _shape(head_topk_acc)
     capacity = sum(top_k ** depth for depth in range(1, num_heads + 1))
     if not _is_count(num_nodes, 1) or int(num_nodes) > capacity:

@@ -120,8 +120,8 @@ def test_costly_heads_make_the_fit_choose_a_shallower_tree():
 
 def test_the_largest_tree_the_accuracies_allow_is_tried():
     # 20 paths were ever accepted: sizes 16 and 24 bracket them, and 24 stands for the 20-node tree
-    paths = {(r,): 0.5 / (r + 1) for r in range(5)}
-    paths.update({(r, s): 0.2 / (r + s + 1) for r in range(3) for s in range(5)})
+    paths = {(r,): 0.4 / (r + 1) for r in range(5)}  # (siblings summing to no more than their parent)
+    paths.update({(r, s): 0.1 / (r + s + 1) for r in range(3) for s in range(5)})
     assert len(paths) == 20
     fitted = fit_tree(paths, FLAT)
     assert [row["nodes"] for row in fitted.table][-2:] == [16, 20]
@@ -134,6 +134,25 @@ def test_an_empty_tree_is_plain_decoding_throughout():
     control = TreeController(tree_ladder([]), REFERENCE_HEAD_ACCURACY, STEEP)
     assert control.cost_ratios(1) == [1.0] and control.choose() == 0
     assert fit_tree([[0.01] * 4] * 4, CostProfile([1], [1.0], head_seconds=[0.1])).paths == []
+
+
+def test_the_controllers_settings_are_checked():
+    """smoothing 3 turned a scale negative (plain decoding for good), NaN made every estimate NaN; probe_every 0 and a
+    NaN prior weight went through; measure_verify_cost failed after its warm-up on repeats 0 (a median of nothing)
+    or a size of 0 (a reshape error inside the model)."""
+    ladder = tree_ladder([(0,), (0, 0)])
+    for given, says in (({"smoothing": 3.0}, r"smoothing must lie in \(0, 1\], got 3.0"),
+                        ({"smoothing": float("nan")}, "smoothing must lie in"), ({"smoothing": 0.0}, "smoothing"),
+                        ({"probe_every": 0}, "probe_every must be >= 1 step, got 0")):
+        with pytest.raises(ValueError, match=says):
+            TreeController(ladder, REFERENCE_HEAD_ACCURACY, STEEP, **given)
+    TreeController(ladder, REFERENCE_HEAD_ACCURACY, STEEP, smoothing=1.0, probe_every=1)
+    with pytest.raises(ValueError, match="prior_weight must be finite and >= 0, got nan"):
+        StepCosts(prior_weight=float("nan"))
+    model = MedusaModel.without_heads(tiny_model("llama"))
+    for given in ({"repeats": 0}, {"sizes": (0, 2)}):
+        with pytest.raises(ValueError, match="repeats must be >= 1 and sizes >= 1 token"):
+            measure_verify_cost(model, context=8, **given)
 
 
 def test_measured_cost_profile_on_a_tiny_model():
@@ -292,6 +311,16 @@ def test_a_cost_profile_of_nan_or_infinity_is_refused(bad):
         CostProfile([1, 2, 4], [bad, 0.02, 0.03])
     with pytest.raises(ValueError, match="head_seconds must be finite and not negative"):
         CostProfile([1, 2, 4], [0.01, 0.02, 0.03], head_seconds=[bad])
+    # in sizes: sorted as a size, every forward past 2 tokens was priced as t(2) (Infinity), or NaN (the fallback
+    # stayed on plain decoding)
+    for sizes in ([1, 2, bad], [1, 2.5, 4], [True, 2, 4]):
+        with pytest.raises(ValueError, match="sizes must be whole numbers of tokens"):
+            CostProfile(sizes, [0.01, 0.02, 0.03])
+    # a profile of the format before head_seconds, with no time at all: an IndexError escaped the config's check
+    from medusa_infer.config import MedusaConfig
+
+    with pytest.raises(ValueError, match="heads config cost_profile .* is not a cost profile"):
+        MedusaConfig(num_heads=2, cost_profile={"sizes": [], "seconds": [], "head_overhead": 0.1})
 
 
 def test_proposers_of_one_calibration_share_its_trees_and_numbers():

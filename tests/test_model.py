@@ -818,6 +818,9 @@ def test_truncated_weights_file_is_reported(saved):
     (lambda c: {**c, "head_accuracies": [[float("nan")]] * 3}, r"head_accuracies must hold accuracies in \[0, 1\]"),
     (lambda c: {**c, "path_accuracies": [[[0], 5.0]]}, r"path_accuracies entry \[\[0\], 5.0\]"),
     (lambda c: {**c, "path_accuracies": [[[0, 0, 0, 0], 0.1]]}, r"path_accuracies entry .*a path of 1 to 3 ranks"),
+    # no table a calibration could measure: named at the first generate, not as the config's
+    (lambda c: {**c, "path_accuracies": [[[0], 0.5], [[0, 0], 0.6]]}, r"heads config path_accuracies: path prob"),
+    (lambda c: {**c, "path_accuracies": [[[0], 0.9], [[1], 0.9]]}, r"heads config path_accuracies: the paths under"),
     (lambda c: {**c, "cost_profile": {"sizes": [1, 2]}}, r"heads config cost_profile .* is not a cost profile"),
     (lambda c: {**c, "format_version": 0}, r"heads config format_version must be an integer >= 1 .*, got 0"),
     (lambda c: {**c, "format_version": 1, "head_accuracies": [[0.5, 0.6]] * 3, "cost_profile": {"sizes": [1],

@@ -417,6 +417,10 @@ def test_proposing_is_priced_apart_from_the_forward():
     for bad in (-0.1, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="proposing None or finite >= 0"):
             gate.record(1, True, 1, 0.1, 5, bad)
+        # a NaN count or time: kept for good, no comparison held, and the gate speculated on its probes only
+        for tokens, seconds in ((bad, 0.1), (1, bad)):
+            with pytest.raises(ValueError, match="finite tokens >= 0 and seconds > 0"):
+                gate.record(1, True, tokens, seconds, 5)
 
 
 def test_one_slow_proposing_step_does_not_turn_speculation_off():

@@ -227,6 +227,11 @@ def test_expected_accept_length_by_hand():
     # took a worse tree as optimal, and the adaptive ladder failed with "has no parent in the tree"
     ({(0,): 0.5, (0, 0): 0.6}, [(0,)], r"path probability \(0, 0\): 0.6 exceeds its parent \(0,\)'s \(0.5"),
     ({(1,): 0.3, (0, 0): 0.2}, [(1,)], r"path probability \(0, 0\): 0.2 exceeds its parent \(0,\)'s \(0.0"),
+    # siblings accepted more often together than their parent (at most one of them is, at a position): a 2-node
+    # tree was expected to give 2.8 tokens a step, and fitted so
+    ({(0,): 0.9, (1,): 0.9}, [(0,)], r"the paths under \(\) have probabilities summing to 1.8, more than 1"),
+    ({(0,): 0.5, (0, 0): 0.3, (0, 1): 0.3}, [(0,)], r"the paths under \(0,\) have probabilities summing to 0.6, "
+                                                     r"more than theirs \(0.5\)"),
 ])
 def test_expected_accept_length_errors(acc, paths, message):
     with pytest.raises(ValueError, match=message):
