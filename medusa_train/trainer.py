@@ -946,6 +946,24 @@ def _fill_deepspeed_config(ds_config: dict[str, Any], micro: int, max_grad_norm:
                          "recipe's), or make them equal")
 
 
+def _restart_group(optimizer: Any, group: int) -> int:
+    """Forget the moments and step count of parameter ``group`` of the optimizer inside ``optimizer`` (accelerate's
+    wrapper, DeepSpeed's ZeRO optimizer around it: groups kept in order, each one flat partition); how many
+    tensors had any. DeepSpeed steps every group at every step, the adapter's through the heads-only stage with
+    zero gradients at a factor of 0: Adam's bias correction then took that stage for history, and the adapter's
+    first joint updates came out up to twice DDP's (whose optimizer skips parameters without gradients)."""
+    inner, zero3 = optimizer, None
+    while hasattr(inner, "optimizer"):
+        if hasattr(inner, "sub_group_to_group_id"):  # ZeRO-3 steps each sub-group's flat partition alone, its
+            zero3 = inner  # group's params empty between steps: the state is held by the partitions
+        inner = inner.optimizer
+    params = list(inner.param_groups[group]["params"])
+    if zero3 is not None:
+        params += [zero3.fp32_partitioned_groups_flat[sub] for sub, owner in zero3.sub_group_to_group_id.items()
+                   if owner == group]
+    return sum(bool(inner.state.pop(param, None)) for param in params)
+
+
 def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any, paths: RunPaths,
           examples_sha256: str | None = None, features_cache: str | None = None) -> TrainResult:
     """Run (or resume from the newest checkpoint) the optimisation; return the final heads' state.
@@ -1023,6 +1041,8 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
     module.train()
     step = start_step
     while step < total:
+        if isinstance(task, Medusa2Task) and 0 < step == t.stage1_steps:  # the adapter's first step (resumed too)
+            _restart_group(optimizer, 1)
         # the step's micro-batches first: their losses are averaged over all of them (step_denominators)
         indices = [micro_batch_index(step * t.grad_accum + a, n, micro, micro_per_epoch, t.seed, rank, world,
                                      perm_cache)[1] for a in range(t.grad_accum)]

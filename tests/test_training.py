@@ -1888,6 +1888,13 @@ def test_deepspeed_launch_configs_train_heads_on_the_cpu(tiny_dir, tmp_path, sta
             states = torch.load(step / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)["module"]
             frozen = [k for k in states if "lora_" not in k and ".heads." not in k and "rotary" not in k]
             assert states and not frozen, frozen[:5]
+        # the adapter's Adam starts at its first joint step, as under DDP (DeepSpeed stepped it through the
+        # heads-only stage with zero gradients: 3 steps of history, whose bias correction shrank nothing)
+        for rank in range(2):
+            saved = torch.load(step / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", map_location="cpu",
+                               weights_only=False)["optimizer_state_dict"]
+            state = saved.get("base_optimizer_state", saved.get("optimizer_state_dict"))["state"]
+            assert {group: float(s["step"]) for group, s in state.items()} == {0: 3.0, 1: 1.0}
 
 
 ZERO3_DISTILL = """
