@@ -28,6 +28,10 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=0,
                         help="also time this many plain decoding steps after the prefill, each way")
     args = parser.parse_args()
+    for flag, value, least in (("--tokens", args.tokens, 1), ("--repeats", args.repeats, 1),
+                               ("--decode-steps", args.decode_steps, 0)):
+        if value < least:
+            parser.error(f"{flag} must be at least {least}, got {value}")
     base = load_base_model(args.model, dtype=torch.float32, device="cpu")
     model = MedusaModel.without_heads(base)
     n = args.tokens

@@ -91,9 +91,11 @@ class LevelResult:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m-instruct",
-                        help="base model (default-model name, folder, Hub id)")
-    parser.add_argument("--heads", help="Medusa heads folder (for --method medusa)")
+    parser.add_argument("--model", default=None,
+                        help="base model (default-model name, folder, Hub id; default: the one the heads name, else "
+                             "medusa-serve's default model)")
+    parser.add_argument("--heads", help="Medusa heads folder (for --method medusa); every server loads it, the "
+                        "baseline too (Medusa-2 heads merge their adapter into the model: the baseline is that model)")
     parser.add_argument("--method", default=None,
                         help="speculative method compared with autoregressive (default: medusa with --heads, "
                              "else lookup)")
@@ -130,11 +132,12 @@ class Server:
     def __init__(self, args: argparse.Namespace, method: str, log_dir: Path, gate: str = "measured") -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "medusa_infer.serving", "--model", args.model, "--method", method,
-                   "--host", "127.0.0.1", "--port", str(self.port), "--max-batch", str(max(args.concurrency)),
+        command = [sys.executable, "-m", "medusa_infer.serving", "--method", method, "--host", "127.0.0.1", "--port", str(self.port), "--max-batch", str(max(args.concurrency)),
                    "--max-queue", str(args.requests + 8), "--request-timeout", "0", "--log-level", "warning",
                    "--served-model-name", "bench"]
-        if method == "medusa":
+        if args.model:
+            command += ["--model", args.model]
+        if args.heads:  # (the baseline on the bare base model compared Medusa-2 heads against another model)
             command += ["--heads", args.heads]
         if args.threads:
             command += ["--threads", str(args.threads)]

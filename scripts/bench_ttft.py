@@ -40,6 +40,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args()
+    if args.rounds < 1 or min(args.lengths) < 1:
+        parser.error(f"--rounds and --lengths must be at least 1, got {args.rounds} and {args.lengths}")
     if args.threads:
         torch.set_num_threads(args.threads)
     model = MedusaModel.without_heads(load_base_model(args.model, dtype=torch.float32, device="cpu"),

@@ -34,6 +34,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--lookup-tokens", type=int, default=8, help="draft length of the lookup method")
     args = parser.parse_args()
+    for flag, value in (("--limit", args.limit), ("--tokens", args.tokens), ("--lookup-tokens", args.lookup_tokens)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
 
     config = json.load(open(f"{args.heads}/config.json"))
     name = config["base_model_name_or_path"]

@@ -49,17 +49,19 @@
 #   DEVICE=cpu DTYPE=float32 (defaults cuda, bfloat16) is a dry run of the plumbing on a machine
 #   without a GPU, with tiny settings: `DEVICE=cpu DTYPE=float32 LIMIT=3 TOKENS=8 BATCH=2 ...`
 #   (the GPU tests then run on the CPU too).
-#   PRESET=session: the settings of the stored run (docs/gpu/376fcb4/, 431 s), which fit one 10-minute
-#   command of a lent GPU machine: TESTS=0 B1_BUDGET_S=220 B8_BUDGET_S=120 F32_BUDGET_S=40 F32_LIMIT=4
-#   SLACK_S=30 TOKENS=64 (each still overridable). The GPU tests then need a call of their own
-#   (`pytest tests/test_cuda.py`), and the model its own transfer (docs/gpu/376fcb4/device_steps.sh).
+#   PRESET=session: one 10-minute command of a lent GPU machine, its stages' timeouts adding up to 590 s:
+#   TESTS=0 B1_BUDGET_S=190 B8_BUDGET_S=100 F32_BUDGET_S=30 F32_LIMIT=4 SLACK_S=30 TOKENS=64 (each still
+#   overridable; the stored run, docs/gpu/376fcb4/, 431 s, had budgets of 220, 120 and 40, whose timeouts
+#   added up to 650 s). The GPU tests then need a call of their own (`pytest tests/test_cuda.py`), and
+#   the model its own transfer (docs/gpu/376fcb4/device_steps.sh).
 #   Where $OUT is set (the device tool's folder that comes back, a few files at most), the reports,
-#   the calibration and the calibrated heads' config are copied there at the end, under flat names
-#   (b1_report.md/.json, b8_report.md/.json, f32_report.json, calibration.json, heads_config.json).
+#   the calibration and the calibrated heads' config are copied there after each stage and on exit
+#   (a command killed at its time limit keeps the stages done), under flat names (b1_report.md/.json,
+#   b8_report.md/.json, f32_report.json, calibration.json, heads_config.json).
 set -euo pipefail
 
 if [[ ${PRESET:-} == session ]]; then
-  : "${TESTS:=0}" "${B1_BUDGET_S:=220}" "${B8_BUDGET_S:=120}" "${F32_BUDGET_S:=40}" "${F32_LIMIT:=4}"
+  : "${TESTS:=0}" "${B1_BUDGET_S:=190}" "${B8_BUDGET_S:=100}" "${F32_BUDGET_S:=30}" "${F32_LIMIT:=4}"
   : "${SLACK_S:=30}" "${TOKENS:=64}"
 elif [[ -n ${PRESET:-} ]]; then
   echo "gpu_bench.sh: unknown PRESET=$PRESET (known: session)" >&2
@@ -96,13 +98,32 @@ say() { echo; echo "== $* [$(date +%T), ${SECONDS}s]"; }
 [[ -f $QUESTIONS ]] || die "no questions file $QUESTIONS"
 [[ $(realpath -m "$HEADS_DIR") != "$(realpath -m "$OUT_DIR/heads")" ]] \
     || die "HEADS_DIR is OUT_DIR/heads, which this script replaces by a fresh copy; pick another OUT_DIR"
+[[ $BATCH =~ ^[0-9]+$ ]] && ((BATCH >= 2)) \
+    || die "BATCH=$BATCH: stage 4 is the batched run (batch 1 is stage 3's, which it would write over); give 2 or more"
+
+# copy_out: what comes back from a device call ($OUT), the results under flat names; after each stage and on
+# exit, so that a command killed at its time limit keeps the stages it finished
+copy_out() {
+    [[ -n ${OUT:-} && -d ${OUT:-} ]] || return 0
+    local pair from to
+    for pair in "batch1/report.md b1_report.md" "batch1/report.json b1_report.json" \
+                "batch$BATCH/report.md b${BATCH}_report.md" "batch$BATCH/report.json b${BATCH}_report.json" \
+                "float32/report.json f32_report.json" "batch1/calibration.json calibration.json" \
+                "heads/config.json heads_config.json"; do
+        read -r from to <<<"$pair"
+        if [[ -f $OUT_DIR/$from ]]; then cp "$OUT_DIR/$from" "$OUT/$to"; fi
+    done
+}
+trap copy_out EXIT
+trap 'exit 143' TERM
 
 say "1. machine"
 if [[ $DEVICE == cuda ]]; then
     timeout 30 nvidia-smi || die "nvidia-smi failed or is missing: this script is for a machine with an NVIDIA GPU"
 fi
 echo "python: $PYTHON"
-timeout 60 "$PYTHON" - "$DEVICE" <<'EOF' || die "torch sees no CUDA device; set PYTHON to a CUDA build of torch, or run medusa-bench on the CPU"
+rc=0
+timeout 60 "$PYTHON" - "$DEVICE" <<'EOF' || rc=$?
 import sys
 import torch
 import transformers
@@ -111,9 +132,14 @@ print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.
       f"transformers {transformers.__version__}")
 if sys.argv[1] == "cuda":
     if not torch.cuda.is_available():
-        sys.exit(1)
+        sys.exit(3)
     print(f"device: {torch.cuda.get_device_name(0)}, bfloat16 supported: {torch.cuda.is_bf16_supported()}")
 EOF
+if ((rc == 3)); then
+    die "torch sees no CUDA device; set PYTHON to a CUDA build of torch, or run medusa-bench on the CPU"
+elif ((rc != 0)); then
+    die "$PYTHON could not import torch and transformers (exit status $rc, above); set PYTHON to the project's environment"
+fi
 
 failed=()
 if [[ $TESTS == 1 ]]; then
@@ -170,6 +196,7 @@ rm -rf "$OUT_DIR/batch1" "$OUT_DIR/batch$BATCH"
 run_stage "calibration + batch 1" $((B1_BUDGET_S + SLACK_S)) "$OUT_DIR/batch1.log" \
     "$PYTHON" -m medusa_train.benchmark "${COMMON[@]}" --calibrate --calibrate-questions "$CALIBRATE_QUESTIONS" \
     --methods "$B1_METHODS" --batch-size 1 --time-budget "$B1_BUDGET_S" --output "$OUT_DIR/batch1"
+copy_out
 
 say "4. batch $BATCH: $B8_METHODS"
 CALIBRATION=$OUT_DIR/batch1/calibration.json
@@ -180,6 +207,7 @@ if [[ -f $CALIBRATION ]]; then
     run_stage "batch $BATCH" $((B8_BUDGET_S + SLACK_S)) "$OUT_DIR/batch$BATCH.log" \
         "$PYTHON" -m medusa_train.benchmark "${COMMON[@]}" --exclude-ids "$EXCLUDE" \
         --methods "$B8_METHODS" --batch-size "$BATCH" --time-budget "$B8_BUDGET_S" --output "$OUT_DIR/batch$BATCH"
+    copy_out
 else
     echo "gpu_bench: no $CALIBRATION (calibration did not finish), so batch $BATCH is skipped" >&2
     failed+=("batch $BATCH (skipped: no calibration)")
@@ -210,14 +238,8 @@ for run in batch1 "batch$BATCH" float32; do
 done
 echo
 echo "reports: $OUT_DIR/batch1/, $OUT_DIR/batch$BATCH/ and $OUT_DIR/float32/ (report.json, report.md, report.png); logs: $OUT_DIR/*.log; ${SECONDS}s in all"
-if [[ -n ${OUT:-} && -d ${OUT:-} ]]; then  # what comes back from a device call: the results, few files
-    for pair in "batch1/report.md b1_report.md" "batch1/report.json b1_report.json" \
-                "batch$BATCH/report.md b${BATCH}_report.md" "batch$BATCH/report.json b${BATCH}_report.json" \
-                "float32/report.json f32_report.json" "batch1/calibration.json calibration.json" \
-                "heads/config.json heads_config.json"; do
-        read -r from to <<<"$pair"
-        if [[ -f $OUT_DIR/$from ]]; then cp "$OUT_DIR/$from" "$OUT/$to"; fi
-    done
+if [[ -n ${OUT:-} && -d ${OUT:-} ]]; then
+    copy_out
     echo "copied to $OUT: $(ls "$OUT" | tr '\n' ' ')"
 fi
 if ((${#failed[@]})); then
