@@ -132,7 +132,8 @@ class Server:
     def __init__(self, args: argparse.Namespace, method: str, log_dir: Path, gate: str = "measured") -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "medusa_infer.serving", "--method", method, "--host", "127.0.0.1", "--port", str(self.port), "--max-batch", str(max(args.concurrency)),
+        command = [sys.executable, "-m", "medusa_infer.serving", "--method", method, "--host", "127.0.0.1",
+                   "--port", str(self.port), "--max-batch", str(max(args.concurrency)),
                    "--max-queue", str(args.requests + 8), "--request-timeout", "0", "--log-level", "warning",
                    "--served-model-name", "bench"]
         if args.model:

@@ -138,7 +138,8 @@ EOF
 if ((rc == 3)); then
     die "torch sees no CUDA device; set PYTHON to a CUDA build of torch, or run medusa-bench on the CPU"
 elif ((rc != 0)); then
-    die "$PYTHON could not import torch and transformers (exit status $rc, above); set PYTHON to the project's environment"
+    die "$PYTHON could not import torch and transformers (exit status $rc, above); set PYTHON to the project's" \
+        "environment"
 fi
 
 failed=()
