@@ -314,6 +314,8 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
     positions = (config.acceptance or {}).get("heldout_positions")
     counted = [f"Held-out positions per head: {positions}.", ""] if positions is not None else []
     trained_table = config.training.get("heldout_head_accuracies")  # training's, kept by calibration beside its own
+    if not _is_table(trained_table):  # (the training record is free-form: a hand-edited one stopped the save)
+        trained_table = None
     if config.head_accuracies:
         source = (config.acceptance or {}).get("head_accuracies_measured_on", "held-out data")
         lines += accuracy_table(f"Measured head accuracy ({source})", config.head_accuracies)
@@ -328,6 +330,8 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
     estimated = {key: value for key, value in acceptance.items() if is_estimate(key)}
     measured = {key: value for key, value in acceptance.items() if key not in estimated}
     calibrated_on = (config.acceptance or {}).get("calibration_questions")
+    if not isinstance(calibrated_on, dict):  # (as above: an AttributeError stopped the save)
+        calibrated_on = None
     if calibrated_on and calibrated_on.get("file"):
         lines += [f"Calibrated on {len(calibrated_on.get('ids') or [])} questions of `{calibrated_on['file']}`, which "
                   "`medusa-bench` leaves out of later benchmarks of these heads on that file.", ""]
@@ -364,6 +368,12 @@ def note_datastore(directory: str | Path, tokens: int, origin: str | None) -> No
                f"{source}, as token ids, which anyone with the folder can decode; it shares that text's licence "
                "and privacy.\n")
     card.write_text(text.rstrip("\n") + "\n\n" + section, encoding="utf-8")
+
+
+def _is_table(value: Any) -> bool:
+    """Whether ``value`` is a table of accuracies: non-empty rows of numbers."""
+    return (isinstance(value, list) and bool(value) and all(isinstance(row, list) and row for row in value)
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) for row in value for x in row))
 
 
 def accuracy_table(title: str, accuracies: list[list[float]]) -> list[str]:

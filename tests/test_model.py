@@ -323,6 +323,13 @@ def test_model_card_shows_measured_figures(tmp_path):
     loaded = MedusaModel.from_pretrained(tmp_path, base_model=model.base_model)
     assert loaded.config.head_accuracies == model.config.head_accuracies
     assert loaded.config.acceptance == model.config.acceptance
+    # free-form records edited by hand load, and saved again they stopped the save (AttributeError, TypeError)
+    for training, acceptance in (({"heldout_head_accuracies": 0.5}, {"calibration_questions": "q.jsonl"}),
+                                 ({"heldout_head_accuracies": [0.5, 0.4]}, {"calibration_questions": ["q"]})):
+        loaded.config.training, loaded.config.acceptance = training, acceptance
+        loaded.save_pretrained(tmp_path / "again")
+        card = (tmp_path / "again" / "README.md").read_text()
+        assert "Head accuracy on held-out data at the end of training" not in card and "Calibrated on" not in card
 
 
 QA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}Q {{ m['content'] }} "
