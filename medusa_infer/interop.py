@@ -77,6 +77,8 @@ logger = logging.getLogger(__name__)
 _BLOCK = re.compile(r"heads\.(\d+)\.blocks\.(\d+)\.linear\.(weight|bias)")
 _PROJ = re.compile(r"heads\.(\d+)\.proj\.weight")
 _HEAD_INDEX = re.compile(r"(\d+)\.")
+_FD_NAME = re.compile(r"\d+\.\d+\.(linear\.(weight|bias)|weight)")
+"""Every tensor name of the layout: a head's block's linear layer, or its vocabulary projection."""
 
 
 def is_medusa_layout(path: str | Path) -> bool:
@@ -175,6 +177,12 @@ def read_medusa_layout(
     weights_path = weights_file(path)
     tensors = _load_weights(weights_path)
 
+    foreign = sorted(name for name in tensors if not _FD_NAME.fullmatch(name))
+    if foreign:  # first: sizes read from them named the wrong thing ("nothing tells the heads' hidden_size")
+        raise ValueError(f"{weights_path} holds tensors the FasterDecoding layout does not name, such as {foreign[:3]} "
+                         f"({len(foreign)} in all; its names are '<head>.<layer>.linear.weight|bias' and "
+                         "'<head>.<layers>.weight'): strip a prefix another tool added, or convert heads of another "
+                         "layout (vLLM's, EAGLE's) first")
     heads_found = sorted({int(m[1]) for m in map(_HEAD_INDEX.match, tensors) if m})
     if heads_found and heads_found[-1] + 1 != num_heads:
         raise ValueError(

@@ -251,8 +251,14 @@ def test_head_missing_its_projection_is_named(tmp_path):
 
 def test_unexpected_tensor_is_named(tmp_path):
     tensors = {**fd_tensors(projections=True), "lm_head.weight": torch.zeros(VOCAB, HIDDEN)}
-    with pytest.raises(ValueError, match=r"unexpected tensors \['lm_head.weight'\]"):
+    with pytest.raises(ValueError, match=r"holds tensors the FasterDecoding layout does not name, such as "
+                                         r"\['lm_head.weight'\] \(1 in all"):
         read_medusa_layout(make_fd_folder(tmp_path, tensors))
+    # a prefix another tool added: named as such (the sizes read from nothing were: "nothing ... tells the heads'
+    # hidden_size")
+    prefixed = {f"medusa_head.{name}": t for name, t in fd_tensors(projections=False).items()}
+    with pytest.raises(ValueError, match=r"such as \['medusa_head.0.0.linear.bias', .*strip a prefix"):
+        read_medusa_layout(make_fd_folder(tmp_path / "prefixed", prefixed))
 
 
 def test_mis_shaped_tensor_is_named(tmp_path):
