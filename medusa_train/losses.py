@@ -138,10 +138,9 @@ def head_kl_loss(
     probs = soft_probs.permute(1, 0, 2).float() * (ids >= 0)
     mass = probs.sum(dim=-1, keepdim=True)
     valid = mass.squeeze(-1) > 0  # [K, N]
-    probs = probs / mass.clamp(min=1e-12)
+    probs = probs / torch.where(mass > 0, mass, 1.0)  # (a floor of 1e-12 left a tiny mass unnormalised: KL < 0)
     log_q = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids.clamp(min=0))
-    log_p = torch.log(probs.clamp(min=1e-12))
-    kl = (probs * (log_p - log_q)).sum(dim=-1)  # [K, N]
+    kl = (torch.special.xlogy(probs, probs) - probs * log_q).sum(dim=-1)  # [K, N]
     per_sum = (kl * valid).sum(dim=1)
     return _weighted(per_sum, valid.sum(dim=1), decay, denominators)
 

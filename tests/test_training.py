@@ -171,6 +171,10 @@ def test_kl_loss_matches_hand_computation_and_drops_missing_candidates():
     assert abs(float(exact.loss)) < 1e-6
     empty = head_kl_loss(logits, soft_ids, torch.zeros(1, 1, 3))
     assert out.counts.tolist() == [1] and empty.counts.tolist() == [0] and float(empty.loss) == 0.0
+    # the candidates the head can score hold a tiny mass (the top one outside its vocabulary): renormalised all the
+    # same (a floor of 1e-12 left 2e-13 unnormalised: a KL of -0.32, its gradient shrunk by that mass)
+    tiny = head_kl_loss(logits, soft_ids, torch.tensor([[[1e-13, 1e-13, 1.0]]]))
+    assert math.isclose(float(tiny.loss), expected, rel_tol=1e-5)
 
 
 def test_logits_kl_and_topk_accuracy():
