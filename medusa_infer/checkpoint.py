@@ -30,28 +30,38 @@ ADAPTER_DIR = "adapter"
 DEFAULT_COMMIT_MESSAGE = "Upload Medusa heads with medusa-forge"
 
 
+MODEL_WEIGHTS = ("model-*-of-*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin")
+"""A model's weights files (sharded, or PyTorch's), which no heads folder holds."""
+
+
 def foreign_config(directory: Path, layout: str) -> str | None:
     """What ``directory/config.json`` is, where it is not a heads config of ``layout`` ("medusa-forge" or
     "FasterDecoding") that a save may replace: None where there is none or it is one. A base model's
-    config (``model_type``) written over leaves that model unloadable."""
+    config (``model_type``) written over leaves that model unloadable, as does one beside a model's
+    weights (FasterDecoding's Medusa-2 releases: a whole model whose config has the heads' keys too)."""
+    weights = sorted(p.name for pattern in MODEL_WEIGHTS for p in directory.glob(pattern))
+    if weights:
+        return f"a model's weights ({weights[0]}) and their config.json"
     try:
         data = json.loads((directory / CONFIG_NAME).read_text())
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as err:
-        return f"a config.json this package cannot read ({type(err).__name__})"
+        return (f"a config.json this package cannot read ({type(err).__name__}; if it is these heads' own, damaged, "
+                "delete it and save again)")
     if not isinstance(data, dict):
         return "a config.json that is not a JSON object"
-    fd = "medusa_num_heads" in data and "medusa_num_layers" in data
-    ours = "num_heads" in data and "model_type" not in data and not fd
+    model = "model_type" in data or "architectures" in data
+    fd = "medusa_num_heads" in data and "medusa_num_layers" in data and not model
+    ours = "num_heads" in data and not model and not fd
     if (layout == "FasterDecoding" and fd) or (layout == "medusa-forge" and ours):
         return None
     if fd:
         return "heads in the FasterDecoding layout (their config.json)"
     if ours:
         return "heads saved with save_pretrained (their config.json)"
-    if "model_type" in data:
-        return f"a model's config.json (model_type {data['model_type']!r})"
+    if model:
+        return f"a model's config.json (model_type {data.get('model_type')!r})"
     return f"a config.json of another kind (keys {sorted(data)[:6]})"
 
 
@@ -353,18 +363,30 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
     return "\n".join(lines)
 
 
+DATASTORE_HEADING = "## Datastore"
+
+
+def card_section(text: str, heading: str) -> tuple[int, int] | None:
+    """Where the section of model card ``text`` under ``heading`` lies, up to the next section: ``(start, end)``;
+    None where there is none."""
+    start = text.find(heading)
+    if start < 0:
+        return None
+    end = text.find("\n## ", start + 1)
+    return start, end + 1 if end >= 0 else len(text)
+
+
 def note_datastore(directory: str | Path, tokens: int, origin: str | None) -> None:
     """Say in the folder's model card what its ``datastore.safetensors`` holds: text others can read
     back from the upload. ``origin`` (``Datastore.origin``): where the text comes from, in words; None:
     not recorded. A section an earlier store left is replaced."""
     card = Path(directory) / CARD_NAME
     text = card.read_text(encoding="utf-8") if card.is_file() else ""
-    start = text.find("## Datastore")
-    if start >= 0:  # up to the next section
-        end = text.find("\n## ", start + 1)
-        text = text[:start] + (text[end + 1:] if end >= 0 else "")
+    span = card_section(text, DATASTORE_HEADING)
+    if span:
+        text = text[:span[0]] + text[span[1]:]
     source = origin or "text whose origin was not recorded (a store set in code, or built by an earlier release)"
-    section = (f"## Datastore\n\n`{DATASTORE_NAME}` holds {tokens} tokens of text that lookup drafts search: "
+    section = (f"{DATASTORE_HEADING}\n\n`{DATASTORE_NAME}` holds {tokens} tokens of text that lookup drafts search: "
                f"{source}, as token ids, which anyone with the folder can decode; it shares that text's licence "
                "and privacy.\n")
     card.write_text(text.rstrip("\n") + "\n\n" + section, encoding="utf-8")

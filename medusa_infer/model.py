@@ -29,8 +29,11 @@ from transformers import PreTrainedModel
 
 from medusa_infer.checkpoint import (
     ADAPTER_DIR,
+    CARD_NAME,
     CONFIG_NAME,
+    DATASTORE_HEADING,
     DEFAULT_COMMIT_MESSAGE,
+    card_section,
     check_state_dict,
     load_heads_state,
     note_datastore,
@@ -368,8 +371,11 @@ class MedusaModel(nn.Module):
             raise ValueError(f"from_base sets {', '.join(given)} itself ({', '.join(owned[k] for k in given)}): drop "
                              + ("it" if len(given) == 1 else "them")
                              + ("; for a reduced vocabulary pass token_map=" if "reduced_vocab_size" in given else ""))
+        from medusa_infer.models import names_default_model
+
         base_model, tokenizer, name = _load_base(base_model, tokenizer)
-        if name is not None and not base_model_name_or_path and Path(name).expanduser().is_dir():
+        if name is not None and not base_model_name_or_path and Path(name).expanduser().is_dir() \
+                and not names_default_model(name):  # (a folder named like one does not hide it: load_base_model)
             name = str(Path(name).expanduser().resolve())  # a relative folder named nothing from elsewhere
         name = base_model_name_or_path or name
         lm_weight = base_model.get_output_embeddings().weight
@@ -571,6 +577,13 @@ class MedusaModel(nn.Module):
             raise ValueError(f"{target} holds a Medusa-2 adapter and these heads have none merged (merged_adapter "
                              "is None): from_pretrained would merge it under them; save into another folder, or "
                              "delete that adapter if it is not wanted")
+        store = directory / DATASTORE_NAME  # left unread (datastore=False) where it stays, not unwanted
+        unread = (self.datastore is None and self.skipped_datastore is not None and store.is_file()
+                  and self.skipped_datastore.is_file() and os.path.samefile(store, self.skipped_datastore))
+        text = (directory / CARD_NAME).read_text(encoding="utf-8") if unread and (directory / CARD_NAME).is_file() \
+            else ""
+        span = card_section(text, DATASTORE_HEADING)
+        section = text[span[0]:span[1]] if span else ""
         out = save_heads(directory, config, dict(heads_state) if heads_state is not None else own,
                          base_model_id)
         if self.merged_adapter is not None and (not target.exists()
@@ -581,9 +594,11 @@ class MedusaModel(nn.Module):
         if self.datastore is not None:
             self.datastore.save(out / DATASTORE_NAME)
             note_datastore(out, len(self.datastore), self.datastore.origin)
-        elif (out / DATASTORE_NAME).is_file() and self.skipped_datastore is not None and os.path.samefile(
-                out / DATASTORE_NAME, self.skipped_datastore):  # left unread (datastore=False), not unwanted
-            logger.info("%s was left as it is: loaded with datastore=False from there", out / DATASTORE_NAME)
+        elif unread:  # the card written anew says what it holds again
+            if section:
+                card = out / CARD_NAME
+                card.write_text(card.read_text(encoding="utf-8").rstrip("\n") + "\n\n" + section, encoding="utf-8")
+            logger.info("%s was left as it is: loaded with datastore=False from there", store)
         elif (out / DATASTORE_NAME).is_file():  # an earlier save's store is not these heads'
             (out / DATASTORE_NAME).unlink()
         return out
@@ -865,6 +880,7 @@ def merge_adapter(base_model: PreTrainedModel, folder: str | os.PathLike) -> Pre
                          "saved whole; save or download it again")
     config = PeftConfig.from_pretrained(str(folder))
     config.inference_mode = True
+    flags = {name: param.requires_grad for name, param in base_model.named_parameters()}  # (peft freezes all)
     wrapped = PeftModel(base_model, config)  # LoRA layers injected into base_model, taken out on any failure
     try:
         try:
@@ -879,15 +895,37 @@ def merge_adapter(base_model: PreTrainedModel, folder: str | os.PathLike) -> Pre
             raise ValueError(f"the adapter in {folder} lacks {len(missing)} of the LoRA weights its config asks "
                              f"for (such as {missing[0]}): merged, they would add nothing; use the "
                              "adapter as peft saved it (its keys and adapter_config.json together)")
+        if getattr(config, "lora_bias", False):  # checked before any layer merges (peft fails midway)
+            unbiased = [name for name, module in base_model.named_modules()
+                        if hasattr(module, "lora_A") and getattr(module.get_base_layer(), "bias", None) is None]
+            if unbiased:
+                raise ValueError(f"the adapter in {folder} has lora_bias, and the layers it adapts have no bias "
+                                 f"(such as {unbiased[0]}): it cannot be merged into this model")
     except BaseException:
-        wrapped.unload()  # the given model as it was: refused loads leave it so
+        _take_out(wrapped, base_model, flags)  # the given model as it was: refused loads leave it so
         raise
     merged = wrapped.merge_and_unload()
+    for name, param in merged.named_parameters():
+        param.requires_grad_(flags.get(name, param.requires_grad))
     forget_packed(merged)  # the merge wrote through .data: copies packed before it hold the old weights
     digest = adapter_digest(folder)
     setattr(merged, MERGED_ADAPTER_ATTR, (str(folder), digest))
     setattr(merged.config, MERGED_ADAPTER_KEY, digest)  # saved with the merged weights
     return merged
+
+
+def _take_out(wrapped: Any, base_model: PreTrainedModel, flags: dict[str, bool]) -> None:
+    """Undo what wrapping ``base_model`` in a peft model did, nothing merged: the modules peft trains copies of
+    (``modules_to_save``: its unload keeps the copies, which a refused load had half written) back to the
+    originals, the LoRA layers taken out, and each parameter's ``requires_grad`` (``flags``) as it was."""
+    for name, module in list(base_model.named_modules()):
+        original = getattr(module, "original_module", None)
+        if name and isinstance(original, nn.Module):
+            parent, _, child = name.rpartition(".")
+            setattr(base_model.get_submodule(parent) if parent else base_model, child, original)
+    wrapped.unload()
+    for name, param in base_model.named_parameters():
+        param.requires_grad_(flags.get(name, param.requires_grad))
 
 
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")

@@ -119,6 +119,34 @@ def test_an_adapter_that_does_not_fit_is_refused_and_leaves_the_given_base_model
     assert not hasattr(base, MERGED_ADAPTER_ATTR)
 
 
+@pytest.mark.parametrize("kind", ["modules_to_save", "lora_bias"])
+def test_a_refused_adapter_of_other_kinds_leaves_the_given_base_model_alone(tmp_path, kind):
+    """peft's unload kept the trained copy of a modules_to_save module (half written by the refused load) and
+    every parameter frozen; an adapter with lora_bias on layers without a bias failed midway through merging."""
+    folder = tmp_path / "heads"
+    MedusaModel.from_base(tiny_model("llama"), num_heads=2).save_pretrained(folder)
+    options = {"modules_to_save": ["model.norm"]} if kind == "modules_to_save" else {"lora_bias": True}
+    peft_model = get_peft_model(tiny_model("llama"), LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TARGETS,
+                                                                 **options))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name or "modules_to_save" in name:
+                param.fill_(5.0)
+    peft_model.save_pretrained(str(folder / ADAPTER_DIR))
+    if kind == "modules_to_save":  # one LoRA weight left out: refused after the norm's copy was loaded
+        weights = folder / ADAPTER_DIR / "adapter_model.safetensors"
+        tensors = load_file(weights)
+        del tensors[next(k for k in sorted(tensors) if "lora_B" in k)]
+        save_file(tensors, weights)
+    base = tiny_model("llama")
+    with pytest.raises(ValueError, match="lacks 1 of the LoRA weights" if kind == "modules_to_save" else
+                       "has lora_bias, and the layers it adapts have no bias"):
+        MedusaModel.from_pretrained(folder, base_model=base)
+    assert same_plain_model(base)
+    assert type(base.model.norm).__name__ == "LlamaRMSNorm"
+    assert all(param.requires_grad for param in base.parameters())
+
+
 def test_an_adapter_changed_since_the_merge_is_not_saved_beside_the_heads(heads_folder, tmp_path):
     """Another run wrote a new adapter where the merged one was: it was copied along with heads that go with the
     one merged (the saved folder decoded differently), without a word."""

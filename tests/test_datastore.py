@@ -394,6 +394,14 @@ def test_medusa_lookup_uses_the_models_datastore_and_it_is_saved_with_the_heads(
     unread.save_pretrained(tmp_path / "elsewhere")
     assert torch.equal(Datastore.load(store).tokens, model.datastore.tokens)
     assert not (tmp_path / "elsewhere" / DATASTORE_NAME).exists()
+    card = (tmp_path / "heads" / "README.md").read_text()  # and the card still says what it holds (it lost that)
+    assert card.count("## Datastore") == 1 and f"holds {len(model.datastore)} tokens" in card
+    # the store it left unread deleted since: a store where it saves is another's (a FileNotFoundError, after
+    # the heads were written)
+    model.save_pretrained(tmp_path / "other")
+    store.unlink()
+    unread.save_pretrained(tmp_path / "other")
+    assert not (tmp_path / "other" / DATASTORE_NAME).exists()
     (tmp_path / "alone").mkdir()
     saved = Datastore.from_sequences([[1, 2, 3]]).save(tmp_path / "alone" / DATASTORE_NAME)
     assert [p.name for p in saved.parent.iterdir()] == [DATASTORE_NAME]  # no partial file left beside it

@@ -460,14 +460,28 @@ def test_heads_are_not_written_over_a_models_config(tmp_path):
         model.base_model.save_pretrained(tmp_path / folder, max_shard_size="20KB" if folder == "sharded" else "5GB")
     assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
     before = {f.name: f.read_bytes() for f in (tmp_path / "single").iterdir()}
-    for folder in ("sharded", "single"):
-        with pytest.raises(ValueError, match=rf"{folder} holds a model's config.json \(model_type 'llama'\), which "
-                                             "writing this layout there would replace: export into another folder"):
+    # and FasterDecoding's Medusa-2 releases: a whole model whose config has the heads' keys as well (an export
+    # took it for its own layout's)
+    model.base_model.save_pretrained(tmp_path / "release", max_shard_size="20KB")
+    release = json.loads((tmp_path / "release" / "config.json").read_text())
+    (tmp_path / "release" / "config.json").write_text(json.dumps({**release, "medusa_num_heads": 3,
+                                                                  "medusa_num_layers": 1}))
+    (tmp_path / "unsharded").mkdir()
+    (tmp_path / "unsharded" / "config.json").write_text(json.dumps({**release, "medusa_num_heads": 3,
+                                                                    "medusa_num_layers": 1}))
+    held = {"sharded": r"a model's weights \(model-00001-of-\d+.safetensors\) and their config.json",
+            "single": r"a model's config.json \(model_type 'llama'\)",
+            "release": r"a model's weights \(model-00001-of-\d+.safetensors\) and their config.json",
+            "unsharded": r"a model's config.json \(model_type 'llama'\)"}
+    for folder, what in held.items():
+        with pytest.raises(ValueError, match=rf"{folder} holds {what}, which writing this layout there would "
+                                             "replace: export into another folder"):
             model.export_medusa_layout(tmp_path / folder)
-        with pytest.raises(ValueError, match=rf"{folder} holds a model's config.json \(model_type 'llama'\), which "
-                                             "saving heads there would replace: save into another folder"):
+        with pytest.raises(ValueError, match=rf"{folder} holds {what}, which saving heads there would replace: "
+                                             "save into another folder"):
             model.save_pretrained(tmp_path / folder)
-        AutoModelForCausalLM.from_pretrained(tmp_path / folder)  # still the model
+        if folder != "unsharded":
+            AutoModelForCausalLM.from_pretrained(tmp_path / folder)  # still the model
     assert {f.name: f.read_bytes() for f in (tmp_path / "single").iterdir()} == before
     model.export_medusa_layout(tmp_path / "fd")
     model.export_medusa_layout(tmp_path / "fd")  # its own layout's config.json is written over
@@ -477,6 +491,10 @@ def test_heads_are_not_written_over_a_models_config(tmp_path):
     (tmp_path / "fd2" / "config.json").write_text('{"medusa_num_heads": 3, "medusa_num_layers": 1}')
     with pytest.raises(ValueError, match="holds heads in the FasterDecoding layout \\(their config.json\\)"):
         model.save_pretrained(tmp_path / "fd2")
+    (tmp_path / "ours" / "config.json").write_text("{ damaged")  # said how to save over it
+    with pytest.raises(ValueError, match=r"cannot read \(JSONDecodeError; if it is these heads' own, damaged, "
+                                         r"delete it and save again\)"):
+        model.save_pretrained(tmp_path / "ours")
 
 
 def test_paths_with_a_tilde_and_relative_base_folders_load_from_anywhere(tmp_path, monkeypatch):
@@ -490,6 +508,10 @@ def test_paths_with_a_tilde_and_relative_base_folders_load_from_anywhere(tmp_pat
     word_tokenizer().save_pretrained(tmp_path / "base")
     model = MedusaModel.from_base("base", num_heads=HEADS)
     assert model.config.base_model_name_or_path == str(tmp_path / "base")
+    (tmp_path / "smollm2-135m-instruct").mkdir()  # a folder named like a default model hides it nowhere
+    named = base_model("llama")
+    named.name_or_path = "smollm2-135m-instruct"
+    assert MedusaModel.from_base(named, num_heads=HEADS).config.base_model_name_or_path == "smollm2-135m-instruct"
     model.save_pretrained("~/heads")
     model.export_medusa_layout("~/fd")
     assert not (tmp_path / "~").exists()
