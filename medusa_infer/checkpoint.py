@@ -197,9 +197,11 @@ def _wrong_type(name: str, tensor: Any) -> str | None:
     return None if tensor.is_floating_point() else f"{name}: {dtype}, where weights are floating point"
 
 
-def check_state_dict(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor], source: str) -> None:
+def check_state_dict(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor], source: str,
+                     fix: str = "The checkpoint is incomplete or was written for another configuration; re-export "
+                                "it.") -> None:
     """Raise ``ValueError`` naming every missing, unexpected, mis-shaped or mis-typed tensor (a token map
-    of floats was cut to integers, weights of integers loaded, without a word)."""
+    of floats was cut to integers, weights of integers loaded, without a word), then ``fix``."""
     kinds = [problem for name, t in found.items() if (problem := _wrong_type(name, t))]
     if kinds:
         raise ValueError(f"{source}: tensors of the wrong type: {'; '.join(kinds)}; re-export the heads")
@@ -219,8 +221,7 @@ def check_state_dict(expected: dict[str, torch.Tensor], found: dict[str, torch.T
         problems.append("shape mismatches " + "; ".join(shapes))
     if problems:
         raise ValueError(
-            f"{source} does not fit the heads its config describes: " + ", ".join(problems)
-            + ". The checkpoint is incomplete or was written for another configuration; re-export it."
+            f"{source} does not fit the heads its config describes: " + ", ".join(problems) + ". " + fix
         )
 
 

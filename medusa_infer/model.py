@@ -556,7 +556,8 @@ class MedusaModel(nn.Module):
         own = self.heads.state_dict()
         with torch.device("meta"):  # heads changed since (a head dropped) were saved, and failed to load
             expected = MedusaHeads(config).state_dict()
-        check_state_dict(expected, own, "the heads (self.heads) against their config")
+        check_state_dict(expected, own, "self.heads", "Saved so, they would not load: nothing was written; change "
+                         "self.heads back, or the config (self.heads.config) with them")
         if heads_state is not None:
             check_state_dict(own, dict(heads_state), "heads_state")
         directory = Path(directory).expanduser()
@@ -619,7 +620,8 @@ class MedusaModel(nn.Module):
         datastore (no engine that reads the layout uses one); either left out is warned about.
 
         As with ``save_pretrained``, the heads are written in the dtype they compute in unless
-        ``heads_state`` gives the weights to write (the full-precision ones they were loaded from)."""
+        ``heads_state`` gives the weights to write (the full-precision ones they were loaded from); version
+        '1''s copies of the base ``lm_head`` are the model's, in its dtype."""
         from medusa_infer.interop import write_medusa_layout
 
         copies = version == "1" and self.config.projection == "shared"
