@@ -329,6 +329,8 @@ def generate_from_args(args: argparse.Namespace) -> int:
         return 0
     from medusa_infer.decoding import context_length
 
+    if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 arrive as lone surrogates, said per line
+        sys.stdin.reconfigure(errors="surrogateescape")  # (a UTF-8 locale's strict decoding ended the chat)
     while True:
         try:
             line = input("> ").strip()

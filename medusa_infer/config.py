@@ -153,8 +153,8 @@ class MedusaConfig:
             try:
                 check_accuracies({tuple(path): prob for path, prob in self.path_accuracies})
             except ValueError as err:
-                raise ValueError(f"heads config path_accuracies: {err}; remove them, or measure them again "
-                                 "(medusa-bench --calibrate)") from None
+                raise ValueError(f"heads config path_accuracies: {err}; remove path_accuracies from config.json "
+                                 "(medusa-bench --calibrate then measures them again)") from None
         if self.cost_profile is not None:
             from medusa_infer.tree_fit import CostProfile
 

@@ -336,11 +336,11 @@ def check_accuracies(model: AcceptanceModel) -> None:
         for path, prob in model.items():  # at most one child of a path is accepted (the token its head chose)
             children[path[:-1]] = children.get(path[:-1], 0.0) + prob
         for parent, total in children.items():
-            if total > (model[parent] if parent else 1.0) + 1e-4:  # (rounding of stored figures aside)
+            bound = model.get(parent, 0.0) if parent else 1.0  # (a parent left out: 0, its children all 0 too)
+            if total > bound + 1e-4:  # (rounding of stored figures aside)
                 raise ValueError(f"the paths under {parent!r} have probabilities summing to {total!r}, more than "
-                                 f"{'theirs' if parent else '1'} ({model[parent] if parent else 1.0!r}): at most one "
-                                 "of them is accepted at a position; the expected tokens would exceed what a tree "
-                                 "can give")
+                                 f"{'theirs' if parent else '1'} ({bound!r}): at most one of them is accepted at a "
+                                 "position; the expected tokens would exceed what a tree can give")
         return
     if not model or any(len(row) == 0 for row in model):
         raise ValueError("head_topk_acc needs one non-empty row of top-k accuracies per head, "

@@ -202,6 +202,23 @@ def test_a_reader_that_goes_away_ends_medusa_generate_quietly(tmp_path):
     assert "error" not in done.stderr.lower() and "Traceback" not in done.stderr, done.stderr[-1500:]
 
 
+def test_a_chat_line_that_is_not_utf8_is_left_out_under_a_strict_locale(tmp_path):
+    """Under a UTF-8 locale stdin decodes strictly: a line that is not UTF-8 raised UnicodeDecodeError, ending the
+    whole chat (a pipe is decoded in one chunk: the valid lines before it went unanswered too)."""
+    from medusa_infer.serving.testing import word_tokenizer
+    from tiny import tiny_model
+
+    tokenizer = word_tokenizer()
+    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    done = subprocess.run([sys.executable, "-m", "medusa_infer", "--model", str(tmp_path / "base"), "--chat", "--raw",
+                           "--max-new-tokens", "2"], input=b"the cat\nthe \xff dog\nthe sun\n", capture_output=True,
+                          timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONIOENCODING": "utf-8:strict"})
+    err = done.stderr.decode()
+    assert done.returncode == 0, err[-1500:]
+    assert err.count("that line is not UTF-8 text") == 1 and err.count("[autoregressive]") == 2, err[-1500:]
+
+
 @pytest.mark.parametrize("tokenizer", ["words", "metaspace"])
 def test_raw_chat_sends_the_whole_conversation(monkeypatch, capsys, tokenizer):
     """The next turn's text holds the answer as the model wrote it after the prompt: with a

@@ -238,6 +238,11 @@ def test_expected_accept_length_errors(acc, paths, message):
         expected_accept_length(paths, acc)
 
 
+def test_a_path_of_probability_0_under_a_parent_left_out_is_taken():
+    """Its siblings' sum was checked against the parent the table leaves out: a KeyError (at load too)."""
+    assert greedy_tree({(0,): 0.5, (1, 0): 0.0}, 1) == [(0,)]
+
+
 def test_sizes_may_be_numpy_integers_and_rank_tables_must_be_whole():
     """numpy's integers were refused as sizes (ranks took them); a table of ragged rows was cut to its
     shortest row, dropping ranks without a word."""
