@@ -99,6 +99,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--method", default=None,
                         help="speculative method compared with autoregressive (default: medusa with --heads, "
                              "else lookup)")
+    parser.add_argument("--no-datastore", dest="datastore", action="store_false",
+                        help="with --heads: the speculative server's lookup drafts leave out the heads' datastore "
+                             "(medusa-serve --no-datastore; --method lookup, or medusa with --lookup-tokens)")
     parser.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -115,9 +118,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.method = "medusa" if args.heads else "lookup"
     if args.method == "medusa" and not args.heads:
         parser.error("--method medusa needs --heads (or use --method lookup)")
+    if not args.datastore and not args.heads:
+        parser.error("--no-datastore leaves out the heads' datastore, and no --heads is given: drop --no-datastore")
     if args.requests < 1 or min(args.concurrency) < 1 or args.max_tokens < 1:
         parser.error("--requests, --concurrency and --max-tokens must be positive")
     return args
+
+
+def served_model(args: argparse.Namespace) -> str:
+    """The base model the servers load without --model: the one the heads name, else medusa-serve's default."""
+    from medusa_infer.cli import DEFAULT_MODEL
+
+    if args.heads:
+        return json.loads((Path(args.heads) / "config.json").read_text()).get("base_model_name_or_path") or "?"
+    return DEFAULT_MODEL
 
 
 def free_port() -> int:
@@ -140,6 +154,8 @@ class Server:
             command += ["--model", args.model]
         if args.heads:  # (the baseline on the bare base model compared Medusa-2 heads against another model)
             command += ["--heads", args.heads]
+        if not args.datastore and method != "autoregressive":  # (the baseline refuses it: it drafts nothing)
+            command += ["--no-datastore"]
         if args.threads:
             command += ["--threads", str(args.threads)]
         if method != "autoregressive":
@@ -318,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if args.output:
         settings = {k: v for k, v in vars(args).items() if k != "output"}
+        settings["model"] = args.model or served_model(args)  # what the servers loaded, not None
         record = {"settings": settings, "cpu_count": os.cpu_count(),
                   "results": [{k: v for k, v in asdict(lv).items() if k != "texts"} for lv in levels],
                   "same_text_as_autoregressive": {f"{m}@{c}": n for (m, c), n in same.items()},

@@ -56,8 +56,9 @@
 #   the model its own transfer (docs/gpu/376fcb4/device_steps.sh).
 #   Where $OUT is set (the device tool's folder that comes back, a few files at most), the reports,
 #   the calibration and the calibrated heads' config are copied there after each stage and on exit
-#   (a command killed at its time limit keeps the stages done), under flat names (b1_report.md/.json,
-#   b8_report.md/.json, f32_report.json, calibration.json, heads_config.json).
+#   (a command killed at its time limit keeps the stages it finished; an earlier run's results in OUT_DIR
+#   are removed first), under flat names (b1_report.md/.json, b8_report.md/.json, f32_report.json,
+#   calibration.json, heads_config.json).
 set -euo pipefail
 
 if [[ ${PRESET:-} == session ]]; then
@@ -114,8 +115,10 @@ copy_out() {
         if [[ -f $OUT_DIR/$from ]]; then cp "$OUT_DIR/$from" "$OUT/$to"; fi
     done
 }
+rm -rf "$OUT_DIR/batch1" "$OUT_DIR/batch$BATCH" "$OUT_DIR/float32" "$OUT_DIR/heads"  # (an earlier run's results
+# were handed back as this one's by a run that failed before replacing them)
 trap copy_out EXIT
-trap 'exit 143' TERM
+trap 'exit 143' TERM  # (taken once the stage under way ends: its own timeout bounds that)
 
 say "1. machine"
 if [[ $DEVICE == cuda ]]; then
