@@ -13,6 +13,7 @@ The run's metrics (tokens per step, tokens/s, ...) are printed to stderr at the 
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import sys
 from typing import Sequence
@@ -329,8 +330,11 @@ def generate_from_args(args: argparse.Namespace) -> int:
         return 0
     from medusa_infer.decoding import context_length
 
-    if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 arrive as lone surrogates, said per line
-        sys.stdin.reconfigure(errors="surrogateescape")  # (a UTF-8 locale's strict decoding ended the chat)
+    if hasattr(sys.stdin, "reconfigure") and getattr(sys.stdin, "errors", None) != "surrogateescape":
+        try:  # bytes that are not UTF-8 arrive as lone surrogates, said per line (strict decoding ended the chat)
+            sys.stdin.reconfigure(errors="surrogateescape")
+        except (io.UnsupportedOperation, ValueError):  # read from already: left as it is
+            pass
     while True:
         try:
             line = input("> ").strip()

@@ -208,8 +208,8 @@ def fetch_default_model(model: DefaultModel, cache_dir: str | Path | None = None
         lock = FileLock(str(target.parent / f"{model.name}.lock"))  # folder (the GGUF file) stayed for good
         try:
             lock.acquire(timeout=0)
-        except Timeout:
-            pass  # a build under way: its own
+        except (Timeout, OSError):  # a build under way (its own), or a cache this user only reads: best effort
+            pass
         else:
             try:
                 _remove_partials(model, target)
@@ -260,8 +260,9 @@ def _missing_files(folder: Path, source: Any) -> str | None:
 def _remove_partials(model: DefaultModel, target: Path) -> None:
     """Remove the work folders of killed builds of ``model`` beside ``target``; call with the model's lock held."""
     for leftover in target.parent.glob(f".{model.name}.partial-*"):
-        _report(f"removing {leftover}, left by an interrupted conversion")
         shutil.rmtree(leftover, ignore_errors=True)
+        _report(f"{'could not remove' if leftover.exists() else 'removed'} {leftover}, left by an interrupted "
+                "conversion")
 
 
 def _build(model: DefaultModel, target: Path) -> None:
@@ -404,11 +405,18 @@ def _cached_copy_errors(name: str, folder: str) -> Iterator[None]:
         converted = names_default_model(name) or (Path(folder) / SOURCE_NAME).is_file()  # (by its path too)
         damage = _damage(Path(folder)) if converted else None
         if damage is not None:
+            fix = ("delete that folder and the next load builds it again" if names_default_model(name) else
+                   "copy it again from a sound cache, or load the default model by its name, which builds it in the "
+                   "cache")
             what = f"this machine's converted copy of {name}" if names_default_model(name) else \
                 "a converted copy of a default model"
-            raise RuntimeError(f"{folder}, {what}, is damaged ({damage}); delete that folder and the next load of "
-                               "the default model builds it again") from err
+            raise RuntimeError(f"{folder}, {what}, is damaged ({damage}); {fix}") from err
         raise
+
+
+MODEL_JSON = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "added_tokens.json", "vocab.json", "chat_template.json")
+"""The JSON files of a model folder that transformers reads."""
 
 
 def _damage(folder: Path) -> str | None:
@@ -422,7 +430,11 @@ def _damage(folder: Path) -> str | None:
         missing = None  # (a source file that does not parse is named below)
     if missing is not None:
         return missing
-    for path in sorted(folder.glob("*.json")):
+    # (a converted copy's files are all this package's; in a user's folder, only those transformers reads: a log
+    # kept beside the weights is none of the model's)
+    read = folder.glob("*.json") if (folder / SOURCE_NAME).is_file() else (
+        p for p in folder.glob("*.json") if p.name in MODEL_JSON or p.name.endswith(".index.json"))
+    for path in sorted(read):
         try:
             json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as err:
@@ -617,8 +629,8 @@ def check_model_folder(folder: Path) -> None:
                          "model folder")
     damage = _damage(folder)  # (a cut copy was reported as checked: it failed only when loaded)
     if damage is not None:
-        fix = ("delete it and the next load of the default model builds it again" if (folder / SOURCE_NAME).is_file()
-               else "copy or save it again")
+        fix = ("copy it again from a sound cache, or load the default model by its name, which builds it in the "
+               "cache" if (folder / SOURCE_NAME).is_file() else "copy or save it again")
         raise ValueError(f"{folder} is damaged ({damage}): {fix}")
 
 

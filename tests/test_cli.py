@@ -217,6 +217,13 @@ def test_a_chat_line_that_is_not_utf8_is_left_out_under_a_strict_locale(tmp_path
     err = done.stderr.decode()
     assert done.returncode == 0, err[-1500:]
     assert err.count("that line is not UTF-8 text") == 1 and err.count("[autoregressive]") == 2, err[-1500:]
+    # a second chat in one process, stdin read from already (its errors could no longer be set: exit 2)
+    twice = ("import sys; from medusa_infer.cli import main; "
+             f"args = ['--model', {str(tmp_path / 'base')!r}, '--chat', '--raw', '--max-new-tokens', '2']; "
+             "sys.exit(main(args) + main(args))")
+    done = subprocess.run([sys.executable, "-c", twice], input=b"the cat\n\nthe sun\n", capture_output=True,
+                          timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0 and done.stderr.decode().count("[autoregressive]") == 2, done.stderr[-1500:]
 
 
 @pytest.mark.parametrize("tokenizer", ["words", "metaspace"])

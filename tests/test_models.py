@@ -273,7 +273,7 @@ def test_a_cached_copy_missing_a_file_is_named_with_the_fix(
     # by its path (medusa-fetch-model prints it for scripts): the loaders name it too (transformers' error named a
     # tokenizer backend)
     with pytest.raises(RuntimeError, match="a converted copy of a default model, is damaged \\(tokenizer.json is "
-                                           "missing\\)"):
+                                           "missing\\); copy it again from a sound cache, or load the default"):
         models.load_tokenizer(str(folder))
 
 
@@ -292,6 +292,19 @@ def test_incomplete_folder_and_leftovers_are_replaced(tmp_path: Path, tiny_regis
     leftover.mkdir()
     assert models.resolve_model(TINY_NAME, cache_dir=tmp_path) == str(folder) and not leftover.exists()
     assert len(conversions_log(models_dir).read_text().splitlines()) == 1  # (not built again)
+    # in a cache this user only reads (the lock file not theirs): left, and the copy loads (a PermissionError)
+
+    class ReadOnlyLock:
+        def __init__(self, path):
+            pass
+
+        def acquire(self, timeout=None):
+            raise PermissionError(13, "Permission denied", "tiny-test.lock")
+
+    leftover.mkdir()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(models, "FileLock", ReadOnlyLock)
+        assert models.resolve_model(TINY_NAME, cache_dir=tmp_path) == str(folder) and leftover.exists()
 
 
 def test_a_folder_converted_from_another_gguf_file_is_built_again(tmp_path: Path, tiny_registry: None) -> None:
@@ -359,6 +372,8 @@ def test_loaders_on_a_local_folder(tmp_path: Path) -> None:
     tokenizer = models.load_tokenizer(folder)
     assert tokenizer.padding_side == "left"
     assert tokenizer.pad_token == "</s>"
+    (Path(folder) / "train_log.json").write_text('{"step": 1}\n{"step": 2}\n')  # a log beside it is no damage
+    models.main([folder])
     batch = tokenizer(["hello", "hello world paris"], padding=True, return_tensors="pt")
     assert batch["attention_mask"][0].tolist() == [0, 0, 1]
 
