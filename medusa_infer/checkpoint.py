@@ -341,8 +341,8 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
     estimated = {key: value for key, value in acceptance.items() if is_estimate(key)}
     measured = {key: value for key, value in acceptance.items() if key not in estimated}
     calibrated_on = (config.acceptance or {}).get("calibration_questions")
-    if not isinstance(calibrated_on, dict):  # (as above: an AttributeError stopped the save)
-        calibrated_on = None
+    if not isinstance(calibrated_on, dict) or not isinstance(calibrated_on.get("ids") or [], list):  # (as above:
+        calibrated_on = None  # an AttributeError or a TypeError stopped the save)
     if calibrated_on and calibrated_on.get("file"):
         lines += [f"Calibrated on {len(calibrated_on.get('ids') or [])} questions of `{calibrated_on['file']}`, which "
                   "`medusa-bench` leaves out of later benchmarks of these heads on that file.", ""]

@@ -581,8 +581,8 @@ class MedusaModel(nn.Module):
         store = directory / DATASTORE_NAME  # left unread (datastore=False) where it stays, not unwanted
         unread = (self.datastore is None and self.skipped_datastore is not None and store.is_file()
                   and self.skipped_datastore.is_file() and os.path.samefile(store, self.skipped_datastore))
-        text = (directory / CARD_NAME).read_text(encoding="utf-8") if unread and (directory / CARD_NAME).is_file() \
-            else ""
+        text = (directory / CARD_NAME).read_text(encoding="utf-8", errors="replace") \
+            if unread and (directory / CARD_NAME).is_file() else ""  # (a card edited in another encoding: kept)
         span = card_section(text, DATASTORE_HEADING)
         section = text[span[0]:span[1]] if span else ""
         out = save_heads(directory, config, dict(heads_state) if heads_state is not None else own,
@@ -883,8 +883,9 @@ def merge_adapter(base_model: PreTrainedModel, folder: str | os.PathLike) -> Pre
     config = PeftConfig.from_pretrained(str(folder))
     config.inference_mode = True
     flags = {name: param.requires_grad for name, param in base_model.named_parameters()}  # (peft freezes all)
-    wrapped = PeftModel(base_model, config)  # LoRA layers injected into base_model, taken out on any failure
+    wrapped = None
     try:
+        wrapped = PeftModel(base_model, config)  # LoRA layers injected into base_model, taken out on any failure
         try:
             result = wrapped.load_adapter(str(folder), "default", is_trainable=False)
         except (RuntimeError, KeyError, OSError) as err:  # (a rank other than the config's: a size mismatch)
@@ -919,13 +920,18 @@ def merge_adapter(base_model: PreTrainedModel, folder: str | os.PathLike) -> Pre
 def _take_out(wrapped: Any, base_model: PreTrainedModel, flags: dict[str, bool]) -> None:
     """Undo what wrapping ``base_model`` in a peft model did, nothing merged: the modules peft trains copies of
     (``modules_to_save``: its unload keeps the copies, which a refused load had half written) back to the
-    originals, the LoRA layers taken out, and each parameter's ``requires_grad`` (``flags``) as it was."""
+    originals, the LoRA layers taken out (by peft's unload; by hand where the wrapping itself failed midway,
+    ``wrapped`` None: a target LoRA cannot adapt, after earlier ones were replaced), and each parameter's
+    ``requires_grad`` (``flags``) as it was."""
     for name, module in list(base_model.named_modules()):
         original = getattr(module, "original_module", None)
-        if name and isinstance(original, nn.Module):
+        base = module.get_base_layer() if wrapped is None and hasattr(module, "lora_A") else None
+        replacement = original if isinstance(original, nn.Module) else base
+        if name and isinstance(replacement, nn.Module) and replacement is not module:
             parent, _, child = name.rpartition(".")
-            setattr(base_model.get_submodule(parent) if parent else base_model, child, original)
-    wrapped.unload()
+            setattr(base_model.get_submodule(parent) if parent else base_model, child, replacement)
+    if wrapped is not None:
+        wrapped.unload()
     for name, param in base_model.named_parameters():
         param.requires_grad_(flags.get(name, param.requires_grad))
 

@@ -1015,6 +1015,9 @@ def calibration_question_ids(model, questions_file: str | Path) -> list[Any]:
     """The ids of the questions of ``questions_file`` (by name) that ``model``'s heads were calibrated on
     (``calibrate``); [] for heads calibrated elsewhere, on other questions, or not at all."""
     found = ((model.config.acceptance or {}).get("calibration_questions") or {}) if model.heads is not None else {}
+    if not isinstance(found, dict) or not isinstance(found.get("ids") or [], list):  # a record edited by hand
+        raise ValueError(f"the heads' acceptance.calibration_questions is {found!r:.120}, not a record of a "
+                         "questions file and its ids as calibration writes it: fix or remove it in their config.json")
     same = found.get("file") is not None and found.get("file") == Path(questions_file).name
     return list(found.get("ids") or []) if same and not _is_pipe(questions_file) else []
 

@@ -126,12 +126,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def served_model(args: argparse.Namespace) -> str:
-    """The base model the servers load without --model: the one the heads name, else medusa-serve's default."""
+    """The base model the servers load without --model: the one the heads name (as medusa-serve reads either
+    layout), else medusa-serve's default; "?" where the heads cannot be read here."""
     from medusa_infer.cli import DEFAULT_MODEL
+    from medusa_infer.interop import base_model_name
+    from medusa_infer.model import heads_folder
 
-    if args.heads:
-        return json.loads((Path(args.heads) / "config.json").read_text()).get("base_model_name_or_path") or "?"
-    return DEFAULT_MODEL
+    if not args.heads:
+        return DEFAULT_MODEL
+    try:
+        return base_model_name(heads_folder(args.heads)) or "?"
+    except (OSError, ValueError):
+        return "?"
 
 
 def free_port() -> int:
@@ -318,6 +324,7 @@ def markdown(levels: list[LevelResult], baseline: dict[int, LevelResult], same: 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    model = args.model or served_model(args)  # (before the servers: a failure here lost the whole run's report)
     gates = ["measured", "off"] if args.gate == "both" else [args.gate]
     runs = [("autoregressive", "off")] if args.method == "autoregressive" else (
         [(args.method, gate) for gate in gates] + [("autoregressive", "off")])
@@ -334,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if args.output:
         settings = {k: v for k, v in vars(args).items() if k != "output"}
-        settings["model"] = args.model or served_model(args)  # what the servers loaded, not None
+        settings["model"] = model  # what the servers loaded, not None
         record = {"settings": settings, "cpu_count": os.cpu_count(),
                   "results": [{k: v for k, v in asdict(lv).items() if k != "texts"} for lv in levels],
                   "same_text_as_autoregressive": {f"{m}@{c}": n for (m, c), n in same.items()},

@@ -97,8 +97,12 @@ say() { echo; echo "== $* [$(date +%T), ${SECONDS}s]"; }
 [[ -f medusa_train/benchmark.py ]] || die "run from the repo root: bash scripts/gpu_bench.sh [HEADS_DIR] [OUT_DIR]"
 [[ -f $HEADS_DIR/config.json ]] || die "no heads in $HEADS_DIR (config.json missing); pass the trained heads folder"
 [[ -f $QUESTIONS ]] || die "no questions file $QUESTIONS"
-[[ $(realpath -m "$HEADS_DIR") != "$(realpath -m "$OUT_DIR/heads")" ]] \
-    || die "HEADS_DIR is OUT_DIR/heads, which this script replaces by a fresh copy; pick another OUT_DIR"
+for replaced in heads batch1 "batch$BATCH" float32; do  # (removed before stage 1: the heads went with them)
+    case "$(realpath -m "$HEADS_DIR")/" in
+        "$(realpath -m "$OUT_DIR/$replaced")"/*)
+            die "HEADS_DIR lies in OUT_DIR/$replaced, which this script replaces; pick another OUT_DIR" ;;
+    esac
+done
 [[ $BATCH =~ ^[0-9]+$ ]] && ((BATCH >= 2)) \
     || die "BATCH=$BATCH: stage 4 is the batched run (batch 1 is stage 3's, which it would write over); give 2 or more"
 

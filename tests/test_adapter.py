@@ -119,13 +119,15 @@ def test_an_adapter_that_does_not_fit_is_refused_and_leaves_the_given_base_model
     assert not hasattr(base, MERGED_ADAPTER_ATTR)
 
 
-@pytest.mark.parametrize("kind", ["modules_to_save", "lora_bias"])
+@pytest.mark.parametrize("kind", ["modules_to_save", "lora_bias", "unsupported_target"])
 def test_a_refused_adapter_of_other_kinds_leaves_the_given_base_model_alone(tmp_path, kind):
     """peft's unload kept the trained copy of a modules_to_save module (half written by the refused load) and
-    every parameter frozen; an adapter with lora_bias on layers without a bias failed midway through merging."""
+    every parameter frozen; an adapter with lora_bias on layers without a bias failed midway through merging; one
+    naming a module LoRA cannot adapt failed while peft wrapped the model, its earlier layers already replaced."""
     folder = tmp_path / "heads"
     MedusaModel.from_base(tiny_model("llama"), num_heads=2).save_pretrained(folder)
-    options = {"modules_to_save": ["model.norm"]} if kind == "modules_to_save" else {"lora_bias": True}
+    options = {"modules_to_save": {"modules_to_save": ["model.norm"]}, "lora_bias": {"lora_bias": True},
+               "unsupported_target": {}}[kind]
     peft_model = get_peft_model(tiny_model("llama"), LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TARGETS,
                                                                  **options))
     with torch.no_grad():
@@ -138,9 +140,14 @@ def test_a_refused_adapter_of_other_kinds_leaves_the_given_base_model_alone(tmp_
         tensors = load_file(weights)
         del tensors[next(k for k in sorted(tensors) if "lora_B" in k)]
         save_file(tensors, weights)
+    if kind == "unsupported_target":  # a norm, after the layers' projections (edited, or another peft's)
+        settings = folder / ADAPTER_DIR / "adapter_config.json"
+        values = json.loads(settings.read_text())
+        settings.write_text(json.dumps({**values, "target_modules": [*values["target_modules"], "norm"]}))
     base = tiny_model("llama")
-    with pytest.raises(ValueError, match="lacks 1 of the LoRA weights" if kind == "modules_to_save" else
-                       "has lora_bias, and the layers it adapts have no bias"):
+    with pytest.raises(ValueError, match={"modules_to_save": "lacks 1 of the LoRA weights",
+                                          "lora_bias": "has lora_bias, and the layers it adapts have no bias",
+                                          "unsupported_target": "is not supported"}[kind]):
         MedusaModel.from_pretrained(folder, base_model=base)
     assert same_plain_model(base)
     assert type(base.model.norm).__name__ == "LlamaRMSNorm"

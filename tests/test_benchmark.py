@@ -758,6 +758,10 @@ def test_cli_calibrates_on_questions_from_a_pipe(model, tmp_path, monkeypatch):
     try:
         model.config.acceptance = {"calibration_questions": {"file": str(read), "ids": [1, 2]}}  # an older record
         assert bench.calibration_question_ids(model, f"/dev/fd/{read}") == []
+        for edited in ("q.jsonl", {"file": "q.jsonl", "ids": 3}):  # by hand: an AttributeError, a TypeError
+            model.config.acceptance = {"calibration_questions": edited}
+            with pytest.raises(ValueError, match="calibration_questions is .* fix or remove it in their config.json"):
+                bench.calibration_question_ids(model, "q.jsonl")
     finally:
         model.config.acceptance = before
         os.close(read)

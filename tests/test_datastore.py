@@ -396,6 +396,9 @@ def test_medusa_lookup_uses_the_models_datastore_and_it_is_saved_with_the_heads(
     assert not (tmp_path / "elsewhere" / DATASTORE_NAME).exists()
     card = (tmp_path / "heads" / "README.md").read_text()  # and the card still says what it holds (it lost that)
     assert card.count("## Datastore") == 1 and f"holds {len(model.datastore)} tokens" in card
+    (tmp_path / "heads" / "README.md").write_bytes(card.encode() + b"\xff edited in Latin-1\n")  # (read to keep the
+    unread.save_pretrained(tmp_path / "heads")  # section: a UnicodeDecodeError, nothing saved)
+    assert "## Datastore" in (tmp_path / "heads" / "README.md").read_text()
     # the store it left unread deleted since: a store where it saves is another's (a FileNotFoundError, after
     # the heads were written)
     model.save_pretrained(tmp_path / "other")

@@ -325,7 +325,8 @@ def test_model_card_shows_measured_figures(tmp_path):
     assert loaded.config.acceptance == model.config.acceptance
     # free-form records edited by hand load, and saved again they stopped the save (AttributeError, TypeError)
     for training, acceptance in (({"heldout_head_accuracies": 0.5}, {"calibration_questions": "q.jsonl"}),
-                                 ({"heldout_head_accuracies": [0.5, 0.4]}, {"calibration_questions": ["q"]})):
+                                 ({"heldout_head_accuracies": [0.5, 0.4]}, {"calibration_questions": ["q"]}),
+                                 ({}, {"calibration_questions": {"file": "q.jsonl", "ids": 3}})):
         loaded.config.training, loaded.config.acceptance = training, acceptance
         loaded.save_pretrained(tmp_path / "again")
         card = (tmp_path / "again" / "README.md").read_text()
