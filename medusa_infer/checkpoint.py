@@ -80,14 +80,7 @@ def save_heads(
         base_model_id: Hub id for the card's ``base_model`` field (defaults to the config's).
     """
     directory = Path(directory).expanduser()
-    held = [name for name in FASTERDECODING_WEIGHTS if (directory / name).exists()]
-    if held:
-        raise ValueError(f"{directory} holds heads in the FasterDecoding layout ({held[0]}); saving here would replace "
-                         "their config.json: save into another folder")
-    other = foreign_config(directory, "medusa-forge")
-    if other is not None:
-        raise ValueError(f"{directory} holds {other}, which saving heads there would replace: save into another "
-                         "folder")
+    check_heads_target(directory)
     # everything made before anything is written, each file written beside and moved into place (a failure
     # while making the card left a new config.json beside the old weights)
     tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in state_dict.items()}
@@ -100,11 +93,26 @@ def save_heads(
     # One metadata key: safetensors writes the metadata map in random order, and identical heads
     # must give identical bytes (the Hub skips unchanged files by their hash).
     save_file(tensors, str(partial), metadata={"format": "pt"})
-    os.replace(partial, directory / WEIGHTS_NAME)
     for name, text in ((CONFIG_NAME, settings), (CARD_NAME, card)):
         (directory / (name + ".partial")).write_text(text)
+    # all written first, then moved in a row: other heads' config stayed beside new weights when stopped between
+    for name in (WEIGHTS_NAME, CONFIG_NAME, CARD_NAME):
         os.replace(directory / (name + ".partial"), directory / name)
     return directory
+
+
+def check_heads_target(directory: str | Path) -> None:
+    """``ValueError`` where ``save_heads`` would refuse ``directory``: it holds heads in the FasterDecoding layout,
+    or another config.json (``foreign_config``). For a caller to check before work that ends in a save."""
+    directory = Path(directory).expanduser()
+    held = [name for name in FASTERDECODING_WEIGHTS if (directory / name).exists()]
+    if held:
+        raise ValueError(f"{directory} holds heads in the FasterDecoding layout ({held[0]}); saving here would replace "
+                         "their config.json: save into another folder")
+    other = foreign_config(directory, "medusa-forge")
+    if other is not None:
+        raise ValueError(f"{directory} holds {other}, which saving heads there would replace: save into another "
+                         "folder")
 
 
 def load_heads_state(directory: str | Path) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:

@@ -984,7 +984,8 @@ def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[st
     config = model.config
     # training's held-out accuracies, kept beside these; an earlier calibration's (on heads imported or
     # never trained) are no training record, and are replaced
-    trained = "head_accuracies_measured_on" not in (config.acceptance or {})
+    trained = "head_accuracies_measured_on" not in (config.acceptance or {}) and not config.cost_profile  # (only
+    # calibration writes a profile: one of an earlier release, which wrote no marker, is no training record)
     if trained and config.head_accuracies and "heldout_head_accuracies" not in config.training:
         config.training["heldout_head_accuracies"] = config.head_accuracies
     if trained and config.path_accuracies and "heldout_path_accuracies" not in config.training:
@@ -1346,6 +1347,11 @@ def run(args: argparse.Namespace, started: float) -> int:
     exclude = [x.strip() for x in args.exclude_ids.split(",") if x.strip()]  # as written: "007" is not 7
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
+    (output / "calibration.json").unlink(missing_ok=True)  # an earlier run's would pass for this one's
+    if args.calibrate:  # the folder calibration saves into, checked before the answers (refused only then)
+        from medusa_infer.checkpoint import check_heads_target
+
+        check_heads_target(args.calibrated_heads or heads)
     calibrated_on = calibration_question_ids(model, args.questions)
     if calibrated_on and not args.calibrate:  # their tree and fallback were fitted on these answers
         exclude += calibrated_on
@@ -1382,6 +1388,10 @@ def run(args: argparse.Namespace, started: float) -> int:
         runner = Runner(model, args)
         result = calibrate(model, calib_questions, args)
         result["question_ids"] = [q["id"] for q in calib_questions]  # left out of the benchmark
+        if fitted_later:  # a fitted tree larger than the paths measured: refused before the heads are rewritten
+            from medusa_infer.decoding import resolve_tree
+
+            resolve_tree(model, args.tree)
         # the weights as stored (the model computes with them converted to --dtype, rounded in bfloat16)
         stored = stored_heads_state(model, heads)
         saved = model.save_pretrained(args.calibrated_heads or heads, heads_state=stored)  # a local folder (parse_args)

@@ -522,6 +522,24 @@ def test_questions_and_calibration_are_checked_before_the_work_they_would_waste(
                  str(questions), "--calibrate", "--calibrate-questions", "2", "--calibrate-context", "16"]) == 2
     assert "no-such-draft is not a model folder" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in heads.iterdir()} == before and not (out / "calibration.json").exists()
+    monkeypatch.setattr(models, "load_base_model", tiny)
+    # a fitted tree larger than the paths calibration measures: refused after calibrating, before the save (the
+    # heads were rewritten, then the run failed); a folder save_pretrained refuses: before the answers
+    calibrating = [*base, "--questions", str(questions), "--calibrate", "--calibrate-questions", "2",
+                   "--calibrate-context", "16"]
+    assert main([*calibrating, "--tree", "fitted-4096"]) == 2
+    assert "ask for fitted-" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in heads.iterdir()} == before and not (out / "calibration.json").exists()
+    model.base_model.save_pretrained(tmp_path / "a-model")
+    from medusa_train import benchmark as bench
+
+    with monkeypatch.context() as patch:
+        patch.setattr(bench, "calibrate", lambda *a, **k: pytest.fail("calibrated for a folder it cannot save into"))
+        assert main([*calibrating, "--calibrated-heads", str(tmp_path / "a-model")]) == 2
+    assert "holds a model's config.json (model_type 'llama')" in capsys.readouterr().err
+    (out / "calibration.json").write_text("{}")  # an earlier run's, beside a report of a run that calibrated not
+    assert main([*base, "--questions", str(questions), "--limit", "1"]) == 0
+    assert not (out / "calibration.json").exists()
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     assert main([*base, "--questions", str(empty)]) == 2
@@ -530,6 +548,22 @@ def test_questions_and_calibration_are_checked_before_the_work_they_would_waste(
     empty.write_text('{"id": 1}\n')
     assert main([*base, "--questions", str(empty)]) == 2
     assert "empty.jsonl:1: " in capsys.readouterr().err
+
+
+def test_recalibrating_heads_an_earlier_release_calibrated_keeps_no_training_record(model, tmp_path, monkeypatch):
+    """Calibrations before the head_accuracies_measured_on marker were taken for training's figures: recalibrated,
+    their accuracies were filed as training's held-out ones, and the card showed them so."""
+    heads, questions = cli_files(model, tmp_path, monkeypatch)
+    config = json.loads((heads / "config.json").read_text())
+    config.update(head_accuracies=[[0.31, 0.36], [0.2, 0.3]], acceptance={"mean_accepted_tokens": 1.3},
+                  cost_profile={"sizes": [1, 2], "seconds": [0.01, 0.012], "head_overhead": 0.1})
+    (heads / "config.json").write_text(json.dumps(config))
+    assert main(["--heads", str(heads), "--questions", str(questions), "--methods", "ar", "--max-new-tokens", "2",
+                 "--calibrate", "--calibrate-questions", "2", "--calibrate-context", "16",
+                 "--output", str(tmp_path / "out")]) == 0
+    saved = json.loads((heads / "config.json").read_text())
+    assert "heldout_head_accuracies" not in saved["training"]
+    assert "at the end of training" not in (heads / "README.md").read_text()
 
 
 @pytest.mark.parametrize("given, expected", [(None, {"hf-lookup": 10, "lookup": 4, "medusa-lookup": 4}),
