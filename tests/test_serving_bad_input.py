@@ -322,6 +322,12 @@ def test_an_internal_error_in_a_stream_under_way_ends_it_with_an_error_event(ser
     aborted = lambda reason: metric_value(client.get("/metrics").text,  # noqa: E731
                                           "medusa:requests_aborted_total", reason=reason)
     before = {reason: aborted(reason) for reason in ("error", "disconnect")}
+    # not streamed: a 500, counted as an error too (it was counted as a client gone)
+    answer = client.post("/v1/completions", json=completion(max_tokens=30, temperature=0, ignore_eos=True))
+    assert answer.status_code == 500 and answer.json()["error"]["type"] == "server_error"
+    wait_until(lambda: engine.snapshot()["running"] == 0)
+    assert {reason: aborted(reason) - before[reason] for reason in before} == {"error": 1, "disconnect": 0}
+    before, calls[:] = {reason: aborted(reason) for reason in before}, []
     with client.stream("POST", "/v1/completions", json=completion(max_tokens=30, temperature=0, ignore_eos=True,
                                                                  stream=True)) as answer:
         assert answer.status_code == 200

@@ -302,6 +302,10 @@ class _Answer:
                 if update.finish is not None:
                     break
                 self._stop_early()
+        except Exception as error:  # unexpected: counted as an error, as a stream's is (close() said disconnect)
+            if not isinstance(error, (_ClientGone, protocol.APIError)):
+                self.engine.cancel(self.job, "error")
+            raise
         finally:  # a _ClientGone goes on to the app's handler: a 499 nobody reads
             disconnected.cancel()
             self.close()
