@@ -89,15 +89,23 @@ def save_heads(
     settings = json.dumps(MedusaConfig.from_dict(config.to_dict()).to_dict(), indent=2) + "\n"
     card = model_card(config, base_model_id)
     directory.mkdir(parents=True, exist_ok=True)
-    partial = directory / (WEIGHTS_NAME + ".partial")
-    # One metadata key: safetensors writes the metadata map in random order, and identical heads
-    # must give identical bytes (the Hub skips unchanged files by their hash).
-    save_file(tensors, str(partial), metadata={"format": "pt"})
-    for name, text in ((CONFIG_NAME, settings), (CARD_NAME, card)):
-        (directory / (name + ".partial")).write_text(text)
+    partials = [directory / (name + ".partial") for name in (WEIGHTS_NAME, CONFIG_NAME, CARD_NAME)]
+    try:
+        # One metadata key: safetensors writes the metadata map in random order, and identical heads
+        # must give identical bytes (the Hub skips unchanged files by their hash).
+        save_file(tensors, str(partials[0]), metadata={"format": "pt"})
+        for partial, text in zip(partials[1:], (settings, card)):
+            partial.write_text(text)
+    except BaseException as err:  # none left behind (a copy of the weights stayed)
+        for partial in partials:
+            if partial.is_file():
+                partial.unlink()
+        if isinstance(err, SafetensorError):  # (its own type: a traceback where OSError is said)
+            raise OSError(f"{partials[0]} could not be written: {err}") from err
+        raise
     # all written first, then moved in a row: other heads' config stayed beside new weights when stopped between
-    for name in (WEIGHTS_NAME, CONFIG_NAME, CARD_NAME):
-        os.replace(directory / (name + ".partial"), directory / name)
+    for partial, name in zip(partials, (WEIGHTS_NAME, CONFIG_NAME, CARD_NAME)):
+        os.replace(partial, directory / name)
     return directory
 
 
@@ -105,6 +113,11 @@ def check_heads_target(directory: str | Path) -> None:
     """``ValueError`` where ``save_heads`` would refuse ``directory``: it holds heads in the FasterDecoding layout,
     or another config.json (``foreign_config``). For a caller to check before work that ends in a save."""
     directory = Path(directory).expanduser()
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"{directory} is a file, not a folder: save the heads into a folder")
+    existing = next((p for p in (directory, *directory.parents) if p.exists()), None)
+    if existing is not None and not os.access(existing, os.W_OK | os.X_OK):  # (after minutes of calibrating: a
+        raise ValueError(f"{existing} cannot be written by this user: save the heads into another folder")  # crash)
     held = [name for name in FASTERDECODING_WEIGHTS if (directory / name).exists()]
     if held:
         raise ValueError(f"{directory} holds heads in the FasterDecoding layout ({held[0]}); saving here would replace "

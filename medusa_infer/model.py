@@ -34,6 +34,7 @@ from medusa_infer.checkpoint import (
     DATASTORE_HEADING,
     DEFAULT_COMMIT_MESSAGE,
     card_section,
+    check_heads_target,
     check_state_dict,
     load_heads_state,
     note_datastore,
@@ -561,23 +562,12 @@ class MedusaModel(nn.Module):
         if heads_state is not None:
             check_state_dict(own, dict(heads_state), "heads_state")
         directory = Path(directory).expanduser()
+        self.check_save_target(directory)
         target = directory / ADAPTER_DIR
-        if self.merged_adapter is not None and not Path(self.merged_adapter).is_dir():
-            raise ValueError(f"the Medusa-2 adapter merged into the base model at load time ({self.merged_adapter}) "
-                             "is gone, and the heads need it: nothing was written; restore that folder, or load the "
-                             "heads again from a folder that holds it")
-        if self.merged_adapter is not None and self._merged_digest() not in adapter_digests(self.merged_adapter):
-            raise ValueError(f"the Medusa-2 adapter in {self.merged_adapter} changed since it was merged into the base "
-                             "model (another run wrote there?): these heads go with the one merged, not it; nothing "
-                             "was written: load the heads again with the adapter they were trained with")
         if self.skipped_adapter is not None:
             logger.warning("these heads were loaded with adapter=False from a folder holding their Medusa-2 adapter "
                            "(%s): %s gets the heads alone, whose accuracies were measured with the adapter merged; "
                            "copy that folder along to keep them together", self.skipped_adapter, directory)
-        if self.merged_adapter is None and target.exists():
-            raise ValueError(f"{target} holds a Medusa-2 adapter and these heads have none merged (merged_adapter "
-                             "is None): from_pretrained would merge it under them; save into another folder, or "
-                             "delete that adapter if it is not wanted")
         store = directory / DATASTORE_NAME  # left unread (datastore=False) where it stays, not unwanted
         unread = (self.datastore is None and self.skipped_datastore is not None and store.is_file()
                   and self.skipped_datastore.is_file() and os.path.samefile(store, self.skipped_datastore))
@@ -603,6 +593,26 @@ class MedusaModel(nn.Module):
         elif (out / DATASTORE_NAME).is_file():  # an earlier save's store is not these heads'
             (out / DATASTORE_NAME).unlink()
         return out
+
+    def check_save_target(self, directory: str | os.PathLike) -> None:
+        """``ValueError`` where ``save_pretrained(directory)`` would refuse it, before anything is written: for a
+        caller to check before work that ends in a save (``medusa-bench --calibrate``). The folder holds another
+        layout's heads or another config (``checkpoint.check_heads_target``), cannot be written, or holds an
+        adapter these heads have none of; the adapter merged at load time is gone, or changed since."""
+        directory = Path(directory).expanduser()
+        check_heads_target(directory)
+        if self.merged_adapter is not None and not Path(self.merged_adapter).is_dir():
+            raise ValueError(f"the Medusa-2 adapter merged into the base model at load time ({self.merged_adapter}) "
+                             "is gone, and the heads need it: nothing was written; restore that folder, or load the "
+                             "heads again from a folder that holds it")
+        if self.merged_adapter is not None and self._merged_digest() not in adapter_digests(self.merged_adapter):
+            raise ValueError(f"the Medusa-2 adapter in {self.merged_adapter} changed since it was merged into the base "
+                             "model (another run wrote there?): these heads go with the one merged, not it; nothing "
+                             "was written: load the heads again with the adapter they were trained with")
+        if self.merged_adapter is None and (directory / ADAPTER_DIR).exists():
+            raise ValueError(f"{directory / ADAPTER_DIR} holds a Medusa-2 adapter and these heads have none merged "
+                             "(merged_adapter is None): from_pretrained would merge it under them; save into another "
+                             "folder, or delete that adapter if it is not wanted")
 
     def _merged_digest(self) -> str | None:
         """The digest of the adapter merged into the base model's weights: recorded by ``merge_adapter``

@@ -405,9 +405,7 @@ def _cached_copy_errors(name: str, folder: str) -> Iterator[None]:
         converted = names_default_model(name) or (Path(folder) / SOURCE_NAME).is_file()  # (by its path too)
         damage = _damage(Path(folder)) if converted else None
         if damage is not None:
-            fix = ("delete that folder and the next load builds it again" if names_default_model(name) else
-                   "copy it again from a sound cache, or load the default model by its name, which builds it in the "
-                   "cache")
+            fix = _rebuild_advice(Path(folder), names_default_model(name))
             what = f"this machine's converted copy of {name}" if names_default_model(name) else \
                 "a converted copy of a default model"
             raise RuntimeError(f"{folder}, {what}, is damaged ({damage}); {fix}") from err
@@ -417,6 +415,15 @@ def _cached_copy_errors(name: str, folder: str) -> Iterator[None]:
 MODEL_JSON = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json", "added_tokens.json", "vocab.json", "chat_template.json")
 """The JSON files of a model folder that transformers reads."""
+
+
+def _rebuild_advice(folder: Path, by_name: bool) -> str:
+    """How to get a sound copy of a damaged converted folder: the cache's own (loaded by name, or by its path)
+    is built again once deleted; a copy elsewhere is not."""
+    in_cache = folder.resolve().parent == (cache_root() / "models").resolve()
+    if by_name or in_cache:
+        return "delete that folder and the next load builds it again"
+    return "copy it again from a sound cache, or load the default model by its name, which builds it in the cache"
 
 
 def _damage(folder: Path) -> str | None:
@@ -629,8 +636,7 @@ def check_model_folder(folder: Path) -> None:
                          "model folder")
     damage = _damage(folder)  # (a cut copy was reported as checked: it failed only when loaded)
     if damage is not None:
-        fix = ("copy it again from a sound cache, or load the default model by its name, which builds it in the "
-               "cache" if (folder / SOURCE_NAME).is_file() else "copy or save it again")
+        fix = _rebuild_advice(folder, False) if (folder / SOURCE_NAME).is_file() else "copy or save it again"
         raise ValueError(f"{folder} is damaged ({damage}): {fix}")
 
 

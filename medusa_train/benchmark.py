@@ -1347,11 +1347,8 @@ def run(args: argparse.Namespace, started: float) -> int:
     exclude = [x.strip() for x in args.exclude_ids.split(",") if x.strip()]  # as written: "007" is not 7
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
-    (output / "calibration.json").unlink(missing_ok=True)  # an earlier run's would pass for this one's
     if args.calibrate:  # the folder calibration saves into, checked before the answers (refused only then)
-        from medusa_infer.checkpoint import check_heads_target
-
-        check_heads_target(args.calibrated_heads or heads)
+        model.check_save_target(args.calibrated_heads or heads)
     calibrated_on = calibration_question_ids(model, args.questions)
     if calibrated_on and not args.calibrate:  # their tree and fallback were fitted on these answers
         exclude += calibrated_on
@@ -1401,6 +1398,8 @@ def run(args: argparse.Namespace, started: float) -> int:
     if questions is None:
         questions = _benchmark_questions(all_questions, args, exclude, bool(calibrated_on))
     report = benchmark(model, questions, args, started=started, runner=runner)
+    if not args.calibrate:  # an earlier run's would pass for this one's (removed with this run's report only)
+        (output / "calibration.json").unlink(missing_ok=True)
     (output / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     markdown = report_markdown(report)
     (output / "report.md").write_text(markdown)

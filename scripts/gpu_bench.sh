@@ -97,6 +97,9 @@ say() { echo; echo "== $* [$(date +%T), ${SECONDS}s]"; }
 [[ -f medusa_train/benchmark.py ]] || die "run from the repo root: bash scripts/gpu_bench.sh [HEADS_DIR] [OUT_DIR]"
 [[ -f $HEADS_DIR/config.json ]] || die "no heads in $HEADS_DIR (config.json missing); pass the trained heads folder"
 [[ -f $QUESTIONS ]] || die "no questions file $QUESTIONS"
+case "$(realpath -m "$OUT_DIR")/" in  # (the heads copied into themselves, after the GPU tests)
+    "$(realpath -m "$HEADS_DIR")"/*) die "OUT_DIR lies in HEADS_DIR; pick an OUT_DIR outside the heads folder" ;;
+esac
 for replaced in heads batch1 "batch$BATCH" float32; do  # (removed before stage 1: the heads went with them)
     case "$(realpath -m "$HEADS_DIR")/" in
         "$(realpath -m "$OUT_DIR/$replaced")"/*)

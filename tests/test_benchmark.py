@@ -537,9 +537,18 @@ def test_questions_and_calibration_are_checked_before_the_work_they_would_waste(
         patch.setattr(bench, "calibrate", lambda *a, **k: pytest.fail("calibrated for a folder it cannot save into"))
         assert main([*calibrating, "--calibrated-heads", str(tmp_path / "a-model")]) == 2
     assert "holds a model's config.json (model_type 'llama')" in capsys.readouterr().err
-    (out / "calibration.json").write_text("{}")  # an earlier run's, beside a report of a run that calibrated not
-    assert main([*base, "--questions", str(questions), "--limit", "1"]) == 0
-    assert not (out / "calibration.json").exists()
+    (tmp_path / "a-model" / "config.json").unlink()
+    (tmp_path / "a-model" / "adapter").mkdir()  # save_pretrained's own refusal: before the answers too
+    with monkeypatch.context() as patch:
+        patch.setattr(bench, "calibrate", lambda *a, **k: pytest.fail("calibrated for a folder it cannot save into"))
+        assert main([*calibrating, "--calibrated-heads", str(tmp_path / "a-model")]) == 2
+    assert "holds a Medusa-2 adapter and these heads have none merged" in capsys.readouterr().err
+    (out / "calibration.json").write_text("{}")  # an earlier run's: it stays while no run writes a report there
+    assert main([*base, "--questions", str(questions), "--exclude-ids", "1,2,3,4,5"]) == 2
+    assert (out / "calibration.json").exists()
+    capsys.readouterr()
+    assert main([*base, "--questions", str(questions), "--limit", "1"]) == 0  # beside a report of a run that
+    assert not (out / "calibration.json").exists()  # calibrated not
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     assert main([*base, "--questions", str(empty)]) == 2

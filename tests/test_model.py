@@ -453,7 +453,7 @@ def test_heads_folders_of_the_two_layouts_are_not_written_over(tmp_path):
     assert MedusaModel.from_pretrained(tmp_path / "ours", base_model=model.base_model).config.tree == model.config.tree
 
 
-def test_heads_are_not_written_over_a_models_config(tmp_path):
+def test_heads_are_not_written_over_a_models_config(tmp_path, monkeypatch):
     """A sharded base model's folder (no model.safetensors) passed every check: its config.json was replaced by the
     heads' and the model no longer loaded; save_pretrained wrote over a single-file model's weights too."""
     model = medusa(base_model("llama"), "own")
@@ -492,6 +492,21 @@ def test_heads_are_not_written_over_a_models_config(tmp_path):
     (tmp_path / "fd2" / "config.json").write_text('{"medusa_num_heads": 3, "medusa_num_layers": 1}')
     with pytest.raises(ValueError, match="holds heads in the FasterDecoding layout \\(their config.json\\)"):
         model.save_pretrained(tmp_path / "fd2")
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match="a-file is a file, not a folder"):
+        model.save_pretrained(tmp_path / "a-file")
+    from medusa_infer import checkpoint
+
+    with monkeypatch.context() as patch:  # a folder this user cannot write (root may write anywhere: simulated)
+        patch.setattr(checkpoint.os, "access", lambda path, mode: False)
+        with pytest.raises(ValueError, match="ours cannot be written by this user: save the heads into another"):
+            model.save_pretrained(tmp_path / "ours")
+    # a write that fails leaves no partial files (a copy of the weights stayed), and the heads there as they were
+    (tmp_path / "ours" / "README.md.partial").mkdir()
+    with pytest.raises(IsADirectoryError):
+        model.save_pretrained(tmp_path / "ours")
+    (tmp_path / "ours" / "README.md.partial").rmdir()
+    assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == ["README.md", "config.json", "model.safetensors"]
     (tmp_path / "ours" / "config.json").write_text("{ damaged")  # said how to save over it
     with pytest.raises(ValueError, match=r"cannot read \(JSONDecodeError; if it is these heads' own, damaged, "
                                          r"delete it and save again\)"):

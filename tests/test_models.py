@@ -273,8 +273,11 @@ def test_a_cached_copy_missing_a_file_is_named_with_the_fix(
     # by its path (medusa-fetch-model prints it for scripts): the loaders name it too (transformers' error named a
     # tokenizer backend)
     with pytest.raises(RuntimeError, match="a converted copy of a default model, is damaged \\(tokenizer.json is "
-                                           "missing\\); copy it again from a sound cache, or load the default"):
-        models.load_tokenizer(str(folder))
+                                           "missing\\); delete that folder and the next load builds it again"):
+        models.load_tokenizer(str(folder))  # (the cache's own: built again once deleted)
+    shutil.copytree(folder, tmp_path / "carried")  # a copy elsewhere is not
+    with pytest.raises(RuntimeError, match="is damaged .*; copy it again from a sound cache, or load the default"):
+        models.load_tokenizer(str(tmp_path / "carried"))
 
 
 def test_incomplete_folder_and_leftovers_are_replaced(tmp_path: Path, tiny_registry: None) -> None:
