@@ -508,11 +508,13 @@ def _exclusive(lock: Path) -> Iterator[None]:
 
 
 def forget_packed(model: nn.Module) -> None:
-    """Drop every packed weight copy kept in ``model``'s modules. For weights changed through ``.data``
+    """Drop every packed weight copy kept in ``model``'s modules, and the heads' gathered ``lm_head`` rows. For
+    weights changed through ``.data``
     (peft's ``merge_and_unload`` adds the LoRA delta so), which bumps no version and keeps the storage:
     ``packed_weight`` would go on serving the copy of the old weights."""
     for module in model.modules():
         module.__dict__.pop("_kernel_cache", None)
+        module.__dict__.pop("_shared_projection", None)  # (MedusaHeads' lm_head rows of a reduced vocabulary)
 
 
 def restore_linear(model: nn.Module) -> int:

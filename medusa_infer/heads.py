@@ -256,8 +256,11 @@ class MedusaHeads(nn.Module):
         cached = self.__dict__.get("_shared_projection")
         if cached is None or cached[1] != stamp or any(a is not b for a, b in zip(cached[0], sources)):
             gathered = (weight[self.token_map].detach(), None if bias is None else bias[self.token_map].detach())
-            # a plain attribute, not a buffer: derived, never saved, and recomputed when lm_head changes
-            self.__dict__["_shared_projection"] = cached = (sources, stamp, gathered)
+            # a plain attribute, not a buffer: derived, never saved, and recomputed when lm_head changes; the
+            # storages it was gathered from are held, so that new weights set through .data cannot take their
+            # address (and version 0) and pass for them
+            held = tuple(None if t is None else t.detach() for t in sources)
+            self.__dict__["_shared_projection"] = cached = (sources, stamp, gathered, held)
         return cached[2]
 
     def __getstate__(self) -> dict[str, Any]:

@@ -277,7 +277,10 @@ class MedusaModel(nn.Module):
 
     Args:
         base_model: any transformers ``*ForCausalLM`` whose ``base_model`` returns the final
-            hidden state after its last norm (Llama, Mistral, Qwen2/3, Gemma3, GPT-2, ...).
+            hidden state after its last norm (Llama, Mistral, Qwen2/3, Gemma3, GPT-2, ...). Built
+            directly, on a model whose weights changed through ``.data`` since it last ran (peft's
+            ``merge_and_unload`` after a forward), call ``cpu_kernels.forget_packed`` first, as
+            ``from_base``, ``without_heads`` and ``from_pretrained`` do (its packed copies are stale).
         heads: the heads; their config must match the base model's hidden size, vocabulary
             and model type. None gives the bare target model, for the proposers that need no
             heads (plain decoding, draft model, prompt lookup).

@@ -947,14 +947,14 @@ def run_local(
         return
     # Longest first: similar lengths share a batch (less padding), and the ETA errs high.
     prepared.sort(key=lambda item: -len(item[2]))
-    base = load_base_model(config.model, dtype=torch.float32, device=device,
-                           trust_remote_code=config.trust_remote_code)
-    model = MedusaModel.without_heads(base, tokenizer)
-    eos_ids = eos_token_ids(model, tokenizer)
     threads = torch.get_num_threads()
-    if config.threads is not None:
+    if config.threads is not None:  # before loading: the linear kernels' plans are measured per thread count
         torch.set_num_threads(config.threads)
     try:
+        base = load_base_model(config.model, dtype=torch.float32, device=device,
+                               trust_remote_code=config.trust_remote_code)
+        model = MedusaModel.without_heads(base, tokenizer)
+        eos_ids = eos_token_ids(model, tokenizer)
         _generate_all(config, prepared, model, tokenizer, eos_ids, writer, stats, on_batch, fingerprint)
     finally:
         torch.set_num_threads(threads)

@@ -15,6 +15,7 @@ from medusa_infer.cpu_kernels import (
     MKL_PACKED_MAX_ROWS,
     KernelPlan,
     apply_cpu_kernels,
+    forget_packed,
     kernel_plans,
     match_kernels,
     linear_kernels,
@@ -160,7 +161,7 @@ def test_a_model_merged_with_peft_after_it_ran_is_computed_with_the_merged_weigh
 
     ids = torch.tensor([[5, 6, 7, 8, 9]])
 
-    def merged_logits(kernels: bool) -> torch.Tensor:
+    def merged_logits(kernels: bool, wrap) -> torch.Tensor:
         base = tiny_model("llama")
         if kernels:
             use_cpu_kernels(base, KernelPlan.uniform("onednn"))
@@ -169,9 +170,13 @@ def test_a_model_merged_with_peft_after_it_ran_is_computed_with_the_merged_weigh
                                                   init_lora_weights=False))
         with torch.no_grad():
             adapted(ids)  # packs the weights
-            return MedusaModel.without_heads(adapted.merge_and_unload())(ids).logits
+            return wrap(adapted.merge_and_unload())(ids).logits
 
-    torch.testing.assert_close(merged_logits(True), merged_logits(False), atol=1e-4, rtol=1e-4)
+    # as a draft model too (its own MedusaModel kept the old copies)
+    from medusa_infer.proposers.draft import as_draft_model
+
+    for wrap in (MedusaModel.without_heads, as_draft_model):
+        torch.testing.assert_close(merged_logits(True, wrap), merged_logits(False, wrap), atol=1e-4, rtol=1e-4)
 
 
 def test_every_kernel_a_plan_names_can_be_packed_before_the_first_product():
@@ -247,6 +252,27 @@ def test_an_adapter_merged_into_a_model_that_already_ran_is_computed_with(tmp_pa
         used(ids)  # packs the weights
         got = MedusaModel.from_pretrained(heads, base_model=used)(ids).logits
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_shared_heads_of_a_reduced_vocabulary_follow_lm_head_weights_set_through_data():
+    """Their gathered lm_head rows were kept by forget_packed, and new weights set through .data could take the old
+    ones' address (version 0 both): the heads went on with the old rows (17 of 20 trials)."""
+    import copy
+
+    model = MedusaModel.from_base(tiny_model("llama"), num_heads=2, projection="shared", token_map=torch.arange(40))
+    lm_head = model.base_model.get_output_embeddings()
+    hidden = torch.randn(1, 3, model.base_model.config.hidden_size)
+    with torch.no_grad():
+        for _ in range(10):
+            model.head_logits(hidden)
+            lm_head.weight.data = torch.randn_like(lm_head.weight)
+            lm_head.weight.data = torch.randn_like(lm_head.weight)  # (the first's storage freed: its address free)
+            fresh = MedusaModel(model.base_model, copy.deepcopy(model.heads))  # (a copy keeps no gathered rows)
+            torch.testing.assert_close(model.head_logits(hidden), fresh.head_logits(hidden))
+            lm_head.weight.data.copy_(torch.randn_like(lm_head.weight))  # no version bumped: forget_packed
+            forget_packed(model)
+            fresh = MedusaModel(model.base_model, copy.deepcopy(model.heads))
+            torch.testing.assert_close(model.head_logits(hidden), fresh.head_logits(hidden))
 
 
 def test_shared_heads_use_the_lm_heads_packed_copy():

@@ -223,8 +223,8 @@ def as_draft_model(draft: Any, tokenizer: Any = None, target: Any = None):
     if isinstance(draft, MedusaModel):  # its heads are not read: a tokenizer given replaces its own
         return draft if tokenizer is None or tokenizer is draft.tokenizer else MedusaModel(draft.base_model, None,
                                                                                            tokenizer)
-    if isinstance(draft, PreTrainedModel):
-        return MedusaModel(draft.eval(), None, tokenizer)
+    if isinstance(draft, PreTrainedModel):  # (as without_heads takes one: copies packed before a merge dropped)
+        return MedusaModel.without_heads(draft, tokenizer)
     if isinstance(draft, str):
         placed = {} if target is None else {"device": target.device, "dtype": target.dtype}
         return MedusaModel(load_base_model(draft, **placed), None,
