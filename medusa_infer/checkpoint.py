@@ -168,16 +168,36 @@ def push_folder_to_hub(
     Creates ``repo_id`` (``private=None``: the Hub's default visibility) and the ``revision``
     branch when missing. ``private=True`` on a repo that exists and is public is a ``ValueError``
     (nothing is uploaded: the folder may hold a datastore of training conversations). ``token=None``
-    uses the locally stored login.
+    uses the locally stored login. A folder that holds no heads (a run folder, a mistyped path) is
+    refused before the repo is created; errors of the Hub name the repo and the fix (``ValueError``).
     """
     from huggingface_hub import HfApi
 
+    folder = Path(folder).expanduser()
+    layouts = [name for name in (WEIGHTS_NAME, *FASTERDECODING_WEIGHTS) if (folder / name).is_file()]
+    if not (folder / CONFIG_NAME).is_file() or not layouts or foreign_config(
+            folder, "medusa-forge" if WEIGHTS_NAME in layouts else "FasterDecoding") is not None:
+        raise ValueError(f"{folder} holds no saved heads (a config.json of heads beside their weights): pass the heads "
+                         "folder (a run's heads/, or what save_pretrained wrote), not a run folder")
     api = HfApi(token=token)
-    api.create_repo(repo_id, private=private, exist_ok=True)
-    if private:  # create_repo leaves an existing repo as it is
-        check_private_upload(repo_id, token)
-    if revision is not None:
-        api.create_branch(repo_id, branch=revision, exist_ok=True)
+    try:
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id  # (a bare name: the user's)
+        if private:  # create_repo leaves an existing repo as it is
+            check_private_upload(repo_id, token)
+        if revision is not None:
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        return _upload(api, folder, repo_id, revision, commit_message)
+    except ValueError:  # (ours, saying what to do: a public repo for a private upload)
+        raise
+    except Exception as err:  # the Hub's (HTTP, network): a traceback after hours of training said nothing to do
+        raise ValueError(f"uploading {folder} to the Hub repo {repo_id} failed ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0] if str(err) else err!r}): check the network and that the token "
+                         "may write there (`hf auth login` with a write token), then upload the folder again "
+                         "(push_folder_to_hub)") from err
+
+
+def _upload(api: Any, folder: Path, repo_id: str, revision: str | None, commit_message: str) -> str:
+    """Upload ``folder`` into ``repo_id``, deleting what an earlier upload left that the folder does not hold."""
     # Files an earlier upload left that change how the repo loads (another adapter would be merged
     # under these heads, another datastore searched, FasterDecoding weights read instead) are deleted
     # in the same commit; files the folder holds are uploaded, not deleted.
@@ -297,7 +317,7 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
     base = base_model_id or hub_id(config.base_model_name_or_path) or "unknown"
     lines = ["---"]
     if _looks_like_hub_id(base):  # the Hub refuses a commit whose card names a local folder here
-        lines.append(f"base_model: {base}")
+        lines.append(f"base_model: {json.dumps(base)}")  # (quoted: a name such as "null" or "1.0" read as YAML's)
     lines += [
         "library_name: medusa-forge",
         "tags:",

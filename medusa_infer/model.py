@@ -656,8 +656,10 @@ class MedusaModel(nn.Module):
         revision: str | None = None,
         token: str | None = None,
         commit_message: str = DEFAULT_COMMIT_MESSAGE,
+        base_model_id: str | None = None,
     ) -> str:
-        """Create ``repo_id`` if needed and upload the saved heads folder (``save_pretrained``);
+        """Create ``repo_id`` if needed and upload the saved heads folder (``save_pretrained``, which
+        ``base_model_id`` reaches: the card's Hub id of a base model loaded from a folder);
         returns the commit URL. Medusa-2 heads without their adapter (loaded with ``adapter=False``, or onto
         a base model it was merged into beforehand) are refused: the upload would delete the repo's
         ``adapter/`` as stale, leaving heads that read an adapted backbone nobody can load."""
@@ -668,8 +670,11 @@ class MedusaModel(nn.Module):
                              f"delete {repo_id}'s adapter/ if it has one, as stale, and nobody could load the "
                              f"backbone they read: {fix} and push again, or upload a folder holding adapter/ with "
                              "medusa_infer.checkpoint.push_folder_to_hub")
+        if self.skipped_datastore is not None:
+            logger.warning("these heads were loaded with datastore=False: the upload holds no datastore, and deletes "
+                           "the one %s holds from an earlier upload, if any", repo_id)
         with tempfile.TemporaryDirectory() as tmp:
-            self.save_pretrained(tmp)  # first: a model that cannot be saved leaves no empty repo behind
+            self.save_pretrained(tmp, base_model_id)  # first: a model that cannot be saved leaves no empty repo
             return push_folder_to_hub(tmp, repo_id, private=private, revision=revision, token=token,
                                       commit_message=commit_message)
 

@@ -13,6 +13,7 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 import torch
+import yaml
 from huggingface_hub import close_session, constants
 from safetensors.torch import load as load_safetensors
 
@@ -254,11 +255,42 @@ def test_push_to_existing_repo_and_branch_succeeds(hub, monkeypatch):
 
 
 
-def test_push_without_heads_fails_before_touching_the_hub(hub):
+def test_push_without_heads_fails_before_touching_the_hub(hub, tmp_path, monkeypatch):
     model = MedusaModel.without_heads(tiny_model("llama"))
     with pytest.raises(ValueError, match="has no heads"):
         model.push_to_hub(REPO_ID, revision="medusa-v1", token=TOKEN)
     assert not hub.repos and not hub.commits  # no empty repo or branch left behind
+    # a folder of no heads (a run folder: its distilled conversations were uploaded; a mistyped path: the repo and
+    # branch were made first)
+    from medusa_infer.checkpoint import push_folder_to_hub
+
+    tiny_heads().save_pretrained(tmp_path / "run" / "heads")
+    (tmp_path / "run" / "data").mkdir()
+    for folder in (tmp_path / "run", tmp_path / "no-such-folder"):
+        with pytest.raises(ValueError, match="holds no saved heads .*not a run folder"):
+            push_folder_to_hub(folder, REPO_ID, revision="v1", token=TOKEN)
+    assert not hub.repos and not hub.commits
+    # the Hub not reached: named with the fix (a bare connection error, after training)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    with pytest.raises(ValueError, match=f"uploading .*heads to the Hub repo {REPO_ID} failed .*check the network"):
+        push_folder_to_hub(tmp_path / "run" / "heads", REPO_ID, token=TOKEN)
+
+
+def test_a_push_names_a_base_model_given_and_says_an_unread_datastore_goes(hub, monkeypatch, tmp_path, caplog):
+    """push_to_hub took no base_model_id (save_pretrained did); heads loaded with datastore=False deleted the repo's
+    datastore as stale without a word (a save into their own folder keeps it)."""
+    from medusa_infer.datastore import Datastore
+
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    model = tiny_heads()
+    model.datastore = Datastore.from_sequences([[3, 4, 5, 6]])
+    model.save_pretrained(tmp_path / "heads")
+    unread = MedusaModel.from_pretrained(tmp_path / "heads", base_model=model.base_model, datastore=False)
+    with caplog.at_level("WARNING", logger="medusa_infer.model"):
+        unread.push_to_hub(REPO_ID, token=TOKEN, base_model_id="org/llama")
+    assert "loaded with datastore=False: the upload holds no datastore" in caplog.text
+    front = hub.commits[-1]["files"]["README.md"].decode().split("---")[1]
+    assert yaml.safe_load(front)["base_model"] == "org/llama"
 
 
 def test_a_new_upload_deletes_what_an_earlier_one_left_that_would_load_with_the_heads(hub, monkeypatch, tmp_path):
@@ -296,9 +328,11 @@ def test_the_card_names_a_base_model_in_its_front_matter_only_when_it_can_be_a_h
     config = tiny_heads().config
     front = lambda card: card.split("---")[1]  # noqa: E731
     config.base_model_name_or_path = "smollm2-135m-instruct"  # a default model: its original repository
-    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct\n" in front(model_card(config))
+    assert 'base_model: "HuggingFaceTB/SmolLM2-135M-Instruct"\n' in front(model_card(config))
     assert "dequantized from the GGUF file `SmolLM2-135M-Instruct.Q4_1.gguf`" in model_card(config)  # said nowhere
-    assert "base_model: org/llama\n" in front(model_card(config, base_model_id="org/llama"))
+    assert 'base_model: "org/llama"\n' in front(model_card(config, base_model_id="org/llama"))
+    for name in ("null", "true", "1.0"):  # repo names YAML read as another type (None, True, 1.0)
+        assert yaml.safe_load(front(model_card(config, base_model_id=name)))["base_model"] == name
     for local in ("/home/me/models/llama", str(tmp_path), "runs/demo/model"):
         config.base_model_name_or_path = local
         card = model_card(config)
