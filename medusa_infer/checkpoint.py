@@ -400,8 +400,8 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
             if figures is estimated and profile.get("device"):  # a CPU's speedup is not a GPU's
                 lines += [f"The cost model was measured on {profile['device']}, {profile.get('context', 0)} cached "
                           "tokens before each forward: speedups estimated elsewhere differ.", ""]
-    if config.training:
-        lines += ["## Training", "", "```json", json.dumps(config.training, indent=2), "```", ""]
+    if config.training:  # (local paths by their last part: a home folder's name, a dataset's place, published)
+        lines += ["## Training", "", "```json", json.dumps(_public(config.training), indent=2), "```", ""]
     return "\n".join(lines)
 
 
@@ -432,6 +432,17 @@ def note_datastore(directory: str | Path, tokens: int, origin: str | None) -> No
                f"{source}, as token ids, which anyone with the folder can decode; it shares that text's licence "
                "and privacy.\n")
     card.write_text(text.rstrip("\n") + "\n\n" + section, encoding="utf-8")
+
+
+def _public(value: Any) -> Any:
+    """``value`` (a training record) with each absolute or home-relative path shown by its last part."""
+    if isinstance(value, dict):
+        return {key: _public(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_public(item) for item in value]
+    if isinstance(value, str) and (value.startswith(("/", "~")) or (len(value) > 2 and value[1:3] == ":\\")):
+        return f"<local>/{Path(value).name}"
+    return value
 
 
 def _is_table(value: Any) -> bool:

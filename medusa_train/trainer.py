@@ -419,11 +419,18 @@ class Medusa2Task:
         # under DeepSpeed, the float32 master weights of the adapter alone (as for the heads)
         state = trained_state(accelerator, module, "medusa.base_model.", lambda name: "lora_" in name)
         if accelerator.is_main_process:
+            from medusa_infer.models import hub_id
+
             adapter = {"base_model.model." + k: v for k, v in state.items()}
+            peft_model = accelerator.unwrap_model(module)._peft[0]
+            # the base model as the heads name it (peft wrote the folder it was loaded from: a cache or home path,
+            # published with the adapter), and no peft card (its front matter named that folder too)
+            settings = peft_model.peft_config["default"]
+            settings.base_model_name_or_path = hub_id(heads_base_name(self.config))
             # The vocabulary is never resized and only LoRA weights are written, so peft need not
             # look the base model up (on the Hub, with a warning offline) to decide on embeddings.
-            accelerator.unwrap_model(module)._peft[0].save_pretrained(str(folder / ADAPTER_DIR), state_dict=adapter,
-                                                                      save_embedding_layers=False)
+            peft_model.save_pretrained(str(folder / ADAPTER_DIR), state_dict=adapter, save_embedding_layers=False)
+            (folder / ADAPTER_DIR / "README.md").unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1134,9 +1141,11 @@ def heads_base_name(config: TrainConfig) -> str:
     name = config.model.name
     if names_default_model(name):
         return name
-    if name in DEFAULT_MODELS and not config.model.hub_id:
-        return str(Path(name).expanduser().resolve())
-    return config.model.hub_id or name
+    if config.model.hub_id:
+        return config.model.hub_id
+    if name in DEFAULT_MODELS or Path(name).expanduser().is_dir():  # (a relative folder named nothing from
+        return str(Path(name).expanduser().resolve())  # another working directory: the card took it for a Hub id)
+    return name
 
 
 def heads_config(config: TrainConfig, hidden_size: int, vocab_size: int, model_type: str | None,

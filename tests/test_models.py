@@ -602,6 +602,11 @@ def test_a_model_folder_named_like_a_default_model_is_recorded_by_its_path(tmp_p
     assert heads_base_name(config) == str(tmp_path / "smollm2-135m-instruct")
     monkeypatch.chdir(tmp_path / "smollm2-135m-instruct")  # elsewhere the name is the default model's
     assert heads_base_name(config) == "smollm2-135m-instruct"
+    # a relative folder: named nothing from another working directory (a card took it for a Hub id)
+    monkeypatch.chdir(tmp_path)
+    write_tiny_model(tmp_path / "sub" / "model")
+    relative = config_from_dict({"model": {"name": "sub/model"}, "data": {"prompts": "p.jsonl"}})
+    assert heads_base_name(relative) == str(tmp_path / "sub" / "model")
 
 
 def test_a_hub_id_that_could_be_a_path_with_a_typo_is_said_to_be_taken_as_one(tmp_path, monkeypatch, capsys):

@@ -1368,6 +1368,11 @@ def test_medusa2_trains_adapter_and_heads_then_evaluates(tiny_dir, tmp_path):
     assert (out / "heads" / "adapter" / "adapter_config.json").is_file()
     config = json.loads((out / "heads" / "config.json").read_text())
     assert config["reduced_vocab_size"] == 30 and len(config["head_accuracies"]) == 3 and config["tree"]
+    # the adapter names the base model as the heads do, and has no peft card (both named the folder it was loaded
+    # from, published with the adapter)
+    adapter = json.loads((out / "heads" / "adapter" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == config["base_model_name_or_path"]
+    assert not (out / "heads" / "adapter" / "README.md").exists()
     # --heldout-only without the mode the run was trained in (an override of the README's two-stage flow): the heads
     # were scored on the backbone without their adapter, lower figures printed with exit 0
     plain = {**values, "training": {k: v for k, v in values["training"].items()
