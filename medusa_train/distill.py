@@ -93,6 +93,7 @@ RECIPE_KEYS = {
     "per_source": "data.per_source", "max_new_tokens": "data.max_new_tokens", "batch_size": "data.distill_batch_size",
     "seed": "training.seed", "system_prompt": "data.system_prompt", "chat_template": "model.chat_template",
     "progress": "log.progress", "trust_remote_code": "model.trust_remote_code",
+    "save_hidden": "features.from_distillation",  # (set here, the plan and features/index.json said otherwise)
 }
 """``DistillConfig`` fields a training recipe sets through its own keys (not ``data.distill_options``)."""
 

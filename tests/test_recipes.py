@@ -206,6 +206,12 @@ def test_model_checks_take_the_names_the_loader_takes_and_the_model_it_loads(tmp
         train_heads.check_attn_implementation(name)
     with pytest.raises(ValueError, match="'flash_attention2' is none transformers knows"):
         train_heads.check_attn_implementation("flash_attention2")
+    import torch
+
+    if not torch.cuda.is_available():  # (known, yet it failed loading for features, after distilling)
+        for name in ("flash_attention_2", "flash_attention_3", "paged|flash_attention_2"):
+            with pytest.raises(ValueError, match=f"model.attn_implementation={re.escape(repr(name))} needs a CUDA GPU"):
+                train_heads.check_attn_implementation(name)
     cached = tmp_path / "cache" / "smollm2"
     cached.mkdir(parents=True)
     (cached / "config.json").write_text("{}")
@@ -221,6 +227,8 @@ def test_model_checks_take_the_names_the_loader_takes_and_the_model_it_loads(tmp
                                                      r"transformers knows"),
     (["training.loss=kl", "features.topk=200"], r"features.topk=200 is past the model's vocabulary of \d+ tokens"),
     (["heads.reduced_vocab_size=200"], r"heads.reduced_vocab_size=200 is past the model's vocabulary"),
+    (["output_dir=/etc/passwd"], r"output_dir='/etc/passwd' is a file, not a folder"),  # (NotADirectoryError)
+    (["features.dir=/etc/passwd"], r"features.dir='/etc/passwd' is a file, not a folder"),
 ])
 def test_settings_past_the_model_are_refused_by_plan(tmp_path, capsys, arguments, message):
     """They passed --plan and failed after distilling and feature extraction (topk in a traceback)."""
@@ -535,6 +543,8 @@ def test_given_rows_distilled_with_another_system_prompt_or_template_are_refused
     ({"chat_template": "x"}, r"chat_template by model.chat_template"),
     ({"backend": "openai"}, r"backend 'openai' needs endpoint"),
     ({"concurrency": "many"}, r"data.distill_options.concurrency: expected an integer"),
+    # the plan and features/index.json said the hidden states kept while distilling were read, and none were kept
+    ({"save_hidden": False}, r"may not set \['save_hidden'\]: the recipe sets save_hidden by features.from_distil"),
 ])
 @pytest.mark.parametrize("distils", [True, False], ids=["distilling", "tokenized"])
 def test_distill_options_are_checked_when_the_recipe_loads(tmp_path, capsys, options, message, distils):
@@ -649,10 +659,28 @@ def test_per_source_quotas_without_n_are_taken_whole(tmp_path):
     ("training.heads_weight_schedule=sine", "training.heads_weight_schedule='sine' applies to training.mode=medusa2"),
     # these failed only once training started (after distillation), or trained an adapter scaled by 0
     ("lora.alpha=0", "lora.alpha must be >= 1, got 0"), ("lora.dropout=1.5", "lora.dropout must be in [0, 1), got 1.5"),
+    # a warm-up no schedule reads (it was compared on resume all the same)
+    ("training.mode=medusa2 training.heads_weight_schedule=constant training.heads_warmup_steps=5",
+     "training.heads_warmup_steps=5 is read by the linear and sine heads_weight_schedule, not constant"),
 ])
 def test_non_finite_numbers_and_empty_samples_are_refused(override, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        load_config(RECIPES / "smollm2-135m.yaml", [override])
+        load_config(RECIPES / "smollm2-135m.yaml", override.split())
+
+
+def test_mixed_precision_no_unquoted_and_a_warm_up_longer_than_the_run(tmp_path):
+    """YAML reads an unquoted ``no`` as false: the documented value was refused, and so was null; a heads warm-up
+    outlasting the run left the heads' loss weight near 0 to the end, without a word."""
+    assert load_config(RECIPES / "smollm2-135m.yaml", ["training.mixed_precision=no"]).training.mixed_precision == "no"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text((RECIPES / "smollm2-135m.yaml").read_text() + "\n")
+    values = yaml.safe_load(recipe.read_text())
+    values["training"]["mixed_precision"] = False  # what `mixed_precision: no` reads as
+    assert config_from_dict(values).training.mixed_precision == "no"
+    config = load_config(RECIPES / "smollm2-135m.yaml", ["training.mode=medusa2", "training.stage1_steps=2",
+                                                           "training.heads_warmup_steps=100000"])
+    with pytest.raises(ValueError, match="training.heads_warmup_steps=100000 outlasts the .* joint steps"):
+        plan(config)
 
 
 def test_resume_fingerprint_covers_what_the_features_were_made_from():
