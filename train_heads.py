@@ -812,11 +812,11 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     if evaluated:
         say(accelerator, f"evaluate: {paths.heads} exists, skipping")
-        from medusa_train.trainer import heads_base_name
+        from medusa_train.trainer import heads_base_name, same_folder
 
         named, wanted = json.loads((paths.heads / "config.json").read_text()).get("base_model_name_or_path"), \
             heads_base_name(config)
-        if named != wanted:  # model.hub_id set or changed after the heads were made
+        if not same_folder(named, wanted):  # model.hub_id set or changed after the heads were made
             say(accelerator, f"note: {paths.heads} names its base model {named!r}, not {wanted!r} (model.hub_id): "
                              f"remove {paths.heads} to evaluate again and name it so")
     else:  # the heads' record of the stages this run reused is a previous run's, not the seconds it took to find them

@@ -113,9 +113,9 @@ def check_heads_target(directory: str | Path) -> None:
     """``ValueError`` where ``save_heads`` would refuse ``directory``: it holds heads in the FasterDecoding layout,
     or another config.json (``foreign_config``). For a caller to check before work that ends in a save."""
     directory = Path(directory).expanduser()
-    if directory.exists() and not directory.is_dir():
-        raise ValueError(f"{directory} is a file, not a folder: save the heads into a folder")
     existing = next((p for p in (directory, *directory.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():  # (the folder itself, or one on its way)
+        raise ValueError(f"{existing} is a file, not a folder: save the heads into a folder")
     if existing is not None and not os.access(existing, os.W_OK | os.X_OK):  # (after minutes of calibrating: a
         raise ValueError(f"{existing} cannot be written by this user: save the heads into another folder")  # crash)
     held = [name for name in FASTERDECODING_WEIGHTS if (directory / name).exists()]
@@ -434,15 +434,20 @@ def note_datastore(directory: str | Path, tokens: int, origin: str | None) -> No
     card.write_text(text.rstrip("\n") + "\n\n" + section, encoding="utf-8")
 
 
-def _public(value: Any) -> Any:
-    """``value`` (a training record) with each absolute or home-relative path shown by its last part."""
+PATH_KEYS = ("name", "prompts", "rows", "tokenized", "output_dir", "init_from", "dir")
+"""Keys of a training record (last part of a dotted name) whose values are paths: a model, the data, folders."""
+
+
+def _public(value: Any, key: str = "") -> Any:
+    """``value`` (a training record) with the local paths of ``PATH_KEYS`` (absolute, home-relative or of a
+    drive) shown by their last part; other text as it is (a system prompt such as "/no_think" is none)."""
     if isinstance(value, dict):
-        return {key: _public(item) for key, item in value.items()}
+        return {name: _public(item, str(name)) for name, item in value.items()}
     if isinstance(value, list):
-        return [_public(item) for item in value]
-    if isinstance(value, str) and (value.startswith(("/", "~")) or (len(value) > 2 and value[1:3] == ":\\")):
-        return f"<local>/{Path(value).name}"
-    return value
+        return [_public(item, key) for item in value]
+    local = isinstance(value, str) and "\n" not in value and (
+        value.startswith(("/", "~")) or (len(value) > 2 and value[1] == ":" and value[2] in "\\/"))
+    return f"<local>/{Path(value).name}" if local and key.rsplit(".", 1)[-1] in PATH_KEYS else value
 
 
 def _is_table(value: Any) -> bool:

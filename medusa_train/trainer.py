@@ -1143,9 +1143,21 @@ def heads_base_name(config: TrainConfig) -> str:
         return name
     if config.model.hub_id:
         return config.model.hub_id
-    if name in DEFAULT_MODELS or Path(name).expanduser().is_dir():  # (a relative folder named nothing from
-        return str(Path(name).expanduser().resolve())  # another working directory: the card took it for a Hub id)
+    if name in DEFAULT_MODELS:
+        return str(Path(name).expanduser().resolve())
+    if Path(name).expanduser().is_dir():  # (a relative folder named nothing from another working directory: the
+        return str(Path(name).expanduser().absolute())  # card took it for a Hub id; a symlink kept as written)
     return name
+
+
+def same_folder(a: str | None, b: str | None) -> bool:
+    """Whether two model names are one folder on this machine (written differently: relative, through a link)."""
+    if a == b:
+        return True
+    try:
+        return a is not None and b is not None and os.path.samefile(Path(a).expanduser(), Path(b).expanduser())
+    except OSError:  # (a name that is no folder here: a Hub id)
+        return False
 
 
 def heads_config(config: TrainConfig, hidden_size: int, vocab_size: int, model_type: str | None,
@@ -1197,6 +1209,9 @@ def check_init_from(config: TrainConfig) -> MedusaConfig | None:
                          "from a Medusa-1 run's heads")
     expected = heads_config(config, found.hidden_size, found.vocab_size, found.base_model_type, None)
     for key in _INIT_MUST_MATCH:
+        if key == "base_model_name_or_path" and same_folder(found.base_model_name_or_path,
+                                                            expected.base_model_name_or_path):
+            continue  # (heads of earlier releases name a model folder as the recipe wrote it: relative, say)
         if getattr(found, key) != getattr(expected, key):
             raise ValueError(f"heads.init_from={folder} has {key}={getattr(found, key)!r} where this run builds "
                              f"{getattr(expected, key)!r}; set heads.* (or model.*) as those heads were trained")

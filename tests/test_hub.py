@@ -331,9 +331,13 @@ def test_the_card_names_a_base_model_in_its_front_matter_only_when_it_can_be_a_h
     assert 'base_model: "HuggingFaceTB/SmolLM2-135M-Instruct"\n' in front(model_card(config))
     assert "dequantized from the GGUF file `SmolLM2-135M-Instruct.Q4_1.gguf`" in model_card(config)  # said nowhere
     assert 'base_model: "org/llama"\n' in front(model_card(config, base_model_id="org/llama"))
-    config.training = {"recipe": {"model": {"name": "/home/alice/models/llama"}, "output_dir": "~/runs/x"}}
+    config.training = {"recipe": {"model": {"name": "/home/alice/models/llama"}, "output_dir": "~/runs/x",
+                                  "data": {"rows": "C:/Users/alice/rows.jsonl", "system_prompt": "/no_think"}},
+                       "changed": {"model.name": "/home/alice/models/llama"}}
     card = model_card(config)  # local paths of the training record by their last part (a home folder published)
-    assert "/home/alice" not in card and "~/runs" not in card and '"<local>/llama"' in card
+    assert "/home/alice" not in card and "~/runs" not in card and "C:/Users" not in card
+    assert '"<local>/llama"' in card and '"<local>/rows.jsonl"' in card
+    assert '"system_prompt": "/no_think"' in card  # text that is no path, as it is
     config.training = {}
     for name in ("null", "true", "1.0"):  # repo names YAML read as another type (None, True, 1.0)
         assert yaml.safe_load(front(model_card(config, base_model_id=name)))["base_model"] == name

@@ -493,8 +493,9 @@ def test_heads_are_not_written_over_a_models_config(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="holds heads in the FasterDecoding layout \\(their config.json\\)"):
         model.save_pretrained(tmp_path / "fd2")
     (tmp_path / "a-file").write_text("")
-    with pytest.raises(ValueError, match="a-file is a file, not a folder"):
-        model.save_pretrained(tmp_path / "a-file")
+    for target in (tmp_path / "a-file", tmp_path / "a-file" / "heads"):  # (below it: "cannot be written")
+        with pytest.raises(ValueError, match="a-file is a file, not a folder"):
+            model.save_pretrained(target)
     from medusa_infer import checkpoint
 
     with monkeypatch.context() as patch:  # a folder this user cannot write (root may write anywhere: simulated)

@@ -1572,6 +1572,16 @@ def test_init_from_refuses_heads_this_run_would_not_build(tiny_dir, tmp_path, co
     faster.mkdir()
     (faster / "config.json").write_text(json.dumps({"medusa_num_heads": 3, "medusa_num_layers": 1}))
     check(r"holds heads in the FasterDecoding/Medusa layout; save them in medusa-forge's first", faster)
+    # heads of an earlier release, which named the model folder as the recipe wrote it (relative, through a link):
+    # the same folder (they were refused as another base model)
+    relative = tmp_path / "relative"
+    shutil.copytree(counting_heads, relative)
+    saved = json.loads((relative / "config.json").read_text())
+    (tmp_path / "link").symlink_to(Path(saved["base_model_name_or_path"]).parent)
+    linked = str(tmp_path / "link" / Path(saved["base_model_name_or_path"]).name)
+    (relative / "config.json").write_text(json.dumps({**saved, "base_model_name_or_path": linked}))
+    tr.check_init_from(config_from_dict(values(relative)))
+    assert tr.same_folder(linked, saved["base_model_name_or_path"]) and not tr.same_folder("org/a", "org/b")
     with pytest.raises(ValueError, match="hidden_size=32 where the model has 64"):
         tr.initial_heads(config_from_dict(values()), 64, 96)
     state, token_map = tr.initial_heads(config_from_dict(values()), 32, 96)
