@@ -201,8 +201,10 @@ def check_inputs(config: TrainConfig) -> None:
 
     name, d = config.model.name, config.data
     for key, folder in (("output_dir", config.output_dir), ("features.dir", config.features.dir)):
-        if folder and Path(folder).expanduser().exists() and not Path(folder).expanduser().is_dir():
-            raise ValueError(f"{key}={folder!r} is a file, not a folder: name a folder (a traceback after distilling)")
+        path = Path(folder).expanduser() if folder else None  # (the folder, or one on its way, a file: a
+        existing = next((p for p in (path, *path.parents) if p.exists()), None) if path else None  # traceback
+        if existing is not None and not existing.is_dir():  # after distilling)
+            raise ValueError(f"{key}={folder!r}: {existing} is a file, not a folder; name a folder")
     if not Path(name).expanduser().is_dir() and name not in DEFAULT_MODELS:
         resolve_model(name)  # a missing folder or an unknown bare name is named; a Hub id passes unloaded
     files = [("data.tokenized", d.tokenized)] if d.tokenized else []
@@ -277,15 +279,12 @@ def check_attn_implementation(name: str | None) -> None:
         raise ValueError(f"model.attn_implementation={name!r} is none transformers knows: one of {known}, a Hub "
                          "kernel (org/repo), or null to let transformers pick")
     if plain is not None and plain.startswith("flash_attention"):  # (it failed loading for features, after distilling)
-        import importlib.util
-
         import torch
 
-        package = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}.get(plain)
-        if not torch.cuda.is_available() or (package and importlib.util.find_spec(package) is None):
-            raise ValueError(f"model.attn_implementation={name!r} needs a CUDA GPU"
-                             + (f" and the {package} package" if package else "")
-                             + " here; use sdpa (or null) on this machine")
+        gpu = torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+        if not gpu:  # (its package, or the kernels package's Hub kernel, transformers checks when it loads)
+            raise ValueError(f"model.attn_implementation={name!r} needs a GPU, which this machine has not; use sdpa "
+                             "(or null) here")
 
 
 def _model_folder(config: TrainConfig) -> Path | None:

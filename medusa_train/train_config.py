@@ -666,9 +666,6 @@ def validate(config: TrainConfig) -> None:
                          "t + 1); set both")
     if t.mode == "medusa1" and t.stage1_steps:
         raise ValueError("training.stage1_steps applies to training.mode=medusa2 only; set it to 0")
-    if t.heads_weight_schedule == "constant" and t.heads_warmup_steps:  # (read by no schedule, compared on resume)
-        raise ValueError(f"training.heads_warmup_steps={t.heads_warmup_steps} is read by the linear and sine "
-                         "heads_weight_schedule, not constant: set it to 0, or pick linear or sine")
     if t.mode == "medusa1":  # read by Medusa-2 only, yet part of a run's settings (a change refused a rerun)
         default = TrainingSection()
         joint_only = [f"training.{name}={getattr(t, name)!r}" for name in (
@@ -939,10 +936,6 @@ def step_counts(config: TrainConfig, units: int, num_processes: int) -> tuple[in
                          "training.grad_accum or set training.max_steps")
     if t.mode == "medusa2" and t.stage1_steps >= total:
         raise ValueError(f"training.stage1_steps={t.stage1_steps} leaves no joint stage in {total} steps")
-    if t.mode == "medusa2" and t.stage1_steps + t.heads_warmup_steps > total:  # (the weight never reached its value)
-        raise ValueError(f"training.heads_warmup_steps={t.heads_warmup_steps} outlasts the {total - t.stage1_steps} "
-                         f"joint steps of {total} (after training.stage1_steps={t.stage1_steps}): the heads' loss "
-                         f"weight would never reach training.heads_loss_weight; lower it, or train longer")
     return micro_per_epoch, steps_per_epoch, total, math.floor(t.warmup_ratio * total)
 
 

@@ -210,7 +210,7 @@ def test_model_checks_take_the_names_the_loader_takes_and_the_model_it_loads(tmp
 
     if not torch.cuda.is_available():  # (known, yet it failed loading for features, after distilling)
         for name in ("flash_attention_2", "flash_attention_3", "paged|flash_attention_2"):
-            with pytest.raises(ValueError, match=f"model.attn_implementation={re.escape(repr(name))} needs a CUDA GPU"):
+            with pytest.raises(ValueError, match=f"model.attn_implementation={re.escape(repr(name))} needs a GPU"):
                 train_heads.check_attn_implementation(name)
     cached = tmp_path / "cache" / "smollm2"
     cached.mkdir(parents=True)
@@ -227,8 +227,8 @@ def test_model_checks_take_the_names_the_loader_takes_and_the_model_it_loads(tmp
                                                      r"transformers knows"),
     (["training.loss=kl", "features.topk=200"], r"features.topk=200 is past the model's vocabulary of \d+ tokens"),
     (["heads.reduced_vocab_size=200"], r"heads.reduced_vocab_size=200 is past the model's vocabulary"),
-    (["output_dir=/etc/passwd"], r"output_dir='/etc/passwd' is a file, not a folder"),  # (NotADirectoryError)
-    (["features.dir=/etc/passwd"], r"features.dir='/etc/passwd' is a file, not a folder"),
+    (["output_dir=/etc/passwd"], r"output_dir='/etc/passwd': /etc/passwd is a file, not a folder"),
+    (["features.dir=/etc/passwd/feats"], r"features.dir='/etc/passwd/feats': /etc/passwd is a file"),
 ])
 def test_settings_past_the_model_are_refused_by_plan(tmp_path, capsys, arguments, message):
     """They passed --plan and failed after distilling and feature extraction (topk in a traceback)."""
@@ -659,28 +659,20 @@ def test_per_source_quotas_without_n_are_taken_whole(tmp_path):
     ("training.heads_weight_schedule=sine", "training.heads_weight_schedule='sine' applies to training.mode=medusa2"),
     # these failed only once training started (after distillation), or trained an adapter scaled by 0
     ("lora.alpha=0", "lora.alpha must be >= 1, got 0"), ("lora.dropout=1.5", "lora.dropout must be in [0, 1), got 1.5"),
-    # a warm-up no schedule reads (it was compared on resume all the same)
-    ("training.mode=medusa2 training.heads_weight_schedule=constant training.heads_warmup_steps=5",
-     "training.heads_warmup_steps=5 is read by the linear and sine heads_weight_schedule, not constant"),
 ])
 def test_non_finite_numbers_and_empty_samples_are_refused(override, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         load_config(RECIPES / "smollm2-135m.yaml", override.split())
 
 
-def test_mixed_precision_no_unquoted_and_a_warm_up_longer_than_the_run(tmp_path):
-    """YAML reads an unquoted ``no`` as false: the documented value was refused, and so was null; a heads warm-up
-    outlasting the run left the heads' loss weight near 0 to the end, without a word."""
+def test_mixed_precision_no_unquoted(tmp_path):
+    """YAML reads an unquoted ``no`` as false: the documented value was refused, and so was null."""
     assert load_config(RECIPES / "smollm2-135m.yaml", ["training.mixed_precision=no"]).training.mixed_precision == "no"
     recipe = tmp_path / "r.yaml"
     recipe.write_text((RECIPES / "smollm2-135m.yaml").read_text() + "\n")
     values = yaml.safe_load(recipe.read_text())
     values["training"]["mixed_precision"] = False  # what `mixed_precision: no` reads as
     assert config_from_dict(values).training.mixed_precision == "no"
-    config = load_config(RECIPES / "smollm2-135m.yaml", ["training.mode=medusa2", "training.stage1_steps=2",
-                                                           "training.heads_warmup_steps=100000"])
-    with pytest.raises(ValueError, match="training.heads_warmup_steps=100000 outlasts the .* joint steps"):
-        plan(config)
 
 
 def test_resume_fingerprint_covers_what_the_features_were_made_from():
