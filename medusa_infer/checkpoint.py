@@ -110,8 +110,9 @@ def save_heads(
 
 
 def check_heads_target(directory: str | Path) -> None:
-    """``ValueError`` where ``save_heads`` would refuse ``directory``: it holds heads in the FasterDecoding layout,
-    or another config.json (``foreign_config``). For a caller to check before work that ends in a save."""
+    """``ValueError`` where ``save_heads`` would refuse ``directory``: it is (or lies under) a file, cannot be
+    written by this user, or holds heads in the FasterDecoding layout or another config.json (``foreign_config``).
+    For a caller to check before work that ends in a save."""
     directory = Path(directory).expanduser()
     existing = next((p for p in (directory, *directory.parents) if p.exists()), None)
     if existing is not None and not existing.is_dir():  # (the folder itself, or one on its way)
