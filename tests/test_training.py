@@ -1909,9 +1909,14 @@ def test_deepspeed_launch_configs_train_heads_on_the_cpu(tiny_dir, tmp_path, sta
             assert states and not frozen, frozen[:5]
         # the adapter's Adam starts at its first joint step, as under DDP (DeepSpeed stepped it through the
         # heads-only stage with zero gradients: 3 steps of history, whose bias correction shrank nothing)
-        for rank in range(2):
-            saved = torch.load(step / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", map_location="cpu",
-                               weights_only=False)["optimizer_state_dict"]
+        from deepspeed.runtime.fp16.loss_scaler import LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        for rank in range(2):  # (DeepSpeed's own objects beside the tensors: those three read, nothing else)
+            with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
+                saved = torch.load(step / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", map_location="cpu",
+                                   weights_only=True)["optimizer_state_dict"]
             state = saved.get("base_optimizer_state", saved.get("optimizer_state_dict"))["state"]
             assert {group: float(s["step"]) for group, s in state.items()} == {0: 3.0, 1: 1.0}
 
