@@ -877,7 +877,13 @@ def merge_adapter(base_model: PreTrainedModel, folder: str | os.PathLike) -> Pre
     from peft import PeftConfig, PeftModel
 
     config_file = Path(folder) / "adapter_config.json"
-    targets = json.loads(config_file.read_text()).get("target_modules") if config_file.is_file() else None
+    if not config_file.is_file():
+        raise ValueError(f"{folder} holds no adapter_config.json: the adapter was not saved whole; save or download "
+                         "it again")
+    if not any((Path(folder) / name).is_file() for name in ADAPTER_WEIGHTS):
+        raise ValueError(f"{folder} holds no adapter weights ({' or '.join(ADAPTER_WEIGHTS)}): the adapter was not "
+                         "saved whole; save or download it again")
+    targets = json.loads(config_file.read_text()).get("target_modules")
     selected = embedding_lora_targets(base_model, targets) if targets else []
     if selected:
         raise ValueError(f"the adapter in {folder} adapts {selected}, the embeddings the heads read directly: "
@@ -892,12 +898,6 @@ def merge_adapter(base_model: PreTrainedModel, folder: str | os.PathLike) -> Pre
         except (SafetensorError, OSError) as err:
             raise ValueError(f"{weights} could not be read ({err}): the adapter is truncated or corrupted; "
                              "save or download it again") from err
-    if not config_file.is_file():
-        raise ValueError(f"{folder} holds no adapter_config.json: the adapter was not saved whole; save or download "
-                         "it again")
-    if not any((Path(folder) / name).is_file() for name in ADAPTER_WEIGHTS):
-        raise ValueError(f"{folder} holds no adapter weights ({' or '.join(ADAPTER_WEIGHTS)}): the adapter was not "
-                         "saved whole; save or download it again")
     config = PeftConfig.from_pretrained(str(folder))
     config.inference_mode = True
     flags = {name: param.requires_grad for name, param in base_model.named_parameters()}  # (peft freezes all)
