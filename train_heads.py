@@ -197,13 +197,13 @@ def check_inputs(config: TrainConfig) -> None:
     ``ValueError`` for a model name that is neither a folder, a default model nor a Hub id, a data
     file that is not there, Medusa-2 LoRA targets the model cannot take (``check_lora_targets_early``),
     a logger whose package is missing, or an upload that cannot happen (offline, or no Hub login)."""
+    from medusa_infer.checkpoint import first_existing
     from medusa_infer.models import DEFAULT_MODELS, resolve_model
 
     name, d = config.model.name, config.data
     for key, folder in (("output_dir", config.output_dir), ("features.dir", config.features.dir)):
-        path = Path(folder).expanduser() if folder else None  # (the folder, or one on its way, a file: a
-        existing = next((p for p in (path, *path.parents) if p.exists()), None) if path else None  # traceback
-        if existing is not None and not existing.is_dir():  # after distilling)
+        existing = first_existing(Path(folder).expanduser()) if folder else None  # (the folder, or one on its
+        if existing is not None and not existing.is_dir():  # way, a file: a traceback after distilling)
             raise ValueError(f"{key}={folder!r}: {existing} is a file, not a folder; name a folder")
     if not Path(name).expanduser().is_dir() and name not in DEFAULT_MODELS:
         resolve_model(name)  # a missing folder or an unknown bare name is named; a Hub id passes unloaded

@@ -109,12 +109,18 @@ def save_heads(
     return directory
 
 
+def first_existing(path: Path) -> Path | None:
+    """``path``, or the nearest of its parents that exists (None: none does): a file there means no folder can
+    be made at ``path``."""
+    return next((p for p in (path, *path.parents) if p.exists()), None)
+
+
 def check_heads_target(directory: str | Path) -> None:
     """``ValueError`` where ``save_heads`` would refuse ``directory``: it is (or lies under) a file, cannot be
     written by this user, or holds heads in the FasterDecoding layout or another config.json (``foreign_config``).
     For a caller to check before work that ends in a save."""
     directory = Path(directory).expanduser()
-    existing = next((p for p in (directory, *directory.parents) if p.exists()), None)
+    existing = first_existing(directory)
     if existing is not None and not existing.is_dir():  # (the folder itself, or one on its way)
         raise ValueError(f"{existing} is a file, not a folder: save the heads into a folder")
     if existing is not None and not os.access(existing, os.W_OK | os.X_OK):  # (after minutes of calibrating: a
