@@ -315,11 +315,12 @@ def check_vocabulary_settings(config: TrainConfig) -> None:
             raise ValueError(f"{key}={value} is past the model's vocabulary of {vocab} tokens; lower it")
 
 
-def check_example_lengths(config: TrainConfig, examples: list[dict]) -> None:
-    """Examples longer than the model's context (where its config is on disk) refused before any feature or
-    training step: past it a model of learned positions (GPT-2) failed with an IndexError in the feature
-    extraction (a device-side assert on a GPU), and a rotary one runs past the positions it learned. Rows the
-    run distils fit it; ``data.tokenized`` examples, or rows made elsewhere, under ``data.max_length``, may not."""
+def check_examples_fit(config: TrainConfig, examples: list[dict]) -> None:
+    """Examples longer than the model's context, or holding a token id past its vocabulary (where its config is
+    on disk), refused before any feature or training step: past it a model of learned positions (GPT-2) failed
+    with an IndexError in the feature extraction (a device-side assert on a GPU), and a rotary one runs past the
+    positions it learned; an id past the embedding failed the same way. Rows the run distils fit both;
+    ``data.tokenized`` examples (made with another tokenizer, say), or rows made elsewhere, may not."""
     folder = _model_folder(config)
     if folder is None or not examples:
         return
@@ -327,9 +328,16 @@ def check_example_lengths(config: TrainConfig, examples: list[dict]) -> None:
 
     from medusa_infer.decoding import config_context_length
 
+    model_config = AutoConfig.from_pretrained(folder, trust_remote_code=config.model.trust_remote_code)
+    vocab = getattr(model_config.get_text_config(), "vocab_size", None)
+    past = next(((example["input_ids"], token) for example in examples
+                 for token in example["input_ids"] if vocab is not None and token >= vocab), None)
+    if past is not None:
+        raise ValueError(f"an example holds the token id {past[1]}, past the model's vocabulary of {vocab} tokens "
+                         f"(input_ids {past[0]!r:.60}): the examples were made with another tokenizer; make them "
+                         "with this model's (or give data.rows and let the run tokenise them)")
     try:
-        context = config_context_length(AutoConfig.from_pretrained(
-            folder, trust_remote_code=config.model.trust_remote_code))
+        context = config_context_length(model_config)
     except ValueError:  # a config that states no context length
         return
     longest = max(len(example["input_ids"]) for example in examples)
@@ -773,7 +781,7 @@ def main(argv: list[str] | None = None) -> int:
         from medusa_train.dataset import check_head_positions
 
         check_head_positions(train, heldout)
-        check_example_lengths(config, train + heldout)
+        check_examples_fit(config, train + heldout)
     timings["data"] = round(time.perf_counter() - started, 1)
     note_stages()
     say(accelerator, f"data: {len(train)} train and {len(heldout)} held-out examples ({timings['data']} s)")

@@ -489,7 +489,8 @@ def check_template(tokenizer: PreTrainedTokenizerBase, system_prompt: str | None
 def truncate_examples(examples: Iterable[dict[str, Any]], max_length: int) -> tuple[list[dict[str, Any]], int, int]:
     """Ready examples (``data.tokenized``) under the rule ``build_examples`` applies: each cut to its first
     ``max_length`` tokens, and one with no labelled token (left) dropped. Returns ``(examples, cut,
-    dropped)``; ``ValueError`` naming an example whose labels are not one per token, or not each either -100 or
+    dropped)``; ``ValueError`` naming an example with a negative token id, whose labels are not one per token, or
+    not each either -100 or
     the token at its own position (labels shifted by one, or another ignore value such as -1, trained on
     other targets than the heads are meant to, the prompt's soft labels included, without a word)."""
     if max_length < 2:
@@ -501,6 +502,10 @@ def truncate_examples(examples: Iterable[dict[str, Any]], max_length: int) -> tu
             if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
                 raise ValueError(f"ready example {example.get('id', index)!r} needs {key!r} as a list of token ids "
                                  f"(-100 for labels not trained on), got {value!r:.80}")
+        negative = next((t for t in example["input_ids"] if t < 0), None)
+        if negative is not None:  # (an embedding's IndexError, or a device-side assert, at the first forward)
+            raise ValueError(f"ready example {example.get('id', index)!r} holds the token id {negative} in its "
+                             "input_ids: ids are >= 0 (padding, if any, belongs in no ready example)")
         if len(example["labels"]) != len(example["input_ids"]):
             raise ValueError(f"ready example {example.get('id', index)!r} has {len(example['labels'])} labels for "
                              f"{len(example['input_ids'])} input_ids; give one label per token (-100: not trained on)")

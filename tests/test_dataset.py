@@ -462,6 +462,8 @@ def test_ready_examples_are_cut_to_max_length_like_built_ones(tmp_path, capsys):
         with pytest.raises(ValueError, match=says):  # KeyError and TypeError tracebacks
             truncate_examples([bad], 6)
     # labels shifted by one, or -1 for "ignore": trained on other targets (the prompt's soft labels too) silently
+    with pytest.raises(ValueError, match=r"ready example 'p' holds the token id -1 in its input_ids: ids are >= 0"):
+        truncate_examples([{"id": "p", "input_ids": [1, 2, -1], "labels": [ignore, 2, ignore]}], 6)  # (padding)
     for labels, says in (([ignore, 3, 4, ignore], r"ready example 's' has label 3 at position 1, where input_ids "
                                                   r"holds 2: labels are the tokens themselves, not shifted"),
                          ([-1, 2, 3, 4], r"ready example 's' has label -1 at position 0")):

@@ -1449,6 +1449,14 @@ def test_examples_past_the_models_context_are_refused_before_features_are_extrac
         train_heads.main(["--config", config_file])
     assert not (tmp_path / "run" / "features").exists() or not any((tmp_path / "run" / "features").iterdir())
     assert train_heads.main(["--config", config_file, "data.max_length=256"]) == 0
+    # made with another tokenizer: an id past the embedding failed the same way, in the feature extraction
+    vocab = tiny_model("gpt2").config.vocab_size
+    examples.write_text(examples.read_text() + json.dumps({"id": "other", "input_ids": [3, vocab, 4],
+                                                           "labels": [-100, vocab, 4]}) + "\n")
+    with pytest.raises(SystemExit, match=re.escape(f"an example holds the token id {vocab}, past the model's "
+                                                   f"vocabulary of {vocab} tokens (input_ids [3, {vocab}, 4]): the "
+                                                   "examples were made with another tokenizer")):
+        train_heads.main(["--config", config_file, "data.max_length=256", "output_dir=" + str(tmp_path / "run2")])
 
 
 def test_a_finished_fp16_run_is_evaluated_on_the_cpu(tiny_dir, tmp_path):
