@@ -64,7 +64,7 @@ from medusa_infer.decoding import context_length, eos_ids, padding_id
 from medusa_infer.interop import base_model_name, is_medusa_layout, read_medusa_layout
 from medusa_infer.model import PROCESSOR_SETTINGS
 from medusa_infer.proposers.lookup import LOOKUP_MAX_TOKENS
-from medusa_train.evaluate import HeadAccuracy, head_accuracy
+from medusa_train.evaluate import HeadAccuracy, head_accuracy, walked_tokens_per_step
 
 HF_METHODS = ("hf", "hf-lookup", "hf-assisted")
 OUR_METHODS = ("ar", "medusa", "medusa-lookup", "medusa-typical", "medusa-lossless", "draft", "lookup", "layerskip")
@@ -969,7 +969,10 @@ def stored_heads_state(model, heads: str | Path) -> dict[str, torch.Tensor]:
 
 def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[str, Any]:
     """Measure the heads' top-k accuracy on greedy answers to ``questions`` and this device's
-    verification cost; fit the tree; store all three in the heads' config (and folder)."""
+    verification cost; fit the tree; store all three in the heads' config (and folder). The fitted tree's
+    expected tau is greedy decoding walked over those answers (``evaluate.walked_tokens_per_step``, as
+    training's held-out figure: the average over every position, which the fit ranks trees by, runs high),
+    its expected speedup that tau over the tree's cost."""
     from medusa_infer.tree_fit import check_cost_context, fit_tree, measure_verify_cost
 
     if model.heads is None:
@@ -981,6 +984,8 @@ def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[st
     cost = measure_verify_cost(model, context=args.calibrate_context)
     cost.head_seconds = measure_head_seconds(model)
     fitted = fit_tree(paths, cost)
+    walked = walked_tokens_per_step(fitted.paths, accuracy)
+    speedup = walked * fitted.expected_speedup / fitted.expected_tau  # (tau over the tree's cost ratio)
     config = model.config
     # training's held-out accuracies, kept beside these; an earlier calibration's (on heads imported or
     # never trained) are no training record, and are replaced
@@ -1003,13 +1008,13 @@ def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[st
                          "calibration_questions": {"file": source,
                                                    "ids": [q["id"] for q in questions]},
                          "calibrated_tree_nodes": len(fitted.paths),
-                         "calibrated_expected_tau": round(fitted.expected_tau, 4),
-                         "calibrated_expected_speedup": round(fitted.expected_speedup, 4)}
+                         "calibrated_expected_tau": round(walked, 4),
+                         "calibrated_expected_speedup": round(speedup, 4)}
     config.cost_profile = cost.to_dict()
     config.tree = [list(p) for p in fitted.paths]  # empty: plain decoding measured fastest (None: a default preset)
     return {"head_accuracies": config.head_accuracies, "cost_profile": config.cost_profile,
-            "tree_nodes": len(fitted.paths), "expected_tau": fitted.expected_tau,
-            "expected_speedup": fitted.expected_speedup, "table": fitted.table}
+            "tree_nodes": len(fitted.paths), "expected_tau": walked, "expected_speedup": speedup,
+            "table": fitted.table}
 
 
 def calibration_question_ids(model, questions_file: str | Path) -> list[Any]:
@@ -1065,8 +1070,10 @@ def head_topk_accuracy(model, sequences: list[tuple[torch.Tensor, int]], top_k: 
         true_targets = head_targets(seq, model.config.num_heads)
         targets = to_head_vocab(true_targets, model.heads.token_map, model.config.vocab_size)
         first = max(start - 1, 0)  # the last prompt token: where decoding first runs the heads
+        starts = torch.zeros(len(seq) - first, dtype=torch.bool)
+        starts[0] = True  # each answer one run of consecutive positions (walked_tokens_per_step)
         batches.append({"hidden": hidden[first:], "targets": targets[first:], "next_tokens": following[first:],
-                        "path_tokens": path_tokens(true_targets[first:])})
+                        "path_tokens": path_tokens(true_targets[first:]), "run_start": starts})
     if not any(bool((b["targets"][:, 0] != IGNORE).any()) for b in batches):
         raise ValueError("no generated tokens to measure the heads on: raise --max-new-tokens")
     return head_accuracy(model.head_logits, batches, top_k, device=model.device)
