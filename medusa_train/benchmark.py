@@ -557,6 +557,8 @@ def usable_questions(model, questions: list[dict], args: argparse.Namespace, say
     if too_long and say:
         print(f"leaving out {len(too_long)} questions whose turns and answers could outgrow the model's context "
               f"of {context_length(model)} tokens: {', '.join(map(str, too_long))}", file=sys.stderr)
+    if not questions and not too_long:
+        raise ValueError("no questions to benchmark")
     if not questions:
         raise ValueError(f"no question fits the model's context of {context_length(model)} tokens with "
                          f"{args.max_new_tokens} new tokens a turn; lower --max-new-tokens")
@@ -572,7 +574,9 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
     and turn index the group's rows that have that turn are decoded as one batch. With
     ``args.time_budget`` (seconds since ``started``, a ``time.perf_counter()`` value; default: this
     call) no group but the first starts after the budget is spent. ``runner``: the ``Runner`` to answer
-    with (default: a new one, which loads ``args.draft_model``).
+    with (default: a new one, which loads ``args.draft_model``). A method that fails (out of memory on a
+    long turn, say) after a group has been measured stops the benchmark there: the report holds the groups
+    measured in full, and ``settings["stopped_by"]`` names the error (raised where no group was).
     """
     from medusa_infer.cpu_kernels import kernel_plans, linear_kernels
 
@@ -595,6 +599,7 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
     # ids and, per method, the tokens and the seconds of its turns, measured for the group as a whole
     from tqdm import tqdm
 
+    stopped_by = None
     bar = tqdm(total=planned, desc="benchmark", unit="question", file=sys.stderr)
     for first in range(0, planned, args.batch_size):
         if first and args.time_budget is not None and time.perf_counter() - started > args.time_budget:
@@ -603,26 +608,27 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
             questions = questions[:first]
             break
         group = questions[first : first + args.batch_size]
+        try:
+            answered = answer_group(runner, group, methods[len(groups) % len(methods):]
+                                    + methods[:len(groups) % len(methods)])
+        except Exception as error:  # (Ctrl-C and exits pass): the groups measured are kept
+            if not groups:
+                raise
+            stopped_by = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
+            print(f"\n{method_of(error)} failed ({stopped_by}): stopping after {first} of {planned} questions, "
+                  "reporting those", file=sys.stderr)
+            questions = questions[:first]
+            break
         measured = {"questions": [q["id"] for q in group], "tokens": {}, "seconds": {}}
-        shift = len(groups) % len(methods)
         groups.append(measured)
         for index in range(max(len(q["turns"]) for q in group)):  # answers' order: by turn, then row
             answer_categories += [q["category"] for q in group if index < len(q["turns"])]
-        for method in methods[shift:] + methods[:shift]:
-            conversations: list[list[dict]] = [[] for _ in group]
-            for index in range(max(len(q["turns"]) for q in group)):
-                rows = [i for i, q in enumerate(group) if index < len(q["turns"])]
-                for i in rows:
-                    conversations[i].append({"role": "user", "content": group[i]["turns"][index]})
-                turns = runner.run_batch(method, [conversations[i] for i in rows])
-                for i, turn in zip(rows, turns):
-                    measured["tokens"][method] = measured["tokens"].get(method, 0) + len(turn.tokens)
-                    measured["seconds"][method] = measured["seconds"].get(method, 0.0) + turn.seconds
-                    totals[method].add(turn)
-                    per_category[group[i]["category"]][method].add(turn)
-                    answers[method].append(turn.tokens)
-                    conversations[i].append({"role": "assistant",
-                                             "content": runner.tokenizer.decode(turn.tokens, skip_special_tokens=True)})
+        for method, i, turn in answered:
+            measured["tokens"][method] = measured["tokens"].get(method, 0) + len(turn.tokens)
+            measured["seconds"][method] = measured["seconds"].get(method, 0.0) + turn.seconds
+            totals[method].add(turn)
+            per_category[group[i]["category"]][method].add(turn)
+            answers[method].append(turn.tokens)
         bar.update(len(group))
         bar.set_postfix({m: f"{t.tokens / t.seconds:.1f}" for m, t in totals.items() if t.seconds})
     bar.close()
@@ -651,7 +657,7 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
             "step_costs": args.step_costs, "fallback": args.fallback,
             "lookup_tokens": args.lookup_tokens, "lookup_max_tokens": args.lookup_max_tokens,
             "datastore_tokens": len(model.datastore) if args.datastore and model.datastore is not None else 0,
-            "time_budget_s": args.time_budget, "questions_answered": len(questions),
+            "time_budget_s": args.time_budget, "questions_answered": len(questions), "stopped_by": stopped_by,
             "questions_left_out_for_context": too_long,
             "device": str(model.device), "dtype": str(model.dtype).replace("torch.", ""), "cpu": cpu_name(),
             "linear_kernels": linear_kernels(model.base_model),
@@ -678,6 +684,36 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
         "groups": [{**g, "seconds": {m: round(s, 4) for m, s in g["seconds"].items()}} for g in groups],
         "step_costs": {method: costs.summary() for method, costs in runner.step_costs.items()},
     }
+
+
+def answer_group(runner: "Runner", group: list[dict], methods: Sequence[str]) -> list[tuple[str, int, Any]]:
+    """Every method's answers to every turn of ``group`` (its questions as one batch per turn index), in
+    ``methods``' order, as ``(method, row, turn)``: by method, then turn, then row. An error is raised with
+    the failing method's name as its ``benchmark_method`` attribute (``method_of``)."""
+    answered = []
+    for method in methods:
+        conversations: list[list[dict]] = [[] for _ in group]
+        for index in range(max(len(q["turns"]) for q in group)):
+            rows = [i for i, q in enumerate(group) if index < len(q["turns"])]
+            for i in rows:
+                conversations[i].append({"role": "user", "content": group[i]["turns"][index]})
+            try:
+                turns = runner.run_batch(method, [conversations[i] for i in rows])
+            except Exception as error:
+                with contextlib.suppress(AttributeError):  # (an exception type without a __dict__)
+                    error.benchmark_method = method
+                raise
+            for i, turn in zip(rows, turns):
+                answered.append((method, i, turn))
+                conversations[i].append({"role": "assistant",
+                                         "content": runner.tokenizer.decode(turn.tokens, skip_special_tokens=True)})
+    return answered
+
+
+def method_of(error: BaseException) -> str:
+    """The method ``answer_group`` says ``error`` came from, in words."""
+    method = getattr(error, "benchmark_method", None)
+    return f"method {method}" if method else "a method"
 
 
 BOOTSTRAP_SAMPLES = 2000
@@ -833,6 +869,8 @@ def report_markdown(report: dict[str, Any]) -> str:
         + (f", batch size {s['batch_size']}." if s.get("batch_size", 1) > 1 else ".")
         + (f" Time budget {s['time_budget_s']:g} s: {s['questions_answered']} questions answered."
            if s.get("time_budget_s") is not None else "")
+        + (f" Stopped by an error ({s['stopped_by']}) after {s['questions_answered']} questions: these figures "
+           "are theirs." if s.get("stopped_by") else "")
         + (f" Left out, as their turns could outgrow the model's context: questions "
            f"{', '.join(map(str, s['questions_left_out_for_context']))}."
            if s.get("questions_left_out_for_context") else ""),
@@ -1415,6 +1453,10 @@ def run(args: argparse.Namespace, started: float) -> int:
     if not drawn:  # a plot of an earlier run in this folder would pass for this one's
         (output / "report.png").unlink(missing_ok=True)
     print(f"wrote {output}/report.json, report.md" + (", report.png" if drawn else ""), file=sys.stderr)
+    if report["settings"]["stopped_by"]:
+        print(f"medusa-bench: error: the benchmark stopped early ({report['settings']['stopped_by']}); the report "
+              f"holds the {report['settings']['questions_answered']} questions answered before it", file=sys.stderr)
+        return 1
     return 0
 
 

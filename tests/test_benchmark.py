@@ -769,6 +769,45 @@ def test_time_budget_stops_between_groups_and_keeps_categories_even(model):
     assert full["questions_answered"] == 5 and full["turns"] == 6
 
 
+def test_a_method_failing_midway_keeps_the_groups_measured_before_it(model, tmp_path, monkeypatch, capsys):
+    """A method failing on a later question (out of memory on a long turn) lost every measurement, and the CLI
+    wrote no report; the report now holds the groups measured in full (not the failing group's other answers),
+    names the error, and the command fails. An empty question list is named as such (it said to lower
+    --max-new-tokens)."""
+    with pytest.raises(ValueError, match="^no questions to benchmark$"):
+        benchmark(model, [], args(methods=["ar"]))
+    real = bench.Runner.run_batch
+
+    def run_batch(self, method, conversations, **kwargs):
+        if method == "ar" and conversations[0][0]["content"] == QUESTIONS[2]["turns"][0]:
+            raise RuntimeError("CUDA out of memory (simulated)\nmore")
+        return real(self, method, conversations, **kwargs)
+
+    monkeypatch.setattr(bench.Runner, "run_batch", run_batch)
+    report = benchmark(model, QUESTIONS, args(methods=["hf", "ar"]))
+    s = report["settings"]
+    assert s["stopped_by"] == "RuntimeError: CUDA out of memory (simulated)" and s["questions_answered"] == 2
+    assert s["question_ids"] == [1, 2] and s["turns"] == 3 and len(report["groups"]) == 2
+    for method in ("hf", "ar"):  # hf answered question 3 before ar failed on it: not counted
+        assert report["methods"][method]["tokens"] == sum(g["tokens"][method] for g in report["groups"])
+        assert report["methods"][method]["turns"] == 3
+    assert report["methods"]["ar"]["exact"] is True
+    assert "Stopped by an error (RuntimeError: CUDA out of memory (simulated)) after 2 questions" in \
+        report_markdown(report)
+    assert "method ar failed (RuntimeError: CUDA out of memory (simulated)): stopping after 2 of 5 questions" in \
+        capsys.readouterr().err
+    heads, questions = cli_files(model, tmp_path, monkeypatch)
+    questions = questions.rename(tmp_path / "fail.jsonl")  # (none left out as the heads' calibration questions)
+    assert main(["--heads", str(heads), "--questions", str(questions), "--max-new-tokens", "4", "--device", "cpu",
+                 "--methods", "hf,ar", "--output", str(tmp_path / "out")]) == 1
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["settings"]["questions_answered"] == 2
+    assert "the benchmark stopped early (RuntimeError: CUDA out of memory (simulated)); the report holds the 2" in \
+        capsys.readouterr().err
+    monkeypatch.setattr(bench.Runner, "run_batch", lambda self, method, conversations, **kwargs: 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # in the first group: nothing measured to report
+        benchmark(model, QUESTIONS, args(methods=["ar"]))
+
+
 def test_cli_calibrates_then_benchmarks_in_batches(model, tmp_path, monkeypatch, capsys):
     """The flow of scripts/gpu_bench.sh: calibrate the heads with the batch-1 run, then a batched run
     on the same questions, leaving out the ones calibration used (named in calibration.json)."""
