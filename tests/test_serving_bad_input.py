@@ -131,6 +131,11 @@ CASES = [
     ("lone surrogate in a message", "/v1/chat/completions",
      b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud83d"}]}', 400, "messages[0].content"),
     ("lone surrogate in the model", "/v1/completions", b'{"model": "\\udc00", "prompt": "a"}', 400, "model"),
+    ("lone surrogate as UTF-8 bytes", "/v1/completions", b'{"model": "tiny", "prompt": "the \xed\xa0\xbd cat"}', 400,
+     "prompt"),
+    ("lone surrogate in UTF-16", "/v1/completions", '{"model": "tiny", "prompt": "\ud83d"}'.encode("utf-16-le",
+                                                                                              "surrogatepass"), 400,
+     "prompt"),
     ("lone surrogate in a parameter name", "/v1/completions", b'{"model": "tiny", "prompt": "a", "\\ud83d": 1}',
      400, "\\ud83d"),
 ]
@@ -277,6 +282,32 @@ def test_oversized_body_is_refused(server):
                          headers={"Content-Type": "application/json"})
     assert answer.status_code == 413
     assert assert_error_body(answer)["code"] == "request_too_large"
+
+
+def test_a_large_body_is_parsed_off_the_event_loop_without_walking_it_for_surrogates(server, monkeypatch):
+    """A body of megabytes (a prompt of 2.6 million ids) was parsed and walked string by string on the event
+    loop: every stream and /health waited for seconds. It is parsed in a worker thread, and walked for lone
+    surrogates only where its bytes can hold one (the refusals above)."""
+    import asyncio
+
+    client, _ = server
+    loops, parse = [], protocol.parse_json
+
+    def parse_json(raw):
+        loops.append(asyncio._get_running_loop())
+        return parse(raw)
+
+    def walk(*args):
+        raise AssertionError("walked a body with no surrogate in it")
+
+    monkeypatch.setattr(protocol, "parse_json", parse_json)
+    monkeypatch.setattr(protocol, "_refuse_surrogates", walk)
+    answer = client.post("/v1/completions", json={"model": "tiny", "prompt": [5] * 100_000, "max_tokens": 1})
+    assert answer.status_code == 400 and "context" in answer.json()["error"]["message"]
+    assert loops == [None]  # no event loop runs in the thread that parsed it
+    for text in (b"the cat \\u00e9 \\ud7ff", "the cat é 😀".encode()):  # no surrogate, escaped or as UTF-8
+        answer = client.post("/v1/completions", content=b'{"model": "tiny", "max_tokens": 1, "prompt": "%s"}' % text)
+        assert answer.status_code == 200
 
 
 def test_an_internal_error_is_a_500_that_keeps_the_connection(server, monkeypatch):

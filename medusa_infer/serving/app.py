@@ -470,7 +470,8 @@ async def _read_json(request: Request) -> dict[str, Any]:
             chunks.append(chunk)
     except ClientDisconnect:  # gone while uploading: nothing failed here
         raise _ClientGone from None
-    return protocol.parse_json(b"".join(chunks))
+    # (off the event loop: a body of megabytes stalled every stream and /health while it was parsed)
+    return await asyncio.to_thread(protocol.parse_json, b"".join(chunks))
 
 
 def _too_large() -> APIError:
