@@ -131,8 +131,8 @@ class MedusaConfig:
         from medusa_infer.trees import validate_tree
 
         if self.tree:
-            try:
-                validate_tree(self.tree, self.num_heads, self.top_k)
+            try:  # kept normalised: duplicates were saved, and exported as medusa_choices (nodes to engines)
+                self.tree = [list(path) for path in validate_tree(self.tree, self.num_heads, self.top_k)]
             except ValueError as err:
                 raise ValueError(f"heads config tree: {err} (config.json's tree, top_k {self.top_k}, "
                                  f"{self.num_heads} heads)") from None
@@ -192,13 +192,15 @@ class MedusaConfig:
 
     def acceptance_model(self) -> "AcceptanceModel | None":
         """What trees are fitted to: the joint path accuracies when measured, else the per-rank
-        accuracies (independent across heads); None when neither was measured."""
+        accuracies (independent across heads); None when neither was measured. Only ranks below ``top_k``,
+        the ranks a tree may hold (a config.json whose top_k was lowered by hand measured more: a fitted tree
+        then failed on a rank it held)."""
         from medusa_infer.trees import per_rank_accuracies
 
         if self.path_accuracies:
-            return {tuple(path): prob for path, prob in self.path_accuracies}
+            return {tuple(path): prob for path, prob in self.path_accuracies if max(path) < self.top_k}
         if self.head_accuracies:
-            return per_rank_accuracies(self.head_accuracies)
+            return per_rank_accuracies([row[:self.top_k] for row in self.head_accuracies])
         return None
 
     @property

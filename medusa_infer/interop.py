@@ -127,7 +127,8 @@ def _choices(raw: Any, num_heads: int, where: Path) -> list[list[int]] | None:
 
     try:
         ranks = [int(rank) for path in raw for rank in path]
-        return [list(path) for path in validate_tree(raw, num_heads, max(ranks, default=0) + 1)]
+        # (ranks all negative: top_k 0 was named, not the path)
+        return [list(path) for path in validate_tree(raw, num_heads, max(max(ranks, default=0), 0) + 1)]
     except (TypeError, ValueError) as err:
         raise ValueError(f"{where}: medusa_choices is not a tree of rank paths ({err}); fix or remove it") from err
 

@@ -901,6 +901,18 @@ def test_a_fitted_tree_is_greedy_tree_on_the_heads_own_accuracies():
         resolve_tree(model, "fitted-6")
     with pytest.raises(ValueError, match="unknown tree preset 'fitted-x'.*take fitted-N"):
         resolve_tree(model, "fitted-x")
+    # a config.json whose top_k was lowered by hand: the tree is fitted to the ranks it may hold (it failed on
+    # path (2,), which nobody gave)
+    model.config.top_k = 2
+    assert resolve_tree(model, "fitted-4") == [(0,), (1,), (0, 0), (0, 0, 0)]
+    with pytest.raises(ValueError, match="hold 4 paths.*fitted-4 or fewer"):  # (2,) is past top_k
+        resolve_tree(model, "fitted-5")
+    model.config.path_accuracies = None
+    assert resolve_tree(model, "fitted-8") == greedy_tree(per_rank_accuracies(
+        [row[:2] for row in model.config.head_accuracies]), 8)
+    assert max(rank for path in resolve_tree(model, "fitted-8") for rank in path) == 1
+    model.config.top_k = 10
+    model.config.path_accuracies = [[list(p), q] for p, q in paths.items()]
     prompt = torch.tensor([5, 17, 33])
     out = generate(model, prompt[None], max_new_tokens=6, eos_token_id=NO_EOS, tree="fitted-3", adaptive=False)
     assert out.new_tokens[0] == reference(model, prompt, 6)

@@ -444,6 +444,9 @@ def test_the_heads_tree_travels_as_medusa_choices(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**data, "medusa_choices": [[0], [1, 0]]}))
     with pytest.raises(ValueError, match=r"config.json: medusa_choices is not a tree .*no parent \(1,\)"):
         read_medusa_layout(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**data, "medusa_choices": [[-2], [-1]]}))
+    with pytest.raises(ValueError, match=r"medusa_choices is not a tree .*path \(-2,\) has rank -2 outside"):
+        read_medusa_layout(tmp_path)  # (it named top_k 0)
     del data["medusa_choices"]
     (tmp_path / "config.json").write_text(json.dumps(data))
     assert read_medusa_layout(tmp_path)[0].tree is None

@@ -826,6 +826,24 @@ def test_a_save_that_fails_writes_nothing(saved, tmp_path):
     assert not list((tmp_path / "again").glob("*.partial"))
 
 
+def test_a_hand_edited_tree_with_duplicates_is_kept_normalised(saved, tmp_path):
+    """config.json's tree with a path twice: decoding dropped the copy, but it was saved again, and exported as
+    medusa_choices, where an engine that takes the list as it is counts nodes twice."""
+    directory, base = saved
+    path = directory / "config.json"
+    original = path.read_text()
+    try:
+        path.write_text(json.dumps({**json.loads(original), "tree": [[0, 0], [0], [0], [1], [0, 0]]}))
+        model = MedusaModel.from_pretrained(directory, base_model=base)
+    finally:
+        path.write_text(original)
+    assert model.config.tree == [[0], [1], [0, 0]]
+    model.save_pretrained(tmp_path / "ours")
+    model.export_medusa_layout(tmp_path / "theirs")
+    assert json.loads((tmp_path / "ours" / "config.json").read_text())["tree"] == [[0], [1], [0, 0]]
+    assert json.loads((tmp_path / "theirs" / "config.json").read_text())["medusa_choices"] == [[0], [1], [0, 0]]
+
+
 def test_truncated_weights_file_is_reported(saved):
     directory, base = saved
     path = directory / "model.safetensors"
