@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -177,6 +178,8 @@ def push_folder_to_hub(
     (nothing is uploaded: the folder may hold a datastore of training conversations). ``token=None``
     uses the locally stored login. A folder that holds no heads (a run folder, a mistyped path) is
     refused before the repo is created; errors of the Hub name the repo and the fix (``ValueError``).
+    The uploaded config.json shows the local paths of its training record by their last part, as the
+    card does (``_public``); the folder's own is left as it is.
     """
     from huggingface_hub import HfApi
 
@@ -193,7 +196,8 @@ def push_folder_to_hub(
             check_private_upload(repo_id, token)
         if revision is not None:
             api.create_branch(repo_id, branch=revision, exist_ok=True)
-        return _upload(api, folder, repo_id, revision, commit_message)
+        with tempfile.TemporaryDirectory() as stage:
+            return _upload(api, _published(folder, Path(stage)), repo_id, revision, commit_message)
     except ValueError:  # (ours, saying what to do: a public repo for a private upload)
         raise
     except Exception as err:  # the Hub's (HTTP, network): a traceback after hours of training said nothing to do
@@ -201,6 +205,23 @@ def push_folder_to_hub(
                          f"{str(err).splitlines()[0] if str(err) else err!r}): check the network and that the token "
                          "may write there (`hf auth login` with a write token), then upload the folder again "
                          "(push_folder_to_hub)") from err
+
+
+def _published(folder: Path, stage: Path) -> Path:
+    """``folder``, or where its config.json's training record names local paths (a home folder, a user's
+    name), ``stage`` made a copy of it by links, whose config.json shows them by their last part."""
+    config = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))
+    training = config.get("training")
+    if not isinstance(training, dict) or _public(training) == training:
+        return folder
+    for path in folder.rglob("*"):  # (files linked one by one: a linked folder's files may not be walked)
+        if path.is_file():
+            (stage / path.relative_to(folder)).parent.mkdir(parents=True, exist_ok=True)
+            (stage / path.relative_to(folder)).symlink_to(path.resolve())
+    (stage / CONFIG_NAME).unlink()
+    (stage / CONFIG_NAME).write_text(json.dumps({**config, "training": _public(training)}, indent=2) + "\n",
+                                     encoding="utf-8")
+    return stage
 
 
 def _upload(api: Any, folder: Path, repo_id: str, revision: str | None, commit_message: str) -> str:

@@ -17,6 +17,7 @@ import yaml
 from huggingface_hub import close_session, constants
 from safetensors.torch import load as load_safetensors
 
+from medusa_infer.config import MedusaConfig
 from medusa_infer.model import MedusaModel
 from tiny import tiny_model
 
@@ -318,6 +319,38 @@ def test_a_new_upload_deletes_what_an_earlier_one_left_that_would_load_with_the_
     assert sorted(hub.commits[1]["deleted"]) == ["adapter/adapter_config.json", "adapter/adapter_model.safetensors",
                                                  "datastore.safetensors", "medusa_lm_head.pt"]
     assert sorted(hub.files[(REPO_ID, "main")]) == ["README.md", "config.json", "model.safetensors", "notes.txt"]
+
+
+def test_the_uploaded_config_shows_the_training_records_local_paths_by_their_last_part(hub, monkeypatch, tmp_path):
+    """The card hid the training record's local paths (a home folder, a user's name), and the config.json
+    uploaded beside it published them; the folder's own config keeps them."""
+    from medusa_infer.checkpoint import push_folder_to_hub
+
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    model = tiny_heads()
+    model.config.training = {"recipe": {"model": {"name": "/home/alice/models/llama"},
+                                        "data": {"prompts": "~/data/prompts.jsonl", "system_prompt": "/no_think"}},
+                             "changed": {"model.name": "/home/alice/models/llama"}}
+    folder = tmp_path / "heads"
+    model.save_pretrained(folder)
+    (folder / "adapter").mkdir()
+    (folder / "adapter" / "adapter_model.safetensors").write_bytes(b"weights")
+    local = (folder / "config.json").read_bytes()
+    push_folder_to_hub(folder, REPO_ID, token=TOKEN)
+    uploaded = hub.files[(REPO_ID, "main")]
+    assert sorted(uploaded) == ["README.md", "adapter/adapter_model.safetensors", "config.json", "model.safetensors"]
+    assert uploaded["adapter/adapter_model.safetensors"] == b"weights"
+    assert uploaded["model.safetensors"] == (folder / "model.safetensors").read_bytes()
+    assert uploaded["README.md"] == (folder / "README.md").read_bytes()
+    config = json.loads(uploaded["config.json"])
+    assert "/home/alice" not in uploaded["config.json"].decode() and "~/data" not in uploaded["config.json"].decode()
+    assert config["training"]["recipe"]["model"]["name"] == "<local>/llama"
+    assert config["training"]["changed"]["model.name"] == "<local>/llama"
+    assert config["training"]["recipe"]["data"] == {"prompts": "<local>/prompts.jsonl", "system_prompt": "/no_think"}
+    assert {k: v for k, v in config.items() if k != "training"} == {
+        k: v for k, v in json.loads(local).items() if k != "training"}
+    assert (folder / "config.json").read_bytes() == local
+    assert MedusaConfig.from_dict(config).training == config["training"]  # (still a heads config)
 
 
 def test_the_card_names_a_base_model_in_its_front_matter_only_when_it_can_be_a_hub_id(tmp_path, monkeypatch):
