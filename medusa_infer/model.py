@@ -460,7 +460,17 @@ class MedusaModel(nn.Module):
                     f"{directory}/config.json names no base_model_name_or_path; give the base model (base_model=, "
                     "or the command lines' --model)"
                 )
-            base_model, tokenizer, _ = _load_base(base_model or config.base_model_name_or_path, tokenizer)
+            named = base_model is None
+            try:
+                base_model, tokenizer, name = _load_base(base_model or config.base_model_name_or_path, tokenizer)
+            except OSError as err:  # (offline, a Hub id never downloaded: the error named neither it nor the fix)
+                if not named:
+                    raise
+                raise OSError(f"the base model {config.base_model_name_or_path!r} that {directory}/config.json "
+                              f"names could not be loaded ({str(err).splitlines()[0] if str(err) else err!r}); "
+                              "give the base model the heads were trained on (base_model=, or the command lines' "
+                              "--model)") from err
+            _check_trained_weights(config, name, directory)
         adapter_folder = directory / ADAPTER_DIR
         merge = adapter and adapter_folder.is_dir()
         digests = adapter_digests(adapter_folder) if merge else ()  # (this digest, and as recorded before README.md
@@ -1019,6 +1029,34 @@ def heads_folder(path_or_repo_id: str | os.PathLike, revision: str | None = None
                          f"cannot be a Hub repo id either ({err}); check the path") from err
     except (LocalEntryNotFoundError, RepositoryNotFoundError) as err:
         raise ValueError(f"{path_or_repo_id} is no local folder, and fetching it as a Hub repo failed: {err}") from err
+
+
+def _check_trained_weights(config: MedusaConfig, name: str | None, directory: Path) -> None:
+    """Warn where the heads' training recorded other base weights (``training.settings.model_weights``) than
+    ``name`` (the base model loaded, by name or by its ``name_or_path``) holds: a recipe whose ``model.hub_id``
+    named the model a fine-tune came from loaded that model, whose drafts matched little, without a word."""
+    settings = config.training.get("settings")
+    recorded = settings.get("model_weights") if isinstance(settings, dict) else None
+    if not isinstance(recorded, str) or not name:
+        return
+    from medusa_infer.models import names_default_model, weights_identity
+
+    if recorded.startswith("gguf-sha256:") != names_default_model(name):  # (a default model's converted folder
+        return  # by its path: its files, not its GGUF, are digested; the two are not compared)
+    try:
+        now = weights_identity(name)
+    except (OSError, ValueError):  # (not on this machine as files: nothing to compare)
+        return
+    if now is None or now == recorded:
+        return
+    recipe = config.training.get("recipe")
+    model = recipe.get("model") if isinstance(recipe, dict) else None
+    trained_on = model.get("name") if isinstance(model, dict) else None
+    where = f" ({trained_on})" if isinstance(trained_on, str) and trained_on != name else ""
+    logger.warning("the heads in %s were trained on other weights%s than %s holds (their training recorded %s, "
+                   "these are %s): their drafts will seldom be accepted (the output is still this model's own); "
+                   "give the model they were trained on (base_model=, or the command lines' --model)",
+                   directory, where, name, recorded, now)
 
 
 def _load_base(

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -642,3 +642,68 @@ def check_model_folder(folder: Path) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def weights_identity(name_or_path: str) -> str | None:
+    """What tells a model's weights apart in records that travel with a run (distilled rows, trained heads): for
+    a default model, the GGUF file its weights are dequantized from (by its SHA-256: nothing is fetched); for a
+    local folder, or a Hub id's snapshot in the local Hub cache (no request is made: a commit that leaves the
+    weights as they were, a model card's, keeps it), a digest of its ``config.json`` (but the transformers
+    release that wrote it) and of the weight files ``from_pretrained`` loads (``model_weight_files``): each one's
+    name, size and first, middle and last MiB, not their times (a copy on another machine keeps it; weights
+    changed only elsewhere go unnoticed); None where those files are not all there (a Hub id not downloaded, or
+    not completely): not compared."""
+    if names_default_model(name_or_path):
+        return "gguf-sha256:" + DEFAULT_MODELS[name_or_path].sha256[:32]
+    resolved = Path(resolve_model(name_or_path))
+    if not resolved.is_dir():
+        from huggingface_hub import snapshot_download
+
+        try:
+            resolved = Path(snapshot_download(name_or_path, local_files_only=True))
+        except (OSError, ValueError):
+            return None
+    digest = hashlib.sha256()
+    config = resolved / "config.json"
+    if config.is_file():
+        try:  # the transformers release that wrote it is not the weights
+            found = json.loads(config.read_text())
+            found.pop("transformers_version", None)
+            digest.update(json.dumps(found, sort_keys=True).encode())
+        except (ValueError, AttributeError):
+            digest.update(config.read_bytes())
+    files = model_weight_files(resolved)
+    if files is None:  # not all there (a download cut short): nothing to tell them by
+        return None
+    for weights in files:
+        size = weights.stat().st_size
+        digest.update(f"{weights.name}:{size}".encode())
+        digest_samples(digest, weights, (0, max(0, size // 2 - (1 << 19)), max(0, size - (1 << 20))))
+    return "sha256:" + digest.hexdigest()[:32]
+
+
+def digest_samples(digest: Any, path: Path, offsets: Sequence[int]) -> None:
+    """Feed ``digest`` the MiB of ``path`` at each offset (a weight file sampled, not read whole)."""
+    with path.open("rb") as handle:
+        for offset in offsets:
+            handle.seek(offset)
+            digest.update(handle.read(1 << 20))
+
+
+def model_weight_files(folder: Path) -> list[Path] | None:
+    """The weight files ``from_pretrained`` loads from ``folder``, in its order: ``model.safetensors``, else those
+    the safetensors index names, else ``pytorch_model.bin``, else those its index names (an unused ``.bin`` beside
+    safetensors, a ``training_args.bin``, an adapter's file: none of them); None where they are not all there (no
+    weights, an index naming a missing file: a Hub snapshot whose download is not finished)."""
+    for single, index in (("model.safetensors", "model.safetensors.index.json"),
+                          ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        if (folder / single).is_file():
+            return [folder / single]
+        if (folder / index).is_file():
+            try:
+                names = sorted(set(json.loads((folder / index).read_text())["weight_map"].values()))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                return None
+            files = [folder / name for name in names]
+            return files if files and all(f.is_file() for f in files) else None
+    return None

@@ -77,7 +77,8 @@ from medusa_train.dataset import (
     row_messages,
     template_digest,
 )
-from medusa_train.features import model_fingerprint, weights_identity
+from medusa_infer.models import weights_identity
+from medusa_train.features import model_fingerprint
 from medusa_train.train_config import TrainConfig, convert_value, read_recipe, rows_path
 
 logger = logging.getLogger(__name__)
@@ -809,7 +810,7 @@ def make_row(
     config: DistillConfig, weights: str | None = None, response_ids: Sequence[int] | None = None,
     tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> dict[str, Any]:
-    """A row; ``weights``: the local model's ``features.weights_identity`` (recorded where known, so that rows
+    """A row; ``weights``: the local model's ``models.weights_identity`` (recorded where known, so that rows
     of other weights under the same name are not mixed in: ``check_resumable``). ``prompt_cut``: whether ``text``
     is the prompt cut to ``max_prompt_tokens`` (``prompt_overflow="truncate"``; ``check_prompt_texts``).
     ``response_ids``: the answer's ids as written, the end token included (the local backend's). ``tokenizer``:

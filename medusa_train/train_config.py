@@ -51,7 +51,9 @@ class ModelSection:
         dtype: weights' dtype while training and extracting features.
         attn_implementation: ``eager``, ``sdpa``, ``flash_attention_2`` or None (transformers picks).
         trust_remote_code: run the model repository's own code (only for models that need it).
-        hub_id: the base model's Hub id written into the heads' model card.
+        hub_id: the Hub id of the very weights ``name`` holds (a local copy's): the heads' config names the
+            base model by it, and ``from_pretrained`` loads it (not the model a fine-tune came from), and
+            the model card links it.
         chat_template: a jinja chat template for tokenizers that ship none (e.g. Vicuna).
     """
 

@@ -39,6 +39,7 @@ from medusa_infer.checkpoint import save_heads
 from medusa_infer.config import MedusaConfig
 from medusa_infer.heads import MedusaHeads
 from medusa_infer.interop import is_medusa_layout
+from medusa_infer.models import weights_identity
 from medusa_train.features import (
     FeatureDataset,
     batch_hidden,
@@ -47,7 +48,6 @@ from medusa_train.features import (
     pad_batch,
     rows_from_block,
     soft_labels,
-    weights_identity,
 )
 from medusa_train.losses import HeadLoss, head_ce_loss, head_kl_loss, logits_kl, to_head_vocab, topk_correct
 from medusa_train.train_config import (
@@ -657,7 +657,7 @@ def _resume_settings(config: TrainConfig, state: dict[str, Any], world: int) -> 
 
 def _skip_unknown_weights(found: dict[str, Any], wanted: dict[str, Any]) -> None:
     """Leave ``model_weights`` out of a comparison where either side does not know it (recorded before it was,
-    or a Hub model offline and never downloaded: ``features.weights_identity``)."""
+    or a Hub model offline and never downloaded: ``models.weights_identity``)."""
     if found.get("model_weights") is None or wanted.get("model_weights") is None:
         found.pop("model_weights", None)
         wanted.pop("model_weights", None)

@@ -749,6 +749,41 @@ def saved(tmp_path) -> tuple[Path, PreTrainedModel]:
     return tmp_path, model.base_model
 
 
+def test_heads_loaded_onto_other_weights_than_they_were_trained_on_say_so(tmp_path, caplog, monkeypatch):
+    """A recipe's model.hub_id naming the model a fine-tune came from: the heads' config named it, and it loaded
+    (drafts of the fine-tune's heads, seldom accepted) without a word. The weights training recorded are
+    compared with the ones loaded; a base model named by the config that cannot be loaded is named with the fix."""
+    from medusa_infer.models import weights_identity
+
+    from tiny import metaspace_tokenizer
+
+    for seed, folder in ((0, "tuned"), (1, "parent")):
+        tiny_model("llama", seed=seed).save_pretrained(tmp_path / folder)
+    words = metaspace_tokenizer()
+    model = medusa(base_model("llama"))
+    model.config.base_model_name_or_path = str(tmp_path / "parent")  # (what hub_id wrote)
+    model.config.training = {"recipe": {"model": {"name": str(tmp_path / "tuned")}},
+                             "settings": {"model_weights": weights_identity(str(tmp_path / "tuned"))}}
+    model.save_pretrained(tmp_path / "heads")
+    with caplog.at_level("WARNING", logger="medusa_infer.model"):
+        MedusaModel.from_pretrained(tmp_path / "heads", tokenizer=words)
+    assert f"the heads in {tmp_path / 'heads'} were trained on other weights ({tmp_path / 'tuned'}) than " \
+           f"{tmp_path / 'parent'} holds" in caplog.text and "give the model they were trained on" in caplog.text
+    for given in (str(tmp_path / "tuned"), AutoModelForCausalLM.from_pretrained(tmp_path / "tuned")):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="medusa_infer.model"):
+            MedusaModel.from_pretrained(tmp_path / "heads", base_model=given, tokenizer=words)
+        assert "trained on other weights" not in caplog.text
+    # named by the config and not to be had (offline, never downloaded): the error named neither it nor the fix
+    config = json.loads((tmp_path / "heads" / "config.json").read_text())
+    (tmp_path / "heads" / "config.json").write_text(json.dumps({**config, "base_model_name_or_path": "no-org/none"}))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    with pytest.raises(OSError, match=r"the base model 'no-org/none' that .*config.json names could not be loaded "
+                                      r"\(.*\); give the base model the heads were trained on \(base_model="):
+        MedusaModel.from_pretrained(tmp_path / "heads", tokenizer=words)
+
+
 def test_medusa2_heads_copied_without_their_adapter_are_named_when_loaded(saved, caplog):
     """A Medusa-2 run's heads read the adapted backbone: a folder copied without adapter/ loaded on the plain
     base model without a word (base logits off by up to 4.4 on a tiny run)."""

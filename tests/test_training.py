@@ -33,8 +33,8 @@ from medusa_train.features import (
     model_fingerprint,
     pad_batch,
     token_counts,
-    weights_identity,
 )
+from medusa_infer.models import weights_identity
 from medusa_train.losses import (
     IGNORE,
     OUT_OF_VOCAB,
