@@ -725,11 +725,10 @@ def load_or_build_dataset(
         return load_from_disk(str(target))
     examples = build_examples(read_rows(rows_path), tokenizer, max_length, system_prompt, stats)
     if not examples:
-        raise ValueError(
-            f"no examples in {rows_path} ({stats.rows} rows): "
-            f"{', '.join(stats.left_out('data.max_length', max_length)) or 'none given'}; raise data.max_length "
-            "(or give rows with answers)"
-        )
+        fix = ("raise data.max_length" if stats.dropped_too_long else
+               "give rows with answers (prompts to distil go in data.prompts, not data.rows)")
+        raise ValueError(f"no examples in {rows_path} ({stats.rows} rows): "
+                         f"{', '.join(stats.left_out('data.max_length', max_length)) or 'none given'}; {fix}")
     dataset = to_dataset(examples)
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))

@@ -331,7 +331,8 @@ def read_prompts(path: str | Path) -> list[dict[str, Any]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{number} is not valid JSON ({err})") from err
+                raise ValueError(f"{path}:{number} is not valid JSON ({err}): a prompts file holds one JSON object "
+                                 "per line (JSONL), not a JSON list") from err
             if not isinstance(row, dict) or "id" not in row or "prompt" not in row:
                 found = sorted(row) if isinstance(row, dict) else type(row).__name__
                 raise ValueError(f"{path}:{number} needs an object with 'id' and 'prompt', has {found}")
@@ -344,6 +345,8 @@ def read_prompts(path: str | Path) -> list[dict[str, Any]]:
                 if isinstance(value, str) and not _encodable(value):
                     raise ValueError(f"{path}:{number}: '{key}' holds a lone surrogate (an escape such as "
                                      "\\ud83d without its pair), which is no text a model can be given; fix the line")
+            if not row["prompt"].strip():  # (distilled as an empty user turn, and trained on, without a word)
+                raise ValueError(f"{path}:{number}: 'prompt' is empty: there is nothing to answer; remove the line")
             key = str(row["id"])
             if key in seen:
                 raise ValueError(f"{path}:{number}: id {key!r} is already on line {seen[key]}; "

@@ -392,6 +392,10 @@ def test_no_example_left_names_why_and_the_fix(tmp_path, smol):
     with pytest.raises(ValueError, match=r"\(4 rows\): 1 dropped with no assistant turn, 3 dropped with a prompt "
                                          r"that fills data.max_length=40; raise data.max_length"):
         load_or_build_dataset(rows_path, smol, 40, tmp_path / "cache")
+    rows_path.write_text(json.dumps({"prompt": "Q?"}) + "\n")  # a prompts file given as data.rows: no length helps
+    with pytest.raises(ValueError, match=r"\(1 rows\): 1 dropped with no assistant turn; give rows with answers "
+                                         r"\(prompts to distil go in data.prompts, not data.rows\)$"):
+        load_or_build_dataset(rows_path, smol, 40, tmp_path / "cache")
 
 
 def test_load_or_build_dataset_caches(tmp_path, smol, monkeypatch):

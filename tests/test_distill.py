@@ -150,6 +150,8 @@ def test_a_quota_whose_source_is_all_excluded_says_so(prompts_file, caplog):
     ('{"id": 1.5, "prompt": "hi"}', "'id' must be a string or an integer, got 1.5"),
     ('["b", "hi"]', "needs an object with 'id' and 'prompt'"),
     ('{"id": "b", "prompt": "half an emoji \\ud83d"}', "'prompt' holds a lone surrogate"),
+    ('{"id": "b", "prompt": " \\n"}', "'prompt' is empty: there is nothing to answer"),  # (an empty user turn)
+    ('[{"id": "b", "prompt": "hi"},', "a prompts file holds one JSON object per line (JSONL), not a JSON list"),
 ])
 def test_prompts_file_rows_are_checked_by_line(tmp_path, line, says):
     path = tmp_path / "prompts.jsonl"
