@@ -145,6 +145,8 @@ def load_heads_state(directory: str | Path) -> tuple[MedusaConfig, dict[str, tor
             held = [name for name in FASTERDECODING_WEIGHTS if (directory / name).is_file()]
             layout = (f"; it holds {held[0]} of the FasterDecoding layout, whose config.json (medusa_num_heads, "
                       "medusa_num_layers, base_model_name_or_path) is missing or lacks those keys") if held else ""
+            if not held and (directory / "heads" / CONFIG_NAME).is_file():  # (train_heads.py's run folder)
+                layout = f"; a training run's folder? its heads are in {directory / 'heads'}"
             raise ValueError(f"{path} is missing: {directory} is not a medusa-forge heads checkpoint{layout}")
     try:
         config = MedusaConfig.load(config_path)
@@ -372,8 +374,10 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
             f"# config.json names the base model by a local folder ({config.base_model_name_or_path}): give it",
             f'model = MedusaModel.from_pretrained("<this repo or folder>", base_model="'
             f'{base if _looks_like_hub_id(base) else "<base model folder or Hub id>"}")']),
-        'out = model.generate(prompt="What is the capital of France?", max_new_tokens=64)',
-        "print(model.tokenizer.decode(out.new_tokens[0]))",
+        "# a chat, rendered with the chat template as the heads' training data was (prompt= takes text as it is)",
+        'out = model.generate(messages=[{"role": "user", "content": "What is the capital of France?"}], '
+        "max_new_tokens=64)",
+        "print(model.tokenizer.decode(out.new_tokens[0], skip_special_tokens=True))",
         "```",
         "",
         "Where this folder holds `adapter/` (Medusa-2), `from_pretrained` merges that LoRA adapter into the base "

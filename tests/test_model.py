@@ -290,10 +290,17 @@ def test_model_card_front_matter_and_usage(tmp_path, monkeypatch, capsys):
     assert "MedusaModel.from_pretrained(" in usage
     load = MedusaModel.from_pretrained
     tokenizer = word_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}w5 {{ m['content'] }} w6 {% endfor %}w7"
+    rendered = []
     monkeypatch.setattr(MedusaModel, "from_pretrained", staticmethod(
         lambda *args, **kwargs: load(tmp_path, base_model=model.base_model, tokenizer=tokenizer)))
+    monkeypatch.setattr(tokenizer, "apply_chat_template", lambda messages, **kw: rendered.append(messages) or (
+        "w5 w8 w9 w6 w7"))
     exec(compile(usage.replace("max_new_tokens=64", "max_new_tokens=4"), "README.md", "exec"), {})
     assert capsys.readouterr().out.strip()
+    # a chat, as the heads were trained on (the raw text prompt= takes made SmolLM2 end its turn at once)
+    assert rendered == [[{"role": "user", "content": "What is the capital of France?"}]]
+    assert "skip_special_tokens=True" in usage
 
     model.save_pretrained(tmp_path / "named", base_model_id="org/real-base")
     assert front_matter((tmp_path / "named" / "README.md").read_text())["base_model"] == "org/real-base"
@@ -1059,6 +1066,16 @@ def test_missing_weights_file_is_reported(saved):
     (directory / "model.safetensors").unlink()
     with pytest.raises(ValueError, match=r"model\.safetensors is missing"):
         MedusaModel.from_pretrained(directory, base_model=base)
+
+
+def test_a_training_runs_folder_given_for_its_heads_is_named(tmp_path):
+    model = medusa(base_model("llama"))
+    run = tmp_path / "run"
+    model.save_pretrained(run / "heads")
+    base = model.base_model
+    with pytest.raises(ValueError, match=rf"config\.json is missing: .* a training run's folder\? its heads are in "
+                                         rf"{run / 'heads'}$"):
+        MedusaModel.from_pretrained(run, base_model=base)
 
 
 def test_a_model_without_heads_cannot_be_saved(tmp_path):
