@@ -390,6 +390,12 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
         lines += ["These heads were trained with a Medusa-2 LoRA adapter on the backbone (`training.recipe.training."
                   "mode`): the figures on this card were measured with it merged, and on a base model without it "
                   "the heads draft worse than they say.", ""]
+    system = _trained_system_prompt(config)
+    if system is not None:
+        lines += [f"The heads were trained on conversations opened by the system prompt {json.dumps(system)} "
+                  "(`data.system_prompt`): chats that open with it match their training data best "
+                  "(`medusa-bench --system-prompt` measures them so); others are answered alike, with fewer drafts "
+                  "accepted.", ""]
     if config.chat_template:
         lines += ["The heads were trained on conversations rendered with the chat template in `config.json` "
                   "(`chat_template`), not the tokenizer's own: `from_pretrained` installs it on the tokenizer, "
@@ -464,6 +470,14 @@ def note_datastore(directory: str | Path, tokens: int, origin: str | None) -> No
                f"{source}, as token ids, which anyone with the folder can decode; it shares that text's licence "
                "and privacy.\n")
     card.write_text(text.rstrip("\n") + "\n\n" + section, encoding="utf-8")
+
+
+def _trained_system_prompt(config: MedusaConfig) -> str | None:
+    """The system prompt training rendered its conversations with (the recipe's ``data.system_prompt``), or None."""
+    recipe = config.training.get("recipe")
+    data = recipe.get("data") if isinstance(recipe, dict) else None
+    system = data.get("system_prompt") if isinstance(data, dict) else None
+    return system if isinstance(system, str) else None
 
 
 PATH_KEYS = ("name", "prompts", "rows", "tokenized", "output_dir", "init_from", "dir")

@@ -387,8 +387,9 @@ class Runner:
         limit = max_new_tokens or self.args.max_new_tokens
         from medusa_infer.decoding import encode_chat, left_pad
 
+        opening = system_turn(getattr(self.args, "system_prompt", None))
         rows = [self.tokenizer(text, add_special_tokens=False)["input_ids"]
-                for text in encode_chat(self.tokenizer, conversations)]
+                for text in encode_chat(self.tokenizer, [opening + chat for chat in conversations])]
         ids, mask = left_pad(rows, padding_id(self.model, self.tokenizer))  # (a tokenizer without one: None failed)
         ids, mask = ids.to(self.model.device), mask.to(self.model.device)
         with _PeakMemory(self.model.device) as memory:
@@ -531,17 +532,23 @@ def _or(value: int | None, default: int) -> int:
     return default if value is None else value
 
 
-def fitting_questions(model, tokenizer, questions: list[dict], max_new_tokens: int) -> tuple[list[dict], list]:
+def system_turn(system_prompt: str | None) -> list[dict]:
+    """The messages opening every conversation (``--system-prompt``): a system message, or none."""
+    return [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+
+
+def fitting_questions(model, tokenizer, questions: list[dict], max_new_tokens: int,
+                      system_prompt: str | None = None) -> tuple[list[dict], list]:
     """``(questions that fit, ids of those that may not)``: a question fits when all its turns, rendered
-    with empty answers, plus ``max_new_tokens`` a turn fit the model's context. One that does not could
-    fail a method midway (a prompt past the context) or end some methods' answers early at its end
-    while others go on, after the methods before had answered it."""
+    with empty answers (after ``system_prompt``'s message), plus ``max_new_tokens`` a turn fit the model's
+    context. One that does not could fail a method midway (a prompt past the context) or end some methods'
+    answers early at its end while others go on, after the methods before had answered it."""
     from medusa_infer.decoding import encode_chat
 
     limit = context_length(model)
     fits, too_long = [], []
     for question in questions:
-        chat: list[dict] = []
+        chat: list[dict] = system_turn(system_prompt)
         for turn in question["turns"]:
             chat += [{"role": "user", "content": turn}, {"role": "assistant", "content": ""}]
         rendered = tokenizer(encode_chat(tokenizer, chat[:-1])[0], add_special_tokens=False)["input_ids"]
@@ -553,7 +560,8 @@ def usable_questions(model, questions: list[dict], args: argparse.Namespace, say
                      ) -> tuple[list[dict], list]:
     """``(questions that fit the model's context with args.max_new_tokens a turn, ids of the others)``
     (``fitting_questions``), saying which were left out (``say``); ``ValueError`` where none fits."""
-    questions, too_long = fitting_questions(model, model.tokenizer, questions, args.max_new_tokens)
+    questions, too_long = fitting_questions(model, model.tokenizer, questions, args.max_new_tokens,
+                                            getattr(args, "system_prompt", None))
     if too_long and say:
         print(f"leaving out {len(too_long)} questions whose turns and answers could outgrow the model's context "
               f"of {context_length(model)} tokens: {', '.join(map(str, too_long))}", file=sys.stderr)
@@ -669,6 +677,7 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
             "exact_reference": reference, "speedup_baseline": "hf" if "hf" in methods else None,
             # which questions, drawn how, with what: enough to run the same benchmark again
             "question_ids": [q["id"] for q in questions], "seed": args.seed,
+            "system_prompt": getattr(args, "system_prompt", None),
             "draft_model": getattr(args, "draft_model", None),
             "temperature": getattr(args, "temperature", None) if any(m in SAMPLING_METHODS for m in methods)
             else None,
@@ -1016,7 +1025,7 @@ def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[st
     if model.heads is None:
         raise ValueError("calibrate() needs a model with heads (medusa-bench --calibrate --heads FOLDER)")
     check_cost_context(model, args.calibrate_context)  # before the answers, which take the time
-    sequences = first_turn_answers(model, questions, args.max_new_tokens)
+    sequences = first_turn_answers(model, questions, args.max_new_tokens, getattr(args, "system_prompt", None))
     accuracy = head_topk_accuracy(model, sequences, top_k=model.config.top_k)
     paths = accuracy.paths()
     cost = measure_verify_cost(model, context=args.calibrate_context)
@@ -1041,7 +1050,10 @@ def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[st
     source = None if _is_pipe(args.questions) else Path(args.questions).name
     config.acceptance = {**kept,
                          "head_accuracies_measured_on": f"greedy answers to {len(questions)} questions "
-                                                        + (f"from {source}" if source else "read from a pipe"),
+                                                        + (f"from {source}" if source else "read from a pipe")
+                                                        + (f", opened by the system prompt {args.system_prompt!r}"
+                                                           if getattr(args, "system_prompt", None) is not None
+                                                           else ""),
                          # left out of later benchmarks of these heads on that file (main)
                          "calibration_questions": {"file": source,
                                                    "ids": [q["id"] for q in questions]},
@@ -1071,9 +1083,11 @@ def _is_pipe(path: str | Path) -> bool:
     return Path(path).exists() and not Path(path).is_file()
 
 
-def first_turn_answers(model, questions: Sequence[dict], max_new_tokens: int) -> list[tuple[torch.Tensor, int]]:
-    """The model's greedy answer to each question's first turn, as ``(prompt and answer ids, prompt
-    length)``: what calibration measures the heads on, with a progress bar on stderr. ``model`` needs
+def first_turn_answers(model, questions: Sequence[dict], max_new_tokens: int, system_prompt: str | None = None
+                       ) -> list[tuple[torch.Tensor, int]]:
+    """The model's greedy answer to each question's first turn (after ``system_prompt``'s message, if any), as
+    ``(prompt and answer ids, prompt length)``: what calibration measures the heads on, with a progress bar on
+    stderr. ``model`` needs
     heads (any: the heads only run on a one-node chain, every token is the base model's greedy choice
     as the verification forward computes it)."""
     from tqdm import tqdm
@@ -1082,7 +1096,8 @@ def first_turn_answers(model, questions: Sequence[dict], max_new_tokens: int) ->
 
     sequences = []
     for question in tqdm(questions, desc="first-turn answers", unit="question", file=sys.stderr, leave=False):
-        text = encode_chat(model.tokenizer, [{"role": "user", "content": question["turns"][0]}])[0]
+        chat = system_turn(system_prompt) + [{"role": "user", "content": question["turns"][0]}]
+        text = encode_chat(model.tokenizer, chat)[0]
         ids = model.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
         out = generate(model, ids, max_new_tokens=max_new_tokens, tree="chain-1", adaptive=False)
         sequences.append((out.sequences[0], ids.shape[1]))
@@ -1153,6 +1168,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--limit", type=int, default=None, help="questions to use, balanced across categories")
     parser.add_argument("--exclude-ids", default="", help="comma-separated question ids to leave out")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--system-prompt", default=None, metavar="TEXT",
+                        help="a system message opening every conversation, calibration's too (default: none, the "
+                             "chat template's own; heads trained with data.system_prompt match their training data "
+                             "best with it: their model card names it)")
     parser.add_argument("--batch-size", type=int, default=1,
                         help="questions answered together, turn by turn, as one left-padded batch "
                              f"(not with {', '.join(UNBATCHED_METHODS)})")
@@ -1410,7 +1429,7 @@ def run(args: argparse.Namespace, started: float) -> int:
         # calibration answers first turns: one too long for the context (with its answer) is left out, as
         # the benchmark leaves out questions that may not fit (it stopped the run)
         first_turns = [{**q, "turns": q["turns"][:1]} for q in calib_questions]
-        fit, too_long = fitting_questions(model, model.tokenizer, first_turns, args.max_new_tokens)
+        fit, too_long = fitting_questions(model, model.tokenizer, first_turns, args.max_new_tokens, args.system_prompt)
         if too_long:
             print(f"leaving out {len(too_long)} calibration questions whose first turn and {args.max_new_tokens} "
                   f"new tokens may not fit the model's context: {too_long}", file=sys.stderr)

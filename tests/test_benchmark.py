@@ -275,6 +275,30 @@ def test_calibrated_expected_tau_is_greedy_decodings_over_the_calibration_answer
     assert result["expected_speedup"] == pytest.approx(tokens / steps / chosen["cost_ratio"], rel=1e-3)
 
 
+def test_a_system_prompt_opens_every_conversation_calibrations_too(model, monkeypatch):
+    """Heads trained with a recipe's data.system_prompt were only ever measured without it: --system-prompt opens
+    the benchmark's, the warm-up's, the context check's and calibration's conversations, and is recorded; the
+    card of heads trained with one names it."""
+    from medusa_infer import decoding
+
+    rendered: list[list[dict]] = []
+    real = decoding.encode_chat
+    monkeypatch.setattr(decoding, "encode_chat", lambda tokenizer, chats, *a, **k: (
+        rendered.extend([chats] if isinstance(chats[0], dict) else chats), real(tokenizer, chats, *a, **k))[1])
+    model = MedusaModel(model.base_model, copy.deepcopy(model.heads), model.tokenizer)
+    calibrate(model, QUESTIONS[:1], args(system_prompt="be brief"))
+    report = benchmark(model, QUESTIONS[:2], args(methods=["hf", "ar"], system_prompt="be brief"))
+    assert rendered and all(chat[0] == {"role": "system", "content": "be brief"} for chat in rendered)
+    assert sum(chat[1]["content"] == QUESTIONS[1]["turns"][0] for chat in rendered) >= 3  # fit, hf, ar
+    assert report["settings"]["system_prompt"] == "be brief"
+    assert model.config.acceptance["head_accuracies_measured_on"].endswith(", opened by the system prompt 'be brief'")
+    rendered.clear()
+    benchmark(model, QUESTIONS[:1], args(methods=["ar"]))
+    assert rendered and all(chat[0]["role"] == "user" for chat in rendered)  # none by default
+    model.config.training = {"recipe": {"data": {"system_prompt": 'say "hi"'}}}
+    assert 'opened by the system prompt "say \\"hi\\"" (`data.system_prompt`)' in model_card(model.config)
+
+
 def test_calibration_that_finds_plain_decoding_fastest_keeps_it_through_saving(model, monkeypatch, tmp_path):
     """A calibrated empty tree means plain decoding; it must not read back as "no tree stored",
     which would decode with a default preset, the opposite of what calibration measured. (With a
