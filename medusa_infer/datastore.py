@@ -39,12 +39,20 @@ _SAVED_SETTINGS = ("min_ngram", "max_ngram", "max_occurrences", "min_share")  # 
 _BASE = 1_000_003
 
 
-def tokenizer_digest(tokenizer: Any) -> str:
-    """A fingerprint of a tokenizer's vocabulary (every token and its id), which a datastore records.
-    Tokens held as bytes (tiktoken-based tokenizers: Qwen v1's, HunYuan's) enter as their hex."""
+def tokenizer_digest(tokenizer: Any, below: int | None = None) -> str:
+    """A fingerprint of a tokenizer's vocabulary (every token and its id; ``below``: those of the ids below it),
+    which a datastore records. Tokens held as bytes (tiktoken-based tokenizers: Qwen v1's, HunYuan's) enter as
+    their hex."""
     vocab = sorted(((token.hex() if isinstance(token, (bytes, bytearray)) else token, index)
-                    for token, index in tokenizer.get_vocab().items()), key=lambda item: item[1])
+                    for token, index in tokenizer.get_vocab().items() if below is None or index < below),
+                   key=lambda item: item[1])
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:32]
+
+
+def tokenizer_ids(tokenizer: Any) -> int:
+    """One more than a tokenizer's highest id: what a datastore records beside ``tokenizer_digest``, so that a
+    tokenizer that only adds tokens (a pad token for batches) still takes the store."""
+    return max(tokenizer.get_vocab().values(), default=-1) + 1
 
 
 class DatastoreMatch(NamedTuple):
@@ -95,13 +103,16 @@ class Datastore:
         modulus: the hash modulus (tests use a tiny one to force collisions).
         tokenizer: ``tokenizer_digest`` of the tokenizer the tokens come from (saved with them;
             ``from_pretrained`` refuses the store on a model of another tokenizer), or None.
+        tokenizer_size: that tokenizer's ``tokenizer_ids`` (saved with them; the digest is compared over
+            the ids below it, so that tokens added since pass), or None: not recorded (all ids compared).
         origin: where the text comes from, in words (saved with it; the model card says it: the
             folder's readers can decode the text), or None: not recorded.
     """
 
     def __init__(self, tokens: torch.Tensor, min_ngram: int = 2, max_ngram: int = 6,
                  max_occurrences: int = 256, min_share: float = 0.3, modulus: int = _MODULUS,
-                 tokenizer: str | None = None, origin: str | None = None) -> None:
+                 tokenizer: str | None = None, origin: str | None = None, tokenizer_size: int | None = None
+                 ) -> None:
         if not 1 <= min_ngram <= max_ngram <= MAX_NGRAM:
             raise ValueError(f"a datastore needs 1 <= min_ngram <= max_ngram <= {MAX_NGRAM}, got {min_ngram} and "
                              f"{max_ngram}")
@@ -120,6 +131,7 @@ class Datastore:
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
         self.max_occurrences, self.min_share, self.modulus = max_occurrences, min_share, modulus
         self.tokenizer = tokenizer  # tokenizer_digest of the tokenizer the tokens come from, when known
+        self.tokenizer_size = tokenizer_size  # its tokenizer_ids, when known
         self.origin = origin
         self._list = tokens.tolist()  # drafts read single tokens: list indexing beats tensor indexing
         self._largest = int(tokens.max())  # the highest id (the separator where none), checked per proposer
@@ -212,9 +224,11 @@ class Datastore:
     def check_tokenizer(self, tokenizer: Any, where: str | Path) -> None:
         """``ValueError`` when the store records a tokenizer (``tokenizer_digest``) other than ``tokenizer``:
         its ids would stand for other text, and its drafts would never be accepted."""
-        if self.tokenizer is not None and tokenizer is not None and tokenizer_digest(tokenizer) != self.tokenizer:
+        if self.tokenizer is not None and tokenizer is not None and tokenizer_digest(
+                tokenizer, self.tokenizer_size) != self.tokenizer:
             raise ValueError(f"{where} was built with another tokenizer than this model's: its token ids stand for "
-                             "other text; rebuild it with `python -m medusa_train.datastore` or delete it")
+                             "other text (or, for a store that records no tokenizer size, tokens were added since)"
+                             "; rebuild it with `python -m medusa_train.datastore` or delete it")
 
     def check_vocabulary(self, vocab_size: int, where: str | Path) -> None:
         """``ValueError`` when the store holds a token id outside a vocabulary of ``vocab_size``: it was built
@@ -236,6 +250,8 @@ class Datastore:
         for name, text in (("tokenizer", self.tokenizer), ("origin", self.origin)):
             if text is not None:  # tensors of their own (their bytes), as the tokenizer digest
                 tensors[name] = torch.tensor(list(text.encode()), dtype=torch.uint8)
+        if self.tokenizer_size is not None:
+            tensors["tokenizer_size"] = torch.tensor([self.tokenizer_size], dtype=torch.int64)
         partial = path.with_name(path.name + ".partial")  # then moved into place: a write cut short (a killed
         # build) had left a store that stopped the whole heads folder from loading
         save_file(tensors, str(partial), metadata={"settings": json.dumps(settings, sort_keys=True)})
@@ -253,8 +269,12 @@ class Datastore:
                 metadata = f.metadata() or {}
             settings = json.loads(metadata.get("settings", "{}"))
             tensors = load_file(str(path))
-            digest = tensors.get("tokenizer")  # a metadata key of its own before
-            tokenizer = bytes(digest.tolist()).decode() if digest is not None else metadata.get("tokenizer")
+            digest = tensors.get("tokenizer")  # a metadata key of its own before, and for a while one of settings'
+            legacy = settings.pop("tokenizer", None) if isinstance(settings, dict) else None
+            tokenizer = bytes(digest.tolist()).decode() if digest is not None else (
+                metadata.get("tokenizer") or (legacy if isinstance(legacy, str) else None))
+            size = tensors.get("tokenizer_size")
+            size = int(size.reshape(-1)[0]) if size is not None and size.numel() == 1 else None
             origin = bytes(tensors["origin"].tolist()).decode() if "origin" in tensors else None
             tokens = tensors["tokens"]
             if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
@@ -265,7 +285,7 @@ class Datastore:
             unknown = sorted(set(settings) - set(_SAVED_SETTINGS))
             if unknown:  # (the hash modulus among them: a store's hashes are rebuilt with the default one)
                 raise KeyError(f"settings {unknown}, which no save writes")
-            return cls(tokens.long(), **settings, tokenizer=tokenizer, origin=origin)
+            return cls(tokens.long(), **settings, tokenizer=tokenizer, origin=origin, tokenizer_size=size)
         except (SafetensorError, OSError, KeyError, TypeError, ValueError, UnicodeDecodeError) as err:
             raise ValueError(f"{path} is not a readable datastore ({err}); rebuild it with "
                              "`python -m medusa_train.datastore`, or delete it (--no-datastore leaves it unread)"

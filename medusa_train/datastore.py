@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from medusa_infer.checkpoint import note_datastore
-from medusa_infer.datastore import DATASTORE_NAME, Datastore, tokenizer_digest
+from medusa_infer.datastore import DATASTORE_NAME, Datastore, tokenizer_digest, tokenizer_ids
 from medusa_train.dataset import check_rows  # noqa: F401  (also this command's: the tests import it from here)
 
 
@@ -30,7 +30,8 @@ def build_datastore(examples: Iterable[Mapping[str, Any]], tokenizer: Any = None
     ``tokenizer`` they were made with, the store records it (``tokenizer_digest``), and loading it with
     heads on a model of another tokenizer is refused."""
     digest = tokenizer_digest(tokenizer) if tokenizer is not None else None
-    store = Datastore.from_sequences((list(e["input_ids"]) for e in examples), tokenizer=digest)
+    size = tokenizer_ids(tokenizer) if tokenizer is not None else None
+    store = Datastore.from_sequences((list(e["input_ids"]) for e in examples), tokenizer=digest, tokenizer_size=size)
     if not len(store):
         raise ValueError("no tokens to build a datastore from: the examples are empty")
     return store

@@ -501,6 +501,38 @@ def test_a_store_built_with_another_tokenizer_is_refused_at_load(tmp_path, caplo
     with caplog.at_level("WARNING"):
         MedusaModel.from_pretrained(tmp_path / "heads", base_model=model.base_model)
     assert "datastore.safetensors was not checked against the model's tokenizer" in caplog.text
+    # a tokenizer that only added tokens since (a pad token for batches): its ids stand for the same text; the
+    # whole heads folder was refused, and the fix given (a rebuild with the stock tokenizer) was refused again
+    extended = word_medusa().tokenizer
+    extended.add_special_tokens({"additional_special_tokens": ["<extra>"]})
+    assert tokenizer_digest(extended) != tokenizer_digest(model.tokenizer)
+    loaded = MedusaModel.from_pretrained(tmp_path / "heads", base_model=model.base_model, tokenizer=extended)
+    assert loaded.datastore.tokenizer_size == len(model.tokenizer.get_vocab())
+    renamed = word_medusa().tokenizer  # the same ids, one standing for other text: still refused
+    vocab = renamed.get_vocab()
+    assert "five" in vocab
+    backend = json.loads(renamed.backend_tokenizer.to_str())
+    backend["model"]["vocab"] = {("fivex" if word == "five" else word): i for word, i in backend["model"]["vocab"].items()}
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    renamed = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(backend)))
+    with pytest.raises(ValueError, match="was built with another tokenizer than this model's"):
+        MedusaModel.from_pretrained(tmp_path / "heads", base_model=model.base_model, tokenizer=renamed)
+    # a store of an earlier release, which recorded no size: every id compared (and the message says so)
+    store = Datastore.load(tmp_path / "heads" / DATASTORE_NAME)
+    store.tokenizer_size = None
+    store.save(tmp_path / "heads" / DATASTORE_NAME)
+    with pytest.raises(ValueError, match=r"or, for a store that records no tokenizer size, tokens were added since"):
+        MedusaModel.from_pretrained(tmp_path / "heads", base_model=model.base_model, tokenizer=extended)
+    # a store of commit a28f3b2, whose settings held the digest: refused as "not whole numbers"
+    from safetensors.torch import save_file
+
+    settings = {"min_ngram": 2, "max_ngram": 6, "max_occurrences": 256, "min_share": 0.3,
+                "tokenizer": tokenizer_digest(model.tokenizer)}
+    save_file({"tokens": torch.tensor([5, 6, 7, -1], dtype=torch.int32)}, str(tmp_path / "old.safetensors"),
+              metadata={"settings": json.dumps(settings)})
+    assert Datastore.load(tmp_path / "old.safetensors").tokenizer == tokenizer_digest(model.tokenizer)
 
     class BytesVocab:  # tiktoken-based remote-code tokenizers (Qwen v1's): get_vocab() keys are bytes
         def __init__(self, vocab):
