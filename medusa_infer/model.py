@@ -443,7 +443,7 @@ class MedusaModel(nn.Module):
                 if not base_model:
                     raise ValueError(f"{directory}/config.json names no base_model_name_or_path; give the base model "
                                      "(base_model=, or the command lines' --model)")
-            base_model, tokenizer, _ = _load_base(base_model, tokenizer)
+            base_model, tokenizer, name = _load_base(base_model, tokenizer)
             lm_head = base_model.get_output_embeddings()
             lm_weight = lm_head.weight
             config, state = interop.read_medusa_layout(
@@ -470,7 +470,6 @@ class MedusaModel(nn.Module):
                               f"names could not be loaded ({str(err).splitlines()[0] if str(err) else err!r}); "
                               "give the base model the heads were trained on (base_model=, or the command lines' "
                               "--model)") from err
-            _check_trained_weights(config, name, directory)
         adapter_folder = directory / ADAPTER_DIR
         merge = adapter and adapter_folder.is_dir()
         digests = adapter_digests(adapter_folder) if merge else ()  # (this digest, and as recorded before README.md
@@ -490,6 +489,8 @@ class MedusaModel(nn.Module):
                              "model: load a fresh one")
         recorded = getattr(base_model.config, MERGED_ADAPTER_KEY, None)
         merged_in = already[1] if already is not None else recorded  # the adapter in base_model's weights, if known
+        if merged_in is None:  # (weights with an adapter merged differ from the plain ones training recorded)
+            _check_trained_weights(config, name, directory, adapting=merge)
         if wants_adapted and exported_digest is not None and merged_in is not None and exported_digest not in (
                 adapter_digests(already[0]) if already is not None and Path(already[0]).is_dir() else (merged_in,)):
             key = interop.ADAPTER_DIGEST_KEY if exported else f"training.{interop.ADAPTER_DIGEST_RECORD}"
@@ -1031,10 +1032,11 @@ def heads_folder(path_or_repo_id: str | os.PathLike, revision: str | None = None
         raise ValueError(f"{path_or_repo_id} is no local folder, and fetching it as a Hub repo failed: {err}") from err
 
 
-def _check_trained_weights(config: MedusaConfig, name: str | None, directory: Path) -> None:
+def _check_trained_weights(config: MedusaConfig, name: str | None, directory: Path, adapting: bool = False) -> None:
     """Warn where the heads' training recorded other base weights (``training.settings.model_weights``) than
-    ``name`` (the base model loaded, by name or by its ``name_or_path``) holds: a recipe whose ``model.hub_id``
-    named the model a fine-tune came from loaded that model, whose drafts matched little, without a word."""
+    ``name`` (the base model loaded, by name or by its ``name_or_path``, with no adapter merged) holds: a recipe
+    whose ``model.hub_id`` named the model a fine-tune came from loaded that model, whose drafts matched little,
+    without a word. ``adapting``: the heads' Medusa-2 adapter is to be merged into it."""
     settings = config.training.get("settings")
     recorded = settings.get("model_weights") if isinstance(settings, dict) else None
     if not isinstance(recorded, str) or not name:
@@ -1053,10 +1055,11 @@ def _check_trained_weights(config: MedusaConfig, name: str | None, directory: Pa
     model = recipe.get("model") if isinstance(recipe, dict) else None
     trained_on = model.get("name") if isinstance(model, dict) else None
     where = f" ({trained_on})" if isinstance(trained_on, str) and trained_on != name else ""
+    effect = ("their Medusa-2 adapter, merged into these, gives neither model's output" if adapting else
+              "their drafts will seldom be accepted (the output is still this model's own)")
     logger.warning("the heads in %s were trained on other weights%s than %s holds (their training recorded %s, "
-                   "these are %s): their drafts will seldom be accepted (the output is still this model's own); "
-                   "give the model they were trained on (base_model=, or the command lines' --model)",
-                   directory, where, name, recorded, now)
+                   "these are %s): %s; give the model they were trained on (base_model=, or the command lines' "
+                   "--model)", directory, where, name, recorded, now, effect)
 
 
 def _load_base(

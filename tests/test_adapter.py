@@ -244,6 +244,33 @@ def test_the_merged_base_model_saved_loads_the_heads_without_a_second_merge(head
     torch.testing.assert_close(logits(old), logits(again), atol=0, rtol=0)
 
 
+def test_the_trained_weights_check_leaves_the_merged_export_alone_and_names_the_adapters_effect(
+        heads_folder, tmp_path, caplog):
+    """Heads whose training recorded the plain base's weights: loaded on their own merged export (the README's way
+    to it), they warned that they were trained on other weights; on other weights, the warning said the output
+    was still that model's, which the adapter merged into them changes."""
+    from medusa_infer.models import weights_identity
+
+    folder = tmp_path / "heads"
+    shutil.copytree(heads_folder[0], folder)
+    tiny_model("llama").save_pretrained(tmp_path / "plain")
+    tiny_model("llama", seed=5).save_pretrained(tmp_path / "other")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "training": {
+        "recipe": {"model": {"name": str(tmp_path / "plain")}, "training": {"mode": "medusa2"}},
+        "settings": {"model_weights": weights_identity(str(tmp_path / "plain"))}}}))
+    with caplog.at_level("WARNING", logger="medusa_infer.model"):
+        model = MedusaModel.from_pretrained(folder, base_model=LlamaForCausalLM.from_pretrained(tmp_path / "plain"))
+        model.base_model.save_pretrained(tmp_path / "merged")
+        MedusaModel.from_pretrained(folder, base_model=LlamaForCausalLM.from_pretrained(tmp_path / "merged"))
+    assert "trained on other weights" not in caplog.text
+    with caplog.at_level("WARNING", logger="medusa_infer.model"):
+        MedusaModel.from_pretrained(folder, base_model=LlamaForCausalLM.from_pretrained(tmp_path / "other"))
+    assert f"trained on other weights ({tmp_path / 'plain'}) than {tmp_path / 'other'} holds" in caplog.text
+    assert "their Medusa-2 adapter, merged into these, gives neither model's output" in caplog.text
+    assert "still this model's own" not in caplog.text
+
+
 def test_saving_keeps_the_merged_adapter_beside_the_heads(heads_folder, tmp_path):
     folder, _ = heads_folder
     model = MedusaModel.from_pretrained(folder, base_model=tiny_model("llama"))
