@@ -925,8 +925,14 @@ def merge_adapter(base_model: PreTrainedModel, folder: str | os.PathLike) -> Pre
         missing = [key for key in result.missing_keys if "lora_" in key]
         if missing:  # (peft only warns: the layers it lacks weights for stayed as initialised, adding nothing)
             raise ValueError(f"the adapter in {folder} lacks {len(missing)} of the LoRA weights its config asks "
-                             f"for (such as {missing[0]}): merged, they would add nothing; use the "
-                             "adapter as peft saved it (its keys and adapter_config.json together)")
+                             f"for on this model (such as {missing[0]}): merged, they would add nothing; it was "
+                             "saved for another model (of fewer layers, say) or is damaged: use the adapter the "
+                             "heads were trained with, as peft saved it (its keys and adapter_config.json together)")
+        unexpected = [key for key in result.unexpected_keys if "lora_" in key]
+        if unexpected:  # (not even a warning: the weights of layers this model lacks were dropped)
+            raise ValueError(f"the adapter in {folder} holds {len(unexpected)} LoRA weights this model has no "
+                             f"place for (such as {unexpected[0]}): it was saved for another model (of more "
+                             "layers, say); load the heads on the model they were trained on")
         if getattr(config, "lora_bias", False):  # checked before any layer merges (peft fails midway)
             unbiased = [name for name, module in base_model.named_modules()
                         if hasattr(module, "lora_A") and getattr(module.get_base_layer(), "bias", None) is None]

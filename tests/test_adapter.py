@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
 from medusa_infer.checkpoint import ADAPTER_DIR
-from medusa_infer.model import MERGED_ADAPTER_ATTR, MERGED_ADAPTER_KEY, MedusaModel, adapter_digest
+from medusa_infer.model import MERGED_ADAPTER_ATTR, MERGED_ADAPTER_KEY, MedusaModel, adapter_digest, merge_adapter
 from medusa_train import lora
 from tiny import VOCAB, tiny_model
 
@@ -109,7 +109,7 @@ def test_an_adapter_that_does_not_fit_is_refused_and_leaves_the_given_base_model
         (adapter / "adapter_config.json").write_text(json.dumps({**settings, "r": 2 * R}))
     else:
         weights.unlink()
-    expected = {"keys": r"lacks 12 of the LoRA weights its config asks for \(such as .*lora_A",
+    expected = {"keys": r"lacks 12 of the LoRA weights its config asks for on this model \(such as .*lora_A",
                 "rank": r"could not be loaded onto this model \(.*size mismatch",
                 "weights": r"holds no adapter weights \(adapter_model.safetensors or adapter_model.bin\)"}[damage]
     base = tiny_model("llama")
@@ -117,6 +117,25 @@ def test_an_adapter_that_does_not_fit_is_refused_and_leaves_the_given_base_model
         MedusaModel.from_pretrained(folder, base_model=base)
     assert same_plain_model(base)
     assert not hasattr(base, MERGED_ADAPTER_ATTR)
+
+
+@pytest.mark.parametrize("layers, says", [(1, r"holds 6 LoRA weights this model has no place for \(such as .*layers"
+                                              r"\.1\..*\): it was saved for another model \(of more layers"),
+                                          (3, r"lacks 6 of the LoRA weights its config asks for on this model .* "
+                                              r"saved for another model \(of fewer layers, say\) or is damaged")])
+def test_an_adapter_for_another_number_of_layers_is_named_as_such(heads_folder, layers, says):
+    """On a model of fewer layers the adapter's other weights were dropped without a word; on one of more, the
+    error blamed the adapter's file."""
+    from transformers import AutoModelForCausalLM
+
+    from tiny import tiny_config
+
+    config = tiny_config("llama")
+    config.num_hidden_layers = layers
+    base = AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(ValueError, match=says):
+        merge_adapter(base, heads_folder[0] / ADAPTER_DIR)
+    assert not any("lora" in name for name, _ in base.named_parameters())
 
 
 @pytest.mark.parametrize("kind", ["modules_to_save", "lora_bias", "unsupported_target"])
