@@ -656,6 +656,14 @@ def stage_evaluate(config: TrainConfig, accelerator: Any, train: list[dict], hel
             from medusa_train.lora import ADAPTER_DIR
 
             shutil.copytree(paths.final / ADAPTER_DIR, partial / ADAPTER_DIR)
+            from medusa_infer.models import hub_id
+
+            # the base model as the heads name it now (model.hub_id may be set after training: the adapter
+            # named the local folder, published with it)
+            settings_path = partial / ADAPTER_DIR / "adapter_config.json"
+            adapter_settings = json.loads(settings_path.read_text())
+            adapter_settings["base_model_name_or_path"] = hub_id(mconfig.base_model_name_or_path)
+            settings_path.write_text(json.dumps(adapter_settings, indent=2, sort_keys=True) + "\n")
         if config.eval.datastore:
             from medusa_infer.checkpoint import note_datastore
             from medusa_infer.datastore import DATASTORE_NAME

@@ -1373,6 +1373,12 @@ def test_medusa2_trains_adapter_and_heads_then_evaluates(tiny_dir, tmp_path):
     adapter = json.loads((out / "heads" / "adapter" / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == config["base_model_name_or_path"]
     assert not (out / "heads" / "adapter" / "README.md").exists()
+    # evaluated again with model.hub_id set after training: the adapter named the local folder still
+    shutil.rmtree(out / "heads")
+    train_heads.main(["--config", str(write_recipe(tmp_path / "r.yaml", values)), "model.hub_id=me/tiny"])
+    assert json.loads((out / "heads" / "config.json").read_text())["base_model_name_or_path"] == "me/tiny"
+    adapter_now = json.loads((out / "heads" / "adapter" / "adapter_config.json").read_text())
+    assert adapter_now == {**adapter, "base_model_name_or_path": "me/tiny"}
     # --heldout-only without the mode the run was trained in (an override of the README's two-stage flow): the heads
     # were scored on the backbone without their adapter, lower figures printed with exit 0
     plain = {**values, "training": {k: v for k, v in values["training"].items()
