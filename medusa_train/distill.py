@@ -218,8 +218,8 @@ class DistillConfig:
              "exists (--chat-template reads one)"),
             (self.threads is None or self.threads >= 1, f"threads must be >= 1, got {self.threads}"),
             (self.n is None or self.n >= 0, f"n must be >= 0, got {self.n}"),
-            (all(int(q) >= 1 for q in (self.per_source or {}).values()),
-             f"per_source quotas must be >= 1, got {self.per_source}"),
+            (all(isinstance(q, int) and not isinstance(q, bool) and q >= 1 for q in (self.per_source or {}).values()),
+             f"per_source quotas must be whole numbers >= 1, got {self.per_source}"),
             (not self.do_sample or self.temperature > 0,
              f"sampling needs temperature > 0, got {self.temperature}; use do_sample=False for greedy"),
             (self.top_p is None or 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
@@ -365,19 +365,25 @@ def sample_prompts(
 ) -> list[dict[str, Any]]:
     """A deterministic sample of prompts, balanced by ``source``.
 
-    Each source's prompts are shuffled with ``seed``; sources (sorted by name) then take turns,
+    Each source's prompts are shuffled with ``seed`` (all of them: ``exclude_ids`` are left out after, so that
+    leaving out a prompt the sample did not hold changes nothing); sources (sorted by name) then take turns,
     so every source gives the same number of prompts until it runs out. With ``per_source``
     quotas, only the named sources are used, each up to its quota (still interleaved). The
     result is cut to ``n`` (``None``: no cut). For a fixed seed a smaller ``n`` gives a prefix
     of a larger one (without quotas).
     """
     excluded = {str(i) for i in exclude_ids}
-    by_source: dict[str, list[dict[str, Any]]] = {}
-    in_file: dict[str, int] = {}  # every source's prompts, excluded ones too
+    every: dict[str, list[dict[str, Any]]] = {}  # every source's prompts, excluded ones too
     for row in read_prompts(path):
-        in_file[row["source"]] = in_file.get(row["source"], 0) + 1
-        if row["id"] not in excluded:
-            by_source.setdefault(row["source"], []).append(row)
+        every.setdefault(row["source"], []).append(row)
+    in_file = {source: len(rows) for source, rows in every.items()}
+    by_source: dict[str, list[dict[str, Any]]] = {}
+    for source, rows in every.items():
+        rows = list(rows)
+        random.Random(f"{seed}:{source}").shuffle(rows)
+        kept = [row for row in rows if row["id"] not in excluded]
+        if kept:
+            by_source[source] = kept
     if per_source is not None:
         unknown = sorted(set(per_source) - set(in_file))
         if unknown:
@@ -394,8 +400,7 @@ def sample_prompts(
                 )
     queues = []
     for source in sorted(by_source):
-        rows = list(by_source[source])
-        random.Random(f"{seed}:{source}").shuffle(rows)
+        rows = by_source[source]
         if per_source is not None:
             rows = rows[: per_source.get(source, 0)]
         queues.append(rows)
@@ -482,10 +487,11 @@ def shard_files(output: str | Path) -> list[Path]:
 
 
 def arrow_path(output: str | Path) -> Path:
-    """Folder of the ``datasets`` copy written with ``format="arrow"``."""
+    """Folder of the ``datasets`` copy written with ``format="arrow"``: the output's whole name and ``.arrow``
+    (its suffix replaced, ``rows.v1`` and ``rows.v2`` shared one folder: each run's copy replaced, and a
+    JSONL-only merge deleted, the other's, and a rerun took the other's rows for its own)."""
     output = Path(output)
-    folder = output.with_suffix(".arrow")
-    return folder if folder != output else output.with_name(output.name + ".arrow")
+    return output.with_name(output.name + ".arrow")
 
 
 def read_jsonl_tolerant(path: Path, repair: bool = False) -> list[dict[str, Any]]:
@@ -1143,8 +1149,11 @@ def completion_row(
         response = choice["message"]["content"]
     except (KeyError, IndexError, TypeError) as err:
         raise RuntimeError(f"unexpected reply for prompt {prompt['id']!r}: {str(reply)[:300]}") from err
-    if response is None:  # no answer (vLLM's reasoning parser, cut while the model still reasoned): no row
-        raise RejectedError(f"prompt {prompt['id']!r}: the reply holds no answer (content null, finish_reason "
+    if response is None or (isinstance(response, str) and not response.strip()
+                            and choice.get("finish_reason") == "length"):
+        # no answer (vLLM's reasoning parser, cut while the model still reasoned; every token stripped, special
+        # ones or reasoning_content's): no row (an empty target whose usage counted the tokens cut)
+        raise RejectedError(f"prompt {prompt['id']!r}: the reply holds no answer (content {response!r}, finish_reason "
                             f"{choice.get('finish_reason')!r})")
     finish = FINISH_REASONS.get(choice.get("finish_reason") or "", None)
     if finish is None:  # content_filter, tool_calls, ...: not an answer to train on

@@ -29,6 +29,7 @@ from medusa_train.dataset import encode_rendered, render_prompt
 from medusa_train.distill import (
     DistillConfig,
     answer_text,
+    arrow_path,
     build_parser,
     check_prompt_texts,
     config_from_args,
@@ -127,6 +128,10 @@ def test_sample_prompts_balanced_and_deterministic(prompts_file):
     assert len(sample_prompts(prompts_file, None)) == 30
     excluded = sample_prompts(prompts_file, 9, exclude_ids=[sample[0]["id"]])
     assert sample[0]["id"] not in {r["id"] for r in excluded} and len(excluded) == 9
+    # leaving out a prompt the sample did not hold changes nothing (its source was shuffled anew: 7 of 9 kept)
+    outside = next(r["id"] for r in sample_prompts(prompts_file, None) if r["id"] not in {s["id"] for s in sample}
+                   and r["source"] == "big")
+    assert sample_prompts(prompts_file, 9, exclude_ids=[outside]) == sample
     quotas = sample_prompts(prompts_file, None, per_source={"big": 5, "small": 2})
     assert sorted(r["source"] for r in quotas) == ["big"] * 5 + ["small"] * 2
     with pytest.raises(ValueError, match="not in"):
@@ -258,7 +263,7 @@ def test_two_rank_shards_merge_in_prompt_order(tmp_path, model_dir, prompts_file
     assert {r["id"] for r in read_rows(shard_path(output, 1))} == {p["id"] for p in prompts[1::2]}
     merge_shards(output, prompts, config.format)
     assert read_rows(output) == reference_rows
-    dataset = load_from_disk(str(output.with_suffix(".arrow")))
+    dataset = load_from_disk(str(output.with_name(output.name + ".arrow")))
     assert dataset["id"] == [r["id"] for r in reference_rows]
     assert dataset[0]["generation"] == reference_rows[0]["generation"]
     # A rerun finds everything done and changes nothing.
@@ -270,7 +275,7 @@ def test_a_kill_while_saving_arrow_leaves_no_short_arrow_copy(tmp_path, model_di
     earlier, shorter Arrow folder, which the next run would take as up to date."""
     output = tmp_path / "rows.jsonl"
     distill(make_config(model_dir, prompts_file, output, n=4, format="arrow"))
-    assert len(load_from_disk(str(output.with_suffix(".arrow")))) == 4
+    assert len(load_from_disk(str(output.with_name(output.name + ".arrow")))) == 4
     real_save = distill_module.save_arrow
 
     def killed(rows, folder):
@@ -279,10 +284,10 @@ def test_a_kill_while_saving_arrow_leaves_no_short_arrow_copy(tmp_path, model_di
     monkeypatch.setattr(distill_module, "save_arrow", killed)
     with pytest.raises(KeyboardInterrupt):
         distill(make_config(model_dir, prompts_file, output, n=8, format="arrow"))
-    assert len(read_rows(output)) == 8 and not output.with_suffix(".arrow").exists()
+    assert len(read_rows(output)) == 8 and not output.with_name(output.name + ".arrow").exists()
     monkeypatch.setattr(distill_module, "save_arrow", real_save)
     distill(make_config(model_dir, prompts_file, output, n=8, format="arrow"))
-    assert load_from_disk(str(output.with_suffix(".arrow")))["id"] == [r["id"] for r in read_rows(output)]
+    assert load_from_disk(str(output.with_name(output.name + ".arrow")))["id"] == [r["id"] for r in read_rows(output)]
 
 
 def test_an_output_name_with_glob_characters_merges_its_shards(tmp_path, model_dir, prompts_file, reference_rows):
@@ -309,8 +314,17 @@ def test_a_jsonl_merge_leaves_no_stale_arrow_copy(tmp_path, model_dir, prompts_f
     distill(make_config(model_dir, prompts_file, output, n=4, format="arrow"))
     distill(make_config(model_dir, prompts_file, output, n=8))  # JSONL only: the Arrow copy would hold 4
     distill(make_config(model_dir, prompts_file, output, n=8, format="arrow"))  # all answered: merges again
-    assert load_from_disk(str(output.with_suffix(".arrow")))["id"] == [r["id"] for r in read_rows(output)]
+    assert load_from_disk(str(output.with_name(output.name + ".arrow")))["id"] == [r["id"] for r in read_rows(output)]
     assert len(read_rows(output)) == 8
+    # outputs whose names differ in their suffix only: they shared one folder (rows.arrow), each run's copy
+    # replacing the other's, and a rerun took the other's rows for its own
+    first, second = tmp_path / "rows.v1", tmp_path / "rows.v2"
+    distill(make_config(model_dir, prompts_file, first, n=2, format="arrow"))
+    distill(make_config(model_dir, prompts_file, second, n=5, seed=3, format="arrow"))
+    distill(make_config(model_dir, prompts_file, first, n=2, format="arrow"))
+    for path in (first, second):
+        assert load_from_disk(str(arrow_path(path)))["id"] == [r["id"] for r in read_rows(path)]
+    assert arrow_path(first) == tmp_path / "rows.v1.arrow"
 
 
 def small_recipe(tmp_path: Path, model_dir: Path, prompts_file: Path, n: int):
@@ -1049,6 +1063,13 @@ def test_endpoint_rows_count_and_cut_answers_as_the_local_backend_does(tokenizer
     assert (whole["response"], whole["response_tokens"]) == ("The sea", 5)  # the limit: no end token to count
     uncounted = distill_module.completion_row(prompt, "hi", reply("The sea.", "stop", None), config, lambda: tokenizer)
     assert uncounted["response_tokens"] == len(tokenizer("The sea.", add_special_tokens=False)["input_ids"])
+    # cut at the limit with every token stripped (special ones, reasoning_content's): an empty target that counted
+    # 256 tokens; an empty answer that ended is one
+    for blank in ("", "  "):
+        with pytest.raises(distill_module.RejectedError, match=r"holds no answer \(content '\s*', finish_reason "
+                                                               r"'length'\)"):
+            distill_module.completion_row(prompt, "hi", reply(blank, "length", 256), config, lambda: tokenizer)
+    assert distill_module.completion_row(prompt, "hi", reply("", "stop", 1), config, lambda: tokenizer)["response"] == ""
 
 
 @pytest.mark.parametrize("setting, message", [
@@ -1224,8 +1245,9 @@ def test_recipe_settings_reach_distillation():
     recipe = config_from_dict({"model": {"name": "org/custom-model", "trust_remote_code": True},
                                "data": {"prompts": "p.jsonl"}, "output_dir": "out"})
     assert distill_module.recipe_config(recipe).trust_remote_code is True
-    with pytest.raises(ValueError, match=r"per_source quotas must be >= 1, got \{'a': -1\}"):
-        DistillConfig(prompts="p.jsonl", per_source={"a": -1})
+    for quota in (-1, "3", 2.5, True):  # ("3" and 2.5 passed, then failed in a traceback)
+        with pytest.raises(ValueError, match=rf"per_source quotas must be whole numbers >= 1, got \{{'a': "):
+            DistillConfig(prompts="p.jsonl", per_source={"a": quota})
     parser = build_parser()
     assert config_from_args(parser.parse_args(["--prompts", "p.jsonl", "--trust-remote-code"])).trust_remote_code
     assert not config_from_args(parser.parse_args(["--prompts", "p.jsonl"])).trust_remote_code
