@@ -71,6 +71,7 @@ def save_heads(
     config: MedusaConfig,
     state_dict: dict[str, torch.Tensor],
     base_model_id: str | None = None,
+    chat: bool = True,
 ) -> Path:
     """Write ``config.json``, ``model.safetensors`` and a model card into ``directory``.
 
@@ -79,6 +80,7 @@ def save_heads(
         config: the heads' configuration.
         state_dict: the heads' tensors (``MedusaHeads.state_dict()``).
         base_model_id: Hub id for the card's ``base_model`` field (defaults to the config's).
+        chat: whether the base model's tokenizer renders chats (the card's example then does).
     """
     directory = Path(directory).expanduser()
     check_heads_target(directory)
@@ -88,7 +90,7 @@ def save_heads(
     # read back as a load reads it: settings changed after the config was made (a tree deeper than the heads)
     # were saved, and the folder then failed to load
     settings = json.dumps(MedusaConfig.from_dict(config.to_dict()).to_dict(), indent=2) + "\n"
-    card = model_card(config, base_model_id)
+    card = model_card(config, base_model_id, chat)
     directory.mkdir(parents=True, exist_ok=True)
     partials = [directory / (name + ".partial") for name in (WEIGHTS_NAME, CONFIG_NAME, CARD_NAME)]
     try:
@@ -335,12 +337,14 @@ def _local_base(config: MedusaConfig) -> bool:
     return is_path_like(name) or Path(name).expanduser().is_dir()
 
 
-def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
+def model_card(config: MedusaConfig, base_model_id: str | None = None, chat: bool = True) -> str:
     """A Hugging Face model card with front matter, usage and the measured figures when known.
 
     ``base_model`` is ``base_model_id``, else the Hub id the config's base model stands for
     (``models.hub_id``: a default model's original repository, not its short name); the front
     matter names it only when it can be a Hub id (not a local folder, which the Hub would refuse).
+    ``chat``: whether the base model's tokenizer renders chats (a chat template, the config's or its own): the
+    usage example sends a chat, else text.
     """
     from medusa_infer.models import hub_id
 
@@ -374,9 +378,11 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None) -> str:
             f"# config.json names the base model by a local folder ({config.base_model_name_or_path}): give it",
             f'model = MedusaModel.from_pretrained("<this repo or folder>", base_model="'
             f'{base if _looks_like_hub_id(base) else "<base model folder or Hub id>"}")']),
-        "# a chat, rendered with the chat template as the heads' training data was (prompt= takes text as it is)",
-        'out = model.generate(messages=[{"role": "user", "content": "What is the capital of France?"}], '
-        "max_new_tokens=64)",
+        *(["# a chat, rendered with the chat template as the heads' training data was (prompt= takes text as it is)",
+           'out = model.generate(messages=[{"role": "user", "content": "What is the capital of France?"}], '
+           "max_new_tokens=64)"] if chat or config.chat_template else [
+            "# text as it is (the base model's tokenizer has no chat template)",
+            'out = model.generate(prompt="The capital of France is", max_new_tokens=64)']),
         "print(model.tokenizer.decode(out.new_tokens[0], skip_special_tokens=True))",
         "```",
         "",

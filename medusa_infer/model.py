@@ -589,8 +589,9 @@ class MedusaModel(nn.Module):
             if unread and (directory / CARD_NAME).is_file() else ""  # (a card edited in another encoding: kept)
         span = card_section(text, DATASTORE_HEADING)
         section = text[span[0]:span[1]] if span else ""
+        chat = self.tokenizer is None or bool(config.chat_template or getattr(self.tokenizer, "chat_template", None))
         out = save_heads(directory, config, dict(heads_state) if heads_state is not None else own,
-                         base_model_id)
+                         base_model_id, chat)
         if self.merged_adapter is not None and (not target.exists()
                                                 or not os.path.samefile(target, self.merged_adapter)):
             if target.exists():  # another adapter's files would mix with this one's

@@ -331,8 +331,9 @@ def read_prompts(path: str | Path) -> list[dict[str, Any]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{number} is not valid JSON ({err}): a prompts file holds one JSON object "
-                                 "per line (JSONL), not a JSON list") from err
+                hint = (": a prompts file holds one JSON object per line (JSONL), not a JSON list"
+                        if line.lstrip().startswith("[") else "")
+                raise ValueError(f"{path}:{number} is not valid JSON ({err}){hint}") from err
             if not isinstance(row, dict) or "id" not in row or "prompt" not in row:
                 found = sorted(row) if isinstance(row, dict) else type(row).__name__
                 raise ValueError(f"{path}:{number} needs an object with 'id' and 'prompt', has {found}")
@@ -345,8 +346,6 @@ def read_prompts(path: str | Path) -> list[dict[str, Any]]:
                 if isinstance(value, str) and not _encodable(value):
                     raise ValueError(f"{path}:{number}: '{key}' holds a lone surrogate (an escape such as "
                                      "\\ud83d without its pair), which is no text a model can be given; fix the line")
-            if not row["prompt"].strip():  # (distilled as an empty user turn, and trained on, without a word)
-                raise ValueError(f"{path}:{number}: 'prompt' is empty: there is nothing to answer; remove the line")
             key = str(row["id"])
             if key in seen:
                 raise ValueError(f"{path}:{number}: id {key!r} is already on line {seen[key]}; "
@@ -445,6 +444,18 @@ def recipe_config(config: TrainConfig) -> DistillConfig:
     )
 
 
+def check_empty_prompts(prompts: list[dict[str, Any]], done: Iterable[dict[str, Any]], path: str | Path) -> None:
+    """``ValueError`` naming the sampled prompts still to answer that are empty (or only whitespace): they were
+    distilled as empty user turns, and trained on, without a word. Prompts answered already (by an earlier
+    release) or outside the sample pass: their runs resume as they were."""
+    done_ids = {str(row["id"]) for row in done}
+    empty = [prompt["id"] for prompt in prompts if prompt["id"] not in done_ids and not prompt["prompt"].strip()]
+    if empty:
+        raise ValueError(f"{path}: the prompts {', '.join(map(repr, empty[:5]))}{' ...' if len(empty) > 5 else ''} "
+                         "are empty: there is nothing to answer; leave them out (exclude_ids, a recipe's "
+                         "data.exclude_ids) or remove their lines")
+
+
 def pending_prompts(config: DistillConfig, merged: bool = False) -> tuple[int, int]:
     """(prompts sampled, of those the ones a run would still answer): the prompts without a row in
     ``config.output`` or its shards, less those over ``max_prompt_tokens`` that a run skips (for
@@ -460,6 +471,7 @@ def pending_prompts(config: DistillConfig, merged: bool = False) -> tuple[int, i
     done = existing_rows(config.output)
     check_resumable(done, config)
     check_prompt_texts(done, prompts, config)
+    check_empty_prompts(prompts, done, config.prompts)
     if merged:
         done = read_jsonl_tolerant(Path(config.output))
     done_ids = {str(row["id"]) for row in done}
@@ -1402,6 +1414,7 @@ def distill(
     prompts = sample_prompts(
         config.prompts, config.n, config.per_source, config.seed, config.exclude_ids
     )
+    check_empty_prompts(prompts, existing_rows(config.output), config.prompts)
     if rank == 0:
         sources: dict[str, int] = {}
         for prompt in prompts:

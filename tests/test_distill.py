@@ -36,6 +36,7 @@ from medusa_train.distill import (
     distill,
     distill_shard,
     merge_shards,
+    pending_prompts,
     prepare_prompt,
     read_jsonl_tolerant,
     read_ids,
@@ -155,7 +156,6 @@ def test_a_quota_whose_source_is_all_excluded_says_so(prompts_file, caplog):
     ('{"id": 1.5, "prompt": "hi"}', "'id' must be a string or an integer, got 1.5"),
     ('["b", "hi"]', "needs an object with 'id' and 'prompt'"),
     ('{"id": "b", "prompt": "half an emoji \\ud83d"}', "'prompt' holds a lone surrogate"),
-    ('{"id": "b", "prompt": " \\n"}', "'prompt' is empty: there is nothing to answer"),  # (an empty user turn)
     ('[{"id": "b", "prompt": "hi"},', "a prompts file holds one JSON object per line (JSONL), not a JSON list"),
 ])
 def test_prompts_file_rows_are_checked_by_line(tmp_path, line, says):
@@ -166,6 +166,39 @@ def test_prompts_file_rows_are_checked_by_line(tmp_path, line, says):
     assert says in str(err.value)
     path.write_text('{"id": 7, "prompt": "first", "source": null}\n')
     assert read_prompts(path) == [{"id": "7", "source": "", "prompt": "first"}]
+
+
+def test_a_cut_line_is_not_taken_for_a_json_list(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"id": "a", "prompt": "first"}\n{"id": "b", "prom')  # a writer killed mid-line
+    with pytest.raises(ValueError, match=r"prompts.jsonl:2 is not valid JSON \(") as err:
+        read_prompts(path)
+    assert "JSON list" not in str(err.value)
+
+
+def test_empty_prompts_still_to_answer_are_refused_and_answered_ones_resume(tmp_path, model_dir, prompts_file):
+    """An empty prompt was distilled as an empty user turn and trained on, without a word. Refused where it is
+    still to answer; a file holding one was refused as a whole at first, which stopped runs that had answered it
+    (by an earlier release) or never sampled it from resuming."""
+    rows = [json.loads(line) for line in prompts_file.read_text().splitlines()]
+    rows[0]["prompt"] = " \n"
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    output = tmp_path / "rows.jsonl"
+    with pytest.raises(ValueError, match=rf"the prompts '{rows[0]['id']}' are empty: there is nothing to answer; "
+                                         r"leave them out \(exclude_ids"):
+        distill(make_config(model_dir, path, output, n=None))
+    with pytest.raises(ValueError, match="are empty"):
+        pending_prompts(make_config(model_dir, path, output, n=None))
+    assert not output.exists()
+    distill(make_config(model_dir, path, output, n=None, exclude_ids=[rows[0]["id"]]))  # left out: answered
+    assert rows[0]["id"] not in {row["id"] for row in read_rows(output)} and len(read_rows(output)) == len(rows) - 1
+    # answered by an earlier release: the run resumes (and plans) as it was
+    answered = read_rows(output)[0]
+    old = tmp_path / "old.jsonl"
+    old.write_text(json.dumps({**answered, "id": rows[0]["id"], "source": rows[0]["source"],
+                               "prompt": rows[0]["prompt"]}) + "\n")
+    assert pending_prompts(make_config(model_dir, path, old, n=None))[1] == len(rows) - 1
 
 
 def test_batched_rows_equal_unbatched_greedy(reference_rows, model_dir, prompts_file, tokenizer):

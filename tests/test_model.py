@@ -301,6 +301,14 @@ def test_model_card_front_matter_and_usage(tmp_path, monkeypatch, capsys):
     # a chat, as the heads were trained on (the raw text prompt= takes made SmolLM2 end its turn at once)
     assert rendered == [[{"role": "user", "content": "What is the capital of France?"}]]
     assert "skip_special_tokens=True" in usage
+    # a base model whose tokenizer renders no chats (a base, not an instruct, model): text (messages= failed)
+    plain = MedusaModel(model.base_model, model.heads, word_tokenizer())
+    plain.save_pretrained(tmp_path / "plain")
+    usage = (tmp_path / "plain" / "README.md").read_text().split("```python\n", 1)[1].split("```", 1)[0]
+    assert "prompt=" in usage and "messages=" not in usage
+    monkeypatch.setattr(MedusaModel, "from_pretrained", staticmethod(
+        lambda *args, **kwargs: load(tmp_path / "plain", base_model=model.base_model, tokenizer=word_tokenizer())))
+    exec(compile(usage.replace("max_new_tokens=64", "max_new_tokens=4"), "README.md", "exec"), {})
 
     model.save_pretrained(tmp_path / "named", base_model_id="org/real-base")
     assert front_matter((tmp_path / "named" / "README.md").read_text())["base_model"] == "org/real-base"
