@@ -20,7 +20,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -276,6 +276,7 @@ def fit_tree(
     head_topk_acc: AcceptanceModel,
     cost: CostProfile,
     sizes: Sequence[int] = tuple(range(1, 17)) + (24, 32, 48, 64),
+    tau: Callable[[list[Path]], float] | None = None,
 ) -> FittedTree:
     """Pick the tree (its size, nodes beyond the root, and depth) that maximises expected tokens per second.
 
@@ -290,7 +291,11 @@ def fit_tree(
             ``d`` heads (``CostProfile.head_ratio``).
         sizes: candidate numbers of tree nodes; one larger than the accuracies allow (every path
             ever accepted, ``tree_capacity``) stands for the largest they allow.
+        tau: a tree's expected tokens per step (default: ``expected_accept_length`` under
+            ``head_topk_acc``, an average over every position; calibration walks its answers as decoding
+            does, which the average runs above).
     """
+    expected = tau if tau is not None else (lambda paths: expected_accept_length(paths, head_topk_acc))
     table = [{"nodes": 0, "depth": 0, "tau": 1.0, "cost_ratio": 1.0, "speedup": 1.0}]
     best: tuple[float, list[Path], float] = (1.0, [], 1.0)
     speculative: tuple[float, list[Path]] = (0.0, [])
@@ -308,17 +313,17 @@ def fit_tree(
             if n > tree_capacity(within):
                 continue
             paths = greedy_tree(within, n)
-            tau = expected_accept_length(paths, head_topk_acc)
+            steps = expected(paths)
             ratio = cost.ratio(n + 1) + cost.head_ratio(tree_depth(paths))
-            if entry is None or tau / ratio > entry[0]:
-                entry = (tau / ratio, paths, tau, ratio)
+            if entry is None or steps / ratio > entry[0]:
+                entry = (steps / ratio, paths, steps, ratio)
         if entry is None:
             continue
-        speedup, paths, tau, ratio = entry
-        table.append({"nodes": n, "depth": tree_depth(paths), "tau": round(tau, 4), "cost_ratio": round(ratio, 4),
+        speedup, paths, steps, ratio = entry
+        table.append({"nodes": n, "depth": tree_depth(paths), "tau": round(steps, 4), "cost_ratio": round(ratio, 4),
                       "speedup": round(speedup, 4)})
         if speedup > best[0]:
-            best = (speedup, paths, tau)
+            best = (speedup, paths, steps)
         if speedup > speculative[0]:
             speculative = (speedup, paths)
     return FittedTree(best[1], best[2], best[0], table, speculative[1])

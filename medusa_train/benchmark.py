@@ -1016,10 +1016,10 @@ def stored_heads_state(model, heads: str | Path) -> dict[str, torch.Tensor]:
 
 def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[str, Any]:
     """Measure the heads' top-k accuracy on greedy answers to ``questions`` and this device's
-    verification cost; fit the tree; store all three in the heads' config (and folder). The fitted tree's
-    expected tau is greedy decoding walked over those answers (``evaluate.walked_tokens_per_step``, as
-    training's held-out figure: the average over every position, which the fit ranks trees by, runs high),
-    its expected speedup that tau over the tree's cost."""
+    verification cost; fit the tree; store all three in the heads' config (and folder). Each candidate
+    tree's expected tau is greedy decoding walked over those answers (``evaluate.walked_tokens_per_step``, as
+    training's held-out figure: the average over every position runs high), its expected speedup that tau
+    over the tree's cost; the fit keeps the fastest (plain decoding where none beats it)."""
     from medusa_infer.tree_fit import check_cost_context, fit_tree, measure_verify_cost
 
     if model.heads is None:
@@ -1030,9 +1030,9 @@ def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[st
     paths = accuracy.paths()
     cost = measure_verify_cost(model, context=args.calibrate_context)
     cost.head_seconds = measure_head_seconds(model)
-    fitted = fit_tree(paths, cost)
-    walked = walked_tokens_per_step(fitted.paths, accuracy)
-    speedup = walked * fitted.expected_speedup / fitted.expected_tau  # (tau over the tree's cost ratio)
+    # each candidate's tau walked over the answers, as decoding walks them (the fit's default, the average over
+    # positions, runs high: a tree it kept could walk slower than plain decoding)
+    fitted = fit_tree(paths, cost, tau=lambda tree: walked_tokens_per_step(tree, accuracy))
     config = model.config
     # training's held-out accuracies, kept beside these; an earlier calibration's (on heads imported or
     # never trained) are no training record, and are replaced
@@ -1058,13 +1058,13 @@ def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[st
                          "calibration_questions": {"file": source,
                                                    "ids": [q["id"] for q in questions]},
                          "calibrated_tree_nodes": len(fitted.paths),
-                         "calibrated_expected_tau": round(walked, 4),
-                         "calibrated_expected_speedup": round(speedup, 4)}
+                         "calibrated_expected_tau": round(fitted.expected_tau, 4),
+                         "calibrated_expected_speedup": round(fitted.expected_speedup, 4)}
     config.cost_profile = cost.to_dict()
     config.tree = [list(p) for p in fitted.paths]  # empty: plain decoding measured fastest (None: a default preset)
     return {"head_accuracies": config.head_accuracies, "cost_profile": config.cost_profile,
-            "tree_nodes": len(fitted.paths), "expected_tau": walked, "expected_speedup": speedup,
-            "table": fitted.table}
+            "tree_nodes": len(fitted.paths), "expected_tau": fitted.expected_tau,
+            "expected_speedup": fitted.expected_speedup, "table": fitted.table}
 
 
 def calibration_question_ids(model, questions_file: str | Path) -> list[Any]:

@@ -15,10 +15,11 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from medusa_infer.checkpoint import model_card
 from medusa_infer.cpu_kernels import kernel_plans, use_cpu_kernels
-from medusa_infer.trees import expected_accept_length, greedy_tree
+from medusa_infer.trees import greedy_tree
 from medusa_infer.model import MedusaModel
 from medusa_infer.serving.testing import word_tokenizer
 from medusa_train import benchmark as bench
+from medusa_train.evaluate import walked_tokens_per_step
 from medusa_train.benchmark import (
     benchmark,
     calibrate,
@@ -239,9 +240,11 @@ def test_calibration_measures_accuracy_and_cost_and_fits_a_tree(model):
     paths = config.acceptance_model()
     assert paths == {tuple(p): a for p, a in config.path_accuracies} and paths
     assert max(paths.values()) == max(a for p, a in paths.items() if len(p) == 1)
-    for row in result["table"][1:]:  # each size's best tree within the first row["depth"] heads
+    sequences = bench.first_turn_answers(model, QUESTIONS[:2], 8)
+    walked = head_topk_accuracy(model, sequences, top_k=config.top_k)
+    for row in result["table"][1:]:  # each size's best tree within the first row["depth"] heads, decoding's tau
         tree = greedy_tree({p: a for p, a in paths.items() if len(p) <= row["depth"]}, row["nodes"])
-        assert row["tau"] == pytest.approx(expected_accept_length(tree, paths), abs=1e-4)
+        assert row["tau"] == pytest.approx(walked_tokens_per_step(tree, walked), abs=1e-4)
 
     # a second calibration of heads no training measured: the first one's figures are no training record
     del config.training["heldout_head_accuracies"], config.training["heldout_path_accuracies"]
@@ -273,6 +276,22 @@ def test_calibrated_expected_tau_is_greedy_decodings_over_the_calibration_answer
     assert model.config.acceptance["calibrated_expected_tau"] == round(tokens / steps, 4)
     chosen = next(row for row in result["table"] if row["nodes"] == len(tree))  # the speedup: over its cost
     assert result["expected_speedup"] == pytest.approx(tokens / steps / chosen["cost_ratio"], rel=1e-3)
+    assert chosen["tau"] == round(result["expected_tau"], 4)  # the table's figures are the walked ones
+    # trees are ranked by the walked figure: with t(n) 1.44 t(1), the average over positions kept a 43-node tree
+    # whose walked speedup was 0.97 (plain decoding, at 1.0, is faster)
+    from medusa_infer import tree_fit
+
+    model = MedusaModel(model.base_model, copy.deepcopy(model.heads), model.tokenizer)
+    torch.manual_seed(0)
+    for param in model.heads.parameters():
+        torch.nn.init.normal_(param, std=0.3)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tree_fit, "measure_verify_cost", lambda model, context=0, **kwargs: tree_fit.CostProfile(
+            sizes=[1, 2, 64], seconds=[1.0, 1.44, 1.441], device="fake", context=context))
+        patch.setattr(bench, "measure_head_seconds", lambda model, repeats=20: [])
+        result = calibrate(model, questions, args(max_new_tokens=40))
+    assert result["expected_speedup"] >= 1.0 and all(row["speedup"] <= result["expected_speedup"]
+                                                     for row in result["table"])
 
 
 def test_a_system_prompt_opens_every_conversation_calibrations_too(model, monkeypatch):
@@ -307,7 +326,7 @@ def test_calibration_that_finds_plain_decoding_fastest_keeps_it_through_saving(m
     from medusa_infer import decoding, tree_fit
     from medusa_infer.decoding import generate, resolve_tree
 
-    def plain_is_fastest(paths, cost, *rest):
+    def plain_is_fastest(paths, cost, *rest, **kwargs):
         return tree_fit.FittedTree([], 1.0, 1.0, [{"nodes": 0, "tau": 1.0, "cost_ratio": 1.0, "speedup": 1.0}])
 
     heads = copy.deepcopy(model.heads)
