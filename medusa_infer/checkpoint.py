@@ -479,10 +479,11 @@ def note_datastore(directory: str | Path, tokens: int, origin: str | None) -> No
 
 
 def _trained_system_prompt(config: MedusaConfig) -> str | None:
-    """The system prompt training rendered its conversations with (the recipe's ``data.system_prompt``), or None."""
+    """The system prompt training rendered its conversations with (the recipe's ``data.system_prompt``), or None
+    (ready examples, ``data.tokenized``, are taken as they are: the setting went unread)."""
     recipe = config.training.get("recipe")
     data = recipe.get("data") if isinstance(recipe, dict) else None
-    system = data.get("system_prompt") if isinstance(data, dict) else None
+    system = data.get("system_prompt") if isinstance(data, dict) and not data.get("tokenized") else None
     return system if isinstance(system, str) else None
 
 

@@ -48,6 +48,7 @@ import random
 import re
 import statistics
 import sys
+import traceback
 import threading
 import time
 from collections import defaultdict
@@ -623,6 +624,7 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
             if not groups:
                 raise
             stopped_by = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
+            traceback.print_exception(error, file=sys.stderr)  # (a bug in a method, not only out of memory)
             print(f"\n{method_of(error)} failed ({stopped_by}): stopping after {first} of {planned} questions, "
                   "reporting those", file=sys.stderr)
             questions = questions[:first]
@@ -1354,7 +1356,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run(args, started)
     except (ValueError, OSError, NotImplementedError) as error:  # NotImplementedError: an unsupported model
         sys.stdout.flush()
-        print(f"medusa-bench: error: {error}", file=sys.stderr)
+        method = getattr(error, "benchmark_method", None)  # (answer_group's: which method failed)
+        print(f"medusa-bench: error: {f'method {method}: ' if method else ''}{error}", file=sys.stderr)
         return 2
 
 
@@ -1401,6 +1404,16 @@ def run(args: argparse.Namespace, started: float) -> int:
                                                           cpu_kernels=args.cpu_kernels),
                                           tokenizer=load_tokenizer(base_name))
     args.model = base_name
+    if args.system_prompt is not None:  # before any answer: a template that refuses a system role (Gemma's)
+        from jinja2 import TemplateError
+
+        from medusa_infer.decoding import encode_chat
+
+        try:
+            encode_chat(model.tokenizer, system_turn(args.system_prompt) + [{"role": "user", "content": "hi"}])
+        except TemplateError as err:
+            raise ValueError(f"--system-prompt: the chat template of {base_name} refuses a system message ({err}); "
+                             "leave --system-prompt out") from err
     fitted_later = args.calibrate and isinstance(args.tree, str) and args.tree.startswith("fitted-")
     if args.tree and heads is not None and not fitted_later:
         from medusa_infer.decoding import resolve_tree

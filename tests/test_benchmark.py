@@ -316,6 +316,41 @@ def test_a_system_prompt_opens_every_conversation_calibrations_too(model, monkey
     assert rendered and all(chat[0]["role"] == "user" for chat in rendered)  # none by default
     model.config.training = {"recipe": {"data": {"system_prompt": 'say "hi"'}}}
     assert 'opened by the system prompt "say \\"hi\\"" (`data.system_prompt`)' in model_card(model.config)
+    model.config.training["recipe"]["data"]["tokenized"] = "examples.jsonl"  # ready examples: the setting unread
+    assert "trained on conversations opened by the system prompt" not in model_card(model.config)
+
+
+def test_a_system_prompt_the_template_refuses_and_a_first_group_failure_are_named(model, tmp_path, monkeypatch,
+                                                                                  capsys):
+    """A chat template that refuses a system role (Gemma's) ended the run in a jinja2 traceback; a method failing
+    in the first group was named nowhere, and one failing later left no traceback of a bug."""
+    heads, questions = cli_files(model, tmp_path, monkeypatch)
+    common = ["--heads", str(heads), "--questions", str(questions), "--max-new-tokens", "4", "--device", "cpu",
+              "--methods", "hf,ar", "--output", str(tmp_path / "out")]
+    template = model.tokenizer.chat_template
+    monkeypatch.setattr(model.tokenizer, "chat_template", "{% for m in messages %}{% if m['role'] == 'system' %}"
+                        "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }} {% endfor %}")
+    assert main(common + ["--system-prompt", "be brief"]) == 2
+    assert "--system-prompt: the chat template of tiny-llama refuses a system message (System role not supported); " \
+           "leave --system-prompt out" in capsys.readouterr().err
+    monkeypatch.setattr(model.tokenizer, "chat_template", template)
+    real = bench.Runner.run_batch
+
+    def run_batch(self, method, conversations, **kwargs):
+        if method == "ar" and kwargs.get("max_new_tokens") is None:
+            if conversations[0][0]["content"] == QUESTIONS[0]["turns"][0]:
+                raise ValueError("shape mismatch in tree verify")
+            if conversations[0][0]["content"] == QUESTIONS[2]["turns"][0]:
+                None + 1  # a bug, in a later group
+        return real(self, method, conversations, **kwargs)
+
+    monkeypatch.setattr(bench.Runner, "run_batch", run_batch)
+    assert main(common) == 2
+    assert "medusa-bench: error: method ar: shape mismatch in tree verify" in capsys.readouterr().err
+    questions.write_text("\n".join(json.dumps(q) for q in QUESTIONS[1:] + QUESTIONS[:1]) + "\n")
+    assert main(common) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "None + 1" in err and "method ar failed (TypeError: unsupported operand" in err
 
 
 def test_calibration_that_finds_plain_decoding_fastest_keeps_it_through_saving(model, monkeypatch, tmp_path):
