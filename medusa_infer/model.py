@@ -993,22 +993,45 @@ ADAPTER_DIGEST_SKIPS = ("README.md",)
 ``.DS_Store``); an edit to them made the merged base model saved before look like another adapter's."""
 
 
+ADAPTER_NAMING_KEYS = ("base_model_name_or_path", "revision")
+"""Keys of ``adapter_config.json`` that name the base model, not the adapter: left out of its digest (a run
+evaluated again with ``model.hub_id`` set renames it, and the merged export made before refused the same
+adapter)."""
+
+
 def adapter_digest(folder: str | os.PathLike) -> str:
-    """SHA-256 of a saved adapter's files (names and contents), bar ``ADAPTER_DIGEST_SKIPS`` and hidden
-    files: equal for copies of one adapter."""
+    """SHA-256 of a saved adapter's files (names and contents), bar ``ADAPTER_DIGEST_SKIPS``, hidden files and
+    the base model's name in ``adapter_config.json`` (``ADAPTER_NAMING_KEYS``): equal for copies of one adapter."""
     return adapter_digests(folder)[0]
 
 
-def adapter_digests(folder: str | os.PathLike) -> tuple[str, str]:
-    """``adapter_digest(folder)``, and the digest of all of its files, which earlier versions recorded
-    (in a merged base model's ``config.json``, an export's): either names the adapter."""
-    digest, every = hashlib.sha256(), hashlib.sha256()
+def adapter_digests(folder: str | os.PathLike) -> tuple[str, str, str]:
+    """``adapter_digest(folder)``, and the digests earlier versions recorded (in a merged base model's
+    ``config.json``, an export's): of its files with ``adapter_config.json`` as it is, and of all of its files.
+    Any of them names the adapter."""
+    digest, previous, every = hashlib.sha256(), hashlib.sha256(), hashlib.sha256()
     for path in sorted(p for p in Path(folder).iterdir() if p.is_file()):
-        entry = path.name.encode() + b"\0" + path.read_bytes()
+        content = path.read_bytes()
+        entry = path.name.encode() + b"\0" + content
         every.update(entry)
         if path.name not in ADAPTER_DIGEST_SKIPS and not path.name.startswith("."):
-            digest.update(entry)
-    return digest.hexdigest(), every.hexdigest()
+            previous.update(entry)
+            digest.update(path.name.encode() + b"\0" + _unnamed(path.name, content))
+    return digest.hexdigest(), previous.hexdigest(), every.hexdigest()
+
+
+def _unnamed(name: str, content: bytes) -> bytes:
+    """An adapter file's bytes as its digest reads them: ``adapter_config.json`` without ``ADAPTER_NAMING_KEYS``
+    (as canonical JSON), other files (and a config that is no JSON object) as they are."""
+    if name != "adapter_config.json":
+        return content
+    try:
+        settings = json.loads(content)
+    except (ValueError, UnicodeDecodeError):
+        return content
+    if not isinstance(settings, dict):
+        return content
+    return json.dumps({k: v for k, v in settings.items() if k not in ADAPTER_NAMING_KEYS}, sort_keys=True).encode()
 
 
 def heads_folder(path_or_repo_id: str | os.PathLike, revision: str | None = None) -> Path:

@@ -15,7 +15,14 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
 from medusa_infer.checkpoint import ADAPTER_DIR
-from medusa_infer.model import MERGED_ADAPTER_ATTR, MERGED_ADAPTER_KEY, MedusaModel, adapter_digest, merge_adapter
+from medusa_infer.model import (
+    MERGED_ADAPTER_ATTR,
+    MERGED_ADAPTER_KEY,
+    MedusaModel,
+    adapter_digest,
+    adapter_digests,
+    merge_adapter,
+)
 from medusa_train import lora
 from tiny import VOCAB, tiny_model
 
@@ -261,6 +268,24 @@ def test_the_merged_base_model_saved_loads_the_heads_without_a_second_merge(head
     (tmp_path / "merged" / "config.json").write_text(json.dumps({**saved, MERGED_ADAPTER_KEY: legacy.hexdigest()}))
     old = MedusaModel.from_pretrained(folder, base_model=LlamaForCausalLM.from_pretrained(tmp_path / "merged"))
     torch.testing.assert_close(logits(old), logits(again), atol=0, rtol=0)
+    # one saved before the base model's name was left out of the digest: still this adapter's
+    (tmp_path / "merged" / "config.json").write_text(json.dumps({**saved, MERGED_ADAPTER_KEY: adapter_digests(
+        folder / ADAPTER_DIR)[1]}))
+    older = MedusaModel.from_pretrained(folder, base_model=LlamaForCausalLM.from_pretrained(tmp_path / "merged"))
+    torch.testing.assert_close(logits(older), logits(again), atol=0, rtol=0)
+    # the adapter renamed its base model since (a run evaluated again with model.hub_id set): the same adapter
+    # (it was refused as another one merged into these weights)
+    (tmp_path / "merged" / "config.json").write_text(json.dumps(saved))
+    renamed = tmp_path / "renamed"
+    shutil.copytree(folder, renamed)
+    settings = json.loads((renamed / ADAPTER_DIR / "adapter_config.json").read_text())
+    (renamed / ADAPTER_DIR / "adapter_config.json").write_text(json.dumps({**settings,
+                                                                           "base_model_name_or_path": "me/tiny"}))
+    assert adapter_digest(renamed / ADAPTER_DIR) == adapter_digest(folder / ADAPTER_DIR)
+    moved = MedusaModel.from_pretrained(renamed, base_model=LlamaForCausalLM.from_pretrained(tmp_path / "merged"))
+    torch.testing.assert_close(logits(moved), logits(again), atol=0, rtol=0)
+    (renamed / ADAPTER_DIR / "adapter_config.json").write_text(json.dumps({**settings, "lora_alpha": 2 * ALPHA}))
+    assert adapter_digest(renamed / ADAPTER_DIR) != adapter_digest(folder / ADAPTER_DIR)  # a setting that merges
 
 
 def test_the_trained_weights_check_leaves_the_merged_export_alone_and_names_the_adapters_effect(
@@ -367,7 +392,8 @@ def test_faster_decoding_export_of_medusa2_heads_keeps_their_mode(heads_folder, 
     other = tmp_path / "other"
     shutil.copytree(copy, other)
     settings = other / ADAPTER_DIR / "adapter_config.json"
-    settings.write_text(settings.read_text() + "\n")  # another adapter's files (here, the same weights)
+    settings.write_text(json.dumps({**json.loads(settings.read_text()), "lora_dropout": 0.5}))  # another adapter's
+    # files (here, the same weights; a file written otherwise, its base model named otherwise, is the same adapter)
     elsewhere = MedusaModel.from_pretrained(other, base_model=tiny_model("llama")).base_model
     with pytest.raises(ValueError, match=r"were trained with the Medusa-2 adapter \w{12} \(config.json's "
                                          r"medusa_forge_adapter_digest\), and base_model has another merged"):
