@@ -467,9 +467,9 @@ class MedusaModel(nn.Module):
                 if not named:
                     raise
                 raise OSError(f"the base model {config.base_model_name_or_path!r} that {directory}/config.json "
-                              f"names could not be loaded ({str(err).splitlines()[0] if str(err) else err!r}); "
-                              "give the base model the heads were trained on (base_model=, or the command lines' "
-                              "--model)") from err
+                              f"names could not be loaded: {err or repr(err)}\n(where it cannot be had here, give "
+                              "the base model the heads were trained on: base_model=, or the command lines' --model)"
+                              ) from err
         adapter_folder = directory / ADAPTER_DIR
         merge = adapter and adapter_folder.is_dir()
         digests = adapter_digests(adapter_folder) if merge else ()  # (this digest, and as recorded before README.md
@@ -489,7 +489,8 @@ class MedusaModel(nn.Module):
                              "model: load a fresh one")
         recorded = getattr(base_model.config, MERGED_ADAPTER_KEY, None)
         merged_in = already[1] if already is not None else recorded  # the adapter in base_model's weights, if known
-        if merged_in is None:  # (weights with an adapter merged differ from the plain ones training recorded)
+        # (weights with the heads' own adapter merged differ from the plain ones training recorded: not compared)
+        if merged_in is None or not (merged_in in digests or merged_in == exported_digest):
             _check_trained_weights(config, name, directory, adapting=merge)
         if wants_adapted and exported_digest is not None and merged_in is not None and exported_digest not in (
                 adapter_digests(already[0]) if already is not None and Path(already[0]).is_dir() else (merged_in,)):
@@ -1087,9 +1088,11 @@ def _check_trained_weights(config: MedusaConfig, name: str | None, directory: Pa
     where = f" ({trained_on})" if isinstance(trained_on, str) and trained_on != name else ""
     effect = ("their Medusa-2 adapter, merged into these, gives neither model's output" if adapting else
               "their drafts will seldom be accepted (the output is still this model's own)")
-    logger.warning("the heads in %s were trained on other weights%s than %s holds (their training recorded %s, "
-                   "these are %s): %s; give the model they were trained on (base_model=, or the command lines' "
-                   "--model)", directory, where, name, recorded, now, effect)
+    logger.warning("the heads in %s were trained on weights%s whose files differ from those of %s (their training "
+                   "recorded %s, these are %s): if these are other weights (a fine-tune's parent model, say), %s; "
+                   "give the model they were trained on (base_model=, or the command lines' --model). A copy of the "
+                   "same weights saved otherwise (in other shards, say) differs too", directory, where, name,
+                   recorded, now, effect)
 
 
 def _load_base(

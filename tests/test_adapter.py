@@ -307,12 +307,24 @@ def test_the_trained_weights_check_leaves_the_merged_export_alone_and_names_the_
         model = MedusaModel.from_pretrained(folder, base_model=LlamaForCausalLM.from_pretrained(tmp_path / "plain"))
         model.base_model.save_pretrained(tmp_path / "merged")
         MedusaModel.from_pretrained(folder, base_model=LlamaForCausalLM.from_pretrained(tmp_path / "merged"))
-    assert "trained on other weights" not in caplog.text
+    assert "whose files differ" not in caplog.text
     with caplog.at_level("WARNING", logger="medusa_infer.model"):
         MedusaModel.from_pretrained(folder, base_model=LlamaForCausalLM.from_pretrained(tmp_path / "other"))
-    assert f"trained on other weights ({tmp_path / 'plain'}) than {tmp_path / 'other'} holds" in caplog.text
+    assert f"trained on weights ({tmp_path / 'plain'}) whose files differ from those of {tmp_path / 'other'}" \
+        in caplog.text
     assert "their Medusa-2 adapter, merged into these, gives neither model's output" in caplog.text
     assert "still this model's own" not in caplog.text
+    # heads bringing no adapter, on the merged export of this one: other weights than theirs (it was said nowhere)
+    caplog.clear()
+    plain = tmp_path / "plain-heads"
+    shutil.copytree(folder, plain, ignore=shutil.ignore_patterns(ADAPTER_DIR))
+    config = json.loads((plain / "config.json").read_text())
+    config["training"]["recipe"]["training"]["mode"] = "medusa1"
+    (plain / "config.json").write_text(json.dumps(config))
+    with caplog.at_level("WARNING", logger="medusa_infer.model"):
+        MedusaModel.from_pretrained(plain, base_model=LlamaForCausalLM.from_pretrained(tmp_path / "merged"))
+    assert f"whose files differ from those of {tmp_path / 'merged'}" in caplog.text
+    assert "(the output is still this model's own)" in caplog.text
 
 
 def test_saving_keeps_the_merged_adapter_beside_the_heads(heads_folder, tmp_path):
