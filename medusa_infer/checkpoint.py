@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
-from pathlib import Path
+from pathlib import Path, PureWindowsPath
 from typing import Any
 
 import torch
@@ -193,15 +194,23 @@ def push_folder_to_hub(
             folder, "medusa-forge" if WEIGHTS_NAME in layouts else "FasterDecoding") is not None:
         raise ValueError(f"{folder} holds no saved heads (a config.json of heads beside their weights): pass the heads "
                          "folder (a run's heads/, or what save_pretrained wrote), not a run folder")
-    api = HfApi(token=token)
+    with tempfile.TemporaryDirectory() as stage:
+        published = _published(folder, Path(stage))  # before the repo is made (a failure here is no Hub's)
+        return _create_and_upload(HfApi(token=token), published, folder, repo_id, private, revision, token,
+                                  commit_message)
+
+
+def _create_and_upload(api: Any, published: Path, folder: Path, repo_id: str, private: bool | None,
+                       revision: str | None, token: str | None, commit_message: str) -> str:
+    """``push_folder_to_hub``'s Hub part: the repo and branch made where missing, ``published`` uploaded;
+    the Hub's errors named with the repo and the fix (``ValueError``)."""
     try:
         repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id  # (a bare name: the user's)
         if private:  # create_repo leaves an existing repo as it is
             check_private_upload(repo_id, token)
         if revision is not None:
             api.create_branch(repo_id, branch=revision, exist_ok=True)
-        with tempfile.TemporaryDirectory() as stage:
-            return _upload(api, _published(folder, Path(stage)), repo_id, revision, commit_message)
+        return _upload(api, published, repo_id, revision, commit_message)
     except ValueError:  # (ours, saying what to do: a public repo for a private upload)
         raise
     except Exception as err:  # the Hub's (HTTP, network): a traceback after hours of training said nothing to do
@@ -221,7 +230,10 @@ def _published(folder: Path, stage: Path) -> Path:
     for path in folder.rglob("*"):  # (files linked one by one: a linked folder's files may not be walked)
         if path.is_file():
             (stage / path.relative_to(folder)).parent.mkdir(parents=True, exist_ok=True)
-            (stage / path.relative_to(folder)).symlink_to(path.resolve())
+            try:
+                (stage / path.relative_to(folder)).symlink_to(path.resolve())
+            except OSError:  # no links here (Windows without developer mode, some file systems): a copy
+                shutil.copy2(path, stage / path.relative_to(folder))
     (stage / CONFIG_NAME).unlink()
     (stage / CONFIG_NAME).write_text(json.dumps({**config, "training": _public(training)}, indent=2) + "\n",
                                      encoding="utf-8")
@@ -500,7 +512,10 @@ def _public(value: Any, key: str = "") -> Any:
         return [_public(item, key) for item in value]
     local = isinstance(value, str) and "\n" not in value and (
         value.startswith(("/", "~")) or (len(value) > 2 and value[1] == ":" and value[2] in "\\/"))
-    return f"<local>/{Path(value).name}" if local and key.rsplit(".", 1)[-1] in PATH_KEYS else value
+    if not local or key.rsplit(".", 1)[-1] not in PATH_KEYS:
+        return value
+    # (a Windows path's parts, read on any system: Path took C:\Users\alice\x.jsonl for one name)
+    return f"<local>/{PureWindowsPath(value).name if value[1:2] == ':' else Path(value).name}"
 
 
 def _is_table(value: Any) -> bool:

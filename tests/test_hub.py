@@ -351,6 +351,15 @@ def test_the_uploaded_config_shows_the_training_records_local_paths_by_their_las
         k: v for k, v in json.loads(local).items() if k != "training"}
     assert (folder / "config.json").read_bytes() == local
     assert MedusaConfig.from_dict(config).training == config["training"]  # (still a heads config)
+    # no links on this file system (Windows without developer mode): copies; the error was taken for the Hub's,
+    # after the repo was made
+    def no_links(self, target):
+        raise OSError(1314, "A required privilege is not held by the client")
+
+    monkeypatch.setattr(type(folder), "symlink_to", no_links)
+    push_folder_to_hub(folder, REPO_ID + "-copied", token=TOKEN)
+    copied = hub.files[(REPO_ID + "-copied", "main")]
+    assert copied == uploaded and not hub.unexpected
 
 
 def test_the_card_names_a_base_model_in_its_front_matter_only_when_it_can_be_a_hub_id(tmp_path, monkeypatch):
@@ -365,11 +374,13 @@ def test_the_card_names_a_base_model_in_its_front_matter_only_when_it_can_be_a_h
     assert "dequantized from the GGUF file `SmolLM2-135M-Instruct.Q4_1.gguf`" in model_card(config)  # said nowhere
     assert 'base_model: "org/llama"\n' in front(model_card(config, base_model_id="org/llama"))
     config.training = {"recipe": {"model": {"name": "/home/alice/models/llama"}, "output_dir": "~/runs/x",
-                                  "data": {"rows": "C:/Users/alice/rows.jsonl", "system_prompt": "/no_think"}},
+                                  "data": {"rows": "C:/Users/alice/rows.jsonl", "system_prompt": "/no_think",
+                                           "prompts": "D:\\Users\\bob\\prompts.jsonl"}},
                        "changed": {"model.name": "/home/alice/models/llama"}}
     card = model_card(config)  # local paths of the training record by their last part (a home folder published)
     assert "/home/alice" not in card and "~/runs" not in card and "C:/Users" not in card
     assert '"<local>/llama"' in card and '"<local>/rows.jsonl"' in card
+    assert '"<local>/prompts.jsonl"' in card and "bob" not in card  # (read as one name on Linux)
     assert '"system_prompt": "/no_think"' in card  # text that is no path, as it is
     config.training = {}
     for name in ("null", "true", "1.0"):  # repo names YAML read as another type (None, True, 1.0)
