@@ -333,9 +333,12 @@ def check_examples_fit(config: TrainConfig, examples: list[dict]) -> None:
     past = next(((example["input_ids"], token) for example in examples
                  for token in example["input_ids"] if vocab is not None and token >= vocab), None)
     if past is not None:
+        why = ("the examples were made with another tokenizer; make them with this model's (or give data.rows and "
+               "let the run tokenise them)" if config.data.tokenized else
+               f"the tokenizer in {folder} holds more tokens than the model's embedding (added without resizing "
+               "it): resize the model's embeddings (and save it), or remove the added tokens")
         raise ValueError(f"an example holds the token id {past[1]}, past the model's vocabulary of {vocab} tokens "
-                         f"(input_ids {past[0]!r:.60}): the examples were made with another tokenizer; make them "
-                         "with this model's (or give data.rows and let the run tokenise them)")
+                         f"(input_ids {past[0]!r:.60}): {why}")
     try:
         context = config_context_length(model_config)
     except ValueError:  # a config that states no context length

@@ -208,6 +208,8 @@ class DistillConfig:
              f"prompt_overflow must be one of {OVERFLOW}, got {self.prompt_overflow!r}"),
             (self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}"),
             (self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}"),
+            (self.system_prompt != "", "system_prompt is empty: give text, or leave it out (the chat template's own "
+             "default); rows with an empty one could not be trained on (a recipe's data.system_prompt takes none)"),
             (self.concurrency >= 1, f"concurrency must be >= 1, got {self.concurrency}"),
             (self.max_retries >= 0, f"max_retries must be >= 0 (0: ask once), got {self.max_retries}"),
             (self.request_timeout_s > 0, f"request_timeout_s must be > 0 seconds, got {self.request_timeout_s}"),

@@ -1110,6 +1110,8 @@ def test_endpoint_rows_count_and_cut_answers_as_the_local_backend_does(tokenizer
     (dict(request_timeout_s=0), "request_timeout_s must be > 0 seconds, got 0"),
     (dict(retry_backoff_s=-1.0), "retry_backoff_s must be >= 0 seconds, got -1.0"),
     (dict(chat_template="templates/vicuna_v1.1.jinja"), "has no {{ or {%, so it is no template"),
+    # an empty system message: rows no recipe could train on (data.system_prompt takes none), nor a datastore use
+    (dict(system_prompt=""), "system_prompt is empty: give text, or leave it out"),
 ])
 def test_settings_that_would_fail_every_request_or_render_every_prompt_alike_are_refused(setting, message):
     """max_retries=-1 ended in AssertionError("unreachable"), a timeout of 0 failed every request after 31 s
@@ -1117,7 +1119,8 @@ def test_settings_that_would_fail_every_request_or_render_every_prompt_alike_are
     template itself: every prompt rendered as that path's text, without a word."""
     with pytest.raises(ValueError, match=re.escape(message)):
         DistillConfig(prompts="p.jsonl", backend="openai", endpoint="http://127.0.0.1:1", **setting)
-    flags = {"max_retries": "--max-retries", "chat_template": "--chat-template"}  # the command line's
+    flags = {"max_retries": "--max-retries", "chat_template": "--chat-template",
+             "system_prompt": "--system-prompt"}  # the command line's
     for name, value in setting.items():
         if name in flags:
             with pytest.raises(ValueError, match=re.escape(message)):

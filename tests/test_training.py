@@ -1463,6 +1463,22 @@ def test_examples_past_the_models_context_are_refused_before_features_are_extrac
                                                    f"vocabulary of {vocab} tokens (input_ids [3, {vocab}, 4]): the "
                                                    "examples were made with another tokenizer")):
         train_heads.main(["--config", config_file, "data.max_length=256", "output_dir=" + str(tmp_path / "run2")])
+    # rows the run tokenises itself, with a token the tokenizer added past the embedding: not another tokenizer's
+    from medusa_infer.serving.testing import word_tokenizer
+
+    words = word_tokenizer()
+    tiny_model("llama", vocab_size=len(words)).save_pretrained(tmp_path / "grown")
+    words.add_tokens(["zzz"])  # (the embedding not resized)
+    words.save_pretrained(tmp_path / "grown")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"id": str(i), "prompt": "the cat sat", "response": "the dog zzz ran"}) + "\n"
+                            for i in range(6)))
+    grown = {"output_dir": str(tmp_path / "run3"), "model": {"name": str(tmp_path / "grown")},
+             "data": {"rows": str(rows), "heldout_fraction": 0.34}, "heads": {"num_heads": 2, "num_layers": 1},
+             "training": {"max_steps": 1}}
+    with pytest.raises(SystemExit, match=r"the tokenizer in .*grown holds more tokens than the model's embedding "
+                                         r"\(added without resizing it\)"):
+        train_heads.main(["--config", str(write_recipe(tmp_path / "grown.yaml", grown))])
 
 
 def test_a_finished_fp16_run_is_evaluated_on_the_cpu(tiny_dir, tmp_path):
