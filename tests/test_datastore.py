@@ -512,7 +512,8 @@ def test_a_store_built_with_another_tokenizer_is_refused_at_load(tmp_path, caplo
     vocab = renamed.get_vocab()
     assert "five" in vocab
     backend = json.loads(renamed.backend_tokenizer.to_str())
-    backend["model"]["vocab"] = {("fivex" if word == "five" else word): i for word, i in backend["model"]["vocab"].items()}
+    backend["model"]["vocab"] = {("fivex" if word == "five" else word): i
+                                 for word, i in backend["model"]["vocab"].items()}
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 

@@ -1102,7 +1102,8 @@ def test_endpoint_rows_count_and_cut_answers_as_the_local_backend_does(tokenizer
         with pytest.raises(distill_module.RejectedError, match=r"holds no answer \(content '\s*', finish_reason "
                                                                r"'length'\)"):
             distill_module.completion_row(prompt, "hi", reply(blank, "length", 256), config, lambda: tokenizer)
-    assert distill_module.completion_row(prompt, "hi", reply("", "stop", 1), config, lambda: tokenizer)["response"] == ""
+    ended_empty = distill_module.completion_row(prompt, "hi", reply("", "stop", 1), config, lambda: tokenizer)
+    assert ended_empty["response"] == ""
 
 
 @pytest.mark.parametrize("setting, message", [
