@@ -363,11 +363,13 @@ def sample_prompts(
     per_source: dict[str, int] | None = None,
     seed: int = 0,
     exclude_ids: Iterable[str] = (),
+    shuffle_first: bool = True,
 ) -> list[dict[str, Any]]:
     """A deterministic sample of prompts, balanced by ``source``.
 
     Each source's prompts are shuffled with ``seed`` (all of them: ``exclude_ids`` are left out after, so that
-    leaving out a prompt the sample did not hold changes nothing); sources (sorted by name) then take turns,
+    leaving out a prompt the sample did not hold changes nothing; ``shuffle_first=False``: before, as releases
+    before commit 0c5145d drew it, ``run_prompts``); sources (sorted by name) then take turns,
     so every source gives the same number of prompts until it runs out. With ``per_source``
     quotas, only the named sources are used, each up to its quota (still interleaved). The
     result is cut to ``n`` (``None``: no cut). For a fixed seed a smaller ``n`` gives a prefix
@@ -380,7 +382,7 @@ def sample_prompts(
     in_file = {source: len(rows) for source, rows in every.items()}
     by_source: dict[str, list[dict[str, Any]]] = {}
     for source, rows in every.items():
-        rows = list(rows)
+        rows = list(rows) if shuffle_first else [row for row in rows if row["id"] not in excluded]
         random.Random(f"{seed}:{source}").shuffle(rows)
         kept = [row for row in rows if row["id"] not in excluded]
         if kept:
@@ -446,6 +448,22 @@ def recipe_config(config: TrainConfig) -> DistillConfig:
     )
 
 
+def run_prompts(config: DistillConfig, done: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """The prompts a run answers: ``sample_prompts`` of its settings; where ``exclude_ids`` are set and the rows
+    written (``done``, default: ``config.output``'s and its shards') hold more of the sample releases before
+    commit 0c5145d drew (excluded prompts left out before the shuffle), that one: its finished run would be
+    answered again otherwise."""
+    args = (config.prompts, config.n, config.per_source, config.seed, config.exclude_ids)
+    sample = sample_prompts(*args)
+    if not config.exclude_ids:
+        return sample
+    done_ids = {str(row["id"]) for row in (existing_rows(config.output) if done is None else done)}
+    if not done_ids:
+        return sample
+    legacy = sample_prompts(*args, shuffle_first=False)
+    return legacy if sum(p["id"] in done_ids for p in legacy) > sum(p["id"] in done_ids for p in sample) else sample
+
+
 def check_empty_prompts(prompts: list[dict[str, Any]], done: Iterable[dict[str, Any]], path: str | Path) -> None:
     """``ValueError`` naming the sampled prompts still to answer that are empty (or only whitespace): they were
     distilled as empty user turns, and trained on, without a word. Prompts answered already (by an earlier
@@ -469,8 +487,8 @@ def pending_prompts(config: DistillConfig, merged: bool = False) -> tuple[int, i
     ``ValueError`` (``check_resumable``) when the rows there were made with another model or
     other generation settings.
     """
-    prompts = sample_prompts(config.prompts, config.n, config.per_source, config.seed, config.exclude_ids)
     done = existing_rows(config.output)
+    prompts = run_prompts(config, done)
     check_resumable(done, config)
     check_prompt_texts(done, prompts, config)
     check_empty_prompts(prompts, done, config.prompts)
@@ -705,7 +723,7 @@ def warn_rows_outside_sample(config: DistillConfig) -> None:
     """Warn when ``config.output`` holds rows of prompts ``config`` does not sample (a run with a larger
     ``n`` or another prompt file made them): they are trained on. For a run that answers nothing, as
     ``distill`` warns when it has nothing left to answer."""
-    prompts = sample_prompts(config.prompts, config.n, config.per_source, config.seed, config.exclude_ids)
+    prompts = run_prompts(config)
     output = Path(config.output)
     _warn_extra_rows(output, (str(row["id"]) for row in read_jsonl_tolerant(output)), (p["id"] for p in prompts))
 
@@ -1413,10 +1431,9 @@ def distill(
     world_size = accelerator.num_processes if accelerator is not None else 1
     device = config.device or (accelerator.device if accelerator is not None else "cpu")
     Path(config.output).parent.mkdir(parents=True, exist_ok=True)
-    prompts = sample_prompts(
-        config.prompts, config.n, config.per_source, config.seed, config.exclude_ids
-    )
-    check_empty_prompts(prompts, existing_rows(config.output), config.prompts)
+    done = existing_rows(config.output)
+    prompts = run_prompts(config, done)
+    check_empty_prompts(prompts, done, config.prompts)
     if rank == 0:
         sources: dict[str, int] = {}
         for prompt in prompts:

@@ -168,6 +168,31 @@ def test_prompts_file_rows_are_checked_by_line(tmp_path, line, says):
     assert read_prompts(path) == [{"id": "7", "source": "", "prompt": "first"}]
 
 
+def test_a_run_an_earlier_release_sampled_with_exclusions_is_not_answered_again(tmp_path, model_dir, prompts_file,
+                                                                                  monkeypatch):
+    """Excluded prompts are left out after the shuffle since commit 0c5145d: a run an earlier release drew with
+    exclude_ids (excluded ones left out before it) sampled other prompts, answered part of its sample again and
+    trained on both."""
+    import functools
+
+    output = tmp_path / "rows.jsonl"
+    excluded = [sample_prompts(prompts_file, None)[0]["id"], sample_prompts(prompts_file, None)[5]["id"]]
+    config = make_config(model_dir, prompts_file, output, n=8, exclude_ids=excluded)
+    real = distill_module.sample_prompts
+    legacy = real(prompts_file, 8, exclude_ids=excluded, shuffle_first=False)
+    assert legacy != real(prompts_file, 8, exclude_ids=excluded)  # (the two samples differ)
+    monkeypatch.setattr(distill_module, "sample_prompts", functools.partial(real, shuffle_first=False))
+    distill(config)  # as an earlier release drew it
+    monkeypatch.setattr(distill_module, "sample_prompts", real)
+    assert [row["id"] for row in read_rows(output)] == [p["id"] for p in legacy]
+    assert pending_prompts(config) == (8, 0)
+    distill(config)
+    assert [row["id"] for row in read_rows(output)] == [p["id"] for p in legacy]  # nothing answered again
+    fresh = tmp_path / "fresh.jsonl"  # a new run: the new sample
+    distill(make_config(model_dir, prompts_file, fresh, n=8, exclude_ids=excluded))
+    assert [row["id"] for row in read_rows(fresh)] == [p["id"] for p in real(prompts_file, 8, exclude_ids=excluded)]
+
+
 def test_a_cut_line_is_not_taken_for_a_json_list(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"id": "a", "prompt": "first"}\n{"id": "b", "prom')  # a writer killed mid-line
