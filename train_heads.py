@@ -652,9 +652,16 @@ def stage_evaluate(config: TrainConfig, accelerator: Any, train: list[dict], hel
         mconfig, heads, accuracy = heldout_accuracy(config, accelerator, heldout, folders)
         mconfig.base_model_name_or_path = tr.heads_base_name(config)  # model.hub_id, set after training too
         partial = _atomic_folder(paths.heads)
+        from medusa_infer.models import load_tokenizer
+
+        try:  # (the card's example renders a chat where it can; the store records it)
+            tokenizer = load_tokenizer(config.model.name, trust_remote_code=config.model.trust_remote_code)
+        except (OSError, ValueError):  # pre-tokenized data may come without one
+            tokenizer = None
+        chat = tokenizer is None or bool(mconfig.chat_template or getattr(tokenizer, "chat_template", None))
         ev.finalize(partial, mconfig, heads.state_dict(), accuracy, config.eval.tree_size,
                     base_model_id=config.model.hub_id,
-                    extra={"stage_seconds": timings, "evaluated_with": tr.eval_settings(config)})
+                    extra={"stage_seconds": timings, "evaluated_with": tr.eval_settings(config)}, chat=chat)
         if config.training.mode == "medusa2":
             from medusa_train.lora import ADAPTER_DIR
 
@@ -672,12 +679,6 @@ def stage_evaluate(config: TrainConfig, accelerator: Any, train: list[dict], hel
             from medusa_infer.datastore import DATASTORE_NAME
             from medusa_train.datastore import build_datastore
 
-            from medusa_infer.models import load_tokenizer
-
-            try:  # recorded in the store when the model has one (pre-tokenized data may come without)
-                tokenizer = load_tokenizer(config.model.name, trust_remote_code=config.model.trust_remote_code)
-            except (OSError, ValueError):
-                tokenizer = None
             store = build_datastore(train, tokenizer)
             d = config.data
             store.origin = ("written by `train_heads.py`: the training split's "

@@ -489,8 +489,10 @@ class MedusaModel(nn.Module):
                              "model: load a fresh one")
         recorded = getattr(base_model.config, MERGED_ADAPTER_KEY, None)
         merged_in = already[1] if already is not None else recorded  # the adapter in base_model's weights, if known
-        # (weights with the heads' own adapter merged differ from the plain ones training recorded: not compared)
-        if merged_in is None or not (merged_in in digests or merged_in == exported_digest):
+        # (weights with the heads' own adapter merged differ from the plain ones training recorded: not compared;
+        # with adapter=False too)
+        own = digests or (adapter_digests(adapter_folder) if adapter_folder.is_dir() else ())
+        if merged_in is None or not (merged_in in own or merged_in == exported_digest):
             _check_trained_weights(config, name, directory, adapting=merge)
         if wants_adapted and exported_digest is not None and merged_in is not None and exported_digest not in (
                 adapter_digests(already[0]) if already is not None and Path(already[0]).is_dir() else (merged_in,)):

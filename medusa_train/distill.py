@@ -750,6 +750,10 @@ def merge_shards(
     # gone before the new rows land, whatever the format: a kill in between, or a JSONL-only merge,
     # leaves no short Arrow copy behind (a later arrow run would take it as complete)
     shutil.rmtree(arrow_path(output), ignore_errors=True)
+    old = output.with_suffix(".arrow")  # where releases before commit 0c5145d saved it: left, named (it may be
+    if old != arrow_path(output) and (old / "dataset_info.json").is_file():  # another output's own copy)
+        logger.warning("%s is where earlier releases saved the Arrow copy of %s: it holds the rows of then, not "
+                       "these (now in %s); delete it unless it is another output's", old, output, arrow_path(output))
     tmp = output.with_name(output.name + ".merging")
     with tmp.open("w", encoding="utf-8") as handle:
         for row in rows:

@@ -169,8 +169,9 @@ def summary_table(accuracy: HeadAccuracy, tree: list[tuple[int, ...]]) -> str:
 
 def finalize(folder: str | Path, config: MedusaConfig, heads_state: Mapping[str, torch.Tensor],
              accuracy: HeadAccuracy, tree_size: int, base_model_id: str | None = None,
-             extra: Mapping[str, Any] | None = None) -> Path:
-    """Store accuracies and the fitted tree in the heads' config and save the heads with their card."""
+             extra: Mapping[str, Any] | None = None, chat: bool = True) -> Path:
+    """Store accuracies and the fitted tree in the heads' config and save the heads with their card (``chat``:
+    whether the base model's tokenizer renders chats, ``save_heads``)."""
     tree = fit_tree(accuracy, tree_size)
     paths = stored_paths(accuracy, tree_size)
     config.head_accuracies = accuracy.topk()
@@ -183,7 +184,7 @@ def finalize(folder: str | Path, config: MedusaConfig, heads_state: Mapping[str,
     }
     if extra:
         config.training = {**config.training, **extra}
-    return save_heads(folder, config, dict(heads_state), base_model_id)
+    return save_heads(folder, config, dict(heads_state), base_model_id, chat)
 
 
 def push_to_hub(folder: str | Path, repo_id: str, private: bool | None = None) -> str:

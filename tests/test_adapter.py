@@ -307,6 +307,8 @@ def test_the_trained_weights_check_leaves_the_merged_export_alone_and_names_the_
         model = MedusaModel.from_pretrained(folder, base_model=LlamaForCausalLM.from_pretrained(tmp_path / "plain"))
         model.base_model.save_pretrained(tmp_path / "merged")
         MedusaModel.from_pretrained(folder, base_model=LlamaForCausalLM.from_pretrained(tmp_path / "merged"))
+        MedusaModel.from_pretrained(folder, base_model=LlamaForCausalLM.from_pretrained(tmp_path / "merged"),
+                                    adapter=False)  # (their own adapter merged there, though not taken)
     assert "whose files differ" not in caplog.text
     with caplog.at_level("WARNING", logger="medusa_infer.model"):
         MedusaModel.from_pretrained(folder, base_model=LlamaForCausalLM.from_pretrained(tmp_path / "other"))

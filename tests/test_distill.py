@@ -42,6 +42,7 @@ from medusa_train.distill import (
     read_ids,
     read_prompts,
     sample_prompts,
+    save_arrow,
     shard_path,
 )
 from tiny import tiny_model
@@ -367,7 +368,7 @@ def test_the_arrow_copy_keeps_a_key_the_first_row_lacks(tmp_path):
                                {"id": "1", "response": "b", "served_model": "other"}]
 
 
-def test_a_jsonl_merge_leaves_no_stale_arrow_copy(tmp_path, model_dir, prompts_file):
+def test_a_jsonl_merge_leaves_no_stale_arrow_copy(tmp_path, model_dir, prompts_file, caplog):
     output = tmp_path / "rows.jsonl"
     distill(make_config(model_dir, prompts_file, output, n=4, format="arrow"))
     distill(make_config(model_dir, prompts_file, output, n=8))  # JSONL only: the Arrow copy would hold 4
@@ -376,6 +377,13 @@ def test_a_jsonl_merge_leaves_no_stale_arrow_copy(tmp_path, model_dir, prompts_f
     assert len(read_rows(output)) == 8
     # outputs whose names differ in their suffix only: they shared one folder (rows.arrow), each run's copy
     # replacing the other's, and a rerun took the other's rows for its own
+    # the copy where earlier releases saved it (rows.arrow) holds the rows of then: named, not deleted (it may be
+    # another output's own copy), as a data.rows pointing at it trained on the short copy without a word
+    save_arrow(read_rows(output)[:4], tmp_path / "rows.arrow")
+    with caplog.at_level(logging.WARNING, logger="medusa_train.distill"):
+        distill(make_config(model_dir, prompts_file, output, n=9))
+    assert f"{tmp_path / 'rows.arrow'} is where earlier releases saved the Arrow copy of {output}" in caplog.text
+    assert (tmp_path / "rows.arrow").is_dir()
     first, second = tmp_path / "rows.v1", tmp_path / "rows.v2"
     distill(make_config(model_dir, prompts_file, first, n=2, format="arrow"))
     distill(make_config(model_dir, prompts_file, second, n=5, seed=3, format="arrow"))

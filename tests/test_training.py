@@ -1481,6 +1481,23 @@ def test_examples_past_the_models_context_are_refused_before_features_are_extrac
         train_heads.main(["--config", str(write_recipe(tmp_path / "grown.yaml", grown))])
 
 
+def test_the_cards_example_sends_text_where_the_tokenizer_renders_no_chats(tiny_dir, tmp_path):
+    """The heads' card (the one uploaded) sent a chat where the model's tokenizer has no template: its example
+    failed ("this tokenizer has no chat template")."""
+    import train_heads
+    from medusa_infer.serving.testing import word_tokenizer
+
+    shutil.copytree(tiny_dir / "model", tmp_path / "model")
+    plain = word_tokenizer()
+    plain.chat_template = None
+    plain.save_pretrained(tmp_path / "model")
+    values = recipe(tiny_dir, tmp_path / "run", training={"max_steps": 2})
+    values["model"]["name"] = str(tmp_path / "model")
+    assert train_heads.main(["--config", str(write_recipe(tmp_path / "r.yaml", values))]) == 0
+    card = (tmp_path / "run" / "heads" / "README.md").read_text()
+    assert 'model.generate(prompt="The capital of France is"' in card and "messages=" not in card
+
+
 def test_a_finished_fp16_run_is_evaluated_on_the_cpu(tiny_dir, tmp_path):
     """The fp16 refusal is for training: a run a GPU trained in fp16 (its settings say so, and a rerun must
     keep them) is evaluated on a CPU (it was refused, and with the precision changed refused as another run)."""
