@@ -1064,10 +1064,7 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             metrics["loss"] = loss.detach()
-            for key, value in metrics.items():
-                value = value.detach().float().to(accelerator.device)
-                window[key] = window.get(key, 0) + value
-                measured[key] = measured.get(key, 0) + 1
+            add_to_window(window, measured, metrics, accelerator.device)
             window_units += len(index)
         used_lrs = scheduler.get_last_lr()  # what this step's optimizer steps ran with (not the next step's)
         scheduler.step()
@@ -1097,6 +1094,15 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
     heads_state = {k: v.detach().cpu().clone() for k, v in task.heads_state(accelerator, module).items()}
     return TrainResult(heads_state, module, step, start_step, seconds_before + time.perf_counter() - start_time,
                        record, model_weights)
+
+
+def add_to_window(window: dict[str, Any], measured: dict[str, int], metrics: Mapping[str, torch.Tensor],
+                  device: torch.device | str) -> None:
+    """Add one micro-step's ``metrics`` to a log window's sums, counting per metric the micro-steps that measured
+    it (``_summarise`` averages each over those: Medusa-2's base KL exists on joint micro-steps only)."""
+    for key, value in metrics.items():
+        window[key] = window.get(key, 0) + value.detach().float().to(device)
+        measured[key] = measured.get(key, 0) + 1
 
 
 def _summarise(accelerator: Any, window: dict[str, torch.Tensor], measured: Mapping[str, int], units: int,
