@@ -197,6 +197,25 @@ def test_typical_matches_formula_on_random_distributions(temperature):
     assert 0 < expected.sum() < batch  # both outcomes occur
 
 
+def test_typical_judges_each_node_by_its_own_parents_distribution_down_a_chain():
+    """The formula at every depth: a node's token against its parent's p and threshold (a rule that took the
+    root's threshold at every depth passed the one-node check above)."""
+    gen = torch.Generator().manual_seed(3)
+    batch, vocab, depth = 3000, 6, 3
+    buffers = build_tree_buffers([(0,), (0, 0), (0, 0, 0)], num_heads=depth, top_k=1)
+    logits = 1.5 * torch.randn(batch, depth + 1, vocab, generator=gen)
+    tokens = torch.randint(vocab, (batch, depth + 1), generator=gen)
+    result = accept_typical(logits, tokens, buffers, temperature=1.0, generator=gen)
+    p = torch.softmax(logits[:, :depth].double(), -1)  # each node's parent law: nodes 0..depth-1
+    entropy = -(p * p.log()).sum(-1)
+    threshold = torch.minimum(torch.full_like(entropy, 0.09), 0.3 * torch.exp(-entropy))
+    p_token = p.gather(2, tokens[:, 1:, None]).squeeze(2)  # [batch, depth]
+    expected = (p_token > threshold).long().cumprod(1).sum(1)
+    clear = ((p_token - threshold).abs() > 1e-5).all(1)
+    assert torch.equal(result.accept_length[clear], expected[clear])
+    assert set(expected[clear].tolist()) == {0, 1, 2, 3}  # every length occurs
+
+
 def test_typical_prefers_more_likely_path_among_equally_long():
     buffers = build_tree_buffers([(0,), (1,)], num_heads=1, top_k=2)
     root = torch.tensor([0.1, 0.4, 0.5, 1e-9]).log()

@@ -566,12 +566,27 @@ def test_a_mask_with_a_gap_inside_the_prompt_is_refused_only_where_a_window_make
     assert out.new_tokens[0] == expected[0, ids.shape[1]:].tolist()
 
 
-def test_typical_and_lossless_sampling_run_and_are_reproducible():
+def test_typical_and_lossless_sampling_run_and_are_reproducible(monkeypatch):
+    """Each acceptance runs its own rule, with the step's settings (the typical branch calling the greedy rule
+    passed: runs, reproducible, as long)."""
+    from medusa_infer import acceptance as rules
+
     model = medusa("llama")
     prompt = torch.tensor([[5, 6, 7, 8]])
+    called: list[tuple[str, float]] = []
+    for name in ("accept_typical", "accept_lossless", "accept_greedy"):
+        real = getattr(rules, name)
+
+        def spy(logits, tokens, tree, *args, _real=real, _name=name, **kwargs):
+            called.append((_name, args[0] if args else None))
+            return _real(logits, tokens, tree, *args, **kwargs)
+
+        monkeypatch.setattr(rules, name, spy)
     for acceptance, top_p in (("typical", 1.0), ("lossless", 0.9)):  # typical takes no top-p
+        called.clear()
         a = generate(model, prompt, max_new_tokens=20, do_sample=True, temperature=0.8, top_p=top_p,
                      acceptance=acceptance, seed=11, eos_token_id=NO_EOS)
+        assert called and set(called) == {(f"accept_{acceptance}", 0.8)}  # every step: its rule, its temperature
         b = generate(model, prompt, max_new_tokens=20, do_sample=True, temperature=0.8, top_p=top_p,
                      acceptance=acceptance, seed=11, eos_token_id=NO_EOS)
         assert a.new_tokens == b.new_tokens and len(a.new_tokens[0]) == 20

@@ -252,6 +252,7 @@ def test_push_to_existing_repo_and_branch_succeeds(hub, monkeypatch):
     assert not hub.unexpected
     assert hub.calls.count("create") == hub.calls.count("branch") == 2  # the second pair answered 409
     assert [c["header"]["summary"] for c in hub.commits] == ["Upload Medusa heads with medusa-forge", "Retrain heads"]
+    assert [c["revision"] for c in hub.commits] == ["medusa-v1", "medusa-v1"]  # (not main, once the branch exists)
     assert "visibility" not in hub.repos[REPO_ID]  # private=None leaves the Hub's default
 
 

@@ -165,7 +165,8 @@ def test_transformers_generate_gives_the_same_tokens_with_a_growing_cache(arch):
     if arch == "gemma3_text-window-8":
         config.sliding_window, config.layer_types = 8, ["sliding_attention", "full_attention"]
         config.num_hidden_layers = 2
-    torch.manual_seed(0)
+    config.initializer_range = 0.2  # outputs that vary (at 0.02, keys halved in the cache left gpt2's tokens as
+    torch.manual_seed(0)  # they were: its attention was near uniform)
     model = AutoModelForCausalLM.from_config(config).eval()
     ids = torch.randint(3, VOCAB, (3, 20), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)

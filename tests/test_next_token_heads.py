@@ -59,16 +59,28 @@ def test_heads_called_without_the_token_say_how_to_fix_it():
                     model.base_model.get_input_embeddings().weight)
 
 
-def test_decoding_feeds_the_roots_and_stays_exact():
+def test_decoding_feeds_the_roots_and_stays_exact(monkeypatch):
+    """Each step's heads read that step's roots, row by row (the previous step's roots, a token of the answer
+    too, passed the check that the token read was emitted, and greedy verification kept the output exact)."""
+    from medusa_infer.proposers.medusa import MedusaProposer
+
     model = heads_model(True)
     seen: list[torch.Tensor] = []
     head_logits = model.head_logits
+    roots: list[torch.Tensor] = []  # the roots of the step under way
+    propose = MedusaProposer.propose
 
     def recording(hidden, next_tokens=None, first=None):
         seen.append(next_tokens)
+        assert roots and torch.equal(next_tokens, roots[-1]), "the heads read other tokens than this step's roots"
         return head_logits(hidden, next_tokens, first=first)
 
+    def proposing(self, step_roots, context):
+        roots.append(step_roots.clone())
+        return propose(self, step_roots, context)
+
     model.head_logits = recording
+    monkeypatch.setattr(MedusaProposer, "propose", proposing)
     prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 9, 3)]
     for prompt in prompts:
         seen.clear()
@@ -79,6 +91,14 @@ def test_decoding_feeds_the_roots_and_stays_exact():
         assert seen and all(tokens is not None for tokens in seen), "the proposer did not pass its roots"
         # every step's root is an emitted token, so the heads read tokens of the answer itself
         assert all(int(tokens[0]) in out.new_tokens[0] for tokens in seen)
+    # a batch of rows: each row's heads read its own root (the rows' roots differ)
+    seen.clear()
+    batch = torch.stack([prompts[0], torch.randint(3, VOCAB, (5,), generator=torch.Generator().manual_seed(50))])
+    out = generate(model, batch, max_new_tokens=12, tree="tree-8", eos_token_id=[])
+    assert any(tokens.shape[0] == 2 and tokens[0] != tokens[1] for tokens in seen)
+    for row in range(2):
+        alone = generate(model, batch[row][None], max_new_tokens=12, tree="tree-8", eos_token_id=[])
+        assert out.new_tokens[row] == alone.new_tokens[0]
 
 
 def test_save_load_round_trip_keeps_the_token_projection(tmp_path):

@@ -371,13 +371,18 @@ def test_an_internal_error_in_a_stream_under_way_ends_it_with_an_error_event(ser
     assert {reason: aborted(reason) - before[reason] for reason in before} == {"error": 1, "disconnect": 0}
 
 
-@pytest.mark.parametrize("sampling", [{"temperature": 1e-300}, {"temperature": 1.0, "top_p": 1e-46}],
-                         ids=["temperature of 0 in float32", "top_p of 0 in float32"])
+@pytest.mark.parametrize("sampling", [{"temperature": 1e-300}, {"temperature": 1.0, "top_p": 1e-46},
+                                      {"temperature": 1.0, "top_k": 1}],
+                         ids=["temperature of 0 in float32", "top_p of 0 in float32", "top_k of 1"])
 def test_extreme_sampling_values_in_range_are_served(server, sampling):
+    """Served, and as the settings say: each leaves only the most likely token, the greedy answer (a server
+    that validated them and then sampled at temperature 1 passed when only the status was checked)."""
     client, _ = server
-    answer = client.post("/v1/completions", json=completion(**sampling, seed=1))
+    answer = client.post("/v1/completions", json=completion(**sampling, seed=1, max_tokens=12))
     assert answer.status_code == 200, answer.text
     assert answer.json()["usage"]["completion_tokens"] >= 1
+    greedy = client.post("/v1/completions", json=completion(temperature=0, max_tokens=12))
+    assert answer.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
 
 
 def test_server_still_serves_after_bad_input(server):
