@@ -656,7 +656,11 @@ def stage_evaluate(config: TrainConfig, accelerator: Any, train: list[dict], hel
 
         try:  # (the card's example renders a chat where it can; the store records it)
             tokenizer = load_tokenizer(config.model.name, trust_remote_code=config.model.trust_remote_code)
-        except (OSError, ValueError):  # pre-tokenized data may come without one
+        except Exception as err:  # pre-tokenized data may come without one, or with remote code this machine
+            # cannot run: the heads are written all the same (a run failed here, and every rerun after it)
+            print(f"train_heads.py: the tokenizer of {config.model.name} did not load ({type(err).__name__}: "
+                  f"{err}): the model card's example sends a chat, and the datastore records no tokenizer",
+                  file=sys.stderr)
             tokenizer = None
         chat = tokenizer is None or bool(mconfig.chat_template or getattr(tokenizer, "chat_template", None))
         ev.finalize(partial, mconfig, heads.state_dict(), accuracy, config.eval.tree_size,

@@ -491,7 +491,8 @@ class MedusaModel(nn.Module):
         merged_in = already[1] if already is not None else recorded  # the adapter in base_model's weights, if known
         # (weights with the heads' own adapter merged differ from the plain ones training recorded: not compared;
         # with adapter=False too)
-        own = digests or (adapter_digests(adapter_folder) if adapter_folder.is_dir() else ())
+        own = () if merged_in is None else digests or (adapter_digests(adapter_folder) if adapter_folder.is_dir()
+                                                        else ())
         if merged_in is None or not (merged_in in own or merged_in == exported_digest):
             _check_trained_weights(config, name, directory, adapting=merge)
         if wants_adapted and exported_digest is not None and merged_in is not None and exported_digest not in (

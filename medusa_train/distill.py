@@ -461,7 +461,13 @@ def run_prompts(config: DistillConfig, done: list[dict[str, Any]] | None = None)
     if not done_ids:
         return sample
     legacy = sample_prompts(*args, shuffle_first=False)
-    return legacy if sum(p["id"] in done_ids for p in legacy) > sum(p["id"] in done_ids for p in sample) else sample
+    written = [str(row["id"]) for row in (existing_rows(config.output) if done is None else done)]
+
+    def fit(prompts: list[dict[str, Any]]) -> tuple[int, bool]:  # (rows covered, and in the order written: a
+        ids = [p["id"] for p in prompts if p["id"] in done_ids]  # sample of the same prompts reordered them)
+        return len(ids), ids == [i for i in written if i in set(ids)]
+
+    return legacy if fit(legacy) > fit(sample) else sample
 
 
 def check_empty_prompts(prompts: list[dict[str, Any]], done: Iterable[dict[str, Any]], path: str | Path) -> None:
@@ -473,7 +479,7 @@ def check_empty_prompts(prompts: list[dict[str, Any]], done: Iterable[dict[str, 
     if empty:
         raise ValueError(f"{path}: the prompts {', '.join(map(repr, empty[:5]))}{' ...' if len(empty) > 5 else ''} "
                          "are empty: there is nothing to answer; leave them out (exclude_ids, a recipe's "
-                         "data.exclude_ids) or remove their lines")
+                         "data.distill_options.exclude_ids) or remove their lines")
 
 
 def pending_prompts(config: DistillConfig, merged: bool = False) -> tuple[int, int]:
@@ -751,8 +757,9 @@ def merge_shards(
     # leaves no short Arrow copy behind (a later arrow run would take it as complete)
     shutil.rmtree(arrow_path(output), ignore_errors=True)
     old = output.with_suffix(".arrow")  # where releases before commit 0c5145d saved it: left, named (it may be
-    if old != arrow_path(output) and (old / "dataset_info.json").is_file():  # another output's own copy)
-        logger.warning("%s is where earlier releases saved the Arrow copy of %s: it holds the rows of then, not "
+    if old != arrow_path(output) and (old / "dataset_info.json").is_file() \
+            and not output.with_suffix("").is_file():  # another output's own copy: that output is there)
+        logger.warning("%s is where earlier releases saved the Arrow copy of %s: it may hold the rows of then, not "
                        "these (now in %s); delete it unless it is another output's", old, output, arrow_path(output))
     tmp = output.with_name(output.name + ".merging")
     with tmp.open("w", encoding="utf-8") as handle:

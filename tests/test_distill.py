@@ -189,6 +189,17 @@ def test_a_run_an_earlier_release_sampled_with_exclusions_is_not_answered_again(
     assert pending_prompts(config) == (8, 0)
     distill(config)
     assert [row["id"] for row in read_rows(output)] == [p["id"] for p in legacy]  # nothing answered again
+    # every prompt sampled, in another order (n=None): the same prompts, kept in the order written (a rerun merged
+    # them anew in the new order, and the held-out split, drawn by position, changed)
+    whole = tmp_path / "whole.jsonl"
+    monkeypatch.setattr(distill_module, "sample_prompts", functools.partial(real, shuffle_first=False))
+    distill(make_config(model_dir, prompts_file, whole, n=None, exclude_ids=excluded, format="arrow"))
+    monkeypatch.setattr(distill_module, "sample_prompts", real)
+    written = [row["id"] for row in read_rows(whole)]
+    assert written != [p["id"] for p in real(prompts_file, None, exclude_ids=excluded)]  # (the orders differ)
+    shutil.rmtree(arrow_path(whole))  # (a copy to make again: the merge runs)
+    distill(make_config(model_dir, prompts_file, whole, n=None, exclude_ids=excluded, format="arrow"))
+    assert [row["id"] for row in read_rows(whole)] == written
     fresh = tmp_path / "fresh.jsonl"  # a new run: the new sample
     distill(make_config(model_dir, prompts_file, fresh, n=8, exclude_ids=excluded))
     assert [row["id"] for row in read_rows(fresh)] == [p["id"] for p in real(prompts_file, 8, exclude_ids=excluded)]
@@ -212,7 +223,7 @@ def test_empty_prompts_still_to_answer_are_refused_and_answered_ones_resume(tmp_
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     output = tmp_path / "rows.jsonl"
     with pytest.raises(ValueError, match=rf"the prompts '{rows[0]['id']}' are empty: there is nothing to answer; "
-                                         r"leave them out \(exclude_ids"):
+                                         r"leave them out \(exclude_ids, a recipe's data.distill_options.exclude_ids"):
         distill(make_config(model_dir, path, output, n=None))
     with pytest.raises(ValueError, match="are empty"):
         pending_prompts(make_config(model_dir, path, output, n=None))
@@ -384,6 +395,11 @@ def test_a_jsonl_merge_leaves_no_stale_arrow_copy(tmp_path, model_dir, prompts_f
         distill(make_config(model_dir, prompts_file, output, n=9))
     assert f"{tmp_path / 'rows.arrow'} is where earlier releases saved the Arrow copy of {output}" in caplog.text
     assert (tmp_path / "rows.arrow").is_dir()
+    caplog.clear()
+    (tmp_path / "rows").write_text("")  # an output named rows: rows.arrow is its own copy, not to be deleted
+    with caplog.at_level(logging.WARNING, logger="medusa_train.distill"):
+        distill(make_config(model_dir, prompts_file, output, n=10))
+    assert "earlier releases saved" not in caplog.text
     first, second = tmp_path / "rows.v1", tmp_path / "rows.v2"
     distill(make_config(model_dir, prompts_file, first, n=2, format="arrow"))
     distill(make_config(model_dir, prompts_file, second, n=5, seed=3, format="arrow"))

@@ -1490,7 +1490,7 @@ def test_examples_past_the_models_context_are_refused_before_features_are_extrac
         train_heads.main(["--config", str(write_recipe(tmp_path / "grown.yaml", grown))])
 
 
-def test_the_cards_example_sends_text_where_the_tokenizer_renders_no_chats(tiny_dir, tmp_path):
+def test_the_cards_example_sends_text_where_the_tokenizer_renders_no_chats(tiny_dir, tmp_path, capsys):
     """The heads' card (the one uploaded) sent a chat where the model's tokenizer has no template: its example
     failed ("this tokenizer has no chat template")."""
     import train_heads
@@ -1505,6 +1505,20 @@ def test_the_cards_example_sends_text_where_the_tokenizer_renders_no_chats(tiny_
     assert train_heads.main(["--config", str(write_recipe(tmp_path / "r.yaml", values))]) == 0
     card = (tmp_path / "run" / "heads" / "README.md").read_text()
     assert 'model.generate(prompt="The capital of France is"' in card and "messages=" not in card
+    # a tokenizer whose remote code this machine cannot run: the heads are written all the same (the run failed
+    # at evaluation, and every rerun after it)
+    import medusa_infer.models as models
+
+    def no_tokenizer(name, trust_remote_code=False):
+        raise ImportError("This modeling file requires the following packages: tiktoken")
+
+    values["output_dir"] = str(tmp_path / "remote")
+    values["eval"] = {**values["eval"], "datastore": False}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(models, "load_tokenizer", no_tokenizer)
+        assert train_heads.main(["--config", str(write_recipe(tmp_path / "remote.yaml", values))]) == 0
+    assert (tmp_path / "remote" / "heads" / "config.json").is_file()
+    assert "did not load (ImportError: This modeling file requires" in capsys.readouterr().err
 
 
 def test_a_finished_fp16_run_is_evaluated_on_the_cpu(tiny_dir, tmp_path):
