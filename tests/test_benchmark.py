@@ -325,6 +325,7 @@ def test_a_system_prompt_the_template_refuses_and_a_first_group_failure_are_name
     """A chat template that refuses a system role (Gemma's) ended the run in a jinja2 traceback; a method failing
     in the first group was named nowhere, and one failing later left no traceback of a bug."""
     heads, questions = cli_files(model, tmp_path, monkeypatch)
+    questions = questions.rename(tmp_path / "named.jsonl")  # (none left out as the heads' calibration questions)
     common = ["--heads", str(heads), "--questions", str(questions), "--max-new-tokens", "4", "--device", "cpu",
               "--methods", "hf,ar", "--output", str(tmp_path / "out")]
     template = model.tokenizer.chat_template
