@@ -655,6 +655,42 @@ def test_batches_merge_between_steps_and_rows_can_be_cancelled():
     assert running.metrics.new_tokens == running.metrics.rows + running.metrics.step_tokens == emitted
 
 
+def test_the_heads_read_each_rows_last_hidden_state_after_accepted_drafts_and_a_merge():
+    """Exactness hides a proposer that reads the wrong state (greedy verification keeps the output the model's):
+    the heads read the root's hidden state instead of the last accepted token's, or, after rows joined, another
+    row's, and only drafted worse. Checked against a fresh forward over each row's history."""
+    from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig
+    from medusa_infer.proposers.medusa import MedusaProposer
+
+    model = medusa("llama")
+    prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (4, 9, 6)]
+
+    def batch(rows):
+        ids, mask = left_pad([prompts[r] for r in rows])
+        return DecodeBatch(model, ids, mask, MedusaProposer(model, TREE_PRESETS["tree-8"], lookup_tokens=4),
+                           SamplingConfig(), StopConfig(80), None, None)
+
+    def wrong_rows(running):  # the state after the token before each row's root
+        return [row for i, row in enumerate(running.rows) if not torch.allclose(
+            running.proposer.hidden[i], model(torch.tensor([running.histories[row][:-1]])).hidden_states[0, -1],
+            atol=1e-4)]
+
+    accepting = 0
+    with torch.no_grad():
+        running = batch([0])
+        running.prefill()
+        for _ in range(12):
+            before = running.row_accepted[0]
+            running.step()
+            accepting += running.row_accepted[0] > before
+            assert wrong_rows(running) == []
+        late = batch([1, 2])
+        late.prefill()
+        running.merge(late)
+        assert wrong_rows(running) == []
+    assert accepting >= 1  # (steps that accepted drafts were checked)
+
+
 def test_batches_of_two_methods_are_refused_a_merge_by_name():
     """A layerskip batch joining a draft batch was told "DraftProposer batches cannot be merged"."""
     from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig

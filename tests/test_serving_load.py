@@ -113,6 +113,32 @@ def test_full_queue_answers_503_and_the_queued_requests_still_finish(model):
         assert metric_value(_metrics(server), "medusa:http_requests_total", status="503") == 2
 
 
+def test_the_engine_never_decodes_more_rows_than_max_batch(model):
+    """Rows past max_batch were admitted (a memory cap exceeded) with every answer still right."""
+    from medusa_infer.decoding import SamplingConfig, StopConfig
+    from medusa_infer.serving.scheduler import Engine, Request
+
+    engine = Engine(model, model.tokenizer, "medusa", max_batch=2)
+    rows, step = [], engine._step
+
+    def counting(running):
+        rows.append(sum(len(r.batch.rows) for r in engine._batches))
+        return step(running)
+
+    engine._step = counting
+    done: dict[int, bool] = {}
+    engine.start()
+    try:
+        with engine.hold():
+            for i in range(3):
+                engine.submit(Request([5 + i, 6, 7], SamplingConfig("greedy"), StopConfig(12, eos_token_ids=()),
+                                      lambda u, i=i: done.__setitem__(i, bool(u.finish))))
+        wait_until(lambda: len(done) == 3 and all(done.values()), timeout=60)
+    finally:
+        engine.stop()
+    assert rows and max(rows) == 2
+
+
 def test_queued_requests_whose_clients_left_free_their_queue_places_at_once(model):
     """A cancelled request still waiting leaves the queue when cancelled, not at the engine's next
     turn (after a long prefill or step new clients got 503 queue_full from requests nobody waited for)."""
