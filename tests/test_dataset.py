@@ -398,6 +398,19 @@ def test_no_example_left_names_why_and_the_fix(tmp_path, smol):
         load_or_build_dataset(rows_path, smol, 40, tmp_path / "cache")
 
 
+def test_head_positions_count_where_the_next_token_and_head_1s_are_both_answer_tokens():
+    """Counted one place early, a fully labelled 2-token example passed the check that refuses runs no head
+    position trains (the evaluation failed after training)."""
+    from medusa_train.dataset import check_head_positions, head_positions
+
+    assert head_positions([5, 6]) == 0  # no t with labels t + 1 and t + 2
+    assert head_positions([IGNORE_INDEX, 5, 6]) == 1 and head_positions([1, 5, 6, 7]) == 2
+    assert head_positions([IGNORE_INDEX, 5, IGNORE_INDEX, 6, 7]) == 1
+    with pytest.raises(ValueError, match="training examples"):
+        check_head_positions([{"labels": [5, 6]}], [{"labels": [IGNORE_INDEX, 5, 6]}])
+    check_head_positions([{"labels": [IGNORE_INDEX, 5, 6]}], [{"labels": [IGNORE_INDEX, 5, 6]}])
+
+
 def test_load_or_build_dataset_caches(tmp_path, smol, monkeypatch):
     rows_path = tmp_path / "rows.jsonl"
     rows = [{"id": str(i), "prompt": f"Q{i}?", "response": f"A{i}."} for i in range(6)]

@@ -324,6 +324,16 @@ def test_read_jsonl_tolerant(tmp_path):
         read_jsonl_tolerant(path)
 
 
+def test_a_merge_keeps_the_first_row_of_an_id_written_twice(tmp_path):
+    """Duplicated ids keep their first row (the merged output's), not a stale shard's (a later row replaced it)."""
+    output = tmp_path / "rows.jsonl"
+    output.write_text(json.dumps({"id": "a", "response": "first"}) + "\n")
+    shard_path(output, 0).write_text("".join(json.dumps(row) + "\n" for row in (
+        {"id": "a", "response": "second"}, {"id": "b", "response": "b's"})))
+    merge_shards(output, [{"id": "b"}, {"id": "a"}])
+    assert read_rows(output) == [{"id": "b", "response": "b's"}, {"id": "a", "response": "first"}]
+
+
 def test_two_rank_shards_merge_in_prompt_order(tmp_path, model_dir, prompts_file, reference_rows):
     output = tmp_path / "rows.jsonl"
     config = make_config(model_dir, prompts_file, output, format="arrow")

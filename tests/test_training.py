@@ -1490,6 +1490,40 @@ def test_examples_past_the_models_context_are_refused_before_features_are_extrac
         train_heads.main(["--config", str(write_recipe(tmp_path / "grown.yaml", grown))])
 
 
+def test_training_pieces_a_bug_passed_are_pinned_by_hand(tiny_dir, tmp_path):
+    """Mutations the suite let through, each changing what a run trains on or with: the base KL taken the other way
+    (KL(student || teacher)); the adapter's scale without lora.alpha; path tokens one place on (a head reading its
+    own target); Medusa-1's KL denominator counting positions with no candidate in the head vocabulary; the
+    warm-up's first step at learning rate 0; its step count rounded up."""
+    from medusa_train.features import head_targets, path_tokens
+    from medusa_train.lora import add_lora
+    from medusa_train.train_config import step_counts
+
+    student = torch.tensor([[2.0, 0.0, -1.0, 0.5]])
+    teacher = torch.tensor([[0.0, 1.5, 0.3, -2.0]])
+    p, q = torch.softmax(teacher, -1), torch.softmax(student, -1)
+    assert float(logits_kl(student, teacher)) == pytest.approx(float((p * (p.log() - q.log())).sum()), rel=1e-6)
+    assert float(logits_kl(student, teacher)) != pytest.approx(float((q * (q.log() - p.log())).sum()), rel=1e-3)
+
+    adapted = add_lora(tiny_model("llama"), r=4, alpha=16, dropout=0.0, target_modules=["q_proj"])
+    q_proj = next(m for name, m in adapted.named_modules() if name.endswith("q_proj") and hasattr(m, "scaling"))
+    assert q_proj.scaling == {"default": 4.0}  # alpha / r
+
+    seq = torch.arange(10, 16)
+    targets = head_targets(seq, 3)
+    assert targets[0].tolist() == [12, 13, 14]  # head k at t: the token at t + k + 2
+    for t in range(len(seq) - 4):
+        assert path_tokens(targets)[t].tolist() == seq[t + 2 : t + 4].tolist()  # head k reads t + 2 .. t + k + 1
+
+    config = config_from_dict(recipe(tiny_dir, tmp_path / "run", training={"loss": "kl", "warmup_ratio": 0.05,
+                                                                            "max_steps": 30}))
+    soft_ids = torch.tensor([[[3, 4]], [[-1, -1]]])  # [positions, heads, candidates]: the second all outside
+    soft_probs = torch.tensor([[[0.5, 0.2]], [[0.6, 0.3]]])
+    assert tr._target_counts(config, torch.zeros(2, 1, dtype=torch.long), soft_ids, soft_probs).tolist() == [1]
+    assert [tr._lr_factor(step, 0, 10, 4, "linear") for step in range(5)] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0])
+    assert step_counts(config, 10_000, 1)[3] == 1  # floor(0.05 * 30)
+
+
 def test_the_cards_example_sends_text_where_the_tokenizer_renders_no_chats(tiny_dir, tmp_path, capsys):
     """The heads' card (the one uploaded) sent a chat where the model's tokenizer has no template: its example
     failed ("this tokenizer has no chat template")."""
