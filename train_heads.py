@@ -659,8 +659,8 @@ def stage_evaluate(config: TrainConfig, accelerator: Any, train: list[dict], hel
         except Exception as err:  # pre-tokenized data may come without one, or with remote code this machine
             # cannot run: the heads are written all the same (a run failed here, and every rerun after it)
             print(f"train_heads.py: the tokenizer of {config.model.name} did not load ({type(err).__name__}: "
-                  f"{err}): the model card's example sends a chat, and the datastore records no tokenizer",
-                  file=sys.stderr)
+                  f"{err}): the model card's example sends a chat"
+                  + (", and the datastore records no tokenizer" if config.eval.datastore else ""), file=sys.stderr)
             tokenizer = None
         chat = tokenizer is None or bool(mconfig.chat_template or getattr(tokenizer, "chat_template", None))
         ev.finalize(partial, mconfig, heads.state_dict(), accuracy, config.eval.tree_size,

@@ -461,11 +461,15 @@ def run_prompts(config: DistillConfig, done: list[dict[str, Any]] | None = None)
     if not done_ids:
         return sample
     legacy = sample_prompts(*args, shuffle_first=False)
-    written = [str(row["id"]) for row in (existing_rows(config.output) if done is None else done)]
+    # a merge writes rows in their sample's order (shards do not: longest prompts first, rank by rank)
+    merged = list(dict.fromkeys(str(row["id"]) for row in read_jsonl_tolerant(Path(config.output))))
 
-    def fit(prompts: list[dict[str, Any]]) -> tuple[int, bool]:  # (rows covered, and in the order written: a
+    def fit(prompts: list[dict[str, Any]]) -> tuple[int, bool]:  # (rows covered, and merged in its order: a
         ids = [p["id"] for p in prompts if p["id"] in done_ids]  # sample of the same prompts reordered them)
-        return len(ids), ids == [i for i in written if i in set(ids)]
+        chosen = set(ids)
+        order = [i for i in merged if i in chosen]
+        kept = set(order)
+        return len(ids), bool(order) and order == [i for i in ids if i in kept]
 
     return legacy if fit(legacy) > fit(sample) else sample
 

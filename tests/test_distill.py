@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -200,6 +201,15 @@ def test_a_run_an_earlier_release_sampled_with_exclusions_is_not_answered_again(
     shutil.rmtree(arrow_path(whole))  # (a copy to make again: the merge runs)
     distill(make_config(model_dir, prompts_file, whole, n=None, exclude_ids=excluded, format="arrow"))
     assert [row["id"] for row in read_rows(whole)] == written
+    # a run of this release cut short: its shards' rows (longest prompts first, not the sample's order) may match
+    # the earlier release's order by chance; only a merged file's order tells (it took the earlier sample)
+    cut = tmp_path / "cut.jsonl"
+    current = real(prompts_file, 8, exclude_ids=excluded)
+    where = {p["id"]: i for i, p in enumerate(legacy)}
+    shared = [p["id"] for p in current if p["id"] in where]
+    a, b = next((a, b) for a, b in itertools.combinations(shared, 2) if where[a] > where[b])  # (orders that differ)
+    shard_path(cut, 0).write_text("".join(json.dumps({"id": i}) + "\n" for i in (b, a)))  # the earlier's order
+    assert distill_module.run_prompts(make_config(model_dir, prompts_file, cut, n=8, exclude_ids=excluded)) == current
     fresh = tmp_path / "fresh.jsonl"  # a new run: the new sample
     distill(make_config(model_dir, prompts_file, fresh, n=8, exclude_ids=excluded))
     assert [row["id"] for row in read_rows(fresh)] == [p["id"] for p in real(prompts_file, 8, exclude_ids=excluded)]
