@@ -837,6 +837,18 @@ def test_rows_that_stop_early_keep_their_own_answers(model, monkeypatch):
     assert all(report["methods"][m]["exact"] for m in ("hf", "medusa"))
 
 
+def test_categories_mixed_in_a_batch_count_each_row_in_its_own(model):
+    """At batch size 2, a batch of a writing and a qa question filed both answers under the first row's category
+    (the test questions shared one category in each batch); with hf and ar both run, ar's answers are the
+    reference exact compares with."""
+    questions = [{"id": 1, "category": "writing", "turns": ["the cat sat on the mat"]},
+                 {"id": 2, "category": "qa", "turns": ["is the sun big"]}]
+    report = benchmark(model, questions, args(methods=["hf", "ar"], batch_size=2))
+    turns = {category: figures["ar"]["turns"] for category, figures in report["categories"].items()}
+    assert turns == {"qa": 1, "writing": 1}
+    assert report["settings"]["exact_reference"] == "ar"
+
+
 def test_time_budget_stops_between_groups_and_keeps_categories_even(model):
     report = benchmark(model, QUESTIONS, args(methods=["ar"], time_budget=0.0))
     s = report["settings"]

@@ -1080,6 +1080,15 @@ def test_missing_weights_file_is_reported(saved):
         MedusaModel.from_pretrained(directory, base_model=base)
 
 
+def test_a_token_map_of_booleans_is_refused():
+    """Bools are no token ids (a map of them loaded as ids 0 and 1)."""
+    from medusa_infer.checkpoint import check_state_dict
+
+    expected = {"token_map": torch.arange(4)}
+    with pytest.raises(ValueError, match="token_map: bool, where token ids are integers"):
+        check_state_dict(expected, {"token_map": torch.tensor([True, False, True, True])}, "x")
+
+
 def test_a_training_runs_folder_given_for_its_heads_is_named(tmp_path):
     model = medusa(base_model("llama"))
     run = tmp_path / "run"

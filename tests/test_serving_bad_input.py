@@ -131,6 +131,10 @@ CASES = [
     ("lone surrogate in a message", "/v1/chat/completions",
      b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud83d"}]}', 400, "messages[0].content"),
     ("lone surrogate in the model", "/v1/completions", b'{"model": "\\udc00", "prompt": "a"}', 400, "model"),
+    # (mutations the suite let through: n of 0 served one choice; top_k past the vocabulary taken)
+    ("n of 0", "/v1/completions", completion(n=0), 400, "n"),
+    ("n negative", "/v1/chat/completions", chat(n=-1), 400, "n"),
+    ("top_k past the vocabulary", "/v1/completions", completion(top_k=10**6), 400, "top_k"),
     ("lone surrogate as UTF-8 bytes", "/v1/completions", b'{"model": "tiny", "prompt": "the \xed\xa0\xbd cat"}', 400,
      "prompt"),
     ("lone surrogate in UTF-16", "/v1/completions", '{"model": "tiny", "prompt": "\ud83d"}'.encode("utf-16-le",
@@ -308,6 +312,50 @@ def test_a_large_body_is_parsed_off_the_event_loop_without_walking_it_for_surrog
     for text in (b"the cat \\u00e9 \\ud7ff", "the cat é 😀".encode()):  # no surrogate, escaped or as UTF-8
         answer = client.post("/v1/completions", content=b'{"model": "tiny", "max_tokens": 1, "prompt": "%s"}' % text)
         assert answer.status_code == 200
+
+
+def test_openai_details_a_bug_passed(server):
+    """Mutations the suite let through: a usage chunk nobody asked for (stream_options {}), a first chat delta
+    without its empty content, a whole answer ending in the start of a stop string cut there; and a text prompt
+    tokenised without the tokenizer's BOS."""
+    from tokenizers import processors
+
+    client, _ = server
+    with client.stream("POST", "/v1/chat/completions", json=chat(stream=True, stream_options={}, max_tokens=3)) as a:
+        events = [json.loads(line[6:]) for line in a.iter_lines() if line.startswith("data: {")]
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(not event.get("usage") and event["choices"] for event in events)  # no usage chunk
+    plain = client.post("/v1/completions", json=completion(max_tokens=6, temperature=0, ignore_eos=True)).json()
+    last = plain["choices"][0]["text"].split()[-1]
+    held = client.post("/v1/completions", json=completion(max_tokens=6, temperature=0, ignore_eos=True,
+                                                          stop=[last + " never"])).json()
+    assert held["choices"][0]["text"] == plain["choices"][0]["text"]  # (its tail was held back, then dropped)
+    assert held["choices"][0]["finish_reason"] == "length"
+    tokenizer = word_tokenizer()
+    tokenizer._tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                                       special_tokens=[("<s>", 1)])
+    parsed = protocol.parse_completion({"model": "m", "prompt": "the cat"},
+                                       protocol.ModelInfo("m", tokenizer, 256, len(tokenizer)))
+    assert parsed.prompt_ids == tokenizer("the cat")["input_ids"] and parsed.prompt_ids[0] == 1
+
+
+def test_metrics_exposition_a_bug_passed():
+    """Prometheus buckets hold their upper bound (le); labels escape backslashes; a counter's HELP and TYPE name
+    its _total samples (mutations of each passed the suite)."""
+    from medusa_infer.serving.metrics import Counter, Histogram, ServingMetrics
+
+    histogram = Histogram("h", "help", buckets=(0.005, 0.01))
+    histogram.observe(0.005)
+    histogram.observe(0.01)
+    assert dict((labels, value) for name, labels, value in histogram.samples() if name == "h_bucket") == {
+        (("le", "0.005"),): 1.0, (("le", "0.01"),): 2.0, (("le", "+Inf"),): 2.0}
+    metrics = ServingMetrics('a\\b"c')
+    metrics.aborted.inc(reason="error")
+    text = metrics.render()
+    assert 'model_name="a\\\\b\\"c"' in text
+    for counter in (m for m in metrics.all() if isinstance(m, Counter)):
+        assert f"# TYPE {counter.name}_total counter" in text
+        assert all(name == f"{counter.name}_total" for name, _, _ in counter.samples())
 
 
 def test_an_internal_error_is_a_500_that_keeps_the_connection(server, monkeypatch):
