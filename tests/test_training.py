@@ -1524,6 +1524,29 @@ def test_training_pieces_a_bug_passed_are_pinned_by_hand(tiny_dir, tmp_path):
     assert step_counts(config, 10_000, 1)[3] == 1  # floor(0.05 * 30)
 
 
+def test_run_settings_a_bug_passed_are_pinned(tiny_dir, tmp_path):
+    """Mutations the suite let through: every epoch read in one order; a Medusa-2 run with no joint stage planned
+    (its adapter never trained); an override's 1 read as false, one whose value holds = refused, 1e3 refused for
+    an integer."""
+    from medusa_train.train_config import convert_value, parse_overrides, step_counts
+
+    cache: dict[int, torch.Tensor] = {}
+    first = [tr.micro_batch_index(g, 16, 2, 8, 0, 0, 1, cache)[1].tolist() for g in range(8)]
+    second = [tr.micro_batch_index(g, 16, 2, 8, 0, 0, 1, cache)[1].tolist() for g in range(8, 16)]
+    assert sorted(sum(first, [])) == sorted(sum(second, [])) == list(range(16)) and first != second
+    config = config_from_dict(recipe(tiny_dir, tmp_path / "run", training={
+        "mode": "medusa2", "max_steps": 40, "stage1_steps": 40}, lora={"r": 4, "target_modules": ["q_proj"]}))
+    with pytest.raises(ValueError, match="training.stage1_steps=40 leaves no joint stage in 40 steps"):
+        step_counts(config, 10_000, 1)
+    assert all(convert_value(word, bool, "k") is True for word in ("1", "true", "yes", "on"))
+    assert all(convert_value(word, bool, "k") is False for word in ("0", "false", "no", "off"))
+    assert parse_overrides(["data.system_prompt=Answer as key=value pairs"]) == [
+        ("data.system_prompt", "Answer as key=value pairs")]
+    assert convert_value("1e3", int, "training.seed") == 1000
+    with pytest.raises(ValueError, match="expected an integer"):
+        convert_value("1.5", int, "training.seed")
+
+
 def test_the_cards_example_sends_text_where_the_tokenizer_renders_no_chats(tiny_dir, tmp_path, capsys):
     """The heads' card (the one uploaded) sent a chat where the model's tokenizer has no template: its example
     failed ("this tokenizer has no chat template")."""
