@@ -1547,6 +1547,28 @@ def test_run_settings_a_bug_passed_are_pinned(tiny_dir, tmp_path):
         convert_value("1.5", int, "training.seed")
 
 
+def test_checkpoints_kept_and_time_trained_carry_across_a_resume(tiny_dir, tmp_path):
+    """keep_checkpoints newest step folders stay (one more was kept, unnoticed); the seconds trained before a
+    resume are added to the record's train_seconds (dropped, unnoticed where the resumed run took longer)."""
+    import train_heads
+
+    out = tmp_path / "run"
+    values = recipe(tiny_dir, out, training={"max_steps": 8, "save_every": 1, "keep_checkpoints": 2, "seed": 3,
+                                             "loss": "ce"})
+    config_file = str(write_recipe(tmp_path / "r.yaml", values))
+    assert train_heads.main(["--config", config_file]) == 0
+    steps = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-"))
+    assert steps == ["step-00000006", "step-00000007"]
+    shutil.rmtree(out / "checkpoints" / "final")
+    shutil.rmtree(out / "heads")
+    last = tr.latest_checkpoint(out / "checkpoints")
+    state = json.loads((last / tr.STATE_NAME).read_text())
+    (last / tr.STATE_NAME).write_text(json.dumps({**state, "train_seconds": 1000.0}))
+    assert train_heads.main(["--config", config_file]) == 0
+    record = json.loads((out / "checkpoints" / "final" / "config.json").read_text())["training"]
+    assert record["resumed_from_step"] == 7 and record["train_seconds"] >= 1000.0
+
+
 def test_the_cards_example_sends_text_where_the_tokenizer_renders_no_chats(tiny_dir, tmp_path, capsys):
     """The heads' card (the one uploaded) sent a chat where the model's tokenizer has no template: its example
     failed ("this tokenizer has no chat template")."""
