@@ -393,3 +393,34 @@ def test_the_lookup_chain_grafted_onto_the_tree_takes_the_n_gram_flags():
                                                         "2", "--lookup-min-ngram", "2", "hi"]))
     default = build_proposer("medusa", model, parse_args(["--heads", "h", "--lookup-tokens", "4", "hi"]))
     assert (given.lookup_ngram, default.lookup_ngram) == ((2, 2), (3, 1))
+
+
+def test_sampling_flags_reach_the_decoder(monkeypatch):
+    """--top-p, --top-k, --temperature and --seed were read and checked, and a run passing others (top_p 1.0, no
+    seed) passed the suite: every sampling setting reaches stream as given."""
+    import medusa_infer.cli as cli
+    import medusa_infer.decoding as decoding
+    from tiny import word_medusa
+
+    stream, seen = decoding.stream, []
+
+    def spy(*args, **kwargs):
+        seen.append({k: kwargs[k] for k in ("do_sample", "temperature", "top_p", "top_k", "seed")})
+        return stream(*args, **kwargs)
+
+    monkeypatch.setattr(decoding, "stream", spy)
+    monkeypatch.setattr(cli, "load", lambda args: word_medusa())
+    assert cli.main(["--heads", "h", "--raw", "--max-new-tokens", "2", "--do-sample", "--temperature", "0.7",
+                     "--top-p", "0.9", "--top-k", "5", "--seed", "3", "the cat"]) == 0
+    assert seen == [{"do_sample": True, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": 3}]
+
+
+def test_a_huge_max_new_tokens_keeps_the_chat_history():
+    """The answer's room is capped at half the context: with --max-new-tokens 10**6 every --chat turn forgot
+    the earlier exchanges."""
+    from medusa_infer.cli import fit_history
+    from tiny import word_medusa
+
+    history = [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "sat on"},
+               {"role": "user", "content": "the mat"}]
+    assert fit_history(word_medusa(), history, False, 10**6) == (history, 0)

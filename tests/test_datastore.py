@@ -544,3 +544,13 @@ def test_a_store_built_with_another_tokenizer_is_refused_at_load(tmp_path, caplo
 
     one, two = BytesVocab({b"a": 0, b"\xe4\xbd": 1}), BytesVocab({b"a": 0, b"\xe4\xbe": 1})
     assert build_datastore([{"input_ids": [0, 1, 0]}], one).tokenizer == tokenizer_digest(one) != tokenizer_digest(two)
+
+
+def test_a_draft_goes_on_at_exactly_min_share_and_an_id_at_the_vocabulary_size_is_refused():
+    """The draft continues at a share of at least min_share (it stopped at exactly it); an id equal to the
+    vocabulary's size is past it (it was taken, and would fail in the embedding)."""
+    store = Datastore.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6, 7]], min_ngram=2, max_ngram=2, min_share=0.5)
+    assert store.match([1, 2], 5).draft == [3, 6, 7]  # 6 and 4 each half of the occurrences: the latest wins
+    with pytest.raises(ValueError, match="token id 8, outside"):
+        Datastore.from_sequences([[1, 2, 8]]).check_vocabulary(8, "store")
+    Datastore.from_sequences([[1, 2, 7]]).check_vocabulary(8, "store")
