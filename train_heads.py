@@ -662,10 +662,12 @@ def stage_evaluate(config: TrainConfig, accelerator: Any, train: list[dict], hel
                   f"{err}): the model card's example sends a chat"
                   + (", and the datastore records no tokenizer" if config.eval.datastore else ""), file=sys.stderr)
             tokenizer = None
-        chat = tokenizer is None or bool(mconfig.chat_template or getattr(tokenizer, "chat_template", None))
+        from medusa_infer.checkpoint import renders_chats
+
         ev.finalize(partial, mconfig, heads.state_dict(), accuracy, config.eval.tree_size,
                     base_model_id=config.model.hub_id,
-                    extra={"stage_seconds": timings, "evaluated_with": tr.eval_settings(config)}, chat=chat)
+                    extra={"stage_seconds": timings, "evaluated_with": tr.eval_settings(config)},
+                    chat=renders_chats(mconfig, tokenizer))
         if config.training.mode == "medusa2":
             from medusa_train.lora import ADAPTER_DIR
 

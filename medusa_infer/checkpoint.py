@@ -355,8 +355,7 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None, chat: boo
     ``base_model`` is ``base_model_id``, else the Hub id the config's base model stands for
     (``models.hub_id``: a default model's original repository, not its short name); the front
     matter names it only when it can be a Hub id (not a local folder, which the Hub would refuse).
-    ``chat``: whether the base model's tokenizer renders chats (a chat template, the config's or its own): the
-    usage example sends a chat, else text.
+    ``chat``: whether chats can be rendered (``renders_chats``): the usage example sends a chat, else text.
     """
     from medusa_infer.models import hub_id
 
@@ -392,7 +391,7 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None, chat: boo
             f'{base if _looks_like_hub_id(base) else "<base model folder or Hub id>"}")']),
         *(["# a chat, rendered with the chat template as the heads' training data was (prompt= takes text as it is)",
            'out = model.generate(messages=[{"role": "user", "content": "What is the capital of France?"}], '
-           "max_new_tokens=64)"] if chat or config.chat_template else [
+           "max_new_tokens=64)"] if chat else [
             "# text as it is (the base model's tokenizer has no chat template)",
             'out = model.generate(prompt="The capital of France is", max_new_tokens=64)']),
         "print(model.tokenizer.decode(out.new_tokens[0], skip_special_tokens=True))",
@@ -488,6 +487,12 @@ def note_datastore(directory: str | Path, tokens: int, origin: str | None) -> No
                f"{source}, as token ids, which anyone with the folder can decode; it shares that text's licence "
                "and privacy.\n")
     card.write_text(text.rstrip("\n") + "\n\n" + section, encoding="utf-8")
+
+
+def renders_chats(config: MedusaConfig, tokenizer: Any) -> bool:
+    """Whether chats can be rendered for the heads (the config's chat template, or the tokenizer's own), and so
+    the card's example sends one (``save_heads``' ``chat``); True where no tokenizer is known."""
+    return tokenizer is None or bool(config.chat_template or getattr(tokenizer, "chat_template", None))
 
 
 def _trained_system_prompt(config: MedusaConfig) -> str | None:

@@ -39,6 +39,7 @@ from medusa_infer.checkpoint import (
     load_heads_state,
     note_datastore,
     push_folder_to_hub,
+    renders_chats,
     save_heads,
 )
 from medusa_infer.attention_kernels import decoding_attention
@@ -593,9 +594,8 @@ class MedusaModel(nn.Module):
             if unread and (directory / CARD_NAME).is_file() else ""  # (a card edited in another encoding: kept)
         span = card_section(text, DATASTORE_HEADING)
         section = text[span[0]:span[1]] if span else ""
-        chat = self.tokenizer is None or bool(config.chat_template or getattr(self.tokenizer, "chat_template", None))
         out = save_heads(directory, config, dict(heads_state) if heads_state is not None else own,
-                         base_model_id, chat)
+                         base_model_id, renders_chats(config, self.tokenizer))
         if self.merged_adapter is not None and (not target.exists()
                                                 or not os.path.samefile(target, self.merged_adapter)):
             if target.exists():  # another adapter's files would mix with this one's

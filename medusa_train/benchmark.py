@@ -48,9 +48,9 @@ import random
 import re
 import statistics
 import sys
-import traceback
 import threading
 import time
+import traceback
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
