@@ -752,6 +752,7 @@ class Plan:
     exact: bool
     tokens_exact: bool = False
     joint_warmup_steps: int = 0  # Medusa-2: the adapter's, from the end of the heads-only stage
+    warnings: list[str] = field(default_factory=list)  # settings that do not do what they say in this run
 
     def summary(self) -> str:
         rows = [
@@ -773,6 +774,7 @@ class Plan:
         for stage in self.stages:
             mark = "[done] " if stage.done else "[todo] "
             lines.append(f"  {mark}{stage.name:<9} -> {stage.output}  ({stage.detail})")
+        lines += [f"warning: {warning}" for warning in self.warnings]
         return "\n".join(lines)
 
 
@@ -1044,4 +1046,20 @@ def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | Non
         stage1_steps=t.stage1_steps if t.mode == "medusa2" else 0, warmup_steps=warmup,
         head_vocab=head_vocab, exact=exact, tokens_exact=tokens_exact,
         joint_warmup_steps=joint_warmup_steps(t, total) if t.mode == "medusa2" else 0,
+        warnings=_setting_warnings(config, total),
     )
+
+
+def _setting_warnings(config: TrainConfig, total: int) -> list[str]:
+    """What ``plan`` warns of: settings that a run of ``total`` steps does not carry out as written (a Medusa-2
+    heads' loss weight whose warm-up outlasts the joint stage never reaches ``heads_loss_weight``)."""
+    from medusa_train.trainer import heads_loss_weight
+
+    t, warnings = config.training, []
+    joint = total - t.stage1_steps
+    if t.mode == "medusa2" and t.heads_weight_schedule != "constant" and t.heads_warmup_steps > joint:
+        reached = heads_loss_weight(config, total - 1)
+        warnings.append(f"training.heads_warmup_steps={t.heads_warmup_steps} outlasts the {joint} joint steps: the "
+                        f"heads' loss weight reaches {reached:.4g} by the last step, not training.heads_loss_weight="
+                        f"{t.heads_loss_weight:g}; lower heads_warmup_steps or train longer")
+    return warnings

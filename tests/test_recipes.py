@@ -90,6 +90,19 @@ def test_cpu_ddp_config_starts_two_processes_on_the_cpu():
     assert values["num_processes"] == 2
 
 
+def test_plan_warns_of_a_heads_warm_up_that_outlasts_the_joint_stage():
+    settings = ["training.mode=medusa2", "training.max_steps=10", "training.stage1_steps=4"]
+    long = plan(load_config(RECIPES / "smollm2-135m.yaml", [*settings, "training.heads_warmup_steps=12"]))
+    assert long.warnings == ["training.heads_warmup_steps=12 outlasts the 6 joint steps: the heads' loss weight "
+                             "reaches 0.1 by the last step, not training.heads_loss_weight=0.2; lower "
+                             "heads_warmup_steps or train longer"]
+    assert long.summary().splitlines()[-1] == "warning: " + long.warnings[0]
+    for fits in ("training.heads_warmup_steps=6", "training.heads_weight_schedule=constant"):
+        assert plan(load_config(RECIPES / "smollm2-135m.yaml", [*settings, "training.heads_warmup_steps=12", fits])
+                    ).warnings == []
+    assert "warning" not in plan(load_config(RECIPES / "smollm2-135m.yaml", settings[1:2])).summary()
+
+
 def test_overrides_are_typed_and_dotted():
     config = load_config(RECIPES / "smollm2-135m.yaml", [
         "training.lr=3e-4", "training.epochs=2", "heads.reduced_vocab_size=null", "log.wandb=true",
