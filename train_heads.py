@@ -591,6 +591,9 @@ def stage_train(config: TrainConfig, accelerator: Any, train: list[dict], folder
             "train_seconds": round(result.seconds, 1), "resumed_from_step": result.resumed_from,
             "num_processes": accelerator.num_processes,
             "final_train_record": result.last_record}
+    sources = data_sources(config)
+    if sources:
+        info["data_sources"] = sources
     partial = paths.final.with_name(paths.final.name + ".partial")
     if accelerator.is_main_process:
         _atomic_folder(paths.final)
@@ -601,6 +604,18 @@ def stage_train(config: TrainConfig, accelerator: Any, train: list[dict], folder
                         result.heads_state, info)
         _commit_folder(partial, paths.final)
     accelerator.wait_for_everyone()
+
+
+def data_sources(config: TrainConfig) -> dict[str, int] | None:
+    """How many rows of the run's data file each prompt source gave (``dataset.rows_by_source``), for the
+    training record and the model card (whose sources' terms the data carries); None for ready examples
+    (``data.tokenized``) and rows that name no source."""
+    from medusa_train.dataset import read_rows, rows_by_source
+
+    rows = rows_path(config)
+    if config.data.tokenized or not rows.exists():
+        return None
+    return rows_by_source(read_rows(rows)) or None
 
 
 def heldout_accuracy(config: TrainConfig, accelerator: Any, heldout: list[dict],

@@ -455,9 +455,23 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None, chat: boo
             if figures is estimated and profile.get("device"):  # a CPU's speedup is not a GPU's
                 lines += [f"The cost model was measured on {profile['device']}, {profile.get('context', 0)} cached "
                           "tokens before each forward: speedups estimated elsewhere differ.", ""]
+    lines += _data_sources_section(config.training.get("data_sources"))
     if config.training:  # (local paths by their last part: a home folder's name, a dataset's place, published)
         lines += ["## Training", "", "```json", json.dumps(_public(config.training), indent=2), "```", ""]
     return "\n".join(lines)
+
+
+def _data_sources_section(sources: Any) -> list[str]:
+    """The card's section on the data the heads were trained on: the rows each prompt source gave (the training
+    record's ``data_sources``, ``train_heads.data_sources``); none where not recorded (or not a table of counts)."""
+    if not isinstance(sources, dict) or not sources or not all(
+            isinstance(n, int) and not isinstance(n, bool) for n in sources.values()):
+        return []
+    return ["## Training data", "", f"The heads were trained (and evaluated on a held-out part) on "
+            f"{sum(sources.values())} rows of conversations, whose prompts came from these sources; each source's "
+            "terms apply to what was learned from it (check them before publishing these heads or using them "
+            "commercially).", "", "| source | rows |", "|---|---|",
+            *(f"| {name} | {count} |" for name, count in sources.items()), ""]
 
 
 DATASTORE_HEADING = "## Datastore"

@@ -569,6 +569,23 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+def rows_by_source(rows: Iterable[dict[str, Any]]) -> dict[str, int]:
+    """How many of ``rows`` each prompt source gave (their ``source``, as distillation writes it; rows without
+    one under ``NO_SOURCE``), most first; empty where no row names a source."""
+    counts: dict[str, int] = {}
+    for row in rows:
+        source = row.get("source")
+        key = source if isinstance(source, str) and source else NO_SOURCE
+        counts[key] = counts.get(key, 0) + 1
+    if set(counts) <= {NO_SOURCE}:
+        return {}
+    return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+
+
+NO_SOURCE = "(no source)"
+"""``rows_by_source``' name for rows that name no source."""
+
+
 def content_hash(path: Path) -> str:
     """sha256 of a file's bytes, or of a folder's files (names and bytes, in sorted order)."""
     digest = hashlib.sha256()

@@ -238,6 +238,10 @@ def test_train_heads_keeps_the_distillations_states_for_its_features(model_dir, 
     config.write_text(yaml.safe_dump(recipe))
     assert train_heads.main(["--config", str(config)]) == 0
     assert any(hidden_dir(out / "data" / "distilled.jsonl").glob("batch-*.safetensors"))
+    # the card names where the prompts came from, whose terms the heads carry (it named only the prompts file)
+    assert json.loads((out / "heads" / "config.json").read_text())["training"]["data_sources"] == {"p": 16}
+    assert "on 16 rows of conversations, whose prompts came from these sources" in (
+        out / "heads" / "README.md").read_text() and "| p | 16 |" in (out / "heads" / "README.md").read_text()
     index = json.loads((out / "features" / "index.json").read_text())
     for split in ("train", "heldout"):
         manifest = json.loads((out / "features" / index[split] / "manifest.json").read_text())

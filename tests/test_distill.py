@@ -465,6 +465,39 @@ def test_train_heads_merges_the_answers_a_killed_run_left_in_shards(tmp_path, mo
     assert len(train) + len(heldout) == 8 and len(read_rows(rows)) == 8 and not shard_path(rows, 0).exists()
 
 
+def test_the_training_record_and_card_count_the_rows_of_each_prompt_source(tmp_path, model_dir, prompts_file):
+    import train_heads
+    from medusa_infer.checkpoint import model_card
+    from medusa_infer.config import MedusaConfig
+    from medusa_train.train_config import config_from_dict, rows_path
+
+    config = small_recipe(tmp_path, model_dir, prompts_file, 12)
+    distill(distill_module.recipe_config(config))
+    rows = read_rows(rows_path(config))
+    counted = {source: sum(row["source"] == source for row in rows) for source in SOURCES}
+    sources = train_heads.data_sources(config)
+    assert sources == {s: n for s, n in sorted(counted.items(), key=lambda i: (-i[1], i[0])) if n}
+    assert list(sources.values()) == sorted(sources.values(), reverse=True) and sum(sources.values()) == 12
+    # rows made elsewhere: those without a source counted apart; none naming one, or ready examples: no record
+    given = tmp_path / "given.jsonl"
+    given.write_text("".join(json.dumps({"prompt": "a", "response": "b", **extra}) + "\n"
+                             for extra in ({"source": "x"}, {}, {"source": ""}, {"source": "x"}, {"source": "y"})))
+    other = config_from_dict({"model": {"name": str(model_dir)}, "data": {"rows": str(given)}})
+    assert train_heads.data_sources(other) == {"x": 2, "(no source)": 2, "y": 1}
+    given.write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n")
+    assert train_heads.data_sources(other) is None
+    ready = config_from_dict({"model": {"name": str(model_dir)}, "data": {"tokenized": str(given)}})
+    assert train_heads.data_sources(ready) is None
+    card = model_card(MedusaConfig(hidden_size=8, vocab_size=16, num_heads=1, training={"data_sources": sources}))
+    table = card.split("## Training data\n", 1)[1].split("\n## ", 1)[0]
+    assert "on 12 rows of conversations" in table
+    assert [line for line in table.splitlines() if line.startswith("| ") and "source" not in line] == [
+        f"| {name} | {count} |" for name, count in sources.items()]
+    for odd in ({}, {"a": "3"}, {"a": True}, ["a"]):  # a hand-edited record: no section (the card is still written)
+        assert "## Training data" not in model_card(MedusaConfig(hidden_size=8, vocab_size=16, num_heads=1,
+                                                                 training={"data_sources": odd}))
+
+
 def test_train_heads_says_it_trains_on_rows_outside_a_smaller_sample(tmp_path, model_dir, prompts_file, caplog):
     """data.n lowered after a run: nothing is left to answer, so no distill() ran to warn that the rows
     file keeps the larger sample's rows, which are trained on (silently, as the README's 3229 rows were)."""
