@@ -63,6 +63,9 @@ def main() -> None:
     if args.tree_nodes is not None and model.config.acceptance_model() is None:
         raise SystemExit(f"--tree-nodes fits a tree to the heads' measured accuracies, which {args.heads} does not "
                          "hold: calibrate the heads (medusa-bench --calibrate) or leave --tree-nodes out")
+    if not (model.config.head_accuracies and model.config.cost_profile):  # (a traceback at the first warm-up answer)
+        raise SystemExit(f"the fallback methods need the heads' measured accuracies and cost profile, which "
+                         f"{args.heads} does not hold: calibrate the heads (medusa-bench --calibrate) first")
     tree = None if args.tree_nodes is None else greedy_tree(model.config.acceptance_model(), args.tree_nodes)
     step_costs = StepCosts()
     questions = [json.loads(line) for line in Path(args.questions).read_text().splitlines() if line.strip()]

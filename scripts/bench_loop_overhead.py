@@ -40,6 +40,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.tokens < 1:
+        parser.error(f"--tokens must be at least 1, got {args.tokens}")
     torch.set_num_threads(1)
     config = LlamaConfig(vocab_size=2000, hidden_size=64, intermediate_size=128, num_hidden_layers=30,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,

@@ -6,7 +6,7 @@
 #     PRESET=session bash scripts/gpu_bench.sh             # what fits one command of a lent GPU machine
 #
 # Stages, each under its own `timeout` (about 12 minutes in all with the defaults, 9.5 with TESTS=0;
-# the timeouts add up to 17.6):
+# the timeouts add up to 18.4):
 #   1. nvidia-smi, Python, torch and transformers versions; stop unless torch sees a CUDA device.
 #      Then the GPU tests, tests/test_cuda.py (tiny models, no download; 18 tests, 4 of them accelerate
 #      launches: 140 to 184 s on an H200 when they were 17, docs/gpu/*/gpu_tests.log).
@@ -42,15 +42,16 @@
 #   B1_BUDGET_S (240, calibration included) and B8_BUDGET_S (140): seconds after which medusa-bench
 #   starts no new question; it then writes its report on the questions answered (taken round robin
 #   across categories; report.md says how many), so a slow GPU still leaves both reports,
-#   SLACK_S (45: the question group under way when the budget ends; each stage's `timeout` is its
-#   budget plus this), CALIBRATE_QUESTIONS (16), BATCH (8), B1_METHODS, B8_METHODS, F32_LIMIT (6
+#   SLACK_S (30 + TOKENS/4, 62 at 128 tokens: torch's import, the question group under way when the
+#   budget ends and the report; each stage's `timeout` is its budget plus this: the stored run's batch-8
+#   stage took 145 s of 120 + 30 at 64 tokens, and a stage cut off writes no report), CALIBRATE_QUESTIONS (16), BATCH (8), B1_METHODS, B8_METHODS, F32_LIMIT (6
 #   questions; 0 skips stage 5) and F32_BUDGET_S (60), TESTS (1; 0 skips the GPU tests), QUESTIONS
 #   (data/specbench.jsonl), PYTHON (.venv/bin/python when present, else python3).
 #   DEVICE=cpu DTYPE=float32 (defaults cuda, bfloat16) is a dry run of the plumbing on a machine
 #   without a GPU, with tiny settings: `DEVICE=cpu DTYPE=float32 LIMIT=3 TOKENS=8 BATCH=2 ...`
 #   (the GPU tests then run on the CPU too).
 #   PRESET=session: one 10-minute command of a lent GPU machine, its stages' timeouts adding up to 590 s:
-#   TESTS=0 B1_BUDGET_S=190 B8_BUDGET_S=100 F32_BUDGET_S=30 F32_LIMIT=4 SLACK_S=30 TOKENS=64 (each still
+#   TESTS=0 B1_BUDGET_S=175 B8_BUDGET_S=85 F32_BUDGET_S=15 F32_LIMIT=4 SLACK_S=45 TOKENS=64 (each still
 #   overridable; the stored run, docs/gpu/376fcb4/, 431 s, had budgets of 220, 120 and 40, whose timeouts
 #   added up to 650 s). The GPU tests then need a call of their own (`pytest tests/test_cuda.py`), and
 #   the model its own transfer (docs/gpu/376fcb4/device_steps.sh).
@@ -62,8 +63,8 @@
 set -euo pipefail
 
 if [[ ${PRESET:-} == session ]]; then
-  : "${TESTS:=0}" "${B1_BUDGET_S:=190}" "${B8_BUDGET_S:=100}" "${F32_BUDGET_S:=30}" "${F32_LIMIT:=4}"
-  : "${SLACK_S:=30}" "${TOKENS:=64}"
+  : "${TESTS:=0}" "${B1_BUDGET_S:=175}" "${B8_BUDGET_S:=85}" "${F32_BUDGET_S:=15}" "${F32_LIMIT:=4}"
+  : "${SLACK_S:=45}" "${TOKENS:=64}"
 elif [[ -n ${PRESET:-} ]]; then
   echo "gpu_bench.sh: unknown PRESET=$PRESET (known: session)" >&2
   exit 2
@@ -76,7 +77,7 @@ BATCH=${BATCH:-8}
 B1_BUDGET_S=${B1_BUDGET_S:-240}
 B8_BUDGET_S=${B8_BUDGET_S:-140}
 CALIBRATE_QUESTIONS=${CALIBRATE_QUESTIONS:-16}
-SLACK_S=${SLACK_S:-45}
+SLACK_S=${SLACK_S:-$((30 + TOKENS / 4))}
 B1_METHODS=${B1_METHODS:-hf,hf-lookup,ar,medusa,lookup,medusa-lookup}
 B8_METHODS=${B8_METHODS:-hf,ar,medusa,lookup,medusa-lookup}
 TESTS=${TESTS:-1}
