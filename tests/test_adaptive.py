@@ -810,3 +810,76 @@ def test_a_step_with_a_lookup_chain_teaches_the_controller_the_heads_share(monke
     assert not set(outside) & {int(proposal.tokens[1, node_of[p]]) for p in paths if len(p) == 1}
     proposer.observe([[*along, 7], [*outside, 7]], hidden, context)
     assert reports[-1][1] == [0.5, 0.5, 0.5] + [0.0] * (depth - 3)
+
+
+def test_a_legacy_head_overhead_is_a_share_of_t1_not_seconds():
+    """head_overhead (profiles before head_seconds) is all heads' cost over t(1): converted to seconds by t(1)."""
+    legacy = CostProfile.from_dict({"sizes": [1, 2, 4], "seconds": [0.02, 0.025, 0.03], "head_overhead": 0.2})
+    assert legacy.head_seconds == pytest.approx([0.004])
+    assert [legacy.head_ratio(d) for d in (1, 2, 3)] == pytest.approx([0.2] * 3)
+
+
+def test_a_one_size_profile_prices_forwards_in_proportion_to_tokens():
+    only_t1 = CostProfile([1], [0.01])
+    assert [only_t1.ratio(n) for n in (1, 2, 17)] == [1.0, 2.0, 17.0]
+    # every extra token costs a whole forward: no tree pays (a flat price fitted the largest tree)
+    assert fit_tree(REFERENCE_HEAD_ACCURACY, only_t1).paths == []
+
+
+def test_extrapolation_floor_is_a_share_of_the_last_sizes_mean_token_time():
+    """EXTRAPOLATION_FLOOR: past the largest size, a token costs at least 1/16 of a token's mean time there."""
+    profile = CostProfile([1, 64], [1.0, 1.01])
+    assert profile.ratio(2080) == pytest.approx(1.01 + 1.01 / 64 / 16 * 2016)
+
+
+def test_a_profile_never_prices_a_forward_below_one_tokens():
+    """A hand-written or old profile with t(n) < t(1) would promise a speedup above tau."""
+    profile = CostProfile([1, 2, 4], [0.05, 0.04, 0.06])
+    assert profile.seconds == [0.05, 0.05, 0.06]
+    assert profile.ratio(2) == 1.0 and profile.ratio(3) == pytest.approx(1.1)
+
+
+@pytest.mark.parametrize("sizes", [[1, 8, 4], [1, 2, 2]])
+def test_a_profile_of_unsorted_or_repeated_sizes_is_refused(sizes):
+    """Unsorted sizes interpolated across the wrong segment; a repeated last size divided by zero."""
+    with pytest.raises(ValueError, match="ascending, distinct"):
+        CostProfile(sizes, [1.0, 2.0, 1.5])
+
+
+def test_a_zero_probability_node_that_costs_nothing_is_left_out():
+    """On a flat profile a node that is never accepted ties in speed with the tree without it: the
+    smaller tree is kept (ties go to the first, smaller size)."""
+    flat = CostProfile([1, 2, 3], [1.0] * 3)
+    assert fit_tree([[0.5, 0.0]], flat).paths == [(0,)]
+
+
+def test_the_warm_up_round_is_not_timed(monkeypatch):
+    """measure_verify_cost discards its first (warm-up) round: each median is over `repeats` timings."""
+    import medusa_infer.tree_fit as tree_fit
+
+    counts = []
+    monkeypatch.setattr(tree_fit.statistics, "median", lambda values: (counts.append(len(values)), 0.01)[1])
+    model = MedusaModel.without_heads(tiny_model("llama"))
+    tree_fit.measure_verify_cost(model, sizes=(1, 4), context=8, repeats=2)
+    assert counts == [2, 2]
+
+
+def test_a_measurement_always_times_one_token():
+    """Every ratio divides by t(1): sizes given without 1 (scripts/bench_attention.py --sizes 4 16) still measure it."""
+    import medusa_infer.tree_fit as tree_fit
+
+    model = MedusaModel.without_heads(tiny_model("llama"))
+    assert tree_fit.measure_verify_cost(model, sizes=(4,), context=8, repeats=1).sizes == [1, 4]
+
+
+def test_a_profile_steeper_at_its_end_extrapolates_by_its_last_slope():
+    """A convex (CPU) profile: past its largest size each token costs at least what the last ones did."""
+    convex = CostProfile([1, 2, 4, 8, 16, 32], [1.0, 1.1, 1.2, 1.4, 2.0, 4.0])
+    assert convex.ratio(64) == pytest.approx(4.0 + (4.0 - 2.0) / 16 * 32)
+
+
+def test_a_profile_of_zero_seconds_is_refused():
+    """t(1) = 0 divided every ratio by zero."""
+    for seconds in ([0.0, 0.01], [0.01, 0.0]):
+        with pytest.raises(ValueError, match="seconds must hold one positive, finite time per size"):
+            CostProfile([1, 2], seconds)

@@ -352,3 +352,31 @@ def test_per_rank_accuracies_and_capacity():
     assert per_rank_accuracies([[0.5, 0.7, 0.7]])[0] == pytest.approx([0.5, 0.2, 0.0])
     assert tree_capacity([[0.5, 0.2], [0.4, 0.1]]) == 6
     assert tree_capacity({(0,): 0.5, (0, 0): 0.25, (1,): 0.0}) == 2
+
+
+def test_per_rank_accuracies_clamp_a_dip_the_config_tolerates():
+    """MedusaConfig accepts cumulative rows that dip by up to 1e-9 (rounding): the rank's share is 0,
+    not a negative probability that check_accuracies then refuses."""
+    per_rank = per_rank_accuracies([[0.5, 0.7, 0.7 - 1e-10]])
+    assert per_rank == [[0.5, pytest.approx(0.2), 0.0]]
+    assert expected_accept_length([(0,), (1,), (2,)], per_rank) == pytest.approx(1.7)
+
+
+def test_a_nan_accuracy_is_refused():
+    with pytest.raises(ValueError, match=r"must lie in \[0, 1\]"):
+        expected_accept_length([(0,)], [[float("nan")]])
+
+
+def test_expected_accept_length_counts_each_node_once():
+    """Paths are normalised first, as validate_tree does: a repeated path (as a list or a tuple) is one node,
+    and a generator of paths is read once."""
+    acc = [[0.5, 0.2], [0.4, 0.1]]
+    assert expected_accept_length([(0,), [0], (0,), (0, 0)], acc) == pytest.approx(1 + 0.5 + 0.2)
+    assert expected_accept_length((p for p in [(0,), (0, 0)]), acc) == pytest.approx(1.7)
+
+
+def test_get_tree_checks_the_sizes_before_the_preset():
+    with pytest.raises(ValueError, match="num_heads must be a positive integer, got 2.5"):
+        get_tree("chain-1", 2.5, 10)
+    with pytest.raises(ValueError, match="top_k must be a positive integer, got True"):
+        get_tree("chain-1", 4, True)
