@@ -883,3 +883,73 @@ def test_a_profile_of_zero_seconds_is_refused():
     for seconds in ([0.0, 0.01], [0.01, 0.0]):
         with pytest.raises(ValueError, match="seconds must hold one positive, finite time per size"):
             CostProfile([1, 2], seconds)
+
+
+
+def test_neighbour_steps_thin_out_once_the_pairs_window_is_full():
+    """A neighbour step every explore_every steps while a pair's StepCosts window fills, then every
+    4 * explore_every (the docstring's promise: costs drift, so it keeps measuring, but rarely)."""
+    ladder = tree_ladder(greedy_tree(REFERENCE_HEAD_ACCURACY, 16), acceptance=REFERENCE_HEAD_ACCURACY)
+    costs = StepCosts(window=2)
+    control = TreeController(ladder, REFERENCE_HEAD_ACCURACY, CPU, step_costs=costs, explore_every=4,
+                             probe_every=10**6)
+    start = control.rung
+    assert 0 < start < len(ladder) - 1
+    explored = sum(control.choose() != start for _ in range(64))
+    assert explored == 16  # window empty: one step in 4
+    prior = control.cost_ratios(1)
+    for r in (start - 1, start):  # fill both pairs around the rung, at the profile's own ratio
+        for _ in range(costs.window):
+            costs.record(control.keys[r], control.keys[r + 1], math.log(prior[r + 1] / prior[r]))
+    control.rung = start
+    explored = sum(control.choose() != start for _ in range(64))
+    assert explored == 4  # window full: one step in 16
+
+
+def test_a_neighbour_step_just_after_the_rung_changed_teaches_nothing():
+    """The sample of a neighbour step compares it with the steps just before it on the rung it came
+    from. Right after the controller moved (down, here) there are none on that rung: the steps on the
+    rung it left must not stand in for them (a step back onto that rung, timed like them, read as a
+    1.0 cost ratio between two trees of different sizes)."""
+    ladder = tree_ladder(greedy_tree(REFERENCE_HEAD_ACCURACY, 16), acceptance=REFERENCE_HEAD_ACCURACY)
+    costs = StepCosts()
+    control = TreeController(ladder, REFERENCE_HEAD_ACCURACY, CPU, step_costs=costs, explore_every=8,
+                             probe_every=10**6)
+    start = control.rung
+    assert 1 < start < len(ladder) - 1
+    for _ in range(7):
+        rung = control.choose()
+        assert rung == start
+        control.observe_seconds(rung, 0.010)
+    control.rung = start - 1  # moved down (as observe() does when acceptance drops)
+    rung = control.choose()  # the 8th step: a neighbour of start - 1, above it: back on start
+    assert rung == start and control._explored_from == start - 1
+    control.observe_seconds(rung, 0.010)
+    assert costs.summary() == {}
+
+
+def test_a_depths_prediction_never_exceeds_the_depth_above_it():
+    """Scales are shared by the rungs: one learned on a narrow tree (one child, accepted at every step: 5x
+    its calibrated share) applies to a wider one's depth whose calibrated share is 3x as large. Each depth's
+    predicted reach stays at most the one above it, so a step is never expected to accept more tokens than
+    its tree is deep."""
+    acc = [[0.5, 0.0, 0.0], [0.2, 0.2, 0.2]]
+    ladder = tree_ladder([(0,), (0, 0), (0, 1), (0, 2)], sizes=(2,), acceptance=acc)
+    assert [len(t) for t in ladder] == [0, 2, 4]
+    control = TreeController(ladder, acc, CPU, smoothing=1.0)
+    control.observe(1, [1.0, 1.0])  # the 2-node chain accepted whole
+    assert control.scales == [2.0, 5.0]
+    assert control.expected_accepted(1) == 2.0
+    assert control.expected_accepted(2) == 2.0  # not 1 + 0.3 * 2 * 5 = 4
+
+
+def test_first_level_ranks_are_in_rank_order_whatever_the_calibration():
+    """The proposer's shadow check takes head 1's top ``first_level_ranks[-1] + 1`` and picks these ranks: where
+    the calibration finds rank 1 more often right than rank 0 (joint path probabilities), the largest tree lists
+    (1,) first, and unsorted ranks would ask for top-1, then index rank 1 (an IndexError on the first plain step)."""
+    acceptance = {(0,): 0.2, (1,): 0.5, (1, 0): 0.3}
+    ladder = tree_ladder([(0,), (1,), (1, 0)], acceptance=acceptance)
+    assert ladder[-1][0] == (1,)
+    control = TreeController(ladder, acceptance, CPU)
+    assert control.first_level_ranks == [0, 1]
+    assert abs(control.first_level_cal - 0.7) < 1e-9

@@ -13,6 +13,7 @@ import torch
 from medusa_infer.adaptive import StepCosts
 from medusa_infer.decoding import generate, resolve_tree, stream
 from medusa_infer.kv_cache import AttentionLayout, KVState
+from medusa_infer.metrics import GenerationMetrics
 from medusa_infer.model import MedusaModel
 from medusa_infer.proposers.autoregressive import AutoregressiveProposer
 from medusa_infer.proposers.base import Proposal, StepContext
@@ -1177,3 +1178,15 @@ def test_a_result_drained_without_reading_its_chunks_decodes_no_text_per_step():
         streamer = Streamer()
         assert generate(model, ids, max_new_tokens=40, eos_token_id=[], streamer=streamer).new_tokens == out.new_tokens
         assert streamer.tokens[ids.shape[1]:] == out.new_tokens[0] and sum(decoded) <= 2 * 40, decoded
+
+
+def test_record_step_counts_the_bonus_token_by_default():
+    """Without ``emitted``, each row emits its accepted drafts and the token every step yields after them:
+    tau counts the bonus token (plain decoding: 1.0), as vLLM and Spec-Bench do."""
+    m = GenerationMetrics()
+    m.record_step([2, 0], offered_depth=3, tree_size=8)
+    assert m.step_tokens == m.new_tokens == 4 and m.tau == 2.0
+    assert m.accepted_by_depth == [1, 1, 0] and m.offered_by_depth == [2, 2, 2]
+    plain = GenerationMetrics()
+    plain.record_step([0], offered_depth=0, tree_size=1)
+    assert plain.tau == 1.0 and plain.plain_steps == 1 and plain.fallback_fraction == 1.0

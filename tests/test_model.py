@@ -1180,3 +1180,75 @@ def test_a_tree_past_the_heads_reduced_vocabulary_is_refused_by_name():
     narrow = MedusaModel.from_base(tiny_model("llama"), num_heads=4, token_map=torch.arange(10, 13))
     plain = narrow.generate(prompt, max_new_tokens=6, eos_token_id=[], tree=[]).new_tokens[0]
     assert narrow.generate(prompt, max_new_tokens=6, eos_token_id=[]).new_tokens[0] == plain
+
+
+@torch.no_grad()
+def test_positions_given_as_tensors_pick_those_positions():
+    """``logits_positions`` / ``head_positions`` as ``[p]`` (shared by every row) or ``[batch, p]`` (per row)
+    give the logits at exactly those positions, as the full output holds them (only slices are used inside
+    the project, so nothing else exercises these forms)."""
+    model = MedusaModel.from_base(tiny_model("llama"), num_heads=2)
+    generator = torch.Generator().manual_seed(0)
+    for p in model.heads.parameters():
+        p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+    ids = torch.randint(3, VOCAB, (2, 7), generator=generator)
+    full = model(ids, head_positions=None)
+    shared = torch.tensor([1, 4, 6])
+    out = model(ids, logits_positions=shared, head_positions=shared)
+    torch.testing.assert_close(out.logits, full.logits[:, shared])
+    torch.testing.assert_close(out.head_logits, full.head_logits[:, :, shared])
+    per_row = torch.tensor([[0, 5], [6, 2]])
+    out = model(ids, logits_positions=per_row, head_positions=per_row)
+    for row in range(2):
+        torch.testing.assert_close(out.logits[row], full.logits[row, per_row[row]])
+        torch.testing.assert_close(out.head_logits[:, row], full.head_logits[:, row, per_row[row]])
+
+
+@torch.no_grad()
+def test_default_path_of_reduced_vocabulary_heads_is_made_of_token_ids():
+    """Path-reading heads over a reduced vocabulary (token_map): the default greedy path feeds each head the
+    previous head's top choice as a token id (to_full_vocab), not as its column in the reduced vocabulary,
+    exactly as an explicit path of those ids does (the documented default; decoding passes its own paths)."""
+    token_map = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(7))[:40]
+    model = MedusaModel.from_base(tiny_model("llama"), num_heads=3, token_map=token_map,
+                                  next_token_input=True, path_input=True)
+    generator = torch.Generator().manual_seed(1)
+    for p in model.heads.parameters():
+        p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+    hidden = torch.randn(6, model.config.hidden_size, generator=generator)
+    nxt = torch.randint(3, VOCAB, (6,), generator=generator)
+    chained = model.head_logits(hidden, nxt)
+    first = model.heads.to_full_vocab(chained[0].argmax(-1))
+    second = model.heads.to_full_vocab(chained[1].argmax(-1))
+    explicit = model.head_logits(hidden, nxt, path_tokens=torch.stack([first, second], 1))
+    torch.testing.assert_close(chained, explicit)
+
+
+@torch.no_grad()
+def test_heads_from_start_on_the_default_path_are_those_heads_alone():
+    """``start`` with the default (greedy) path: heads start .. first - 1, the ones before run only to make
+    the path, and are not returned (``[first - start, ...]``)."""
+    model = MedusaModel.from_base(tiny_model("llama"), num_heads=3, next_token_input=True, path_input=True)
+    generator = torch.Generator().manual_seed(1)
+    for p in model.heads.parameters():
+        p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+    hidden = torch.randn(4, model.config.hidden_size, generator=generator)
+    nxt = torch.randint(3, VOCAB, (4,), generator=generator)
+    every = model.head_logits(hidden, nxt)
+    tail = model.head_logits(hidden, nxt, first=3, start=1)
+    assert tail.shape[0] == 2
+    torch.testing.assert_close(tail, every[1:])
+
+
+def test_multiplicative_processor_settings_at_one_are_neutral():
+    """repetition_penalty, encoder_repetition_penalty and guidance_scale multiply (or scale) logits: 1.0 changes
+    nothing, so a generation config setting them to 1.0 is not reported as a processor decoding leaves out."""
+    from medusa_infer.model import processor_settings
+
+    base = tiny_model("llama")
+    config = base.generation_config
+    config.repetition_penalty = config.encoder_repetition_penalty = config.guidance_scale = 1.0
+    config.no_repeat_ngram_size = 0
+    assert processor_settings(base) == {}
+    config.guidance_scale = 1.5
+    assert processor_settings(base) == {"guidance_scale": 1.5}

@@ -464,3 +464,23 @@ def test_a_chat_whose_tokens_lie_outside_the_vocabulary_is_a_400():
             assert error["message"] == (f"token id {vocab} is outside the vocabulary [0, {vocab}): encode prompts "
                                         "with the model's tokenizer (a token added to it needs the model's "
                                         "embeddings resized)")
+
+
+PARSE_TOKENIZER = word_tokenizer()
+PARSE_MODEL = protocol.ModelInfo("m", PARSE_TOKENIZER, 256, len(PARSE_TOKENIZER))
+PARSE_CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+
+
+@pytest.mark.parametrize("param, value", [("service_tier", "default"), ("service_tier", "auto"),
+                                          ("top_logprobs", 0), ("parallel_tool_calls", False),
+                                          ("modalities", ["text"]), ("tool_choice", "none")])
+def test_openai_values_that_mean_not_used_are_taken(param, value):
+    protocol.parse_chat({**PARSE_CHAT, param: value}, PARSE_MODEL)
+
+
+@pytest.mark.parametrize("param, value", [("top_logprobs", 1), ("top_logprobs", 2), ("parallel_tool_calls", 1),
+                                          ("parallel_tool_calls", "yes"), ("service_tier", "flex")])
+def test_values_the_server_would_silently_not_honour_are_refused(param, value):
+    with pytest.raises(protocol.APIError) as err:
+        protocol.parse_chat({**PARSE_CHAT, param: value}, PARSE_MODEL)
+    assert err.value.status == 400 and err.value.param == param

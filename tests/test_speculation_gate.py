@@ -10,7 +10,7 @@ from medusa_infer.adaptive import TreeController, tree_ladder
 from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig, left_pad, stream
 from medusa_infer.proposers import MedusaProposer, build_proposer
 from medusa_infer.serving.testing import metric_value, serve, torch_threads
-from medusa_infer.speculation_gate import SpeculationGate
+from medusa_infer.speculation_gate import TIME_WINDOW, SpeculationGate
 from medusa_infer.tree_fit import CostProfile
 from tiny import word_medusa
 
@@ -568,3 +568,93 @@ def test_greedy_batches_are_gated_and_decode_the_same_tokens(model):
     assert stream(model, ids, mask, max_new_tokens=4, do_sample=True, seed=0).gate is None
     plain = build_proposer("autoregressive", model)
     assert stream(model, ids, mask, max_new_tokens=4, proposer=plain, speculation_gate=True).gate is None
+
+
+def step_seconds(n):
+    return 0.010 + 0.001 * n
+
+
+def test_each_batch_size_range_prices_its_own_proposing():
+    """Proposing for a batch of 8 (a draft model's k forwards of 8 rows, say) costs 50x a lone row's.
+    Steps of one row outnumber them 3 to 1, so the proposing times over every batch size are the lone
+    row's: priced with those, a batch of 8 speculated at 0.57x plain's speed. Its range's own median
+    (once it holds MIN_PROPOSING_SAMPLES) keeps it plain, while one row keeps speculating."""
+    gate = SpeculationGate()
+    cost = {1: 0.001, 8: 0.05}
+    spec_at = {1: [], 8: []}
+    for step in range(2000):
+        rows = 8 if step % 4 == 3 else 1
+        spec = gate.speculate(rows)
+        verified = rows * (5 if spec else 1)
+        gate.record(rows, spec, rows * (3 if spec else 1), step_seconds(verified), verified,
+                    cost[rows] if spec else None)
+        spec_at[rows].append(spec)
+    # 8 rows: 3 tokens a row in 0.050 + 0.05 s against 1 in 0.018 s; 1 row: 3 in 0.016 s against 1 in 0.011 s
+    assert sum(spec_at[1][-400:]) > 380
+    assert sum(spec_at[8][-200:]) < 20, sum(spec_at[8][-200:])
+
+
+def test_a_batch_sizes_range_uses_its_own_proposing_times_from_the_third():
+    """MIN_PROPOSING_SAMPLES (3) of a range's own proposing times price its speculative steps."""
+    gate = SpeculationGate()
+    for _ in range(5):
+        gate.record(1, True, 3, step_seconds(5), 5, 0.001)
+    for _ in range(2):
+        gate.record(8, True, 24, step_seconds(40), 40, 0.05)
+    assert gate._proposing_at(8) == 0.001  # two of its own: the median over every size
+    gate.record(8, True, 24, step_seconds(40), 40, 0.05)
+    assert gate._proposing_at(8) == 0.05  # three: its own
+
+
+def test_a_ranges_step_time_is_the_median_of_its_last_steps_only():
+    """Each range keeps its last TIME_WINDOW steps: slow steps long gone (another process held the cores
+    at the start) no longer count, and the table stays bounded in a server that runs for days."""
+    gate = SpeculationGate()
+    for _ in range(20):
+        gate.record(1, False, 1, 1.0, 1)  # slow, early
+    for _ in range(TIME_WINDOW):
+        gate.record(1, False, 1, 0.011, 1)
+    assert gate.step_seconds(1) == 0.011
+    assert len(gate._times[0].recent) == TIME_WINDOW
+
+
+def test_a_sibling_keeps_its_own_proposing_times():
+    """A sibling gate (another sampling setting) learns its own yield and proposing times, sharing only
+    the step-time table: its parent's proposing samples must not price the sibling's steps, nor the
+    sibling's the parent's."""
+    gate = SpeculationGate()
+    for _ in range(4):
+        gate.record(1, True, 3, step_seconds(5), 5, 0.001)
+    other = gate.sibling()
+    assert other.proposing_seconds == 0.0 and other._proposing_at(1) == 0.0
+    for _ in range(8):
+        other.record(1, True, 1.1, step_seconds(5), 5, 0.2)
+    assert gate.proposing_seconds == 0.001 and gate._proposing_at(1) == 0.001
+    assert other._times is gate._times
+
+
+def test_a_sibling_earns_its_own_check_credit():
+    """Checks (plain steps while speculation is on) are paid by a gate's own speculative steps: a sibling
+    (another sampling setting) starts with none, and spends none of its parent's."""
+    gate = SpeculationGate(warmup=1)
+    for _ in range(3):  # warm-up, then two plain steps measure step_seconds(1)
+        spec = gate.speculate(1)
+        gate.record(1, spec, 3 if spec else 1, step_seconds(5 if spec else 1), 5 if spec else 1)
+    assert gate.speculate(1) is True and gate._check_credit
+    credit = dict(gate._check_credit)
+    other = gate.sibling()
+    assert other._check_credit == {}
+    other.speculate(1)
+    assert gate._check_credit == credit
+
+
+def test_proposing_is_priced_by_the_last_steps_only():
+    """Proposing's price is the median of the last TIME_WINDOW speculative steps' (over every batch size and
+    per range): slow proposing long ago (a draft model's first, cold forwards) no longer counts."""
+    gate = SpeculationGate()
+    for _ in range(20):
+        gate.record(1, True, 3, step_seconds(5), 5, 0.5)  # slow, early
+    for _ in range(TIME_WINDOW):
+        gate.record(1, True, 3, step_seconds(5), 5, 0.001)
+    assert gate.proposing_seconds == 0.001 and gate._proposing_at(1) == 0.001
+    assert len(gate._proposing_all) == len(gate._proposing[0]) == TIME_WINDOW
