@@ -24,6 +24,7 @@ from medusa_train.dataset import (
     read_rows,
     render_chat,
     render_prompt,
+    row_messages,
     split_heldout,
     to_dataset,
     truncate_examples,
@@ -603,3 +604,121 @@ def test_a_row_the_template_itself_refuses_is_named(smol):
                  "response_ids": strict("Hello.", add_special_tokens=False)["input_ids"]}
     with pytest.raises(TemplateError, match=r"^row 'ids': roles must alternate user/assistant"):
         build_examples([distilled], strict, 64, system_prompt="Be brief.")
+
+
+def test_system_prompt_is_not_added_before_a_conversations_own_system_message(smol):  # D1
+    own = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+           {"role": "assistant", "content": "Hello."}]
+    assert row_messages({"messages": own}, "You are a pirate.") == own
+    assert row_messages({"prompt": "Hi", "response": "Hello."}, "You are a pirate.")[0] == \
+        {"role": "system", "content": "You are a pirate."}
+    [example] = build_examples([{"id": "c", "messages": own}], smol, 512, "You are a pirate.")
+    text = smol.decode(example["input_ids"])
+    assert "Be brief." in text and "pirate" not in text
+
+
+def test_an_id_just_past_the_tokenizer_is_not_taken_as_written(smol):  # D7: the boundary t == len(tokenizer)
+    written = smol("Hello there", add_special_tokens=False)["input_ids"]
+    row = {"id": "r", "prompt": "Hi?", "response": "Hello there", "finish_reason": "length",
+           "response_ids": written + [len(smol)]}
+    stats = BuildStats()
+    [example] = build_examples([row], smol, 256, stats=stats)
+    assert (stats.ids_unused, stats.from_ids) == (1, 0)
+    assert len(smol) not in example["input_ids"]
+
+
+def test_the_cache_is_not_reused_under_another_system_prompt(tmp_path, smol):  # D12
+    import json
+
+    from medusa_train.dataset import load_or_build_dataset
+
+    rows_path = tmp_path / "rows.jsonl"
+    rows_path.write_text("".join(json.dumps({"id": str(i), "prompt": f"Q{i}?", "response": f"A{i}."}) + "\n"
+                                 for i in range(3)))
+    cache = tmp_path / "cache"
+    plain = load_or_build_dataset(rows_path, smol, 256, cache, system_prompt="Be a pirate.")
+    other = load_or_build_dataset(rows_path, smol, 256, cache, system_prompt="Be a poet.")
+    assert len(list(cache.glob("tokenized-*"))) == 2
+    assert "Be a poet." in smol.decode(other["input_ids"][0]) and plain["input_ids"][0] != other["input_ids"][0]
+
+
+def test_split_heldout_keeps_file_order_in_the_heldout_split_too():  # D14
+    from medusa_train.dataset import split_heldout, to_dataset
+
+    data = to_dataset([{"id": str(i), "input_ids": [i], "labels": [i]} for i in range(50)])
+    for seed in range(5):
+        train, heldout = split_heldout(data, 0.2, seed=seed)
+        assert heldout["id"] == sorted(heldout["id"], key=int)
+        assert train["id"] == sorted(train["id"], key=int)
+
+
+def test_check_rows_takes_rows_that_record_no_system_prompt_or_template():  # D15
+    from medusa_train.dataset import check_rows
+
+    old = [{"id": "a", "prompt": "Q", "response": "A", "generation": {"max_new_tokens": 8}}]
+    check_rows(old, None, "Be brief.")  # recorded none: taken as it is, whatever the prompt now
+    check_rows(old, "{{ messages }}", None)
+    with pytest.raises(ValueError, match="system prompt 'Other'"):
+        check_rows([{**old[0], "generation": {"system_prompt": "Other"}}], None, "Be brief.")
+
+
+def test_rows_whose_prompt_was_rendered_without_a_template_are_refused_under_one(smol):  # D16
+    """A row distilled when the tokenizer had no chat template records prompt_template null: its prompt went as
+    plain text, so an example built with the template now is an answer to another prompt."""
+    row = {"id": "plain", "prompt": "Hi?", "response": "Hello.", "prompt_template": None}
+    with pytest.raises(ValueError, match=r"row 'plain' was distilled with its prompt rendered by chat template None"):
+        build_examples([row], smol, 256)
+    [example] = build_examples([{k: v for k, v in row.items() if k != "prompt_template"}], smol, 256)  # none recorded
+    assert example["id"] == "plain"
+
+
+def test_an_empty_heldout_split_needs_no_head_positions():  # D17 (data.heldout_fraction=0)
+    from medusa_train.dataset import check_head_positions
+
+    check_head_positions([{"labels": [IGNORE_INDEX, 5, 6]}], [])
+    with pytest.raises(ValueError, match="none of the 1 training examples"):
+        check_head_positions([{"labels": [IGNORE_INDEX, 5]}], [])
+
+
+def test_a_template_that_shortens_earlier_answers_keeps_a_last_answers_labels_whole(smol):  # D18
+    """_through_turn cuts only after the turn's content: a template writing an answer followed by another turn
+    otherwise (here: only its text before '|', as reasoning-dropping templates do) parts inside the content."""
+    import copy
+
+    from medusa_train.dataset import tokenize_chat
+
+    other = copy.deepcopy(smol)
+    other.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                           "{% if m['role'] == 'assistant' and not loop.last %}{{ m['content'].split('|')[0] }}"
+                           "{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+                           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello | there friend."}]
+    _, labels = tokenize_chat(other, messages)
+    assert other.decode([t for t in labels if t != IGNORE_INDEX]) == "Hello | there friend.<|im_end|>"
+
+
+def test_without_offsets_a_token_merged_across_an_answers_end_is_labelled(smol):  # D21
+    """Turns with no separator: an answer's last token merges with the next turn's first letters ("Hellouser"
+    tokenises ' Hell', 'ous', 'er'); the prefix path labels the token straddling the answer's end, as the offsets
+    path labels every token straddling it (without it the first answer had no label at all)."""
+    import copy
+
+    from medusa_train.dataset import _tokenize_chat_by_prefix, assistant_char_spans
+
+    other = copy.deepcopy(smol)
+    other.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% endfor %}"
+                           "{% if add_generation_prompt %}assistant: {% endif %}")
+    messages = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello"},
+                {"role": "user", "content": "More."}, {"role": "assistant", "content": "Sure."}]
+    full, _ = assistant_char_spans(other, messages)
+    ids, labels = _tokenize_chat_by_prefix(other, messages, full)
+    labelled = [other.decode([t]) for t in labels if t != IGNORE_INDEX]
+    assert labelled[0] == " Hell" and labelled[-2:] == [" Sure", "."]
+
+
+def test_blank_lines_in_a_rows_file_are_skipped(tmp_path):  # D23
+    from medusa_train.dataset import read_rows
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"prompt": "Q1", "response": "A1"}\n\n   \n{"prompt": "Q2", "response": "A2"}\n\n')
+    assert [row["prompt"] for row in read_rows(path)] == ["Q1", "Q2"]

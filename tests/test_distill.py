@@ -29,6 +29,8 @@ from medusa_train import distill as distill_module
 from medusa_train.dataset import encode_rendered, render_prompt
 from medusa_train.distill import (
     DistillConfig,
+    RejectedError,
+    RetryableError,
     answer_text,
     arrow_path,
     build_parser,
@@ -38,10 +40,12 @@ from medusa_train.distill import (
     distill_shard,
     merge_shards,
     pending_prompts,
+    post_json,
     prepare_prompt,
     read_jsonl_tolerant,
     read_ids,
     read_prompts,
+    request_completion,
     sample_prompts,
     save_arrow,
     shard_path,
@@ -1469,3 +1473,119 @@ def test_distillation_stops_at_the_end_tokens_decoding_stops_at(model_dir, token
     base = AutoModelForCausalLM.from_pretrained(model_dir)
     base.config.eos_token_id = [2, 50]
     assert sorted(distill_module.eos_token_ids(MedusaModel.without_heads(base, tokenizer), tokenizer)) == [2, 50]
+
+
+def write_prompts(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_sources_take_turns_in_the_order_of_their_names(tmp_path):  # S1
+    path = write_prompts(tmp_path / "p.jsonl", [
+        *({"id": f"z{i}", "source": "zeta", "prompt": f"z {i}"} for i in range(3)),
+        *({"id": f"a{i}", "source": "alpha", "prompt": f"a {i}"} for i in range(3)),
+    ])
+    sample = sample_prompts(path, None)
+    assert [p["source"] for p in sample] == ["alpha", "zeta"] * 3
+    assert [p["source"] for p in sample_prompts(path, 1)] == ["alpha"]
+
+
+def test_an_endpoint_failing_now_and_then_is_asked_every_prompt(tmp_path):  # S7: failures counted in a row
+    texts = [f"prompt number {i}" for i in range(8)]
+    path = write_prompts(tmp_path / "p.jsonl",
+                         [{"id": str(i), "source": "s", "prompt": t} for i, t in enumerate(texts)])
+    order = [p["prompt"] for p in sample_prompts(path, None)]  # the order they are asked in (concurrency 1)
+    with FakeServer(flaky=set(order[::2])) as server:  # every other prompt fails once, no retry: for good
+        config = openai_config(path, tmp_path / "rows.jsonl", server.url, n=None, max_retries=0, concurrency=1)
+        with pytest.raises(RuntimeError) as failed:
+            distill(config)
+        asked = [body["messages"][-1]["content"] for body in server.requests]
+    assert "were not asked" not in str(failed.value) and "4 of 8 requests failed" in str(failed.value)
+    assert sorted(asked) == sorted(texts)
+    assert [row["prompt"] for row in read_rows(tmp_path / "rows.jsonl.rank0.jsonl")] == order[1::2]
+
+
+def test_the_last_partial_batch_of_an_endpoint_run_is_reported(tmp_path):  # S8
+    path = write_prompts(tmp_path / "p.jsonl",
+                         [{"id": str(i), "source": "s", "prompt": f"hello {i}"} for i in range(5)])
+    seen = []
+    with FakeServer() as server:
+        distill(openai_config(path, tmp_path / "rows.jsonl", server.url, n=None, batch_size=4),
+                on_batch=lambda index, rows: seen.append((index, len(rows))))
+    assert seen == [(0, 4), (1, 1)]
+
+
+def test_an_answer_that_ended_keeps_the_bytes_it_wrote_last(tokenizer):  # S12
+    from medusa_train.distill import answer_text
+
+    ids = tokenizer("Sure 日本語 ok", add_special_tokens=False)["input_ids"]
+    cut = next(k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith("\ufffd"))
+    assert answer_text(tokenizer, ids[:cut], "eos") == (ids[:cut], tokenizer.decode(ids[:cut]))
+
+
+def test_a_truncated_prompt_fills_max_prompt_tokens(tokenizer):  # S10
+    from medusa_train.distill import DistillConfig, prepare_prompt
+
+    prompt = " ".join(f"word{i}" for i in range(60))
+    overhead = len(prepare_prompt(tokenizer, "", DistillConfig(prompts="p", max_prompt_tokens=None))[1])
+    for limit in range(overhead + 5, overhead + 15):
+        config = DistillConfig(prompts="p", max_prompt_tokens=limit, prompt_overflow="truncate")
+        text, ids = prepare_prompt(tokenizer, prompt, config)
+        assert prompt.startswith(text) and len(ids) == limit, (limit, len(ids))
+
+
+def test_max_prompt_tokens_0_on_the_command_line_means_no_limit(tmp_path):  # S20
+    from medusa_train.distill import build_parser, config_from_args
+
+    args = build_parser().parse_args(["--prompts", str(tmp_path / "p.jsonl"), "--max-prompt-tokens", "0"])
+    assert config_from_args(args).max_prompt_tokens is None
+
+
+def test_one_failed_request_alone_does_not_stop_a_one_at_a_time_run(tmp_path):  # S22: at least 2 in a row
+    texts = [f"prompt number {i}" for i in range(4)]
+    path = write_prompts(tmp_path / "p.jsonl",
+                         [{"id": str(i), "source": "s", "prompt": t} for i, t in enumerate(texts)])
+    order = [p["prompt"] for p in sample_prompts(path, None)]
+    with FakeServer(flaky={order[0]}) as server:
+        config = openai_config(path, tmp_path / "rows.jsonl", server.url, n=None, max_retries=0, concurrency=1)
+        with pytest.raises(RuntimeError, match=r"^1 of 4 requests failed \(rows written"):
+            distill(config)
+        assert len(server.requests) == 4
+
+
+@pytest.mark.parametrize("code", [408, 425, 429, 500, 503])
+def test_transient_statuses_are_retried_and_a_400_is_not(tmp_path, code):
+    calls = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            calls.append(self.path)
+            status, body = ((code, b'{"error": "later"}') if len(calls) == 1 else
+                            (200, json.dumps({"choices": [{"message": {"content": "ok"}}]}).encode()))
+            if self.path == "/bad":
+                status = 400
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        with pytest.raises(RetryableError):
+            post_json(url + "/v1", {}, {}, 5.0)
+        calls.clear()
+        config = DistillConfig(prompts="p.jsonl", backend="openai", endpoint=url, retry_backoff_s=0.0)
+        assert request_completion(url + "/v1", {}, {}, config)["choices"][0]["message"]["content"] == "ok"
+        assert len(calls) == 2
+        with pytest.raises(RejectedError):
+            post_json(url + "/bad", {}, {}, 5.0)
+    finally:
+        server.shutdown()
+        server.server_close()
