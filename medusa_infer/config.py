@@ -136,6 +136,12 @@ class MedusaConfig:
             except ValueError as err:
                 raise ValueError(f"heads config tree: {err} (config.json's tree, top_k {self.top_k}, "
                                  f"{self.num_heads} heads)") from None
+            # (ranks past a reduced vocabulary loaded, and the first generate named a tree nobody passed)
+            past = next((path for path in self.tree if max(path) >= self.head_vocab_size), None)
+            if past is not None:
+                raise ValueError(f"heads config tree: path {tuple(past)} takes rank {max(past)}, and the heads score "
+                                 f"{self.head_vocab_size} tokens (reduced_vocab_size): use ranks below "
+                                 f"{self.head_vocab_size} (config.json's tree)")
         if self.head_accuracies is not None:
             if len(self.head_accuracies) > self.num_heads:
                 raise ValueError(f"heads config head_accuracies has {len(self.head_accuracies)} rows for "

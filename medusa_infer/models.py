@@ -630,10 +630,11 @@ def check_model_folder(folder: Path) -> None:
             + " (its config.json has no model_type), not a base model: pass the base model's folder, "
             f"or one of: {', '.join(DEFAULT_MODELS)}"
         )
-    weights = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
-    if not any(next(folder.glob(pattern), None) for pattern in weights):  # (reported as a model folder)
-        raise ValueError(f"{folder} holds a config.json and no weights (*.safetensors or *.bin): not a whole "
-                         "model folder")
+    # the files from_pretrained loads (a folder whose weights were gone beside a Trainer's training_args.bin, or
+    # with shards its index names missing, was reported as checked)
+    if model_weight_files(folder) is None:
+        raise ValueError(f"{folder} holds a config.json and no weights from_pretrained loads (model.safetensors, "
+                         "pytorch_model.bin, or every shard their index names): not a whole model folder")
     damage = _damage(folder)  # (a cut copy was reported as checked: it failed only when loaded)
     if damage is not None:
         fix = _rebuild_advice(folder, False) if (folder / SOURCE_NAME).is_file() else "copy or save it again"

