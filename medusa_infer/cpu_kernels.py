@@ -111,9 +111,6 @@ class KernelPlan:
         if unknown:
             raise ValueError(f"unknown kernels {sorted(unknown)}: use {KERNELS}")
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"rows": list(self.rows), "kernels": list(self.kernels), "seconds": [dict(s) for s in self.seconds]}
-
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "KernelPlan":
         """The plan ``to_dict`` wrote; ``ValueError`` (or ``KeyError``/``TypeError``) for anything else."""

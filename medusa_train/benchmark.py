@@ -1305,7 +1305,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.lookup_max_tokens < 1:
         parser.error(f"--lookup-max-tokens must be at least 1, got {args.lookup_max_tokens}")
     if args.tree and not any(m.startswith("medusa") for m in args.methods):
-        parser.error(f"--tree shapes the medusa methods' candidates, and --methods has none of them: add one or "
+        parser.error("--tree shapes the medusa methods' candidates, and --methods has none of them: add one or "
                      "drop --tree")
     if not args.fallback and not any(m.startswith("medusa") for m in args.methods):
         parser.error("--no-fallback keeps the medusa methods' trees fixed, and --methods has none of them: add one or "

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
-import hashlib
 import http.client
 import json
 import logging
