@@ -12,7 +12,7 @@ import contextlib
 import pytest
 import torch
 
-from medusa_infer.attention_kernels import SDPA_GQA, decoding_attention
+from medusa_infer.attention_kernels import SDPA_GQA, decoding_attention, sdpa_gqa_attention
 from medusa_infer.decoding import generate
 from medusa_infer.kv_cache import AttentionLayout, KVState
 from medusa_infer.model import MedusaModel
@@ -169,3 +169,16 @@ def test_every_decoding_forward_runs_inside_the_choice(monkeypatch):
     assert depth["calls"] > 1 and depth["attention"] >= len(attention) * depth["calls"]
     assert depth["outside"] == 0
 
+
+
+def test_sdpa_gqa_refuses_soft_capping_as_sdpa_does():
+    """A masked CPU inference forward with attention soft-capping is left to transformers' sdpa, which
+    refuses it: read in place with enable_gqa, the cap would be silently dropped."""
+    from torch import nn
+
+    module = nn.Module()
+    module.num_key_value_groups = 2
+    query, key = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8)
+    mask = torch.zeros(1, 1, 3, 5)
+    with torch.no_grad(), pytest.raises(ValueError, match="softcap"):
+        sdpa_gqa_attention(module, query, key, key, mask, softcap=50.0)

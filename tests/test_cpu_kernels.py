@@ -551,3 +551,67 @@ def test_measuring_a_plan_leaves_the_global_random_state_alone():
     torch.manual_seed(0)
     measure_kernel_plan([layer], rows=(1, 2), repeats=1)
     assert torch.equal(torch.rand(4), expected)
+
+
+@pytest.mark.skipif(not mkl_packed_available(), reason="no MKL")
+def test_mkl_packed_serves_exactly_up_to_its_largest_row_count():
+    layer = switched(nn.Linear(48, 80), KernelPlan.uniform("mkl-packed"))
+    x = torch.randn(MKL_PACKED_MAX_ROWS, 48)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias))
+    assert layer._kernel_cache["mkl-packed"][2] is not None  # 64 rows still take the packed kernel
+    plan = measure_kernel_plan([nn.Linear(48, 80)], rows=(MKL_PACKED_MAX_ROWS, MKL_PACKED_MAX_ROWS + 1), repeats=1)
+    assert [set(s) for s in plan.seconds][1:] == [{"default", "onednn", "mkl-packed"}, {"default", "onednn"}]
+
+
+@pytest.mark.parametrize("kernel", ["onednn", "mkl-packed"])
+def test_a_weight_replaced_by_another_view_of_its_storage_is_computed_with(kernel):
+    """A new Parameter on the same storage, shape and version counter (a transposed square weight) is
+    another weight: its packed copy is made again."""
+    torch.manual_seed(0)
+    layer = switched(nn.Linear(32, 32), KernelPlan.uniform(kernel))
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        layer(x)  # packs the weight
+        layer.weight = nn.Parameter(layer.weight.detach().t())  # same data_ptr, shape and version
+        torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias))
+
+
+def test_heads_of_other_shapes_are_measured_even_when_the_base_has_one_measured_plan():
+    like = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    use_cpu_kernels(like, "tuned")
+    (plan,) = set(kernel_plans(like).values())
+    assert plan.seconds
+    heads = nn.Sequential(nn.Linear(7, 5))
+    assert match_kernels(heads, like) == 1
+    assert kernel_plans(heads)["5x7"] is not plan and kernel_plans(heads)["5x7"].seconds
+
+
+def test_a_cached_plan_without_mkls_packed_kernel_leaves_the_check_to_be_done(tmp_path, monkeypatch):
+    """Only a cached plan that takes MKL's packed kernel vouches for it: a shape whose cached plan does not
+    (MKL's kernel may have failed the check there) is still checked before a later plan may choose it."""
+    import medusa_infer.cpu_kernels as ck
+    from medusa_infer.cpu_kernels import machine_key, mkl_packed_works, write_plan_cache
+    from tiny import tiny_model
+
+    if not mkl_packed_available():
+        pytest.skip("no MKL")
+    cache = tmp_path / "plans.json"
+    model = tiny_model("llama")
+    shapes = Counter("x".join(map(str, m.weight.shape)) for m in model.modules() if isinstance(m, nn.Linear))
+    plan = KernelPlan((1,), ("onednn",), ({"onednn": 0.001, "default": 0.002},))
+    write_plan_cache(cache, {f"{machine_key()}|{shape}|layers={n}": plan for shape, n in shapes.items()})
+    monkeypatch.setattr(ck, "_MKL_CHECKED", {})
+    monkeypatch.setattr(ck, "_check_mkl_packed", lambda *a: False)  # MKL's packed kernel fails on this machine
+    monkeypatch.setattr(ck, "measure_kernel_plan", lambda *a, **k: pytest.fail("measured again"))
+    use_cpu_kernels(model, plan_cache=cache)
+    assert not mkl_packed_works(model.lm_head.weight)
+
+
+def test_a_plan_written_again_replaces_the_one_cached(tmp_path):
+    from medusa_infer.cpu_kernels import read_plan_cache, write_plan_cache
+
+    cache = tmp_path / "plans.json"
+    write_plan_cache(cache, {"k": KernelPlan.uniform("onednn"), "other": KernelPlan.uniform("onednn")})
+    write_plan_cache(cache, {"k": KernelPlan.uniform("default")})
+    assert read_plan_cache(cache) == {"k": KernelPlan.uniform("default"), "other": KernelPlan.uniform("onednn")}

@@ -251,3 +251,51 @@ def test_slots_that_do_not_fit_the_buffer_are_refused_not_broadcast_or_cast(new)
     cache.update(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), 0)  # the short path is armed
     with pytest.raises(ValueError, match="cannot append slots of shape"):
         cache.update(new, new, 0)
+
+
+def test_every_query_of_a_padded_batch_may_attend_some_slot():
+    """Left padding: a padding query attends itself, so that no row of the mask is all minimum (half
+    precision turns such a row into -inf and its softmax into NaN, which reaches valid rows through the
+    padding slots' keys and values)."""
+    for layout in (AttentionLayout({"full_attention": None}, as_dict=False),
+                   AttentionLayout({"sliding_attention": 3, "full_attention": None}, as_dict=True)):
+        kv = KVState.empty(2, layout, torch.device("cpu"))
+        valid = torch.tensor([[False, False, True, True], [True, True, True, True]])
+        positions = (valid.long().cumsum(1) - 1).clamp(min=0)
+        causal = torch.ones(4, 4, dtype=torch.bool).tril()
+        masks = kv.attention_mask(positions, valid, causal, torch.float16)
+        for mask in (masks.values() if isinstance(masks, dict) else [masks]):
+            assert bool((mask.amax(dim=-1) == 0).all())
+
+
+def test_rows_without_layers_join_as_holes_of_their_own_row_count():
+    """A joining side that never cached a slot (a draft's prefill skipped for a prompt past its context)
+    becomes holes of its own rows, whatever the rows of the side it joins."""
+    layout = AttentionLayout({"full_attention": None}, as_dict=False)
+    mine = KVState(GrowingCache(), torch.ones(2, 3, dtype=torch.bool), torch.arange(3).expand(2, 3).clone(), layout)
+    for index in range(2):
+        mine.cache.update(torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3, 4), index)
+    theirs = KVState.empty(1, layout, torch.device("cpu"))  # one row, no layers
+    mine.merge(theirs)
+    assert mine.valid.shape == (3, 3) and not bool(mine.valid[2].any())
+    assert all(layer.keys.shape[:3] == (3, 2, 3) and layer.values.shape[:3] == (3, 2, 3) for layer in mine.cache.layers)
+    assert bool((mine.cache.layers[0].keys[2] == 0).all())
+
+
+def test_a_state_copies_all_its_layers_when_asked_for_all():
+    cache = GrowingCache()
+    for index in range(3):
+        cache.update(torch.full((2, 1, 4, 2), float(index)), torch.full((2, 1, 4, 2), -float(index)), index)
+    layout = AttentionLayout({"full_attention": None}, as_dict=False)
+    state = KVState(cache, torch.ones(2, 4, dtype=torch.bool), torch.arange(4).expand(2, 4), layout)
+    assert len(state.copy(3).cache.layers) == 3
+
+
+def test_a_one_token_step_with_a_padding_query_gets_a_mask():
+    """The model's own masks know nothing of a padding query: a one-token forward in which a row feeds
+    padding takes a 4D mask even where every cached slot may be attended."""
+    layout = AttentionLayout({"full_attention": None}, as_dict=False)
+    kv = KVState.empty(2, layout, torch.device("cpu"))
+    kv.append(torch.ones(2, 4, dtype=torch.bool), torch.arange(4).expand(2, 4))
+    one = torch.ones(1, 1, dtype=torch.bool)
+    assert kv.attention_mask(torch.full((2, 1), 4), torch.tensor([[True], [False]]), one, torch.float32) is not None
