@@ -28,7 +28,7 @@ from medusa_infer.proposers import (
 )
 from medusa_infer.proposers.base import StepContext
 from medusa_infer.proposers.layerskip import default_num_layers, truncated_model
-from medusa_infer.proposers.lookup import LookupGate, accepted_prefix, find_match
+from medusa_infer.proposers.lookup import LookupGate, accepted_prefix, find_match, pad_drafts
 from medusa_infer.tree_fit import CostProfile
 from test_decoding import NO_EOS, left_pad, reference
 from tiny import VOCAB, tiny_config, tiny_model
@@ -830,3 +830,206 @@ def test_build_proposer_reads_settings_given_as_a_mapping():
     assert build_proposer("draft", target, {"draft_model": target, "draft_tokens": 2}).k == 2
     grafted = build_proposer("medusa", random_heads(target), {"tree": "chain-1", "lookup_tokens": 3})
     assert grafted.lookup_tokens == 3
+
+
+def test_a_shorter_draft_of_a_batch_is_padded_with_its_own_last_token():
+    # L05: padding with the draft's first token instead of its last
+    assert pad_drafts([[4, 5], [7, 8, 9, 10], []], [1, 2, 3], 4) == [[4, 5, 5, 5], [7, 8, 9, 10], [3, 3, 3, 3]]
+    # (a prompt match always fills the limit, running on into itself: only gate-cut and datastore drafts are short)
+
+
+def _one_step(proposer: DraftProposer, accepted_lengths: list[int]) -> int:
+    """One drafting step of a 2-row batch; each row accepts ``accepted_lengths[row]`` drafts: the new k."""
+    sequences = [[5, 6, 7, 8, 9], [10, 11, 12, 13, 14]]
+    proposer.start(StepContext([s[:-1] for s in sequences], 16), torch.zeros(2, 8))
+    proposal = proposer.propose(torch.tensor([9, 14]), StepContext(sequences, 16))
+    drafts = proposal.tokens[:, 1:].tolist()
+    accepted = [d[:n] + [3] for d, n in zip(drafts, accepted_lengths)]
+    proposer.observe(accepted, torch.zeros(2, 8), StepContext(sequences, 16))
+    return proposer.k
+
+
+def test_the_heuristic_grows_k_only_when_most_rows_accept_the_whole_draft():
+    # D02: "most rows" must be a strict majority: one of two rows accepting the whole draft shrinks k
+    target = target_model("llama")
+    assert _one_step(DraftProposer(target, target.base_model, num_tokens=3), [3, 3]) == 5
+    assert _one_step(DraftProposer(target, target.base_model, num_tokens=3), [3, 0]) == 2
+    assert _one_step(DraftProposer(target, target.base_model, num_tokens=3), [2, 1]) == 2
+
+
+def test_the_heuristic_never_drafts_more_than_max_tokens():
+    # D03: k + 2 unclamped (the existing test only reads k_per_step[:4] == [2, 4, 6, 8])
+
+    target = target_model("llama")
+    perfect = DraftProposer(target, target.base_model, num_tokens=2, max_tokens=8)
+    generate(target, torch.tensor([[5, 9, 14, 3, 22, 7]]), max_new_tokens=60, eos_token_id=NO_EOS, proposer=perfect)
+    assert list(perfect.k_per_step)[:6] == [2, 4, 6, 8, 8, 8]
+    assert max(perfect.k_per_step) == 8
+
+
+def test_a_poor_draft_keeps_drafting_at_least_one_token():
+    # D04: max(k - 1, 1) unclamped: k reached 0 and a plain step (no draft) replaced a 1-token draft
+
+    target = target_model("llama")
+    poor = DraftProposer(target, tiny_model("llama", seed=5), num_tokens=2)
+    seen, observe = [], poor.observe
+
+    def spy(accepted, hidden, context):
+        observe(accepted, hidden, context)
+        seen.append(poor.k)
+
+    poor.observe = spy
+    out = generate(target, torch.tensor([[5, 9, 14, 3, 22, 7]]), max_new_tokens=30, eos_token_id=NO_EOS, proposer=poor)
+    assert out.new_tokens[0] and min(seen) == 1  # k shrank to 1 and no further
+
+
+def test_a_step_cut_by_max_depth_does_not_change_k():
+    # D05: the heuristic must only adapt k after a step that drafted k tokens (not one cut short near the end)
+    target = target_model("llama")
+    proposer = DraftProposer(target, target.base_model, num_tokens=3)
+    sequences = [[5, 6, 7, 8, 9]]
+    proposer.start(StepContext([sequences[0][:-1]], 16), torch.zeros(1, 8))
+    proposal = proposer.propose(torch.tensor([9]), StepContext(sequences, 1))  # one token allowed
+    assert proposal.tree.max_depth == 1
+    proposer.observe([proposal.tokens[0, 1:].tolist() + [3]], torch.zeros(1, 8), StepContext(sequences, 1))
+    assert proposer.k == 3
+
+
+def test_a_draft_may_fill_its_context_to_the_last_position():
+    # D06: _room off by one: one token fewer drafted than the draft's context holds
+    target = target_model("llama")
+    proposer = DraftProposer(target, target.base_model, num_tokens=4)
+    limit = proposer.context_length
+    history = [5 + i % 40 for i in range(limit - 2)]  # 2 positions left: the root's and one draft's
+    proposer.start(StepContext([history[:-1]], 16), torch.zeros(1, 8))
+    proposal = proposer.propose(torch.tensor([history[-1]]), StepContext([history], 16))
+    assert proposal.tree.max_depth == 3  # fed: the root (limit - 2), drafts 1 and 2; draft 3 is not fed
+
+
+def test_gated_matches_charge_the_draft_for_every_row():
+    # L14: gated_matches passed batch=1 to the gate: a batch of 16 verified drafts that only pay for one row
+    from medusa_infer.proposers.lookup import LookupGate, gated_matches
+    from medusa_infer.tree_fit import CostProfile
+
+    cost = CostProfile([1, 2, 4, 8, 16, 32, 64], [1.0, 1.1, 1.2, 1.4, 2.2, 4.0, 7.8], "cpu-like")
+    gate = LookupGate(cost, probe_every=1000)
+    for _ in range(6):
+        gate.record(("prompt", 3), 1, 4)
+    history = [1, 2, 3, 4, 5, 6, 1, 2, 3]
+    assert gated_matches([history], 3, 1, 4, gate)[0][1] != []  # one row: t(5) / t(1) = 1.25 buys ~1.9 tokens
+    assert gated_matches([history] * 16, 3, 1, 4, gate) == [(("prompt", 3), [])] * 16  # t(80) / t(16) = 4.4
+
+
+def test_merged_lookup_proposers_keep_both_gates_counts():
+    # L16: LookupProposer.merge dropped the joining batch's gate counts
+
+    model = target_model("llama")
+    a, b = LookupProposer(model, cost=CPU_COST), LookupProposer(model, cost=CPU_COST)
+    a.gate.record(("prompt", 2), 1, 4)
+    b.gate.record(("prompt", 2), 3, 4)
+    a.merge(b)
+    assert a.gate.drafts == {("prompt", 2): 2} and a.gate.accepted == {("prompt", 2): 4}
+
+
+def test_a_draft_that_skips_one_of_the_targets_layers_shares_none():
+    # D13: shared_layers with any() instead of all(): a draft of the target's layers 0 and 2 took the target's
+    # keys and values of layers 0 and 1
+    from torch import nn
+
+    from medusa_infer.proposers.draft import shared_layers
+    from medusa_infer.proposers.layerskip import truncated_model
+
+    target = MedusaModel.without_heads(three_layer_model("llama"))
+    view = truncated_model(target.base_model, 2)
+    layers = target.base_model.model.layers
+    view.model.layers = nn.ModuleList([layers[0], layers[2]])  # skips the target's layer 1
+    assert shared_layers(target, MedusaModel(view, None, None)) == 0
+    view.model.layers = nn.ModuleList([layers[0], layers[1]])
+    assert shared_layers(target, MedusaModel(view, None, None)) == 2
+
+
+def test_a_draft_vocabulary_narrower_than_the_targets_never_drafts_the_missing_ids():
+    # D12: fit_vocabulary padded the missing rows with 0 instead of -inf
+    from medusa_infer.proposers.draft import fit_vocabulary
+
+    logits = torch.tensor([[-3.0, -1.0, -2.0]])
+    wide = fit_vocabulary(logits, 5)
+    assert torch.equal(wide[:, :3], logits) and torch.isneginf(wide[:, 3:]).all()
+    assert int(wide.argmax()) == 1 and torch.equal(fit_vocabulary(wide, 2), logits[:, :2])
+
+
+def test_a_draft_one_row_short_of_the_tokenizer_is_refused():
+    # D15: the "fewer than the tokenizer's tokens" check off by one (the existing test's draft is 16 rows short)
+    target = target_model("llama")
+    words = [f"w{i}" for i in range(80)]
+    ours = MedusaModel(target.base_model, None, word_tokenizer(words))
+    with pytest.raises(ValueError, match=r"predicts 79 tokens, fewer than the 80 of their tokenizer"):
+        DraftProposer(ours, MedusaModel(tiny_model("llama", seed=5, vocab_size=79), None, word_tokenizer(words)))
+    DraftProposer(ours, MedusaModel(tiny_model("llama", seed=5, vocab_size=80), None, word_tokenizer(words)))
+
+
+def test_a_tree_one_rank_past_the_heads_reduced_vocabulary_is_refused():
+    # E07: the refusal off by one (the existing test's tree is 3 ranks past the 5 scored tokens)
+    model = MedusaModel.from_base(tiny_model("llama"), num_heads=2, token_map=torch.arange(7, 12))
+    prompt = torch.tensor([[3, 5, 7]])
+    with pytest.raises(ValueError, match=r"the tree takes rank 5 of a head, but the heads score 5 tokens"):
+        model.generate(prompt, max_new_tokens=4, eos_token_id=[], tree=[[0], [5]])
+
+
+def test_build_proposer_keeps_falsy_settings_given():
+    # I02: option() read `value or default`: draft_tokens=0 drafted 4 instead of being refused, and datastore=False
+    # (the server's / CLI's "no datastore") still drafted from the model's datastore
+    from types import SimpleNamespace
+
+    from medusa_infer.datastore import Datastore
+    from medusa_infer.proposers import build_proposer
+
+    target = target_model("llama")
+    with pytest.raises(ValueError, match=r"num_tokens must be an integer >= 1, got 0"):
+        build_proposer("lookup", target, SimpleNamespace(draft_tokens=0))
+    target.datastore = Datastore.from_sequences([[1, 2, 3, 4]])
+    assert build_proposer("lookup", target, SimpleNamespace(datastore=False)).datastore is None
+    assert build_proposer("lookup", target, SimpleNamespace()).datastore is target.datastore
+
+
+def test_grafted_lookup_chain_respects_max_depth_and_its_ngram_bounds():
+    # E15: the grafted chain's limit not clamped to max_depth (a chain past max_new_tokens / the context's end);
+    # E11: lookup_ngram=(1, 3) (min above max) accepted, and lookup then silently never matched
+    from medusa_infer.proposers import MedusaProposer
+
+    model = random_heads(target_model("llama"))
+    proposer = MedusaProposer(model, GRAFT_TREE, lookup_tokens=4, lookup_ngram=(3, 1))
+    proposer.start(None, torch.randn(1, model.config.hidden_size))
+    for allowed in (1, 2, 3):
+        proposal = proposer.propose(torch.tensor([1]), StepContext([[1, 2, 3, 4, 5, 1]], allowed))
+        assert proposal.tree.max_depth <= allowed and proposer.grafted == allowed
+    with pytest.raises(ValueError, match="lookup_ngram must be"):
+        MedusaProposer(model, GRAFT_TREE, lookup_tokens=4, lookup_ngram=(1, 3))
+
+
+def test_layerskip_proposers_of_other_depths_are_not_merged():
+    # D19: _same_model compared only the LM head: views of 1 and 2 layers of one target were "the same draft",
+    # and their caches (1 and 2 layers) were joined
+    from medusa_infer.proposers import LayerSkipProposer
+
+    target = target_model("llama")
+    with pytest.raises(ValueError, match="different draft models"):
+        LayerSkipProposer(target, num_layers=1).merge(LayerSkipProposer(target, num_layers=2))
+    LayerSkipProposer(target, num_layers=1).merge(LayerSkipProposer(target, num_layers=1))
+
+
+def test_the_heads_share_of_a_grafted_step_leaves_the_bonus_token_out():
+    # E02: _heads_accepted walked the step's bonus token too, counting one heads' node more where the bonus
+    # token happened to equal a heads' candidate below the last accepted node
+    from medusa_infer.proposers import MedusaProposer
+
+    model = random_heads(target_model("llama"))
+    proposer = MedusaProposer(model, GRAFT_TREE, lookup_tokens=3)
+    proposer.start(None, torch.randn(1, model.config.hidden_size))
+    proposal = proposer.propose(torch.tensor([1]), StepContext([[1, 2, 3, 4, 5, 1]], 8))
+    assert proposer.grafted == 3
+    paths = list(proposal.tree.paths)
+    node = {p: 1 + paths.index(p) for p in paths}
+    first, below = (int(proposal.tokens[0, node[p]]) for p in ((0,), (0, 0)))
+    assert proposer._heads_accepted([[first, below]]) == [1]  # one heads' token accepted; `below` is the bonus
+    assert proposer._heads_accepted([[first, below, 7]]) == [2]
