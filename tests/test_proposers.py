@@ -544,6 +544,8 @@ def test_truncated_view_equals_a_shallower_model_and_copies_nothing(arch):
     assert {p.data_ptr() for p in view.parameters()} <= ours
     assert sum(p.numel() for p in view.parameters()) < sum(p.numel() for p in model.parameters())
     assert model.config.num_hidden_layers == 3
+    if getattr(model.config, "layer_types", None) is not None:  # the view's config describes the view
+        assert view.config.layer_types == model.config.layer_types[:2] and len(model.config.layer_types) == 3
 
 
 @pytest.mark.parametrize("arch", ("qwen3", "gemma3_text"))
