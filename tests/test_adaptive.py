@@ -764,6 +764,10 @@ def test_a_step_with_a_lookup_chain_teaches_the_controller_the_heads_share(monke
     original = TreeController.observe
     monkeypatch.setattr(TreeController, "observe", lambda self, rung, reached: (
         reports.append((rung, list(reached))), original(self, rung, reached))[1])
+    timed: list[int] = []  # steps whose seconds the controller learnt: never one with a chain (not the tree's time)
+    timing = TreeController.observe_seconds
+    monkeypatch.setattr(TreeController, "observe_seconds", lambda self, rung, seconds: (
+        timed.append(rung), timing(self, rung, seconds))[1])
     hidden = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     roots, context = torch.tensor([5]), StepContext([[3, 4, 5]], max_depth=8)
 
@@ -796,6 +800,29 @@ def test_a_step_with_a_lookup_chain_teaches_the_controller_the_heads_share(monke
     proposer.observe([[first, stray, 7]], hidden, context)
     assert reports[-1][1] == [1.0] + [0.0] * (depth - 1)
     assert len(reports) == 3 and proposer.grafted_tokens is None
+    assert timed == []
+    control = make_controller(model, paths, True)  # a step without a chain is timed
+    plain = MedusaProposer(model, paths, control, lookup_tokens=0)
+    plain.start(context, hidden)
+    proposal = plain.propose(roots, context)
+    plain.observe([[int(proposal.tokens[0, 1]), 7]], hidden, context)
+    assert timed == [control.rung]
+
+    # the heads' expected tokens weigh against a lookup draft only where their whole tree is proposed: a step cut
+    # short (the context's or max_new_tokens' end) credits them nothing
+    import medusa_infer.proposers.medusa as medusa_module
+
+    credited: list[float] = []
+    matches = medusa_module.gated_matches
+    monkeypatch.setattr(medusa_module, "gated_matches", lambda *args, **kwargs: (
+        credited.append(kwargs["heads"]), matches(*args, **kwargs))[1])
+    for max_depth in (8, 1):
+        control = make_controller(model, paths, True)
+        proposer = MedusaProposer(model, paths, control, lookup_tokens=2)
+        cut = StepContext([[3, 4, 5]], max_depth=max_depth)
+        proposer.start(cut, hidden)
+        proposer.propose(roots, cut)
+    assert credited[0] == control.expected_accepted(control.rung) > 0 and credited[1] == 0.0
 
     # two rows: one runs three deep along the heads' nodes, the other along its chain alone
     hidden = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
