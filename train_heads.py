@@ -591,7 +591,7 @@ def stage_train(config: TrainConfig, accelerator: Any, train: list[dict], folder
             "train_seconds": round(result.seconds, 1), "resumed_from_step": result.resumed_from,
             "num_processes": accelerator.num_processes,
             "final_train_record": result.last_record}
-    sources = data_sources(config)
+    sources = data_sources(config) if accelerator.is_main_process else None  # (only the main process saves)
     if sources:
         info["data_sources"] = sources
     partial = paths.final.with_name(paths.final.name + ".partial")
@@ -607,15 +607,15 @@ def stage_train(config: TrainConfig, accelerator: Any, train: list[dict], folder
 
 
 def data_sources(config: TrainConfig) -> dict[str, int] | None:
-    """How many rows of the run's data file each prompt source gave (``dataset.rows_by_source``), for the
+    """How many rows of the run's data file each prompt source gave (``dataset.count_sources``), for the
     training record and the model card (whose sources' terms the data carries); None for ready examples
     (``data.tokenized``) and rows that name no source."""
-    from medusa_train.dataset import read_rows, rows_by_source
+    from medusa_train.dataset import count_sources, row_sources
 
     rows = rows_path(config)
     if config.data.tokenized or not rows.exists():
         return None
-    return rows_by_source(read_rows(rows)) or None
+    return count_sources(row_sources(rows)) or None
 
 
 def heldout_accuracy(config: TrainConfig, accelerator: Any, heldout: list[dict],

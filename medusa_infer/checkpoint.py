@@ -471,7 +471,13 @@ def _data_sources_section(sources: Any) -> list[str]:
             f"{sum(sources.values())} rows of conversations, whose prompts came from these sources; each source's "
             "terms apply to what was learned from it (check them before publishing these heads or using them "
             "commercially).", "", "| source | rows |", "|---|---|",
-            *(f"| {name} | {count} |" for name, count in sources.items()), ""]
+            *(f"| {_table_cell(name)} | {count} |" for name, count in _public(sources, "data_sources").items()), ""]
+
+
+def _table_cell(text: str) -> str:
+    """``text`` as one cell of a markdown table row: its ``|`` escaped, line breaks and other control characters
+    made spaces (a source named ``a|b`` added a column; one holding a newline ended the table)."""
+    return "".join(" " if ch.isspace() or not ch.isprintable() else ch for ch in str(text)).replace("|", "\\|")
 
 
 DATASTORE_HEADING = "## Datastore"
@@ -518,15 +524,16 @@ def _trained_system_prompt(config: MedusaConfig) -> str | None:
     return system if isinstance(system, str) else None
 
 
-PATH_KEYS = ("name", "prompts", "rows", "tokenized", "output_dir", "init_from", "dir")
+PATH_KEYS = ("name", "prompts", "rows", "tokenized", "output_dir", "init_from", "dir", "path")
 """Keys of a training record (last part of a dotted name) whose values are paths: a model, the data, folders."""
 
 
 def _public(value: Any, key: str = "") -> Any:
     """``value`` (a training record) with the local paths of ``PATH_KEYS`` (absolute, home-relative or of a
     drive) shown by their last part; other text as it is (a system prompt such as "/no_think" is none)."""
-    if isinstance(value, dict):
-        return {name: _public(item, str(name)) for name, item in value.items()}
+    if isinstance(value, dict):  # (the keys of data_sources are the rows' sources: a path among them by its name)
+        return {(_public(name, "path") if key == "data_sources" else name): _public(item, str(name))
+                for name, item in value.items()}
     if isinstance(value, list):
         return [_public(item, key) for item in value]
     local = isinstance(value, str) and "\n" not in value and (

@@ -137,10 +137,12 @@ class MedusaConfig:
                 raise ValueError(f"heads config tree: {err} (config.json's tree, top_k {self.top_k}, "
                                  f"{self.num_heads} heads)") from None
             # (ranks past a reduced vocabulary loaded, and the first generate named a tree nobody passed)
+            # (vocab_size 0: not known yet, filled in from the base model)
             past = next((path for path in self.tree if max(path) >= self.head_vocab_size), None)
-            if past is not None:
+            if past is not None and self.head_vocab_size > 0:
+                scored = "reduced_vocab_size" if self.reduced_vocab_size else "vocab_size"
                 raise ValueError(f"heads config tree: path {tuple(past)} takes rank {max(past)}, and the heads score "
-                                 f"{self.head_vocab_size} tokens (reduced_vocab_size): use ranks below "
+                                 f"{self.head_vocab_size} tokens ({scored}): use ranks below "
                                  f"{self.head_vocab_size} (config.json's tree)")
         if self.head_accuracies is not None:
             if len(self.head_accuracies) > self.num_heads:

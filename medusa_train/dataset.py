@@ -23,7 +23,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -569,12 +569,29 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def rows_by_source(rows: Iterable[dict[str, Any]]) -> dict[str, int]:
-    """How many of ``rows`` each prompt source gave (their ``source``, as distillation writes it; rows without
-    one under ``NO_SOURCE``), most first; empty where no row names a source."""
+def row_sources(path: str | Path) -> Iterator[Any]:
+    """The ``source`` of each row of ``path`` (as ``read_rows`` reads it; None where a row has none), a row at a
+    time: the answers and token ids are not kept (the rows file of a large run is gigabytes once parsed)."""
+    path = Path(path)
+    if path.is_dir():
+        loaded = load_from_disk(str(path))
+        if isinstance(loaded, Dataset) and "source" in loaded.column_names:
+            yield from loaded["source"]
+        else:
+            yield from (row.get("source") for row in read_rows(path))
+        return
+    with path.open(encoding="utf-8") as handle:
+        for line in handle:
+            if line.strip():
+                row = json.loads(line)
+                yield row.get("source") if isinstance(row, dict) else None
+
+
+def count_sources(sources: Iterable[Any]) -> dict[str, int]:
+    """How many rows each prompt source gave (``row_sources``; rows without one under ``NO_SOURCE``), most
+    first; empty where no row names a source."""
     counts: dict[str, int] = {}
-    for row in rows:
-        source = row.get("source")
+    for source in sources:
         key = source if isinstance(source, str) and source else NO_SOURCE
         counts[key] = counts.get(key, 0) + 1
     if set(counts) <= {NO_SOURCE}:
@@ -583,7 +600,7 @@ def rows_by_source(rows: Iterable[dict[str, Any]]) -> dict[str, int]:
 
 
 NO_SOURCE = "(no source)"
-"""``rows_by_source``' name for rows that name no source."""
+"""``count_sources``' name for rows that name no source."""
 
 
 def content_hash(path: Path) -> str:

@@ -1057,8 +1057,9 @@ def _setting_warnings(config: TrainConfig, total: int) -> list[str]:
 
     t, warnings = config.training, []
     joint = total - t.stage1_steps
-    if t.mode == "medusa2" and t.heads_weight_schedule != "constant" and t.heads_warmup_steps > joint:
-        reached = heads_loss_weight(config, total - 1)
+    reached = heads_loss_weight(config, total - 1)
+    if t.mode == "medusa2" and t.heads_weight_schedule != "constant" and t.heads_warmup_steps > joint \
+            and reached < t.heads_loss_weight:
         warnings.append(f"training.heads_warmup_steps={t.heads_warmup_steps} outlasts the {joint} joint steps: the "
                         f"heads' loss weight reaches {reached:.4g} by the last step, not training.heads_loss_weight="
                         f"{t.heads_loss_weight:g}; lower heads_warmup_steps or train longer")

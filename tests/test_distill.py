@@ -473,6 +473,7 @@ def test_the_training_record_and_card_count_the_rows_of_each_prompt_source(tmp_p
     import train_heads
     from medusa_infer.checkpoint import model_card
     from medusa_infer.config import MedusaConfig
+    from medusa_train.dataset import to_dataset
     from medusa_train.train_config import config_from_dict, rows_path
 
     config = small_recipe(tmp_path, model_dir, prompts_file, 12)
@@ -500,6 +501,18 @@ def test_the_training_record_and_card_count_the_rows_of_each_prompt_source(tmp_p
     for odd in ({}, {"a": "3"}, {"a": True}, ["a"]):  # a hand-edited record: no section (the card is still written)
         assert "## Training data" not in model_card(MedusaConfig(hidden_size=8, vocab_size=16, num_heads=1,
                                                                  training={"data_sources": odd}))
+    # names as published: one cell each (a "|" added a column, a newline ended the table), a path by its last part
+    # in the table and in the training record the card shows and the upload keeps
+    odd = {"a|b": 3, "x\ny": 2, "/home/alice/private/prompts.jsonl": 1}
+    card = model_card(MedusaConfig(hidden_size=8, vocab_size=16, num_heads=1, training={"data_sources": odd}))
+    table = card.split("## Training data\n", 1)[1].split("\n## ", 1)[0]
+    assert [line for line in table.splitlines() if line.startswith("| ") and "source" not in line] == [
+        "| a\\|b | 3 |", "| x y | 2 |", "| <local>/prompts.jsonl | 1 |"]
+    assert "alice" not in card
+    # a datasets folder of rows: its source column (or each row's)
+    to_dataset([{"source": "x"}, {"source": "y"}, {"source": "x"}]).save_to_disk(str(tmp_path / "folder"))
+    assert train_heads.data_sources(config_from_dict({"model": {"name": str(model_dir)},
+                                                      "data": {"rows": str(tmp_path / "folder")}})) == {"x": 2, "y": 1}
 
 
 def test_train_heads_says_it_trains_on_rows_outside_a_smaller_sample(tmp_path, model_dir, prompts_file, caplog):

@@ -1362,6 +1362,11 @@ def test_heads_are_not_saved_beside_faster_decoding_weights_without_their_config
 def test_a_config_tree_past_the_reduced_vocabulary_is_named_as_the_configs():
     """config.json's tree takes rank 7 of heads scoring 5 tokens: refused when the config is read (it loaded, and
     the first generate said "use a tree whose ranks are below 5" of a tree nobody passed)."""
-    with pytest.raises(ValueError, match=r"heads config tree.*rank 7"):
+    with pytest.raises(ValueError, match=r"heads config tree: path \(7,\) takes rank 7, and the heads score 5 "
+                                         r"tokens \(reduced_vocab_size\): use ranks below 5"):
         MedusaConfig.from_dict({"num_heads": 2, "hidden_size": 32, "vocab_size": 96, "reduced_vocab_size": 5,
                                 "tree": [[0], [7], [0, 0]]})
+    with pytest.raises(ValueError, match=r"the heads score 6 tokens \(vocab_size\): use ranks below 6"):
+        MedusaConfig.from_dict({"num_heads": 2, "hidden_size": 32, "vocab_size": 6, "tree": [[0], [7]]})
+    # a vocabulary not known yet (vocab_size 0, filled in from the base model): nothing to check against
+    assert MedusaConfig(num_heads=2, tree=[[0], [7], [0, 0]]).tree == [[0], [7], [0, 0]]

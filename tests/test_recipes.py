@@ -101,6 +101,9 @@ def test_plan_warns_of_a_heads_warm_up_that_outlasts_the_joint_stage():
         assert plan(load_config(RECIPES / "smollm2-135m.yaml", [*settings, "training.heads_warmup_steps=12", fits])
                     ).warnings == []
     assert "warning" not in plan(load_config(RECIPES / "smollm2-135m.yaml", settings[1:2])).summary()
+    # a weight of 0 is reached whatever the warm-up
+    assert plan(load_config(RECIPES / "smollm2-135m.yaml", [*settings, "training.heads_warmup_steps=12",
+                                                            "training.heads_loss_weight=0"])).warnings == []
 
 
 def test_overrides_are_typed_and_dotted():
