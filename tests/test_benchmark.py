@@ -8,6 +8,7 @@ import copy
 import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -1626,3 +1627,86 @@ def test_bench_datastore_names_heads_that_name_no_base_model(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         script.main(["--heads", str(tmp_path)])
     assert exit_info.value.code == 2 and "names no base model" in capsys.readouterr().err
+
+
+def test_a_batchs_seconds_are_shared_among_its_rows_by_their_tokens(model, monkeypatch):
+    """At batch size > 1 a row's seconds (what its category's speed divides by) are the batch's seconds in
+    proportion to its tokens: a row of 3 tokens beside one of 1 is charged 3/4 of them, not half."""
+    runner = bench.Runner(model, args(methods=["ar"]))
+    monkeypatch.setattr(runner, "_run_ours", lambda method, ids, mask, limit: ([[5, 6, 7], [8]], [2, 0], 0.5, 4.0))
+    turns = runner.run_batch("ar", [[{"role": "user", "content": "one two"}], [{"role": "user", "content": "three"}]])
+    assert [t.seconds for t in turns] == pytest.approx([3.0, 1.0])
+    assert [t.call_s for t in turns] == [4.0, 4.0] and [t.call_steps for t in turns] == [2, 2]
+
+
+def test_head_seconds_never_fall_with_depth(model, monkeypatch):
+    """A deeper tree runs more heads: its measured seconds are never below a shallower one's, even where a
+    noisy machine timed the deeper heads faster (a running maximum over the medians)."""
+    durations = [0.4, 0.1, 0.3, 0.2]  # depth 2 measures faster than depth 1, depth 4 than depth 3
+    assert model.config.num_heads == len(durations)
+    clock = {"t": 0.0}
+    head_logits = model.head_logits
+
+    def timed(*a, first=None, **k):  # the clock moves by this depth's duration while its heads run
+        clock["t"] += durations[first - 1]
+        return head_logits(*a, first=first, **k)
+
+    monkeypatch.setattr(model, "head_logits", timed)
+    monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=lambda: clock["t"]))  # benchmark's clock only
+    seconds = bench.measure_head_seconds(model, repeats=3)
+    assert seconds == pytest.approx([0.4, 0.4, 0.4, 0.4])
+
+
+def test_a_batchs_decoding_steps_are_its_longest_rows(model, monkeypatch):
+    """call_steps (what a row's share of the decoding seconds divides by) is the most steps of any row, whichever
+    row that is: a row finishing early is charged its own steps' share, not all the decoding time."""
+    runner = bench.Runner(model, args(methods=["ar"]))
+    monkeypatch.setattr(runner, "_run_ours", lambda method, ids, mask, limit: ([[8], [5, 6, 7]], [0, 2], 0.5, 4.0))
+    turns = runner.run_batch("ar", [[{"role": "user", "content": "three"}], [{"role": "user", "content": "one two"}]])
+    assert [t.call_steps for t in turns] == [2, 2] and [t.seconds for t in turns] == pytest.approx([1.0, 3.0])
+
+
+def test_hugging_face_batches_take_one_step_per_token_after_the_first(model):
+    """generate at batch size > 1 decodes plainly: a row's steps are its tokens after the prefill's, so its tau
+    is 1.0 as the module's docstring says."""
+    runner = bench.Runner(model, args(methods=["hf"], batch_size=2))
+    turns = runner.run_batch("hf", [[{"role": "user", "content": "the cat sat"}], [{"role": "user", "content": "one"}]])
+    assert all(t.steps == len(t.tokens) - 1 for t in turns)
+    totals = bench.MethodTotals()
+    for t in turns:
+        totals.add(t)
+    assert totals.summary(None)["tau"] == 1.0
+
+
+def test_category_speedups_divide_by_the_categorys_own_hf_speed(model):
+    """A category's speedup is its tokens/s over hf's tokens/s on that category's questions (paired), not over
+    hf's overall speed: hf itself scores 1.0 in every category."""
+    report = benchmark(model, QUESTIONS, args(methods=["hf", "ar"], max_new_tokens=6))
+    for category, rows in report["categories"].items():
+        assert rows["hf"]["speedup"] == 1.0, category
+        assert rows["ar"]["speedup"] == pytest.approx(rows["ar"]["tokens_per_s"] / rows["hf"]["tokens_per_s"],
+                                                      rel=2e-3), category
+
+
+def test_speedup_intervals_draw_again_where_a_draw_is_undefined():
+    """Draws whose hf speed is undefined (every group drawn had no hf token) are drawn again, up to twice the
+    samples: with 8 of 10 groups empty, 1 - 0.8**10 = 89% of draws are defined, enough for an interval."""
+    groups = [{"tokens": {"hf": 0 if i < 8 else 10, "ar": 10}, "seconds": {"hf": 1.0, "ar": 0.5}} for i in range(10)]
+    intervals = bench.speedup_intervals(groups, ["hf", "ar"], samples=200)
+    assert set(intervals) == {"hf", "ar"} and intervals["hf"] == [1.0, 1.0]
+
+
+def _turn(tokens, ttft, peak, seconds=1.0, steps=None):
+    steps = max(len(tokens) - 1, 0) if steps is None else steps
+    return bench.Turn(list(tokens), seconds, steps, ttft, peak, seconds, steps)
+
+
+def test_method_totals_report_the_highest_peak_and_the_mean_ttft():
+    """peak_mem_mb is the highest of the method's turns (not its last turn's); ttft_s the mean over turns."""
+    totals = bench.MethodTotals()
+    for tokens, ttft, peak in (([1, 2, 3], 0.1, 500.0), ([4, 5], 0.2, 300.0), ([6, 7, 8, 9], 0.6, 400.0)):
+        totals.add(_turn(tokens, ttft, peak))
+    row = totals.summary(None)
+    assert row["peak_mem_mb"] == 500.0
+    assert row["ttft_s"] == pytest.approx(0.3)
+    assert row["turns"] == 3 and row["tokens"] == 9 and row["tau"] == 1.0

@@ -2491,3 +2491,70 @@ def test_weights_identity_tells_weights_changed_past_the_first_mib_apart(tmp_pat
     save_file({"w": weights}, str(folder / "model.safetensors"))
     third = weights_identity(str(folder))
     assert None not in (first, second, third) and len({first, second, third}) == 3
+
+
+def test_a_head_with_no_heldout_target_scores_zero_not_nan(tmp_path):
+    """Held-out answers of two labelled tokens give head 0 targets and head 1 none: its accuracies are 0.0, not
+    NaN (which json writes as NaN into the heads' config.json, which strict JSON readers refuse)."""
+    from medusa_train.evaluate import HeadAccuracy
+
+    accuracy = HeadAccuracy(torch.tensor([[3, 4], [0, 0]]), torch.tensor([4, 0]), torch.full((4, 2), -1))
+    topk = accuracy.topk()
+    assert topk == [[0.75, 1.0], [0.0, 0.0]]
+    assert not any(math.isnan(x) for row in topk for x in row)
+    json.loads(json.dumps(topk), parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+
+
+def _accuracy():
+    from medusa_train.evaluate import HeadAccuracy
+
+    # 2 heads, ranks over 0..2: up to 3 + 9 paths accepted somewhere
+    g = torch.Generator().manual_seed(0)
+    ranks = torch.randint(-1, 3, (200, 2), generator=g)
+    ranks[:, 1] = torch.where(ranks[:, 0] < 0, -1, ranks[:, 1])
+    return HeadAccuracy(torch.zeros(2, 3, dtype=torch.long), torch.tensor([200, 200]), ranks)
+
+
+def test_finalize_keeps_more_paths_than_the_fitted_trees_nodes(tmp_path):
+    """The heads' config keeps max(MAX_STORED_PATHS, tree_size) paths: a later fitted-N tree larger than
+    training's (and calibration) reads them."""
+    from medusa_infer.config import MedusaConfig
+    from medusa_train.evaluate import finalize
+
+    accuracy = _accuracy()
+    folder = finalize(tmp_path / "heads", MedusaConfig(num_heads=2, hidden_size=8, vocab_size=16), {}, accuracy, 2)
+    saved = MedusaConfig.load(folder / "config.json")
+    assert len(saved.tree) == 2
+    assert len(saved.path_accuracies) == len(accuracy.paths()) > 2
+
+
+def test_a_tree_asked_larger_than_the_paths_ever_accepted_is_all_of_them():
+    from medusa_train.evaluate import fit_tree, stored_paths
+
+    accuracy = _accuracy()
+    assert sorted(fit_tree(accuracy, 500)) == sorted(stored_paths(accuracy, 500))
+
+
+def test_finalize_and_summary_report_the_walked_tokens_per_step(tmp_path):
+    """What training stores (acceptance.expected_tokens_per_step_fitted_tree) and prints is greedy decoding
+    walked over the held-out answers, not the average over every position (which runs high)."""
+    from medusa_infer.config import MedusaConfig
+    from medusa_train.evaluate import (HeadAccuracy, expected_tokens_per_step, finalize, fit_tree, stored_paths,
+                                       summary_table, walked_tokens_per_step)
+
+    easy, hard = [0, 0], [-1, -1]
+    ranks = torch.tensor([easy] * 3 + [hard] * 3 + [easy] * 2)
+    starts = torch.tensor([True] + [False] * 5 + [True, False])
+    accuracy = HeadAccuracy(torch.tensor([[5], [5]]), torch.tensor([8, 8]), ranks, starts)
+    tree = fit_tree(accuracy, 2)
+    assert tree == [(0,), (0, 0)]
+    walked = walked_tokens_per_step(tree, accuracy)
+    assert walked == pytest.approx(8 / 5)
+    assert expected_tokens_per_step(tree, stored_paths(accuracy, 2)) != pytest.approx(walked)  # 2.25: not it
+    assert "expected tokens per step 1.600" in summary_table(accuracy, tree)
+    folder = finalize(tmp_path / "heads", MedusaConfig(num_heads=2, hidden_size=8, vocab_size=16), {}, accuracy, 2)
+    saved = MedusaConfig.load(folder / "config.json")
+    assert saved.acceptance["expected_tokens_per_step_fitted_tree"] == 1.6
+    # without starts (batches that did not say where answers begin): the average over positions
+    plain = HeadAccuracy(accuracy.hits, accuracy.totals, ranks)
+    assert "expected tokens per step 2.250" in summary_table(plain, tree)
