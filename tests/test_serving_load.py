@@ -252,9 +252,9 @@ def test_timeouts_abort_queued_and_running_requests(model):
         answers: list[httpx.Response] = []
         with engine.hold():
             thread = threading.Thread(target=lambda: answers.append(httpx.post(url, json=body, timeout=60)))
-            start = time.monotonic()
             thread.start()
             wait_until(lambda: engine.snapshot()["waiting"] == 1)
+            start = time.monotonic()  # queued: it arrived before this, so its deadline passes before the hold ends
             wait_until(lambda: time.monotonic() - start > 1.05, timeout=5)
         thread.join(30)
         assert answers[0].status_code == 504
@@ -264,11 +264,11 @@ def test_timeouts_abort_queued_and_running_requests(model):
         # decoding past its deadline, streamed: the stream ends with an error event
         with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as client:
             with _stopped_after_first_token(model, engine):
-                start = time.monotonic()
                 stream = client.completions.create(stream=True, **{k: v for k, v in body.items() if k != "ignore_eos"},
                                                    extra_body={"ignore_eos": True})
                 first = next(iter(stream))
                 assert first.choices[0].text
+                start = time.monotonic()  # it arrived before its first token: its deadline passes before the release
                 wait_until(lambda: time.monotonic() - start > 1.05, timeout=5)
             with pytest.raises(openai.APIError, match="timed out"):
                 for _ in stream:
