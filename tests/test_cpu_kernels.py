@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import io
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,6 +42,13 @@ MIXED = KernelPlan((1, 3, 5, 9), ("default", "onednn", "mkl-packed", "default"))
 def mkl_packed_available() -> bool:
     return bool(torch._C.has_mkl) and hasattr(torch.ops.mkl, "_mkl_linear")
 
+
+
+def cache_one_plan(cache: Path, model: nn.Module, plan: KernelPlan) -> None:
+    """Write ``plan`` into the plan cache at ``cache`` for every linear layer shape of ``model``, under this
+    machine's key (as ``use_cpu_kernels`` would find it measured)."""
+    shapes = Counter("x".join(map(str, m.weight.shape)) for m in model.modules() if isinstance(m, nn.Linear))
+    write_plan_cache(cache, {f"{machine_key()}|{shape}|layers={n}": plan for shape, n in shapes.items()})
 
 def switched(layer: nn.Linear, plan: KernelPlan) -> nn.Linear:
     layer.__class__ = CPULinear
@@ -440,9 +448,7 @@ def test_a_cached_plan_with_mkls_packed_kernel_is_not_checked_again(tmp_path, mo
         pytest.skip("MKL's packed GEMM is not in this PyTorch build")
     cache = tmp_path / "plans.json"
     model = tiny_model("llama")
-    shapes = Counter("x".join(map(str, m.weight.shape)) for m in model.modules() if isinstance(m, nn.Linear))
-    plan = KernelPlan((1,), ("mkl-packed",), ({"mkl-packed": 0.001, "default": 0.002},))
-    write_plan_cache(cache, {f"{machine_key()}|{shape}|layers={n}": plan for shape, n in shapes.items()})
+    cache_one_plan(cache, model, KernelPlan((1,), ("mkl-packed",), ({"mkl-packed": 0.001, "default": 0.002},)))
     monkeypatch.setattr(ck, "_MKL_CHECKED", {})
     monkeypatch.setattr(ck, "_check_mkl_packed", lambda *a: pytest.fail("checked again"))
     monkeypatch.setattr(ck, "measure_kernel_plan", lambda *a, **k: pytest.fail("measured again"))
@@ -591,16 +597,12 @@ def test_a_cached_plan_without_mkls_packed_kernel_leaves_the_check_to_be_done(tm
     """Only a cached plan that takes MKL's packed kernel vouches for it: a shape whose cached plan does not
     (MKL's kernel may have failed the check there) is still checked before a later plan may choose it."""
     import medusa_infer.cpu_kernels as ck
-    from medusa_infer.cpu_kernels import machine_key, mkl_packed_works, write_plan_cache
-    from tiny import tiny_model
 
     if not mkl_packed_available():
         pytest.skip("no MKL")
     cache = tmp_path / "plans.json"
     model = tiny_model("llama")
-    shapes = Counter("x".join(map(str, m.weight.shape)) for m in model.modules() if isinstance(m, nn.Linear))
-    plan = KernelPlan((1,), ("onednn",), ({"onednn": 0.001, "default": 0.002},))
-    write_plan_cache(cache, {f"{machine_key()}|{shape}|layers={n}": plan for shape, n in shapes.items()})
+    cache_one_plan(cache, model, KernelPlan((1,), ("onednn",), ({"onednn": 0.001, "default": 0.002},)))
     monkeypatch.setattr(ck, "_MKL_CHECKED", {})
     monkeypatch.setattr(ck, "_check_mkl_packed", lambda *a: False)  # MKL's packed kernel fails on this machine
     monkeypatch.setattr(ck, "measure_kernel_plan", lambda *a, **k: pytest.fail("measured again"))

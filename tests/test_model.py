@@ -1207,6 +1207,14 @@ def test_positions_given_as_tensors_pick_those_positions():
         torch.testing.assert_close(out.head_logits[:, row], full.head_logits[:, row, per_row[row]])
 
 
+def randomise_heads(model: MedusaModel, seed: int = 1) -> torch.Generator:
+    """Give ``model``'s heads random weights (fresh heads copy the lm_head's rows); the generator, to draw on."""
+    generator = torch.Generator().manual_seed(seed)
+    for p in model.heads.parameters():
+        p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+    return generator
+
+
 @torch.no_grad()
 def test_default_path_of_reduced_vocabulary_heads_is_made_of_token_ids():
     """Path-reading heads over a reduced vocabulary (token_map): the default greedy path feeds each head the
@@ -1215,9 +1223,7 @@ def test_default_path_of_reduced_vocabulary_heads_is_made_of_token_ids():
     token_map = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(7))[:40]
     model = MedusaModel.from_base(tiny_model("llama"), num_heads=3, token_map=token_map,
                                   next_token_input=True, path_input=True)
-    generator = torch.Generator().manual_seed(1)
-    for p in model.heads.parameters():
-        p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+    generator = randomise_heads(model)
     hidden = torch.randn(6, model.config.hidden_size, generator=generator)
     nxt = torch.randint(3, VOCAB, (6,), generator=generator)
     chained = model.head_logits(hidden, nxt)
@@ -1232,9 +1238,7 @@ def test_heads_from_start_on_the_default_path_are_those_heads_alone():
     """``start`` with the default (greedy) path: heads start .. first - 1, the ones before run only to make
     the path, and are not returned (``[first - start, ...]``)."""
     model = MedusaModel.from_base(tiny_model("llama"), num_heads=3, next_token_input=True, path_input=True)
-    generator = torch.Generator().manual_seed(1)
-    for p in model.heads.parameters():
-        p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+    generator = randomise_heads(model)
     hidden = torch.randn(4, model.config.hidden_size, generator=generator)
     nxt = torch.randint(3, VOCAB, (4,), generator=generator)
     every = model.head_logits(hidden, nxt)
