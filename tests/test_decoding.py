@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from medusa_infer.adaptive import StepCosts
-from medusa_infer.decoding import generate, resolve_tree, stream
+from medusa_infer.decoding import encode_chat, generate, generator_seed, resolve_tree, stream
 from medusa_infer.kv_cache import AttentionLayout, KVState
 from medusa_infer.metrics import GenerationMetrics
 from medusa_infer.model import MedusaModel
@@ -19,7 +19,7 @@ from medusa_infer.proposers.autoregressive import AutoregressiveProposer
 from medusa_infer.proposers.base import Proposal, StepContext
 from medusa_infer.tree_fit import CostProfile
 from medusa_infer.trees import TREE_PRESETS, build_tree_buffers, get_tree, root_only_tree, tree_depth
-from tiny import ARCHITECTURES, VOCAB, sliding_window_base, tiny_model
+from tiny import ARCHITECTURES, VOCAB, sliding_window_base, tiny_model, word_medusa
 
 EXACT_ARCHS = ("llama", "qwen3", "gemma3_text", "gpt2")
 NO_EOS: list[int] = []
@@ -498,8 +498,6 @@ def test_medusa_options_beside_a_proposer_are_refused(kwargs, message):
 
 def test_an_attention_mask_beside_text_is_refused():
     """prompt= and messages= are padded here with their own mask: one given beside them went unused."""
-    from tiny import word_medusa
-
     for text in (dict(prompt="the cat"), dict(messages=[{"role": "user", "content": "the cat"}])):
         with pytest.raises(ValueError, match="attention_mask= goes with input_ids="):
             generate(word_medusa(0), attention_mask=torch.zeros(1, 9), max_new_tokens=2, **text)
@@ -509,8 +507,6 @@ def test_an_empty_prompt_text_a_tokenizer_gives_a_bos_is_a_prompt():
     """prompt="" with a tokenizer that adds a BOS (Gemma's, Llama 2's) is that token, as input_ids=[[bos]]
     (it was refused as empty before tokenising); without one it stays an empty prompt."""
     from tokenizers.processors import TemplateProcessing
-
-    from tiny import word_medusa
 
     model = word_medusa(0)
     with pytest.raises(ValueError, match="empty prompt"):
@@ -527,8 +523,6 @@ def test_an_empty_prompt_text_a_tokenizer_gives_a_bos_is_a_prompt():
     (["the cat", 5], "prompt must be a string or a list of strings, got list"),
 ])
 def test_bad_prompt_text_is_a_clear_value_error(prompt, message):
-    from tiny import word_medusa
-
     with pytest.raises(ValueError, match=message):
         generate(word_medusa(0), prompt=prompt, max_new_tokens=2)
 
@@ -795,8 +789,6 @@ def test_step_costs_without_an_adaptive_fallback_are_refused():
 
 def test_a_stop_string_given_as_one_str_is_one_stop_string():
     """Hugging Face takes ``stop_strings="..."``: it is one stop string, not one per character."""
-    from tiny import word_medusa
-
     model = word_medusa(0)
     prompt = "the cat sat on the mat and the dog"
     free = generate(model, prompt=prompt, max_new_tokens=40, eos_token_id=NO_EOS).new_tokens[0]
@@ -1091,8 +1083,6 @@ def test_the_stop_string_window_covers_a_string_of_byte_level_pieces():
 def test_nothing_a_call_gives_is_silently_ignored():
     """Sampling settings without do_sample, typical acceptance's thresholds under another acceptance, left
     padding without its mask and chats of the wrong shape are refused by name, not decoded around."""
-    from tiny import word_medusa
-
     model = medusa("llama")
     greedy = generate(model, torch.tensor([5, 6, 7]), max_new_tokens=4).new_tokens
     assert generate(model, torch.tensor([5, 6, 7]), max_new_tokens=4, temperature=0.0).new_tokens == greedy
@@ -1129,8 +1119,6 @@ def test_nothing_a_call_gives_is_silently_ignored():
             generate(model, rows, max_new_tokens=4)
     # Qwen2.5's ids: the generation config's pad is its BOS (<|endoftext|>), the tokenizer has no BOS; one row
     # starting with it is a prompt, with the tokenizer or without
-    from tiny import word_medusa
-
     qwen_like = word_medusa(0)
     qwen_like.base_model.generation_config.pad_token_id = qwen_like.base_model.generation_config.bos_token_id = 1
     qwen_like.tokenizer.bos_token = None
@@ -1191,3 +1179,113 @@ def test_record_step_counts_the_bonus_token_by_default():
     plain = GenerationMetrics()
     plain.record_step([0], offered_depth=0, tree_size=1)
     assert plain.tau == 1.0 and plain.plain_steps == 1 and plain.fallback_fraction == 1.0
+
+
+def test_an_eos_at_the_contexts_last_position_is_reported_as_eos():
+    """A row whose last token at the context's end is an EOS finished because of the EOS, not the context."""
+    model = medusa("llama")
+    limit = model.base_model.config.max_position_embeddings
+    prompt = torch.randint(3, VOCAB, (limit - 10,), generator=torch.Generator().manual_seed(3))
+    future = reference(model, prompt, 10)
+    last = future[-1]
+    assert last not in future[:-1]  # the EOS is met at the context's last position only
+    out = generate(model, prompt[None], max_new_tokens=50, tree="tree-16", eos_token_id=[last])
+    assert out.new_tokens[0] == future
+    assert out.finish_reasons == ["eos"]
+
+
+def test_messages_are_tokenised_as_the_template_renders_them_without_a_second_bos():
+    """A chat template writes the BOS itself: messages= must not let the tokenizer add another (prompt= does)."""
+    from tokenizers.processors import TemplateProcessing
+
+    model = word_medusa()
+    tokenizer = model.tokenizer
+    tokenizer.chat_template = "{{ bos_token }}" + tokenizer.chat_template
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tokenizer.bos_token_id)])
+    chat = [{"role": "user", "content": "w5 w6"}]
+    expected = tokenizer(encode_chat(tokenizer, chat), add_special_tokens=False)["input_ids"][0]
+    assert expected.count(tokenizer.bos_token_id) == 1
+    out = generate(model, messages=chat, max_new_tokens=2)
+    assert out.sequences[0, : -len(out.new_tokens[0])].tolist() == expected
+    plain = generate(model, prompt="w5 w6", max_new_tokens=2)  # a plain prompt gets the tokenizer's BOS
+    assert plain.sequences[0, 0].item() == tokenizer.bos_token_id
+
+
+def test_generator_seed_keeps_seeds_of_63_bits_and_hashes_the_rest_into_them():
+    for seed in (0, 1, 12345, 2**63 - 1):
+        assert generator_seed(seed) == seed
+    for seed in (-1, -(2**63), 2**63, 2**64 - 1):
+        hashed = generator_seed(seed)
+        assert 0 <= hashed < 2**63 and hashed == generator_seed(seed)
+    assert generator_seed(2**63) != generator_seed(0) and generator_seed(-1) != generator_seed(1)
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        generator_seed(True)
+
+
+def test_eos_ids_take_the_tokenizers_end_token_after_the_models():
+    """A fine-tune may name its end-of-turn token in its tokenizer only: a row stops there too."""
+    from medusa_infer.decoding import eos_ids
+
+    model = word_medusa()
+    tokenizer = model.tokenizer
+    model.base_model.generation_config.eos_token_id = 2
+    model.base_model.config.eos_token_id = 2
+    tokenizer.add_special_tokens({"eos_token": "<|assistant|>"})
+    turn = tokenizer.eos_token_id
+    assert turn != 2
+    assert eos_ids(model, tokenizer) == (2, turn)
+    assert eos_ids(model, None) == (2,)
+
+
+def test_batches_of_other_sampling_settings_are_refused_a_merge():
+    from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig
+    from medusa_infer.proposers.medusa import MedusaProposer
+    from medusa_infer.trees import TREE_PRESETS
+
+    model = medusa("llama")
+    prompts = [torch.arange(3, 9), torch.arange(3, 12)]
+
+    def batch(row, sampling):
+        ids, mask = left_pad([prompts[row]])
+        return DecodeBatch(model, ids, mask, MedusaProposer(model, TREE_PRESETS["tree-8"]), sampling, StopConfig(8),
+                           None, torch.Generator().manual_seed(0))
+
+    with torch.no_grad():
+        greedy, sampled = batch(0, SamplingConfig()), batch(1, SamplingConfig("lossless", temperature=0.8))
+        greedy.prefill()
+        sampled.prefill()
+        with pytest.raises(ValueError, match="same model and sampling settings"):
+            greedy.merge(sampled)
+    assert greedy.rows == [0] and sampled.rows == [0]
+
+
+def test_rows_joining_after_a_row_finished_get_new_numbers_and_keep_the_finished_rows_output():
+    """A merge numbers joining rows after every row ever added (finished ones too), not after the active ones."""
+    from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig
+    from medusa_infer.proposers.medusa import MedusaProposer
+    from medusa_infer.trees import TREE_PRESETS
+
+    model = medusa("llama")
+    prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (4, 9, 6)]
+    futures = [reference(model, p, 12) for p in prompts]
+    tree = TREE_PRESETS["tree-8"]
+
+    def batch(rows, stops):
+        ids, mask = left_pad([prompts[r] for r in rows])
+        return DecodeBatch(model, ids, mask, MedusaProposer(model, tree), SamplingConfig(), stops, None, None)
+
+    with torch.no_grad():
+        running = batch([0, 1], [StopConfig(12), StopConfig(1)])
+        running.prefill()  # row 1 stops at its one token
+        assert running.rows == [0] and running.finish[1] == "length"
+        late = batch([2], [StopConfig(12)])
+        late.prefill()
+        assert running.merge(late) == [2]
+        while not running.done:
+            running.step()
+    assert running.generated[0] == futures[0]
+    assert running.generated[1] == futures[1][:1] and running.finish[1] == "length"
+    assert running.generated[2] == futures[2]
+    out = running.output(0)
+    assert out.new_tokens == [futures[0], futures[1][:1], futures[2]]
