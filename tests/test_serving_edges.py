@@ -1,0 +1,165 @@
+"""The server's limits and defaults at their edges (a body of exactly the size limit, the longest stop string, a
+max_tokens that fills the context, top_k -1, port bounds), batching keys, metrics and messages: each pinned where a
+mutation of the serving code went unnoticed."""
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+
+from medusa_infer.decoding import SamplingConfig, StopConfig
+from medusa_infer.serving import protocol
+from medusa_infer.serving.metrics import ServingMetrics
+from medusa_infer.serving.scheduler import Engine, Request
+from medusa_infer.serving.testing import serve, torch_threads
+from tiny import word_medusa
+
+GREEDY = SamplingConfig("greedy", 0.0, 0, 1.0)
+OK = {"model": "tiny", "prompt": "the cat", "max_tokens": 2, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def model():
+    with torch_threads(1):
+        yield word_medusa()
+
+
+@pytest.fixture(scope="module")
+def client(model):
+    with serve(model, "autoregressive") as (server, engine):
+        with httpx.Client(base_url=server.base_url, timeout=60) as client:
+            yield client
+
+
+def test_a_body_of_exactly_the_size_limit_is_read(client):
+    body = json.dumps(OK).encode()
+    padded = body[:-1] + b" " * (protocol.MAX_BODY_BYTES - len(body)) + b"}"
+    assert len(padded) == protocol.MAX_BODY_BYTES
+    answer = client.post("/v1/completions", content=padded, headers={"Content-Type": "application/json"})
+    assert answer.status_code == 200, answer.text
+
+
+def test_a_stop_string_of_the_longest_length_allowed_is_taken(client):
+    answer = client.post("/v1/completions", json={**OK, "stop": ["x" * protocol.MAX_STOP_LENGTH]})
+    assert answer.status_code == 200, answer.text
+    answer = client.post("/v1/completions", json={**OK, "stop": ["x" * (protocol.MAX_STOP_LENGTH + 1)]})
+    assert answer.status_code == 400
+
+
+def test_text_parts_of_a_message_are_joined_by_newlines(client):
+    def prompt_tokens(content):
+        body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 1}
+        answer = client.post("/v1/chat/completions", json=body)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["usage"]["prompt_tokens"]
+
+    parts = [{"type": "text", "text": "the cat"}, {"type": "text", "text": "sat"}]
+    assert prompt_tokens(parts) == prompt_tokens("the cat\nsat") != prompt_tokens("the catsat")
+
+
+
+
+def test_a_row_ended_by_the_context_counts_as_a_length_finish_in_the_metrics(model):
+    engine = Engine(model, model.tokenizer, "autoregressive", metrics=ServingMetrics("t"))
+    engine.start()
+    finished = threading.Event()
+    updates = []
+    try:
+        prompt = [5] * (engine.context_length - 3)
+        request = Request(prompt, GREEDY, StopConfig(100, (), ()),
+                          lambda u: (updates.append(u), finished.set()) if u.finish else None)
+        engine.submit(request)
+        assert finished.wait(30)
+        assert updates[-1].finish == "context"
+        assert engine.metrics.request_success.value(finished_reason="length") == 1
+        assert engine.metrics.request_success.value(finished_reason="stop") == 0
+    finally:
+        engine.stop()
+
+
+def test_a_timeout_error_names_the_timeout_set(model):
+    import time
+    engine = Engine(model, model.tokenizer, "autoregressive", metrics=ServingMetrics("t"))
+    engine.start()
+    finished = threading.Event()
+    updates = []
+    try:
+        request = Request([5, 6], GREEDY, StopConfig(100, (), ()),
+                          lambda u: (updates.append(u), finished.set()) if u.finish else None, timeout=0.05)
+        with engine.hold():
+            engine.submit(request)
+            time.sleep(0.3)
+        assert finished.wait(10)
+        assert updates[-1].finish == "timeout"
+        assert updates[-1].error == "the request did not finish within its 0.05 s timeout"
+    finally:
+        engine.stop()
+
+
+def test_greedy_requests_batch_together_whatever_their_seeds():
+    stop = StopConfig(3, (), ())
+    keys = {Request([5], GREEDY, stop, lambda u: None, seed=seed).batch_key for seed in (None, 1, 2)}
+    assert keys == {GREEDY}
+    sampled = SamplingConfig("lossless", 1.0, 0, 1.0)
+    assert Request([5], sampled, stop, lambda u: None, seed=1).batch_key != sampled
+
+
+def test_max_tokens_filling_the_context_exactly_is_taken(client, model):
+    context = model.base_model.config.max_position_embeddings
+    body = {"model": "tiny", "prompt": [5] * 10, "max_tokens": context - 10, "temperature": 0, "ignore_eos": True}
+    answer = client.post("/v1/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["total_tokens"] <= context
+    answer = client.post("/v1/completions", json={**body, "max_tokens": context - 9})
+    assert answer.status_code == 400 and f"at most {context - 10}" in answer.json()["error"]["message"]
+
+
+def test_the_port_range_is_checked_at_both_ends(capsys):
+    from medusa_infer.serving import cli
+
+    assert cli.parse_args(["--method", "lookup", "--port", "65535"]).port == 65535
+    for port in ("0", "65536"):
+        with pytest.raises(SystemExit):
+            cli.parse_args(["--method", "lookup", "--port", port])
+        assert "--port must be in 1..65535" in capsys.readouterr().err
+
+
+def test_a_two_character_stop_string_is_held_back_until_it_cannot_be_one(model):
+    from medusa_infer.serving.app import TextAssembler
+
+    tokenizer = model.tokenizer
+    assembler = TextAssembler(tokenizer, ("t ",), tokenizer("the")["input_ids"])
+    ids = [tokenizer.convert_tokens_to_ids(word) for word in ("cat", "sat", "dog")]
+    deltas = [assembler.add([i]) for i in ids[:-1]] + [assembler.add(ids[-1:], final=True)]
+    assert deltas[0] == " ca"  # the "t" may begin "t ": held back
+    assert "".join(deltas) == " ca"
+
+
+def test_a_request_s_acceptance_overrides_the_server_default(client):
+    # typical acceptance samples without top_k: refused when the request asks for it
+    answer = client.post("/v1/completions", json={**OK, "temperature": 1.0, "top_k": 5, "acceptance": "typical"})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "top_k"
+
+
+def test_top_k_minus_one_means_no_top_k(client):
+    answer = client.post("/v1/completions", json={**OK, "temperature": 1.0, "top_k": -1, "seed": 1})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["text"] == client.post(
+        "/v1/completions", json={**OK, "temperature": 1.0, "seed": 1}).json()["choices"][0]["text"]
+
+
+def test_a_bearer_token_is_read_with_its_surrounding_spaces_dropped(model):
+    with serve(model, "autoregressive", api_key="key") as (server, engine):
+        for header in ("Bearer key", "bearer key", "Bearer  key"):
+            answer = httpx.post(server.base_url + "/v1/completions", json=OK, headers={"Authorization": header},
+                                timeout=60)
+            assert answer.status_code == 200, (header, answer.text)
+
+
+def test_tau_of_a_request_with_no_decoding_step_is_one(model):
+    with serve(model, "medusa", speculation_gate=False) as (server, engine):
+        answer = httpx.post(server.base_url + "/v1/completions", json={**OK, "max_tokens": 1}, timeout=60).json()
+    assert answer["usage"]["speculative"]["draft_steps"] == 0
+    assert answer["usage"]["speculative"]["tau"] == 1.0
