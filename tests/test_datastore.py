@@ -554,3 +554,12 @@ def test_a_draft_goes_on_at_exactly_min_share_and_an_id_at_the_vocabulary_size_i
     with pytest.raises(ValueError, match="token id 8, outside"):
         Datastore.from_sequences([[1, 2, 8]]).check_vocabulary(8, "store")
     Datastore.from_sequences([[1, 2, 7]]).check_vocabulary(8, "store")
+
+
+def test_a_store_of_tokens_without_a_final_separator_drafts_to_their_end():
+    """Tokens given directly (not from_sequences) may not end with the separator: drafts stop at the end."""
+    store = Datastore(torch.tensor([1, 2, 3, 1, 2]), min_ngram=1, max_ngram=2)
+    match = store.match([1, 2], limit=10)
+    assert (match.n, match.draft) == (2, [3, 1, 2])
+    assert len(store) == 5
+    assert store.match([2], limit=10).draft == [3, 1, 2]

@@ -482,3 +482,39 @@ def test_heads_without_a_tree_keep_their_top_k_and_so_their_default_tree(tmp_pat
         (tmp_path / "config.json").write_text(json.dumps({**data, TOP_K_KEY: bad}))
         with pytest.raises(ValueError, match=f"{TOP_K_KEY} must be a positive integer, got {bad!r}"):
             read_medusa_layout(tmp_path)
+
+
+def test_own_projections_are_kept_when_only_some_copy_the_base_lm_head(tmp_path):
+    """Only heads whose EVERY projection copies lm_head are shared ones: one trained head beside copies stays own."""
+    tensors = fd_tensors(projections=True)
+    lm_head = torch.randn(VOCAB, HIDDEN)
+    tensors[f"0.{LAYERS}.weight"] = lm_head.clone()  # head 0 copies the base lm_head, heads 1.. are trained
+    make_fd_folder(tmp_path, tensors, vocab_size=VOCAB, hidden_size=HIDDEN)  # as our exports write it
+    config, state = read_medusa_layout(tmp_path, lm_head_weight=lm_head)
+    assert config.projection == "own"
+    for k in range(HEADS):
+        assert torch.equal(state[f"heads.{k}.proj.weight"], tensors[f"{k}.{LAYERS}.weight"])
+
+
+def test_version_1_of_shared_heads_is_refused_for_an_lm_head_with_a_bias(tmp_path):
+    """The layout's per-head projections have no bias: writing copies of a biased lm_head would drop it."""
+    config = tiny_config("shared")
+    lm_head = torch.randn(VOCAB, HIDDEN)
+    with pytest.raises(ValueError, match="has a bias, which version '1' of shared heads would drop"):
+        write_medusa_layout(config, random_state(config), tmp_path / "fd", lm_head_weight=lm_head, version="1",
+                            lm_head_bias=torch.ones(VOCAB))
+    assert not (tmp_path / "fd").exists()
+    # a zero bias is no bias: written
+    write_medusa_layout(config, random_state(config), tmp_path / "ok", lm_head_weight=lm_head, version="1",
+                        lm_head_bias=torch.zeros(VOCAB))
+
+
+def test_safetensors_is_read_before_pt_when_a_folder_holds_both(tmp_path):
+    """As documented (and as TGI reads it): medusa_lm_head.safetensors first, else .pt."""
+    chosen, other = fd_tensors(projections=True, seed=1), fd_tensors(projections=True, seed=2)
+    make_fd_folder(tmp_path, chosen, fmt="safetensors")
+    torch.save(other, tmp_path / "medusa_lm_head.pt")
+    _, state = read_medusa_layout(tmp_path)
+    for k in range(HEADS):
+        assert torch.equal(state[f"heads.{k}.proj.weight"], chosen[f"{k}.{LAYERS}.weight"])
+        assert torch.equal(state[f"heads.{k}.blocks.0.linear.weight"], chosen[f"{k}.0.linear.weight"])
