@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import httpx
 import pytest
@@ -80,7 +81,6 @@ def test_a_row_ended_by_the_context_counts_as_a_length_finish_in_the_metrics(mod
 
 
 def test_a_timeout_error_names_the_timeout_set(model):
-    import time
     engine = Engine(model, model.tokenizer, "autoregressive", metrics=ServingMetrics("t"))
     engine.start()
     finished = threading.Event()
@@ -163,3 +163,137 @@ def test_tau_of_a_request_with_no_decoding_step_is_one(model):
         answer = httpx.post(server.base_url + "/v1/completions", json={**OK, "max_tokens": 1}, timeout=60).json()
     assert answer["usage"]["speculative"]["draft_steps"] == 0
     assert answer["usage"]["speculative"]["tau"] == 1.0
+
+
+def test_a_seeded_sampled_batch_is_built_without_the_learned_step_costs(model, monkeypatch):
+    """options_for(key) is what a batch's proposer is built with: a seeded sampled request's leaves out the
+    engine's step_costs (its trees must not depend on the clock), a greedy one's keeps them."""
+    from medusa_infer.serving import scheduler
+
+    engine = Engine(model, model.tokenizer, "medusa", metrics=ServingMetrics("t"))
+    built = []
+    real = scheduler.build_proposer
+    monkeypatch.setattr(scheduler, "build_proposer",
+                        lambda method, m, options: (built.append(options), real(method, m, options))[1])
+    engine.start()
+    try:
+        for sampling, seed in ((SamplingConfig("lossless", 0.8, 0, 1.0), 7), (GREEDY, None)):
+            finished = threading.Event()
+            request = Request([5, 6], sampling, StopConfig(3, (), ()),
+                              lambda u, f=finished: f.set() if u.finish else None, seed=seed)
+            engine.submit(request)
+            assert finished.wait(30)
+            assert built[-1] is engine.options_for(request.batch_key)
+        assert built[0] is not built[1]
+        assert built[0].step_costs is None and built[1].step_costs is engine.step_costs
+    finally:
+        engine.stop()
+
+
+def test_a_request_being_prefilled_counts_as_running(model, monkeypatch):
+    """Between leaving the queue and its batch's first tokens (a prefill may take seconds) a request is in
+    the running count, not in neither count."""
+    from medusa_infer import decoding
+
+    engine = Engine(model, model.tokenizer, "autoregressive", metrics=ServingMetrics("t"))
+    entered, release = threading.Event(), threading.Event()
+    prefill = decoding.DecodeBatch.prefill
+
+    def slow_prefill(self, *args, **kwargs):
+        entered.set()
+        release.wait(30)
+        return prefill(self, *args, **kwargs)
+
+    monkeypatch.setattr(decoding.DecodeBatch, "prefill", slow_prefill)
+    engine.start()
+    finished = threading.Event()
+    try:
+        engine.submit(Request([5, 6], GREEDY, StopConfig(2, (), ()), lambda u: finished.set() if u.finish else None))
+        assert entered.wait(30)
+        counts = engine.snapshot()
+        assert counts["running"] == 1 and counts["waiting"] == 0
+        assert engine.metrics.running.value() == 1
+    finally:
+        release.set()
+        assert finished.wait(30)
+        engine.stop()
+
+
+def test_a_whole_answer_ends_the_engines_row_at_a_stop_string_it_missed(model, monkeypatch):
+    """A non-streamed answer cancels the engine's row as soon as its text holds a stop string the engine
+    missed (it looks at its last token only here): the engine does not decode on to max_tokens."""
+    from medusa_infer import decoding
+
+    monkeypatch.setattr(StopConfig, "window", property(lambda self: 1))
+    step = decoding.DecodeBatch.step
+    monkeypatch.setattr(decoding.DecodeBatch, "step", lambda self, *a, **k: (time.sleep(0.02), step(self, *a, **k))[1])
+    body = {"model": "tiny", "prompt": "the cat sat on the mat", "max_tokens": 60, "temperature": 0,
+            "ignore_eos": True}
+    with serve(model, "autoregressive") as (server, engine):
+        url = server.base_url + "/v1/completions"
+        free = httpx.post(url, json=body, timeout=60).json()["choices"][0]["text"]
+        stop = " ".join(free.split(" ")[3:6])
+        assert len(stop.split(" ")) == 3
+        before = engine.metrics.generation_tokens.value()
+        answer = httpx.post(url, json={**body, "stop": [stop]}, timeout=60).json()
+        assert answer["choices"][0]["finish_reason"] == "stop"
+        assert answer["choices"][0]["text"] == free[: free.index(stop)]
+        time.sleep(1.5)  # were the row left running, it would reach its 60 tokens by now
+        assert engine.metrics.generation_tokens.value() - before < 40
+
+
+def test_a_request_timeout_is_answered_with_the_engines_own_timeout_error(model):
+    """The HTTP side waits TIMEOUT_GRACE_S past a request's timeout for the engine's answer: a request held in
+    the queue past its timeout gets the engine's error naming its timeout, not 'did not answer in time'."""
+    with serve(model, "autoregressive", request_timeout=0.2) as (server, engine):
+        answers = []
+        with engine.hold():
+            thread = threading.Thread(target=lambda: answers.append(
+                httpx.post(server.base_url + "/v1/completions", json=OK, timeout=60)))
+            thread.start()
+            time.sleep(1.0)
+        thread.join(30)
+    assert answers[0].status_code == 504
+    message = answers[0].json()["error"]["message"]
+    assert "within its 0.2 s timeout" in message and "did not answer in time" not in message
+
+
+def test_the_most_stop_strings_allowed_are_taken(client):
+    answer = client.post("/v1/completions", json={**OK, "stop": ["xa", "xb", "xc", "xd"][:protocol.MAX_STOP_STRINGS]})
+    assert answer.status_code == 200, answer.text
+    too_many = [f"x{i}" for i in range(protocol.MAX_STOP_STRINGS + 1)]
+    answer = client.post("/v1/completions", json={**OK, "stop": too_many})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "stop"
+
+
+def test_a_prompt_filling_the_whole_context_is_refused_with_a_400(client, model):
+    context = model.base_model.config.max_position_embeddings
+    for body in ({"model": "tiny", "prompt": [5] * context},
+                 {"model": "tiny", "prompt": [5] * context, "max_tokens": 1}):
+        answer = client.post("/v1/completions", json=body)
+        assert answer.status_code == 400, answer.text
+        assert "shorten the prompt" in answer.json()["error"]["message"]
+
+
+def test_a_histogram_ignores_values_that_are_not_finite():
+    from medusa_infer.serving.metrics import Histogram
+
+    histogram = Histogram("h", "help", buckets=(1.0,))
+    for value in (float("nan"), float("inf"), 0.5):
+        histogram.observe(value)
+    samples = {(name, labels): value for name, labels, value in histogram.samples()}
+    assert histogram.count == 1 and samples[("h_sum", ())] == 0.5
+    assert samples[("h_bucket", (("le", "+Inf"),))] == 1.0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-queue", "0"], "--max-batch and --max-queue must be >= 1"),
+    (["--max-batch", "0"], "--max-batch and --max-queue must be >= 1"),
+    (["--threads", "0"], "--threads must be >= 1"),
+])
+def test_serving_counts_below_one_are_refused(argv, message, capsys):
+    from medusa_infer.serving import cli
+
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--method", "lookup", *argv])
+    assert message in capsys.readouterr().err
