@@ -3,6 +3,7 @@ max_tokens that fills the context, top_k -1, port bounds), batching keys, metric
 mutation of the serving code went unnoticed."""
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -34,6 +35,17 @@ def client(model):
             yield client
 
 
+@contextlib.contextmanager
+def running_engine(model, method: str = "autoregressive"):
+    """An engine (no HTTP) decoding on its own thread while the block runs."""
+    engine = Engine(model, model.tokenizer, method, metrics=ServingMetrics("t"))
+    engine.start()
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
 def test_a_body_of_exactly_the_size_limit_is_read(client):
     body = json.dumps(OK).encode()
     padded = body[:-1] + b" " * (protocol.MAX_BODY_BYTES - len(body)) + b"}"
@@ -60,14 +72,10 @@ def test_text_parts_of_a_message_are_joined_by_newlines(client):
     assert prompt_tokens(parts) == prompt_tokens("the cat\nsat") != prompt_tokens("the catsat")
 
 
-
-
 def test_a_row_ended_by_the_context_counts_as_a_length_finish_in_the_metrics(model):
-    engine = Engine(model, model.tokenizer, "autoregressive", metrics=ServingMetrics("t"))
-    engine.start()
     finished = threading.Event()
     updates = []
-    try:
+    with running_engine(model) as engine:
         prompt = [5] * (engine.context_length - 3)
         request = Request(prompt, GREEDY, StopConfig(100, (), ()),
                           lambda u: (updates.append(u), finished.set()) if u.finish else None)
@@ -76,16 +84,12 @@ def test_a_row_ended_by_the_context_counts_as_a_length_finish_in_the_metrics(mod
         assert updates[-1].finish == "context"
         assert engine.metrics.request_success.value(finished_reason="length") == 1
         assert engine.metrics.request_success.value(finished_reason="stop") == 0
-    finally:
-        engine.stop()
 
 
 def test_a_timeout_error_names_the_timeout_set(model):
-    engine = Engine(model, model.tokenizer, "autoregressive", metrics=ServingMetrics("t"))
-    engine.start()
     finished = threading.Event()
     updates = []
-    try:
+    with running_engine(model) as engine:
         request = Request([5, 6], GREEDY, StopConfig(100, (), ()),
                           lambda u: (updates.append(u), finished.set()) if u.finish else None, timeout=0.05)
         with engine.hold():
@@ -94,8 +98,6 @@ def test_a_timeout_error_names_the_timeout_set(model):
         assert finished.wait(10)
         assert updates[-1].finish == "timeout"
         assert updates[-1].error == "the request did not finish within its 0.05 s timeout"
-    finally:
-        engine.stop()
 
 
 def test_greedy_requests_batch_together_whatever_their_seeds():
@@ -170,13 +172,11 @@ def test_a_seeded_sampled_batch_is_built_without_the_learned_step_costs(model, m
     engine's step_costs (its trees must not depend on the clock), a greedy one's keeps them."""
     from medusa_infer.serving import scheduler
 
-    engine = Engine(model, model.tokenizer, "medusa", metrics=ServingMetrics("t"))
     built = []
     real = scheduler.build_proposer
-    monkeypatch.setattr(scheduler, "build_proposer",
-                        lambda method, m, options: (built.append(options), real(method, m, options))[1])
-    engine.start()
-    try:
+    with running_engine(model, "medusa") as engine:  # (the proposers its set-up builds not counted)
+        monkeypatch.setattr(scheduler, "build_proposer",
+                            lambda method, m, options: (built.append(options), real(method, m, options))[1])
         for sampling, seed in ((SamplingConfig("lossless", 0.8, 0, 1.0), 7), (GREEDY, None)):
             finished = threading.Event()
             request = Request([5, 6], sampling, StopConfig(3, (), ()),
@@ -186,8 +186,6 @@ def test_a_seeded_sampled_batch_is_built_without_the_learned_step_costs(model, m
             assert built[-1] is engine.options_for(request.batch_key)
         assert built[0] is not built[1]
         assert built[0].step_costs is None and built[1].step_costs is engine.step_costs
-    finally:
-        engine.stop()
 
 
 def test_a_request_being_prefilled_counts_as_running(model, monkeypatch):
@@ -195,7 +193,6 @@ def test_a_request_being_prefilled_counts_as_running(model, monkeypatch):
     the running count, not in neither count."""
     from medusa_infer import decoding
 
-    engine = Engine(model, model.tokenizer, "autoregressive", metrics=ServingMetrics("t"))
     entered, release = threading.Event(), threading.Event()
     prefill = decoding.DecodeBatch.prefill
 
@@ -205,18 +202,18 @@ def test_a_request_being_prefilled_counts_as_running(model, monkeypatch):
         return prefill(self, *args, **kwargs)
 
     monkeypatch.setattr(decoding.DecodeBatch, "prefill", slow_prefill)
-    engine.start()
     finished = threading.Event()
-    try:
-        engine.submit(Request([5, 6], GREEDY, StopConfig(2, (), ()), lambda u: finished.set() if u.finish else None))
-        assert entered.wait(30)
-        counts = engine.snapshot()
-        assert counts["running"] == 1 and counts["waiting"] == 0
-        assert engine.metrics.running.value() == 1
-    finally:
-        release.set()
-        assert finished.wait(30)
-        engine.stop()
+    with running_engine(model) as engine:
+        try:
+            engine.submit(Request([5, 6], GREEDY, StopConfig(2, (), ()),
+                                  lambda u: finished.set() if u.finish else None))
+            assert entered.wait(30)
+            counts = engine.snapshot()
+            assert counts["running"] == 1 and counts["waiting"] == 0
+            assert engine.metrics.running.value() == 1
+        finally:
+            release.set()
+            assert finished.wait(30)
 
 
 def test_a_whole_answer_ends_the_engines_row_at_a_stop_string_it_missed(model, monkeypatch):
