@@ -23,7 +23,7 @@ import numbers
 import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
 import torch
@@ -32,7 +32,7 @@ from medusa_infer import acceptance as rules
 from medusa_infer.adaptive import StepCosts, TreeController, frozen_acceptance, thawed_acceptance, tree_ladder
 from medusa_infer.kv_cache import AttentionLayout, KVState
 from medusa_infer.metrics import GenerationMetrics
-from medusa_infer.proposers.base import Proposal, Proposer, StepContext
+from medusa_infer.proposers.base import Proposal, Proposer, StepContext, row_groups
 from medusa_infer.proposers.autoregressive import AutoregressiveProposer
 from medusa_infer.proposers.medusa import MedusaProposer
 from medusa_infer.speculation_gate import SpeculationGate, gated_step
@@ -147,6 +147,42 @@ class SamplingConfig:
         return rules.accept_lossless(
             logits, proposal.tokens, proposal.tree, self.temperature, self.top_k, self.top_p, generator=generator
         )
+
+
+def first_tokens(samplings: Sequence[SamplingConfig], logits: torch.Tensor,
+                 generator: torch.Generator | None) -> torch.Tensor:
+    """``[batch]`` tokens from ``[batch, vocab]`` logits, each row's chosen as ``SamplingConfig.first_token``
+    chooses with its own setting (``samplings``, one per row)."""
+    groups = row_groups(samplings)
+    if len(groups) == 1:  # one setting: one draw for all rows
+        return groups[0][0].first_token(logits, generator)
+    tokens = torch.empty(len(logits), dtype=torch.long, device=logits.device)
+    for sampling, rows in groups:
+        index = torch.tensor(rows, device=logits.device)
+        tokens[index] = sampling.first_token(logits[index], generator)
+    return tokens
+
+
+def accept_rows(samplings: Sequence[SamplingConfig], logits: torch.Tensor, proposal: Proposal,
+                generator: torch.Generator | None) -> rules.Acceptance:
+    """One verification step's ``Acceptance`` for rows that may choose differently (``samplings``, one per
+    row): each setting's acceptance rule (``SamplingConfig.accept``) over its own rows."""
+    groups = row_groups(samplings)
+    if len(groups) == 1:
+        return groups[0][0].accept(logits, proposal, generator)
+    batch, device = len(logits), logits.device
+    accept_length = torch.zeros(batch, dtype=torch.long, device=device)
+    path_nodes = torch.full((batch, proposal.tree.max_depth + 1), -1, dtype=torch.long, device=device)
+    next_token = torch.zeros(batch, dtype=torch.long, device=device)
+    for sampling, rows in groups:
+        index = torch.tensor(rows, device=device)
+        probs = None if proposal.draft_probs is None else proposal.draft_probs[index]
+        part = sampling.accept(logits[index], replace(proposal, tokens=proposal.tokens[index], draft_probs=probs),
+                               generator)
+        accept_length[index] = part.accept_length
+        path_nodes[index, : part.path_nodes.shape[1]] = part.path_nodes
+        next_token[index] = part.next_token
+    return rules.Acceptance(accept_length, path_nodes, next_token)
 
 
 TEXT_CONTEXT_TOKENS = 6
@@ -346,22 +382,29 @@ class DecodeBatch:
 
     Rows are numbered in the order they were added (``0..``); ``rows`` lists the active ones. The
     per-row tables (``histories``, ``prompt_lengths``, ``generated``, ``finish``, ``stops``,
-    ``row_steps``, ``row_accepted``) map a row's number to its entry; ``release`` deletes a
-    finished row's entries, so that a batch rows keep joining holds only the rows not yet released.
+    ``samplings``, ``row_steps``, ``row_accepted``) map a row's number to its entry; ``release``
+    deletes a finished row's entries, so that a batch rows keep joining holds only the rows not yet
+    released. Rows may sample differently (a ``SamplingConfig`` each): each setting's rule chooses its
+    own rows' tokens, from the one ``generator``.
     """
 
-    ROW_TABLES = ("histories", "prompt_lengths", "generated", "finish", "stops", "row_steps", "row_accepted")
+    ROW_TABLES = ("histories", "prompt_lengths", "generated", "finish", "stops", "samplings", "row_steps",
+                  "row_accepted")
 
     def __init__(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, proposer: Proposer,
-                 sampling: SamplingConfig, stop: StopConfig | Sequence[StopConfig], tokenizer: Any,
-                 generator: torch.Generator | None):
-        self.model, self.proposer, self.sampling = model, proposer, sampling
+                 sampling: SamplingConfig | Sequence[SamplingConfig], stop: StopConfig | Sequence[StopConfig],
+                 tokenizer: Any, generator: torch.Generator | None):
+        self.model, self.proposer = model, proposer
         self.tokenizer, self.generator = tokenizer, generator
         self.input_ids, self.attention_mask = input_ids, attention_mask
         batch = input_ids.shape[0]
         stops = list(stop) if isinstance(stop, Sequence) else [stop] * batch
         if len(stops) != batch:
             raise ValueError(f"{len(stops)} stop configs for {batch} rows")
+        samplings = list(sampling) if isinstance(sampling, Sequence) else [sampling] * batch
+        if len(samplings) != batch:
+            raise ValueError(f"{len(samplings)} sampling configs for {batch} rows")
+        self.samplings: dict[int, SamplingConfig] = dict(enumerate(samplings))
         self.context_length = context_length(model)
         self.rows = list(range(batch))  # number of each active row
         self.row_count = batch  # rows ever added: the next one joining is numbered this
@@ -377,8 +420,8 @@ class DecodeBatch:
         self.kv = KVState.empty(batch, AttentionLayout.from_config(model.base_model.config), model.device)
         self.roots = torch.zeros(batch, dtype=torch.long, device=model.device)
         self.root_pos = attention_mask.sum(dim=1).to(model.device)
-        if hasattr(proposer, "configure"):  # a draft samples exactly when the verifier does
-            proposer.configure(sampling, generator)
+        if hasattr(proposer, "configure"):  # a draft samples (rows verified losslessly) from the verifier's generator
+            proposer.configure(generator)
 
     # -- phases -------------------------------------------------------------------------------
 
@@ -391,7 +434,7 @@ class DecodeBatch:
         out = self.model(ids, attention_mask=attn, position_ids=positions, cache=self.kv.cache,
                          logits_positions=slice(-1, None))
         self.kv.append(mask, positions)
-        self.roots = self.sampling.first_token(out.logits[:, -1], self.generator)
+        self.roots = first_tokens([self.samplings[r] for r in self.rows], out.logits[:, -1], self.generator)
         self.metrics.prefill_s = time.perf_counter() - start
         context = self._context()
         context.target_kv = self.kv
@@ -419,7 +462,7 @@ class DecodeBatch:
             out = model(proposal.tokens, attention_mask=attn, position_ids=positions, cache=self.kv.cache)
             self.kv.append(valid, positions)
         with metrics.phase("accept"):
-            acc = self.sampling.accept(out.logits, proposal, self.generator)
+            acc = accept_rows(context.samplings, out.logits, proposal, self.generator)
         with metrics.phase("commit"):
             lengths = acc.accept_length.tolist()
             # [batch, longest accepted path]: the cache keeps no column that every row left empty
@@ -464,7 +507,8 @@ class DecodeBatch:
         room_context = self.context_length - 2 - int(self.root_pos.max())  # the bonus token must fit too
         # The row with the most room sets the depth; rows with less drop the surplus when emitting.
         room_tokens = max(self.stops[r].max_new_tokens - len(self.generated[r]) for r in self.rows) - 1
-        return StepContext([self.histories[r] for r in self.rows], max(0, min(room_context, room_tokens)))
+        return StepContext([self.histories[r] for r in self.rows], max(0, min(room_context, room_tokens)),
+                           samplings=[self.samplings[r] for r in self.rows])
 
     def _emit(self, tokens: list[list[int]]) -> dict[int, list[int]]:
         """Append each active row's new tokens up to its stopping point; drop finished rows."""
@@ -506,11 +550,11 @@ class DecodeBatch:
             self._keep([i for i, r in enumerate(self.rows) if r != row])
 
     def merge(self, other: "DecodeBatch") -> list[int]:
-        """Let the active rows of ``other`` (prefilled, same model and sampling) join this batch
-        between steps; returns their row numbers here. A merge that raises (a refusal, or out of memory
-        copying the caches) leaves both batches as they were, each able to go on alone."""
-        if other.model is not self.model or other.sampling != self.sampling:
-            raise ValueError("only batches of the same model and sampling settings can be merged")
+        """Let the active rows of ``other`` (prefilled, same model; each row keeps its sampling settings)
+        join this batch between steps; returns their row numbers here. A merge that raises (a refusal, or
+        out of memory copying the caches) leaves both batches as they were, each able to go on alone."""
+        if other.model is not self.model:
+            raise ValueError("only batches of the same model can be merged")
         if not hasattr(self.proposer, "merge"):
             raise ValueError(f"{type(self.proposer).__name__} batches cannot be merged")
         if type(other.proposer) is not type(self.proposer):

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from medusa_infer import acceptance
-from medusa_infer.decoding import generate
+from medusa_infer import acceptance, decoding
+from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig, generate
 from medusa_infer.model import MedusaModel
 from medusa_infer.proposers import DraftProposer, LookupProposer, MedusaProposer
 from test_lossless_engine import PROMPT, SAMPLES, VOCAB, chi_square_p, exact_law
@@ -45,8 +45,11 @@ def sample(target, proposer, temperature: float, top_k: int, top_p: float, lengt
 )
 def test_draft_model_sampling_has_the_target_distribution(target, draft, temperature, top_k, top_p, length):
     proposer = DraftProposer(target, draft, num_tokens=3, schedule="constant")
+    proposals = []
+    propose = proposer.propose
+    proposer.propose = lambda roots, context: proposals.append(propose(roots, context)) or proposals[-1]
     samples = sample(target, proposer, temperature, top_k, top_p, length)
-    assert proposer.sampling is not None, "the engine must have told the draft to sample"
+    assert any(p.draft_probs is not None for p in proposals), "the draft must have sampled"
     assert chi_square_p(samples, exact_law(target, length, temperature, top_k, top_p)) > 0.001
 
 
@@ -76,8 +79,8 @@ def test_medusa_with_grafted_lookup_sampling_has_the_target_distribution(target)
 class MisreportingDraft(DraftProposer):
     """Samples its drafts from the draft model but claims they came from the uniform law."""
 
-    def _choose(self, logits):
-        token, probs = super()._choose(logits)
+    def _choose(self, logits, samplings):
+        token, probs = super()._choose(logits, samplings)
         return token, torch.full_like(probs, 1.0 / probs.shape[-1])
 
 
@@ -92,3 +95,58 @@ def test_the_test_rejects_acceptance_without_the_residual(target, draft, monkeyp
     proposer = DraftProposer(target, draft, num_tokens=3, schedule="constant")
     samples = sample(target, proposer, 1.0, 0, 1.0, 3)
     assert chi_square_p(samples, exact_law(target, 3, 1.0, 0, 1.0)) < 0.001
+
+
+def run_batch(target, proposer, samplings, length: int, seed: int) -> list[list[int]]:
+    """The first ``length`` tokens of each row of one batch of ``PROMPT``, row ``i`` choosing with
+    ``samplings[i]``."""
+    rows = len(samplings)
+    batch = DecodeBatch(target, PROMPT.expand(rows, -1), torch.ones(rows, PROMPT.shape[1], dtype=torch.long),
+                        proposer, samplings, StopConfig(length + 2, (), ()), None,
+                        torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        batch.prefill()
+        while not batch.done:
+            batch.step()
+    return [batch.generated[row][:length] for row in range(rows)]
+
+
+@pytest.mark.parametrize("method", ["draft", "medusa"])
+def test_rows_sampling_differently_in_one_batch_each_keep_their_law(target, draft, method):
+    """A batch of three settings (a server's requests sharing a batch): each setting's rows have the exact
+    law of plain sampling with that setting, and the greedy rows are greedy decoding's tokens."""
+    hot, cool = SamplingConfig("lossless", 1.0, 0, 1.0), SamplingConfig("lossless", 0.7, 3, 0.9)
+    greedy = SamplingConfig("greedy", 0.0)
+    samplings = [hot, cool, greedy] * SAMPLES  # interleaved: the rows of a setting are not one slice
+    if method == "draft":
+        proposer = DraftProposer(target, draft, num_tokens=3, schedule="constant")
+    else:
+        model = MedusaModel.from_base(target.base_model, num_heads=2)
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(1)
+            for p in model.heads.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.5)
+        proposer = MedusaProposer(model, [(0,), (1,), (0, 0)])
+    tokens = torch.tensor(run_batch(target, proposer, samplings, 3, seed=11))
+    assert chi_square_p(tokens[0::3], exact_law(target, 3, 1.0, 0, 1.0)) > 0.001
+    assert chi_square_p(tokens[1::3], exact_law(target, 3, 0.7, 3, 0.9)) > 0.001
+    plain = generate(target, PROMPT, max_new_tokens=3, eos_token_id=[]).new_tokens[0]
+    assert tokens[2::3].tolist() == [plain] * SAMPLES
+
+
+def test_a_mixed_batch_with_a_rule_that_ignores_one_settings_rows_fails_the_law(target, draft):
+    """The test above catches a batch that accepts every row with the first row's setting (a cooler setting
+    with the whole vocabulary: a warped one's tokens outside its top-k fail it sooner)."""
+    hot, cool = SamplingConfig("lossless", 1.0, 0, 1.0), SamplingConfig("lossless", 0.5, 0, 1.0)
+    original = decoding.accept_rows
+
+    def first_setting_only(samplings, logits, proposal, generator):
+        return original([samplings[0]] * len(samplings), logits, proposal, generator)
+
+    decoding.accept_rows = first_setting_only
+    try:
+        proposer = DraftProposer(target, draft, num_tokens=3, schedule="constant")
+        tokens = torch.tensor(run_batch(target, proposer, [hot, cool] * (SAMPLES // 2), 3, seed=11))
+    finally:
+        decoding.accept_rows = original
+    assert chi_square_p(tokens[1::2], exact_law(target, 3, 0.5, 0, 1.0)) < 1e-6

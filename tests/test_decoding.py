@@ -10,6 +10,7 @@ from unittest import mock
 import pytest
 import torch
 
+from medusa_infer import acceptance as rules
 from medusa_infer.adaptive import StepCosts
 from medusa_infer.decoding import encode_chat, generate, generator_seed, resolve_tree, stream
 from medusa_infer.kv_cache import AttentionLayout, KVState
@@ -565,7 +566,6 @@ def test_a_mask_with_a_gap_inside_the_prompt_is_refused_only_where_a_window_make
 def test_typical_and_lossless_sampling_run_and_are_reproducible(monkeypatch):
     """Each acceptance runs its own rule, with the step's settings (the typical branch calling the greedy rule
     passed: runs, reproducible, as long)."""
-    from medusa_infer import acceptance as rules
 
     model = medusa("llama")
     prompt = torch.tensor([[5, 6, 7, 8]])
@@ -1238,7 +1238,10 @@ def test_eos_ids_take_the_tokenizers_end_token_after_the_models():
     assert eos_ids(model, None) == (2,)
 
 
-def test_batches_of_other_sampling_settings_are_refused_a_merge():
+def test_batches_of_other_sampling_settings_merge_and_each_row_keeps_its_own(monkeypatch):
+    """A greedy batch takes a sampled one's row: the greedy row stays greedy decoding's, the joining row
+    samples (at a temperature so low that its tokens are greedy decoding's too, but drawn: its rule is
+    lossless sampling's); batches of another model are refused."""
     from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig
     from medusa_infer.proposers.medusa import MedusaProposer
     from medusa_infer.trees import TREE_PRESETS
@@ -1246,18 +1249,31 @@ def test_batches_of_other_sampling_settings_are_refused_a_merge():
     model = medusa("llama")
     prompts = [torch.arange(3, 9), torch.arange(3, 12)]
 
-    def batch(row, sampling):
+    def batch(row, sampling, target=model):
         ids, mask = left_pad([prompts[row]])
-        return DecodeBatch(model, ids, mask, MedusaProposer(model, TREE_PRESETS["tree-8"]), sampling, StopConfig(8),
+        return DecodeBatch(target, ids, mask, MedusaProposer(target, TREE_PRESETS["tree-8"]), sampling, StopConfig(8),
                            None, torch.Generator().manual_seed(0))
 
+    cold = SamplingConfig("lossless", temperature=1e-4)
     with torch.no_grad():
-        greedy, sampled = batch(0, SamplingConfig()), batch(1, SamplingConfig("lossless", temperature=0.8))
+        greedy, sampled = batch(0, SamplingConfig()), batch(1, cold)
         greedy.prefill()
+        greedy.step()
         sampled.prefill()
-        with pytest.raises(ValueError, match="same model and sampling settings"):
-            greedy.merge(sampled)
-    assert greedy.rows == [0] and sampled.rows == [0]
+        other = batch(1, SamplingConfig(), medusa("llama", seed=5))
+        other.prefill()
+        with pytest.raises(ValueError, match="same model"):
+            greedy.merge(other)
+        drawn = []  # the rows lossless sampling accepted, each step
+        lossless = rules.accept_lossless
+        monkeypatch.setattr(rules, "accept_lossless",
+                            lambda logits, *args, **kw: drawn.append(len(logits)) or lossless(logits, *args, **kw))
+        assert greedy.merge(sampled) == [1]
+        assert greedy.samplings == {0: SamplingConfig(), 1: cold}
+        while not greedy.done:
+            greedy.step()
+    assert drawn and set(drawn) == {1}
+    assert greedy.generated == {0: reference(model, prompts[0], 8), 1: reference(model, prompts[1], 8)}
 
 
 def test_rows_joining_after_a_row_finished_get_new_numbers_and_keep_the_finished_rows_output():

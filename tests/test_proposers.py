@@ -1035,3 +1035,10 @@ def test_the_heads_share_of_a_grafted_step_leaves_the_bonus_token_out():
     first, below = (int(proposal.tokens[0, node[p]]) for p in ((0,), (0, 0)))
     assert proposer._heads_accepted([[first, below]]) == [1]  # one heads' token accepted; `below` is the bonus
     assert proposer._heads_accepted([[first, below, 7]]) == [2]
+
+
+def test_row_groups_lists_each_settings_rows_in_order_of_first_appearance():
+    from medusa_infer.proposers.base import row_groups
+
+    assert row_groups(["a", "b", "a", "c", "b"]) == [("a", [0, 2]), ("b", [1, 4]), ("c", [3])]
+    assert row_groups([]) == []

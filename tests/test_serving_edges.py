@@ -100,12 +100,20 @@ def test_a_timeout_error_names_the_timeout_set(model):
         assert updates[-1].error == "the request did not finish within its 0.05 s timeout"
 
 
-def test_greedy_requests_batch_together_whatever_their_seeds():
+def test_requests_batch_by_acceptance_rule_whatever_their_temperature_and_seeded_ones_alone():
     stop = StopConfig(3, (), ())
-    keys = {Request([5], GREEDY, stop, lambda u: None, seed=seed).batch_key for seed in (None, 1, 2)}
-    assert keys == {GREEDY}
+
+    def key(sampling, seed=None):
+        return Request([5], sampling, stop, lambda u: None, seed=seed).batch_key
+
+    greedy = {key(sampling, seed) for seed in (None, 1, 2)
+              for sampling in (GREEDY, SamplingConfig("lossless", 0.0), SamplingConfig("typical", 0.0))}
+    lossless = {key(SamplingConfig("lossless", t, k, p)) for t, k, p in ((1.0, 0, 1.0), (0.7, 40, 0.9), (1.3, 5, 1.0))}
+    typical = {key(SamplingConfig("typical", t)) for t in (0.7, 1.0)}
+    assert len(greedy) == len(lossless) == len(typical) == 1
+    assert len(greedy | lossless | typical) == 3
     sampled = SamplingConfig("lossless", 1.0, 0, 1.0)
-    assert Request([5], sampled, stop, lambda u: None, seed=1).batch_key != sampled
+    assert key(sampled, seed=1) != key(sampled, seed=1) and key(sampled, seed=1) not in lossless
 
 
 def test_max_tokens_filling_the_context_exactly_is_taken(client, model):
@@ -294,3 +302,41 @@ def test_serving_counts_below_one_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
         cli.parse_args(["--method", "lookup", *argv])
     assert message in capsys.readouterr().err
+
+
+def test_sampled_requests_of_other_temperatures_share_one_batch_and_greedy_ones_stay_greedy(model, monkeypatch):
+    """Three requests admitted together: the two sampled ones (other temperature, top_k and top_p) are
+    prefilled as one batch, each row with its own setting; the greedy one answers as it does alone."""
+    from medusa_infer.serving import scheduler
+
+    built = []
+
+    class Spy(scheduler.DecodeBatch):
+        def __init__(self, model, ids, mask, proposer, sampling, *args):
+            built.append(list(sampling) if isinstance(sampling, list) else [sampling] * len(ids))
+            super().__init__(model, ids, mask, proposer, sampling, *args)
+
+    monkeypatch.setattr(scheduler, "DecodeBatch", Spy)
+    warm, cool = SamplingConfig("lossless", 1.2, 0, 1.0), SamplingConfig("lossless", 0.7, 3, 0.9)
+    prompt = model.tokenizer("the cat sat on")["input_ids"]
+
+    def run(engine, samplings):
+        done = {i: threading.Event() for i in range(len(samplings))}
+        tokens: dict[int, list[int]] = {i: [] for i in done}
+
+        def collect(i):
+            return lambda u: (tokens[i].extend(u.token_ids), u.finish and done[i].set())
+
+        with engine.hold():
+            for i, sampling in enumerate(samplings):
+                engine.submit(Request(prompt, sampling, StopConfig(6, (), ()), collect(i)))
+        assert all(event.wait(30) for event in done.values())
+        return tokens
+
+    with running_engine(model, "medusa") as engine:
+        alone = run(engine, [GREEDY])[0]
+        built.clear()
+        tokens = run(engine, [warm, GREEDY, cool])
+    assert sorted(built, key=len) == [[GREEDY], [warm, cool]]
+    assert tokens[1] == alone and len(alone) == 6
+    assert len(tokens[0]) == len(tokens[2]) == 6

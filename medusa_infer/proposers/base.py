@@ -8,8 +8,9 @@ told what was committed. A chain (draft model, prompt lookup) is a tree with one
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -61,21 +62,37 @@ class StepContext:
         target_kv: in ``start`` alone, the target's ``KVState`` after the prefill (its slots hold
             the prompts' keys and values); a proposer whose draft runs the target's own first
             layers copies them from it instead of computing them again. Read only; None elsewhere.
+        samplings: per active row, how the verifier chooses its tokens (a ``decoding.SamplingConfig``;
+            rows of one batch may differ), so that a draft can sample each row from the warped
+            distribution its verification uses. Empty: draft deterministically.
     """
 
     sequences: list[list[int]]
     max_depth: int
     target_kv: Any = None
+    samplings: list[Any] = field(default_factory=list)
+
+
+Setting = TypeVar("Setting", bound=Hashable)
+
+
+def row_groups(settings: Sequence[Setting]) -> list[tuple[Setting, list[int]]]:
+    """The rows of each distinct setting in ``settings`` (one per row), settings in the order they first
+    appear: ``["a", "b", "a"]`` gives ``[("a", [0, 2]), ("b", [1])]``. A batch whose rows sample
+    differently applies each rule to its own rows' slice."""
+    groups: dict[Setting, list[int]] = {}
+    for row, setting in enumerate(settings):
+        groups.setdefault(setting, []).append(row)
+    return list(groups.items())
 
 
 class Proposer(Protocol):
     """What the decoding loop needs from a proposer; all state lives in the proposer object,
     which belongs to one generation call.
 
-    A proposer may also define ``configure(sampling, generator)``: the loop then calls it once,
-    before ``start``, with its ``SamplingConfig`` and random generator, so that a draft can sample
-    from the same warped distribution the verifier uses (and report it as ``draft_probs``).
-    Without it, or before it is called, a proposer must draft deterministically.
+    A proposer may also define ``configure(generator)``: the loop then calls it once, before
+    ``start``, with its random generator, from which a draft samples the rows whose
+    ``StepContext.samplings`` sample losslessly (reporting the distributions as ``draft_probs``).
     """
 
     def start(self, context: StepContext, hidden: torch.Tensor) -> None:

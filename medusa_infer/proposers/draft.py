@@ -30,7 +30,7 @@ import torch
 from medusa_infer.acceptance import greedy_tokens, warp_logits
 from medusa_infer.kv_cache import AttentionLayout, KVState
 from medusa_infer.metrics import RECENT_STEPS
-from medusa_infer.proposers.base import ChainTrees, Proposal, StepContext, whole_number
+from medusa_infer.proposers.base import ChainTrees, Proposal, StepContext, row_groups, whole_number
 
 logger = logging.getLogger(__name__)
 _UNCHECKED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # draft models whose tokenizer was said to go unchecked
@@ -85,7 +85,6 @@ class DraftProposer:
         self.layout = AttentionLayout.from_config(self.draft.base_model.config)
         self.shared_layers = shared_layers(target, self.draft)
         self.target_layers = getattr(target.base_model.config, "num_hidden_layers", None)
-        self.sampling: Any = None  # drafts are argmax until configure() asks for sampling
         self.generator: torch.Generator | None = None
         self.kv = KVState.empty(0, self.layout, self.device)
         self.cached: list[int] = []  # per row: history tokens in the draft's cache
@@ -94,10 +93,8 @@ class DraftProposer:
 
     # -- the Proposer protocol --------------------------------------------------------------
 
-    def configure(self, sampling, generator: torch.Generator | None) -> None:
-        """Sample drafts (and report ``draft_probs``) when the verifier samples losslessly."""
-        lossless = sampling.acceptance == "lossless" and not sampling.greedy
-        self.sampling = sampling if lossless else None
+    def configure(self, generator: torch.Generator | None) -> None:
+        """The generator that rows verified losslessly draw their drafts from."""
         if generator is not None and generator.device != self.device:  # a draft on another device: a generator
             # there, seeded from the verifier's (torch.multinomial refuses one of another device)
             seed = int(torch.randint(2**62, (1,), generator=generator, device=generator.device))
@@ -127,13 +124,13 @@ class DraftProposer:
         positions = torch.tensor([len(s) for s in context.sequences], device=self.device)
         tokens, probs = [], []
         for step in range(depth):
-            token, q = self._choose(logits)
+            token, q = self._choose(logits, context.samplings)
             tokens.append(token)
             probs.append(q)
             if step + 1 < depth:  # the last draft is fed at the next catch-up, if accepted
                 logits = self._feed_one(token, positions + step)
         chain = torch.stack([roots.to(self.device)] + tokens, dim=1).to(roots.device)
-        draft_probs = None if self.sampling is None else torch.stack(probs, dim=1).to(roots.device)
+        draft_probs = None if probs[0] is None else torch.stack(probs, dim=1).to(roots.device)
         return Proposal(chain, tree, draft_probs)
 
     def observe(self, accepted: list[list[int]], hidden: torch.Tensor, context: StepContext) -> None:
@@ -202,13 +199,26 @@ class DraftProposer:
         self.kv.append(valid, positions)
         return fit_vocabulary(out.logits[:, -1].float(), self.vocab)
 
-    def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A draft token per row: argmax, or a sample from the warped distribution (returned)."""
-        if self.sampling is None:
+    def _choose(self, logits: torch.Tensor, samplings: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A draft token per row: a sample from the warped distribution where the row is verified
+        losslessly, else the argmax; with the distributions (``[batch, vocab]``, one-hot on the argmax
+        rows), or None when no row samples."""
+        sampled = [s if s.acceptance == "lossless" and not s.greedy else None for s in samplings]
+        groups = row_groups(sampled)
+        if all(s is None for s, _ in groups):
             return greedy_tokens(logits), None
-        s = self.sampling
-        probs = warp_logits(logits, s.temperature, s.top_k, s.top_p)
-        return torch.multinomial(probs, 1, generator=self.generator).squeeze(1), probs
+        if len(groups) == 1 and len(sampled) == len(logits):  # every row samples alike: one draw for all
+            s = groups[0][0]
+            probs = warp_logits(logits, s.temperature, s.top_k, s.top_p)
+            return torch.multinomial(probs, 1, generator=self.generator).squeeze(1), probs
+        tokens = greedy_tokens(logits)
+        probs = torch.zeros_like(logits).scatter_(1, tokens[:, None], 1.0)
+        for s, rows in groups:
+            if s is not None:
+                index = torch.tensor(rows, device=logits.device)
+                probs[index] = warp_logits(logits[index], s.temperature, s.top_k, s.top_p)
+                tokens[index] = torch.multinomial(probs[index], 1, generator=self.generator).squeeze(1)
+        return tokens, probs
 
 
 def as_draft_model(draft: Any, tokenizer: Any = None, target: Any = None):

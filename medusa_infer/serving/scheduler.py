@@ -4,17 +4,19 @@ Each turn of the engine loop::
 
     apply cancellations and timeouts      # rows leave their batch (DecodeBatch.cancel)
     admit queued requests                 # up to max_batch rows in all and max_prefill_tokens of
-                                          # prompt a turn (at least one request); those with equal
-                                          # sampling settings are prefilled together, then merged
-                                          # into a running batch of the same settings if it can
+                                          # prompt a turn (at least one request); those of one
+                                          # acceptance rule are prefilled together, then merged
+                                          # into a running batch of the same rule if it can
     step every running batch once         # each row's new tokens go to its request's callback;
                                           # speculative or plain, whichever the SpeculationGate
                                           # measures faster at that batch size
     drop finished batches
 
-Batches are grouped by sampling settings (a ``SamplingConfig``), because one ``DecodeBatch``
-samples all its rows alike. A sampled request with a seed gets a batch of its own with its own
-``torch.Generator``, so its output depends on nothing else the server is doing.
+Batches are grouped by acceptance rule (greedy, lossless, typical): the rows of one batch may sample
+at other temperatures, top-k and top-p, each with its own (``DecodeBatch`` applies each setting to its
+own rows), but a rule's drafts are accepted at a rate of their own, which the speculation gate learns
+per rule. A sampled request with a seed gets a batch of its own with its own ``torch.Generator``, so
+its output depends on nothing else the server is doing.
 
 The engine knows nothing of HTTP: a ``Request`` carries token ids in and hands ``Update`` objects
 to its ``on_update`` callback, called on the engine thread.
@@ -28,7 +30,7 @@ import logging
 import threading
 import time
 import types
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -54,9 +56,6 @@ from medusa_infer.serving.metrics import ServingMetrics
 from medusa_infer.speculation_gate import SpeculationGate, gated_step
 
 log = logging.getLogger(__name__)
-
-MAX_GATES = 16
-"""Sampling settings whose speculation gate the engine keeps (the most recently used)."""
 
 ABORT_REASONS = ("disconnect", "timeout", "error", "shutdown")
 """``Update.finish`` of a request that did not finish by itself (see ``DecodeBatch.finish`` for the rest)."""
@@ -130,10 +129,14 @@ class Request:
 
     @property
     def batch_key(self) -> Hashable:
-        """Requests with equal keys may share a batch."""
-        if self.seed is not None and not self.sampling.greedy:
+        """Requests with equal keys may share a batch: those of one acceptance rule (``"greedy"`` for every
+        request that decodes greedily), whatever their temperature, top-k and top-p; a seeded sampled
+        request shares with none."""
+        if self.sampling.greedy:
+            return "greedy"
+        if self.seed is not None:
             return ("seeded", self.id)
-        return self.sampling
+        return self.sampling.acceptance
 
 
 @dataclass(eq=False)
@@ -207,8 +210,8 @@ class Engine:
         if gate is None or gate is True:
             gate = SpeculationGate() if method != "autoregressive" else None
         self.gate: SpeculationGate | None = gate or None
-        # per sampling setting, a sibling of the gate (its step times, its own yield per step): see _gate_for
-        self._gates: OrderedDict[Hashable, tuple[SpeculationGate, SpeculationGate]] = OrderedDict()
+        # per acceptance rule, a sibling of the gate (its step times, its own yield per step): see _gate_for
+        self._gates: dict[Hashable, tuple[SpeculationGate, SpeculationGate]] = {}
         self.context_length = context_length(model)
         self.vocab_size = model.base_model.get_output_embeddings().weight.shape[0]
         self.pad_token_id = padding_id(model, tokenizer)
@@ -402,13 +405,13 @@ class Engine:
         return self._seeded_options if isinstance(key, tuple) else self.options
 
     def _start_batch(self, key: Hashable, requests: list[Request]) -> None:
-        sampling, seed = requests[0].sampling, requests[0].seed
+        seed = requests[0].seed
         ids, mask = left_pad([r.prompt_ids for r in requests], self.pad_token_id)
         generator = None
         if isinstance(key, tuple) and seed is not None:  # a seeded request: its own generator
             generator = torch.Generator(device=self.model.device).manual_seed(generator_seed(seed))
         proposer = build_proposer(self.method, self.model, self.options_for(key))
-        batch = DecodeBatch(self.model, ids, mask, proposer, sampling, [r.stop for r in requests],
+        batch = DecodeBatch(self.model, ids, mask, proposer, [r.sampling for r in requests], [r.stop for r in requests],
                             self.tokenizer, generator)
         self.metrics.prompt_tokens.inc(sum(len(r.prompt_ids) for r in requests))
         fresh = _Running(key, batch, dict(enumerate(requests)))
@@ -460,16 +463,13 @@ class Engine:
     def _gate_for(self, key: Hashable) -> SpeculationGate | None:
         """The gate of batches of ``key``: a seeded request's batch has none (which steps speculate
         changes how its random generator is drawn, and its output must depend on its seed alone, not
-        on timings); other batches share ``self.gate``'s step times, each sampling setting with a
-        yield per speculative step of its own (the last ``MAX_GATES`` settings are kept)."""
+        on timings); other batches share ``self.gate``'s step times, each acceptance rule with a
+        yield per speculative step of its own."""
         if self.gate is None or isinstance(key, tuple):
             return None
         found = self._gates.get(key)
         if found is None or found[0] is not self.gate:  # new, or the engine's gate was replaced
             found = self._gates[key] = (self.gate, self.gate.sibling())
-            while len(self._gates) > MAX_GATES:
-                self._gates.popitem(last=False)
-        self._gates.move_to_end(key)
         return found[1]
 
     def _deliver(self, running: _Running, emitted: dict[int, list[int]]) -> None:
