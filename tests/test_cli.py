@@ -424,3 +424,63 @@ def test_a_huge_max_new_tokens_keeps_the_chat_history():
     history = [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "sat on"},
                {"role": "user", "content": "the mat"}]
     assert fit_history(word_medusa(), history, False, 10**6) == (history, 0)
+
+
+@pytest.mark.parametrize("argv, message", [
+    # lossless acceptance without --do-sample decoded greedily, the flag silently ignored
+    (["--acceptance", "lossless", "hi"], "--acceptance lossless samples: add --do-sample"),
+    # refused before the model loads (generation refused it only after minutes of loading)
+    (["--max-new-tokens", "0", "hi"], "--max-new-tokens must be at least 1, got 0"),
+    (["--method", "lookup", "--lookup-min-ngram", "0", "hi"],
+     "--lookup-min-ngram must lie in [1, --lookup-max-ngram=3], got 0"),
+    (["--do-sample", "--temperature", "0", "--top-p", "0.9", "hi"],
+     "--top-p shape sampling, and --temperature 0 decodes greedily"),
+    # the draft proposer reads no --layerskip-layers: it was taken and ignored
+    (["--method", "draft", "--draft-model", "x", "--layerskip-layers", "3", "hi"],
+     "--layerskip-layers is read by --method layerskip, not --method draft"),
+])
+def test_more_bad_arguments_are_refused_before_loading_anything(capsys, argv, message):
+    assert message in parse_error(capsys, argv)
+
+
+def test_a_chat_line_too_long_for_the_context_says_no_exchange_was_left_out(monkeypatch, capsys):
+    """A line refused as too long keeps the conversation as it was: no "[note] ... oldest exchange left
+    out" may come before its refusal (the exchanges dropped to try it were not dropped)."""
+    import medusa_infer.cli as cli
+    from medusa_infer.decoding import context_length
+    from tiny import word_medusa
+
+    model = word_medusa()
+    long_line = " ".join(["dog"] * (context_length(model) + 10))
+    lines = iter(["hello world", long_line, ""])
+    monkeypatch.setattr(cli, "load", lambda args: model)
+    monkeypatch.setattr("builtins.input", lambda _: next(lines))
+    assert cli.main(["--chat", "--max-new-tokens", "3"]) == 0
+    err = capsys.readouterr().err
+    assert "that line was left out, the conversation kept" in err
+    assert "oldest exchange" not in err, err
+
+
+def test_chat_history_holds_the_answer_without_special_tokens(monkeypatch, capsys):
+    """The answer kept for the next turn is its text: an end-of-sequence token the model wrote (its text,
+    '</s>', '<|im_end|>') is not sent back as part of the assistant's message."""
+    import types
+
+    import medusa_infer.cli as cli
+    from tiny import word_medusa
+
+    model = word_medusa()
+    tokenizer = model.tokenizer
+    answer_ids = tokenizer("the cat", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    turns = []
+
+    def fake_turn(model, args, messages, prompt):
+        turns.append([dict(m) for m in messages])
+        return types.SimpleNamespace(new_tokens=[answer_ids])
+
+    lines = iter(["hello world", "good day", ""])
+    monkeypatch.setattr(cli, "load", lambda args: model)
+    monkeypatch.setattr(cli, "run_turn", fake_turn)
+    monkeypatch.setattr("builtins.input", lambda _: next(lines))
+    assert cli.main(["--chat", "--max-new-tokens", "3"]) == 0
+    assert turns[1][1] == {"role": "assistant", "content": "the cat"}, turns[1]

@@ -563,3 +563,67 @@ def test_a_store_of_tokens_without_a_final_separator_drafts_to_their_end():
     assert (match.n, match.draft) == (2, [3, 1, 2])
     assert len(store) == 5
     assert store.match([2], limit=10).draft == [3, 1, 2]
+
+
+
+def heads_folder(path, **config):
+    path.mkdir(exist_ok=True)
+    MedusaConfig(num_heads=1, hidden_size=576, **{"vocab_size": 49152, **config},
+                 base_model_name_or_path="smollm2-135m-instruct").save(path / "config.json")
+    return path
+
+
+def test_every_rows_file_given_is_built_and_the_counts_are_said(tmp_path, capsys):
+    """--rows takes several files: each one's conversations go into the store (none silently left out), and the
+    last line counts conversations and rows apart (a row dropped is one row, no conversation)."""
+    heads = heads_folder(tmp_path / "heads")
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    one.write_text(json.dumps({"prompt": "Name a colour.", "response": "Blue."}) + "\n")
+    two.write_text(json.dumps({"prompt": "Name a fruit.", "response": "Apple."}) + "\n"
+                   + json.dumps({"prompt": "word " * 100, "response": "Pear."}) + "\n")
+    assert main(["--heads", str(heads), "--rows", str(one), str(two), "--max-length", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "from 2 conversations of 3 rows (1 dropped with a prompt that fills --max-length=64)" in out, out
+    tokens = Datastore.load(heads / DATASTORE_NAME).tokens.tolist()
+    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    for prompt in ("Name a colour.", "Name a fruit."):
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        assert any(tokens[i:i + len(ids)] == ids for i in range(len(tokens))), prompt
+    store = Datastore.load(heads / DATASTORE_NAME)
+    assert store.origin.endswith("one.jsonl, two.jsonl")
+
+
+def test_a_store_outside_the_heads_vocabulary_is_refused_and_nothing_is_written(tmp_path, capsys):
+    heads = heads_folder(tmp_path / "heads", vocab_size=100)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": "Name a colour.", "response": "Blue."}) + "\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--heads", str(heads), "--rows", str(rows)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "outside this model's vocabulary of 100" in err and "nothing was written" in err
+    assert not (heads / DATASTORE_NAME).exists()
+
+
+def test_an_empty_chat_template_selects_the_tokenizers_own(tmp_path):
+    """--chat-template '' (documented): rows distilled with the tokenizer's own template are built with it even
+    where the heads record another."""
+    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant:{% endif %}")
+    heads = heads_folder(tmp_path / "heads", chat_template=template)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": "Name a colour.", "response": "Blue.",
+                                "generation": {"chat_template": None, "system_prompt": None}}) + "\n")
+    assert main(["--heads", str(heads), "--rows", str(rows), "--chat-template", ""]) == 0
+    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    own = tokenizer.apply_chat_template([{"role": "user", "content": "Name a colour."},
+                                         {"role": "assistant", "content": "Blue."}], tokenize=False)
+    tokens = Datastore.load(heads / DATASTORE_NAME).tokens[:-1].tolist()
+    assert tokenizer.decode(tokens) in own and "user: Name a colour." not in tokenizer.decode(tokens)
+
+
+def test_a_folder_without_config_json_is_a_usage_error(tmp_path, capsys):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--heads", str(tmp_path / "nothing"), "--rows", str(rows)])
+    assert exit_info.value.code == 2 and "has no config.json: not a heads folder" in capsys.readouterr().err
