@@ -889,3 +889,19 @@ def test_plan_counts_the_prompts_the_run_samples_and_names_a_source_not_in_the_f
         with pytest.raises(SystemExit) as exit_info:
             train_heads.main(["--config", str(recipe), "--plan", *overrides])
         assert exit_info.value.code == 2 and re.search(message, capsys.readouterr().err), overrides
+
+
+@pytest.mark.parametrize("override, message", [
+    # head k weighs head_decay**k: at 0 every head past the first had a weight of 0, trained on nothing, in silence
+    ("training.head_decay=0", "training.head_decay must be in (0, 1], got 0"),
+    # a warm-up over the whole run: the learning rate rose to its last step and never decayed
+    ("training.warmup_ratio=1", "training.warmup_ratio must be in [0, 1), got 1"),
+    ("heads.reduced_vocab_size=1", "heads.reduced_vocab_size must be >= 2 or null, got 1"),
+    # read by Medusa-2 only, and part of the run's settings (a change refused a re-run of a run it never changed)
+    ("training.stage1_steps=2", "training.stage1_steps applies to training.mode=medusa2 only"),
+    # refused later as "0 optimizer steps ... raise training.epochs", naming a setting max_steps overrides
+    ("training.max_steps=0", "training.max_steps must be >= 1 or null, got 0"),
+])
+def test_bad_training_values_at_their_bounds_are_refused(override, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_config(RECIPES / "smollm2-135m.yaml", [override])

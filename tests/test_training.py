@@ -2558,3 +2558,144 @@ def test_finalize_and_summary_report_the_walked_tokens_per_step(tmp_path):
     # without starts (batches that did not say where answers begin): the average over positions
     plain = HeadAccuracy(accuracy.hits, accuracy.totals, ranks)
     assert "expected tokens per step 2.250" in summary_table(plain, tree)
+
+
+def test_a_cache_of_other_soft_label_candidates_is_not_reused(tmp_path):
+    """features.topk is part of the cache key: a run asking 3 candidates (or any, after a topk=0 cache) must not
+    read the cache another topk built (it trained on 2 candidates, or failed for want of soft labels)."""
+    model = MedusaModel.from_base(tiny_model("llama"), num_heads=1)
+    examples = counting_examples(4, seed=1)
+    folders = [build_feature_cache(model, examples, tmp_path, {"name": "t"}, topk=k, progress=False) for k in (0, 2, 3)]
+    assert len(set(folders)) == 3
+    for k, folder in zip((2, 3), folders[1:]):
+        assert FeatureCache.load(folder).block["soft_ids"].shape[1] == k
+
+
+def test_a_second_turn_starts_its_own_run_of_positions():
+    """Decoding walks each assistant turn on its own: the second turn's first row starts a run (run_start), so
+    the walked tokens per step never carry a step from one turn's end into the next turn."""
+    from medusa_train.evaluate import head_accuracy, walked_tokens_per_step
+
+    # two assistant turns: rows at 3, 4 (answer 10 11 12) and at 9, 10, 11 (answer 20 21 22 23)
+    labels = [IGNORE] * 4 + [10, 11, 12] + [IGNORE] * 3 + [20, 21, 22, 23] + [IGNORE]
+    example = {"input_ids": [5 if x == IGNORE else x for x in labels], "labels": labels}
+    batch = pad_batch([example, example])
+    block = block_from_hidden(torch.randn(2, len(labels), 4), batch["input_ids"], batch["labels"], batch["lengths"])
+    data = FeatureDataset(block, 2, None, 30)
+    assert data.run_start.tolist() == [True, False, True, False, False] * 2
+    rows = data.batch(torch.arange(5))  # the first example
+    right = torch.tensor([True, True, False, True, True])  # both heads wrong at the second turn's first row
+
+    def heads(hidden, next_tokens, **_):
+        guess = torch.where(right.unsqueeze(1), rows["targets"], torch.zeros_like(rows["targets"]))
+        return torch.nn.functional.one_hot(guess.clamp(min=0).t(), 30).float()
+
+    accuracy = head_accuracy(heads, [rows], top_k=1)
+    # turn 1: one step (2 tokens: the step ends at the answer's end); turn 2: a step of 1, then one of 2
+    assert walked_tokens_per_step([(0,), (0, 0)], accuracy) == pytest.approx(5 / 3)
+
+
+def test_medusa2_heads_weight_rises_to_its_value_on_each_schedule(tiny_dir, tmp_path):
+    """heads_loss_weight: 1 in the heads-only stage, then rising over heads_warmup_steps to
+    training.heads_loss_weight, where it stays: linearly, or along a quarter sine (never back down)."""
+    for schedule, rise in (("linear", lambda f: f), ("sine", lambda f: math.sin(0.5 * math.pi * f))):
+        config = config_from_dict(recipe(tiny_dir, tmp_path / schedule, training={
+            "mode": "medusa2", "max_steps": 20, "stage1_steps": 2, "heads_warmup_steps": 4, "heads_loss_weight": 0.5,
+            "heads_weight_schedule": schedule, "loss": "ce"}, lora={"r": 4, "target_modules": ["q_proj"]}))
+        weights = [tr.heads_loss_weight(config, step) for step in range(10)]
+        expected = [1.0, 1.0] + [0.5 * rise(min(1.0, (j + 1) / 4)) for j in range(8)]
+        assert weights == pytest.approx(expected), schedule
+        assert weights[5:] == pytest.approx([0.5] * 5)
+
+
+def _medusa2_config(tiny_dir, tmp_path, **training):
+    return config_from_dict(recipe(tiny_dir, tmp_path / "run", training={
+        "mode": "medusa2", "max_steps": 4, "loss": "ce", **training}, lora={"r": 4, "target_modules": ["q_proj"]}))
+
+
+def test_medusa2_base_kl_averages_over_every_position_the_base_model_predicts(tiny_dir, tmp_path):
+    """Medusa2Task.counts: the base KL's count is every position predicting an answer token (the soft-label
+    positions: 7 here), not the heads' rows (5: two fewer per turn's end), which scaled the KL up."""
+    from types import SimpleNamespace
+
+    labels = [IGNORE] * 4 + [10, 11, 12] + [IGNORE] * 3 + [20, 21, 22, 23] + [IGNORE]
+    example = {"input_ids": [5 if x == IGNORE else x for x in labels], "labels": labels}
+    stub = SimpleNamespace(medusa=SimpleNamespace(config=SimpleNamespace(vocab_size=30)))
+    task = tr.Medusa2Task(_medusa2_config(tiny_dir, tmp_path), stub, [example], None)
+    counts = task.counts(task.prepare(torch.tensor([0]), torch.device("cpu")))
+    assert counts["base"].tolist() == [7]
+    assert counts["heads"].tolist() == [5, 3, 1]  # head k: the labelled tokens less k + 1 per turn
+
+
+def test_medusa2_loss_weighs_the_base_kl_by_kl_weight(tiny_dir, tmp_path):
+    """The joint loss is kl_weight * KL(original || adapted) + the heads' weight * the heads' loss."""
+    from types import SimpleNamespace
+
+    from medusa_train.losses import head_ce_loss, logits_kl
+
+    config = _medusa2_config(tiny_dir, tmp_path, kl_weight=0.25, heads_loss_weight=0.5)
+    g = torch.Generator().manual_seed(0)
+    out = {"head_logits": torch.randn(3, 4, 30, generator=g), "targets": torch.randint(30, (4, 3), generator=g),
+           "student_logits": torch.randn(5, 30, generator=g), "teacher_logits": torch.randn(5, 30, generator=g)}
+    stub = SimpleNamespace(medusa=SimpleNamespace(config=SimpleNamespace(vocab_size=30)))
+    task = tr.Medusa2Task(config, stub, [], None)
+    denominators = {"heads": torch.full((3,), 4.0), "base": torch.tensor([5.0])}
+    loss, metrics = task.loss(lambda batch, joint, num_heads: out, {}, 1, denominators)
+    heads = head_ce_loss(out["head_logits"], out["targets"], config.training.head_decay, denominators["heads"]).loss
+    kl = logits_kl(out["student_logits"], out["teacher_logits"], denominator=denominators["base"][0])
+    assert float(kl) > 0 and float(metrics["heads_weight"]) == 0.5
+    assert float(loss) == pytest.approx(float(0.25 * kl + 0.5 * heads), rel=1e-6)
+
+
+def test_medusa2_soft_labels_are_the_original_models_in_the_joint_stage():
+    """With loss: kl the heads learn the original model's distributions (the adapter disabled), not the adapted
+    backbone's they are trained on: JointModule's soft labels come from the teacher's hidden states."""
+    from medusa_train.features import rows_from_block, soft_labels
+    from medusa_train.lora import add_lora
+
+    torch.manual_seed(0)
+    peft_model = add_lora(tiny_model("llama"), r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"])
+    with torch.no_grad():  # an adapter that has trained: the adapted model differs from the original
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    medusa = MedusaModel.from_base(peft_model.get_base_model(), num_heads=2)
+    joint = tr.JointModule(medusa, peft_model, topk=3)
+    batch = pad_batch(counting_examples(2, seed=4))
+    with torch.no_grad():
+        out = joint(batch, True, 2)
+        expected = {}
+        for name, adapter in (("teacher", False), ("student", True)):
+            with (peft_model.disable_adapter() if not adapter else torch.enable_grad()):
+                hidden = tr.batch_hidden(medusa, batch)
+            block = block_from_hidden(hidden, batch["input_ids"], batch["labels"], batch["lengths"], medusa.project, 3)
+            expected[name] = soft_labels(block, rows_from_block(block, 2).soft_row, None, 0)
+    assert not torch.allclose(expected["teacher"][1], expected["student"][1], atol=1e-3)
+    assert torch.equal(out["soft_ids"], expected["teacher"][0])
+    torch.testing.assert_close(out["soft_probs"], expected["teacher"][1], atol=1e-5, rtol=1e-5)
+
+
+
+def test_medusa1_ce_denominator_counts_the_targets_the_loss_sums(tiny_dir, tmp_path):
+    """With a reduced vocabulary a target outside it (OUT_OF_VOCAB, -1) adds no cross-entropy: the step's
+    denominator must leave it out too (counting it shrank each head's loss by its share of such targets)."""
+    from medusa_train.losses import OUT_OF_VOCAB, head_ce_loss
+
+    config = config_from_dict(recipe(tiny_dir, tmp_path / "run", training={"loss": "ce"}))
+    targets = torch.tensor([[3, OUT_OF_VOCAB, 5], [IGNORE, 4, OUT_OF_VOCAB], [OUT_OF_VOCAB, 2, IGNORE]])
+    counts = tr._target_counts(config, targets, None, None)
+    assert counts.tolist() == [1, 2, 1]
+    assert counts.tolist() == head_ce_loss(torch.randn(3, 3, 8), targets).counts.tolist()
+
+
+def test_a_resume_compares_the_soft_label_candidates_the_run_reads(tiny_dir, tmp_path):
+    """features.topk is read with loss: kl only: a loss: ce run's checkpoint resumes under another features.topk
+    (resume_fingerprint records soft_label_topk, as finished_settings does), a kl run's does not."""
+    fingerprints = {}
+    for loss in ("ce", "kl"):
+        for topk in (5, 20):
+            config = config_from_dict(recipe(tiny_dir, tmp_path / "run", training={"loss": loss},
+                                             features={"topk": topk}))
+            fingerprints[loss, topk] = tr.resume_fingerprint(config, None)
+    assert fingerprints["ce", 5] == fingerprints["ce", 20]
+    assert fingerprints["kl", 5] != fingerprints["kl", 20]
