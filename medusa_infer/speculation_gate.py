@@ -44,7 +44,7 @@ heads, say) took several probes, hundreds of plain steps, to speculate again on 
 
 The gate is bookkeeping: ``gated_step`` asks it, times one step of a ``decoding.DecodeBatch`` and
 reports the step back. The serving engine keeps one gate for its lifetime, and a ``sibling`` of it
-per sampling setting (greedy, temperature 1, ...): their drafts are accepted at other rates, and a
+per acceptance rule (greedy, lossless, typical): their drafts are accepted at other rates, and a
 sampled batch's low yield would otherwise turn speculation off for a greedy batch beside it; ``decoding.stream``
 uses one per call for greedy batches, or the one it is given (so a caller running many batches
 can let the gate learn across them).
@@ -145,7 +145,7 @@ class SpeculationGate:
         self._proposing_all: list[float] = []  # the same over every batch size
 
     def sibling(self) -> "SpeculationGate":
-        """A gate for other text (another sampling setting, whose drafts are accepted at another
+        """A gate for other text (another acceptance rule, whose drafts are accepted at another
         rate): the same step-time table, shared, which the steps of both teach; its own yield per
         speculative step (``a``, ``v``), counts and probing credit, from scratch."""
         other = copy.copy(self)  # shallow: the table of step times is the same dict

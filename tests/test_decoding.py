@@ -1305,3 +1305,91 @@ def test_rows_joining_after_a_row_finished_get_new_numbers_and_keep_the_finished
     assert running.generated[2] == futures[2]
     out = running.output(0)
     assert out.new_tokens == [futures[0], futures[1][:1], futures[2]]
+
+
+def test_a_draft_samples_each_lossless_row_from_its_own_setting_and_argmax_elsewhere():
+    """``DraftProposer._choose`` in a batch of four settings: each lossless row's reported q is its own
+    setting's warped distribution, a greedy or typical row's is one-hot on the argmax (its token)."""
+    from medusa_infer.acceptance import greedy_tokens, warp_logits
+    from medusa_infer.decoding import SamplingConfig
+    from medusa_infer.proposers import DraftProposer
+
+    target = MedusaModel.without_heads(tiny_model("llama", seed=3))
+    proposer = DraftProposer(target, tiny_model("llama", seed=17), num_tokens=2)
+    proposer.configure(torch.Generator().manual_seed(0))
+    hot, cool = SamplingConfig("lossless", 1.5), SamplingConfig("lossless", 0.6, 5, 0.9)
+    greedy, typical = SamplingConfig(), SamplingConfig("typical", 0.8)
+    logits = torch.randn(5, 96, generator=torch.Generator().manual_seed(1)) * 3
+    tokens, probs = proposer._choose(logits, [hot, greedy, cool, typical, hot])
+    for row, setting in ((0, hot), (2, cool), (4, hot)):
+        torch.testing.assert_close(probs[row], warp_logits(logits[row], setting.temperature, setting.top_k,
+                                                           setting.top_p))
+        assert probs[row, tokens[row]] > 0
+    argmax = greedy_tokens(logits)
+    for row in (1, 3):
+        assert tokens[row] == argmax[row]
+        torch.testing.assert_close(probs[row], torch.nn.functional.one_hot(argmax[row], 96).float())
+    # a batch verified by typical acceptance alone (or greedily) drafts the argmax and reports no q
+    for only in ([typical, typical], [greedy, SamplingConfig("lossless", 0.0)]):
+        tokens, probs = proposer._choose(logits[:2], only)
+        assert probs is None and torch.equal(tokens, argmax[:2])
+
+
+def test_a_mixed_batch_keeps_each_rows_setting_after_a_row_leaves():
+    """Rows sampled at a high temperature and a greedy row: once the first row is cancelled (and released),
+    the greedy row is still chosen greedily (it is not given the cancelled row's setting by position)."""
+    from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig
+    from medusa_infer.proposers import MedusaProposer
+
+    model = medusa("llama")
+    prompts = [torch.arange(3, 9), torch.arange(20, 27), torch.arange(40, 45)]
+    hot = SamplingConfig("lossless", 5.0)
+    ids, mask = left_pad(prompts)
+    for release in (False, True):
+        batch = DecodeBatch(model, ids, mask, MedusaProposer(model, [(0,), (1,), (0, 0)]), [hot, hot, SamplingConfig()],
+                            StopConfig(10), None, torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            batch.prefill()
+            batch.cancel(0)
+            if release:
+                batch.release(0)
+            batch.step()
+            batch.cancel(1)
+            while not batch.done:
+                batch.step()
+        assert batch.generated[2] == reference(model, prompts[2], 10)
+
+
+def test_the_target_as_its_own_draft_accepts_every_token_of_every_row_in_a_mixed_batch():
+    """A batch of two lossless settings and a greedy row, the target its own draft: each lossless row's drafts are
+    verified with min(1, p/q) against the q it was sampled from, so all are accepted (verified as deterministic
+    drafts, by the tree rule, a sampled row's are accepted with probability p(x) only); the greedy row's too."""
+    from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig
+    from medusa_infer.proposers import DraftProposer
+
+    target = MedusaModel.without_heads(tiny_model("llama", seed=0))
+    k = 3
+    prompts = [torch.arange(3, 9), torch.arange(20, 24), torch.arange(40, 47)]
+    ids, mask = left_pad(prompts)
+    samplings = [SamplingConfig("lossless", 1.0), SamplingConfig(), SamplingConfig("lossless", 0.7, 10, 0.9)]
+    proposer = DraftProposer(target, target.base_model, num_tokens=k, schedule="constant")
+    batch = DecodeBatch(target, ids, mask, proposer, samplings, StopConfig(4 * (k + 1) + 1), None,
+                        torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        batch.prefill()
+        while not batch.done:
+            batch.step()
+    assert batch.row_steps == {0: 4, 1: 4, 2: 4}
+    assert batch.row_accepted == {0: 4 * k, 1: 4 * k, 2: 4 * k}
+    assert batch.generated[1] == reference(target, prompts[1], 4 * (k + 1) + 1)
+
+
+def test_a_batch_is_refused_a_sampling_list_of_another_length():
+    from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig
+    from medusa_infer.proposers import MedusaProposer
+
+    model = medusa("llama")
+    ids, mask = left_pad([torch.arange(3, 9), torch.arange(20, 24)])
+    for samplings in ([SamplingConfig()], [SamplingConfig()] * 3):
+        with pytest.raises(ValueError, match=f"{len(samplings)} sampling configs for 2 rows"):
+            DecodeBatch(model, ids, mask, MedusaProposer(model, [(0,)]), samplings, StopConfig(4), None, None)

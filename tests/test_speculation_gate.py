@@ -9,6 +9,7 @@ import torch
 from medusa_infer.adaptive import TreeController, tree_ladder
 from medusa_infer.decoding import DecodeBatch, SamplingConfig, StopConfig, left_pad, stream
 from medusa_infer.proposers import MedusaProposer, build_proposer
+from medusa_infer.serving.scheduler import Request
 from medusa_infer.serving.testing import metric_value, serve, torch_threads
 from medusa_infer.speculation_gate import TIME_WINDOW, SpeculationGate
 from medusa_infer.tree_fit import CostProfile
@@ -537,8 +538,12 @@ def test_each_batch_size_range_has_its_own_yield():
     assert sum(plain) < 10 and gate.checks < 25, (plain, gate.checks)
 
 
-def test_the_engine_keeps_a_gate_per_sampling_setting(model):
-    greedy, sampled = SamplingConfig(), SamplingConfig(acceptance="lossless", temperature=1.0)
+def test_the_engine_keeps_a_gate_per_acceptance_rule(model):
+    def key(sampling):
+        return Request([5], sampling, StopConfig(3, (), ()), lambda update: None).batch_key
+
+    greedy, sampled = key(SamplingConfig()), key(SamplingConfig(acceptance="lossless", temperature=1.0))
+    assert key(SamplingConfig(acceptance="lossless", temperature=0.5, top_p=0.9)) == sampled
     with serve(model, "medusa") as (_, engine):
         first = engine._gate_for(greedy)
         assert first is engine._gate_for(greedy) and first is not engine._gate_for(sampled)

@@ -41,8 +41,8 @@ def build_proposer(method: str, model: Any, options: Any = None) -> Proposer:
             ``MedusaModel.datastore``, when it has one; default True); ``layerskip_layers``;
             ``adaptive`` and ``step_costs`` (medusa: as ``decoding.generate``'s).
 
-    The decoding loop tells the proposer its sampling settings (``configure``), so a draft samples
-    exactly when the verifier does. Settings ``method`` does not read are ignored (a server passes
+    The decoding loop hands the proposer its random generator (``configure``); each step's
+    ``StepContext.samplings`` tell a draft which rows to sample, and how. Settings ``method`` does not read are ignored (a server passes
     one options object to every method); ``decoding.generate`` refuses them by name.
     """
 
