@@ -61,6 +61,14 @@ EOS_SCALE = 2.8
 """Scales the tiny model's EOS row of lm_head so that some answers stop early and some do not."""
 
 
+@pytest.fixture(autouse=True)
+def loopback_without_proxy(monkeypatch):
+    """The fake endpoints listen on 127.0.0.1: a proxy the environment names (http_proxy, as CI runners set) is not
+    asked for them (urllib reads no_proxy at each request; the opener took http_proxy when distill was imported)."""
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.setenv(name, ",".join(filter(None, (os.environ.get(name), "127.0.0.1", "localhost"))))
+
+
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     """Tiny matrices: one thread avoids OpenMP spin-waits when other work shares the cores."""
@@ -1402,7 +1410,7 @@ def test_recipe_settings_reach_distillation():
                                "data": {"prompts": "p.jsonl"}, "output_dir": "out"})
     assert distill_module.recipe_config(recipe).trust_remote_code is True
     for quota in (-1, "3", 2.5, True):  # ("3" and 2.5 passed, then failed in a traceback)
-        with pytest.raises(ValueError, match=rf"per_source quotas must be whole numbers >= 1, got \{{'a': "):
+        with pytest.raises(ValueError, match=r"per_source quotas must be whole numbers >= 1, got \{'a': "):
             DistillConfig(prompts="p.jsonl", per_source={"a": quota})
     parser = build_parser()
     assert config_from_args(parser.parse_args(["--prompts", "p.jsonl", "--trust-remote-code"])).trust_remote_code

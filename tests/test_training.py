@@ -115,6 +115,16 @@ def run_script(args: list[str], env: dict[str, str], timeout: int = 600) -> subp
     return result
 
 
+def free_port() -> int:
+    """A TCP port nothing listens on now, picked by the OS: a fixed port collides with another job's launch on a
+    shared CI machine (torch.distributed's store then fails with EADDRINUSE)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def train_log(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "logs" / "train.jsonl").read_text().splitlines()]
 
@@ -1928,7 +1938,7 @@ def test_deepspeed_zero2_on_cpu_trains_heads(tiny_dir, tmp_path):
     script = tmp_path / "ds.py"
     script.write_text(DEEPSPEED_SCRIPT)
     out = tmp_path / "losses.json"
-    run_script([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+    run_script([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
                 str(script), json.dumps(values), str(cache), str(REPO / "recipes/accelerate/deepspeed-zero2.json"),
                 str(out)], env)
     result = json.loads(out.read_text())
@@ -2112,7 +2122,7 @@ def test_distillation_under_zero3_loads_the_model_whole(tiny_dir, tmp_path):
     env = quiet_env(tmp_path) | {
         "DS_ACCELERATOR": "cpu", "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO3_INIT": "false",
         "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(REPO / "recipes" / "accelerate" / "deepspeed-zero3.json"),
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29581", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
         "LOCAL_WORLD_SIZE": "1"}
     result = run_script([sys.executable, "-c", ZERO3_DISTILL, str(tiny_dir / "model"), str(tmp_path / "run")], env)
     assert "inside {'zero3': False, 'shape': (32, 32)} after True" in result.stdout, result.stdout[-2000:]
