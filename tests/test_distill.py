@@ -1610,3 +1610,49 @@ def test_transient_statuses_are_retried_and_a_400_is_not(tmp_path, code):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_the_datastores_origin_says_whether_the_run_made_its_answers(model_dir, prompts_file, tmp_path):
+    """The card's datastore section says what the store holds: the run's own distilled answers, or rows
+    given as they are (data.rows, distilled elsewhere), named by their file."""
+    import train_heads
+    from test_training import write_recipe
+
+    base = {"model": {"name": str(model_dir)},
+            "heads": {"num_heads": 1, "num_layers": 1, "projection": "shared"},
+            "features": {"from_distillation": False},
+            "training": {"lr": 0.01, "max_steps": 1, "batch_tokens": 16, "warmup_ratio": 0.0},
+            "log": {"every": 1, "progress": False}, "eval": {"tree_size": 2}}
+    own = dict(base, output_dir=str(tmp_path / "own"),
+               data={"prompts": str(prompts_file), "n": 8, "max_new_tokens": 6, "distill_batch_size": 8,
+                     "heldout_fraction": 0.25})
+    write_recipe(tmp_path / "own.yaml", own)
+    assert train_heads.main(["--config", str(tmp_path / "own.yaml")]) == 0
+    card = (tmp_path / "own" / "heads" / "README.md").read_text()
+    assert "the training split's conversations, prompts and the model's own answers" in card
+    given = dict(base, output_dir=str(tmp_path / "given"),
+                 data={"rows": str(tmp_path / "own" / "data" / "distilled.jsonl"), "heldout_fraction": 0.25})
+    write_recipe(tmp_path / "given.yaml", given)
+    assert train_heads.main(["--config", str(tmp_path / "given.yaml")]) == 0
+    card = (tmp_path / "given" / "heads" / "README.md").read_text()
+    assert "the training split's conversations as given in distilled.jsonl" in card
+
+
+def test_rows_already_complete_are_not_distilled_again(tmp_path, model_dir, prompts_file, monkeypatch, capsys):
+    """Nothing pending (a rerun, or data.n lowered): no distillation runs, and the run does not say it distils."""
+    import train_heads
+    from accelerate import PartialState
+
+    from medusa_train import distill as distill_module
+    from medusa_train.distill import distill
+    from test_distill import small_recipe
+
+    config = small_recipe(tmp_path, model_dir, prompts_file, 6)
+    distill(distill_module.recipe_config(config))
+    assert train_heads.distill_pending(config) == 0
+    capsys.readouterr()
+    calls = []
+    monkeypatch.setattr(distill_module, "distill", lambda *a, **k: calls.append(a))
+    train, heldout = train_heads.stage_data(config, PartialState(cpu=True), 0)
+    assert len(train) + len(heldout) == 6 and calls == []
+    assert "distilling" not in capsys.readouterr().out

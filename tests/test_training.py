@@ -2709,3 +2709,68 @@ def test_a_resume_compares_the_soft_label_candidates_the_run_reads(tiny_dir, tmp
             fingerprints[loss, topk] = tr.resume_fingerprint(config, None)
     assert fingerprints["ce", 5] == fingerprints["ce", 20]
     assert fingerprints["kl", 5] != fingerprints["kl", 20]
+
+
+def test_heldout_only_leaves_the_runs_feature_index_as_the_run_wrote_it(tiny_dir, tmp_path, capsys):
+    """--heldout-only reads a finished run and writes nothing: the feature index (which --plan reads for
+    the training split's positions and the features stage's state) keeps its training split's entry."""
+    import train_heads
+
+    values = recipe(tiny_dir, tmp_path / "run", training={"max_steps": 2})
+    config = str(write_recipe(tmp_path / "r.yaml", values))
+    assert train_heads.main(["--config", config]) == 0
+    index = tmp_path / "run" / "features" / "index.json"
+    written = index.read_text()
+    capsys.readouterr()
+    assert train_heads.main(["--config", config, "--plan"]) == 0
+    planned = capsys.readouterr().out
+    assert train_heads.main(["--config", config, "--heldout-only"]) == 0
+    assert index.read_text() == written
+    assert "train" in json.loads(written)
+    capsys.readouterr()
+    assert train_heads.main(["--config", config, "--plan"]) == 0
+    assert capsys.readouterr().out == planned
+
+
+def test_ready_examples_record_no_sources_of_rows_the_run_did_not_read(tmp_path):
+    """With data.tokenized the run trains on those examples alone: rows left in the output folder by an earlier
+    run (or named in data.rows beside it) are not read, and their sources are not the training data's (the
+    training record and the model card would list them)."""
+    import train_heads
+    from medusa_train.train_config import config_from_dict, rows_path
+
+    ready = tmp_path / "ready.jsonl"
+    ready.write_text(json.dumps({"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}) + "\n")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": "a", "response": "b", "source": s}) + "\n" for s in "xxy"))
+    given = config_from_dict({"model": {"name": "m"}, "data": {"rows": str(rows)}})
+    assert train_heads.data_sources(given) == {"x": 2, "y": 1}  # (rows the run reads are counted)
+    both = config_from_dict({"model": {"name": "m"}, "data": {"rows": str(rows), "tokenized": str(ready)}})
+    assert train_heads.data_sources(both) is None
+    left = config_from_dict({"model": {"name": "m"}, "output_dir": str(tmp_path / "run"),
+                             "data": {"tokenized": str(ready)}})
+    rows_path(left).parent.mkdir(parents=True)
+    rows_path(left).write_text(rows.read_text())  # an earlier run's distilled rows
+    assert train_heads.data_sources(left) is None
+
+
+def test_an_example_one_token_past_the_context_is_refused(tmp_path):
+    """The context bound is exact: an example of context + 1 tokens (data.max_length one past it) has a position
+    the model never learned (GPT-2's 256: an IndexError in the feature extraction), and is refused by name."""
+    import pytest
+    import train_heads
+    from medusa_train.train_config import config_from_dict
+    from tiny import tiny_model
+
+    tiny_model("gpt2").save_pretrained(tmp_path / "model")  # 256 positions
+    ready = tmp_path / "examples.jsonl"
+    ready.write_text(json.dumps({"input_ids": [3] * 257, "labels": [-100] + [3] * 256}) + "\n")
+    config = config_from_dict({"model": {"name": str(tmp_path / "model")},
+                               "data": {"tokenized": str(ready), "max_length": 257}})
+
+    def examples(length):
+        return [{"input_ids": [3] * length, "labels": [-100] + [3] * (length - 1)}]
+
+    train_heads.check_examples_fit(config, examples(256))  # as many tokens as positions: fits
+    with pytest.raises(ValueError, match="examples of up to 257 tokens are past the model's context of 256"):
+        train_heads.check_examples_fit(config, examples(257))
