@@ -793,9 +793,7 @@ def main(argv: list[str] | None = None) -> int:
         for folder in (paths.data, paths.checkpoints, paths.logs):
             folder.mkdir(parents=True, exist_ok=True)
         save_config(config, paths.root / "config.yaml")
-        if layout.num_processes != accelerator.num_processes:
-            layout = plan(config, accelerator.num_processes, distill_pending=pending)
-        print(layout.summary(), flush=True)
+        print(layout.summary(), flush=True)  # (planned for WORLD_SIZE processes, which accelerate counts: above)
         reused = {STAGE_TIMING.get(stage.name, stage.name) for stage in layout.stages if stage.done}
     accelerator.wait_for_everyone()
 
