@@ -172,6 +172,10 @@ def check_method_flags(parser: argparse.ArgumentParser, args: argparse.Namespace
     if args.tree and args.method != "medusa":
         parser.error(f"--tree shapes the Medusa heads' candidates (--method medusa), not --method {args.method}; "
                      "drop --tree")
+    if getattr(args, "acceptance", None) == "typical" and args.method == "autoregressive":
+        # (and its top_p and top_k refusals turned away requests plain sampling applies them to)
+        parser.error("--acceptance typical is a rule for accepting drafts (Medusa-2's), and --method autoregressive "
+                     "drafts none: it samples plainly, top_p and top_k applied; drop --acceptance")
     if args.adaptive is False and args.method != "medusa":
         parser.error(f"--no-fallback keeps the Medusa tree (--method medusa), not --method {args.method}; "
                      "drop --no-fallback")

@@ -88,7 +88,8 @@ def test_methods_and_options_are_parsed():
     assert parse_args(["--method", "draft", "--draft-model", "small", "hi"]).draft_model == "small"
     plain = parse_args(["hi"])  # the sampling flags, not given, take their defaults
     assert (plain.temperature, plain.top_p, plain.top_k, plain.seed) == (1.0, 1.0, 0, None)
-    sampled = parse_args(["--do-sample", "--temperature", "0.7", "--seed", "3", "--acceptance", "typical", "hi"])
+    sampled = parse_args(["--method", "lookup", "--do-sample", "--temperature", "0.7", "--seed", "3", "--acceptance",
+                          "typical", "hi"])
     assert (sampled.temperature, sampled.seed, sampled.acceptance) == (0.7, 3, "typical")
 
 
@@ -438,6 +439,8 @@ def test_a_huge_max_new_tokens_keeps_the_chat_history():
     # the draft proposer reads no --layerskip-layers: it was taken and ignored
     (["--method", "draft", "--draft-model", "x", "--layerskip-layers", "3", "hi"],
      "--layerskip-layers is read by --method layerskip, not --method draft"),
+    # nothing drafted, nothing accepted: the rule's top-p and top-k refusals turned away plain sampling's
+    (["--do-sample", "--acceptance", "typical", "hi"], "--method autoregressive drafts none"),
 ])
 def test_more_bad_arguments_are_refused_before_loading_anything(capsys, argv, message):
     assert message in parse_error(capsys, argv)

@@ -24,6 +24,15 @@ def test_max_prefill_tokens_below_one_is_refused(capsys):
     assert "--max-prefill-tokens must be >= 1, got 0" in capsys.readouterr().err
 
 
+def test_typical_acceptance_is_refused_where_nothing_is_drafted(capsys):
+    """Without heads the server decodes plainly: --acceptance typical accepted nothing, and made every sampled
+    request with top_p or top_k a 400."""
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--acceptance", "typical"])
+    assert "--method autoregressive drafts none" in capsys.readouterr().err
+    assert cli.parse_args(["--method", "lookup", "--acceptance", "typical"]).acceptance == "typical"
+
+
 def test_the_servers_flags_reach_the_app_and_its_engine(monkeypatch):
     """medusa-serve's own settings (--max-prefill-tokens, --speculation-gate, --acceptance, the limits) reach
     build_app and the engine it builds: a flag dropped on the way is taken and silently ignored."""
