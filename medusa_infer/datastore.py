@@ -288,5 +288,6 @@ class Datastore:
             return cls(tokens.long(), **settings, tokenizer=tokenizer, origin=origin, tokenizer_size=size)
         except (SafetensorError, OSError, KeyError, TypeError, ValueError, UnicodeDecodeError) as err:
             raise ValueError(f"{path} is not a readable datastore ({err}); rebuild it with "
-                             "`python -m medusa_train.datastore`, or delete it (--no-datastore leaves it unread)"
+                             "`python -m medusa_train.datastore`, or delete it (--no-datastore, or from_pretrained's "
+                             "datastore=False, leaves it unread)"
                              ) from err

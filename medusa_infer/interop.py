@@ -148,6 +148,7 @@ def read_medusa_layout(
     vocab_size: int | None = None,
     lm_head_weight: torch.Tensor | None = None,
     lm_head_bias: torch.Tensor | None = None,
+    given_by: str | None = None,
 ) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
     """Read a FasterDecoding-layout folder as our config and state dict.
 
@@ -167,6 +168,8 @@ def read_medusa_layout(
             when ``config.json`` has no ``vocab_size`` (the original trainer never wrote it).
         lm_head_weight, lm_head_bias: the base model's ``lm_head`` weight and bias, to recognise
             projections that copy it (a bias other than zeros: they cannot).
+        given_by: what gave ``hidden_size`` and ``vocab_size``, as an error naming a disagreement says it
+            (e.g. ``"the base model (llama)"``); default: "the hidden_size argument".
 
     Returns:
         ``(config, state_dict)``, the state dict in our naming, ready for
@@ -210,9 +213,9 @@ def read_medusa_layout(
         num_heads=num_heads,
         num_layers=num_layers,
         hidden_size=_agree("hidden_size", weights_path, found[0].shape[-1] if found else None,
-                           data.get("hidden_size"), hidden_size),
+                           data.get("hidden_size"), hidden_size, given_by),
         vocab_size=_agree("vocab_size", weights_path, found[0].shape[0] if has_projections else None,
-                          data.get("vocab_size"), vocab_size),
+                          data.get("vocab_size"), vocab_size, given_by),
         projection="own" if has_projections else "shared",
         base_model_name_or_path=_base_model(data),
         training=_imported_training(data.get(TRAINING_MODE_KEY), path / CONFIG_NAME, exported_adapter_digest(path)),
@@ -537,9 +540,10 @@ def _load_weights(weights_path: Path) -> dict[str, torch.Tensor]:
     return loaded
 
 
-def _agree(name: str, weights_path: Path, from_tensors: int | None, from_config: int | None, given: int | None) -> int:
-    """The one value of ``name`` that the tensors, ``config.json`` and the caller agree on."""
-    sources = {"the tensors": from_tensors, "config.json": from_config, f"the {name} argument": given}
+def _agree(name: str, weights_path: Path, from_tensors: int | None, from_config: int | None, given: int | None,
+           given_by: str | None = None) -> int:
+    """The one value of ``name`` that the tensors, ``config.json`` and the caller (``given_by``) agree on."""
+    sources = {"the tensors": from_tensors, "config.json": from_config, given_by or f"the {name} argument": given}
     known = {source: value for source, value in sources.items() if value is not None}
     if not known:
         raise ValueError(

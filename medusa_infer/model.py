@@ -450,6 +450,7 @@ class MedusaModel(nn.Module):
             config, state = interop.read_medusa_layout(
                 directory, hidden_size=lm_weight.shape[1], vocab_size=lm_weight.shape[0], lm_head_weight=lm_weight,
                 lm_head_bias=getattr(lm_head, "bias", None),
+                given_by=f"the base model ({', '.join(filter(None, (name, base_model.config.model_type)))})",
             )
             if config.base_model_type is None:  # an export older than BASE_MODEL_TYPE_KEY, or another trainer's
                 config.base_model_type = base_model.config.model_type
