@@ -42,8 +42,9 @@ def build_proposer(method: str, model: Any, options: Any = None) -> Proposer:
             ``adaptive`` and ``step_costs`` (medusa: as ``decoding.generate``'s).
 
     The decoding loop hands the proposer its random generator (``configure``); each step's
-    ``StepContext.samplings`` tell a draft which rows to sample, and how. Settings ``method`` does not read are ignored (a server passes
-    one options object to every method); ``decoding.generate`` refuses them by name.
+    ``StepContext.samplings`` tell a draft which rows to sample, and how. Settings ``method`` does
+    not read are ignored (a server passes one options object to every method); ``decoding.generate``
+    refuses them by name.
     """
 
     if isinstance(options, Mapping):  # its entries were read as attributes: every setting given was dropped
