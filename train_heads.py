@@ -793,7 +793,9 @@ def main(argv: list[str] | None = None) -> int:
         for folder in (paths.data, paths.checkpoints, paths.logs):
             folder.mkdir(parents=True, exist_ok=True)
         save_config(config, paths.root / "config.yaml")
-        print(layout.summary(), flush=True)  # (planned for WORLD_SIZE processes, which accelerate counts: above)
+        if layout.num_processes != accelerator.num_processes:  # an MPI launch: no WORLD_SIZE until accelerate's
+            layout = plan(config, accelerator.num_processes, distill_pending=pending)  # state set it from MPI's
+        print(layout.summary(), flush=True)
         reused = {STAGE_TIMING.get(stage.name, stage.name) for stage in layout.stages if stage.done}
     accelerator.wait_for_everyone()
 

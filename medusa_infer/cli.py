@@ -102,6 +102,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.do_sample and args.temperature == 0 and shaping:  # as generation refuses it, before the model loads
         parser.error(f"{', '.join(shaping)} shape sampling, and --temperature 0 decodes greedily: give a temperature "
                      "above 0, or drop them")
+    # first: a rule the method does not use is refused as such, not for the settings it would refuse
+    check_method_flags(parser, args, "train some with train_heads.py or `make demo`")
     if args.do_sample:  # the sampling settings, checked as generation will (before the model loads)
         from medusa_infer.decoding import SamplingConfig
 
@@ -109,7 +111,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             SamplingConfig(args.acceptance or "lossless", args.temperature, args.top_k, args.top_p)
         except ValueError as err:
             parser.error(str(err))
-    check_method_flags(parser, args, "train some with train_heads.py or `make demo`")
     longest = 3 if args.lookup_max_ngram is None else args.lookup_max_ngram
     shortest = 1 if args.lookup_min_ngram is None else args.lookup_min_ngram
     for flag, value in (("--lookup-max-ngram", longest), ("--max-new-tokens", args.max_new_tokens)):

@@ -441,6 +441,7 @@ def test_a_huge_max_new_tokens_keeps_the_chat_history():
      "--layerskip-layers is read by --method layerskip, not --method draft"),
     # nothing drafted, nothing accepted: the rule's top-p and top-k refusals turned away plain sampling's
     (["--do-sample", "--acceptance", "typical", "hi"], "--method autoregressive drafts none"),
+    (["--do-sample", "--acceptance", "typical", "--top-p", "0.9", "hi"], "--method autoregressive drafts none"),
 ])
 def test_more_bad_arguments_are_refused_before_loading_anything(capsys, argv, message):
     assert message in parse_error(capsys, argv)
