@@ -45,6 +45,17 @@ from medusa_train.train_config import (
 )
 
 
+LAUNCH_SIZE = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+LAUNCH_RANK = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
+"""Where a launch's number of processes and this process's rank are read, in accelerate's order: torchrun's
+(``accelerate launch``), then MPI's (``mpirun``, which sets no WORLD_SIZE until accelerate's state does)."""
+
+
+def launch_value(names: tuple[str, ...]) -> int | None:
+    """The first of ``names`` the environment sets (``LAUNCH_SIZE``, ``LAUNCH_RANK``), None when none is."""
+    return next((int(os.environ[name]) for name in names if os.environ.get(name, "").strip()), None)
+
+
 def make_accelerator(config: TrainConfig) -> Any:
     from accelerate import Accelerator, DistributedDataParallelKwargs, InitProcessGroupKwargs
 
@@ -755,9 +766,9 @@ def main(argv: list[str] | None = None) -> int:
             check_init_from(config)
         if not args.heldout_only:
             # a plain `--plan` of a launch's run knows no number of processes: the resume checks it
-            world = os.environ.get("WORLD_SIZE")
-            check_checkpoint(config, run_paths(config), int(world) if world else None if args.plan else 1)
-        layout = plan(config, int(os.environ.get("WORLD_SIZE", "1")), distill_pending=pending)
+            world = launch_value(LAUNCH_SIZE)
+            check_checkpoint(config, run_paths(config), world if world is not None else None if args.plan else 1)
+        layout = plan(config, launch_value(LAUNCH_SIZE) or 1, distill_pending=pending)
     except ValueError as err:
         parser.error(str(err))
     trains = any(stage.name == "train" and not stage.done for stage in layout.stages)
@@ -768,14 +779,14 @@ def main(argv: list[str] | None = None) -> int:
                          "(accelerate would train in float32 and say fp16); set training.mixed_precision=bf16 "
                          "or no")
     if args.plan:
-        if int(os.environ.get("RANK", "0")) == 0:  # once, not once per process of a launch
+        if (launch_value(LAUNCH_RANK) or 0) == 0:  # once, not once per process of a launch
             print(layout.summary())
         return 0
 
     accelerator = make_accelerator(config)
     say(accelerator, f"accelerate: {accelerator.distributed_type.value} on {accelerator.device.type}, "
                      f"{accelerator.num_processes} process(es), mixed precision {accelerator.mixed_precision}")
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    launched = launch_value(LAUNCH_SIZE) or 1
     if accelerator.num_processes != launched:
         raise SystemExit(f"train_heads.py: error: the launch started {launched} processes and accelerate counts "
                          f"{accelerator.num_processes} ({accelerator.distributed_type.value} on "
@@ -793,9 +804,7 @@ def main(argv: list[str] | None = None) -> int:
         for folder in (paths.data, paths.checkpoints, paths.logs):
             folder.mkdir(parents=True, exist_ok=True)
         save_config(config, paths.root / "config.yaml")
-        if layout.num_processes != accelerator.num_processes:  # an MPI launch: no WORLD_SIZE until accelerate's
-            layout = plan(config, accelerator.num_processes, distill_pending=pending)  # state set it from MPI's
-        print(layout.summary(), flush=True)
+        print(layout.summary(), flush=True)  # (planned for the processes accelerate counts: checked above)
         reused = {STAGE_TIMING.get(stage.name, stage.name) for stage in layout.stages if stage.done}
     accelerator.wait_for_everyone()
 

@@ -2774,3 +2774,26 @@ def test_an_example_one_token_past_the_context_is_refused(tmp_path):
     train_heads.check_examples_fit(config, examples(256))  # as many tokens as positions: fits
     with pytest.raises(ValueError, match="examples of up to 257 tokens are past the model's context of 256"):
         train_heads.check_examples_fit(config, examples(257))
+
+
+def test_an_mpi_launch_is_planned_for_its_processes_and_printed_once(tiny_dir, tmp_path, capsys, monkeypatch):
+    """mpirun sets OMPI_COMM_WORLD_SIZE and _RANK, not WORLD_SIZE (accelerate's state sets that later, from them):
+    the plan said 1 process for 2, its batch and steps per epoch a 1-process run's, and --plan printed it on every
+    process."""
+    import train_heads
+
+    config_file = str(write_recipe(tmp_path / "r.yaml", recipe(tiny_dir, tmp_path / "run", training={"max_steps": 2})))
+    for name in ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "RANK", "PMI_RANK",
+                 "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+    assert train_heads.main(["--config", config_file, "--plan"]) == 0
+    assert "on 2 process(es)" in capsys.readouterr().out
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "1")
+    assert train_heads.main(["--config", config_file, "--plan"]) == 0
+    assert capsys.readouterr().out == ""
+    monkeypatch.setenv("WORLD_SIZE", "3")  # torchrun's first, as accelerate reads them
+    monkeypatch.setenv("RANK", "0")
+    assert train_heads.main(["--config", config_file, "--plan"]) == 0
+    assert "on 3 process(es)" in capsys.readouterr().out
