@@ -1,5 +1,6 @@
-"""Test-wide settings: no network, torch threads sized to the work, and CPU kernel plans measured
-by the tests kept in a file of their own (not the user's cache, whose plans they would join).
+"""Test-wide settings: no network (and no proxy between the tests and the servers they start on
+127.0.0.1), torch threads sized to the work, and CPU kernel plans measured by the tests kept in a
+file of their own (not the user's cache, whose plans they would join).
 
 Tiny models run fastest on one thread (thread start-up dominates their matrix products, and on a
 busy 2-core machine two threads wait on each other); the real default model uses two.
@@ -15,6 +16,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# a proxy the environment names (http_proxy, as CI runners may set) is not asked for 127.0.0.1: httpx and urllib
+# read no_proxy at each request (distillation's opener took http_proxy when it was imported)
+for _name in ("no_proxy", "NO_PROXY"):
+    os.environ[_name] = ",".join(filter(None, (os.environ.get(_name), "127.0.0.1", "localhost")))
 os.environ.setdefault("MEDUSA_FORGE_KERNEL_PLANS",
                       os.path.join(tempfile.mkdtemp(prefix="medusa-forge-tests-"), "cpu-kernel-plans.json"))
 

@@ -61,14 +61,6 @@ EOS_SCALE = 2.8
 """Scales the tiny model's EOS row of lm_head so that some answers stop early and some do not."""
 
 
-@pytest.fixture(autouse=True)
-def loopback_without_proxy(monkeypatch):
-    """The fake endpoints listen on 127.0.0.1: a proxy the environment names (http_proxy, as CI runners set) is not
-    asked for them (urllib reads no_proxy at each request; the opener took http_proxy when distill was imported)."""
-    for name in ("no_proxy", "NO_PROXY"):
-        monkeypatch.setenv(name, ",".join(filter(None, (os.environ.get(name), "127.0.0.1", "localhost"))))
-
-
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     """Tiny matrices: one thread avoids OpenMP spin-waits when other work shares the cores."""
