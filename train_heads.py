@@ -45,15 +45,40 @@ from medusa_train.train_config import (
 )
 
 
-LAUNCH_SIZE = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
-LAUNCH_RANK = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
+LAUNCH_VARIABLES = {"size": ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"),
+                    "rank": ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")}
 """Where a launch's number of processes and this process's rank are read, in accelerate's order: torchrun's
-(``accelerate launch``), then MPI's (``mpirun``, which sets no WORLD_SIZE until accelerate's state does)."""
+(``accelerate launch``), then MPI's (``mpirun``, which sets no WORLD_SIZE until accelerate's state does), which
+accelerate reads on the CPU only."""
 
 
-def launch_value(names: tuple[str, ...]) -> int | None:
-    """The first of ``names`` the environment sets (``LAUNCH_SIZE``, ``LAUNCH_RANK``), None when none is."""
-    return next((int(os.environ[name]) for name in names if os.environ.get(name, "").strip()), None)
+def deepspeed_launch() -> bool:
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def accelerator_on_cpu(config: TrainConfig) -> bool:
+    """Whether ``make_accelerator`` runs on the CPU: asked to, or without a GPU (except under a DeepSpeed launch
+    config, which has a CPU accelerator of its own)."""
+    return config.training.cpu or not (torch.cuda.is_available() or deepspeed_launch())
+
+
+def launch_value(what: str, config: TrainConfig) -> int | None:
+    """The launch's number of processes (``what="size"``) or this process's rank (``"rank"``), read as accelerate
+    reads them (``LAUNCH_VARIABLES``; MPI's on the CPU only): the first set to a number >= 0, None when none is.
+    ``ValueError`` naming a variable that is no whole number."""
+    names = LAUNCH_VARIABLES[what] if accelerator_on_cpu(config) else LAUNCH_VARIABLES[what][:1]
+    for name in names:
+        given = os.environ.get(name, "").strip()
+        if not given:
+            continue
+        try:
+            value = int(given)
+        except ValueError:
+            raise ValueError(f"{name}={given!r} is not a whole number (a launch's {what}): unset it, or launch "
+                             "with accelerate launch") from None
+        if value >= 0:
+            return value
+    return None
 
 
 def make_accelerator(config: TrainConfig) -> Any:
@@ -70,15 +95,14 @@ def make_accelerator(config: TrainConfig) -> Any:
                                                          broadcast_buffers=False)]
     # Without a GPU accelerate runs on the CPU, except under a DeepSpeed launch config: DeepSpeed has a
     # CPU accelerator of its own (its ZeRO stages, gloo), which accelerate uses unless told cpu=True.
-    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    if deepspeed and not (config.training.cpu or torch.cuda.is_available()):
+    if deepspeed_launch() and not (config.training.cpu or torch.cuda.is_available()):
         from accelerate import PartialState
 
         # accelerate finds no process-group backend for cpu=False without a GPU, and would count one
         # process where DeepSpeed runs several
         PartialState(backend="gloo", timeout=timedelta(hours=6))
     return Accelerator(
-        cpu=config.training.cpu or not (torch.cuda.is_available() or deepspeed),
+        cpu=accelerator_on_cpu(config),
         mixed_precision=config.training.mixed_precision,
         gradient_accumulation_steps=config.training.grad_accum,
         log_with=log_with or None,
@@ -766,9 +790,10 @@ def main(argv: list[str] | None = None) -> int:
             check_init_from(config)
         if not args.heldout_only:
             # a plain `--plan` of a launch's run knows no number of processes: the resume checks it
-            world = launch_value(LAUNCH_SIZE)
+            world = launch_value("size", config)
             check_checkpoint(config, run_paths(config), world if world is not None else None if args.plan else 1)
-        layout = plan(config, launch_value(LAUNCH_SIZE) or 1, distill_pending=pending)
+        launched, rank = launch_value("size", config) or 1, launch_value("rank", config) or 0
+        layout = plan(config, launched, distill_pending=pending)
     except ValueError as err:
         parser.error(str(err))
     trains = any(stage.name == "train" and not stage.done for stage in layout.stages)
@@ -779,14 +804,13 @@ def main(argv: list[str] | None = None) -> int:
                          "(accelerate would train in float32 and say fp16); set training.mixed_precision=bf16 "
                          "or no")
     if args.plan:
-        if (launch_value(LAUNCH_RANK) or 0) == 0:  # once, not once per process of a launch
+        if rank == 0:  # once, not once per process of a launch
             print(layout.summary())
         return 0
 
     accelerator = make_accelerator(config)
     say(accelerator, f"accelerate: {accelerator.distributed_type.value} on {accelerator.device.type}, "
                      f"{accelerator.num_processes} process(es), mixed precision {accelerator.mixed_precision}")
-    launched = launch_value(LAUNCH_SIZE) or 1
     if accelerator.num_processes != launched:
         raise SystemExit(f"train_heads.py: error: the launch started {launched} processes and accelerate counts "
                          f"{accelerator.num_processes} ({accelerator.distributed_type.value} on "

@@ -2797,3 +2797,15 @@ def test_an_mpi_launch_is_planned_for_its_processes_and_printed_once(tiny_dir, t
     monkeypatch.setenv("RANK", "0")
     assert train_heads.main(["--config", config_file, "--plan"]) == 0
     assert "on 3 process(es)" in capsys.readouterr().out
+    monkeypatch.setenv("WORLD_SIZE", "-1")  # below 0: skipped, as accelerate skips it
+    assert train_heads.main(["--config", config_file, "--plan"]) == 0
+    assert "on 2 process(es)" in capsys.readouterr().out
+    monkeypatch.setenv("PMI_SIZE", "two")
+    with pytest.raises(SystemExit):
+        train_heads.main(["--config", config_file, "--plan"])
+    assert "PMI_SIZE='two' is not a whole number" in capsys.readouterr().err
+    # with a GPU accelerate reads no MPI variable (one left by an outer job): a single run, not one of 2
+    monkeypatch.delenv("PMI_SIZE")
+    monkeypatch.setattr(train_heads.torch.cuda, "is_available", lambda: True)
+    assert train_heads.main(["--config", config_file, "--plan"]) == 0
+    assert "on 1 process(es)" in capsys.readouterr().out
