@@ -20,6 +20,7 @@ from typing import Sequence
 
 from medusa_infer.proposers import METHODS, build_proposer
 from medusa_infer.proposers.draft import SCHEDULES, as_draft_model
+from medusa_infer.proposers.lookup import LOOKUP_MAX_TOKENS
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -148,13 +149,18 @@ def load(args: argparse.Namespace):
 
 
 def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--tree`` and ``--no-fallback`` (``--method medusa``), shared by ``medusa-generate`` and ``medusa-serve``."""
+    """``--tree``, ``--no-fallback`` and ``--lookup-max-tokens`` (``--method medusa``), shared by ``medusa-generate``
+    and ``medusa-serve``."""
     parser.add_argument("--tree", help="--method medusa only: a tree preset, or fitted-N for the N-node tree fitted to "
                         "the heads' measured accuracies (default: the heads' own tree). With heads that carry a "
                         "cost profile (calibrated) the adaptive fallback starts from it and shrinks it while "
                         "smaller trees pay better; --no-fallback keeps it at every step")
     parser.add_argument("--no-fallback", dest="adaptive", action="store_const", const=False, default=None,
                         help="--method medusa only: keep the tree at every step (no adaptive fallback)")
+    parser.add_argument("--lookup-max-tokens", type=int, default=None,
+                        help="--method medusa with --lookup-tokens, heads that carry a cost profile: the longest "
+                             f"lookup chain its gate may choose (default {LOOKUP_MAX_TOKENS}; without a cost profile "
+                             "the chain is --lookup-tokens long)")
 
 
 def check_method_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, heads_hint: str) -> None:
@@ -185,6 +191,14 @@ def check_method_flags(parser: argparse.ArgumentParser, args: argparse.Namespace
             parser.error(f"{flag} must be at least 1, got {value}; leave it out for the default")
     if args.lookup_tokens < 0:
         parser.error(f"--lookup-tokens must be >= 0 (0 turns the grafted lookup off), got {args.lookup_tokens}")
+    if getattr(args, "lookup_max_tokens", None) is not None:
+        if args.lookup_max_tokens < 1:
+            parser.error(f"--lookup-max-tokens must be at least 1, got {args.lookup_max_tokens}")
+        if args.method != "medusa" or not args.lookup_tokens:
+            instead = ("--draft-tokens bounds --method lookup's drafts" if args.method == "lookup" else
+                       "add --lookup-tokens N (--method medusa) or drop it")
+            parser.error(f"--lookup-max-tokens bounds the lookup chain --lookup-tokens grafts onto the Medusa tree: "
+                         f"{instead}")
     if args.lookup_tokens and args.method != "medusa":
         instead = ("use --draft-tokens" if args.method in ("draft", "layerskip", "lookup") else
                    "drop --lookup-tokens, or use --method lookup (its drafts: --draft-tokens) or medusa")

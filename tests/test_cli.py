@@ -9,6 +9,8 @@ import sys
 import pytest
 
 from medusa_infer.cli import parse_args
+from medusa_infer.proposers import build_proposer
+from medusa_infer.proposers.lookup import LOOKUP_MAX_TOKENS
 
 
 def parse_error(capsys, argv: list[str]) -> str:
@@ -488,3 +490,19 @@ def test_chat_history_holds_the_answer_without_special_tokens(monkeypatch, capsy
     monkeypatch.setattr("builtins.input", lambda _: next(lines))
     assert cli.main(["--chat", "--max-new-tokens", "3"]) == 0
     assert turns[1][1] == {"role": "assistant", "content": "the cat"}, turns[1]
+
+
+def test_lookup_max_tokens_bounds_the_grafted_chain_and_is_refused_where_nothing_reads_it(capsys):
+    """medusa-generate's --lookup-max-tokens, as medusa-bench's: the longest chain a cost profile may choose (the
+    chain ran up to 16 tokens whatever --lookup-tokens said, and no flag bounded it)."""
+    from tiny import word_medusa
+
+    args = parse_args(["--heads", "h", "--lookup-tokens", "2", "--lookup-max-tokens", "4", "hi"])
+    assert build_proposer("medusa", word_medusa(), args).lookup_max_tokens == 4
+    assert build_proposer("medusa", word_medusa(), parse_args(["--heads", "h", "--lookup-tokens", "2", "hi"])
+                          ).lookup_max_tokens == LOOKUP_MAX_TOKENS
+    for argv, message in ((["--heads", "h", "--lookup-max-tokens", "4", "hi"], "add --lookup-tokens N"),
+                          (["--method", "lookup", "--lookup-max-tokens", "4", "hi"], "--draft-tokens bounds"),
+                          (["--heads", "h", "--lookup-tokens", "2", "--lookup-max-tokens", "0", "hi"],
+                           "--lookup-max-tokens must be at least 1, got 0")):
+        assert message in parse_error(capsys, argv)

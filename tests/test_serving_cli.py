@@ -156,3 +156,11 @@ def test_metric_value_sums_the_samples_whose_labels_match():
     assert metric_value(text, "vllm:request_success_total", finished_reason="length", model_name="tiny") == 4.0
     assert metric_value(text, "vllm:request_success_total", finished_reason="abort") == 0.0
     assert metric_value(text, "vllm:request_success_total") == 107.0
+
+
+def test_lookup_max_tokens_reaches_the_servers_options_and_is_refused_without_the_chain(capsys):
+    args = cli.parse_args(["--heads", "h", "--lookup-tokens", "2", "--lookup-max-tokens", "4"])
+    assert args.lookup_max_tokens == 4  # the options every batch's proposer is built from
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--heads", "h", "--lookup-max-tokens", "4"])
+    assert "add --lookup-tokens N" in capsys.readouterr().err
