@@ -1219,7 +1219,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="greedy medusa methods at batch size 1: the adaptive fallback learns its trees' cost "
                              "ratios from the steps it takes, across questions (learned, the default), or trusts the "
                              "calibration's cost profile alone (profile); see medusa_infer.adaptive.StepCosts")
-    parser.add_argument("--output", default="runs/bench", help="folder for report.json, report.md, report.png")
+    parser.add_argument("--output", default="runs/bench", help="folder for report.json, report.md, report.png (default runs/bench)")
     parser.add_argument("--calibrate", action="store_true",
                         help="measure head accuracy and verification cost, fit the tree, save it into the heads "
                              "folder (--heads: a local folder in medusa-forge's layout) or --calibrated-heads")
