@@ -782,6 +782,7 @@ def main(argv: list[str] | None = None) -> int:
                              "--push-to-hub REPO_ID, or drop it")
         check_inputs(config)
         pending = distill_pending(config)
+        world, rank = launch_value("size", config), launch_value("rank", config) or 0
         from medusa_train.trainer import check_checkpoint, check_finished_run, check_init_from
 
         if not args.heldout_only:  # which reports the trained heads whatever the settings now
@@ -790,9 +791,8 @@ def main(argv: list[str] | None = None) -> int:
             check_init_from(config)
         if not args.heldout_only:
             # a plain `--plan` of a launch's run knows no number of processes: the resume checks it
-            world = launch_value("size", config)
             check_checkpoint(config, run_paths(config), world if world is not None else None if args.plan else 1)
-        launched, rank = launch_value("size", config) or 1, launch_value("rank", config) or 0
+        launched = world or 1
         layout = plan(config, launched, distill_pending=pending)
     except ValueError as err:
         parser.error(str(err))
