@@ -340,3 +340,34 @@ def test_sampled_requests_of_other_temperatures_share_one_batch_and_greedy_ones_
     assert sorted(built, key=len) == [[GREEDY], [warm, cool]]
     assert tokens[1] == alone and len(alone) == 6
     assert len(tokens[0]) == len(tokens[2]) == 6
+
+
+def test_plain_decoding_batches_greedy_and_sampled_requests_together(model):
+    """autoregressive drafts nothing and has no gate: a greedy, a lossless and a typical request share one batch,
+    one forward a step for the three (speculative methods keep them apart, by acceptance rule), and the greedy one
+    reads as it does alone; a seeded sampled request still decodes alone."""
+    settings = [(GREEDY, None), (SamplingConfig("lossless", 0.8, 0, 1.0), None), (SamplingConfig("typical", 0.7), None),
+                (SamplingConfig("lossless", 0.9, 0, 1.0), 3)]
+
+    def run(engine, chosen):
+        updates = {i: [] for i in range(len(chosen))}
+        done = [threading.Event() for _ in chosen]
+        with engine.hold():
+            for i, (sampling, seed) in enumerate(chosen):
+                engine.submit(Request([5, 6, 7], sampling, StopConfig(6, (), ()),
+                                      lambda u, i=i: (updates[i].append(u), u.finish and done[i].set()), seed=seed))
+        assert all(event.wait(60) for event in done)
+        return [[t for u in updates[i] for t in u.token_ids] for i in range(len(chosen))]
+
+    with running_engine(model, "autoregressive") as engine:
+        assert len({engine.batch_key(Request([5], s, StopConfig(3, (), ()), lambda u: None, seed=seed))
+                    for s, seed in settings[:3]}) == 1
+        alone = run(engine, settings[:1])[0]
+        steps, rows = engine.metrics.batch_steps.value(), engine.metrics.batch_row_steps.value()
+        tokens = run(engine, settings)
+        steps, rows = engine.metrics.batch_steps.value() - steps, engine.metrics.batch_row_steps.value() - rows
+    assert tokens[0] == alone and all(len(t) == 6 for t in tokens)
+    assert steps == 2 * 5 and rows == 4 * 5  # 5 steps after the prefill: the three together, the seeded one alone
+    with running_engine(model, "lookup") as engine:
+        keys = {engine.batch_key(Request([5], s, StopConfig(3, (), ()), lambda u: None)) for s, _ in settings[:3]}
+        assert len(keys) == 3

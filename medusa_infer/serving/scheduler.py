@@ -386,7 +386,7 @@ class Engine:
         groups: dict[Hashable, list[Request]] = {}
         for request in admitted:
             self._active[request.id] = request
-            groups.setdefault(request.batch_key, []).append(request)
+            groups.setdefault(self.batch_key(request), []).append(request)
         for key, requests in groups.items():
             try:
                 self._start_batch(key, requests)
@@ -399,8 +399,15 @@ class Engine:
                         request.slot = None
                     self._finish(request, "error", error=f"prefill failed: {error}")
 
+    def batch_key(self, request: Request) -> Hashable:
+        """Which batches ``request`` may join: ``Request.batch_key``, except that plain decoding
+        (``autoregressive``), which drafts nothing and has no gate, keeps no acceptance rules apart: there every
+        request but a seeded sampled one shares one batch (``"plain"``), greedy and sampled alike."""
+        key = request.batch_key
+        return "plain" if self.method == "autoregressive" and not isinstance(key, tuple) else key
+
     def options_for(self, key: Hashable) -> Any:
-        """The proposer settings for a batch of ``key`` (``Request.batch_key``): a seeded sampled
+        """The proposer settings for a batch of ``key`` (``batch_key``): a seeded sampled
         request's leave out ``step_costs``, so that its output depends on its seed alone."""
         return self._seeded_options if isinstance(key, tuple) else self.options
 
