@@ -4,12 +4,14 @@ For each method (the speculative one with its speculation gate measuring, then w
 then ``autoregressive``) the script starts a server on 127.0.0.1 in a subprocess, sends
 ``--requests`` streamed chat requests at each concurrency level (at most that many in flight), and
 measures per request the time to first token (TTFT), the time per output token after the first
-(TPOT) and the end-to-end latency; per level the output throughput. Requests are greedy, so every
-method must produce the same text: the table says whether it did, and which share of the decoding
-steps the gate made plain.
+(TPOT) and the end-to-end latency; per level the output throughput, the mean number of rows in a
+decoding step's forward and the share of steps the gate made plain. Requests are greedy unless
+``--temperatures`` says otherwise (request i takes the i-th temperature, round robin; 0 is greedy), and
+every greedy request must get the same text from every method: the table says whether it did.
 
     python scripts/bench_serving.py --method lookup --requests 16 --max-tokens 64 --output bench.json
     python scripts/bench_serving.py --method medusa --heads runs/demo/heads --output bench.json
+    python scripts/bench_serving.py --method lookup --temperatures 0 0.4 0.7 1 --ignore-eos --output mixed.json
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class RequestResult:
     tau: float = 1.0
     text: str = ""
     error: str = ""
+    temperature: float = 0.0
 
     @property
     def tpot_s(self) -> float:
@@ -79,6 +82,7 @@ class LevelResult:
     throughput_tok_s: float
     requests_per_s: float
     tau: float
+    rows_per_step: float
     plain_step_share: float
     ttft_p50_ms: float
     ttft_p90_ms: float
@@ -87,6 +91,7 @@ class LevelResult:
     e2e_p50_s: float
     e2e_p90_s: float
     texts: list[str | None] = field(default_factory=list, repr=False)
+    temperatures: list[float] = field(default_factory=list, repr=False)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -106,6 +111,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0], metavar="T",
+                        help="the requests' temperatures, round robin (default: 0, greedy): with several, the rows "
+                             "of one batch sample with settings of their own")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads of each server")
     parser.add_argument("--gate", choices=("measured", "off", "both"), default="both",
                         help="the speculative server's --speculation-gate: measured, off, or both in turn "
@@ -122,6 +130,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--no-datastore leaves out the heads' datastore, and no --heads is given: drop --no-datastore")
     if args.requests < 1 or min(args.concurrency) < 1 or args.max_tokens < 1:
         parser.error("--requests, --concurrency and --max-tokens must be positive")
+    bad = [t for t in args.temperatures if not 0 <= t <= 2]  # (OpenAI's range; NaN is not in it)
+    if bad:
+        parser.error(f"--temperatures {bad[0]} is outside OpenAI's range, 0 to 2 (0: greedy)")
     return args
 
 
@@ -202,11 +213,18 @@ class Server:
         self.log.close()
 
 
-async def one_request(client: httpx.AsyncClient, prompt: str, args: argparse.Namespace) -> RequestResult:
+def request_temperature(args: argparse.Namespace, i: int) -> float:
+    """Request i's temperature: ``--temperatures`` round robin."""
+    return args.temperatures[i % len(args.temperatures)]
+
+
+async def one_request(client: httpx.AsyncClient, prompt: str, args: argparse.Namespace,
+                      temperature: float = 0.0) -> RequestResult:
     body = {"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": args.max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": args.ignore_eos}
+            "temperature": temperature, "stream": True, "stream_options": {"include_usage": True},
+            "ignore_eos": args.ignore_eos}
     start = time.perf_counter()
-    result = RequestResult(ok=False)
+    result = RequestResult(ok=False, temperature=temperature)
     text: list[str] = []
     try:
         async with client.stream("POST", "/v1/chat/completions", json=body) as response:
@@ -246,7 +264,7 @@ async def run_level(base_url: str, args: argparse.Namespace, concurrency: int) -
     async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(None, connect=10), limits=limits) as client:
         async def bounded(i: int) -> RequestResult:
             async with limit:
-                return await one_request(client, PROMPTS[i % len(PROMPTS)], args)
+                return await one_request(client, PROMPTS[i % len(PROMPTS)], args, request_temperature(args, i))
 
         start = time.perf_counter()
         results = await asyncio.gather(*(bounded(i) for i in range(args.requests)))
@@ -254,7 +272,7 @@ async def run_level(base_url: str, args: argparse.Namespace, concurrency: int) -
 
 
 def summarize(method: str, concurrency: int, results: list[RequestResult], wall_s: float,
-              plain_step_share: float) -> LevelResult:
+              plain_step_share: float, rows_per_step: float = float("nan")) -> LevelResult:
     ok = [r for r in results if r.ok]
 
     def pct(values: list[float], q: float, scale: float = 1.0) -> float:
@@ -266,18 +284,27 @@ def summarize(method: str, concurrency: int, results: list[RequestResult], wall_
         method=method, concurrency=concurrency, requests=len(results), ok=len(ok), wall_s=round(wall_s, 3),
         output_tokens=tokens, throughput_tok_s=round(tokens / wall_s, 2), requests_per_s=round(len(ok) / wall_s, 3),
         tau=round(float(np.mean([r.tau for r in ok])), 3) if ok else float("nan"),  # per request, then the mean
-        plain_step_share=round(plain_step_share, 3),
+        rows_per_step=round(rows_per_step, 2), plain_step_share=round(plain_step_share, 3),
         ttft_p50_ms=pct(ttft, 50, 1000), ttft_p90_ms=pct(ttft, 90, 1000),
         tpot_p50_ms=pct(tpot, 50, 1000), tpot_p90_ms=pct(tpot, 90, 1000),
         e2e_p50_s=pct(e2e, 50), e2e_p90_s=pct(e2e, 90),
         texts=[r.text if r.ok else None for r in results],  # a failed request matches nothing
+        temperatures=[r.temperature for r in results],
     )
 
 
-def step_counts(server: Server) -> tuple[float, float]:
-    """The server's (decoding steps, steps the speculation gate made plain) so far."""
+def same_text(level: LevelResult, baseline: LevelResult) -> tuple[int, int]:
+    """(greedy requests of ``level`` whose text is the baseline's, greedy requests): sampled ones draw apart."""
+    pairs = [(a, b) for a, b, t in zip(level.texts, baseline.texts, level.temperatures) if t == 0]
+    return sum(a is not None and a == b for a, b in pairs), len(pairs)
+
+
+def step_counts(server: Server) -> tuple[float, float, float]:
+    """The server's (decoding steps, steps the speculation gate made plain, rows decoded summed over steps) so
+    far."""
     text = server.metrics()
-    return metric_value(text, "medusa:batch_steps_total"), metric_value(text, "medusa:gated_steps_total")
+    return (metric_value(text, "medusa:batch_steps_total"), metric_value(text, "medusa:gated_steps_total"),
+            metric_value(text, "medusa:batch_row_steps_total"))
 
 
 def bench_method(args: argparse.Namespace, method: str, log_dir: Path, gate: str = "measured") -> list[LevelResult]:
@@ -289,16 +316,17 @@ def bench_method(args: argparse.Namespace, method: str, log_dir: Path, gate: str
         asyncio.run(run_level(server.base_url, argparse.Namespace(**{**vars(args), "requests": 2}), 2))  # warm-up
         levels = []
         for concurrency in args.concurrency:
-            steps_before, gated_before = step_counts(server)
+            steps_before, gated_before, rows_before = step_counts(server)
             results, wall = asyncio.run(run_level(server.base_url, args, concurrency))
-            steps, gated = step_counts(server)
+            steps, gated, rows = step_counts(server)
             share = (gated - gated_before) / (steps - steps_before) if steps > steps_before else 0.0
-            level = summarize(label, concurrency, results, wall, share)
+            per_step = (rows - rows_before) / (steps - steps_before) if steps > steps_before else float("nan")
+            level = summarize(label, concurrency, results, wall, share, per_step)
             failed = [r.error for r in results if not r.ok]
             if failed:
                 print(f"[bench] {label} c={concurrency}: {len(failed)} failed, e.g. {failed[0]}", file=sys.stderr)
             print(f"[bench] {label} c={concurrency}: {level.throughput_tok_s} tok/s, tau {level.tau}, "
-                  f"plain steps {share:.0%}",
+                  f"rows per step {level.rows_per_step}, plain steps {share:.0%}",
                   file=sys.stderr, flush=True)
             levels.append(level)
         return levels
@@ -306,19 +334,21 @@ def bench_method(args: argparse.Namespace, method: str, log_dir: Path, gate: str
         server.stop()
 
 
-def markdown(levels: list[LevelResult], baseline: dict[int, LevelResult], same: dict[tuple[str, int], int]) -> str:
-    rows = ["| method | conc. | ok | tok/s | speed-up | tau (mean per request) | plain steps | TTFT p50 / p90 (ms) "
-            "| TPOT p50 / p90 (ms) | E2E p50 / p90 (s) | same text as AR |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+def markdown(levels: list[LevelResult], baseline: dict[int, LevelResult],
+             same: dict[tuple[str, int], tuple[int, int]]) -> str:
+    rows = ["| method | conc. | ok | tok/s | speed-up | tau (mean per request) | rows per step | plain steps "
+            "| TTFT p50 / p90 (ms) | TPOT p50 / p90 (ms) | E2E p50 / p90 (s) | greedy text same as AR |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for level in levels:
         base = baseline.get(level.concurrency)
         speedup = f"{level.throughput_tok_s / base.throughput_tok_s:.2f}x" if base and base.throughput_tok_s else "-"
+        matched, greedy = same.get((level.method, level.concurrency), (0, 0))
         rows.append(
             f"| {level.method} | {level.concurrency} | {level.ok}/{level.requests} | {level.throughput_tok_s:.1f} "
-            f"| {speedup} | {level.tau:.2f} | {level.plain_step_share:.0%} "
+            f"| {speedup} | {level.tau:.2f} | {level.rows_per_step:.2f} | {level.plain_step_share:.0%} "
             f"| {level.ttft_p50_ms:.0f} / {level.ttft_p90_ms:.0f} "
             f"| {level.tpot_p50_ms:.1f} / {level.tpot_p90_ms:.1f} | {level.e2e_p50_s:.2f} / {level.e2e_p90_s:.2f} "
-            f"| {same.get((level.method, level.concurrency), '-')}/{level.requests} |")
+            f"| {f'{matched}/{greedy}' if greedy else '-'} |")
     return "\n".join(rows)
 
 
@@ -335,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench_serving: error: {error}", file=sys.stderr)
             return 1
     baseline = {lv.concurrency: lv for lv in levels if lv.method == "autoregressive"}
-    same = {(lv.method, lv.concurrency): sum(a is not None and a == b for a, b in zip(lv.texts, baseline[lv.concurrency].texts))
+    same = {(lv.method, lv.concurrency): same_text(lv, baseline[lv.concurrency])
             for lv in levels if lv.concurrency in baseline}
     table = markdown(levels, baseline, same)
     print(table)
@@ -344,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         settings["model"] = model  # what the servers loaded, not None
         record = {"settings": settings, "cpu_count": os.cpu_count(),
                   "results": [{k: v for k, v in asdict(lv).items() if k != "texts"} for lv in levels],
-                  "same_text_as_autoregressive": {f"{m}@{c}": n for (m, c), n in same.items()},
+                  "same_greedy_text_as_autoregressive": {f"{m}@{c}": {"same": n, "greedy": g}
+                                                         for (m, c), (n, g) in same.items()},
                   "table": table}
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(record, indent=2, default=str) + "\n")

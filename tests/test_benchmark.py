@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import copy
 import json
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -1716,3 +1717,52 @@ def test_method_totals_report_the_highest_peak_and_the_mean_ttft():
     assert row["peak_mem_mb"] == 500.0
     assert row["ttft_s"] == pytest.approx(0.3)
     assert row["turns"] == 3 and row["tokens"] == 9 and row["tau"] == 1.0
+
+
+def _bench_serving_script():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_serving.py"
+    spec = importlib.util.spec_from_file_location("bench_serving", path)
+    script = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = script  # (its dataclasses look their module up)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_bench_serving_compares_greedy_requests_only_and_refuses_temperatures_out_of_range(capsys):
+    """--temperatures gives request i the i-th temperature, round robin; the text check counts only the greedy
+    requests (sampled ones draw apart whatever the method), and a temperature outside 0..2 (or NaN) is refused."""
+    script = _bench_serving_script()
+    args = script.parse_args(["--temperatures", "0", "0.7", "1"])
+    assert [script.request_temperature(args, i) for i in range(5)] == [0, 0.7, 1, 0, 0.7]
+
+    def level(texts, temperatures):
+        return script.LevelResult("m", 1, len(texts), len(texts), 1.0, 1, 1.0, 1.0, 1.0, 1.0, 0.0, *[0.0] * 6,
+                                  texts=texts, temperatures=temperatures)
+
+    ours = level(["a", "b", "c", None], [0, 0.7, 0, 0])
+    assert script.same_text(ours, level(["a", "x", "y", None], [0, 0.7, 0, 0])) == (1, 3)
+    assert script.same_text(level(["b"], [1.0]), level(["b"], [1.0])) == (0, 0)
+    for bad in ("-0.1", "2.5", "nan"):
+        with pytest.raises(SystemExit):
+            script.parse_args(["--temperatures", "0", bad])
+        assert f"--temperatures {float(bad)} is outside" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_serving_runs_mixed_temperatures_end_to_end(tmp_path):
+    """scripts/bench_serving.py on the default model, a greedy and a sampled request at once: both methods'
+    servers answer both, the greedy texts agree, and the report counts rows per step."""
+    script = _bench_serving_script()
+    output = tmp_path / "bench.json"
+    assert script.main(["--method", "lookup", "--requests", "2", "--concurrency", "2", "--max-tokens", "6",
+                        "--temperatures", "0", "1", "--ignore-eos", "--gate", "off", "--threads", "1",
+                        "--output", str(output)]) == 0
+    record = json.loads(output.read_text())
+    assert [(r["method"], r["ok"], r["output_tokens"]) for r in record["results"]] == [
+        ("lookup (gate off)", 2, 12), ("autoregressive", 2, 12)]
+    assert record["same_greedy_text_as_autoregressive"] == {"lookup (gate off)@2": {"same": 1, "greedy": 1},
+                                                             "autoregressive@2": {"same": 1, "greedy": 1}}
+    assert all(1 <= r["rows_per_step"] <= 2 for r in record["results"])
+    assert record["settings"]["temperatures"] == [0.0, 1.0]
