@@ -81,6 +81,22 @@ def launch_value(what: str, config: TrainConfig) -> int | None:
     return None
 
 
+def ignored_mpi_launch(config: TrainConfig) -> str | None:
+    """A warning where MPI's variables say a launch of several processes that accelerate does not count: on a
+    GPU it reads torchrun's alone, so under ``mpirun`` each process would train alone, into the same output_dir
+    (the variables may also be an outer job's, around one run: a warning, not a refusal). None otherwise."""
+    if accelerator_on_cpu(config) or launch_value("size", config) is not None:  # (torchrun's, on a GPU)
+        return None
+    for name in LAUNCH_VARIABLES["size"][1:]:
+        given = os.environ.get(name, "").strip()
+        if given.isdigit() and int(given) > 1:
+            return (f"{name}={given} says an MPI launch of {given} processes, and accelerate counts MPI's on the "
+                    "CPU only: on a GPU each process trains alone, all into the same output_dir. Launch with "
+                    "`accelerate launch` (or torchrun) to train on several GPUs; where an outer job set it around "
+                    "one run, go on")
+    return None
+
+
 def make_accelerator(config: TrainConfig) -> Any:
     from accelerate import Accelerator, DistributedDataParallelKwargs, InitProcessGroupKwargs
 
@@ -783,6 +799,8 @@ def main(argv: list[str] | None = None) -> int:
         check_inputs(config)
         pending = distill_pending(config)
         world, rank = launch_value("size", config), launch_value("rank", config) or 0
+        if (warning := ignored_mpi_launch(config)) is not None:
+            print(f"train_heads.py: warning: {warning}", file=sys.stderr, flush=True)
         from medusa_train.trainer import check_checkpoint, check_finished_run, check_init_from
 
         if not args.heldout_only:  # which reports the trained heads whatever the settings now

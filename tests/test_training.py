@@ -2808,4 +2808,17 @@ def test_an_mpi_launch_is_planned_for_its_processes_and_printed_once(tiny_dir, t
     monkeypatch.delenv("PMI_SIZE")
     monkeypatch.setattr(train_heads.torch.cuda, "is_available", lambda: True)
     assert train_heads.main(["--config", config_file, "--plan"]) == 0
-    assert "on 1 process(es)" in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert "on 1 process(es)" in said.out
+    # ... and says that under mpirun each process would train alone (before, it trained 2 copies in silence)
+    assert "warning: OMPI_COMM_WORLD_SIZE=2 says an MPI launch of 2 processes" in said.err
+    assert "accelerate launch" in said.err
+    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's: counted, nothing to say
+    assert train_heads.main(["--config", config_file, "--plan"]) == 0
+    said = capsys.readouterr()
+    assert "on 2 process(es)" in said.out and "warning" not in said.err
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.setattr(train_heads.torch.cuda, "is_available", lambda: False)  # on the CPU: counted, no warning
+    assert train_heads.main(["--config", config_file, "--plan"]) == 0
+    said = capsys.readouterr()
+    assert "on 2 process(es)" in said.out and "warning" not in said.err
