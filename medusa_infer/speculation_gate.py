@@ -22,13 +22,17 @@ the engine actually takes:
   ``TIME_WINDOW``), per power-of-two range of batch sizes (the adaptive fallback fits smaller trees to
   bigger batches), a batch size no speculative step has run at yet taking the averages over every size
   (how much of a draft is accepted depends on the text; ``d`` until its range holds
-  ``MIN_PROPOSING_SAMPLES``).
+  ``MIN_PROPOSING_SAMPLES``). ``a`` and ``v`` are learnt for each kind of row apart (the serving engine's
+  kinds are acceptance rules: greedy drafts are accepted far more than sampled ones, and one average let a
+  sampled request's low yield turn speculation off for the greedy rows beside it); a batch mixing kinds
+  expects the mean of its rows' kinds' yields.
 
 A step of ``B`` rows speculates when ``a / (t(B * v) + d) >= (1 - margin) / t(B)``: where the two are
 close (one row, on a CPU) speculation keeps the benefit of the doubt, and the gate only steps in
 where speculation clearly costs. Until ``t`` has been seen near ``B`` (a plain step; ``MIN_PLAIN_TIMES``
 of them where that range was measured at all) and near ``B * v`` (a speculative one) or on both sides of
-it, it takes the step that measures the missing one. While speculation is
+it, or while one of its rows' kinds has yielded fewer than ``warmup`` speculative steps, it takes the step
+that measures the missing one. While speculation is
 off it still probes now and then, so ``a`` and ``v`` follow the text: each plain step earns
 ``probe_budget * t(B)`` seconds of credit, and a probe is taken when the credit pays for its extra
 cost ``t(B * v) - t(B)``. Probes are thus frequent where they are cheap (one row) and rare where a
@@ -43,18 +47,19 @@ weight a server that had spent a request on text its drafts missed (a sampled re
 heads, say) took several probes, hundreds of plain steps, to speculate again on text they fit.
 
 The gate is bookkeeping: ``gated_step`` asks it, times one step of a ``decoding.DecodeBatch`` and
-reports the step back. The serving engine keeps one gate for its lifetime, and a ``sibling`` of it
-per acceptance rule (greedy, lossless, typical): their drafts are accepted at other rates, and a
-sampled batch's low yield would otherwise turn speculation off for a greedy batch beside it; ``decoding.stream``
-uses one per call for greedy batches, or the one it is given (so a caller running many batches
-can let the gate learn across them).
+reports the step back, with each row's acceptance rule (``row_kind``) as its kind. The serving engine keeps
+one gate for its lifetime, for all its batches but seeded sampled ones (whose output must not depend on the
+clock): greedy and sampled requests share a batch, one forward a step for both; ``decoding.stream`` uses one
+per call for greedy batches, or the one it is given (so a caller running many batches can let the gate learn
+across them).
 """
 
 from __future__ import annotations
 
-import copy
 import time
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -104,6 +109,43 @@ class _Average:
         return self._median()[1]
 
 
+@dataclass
+class _Yield:
+    """What speculative steps yielded per row of one kind: tokens emitted and verified, moving averages over
+    every batch size and per power-of-two range of batch sizes (``[a, v]``), and the steps that taught them."""
+
+    tokens_per_row: float = 1.0
+    verified_per_row: float = 1.0
+    by_batch: dict[int, list[float]] = field(default_factory=dict)
+    steps: int = 0
+
+    def at(self, key: int) -> tuple[float, float]:
+        """``(a, v)`` at a range of batch sizes: its own averages, else those over every size."""
+        return tuple(self.by_batch.get(key, (self.tokens_per_row, self.verified_per_row)))
+
+    def learn(self, key: int, tokens: float, verified: float, weight: float) -> None:
+        if self.steps == 0:
+            self.tokens_per_row, self.verified_per_row = tokens, verified
+        else:
+            self.tokens_per_row = (1 - weight) * self.tokens_per_row + weight * tokens
+            self.verified_per_row = (1 - weight) * self.verified_per_row + weight * verified
+        same = self.by_batch.get(key)
+        if same is None:
+            self.by_batch[key] = [tokens, verified]
+        else:
+            same[0] = (1 - weight) * same[0] + weight * tokens
+            same[1] = (1 - weight) * same[1] + weight * verified
+        self.steps += 1
+
+
+def _kind_counts(batch: int, kinds: Sequence[Hashable] | None) -> Counter:
+    if kinds is None:
+        return Counter({None: batch})
+    if len(kinds) != batch:
+        raise ValueError(f"kinds names {len(kinds)} rows for a batch of {batch}: give one kind per row")
+    return Counter(kinds)
+
+
 class SpeculationGate:
     """Chooses, for each step of a batch, whether to speculate, from measured step times.
 
@@ -133,9 +175,8 @@ class SpeculationGate:
         self.probe_weight = probe_weight
         self._probing = False  # the step asked for is a probe
         self._times: dict[int, _Average] = {}  # power-of-two range of forward sizes -> averages
-        self.tokens_per_row = 1.0  # a: tokens a speculative step emits per row
-        self.verified_per_row = 1.0  # v: tokens a speculative step verifies per row
-        self._by_batch: dict[int, list[float]] = {}  # power-of-two range of batch sizes -> [a, v]
+        self._all = _Yield()  # a and v of every row, whatever its kind (summary)
+        self._yields: dict[Hashable, _Yield] = {}  # a row's kind -> a and v of its kind's rows
         self.speculative_steps = 0
         self.plain_steps = 0
         self._credit = 0.0  # seconds of probing earned by plain steps
@@ -144,17 +185,25 @@ class SpeculationGate:
         self._proposing: dict[int, list[float]] = {}  # range of batch sizes -> recent proposing seconds (d)
         self._proposing_all: list[float] = []  # the same over every batch size
 
-    def sibling(self) -> "SpeculationGate":
-        """A gate for other text (another acceptance rule, whose drafts are accepted at another
-        rate): the same step-time table, shared, which the steps of both teach; its own yield per
-        speculative step (``a``, ``v``), counts and probing credit, from scratch."""
-        other = copy.copy(self)  # shallow: the table of step times is the same dict
-        other.tokens_per_row = other.verified_per_row = 1.0
-        other._by_batch = {}
-        other.speculative_steps = other.plain_steps = 0
-        other._credit, other._probing, other._check_credit, other.checks = 0.0, False, {}, 0
-        other._proposing, other._proposing_all = {}, []
-        return other
+    @property
+    def tokens_per_row(self) -> float:
+        """a: tokens a speculative step emits per row, a moving average over every row of every kind."""
+        return self._all.tokens_per_row
+
+    @property
+    def verified_per_row(self) -> float:
+        """v: tokens a speculative step verifies per row, a moving average over every row of every kind."""
+        return self._all.verified_per_row
+
+    def expected_yield(self, batch: int, kinds: Sequence[Hashable] | None = None) -> tuple[float, float]:
+        """``(a, v)`` expected of a speculative step of ``batch`` rows of ``kinds`` (one per row; None: one kind):
+        the mean over the rows of their kind's averages at this range of batch sizes (a kind no step has taught
+        yet: 1 and 1)."""
+        key, tokens, verified = self._range(batch), 0.0, 0.0
+        for kind, rows in _kind_counts(batch, kinds).items():
+            a, v = self._yields[kind].at(key) if kind in self._yields else (1.0, 1.0)
+            tokens, verified = tokens + rows * a, verified + rows * v
+        return tokens / batch, verified / batch
 
     # -- what has been measured ---------------------------------------------------------------
 
@@ -199,18 +248,20 @@ class SpeculationGate:
 
     # -- the decision -------------------------------------------------------------------------
 
-    def speculate(self, batch: int) -> bool:
-        """Whether the next step of a batch of ``batch`` rows should speculate."""
+    def speculate(self, batch: int, kinds: Sequence[Hashable] | None = None) -> bool:
+        """Whether the next step of a batch of ``batch`` rows should speculate; ``kinds``: each row's kind
+        (None: one kind for all)."""
         if batch < 1:
             raise ValueError(f"batch size must be >= 1, got {batch}")
         self._probing = False  # a probe whose step was never recorded (it failed) is forgotten
-        if self.speculative_steps < self.warmup:
+        counts = _kind_counts(batch, kinds)
+        if any(kind not in self._yields or self._yields[kind].steps < self.warmup for kind in counts):
             return True
         plain = self.step_seconds(batch)
         measured = self._times.get(self._range(batch))
         if plain is None or (measured is not None and len(measured.recent) < MIN_PLAIN_TIMES):
             return False
-        tokens, verified = self._by_batch.get(self._range(batch), (self.tokens_per_row, self.verified_per_row))
+        tokens, verified = self.expected_yield(batch, kinds)
         speculative = self.step_seconds(batch * verified)
         if speculative is None:
             return True
@@ -235,16 +286,21 @@ class SpeculationGate:
         return False
 
     def record(self, batch: int, speculated: bool, tokens: float, seconds: float, verified: int,
-               proposing: float | None = None) -> None:
+               proposing: float | None = None, kinds: Sequence[Hashable] | None = None,
+               row_tokens: Sequence[float] | None = None) -> None:
         """A step of ``batch`` rows, speculative or not, verified ``verified`` tokens in one forward
         (all rows together) and emitted ``tokens`` in ``seconds``, its proposing left out; ``proposing``: the
         seconds proposing took, for a speculative step whose proposing is typical (None: not one, e.g. a
-        draft model's that caught up on the plain steps before it)."""
+        draft model's that caught up on the plain steps before it). ``kinds`` and ``row_tokens``: each row's
+        kind and the tokens it emitted, for a batch whose rows are of several kinds (None: one kind)."""
         if batch < 1 or not 0 <= tokens < float("inf") or not 0 < seconds < float("inf") or verified < batch or not (
                 proposing is None or 0 <= proposing < float("inf")):  # (a NaN kept for good: no comparison held)
             raise ValueError(f"need batch >= 1, finite tokens >= 0 and seconds > 0, verified >= batch and proposing "
                              f"None or finite >= 0, got batch={batch}, tokens={tokens}, seconds={seconds}, "
                              f"verified={verified}, proposing={proposing}")
+        counts = _kind_counts(batch, kinds)
+        if kinds is not None and (row_tokens is None or len(row_tokens) != batch):
+            raise ValueError(f"kinds need row_tokens, the tokens each of the {batch} rows emitted, got {row_tokens!r}")
         key, w = self._range(verified), self.smoothing
         average = self._times.get(key)
         if average is None:
@@ -256,22 +312,15 @@ class SpeculationGate:
         if not speculated:
             self.plain_steps += 1
             return
-        w = self.probe_weight if probe else w
-        if self.speculative_steps == 0:
-            self.tokens_per_row, self.verified_per_row = tokens / batch, verified / batch
-        else:
-            self.tokens_per_row = (1 - w) * self.tokens_per_row + w * tokens / batch
-            self.verified_per_row = (1 - w) * self.verified_per_row + w * verified / batch
+        w, batch_key = self.probe_weight if probe else w, self._range(batch)
+        self._all.learn(batch_key, tokens / batch, verified / batch, w)
+        for kind, rows in counts.items():  # (every row verified as many tokens: the batch's tree)
+            emitted = tokens if kinds is None else sum(t for t, k in zip(row_tokens, kinds) if k == kind)
+            self._yields.setdefault(kind, _Yield()).learn(batch_key, emitted / rows, verified / batch, w)
         if proposing is not None:  # a median, as the step times: one slow proposing step is outvoted
-            for recent in (self._proposing.setdefault(self._range(batch), []), self._proposing_all):
+            for recent in (self._proposing.setdefault(batch_key, []), self._proposing_all):
                 recent.append(proposing)
                 del recent[:-TIME_WINDOW]
-        same = self._by_batch.get(self._range(batch))
-        if same is None:
-            self._by_batch[self._range(batch)] = [tokens / batch, verified / batch]
-        else:
-            same[0] = (1 - w) * same[0] + w * tokens / batch
-            same[1] = (1 - w) * same[1] + w * verified / batch
         self.speculative_steps += 1
 
     def summary(self) -> dict[str, object]:
@@ -280,6 +329,7 @@ class SpeculationGate:
         return {
             "tokens_per_row": self.tokens_per_row,
             "verified_per_row": self.verified_per_row,
+            "tokens_per_row_by_kind": {str(kind): y.tokens_per_row for kind, y in self._yields.items()},
             "proposing_seconds": self.proposing_seconds,
             "step_seconds": {f"~{a.tokens:.0f} tokens": a.seconds for _, a in sorted(self._times.items())},
             "speculative_steps": self.speculative_steps,
@@ -288,17 +338,24 @@ class SpeculationGate:
         }
 
 
+def row_kind(sampling: Any) -> str:
+    """The kind a row is of for the gate: its acceptance rule (``"greedy"`` for a row decoded greedily)."""
+    return "greedy" if sampling.greedy else sampling.acceptance
+
+
 def gated_step(batch: Any, gate: SpeculationGate | None) -> tuple[dict[int, list[int]], bool]:
     """One step of ``batch`` (a ``decoding.DecodeBatch``), speculative or plain as ``gate`` decides
-    (always speculative without a gate), reported back to the gate: ``(emitted, gated)``, ``gated`` telling
-    whether the gate chose a plain step (speculation measured slower, or a check)."""
+    (always speculative without a gate), reported back to the gate with each row's kind (``row_kind``):
+    ``(emitted, gated)``, ``gated`` telling whether the gate chose a plain step (speculation measured slower,
+    or a check)."""
     if gate is None:
         return batch.step(), False
-    rows = len(batch.rows)
+    stepped = list(batch.rows)
+    rows, kinds = len(stepped), [row_kind(batch.samplings[row]) for row in stepped]
     # a step with no room for a draft (every row's last token) is plain whatever the gate would say: asked, the
     # gate spent a probe on it and learnt that speculating yields one token for one verified
     room = batch.room() > 0
-    speculate = room and gate.speculate(rows)
+    speculate = room and gate.speculate(rows, kinds)
     sizes = batch.metrics.recent_tree_sizes
     # a draft model's first speculative step after plain ones feeds it their tokens: no typical proposing time
     after_plain = bool(sizes) and sizes[-1] == 1 and getattr(batch.proposer, "catches_up", False)
@@ -306,6 +363,7 @@ def gated_step(batch: Any, gate: SpeculationGate | None) -> tuple[dict[int, list
     emitted = batch.step(speculate=speculate)
     seconds, proposing = time.perf_counter() - start, batch.metrics.phase_s["propose"] - proposing
     proposing = min(proposing, 0.99 * seconds)  # (a part of the step)
-    gate.record(rows, speculate, sum(len(t) for t in emitted.values()), seconds - proposing,
-                rows * sizes[-1], proposing if speculate and not after_plain else None)
+    row_tokens = [len(emitted.get(row, ())) for row in stepped]
+    gate.record(rows, speculate, sum(row_tokens), seconds - proposing, rows * sizes[-1],
+                proposing if speculate and not after_plain else None, kinds, row_tokens)
     return emitted, room and not speculate

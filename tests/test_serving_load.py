@@ -439,11 +439,12 @@ def test_a_request_s_client_hears_its_end_after_the_counts_stop_holding_it(model
     engine = Engine(model, model.tokenizer, "medusa", max_batch=4)
     seen: dict[int, dict] = {}
 
-    def request(i: int, n: int, sampling: SamplingConfig = SamplingConfig("greedy")) -> Request:
+    def request(i: int, n: int, sampling: SamplingConfig = SamplingConfig("greedy"),
+                seed: int | None = None) -> Request:
         def update(u) -> None:  # on the engine thread, as the server's handler is woken
             if u.finish:
                 seen[i] = engine.snapshot()
-        return Request([5, 6, 7], sampling, StopConfig(n), update)
+        return Request([5, 6, 7], sampling, StopConfig(n), update, seed=seed)
 
     def counts(running: int, batches: int) -> dict:
         return {"running": running, "waiting": 0, "pending_cancels": 0, "batches": batches}
@@ -458,13 +459,14 @@ def test_a_request_s_client_hears_its_end_after_the_counts_stop_holding_it(model
             engine.submit(request(0, 3))
             engine.submit(request(1, 40))
             engine.submit(request(2, 1))  # ends at its prefill, before its batch joins the engine's
-            engine.submit(request(4, 40, SamplingConfig("lossless", temperature=0.7)))  # a batch of its own, after
+            engine.submit(request(4, 40, SamplingConfig("lossless", temperature=0.7), seed=5))  # seeded: a batch of its
+            # own, after
         wait_until(lambda: len(seen) == 4, timeout=60)
         engine.submit(request(3, 200))
         wait_until(lambda: engine.snapshot()["running"] == 1)
     finally:
         engine.stop()  # request 3 hears the shutdown
-    # request 2: its batch's other rows and the sampled request admitted with them (it counted none of them)
+    # request 2: its batch's other rows and the seeded request admitted with them (it counted none of them)
     assert seen[2] == counts(3, 1)
     assert seen[0] == counts(2, 2)  # the other rows decode on
     first, last = sorted((1, 4), key=list(seen).index)

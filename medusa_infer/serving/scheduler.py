@@ -4,19 +4,20 @@ Each turn of the engine loop::
 
     apply cancellations and timeouts      # rows leave their batch (DecodeBatch.cancel)
     admit queued requests                 # up to max_batch rows in all and max_prefill_tokens of
-                                          # prompt a turn (at least one request); those of one
-                                          # acceptance rule are prefilled together, then merged
-                                          # into a running batch of the same rule if it can
+                                          # prompt a turn (at least one request); those without a
+                                          # seed of their own are prefilled together, then merged
+                                          # into the running batch if it can
     step every running batch once         # each row's new tokens go to its request's callback;
                                           # speculative or plain, whichever the SpeculationGate
                                           # measures faster at that batch size
     drop finished batches
 
-Batches are grouped by acceptance rule (greedy, lossless, typical): the rows of one batch may sample
-at other temperatures, top-k and top-p, each with its own (``DecodeBatch`` applies each setting to its
-own rows), but a rule's drafts are accepted at a rate of their own, which the speculation gate learns
-per rule. A sampled request with a seed gets a batch of its own with its own ``torch.Generator``, so
-its output depends on nothing else the server is doing.
+Greedy and sampled requests share a batch, whatever their acceptance rule (greedy, lossless,
+typical), temperature, top-k and top-p: ``DecodeBatch`` chooses and accepts each row's tokens with its
+own setting, and the speculation gate learns each rule's yield apart (a rule's drafts are accepted at a
+rate of their own) and expects a batch's from its rows' rules. A sampled request with a seed gets a
+batch of its own with its own ``torch.Generator``, so its output depends on nothing else the server is
+doing.
 
 The engine knows nothing of HTTP: a ``Request`` carries token ids in and hands ``Update`` objects
 to its ``on_update`` callback, called on the engine thread.
@@ -129,14 +130,12 @@ class Request:
 
     @property
     def batch_key(self) -> Hashable:
-        """Requests with equal keys may share a batch: those of one acceptance rule (``"greedy"`` for every
-        request that decodes greedily), whatever their temperature, top-k and top-p; a seeded sampled
-        request shares with none."""
-        if self.sampling.greedy:
-            return "greedy"
-        if self.seed is not None:
+        """Requests with equal keys may share a batch: every request (``"shared"``), greedy or sampled,
+        whatever its acceptance rule, temperature, top-k and top-p, but a seeded sampled one, which shares
+        with none."""
+        if self.seed is not None and not self.sampling.greedy:
             return ("seeded", self.id)
-        return self.sampling.acceptance
+        return "shared"
 
 
 @dataclass(eq=False)
@@ -210,8 +209,6 @@ class Engine:
         if gate is None or gate is True:
             gate = SpeculationGate() if method != "autoregressive" else None
         self.gate: SpeculationGate | None = gate or None
-        # per acceptance rule, a sibling of the gate (its step times, its own yield per step): see _gate_for
-        self._gates: dict[Hashable, tuple[SpeculationGate, SpeculationGate]] = {}
         self.context_length = context_length(model)
         self.vocab_size = model.base_model.get_output_embeddings().weight.shape[0]
         self.pad_token_id = padding_id(model, tokenizer)
@@ -386,7 +383,7 @@ class Engine:
         groups: dict[Hashable, list[Request]] = {}
         for request in admitted:
             self._active[request.id] = request
-            groups.setdefault(self.batch_key(request), []).append(request)
+            groups.setdefault(request.batch_key, []).append(request)
         for key, requests in groups.items():
             try:
                 self._start_batch(key, requests)
@@ -399,15 +396,8 @@ class Engine:
                         request.slot = None
                     self._finish(request, "error", error=f"prefill failed: {error}")
 
-    def batch_key(self, request: Request) -> Hashable:
-        """Which batches ``request`` may join: ``Request.batch_key``, except that plain decoding
-        (``autoregressive``), which drafts nothing and has no gate, keeps no acceptance rules apart: there every
-        request but a seeded sampled one shares one batch (``"plain"``), greedy and sampled alike."""
-        key = request.batch_key
-        return "plain" if self.method == "autoregressive" and not isinstance(key, tuple) else key
-
     def options_for(self, key: Hashable) -> Any:
-        """The proposer settings for a batch of ``key`` (``batch_key``): a seeded sampled
+        """The proposer settings for a batch of ``key`` (``Request.batch_key``): a seeded sampled
         request's leave out ``step_costs``, so that its output depends on its seed alone."""
         return self._seeded_options if isinstance(key, tuple) else self.options
 
@@ -470,14 +460,8 @@ class Engine:
     def _gate_for(self, key: Hashable) -> SpeculationGate | None:
         """The gate of batches of ``key``: a seeded request's batch has none (which steps speculate
         changes how its random generator is drawn, and its output must depend on its seed alone, not
-        on timings); other batches share ``self.gate``'s step times, each acceptance rule with a
-        yield per speculative step of its own."""
-        if self.gate is None or isinstance(key, tuple):
-            return None
-        found = self._gates.get(key)
-        if found is None or found[0] is not self.gate:  # new, or the engine's gate was replaced
-            found = self._gates[key] = (self.gate, self.gate.sibling())
-        return found[1]
+        on timings); the others' is ``self.gate``, which learns each acceptance rule's yield apart."""
+        return None if isinstance(key, tuple) else self.gate
 
     def _deliver(self, running: _Running, emitted: dict[int, list[int]]) -> None:
         batch, now = running.batch, time.monotonic()
