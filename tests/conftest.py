@@ -20,6 +20,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # read no_proxy at each request (distillation's opener took http_proxy when it was imported)
 for _name in ("no_proxy", "NO_PROXY"):
     os.environ[_name] = ",".join(filter(None, (os.environ.get(_name), "127.0.0.1", "localhost")))
+# httpx (and the openai client on it) makes a transport for every proxy the environment names as a client is made,
+# even where no_proxy exempts every host asked: a SOCKS one (ALL_PROXY=socks5://..., as SSH tunnels and VPN clients
+# set) failed every client with an ImportError (no socksio); the tests reach no host through it
+for _name in ("all_proxy", "ALL_PROXY"):
+    if os.environ.get(_name, "").lower().startswith("socks"):
+        del os.environ[_name]
 os.environ.setdefault("MEDUSA_FORGE_KERNEL_PLANS",
                       os.path.join(tempfile.mkdtemp(prefix="medusa-forge-tests-"), "cpu-kernel-plans.json"))
 

@@ -1691,8 +1691,10 @@ def test_category_speedups_divide_by_the_categorys_own_hf_speed(model):
     report = benchmark(model, QUESTIONS, args(methods=["hf", "ar"], max_new_tokens=6))
     for category, rows in report["categories"].items():
         assert rows["hf"]["speedup"] == 1.0, category
+        # the speedup is rounded to 3 decimals: 5e-4 off at most, more than rel=2e-3 of a speedup below 0.25 (a
+        # category whose ar turn a busy machine slowed)
         assert rows["ar"]["speedup"] == pytest.approx(rows["ar"]["tokens_per_s"] / rows["hf"]["tokens_per_s"],
-                                                      rel=2e-3), category
+                                                      rel=2e-3, abs=6e-4), category
 
 
 def test_speedup_intervals_draw_again_where_a_draw_is_undefined():

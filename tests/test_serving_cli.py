@@ -82,6 +82,7 @@ def test_listening_beyond_loopback_without_an_api_key_is_warned(host, warned, ca
     def stop(args):
         raise ValueError("stopped while loading")
 
+    monkeypatch.delenv(cli.API_KEY_ENV, raising=False)  # a key the environment gives is a key: no warning
     monkeypatch.setattr(cli, "load_model", stop)
     with caplog.at_level("WARNING", logger="medusa_infer.serving"):
         try:

@@ -15,7 +15,7 @@ from medusa_infer.decoding import SamplingConfig, StopConfig
 from medusa_infer.serving import protocol
 from medusa_infer.serving.metrics import ServingMetrics
 from medusa_infer.serving.scheduler import Engine, Request
-from medusa_infer.serving.testing import serve, torch_threads
+from medusa_infer.serving.testing import serve, torch_threads, wait_until
 from tiny import word_medusa
 
 GREEDY = SamplingConfig("greedy", 0.0, 0, 1.0)
@@ -255,6 +255,9 @@ def test_a_request_timeout_is_answered_with_the_engines_own_timeout_error(model)
             thread = threading.Thread(target=lambda: answers.append(
                 httpx.post(server.base_url + "/v1/completions", json=OK, timeout=60)))
             thread.start()
+            # queued before its timeout's clock is read (a busy machine may take seconds to get it there: it
+            # arrived after the hold and was answered 200)
+            wait_until(lambda: engine.snapshot()["waiting"] == 1, message="the request was never queued")
             time.sleep(1.0)
         thread.join(30)
     assert answers[0].status_code == 504
