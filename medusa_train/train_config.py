@@ -495,9 +495,17 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         super().flatten_mapping(node)
 
 
+# a date-like value (a run folder named `output_dir: 2024-06-01`) stays the text it is: PyYAML made it a date, which
+# no setting takes (a TypeError traceback)
+_UniqueKeyLoader.yaml_implicit_resolvers = {
+    first: [(tag, pattern) for tag, pattern in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+
+
 def read_yaml(text: str) -> Any:
     """``text`` as ``yaml.safe_load`` reads it, except that a key repeated in one mapping is a
-    ``yaml.YAMLError`` (naming it and its lines) instead of the last one silently winning."""
+    ``yaml.YAMLError`` (naming it and its lines) instead of the last one silently winning, and that a
+    date-like value stays text."""
     return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 
 
@@ -559,7 +567,10 @@ def parse_overrides(overrides: list[str] | tuple[str, ...]) -> list[tuple[str, s
 
 
 def config_from_dict(values: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    tree = json.loads(json.dumps(values or {}))  # a deep copy holding plain containers
+    try:
+        tree = json.loads(json.dumps(values or {}))  # a deep copy holding plain containers
+    except (TypeError, ValueError) as err:  # a value no setting takes: a !!timestamp, !!binary, NaN key ...
+        raise ValueError(f"the recipe holds a value no setting takes ({err}): write it as text or a number") from None
     for key, value in parse_overrides(overrides):
         _set_dotted(tree, key, value)
     data = tree.get("data")
@@ -584,9 +595,13 @@ def read_recipe(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ValueError(f"recipe {path} does not exist; see recipes/ for the shipped ones")
     try:
-        values = read_yaml(path.read_text()) or {}
+        values = read_yaml(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as err:
         raise ValueError(f"recipe {path} is not valid YAML: {err}") from None
+    except UnicodeDecodeError as err:
+        line = path.read_bytes()[: err.start].count(b"\n") + 1
+        raise ValueError(f"recipe {path}:{line} is not UTF-8 text ({err.reason} at byte {err.start}): save it as "
+                         "UTF-8") from None
     if not isinstance(values, dict):
         raise ValueError(f"recipe {path} holds a {type(values).__name__}, not a mapping of sections")
     return values

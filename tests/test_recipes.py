@@ -905,3 +905,18 @@ def test_plan_counts_the_prompts_the_run_samples_and_names_a_source_not_in_the_f
 def test_bad_training_values_at_their_bounds_are_refused(override, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         load_config(RECIPES / "smollm2-135m.yaml", [override])
+
+
+def test_a_date_like_value_stays_text_and_bytes_that_are_not_utf8_are_named(tmp_path):
+    """`output_dir: 2024-06-01` (a run folder named by its date) was a datetime.date, and the recipe a TypeError
+    traceback; a recipe saved in Latin-1 was a bare codec error naming neither file nor line."""
+    recipe = tmp_path / "dated.yaml"
+    recipe.write_text("output_dir: 2024-06-01\ndata:\n  prompts: p.jsonl\n")
+    assert load_config(recipe).output_dir == "2024-06-01"
+    assert load_config(None, ["data.prompts=p.jsonl", "output_dir=2024-06-01"]).output_dir == "2024-06-01"
+    recipe.write_text("data:\n  prompts: p.jsonl\nmodel:\n  name: x\noutput_dir: !!timestamp 2024-06-01\n")
+    with pytest.raises(ValueError, match="the recipe holds a value no setting takes .*date"):
+        load_config(recipe)
+    recipe.write_bytes("data:\n  prompts: p.jsonl  # caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=re.escape(f"recipe {recipe}:2 is not UTF-8 text") + ".*save it as UTF-8"):
+        load_config(recipe)
