@@ -66,7 +66,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not (heads / "config.json").is_file():
         parser.error(f"{heads} has no config.json: not a heads folder")
     # read as JSON: FasterDecoding-layout heads (medusa_num_heads, ...) have a config.json too
-    config = json.loads((heads / "config.json").read_text(encoding="utf-8"))
+    try:
+        config = json.loads((heads / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        parser.error(f"{heads}/config.json cannot be read as JSON ({err}): re-save or re-export the heads")
+    if not isinstance(config, dict) or not ({"num_heads", "medusa_num_heads"} & set(config)):
+        kind = (f"a model's config (model_type {config.get('model_type')!r})" if isinstance(config, dict)
+                and "model_type" in config else "no heads config")
+        parser.error(f"{heads}/config.json is {kind}, not a heads folder's: pass the folder the heads were saved in "
+                     "(the base model goes to --model)")
     # as from_pretrained names it: an export of a default model records it beside the Hub id
     model = args.model or base_model_name(heads)
     if not model:

@@ -628,3 +628,21 @@ def test_a_folder_without_config_json_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--heads", str(tmp_path / "nothing"), "--rows", str(rows)])
     assert exit_info.value.code == 2 and "has no config.json: not a heads folder" in capsys.readouterr().err
+
+
+def test_a_model_folder_or_a_broken_config_is_a_usage_error_and_nothing_is_written(tmp_path, capsys):
+    """Any folder with a config.json was taken for heads: a base model's folder got datastore.safetensors and a
+    README section written into it; a config.json that is no JSON ended in a traceback."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n")
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for text, said in ((json.dumps({"model_type": "llama", "hidden_size": 64}), "is a model's config (model_type "
+                                                                                  "'llama'), not a heads folder's"),
+                       (json.dumps(["x"]), "is no heads config, not a heads folder's"),
+                       ("{\n  'num_heads': 2\n", "config.json cannot be read as JSON")):
+        (folder / "config.json").write_text(text)
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--heads", str(folder), "--rows", str(rows), "--model", "unused"])
+        assert exit_info.value.code == 2 and said in capsys.readouterr().err
+        assert sorted(p.name for p in folder.iterdir()) == ["config.json"]
