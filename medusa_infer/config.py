@@ -275,7 +275,17 @@ class MedusaConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> "MedusaConfig":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """A heads folder's ``config.json``: ``ValueError`` naming the file where it is no JSON, or lacks a key
+        every saved config holds (``num_heads``, ``hidden_size``: their defaults would be blamed on the weights)."""
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{path} is not valid JSON ({err}): re-save or re-export the heads") from None
+        missing = [key for key in ("num_heads", "hidden_size") if isinstance(data, dict) and key not in data]
+        if missing:
+            raise ValueError(f"{path} has no {' and no '.join(missing)}, which every saved heads config holds: it is "
+                             "damaged or not a heads config; re-save or re-export the heads")
+        return cls.from_dict(data)
 
 
 def _recipe_model(training: Any) -> dict[str, Any]:

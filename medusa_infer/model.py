@@ -515,8 +515,10 @@ class MedusaModel(nn.Module):
                              "neither model)")
         # merged already: into this object, or into weights saved with this very adapter (not twice)
         in_weights = already is not None or (merge and recorded in digests)
+        with torch.device("meta"):  # compared before any memory is taken: a config.json saying num_heads 50 of a
+            expected = MedusaHeads(config).state_dict()  # 7B model's with projection own built tens of GB first
+        check_state_dict(expected, state, str(directory))
         heads = MedusaHeads(config)
-        check_state_dict(heads.state_dict(), state, str(directory))
         heads.load_state_dict(state, strict=True)
         if heads.token_map is not None:
             check_token_map(heads.token_map, config)

@@ -950,6 +950,9 @@ def test_truncated_weights_file_is_reported(saved):
     # a newer release's config: told to upgrade (it was told its heads came from vLLM or EAGLE)
     (lambda c: {**c, "format_version": 3, "draft_temperature": 0.5}, "is newer than this medusa-forge supports"),
     (lambda c: {**c, "draft_temperature": 0.5}, r"unknown keys \['draft_temperature'\].*newer medusa-forge"),
+    # read as their defaults, and blamed on the weights (missing tensors, shapes (0, 0))
+    (lambda c: {k: v for k, v in c.items() if k != "num_heads"}, "has no num_heads, which every saved heads config"),
+    (lambda c: {k: v for k, v in c.items() if k != "hidden_size"}, "has no hidden_size, which every saved heads"),
 ])
 def test_a_config_of_the_wrong_shape_is_named(saved, edit, message):
     """Valid JSON that is no heads config: a ValueError naming the value (TypeError or AttributeError
@@ -1374,3 +1377,26 @@ def test_a_config_tree_past_the_reduced_vocabulary_is_named_as_the_configs():
         MedusaConfig.from_dict({"num_heads": 2, "hidden_size": 32, "vocab_size": 6, "tree": [[0], [7]]})
     # a vocabulary not known yet (vocab_size 0, filled in from the base model): nothing to check against
     assert MedusaConfig(num_heads=2, tree=[[0], [7], [0, 0]]).tree == [[0], [7], [0, 0]]
+
+
+def test_heads_a_config_json_overstates_are_refused_before_they_are_built(saved, monkeypatch):
+    """A config.json saying more heads than its weights hold built every head before comparing (800 MB for 20000
+    tiny ones; tens of GB for 50 of a 7B model's with projection own): the comparison is made on the meta device."""
+    import medusa_infer.model as model_module
+
+    directory, base = saved
+    path = directory / "config.json"
+    original = path.read_text()
+    built = []
+    real = model_module.MedusaHeads
+    monkeypatch.setattr(model_module, "MedusaHeads",
+                        lambda config: (built.append(torch.get_default_device().type), real(config))[1])
+    try:
+        path.write_text(json.dumps({**json.loads(original), "num_heads": 60}))
+        with pytest.raises(ValueError, match=r"does not fit the heads its config describes: missing .*heads\.59"):
+            MedusaModel.from_pretrained(directory, base_model=base)
+        assert built == ["meta"]
+    finally:
+        path.write_text(original)
+    MedusaModel.from_pretrained(directory, base_model=base)
+    assert built[1:] == ["meta", "cpu"]
