@@ -245,19 +245,19 @@ def warn_heldout_beside_start(config: TrainConfig, accelerator: Any, train: list
 
 def check_inputs(config: TrainConfig) -> None:
     """What the run reads and where it uploads, checked before anything runs (``--plan`` too):
-    ``ValueError`` for a model name that is neither a folder, a default model nor a Hub id, a data
-    file that is not there, Medusa-2 LoRA targets the model cannot take (``check_lora_targets_early``),
+    ``ValueError`` for a model name that is neither a folder, a default model nor a Hub id (or is a heads
+    folder), a data file that is not there, Medusa-2 LoRA targets the model cannot take (``check_lora_targets_early``),
     a logger whose package is missing, or an upload that cannot happen (offline, or no Hub login)."""
     from medusa_infer.checkpoint import first_existing
-    from medusa_infer.models import DEFAULT_MODELS, resolve_model
+    from medusa_infer.models import names_default_model, resolve_model
 
     name, d = config.model.name, config.data
     for key, folder in (("output_dir", config.output_dir), ("features.dir", config.features.dir)):
         existing = first_existing(Path(folder).expanduser()) if folder else None  # (the folder, or one on its
         if existing is not None and not existing.is_dir():  # way, a file: a traceback after distilling)
             raise ValueError(f"{key}={folder!r}: {existing} is a file, not a folder; name a folder")
-    if not Path(name).expanduser().is_dir() and name not in DEFAULT_MODELS:
-        resolve_model(name)  # a missing folder or an unknown bare name is named; a Hub id passes unloaded
+    if not names_default_model(name):  # (a default model is not fetched here)
+        resolve_model(name)  # a missing folder, a heads folder or an unknown bare name is named; a Hub id passes
     files = [("data.tokenized", d.tokenized)] if d.tokenized else []
     if owns_rows(config):
         files.append(("data.prompts", d.prompts))

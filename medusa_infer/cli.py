@@ -23,6 +23,12 @@ from medusa_infer.proposers.draft import SCHEDULES, as_draft_model
 from medusa_infer.proposers.lookup import LOOKUP_MAX_TOKENS
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+MAX_THREADS = 4096
+"""The most ``--threads`` taken (medusa-serve, medusa-bench): torch.set_num_threads took up to 2**31 - 1 and
+failed past it with a traceback, and no machine has more hardware threads than this."""
+MAX_NEW_TOKENS = 2**31 - 1
+"""The most ``--max-new-tokens`` taken: a 32-bit C long's largest (an answer stops at the end of the model's context
+anyway); 10**20 failed generating, after the first token, with an error naming no flag."""
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -74,6 +80,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "conversation as one text, each later line on a new line after the answer)")
     parser.add_argument("--chat", action="store_true", help="interactive chat (empty line or Ctrl-D ends it)")
     args = parser.parse_args(argv)
+    refuse_empty(parser, [("--model", args.model, MODEL_INSTEAD), ("--heads", args.heads, HEADS_INSTEAD),
+                          ("--draft-model", args.draft_model, DRAFT_INSTEAD)])
     if args.prompt is None and not args.chat:
         parser.error("give a prompt, or --chat for an interactive chat")
     if args.prompt is not None and args.chat:
@@ -117,9 +125,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for flag, value in (("--lookup-max-ngram", longest), ("--max-new-tokens", args.max_new_tokens)):
         if value < 1:
             parser.error(f"{flag} must be at least 1, got {value}")
+    if args.max_new_tokens > MAX_NEW_TOKENS:
+        parser.error(f"--max-new-tokens must be at most {MAX_NEW_TOKENS}, got {args.max_new_tokens} (an answer stops "
+                     "at the end of the model's context anyway)")
     if shortest < 1 or shortest > longest:
         parser.error(f"--lookup-min-ngram must lie in [1, --lookup-max-ngram={longest}], got {shortest}")
     return args
+
+
+MODEL_INSTEAD = "name the base model (a folder, a Hub id or a default-model name), or leave --model out for the default"
+HEADS_INSTEAD = "name a heads folder or Hub repo, or leave --heads out to decode without heads"
+DRAFT_INSTEAD = "name the draft model (a folder, a Hub id or a default-model name), or leave --draft-model out"
+
+
+def refuse_empty(parser: argparse.ArgumentParser, options: Sequence[tuple[str, str | None, str]]) -> None:
+    """``parser.error`` for a name or path given as empty text (or blanks), which read as not given (the default
+    model loaded, heads left out, a report written into the working folder, without a word); ``options`` holds
+    each option's flag, value and what to do instead."""
+    for flag, value, instead in options:
+        if value is not None and not value.strip():
+            parser.error(f"{flag} is empty ({value!r}): {instead}")
 
 
 def is_text(text: str) -> bool:

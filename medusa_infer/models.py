@@ -159,6 +159,9 @@ def resolve_model(name_or_path: str, cache_dir: str | Path | None = None) -> str
     if names_default_model(name_or_path):
         return str(fetch_default_model(DEFAULT_MODELS[name_or_path], cache_dir))
     if path.is_dir():
+        heads = _heads_folder_refusal(path)  # (transformers' "Unrecognized model ... model_type key" named neither)
+        if heads is not None:
+            raise ValueError(heads)
         return str(path)
     if path.exists() or is_path_like(name_or_path):
         raise ValueError(
@@ -590,6 +593,12 @@ def main(argv: list[str] | None = None) -> None:
                             f"${CACHE_ENV} only: set it to this folder for them"
     )
     args = parser.parse_args(argv)
+    for what, value, instead in (("the name", args.name, f"give a default-model name ({', '.join(DEFAULT_MODELS)}) "
+                                                          "or a model folder"),
+                                 ("--cache-dir", args.cache_dir, f"name a folder, or leave --cache-dir out for "
+                                                                 f"${CACHE_ENV} or {DEFAULT_CACHE}")):
+        if value is not None and not value.strip():  # ("" was the working folder)
+            parser.error(f"{what} is empty ({value!r}): {instead}")
     path = Path(args.name).expanduser()
     if not path.is_dir() and not names_default_model(args.name):
         # a Hub id, a misspelt name or a missing folder (resolve_model's advice names Hub ids, which this refuses)
@@ -623,13 +632,9 @@ def check_model_folder(folder: Path) -> None:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as err:
         raise ValueError(f"{folder} is not a model folder: its config.json cannot be read ({err})") from err
-    if not isinstance(config, dict) or "model_type" not in config:
-        heads = isinstance(config, dict) and ({"num_heads", "medusa_num_heads"} & set(config))
-        raise ValueError(
-            f"{folder} is " + ("a Medusa heads folder" if heads else "no transformers model folder")
-            + " (its config.json has no model_type), not a base model: pass the base model's folder, "
-            f"or one of: {', '.join(DEFAULT_MODELS)}"
-        )
+    refusal = _not_a_base_model(folder, config)
+    if refusal is not None:
+        raise ValueError(refusal)
     # the files from_pretrained loads (a folder whose weights were gone beside a Trainer's training_args.bin, or
     # with shards its index names missing, was reported as checked)
     if model_weight_files(folder) is None:
@@ -639,6 +644,32 @@ def check_model_folder(folder: Path) -> None:
     if damage is not None:
         fix = _rebuild_advice(folder, False) if (folder / SOURCE_NAME).is_file() else "copy or save it again"
         raise ValueError(f"{folder} is damaged ({damage}): {fix}")
+
+
+def _not_a_base_model(folder: Path, config: Any) -> str | None:
+    """Why ``config`` (``folder``'s config.json, parsed) is no base model's, with the fix: it has no ``model_type``
+    (a Medusa heads folder's, say); None where it has one."""
+    if isinstance(config, dict) and "model_type" in config:
+        return None
+    heads = isinstance(config, dict) and bool({"num_heads", "medusa_num_heads"} & set(config))
+    return (f"{folder} is " + ("a Medusa heads folder" if heads else "no transformers model folder")
+            + " (its config.json has no model_type), not a base model: pass the base model's folder, "
+            f"or one of: {', '.join(DEFAULT_MODELS)}"
+            + ("; the heads themselves go to --heads (a recipe's heads.init_from, MedusaModel.from_pretrained in "
+               "Python)" if heads else ""))
+
+
+def _heads_folder_refusal(folder: Path) -> str | None:
+    """``_not_a_base_model``'s words where ``folder`` holds Medusa heads (a config.json with their keys and no
+    ``model_type``), else None: another folder is left to transformers (a config.json without a model_type
+    loads where the folder's name says the model type)."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # none, or one that does not parse: loading it says why
+        return None
+    if isinstance(config, dict) and "model_type" not in config and {"num_heads", "medusa_num_heads"} & set(config):
+        return _not_a_base_model(folder, config)
+    return None
 
 
 if __name__ == "__main__":

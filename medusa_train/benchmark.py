@@ -61,6 +61,7 @@ import torch
 from medusa_infer.adaptive import StepCosts
 from medusa_infer.attention_kernels import decoding_attention
 from medusa_infer.checkpoint import load_heads_state
+from medusa_infer.cli import DRAFT_INSTEAD, HEADS_INSTEAD, MAX_THREADS, MODEL_INSTEAD, is_text, refuse_empty
 from medusa_infer.decoding import context_length, eos_ids, padding_id
 from medusa_infer.interop import base_model_name, is_medusa_layout, read_medusa_layout
 from medusa_infer.model import PROCESSOR_SETTINGS
@@ -277,7 +278,14 @@ def load_questions(path: str | Path, limit: int | None = None, seed: int = 0,
 def read_questions(path: str | Path) -> list[dict]:
     """Every Spec-Bench-format question of ``path``, checked (read once: it may be a pipe)."""
     rows = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    data = Path(path).read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:  # (the codec's message named neither the file nor the line)
+        line = data[: err.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line} is not UTF-8 text ({err.reason} at byte {err.start}): save it as "
+                         "UTF-8") from None
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -330,6 +338,11 @@ def question_problem(row: Any) -> str | None:
     turns = row["turns"]
     if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
         return f"turns must be a non-empty list of strings, got {turns!r}"
+    for what, text in [("id", row["id"]), ("category", row["category"]),
+                       *((f"turn {n}", turn) for n, turn in enumerate(turns, 1))]:
+        if isinstance(text, str) and not is_text(text):  # (the tokenizer failed on it with a TypeError)
+            return (f"{what} holds a lone surrogate (an escape such as \\ud83d without its pair), which is no text "
+                    "a model can be given; fix the line")
     return None
 
 
@@ -837,10 +850,16 @@ def interleave_categories(questions: list[dict]) -> list[dict]:
     return [queue[i] for i in range(longest) for queue in queues if i < len(queue)]
 
 
+MAX_BATCH_SIZE = 4096
+"""The largest ``--batch-size`` taken (Spec-Bench holds 480 questions; the warm-up decodes this many rows)."""
+
+
 def check_batch_size(methods: Sequence[str], batch_size: int) -> None:
     """Raise ``ValueError`` unless every method can run at ``batch_size``."""
     if batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {batch_size}")
+    if batch_size > MAX_BATCH_SIZE:  # (an OverflowError traceback past 2**63, warming up)
+        raise ValueError(f"--batch-size must be at most {MAX_BATCH_SIZE} (rows decoded as one batch), got {batch_size}")
     unbatched = [m for m in methods if m in UNBATCHED_METHODS]
     if batch_size > 1 and unbatched:
         raise ValueError(f"method(s) {', '.join(unbatched)} cannot run at --batch-size {batch_size}: Hugging Face's "
@@ -1232,6 +1251,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "(medusa_lm_head.*), which has no place for the calibration and which other engines "
                              "read, so it is never overwritten")
     args = parser.parse_args(argv)
+    refuse_empty(parser, [("--model", args.model, MODEL_INSTEAD), ("--heads", args.heads, HEADS_INSTEAD),
+                          ("--draft-model", args.draft_model, DRAFT_INSTEAD),
+                          ("--questions", args.questions, "give a Spec-Bench-format JSONL file"),
+                          ("--output", args.output, "name a folder for the report, or leave --output out for "
+                                                    "runs/bench (. for the working folder)"),
+                          ("--calibrated-heads", args.calibrated_heads, "name a folder, or leave "
+                                                                        "--calibrated-heads out")])
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not args.methods:
         parser.error(f"--methods is empty; choose from {', '.join(ALL_METHODS)} (default {','.join(DEFAULT_METHODS)})")
@@ -1332,6 +1358,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                ("--calibrate-context", args.calibrate_context, 1)):
         if value is not None and value < least:
             parser.error(f"{flag} must be at least {least}, got {value}")
+    if args.threads is not None and args.threads > MAX_THREADS:
+        parser.error(f"--threads must be at most {MAX_THREADS}, got {args.threads}")
     args.calibrate_questions = 16 if args.calibrate_questions is None else args.calibrate_questions
     args.calibrate_context = 256 if args.calibrate_context is None else args.calibrate_context
     if Path(args.output).exists() and not Path(args.output).is_dir():

@@ -17,6 +17,7 @@ the turn. Both renderings must be prefixes of the full conversation ("prefix-sta
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -554,7 +555,7 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
                              f"({path}/{splits[0] if splits else 'train'}) or save that split alone")
         return list(loaded)
     rows = []
-    with path.open(encoding="utf-8") as handle:
+    with utf8_errors(path), path.open(encoding="utf-8") as handle:
         for number, line in enumerate(handle, 1):
             if not line.strip():
                 continue
@@ -569,6 +570,28 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+@contextlib.contextmanager
+def utf8_errors(path: Path) -> Iterator[None]:
+    """Within the block, bytes of the file ``path`` that are not UTF-8 (a ``UnicodeDecodeError`` reading it as text)
+    are a ``ValueError`` naming the line, the byte and the fix: the codec's own message named neither the file nor
+    the line, and counted from the block read. The file is read again, a line at a time, to find them (not where
+    ``path`` is no regular file: a pipe is read once)."""
+    try:
+        yield
+    except UnicodeDecodeError as err:
+        if path.is_file():
+            offset = 0
+            with path.open("rb") as handle:
+                for number, raw in enumerate(handle, 1):
+                    try:
+                        raw.decode("utf-8")
+                    except UnicodeDecodeError as found:
+                        raise ValueError(f"{path}:{number} is not UTF-8 text ({found.reason} at byte "
+                                         f"{offset + found.start}): save it as UTF-8") from None
+                    offset += len(raw)
+        raise ValueError(f"{path} is not UTF-8 text ({err.reason}): save it as UTF-8") from None
+
+
 def row_sources(path: str | Path) -> Iterator[Any]:
     """The ``source`` of each row of ``path`` (as ``read_rows`` reads it; None where a row has none), a row at a
     time: the answers and token ids are not kept (the rows file of a large run is gigabytes once parsed)."""
@@ -580,7 +603,7 @@ def row_sources(path: str | Path) -> Iterator[Any]:
         else:
             yield from (row.get("source") for row in read_rows(path))
         return
-    with path.open(encoding="utf-8") as handle:
+    with utf8_errors(path), path.open(encoding="utf-8") as handle:
         for line in handle:
             if line.strip():
                 row = json.loads(line)

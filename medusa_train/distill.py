@@ -75,6 +75,7 @@ from medusa_train.dataset import (
     rendering_digest,
     row_messages,
     template_digest,
+    utf8_errors,
 )
 from medusa_infer.models import weights_identity
 from medusa_train.features import model_fingerprint
@@ -325,7 +326,7 @@ def read_prompts(path: str | Path) -> list[dict[str, Any]]:
     path = Path(path)
     rows = []
     seen: dict[str, int] = {}
-    with path.open(encoding="utf-8") as handle:
+    with utf8_errors(path), path.open(encoding="utf-8") as handle:
         for number, line in enumerate(handle, 1):
             if not line.strip():
                 continue

@@ -88,6 +88,9 @@ def test_questions_are_balanced_across_categories(tmp_path):
     ('{"id": 7, "category": ["qa"], "turns": ["hi"]}', "category must be a string, got ['qa']"),
     ('{"id": [7], "category": "qa", "turns": ["hi"]}', "id must be a string or an integer, got [7]"),
     ('["hi"]', "a question is a JSON object, got list"),
+    # a TypeError from the tokenizer once the model had loaded
+    ('{"id": 7, "category": "qa", "turns": ["hi", "caf\\udce9 au lait"]}', "turn 2 holds a lone surrogate"),
+    ('{"id": 7, "category": "\\ud83d", "turns": ["hi"]}', "category holds a lone surrogate"),
 ])
 def test_bad_questions_are_refused_at_load_naming_file_and_line(tmp_path, line, message):
     path = tmp_path / "q.jsonl"
@@ -95,6 +98,17 @@ def test_bad_questions_are_refused_at_load_naming_file_and_line(tmp_path, line, 
     with pytest.raises(ValueError) as caught:
         load_questions(path)
     assert str(caught.value).startswith(f"{path}:3: {message}")
+
+
+def test_questions_that_are_not_utf8_are_refused_naming_file_and_line(tmp_path):
+    """The codec's own message ("'utf-8' codec can't decode byte 0xe9 ...") named neither the file nor the line."""
+    path = tmp_path / "q.jsonl"
+    first, latin1 = (json.dumps(QUESTIONS[0]) + "\n").encode(), b'{"id": 7, "category": "qa", "turns": ["caf\xe9"]}\n'
+    path.write_bytes(first + latin1)
+    with pytest.raises(ValueError) as caught:
+        load_questions(path)
+    at = len(first) + latin1.index(b"\xe9")
+    assert str(caught.value) == f"{path}:2 is not UTF-8 text (invalid continuation byte at byte {at}): save it as UTF-8"
 
 
 def test_report_has_every_field_per_method_and_category(model):
@@ -533,6 +547,15 @@ def test_heads_from_the_hub_name_their_base_model(model, tmp_path, monkeypatch):
         (["--methods", "ar", "--time-budget", "-5"], "--time-budget must be a number of seconds > 0, got -5"),
         (["--methods", "medusa", "--heads", "h", "--calibrate", "--calibrated-heads", "out", "--tree", "fitted-x"],
          "--tree 'fitted-x': a fitted tree is fitted-N, N >= 1 nodes"),
+        # an OverflowError traceback warming up, a ValueError one from torch.set_num_threads
+        (["--methods", "ar", "--batch-size", "99999999999999999999"], "--batch-size must be at most 4096 (rows "
+                                                                        "decoded as one batch), got 9999"),
+        (["--methods", "ar", "--threads", "99999999999999999999"], "--threads must be at most 4096, got 9999"),
+        # empty names read as not given: the report written into the working folder, the default model loaded
+        (["--methods", "ar", "--output", ""], "--output is empty (''): name a folder for the report, or leave "
+                                              "--output out for runs/bench"),
+        (["--methods", "ar", "--model", ""], "--model is empty (''): name the base model"),
+        (["--methods", "medusa", "--heads", ""], "--heads is empty ('')"),
     ],
 )
 def test_bad_arguments_are_refused_before_loading_anything(argv, message, capsys, tmp_path, monkeypatch):

@@ -444,6 +444,12 @@ def test_a_huge_max_new_tokens_keeps_the_chat_history():
     # nothing drafted, nothing accepted: the rule's top-p and top-k refusals turned away plain sampling's
     (["--do-sample", "--acceptance", "typical", "hi"], "--method autoregressive drafts none"),
     (["--do-sample", "--acceptance", "typical", "--top-p", "0.9", "hi"], "--method autoregressive drafts none"),
+    # generation streamed a token, then failed naming no flag ("Overflow when unpacking long long")
+    (["--max-new-tokens", "99999999999999999999", "hi"], "--max-new-tokens must be at most 2147483647, got 9999"),
+    # empty names read as not given: plain decoding without heads, the default model loaded
+    (["--heads", "", "hi"], "--heads is empty (''): name a heads folder or Hub repo, or leave --heads out"),
+    (["--model", "", "hi"], "--model is empty (''): name the base model"),
+    (["--method", "draft", "--draft-model", " ", "hi"], "--draft-model is empty (' ')"),
 ])
 def test_more_bad_arguments_are_refused_before_loading_anything(capsys, argv, message):
     assert message in parse_error(capsys, argv)

@@ -722,3 +722,21 @@ def test_blank_lines_in_a_rows_file_are_skipped(tmp_path):  # D23
     path = tmp_path / "rows.jsonl"
     path.write_text('{"prompt": "Q1", "response": "A1"}\n\n   \n{"prompt": "Q2", "response": "A2"}\n\n')
     assert [row["prompt"] for row in read_rows(path)] == ["Q1", "Q2"]
+
+
+def test_a_rows_file_that_is_not_utf8_is_named_by_line(tmp_path):
+    """The codec's own message named neither the file nor the line, and its position counted from the block read
+    (a line past the first 8 KiB here)."""
+    from medusa_train.dataset import read_rows, row_sources
+
+    path = tmp_path / "rows.jsonl"
+    good = b'{"prompt": "Q1", "response": "A1"}\n' * 300
+    path.write_bytes(good + b'{"prompt": "Q2", "response": "caf\xe9"}\n')
+    at = len(good) + len(b'{"prompt": "Q2", "response": "caf')
+    says = f"{path}:301 is not UTF-8 text (invalid continuation byte at byte {at}): save it as UTF-8"
+    with pytest.raises(ValueError) as err:
+        read_rows(path)
+    assert str(err.value) == says
+    with pytest.raises(ValueError) as err:
+        list(row_sources(path))
+    assert str(err.value) == says

@@ -174,6 +174,18 @@ def test_prompts_file_rows_are_checked_by_line(tmp_path, line, says):
     assert read_prompts(path) == [{"id": "7", "source": "", "prompt": "first"}]
 
 
+def test_a_prompts_file_that_is_not_utf8_is_named_by_line(tmp_path):
+    """The codec's own message named neither the file nor the line, and its position counted from the block read
+    (a line past the first 8 KiB here)."""
+    path = tmp_path / "prompts.jsonl"
+    good = b"".join(b'{"id": "a%d", "prompt": "first"}\n' % n for n in range(400))
+    path.write_bytes(good + b'{"id": "b", "prompt": "caf\xe9 au lait"}\n')
+    with pytest.raises(ValueError) as err:
+        read_prompts(path)
+    at = len(good) + len(b'{"id": "b", "prompt": "caf')
+    assert str(err.value) == f"{path}:401 is not UTF-8 text (invalid continuation byte at byte {at}): save it as UTF-8"
+
+
 def test_a_run_an_earlier_release_sampled_with_exclusions_is_not_answered_again(tmp_path, model_dir, prompts_file,
                                                                                   monkeypatch):
     """Excluded prompts are left out after the shuffle since commit 0c5145d: a run an earlier release drew with

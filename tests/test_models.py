@@ -620,6 +620,37 @@ def test_a_hub_id_that_could_be_a_path_with_a_typo_is_said_to_be_taken_as_one(tm
     assert "taken as a Hub id" not in capsys.readouterr().err
 
 
+def test_a_heads_folder_given_as_the_base_model_is_named_with_the_fix(tmp_path, capsys):
+    """--model HEADS (medusa-generate, -serve, -bench), --draft-model, a recipe's model.name: transformers'
+    "Unrecognized model ... Should have a model_type key" named neither the heads nor the fix, which medusa-fetch-model
+    said."""
+    heads = tmp_path / "heads"
+    heads.mkdir()
+    (heads / "config.json").write_text(json.dumps({"num_heads": 2, "base_model_name_or_path": "x"}))
+    says = (f"{heads} is a Medusa heads folder (its config.json has no model_type), not a base model: pass the base "
+            "model's folder, or one of: smollm2-135m-instruct, gemma3-270m; the heads themselves go to --heads")
+    for load in (models.resolve_model, models.load_base_model, models.load_tokenizer):
+        with pytest.raises(ValueError) as err:
+            load(str(heads))
+        assert str(err.value).startswith(says), load
+    # medusa-fetch-model says it as it did
+    with pytest.raises(SystemExit) as caught:
+        models.main([str(heads)])
+    assert caught.value.code == 1 and says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["smollm2-135m-instruct", "--cache-dir", ""], "--cache-dir is empty (''): name a folder, or leave --cache-dir "
+                                                   "out"),  # (the working folder took the converted model)
+    ([""], "the name is empty (''): give a default-model name"),
+])
+def test_the_cli_refuses_empty_names(argv, message, capsys, monkeypatch):
+    monkeypatch.setattr(models, "resolve_model", lambda *a, **k: pytest.fail("resolved"))
+    with pytest.raises(SystemExit) as caught:
+        models.main(argv)
+    assert caught.value.code == 2 and message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("options, message", [
     ({"dtype": "float33"}, "dtype must be one of float32, bfloat16, float16, float64"),
     ({"dtype": torch.int8}, "dtype must be one of"),

@@ -604,6 +604,22 @@ def test_what_a_run_cannot_do_is_refused_by_plan(tmp_path, capsys, arguments, me
     assert re.search(message, capsys.readouterr().err)
 
 
+def test_a_heads_folder_as_the_model_is_refused_by_plan(tmp_path, capsys):
+    """transformers' "Unrecognized model ... Should have a `model_type` key" named neither the heads nor the fix."""
+    import train_heads
+
+    heads = tmp_path / "heads"
+    heads.mkdir()
+    (heads / "config.json").write_text(json.dumps({"num_heads": 2, "hidden_size": 8, "base_model_name_or_path": "x"}))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(run_recipe(tmp_path)))
+    with pytest.raises(SystemExit) as exit_info:
+        train_heads.main(["--config", str(recipe), "--plan", f"model.name={heads}"])
+    assert exit_info.value.code == 2
+    assert f"{heads} is a Medusa heads folder (its config.json has no model_type), not a base model: pass the base " \
+           "model's folder" in capsys.readouterr().err
+
+
 def test_upload_without_a_hub_login_is_refused_before_the_run(tmp_path, capsys, monkeypatch):
     import train_heads
     from huggingface_hub import constants

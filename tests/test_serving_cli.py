@@ -24,6 +24,24 @@ def test_max_prefill_tokens_below_one_is_refused(capsys):
     assert "--max-prefill-tokens must be >= 1, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    # torch.set_num_threads failed with a traceback once the port was bound
+    (["--threads", "99999999999999999999"], "--threads must be at most 4096, got 99999999999999999999"),
+    # an empty --host listened on every interface, without a word
+    (["--host", ""], "--host is empty (''): give an address of this machine, such as 127.0.0.1 (the default), or "
+                     "0.0.0.0 to listen on every interface on purpose"),
+    (["--host", " "], "--host is empty (' ')"),
+    # empty names read as not given: plain decoding, the default model, the name served left as it was
+    (["--heads", ""], "--heads is empty (''): name a heads folder or Hub repo"),
+    (["--model", ""], "--model is empty (''): name the base model"),
+    (["--served-model-name", ""], "--served-model-name is empty (''): name the model id clients send"),
+])
+def test_out_of_range_and_empty_settings_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.parse_args(["--method", "lookup", *argv])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_typical_acceptance_is_refused_where_nothing_is_drafted(capsys):
     """Without heads the server decodes plainly: --acceptance typical accepted nothing, and made every sampled
     request with top_p or top_k a 400."""

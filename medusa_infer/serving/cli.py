@@ -21,7 +21,8 @@ import socket
 import sys
 from typing import Any, Sequence
 
-from medusa_infer.cli import add_tree_arguments, check_method_flags, reads_datastore
+from medusa_infer.cli import (DRAFT_INSTEAD, HEADS_INSTEAD, MAX_THREADS, MODEL_INSTEAD, add_tree_arguments,
+                               check_method_flags, reads_datastore, refuse_empty)
 from medusa_infer.proposers import METHODS
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -76,6 +77,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="CPU threads for torch (default: torch's choice; 1 is faster on a busy machine)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     args = parser.parse_args(argv)
+    refuse_empty(parser, [("--model", args.model, MODEL_INSTEAD), ("--heads", args.heads, HEADS_INSTEAD),
+                          ("--draft-model", args.draft_model, DRAFT_INSTEAD),
+                          ("--served-model-name", args.served_model_name, "name the model id clients send, or leave "
+                           "--served-model-name out for --model's (or the heads' base model's)"),
+                          ("--host", args.host, "give an address of this machine, such as 127.0.0.1 (the default), "
+                           "or 0.0.0.0 to listen on every interface on purpose")])
     check_method_flags(parser, args, "or use --method lookup, which needs no weights")
     if args.method == "autoregressive" and args.speculation_gate == "off":
         parser.error("--speculation-gate off speculates at every batch size, and --method autoregressive never "
@@ -90,6 +97,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--port must be in 1..65535, got {args.port}")
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
+    if args.threads is not None and args.threads > MAX_THREADS:
+        parser.error(f"--threads must be at most {MAX_THREADS}, got {args.threads}")
     if not args.request_timeout >= 0 or math.isinf(args.request_timeout):  # NaN too
         parser.error(f"--request-timeout must be a number of seconds >= 0 (0: no limit), got {args.request_timeout}")
     source = "--api-key" if args.api_key is not None else f"${API_KEY_ENV}"
