@@ -58,6 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from jinja2 import TemplateError
 
+    from medusa_infer.checkpoint import foreign_config
     from medusa_infer.interop import base_model_name
     from medusa_infer.models import load_tokenizer
     from medusa_train.dataset import BuildStats, build_examples, read_rows
@@ -70,11 +71,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = json.loads((heads / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
         parser.error(f"{heads}/config.json cannot be read as JSON ({err}): re-save or re-export the heads")
-    if not isinstance(config, dict) or not ({"num_heads", "medusa_num_heads"} & set(config)):
-        kind = (f"a model's config (model_type {config.get('model_type')!r})" if isinstance(config, dict)
-                and "model_type" in config else "no heads config")
-        parser.error(f"{heads}/config.json is {kind}, not a heads folder's: pass the folder the heads were saved in "
-                     "(the base model goes to --model)")
+    other = foreign_config(heads, "medusa-forge") if foreign_config(heads, "FasterDecoding") else None
+    if other is not None:  # (a model's config may hold num_heads too: GPT-Neo's)
+        parser.error(f"{heads} holds {other}, not heads: pass the folder the heads were saved in (the base model "
+                     "goes to --model)")
     # as from_pretrained names it: an export of a default model records it beside the Hub id
     model = args.model or base_model_name(heads)
     if not model:

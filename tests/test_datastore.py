@@ -637,9 +637,12 @@ def test_a_model_folder_or_a_broken_config_is_a_usage_error_and_nothing_is_writt
     rows.write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n")
     folder = tmp_path / "model"
     folder.mkdir()
-    for text, said in ((json.dumps({"model_type": "llama", "hidden_size": 64}), "is a model's config (model_type "
-                                                                                  "'llama'), not a heads folder's"),
-                       (json.dumps(["x"]), "is no heads config, not a heads folder's"),
+    for text, said in ((json.dumps({"model_type": "llama", "hidden_size": 64}), "holds a model's config.json "
+                                                                                  "(model_type 'llama'), not heads"),
+                       # GPT-Neo's config holds num_heads too
+                       (json.dumps({"model_type": "gpt_neo", "num_heads": 4}), "(model_type 'gpt_neo'), not heads"),
+                       (json.dumps(["x"]), "holds a config.json that is not a JSON object, not heads"),
+                       (json.dumps({"hidden_size": 8}), "holds a config.json of another kind"),
                        ("{\n  'num_heads': 2\n", "config.json cannot be read as JSON")):
         (folder / "config.json").write_text(text)
         with pytest.raises(SystemExit) as exit_info:
