@@ -566,11 +566,24 @@ def parse_overrides(overrides: list[str] | tuple[str, ...]) -> list[tuple[str, s
     return pairs
 
 
+def _odd_value(tree: Any, prefix: str = "") -> str | None:
+    """The dotted key of the first value in ``tree`` that is no JSON value (a date, bytes), or None."""
+    if isinstance(tree, dict):
+        items = [(f"{prefix}.{key}" if prefix else str(key), value) for key, value in tree.items()]
+    elif isinstance(tree, list):
+        items = [(f"{prefix}[{i}]", value) for i, value in enumerate(tree)]
+    else:
+        return None if tree is None or isinstance(tree, (str, int, float, bool)) else prefix
+    return next((found for key, value in items if (found := _odd_value(value, key)) is not None), None)
+
+
 def config_from_dict(values: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
     try:
         tree = json.loads(json.dumps(values or {}))  # a deep copy holding plain containers
-    except (TypeError, ValueError) as err:  # a value no setting takes: a !!timestamp, !!binary, NaN key ...
-        raise ValueError(f"the recipe holds a value no setting takes ({err}): write it as text or a number") from None
+    except (TypeError, ValueError) as err:  # a value no setting takes: a !!timestamp, !!binary ...
+        where = _odd_value(values or {})
+        raise ValueError(f"the recipe's {where or 'values'} holds a value no setting takes ({err}): write it as text "
+                         "or a number") from None
     for key, value in parse_overrides(overrides):
         _set_dotted(tree, key, value)
     data = tree.get("data")

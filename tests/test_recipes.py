@@ -931,7 +931,7 @@ def test_a_date_like_value_stays_text_and_bytes_that_are_not_utf8_are_named(tmp_
     assert load_config(recipe).output_dir == "2024-06-01"
     assert load_config(None, ["data.prompts=p.jsonl", "output_dir=2024-06-01"]).output_dir == "2024-06-01"
     recipe.write_text("data:\n  prompts: p.jsonl\nmodel:\n  name: x\noutput_dir: !!timestamp 2024-06-01\n")
-    with pytest.raises(ValueError, match="the recipe holds a value no setting takes .*date"):
+    with pytest.raises(ValueError, match="the recipe's output_dir holds a value no setting takes .*date"):
         load_config(recipe)
     recipe.write_bytes("data:\n  prompts: p.jsonl  # caf\u00e9\n".encode("latin-1"))
     with pytest.raises(ValueError, match=re.escape(f"recipe {recipe}:2 is not UTF-8 text") + ".*save it as UTF-8"):
