@@ -219,6 +219,29 @@ def test_lookup_gate_weighs_a_draft_against_the_heads_tokens():
     assert gate.length(2, 4, base=3, heads=1.5) == 4
 
 
+def test_lookup_gate_learns_each_rows_acceptance_rule_apart_in_one_batch():
+    """A greedy row and a sampled row share a batch (one forward): the sampled row's rejected drafts taught the gate
+    that drafts after a 2-gram match fail, and cut the greedy row's beside it; each row's matches are now counted
+    under its acceptance rule (``row_kinds``), one key per rule."""
+    from medusa_infer.decoding import SamplingConfig
+    from medusa_infer.proposers.lookup import gated_matches, record_matches, row_kinds
+
+    cost = CostProfile([1, 2, 4, 8, 16, 32, 64], [1.0, 1.1, 1.2, 1.4, 2.2, 4.0, 7.8], "cpu-like")
+    history = [5, 6, 7, 8, 9, 10, 11, 5, 6]  # the last 2-gram matches earlier: a draft of 7, 8, 9, 10, 11, ...
+    context = StepContext([history, history], 8,
+                          samplings=[SamplingConfig(), SamplingConfig("lossless", 1.0)])
+    kinds = row_kinds(context)
+    assert kinds == ["greedy", "lossless"] and row_kinds(StepContext([history], 8)) is None
+    gate = LookupGate(cost)
+    for _ in range(20):
+        matches = gated_matches(context.sequences, 3, 1, 4, gate, kinds=kinds)
+        assert [key for key, _ in matches] == [("prompt", 2, "greedy"), ("prompt", 2, "lossless")]
+        # the greedy row commits its whole draft (and a bonus token), the sampled row's first draft token is rejected
+        record_matches(gate, matches, [matches[0][1] + [1], [3]])
+    greedy, sampled = (len(draft) for _, draft in gated_matches(context.sequences, 3, 1, 4, gate, kinds=kinds))
+    assert greedy == 4 and sampled == 0  # one key for both rows: p near 1/2, a 1-token draft for either
+
+
 def test_gated_lookup_stays_exact_and_verifies_fewer_drafts():
     target = target_model("llama")
     prompt = torch.tensor([5, 6, 7, 8, 9, 10, 5, 11, 12, 5, 13, 14, 5, 15])  # 1-gram matches that lead nowhere

@@ -19,17 +19,20 @@ With a ``Datastore`` (the model's own earlier answers, ``medusa_infer.datastore`
 gets the store's continuation of its text. Without a cost profile the longer match wins (the
 prompt's on a tie); with one, the draft that pays better, each source's acceptance being measured
 per n-gram length, and for the store also per confidence class (keys ``("prompt", n)`` and
-``("datastore", n, confidence)``, see ``DatastoreMatch.confidence``).
+``("datastore", n, confidence)``, see ``DatastoreMatch.confidence``), each followed by the row's acceptance rule
+where the batch's rows say theirs (``row_kinds``: a sampled row's drafts are accepted far less than a greedy
+row's beside it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 import torch
 
 from medusa_infer.datastore import Datastore
 from medusa_infer.proposers.base import ChainTrees, Proposal, StepContext, whole_number
+from medusa_infer.speculation_gate import row_kind
 from medusa_infer.tree_fit import CostProfile, warn_if_measured_elsewhere
 
 
@@ -199,7 +202,7 @@ class LookupProposer:
     def propose(self, roots: torch.Tensor, context: StepContext) -> Proposal:
         limit = min(self.num_tokens if self.gate is None else self.max_tokens, context.max_depth)
         self.matches = gated_matches(context.sequences, self.max_ngram, self.min_ngram, limit, self.gate,
-                                     datastore=self.datastore)
+                                     datastore=self.datastore, kinds=row_kinds(context))
         drafts = [draft for _, draft in self.matches]
         depth = max((len(d) for d in drafts), default=0)
         tree = self.trees.at_depth(depth)
@@ -244,26 +247,28 @@ def model_cost(model) -> CostProfile | None:
 
 def gated_matches(sequences: list[list[int]], max_ngram: int, min_ngram: int, limit: int,
                   gate: LookupGate | None, base: int = 1, datastore: Datastore | None = None,
-                  heads: float = 0.0) -> list[tuple[Hashable, list[int]]]:
+                  heads: float = 0.0, kinds: Sequence[Hashable] | None = None) -> list[tuple[Hashable, list[int]]]:
     """Per row ``(key, draft)``: the lookup draft of at most ``limit`` tokens, cut to the length
     ``gate`` chooses (``[]`` when it refuses it) for a batch of ``len(sequences)`` rows, each
     verifying ``base`` tokens without the draft, whose heads are expected to add ``heads`` tokens
     a step (``LookupGate.length``). ``key`` is ``("prompt", n)`` for a match of the row's own last
     ``n`` tokens earlier in it, ``("datastore", n, confidence)`` for one in ``datastore``
-    (``DatastoreMatch.confidence``: how strongly the store's occurrences agree on the first token).
+    (``DatastoreMatch.confidence``: how strongly the store's occurrences agree on the first token),
+    followed by the row's kind where ``kinds`` gives one per row (``row_kinds``: its acceptance rule, as a
+    sampled row's drafts are accepted far less than a greedy one's beside it in the batch).
 
     With both, the gate takes the draft whose best length pays better (``LookupGate.best``) and
     cuts it as it would alone; without a gate the longer match wins (the prompt's on a tie)."""
     out: list[tuple[Hashable, list[int]]] = []
-    for history in sequences:
-        found = []
+    for row, history in enumerate(sequences):
+        found, kind = [], () if kinds is None else (kinds[row],)
         n, draft = find_match(history, max_ngram, min_ngram, limit)
         if draft:
-            found.append((("prompt", n), draft))
+            found.append((("prompt", n, *kind), draft))
         if datastore is not None:
             match = datastore.match(history, limit)
             if match.draft:
-                found.append((("datastore", match.n, match.confidence()), match.draft))
+                found.append((("datastore", match.n, match.confidence(), *kind), match.draft))
         if gate is None:
             found.sort(key=lambda m: -m[0][1])  # n
         elif len(found) > 1:  # the source that pays better; only its refusal counts towards a probe
@@ -271,8 +276,14 @@ def gated_matches(sequences: list[list[int]], max_ngram: int, min_ngram: int, li
         if found and gate is not None:
             key, draft = found[0]
             found = [(key, draft[: gate.length(key, len(draft), base, len(sequences), heads)])]
-        out.append(found[0] if found else (("prompt", 0), []))
+        out.append(found[0] if found else (("prompt", 0, *kind), []))
     return out
+
+
+def row_kinds(context: StepContext) -> list[str] | None:
+    """Each row's kind for ``gated_matches`` (``speculation_gate.row_kind``: its acceptance rule), None where the
+    context gives no sampling settings."""
+    return [row_kind(sampling) for sampling in context.samplings] if context.samplings else None
 
 
 def record_matches(gate: LookupGate | None, matches: list[tuple[Hashable, list[int]]],

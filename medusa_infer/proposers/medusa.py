@@ -29,6 +29,7 @@ from medusa_infer.proposers.lookup import (
     model_cost,
     pad_drafts,
     record_matches,
+    row_kinds,
 )
 from medusa_infer.trees import (
     ExpansionLevel,
@@ -249,7 +250,7 @@ class MedusaProposer:
         heads = self.controller.expected_accepted(self.rung) if self.controller is not None else 0.0
         self.matches = gated_matches(context.sequences, longest, shortest, limit, self.gate,
                                      base=cache.at_depth(depth).num_nodes, datastore=self.datastore,
-                                     heads=heads if depth == cache.full.max_depth else 0.0)
+                                     heads=heads if depth == cache.full.max_depth else 0.0, kinds=row_kinds(context))
         return [draft for _, draft in self.matches]
 
     def _graft(self, roots: torch.Tensor, cache: TreeCache, depth: int, drafts: list[list[int]]) -> Proposal:
