@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path, PureWindowsPath
@@ -299,15 +300,27 @@ def check_state_dict(expected: dict[str, torch.Tensor], found: dict[str, torch.T
     ]
     problems = []
     if missing:
-        problems.append(f"missing tensors {missing}")
+        problems.append(f"missing tensors {_listed(missing)}")
     if unexpected:
-        problems.append(f"unexpected tensors {unexpected}")
+        problems.append(f"unexpected tensors {_listed(unexpected)}")
     if shapes:
         problems.append("shape mismatches " + "; ".join(shapes))
     if problems:
         raise ValueError(
             f"{source} does not fit the heads its config describes: " + ", ".join(problems) + ". " + fix
         )
+
+
+LISTED_NAMES = 8
+"""Tensor names an error lists at most (a config.json saying 60 heads for 3 listed 228 missing ones)."""
+
+
+def _listed(names: list[str]) -> str:
+    """``names`` in natural order (heads.2 before heads.10), the first ``LISTED_NAMES`` of them and how many more."""
+    ordered = sorted(names, key=lambda name: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)])
+    if len(ordered) <= LISTED_NAMES:
+        return str(ordered)
+    return f"{ordered[:LISTED_NAMES]} and {len(ordered) - LISTED_NAMES} more ({len(ordered)} in all)"
 
 
 def _looks_like_hub_id(name: str) -> bool:
