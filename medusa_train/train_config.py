@@ -1058,13 +1058,16 @@ def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | Non
 
     trained = (paths.final / "config.json").is_file()  # (its step checkpoints are kept, and never resumed)
     resumed = latest_checkpoint(paths.checkpoints) if paths.checkpoints.is_dir() and not trained else None
+    ranks = min(config.eval.top_k, h.reduced_vocab_size or config.eval.top_k)  # (the accuracies measured: ranks cap)
     stages += [
         Stage("train", str(paths.final), trained,
               f"{t.mode}, {'' if exact else '<= '}{total} steps, loss {t.loss}" + (", batches packed" if live else "")
               + (f", heads from {h.init_from}" if h.init_from else "")
               + (f", resuming {resumed.name}" if resumed is not None else "")),
         Stage("evaluate", str(paths.heads), heads_from_final(paths),
-              f"top-1..{config.eval.top_k} accuracy on held-out data, {config.eval.tree_size}-node tree"),
+              f"top-1..{ranks} accuracy on held-out data, {config.eval.tree_size}-node tree"
+              + (f" (eval.top_k={config.eval.top_k}: the heads' vocabulary holds {ranks} tokens)"
+                 if ranks < config.eval.top_k else "")),
     ]
     return Plan(
         mode=t.mode, num_processes=num_processes, stages=stages, examples=examples,

@@ -580,6 +580,8 @@ def check_finished_run(config: TrainConfig, paths: RunPaths) -> None:
         if found is None:
             continue
         found, wanted = _without(found, unread_settings(config)), _without(wanted, unread_settings(config))
+        for settings in (found, wanted):  # recorded only when set (finished_settings): a refusal says False, not None
+            settings.setdefault("data.pack", False)
         if "init_from_sha256" not in wanted:  # the starting heads are gone: their content cannot be compared
             found.pop("init_from_sha256", None)
         _skip_unknown_weights(found, wanted)
@@ -594,8 +596,9 @@ def check_finished_run(config: TrainConfig, paths: RunPaths) -> None:
         differ = sorted((k for k in set(wanted) | set(found) if wanted.get(k) != found.get(k)),
                         key=lambda k: (k != "training.mode", k))
         if differ:
-            changes = ", ".join(f"{k} was {found.get(k)!r}, now {wanted.get(k)!r}" for k in differ[:6])
-            more = f" (and {len(differ) - 6} more)" if len(differ) > 6 else ""
+            said = _changes(differ, found, wanted)
+            changes = ", ".join(said[:6])
+            more = f" (and {len(said) - 6} more)" if len(said) > 6 else ""
             redo = (f"remove {paths.heads} to evaluate again" if all(k.startswith("eval.") for k in differ)
                     else f"remove {paths.checkpoints} and {paths.heads} to train again (data and features are kept)")
             start = Path(config.heads.init_from).resolve() if config.heads.init_from else None
@@ -626,6 +629,21 @@ def _file_sha256(path: Path) -> str:
 
     with path.open("rb") as handle:
         return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def _changes(differ: list[str], found: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
+    """``key was X, now Y`` for each key of ``differ``, as a run was made (``found``) and is asked (``wanted``);
+    a feature cache used by one and not the other (its ``features`` recorded as None there) is said so once, not
+    as the cache's own settings (which were named, the user never having set them)."""
+    unused = [settings.get("features", ...) is None for settings in (found, wanted)]
+    said: list[str] = []
+    for k in differ:  # in differ's order (training.mode first, where it is)
+        if unused[0] == unused[1] or not (k in ("features", "features_cache") or k.startswith("features.")):
+            said.append(f"{k} was {found.get(k)!r}, now {wanted.get(k)!r}")
+        elif not any(s.startswith("the feature cache") for s in said):
+            said.append("the feature cache (features.enabled, Medusa-1) was "
+                        + ("not used, now is" if unused[0] else "used, now not"))
+    return said
 
 
 def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -669,12 +687,13 @@ def _refuse_other_run(checkpoint: Path, expected: dict[str, Any], found: dict[st
     if "train_examples_sha256" in differ and "features_cache" in differ:  # other examples, so another cache
         differ.remove("features_cache")
     if differ:
+        said = _changes(differ, found, expected)
         why = ("; the feature cache differs (the model's weights, the examples, the features settings, or "
                "whether the distillation's kept hidden states were there): a resumed step would read other rows"
-               if "features_cache" in differ else "")
+               if any(s.startswith("features_cache ") for s in said) else "")
         raise ValueError(
             f"{checkpoint} was written by a different run: "
-            + ", ".join(f"{k} was {found.get(k)!r}, now {expected.get(k)!r}" for k in differ[:5]) + why
+            + ", ".join(said[:5]) + why
             + f"; resume with the same recipe and number of processes, or remove {paths.checkpoints}"
         )
 

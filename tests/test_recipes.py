@@ -266,6 +266,18 @@ def test_unknown_recipe_key_is_an_error():
         config_from_dict({"heads": {"num_head": 3}, "data": {"prompts": "p.jsonl"}})
 
 
+def test_plan_says_the_ranks_a_reduced_head_vocabulary_caps_the_evaluation_at(tmp_path):
+    """eval.top_k=50 on heads of a 20-token vocabulary measures ranks 1..20 (the heads' config holds 20 accuracies):
+    the plan promised top-1..50."""
+    values = {"output_dir": str(tmp_path / "run"), "data": {"prompts": "p.jsonl"}, "eval": {"top_k": 50},
+              "heads": {"reduced_vocab_size": 20}}
+    [evaluate] = [s for s in plan(config_from_dict(values)).stages if s.name == "evaluate"]
+    assert evaluate.detail.startswith("top-1..20 accuracy") and "(eval.top_k=50: the heads' vocabulary holds 20" \
+        in evaluate.detail
+    [evaluate] = [s for s in plan(config_from_dict(values, ["eval.top_k=10"])).stages if s.name == "evaluate"]
+    assert evaluate.detail.startswith("top-1..10 accuracy") and "eval.top_k" not in evaluate.detail
+
+
 def test_plan_counts_existing_data_and_features(tmp_path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"id": i, "prompt": "p", "response": "r"}) + "\n" for i in range(50)))

@@ -1162,6 +1162,12 @@ def test_a_checkpoint_of_other_settings_is_refused_before_any_stage_runs(tiny_di
     with pytest.raises(SystemExit):
         train_heads.main(["--config", config_file, "features.shard_examples=7", "--plan"])
     assert "features.shard_examples was 256, now 7" in capsys.readouterr().err
+    # the cache turned off: said so, not as the cache's own settings (features.dtype was 'float32', now None)
+    with pytest.raises(SystemExit):
+        train_heads.main(["--config", config_file, "features.enabled=false", "--plan"])
+    said = capsys.readouterr().err
+    assert "was written by a different run: the feature cache (features.enabled, Medusa-1) was used, now not" in said
+    assert "features.dtype" not in said and "features_cache" not in said
     assert (tmp_path / "run" / "config.yaml").read_text() == saved
     assert sorted((tmp_path / "run" / "features").iterdir()) == caches
     # a launch's checkpoint: a plain --plan knows no number of processes (it printed no plan), a run does
@@ -2285,6 +2291,25 @@ def test_a_finished_run_whose_own_rows_file_was_removed_is_not_refused_for_it(tm
     changed = config_from_dict(values, ["data.max_length=64"])
     with pytest.raises(ValueError, match="data.max_length was 1024, now 64"):
         tr.check_finished_run(changed, run_paths(changed))
+
+
+def test_a_finished_run_refused_for_packing_or_the_feature_cache_says_what_was_set(tmp_path):
+    """data.pack, recorded only when set, was said to have been None; the feature cache turned off was said as its
+    own settings (features.dtype was 'float32', now None), which the user never set."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"id": "1", "prompt": "hi", "response": "hello"}) + "\n")
+    values = {"output_dir": str(tmp_path / "run"), "data": {"rows": str(rows)}, "features": {"enabled": True}}
+    config = config_from_dict(values)
+    paths = run_paths(config)
+    paths.final.mkdir(parents=True)
+    (paths.final / "config.json").write_text(json.dumps({"training": {"settings": tr.finished_settings(config)}}))
+    tr.check_finished_run(config, paths)
+    for override, said in (("data.pack=true", "data.pack was False, now True"),
+                           ("features.enabled=false", "the feature cache (features.enabled, Medusa-1) was used, now "
+                                                      "not; remove")):
+        changed = config_from_dict(values, [override])
+        with pytest.raises(ValueError, match=re.escape(said)):
+            tr.check_finished_run(changed, run_paths(changed))
 
 
 def test_a_killed_run_whose_starting_heads_are_gone_is_told_so(tiny_dir, tmp_path, counting_heads, capsys):
