@@ -16,6 +16,7 @@ import argparse
 import io
 import os
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from medusa_infer.proposers import METHODS, build_proposer
@@ -145,6 +146,17 @@ def refuse_empty(parser: argparse.ArgumentParser, options: Sequence[tuple[str, s
     for flag, value, instead in options:
         if value is not None and not value.strip():
             parser.error(f"{flag} is empty ({value!r}): {instead}")
+
+
+def decode_utf8(data: bytes, where: str | Path, line: int = 1, offset: int = 0) -> str:
+    """``data`` decoded as UTF-8; ``ValueError`` naming ``where``'s line (``line``: that of ``data``'s first byte) and
+    byte (``offset``: ``data``'s first byte's in the file) where it is not (the codec's own message named neither)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        at = line + data[: err.start].count(b"\n")
+        raise ValueError(f"{where}:{at} is not UTF-8 text ({err.reason} at byte {offset + err.start}): save it as "
+                         "UTF-8") from None
 
 
 def is_text(text: str) -> bool:

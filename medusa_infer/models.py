@@ -593,12 +593,12 @@ def main(argv: list[str] | None = None) -> None:
                             f"${CACHE_ENV} only: set it to this folder for them"
     )
     args = parser.parse_args(argv)
-    for what, value, instead in (("the name", args.name, f"give a default-model name ({', '.join(DEFAULT_MODELS)}) "
-                                                          "or a model folder"),
-                                 ("--cache-dir", args.cache_dir, f"name a folder, or leave --cache-dir out for "
-                                                                 f"${CACHE_ENV} or {DEFAULT_CACHE}")):
-        if value is not None and not value.strip():  # ("" was the working folder)
-            parser.error(f"{what} is empty ({value!r}): {instead}")
+    from medusa_infer.cli import refuse_empty  # (it imports this module)
+
+    refuse_empty(parser, [("the name", args.name, f"give a default-model name ({', '.join(DEFAULT_MODELS)}) or a "
+                           "model folder"),  # ("" was the working folder)
+                          ("--cache-dir", args.cache_dir, f"name a folder, or leave --cache-dir out for ${CACHE_ENV} "
+                           f"or {DEFAULT_CACHE}")])
     path = Path(args.name).expanduser()
     if not path.is_dir() and not names_default_model(args.name):
         # a Hub id, a misspelt name or a missing folder (resolve_model's advice names Hub ids, which this refuses)

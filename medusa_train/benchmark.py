@@ -61,7 +61,8 @@ import torch
 from medusa_infer.adaptive import StepCosts
 from medusa_infer.attention_kernels import decoding_attention
 from medusa_infer.checkpoint import load_heads_state
-from medusa_infer.cli import DRAFT_INSTEAD, HEADS_INSTEAD, MAX_THREADS, MODEL_INSTEAD, is_text, refuse_empty
+from medusa_infer.cli import (DRAFT_INSTEAD, HEADS_INSTEAD, MAX_THREADS, MODEL_INSTEAD, decode_utf8, is_text,
+                              refuse_empty)
 from medusa_infer.decoding import context_length, eos_ids, padding_id
 from medusa_infer.interop import base_model_name, is_medusa_layout, read_medusa_layout
 from medusa_infer.model import PROCESSOR_SETTINGS
@@ -278,13 +279,7 @@ def load_questions(path: str | Path, limit: int | None = None, seed: int = 0,
 def read_questions(path: str | Path) -> list[dict]:
     """Every Spec-Bench-format question of ``path``, checked (read once: it may be a pipe)."""
     rows = []
-    data = Path(path).read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:  # (the codec's message named neither the file nor the line)
-        line = data[: err.start].count(b"\n") + 1
-        raise ValueError(f"{path}:{line} is not UTF-8 text ({err.reason} at byte {err.start}): save it as "
-                         "UTF-8") from None
+    text = decode_utf8(Path(path).read_bytes(), path)
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue

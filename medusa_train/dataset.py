@@ -579,15 +579,13 @@ def utf8_errors(path: Path) -> Iterator[None]:
     try:
         yield
     except UnicodeDecodeError as err:
+        from medusa_infer.cli import decode_utf8
+
         if path.is_file():
             offset = 0
             with path.open("rb") as handle:
                 for number, raw in enumerate(handle, 1):
-                    try:
-                        raw.decode("utf-8")
-                    except UnicodeDecodeError as found:
-                        raise ValueError(f"{path}:{number} is not UTF-8 text ({found.reason} at byte "
-                                         f"{offset + found.start}): save it as UTF-8") from None
+                    decode_utf8(raw, path, number, offset)  # (raises, naming the line)
                     offset += len(raw)
         raise ValueError(f"{path} is not UTF-8 text ({err.reason}): save it as UTF-8") from None
 

@@ -607,14 +607,12 @@ def read_recipe(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"recipe {path} does not exist; see recipes/ for the shipped ones")
+    from medusa_infer.cli import decode_utf8
+
     try:
-        values = read_yaml(path.read_text(encoding="utf-8")) or {}
+        values = read_yaml(decode_utf8(path.read_bytes(), f"recipe {path}")) or {}
     except yaml.YAMLError as err:
         raise ValueError(f"recipe {path} is not valid YAML: {err}") from None
-    except UnicodeDecodeError as err:
-        line = path.read_bytes()[: err.start].count(b"\n") + 1
-        raise ValueError(f"recipe {path}:{line} is not UTF-8 text ({err.reason} at byte {err.start}): save it as "
-                         "UTF-8") from None
     if not isinstance(values, dict):
         raise ValueError(f"recipe {path} holds a {type(values).__name__}, not a mapping of sections")
     return values
