@@ -969,6 +969,27 @@ def step_counts(config: TrainConfig, units: int, num_processes: int) -> tuple[in
     return micro_per_epoch, steps_per_epoch, total, math.floor(t.warmup_ratio * total)
 
 
+def left_out(config: TrainConfig, units: int, num_processes: int) -> str | None:
+    """What ``step_counts`` leaves out of the training items, in words (None: nothing): the incomplete last
+    micro-batch of each epoch (another random set of items each epoch, the order being a permutation per epoch)
+    and, with ``training.epochs``, the last epoch's micro-batches that fill no whole optimizer step."""
+    t = config.training
+    micro = t.batch_tokens if config.uses_feature_cache else t.batch_size
+    unit = "positions" if config.uses_feature_cache else "sequences"
+    micro_per_epoch, _, total, _ = step_counts(config, units, num_processes)
+    parts = []
+    rest = units - micro_per_epoch * micro * num_processes
+    if rest:
+        parts.append(f"each epoch leaves out {rest} of its {units} {unit} ({rest / units:.1%}; they do not fill a "
+                     f"micro-batch of {micro} x {num_processes} process(es)), a different random set each epoch")
+    if t.max_steps is None:
+        tail = math.floor(round(t.epochs * micro_per_epoch, 6)) - total * t.grad_accum
+        if tail:
+            parts.append(f"the last epoch's last {tail} micro-batch(es) fill no step of training.grad_accum="
+                         f"{t.grad_accum} and are left out")
+    return "; ".join(parts) or None
+
+
 def joint_warmup_steps(training: Any, total: int) -> int:
     """Medusa-2's adapter warm-up: ``warmup_ratio`` of the steps after the heads-only ones (``training``: a
     ``TrainConfig.training``), counted from the end of those."""

@@ -55,6 +55,7 @@ from medusa_train.train_config import (
     TrainConfig,
     config_from_dict,
     joint_warmup_steps,
+    left_out,
     owns_rows,
     rows_path,
     step_counts,
@@ -1042,6 +1043,9 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
         start_step = state["step"]
         if accelerator.is_main_process:
             print(f"resuming from {checkpoint} (step {start_step} of {total})", flush=True)
+    dropped = left_out(config, n, world)
+    if dropped is not None and accelerator.is_main_process:
+        print(f"train: {dropped}", flush=True)
 
     logger = MetricLogger(config, paths, accelerator, start_step)
     bar = tqdm(total=total, initial=start_step, desc=f"train {t.mode}", unit="step", dynamic_ncols=True,
