@@ -549,6 +549,12 @@ def hub_id(name_or_path: str | None) -> str | None:
     return name_or_path
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+"""Files one of which a model folder's tokenizer is read from (a fast tokenizer's, its settings, a SentencePiece
+model, a BPE or WordPiece vocabulary)."""
+
+
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """Load a tokenizer with a pad token (the EOS token if it has none) and left padding.
 
@@ -556,17 +562,15 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTra
         ValueError: the tokenizer has neither a pad token nor an EOS token.
     """
     resolved = resolve_model(name_or_path)
-    try:
-        with _cached_copy_errors(name_or_path, resolved):
-            tokenizer = AutoTokenizer.from_pretrained(resolved, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as err:
-        folder = Path(resolved)
-        if folder.is_dir() and not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-            # e.g. a model saved with model.save_pretrained(DIR) alone: transformers' error names a backend
-            raise ValueError(f"{folder} holds no tokenizer (no tokenizer.json or tokenizer_config.json): save "
-                             "the model's tokenizer beside its weights (tokenizer.save_pretrained(DIR)), or pass "
-                             "tokenizer=") from err
-        raise
+    folder = Path(resolved)
+    # e.g. a model saved with model.save_pretrained(DIR) alone: transformers named a tokenizer backend, or for
+    # some model types (Gemma's, Qwen2's) built a tokenizer of a handful of special tokens, which decoded
+    # every other token to nothing
+    if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise ValueError(f"{folder} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save the model's "
+                         "tokenizer beside its weights (tokenizer.save_pretrained(DIR)), or pass tokenizer=")
+    with _cached_copy_errors(name_or_path, resolved):
+        tokenizer = AutoTokenizer.from_pretrained(resolved, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(

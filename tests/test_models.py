@@ -747,3 +747,20 @@ def test_a_default_model_loaded_by_name_keeps_its_name(tmp_path, monkeypatch):  
     monkeypatch.setenv(models.KERNEL_PLANS_ENV, "")
     model = models.load_base_model(TINY_NAME, cpu_kernels="default")
     assert model.name_or_path == TINY_NAME
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3", "llama"])
+def test_a_model_folder_without_a_tokenizer_is_refused_by_name(arch, tmp_path):
+    """A model saved alone (model.save_pretrained(DIR)) loaded by folder: for Gemma's and Qwen's model types
+    transformers built a tokenizer of a handful of special tokens (5 and 1), which decoded every other token to
+    nothing; Llama's raised an error naming a tokenizer backend."""
+    from tiny import tiny_model
+
+    tiny_model(arch).save_pretrained(tmp_path / "model")
+    with pytest.raises(ValueError, match=r"model holds no tokenizer \(none of tokenizer.json, .*\): save the "
+                                         r"model's tokenizer beside its weights"):
+        models.load_tokenizer(str(tmp_path / "model"))
+    word = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({"<unk>": 0, "<eos>": 1, "a": 2},
+                                                                         unk_token="<unk>")), eos_token="<eos>")
+    word.save_pretrained(tmp_path / "model")  # beside it, the folder loads
+    assert len(models.load_tokenizer(str(tmp_path / "model"))) == 3
