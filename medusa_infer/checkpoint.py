@@ -140,6 +140,21 @@ def check_heads_target(directory: str | Path) -> None:
                          "folder")
 
 
+def unreadable_weights(path: Path, err: BaseException | str, what: str = "the file",
+                       fix: str = "re-download it or export the heads again") -> ValueError:
+    """The error for a weights file that does not read (``err``): a Git LFS pointer (a repository cloned
+    without git-lfs) is named as one, anything else as truncated or corrupted."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(32)
+    except OSError:
+        head = b""
+    if head.startswith(b"version https://git-lfs"):
+        return ValueError(f"{path} is a Git LFS pointer, not the weights (a clone made without git-lfs): run "
+                          "`git lfs pull` in its repository, or download the file itself")
+    return ValueError(f"{path} could not be read ({err}): {what} is truncated or corrupted; {fix}")
+
+
 def load_heads_state(directory: str | Path) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
     """Read a medusa-forge checkpoint folder; corrupted or missing files raise ``ValueError``."""
     directory = Path(directory).expanduser()
@@ -159,10 +174,7 @@ def load_heads_state(directory: str | Path) -> tuple[MedusaConfig, dict[str, tor
     try:
         state_dict = load_file(str(weights_path))
     except (SafetensorError, OSError) as err:
-        raise ValueError(
-            f"{weights_path} could not be read ({err}): the file is truncated or corrupted; "
-            "re-download it or export the heads again"
-        ) from err
+        raise unreadable_weights(weights_path, err) from err
     return config, state_dict
 
 

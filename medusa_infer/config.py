@@ -285,7 +285,10 @@ class MedusaConfig:
         if missing:
             raise ValueError(f"{path} has no {' and no '.join(missing)}, which every saved heads config holds: it is "
                              "damaged or not a heads config; re-save or re-export the heads")
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except (ValueError, TypeError) as err:  # (a value's own error named neither the file nor a way out)
+            raise ValueError(f"{path}: {err}; fix it there, or re-save or re-export the heads") from err
 
 
 def _recipe_model(training: Any) -> dict[str, Any]:

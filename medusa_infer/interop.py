@@ -27,7 +27,9 @@ from __future__ import annotations
 import json
 import logging
 import pickle
+import os
 import re
+import zipfile
 from pathlib import Path
 from typing import Any, Literal
 
@@ -35,7 +37,14 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from medusa_infer.checkpoint import FASTERDECODING_WEIGHTS, IMPORTED_FROM, check_state_dict, foreign_config
+from medusa_infer.checkpoint import (
+    FASTERDECODING_WEIGHTS,
+    IMPORTED_FROM,
+    check_state_dict,
+    first_existing,
+    foreign_config,
+    unreadable_weights,
+)
 from medusa_infer.checkpoint import WEIGHTS_NAME as OUR_WEIGHTS_NAME
 from medusa_infer.config import MedusaConfig
 from medusa_infer.heads import MedusaHeads
@@ -83,12 +92,16 @@ _FD_NAME = re.compile(r"\d+\.\d+\.(linear\.(weight|bias)|weight)")
 
 def is_medusa_layout(path: str | Path) -> bool:
     """Whether ``path`` is a folder with a FasterDecoding-style ``config.json`` (its weights file is
-    checked when it is read: ``weights_file``)."""
+    checked when it is read: ``weights_file``). A ``config.json`` that does not read, or is no JSON object,
+    beside this layout's weights file counts as one: ``read_medusa_layout`` then names what is wrong with it."""
+    path = Path(path)
     try:
-        data = json.loads((Path(path) / CONFIG_NAME).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and "medusa_num_heads" in data and "medusa_num_layers" in data
+        data = json.loads((path / CONFIG_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
+        data = None
+    if isinstance(data, dict):
+        return "medusa_num_heads" in data and "medusa_num_layers" in data
+    return (path / CONFIG_NAME).is_file() and any((path / name).is_file() for name in (SAFETENSORS_NAME, PT_NAME))
 
 
 def weights_file(path: str | Path) -> Path:
@@ -399,6 +412,9 @@ def write_medusa_layout(
             tensors[f"{k}.{config.num_layers}.weight"] = _plain("lm_head_weight", lm_head_weight)
 
     path = Path(path).expanduser()
+    existing = first_existing(path)
+    if existing is not None and not existing.is_dir():  # (foreign_config's read of path/config.json said
+        raise ValueError(f"{existing} is a file, not a folder: export the heads into a folder")  # NotADirectoryError)
     other = foreign_config(path, "FasterDecoding")
     if other is not None:
         raise ValueError(f"{path} holds {other}, which writing this layout there would replace: export into another "
@@ -441,11 +457,25 @@ def write_medusa_layout(
     if config.head_accuracies or config.cost_profile:
         logger.info("the FasterDecoding layout has no place for the heads' measured accuracies or cost profile: "
                     "%s keeps only their tree (medusa_choices); save_pretrained keeps everything", path)
-    (path / CONFIG_NAME).write_text(json.dumps(data, indent=2) + "\n")
-    if fmt == "safetensors":
-        save_file(tensors, str(path / SAFETENSORS_NAME), metadata={"format": "pt"})
-    else:
-        torch.save(tensors, path / PT_NAME)
+    # both written beside, then moved in: a write that failed over an earlier export left the new config.json
+    # beside the old weights (and a load then blamed an understated medusa_num_heads)
+    weights = path / WEIGHTS_NAMES[fmt]
+    partials = [path / (CONFIG_NAME + ".partial"), path / (weights.name + ".partial")]
+    try:
+        partials[0].write_text(json.dumps(data, indent=2) + "\n")
+        if fmt == "safetensors":
+            save_file(tensors, str(partials[1]), metadata={"format": "pt"})
+        else:
+            torch.save(tensors, partials[1])
+    except BaseException as err:
+        for partial in partials:
+            if partial.is_file():
+                partial.unlink()
+        if isinstance(err, SafetensorError):  # (its own type: a traceback where OSError is said)
+            raise OSError(f"{partials[1]} could not be written: {err}") from err
+        raise
+    os.replace(partials[1], weights)
+    os.replace(partials[0], path / CONFIG_NAME)
     return path
 
 
@@ -495,10 +525,10 @@ def _read_config_json(config_path: Path) -> dict[str, Any]:
 def _read_json_object(config_path: Path, what: str) -> dict[str, Any]:
     """A ``config.json`` holding a JSON object; ``ValueError`` says why it is not ``what``."""
     try:
-        data = json.loads(config_path.read_text())
+        data = json.loads(config_path.read_text(encoding="utf-8"))
     except OSError as err:
         raise ValueError(f"cannot read {config_path} ({err}): not {what}") from err
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{config_path} is not valid JSON ({err}); re-download or re-export it") from err
     if not isinstance(data, dict):
         raise ValueError(f"{config_path} holds a {type(data).__name__}, not a JSON object: not {what}")
@@ -511,11 +541,12 @@ def _load_weights(weights_path: Path) -> dict[str, torch.Tensor]:
         try:
             loaded = load_file(str(weights_path))
         except (SafetensorError, OSError) as err:
-            raise ValueError(
-                f"{weights_path} could not be read ({err}): the file is truncated or corrupted; "
-                "re-download it or export the heads again"
-            ) from err
+            raise unreadable_weights(weights_path, err) from err
     else:
+        with weights_path.open("rb") as handle:  # an old release's bare pickle (\x80), or torch.save's zip archive
+            torch_file = handle.read(1) == b"\x80" or zipfile.is_zipfile(handle)
+        if not torch_file:  # random bytes, a Git LFS pointer, an HTML error page: torch.load called them unsafe
+            raise unreadable_weights(weights_path, "not a file torch.save writes")
         try:
             loaded = torch.load(weights_path, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as err:
@@ -525,10 +556,7 @@ def _load_weights(weights_path: Path) -> dict[str, torch.Tensor]:
                 f"{SAFETENSORS_NAME} holding only the tensors"
             ) from err
         except (RuntimeError, EOFError, OSError) as err:
-            raise ValueError(
-                f"{weights_path} could not be read ({err}): the file is truncated or corrupted; "
-                "re-download it or export the heads again"
-            ) from err
+            raise unreadable_weights(weights_path, err) from err
         if not isinstance(loaded, dict):
             raise ValueError(f"{weights_path} holds a {type(loaded).__name__}, expected a dict of tensors")
     bad = sorted(

@@ -654,11 +654,13 @@ class MedusaModel(nn.Module):
         As with ``save_pretrained``, the heads are written in the dtype they compute in unless
         ``heads_state`` gives the weights to write (the full-precision ones they were loaded from); version
         '1''s copies of the base ``lm_head`` are the model's, in its dtype."""
-        from medusa_infer.interop import write_medusa_layout
+        from medusa_infer.interop import recorded_adapter_digest, write_medusa_layout
 
         copies = version == "1" and self.config.projection == "shared"
         lm_weight, lm_bias = (self.lm_head.weight, self.lm_head.bias) if copies else (None, None)
-        merged_in = self._merged_digest()
+        # heads imported from an export keep their adapter's digest where none is merged here (re-exported on the
+        # plain base model, the new export lost it, and loaded beside any other adapter)
+        merged_in = self._merged_digest() or recorded_adapter_digest(self.config, Path(directory))
         state = self.heads.state_dict()
         if heads_state is not None:
             check_state_dict(state, dict(heads_state), "heads_state")
@@ -910,13 +912,14 @@ def merge_adapter(base_model: PreTrainedModel, folder: str | os.PathLike) -> Pre
                          "lora.target_modules outside the embeddings and lm_head")
     from safetensors import SafetensorError, safe_open
 
+    from medusa_infer.checkpoint import unreadable_weights
+
     for weights in sorted(Path(folder).glob("*.safetensors")):  # before peft changes the model: it injects
         try:  # LoRA layers into it, then fails on a file that does not read (the header check finds a cut one)
             with safe_open(str(weights), framework="pt"):
                 pass
         except (SafetensorError, OSError) as err:
-            raise ValueError(f"{weights} could not be read ({err}): the adapter is truncated or corrupted; "
-                             "save or download it again") from err
+            raise unreadable_weights(weights, err, "the adapter", "save or download it again") from err
     config = PeftConfig.from_pretrained(str(folder))
     config.inference_mode = True
     flags = {name: param.requires_grad for name, param in base_model.named_parameters()}  # (peft freezes all)

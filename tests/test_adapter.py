@@ -395,6 +395,11 @@ def test_faster_decoding_export_of_medusa2_heads_keeps_their_mode(heads_folder, 
     plain.save_pretrained(tmp_path / "resaved")
     assert json.loads((tmp_path / "resaved" / "config.json").read_text())["training"]["recipe"] == {
         "training": {"mode": "medusa2"}}
+    # exported again from the plain base model, the heads name their adapter still (the new export named none,
+    # and loaded beside any other adapter)
+    plain.export_medusa_layout(tmp_path / "fd-again")
+    named = json.loads((tmp_path / "fd" / "config.json").read_text())["medusa_forge_adapter_digest"]
+    assert json.loads((tmp_path / "fd-again" / "config.json").read_text())["medusa_forge_adapter_digest"] == named
     model.base_model.save_pretrained(tmp_path / "merged")  # records the adapter merged into its weights
     caplog.clear()
     MedusaModel.from_pretrained(tmp_path / "fd", base_model=LlamaForCausalLM.from_pretrained(tmp_path / "merged"))

@@ -219,7 +219,9 @@ def test_is_medusa_layout(tmp_path):
     (ours / "config.json").write_text(json.dumps(tiny_config("own").to_dict()))
     save_file(fd_tensors(projections=True), str(ours / "medusa_lm_head.safetensors"))
     assert not is_medusa_layout(ours)
-    (ours / "config.json").write_text("{not json")
+    (ours / "config.json").write_text("{not json")  # beside this layout's weights: read as one, which names the
+    assert is_medusa_layout(ours)  # JSON error (test_an_unreadable_config_beside_the_layouts_weights_is_named)
+    (ours / "medusa_lm_head.safetensors").unlink()
     assert not is_medusa_layout(ours)
     assert is_medusa_layout(make_fd_folder(tmp_path / "pt", fd_tensors(projections=True), "pt"))
 
@@ -518,3 +520,77 @@ def test_safetensors_is_read_before_pt_when_a_folder_holds_both(tmp_path):
     for k in range(HEADS):
         assert torch.equal(state[f"heads.{k}.proj.weight"], chosen[f"{k}.{LAYERS}.weight"])
         assert torch.equal(state[f"heads.{k}.blocks.0.linear.weight"], chosen[f"{k}.0.linear.weight"])
+
+
+@pytest.mark.parametrize("raw", [b"\xef\xbb\xbf{}", b'{"medusa_num_heads": 3, "name": "caf\xe9"}', b'{"medusa_num',
+                                 b"[1, 2]"])
+def test_an_unreadable_config_beside_the_layouts_weights_is_named(tmp_path, raw):
+    """A config.json saved with a BOM (Notepad), in latin-1, cut, or holding no object, beside this layout's
+    weights: the folder was taken for no FasterDecoding folder, and the load said its config.json was missing."""
+    from medusa_infer.model import MedusaModel
+
+    folder = make_fd_folder(tmp_path / "fd", fd_tensors(projections=True))
+    (folder / "config.json").write_bytes(raw)
+    assert is_medusa_layout(folder)
+    said = r"config.json (is not valid JSON \((Unexpected UTF-8 BOM|'utf-8' codec|Unterminated)|holds a list, not a JSON)"
+    with pytest.raises(ValueError, match=said):
+        read_medusa_layout(folder)
+    with pytest.raises(ValueError, match=said):
+        MedusaModel.from_pretrained(folder, base_model="unused")
+
+
+@pytest.mark.parametrize("content", [b"version https://git-lfs.github.com/spec/v1\noid sha256:ab\nsize 12\n",
+                                     b"<!DOCTYPE html><html>Not Found</html>", bytes(range(7, 200))])
+@pytest.mark.parametrize("fmt", ["safetensors", "pt"])
+def test_weights_that_are_no_torch_file_are_named(tmp_path, content, fmt):
+    """A Git LFS pointer (a clone without git-lfs), an error page, random bytes as medusa_lm_head.pt: called a pickle
+    of objects that could run code; a pointer is named as one."""
+    folder = make_fd_folder(tmp_path / "fd", fd_tensors(projections=True), fmt)
+    (folder / f"medusa_lm_head.{fmt}").write_bytes(content)
+    said = (r"is a Git LFS pointer, not the weights .*git lfs pull" if content.startswith(b"version")
+            else r"could not be read .*: the file is truncated or corrupted; re-download it")
+    with pytest.raises(ValueError, match=said):
+        read_medusa_layout(folder)
+
+
+def test_an_export_that_fails_leaves_the_earlier_one_whole(tmp_path, monkeypatch):
+    """The config.json was written first, then the weights over the earlier export's: a full disk left a config of
+    5 heads beside weights of 3 (and the load blamed an understated medusa_num_heads)."""
+    from medusa_infer import interop
+
+    write_medusa_layout(tiny_config("shared"), random_state(tiny_config("shared")), tmp_path / "fd")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "fd").iterdir()}
+    bigger = tiny_config("shared", num_heads=5)
+
+    def full_disk(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(interop, "save_file", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        write_medusa_layout(bigger, random_state(bigger), tmp_path / "fd")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "fd").iterdir()} == before
+
+
+def test_export_into_a_file_is_refused_by_name(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    for target in (tmp_path / "afile", tmp_path / "afile" / "fd"):
+        with pytest.raises(ValueError, match=r"afile is a file, not a folder: export the heads into a folder"):
+            write_medusa_layout(tiny_config("shared"), random_state(tiny_config("shared")), target)
+
+
+def test_a_bad_value_in_a_heads_config_names_the_file(tmp_path):
+    config = tiny_config("own").to_dict()
+    (tmp_path / "config.json").write_text(json.dumps({**config, "projection": "mine"}))
+    with pytest.raises(ValueError, match=r"config.json: projection must be one of .*'mine'.*; fix it there, or "
+                                         r"re-save or re-export the heads"):
+        MedusaConfig.load(tmp_path / "config.json")
+
+
+def test_a_git_lfs_pointer_in_our_layout_is_named(tmp_path):
+    from medusa_infer.checkpoint import load_heads_state, save_heads
+
+    save_heads(tmp_path / "heads", tiny_config("own"), random_state(tiny_config("own")))
+    (tmp_path / "heads" / "model.safetensors").write_bytes(b"version https://git-lfs.github.com/spec/v1\n")
+    with pytest.raises(ValueError, match=r"model.safetensors is a Git LFS pointer, not the weights"):
+        load_heads_state(tmp_path / "heads")
