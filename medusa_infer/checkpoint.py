@@ -144,12 +144,14 @@ def unreadable_weights(path: Path, err: BaseException | str, what: str = "the fi
                        fix: str = "re-download it or export the heads again") -> ValueError:
     """The error for a weights file that does not read (``err``): a Git LFS pointer (a repository cloned
     without git-lfs) is named as one, anything else as truncated or corrupted."""
+    from medusa_infer.models import LFS_POINTER
+
     try:
         with open(path, "rb") as handle:
             head = handle.read(32)
     except OSError:
         head = b""
-    if head.startswith(b"version https://git-lfs"):
+    if head.startswith(LFS_POINTER):
         return ValueError(f"{path} is a Git LFS pointer, not the weights (a clone made without git-lfs): run "
                           "`git lfs pull` in its repository, or download the file itself")
     return ValueError(f"{path} could not be read ({err}): {what} is truncated or corrupted; {fix}")

@@ -412,8 +412,33 @@ def _cached_copy_errors(name: str, folder: str) -> Iterator[None]:
             what = f"this machine's converted copy of {name}" if names_default_model(name) else \
                 "a converted copy of a default model"
             raise RuntimeError(f"{folder}, {what}, is damaged ({damage}); {fix}") from err
+        pointers = lfs_pointers(Path(folder))
+        if pointers:  # a repository cloned without git-lfs: safetensors said "header too large"
+            raise ValueError(f"{Path(folder) / pointers[0]} is a Git LFS pointer, not the file itself"
+                             f"{f' (and {len(pointers) - 1} more)' if len(pointers) > 1 else ''}: the folder was "
+                             "cloned without git-lfs; run `git lfs pull` there, or download the files themselves "
+                             "(huggingface-cli download)") from err
         raise
 
+
+def lfs_pointers(folder: Path) -> list[str]:
+    """The files directly in ``folder`` (a model's weights, its tokenizer) that are Git LFS pointers, by name."""
+    if not folder.is_dir():
+        return []
+    found = []
+    for path in sorted(folder.iterdir()):
+        try:
+            if path.is_file() and path.stat().st_size < 1024:
+                with path.open("rb") as handle:
+                    if handle.read(32).startswith(LFS_POINTER):
+                        found.append(path.name)
+        except OSError:
+            continue
+    return found
+
+
+LFS_POINTER = b"version https://git-lfs"
+"""How a Git LFS pointer file starts: what a clone made without git-lfs holds in place of a large file."""
 
 MODEL_JSON = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json", "added_tokens.json", "vocab.json", "chat_template.json")

@@ -764,3 +764,16 @@ def test_a_model_folder_without_a_tokenizer_is_refused_by_name(arch, tmp_path):
                                                                          unk_token="<unk>")), eos_token="<eos>")
     word.save_pretrained(tmp_path / "model")  # beside it, the folder loads
     assert len(models.load_tokenizer(str(tmp_path / "model"))) == 3
+
+
+def test_a_model_folder_cloned_without_git_lfs_is_named(tmp_path):
+    """A Hub repository cloned without git-lfs holds pointers in place of its weights: safetensors said
+    "header too large", naming neither the file nor the fix."""
+    from tiny import tiny_model
+
+    tiny_model("llama").save_pretrained(tmp_path / "model")
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"version https://git-lfs.github.com/spec/v1\n"
+                                                           b"oid sha256:ab12\nsize 123456\n")
+    with pytest.raises(ValueError, match=r"model.safetensors is a Git LFS pointer, not the file itself: the folder "
+                                         r"was cloned without git-lfs; run `git lfs pull` there"):
+        models.load_base_model(str(tmp_path / "model"))
