@@ -825,13 +825,9 @@ def split_heldout(dataset: Dataset, fraction: float, seed: int = 0) -> tuple[Dat
     ``heldout`` gets ``train_config.split_sizes``' count: ``round(fraction * len(dataset))``
     examples, at least one when ``fraction > 0``; ``ValueError`` when that leaves a split empty.
     """
-    from medusa_train.train_config import split_sizes
+    from medusa_train.train_config import split_indices
 
     if not 0.0 <= fraction < 1.0:
         raise ValueError(f"held-out fraction must be in [0, 1), got {fraction}")
-    n = len(dataset)
-    n_heldout = split_sizes(n, fraction)[1]
-    order = np.random.default_rng(seed).permutation(n)
-    heldout = sorted(order[:n_heldout].tolist())
-    train = sorted(order[n_heldout:].tolist())
+    train, heldout = split_indices(len(dataset), fraction, seed)
     return dataset.select(train), dataset.select(heldout)

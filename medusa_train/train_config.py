@@ -860,6 +860,16 @@ def _count_lines(path: Path) -> int:
         return sum(1 for line in handle if line.strip())
 
 
+def split_indices(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """``(train, heldout)`` indices of ``n`` examples, each in file order, as ``dataset.split_heldout`` draws them
+    (``split_sizes``' counts, a permutation by ``seed``)."""
+    import numpy as np
+
+    n_heldout = split_sizes(n, fraction)[1]
+    order = np.random.default_rng(seed).permutation(n)
+    return sorted(order[n_heldout:].tolist()), sorted(order[:n_heldout].tolist())
+
+
 def split_sizes(n: int, fraction: float) -> tuple[int, int]:
     """``(train, heldout)`` example counts of ``n`` examples with ``fraction`` held out (``dataset.split_heldout``):
     ``round(fraction * n)`` held out, at least one and at most ``n - 1`` when ``fraction > 0``.
@@ -908,7 +918,9 @@ def feature_settings(config: TrainConfig) -> dict[str, Any]:
     """``example_settings`` and the settings that shape the feature caches (``features.cache_key``'s,
     the model's weights and the examples' content excepted), as ``features/index.json`` records them."""
     f = config.features
-    return {**example_settings(config), "dtype": config.model.dtype, "attn": config.model.attn_implementation,
+    # the split too: an index of another split's training examples gave their positions as exact
+    return {**example_settings(config), "heldout_fraction": config.data.heldout_fraction, "seed": config.training.seed,
+            "dtype": config.model.dtype, "attn": config.model.attn_implementation,
             "features_dtype": f.dtype, "topk": config.soft_label_topk, "shard_examples": f.shard_examples,
             "from_distillation": config.keeps_distillation_hidden}
 
@@ -926,9 +938,10 @@ def _feature_rows(config: TrainConfig) -> int | None:
     return json.loads(manifest.read_text())["num_rows"] if manifest.is_file() else None
 
 
-def _dataset_built(config: TrainConfig) -> bool:
-    """Whether a tokenised dataset of these settings (``example_settings``) and of this cache format is in the
-    run's data folder (one of an earlier format is built again: the plan said done)."""
+def _dataset_built(config: TrainConfig) -> dict[str, Any] | None:
+    """The record (``BUILD_STATS_NAME``: its counts, settings and format) of the tokenised dataset of these settings
+    (``example_settings``) and of this cache format in the run's data folder; None where there is none (one of an
+    earlier format is built again: the plan said done)."""
     from medusa_train.dataset import BUILD_STATS_NAME, CACHE_FORMAT_VERSION
 
     wanted = json.loads(json.dumps(example_settings(config)))
@@ -936,10 +949,10 @@ def _dataset_built(config: TrainConfig) -> bool:
         try:
             saved = json.loads((folder / BUILD_STATS_NAME).read_text())
             if saved.get("settings") == wanted and saved.get("format") == CACHE_FORMAT_VERSION:
-                return True
+                return saved
         except (OSError, ValueError):
             continue
-    return False
+    return None
 
 
 def step_counts(config: TrainConfig, units: int, num_processes: int) -> tuple[int, int, int, int]:
@@ -1006,13 +1019,24 @@ def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | Non
     t, d = config.training, config.data
     paths = run_paths(config)
     rows_file = rows_path(config)
-    exact, labelled = False, None
+    exact, labelled, positions = False, None, None
+    built = None if distill_pending or d.tokenized else _dataset_built(config)
     if d.tokenized and Path(d.tokenized).is_file():  # counted as the run keeps them (data.max_length)
-        from medusa_train.dataset import IGNORE_INDEX, read_rows, truncate_examples
+        from medusa_train.dataset import IGNORE_INDEX, check_head_positions, head_positions, read_rows, \
+            truncate_examples
 
         kept = truncate_examples(read_rows(d.tokenized), d.max_length)[0]
         examples, exact = len(kept), True
-        labelled = sum(label != IGNORE_INDEX for example in kept for label in example["labels"])
+        if len(kept) >= 2 or d.heldout_fraction == 0:  # (else split_sizes refuses, below)
+            # the training split as the run draws it, and the positions its feature cache keeps: an upper bound
+            # over all examples promised steps the run refused once the features were extracted
+            train_index, heldout_index = split_indices(len(kept), d.heldout_fraction, t.seed)
+            train_kept = [kept[i] for i in train_index]
+            check_head_positions(train_kept, [kept[i] for i in heldout_index])  # (the run's refusal, before it)
+            labelled = sum(label != IGNORE_INDEX for example in train_kept for label in example["labels"])
+            positions = sum(head_positions(example["labels"]) for example in train_kept)
+    elif built is not None and isinstance(built.get("examples"), int):  # the dataset this run built: its
+        examples, exact = built["examples"], True  # examples, not the rows it dropped some of
     elif rows_file.is_file():
         examples = _count_lines(rows_file) + (distill_pending or 0)
     elif owns_rows(config) and Path(d.prompts).is_file():  # the prompts the run samples: data.n, cut by the
@@ -1038,10 +1062,11 @@ def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | Non
     if config.uses_feature_cache:
         unit, micro = "positions", t.batch_tokens
         cached = None if distill_pending else _feature_rows(config)  # rows still to distil: other examples
-        units = cached if cached is not None else est_tokens
-        exact = cached is not None  # the steps count the cache's positions, as training does
-        if cached is not None:
-            est_tokens, tokens_exact = cached, True
+        counted = cached if cached is not None else positions  # (ready examples: the positions a cache keeps)
+        units = counted if counted is not None else est_tokens
+        exact = counted is not None  # the steps count the cache's positions, as training does
+        if counted is not None:
+            est_tokens, tokens_exact = counted, True
     else:
         unit, micro, units = "sequences", t.batch_size, train_examples
     micro_per_epoch, steps_per_epoch, total, warmup = step_counts(config, units, num_processes)
@@ -1058,8 +1083,7 @@ def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | Non
               "skipped: data.tokenized given" if d.tokenized else
               "rows given (data.rows), read as they are" if not owns_rows(config) and rows_file.is_file() else
               f"{config.model.name} answers {answering}, <= {d.max_new_tokens} new tokens"),
-        Stage("dataset", str(d.tokenized or paths.data), bool(d.tokenized) or (not distill_pending
-                                                                             and _dataset_built(config)),
+        Stage("dataset", str(d.tokenized or paths.data), bool(d.tokenized) or built is not None,
               f"tokenise, max_length {d.max_length}, hold out {d.heldout_fraction:.0%}"),
     ]
     if config.uses_feature_cache:

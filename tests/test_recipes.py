@@ -308,6 +308,12 @@ def test_plan_counts_existing_data_and_features(tmp_path):
     # rows still to distil make other examples: the cache is another run's
     assert [s.done for s in plan(config, distill_pending=3).stages if s.name == "features"] == [False]
     assert "<= " in plan(config, distill_pending=3).summary().split("train tokens")[1].splitlines()[0]
+    # another split holds other training examples: the plan gave this one's positions as exact (and a batch
+    # they filled was refused once the features were extracted)
+    for change in ({"data": {**config.to_dict()["data"], "heldout_fraction": 0.5}},
+                   {"training": {**config.to_dict()["training"], "seed": 7}}):
+        split = plan(config_from_dict({**config.to_dict(), **change}))
+        assert [s.done for s in split.stages if s.name == "features"] == [False] and not split.exact
     rows.write_text(rows.read_text() + json.dumps({"id": 50, "prompt": "p", "response": "r"}) + "\n")
     assert [s.done for s in plan(config).stages if s.name == "features"] == [False]  # the rows changed
     # another max_length makes other examples, so other features: the plan said done, and counted these
@@ -320,17 +326,22 @@ def test_plan_says_done_for_a_tokenised_dataset_of_these_settings_only(tmp_path,
     import train_heads
 
     rows = tmp_path / "rows.jsonl"
-    rows.write_text("".join(json.dumps({"id": i, "prompt": f"q{i}", "response": "an answer"}) + "\n"
-                            for i in range(20)))
+    rows.write_text("".join(json.dumps({"id": i, "prompt": f"q{i}" + " word" * (1500 if i >= 15 else 0),
+                                        "response": "an answer"}) + "\n" for i in range(20)))
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump({"output_dir": str(tmp_path / "run"), "model": {"name": "smollm2-135m-instruct"},
                                       "data": {"rows": str(rows), "heldout_fraction": 0.2}}))
     config = load_config(recipe)
+    assert plan(config).examples == 20  # (rows, before the build)
 
     from test_dataset import OneProcess
 
     train_heads.stage_data(config, OneProcess(), 0)
     assert [s.done for s in plan(config).stages if s.name == "dataset"] == [True]
+    # the examples the build kept: five prompts fill data.max_length (the plan counted rows, and its steps)
+    assert (plan(config).examples, plan(config).train_examples) == (15, 12)
+    sequences = plan(load_config(recipe, ["features.enabled=false", "training.batch_size=4"]))
+    assert sequences.exact and sequences.steps_per_epoch == 3  # 12 training sequences
     for change in ("data.max_length=64", "data.system_prompt=Be brief."):
         assert [s.done for s in plan(load_config(recipe, [change])).stages if s.name == "dataset"] == [False]
     assert [s.done for s in plan(config, distill_pending=5).stages if s.name == "dataset"] == [False]  # more rows
@@ -357,7 +368,9 @@ def test_plan_says_done_for_a_tokenised_dataset_of_these_settings_only(tmp_path,
 def test_plan_bounds_ready_examples_by_their_length_and_counts_them_as_kept(tmp_path):
     """data.tokenized: the estimate took data.max_new_tokens per example (their length is max_length's), so
     a plan refused long examples that fill a batch; it counted examples max_length leaves unlabelled, and
-    called its token estimate exact."""
+    called its token estimate exact. Then it bounded the positions by all examples' labels, held-out ones
+    included: a batch they filled and the training split's positions did not was refused after the features
+    stage. Now it counts the positions the feature cache keeps for the training split the run draws."""
     ready = tmp_path / "ready.jsonl"
     long = [{"input_ids": list(range(600)), "labels": [-100] * 10 + list(range(10, 600))} for _ in range(4)]
     prompt_only = {"input_ids": list(range(40)), "labels": [-100] * 30 + list(range(30, 40))}
@@ -365,9 +378,15 @@ def test_plan_bounds_ready_examples_by_their_length_and_counts_them_as_kept(tmp_
     config = config_from_dict({"output_dir": str(tmp_path / "run"),
                                "data": {"tokenized": str(ready), "heldout_fraction": 0.25, "max_length": 700},
                                "training": {"batch_tokens": 1024}})
-    laid = plan(config)  # 4 train examples of up to 590 labelled tokens: a batch of 1024 is filled
-    assert laid.examples == 5 and laid.est_train_tokens == min(4 * 700, 4 * 590 + 10)
-    assert "<= " in laid.summary().split("train tokens")[1].splitlines()[0]
+    laid = plan(config)  # 4 train examples of 590 and 10 labelled tokens: a batch of 1024 is filled
+    from medusa_train.train_config import split_indices
+
+    assert split_indices(5, 0.25, config.training.seed) == ([0, 1, 3, 4], [2])  # a long example held out
+    # head 1 learns where the next two tokens are the answer's: 589 positions of 590 labels, 9 of 10
+    assert laid.examples == 5 and laid.est_train_tokens == 3 * 589 + 9
+    assert laid.tokens_exact and "<= " not in laid.summary().split("train tokens")[1].splitlines()[0]
+    with pytest.raises(ValueError, match=r"1776 training positions do not fill one micro-batch of 2000"):
+        plan(config_from_dict({**config.to_dict(), "training": {"batch_tokens": 2000}}))  # 2370 labels in all
     cut = plan(config_from_dict({**config.to_dict(), "data": {**config.to_dict()["data"], "max_length": 30},
                                  "training": {"batch_tokens": 16}}))
     assert cut.examples == 4  # the prompt-only example keeps no label at 30 tokens: dropped, as the run drops it

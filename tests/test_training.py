@@ -1081,10 +1081,12 @@ def test_a_split_with_no_position_for_the_heads_is_refused_before_training(tiny_
     values = recipe(tiny_dir, tmp_path / "run", training={"max_steps": 2, "seed": 0})
     values["data"].update(tokenized=str(data), heldout_fraction=0.2)
     config_file = str(write_recipe(tmp_path / "r.yaml", values))
-    with pytest.raises(SystemExit, match=r"none of the 4 held-out examples has two answer tokens in a row.*"
-                                         r"data.heldout_fraction"):
-        train_heads.main(["--config", config_file])
-    assert not (tmp_path / "run" / "checkpoints" / "final").exists()
+    for plan_only in ([], ["--plan"]):  # refused by the plan now, which counts data.tokenized's split
+        with pytest.raises(SystemExit):
+            train_heads.main(["--config", config_file, *plan_only])
+        assert re.search(r"none of the 4 held-out examples has two answer tokens in a row.*data.heldout_fraction",
+                         capsys.readouterr().err)
+    assert not (tmp_path / "run" / "checkpoints" / "final").exists() and not (tmp_path / "run" / "features").exists()
 
 
 def test_heads_of_a_run_whose_final_heads_are_gone_are_evaluated_again(tiny_dir, tmp_path, capsys):
