@@ -277,8 +277,10 @@ def load_questions(path: str | Path, limit: int | None = None, seed: int = 0,
 
 
 def read_questions(path: str | Path) -> list[dict]:
-    """Every Spec-Bench-format question of ``path``, checked (read once: it may be a pipe)."""
-    rows = []
+    """Every Spec-Bench-format question of ``path``, checked (read once: it may be a pipe); ``ValueError`` naming
+    two lines of one id (81 and "81" alike): questions are left out by id (calibration's, ``--exclude-ids``), and
+    each of a duplicated id's questions was left out with the one named."""
+    rows, lines = [], {}
     text = decode_utf8(Path(path).read_bytes(), path)
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -291,6 +293,10 @@ def read_questions(path: str | Path) -> list[dict]:
         if problem:
             raise ValueError(f"{path}:{number}: {problem}; a question is "
                              '{"id": 1, "category": "writing", "turns": ["first turn", ...]}')
+        first = lines.setdefault(str(row["id"]), number)
+        if first != number:
+            raise ValueError(f"{path}:{number}: id {row['id']!r} is line {first}'s too; give each question an id of its "
+                             "own (questions are left out by id: calibration's, --exclude-ids)")
         rows.append(row)
     return rows
 
@@ -632,8 +638,11 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
             if not groups:
                 raise
             stopped_by = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
+            # which method failed on which questions: the report named neither (only stderr did)
+            stopped_by = (f"{method_of(error)} on question(s) {', '.join(str(q['id']) for q in group)}: "
+                          f"{stopped_by}")
             traceback.print_exception(error, file=sys.stderr)  # (a bug in a method, not only out of memory)
-            print(f"\n{method_of(error)} failed ({stopped_by}): stopping after {first} of {planned} questions, "
+            print(f"\nfailed ({stopped_by}): stopping after {first} of {planned} questions, "
                   "reporting those", file=sys.stderr)
             questions = questions[:first]
             break
@@ -736,21 +745,23 @@ def method_of(error: BaseException) -> str:
 
 
 BOOTSTRAP_SAMPLES = 2000
-MIN_INTERVAL_GROUPS = 10
+MIN_INTERVAL_GROUPS = 25
 """Groups of questions below which no speedup interval is given: a bootstrap of n groups never reaches past
 their own ratios, and covers the truth far less often than 95% (about 50% of the time for 2 groups, 80% for
-5, 90% for 10; 94% for 26, measured with a known speedup)."""
+5, 90% for 10, 89% for 15; 94% for 26, measured with a known speedup). It was 10, and the report called
+those intervals 95% ones."""
 
 
 def speedup_intervals(groups: list[dict[str, Any]], methods: Sequence[str], samples: int = BOOTSTRAP_SAMPLES,
-                      seed: int = 0, min_groups: int = MIN_INTERVAL_GROUPS) -> dict[str, list[float]]:
+                      seed: int = 0, min_groups: int | None = None) -> dict[str, list[float]]:
     """Per method, a 95% bootstrap interval of its speedup over ``hf`` (the ratio of total tokens per
     second, as reported): the groups of questions (``benchmark``'s ``groups``: one question at batch size
     1) drawn again with replacement, each method's and ``hf``'s times of a group kept together (paired).
     Every group every method ran on is drawn from; a draw whose speedup is undefined (no ``hf`` token, or
     no second, in all it drew: a few groups with an empty ``hf`` answer) is drawn again, and where most are
     (no interval to tell) there is none. Empty without ``hf`` or with fewer than ``min_groups`` groups
-    (``MIN_INTERVAL_GROUPS``)."""
+    (None: ``MIN_INTERVAL_GROUPS``)."""
+    min_groups = MIN_INTERVAL_GROUPS if min_groups is None else min_groups
     usable = [g for g in groups if all(m in g["seconds"] for m in methods)]
     if "hf" not in methods or len(usable) < max(2, min_groups):
         return {}
@@ -881,6 +892,20 @@ def _kernels_note(kernels: str | None) -> str:
     return f" (linear kernels: {kernels})"
 
 
+def _left_out_note(left_out: dict[str, Any] | None) -> str:
+    """The report's sentence on the questions left out before the draw (``settings.left_out_ids``)."""
+    if not left_out:
+        return ""
+    parts = []
+    if left_out.get("calibration"):
+        parts.append(f"the {len(left_out['calibration'])} the heads were calibrated on"
+                     + (" in this run" if left_out.get("calibrated_here") else "")
+                     + f" ({', '.join(map(str, left_out['calibration']))})")
+    if left_out.get("exclude_ids"):
+        parts.append(f"--exclude-ids {','.join(map(str, left_out['exclude_ids']))}")
+    return f" Drawn from the file's questions but {' and '.join(parts)}." if parts else ""
+
+
 def report_markdown(report: dict[str, Any]) -> str:
     s = report["settings"]
     lines = [
@@ -898,7 +923,8 @@ def report_markdown(report: dict[str, Any]) -> str:
            "are theirs." if s.get("stopped_by") else "")
         + (f" Left out, as their turns could outgrow the model's context: questions "
            f"{', '.join(map(str, s['questions_left_out_for_context']))}."
-           if s.get("questions_left_out_for_context") else ""),
+           if s.get("questions_left_out_for_context") else "")
+        + _left_out_note(s.get("left_out_ids")),
         "",
         f"| method | tokens/s | {_speedup_title(report)} | tau | exact | TTFT s | TPOT s | peak MB |",
         "|---|---|---|---|---|---|---|---|",
@@ -1444,7 +1470,8 @@ def run(args: argparse.Namespace, started: float) -> int:
         # a bad --tree (fitted-N on unmeasured heads, an unknown preset) fails before any method runs, and before
         # calibrating (a fitted tree needs the calibration's accuracies: checked after it)
         resolve_tree(model, args.tree)
-    exclude = [x.strip() for x in args.exclude_ids.split(",") if x.strip()]  # as written: "007" is not 7
+    given_excluded = [x.strip() for x in args.exclude_ids.split(",") if x.strip()]  # as written: "007" is not 7
+    exclude = list(given_excluded)
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     if args.calibrate:  # the folder calibration saves into, checked before the answers (refused only then)
@@ -1498,6 +1525,11 @@ def run(args: argparse.Namespace, started: float) -> int:
     if questions is None:
         questions = _benchmark_questions(all_questions, args, exclude, bool(calibrated_on))
     report = benchmark(model, questions, args, started=started, runner=runner)
+    # the questions drawn from were these less those left out: recorded, or --limit and --seed drew another set
+    report["settings"]["left_out_ids"] = {
+        "exclude_ids": given_excluded,
+        "calibration": (result["question_ids"] if args.calibrate else list(calibrated_on or [])),
+        "calibrated_here": bool(args.calibrate)}
     if not args.calibrate:  # an earlier run's would pass for this one's (removed with this run's report only)
         (output / "calibration.json").unlink(missing_ok=True)
     (output / "report.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -95,7 +95,7 @@ def main() -> None:
         answer(method, [{"role": "user", "content": chosen[0]["turns"][0]}], 8, StepCosts())
     for index, question in enumerate(chosen):
         messages = [{"role": "user", "content": question["turns"][0]}]
-        answers = {}
+        answers, line = {}, {}
         shift = index % len(METHODS)
         for method in METHODS[shift:] + METHODS[:shift]:
             start = time.perf_counter()
@@ -106,9 +106,13 @@ def main() -> None:
             for name, value in (("step_tokens", metrics.step_tokens), ("row_steps", metrics.row_steps),
                                 ("steps", metrics.steps), ("plain", metrics.plain_steps), ("seconds", seconds)):
                 totals[method][name] += value
+            line[method] = (metrics.step_tokens / max(metrics.row_steps, 1), seconds)
         if len({tuple(a) for a in answers.values()}) != 1:
             raise SystemExit(f"question {question['id']}: the answers differ between methods")
-        print(f"question {question['id']} ({question['category']}): done", flush=True)
+        # per question as in all (the docstring said so; only "done" was printed)
+        print(f"question {question['id']} ({question['category']}): " + ", ".join(
+            f"{method} tau {tau:.2f} {seconds:.2f} s ({line['ar'][1] / seconds:.3f}x ar)"
+            for method, (tau, seconds) in line.items()), flush=True)
     for method in METHODS:
         t = totals[method]
         print(f"{method:9s} tau {t['step_tokens'] / max(t['row_steps'], 1):.3f}  "

@@ -91,6 +91,8 @@ def test_questions_are_balanced_across_categories(tmp_path):
     # a TypeError from the tokenizer once the model had loaded
     ('{"id": 7, "category": "qa", "turns": ["hi", "caf\\udce9 au lait"]}', "turn 2 holds a lone surrogate"),
     ('{"id": 7, "category": "\\ud83d", "turns": ["hi"]}', "category holds a lone surrogate"),
+    # questions are left out by id: calibrating on one left out both (and --exclude-ids said 1 and dropped 2)
+    ('{"id": "1", "category": "qa", "turns": ["hi"]}', "id '1' is line 1's too; give each question an id of its own"),
 ])
 def test_bad_questions_are_refused_at_load_naming_file_and_line(tmp_path, line, message):
     path = tmp_path / "q.jsonl"
@@ -141,14 +143,16 @@ def test_report_has_every_field_per_method_and_category(model):
         assert sum(g["seconds"][method] for g in groups) == pytest.approx(row["seconds"], abs=0.01)
         # five groups: a bootstrap interval of them would cover the truth far less often than it says
         assert "speedup_ci95" not in row
-    assert "No interval for the speedups: 5 groups of questions, fewer than the 10" in report_markdown(report)
+    assert "No interval for the speedups: 5 groups of questions, fewer than the 25" in report_markdown(report)
 
 
-def test_methods_take_turns_meeting_each_question_first_and_intervals_need_ten_groups(model, monkeypatch):
+def test_methods_take_turns_meeting_each_question_first_and_intervals_need_enough_groups(model, monkeypatch):
     """The baseline always ran first on every question, paying whatever meeting a question first costs, which
-    pushed every speedup one way; a 95% interval was given from 2 groups up (covering the truth half the time)."""
+    pushed every speedup one way; a 95% interval was given from 2 groups up (covering the truth half the time).
+    (Here from 10, to keep the run short: MIN_INTERVAL_GROUPS is 25.)"""
     from medusa_train import benchmark as bench
 
+    monkeypatch.setattr(bench, "MIN_INTERVAL_GROUPS", 10)
     calls = []
     real = bench.Runner.run_batch
 
@@ -174,13 +178,15 @@ def test_methods_take_turns_meeting_each_question_first_and_intervals_need_ten_g
 def test_speedup_intervals_resample_question_groups_paired():
     from medusa_train.benchmark import speedup_intervals
 
-    steady = [{"tokens": {"hf": 10, "x": 10}, "seconds": {"hf": 1.0, "x": 0.5}} for _ in range(10)]
+    steady = [{"tokens": {"hf": 10, "x": 10}, "seconds": {"hf": 1.0, "x": 0.5}} for _ in range(26)]
     assert speedup_intervals(steady, ["hf", "x"]) == {"hf": [1.0, 1.0], "x": [2.0, 2.0]}
     # x is twice as fast on half the questions and as fast on the others: the interval spans the mix
-    mixed = steady[:5] + [{"tokens": {"hf": 10, "x": 10}, "seconds": {"hf": 1.0, "x": 1.0}} for _ in range(5)]
+    mixed = steady[:13] + [{"tokens": {"hf": 10, "x": 10}, "seconds": {"hf": 1.0, "x": 1.0}} for _ in range(13)]
     low, high = speedup_intervals(mixed, ["hf", "x"])["x"]
     assert 1.0 < low < 4 / 3 < high < 2.0
-    assert speedup_intervals(steady[:9], ["hf", "x"]) == {} and speedup_intervals(steady, ["x"]) == {}
+    # from 25 groups: 10 to 15 covered the truth 89-90% of the time (and were called 95% intervals)
+    assert speedup_intervals(steady[:24], ["hf", "x"]) == {} and speedup_intervals(steady, ["x"]) == {}
+    assert speedup_intervals(steady[:25], ["hf", "x"])["x"] == [2.0, 2.0]
     assert speedup_intervals(steady[:2], ["hf", "x"], min_groups=2)["x"] == [2.0, 2.0]
     assert speedup_intervals(steady[:1], ["hf", "x"], min_groups=1) == {}
     # a question whose hf answer was empty (EOS first): draws of it alone have no speedup, and their NaN left
@@ -373,7 +379,8 @@ def test_a_system_prompt_the_template_refuses_and_a_first_group_failure_are_name
     questions.write_text("\n".join(json.dumps(q) for q in QUESTIONS[1:] + QUESTIONS[:1]) + "\n")
     assert main(common) == 1
     err = capsys.readouterr().err
-    assert "Traceback" in err and "None + 1" in err and "method ar failed (TypeError: unsupported operand" in err
+    assert "Traceback" in err and "None + 1" in err
+    assert "failed (method ar on question(s) 3: TypeError: unsupported operand" in err
 
 
 def test_calibration_that_finds_plain_decoding_fastest_keeps_it_through_saving(model, monkeypatch, tmp_path):
@@ -908,22 +915,25 @@ def test_a_method_failing_midway_keeps_the_groups_measured_before_it(model, tmp_
     monkeypatch.setattr(bench.Runner, "run_batch", run_batch)
     report = benchmark(model, QUESTIONS, args(methods=["hf", "ar"]))
     s = report["settings"]
-    assert s["stopped_by"] == "RuntimeError: CUDA out of memory (simulated)" and s["questions_answered"] == 2
+    # which method failed on which question (only stderr said)
+    assert s["stopped_by"] == "method ar on question(s) 3: RuntimeError: CUDA out of memory (simulated)"
+    assert s["questions_answered"] == 2
     assert s["question_ids"] == [1, 2] and s["turns"] == 3 and len(report["groups"]) == 2
     for method in ("hf", "ar"):  # hf answered question 3 before ar failed on it: not counted
         assert report["methods"][method]["tokens"] == sum(g["tokens"][method] for g in report["groups"])
         assert report["methods"][method]["turns"] == 3
     assert report["methods"]["ar"]["exact"] is True
-    assert "Stopped by an error (RuntimeError: CUDA out of memory (simulated)) after 2 questions" in \
-        report_markdown(report)
-    assert "method ar failed (RuntimeError: CUDA out of memory (simulated)): stopping after 2 of 5 questions" in \
-        capsys.readouterr().err
+    assert "Stopped by an error (method ar on question(s) 3: RuntimeError: CUDA out of memory (simulated)) after 2 " \
+           "questions" in report_markdown(report)
+    assert "failed (method ar on question(s) 3: RuntimeError: CUDA out of memory (simulated)): stopping after 2 of 5 " \
+           "questions" in capsys.readouterr().err
     heads, questions = cli_files(model, tmp_path, monkeypatch)
     questions = questions.rename(tmp_path / "fail.jsonl")  # (none left out as the heads' calibration questions)
     assert main(["--heads", str(heads), "--questions", str(questions), "--max-new-tokens", "4", "--device", "cpu",
                  "--methods", "hf,ar", "--output", str(tmp_path / "out")]) == 1
     assert json.loads((tmp_path / "out" / "report.json").read_text())["settings"]["questions_answered"] == 2
-    assert "the benchmark stopped early (RuntimeError: CUDA out of memory (simulated)); the report holds the 2" in \
+    assert "the benchmark stopped early (method ar on question(s) 3: RuntimeError: CUDA out of memory (simulated)); " \
+           "the report holds the 2" in \
         capsys.readouterr().err
     monkeypatch.setattr(bench.Runner, "run_batch", lambda self, method, conversations, **kwargs: 1 / 0)
     with pytest.raises(ZeroDivisionError):  # in the first group: nothing measured to report
@@ -942,6 +952,9 @@ def test_cli_calibrates_then_benchmarks_in_batches(model, tmp_path, monkeypatch,
     assert len(used) == 2 and "cost_profile" in json.loads((heads / "config.json").read_text())
     first = json.loads((tmp_path / "b1" / "report.json").read_text())["settings"]
     assert first["batch_size"] == 1 and first["questions_answered"] == 3
+    assert first["left_out_ids"] == {"exclude_ids": [], "calibration": used, "calibrated_here": True}
+    assert f"but the 2 the heads were calibrated on in this run ({', '.join(map(str, used))})" in \
+        (tmp_path / "b1" / "report.md").read_text()
     assert json.loads((heads / "config.json").read_text())["acceptance"]["calibration_questions"] == {
         "file": questions.name, "ids": used}
     # the heads remember them: a later run on that file leaves them out without being told
@@ -951,6 +964,10 @@ def test_cli_calibrates_then_benchmarks_in_batches(model, tmp_path, monkeypatch,
         report = json.loads((tmp_path / "b2" / "report.json").read_text())
         assert report["settings"]["batch_size"] == 2 and report["settings"]["questions_answered"] == 3
         assert report["settings"]["turns"] == first["turns"]
+        # the questions left out before the draw are recorded (a later --limit and --seed drew from all of them)
+        assert report["settings"]["left_out_ids"] == {"exclude_ids": [str(i) for i in used] if extra else [],
+                                                      "calibration": used, "calibrated_here": False}
+        assert "Drawn from the file's questions but " in (tmp_path / "b2" / "report.md").read_text()
         assert report["methods"]["medusa"]["exact"] is True
         assert "batch size 2" in (tmp_path / "b2" / "report.md").read_text()
     assert "leaving out the 2 questions of" in capsys.readouterr().err
@@ -1724,7 +1741,7 @@ def test_speedup_intervals_draw_again_where_a_draw_is_undefined():
     """Draws whose hf speed is undefined (every group drawn had no hf token) are drawn again, up to twice the
     samples: with 8 of 10 groups empty, 1 - 0.8**10 = 89% of draws are defined, enough for an interval."""
     groups = [{"tokens": {"hf": 0 if i < 8 else 10, "ar": 10}, "seconds": {"hf": 1.0, "ar": 0.5}} for i in range(10)]
-    intervals = bench.speedup_intervals(groups, ["hf", "ar"], samples=200)
+    intervals = bench.speedup_intervals(groups, ["hf", "ar"], samples=200, min_groups=10)
     assert set(intervals) == {"hf", "ar"} and intervals["hf"] == [1.0, 1.0]
 
 
