@@ -190,12 +190,15 @@ def stage_data(config: TrainConfig, accelerator: Any, pending: int | None,
         if config.model.chat_template:
             tokenizer.chat_template = config.model.chat_template
         if owns_rows(config) and (pending is None or pending > 0):  # a killed or enlarged run's are completed
-            from medusa_train.distill import distill, recipe_config
+            from medusa_train.distill import DistillError, distill, recipe_config
 
             ds.check_template(tokenizer, d.system_prompt)  # before the answers, which take the time
             say(accelerator, f"distilling {d.n or 'all'} prompts from {d.prompts} into {rows}")
             with unpartitioned(accelerator):  # the model answers alone, in no DeepSpeed engine
-                distill(recipe_config(config), accelerator)  # on its device, one process or several
+                try:
+                    distill(recipe_config(config), accelerator)  # on its device, one process or several
+                except DistillError as err:  # an endpoint's failures, said with what to do (not a traceback)
+                    raise SystemExit(f"train_heads.py: error: distillation: {err}") from err
         elif owns_rows(config) and accelerator.is_main_process:  # nothing to answer, so no distill() to say it
             from medusa_train.distill import recipe_config, warn_rows_outside_sample
 

@@ -52,7 +52,7 @@ import urllib.error
 import urllib.request
 import zlib
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -138,8 +138,10 @@ class DistillConfig:
         endpoint: base URL of the OpenAI-compatible server (``http://host:8000`` or ``.../v1``).
         api_key_env: environment variable holding the API key (no key sent when unset).
         endpoint_model: model name sent to the endpoint (default: ``model``).
-        concurrency: requests in flight at once (openai).
-        request_timeout_s, max_retries, retry_backoff_s: per request; the wait before retry ``k``
+        concurrency: requests in flight at once (openai), per process: N processes keep N times as many.
+        request_timeout_s, max_retries, retry_backoff_s: per request (``request_timeout_s`` bounds each wait
+            for the server, to connect or for the next bytes of its reply, not the whole reply); the wait before
+            retry ``k``
             is ``retry_backoff_s * 2**k`` (capped at 60 s) times 1 to 1.25 at random, or the server's
             ``Retry-After`` when longer (capped at 120 s).
         device: where the local model runs (default: the accelerator's device, else CPU).
@@ -229,6 +231,10 @@ class DistillConfig:
              f"max_prompt_tokens must be >= 1 or None, got {self.max_prompt_tokens}"),
             (self.backend != "openai" or bool(self.endpoint),
              "backend 'openai' needs endpoint, e.g. http://127.0.0.1:8000"),
+            # (a scheme left out, or a port that is no number: each prompt retried 4 times, then exclude_ids advised)
+            (self.backend != "openai" or not self.endpoint or endpoint_problem(self.endpoint) is None,
+             f"endpoint {self.endpoint!r} {endpoint_problem(self.endpoint or '')}: give the server's address with its "
+             "scheme, e.g. http://127.0.0.1:8000 or https://host/v1"),
             # (the local model answered, and the rows were labelled with it: a 7B model loaded for a server's work)
             (self.backend == "openai" or not (self.endpoint or self.endpoint_model),
              f"endpoint and endpoint_model are read by backend 'openai', and the backend is {self.backend!r}: add "
@@ -505,6 +511,8 @@ def pending_prompts(config: DistillConfig, merged: bool = False) -> tuple[int, i
     if merged:
         done = read_jsonl_tolerant(Path(config.output))
     done_ids = {str(row["id"]) for row in done}
+    if config.backend == "openai":  # refused before: not asked again (record_refusal)
+        done_ids |= refused_ids(config)
     missing = [p for p in prompts if p["id"] not in done_ids]
     limits = prompt_limits(config) if missing and config.backend == "local" else config
     if missing and limits.max_prompt_tokens is not None:
@@ -1072,6 +1080,23 @@ def _generate_all(
 # OpenAI-compatible backend
 
 
+def endpoint_problem(endpoint: str) -> str | None:
+    """What keeps ``endpoint`` from being a server's address (no http or https scheme, no host, a port that is no
+    number), in words; None where it is one."""
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(endpoint)
+    if parts.scheme not in ("http", "https"):
+        return "has no http:// or https:// in front"
+    if not parts.hostname:
+        return "names no host"
+    try:
+        parts.port
+    except ValueError:
+        return "has a port that is no number from 0 to 65535"
+    return None
+
+
 def chat_completions_url(endpoint: str) -> str:
     """``.../v1/chat/completions`` from a server root, a ``/v1`` base or the full URL."""
     url = endpoint.rstrip("/")
@@ -1114,6 +1139,26 @@ def _retry_after(headers: Any) -> float | None:
         return None
 
 
+class EndpointError(RuntimeError):
+    """The endpoint itself is wrong (HTTP 401, 403, 404, 405: its address, the key or the model name), not a
+    prompt: no prompt is asked again."""
+
+
+class DistillError(RuntimeError):
+    """Distillation through an endpoint ended with prompts unanswered (the rows written are kept); the message
+    says why and what to do."""
+
+
+ENDPOINT_FIXES = {
+    401: "the endpoint wants an API key: set the environment variable api_key_env names (default $OPENAI_API_KEY)",
+    403: "the endpoint refuses this API key: check the key in the variable api_key_env names",
+    404: "check endpoint (the server's root or its /v1 base, e.g. http://host:8000) and endpoint_model against "
+         "the models the server lists at /v1/models",
+    405: "check endpoint: it should be the server's root or its /v1 base, e.g. http://host:8000",
+}
+"""What to check for each HTTP status that says the endpoint, not the prompt, is wrong."""
+
+
 class RejectedError(RuntimeError):
     """The endpoint refused this prompt itself (HTTP 4xx other than 408, 425 and 429, e.g. longer than its
     context, or a content filter): asking again would get the same answer."""
@@ -1146,9 +1191,12 @@ def post_json(url: str, body: dict[str, Any], headers: dict[str, str], timeout: 
         if 300 <= err.code < 400:  # no redirect followed (urllib re-sent 301-303 as a GET, without the body)
             raise RuntimeError(f"HTTP {err.code} from {url}: the endpoint moved to "
                                f"{err.headers.get('Location')!r}; set endpoint to its new address") from err
-        if err.code in (401, 403, 404, 405):  # the endpoint, key or model name is wrong, not the prompt
-            raise RuntimeError(f"HTTP {err.code} from {url}: {detail}") from err
+        if err.code in ENDPOINT_FIXES:  # the endpoint, key or model name is wrong, not the prompt
+            raise EndpointError(f"HTTP {err.code} from {url}: {detail}; {ENDPOINT_FIXES[err.code]}") from err
         raise RejectedError(f"HTTP {err.code} from {url}: {detail}") from err
+    except (ValueError, UnicodeEncodeError) as err:  # http.client's on a header it cannot send: named, never shown
+        raise EndpointError(f"the request to {url} could not be sent ({type(err).__name__}: a header holds a line "
+                            "break or a character outside Latin-1)") from None
     except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError, ssl.SSLError) as err:
         if isinstance(getattr(err, "reason", err), ssl.SSLCertVerificationError):  # asking again gets the same
             raise RuntimeError(f"{url}'s TLS certificate was refused ({err}): check the address, or point "
@@ -1163,12 +1211,12 @@ def post_json(url: str, body: dict[str, Any], headers: dict[str, str], timeout: 
 
 def request_completion(
     url: str, body: dict[str, Any], headers: dict[str, str], config: DistillConfig,
-    stop: threading.Event | None = None,
+    stop: threading.Event | None = None, what: str = "a request",
 ) -> dict[str, Any]:
     """``post_json`` with up to ``max_retries`` retries and exponential backoff, jittered (so that
     concurrent requests do not come back at once), and never shorter than a server's ``Retry-After``
-    (both capped at ``MAX_RETRY_WAIT_S``). ``stop`` set: no more attempts (a run being stopped would
-    otherwise wait for its retries at exit)."""
+    (both capped at ``MAX_RETRY_WAIT_S``), each retry logged as a warning naming ``what`` (the prompt).
+    ``stop`` set: no more attempts (a run being stopped would otherwise wait for its retries at exit)."""
     stop = stop if stop is not None else threading.Event()
     for attempt in range(config.max_retries + 1):
         try:
@@ -1178,7 +1226,9 @@ def request_completion(
                 raise RuntimeError(f"giving up after {attempt + 1} attempts: {err}") from err
             backoff = min(60.0, config.retry_backoff_s * 2**attempt) * _JITTER.uniform(1.0, 1.25)
             delay = min(MAX_RETRY_WAIT_S, max(backoff, err.retry_after or 0.0))
-            logger.debug("retrying in %.2f s after: %s", delay, err)
+            # (at the debug level, 11 retries over 38 s, or a Retry-After of 120 s, passed without a line)
+            logger.warning("%s: retry %d of %d in %.1f s after: %s", what, attempt + 1, config.max_retries, delay,
+                           err)
             if stop.wait(delay):
                 raise RuntimeError(f"stopped before retrying: {err}") from err
     raise AssertionError("unreachable")
@@ -1192,10 +1242,18 @@ def completion_row(
     the answer's tokens where the reply reports no ``usage``. ``RejectedError`` for a reply that is
     no answer (a content filter's)."""
     try:
-        choice = reply["choices"][0]
+        choices = reply["choices"]
+        # the one asked for (n=1); two out of order gave the second's text
+        [choice] = [c for c in choices if c.get("index", 0) == 0] if len(choices) > 1 else choices
         response = choice["message"]["content"]
-    except (KeyError, IndexError, TypeError) as err:
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as err:
         raise RuntimeError(f"unexpected reply for prompt {prompt['id']!r}: {str(reply)[:300]}") from err
+    if not isinstance(choice.get("finish_reason"), (str, type(None))):  # (a TypeError ended the whole run)
+        raise RejectedError(f"prompt {prompt['id']!r}: finish_reason {choice.get('finish_reason')!r:.100} is no "
+                            "reason's name")
+    if response is not None and not isinstance(response, str):  # (was called a lone surrogate)
+        raise RejectedError(f"prompt {prompt['id']!r}: the answer is a {type(response).__name__}, not text: "
+                            f"{response!r:.200}")
     if response is None or (isinstance(response, str) and not response.strip()
                             and choice.get("finish_reason") == "length"):
         # no answer (vLLM's reasoning parser, cut while the model still reasoned; every token stripped, special
@@ -1229,6 +1287,52 @@ def completion_row(
     return row
 
 
+def _in_daemon_thread(function: Callable[..., Any], *args: Any) -> Future:
+    """``function(*args)`` in a daemon thread of its own, its result in the future returned: a request in flight
+    does not hold the process at exit (a ThreadPoolExecutor's workers are joined then: after Ctrl-C the run sat
+    until each request in flight ended, up to request_timeout_s, then threw their answers away)."""
+    future: Future = Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(function(*args))
+        except BaseException as err:  # (handed to the caller through the future)
+            future.set_exception(err)
+
+    threading.Thread(target=run, name="distill-request", daemon=True).start()
+    return future
+
+
+def refusals_path(output: str | Path, rank: int) -> Path:
+    """The file where rank ``rank`` records the prompts the endpoint refused (``record_refusal``)."""
+    return Path(f"{output}.refused.rank{rank}.jsonl")
+
+
+def record_refusal(config: DistillConfig, rank: int, prompt_id: Any, reason: str) -> None:
+    """Append a prompt the endpoint refused (HTTP 400, a content filter, no answer) to ``refusals_path``, with the
+    settings it was asked with: a rerun does not ask it again (it asked, and a finished run's rerun, the endpoint
+    stopped to free the GPU for training, failed on it)."""
+    with refusals_path(config.output, rank).open("a", encoding="utf-8") as handle:
+        handle.write(json.dumps({"id": str(prompt_id), "reason": reason[:500], "model": config.model_label,
+                                 "generation": config.generation_record()}) + "\n")
+
+
+def refused_ids(config: DistillConfig) -> set[str]:
+    """The prompts recorded as refused (``record_refusal``) under this model and these generation settings: left
+    out of a rerun's requests. Delete the ``.refused.rank*.jsonl`` files beside the rows to ask them again."""
+    wanted = json.loads(json.dumps({"model": config.model_label, "generation": config.generation_record()}))
+    output = Path(config.output)
+    found = set()
+    for path in sorted(output.parent.glob(f"{glob.escape(output.name)}.refused.rank*.jsonl")):
+        for row in read_jsonl_tolerant(path):
+            if isinstance(row, dict) and row.get("model") == wanted["model"] and \
+                    row.get("generation") == wanted["generation"]:
+                found.add(str(row.get("id")))
+    return found
+
+
 def run_openai(
     config: DistillConfig,
     pending: Sequence[dict[str, Any]],
@@ -1248,11 +1352,18 @@ def run_openai(
 
     url = chat_completions_url(config.endpoint or "")
     headers = {}
-    api_key = os.environ.get(config.api_key_env)
+    api_key = (os.environ.get(config.api_key_env) or "").strip()  # (a file saved with CRLF line endings: "key\r")
+    if api_key and not (api_key.isascii() and api_key.isprintable()):  # http.client's error printed the key
+        raise ValueError(f"${config.api_key_env} holds a line break or a character outside printable ASCII, which "
+                         "an HTTP header cannot carry: set it to the key alone")
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
     else:
         logger.info("$%s is not set: no API key sent to %s", config.api_key_env, url)
+    if config.chat_template:  # the endpoint renders the messages with the template it was started with
+        logger.warning("a chat template is set (model.chat_template or chat_template), but the endpoint renders "
+                       "chats with its own: start the server with the same template (vLLM: --chat-template), or "
+                       "its answers follow another prompt format than the one the heads are trained on")
 
     def body_for(prompt_id: str, text: str) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -1295,15 +1406,15 @@ def run_openai(
     batch_index = 0
     errors: list[str] = []
     refusals: list[str] = []
+    refused: list[tuple[Any, str]] = []
     served_others: set[str] = set()  # model names the endpoint answered as, other than the one asked for
     # requests that failed for good one after another, none answered between: past this many the endpoint
     # is taken for down (each prompt would otherwise wait out its own retries, hours for a large sample)
     failing, give_up_after, sent = 0, max(2, config.concurrency), 0
-    executor = ThreadPoolExecutor(max_workers=config.concurrency)
     stopping = threading.Event()
+    in_flight: dict[Future, tuple[dict[str, Any], str]] = {}
     try:
         queue = iter(jobs)
-        in_flight = {}
 
         def submit_next() -> bool:
             nonlocal sent
@@ -1313,7 +1424,8 @@ def run_openai(
             if job is None:
                 return False
             prompt, text = job
-            future = executor.submit(request_completion, url, body_for(prompt["id"], text), headers, config, stopping)
+            future = _in_daemon_thread(request_completion, url, body_for(prompt["id"], text), headers, config,
+                                       stopping, f"prompt {prompt['id']}")
             in_flight[future] = job
             sent += 1
             return True
@@ -1333,11 +1445,15 @@ def run_openai(
                                        "each row as served_model): self-distillation needs the model's own "
                                        "answers; check that it serves %s", row["served_model"],
                                        config.model_label, config.model_label)
-                except RejectedError as err:  # counted and logged; a rerun asks again
+                except RejectedError as err:  # counted, logged and recorded: a rerun does not ask again
                     stats.rejected += 1
                     refusals.append(f"{prompt['id']}: {err}")
+                    refused.append((prompt["id"], str(err)))
                     logger.error("prompt %s refused by the endpoint, left out: %s", prompt["id"], err)
                     continue
+                except EndpointError as err:  # the address, key or model: no other prompt would get through
+                    stopping.set()
+                    raise DistillError(f"{err} (rows written so far are kept)") from err
                 except RuntimeError as err:
                     stats.failed += 1
                     errors.append(f"{prompt['id']}: {err}")
@@ -1362,15 +1478,27 @@ def run_openai(
         writer.sync()
         if batch and on_batch is not None:
             on_batch(batch_index, batch)
+    except KeyboardInterrupt:
+        if in_flight:  # (their threads are daemons: the process ends without them, as it did not with an executor)
+            logger.warning("stopped: %d requests in flight abandoned; their prompts are asked again by a rerun",
+                           len(in_flight))
+        raise
     finally:
-        stopping.set()  # requests waiting to retry give up; one in flight ends within its timeout
-        executor.shutdown(wait=False, cancel_futures=True)
+        stopping.set()  # requests waiting to retry give up
         bar.close()
+    # recorded, so that a rerun does not ask them again (a finished run's rerun, its endpoint stopped to free the
+    # GPU for training, failed on them); not where every prompt was refused and no row is there: a setting every
+    # request carries, most likely, which a rerun should try again once fixed
+    if refused and not (len(refused) == len(jobs) and not stats.already_done):
+        for prompt_id, reason in refused:
+            record_refusal(config, stats.rank, prompt_id, reason)
+        logger.warning("%d prompts the endpoint refused are recorded in %s and not asked again by a rerun (delete "
+                       "the file to ask them again)", len(refused), refusals_path(config.output, stats.rank))
     if errors:
         asked = "" if sent == len(jobs) else (
             f"; after {give_up_after} failures in a row the other {len(jobs) - sent} were not asked (the endpoint "
             "looks down)")
-        raise RuntimeError(
+        raise DistillError(
             f"{len(errors)} of {len(jobs)} requests failed{asked} (rows written so far are kept; rerun "
             f"to retry the rest; a prompt that fails every time can be left out with exclude_ids). First: {errors[0]}"
         )
@@ -1379,7 +1507,7 @@ def run_openai(
     # every prompt refused: a setting every request carries, most likely. With no row to train on that fails;
     # beside an earlier run's rows (a rerun asks again for the prompts that run had refused) it is said
     if not stats.already_done:
-        raise RuntimeError(
+        raise DistillError(
             f"the endpoint refused all {len(jobs)} prompts and no row was written before; first: {refusals[0]}. "
             "Check the settings every request carries: max_new_tokens past the served model's context, or a "
             "parameter the endpoint does not take"
@@ -1412,10 +1540,15 @@ def distill_shard(
     check_prompt_texts(done, prompts, config)
     done_ids = {str(row["id"]) for row in done}
     mine = list(prompts[rank::world_size])
-    pending = [p for p in mine if p["id"] not in done_ids]
+    refused = refused_ids(config) if config.backend == "openai" else set()
+    pending = [p for p in mine if p["id"] not in done_ids and str(p["id"]) not in refused]
     stats = ShardStats(rank=rank, already_done=len(mine) - len(pending))
     if stats.already_done:
         logger.info("rank %d: resuming, %d of %d prompts already done", rank, stats.already_done, len(mine))
+    skipped = sum(p["id"] not in done_ids and str(p["id"]) in refused for p in mine)
+    if skipped:
+        logger.warning("rank %d: %d prompts the endpoint refused before are not asked again (delete %s.refused.rank*"
+                       ".jsonl to ask them again)", rank, skipped, config.output)
     if not pending:
         return stats
     writer = ShardWriter(shard_path(config.output, rank))
@@ -1598,7 +1731,10 @@ def main(argv: list[str] | None = None) -> None:
     # On a machine without CUDA, processes started by torchrun or `accelerate launch` only form a
     # group (over gloo) when asked for CPU explicitly.
     state = PartialState(cpu=not torch.cuda.is_available())
-    output = distill(config, state)  # on the state's device (a GPU where there is one), one process or several
+    try:
+        output = distill(config, state)  # on the state's device (a GPU where there is one), one process or several
+    except DistillError as err:  # the endpoint's failures, said with what to do (a traceback said it too)
+        sys.exit(f"medusa-distill: error: {err}")
     if state.is_main_process:
         print(output)
 

@@ -922,6 +922,16 @@ class FakeServer:
                 if "surrogate" in prompt:  # JSON's escape of a lone surrogate: valid JSON, no text
                     return self.reply(200, None, json.dumps({"choices": [{"finish_reason": "stop", "message": {
                         "role": "assistant", "content": "bad \udc80"}}]}).encode())
+                if "twice" in prompt:  # two choices, the second first (the row took its text)
+                    return self.reply(200, {"choices": [
+                        {"index": 1, "finish_reason": "stop", "message": {"role": "assistant", "content": "second"}},
+                        {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "first"}}]})
+                if "odd finish" in prompt:  # (a TypeError ended the whole run)
+                    return self.reply(200, {"choices": [{"index": 0, "finish_reason": {"type": "stop"},
+                                                         "message": {"role": "assistant", "content": "x"}}]})
+                if "parts" in prompt:  # content as a list of parts (was called a lone surrogate)
+                    return self.reply(200, {"choices": [{"index": 0, "finish_reason": "stop", "message": {
+                        "role": "assistant", "content": [{"type": "text", "text": "x"}]}}]})
                 if "reasoning" in prompt:  # vLLM's reasoning parser, cut while the model still reasoned
                     return self.reply(200, {"choices": [{"index": 0, "finish_reason": "length",
                                                          "message": {"role": "assistant", "content": None}}]})
@@ -1025,7 +1035,7 @@ def test_a_stopped_openai_run_leaves_no_request_waiting_to_retry(tmp_path):
     workers: list[threading.Thread] = []
 
     def stop(batch_index, rows):  # the request threads the run started, then the stop
-        workers.extend(t for t in threading.enumerate() if t not in before and t.name.startswith("ThreadPool"))
+        workers.extend(t for t in threading.enumerate() if t not in before and t.name == "distill-request")
         raise KeyboardInterrupt
 
     with FakeServer() as server:
@@ -1033,8 +1043,8 @@ def test_a_stopped_openai_run_leaves_no_request_waiting_to_retry(tmp_path):
                                concurrency=2, max_retries=5)
         with pytest.raises(KeyboardInterrupt):
             distill(config, on_batch=stop)
-        assert workers
-        for worker in workers:
+        assert workers and all(worker.daemon for worker in workers)  # (an executor's were joined at exit: Ctrl-C
+        for worker in workers:  # left the process waiting on the requests in flight)
             worker.join(timeout=10)
         assert not [t.name for t in workers if t.is_alive()]
         assert [b["messages"][-1]["content"] for b in server.requests].count("stalled reply") >= 1
@@ -1077,7 +1087,8 @@ def test_openai_backend_prompts_the_endpoint_refuses_are_left_out_and_counted(tm
 def test_openai_backend_stops_on_a_wrong_endpoint(tmp_path, prompts_file):
     with FakeServer() as server:
         config = openai_config(prompts_file, tmp_path / "rows.jsonl", server.url + "/v2/chat/completions", n=2)
-        with pytest.raises(RuntimeError, match="2 of 2 requests failed.*HTTP 404"):
+        # the endpoint's fault, not a prompt's: said at once with what to check (it advised exclude_ids)
+        with pytest.raises(RuntimeError, match=r"HTTP 404 .*check endpoint \(the server's root or its /v1 base"):
             distill(config)
 
 
@@ -1166,13 +1177,25 @@ def test_openai_backend_fails_when_the_endpoint_refuses_every_prompt(tmp_path, c
         with pytest.raises(RuntimeError, match=r"the endpoint refused all 3 prompts and no row was written before; "
                                                r"first: \d: HTTP 400.*max_new_tokens past the served model's context"):
             distill(config)
+        assert not list(tmp_path.glob("rows.jsonl.refused.*"))  # (all refused: asked again once fixed)
         # beside rows an earlier run wrote, the prompts it had refused are asked again, refused again, and
         # the run goes on (it failed: a recipe with one refused prompt could never be run a second time)
         with prompts_file.open("a") as handle:
             handle.write(json.dumps({"id": "ok", "source": "s", "prompt": "hello there"}) + "\n")
-        distill(config)  # one answered, three refused
+        distill(config)  # one answered, three refused: recorded
+        asked = len(server.requests)
         with caplog.at_level(logging.WARNING, logger="medusa_train.distill"):
-            distill(config)  # the three refused again, beside the row: said
+            distill(config)  # not asked again: a finished run's rerun failed on them with its endpoint stopped
+        assert len(server.requests) == asked
+        assert "3 prompts the endpoint refused before are not asked again" in caplog.text
+        from medusa_train.distill import pending_prompts
+
+        assert pending_prompts(config) == (4, 0)  # (train_heads.py's plan: nothing to distil)
+        for path in tmp_path.glob("rows.jsonl.refused.*"):  # deleted: asked again, refused again, said
+            path.unlink()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="medusa_train.distill"):
+            distill(config)
     assert [row["id"] for row in read_rows(tmp_path / "rows.jsonl")] == ["ok"]
     assert "the endpoint refused all 3 prompts asked" in caplog.text and "the 1 rows already there are kept" in caplog.text
 
@@ -1660,3 +1683,33 @@ def test_rows_already_complete_are_not_distilled_again(tmp_path, model_dir, prom
     train, heldout = train_heads.stage_data(config, PartialState(cpu=True), 0)
     assert len(train) + len(heldout) == 6 and calls == []
     assert "distilling" not in capsys.readouterr().out
+
+
+def test_openai_backend_reads_odd_replies_and_keys_as_said(tmp_path, caplog, monkeypatch, model_dir):
+    """From a review against misbehaving servers: two choices out of order gave the second's text; a finish_reason
+    that is no name ended the run with a TypeError; content as a list of parts was called a lone surrogate; a key
+    read from a file saved with CRLF line endings ("key\\r") ended the run printing the whole key; an endpoint
+    without its scheme was retried 4 times a prompt and exclude_ids advised; retries were logged at debug only."""
+    prompts_file = tmp_path / "prompts.jsonl"
+    texts = ["twice please", "odd finish here", "parts please", "throttled hello"]
+    prompts_file.write_text("".join(json.dumps({"id": str(i), "source": "s", "prompt": p}) + "\n"
+                                    for i, p in enumerate(texts)))
+    monkeypatch.setenv("MEDUSA_TEST_KEY", "sk-secret-123\r")  # stripped
+    with FakeServer() as server, caplog.at_level(logging.WARNING, logger="medusa_train.distill"):
+        config = openai_config(prompts_file, tmp_path / "rows.jsonl", server.url, n=None, model=str(model_dir))
+        distill(config)
+        assert {h["Authorization"] for h in server.headers} == {"Bearer sk-secret-123"}
+    rows = {row["id"]: row for row in read_rows(tmp_path / "rows.jsonl")}
+    assert rows["0"]["response"] == "first" and set(rows) == {"0", "3"}
+    assert "finish_reason {'type': 'stop'} is no reason's name" in caplog.text
+    assert "the answer is a list, not text" in caplog.text
+    assert re.search(r"prompt 3: retry 1 of \d+ in [\d.]+ s after: HTTP 429", caplog.text)
+    monkeypatch.setenv("MEDUSA_TEST_KEY", "sk-secret\n-123")
+    with pytest.raises(ValueError, match=r"\$MEDUSA_TEST_KEY holds a line break .*: set it to the key alone") as refused:
+        distill(openai_config(prompts_file, tmp_path / "rows2.jsonl", "http://127.0.0.1:9", n=None,
+                              model=str(model_dir)))
+    assert "secret" not in str(refused.value)
+    for endpoint, said in (("127.0.0.1:8000", "has no http:// or https:// in front"),
+                           ("http://127.0.0.1:80a", "has a port that is no number")):
+        with pytest.raises(ValueError, match=re.escape(f"endpoint {endpoint!r} {said}")):
+            openai_config(prompts_file, tmp_path / "rows3.jsonl", endpoint, n=None)
