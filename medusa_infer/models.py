@@ -405,13 +405,9 @@ def _cached_copy_errors(name: str, folder: str) -> Iterator[None]:
     try:
         yield
     except Exception as err:
-        converted = names_default_model(name) or (Path(folder) / SOURCE_NAME).is_file()  # (by its path too)
-        damage = _damage(Path(folder)) if converted else None
-        if damage is not None:
-            fix = _rebuild_advice(Path(folder), names_default_model(name))
-            what = f"this machine's converted copy of {name}" if names_default_model(name) else \
-                "a converted copy of a default model"
-            raise RuntimeError(f"{folder}, {what}, is damaged ({damage}); {fix}") from err
+        damaged = damaged_copy(name, folder)
+        if damaged is not None:
+            raise damaged from err
         pointers = lfs_pointers(Path(folder))
         if pointers:  # a repository cloned without git-lfs: safetensors said "header too large"
             raise ValueError(f"{Path(folder) / pointers[0]} is a Git LFS pointer, not the file itself"
@@ -421,12 +417,34 @@ def _cached_copy_errors(name: str, folder: str) -> Iterator[None]:
         raise
 
 
+def damaged_copy(name: str, folder: str | Path) -> RuntimeError | None:
+    """The error naming what is damaged in a default model's converted copy (``folder``, loaded as ``name``) and how
+    to build it again; None where ``folder`` is no such copy, or its files read."""
+    converted = names_default_model(name) or (Path(folder) / SOURCE_NAME).is_file()  # (by its path too)
+    damage = _damage(Path(folder)) if converted else None
+    if damage is None:
+        return None
+    fix = _rebuild_advice(Path(folder), names_default_model(name))
+    what = f"this machine's converted copy of {name}" if names_default_model(name) else \
+        "a converted copy of a default model"
+    return RuntimeError(f"{folder}, {what}, is damaged ({damage}); {fix}")
+
+
 def lfs_pointers(folder: Path) -> list[str]:
-    """The files directly in ``folder`` (a model's weights, its tokenizer) that are Git LFS pointers, by name."""
+    """The files directly in ``folder`` that transformers reads (its JSON, tokenizer and weights files; ``.bin``
+    weights only beside no ``.safetensors`` ones, which it prefers) and that are Git LFS pointers, by name. (Any
+    pointer was blamed: a clone that pulled only the safetensors kept ``pytorch_model.bin`` pointers, and every
+    error loading it, an attention kernel not installed, was reported as that pointer.)"""
     if not folder.is_dir():
         return []
+    safetensors = any(p.stat().st_size >= 1024 for p in folder.glob("*.safetensors"))
+    read = set(MODEL_JSON) | set(TOKENIZER_FILES)
     found = []
     for path in sorted(folder.iterdir()):
+        name = path.name
+        if not (name in read or name.endswith((".safetensors", ".index.json"))
+                or (name.endswith(".bin") and not safetensors)):
+            continue
         try:
             if path.is_file() and path.stat().st_size < 1024:
                 with path.open("rb") as handle:
@@ -575,9 +593,10 @@ def hub_id(name_or_path: str | None) -> str | None:
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                   "spiece.model")
+                   "spiece.model", "sentencepiece.bpe.model", "sentencepiece.model", "spm.model", "tekken.json",
+                   "tiktoken.model")
 """Files one of which a model folder's tokenizer is read from (a fast tokenizer's, its settings, a SentencePiece
-model, a BPE or WordPiece vocabulary)."""
+model, a BPE or WordPiece vocabulary, Mistral's tekken, a tiktoken model)."""
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
@@ -592,6 +611,9 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTra
     # some model types (Gemma's, Qwen2's) built a tokenizer of a handful of special tokens, which decoded
     # every other token to nothing
     if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        damaged = damaged_copy(name_or_path, folder)  # a default model's converted copy: rebuilt, not re-saved
+        if damaged is not None:
+            raise damaged
         raise ValueError(f"{folder} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save the model's "
                          "tokenizer beside its weights (tokenizer.save_pretrained(DIR)), or pass tokenizer=")
     with _cached_copy_errors(name_or_path, resolved):

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
+import hashlib
 import http.client
 import json
 import logging
@@ -512,7 +513,7 @@ def pending_prompts(config: DistillConfig, merged: bool = False) -> tuple[int, i
         done = read_jsonl_tolerant(Path(config.output))
     done_ids = {str(row["id"]) for row in done}
     if config.backend == "openai":  # refused before: not asked again (record_refusal)
-        done_ids |= refused_ids(config)
+        done_ids |= refused_ids(config, prompts)
     missing = [p for p in prompts if p["id"] not in done_ids]
     limits = prompt_limits(config) if missing and config.backend == "local" else config
     if missing and limits.max_prompt_tokens is not None:
@@ -1085,6 +1086,8 @@ def endpoint_problem(endpoint: str) -> str | None:
     number), in words; None where it is one."""
     import urllib.parse
 
+    if any(c.isspace() or not c.isprintable() for c in endpoint):  # (urlsplit drops line breaks and tabs)
+        return "holds a space, a line break or another character no URL holds"
     parts = urllib.parse.urlsplit(endpoint)
     if parts.scheme not in ("http", "https"):
         return "has no http:// or https:// in front"
@@ -1194,6 +1197,8 @@ def post_json(url: str, body: dict[str, Any], headers: dict[str, str], timeout: 
         if err.code in ENDPOINT_FIXES:  # the endpoint, key or model name is wrong, not the prompt
             raise EndpointError(f"HTTP {err.code} from {url}: {detail}; {ENDPOINT_FIXES[err.code]}") from err
         raise RejectedError(f"HTTP {err.code} from {url}: {detail}") from err
+    except http.client.InvalidURL as err:  # an address no request can go to: each prompt was retried
+        raise EndpointError(f"{url} is no address a request can be sent to ({err})") from None
     except (ValueError, UnicodeEncodeError) as err:  # http.client's on a header it cannot send: named, never shown
         raise EndpointError(f"the request to {url} could not be sent ({type(err).__name__}: a header holds a line "
                             "break or a character outside Latin-1)") from None
@@ -1310,26 +1315,41 @@ def refusals_path(output: str | Path, rank: int) -> Path:
     return Path(f"{output}.refused.rank{rank}.jsonl")
 
 
-def record_refusal(config: DistillConfig, rank: int, prompt_id: Any, reason: str) -> None:
-    """Append a prompt the endpoint refused (HTTP 400, a content filter, no answer) to ``refusals_path``, with the
-    settings it was asked with: a rerun does not ask it again (it asked, and a finished run's rerun, the endpoint
-    stopped to free the GPU for training, failed on it)."""
+def _refusal_key(config: DistillConfig, prompt: dict[str, Any]) -> dict[str, Any]:
+    """What a refusal was refused for: the prompt's text and what the request was made of (the model asked, the
+    generation settings, the prompt limits that cut or skip it). A refusal of other settings, or of a prompt
+    rewritten since under its id, does not count."""
+    return json.loads(json.dumps({
+        "prompt_sha256": hashlib.sha256(prompt["prompt"].encode("utf-8", "surrogatepass")).hexdigest(),
+        "model": config.model_label, "generation": config.generation_record(),
+        "max_prompt_tokens": config.max_prompt_tokens, "prompt_overflow": config.prompt_overflow}))
+
+
+def record_refusal(config: DistillConfig, rank: int, prompt: dict[str, Any], reason: str) -> None:
+    """Append a prompt the endpoint refused (HTTP 400, a content filter, no answer) to ``refusals_path``, with what
+    it was refused for (``_refusal_key``): a rerun does not ask it again (it asked, and a finished run's rerun, the
+    endpoint stopped to free the GPU for training, failed on it)."""
     with refusals_path(config.output, rank).open("a", encoding="utf-8") as handle:
-        handle.write(json.dumps({"id": str(prompt_id), "reason": reason[:500], "model": config.model_label,
-                                 "generation": config.generation_record()}) + "\n")
+        handle.write(json.dumps({"id": str(prompt["id"]), "reason": reason[:500],
+                                 **_refusal_key(config, prompt)}) + "\n")
 
 
-def refused_ids(config: DistillConfig) -> set[str]:
-    """The prompts recorded as refused (``record_refusal``) under this model and these generation settings: left
-    out of a rerun's requests. Delete the ``.refused.rank*.jsonl`` files beside the rows to ask them again."""
-    wanted = json.loads(json.dumps({"model": config.model_label, "generation": config.generation_record()}))
+def refused_ids(config: DistillConfig, prompts: Iterable[dict[str, Any]]) -> set[str]:
+    """The ids of ``prompts`` recorded as refused (``record_refusal``) for what a request of them is now made of:
+    left out of a rerun's requests. Delete the ``.refused.rank*.jsonl`` files beside the rows to ask them again."""
     output = Path(config.output)
-    found = set()
+    recorded: dict[str, list[dict[str, Any]]] = {}
     for path in sorted(output.parent.glob(f"{glob.escape(output.name)}.refused.rank*.jsonl")):
         for row in read_jsonl_tolerant(path):
-            if isinstance(row, dict) and row.get("model") == wanted["model"] and \
-                    row.get("generation") == wanted["generation"]:
-                found.add(str(row.get("id")))
+            if isinstance(row, dict):
+                recorded.setdefault(str(row.get("id")), []).append(row)
+    found = set()
+    for prompt in prompts:
+        rows = recorded.get(str(prompt["id"]))
+        if rows:
+            key = _refusal_key(config, prompt)
+            if any(all(row.get(k) == v for k, v in key.items()) for row in rows):
+                found.add(str(prompt["id"]))
     return found
 
 
@@ -1407,6 +1427,7 @@ def run_openai(
     errors: list[str] = []
     refusals: list[str] = []
     refused: list[tuple[Any, str]] = []
+    answered, fatal = False, None  # (an answer in this run; the error that ends it)
     served_others: set[str] = set()  # model names the endpoint answered as, other than the one asked for
     # requests that failed for good one after another, none answered between: past this many the endpoint
     # is taken for down (each prompt would otherwise wait out its own retries, hours for a large sample)
@@ -1438,7 +1459,14 @@ def run_openai(
                 prompt, text = in_flight.pop(future)
                 submit_next()
                 try:
-                    row = completion_row(prompt, text, future.result(), config, tokenizer)
+                    try:
+                        reply = future.result()
+                    except EndpointError as err:
+                        if not answered:  # the address, key or model: no other prompt would get through
+                            raise
+                        # after an answer those are right: this prompt's own (a provider's moderation answers 403)
+                        raise RejectedError(str(err)) from err
+                    row = completion_row(prompt, text, reply, config, tokenizer)
                     if "served_model" in row and row["served_model"] not in served_others:
                         served_others.add(row["served_model"])
                         logger.warning("the endpoint answers as %r, not %r, the model these rows are for (kept in "
@@ -1448,12 +1476,14 @@ def run_openai(
                 except RejectedError as err:  # counted, logged and recorded: a rerun does not ask again
                     stats.rejected += 1
                     refusals.append(f"{prompt['id']}: {err}")
-                    refused.append((prompt["id"], str(err)))
+                    refused.append((prompt, str(err)))
                     logger.error("prompt %s refused by the endpoint, left out: %s", prompt["id"], err)
                     continue
-                except EndpointError as err:  # the address, key or model: no other prompt would get through
-                    stopping.set()
-                    raise DistillError(f"{err} (rows written so far are kept)") from err
+                except EndpointError as err:
+                    stopping.set()  # no new request; the refusals so far are recorded below, then it is raised
+                    fatal = DistillError(f"prompt {prompt['id']}: {err} (rows written so far are kept)")
+                    in_flight.clear()
+                    break
                 except RuntimeError as err:
                     stats.failed += 1
                     errors.append(f"{prompt['id']}: {err}")
@@ -1463,7 +1493,7 @@ def run_openai(
                         logger.error("%d requests in a row failed: asking no more (the ones in flight end)", failing)
                         stopping.set()  # no new request; those waiting to retry give up
                     continue
-                failing = 0
+                failing, answered = 0, True
                 writer.write(row)
                 stats.add(row)
                 batch.append(row)
@@ -1490,10 +1520,12 @@ def run_openai(
     # GPU for training, failed on them); not where every prompt was refused and no row is there: a setting every
     # request carries, most likely, which a rerun should try again once fixed
     if refused and not (len(refused) == len(jobs) and not stats.already_done):
-        for prompt_id, reason in refused:
-            record_refusal(config, stats.rank, prompt_id, reason)
+        for prompt, reason in refused:
+            record_refusal(config, stats.rank, prompt, reason)
         logger.warning("%d prompts the endpoint refused are recorded in %s and not asked again by a rerun (delete "
                        "the file to ask them again)", len(refused), refusals_path(config.output, stats.rank))
+    if fatal is not None:
+        raise fatal
     if errors:
         asked = "" if sent == len(jobs) else (
             f"; after {give_up_after} failures in a row the other {len(jobs) - sent} were not asked (the endpoint "
@@ -1540,12 +1572,14 @@ def distill_shard(
     check_prompt_texts(done, prompts, config)
     done_ids = {str(row["id"]) for row in done}
     mine = list(prompts[rank::world_size])
-    refused = refused_ids(config) if config.backend == "openai" else set()
+    refused = refused_ids(config, mine) if config.backend == "openai" else set()
     pending = [p for p in mine if p["id"] not in done_ids and str(p["id"]) not in refused]
-    stats = ShardStats(rank=rank, already_done=len(mine) - len(pending))
+    # rows only: the prompts refused before are no rows (counted in, a run whose every prompt was refused passed
+    # for one beside an earlier run's rows, and recorded them all)
+    stats = ShardStats(rank=rank, already_done=sum(p["id"] in done_ids for p in mine))
     if stats.already_done:
         logger.info("rank %d: resuming, %d of %d prompts already done", rank, stats.already_done, len(mine))
-    skipped = sum(p["id"] not in done_ids and str(p["id"]) in refused for p in mine)
+    skipped = len(mine) - stats.already_done - len(pending)
     if skipped:
         logger.warning("rank %d: %d prompts the endpoint refused before are not asked again (delete %s.refused.rank*"
                        ".jsonl to ask them again)", rank, skipped, config.output)

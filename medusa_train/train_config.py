@@ -932,7 +932,12 @@ def _feature_rows(config: TrainConfig) -> int | None:
     if not index.is_file():
         return None
     written = json.loads(index.read_text())
-    if written.get("settings") != json.loads(json.dumps(feature_settings(config))) or "train" not in written:
+    wanted = json.loads(json.dumps(feature_settings(config)))
+    recorded = written.get("settings")
+    if isinstance(recorded, dict) and "seed" not in recorded and "heldout_fraction" not in recorded:
+        wanted = {k: v for k, v in wanted.items() if k not in ("seed", "heldout_fraction")}  # (an index from before
+        # the split was recorded: taken as the split's, as then; the run reuses its cache by the examples' hash)
+    if recorded != wanted or "train" not in written:
         return None  # another run's (or an index from before the record): extracted again
     manifest = features_root(config) / written["train"] / "manifest.json"
     return json.loads(manifest.read_text())["num_rows"] if manifest.is_file() else None

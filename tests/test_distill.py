@@ -922,6 +922,8 @@ class FakeServer:
                 if "surrogate" in prompt:  # JSON's escape of a lone surrogate: valid JSON, no text
                     return self.reply(200, None, json.dumps({"choices": [{"finish_reason": "stop", "message": {
                         "role": "assistant", "content": "bad \udc80"}}]}).encode())
+                if "moderated" in prompt:  # a provider's moderation: a 403 for this prompt alone
+                    return self.reply(403, {"error": "your input was flagged"})
                 if "twice" in prompt:  # two choices, the second first (the row took its text)
                     return self.reply(200, {"choices": [
                         {"index": 1, "finish_reason": "stop", "message": {"role": "assistant", "content": "second"}},
@@ -1713,3 +1715,42 @@ def test_openai_backend_reads_odd_replies_and_keys_as_said(tmp_path, caplog, mon
                            ("http://127.0.0.1:80a", "has a port that is no number")):
         with pytest.raises(ValueError, match=re.escape(f"endpoint {endpoint!r} {said}")):
             openai_config(prompts_file, tmp_path / "rows3.jsonl", endpoint, n=None)
+
+
+def test_refusals_recorded_count_for_their_prompt_and_settings_only(tmp_path, caplog, model_dir):
+    """A recorded refusal held the prompt's id alone: a prompt rewritten since under that id, or asked with prompt
+    limits set since, was not asked again. A 403 after answers is that prompt's (a provider's moderation), not a
+    wrong key: it stopped the run, naming no prompt, for good. Prompts refused before counted as rows already
+    there: a run whose every prompt was refused passed, and recorded them all."""
+    from medusa_train.distill import _refusal_key, pending_prompts
+
+    prompts_file = tmp_path / "prompts.jsonl"
+
+    def write(texts):
+        prompts_file.write_text("".join(json.dumps({"id": str(i), "source": "s", "prompt": t}) + "\n"
+                                        for i, t in enumerate(texts)))
+
+    write(["hello there", "forbidden words", "moderated words", "good day"])
+    with FakeServer() as server, caplog.at_level(logging.WARNING, logger="medusa_train.distill"):
+        config = openai_config(prompts_file, tmp_path / "rows.jsonl", server.url, n=None, concurrency=1)
+        distill(config)  # (one at a time: the first answered before the 403)
+        assert sorted(row["id"] for row in read_rows(tmp_path / "rows.jsonl")) == ["0", "3"]
+        assert pending_prompts(config) == (4, 0)  # both refusals recorded
+        write(["hello there", "fine words now", "moderated words", "good day"])  # prompt 1 rewritten
+        assert pending_prompts(config) == (4, 1)
+        distill(config)
+        assert sorted(row["id"] for row in read_rows(tmp_path / "rows.jsonl")) == ["0", "1", "3"]
+        limited = dataclasses.replace(config, max_prompt_tokens=64, model=str(model_dir))
+        assert pending_prompts(limited) == (4, 1)  # other limits: prompt 2 is asked again
+    # a run whose every prompt is refused fails, beside prompts refused before: they are no rows
+    write(["forbidden a", "forbidden b", "forbidden c"])
+    with FakeServer() as server:
+        config = openai_config(prompts_file, tmp_path / "rows2.jsonl", server.url, n=None)
+        (tmp_path / "rows2.jsonl.refused.rank0.jsonl").write_text("".join(
+            json.dumps({"id": str(i), "reason": "r", **_refusal_key(config, {"prompt": f"forbidden {c}"})}) + "\n"
+            for i, c in enumerate("ab")))
+        with pytest.raises(RuntimeError, match="the endpoint refused all 1 prompts and no row was written before"):
+            distill(config)
+    # an address that holds a line break (urlsplit dropped it, and each prompt was retried)
+    with pytest.raises(ValueError, match="holds a space, a line break or another character no URL holds"):
+        openai_config(prompts_file, tmp_path / "rows3.jsonl", "http://127.0.0.1:8000/v1\n", n=None)

@@ -278,6 +278,11 @@ def test_a_cached_copy_missing_a_file_is_named_with_the_fix(
     shutil.copytree(folder, tmp_path / "carried")  # a copy elsewhere is not
     with pytest.raises(RuntimeError, match="is damaged .*; copy it again from a sound cache, or load the default"):
         models.load_tokenizer(str(tmp_path / "carried"))
+    for name in models.TOKENIZER_FILES:  # none left: still named damaged, with the rebuild (not "save the tokenizer
+        (folder / name).unlink(missing_ok=True)  # beside its weights", as for a user's folder)
+    with pytest.raises(RuntimeError, match="a converted copy of a default model, is damaged \\(tokenizer.json is "
+                                           "missing\\); delete that folder"):
+        models.load_tokenizer(str(folder))
 
 
 def test_incomplete_folder_and_leftovers_are_replaced(tmp_path: Path, tiny_registry: None) -> None:
@@ -764,6 +769,8 @@ def test_a_model_folder_without_a_tokenizer_is_refused_by_name(arch, tmp_path):
                                                                          unk_token="<unk>")), eos_token="<eos>")
     word.save_pretrained(tmp_path / "model")  # beside it, the folder loads
     assert len(models.load_tokenizer(str(tmp_path / "model"))) == 3
+    # Mistral's repositories may ship tekken.json alone, which transformers reads: not refused as no tokenizer
+    assert "tekken.json" in models.TOKENIZER_FILES and "tiktoken.model" in models.TOKENIZER_FILES
 
 
 def test_a_model_folder_cloned_without_git_lfs_is_named(tmp_path):
@@ -777,3 +784,11 @@ def test_a_model_folder_cloned_without_git_lfs_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"model.safetensors is a Git LFS pointer, not the file itself: the folder "
                                          r"was cloned without git-lfs; run `git lfs pull` there"):
         models.load_base_model(str(tmp_path / "model"))
+    # a clone that pulled the safetensors alone keeps pytorch_model.bin as a pointer, which transformers does not
+    # read: another error is not blamed on it (an attention kernel not installed was)
+    tiny_model("llama").save_pretrained(tmp_path / "pulled")
+    (tmp_path / "pulled" / "pytorch_model.bin").write_bytes(b"version https://git-lfs.github.com/spec/v1\n")
+    assert models.lfs_pointers(tmp_path / "pulled") == []
+    with pytest.raises(Exception) as other:
+        models.load_base_model(str(tmp_path / "pulled"), attn_implementation="no_such_kernel")
+    assert "Git LFS" not in str(other.value)

@@ -314,6 +314,13 @@ def test_plan_counts_existing_data_and_features(tmp_path):
                    {"training": {**config.to_dict()["training"], "seed": 7}}):
         split = plan(config_from_dict({**config.to_dict(), **change}))
         assert [s.done for s in split.stages if s.name == "features"] == [False] and not split.exact
+    # an index written before the split was recorded is taken as this split's, as it was then (the run reuses the
+    # cache by its examples' hash, and writes the index again)
+    older = {k: v for k, v in feature_settings(config).items() if k not in ("seed", "heldout_fraction")}
+    (features / "index.json").write_text(json.dumps({"train": "abc", "heldout": "def", "settings": older}))
+    assert plan(config).exact and [s.done for s in plan(config).stages if s.name == "features"] == [True]
+    (features / "index.json").write_text(json.dumps({"train": "abc", "heldout": "def",
+                                                     "settings": feature_settings(config)}))
     rows.write_text(rows.read_text() + json.dumps({"id": 50, "prompt": "p", "response": "r"}) + "\n")
     assert [s.done for s in plan(config).stages if s.name == "features"] == [False]  # the rows changed
     # another max_length makes other examples, so other features: the plan said done, and counted these
