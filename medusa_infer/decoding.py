@@ -986,7 +986,9 @@ def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> Generati
         prompt: a string or list of strings, tokenised with the model's tokenizer.
         messages: a chat (list of ``{"role", "content"}``) or a list of chats; the tokenizer's
             chat template is applied with the generation prompt.
-        max_new_tokens: at most this many new tokens per row.
+        max_new_tokens: at most this many new tokens per row; a row also stops where its prompt and answer
+            fill the model's context (``finish_reasons`` says ``"context"``), which ``model.generate`` on a
+            rotary model would pass.
         do_sample: sample instead of greedy decoding.
         temperature, top_p, top_k: the sampling distribution (lossless keeps it exactly). Typical
             acceptance samples at ``temperature`` alone (Medusa-2's rule): with it, ``top_k > 0`` or
