@@ -187,6 +187,7 @@ def push_folder_to_hub(
     revision: str | None = None,
     token: str | None = None,
     commit_message: str = DEFAULT_COMMIT_MESSAGE,
+    retry_hint: str | None = None,
 ) -> str:
     """Upload a saved heads folder (with its adapter, if any) to the Hub; returns the commit URL.
 
@@ -199,11 +200,16 @@ def push_folder_to_hub(
     uses the locally stored login. A folder that holds no heads (a run folder, a mistyped path) is
     refused before the repo is created; errors of the Hub name the repo and the fix (``ValueError``).
     The uploaded config.json shows the local paths of its training record by their last part, as the
-    card does (``_public``); the folder's own is left as it is.
+    card does (``_public``); the folder's own is left as it is. ``retry_hint``: how to try again, said where the
+    upload fails (default: upload the folder again; ``MedusaModel.push_to_hub`` uploads a temporary folder, gone
+    by then, which its error named).
     """
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi, constants
 
     folder = Path(folder).expanduser()
+    again = retry_hint or f"upload {folder} again (push_folder_to_hub)"
+    if constants.is_offline_mode():  # (it saved, then failed at the network, naming a temporary folder)
+        raise ValueError(f"uploading to {repo_id} needs the Hub, but HF_HUB_OFFLINE is set: unset it and {again}")
     layouts = [name for name in (WEIGHTS_NAME, *FASTERDECODING_WEIGHTS) if (folder / name).is_file()]
     if not (folder / CONFIG_NAME).is_file() or not layouts or foreign_config(
             folder, "medusa-forge" if WEIGHTS_NAME in layouts else "FasterDecoding") is not None:
@@ -212,11 +218,11 @@ def push_folder_to_hub(
     with tempfile.TemporaryDirectory() as stage:
         published = _published(folder, Path(stage))  # before the repo is made (a failure here is no Hub's)
         return _create_and_upload(HfApi(token=token), published, folder, repo_id, private, revision, token,
-                                  commit_message)
+                                  commit_message, again)
 
 
 def _create_and_upload(api: Any, published: Path, folder: Path, repo_id: str, private: bool | None,
-                       revision: str | None, token: str | None, commit_message: str) -> str:
+                       revision: str | None, token: str | None, commit_message: str, again: str) -> str:
     """``push_folder_to_hub``'s Hub part: the repo and branch made where missing, ``published`` uploaded;
     the Hub's errors named with the repo and the fix (``ValueError``)."""
     try:
@@ -229,10 +235,9 @@ def _create_and_upload(api: Any, published: Path, folder: Path, repo_id: str, pr
     except ValueError:  # (ours, saying what to do: a public repo for a private upload)
         raise
     except Exception as err:  # the Hub's (HTTP, network): a traceback after hours of training said nothing to do
-        raise ValueError(f"uploading {folder} to the Hub repo {repo_id} failed ({type(err).__name__}: "
+        raise ValueError(f"uploading to the Hub repo {repo_id} failed ({type(err).__name__}: "
                          f"{str(err).splitlines()[0] if str(err) else err!r}): check the network and that the token "
-                         "may write there (`hf auth login` with a write token), then upload the folder again "
-                         "(push_folder_to_hub)") from err
+                         f"may write there (`hf auth login` with a write token), then {again}") from err
 
 
 def _published(folder: Path, stage: Path) -> Path:

@@ -697,7 +697,9 @@ class MedusaModel(nn.Module):
         with tempfile.TemporaryDirectory() as tmp:
             self.save_pretrained(tmp, base_model_id)  # first: a model that cannot be saved leaves no empty repo
             return push_folder_to_hub(tmp, repo_id, private=private, revision=revision, token=token,
-                                      commit_message=commit_message)
+                                      commit_message=commit_message,
+                                      retry_hint="push again, or save_pretrained(DIR) and upload it with "
+                                                 f"medusa_infer.checkpoint.push_folder_to_hub(DIR, {repo_id!r})")
 
     def _warn_heads_only(self, directory: str | os.PathLike) -> None:
         if self.skipped_adapter is not None:

@@ -274,8 +274,19 @@ def test_push_without_heads_fails_before_touching_the_hub(hub, tmp_path, monkeyp
     assert not hub.repos and not hub.commits
     # the Hub not reached: named with the fix (a bare connection error, after training)
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
-    with pytest.raises(ValueError, match=f"uploading .*heads to the Hub repo {REPO_ID} failed .*check the network"):
+    with pytest.raises(ValueError, match=f"uploading to the Hub repo {REPO_ID} failed .*check the network.*then "
+                                         f"upload .*heads again \\(push_folder_to_hub\\)"):
         push_folder_to_hub(tmp_path / "run" / "heads", REPO_ID, token=TOKEN)
+    # from push_to_hub, which uploads a temporary folder: that folder, gone once the error is read, was named
+    with pytest.raises(ValueError, match="check the network.*then push again, or save_pretrained\\(DIR\\) and "
+                                         "upload it with medusa_infer.checkpoint.push_folder_to_hub") as failed:
+        tiny_heads().push_to_hub(REPO_ID, token=TOKEN)
+    assert "/tmp" not in str(failed.value).replace(str(tmp_path), "")
+    # offline, it is refused at once (it saved, then failed at the network, naming the temporary folder)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError, match=f"uploading to {REPO_ID} needs the Hub, but HF_HUB_OFFLINE is set: unset "
+                                         "it and push again"):
+        tiny_heads().push_to_hub(REPO_ID, token=TOKEN)
 
 
 def test_a_push_names_a_base_model_given_and_says_an_unread_datastore_goes(hub, monkeypatch, tmp_path, caplog):
