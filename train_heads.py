@@ -438,6 +438,20 @@ def script_errors() -> Iterator[None]:
         raise SystemExit(f"train_heads.py: error: {err}") from err
 
 
+def tokenized_digest(config: TrainConfig) -> str | None:
+    """``features.examples_hash`` of ``data.tokenized``'s training split as the run draws it, read without any
+    stage (None without ``data.tokenized``): a checkpoint or finished heads of other examples are refused before
+    the features stage, not after it."""
+    from medusa_train.train_config import tokenized_split
+
+    split = tokenized_split(config)
+    if split is None:
+        return None
+    from medusa_train.features import examples_hash
+
+    return examples_hash(split[0])
+
+
 def distill_pending(config: TrainConfig) -> int | None:
     """Prompts the recipe samples that its rows file does not hold yet, answered or not (None: no
     rows file yet, or rows the recipe does not make).
@@ -812,7 +826,8 @@ def main(argv: list[str] | None = None) -> int:
             check_init_from(config)
         if not args.heldout_only:
             # a plain `--plan` of a launch's run knows no number of processes: the resume checks it
-            check_checkpoint(config, run_paths(config), world if world is not None else None if args.plan else 1)
+            check_checkpoint(config, run_paths(config), world if world is not None else None if args.plan else 1,
+                             tokenized_digest(config))
         launched = world or 1
         layout = plan(config, launched, distill_pending=pending)
     except ValueError as err:

@@ -870,6 +870,21 @@ def split_indices(n: int, fraction: float, seed: int) -> tuple[list[int], list[i
     return sorted(order[n_heldout:].tolist()), sorted(order[:n_heldout].tolist())
 
 
+def tokenized_split(config: TrainConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]] | None:
+    """``data.tokenized``'s examples as a run keeps them (``data.max_length``) and splits them (``split_indices``):
+    ``(train, heldout)``; None without ``data.tokenized``, or with too few examples to split."""
+    from medusa_train.dataset import read_rows, truncate_examples
+
+    d = config.data
+    if not d.tokenized or not Path(d.tokenized).is_file():
+        return None
+    kept = truncate_examples(read_rows(d.tokenized), d.max_length)[0]
+    if len(kept) < 2 and d.heldout_fraction > 0:  # (split_sizes refuses it, naming the fix)
+        return None
+    train_index, heldout_index = split_indices(len(kept), d.heldout_fraction, config.training.seed)
+    return [kept[i] for i in train_index], [kept[i] for i in heldout_index]
+
+
 def split_sizes(n: int, fraction: float) -> tuple[int, int]:
     """``(train, heldout)`` example counts of ``n`` examples with ``fraction`` held out (``dataset.split_heldout``):
     ``round(fraction * n)`` held out, at least one and at most ``n - 1`` when ``fraction > 0``.
@@ -1030,14 +1045,14 @@ def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | Non
         from medusa_train.dataset import IGNORE_INDEX, check_head_positions, head_positions, read_rows, \
             truncate_examples
 
-        kept = truncate_examples(read_rows(d.tokenized), d.max_length)[0]
-        examples, exact = len(kept), True
-        if len(kept) >= 2 or d.heldout_fraction == 0:  # (else split_sizes refuses, below)
+        split = tokenized_split(config)
+        examples, exact = (sum(map(len, split)) if split is not None
+                           else len(truncate_examples(read_rows(d.tokenized), d.max_length)[0])), True
+        if split is not None:  # (else split_sizes refuses, below)
             # the training split as the run draws it, and the positions its feature cache keeps: an upper bound
             # over all examples promised steps the run refused once the features were extracted
-            train_index, heldout_index = split_indices(len(kept), d.heldout_fraction, t.seed)
-            train_kept = [kept[i] for i in train_index]
-            check_head_positions(train_kept, [kept[i] for i in heldout_index])  # (the run's refusal, before it)
+            train_kept, heldout_kept = split
+            check_head_positions(train_kept, heldout_kept)  # (the run's refusal, before it)
             labelled = sum(label != IGNORE_INDEX for example in train_kept for label in example["labels"])
             positions = sum(head_positions(example["labels"]) for example in train_kept)
     elif built is not None and isinstance(built.get("examples"), int):  # the dataset this run built: its

@@ -719,13 +719,17 @@ def _checkpoint_state(checkpoint: Path, paths: RunPaths) -> dict[str, Any]:
     return state
 
 
-def check_checkpoint(config: TrainConfig, paths: RunPaths, world: int | None) -> None:
+def check_checkpoint(config: TrainConfig, paths: RunPaths, world: int | None,
+                     train_digest: str | None = None) -> None:
     """Refuse, before any stage runs, the step checkpoint a training would resume when its settings are not
     ``config``'s (the training stage refused it only after distilling and extracting features, with
     ``config.yaml`` and the features index rewritten: a run distilling more prompts then could never
-    resume it). What needs the data (the examples, the feature cache, the micro-batch) is checked there,
-    and the number of processes only where ``world`` is known (None: not)."""
+    resume it). What needs the data (the feature cache, the micro-batch) is checked there, the examples
+    too unless their digest is known (``train_digest``: ``features.examples_hash`` of ``data.tokenized``'s training
+    split, which needs no stage), and the number of processes only where ``world`` is known (None: not)."""
     if (paths.final / "config.json").is_file():
+        if train_digest is not None:
+            check_finished_examples(paths, train_digest)
         return
     checkpoint = latest_checkpoint(paths.checkpoints)
     if checkpoint is not None:
@@ -733,6 +737,9 @@ def check_checkpoint(config: TrainConfig, paths: RunPaths, world: int | None) ->
         expected, found = _resume_settings(config, state, world or 0)
         if world is None:
             del expected["world_size"], found["world_size"]
+        if train_digest is not None and state.get("train_examples_sha256") is not None:
+            expected["train_examples_sha256"] = train_digest  # (refused after the features stage, otherwise)
+            found["train_examples_sha256"] = state["train_examples_sha256"]
         _refuse_other_run(checkpoint, expected, found, paths)
 
 

@@ -1057,11 +1057,14 @@ def test_a_checkpoint_is_not_resumed_on_other_examples(tiny_dir, tmp_path, capsy
         for example in counting_examples(64, seed=9):
             handle.write(json.dumps(example) + "\n")
     capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_info:
-        train_heads.main(["--config", config_file])
-    captured = capsys.readouterr()
-    assert "was written by a different run: train_examples_sha256 was" in captured.err + str(exit_info.value), (
-        str(exit_info.value), captured.out[-2000:], captured.err[-2000:])
+    features = sorted(p.name for p in (tmp_path / "run" / "features").iterdir())
+    for plan_only in (["--plan"], []):  # refused by the plan, before the features stage (it was refused after it)
+        with pytest.raises(SystemExit) as exit_info:
+            train_heads.main(["--config", config_file, *plan_only])
+        captured = capsys.readouterr()
+        assert "was written by a different run: train_examples_sha256 was" in captured.err + str(exit_info.value), (
+            str(exit_info.value), captured.out[-2000:], captured.err[-2000:])
+        assert sorted(p.name for p in (tmp_path / "run" / "features").iterdir()) == features
 
 
 def test_a_split_with_no_position_for_the_heads_is_refused_before_training(tiny_dir, tmp_path, capsys):
