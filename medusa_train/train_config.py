@@ -952,6 +952,9 @@ def _feature_rows(config: TrainConfig) -> int | None:
     if isinstance(recorded, dict) and "seed" not in recorded and "heldout_fraction" not in recorded:
         wanted = {k: v for k, v in wanted.items() if k not in ("seed", "heldout_fraction")}  # (an index from before
         # the split was recorded: taken as the split's, as then; the run reuses its cache by the examples' hash)
+    if isinstance(recorded, dict) and config.soft_label_topk == 0 and config.features.topk \
+            and recorded.get("topk") == config.features.topk:  # loss ce reuses a kl run's caches, soft labels and
+        wanted = {**wanted, "topk": config.features.topk}  # all, as stage_features does (the plan said to extract)
     if recorded != wanted or "train" not in written:
         return None  # another run's (or an index from before the record): extracted again
     manifest = features_root(config) / written["train"] / "manifest.json"

@@ -321,6 +321,14 @@ def test_plan_counts_existing_data_and_features(tmp_path):
     assert plan(config).exact and [s.done for s in plan(config).stages if s.name == "features"] == [True]
     (features / "index.json").write_text(json.dumps({"train": "abc", "heldout": "def",
                                                      "settings": feature_settings(config)}))
+    # loss ce reads no soft labels: a kl run's caches serve it, as the run reuses them (the plan said to extract)
+    kl = config_from_dict({**config.to_dict(), "training": {**config.to_dict()["training"], "loss": "kl"}})
+    assert config.soft_label_topk == 0 and kl.soft_label_topk > 0
+    (features / "index.json").write_text(json.dumps({"train": "abc", "heldout": "def",
+                                                     "settings": feature_settings(kl)}))
+    assert [s.done for s in plan(config).stages if s.name == "features"] == [True] and plan(config).exact
+    (features / "index.json").write_text(json.dumps({"train": "abc", "heldout": "def",
+                                                     "settings": feature_settings(config)}))
     rows.write_text(rows.read_text() + json.dumps({"id": 50, "prompt": "p", "response": "r"}) + "\n")
     assert [s.done for s in plan(config).stages if s.name == "features"] == [False]  # the rows changed
     # another max_length makes other examples, so other features: the plan said done, and counted these
