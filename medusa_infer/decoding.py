@@ -253,12 +253,15 @@ class ByteRun:
 
 def whole_text(tokenizer: Any, context: Sequence[int], text: str) -> str:
     """The text of ``context``'s tokens up to its last whole character, ``text`` being theirs: ``text`` unless
-    it ends in U+FFFD (tokens cut inside a character's bytes), else that of up to 3 fewer tokens."""
-    end = len(context)
-    for _ in range(3):  # a UTF-8 character is at most 4 bytes
-        if end == 0 or not text.endswith("\ufffd"):
-            break
+    it ends in U+FFFD (tokens cut inside a character's bytes), else that of up to 3 fewer tokens, special tokens
+    (which decode to nothing) not counted: three of them after the cut character kept its U+FFFD, and added one."""
+    specials = set(getattr(tokenizer, "all_special_ids", None) or ())
+    end, dropped = len(context), 0
+    while end > 0 and dropped < 3 and text.endswith("\ufffd"):  # a UTF-8 character is at most 4 bytes
         end -= 1
+        if int(context[end]) in specials:  # (no byte of the character: the text is the same without it)
+            continue
+        dropped += 1
         text = tokenizer.decode(list(context[:end]), skip_special_tokens=True)
     return text
 
@@ -339,6 +342,8 @@ class StopConfig:
                 or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         self.max_new_tokens = int(self.max_new_tokens)
+        if not isinstance(self.stop_strings, Iterable):  # (tuple() of 5: "'int' object is not iterable")
+            raise ValueError(f"stop_strings must be a string or a list of strings, got {self.stop_strings!r}")
         strings = (self.stop_strings,) if isinstance(self.stop_strings, str) else tuple(self.stop_strings)
         if any(not isinstance(text, str) for text in strings):
             raise ValueError(f"stop_strings must be a string or a list of strings, got {self.stop_strings!r}")
@@ -416,6 +421,7 @@ class DecodeBatch:
         self.row_steps = dict.fromkeys(range(batch), 0)
         self.row_accepted = dict.fromkeys(range(batch), 0)
         self.released = 0  # finished rows whose entries were dropped (release)
+        self._special_ids: set[int] | None = None  # the tokenizer's, read once (_text_window)
         self.metrics = GenerationMetrics(rows=batch)
         self.kv = KVState.empty(batch, AttentionLayout.from_config(model.base_model.config), model.device)
         self.roots = torch.zeros(batch, dtype=torch.long, device=model.device)
@@ -601,8 +607,8 @@ class DecodeBatch:
         if token in stop.stop_token_ids:
             return "stop"
         if stop.stop_strings:
-            window = stop.window
             history = self.histories[row] + kept
+            window = self._text_window(history, self.prompt_lengths[row], stop.window)
             tail = generated_text_tail(self.tokenizer, history, self.prompt_lengths[row], window)
             # a trailing U+FFFD may be a character whose bytes are still to come (an emoji's first byte token):
             # matched once text follows it, or at the row's last token (a stop string holding U+FFFD ended rows
@@ -614,6 +620,19 @@ class DecodeBatch:
         if len(self.generated[row]) + len(kept) >= stop.max_new_tokens:
             return "length"
         return None
+
+    def _text_window(self, history: list[int], prompt_length: int, tokens: int) -> int:
+        """How many of ``history``'s last generated tokens hold ``tokens`` (``StopConfig.window``) that are no
+        special tokens, which decode to nothing (after many of them, a stop string fell out of the window)."""
+        if self._special_ids is None:
+            self._special_ids = set(getattr(self.tokenizer, "all_special_ids", None) or ())
+        window = counted = 0
+        for token in reversed(history[prompt_length:]):
+            window += 1
+            counted += token not in self._special_ids
+            if counted >= tokens:
+                break
+        return max(window, tokens)
 
     @property
     def done(self) -> bool:

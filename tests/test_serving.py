@@ -813,3 +813,36 @@ def test_a_stop_string_that_is_a_special_tokens_text_stops_at_that_token():
         answer = httpx.post(server.base_url + "/v1/completions", json=body, timeout=30).json()
     assert (answer["choices"][0]["text"], answer["choices"][0]["finish_reason"]) == (" cat", "stop")
     assert answer["usage"]["completion_tokens"] == 2
+
+
+def test_text_cut_inside_a_character_reads_alike_after_special_tokens_and_in_any_steps():
+    """From a fuzz of stop strings and streamed text (byte-level SmolLM2 tokenizer): an answer ending inside a
+    character, then 3 or more special tokens (which decode to nothing), got two U+FFFD, and one that completed the
+    character its prompt's ids were cut inside of got a U+FFFD added; after such a prompt the text's end depended on
+    whether its tokens came in one step or in several; and a stop string holding U+FFFD was missed after many
+    special tokens (the engine's window counted them as text)."""
+    import torch
+
+    from medusa_infer.decoding import generate
+    from medusa_infer.models import load_tokenizer
+    from tiny import scripted_model
+
+    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    end = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+
+    def text(prompt, updates):
+        assembler = TextAssembler(tokenizer, (), prompt)
+        return "".join(assembler.add(u, final=i == len(updates) - 1) for i, u in enumerate(updates))
+
+    for specials in range(5):  # ' ,' then 2 of an emoji's 4 bytes (cut by max_tokens), then special tokens
+        assert text([1792], [[28], [10813]] + [[end]] * specials) == ",\ufffd"
+        assert text([1792, 27709, 230], [[121]] + [[end]] * specials) == "\u732b"  # the prompt's cut ' 猫'
+    cut = [216, 33085, 246, 181, 130]  # '...한' then the first byte of '국'
+    assert text(cut, [[251], [183]]) == text(cut, [[251, 183]]) == text(cut, [[251], [183], [end]])
+    model = scripted_model(tokenizer, [1792, 10813, end])  # ' x', half an emoji, then special tokens for good
+    for steps in (5, 12, 20):
+        out = generate(model, input_ids=torch.tensor([[1792]]), attention_mask=torch.ones(1, 1, dtype=torch.long),
+                       max_new_tokens=steps, stop_strings=["\ufffd"], eos_token_id=[])
+        assert out.finish_reasons == ["stop"], steps
+    with pytest.raises(ValueError, match="stop_strings must be a string or a list of strings, got 5"):
+        generate(model, input_ids=torch.tensor([[1792]]), max_new_tokens=2, stop_strings=5)

@@ -415,7 +415,12 @@ class TextAssembler:
         if added and (final or not after.endswith("\ufffd")):
             self.whole = None
             self.text += added
-            self.prefix_offset, self.read_offset = self.read_offset, end
+            # the next window begins where a character does: after prompt ids cut inside one, the first text's
+            # tokens begin with its last bytes, and a window from them read otherwise as the tokens came in one
+            # step or in several
+            if not decode(self.tokens[self.read_offset : end], skip_special_tokens=True).startswith("\ufffd"):
+                self.prefix_offset = self.read_offset
+            self.read_offset = end
 
 
 def _partial_stop(text: str, stops: tuple[str, ...]) -> int:
