@@ -879,7 +879,7 @@ def tokenized_split(config: TrainConfig) -> tuple[list[dict[str, Any]], list[dic
     if not d.tokenized or not Path(d.tokenized).is_file():
         return None
     kept = truncate_examples(read_rows(d.tokenized), d.max_length)[0]
-    if len(kept) < 2 and d.heldout_fraction > 0:  # (split_sizes refuses it, naming the fix)
+    if len(kept) < 2:  # (split_sizes refuses it, naming the fix: validate keeps heldout_fraction above 0)
         return None
     train_index, heldout_index = split_indices(len(kept), d.heldout_fraction, config.training.seed)
     return [kept[i] for i in train_index], [kept[i] for i in heldout_index]

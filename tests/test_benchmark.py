@@ -1808,3 +1808,35 @@ def test_bench_serving_runs_mixed_temperatures_end_to_end(tmp_path):
                                                              "autoregressive@2": {"same": 1, "greedy": 1}}
     assert all(1 <= r["rows_per_step"] <= 2 for r in record["results"])
     assert record["settings"]["temperatures"] == [0.0, 1.0]
+
+
+def test_a_method_failing_on_a_batch_names_every_question_of_it(model, monkeypatch):
+    """At batch size 2 the failing group holds two questions: stopped_by names both, not the first alone (M28)."""
+    import re
+
+    real = bench.Runner.run_batch
+    failing = QUESTIONS[2]["turns"][0]
+
+    def run_batch(self, method, conversations, **kwargs):
+        if method == "ar" and any(c[0]["content"] == failing for c in conversations):
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return real(self, method, conversations, **kwargs)
+
+    monkeypatch.setattr(bench.Runner, "run_batch", run_batch)
+    report = benchmark(model, QUESTIONS, args(methods=["hf", "ar"], batch_size=2))
+    said = re.fullmatch(r"method ar on question\(s\) (.+): RuntimeError: CUDA out of memory \(simulated\)",
+                        report["settings"]["stopped_by"])
+    assert said, report["settings"]["stopped_by"]
+    ids = said.group(1).split(", ")
+    assert len(ids) == 2 and str(QUESTIONS[2]["id"]) in ids
+
+
+def test_the_report_names_the_excluded_ids_left_out():
+    """--exclude-ids is said in the report's sentence, beside the calibration's questions or alone (M46)."""
+    from medusa_train.benchmark import _left_out_note
+
+    assert _left_out_note({"exclude_ids": ["7", "q3"], "calibration": [], "calibrated_here": False}) == \
+        " Drawn from the file's questions but --exclude-ids 7,q3."
+    assert _left_out_note({"exclude_ids": ["7"], "calibration": [1, 2], "calibrated_here": True}) == \
+        " Drawn from the file's questions but the 2 the heads were calibrated on in this run (1, 2) and --exclude-ids 7."
+    assert _left_out_note({"exclude_ids": [], "calibration": [], "calibrated_here": False}) == ""

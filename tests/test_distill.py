@@ -1754,3 +1754,23 @@ def test_refusals_recorded_count_for_their_prompt_and_settings_only(tmp_path, ca
     # an address that holds a line break (urlsplit dropped it, and each prompt was retried)
     with pytest.raises(ValueError, match="holds a space, a line break or another character no URL holds"):
         openai_config(prompts_file, tmp_path / "rows3.jsonl", "http://127.0.0.1:8000/v1\n", n=None)
+
+
+def test_an_endpoint_of_another_scheme_is_refused():
+    """Only http and https are servers' addresses: ftp:// and a host:port without scheme are named as such (M29)."""
+    from medusa_train.distill import endpoint_problem
+
+    for endpoint in ("ftp://127.0.0.1:8000", "localhost:8000", "ws://host/v1"):
+        assert endpoint_problem(endpoint) == "has no http:// or https:// in front", endpoint
+    assert endpoint_problem("https://host/v1") is None and endpoint_problem("http://127.0.0.1:8000") is None
+
+
+def test_an_address_no_request_can_go_to_is_the_endpoints_error_not_retried():
+    """http.client's InvalidURL is the endpoint's fault, said at once, not retried as a transient one (M45)."""
+    import pytest
+    from medusa_train.distill import EndpointError, RetryableError, post_json
+
+    for url in ("http://127.0.0.1:80a/v1/chat/completions", "http://127.0.0.1:8000/v1 x/chat/completions"):
+        with pytest.raises(EndpointError, match="is no address a request can be sent to") as caught:
+            post_json(url, {}, {}, 2)
+        assert not isinstance(caught.value, RetryableError)

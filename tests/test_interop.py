@@ -594,3 +594,13 @@ def test_a_git_lfs_pointer_in_our_layout_is_named(tmp_path):
     (tmp_path / "heads" / "model.safetensors").write_bytes(b"version https://git-lfs.github.com/spec/v1\n")
     with pytest.raises(ValueError, match=r"model.safetensors is a Git LFS pointer, not the weights"):
         load_heads_state(tmp_path / "heads")
+
+
+def test_an_old_releases_bare_pickle_reads(tmp_path):
+    """torch.save's legacy format (a bare pickle, no zip archive) is a torch file: read, not refused (M19)."""
+    tensors = fd_tensors(projections=True)
+    folder = make_fd_folder(tmp_path / "fd", tensors, "pt")
+    torch.save(tensors, folder / "medusa_lm_head.pt", _use_new_zipfile_serialization=False)
+    assert (folder / "medusa_lm_head.pt").read_bytes()[:1] == b"\x80"
+    config, state = read_medusa_layout(folder)
+    assert config.num_heads == HEADS

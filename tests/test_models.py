@@ -792,3 +792,25 @@ def test_a_model_folder_cloned_without_git_lfs_is_named(tmp_path):
     with pytest.raises(Exception) as other:
         models.load_base_model(str(tmp_path / "pulled"), attn_implementation="no_such_kernel")
     assert "Git LFS" not in str(other.value)
+
+
+def test_a_folder_with_a_wordpiece_vocabulary_only_has_a_tokenizer(tmp_path):
+    """vocab.txt alone (a BERT-style folder) is a tokenizer: not refused as none (M11)."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    (tmp_path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "world"]) + "\n")
+    tokenizer = models.load_tokenizer(str(tmp_path))
+    assert tokenizer("hello world")["input_ids"][1:3] == [5, 6]
+
+
+def test_every_pointer_among_the_files_read_is_counted(tmp_path):
+    """A clone with no weights pulled: the safetensors pointer does not make the .bin one unread (M12), and the
+    error counts the pointers past the one named (M14)."""
+    pointer = b"version https://git-lfs.github.com/spec/v1\noid sha256:ab12\nsize 123456\n"
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "model.safetensors").write_bytes(pointer)
+    (tmp_path / "pytorch_model.bin").write_bytes(pointer)
+    (tmp_path / "tokenizer.json").write_bytes(pointer)
+    assert models.lfs_pointers(tmp_path) == ["model.safetensors", "pytorch_model.bin", "tokenizer.json"]
+    with pytest.raises(ValueError, match=r"model.safetensors is a Git LFS pointer, not the file itself \(and 2 more\)"):
+        with models._cached_copy_errors(str(tmp_path), str(tmp_path)):
+            raise OSError("header too large")

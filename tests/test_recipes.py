@@ -982,3 +982,41 @@ def test_a_date_like_value_stays_text_and_bytes_that_are_not_utf8_are_named(tmp_
     recipe.write_bytes("data:\n  prompts: p.jsonl  # caf\u00e9\n".encode("latin-1"))
     with pytest.raises(ValueError, match=re.escape(f"recipe {recipe}:2 is not UTF-8 text") + ".*save it as UTF-8"):
         load_config(recipe)
+
+
+def _ready_file(tmp_path, examples):
+    ready = tmp_path / "ready.jsonl"
+    ready.write_text("".join(json.dumps(e) + "\n" for e in examples))
+    return ready
+
+
+def test_plan_bounds_sequences_by_the_training_splits_labels(tmp_path):
+    """features off: the token estimate is the training split's labelled tokens, not all examples' (M4)."""
+    long = [{"input_ids": list(range(600)), "labels": [-100] * 10 + list(range(10, 600))} for _ in range(4)]
+    prompt_only = {"input_ids": list(range(40)), "labels": [-100] * 30 + list(range(30, 40))}
+    ready = _ready_file(tmp_path, long + [prompt_only])
+    config = config_from_dict({"output_dir": str(tmp_path / "run"), "features": {"enabled": False},
+                               "data": {"tokenized": str(ready), "heldout_fraction": 0.25, "max_length": 700},
+                               "training": {"batch_size": 1}})
+    # split_indices(5, 0.25, seed) holds out example 2 (a long one): 3 x 590 + 10 labels train
+    assert plan(config).est_train_tokens == 3 * 590 + 10
+
+
+def test_plan_refuses_a_training_split_with_no_head_position(tmp_path):
+    """Answers of one token give the heads no position: the plan refuses as the run would, naming why (M6)."""
+    one = {"input_ids": list(range(20)), "labels": [-100] * 19 + [19]}
+    ready = _ready_file(tmp_path, [one] * 4)
+    config = config_from_dict({"output_dir": str(tmp_path / "run"),
+                               "data": {"tokenized": str(ready), "heldout_fraction": 0.25, "max_length": 64},
+                               "training": {"batch_tokens": 1}})
+    with pytest.raises(ValueError, match="none of the 3 training examples has two answer tokens"):
+        plan(config)
+
+
+def test_left_out_names_a_single_position(tmp_path):
+    """One position past the last micro-batch is left out too, and said (M1)."""
+    from medusa_train.train_config import left_out
+
+    config = config_from_dict({"output_dir": str(tmp_path / "run"), "data": {"prompts": str(tmp_path / "p.jsonl")},
+                               "training": {"batch_tokens": 100, "epochs": 1}})
+    assert left_out(config, 1001, 1).startswith("each epoch leaves out 1 of its 1001 positions")
