@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path, PureWindowsPath
 from typing import Any
 
@@ -94,24 +95,33 @@ def save_heads(
     settings = json.dumps(MedusaConfig.from_dict(config.to_dict()).to_dict(), indent=2) + "\n"
     card = model_card(config, base_model_id, chat)
     directory.mkdir(parents=True, exist_ok=True)
-    partials = [directory / (name + ".partial") for name in (WEIGHTS_NAME, CONFIG_NAME, CARD_NAME)]
+    # One metadata key: safetensors writes the metadata map in random order, and identical heads
+    # must give identical bytes (the Hub skips unchanged files by their hash).
+    write_in_place(directory, [(WEIGHTS_NAME, lambda path: save_file(tensors, str(path), metadata={"format": "pt"})),
+                               (CONFIG_NAME, lambda path: path.write_text(settings)),
+                               (CARD_NAME, lambda path: path.write_text(card))])
+    return directory
+
+
+def write_in_place(directory: Path, files: Sequence[tuple[str, Callable[[Path], Any]]]) -> None:
+    """Write each of ``files`` (a name and what writes it to a path) beside its place (``NAME.partial``), then move
+    them all in, in order: a write that fails leaves no partial file behind (a copy of the weights stayed) and the
+    folder's files as they were (other heads' config.json stayed beside new weights when stopped between). A
+    safetensors error is an ``OSError`` naming the file (its own type: a traceback where OSError is said)."""
+    partials = [directory / (name + ".partial") for name, _ in files]
+    writing = partials[0]
     try:
-        # One metadata key: safetensors writes the metadata map in random order, and identical heads
-        # must give identical bytes (the Hub skips unchanged files by their hash).
-        save_file(tensors, str(partials[0]), metadata={"format": "pt"})
-        for partial, text in zip(partials[1:], (settings, card)):
-            partial.write_text(text)
-    except BaseException as err:  # none left behind (a copy of the weights stayed)
+        for writing, (_, write) in zip(partials, files):
+            write(writing)
+    except BaseException as err:
         for partial in partials:
             if partial.is_file():
                 partial.unlink()
-        if isinstance(err, SafetensorError):  # (its own type: a traceback where OSError is said)
-            raise OSError(f"{partials[0]} could not be written: {err}") from err
+        if isinstance(err, SafetensorError):
+            raise OSError(f"{writing} could not be written: {err}") from err
         raise
-    # all written first, then moved in a row: other heads' config stayed beside new weights when stopped between
-    for partial, name in zip(partials, (WEIGHTS_NAME, CONFIG_NAME, CARD_NAME)):
+    for partial, (name, _) in zip(partials, files):
         os.replace(partial, directory / name)
-    return directory
 
 
 def first_existing(path: Path) -> Path | None:

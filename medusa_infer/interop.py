@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import logging
 import pickle
-import os
 import re
 import zipfile
 from pathlib import Path
@@ -44,6 +43,7 @@ from medusa_infer.checkpoint import (
     first_existing,
     foreign_config,
     unreadable_weights,
+    write_in_place,
 )
 from medusa_infer.checkpoint import WEIGHTS_NAME as OUR_WEIGHTS_NAME
 from medusa_infer.config import MedusaConfig
@@ -459,23 +459,10 @@ def write_medusa_layout(
                     "%s keeps only their tree (medusa_choices); save_pretrained keeps everything", path)
     # both written beside, then moved in: a write that failed over an earlier export left the new config.json
     # beside the old weights (and a load then blamed an understated medusa_num_heads)
-    weights = path / WEIGHTS_NAMES[fmt]
-    partials = [path / (CONFIG_NAME + ".partial"), path / (weights.name + ".partial")]
-    try:
-        partials[0].write_text(json.dumps(data, indent=2) + "\n")
-        if fmt == "safetensors":
-            save_file(tensors, str(partials[1]), metadata={"format": "pt"})
-        else:
-            torch.save(tensors, partials[1])
-    except BaseException as err:
-        for partial in partials:
-            if partial.is_file():
-                partial.unlink()
-        if isinstance(err, SafetensorError):  # (its own type: a traceback where OSError is said)
-            raise OSError(f"{partials[1]} could not be written: {err}") from err
-        raise
-    os.replace(partials[1], weights)
-    os.replace(partials[0], path / CONFIG_NAME)
+    write_in_place(path, [
+        (WEIGHTS_NAMES[fmt], (lambda target: save_file(tensors, str(target), metadata={"format": "pt"}))
+         if fmt == "safetensors" else (lambda target: torch.save(tensors, target))),
+        (CONFIG_NAME, lambda target: target.write_text(json.dumps(data, indent=2) + "\n"))])
     return path
 
 
