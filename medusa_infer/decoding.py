@@ -627,9 +627,9 @@ class DecodeBatch:
         if self._special_ids is None:
             self._special_ids = set(getattr(self.tokenizer, "all_special_ids", None) or ())
         window = counted = 0
-        for token in reversed(history[prompt_length:]):
+        for index in range(len(history) - 1, prompt_length - 1, -1):  # (from the end: no copy of the history)
             window += 1
-            counted += token not in self._special_ids
+            counted += history[index] not in self._special_ids
             if counted >= tokens:
                 break
         return max(window, tokens)
