@@ -295,8 +295,8 @@ def read_questions(path: str | Path) -> list[dict]:
                              '{"id": 1, "category": "writing", "turns": ["first turn", ...]}')
         first = lines.setdefault(str(row["id"]), number)
         if first != number:
-            raise ValueError(f"{path}:{number}: id {row['id']!r} is line {first}'s too; give each question an id of its "
-                             "own (questions are left out by id: calibration's, --exclude-ids)")
+            raise ValueError(f"{path}:{number}: id {row['id']!r} is line {first}'s too; give each question an id of "
+                             "its own (questions are left out by id: calibration's, --exclude-ids)")
         rows.append(row)
     return rows
 

@@ -1838,5 +1838,6 @@ def test_the_report_names_the_excluded_ids_left_out():
     assert _left_out_note({"exclude_ids": ["7", "q3"], "calibration": [], "calibrated_here": False}) == \
         " Drawn from the file's questions but --exclude-ids 7,q3."
     assert _left_out_note({"exclude_ids": ["7"], "calibration": [1, 2], "calibrated_here": True}) == \
-        " Drawn from the file's questions but the 2 the heads were calibrated on in this run (1, 2) and --exclude-ids 7."
+        " Drawn from the file's questions but the 2 the heads were calibrated on in this run (1, 2) and " \
+        "--exclude-ids 7."
     assert _left_out_note({"exclude_ids": [], "calibration": [], "calibrated_here": False}) == ""

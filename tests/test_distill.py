@@ -1707,7 +1707,8 @@ def test_openai_backend_reads_odd_replies_and_keys_as_said(tmp_path, caplog, mon
     assert "the answer is a list, not text" in caplog.text
     assert re.search(r"prompt 3: retry 1 of \d+ in [\d.]+ s after: HTTP 429", caplog.text)
     monkeypatch.setenv("MEDUSA_TEST_KEY", "sk-secret\n-123")
-    with pytest.raises(ValueError, match=r"\$MEDUSA_TEST_KEY holds a line break .*: set it to the key alone") as refused:
+    with pytest.raises(ValueError,
+                       match=r"\$MEDUSA_TEST_KEY holds a line break .*: set it to the key alone") as refused:
         distill(openai_config(prompts_file, tmp_path / "rows2.jsonl", "http://127.0.0.1:9", n=None,
                               model=str(model_dir)))
     assert "secret" not in str(refused.value)

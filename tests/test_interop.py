@@ -532,7 +532,8 @@ def test_an_unreadable_config_beside_the_layouts_weights_is_named(tmp_path, raw)
     folder = make_fd_folder(tmp_path / "fd", fd_tensors(projections=True))
     (folder / "config.json").write_bytes(raw)
     assert is_medusa_layout(folder)
-    said = r"config.json (is not valid JSON \((Unexpected UTF-8 BOM|'utf-8' codec|Unterminated)|holds a list, not a JSON)"
+    said = (r"config.json (is not valid JSON \((Unexpected UTF-8 BOM|'utf-8' codec|Unterminated)|"
+            r"holds a list, not a JSON)")
     with pytest.raises(ValueError, match=said):
         read_medusa_layout(folder)
     with pytest.raises(ValueError, match=said):

@@ -797,7 +797,8 @@ def test_a_model_folder_cloned_without_git_lfs_is_named(tmp_path):
 def test_a_folder_with_a_wordpiece_vocabulary_only_has_a_tokenizer(tmp_path):
     """vocab.txt alone (a BERT-style folder) is a tokenizer: not refused as none (M11)."""
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
-    (tmp_path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "world"]) + "\n")
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "world"]
+    (tmp_path / "vocab.txt").write_text("\n".join(words) + "\n")
     tokenizer = models.load_tokenizer(str(tmp_path))
     assert tokenizer("hello world")["input_ids"][1:3] == [5, 6]
 
