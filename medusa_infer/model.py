@@ -906,12 +906,25 @@ def merge_adapter(base_model: PreTrainedModel, folder: str | os.PathLike) -> Pre
     if not any((Path(folder) / name).is_file() for name in ADAPTER_WEIGHTS):
         raise ValueError(f"{folder} holds no adapter weights ({' or '.join(ADAPTER_WEIGHTS)}): the adapter was not "
                          "saved whole; save or download it again")
-    targets = json.loads(config_file.read_text()).get("target_modules")
+    try:
+        settings = json.loads(config_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:  # (a bare parse error named no file)
+        raise ValueError(f"{config_file} is not valid JSON ({err}): the adapter is damaged; save or download it "
+                         "again") from None
+    if not isinstance(settings, dict):
+        raise ValueError(f"{config_file} holds a {type(settings).__name__}, not a JSON object: the adapter is "
+                         "damaged; save or download it again")
+    targets, saved = settings.get("target_modules"), settings.get("modules_to_save")
     selected = embedding_lora_targets(base_model, targets) if targets else []
     if selected:
         raise ValueError(f"the adapter in {folder} adapts {selected}, the embeddings the heads read directly: "
                          "merged, it would not be the model the heads were trained with; retrain with "
                          "lora.target_modules outside the embeddings and lm_head")
+    replaced = embedding_lora_targets(base_model, saved) if saved else []
+    if replaced:  # a trained copy of each, which the merge writes over the model's (target_modules were checked)
+        raise ValueError(f"the adapter in {folder} replaces {replaced} (its modules_to_save), the embeddings the "
+                         "heads read directly: merged, it would not be the model the heads were trained with; "
+                         "retrain without modules_to_save")
     from safetensors import SafetensorError, safe_open
 
     from medusa_infer.checkpoint import unreadable_weights

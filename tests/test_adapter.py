@@ -500,6 +500,19 @@ def test_lora_on_the_embeddings_the_heads_read_is_refused(heads_folder, tmp_path
                    ).save_pretrained(str(other / ADAPTER_DIR))
     with pytest.raises(ValueError, match=r"adapts \['lm_head'\], the embeddings the heads read directly"):
         MedusaModel.from_pretrained(other, base_model=tiny_model("llama"))
+    # a trained copy of lm_head saved with the adapter (modules_to_save) was merged over the model's, silently
+    shutil.rmtree(other / ADAPTER_DIR)
+    saving = LoraConfig(r=R, lora_alpha=ALPHA, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    get_peft_model(tiny_model("llama"), saving).save_pretrained(str(other / ADAPTER_DIR))
+    base = tiny_model("llama")
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    with pytest.raises(ValueError, match=r"replaces \['lm_head'\] \(its modules_to_save\), the embeddings the heads "
+                                         r"read directly"):
+        MedusaModel.from_pretrained(other, base_model=base)
+    assert all(torch.equal(v, base.state_dict()[k]) for k, v in before.items())
+    (other / ADAPTER_DIR / "adapter_config.json").write_text("{not json")  # (a bare parse error, naming no file)
+    with pytest.raises(ValueError, match=r"adapter_config.json is not valid JSON .*: the adapter is damaged"):
+        MedusaModel.from_pretrained(other, base_model=tiny_model("llama"))
 
 
 def test_heads_without_an_adapter_are_not_saved_over_one(heads_folder, tmp_path):
