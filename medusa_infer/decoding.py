@@ -606,14 +606,17 @@ class DecodeBatch:
             return "eos"
         if token in stop.stop_token_ids:
             return "stop"
-        if stop.stop_strings:
+        ending = last or len(self.generated[row]) + len(kept) >= stop.max_new_tokens
+        if stop.stop_strings and (ending or not self._is_special(token)):  # (a special token adds no text: no
+            # stop string can end at it but at the row's end, where a held-back U+FFFD counts; walking back over a
+            # long run of them at every token cost a time quadratic in the run)
             history = self.histories[row] + kept
             window = self._text_window(history, self.prompt_lengths[row], stop.window)
             tail = generated_text_tail(self.tokenizer, history, self.prompt_lengths[row], window)
             # a trailing U+FFFD may be a character whose bytes are still to come (an emoji's first byte token):
             # matched once text follows it, or at the row's last token (a stop string holding U+FFFD ended rows
             # inside ordinary characters)
-            if not last and len(self.generated[row]) + len(kept) < stop.max_new_tokens:
+            if not ending:
                 tail = tail.rstrip("\ufffd")
             if any(s in tail for s in stop.stop_strings):
                 return "stop"
@@ -621,15 +624,19 @@ class DecodeBatch:
             return "length"
         return None
 
+    def _is_special(self, token: int) -> bool:
+        """Whether ``token`` is one of the tokenizer's special tokens, which decode to nothing in the text."""
+        if self._special_ids is None:
+            self._special_ids = set(getattr(self.tokenizer, "all_special_ids", None) or ())
+        return token in self._special_ids
+
     def _text_window(self, history: list[int], prompt_length: int, tokens: int) -> int:
         """How many of ``history``'s last generated tokens hold ``tokens`` (``StopConfig.window``) that are no
         special tokens, which decode to nothing (after many of them, a stop string fell out of the window)."""
-        if self._special_ids is None:
-            self._special_ids = set(getattr(self.tokenizer, "all_special_ids", None) or ())
         window = counted = 0
         for index in range(len(history) - 1, prompt_length - 1, -1):  # (from the end: no copy of the history)
             window += 1
-            counted += history[index] not in self._special_ids
+            counted += not self._is_special(history[index])
             if counted >= tokens:
                 break
         return max(window, tokens)

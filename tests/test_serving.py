@@ -846,3 +846,20 @@ def test_text_cut_inside_a_character_reads_alike_after_special_tokens_and_in_any
         assert out.finish_reasons == ["stop"], steps
     with pytest.raises(ValueError, match="stop_strings must be a string or a list of strings, got 5"):
         generate(model, input_ids=torch.tensor([[1792]]), max_new_tokens=2, stop_strings=5)
+    # the window is kept where a character begins for the first text only: a model's stray byte at every step
+    # kept it at the answer's start for good, each step decoding all of it again
+    stray = TextAssembler(tokenizer, (), [1792])
+    for _ in range(50):
+        stray.add([119, 28])  # a lone continuation byte, then ','
+    assert stray.read_offset - stray.prefix_offset <= 4
+    # special tokens add no text: the stop strings are not looked for again at each (a walk back over the whole
+    # run of them, and a decode of it, at every token)
+    import medusa_infer.decoding as decoding
+
+    calls = []
+    real = decoding.generated_text_tail
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(decoding, "generated_text_tail", lambda *a, **k: calls.append(1) or real(*a, **k))
+        out = generate(model, input_ids=torch.tensor([[1792]]), max_new_tokens=60, stop_strings=["zzz"],
+                       eos_token_id=[])
+    assert out.finish_reasons == ["length"] and len(calls) <= 4

@@ -413,12 +413,13 @@ class TextAssembler:
         at = text_start(before, before if self.whole is None else self.whole, after)
         added = after[len(before) if at is None else at:]  # (None: a tokenizer that cleaned up spaces at the seam)
         if added and (final or not after.endswith("\ufffd")):
-            self.whole = None
+            first, self.whole = self.whole is not None, None
             self.text += added
             # the next window begins where a character does: after prompt ids cut inside one, the first text's
             # tokens begin with its last bytes, and a window from them read otherwise as the tokens came in one
-            # step or in several
-            if not decode(self.tokens[self.read_offset : end], skip_special_tokens=True).startswith("\ufffd"):
+            # step or in several (the first text only: a model's stray byte at every step kept it there for good)
+            if not (first and decode(self.tokens[self.read_offset : end],
+                                     skip_special_tokens=True).startswith("\ufffd")):
                 self.prefix_offset = self.read_offset
             self.read_offset = end
 
