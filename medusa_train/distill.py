@@ -1537,7 +1537,7 @@ def run_openai(
     if not jobs or len(refusals) < len(jobs):
         return
     # every prompt refused: a setting every request carries, most likely. With no row to train on that fails;
-    # beside an earlier run's rows (a rerun asks again for the prompts that run had refused) it is said
+    # beside an earlier run's rows (its refusals, once their record is deleted, are asked again) it is said
     if not stats.already_done:
         raise DistillError(
             f"the endpoint refused all {len(jobs)} prompts and no row was written before; first: {refusals[0]}. "
