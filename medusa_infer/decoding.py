@@ -658,7 +658,9 @@ class DecodeBatch:
         prompts = self.input_ids.cpu()
         if prompts.shape[0] != len(generated):  # rows joined by merge: lay prompts out anew
             prompts, _ = left_pad([self.histories[row][: self.prompt_lengths[row]] for row in order], pad_token_id)
-        sequences = torch.cat([prompts, new], dim=1).to(self.input_ids.device)  # (model.generate's are on its device)
+        # on the model's device, as model.generate's (the caller's prompts may be on the CPU: there they stayed, and
+        # tests/test_cuda.py, never run since on a GPU, would have failed on it)
+        sequences = torch.cat([prompts, new], dim=1).to(self.model.device)
         return GenerationOutput(sequences, self.metrics, [self.finish[row] or "length" for row in order], generated)
 
 
