@@ -190,6 +190,11 @@ TEXT_CONTEXT_TOKENS = 6
 after the prompt (a SentencePiece tokenizer drops the leading space of a text's first word)."""
 
 
+def special_ids(tokenizer: Any) -> set[int]:
+    """The ids of ``tokenizer``'s special tokens, which decode to nothing in text (``skip_special_tokens``)."""
+    return set(getattr(tokenizer, "all_special_ids", None) or ())
+
+
 def context_start(tokenizer: Any, ids: Sequence[int], start: int) -> int:
     """Where the tokens decoded before ``ids[start:]`` as their context begin: ``TEXT_CONTEXT_TOKENS``
     back, and up to 3 tokens further while the context's text begins inside a character. A byte-fallback
@@ -198,7 +203,7 @@ def context_start(tokenizer: Any, ids: Sequence[int], start: int) -> int:
     ending in emoji came out as four U+FFFD, and a stop string in it was never seen). Special tokens, which
     decode to nothing, are not counted (after a prompt ending in 6 of them the context held no text, and a
     SentencePiece answer lost its leading space)."""
-    special = set(getattr(tokenizer, "all_special_ids", None) or ())
+    special = special_ids(tokenizer)
     begin, counted = start, 0
     while begin > 0 and counted < TEXT_CONTEXT_TOKENS and start - begin < 8 * TEXT_CONTEXT_TOKENS:
         begin -= 1
@@ -247,7 +252,7 @@ class ByteRun:
         if isinstance(token, str) and _BYTE_TOKEN.fullmatch(token):
             return True
         if self._special is None:
-            self._special = set(getattr(self.tokenizer, "all_special_ids", None) or ())
+            self._special = special_ids(self.tokenizer)
         return token_id in self._special
 
 
@@ -255,7 +260,9 @@ def whole_text(tokenizer: Any, context: Sequence[int], text: str) -> str:
     """The text of ``context``'s tokens up to its last whole character, ``text`` being theirs: ``text`` unless
     it ends in U+FFFD (tokens cut inside a character's bytes), else that of up to 3 fewer tokens, special tokens
     (which decode to nothing) not counted: three of them after the cut character kept its U+FFFD, and added one."""
-    specials = set(getattr(tokenizer, "all_special_ids", None) or ())
+    if not text.endswith("\ufffd"):  # (most calls: no special ids read)
+        return text
+    specials = special_ids(tokenizer)
     end, dropped = len(context), 0
     while end > 0 and dropped < 3 and text.endswith("\ufffd"):  # a UTF-8 character is at most 4 bytes
         end -= 1
@@ -627,7 +634,7 @@ class DecodeBatch:
     def _is_special(self, token: int) -> bool:
         """Whether ``token`` is one of the tokenizer's special tokens, which decode to nothing in the text."""
         if self._special_ids is None:
-            self._special_ids = set(getattr(self.tokenizer, "all_special_ids", None) or ())
+            self._special_ids = special_ids(self.tokenizer)
         return token in self._special_ids
 
     def _text_window(self, history: list[int], prompt_length: int, tokens: int) -> int:

@@ -1425,8 +1425,7 @@ def run_openai(
     batch: list[dict[str, Any]] = []
     batch_index = 0
     errors: list[str] = []
-    refusals: list[str] = []
-    refused: list[tuple[Any, str]] = []
+    refused: list[tuple[dict[str, Any], str]] = []  # (prompt, why)
     answered, fatal = False, None  # (an answer in this run; the error that ends it)
     served_others: set[str] = set()  # model names the endpoint answered as, other than the one asked for
     # requests that failed for good one after another, none answered between: past this many the endpoint
@@ -1475,7 +1474,6 @@ def run_openai(
                                        config.model_label, config.model_label)
                 except RejectedError as err:  # counted, logged and recorded: a rerun does not ask again
                     stats.rejected += 1
-                    refusals.append(f"{prompt['id']}: {err}")
                     refused.append((prompt, str(err)))
                     logger.error("prompt %s refused by the endpoint, left out: %s", prompt["id"], err)
                     continue
@@ -1534,19 +1532,20 @@ def run_openai(
             f"{len(errors)} of {len(jobs)} requests failed{asked} (rows written so far are kept; rerun "
             f"to retry the rest; a prompt that fails every time can be left out with exclude_ids). First: {errors[0]}"
         )
-    if not jobs or len(refusals) < len(jobs):
+    if not jobs or len(refused) < len(jobs):
         return
     # every prompt refused: a setting every request carries, most likely. With no row to train on that fails;
     # beside an earlier run's rows (its refusals, once their record is deleted, are asked again) it is said
+    first = f"{refused[0][0]['id']}: {refused[0][1]}"
     if not stats.already_done:
         raise DistillError(
-            f"the endpoint refused all {len(jobs)} prompts and no row was written before; first: {refusals[0]}. "
+            f"the endpoint refused all {len(jobs)} prompts and no row was written before; first: {first}. "
             "Check the settings every request carries: max_new_tokens past the served model's context, or a "
             "parameter the endpoint does not take"
         )
     logger.warning("the endpoint refused all %d prompts asked (first: %s); the %d rows already there are kept. "
                    "If it refuses them all for a setting every request carries (max_new_tokens past its "
-                   "context, a parameter it does not take), fix that and run again", len(jobs), refusals[0],
+                   "context, a parameter it does not take), fix that and run again", len(jobs), first,
                    stats.already_done)
 
 
