@@ -17,7 +17,7 @@ from medusa_infer.proposers import build_proposer
 from medusa_infer.serving import cli
 from medusa_infer.serving.app import TextAssembler
 from medusa_infer.serving.scheduler import Request
-from medusa_infer.serving.testing import ServerThread, metric_value, serve, torch_threads, word_tokenizer
+from medusa_infer.serving.testing import WORDS, ServerThread, metric_value, serve, torch_threads, word_tokenizer
 from medusa_infer.tree_fit import CostProfile
 from medusa_infer.trees import REFERENCE_HEAD_ACCURACY
 from tiny import word_medusa
@@ -813,6 +813,25 @@ def test_a_stop_string_that_is_a_special_tokens_text_stops_at_that_token():
         answer = httpx.post(server.base_url + "/v1/completions", json=body, timeout=30).json()
     assert (answer["choices"][0]["text"], answer["choices"][0]["finish_reason"]) == (" cat", "stop")
     assert answer["usage"]["completion_tokens"] == 2
+
+
+def test_a_streamed_line_separator_is_escaped_so_line_readers_get_whole_events():
+    """U+2028, U+2029 and U+0085 in an answer went raw into the stream's JSON: httpx's and requests' iter_lines
+    (scripts/bench_serving.py reads so) split the event there, and json.loads failed on both halves."""
+    from tiny import scripted_model
+
+    words = ("line\u2028sep", "para\u2029sep", "next\x85line")
+    tokenizer = word_tokenizer(WORDS + words)
+    script = [tokenizer.convert_tokens_to_ids(token) for token in ("the", *words, "cat")]
+    with serve(scripted_model(tokenizer, script), "autoregressive") as (server, _):
+        body = {"model": "tiny", "prompt": script[:1], "max_tokens": 4, "temperature": 0}
+        whole = httpx.post(server.base_url + "/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
+        with httpx.stream("POST", server.base_url + "/v1/completions", json={**body, "stream": True},
+                          timeout=30) as response:
+            lines = [line for line in response.iter_lines() if line]
+    assert whole == " " + " ".join(words) + " cat"
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]  # (each parses: none was cut)
+    assert lines[-1] == "data: [DONE]" and "".join(e["choices"][0]["text"] for e in events if e["choices"]) == whole
 
 
 def test_text_cut_inside_a_character_reads_alike_after_special_tokens_and_in_any_steps():

@@ -484,3 +484,10 @@ def test_values_the_server_would_silently_not_honour_are_refused(param, value):
     with pytest.raises(protocol.APIError) as err:
         protocol.parse_chat({**PARSE_CHAT, param: value}, PARSE_MODEL)
     assert err.value.status == 400 and err.value.param == param
+
+
+@pytest.mark.parametrize("raw, named", [(b"null", "null"), (b"[1]", "array"), (b'"hi"', "string"), (b"3.5", "number")])
+def test_a_body_of_no_object_is_named_by_its_json_type(raw, named):
+    """Named by Python's type (NoneType, list), as no other message of the server names a JSON value."""
+    with pytest.raises(protocol.APIError, match=f"the request body must be a JSON object, got {named}$"):
+        protocol.parse_json(raw)

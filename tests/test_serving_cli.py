@@ -35,11 +35,21 @@ def test_max_prefill_tokens_below_one_is_refused(capsys):
     (["--heads", ""], "--heads is empty (''): name a heads folder or Hub repo"),
     (["--model", ""], "--model is empty (''): name the base model"),
     (["--served-model-name", ""], "--served-model-name is empty (''): name the model id clients send"),
+    # a key no HTTP client sends as it is (headers are read as latin-1): every request was refused, without a word
+    (["--api-key", "clé"], "--api-key must be printable ASCII (it travels in an HTTP header)"),
+    (["--api-key", "a\x07b"], "--api-key must be printable ASCII"),
 ])
 def test_out_of_range_and_empty_settings_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.parse_args(["--method", "lookup", *argv])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_non_ascii_api_key_from_the_environment_is_refused(monkeypatch, capsys):
+    monkeypatch.setenv(cli.API_KEY_ENV, "clé")
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--method", "lookup"])
+    assert f"${cli.API_KEY_ENV} must be printable ASCII" in capsys.readouterr().err
 
 
 def test_typical_acceptance_is_refused_where_nothing_is_drafted(capsys):

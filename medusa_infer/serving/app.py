@@ -454,8 +454,13 @@ def _timeout_error(message: str) -> APIError:
                     protocol.NO_RETRY)
 
 
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+"""Characters JSON leaves as they are that line readers split at (Python's ``str.splitlines``, httpx's and requests'
+``iter_lines``): escaped, an event's line was cut in two there, and its JSON failed to parse."""
+
+
 def _sse(body: dict[str, Any]) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':')).translate(_LINE_BREAKS)}\n\n"
 
 
 async def _wait_for_disconnect(request: Request) -> None:

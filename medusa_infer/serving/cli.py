@@ -109,6 +109,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.api_key = args.api_key.strip()
         if not args.api_key:
             parser.error(f"{source} is empty")
+        if not (args.api_key.isascii() and args.api_key.isprintable()):  # (the server reads headers as latin-1,
+            # HTTP clients send no other characters: every request was refused, without a word at the start)
+            parser.error(f"{source} must be printable ASCII (it travels in an HTTP header), got "
+                         f"{len(args.api_key)} characters of which some are not")
     return args
 
 

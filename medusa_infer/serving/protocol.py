@@ -107,7 +107,7 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     except (ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError
         raise invalid(f"the request body is not valid JSON: {_short(error)}") from None
     if not isinstance(body, dict):
-        raise invalid(f"the request body must be a JSON object, got {type(body).__name__}")
+        raise invalid(f"the request body must be a JSON object, got {_type(body)}")
     return body
 
 
