@@ -209,8 +209,11 @@ def push_folder_to_hub(
     (nothing is uploaded: the folder may hold a datastore of training conversations). ``token=None``
     uses the locally stored login. A folder that holds no heads (a run folder, a mistyped path) is
     refused before the repo is created; errors of the Hub name the repo and the fix (``ValueError``).
-    The uploaded config.json shows the local paths of its training record by their last part, as the
-    card does (``_public``); the folder's own is left as it is. ``retry_hint``: how to try again, said where the
+    Heads that would not load after the download (weights cut short, of other heads than config.json's) are
+    refused before the repo is created. The uploaded config.json shows the local paths of its training record by
+    their last part, as the card does (``_public``); the uploaded card names ``repo_id`` where it says "this repo
+    or folder", and a folder without one gets one made from its config (``model_card``); the folder's own files
+    are left as they are. ``retry_hint``: how to try again, said where the
     upload fails (default: upload the folder again; ``MedusaModel.push_to_hub`` uploads a temporary folder, gone
     by then, which its error named).
     """
@@ -225,8 +228,9 @@ def push_folder_to_hub(
             folder, "medusa-forge" if WEIGHTS_NAME in layouts else "FasterDecoding") is not None:
         raise ValueError(f"{folder} holds no saved heads (a config.json of heads beside their weights): pass the heads "
                          "folder (a run's heads/, or what save_pretrained wrote), not a run folder")
-    with tempfile.TemporaryDirectory() as stage:
-        published = _published(folder, Path(stage))  # before the repo is made (a failure here is no Hub's)
+    config = _loadable(folder, WEIGHTS_NAME in layouts)  # (else every download failed to load them)
+    with tempfile.TemporaryDirectory() as stage:  # (staged before the repo is made: a failure here is no Hub's)
+        published = _published(folder, Path(stage), repo_id, config)
         return _create_and_upload(HfApi(token=token), published, folder, repo_id, private, revision, token,
                                   commit_message, again)
 
@@ -250,13 +254,41 @@ def _create_and_upload(api: Any, published: Path, folder: Path, repo_id: str, pr
                          f"may write there (`hf auth login` with a write token), then {again}") from err
 
 
-def _published(folder: Path, stage: Path) -> Path:
-    """``folder``, or where its config.json's training record names local paths (a home folder, a user's
-    name), ``stage`` made a copy of it by links, whose config.json shows them by their last part."""
-    config = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))
-    training = config.get("training")
-    if not isinstance(training, dict) or _public(training) == training:
-        return folder
+def _loadable(folder: Path, ours: bool) -> MedusaConfig | None:
+    """The config of the heads ``folder`` holds, read as a download of it would be; ``ValueError`` naming the file
+    where they would not load (weights cut short or of other heads than config.json's: the upload went through,
+    and every download failed). ``ours``: saved by ``save_heads``, else in the FasterDecoding layout, whose shared
+    heads may need the base model's sizes to be read (None then: they are read where they are loaded)."""
+    if not ours:
+        from medusa_infer.interop import SizesUnknown, read_medusa_layout  # (interop reads this module)
+
+        try:
+            return read_medusa_layout(folder)[0]
+        except SizesUnknown:
+            return None
+        except ValueError as err:
+            raise ValueError(f"{err}. Nothing was uploaded") from err
+    from medusa_infer.heads import MedusaHeads
+
+    config, state = load_heads_state(folder)
+    with torch.device("meta"):  # (the shapes only: no memory for a large vocabulary's projections)
+        expected = MedusaHeads(config).state_dict()
+    check_state_dict(expected, state, str(folder / WEIGHTS_NAME), "Nothing was uploaded: save the heads again "
+                     "(save_pretrained, or export them again) and upload that folder.")
+    return config
+
+
+PLACEHOLDER = "<this repo or folder>"
+"""What a saved card's usage names the heads by: an upload's card names its repo there."""
+
+
+def _published(folder: Path, stage: Path, repo_id: str, config: MedusaConfig | None) -> Path:
+    """``stage`` made a copy of ``folder`` by links, whose card names ``repo_id`` where it says ``PLACEHOLDER``
+    (made from ``config`` by ``model_card`` where the folder has none and ``config`` is known: the repo's page
+    would say nothing of its base model or figures) and whose config.json shows local paths of the training record (a home folder, a
+    user's name) by their last part."""
+    settings = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))
+    training = settings.get("training")
     for path in folder.rglob("*"):  # (files linked one by one: a linked folder's files may not be walked)
         if path.is_file():
             (stage / path.relative_to(folder)).parent.mkdir(parents=True, exist_ok=True)
@@ -264,18 +296,25 @@ def _published(folder: Path, stage: Path) -> Path:
                 (stage / path.relative_to(folder)).symlink_to(path.resolve())
             except OSError:  # no links here (Windows without developer mode, some file systems): a copy
                 shutil.copy2(path, stage / path.relative_to(folder))
-    (stage / CONFIG_NAME).unlink()
-    (stage / CONFIG_NAME).write_text(json.dumps({**config, "training": _public(training)}, indent=2) + "\n",
-                                     encoding="utf-8")
+    if isinstance(training, dict) and _public(training) != training:
+        (stage / CONFIG_NAME).unlink()
+        (stage / CONFIG_NAME).write_text(json.dumps({**settings, "training": _public(training)}, indent=2) + "\n",
+                                         encoding="utf-8")
+    card = (folder / CARD_NAME).read_text(encoding="utf-8", errors="replace") if (folder / CARD_NAME).is_file() \
+        else model_card(config) if config is not None else None
+    if card is not None:
+        (stage / CARD_NAME).unlink(missing_ok=True)
+        (stage / CARD_NAME).write_text(card.replace(PLACEHOLDER, repo_id), encoding="utf-8")
     return stage
 
 
 def _upload(api: Any, folder: Path, repo_id: str, revision: str | None, commit_message: str) -> str:
     """Upload ``folder`` into ``repo_id``, deleting what an earlier upload left that the folder does not hold."""
     # Files an earlier upload left that change how the repo loads (another adapter would be merged
-    # under these heads, another datastore searched, FasterDecoding weights read instead) are deleted
+    # under these heads, another datastore searched, other layout's weights read instead) are deleted
     # in the same commit; files the folder holds are uploaded, not deleted.
-    stale = [ADAPTER_DIR + "/*", DATASTORE_NAME, *FASTERDECODING_WEIGHTS]
+    # (an upload of the FasterDecoding layout over ours left our weights, which loaded first, and card)
+    stale = [ADAPTER_DIR + "/*", DATASTORE_NAME, *FASTERDECODING_WEIGHTS, WEIGHTS_NAME, CARD_NAME]
     info = api.upload_folder(  # (a save cut short leaves *.partial files: not the heads')
         repo_id=repo_id, folder_path=str(folder), revision=revision, commit_message=commit_message,
         delete_patterns=[*stale, "*.partial"], ignore_patterns=["*.partial"],
@@ -399,12 +438,17 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None, chat: boo
     matter names it only when it can be a Hub id (not a local folder, which the Hub would refuse).
     ``chat``: whether chats can be rendered (``renders_chats``): the usage example sends a chat, else text.
     """
-    from medusa_infer.models import hub_id
+    from medusa_infer.models import DEFAULT_MODELS, hub_id, names_default_model
 
     base = base_model_id or hub_id(config.base_model_name_or_path) or "unknown"
-    lines = ["---"]
+    shown = base if _looks_like_hub_id(base) else _public(base, "path")  # (a local folder by its last part, as the
+    lines = ["---"]  # training record shows it: a home folder's or a project's name is not published)
     if _looks_like_hub_id(base):  # the Hub refuses a commit whose card names a local folder here
         lines.append(f"base_model: {json.dumps(base)}")  # (quoted: a name such as "null" or "1.0" read as YAML's)
+    name = config.base_model_name_or_path
+    if name and names_default_model(name) and DEFAULT_MODELS[name].license and \
+            base_model_id in (None, DEFAULT_MODELS[name].hub_id):
+        lines.append(f"license: {DEFAULT_MODELS[name].license}")  # (heads trained on a model are bound by its terms)
     lines += [
         "library_name: medusa-forge",
         "tags:",
@@ -412,7 +456,7 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None, chat: boo
         "- speculative-decoding",
         "---",
         "",
-        f"# Medusa heads for {base}",
+        f"# Medusa heads for {shown}",
         "",
         f"{config.num_heads} Medusa heads, {config.num_layers} residual block(s) each, "
         f"{config.projection} vocabulary projection"
@@ -428,7 +472,8 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None, chat: boo
         "from medusa_infer.model import MedusaModel",
         "",
         *(['model = MedusaModel.from_pretrained("<this repo or folder>")'] if not _local_base(config) else [
-            f"# config.json names the base model by a local folder ({config.base_model_name_or_path}): give it",
+            f"# config.json names the base model by a local folder ({_public(config.base_model_name_or_path, 'path')}):"
+            " give it",
             f'model = MedusaModel.from_pretrained("<this repo or folder>", base_model="'
             f'{base if _looks_like_hub_id(base) else "<base model folder or Hub id>"}")']),
         *(["# a chat, rendered with the chat template as the heads' training data was (prompt= takes text as it is)",
@@ -437,6 +482,15 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None, chat: boo
             "# text as it is (the base model's tokenizer has no chat template)",
             'out = model.generate(prompt="The capital of France is", max_new_tokens=64)']),
         "print(model.tokenizer.decode(out.new_tokens[0], skip_special_tokens=True))",
+        "```",
+        "",
+        "From the command line, with medusa-forge installed (its README says how):",
+        "",
+        "```bash",
+        *([] if not _local_base(config) else ["# add --model <base model folder or Hub id>, as above"]),
+        'medusa-generate --heads "<this repo or folder>" ' + ("--chat" if chat else '"The capital of France is"')
+        + "  # " + ("an interactive chat" if chat else "text as it is"),
+        'medusa-serve --heads "<this repo or folder>"  # an OpenAI-compatible server on 127.0.0.1:8000',
         "```",
         "",
         "Where this folder holds `adapter/` (Medusa-2), `from_pretrained` merges that LoRA adapter into the base "

@@ -37,11 +37,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from medusa_infer.checkpoint import (
+    CARD_NAME,
     FASTERDECODING_WEIGHTS,
     IMPORTED_FROM,
     check_state_dict,
     first_existing,
     foreign_config,
+    model_card,
     unreadable_weights,
     write_in_place,
 )
@@ -326,8 +328,10 @@ def write_medusa_layout(
     version: Literal["1", "2"] | None = None,
     lm_head_bias: torch.Tensor | None = None,
     adapter_digest: str | None = None,
+    chat: bool = True,
 ) -> Path:
-    """Write heads as a FasterDecoding-layout folder (``config.json`` + ``medusa_lm_head.*``).
+    """Write heads as a FasterDecoding-layout folder (``config.json`` + ``medusa_lm_head.*``), with a model card
+    (``README.md``: what the layout has no place for, the measured accuracies among it, and how to load them).
 
     Args:
         config: the heads' configuration; ``base_model_name_or_path`` must be set (readers load the
@@ -346,6 +350,7 @@ def write_medusa_layout(
             refused then (the layout's projections have no bias, so the copies would drop it).
         adapter_digest: of Medusa-2 heads, the digest of the adapter they were trained with, where known
             (``ADAPTER_DIGEST_KEY``).
+        chat: whether the base model's tokenizer renders chats (the card's example then sends one).
 
     Returns:
         The folder. Tensors are written contiguous, in their own float dtype.
@@ -456,13 +461,22 @@ def write_medusa_layout(
         data["medusa_choices"] = [list(path) for path in config.tree]
     if config.head_accuracies or config.cost_profile:
         logger.info("the FasterDecoding layout has no place for the heads' measured accuracies or cost profile: "
-                    "%s keeps only their tree (medusa_choices); save_pretrained keeps everything", path)
+                    "%s keeps only their tree (medusa_choices), its card the figures; save_pretrained keeps "
+                    "everything", path)
+    # (a card: the Hub's page of an upload said nothing of the base model, the figures or the training data, and
+    # one of the heads uploaded there before stayed)
+    card = model_card(config, chat=chat) + (
+        f"\nThis folder holds the heads in the FasterDecoding/Medusa layout (`config.json`, `{WEIGHTS_NAMES[fmt]}`, "
+        f"version {version}), which " + ("TGI and TensorRT-LLM read" if version == "1" else
+                                         "TGI reads (with one block a head; TensorRT-LLM reads version 1 only)")
+        + ", and medusa-forge's `from_pretrained` too.\n")
     # both written beside, then moved in: a write that failed over an earlier export left the new config.json
     # beside the old weights (and a load then blamed an understated medusa_num_heads)
     write_in_place(path, [
         (WEIGHTS_NAMES[fmt], (lambda target: save_file(tensors, str(target), metadata={"format": "pt"}))
          if fmt == "safetensors" else (lambda target: torch.save(tensors, target))),
-        (CONFIG_NAME, lambda target: target.write_text(json.dumps(data, indent=2) + "\n"))])
+        (CONFIG_NAME, lambda target: target.write_text(json.dumps(data, indent=2) + "\n")),
+        (CARD_NAME, lambda target: target.write_text(card, encoding="utf-8"))])
     return path
 
 
@@ -555,13 +569,19 @@ def _load_weights(weights_path: Path) -> dict[str, torch.Tensor]:
     return loaded
 
 
+class SizesUnknown(ValueError):
+    """Neither a FasterDecoding folder's tensors nor its config.json tell the heads' hidden or vocabulary size
+    (shared heads of no blocks, a config.json without ``vocab_size``): the base model's config does, where they
+    are loaded."""
+
+
 def _agree(name: str, weights_path: Path, from_tensors: int | None, from_config: int | None, given: int | None,
            given_by: str | None = None) -> int:
     """The one value of ``name`` that the tensors, ``config.json`` and the caller (``given_by``) agree on."""
     sources = {"the tensors": from_tensors, "config.json": from_config, given_by or f"the {name} argument": given}
     known = {source: value for source, value in sources.items() if value is not None}
     if not known:
-        raise ValueError(
+        raise SizesUnknown(
             f"nothing in {weights_path.parent} tells the heads' {name} (neither the tensors nor config.json); "
             f"pass {name}= from the base model's config"
         )

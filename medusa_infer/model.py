@@ -665,8 +665,9 @@ class MedusaModel(nn.Module):
         if heads_state is not None:
             check_state_dict(state, dict(heads_state), "heads_state")
             state = dict(heads_state)
-        out = write_medusa_layout(self.config, state, directory, lm_head_weight=lm_weight,
-                                  fmt=fmt, version=version, lm_head_bias=lm_bias, adapter_digest=merged_in)
+        out = write_medusa_layout(self.config, state, directory, lm_head_weight=lm_weight, fmt=fmt, version=version,
+                                  lm_head_bias=lm_bias, adapter_digest=merged_in,
+                                  chat=renders_chats(self.config, self.tokenizer))
         self._warn_heads_only(directory)  # once written: heads the layout cannot hold fail without it
         return out
 

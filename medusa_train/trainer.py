@@ -1102,10 +1102,10 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
         bar.update(1)
         if step % config.log.every == 0 or step == total:
             record = _summarise(accelerator, window, measured, window_units, window_start)
-            record.update(step=step, total_steps=total, epoch=(step * t.grad_accum) / micro_per_epoch,
-                          lr=used_lrs[-1], unit=unit, elapsed_s=round(time.perf_counter() - start_time, 2))
+            record.update(step=step, total_steps=total, epoch=_digits((step * t.grad_accum) / micro_per_epoch),
+                          lr=_digits(used_lrs[-1]), unit=unit, elapsed_s=round(time.perf_counter() - start_time, 2))
             if len(used_lrs) > 1:  # Medusa-2: lr is the adapter's (training.lr), the heads have their own
-                record["heads_lr"] = used_lrs[0]
+                record["heads_lr"] = _digits(used_lrs[0])
             logger.log(record, bar)
             bar.set_postfix(loss=f"{record['loss']:.3f}")
             window, measured, window_units, window_start = {}, {}, 0, time.perf_counter()
@@ -1158,10 +1158,16 @@ def _summarise(accelerator: Any, window: dict[str, torch.Tensor], measured: Mapp
         value = value / measured[key]
         if world > 1:
             value = accelerator.reduce(value, reduction="mean")
-        out[key] = [round(float(x), 5) for x in value.tolist()] if value.dim() else float(value)
+        out[key] = [round(float(x), 5) for x in value.tolist()] if value.dim() else _digits(float(value))
     units_total = units * world
-    out["units_per_s"] = units_total / max(time.perf_counter() - started, 1e-9)
+    out["units_per_s"] = round(units_total / max(time.perf_counter() - started, 1e-9), 1)
     return out
+
+
+def _digits(value: float) -> float:
+    """``value`` to the 7 significant digits a float32 holds: the log and the model card's training record showed
+    a loss as 3.893430471420288 and a learning rate as 0.0004951556604879049."""
+    return float(f"{value:.7g}")
 
 
 # ---------------------------------------------------------------------------------------------

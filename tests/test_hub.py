@@ -219,8 +219,13 @@ def test_push_to_hub_uploads_what_save_pretrained_writes(hub, monkeypatch, tmp_p
     assert sorted(uploaded) == ["README.md", "config.json", "model.safetensors"]
 
     model.save_pretrained(tmp_path)
-    for name in ("README.md", "config.json"):
-        assert uploaded[name] == (tmp_path / name).read_bytes(), name
+    assert uploaded["config.json"] == (tmp_path / "config.json").read_bytes()
+    # the card as saved, naming the repo where it says "this repo or folder" (its usage, its commands)
+    saved = (tmp_path / "README.md").read_text()
+    assert saved.count("<this repo or folder>") == 3
+    assert uploaded["README.md"].decode() == saved.replace("<this repo or folder>", REPO_ID)
+    assert f'from_pretrained("{REPO_ID}")' in uploaded["README.md"].decode()
+    assert f'medusa-serve --heads "{REPO_ID}"' in uploaded["README.md"].decode()
     tensors = load_safetensors(uploaded["model.safetensors"])
     expected = model.heads.state_dict()
     assert sorted(tensors) == sorted(expected)
@@ -333,6 +338,61 @@ def test_a_new_upload_deletes_what_an_earlier_one_left_that_would_load_with_the_
     assert sorted(hub.files[(REPO_ID, "main")]) == ["README.md", "config.json", "model.safetensors", "notes.txt"]
 
 
+def test_a_fasterdecoding_export_has_a_card_and_its_upload_over_ours_leaves_none_of_ours(hub, monkeypatch, tmp_path):
+    """An upload in the FasterDecoding layout over heads pushed in ours left our model.safetensors (which loads
+    first) and card (of the earlier heads: their count, accuracies and tree) in the repo; the export wrote none."""
+    from medusa_infer.checkpoint import push_folder_to_hub
+
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    tiny_heads().push_to_hub(REPO_ID, token=TOKEN)
+    model = MedusaModel.from_base(tiny_model("llama"), num_heads=4, num_layers=1, projection="own")
+    model.config.base_model_name_or_path = "tiny-random/llama"
+    model.config.head_accuracies = [[0.5, 0.75], [0.25, 0.5], [0.125, 0.25], [0.0625, 0.125]]
+    card = (model.export_medusa_layout(tmp_path / "fd") / "README.md").read_text()
+    assert card.startswith("---\nbase_model: \"tiny-random/llama\"") and "4 Medusa heads" in card
+    assert "| 1 | 0.500 |\n| 2 | 0.250 |" in card  # the figures the layout's config.json has no place for
+    assert "FasterDecoding/Medusa layout (`config.json`, `medusa_lm_head.safetensors`, version 1)" in card
+    push_folder_to_hub(tmp_path / "fd", REPO_ID, token=TOKEN)
+    assert not hub.unexpected and hub.commits[1]["deleted"] == ["model.safetensors"]
+    uploaded = hub.files[(REPO_ID, "main")]
+    assert sorted(uploaded) == ["README.md", "config.json", "medusa_lm_head.safetensors"]
+    assert uploaded["README.md"].decode() == card.replace("<this repo or folder>", REPO_ID)
+    assert MedusaModel.from_pretrained(tmp_path / "fd", base_model=tiny_model("llama")).config.num_heads == 4
+
+
+def test_a_push_refuses_heads_that_would_not_load_and_makes_a_missing_card(hub, monkeypatch, tmp_path):
+    """Weights cut short, or of other heads than config.json's, were uploaded (every download then failed to
+    load them); a folder without its card was uploaded without one (no base model, no figures on the page)."""
+    from safetensors.torch import save_file
+
+    from medusa_infer.checkpoint import push_folder_to_hub
+
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    folder = tmp_path / "heads"
+    tiny_heads().save_pretrained(folder)
+    weights = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(weights[:200])
+    with pytest.raises(ValueError, match="model.safetensors could not be read"):
+        push_folder_to_hub(folder, REPO_ID, token=TOKEN)
+    other = MedusaModel.from_base(tiny_model("llama"), num_heads=2, num_layers=2, projection="own")
+    other.config.base_model_name_or_path = "tiny-random/llama"
+    save_file({k: v.contiguous() for k, v in other.heads.state_dict().items()}, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match="does not fit the heads its config describes: missing tensors .*Nothing "
+                                         "was uploaded"):
+        push_folder_to_hub(folder, REPO_ID, token=TOKEN)
+    fd = other.export_medusa_layout(tmp_path / "fd")
+    (fd / "medusa_lm_head.safetensors").write_bytes(b"version https://git-lfs.github.com/spec/v1\n")
+    with pytest.raises(ValueError, match="Git LFS pointer.*Nothing was uploaded"):
+        push_folder_to_hub(fd, REPO_ID, token=TOKEN)
+    assert not hub.repos and not hub.commits  # refused before the repo was made
+    (folder / "model.safetensors").write_bytes(weights)
+    saved = (folder / "README.md").read_text()
+    (folder / "README.md").unlink()
+    push_folder_to_hub(folder, REPO_ID, token=TOKEN)
+    assert hub.files[(REPO_ID, "main")]["README.md"].decode() == saved.replace("<this repo or folder>", REPO_ID)
+    assert not (folder / "README.md").exists()  # the folder's own files as they were
+
+
 def test_the_uploaded_config_shows_the_training_records_local_paths_by_their_last_part(hub, monkeypatch, tmp_path):
     """The card hid the training record's local paths (a home folder, a user's name), and the config.json
     uploaded beside it published them; the folder's own config keeps them."""
@@ -353,7 +413,8 @@ def test_the_uploaded_config_shows_the_training_records_local_paths_by_their_las
     assert sorted(uploaded) == ["README.md", "adapter/adapter_model.safetensors", "config.json", "model.safetensors"]
     assert uploaded["adapter/adapter_model.safetensors"] == b"weights"
     assert uploaded["model.safetensors"] == (folder / "model.safetensors").read_bytes()
-    assert uploaded["README.md"] == (folder / "README.md").read_bytes()
+    assert uploaded["README.md"] == (folder / "README.md").read_bytes().replace(b"<this repo or folder>",
+                                                                               REPO_ID.encode())
     config = json.loads(uploaded["config.json"])
     assert "/home/alice" not in uploaded["config.json"].decode() and "~/data" not in uploaded["config.json"].decode()
     assert config["training"]["recipe"]["model"]["name"] == "<local>/llama"
@@ -371,7 +432,8 @@ def test_the_uploaded_config_shows_the_training_records_local_paths_by_their_las
     monkeypatch.setattr(type(folder), "symlink_to", no_links)
     push_folder_to_hub(folder, REPO_ID + "-copied", token=TOKEN)
     copied = hub.files[(REPO_ID + "-copied", "main")]
-    assert copied == uploaded and not hub.unexpected
+    assert copied == {**uploaded, "README.md": (folder / "README.md").read_bytes().replace(
+        b"<this repo or folder>", (REPO_ID + "-copied").encode())} and not hub.unexpected
 
 
 def test_the_card_names_a_base_model_in_its_front_matter_only_when_it_can_be_a_hub_id(tmp_path, monkeypatch):
@@ -383,6 +445,12 @@ def test_the_card_names_a_base_model_in_its_front_matter_only_when_it_can_be_a_h
     front = lambda card: card.split("---")[1]  # noqa: E731
     config.base_model_name_or_path = "smollm2-135m-instruct"  # a default model: its original repository
     assert 'base_model: "HuggingFaceTB/SmolLM2-135M-Instruct"\n' in front(model_card(config))
+    # and its licence, which binds heads trained on it (the Hub said "unknown"); no other model's is known
+    assert yaml.safe_load(front(model_card(config)))["license"] == "apache-2.0"
+    config.base_model_name_or_path = "gemma3-270m"
+    assert yaml.safe_load(front(model_card(config)))["license"] == "gemma"
+    assert "license" not in yaml.safe_load(front(model_card(config, base_model_id="org/gemma-finetune")))
+    config.base_model_name_or_path = "smollm2-135m-instruct"
     assert "dequantized from the GGUF file `SmolLM2-135M-Instruct.Q4_1.gguf`" in model_card(config)  # said nowhere
     assert 'base_model: "org/llama"\n' in front(model_card(config, base_model_id="org/llama"))
     config.training = {"recipe": {"model": {"name": "/home/alice/models/llama"}, "output_dir": "~/runs/x",
@@ -397,10 +465,13 @@ def test_the_card_names_a_base_model_in_its_front_matter_only_when_it_can_be_a_h
     config.training = {}
     for name in ("null", "true", "1.0"):  # repo names YAML read as another type (None, True, 1.0)
         assert yaml.safe_load(front(model_card(config, base_model_id=name)))["base_model"] == name
-    for local in ("/home/me/models/llama", str(tmp_path), "runs/demo/model"):
+    # an absolute folder by its last part, as the training record shows it (a home folder's name was published)
+    for local, shown in (("/home/me/models/llama", "<local>/llama"), (str(tmp_path), f"<local>/{tmp_path.name}"),
+                         ("runs/demo/model", "runs/demo/model")):
         config.base_model_name_or_path = local
         card = model_card(config)
-        assert "base_model" not in front(card) and f"# Medusa heads for {local}" in card, local
+        assert "base_model" not in front(card) and f"# Medusa heads for {shown}\n" in card, local
+        assert local not in card or local == shown, local
     # its usage snippet gives the base model a copy elsewhere cannot find by the folder (it failed as written)
     config.base_model_name_or_path = "/home/me/models/llama"
     assert 'from_pretrained("<this repo or folder>", base_model="org/llama")' in model_card(config, "org/llama")

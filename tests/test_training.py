@@ -255,6 +255,14 @@ def test_a_log_window_across_the_heads_only_stage_averages_base_kl_over_joint_st
         tr.add_to_window(window, measured, metrics, "cpu")
     record = tr._summarise(SimpleNamespace(num_processes=1), window, measured, 4, 0.0)
     assert record["base_kl"] == 0.5 and record["loss"] == 2.5 and record["head_top1"] == [0.5]
+    # to the digits a float32 holds (the log and the card's training record showed 3.893430471420288)
+    window, measured = {}, {}
+    for step in range(3):
+        tr.add_to_window(window, measured, {"loss": torch.tensor(1.0 + (step == 0)), "top1_hits": torch.tensor([1.0]),
+                                            "top1_total": torch.tensor([3.0])}, "cpu")
+    record = tr._summarise(SimpleNamespace(num_processes=1), window, measured, 3, time.perf_counter() - 0.7)
+    assert record["loss"] == 1.333333 and record["head_top1"] == [0.3333]
+    assert record["units_per_s"] == round(record["units_per_s"], 1) and 0 < record["units_per_s"] <= round(3 / 0.7, 1)
 
 
 def test_a_log_windows_head_loss_is_pooled_over_its_positions():
