@@ -62,11 +62,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_tree_arguments(parser)
     parser.add_argument("--lookup-tokens", type=int, default=0,
                         help="--method medusa: also graft a prompt-lookup chain of up to N tokens onto the tree "
-                             "(0: heads only; with a cost profile, the length that pays, up to 16)")
+                             "(0: heads only; with a cost profile, the length that pays, up to --lookup-max-tokens)")
     parser.add_argument("--no-datastore", dest="datastore", action="store_false",
                         help="lookup drafts search only the conversation, not the heads' datastore of the "
                              "model's own answers (datastore.safetensors, used when the heads folder has one)")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="the most tokens an answer gets (default 256)")
     parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--temperature", type=float, default=None, help="with --do-sample (default 1.0)")
     parser.add_argument("--top-p", type=float, default=None, help="with --do-sample (default 1.0: off)")
@@ -87,6 +87,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("give a prompt, or --chat for an interactive chat")
     if args.prompt is not None and args.chat:
         parser.error(f"--chat reads its prompts interactively; drop the prompt {args.prompt!r} or drop --chat")
+    if args.prompt is not None and not args.prompt.strip():  # (an unset shell variable: an empty turn was answered)
+        parser.error(f"the prompt is empty ({args.prompt!r}): give the text to answer, or --chat")
     for what, text in (("the prompt", args.prompt), ("--system", args.system)):
         if text is not None and not is_text(text):  # (the tokenizer failed on it with a TypeError)
             parser.error(f"{what} is not UTF-8 text ({ascii(text)[:60]}): fix its encoding")
@@ -350,6 +352,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``medusa-generate``; errors found once the model is loaded (heads that do not fit it, options it
     refuses) are reported as ``medusa-generate: error: ...`` with exit status 2, as argument errors are."""
     args = parse_args(argv)
+    encoding = (getattr(sys.stdout, "encoding", None) or "utf-8").lower().replace("_", "-")
+    if encoding not in ("utf-8", "utf8") and hasattr(sys.stdout, "reconfigure"):  # (a Windows console, a file in
+        sys.stdout.reconfigure(errors="backslashreplace")  # cp1252: an emoji ended the answer with a codec error)
     try:
         return generate_from_args(args)
     except BrokenPipeError:  # the reader went away (`| head`): nothing left to say, and no one to say it to
@@ -377,6 +382,16 @@ def generate_from_args(args: argparse.Namespace) -> int:
     if args.system is not None and not use_template:
         raise ValueError("--system goes into the chat template, and this model's tokenizer has none: drop --system "
                          "(or put it at the start of the prompt)")
+    if args.system is not None:  # a template that refuses a system role (Gemma 2's, Mistral-Instruct's): a traceback
+        from jinja2 import TemplateError
+
+        from medusa_infer.decoding import encode_chat
+
+        try:
+            encode_chat(tokenizer, [{"role": "system", "content": args.system}, {"role": "user", "content": "hi"}])
+        except TemplateError as err:
+            raise ValueError(f"--system: this model's chat template refuses a system message ({err}): drop --system "
+                             "(or put it at the start of the prompt)") from err
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system is not None else []
     if not args.chat:
         if use_template:
@@ -391,10 +406,13 @@ def generate_from_args(args: argparse.Namespace) -> int:
             sys.stdin.reconfigure(errors="surrogateescape")
         except (io.UnsupportedOperation, ValueError):  # read from already: left as it is
             pass
+    interactive = sys.stdin.isatty()  # (piped lines: no "> " written into the answers)
     while True:
         try:
-            line = input("> ").strip()
-        except EOFError:
+            line = input("> " if interactive else "").strip()
+        except EOFError:  # Ctrl-D: the shell's prompt on a line of its own
+            if interactive:
+                print()
             break
         if not line:
             break

@@ -439,12 +439,13 @@ class MedusaModel(nn.Module):
         if exported:
             interop.weights_file(directory)  # before loading a base model for nothing
             exported_digest = interop.exported_adapter_digest(directory)
+            named = base_model is None
             if base_model is None:
                 base_model = interop.base_model_name(directory)
                 if not base_model:
                     raise ValueError(f"{directory}/config.json names no base_model_name_or_path; give the base model "
                                      "(base_model=, or the command lines' --model)")
-            base_model, tokenizer, name = _load_base(base_model, tokenizer)
+            base_model, tokenizer, name = _load_named_base(base_model, tokenizer, directory, named)
             lm_head = base_model.get_output_embeddings()
             lm_weight = lm_head.weight
             config, state = interop.read_medusa_layout(
@@ -463,15 +464,8 @@ class MedusaModel(nn.Module):
                     "or the command lines' --model)"
                 )
             named = base_model is None
-            try:
-                base_model, tokenizer, name = _load_base(base_model or config.base_model_name_or_path, tokenizer)
-            except OSError as err:  # (offline, a Hub id never downloaded: the error named neither it nor the fix)
-                if not named:
-                    raise
-                raise OSError(f"the base model {config.base_model_name_or_path!r} that {directory}/config.json "
-                              f"names could not be loaded: {err or repr(err)}\n(where it cannot be had here, give "
-                              "the base model the heads were trained on: base_model=, or the command lines' --model)"
-                              ) from err
+            base_model, tokenizer, name = _load_named_base(base_model or config.base_model_name_or_path, tokenizer,
+                                                           directory, named)
         adapter_folder = directory / ADAPTER_DIR
         merge = adapter and adapter_folder.is_dir()
         digests = adapter_digests(adapter_folder) if merge else ()  # (this digest, and as recorded before README.md
@@ -1118,6 +1112,20 @@ def _check_trained_weights(config: MedusaConfig, name: str | None, directory: Pa
                    "give the model they were trained on (base_model=, or the command lines' --model). A copy of the "
                    "same weights saved otherwise (in other shards, say) differs too", directory, where, name,
                    recorded, now, effect)
+
+
+def _load_named_base(base_model: PreTrainedModel | str, tokenizer: Any, directory: Path,
+                     named: bool) -> tuple[PreTrainedModel, Any, str | None]:
+    """``_load_base``; where the heads' config.json named the base model (``named``), a failure to load it says so,
+    and the fix (offline, a Hub id never downloaded, or a folder moved since: the error named neither)."""
+    try:
+        return _load_base(base_model, tokenizer)
+    except (OSError, ValueError) as err:
+        if not named:
+            raise
+        raise (OSError if isinstance(err, OSError) else ValueError)(f"the base model {str(base_model)!r} that {directory}/config.json names could not be loaded: "
+                        f"{err or repr(err)}\n(where it cannot be had here, give the base model the heads were trained "
+                        "on: base_model=, or the command lines' --model)") from err
 
 
 def _load_base(

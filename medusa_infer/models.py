@@ -419,6 +419,9 @@ def _cached_copy_errors(name: str, folder: str) -> Iterator[None]:
                              f"{f' (and {len(pointers) - 1} more)' if len(pointers) > 1 else ''}: the folder was "
                              "cloned without git-lfs; run `git lfs pull` there, or download the files themselves "
                              "(huggingface-cli download)") from err
+        if type(err).__name__ == "SafetensorError":  # a user's folder (a copy cut short, a full disk): named neither
+            raise ValueError(f"the weights in {folder} could not be read ({err}): a file there is cut short or "
+                             "damaged; download or save the model again") from err
         raise
 
 

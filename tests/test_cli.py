@@ -46,6 +46,9 @@ def parse_error(capsys, argv: list[str]) -> str:
         (["--do-sample", "--temperature", "0", "--seed", "3", "hi"], "--seed shape sampling, and --temperature 0 "
                                                                       "decodes greedily"),
         (["--chat", "hi"], "--chat reads its prompts interactively; drop the prompt 'hi' or drop --chat"),
+        # an unset shell variable: an empty user turn was answered
+        ([""], "the prompt is empty (''): give the text to answer, or --chat"),
+        (["  \n"], "the prompt is empty ('  \\n')"),
         (["--method", "lookup", "--tree", "chain-2", "hi"], "--tree shapes the Medusa heads' candidates"),
         (["--heads", "h", "--acceptance", "typical", "hi"], "--acceptance typical samples: add --do-sample"),
         (["--do-sample", "--temperature", "-1", "hi"], "temperature must be a finite number >= 0, got -1.0"),
@@ -190,6 +193,61 @@ def test_errors_after_loading_are_reported_without_a_traceback(monkeypatch, caps
     assert "medusa-generate: error: BloomForCausalLM (bloom) adds ALiBi" in capsys.readouterr().err
 
 
+def test_what_a_model_folder_or_template_refuses_is_said_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """From a review of medusa-generate: a chat template that refuses a system message (Gemma 2's), weights cut
+    short in the user's model folder, and heads in the FasterDecoding layout whose named base model moved away
+    each ended in a traceback or an error that named neither the model nor the fix."""
+    import json
+
+    import medusa_infer.cli as cli
+    from medusa_infer.model import MedusaModel
+    from medusa_infer.serving.testing import word_tokenizer
+    from tiny import tiny_model, word_medusa
+
+    model = word_medusa()
+    model.tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception("
+                                     "'System role not supported') }}{% endif %}{{ m['content'] }} {% endfor %}")
+    monkeypatch.setattr(cli, "load", lambda args: model)
+    for chat in ([], ["--chat"]):
+        assert cli.main(["--system", "be brief", "--max-new-tokens", "2", *(chat or ["the cat"])]) == 2
+        assert ("medusa-generate: error: --system: this model's chat template refuses a system message (System role "
+                "not supported): drop --system") in capsys.readouterr().err
+    monkeypatch.undo()
+    tokenizer = word_tokenizer()
+    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    MedusaModel.from_base(str(tmp_path / "base")).export_medusa_layout(tmp_path / "fd")
+    config = json.loads((tmp_path / "fd" / "config.json").read_text())
+    config = {key: value for key, value in config.items() if not key.startswith("medusa_forge")}
+    (tmp_path / "fd" / "config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(tmp_path / "x")}))
+    assert cli.main(["--heads", str(tmp_path / "fd"), "--max-new-tokens", "2", "the cat"]) == 2
+    assert (f"the base model '{tmp_path / 'x'}' that {tmp_path / 'fd'}/config.json names could not be loaded" in
+            capsys.readouterr().err)
+    weights = tmp_path / "base" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:3000])
+    assert cli.main(["--model", str(tmp_path / "base"), "--max-new-tokens", "2", "the cat"]) == 2
+    assert (f"medusa-generate: error: the weights in {tmp_path / 'base'} could not be read (" in
+            capsys.readouterr().err)
+
+
+def test_an_answer_a_terminals_encoding_cannot_show_is_written_escaped(tmp_path):
+    """Under a cp1252 output (a Windows console, a file written there), an emoji ended the answer with exit 2 and
+    "'charmap' codec can't encode character"."""
+    from medusa_infer.serving.testing import WORDS, word_tokenizer
+    from tiny import scripted_model
+
+    tokenizer = word_tokenizer(WORDS + ("\U0001f389",))
+    script = [tokenizer.convert_tokens_to_ids(token) for token in ("the", "\U0001f389", "cat")]
+    model = scripted_model(tokenizer, script)
+    model.base_model.save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    done = subprocess.run([sys.executable, "-m", "medusa_infer", "--model", str(tmp_path / "base"), "--raw",
+                           "--max-new-tokens", "2", "the"], capture_output=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONIOENCODING": "cp1252"})
+    assert done.returncode == 0, done.stderr.decode()[-1500:]
+    assert done.stdout.decode("cp1252") == "\\U0001f389 cat\n"
+
+
 def test_a_reader_that_goes_away_ends_medusa_generate_quietly(tmp_path):
     """`medusa-generate ... | head -c 1` printed "error: [Errno 32] Broken pipe" and exited 2."""
     from medusa_infer.serving.testing import word_tokenizer
@@ -220,6 +278,7 @@ def test_a_chat_line_that_is_not_utf8_is_left_out_under_a_strict_locale(tmp_path
     err = done.stderr.decode()
     assert done.returncode == 0, err[-1500:]
     assert err.count("that line is not UTF-8 text") == 1 and err.count("[autoregressive]") == 2, err[-1500:]
+    assert b"> " not in done.stdout  # no prompt written into the answers where the lines come from a pipe
     # a second chat in one process, stdin read from already (its errors could no longer be set: exit 2)
     twice = ("import sys; from medusa_infer.cli import main; "
              f"args = ['--model', {str(tmp_path / 'base')!r}, '--chat', '--raw', '--max-new-tokens', '2']; "
