@@ -246,7 +246,7 @@ class TreeController:
         if batch not in self._cost_ratios:
             plain = self.cost.ratio(batch)
             self._cost_ratios[batch] = [1.0] + [
-                self.cost.ratio(batch * (len(t) + 1)) / plain + self.cost.head_ratio(tree_depth(t))
+                max(self.cost.ratio(batch * (len(t) + 1)) / plain, 1.0) + self.cost.head_ratio(tree_depth(t))
                 for t in self.ladder[1:]]
         return self._cost_ratios[batch]
 

@@ -218,7 +218,11 @@ class SpeculationGate:
         lengths give, no step measures itself). Past the largest size measured, or below the smallest,
         the time is never below that size's: a segment extended past its ends (one slow step of one
         size) priced a forward at down to nothing."""
-        if self._range(tokens) not in self._times:
+        own = self._times.get(self._range(tokens))
+        same = [seconds for size, seconds in own.recent if size == tokens] if own is not None else []
+        if same:  # steps of this very size in its range's window: their median (the range's median step may be
+            return _median(same)  # another size's: 5-row steps priced as the 6-row steps beside them)
+        if own is None:
             sizes = [a.tokens for a in self._times.values()]
             if not sizes or not min(sizes) <= tokens <= max(sizes):
                 return None

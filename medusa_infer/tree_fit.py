@@ -86,6 +86,9 @@ class CostProfile:
         # time to the smaller sizes' can hold t(n) < t(1), which promises a speedup above tau (dips between
         # larger sizes can be real on a CPU, where the linear kernels are chosen per row count)
         self.seconds = [max(t, self.seconds[0]) for t in self.seconds]
+        # running deeper heads costs no less than running fewer (measure_head_seconds measures so; a profile written
+        # by hand or another tool may not say so, and the fit, which takes it so, then missed the fastest tree)
+        self.head_seconds = list(itertools.accumulate(self.head_seconds, max))
 
     def ratio(self, n: int) -> float:
         """``t(n) / t(1)``, linearly interpolated (extrapolated past the largest size, never
@@ -255,7 +258,8 @@ class FittedTree:
         table: per candidate size, ``{"nodes", "depth", "tau", "cost_ratio", "speedup"}`` of its
             fastest tree.
         speculative_paths: the fastest tree with nodes (``paths`` unless plain decoding won): what
-            an adaptive controller grows to when acceptance turns out better than calibrated.
+            an adaptive controller grows to when acceptance turns out better than calibrated; empty where no
+            tree is expected to accept a token (heads never right: no controller then).
     """
 
     paths: list[Path]
@@ -324,6 +328,7 @@ def fit_tree(
                       "speedup": round(speedup, 4)})
         if speedup > best[0]:
             best = (speedup, paths, steps)
-        if speedup > speculative[0]:
+        if speedup > speculative[0] and steps > 1.0:  # (a tree expected to accept nothing is no fallback's: heads
+            # never right got a controller that ran head 1 at every plain step)
             speculative = (speedup, paths)
     return FittedTree(best[1], best[2], best[0], table, speculative[1])

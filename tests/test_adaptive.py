@@ -980,3 +980,40 @@ def test_first_level_ranks_are_in_rank_order_whatever_the_calibration():
     control = TreeController(ladder, acceptance, CPU)
     assert control.first_level_ranks == [0, 1]
     assert abs(control.first_level_cal - 0.7) < 1e-9
+
+
+def test_calibration_review_a_dip_a_useless_tree_and_head_costs_falling_with_depth():
+    """From a review of the calibration code, against brute force: a cost profile whose times dip (saved by an
+    older release, or by hand) priced a batch's tree step below its plain step, and the controller chose a tree
+    for heads never right; such heads (no tree expected to accept a token) got a controller that ran head 1 at
+    every plain step; and stored head costs that fall with depth made the fit miss the fastest tree."""
+    import itertools
+
+    from medusa_infer.adaptive import TreeController, tree_ladder
+    from medusa_infer.decoding import fallback_paths
+    from medusa_infer.model import MedusaModel
+    from medusa_infer.tree_fit import CostProfile, fit_tree
+    from medusa_infer.trees import expected_accept_length, tree_depth
+    from tiny import tiny_model
+
+    cost = CostProfile.from_dict({"sizes": [1, 2, 4, 8, 16], "seconds": [0.010, 0.012, 0.020, 0.016, 0.030]})
+    never = [[0.0, 0.0], [0.0, 0.0]]
+    controller = TreeController(tree_ladder([(0,), (1,)], acceptance=never), never, cost)
+    assert min(controller.cost_ratios(4)) >= 1.0 and controller.choose(4) == 0
+    profile = CostProfile([1, 2, 4, 8, 16, 32, 64], [1.0, 1.05, 1.1, 1.2, 1.4, 1.8, 2.6])
+    fitted = fit_tree([[0.0] * 4] * 3, profile)
+    assert fitted.paths == [] and fitted.speculative_paths == []
+    model = MedusaModel.from_base(tiny_model("llama"), num_heads=3)
+    model.config.top_k, model.config.tree = 4, []
+    model.config.head_accuracies = [[0.0] * 4] * 3
+    model.config.cost_profile = profile.to_dict()
+    assert fallback_paths(model, [], None) is None
+    accuracies = [[0.5144, 0.3571], [0.6566, 0.0942], [0.1844, 0.4432]]
+    falling = CostProfile([1, 2, 3, 4, 5, 6, 8], [1.0, 1.0227, 1.036, 1.33, 1.6433, 1.8044, 2.2873],
+                          head_seconds=[0.2503, 0.0856, 0.2571])
+    assert falling.head_seconds == [0.2503, 0.2503, 0.2571]
+    paths = [p for depth in (1, 2, 3) for p in itertools.product(range(2), repeat=depth)]
+    brute = max(expected_accept_length(list(tree), accuracies) / (falling.ratio(n + 1) + falling.head_ratio(
+        tree_depth(tree))) for n in range(1, 7) for tree in itertools.combinations(paths, n)
+        if all(len(p) == 1 or p[:-1] in tree for p in tree))
+    assert fit_tree(accuracies, falling, sizes=range(1, 7)).expected_speedup >= brute - 1e-9

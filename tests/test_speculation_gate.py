@@ -693,3 +693,24 @@ def test_proposing_is_priced_by_the_last_steps_only():
         gate.record(1, True, 3, step_seconds(5), 5, 0.001)
     assert gate.proposing_seconds == 0.001 and gate._proposing_at(1) == 0.001
     assert len(gate._proposing_all) == len(gate._proposing[0]) == TIME_WINDOW
+
+
+def test_a_batch_size_sharing_its_range_with_larger_ones_is_priced_at_its_own_steps():
+    """A review's simulation: batches of 5 and 6 rows share the 5-8 range, whose one point (its median step) was
+    at 6 rows, so plain steps of 5 rows were priced at no less than 6's: the gate kept speculating at 5 rows where
+    that was 15% slower per token (at 98% of those steps on the tests' CPU cost line)."""
+    from medusa_infer.speculation_gate import SpeculationGate
+
+    t = lambda n: 0.0198 + 0.00974 * n  # noqa: E731
+    gate, speculated_at_5 = SpeculationGate(), []
+    for step in range(3000):
+        rows = (5, 6, 6)[step % 3]
+        speculate = gate.speculate(rows)
+        if speculate:
+            gate.record(rows, True, 1.45 * rows, t(2 * rows), 2 * rows)
+        else:
+            gate.record(rows, False, rows, t(rows), rows)
+        if rows == 5 and step >= 1500:
+            speculated_at_5.append(speculate)
+    assert gate.step_seconds(5) == pytest.approx(t(5), abs=1e-9)
+    assert sum(speculated_at_5) / len(speculated_at_5) < 0.5
