@@ -209,7 +209,9 @@ def test_feature_cache_from_kept_states_equals_the_forward_pass(distilled, model
         assert torch.equal(ours["position"], reference["position"])
         assert torch.equal(ours["next"], reference["next"])
         if captured.states_for(examples[index]["input_ids"], examples[index]["labels"]) is None:
-            assert torch.equal(ours["hidden"], reference["hidden"])  # run through the backbone
+            # run through the backbone, padded beside other examples than in the plain build (only the uncovered
+            # ones are batched there): a row's float32 rounding follows its batch's width (1e-6 apart on a CPU)
+            torch.testing.assert_close(ours["hidden"], reference["hidden"], atol=1e-5, rtol=1e-4)
             continue
         from_states.append(index)
         torch.testing.assert_close(ours["hidden"], reference["hidden"], atol=1e-5, rtol=1e-4)

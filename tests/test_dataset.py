@@ -740,3 +740,22 @@ def test_a_rows_file_that_is_not_utf8_is_named_by_line(tmp_path):
     with pytest.raises(ValueError) as err:
         list(row_sources(path))
     assert str(err.value) == says
+
+
+def test_a_cut_answers_trailing_space_token_is_labelled_under_trimmed_offsets():
+    """A byte-level tokenizer that trims offsets gives a cut answer's trailing space token the zero-width offsets
+    (end, end): it is the answer's last token all the same, and labelled (no test saw it left out)."""
+    import copy
+
+    from tokenizers import processors
+
+    from medusa_infer.models import load_tokenizer
+    from medusa_train.dataset import IGNORE_INDEX, build_examples
+
+    tokenizer = copy.deepcopy(load_tokenizer("smollm2-135m-instruct"))
+    tokenizer.backend_tokenizer.post_processor = processors.ByteLevel(trim_offsets=True)
+    answer = "Six feet down, under the roots, where the "
+    [example] = build_examples([{"id": "cut", "prompt": "How deep?", "response": answer, "finish_reason": "length"}],
+                               tokenizer, 512)
+    assert example["labels"][-1] == example["input_ids"][-1]
+    assert tokenizer.decode([t for t in example["labels"] if t != IGNORE_INDEX]) == answer

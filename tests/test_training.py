@@ -2886,3 +2886,45 @@ def test_what_each_epoch_leaves_out_is_said(tiny_dir, tmp_path, capsys):
     assert train_heads.main(["--config", str(write_recipe(tmp_path / "r.yaml", recipe(
         tiny_dir, tmp_path / "run", training={"batch_tokens": 128, "epochs": 1}, eval={"tree_size": 4})))]) == 0
     assert re.search(r"train: each epoch leaves out \d+ of its \d+ positions", capsys.readouterr().out)
+
+
+def test_medusa2_base_kl_trains_the_adapter():
+    """The KL term that keeps the adapted model near the original reaches the LoRA weights: its gradient alone is
+    non-zero on them once the adapter differs from the original (a student detached before the projection kept
+    the loss's value and trained nothing: no test saw it)."""
+    from medusa_train.features import pad_batch
+    from medusa_train.lora import add_lora
+
+    torch.manual_seed(0)
+    peft_model = add_lora(tiny_model("llama"), r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"])
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    medusa = MedusaModel.from_base(peft_model.get_base_model(), num_heads=2)
+    out = tr.JointModule(medusa, peft_model, topk=0)(pad_batch(counting_examples(2, seed=4)), True, 2)
+    kl = logits_kl(out["student_logits"], out["teacher_logits"])
+    assert float(kl) > 0
+    kl.backward()
+    grads = [p.grad for name, p in peft_model.named_parameters() if "lora_" in name]
+    assert grads and all(g is not None for g in grads) and sum(float(g.abs().sum()) for g in grads) > 0
+
+
+def test_the_feature_cache_key_follows_the_labels_not_only_the_tokens():
+    """Examples that differ only in which tokens are labelled (ready examples relabelled) are other features: the
+    cache keeps the labels the heads' targets and rows come from, and a checkpoint's resume is checked by it."""
+    from medusa_train.features import cache_key, examples_hash
+
+    ids = [1, 2, 3, 4, 5, 6]
+    a = [{"input_ids": ids, "labels": [IGNORE, IGNORE, 3, 4, 5, 6]}]
+    b = [{"input_ids": ids, "labels": [IGNORE, 2, 3, 4, 5, 6]}]
+    assert examples_hash(a) != examples_hash(b)
+    model = {"name": "m", "dtype": "float32", "attn_implementation": None}
+    assert cache_key(model, examples_hash(a), 20, "float32") != cache_key(model, examples_hash(b), 20, "float32")
+
+
+def test_base_id_0_is_mapped_to_its_head_column_like_any_other_id():
+    """Token 0 is a real id (SmolLM2's <|endoftext|>, an end of sequence the reduced vocabulary keeps)."""
+    columns = to_head_vocab(torch.tensor([0, 5, 3, 1, IGNORE]), torch.tensor([5, 0, 3]), 6)
+    assert columns.tolist() == [1, 0, 2, OUT_OF_VOCAB, IGNORE]
+    assert to_head_vocab(torch.tensor([0]), torch.tensor([4, 2]), 6).tolist() == [OUT_OF_VOCAB]
