@@ -689,3 +689,50 @@ def test_a_rejection_against_a_draft_equal_to_the_target_up_to_rounding_samples_
     finally:
         torch.rand = real_rand
     assert length.tolist() == [0] and 0 <= int(token) <= 2
+
+
+
+# Killing tests from a mutation round (each failed on one surviving mutant, none on the code)
+
+def test_top_k_1_is_the_argmax_one_hot():
+    logits = torch.randn(5, 9, generator=torch.Generator().manual_seed(0))
+    one_hot = torch.nn.functional.one_hot(logits.argmax(-1), 9).float()
+    for temperature in (0.7, 1.0, 1.5):
+        assert torch.equal(warp_logits(logits, temperature, top_k=1), one_hot)
+        assert torch.equal(warp_logits(logits, temperature, top_k=1, top_p=0.9), one_hot)
+
+
+def test_typical_tie_break_scores_only_the_accepted_prefix():
+    """Equally long accepted prefixes are ranked by the log-likelihood of the accepted nodes alone: a node
+    below a rejected one passing its own parent's test must not count (it is never emitted)."""
+    # node:  0     1     2     3       4
+    # path: root  (0,)  (1,)  (0, 0)  (0, 0, 0)
+    buffers = build_tree_buffers([(0,), (1,), (0, 0), (0, 0, 0)], num_heads=3, top_k=2)
+    root = torch.tensor([0.45, 0.40, 0.10, 0.05]).log()  # node 1's token (0) likelier than node 2's (1)
+    at_1 = torch.tensor([0.97, 0.01, 0.01, 0.01]).log()  # node 3's token 3 is rejected (0.01 < 0.09)
+    at_3 = torch.tensor([0.50, 0.48, 0.01, 0.01]).log()  # node 4's token 0 passes under node 3 (never reached)
+    logits = torch.stack([root, at_1, torch.zeros(4), at_3, torch.zeros(4)])[None]
+    tokens = torch.tensor([[0, 0, 1, 3, 0]])
+    result = accept_typical(logits, tokens, buffers, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert result.accept_length.tolist() == [1]
+    assert result.path_nodes.tolist() == [[0, 1, -1, -1]]
+
+
+def test_a_draft_equal_to_the_target_is_accepted_even_for_its_rarest_tokens():
+    """min(1, p/q) = 1 whenever q = p, however small they are (a long-tailed vocabulary's draws often are)."""
+    q = torch.tensor([1e-6, 1e-4, 1.0 - 1e-4 - 1e-6])
+    probs = q.expand(2000, 2, 3)  # target after 0 and 1 drafted tokens, both equal to the draft
+    drafted = torch.tensor([0, 1]).repeat(1000)[:, None]  # half the rows drafted token 0, half token 1
+    accept_length, _ = accept_draft_lossless(probs, probs[:, :1], drafted, generator=torch.Generator().manual_seed(0))
+    assert accept_length.tolist() == [1] * 2000
+
+
+def test_typical_takes_the_thresholds_documented_bounds():
+    """epsilon lies in (0, 1]: 1.0 is taken (the threshold is then delta * exp(-H) alone)."""
+    from medusa_infer.acceptance import check_typical_thresholds
+
+    check_typical_thresholds(1.0, 0.3)
+    buffers = build_tree_buffers([(0,)], num_heads=1, top_k=1)
+    result = accept_typical(torch.zeros(1, 2, 4), torch.zeros(1, 2, dtype=torch.long), buffers, 1.0, epsilon=1.0,
+                            delta=4.0, generator=torch.Generator().manual_seed(0))
+    assert result.accept_length.tolist() == [0]  # p = 0.25 against min(1.0, 4 / 4) = 1.0
