@@ -152,9 +152,10 @@ def refuse_empty(parser: argparse.ArgumentParser, options: Sequence[tuple[str, s
 
 def decode_utf8(data: bytes, where: str | Path, line: int = 1, offset: int = 0) -> str:
     """``data`` decoded as UTF-8; ``ValueError`` naming ``where``'s line (``line``: that of ``data``'s first byte) and
-    byte (``offset``: ``data``'s first byte's in the file) where it is not (the codec's own message named neither)."""
+    byte (``offset``: ``data``'s first byte's in the file) where it is not (the codec's own message named neither).
+    A byte order mark that opens a file (``offset`` 0: Notepad and PowerShell write one) is left out."""
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig" if offset == 0 else "utf-8")
     except UnicodeDecodeError as err:
         at = line + data[: err.start].count(b"\n")
         raise ValueError(f"{where}:{at} is not UTF-8 text ({err.reason} at byte {offset + err.start}): save it as "

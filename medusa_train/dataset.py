@@ -555,7 +555,7 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
                              f"({path}/{splits[0] if splits else 'train'}) or save that split alone")
         return list(loaded)
     rows = []
-    with utf8_errors(path), path.open(encoding="utf-8") as handle:
+    with utf8_errors(path), path.open(encoding="utf-8-sig") as handle:  # (a byte order mark: left out)
         for number, line in enumerate(handle, 1):
             if not line.strip():
                 continue
@@ -601,7 +601,7 @@ def row_sources(path: str | Path) -> Iterator[Any]:
         else:
             yield from (row.get("source") for row in read_rows(path))
         return
-    with utf8_errors(path), path.open(encoding="utf-8") as handle:
+    with utf8_errors(path), path.open(encoding="utf-8-sig") as handle:
         for line in handle:
             if line.strip():
                 row = json.loads(line)

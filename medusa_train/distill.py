@@ -333,7 +333,7 @@ def read_prompts(path: str | Path) -> list[dict[str, Any]]:
     path = Path(path)
     rows = []
     seen: dict[str, int] = {}
-    with utf8_errors(path), path.open(encoding="utf-8") as handle:
+    with utf8_errors(path), path.open(encoding="utf-8-sig") as handle:  # (a byte order mark: left out)
         for number, line in enumerate(handle, 1):
             if not line.strip():
                 continue
@@ -1704,13 +1704,19 @@ def build_parser() -> argparse.ArgumentParser:
 def read_ids(path: str | Path) -> list[str]:
     """Ids from a JSONL file with an ``id`` key per row, or a text file with one id per line."""
     ids = []
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8").split("\n"), 1):  # not splitlines:
+    # (utf-8-sig: a byte order mark, as Notepad and PowerShell write, made the first id one no prompt has, and that
+    # held-out prompt was distilled and trained on)
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8-sig").split("\n"), 1):  # not splitlines:
         line = line.strip()  # JSON strings hold U+2028
         if not line.startswith("{"):
             if line:
                 ids.append(line)
             continue
-        row = json.loads(line)
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:  # (it named neither the file nor the line)
+            raise ValueError(f"{path}:{number} is not valid JSON ({err}); give rows with an 'id', or one id a line") \
+                from err
         if "id" not in row:  # (a KeyError traceback)
             raise ValueError(f"{path}:{number} is a JSON row without an 'id' key; give rows with an 'id', or one id "
                              "a line")
@@ -1766,8 +1772,9 @@ def main(argv: list[str] | None = None) -> None:
     state = PartialState(cpu=not torch.cuda.is_available())
     try:
         output = distill(config, state)  # on the state's device (a GPU where there is one), one process or several
-    except DistillError as err:  # the endpoint's failures, said with what to do (a traceback said it too)
-        sys.exit(f"medusa-distill: error: {err}")
+    except (DistillError, ValueError) as err:  # the endpoint's failures, a prompts file's bad line, a resume of
+        # rows made otherwise: said with what to do (a traceback said it too)
+        sys.exit(f"{parser.prog}: error: {err}")
     if state.is_main_process:
         print(output)
 

@@ -1775,3 +1775,32 @@ def test_an_address_no_request_can_go_to_is_the_endpoints_error_not_retried():
         with pytest.raises(EndpointError, match="is no address a request can be sent to") as caught:
             post_json(url, {}, {}, 2)
         assert not isinstance(caught.value, RetryableError)
+
+
+def test_files_saved_with_a_byte_order_mark_are_read_whole(tmp_path, model_dir, capsys):
+    """From a review: an ids file saved with a byte order mark (Notepad, PowerShell) made its first id one no prompt
+    has, and that held-out prompt was distilled and trained on; a prompts file, rows or questions with one were
+    refused; a bad ids line named neither file nor line, and the command line's own errors were tracebacks."""
+    from medusa_train.benchmark import read_questions
+    from medusa_train.dataset import read_rows
+    from medusa_train.distill import main, read_ids, read_prompts
+
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "ids.txt").write_bytes(bom + b"p0\np1\n")
+    (tmp_path / "ids.jsonl").write_bytes(bom + b'{"id": "p0"}\n{"id": "p1"}\n')
+    (tmp_path / "prompts.jsonl").write_bytes(bom + b'{"id": "p0", "prompt": "hi"}\n')
+    (tmp_path / "rows.jsonl").write_bytes(bom + b'{"id": "p0", "prompt": "hi", "response": "hello"}\n')
+    (tmp_path / "questions.jsonl").write_bytes(bom + b'{"id": 1, "category": "qa", "turns": ["hi"]}\n')
+    assert read_ids(tmp_path / "ids.txt") == read_ids(tmp_path / "ids.jsonl") == ["p0", "p1"]
+    assert [row["id"] for row in read_prompts(tmp_path / "prompts.jsonl")] == ["p0"]
+    assert [row["id"] for row in read_rows(tmp_path / "rows.jsonl")] == ["p0"]
+    assert [row["id"] for row in read_questions(tmp_path / "questions.jsonl")] == [1]
+    (tmp_path / "bad.jsonl").write_text('{"id": "p0"}\n{"id": "p1",}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2 is not valid JSON"):
+        read_ids(tmp_path / "bad.jsonl")
+    (tmp_path / "p.jsonl").write_text('{"id": "a", "prompt": "x"}\n{"id": "b", prompt: "y"}\n')
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", str(model_dir), "--prompts", str(tmp_path / "p.jsonl"), "--output", str(tmp_path / "o.jsonl"),
+              "--no-progress"])
+    assert str(exit_info.value.code).startswith("python -m medusa_train.distill: error: ")
+    assert "p.jsonl:2 is not valid JSON" in str(exit_info.value.code)
