@@ -929,8 +929,13 @@ class MetricLogger:
             self.accelerator.log(scalars, step=record["step"])
 
     def close(self) -> None:
+        """Finish the trackers (their files written), leaving the processes' group to the run's end: accelerate's
+        ``end_training`` destroys it too, and a launch of several processes logging to TensorBoard or wandb failed at
+        the next barrier, after its last step, with no heads written (and its rerun the same)."""
         if self.trackers:
-            self.accelerator.end_training()
+            for tracker in self.accelerator.trackers:
+                tracker.finish()
+            self.accelerator.trackers = []  # (finished once: the run's end_training finishes what is left)
 
 
 # ---------------------------------------------------------------------------------------------

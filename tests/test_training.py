@@ -1843,7 +1843,9 @@ def test_two_process_cpu_launch_matches_one_process(tiny_dir, tmp_path):
     env = quiet_env(tmp_path)
     values = {"training": {"max_steps": 6, "batch_tokens": 64, "seed": 1, "save_every": 2},
               "heads": {"reduced_vocab_size": 40}}
-    two = recipe(tiny_dir, tmp_path / "two", **values)
+    # (logging to TensorBoard: closing its logger ended the processes' group, and the launch failed at the next
+    # barrier with no heads written)
+    two = recipe(tiny_dir, tmp_path / "two", **values, log={"tensorboard": True, "progress": False})
     one = recipe(tiny_dir, tmp_path / "one", **values)
     one["training"]["batch_tokens"] = 128  # the same global batch on one process
     run_script([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
@@ -2928,3 +2930,19 @@ def test_base_id_0_is_mapped_to_its_head_column_like_any_other_id():
     columns = to_head_vocab(torch.tensor([0, 5, 3, 1, IGNORE]), torch.tensor([5, 0, 3]), 6)
     assert columns.tolist() == [1, 0, 2, OUT_OF_VOCAB, IGNORE]
     assert to_head_vocab(torch.tensor([0]), torch.tensor([4, 2]), 6).tolist() == [OUT_OF_VOCAB]
+
+
+def test_closing_the_metric_logger_finishes_its_trackers_and_keeps_the_process_group(tmp_path):
+    """accelerate's end_training destroys the processes' group too: a launch of several processes logging to
+    TensorBoard failed at the barrier after its last step (test_two_process_cpu_launch_matches_one_process runs one)."""
+    from types import SimpleNamespace
+
+    config = config_from_dict({"output_dir": str(tmp_path), "data": {"prompts": "p.jsonl"},
+                               "log": {"tensorboard": True}})
+    calls = []
+    accelerator = SimpleNamespace(log_with=["tensorboard"], is_main_process=False,
+                                  trackers=[SimpleNamespace(finish=lambda: calls.append("finish"))],
+                                  end_training=lambda: calls.append("end_training"))
+    logger = tr.MetricLogger(config, run_paths(config), accelerator, 0)
+    logger.close()
+    assert calls == ["finish"] and accelerator.trackers == []
