@@ -241,6 +241,7 @@ def _create_and_upload(api: Any, published: Path, folder: Path, repo_id: str, pr
     the Hub's errors named with the repo and the fix (``ValueError``)."""
     try:
         repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id  # (a bare name: the user's)
+        _name_card(published / CARD_NAME, repo_id, revision)  # (as created: the bare name did not load)
         if private:  # create_repo leaves an existing repo as it is
             check_private_upload(repo_id, token)
         if revision is not None:
@@ -302,10 +303,26 @@ def _published(folder: Path, stage: Path, repo_id: str, config: MedusaConfig | N
                                          encoding="utf-8")
     card = (folder / CARD_NAME).read_text(encoding="utf-8", errors="replace") if (folder / CARD_NAME).is_file() \
         else model_card(config) if config is not None else None
-    if card is not None:
+    if card is not None:  # (a copy of its own: the repo's full id is named in it once the repo is made)
         (stage / CARD_NAME).unlink(missing_ok=True)
-        (stage / CARD_NAME).write_text(card.replace(PLACEHOLDER, repo_id), encoding="utf-8")
+        (stage / CARD_NAME).write_text(card, encoding="utf-8")
     return stage
+
+
+def _name_card(card: Path, repo_id: str, revision: str | None) -> None:
+    """The staged ``card`` naming ``repo_id`` (and the branch ``revision``) where it says ``PLACEHOLDER``: the Python
+    usage loads that branch; the command lines, which load a repo's main branch, a download of it."""
+    if not card.is_file():
+        return
+    text = card.read_text(encoding="utf-8")
+    if revision is not None:
+        text = text.replace(f'from_pretrained("{PLACEHOLDER}"',
+                            f"from_pretrained({json.dumps(repo_id)}, revision={json.dumps(revision)}")
+        text = text.replace(f'medusa-generate --heads "{PLACEHOLDER}"',
+                            f"# the heads are on the branch {revision}: hf download {repo_id} --revision {revision} "
+                            f'--local-dir medusa-heads\nmedusa-generate --heads "{PLACEHOLDER}"', 1)
+        text = text.replace(f'--heads "{PLACEHOLDER}"', '--heads "medusa-heads"')
+    card.write_text(text.replace(PLACEHOLDER, repo_id), encoding="utf-8")
 
 
 def _upload(api: Any, folder: Path, repo_id: str, revision: str | None, commit_message: str) -> str:
@@ -430,13 +447,16 @@ def _local_base(config: MedusaConfig) -> bool:
     return is_path_like(name) or Path(name).expanduser().is_dir()
 
 
-def model_card(config: MedusaConfig, base_model_id: str | None = None, chat: bool = True) -> str:
+def model_card(config: MedusaConfig, base_model_id: str | None = None, chat: bool = True,
+               exported: bool = False) -> str:
     """A Hugging Face model card with front matter, usage and the measured figures when known.
 
     ``base_model`` is ``base_model_id``, else the Hub id the config's base model stands for
     (``models.hub_id``: a default model's original repository, not its short name); the front
     matter names it only when it can be a Hub id (not a local folder, which the Hub would refuse).
     ``chat``: whether chats can be rendered (``renders_chats``): the usage example sends a chat, else text.
+    ``exported``: the card of a FasterDecoding-layout export (``interop.write_medusa_layout``), whose config.json
+    keeps no adapter, no calibration questions, and the chat template under ``medusa_forge_chat_template``.
     """
     from medusa_infer.models import DEFAULT_MODELS, hub_id, names_default_model
 
@@ -493,11 +513,11 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None, chat: boo
         'medusa-serve --heads "<this repo or folder>"  # an OpenAI-compatible server on 127.0.0.1:8000',
         "```",
         "",
-        "Where this folder holds `adapter/` (Medusa-2), `from_pretrained` merges that LoRA adapter into the base "
-        "model, which the heads were trained to read: answers are the adapted model's. Other engines need those "
-        "merged weights: `model.base_model.save_pretrained(DIR)` and `model.tokenizer.save_pretrained(DIR)` "
-        "after loading write them.",
-        "",
+        *([] if exported else [
+            "Where this folder holds `adapter/` (Medusa-2), `from_pretrained` merges that LoRA adapter into the base "
+            "model, which the heads were trained to read: answers are the adapted model's. Other engines need those "
+            "merged weights: `model.base_model.save_pretrained(DIR)` and `model.tokenizer.save_pretrained(DIR)` "
+            "after loading write them.", ""]),
     ]
     if config.trained_with_adapter:
         lines += ["These heads were trained with a Medusa-2 LoRA adapter on the backbone (`training.recipe.training."
@@ -510,8 +530,9 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None, chat: boo
                   "(`medusa-bench --system-prompt` measures them so); others are answered alike, with fewer drafts "
                   "accepted.", ""]
     if config.chat_template:
+        key = "medusa_forge_chat_template" if exported else "chat_template"  # (interop.CHAT_TEMPLATE_KEY)
         lines += ["The heads were trained on conversations rendered with the chat template in `config.json` "
-                  "(`chat_template`), not the tokenizer's own: `from_pretrained` installs it on the tokenizer, "
+                  f"(`{key}`), not the tokenizer's own: `from_pretrained` installs it on the tokenizer, "
                   "and `model.generate(messages=[...])` renders chats with it.", ""]
     # training's held-out count is the sample size of training's accuracy table, no acceptance figure
     positions = (config.acceptance or {}).get("heldout_positions")
@@ -535,7 +556,12 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None, chat: boo
     calibrated_on = (config.acceptance or {}).get("calibration_questions")
     if not isinstance(calibrated_on, dict) or not isinstance(calibrated_on.get("ids") or [], list):  # (as above:
         calibrated_on = None  # an AttributeError or a TypeError stopped the save)
-    if calibrated_on and calibrated_on.get("file"):
+    if calibrated_on and calibrated_on.get("file") and exported:  # (the layout keeps no question ids: said here)
+        ids = ",".join(str(i) for i in calibrated_on.get("ids") or [])
+        lines += [f"Calibrated on {len(calibrated_on.get('ids') or [])} questions of `{calibrated_on['file']}`: "
+                  f"benchmarks of these heads on that file should leave them out (`medusa-bench --exclude-ids {ids}`; "
+                  "this layout keeps no record of them).", ""]
+    elif calibrated_on and calibrated_on.get("file"):
         lines += [f"Calibrated on {len(calibrated_on.get('ids') or [])} questions of `{calibrated_on['file']}`, which "
                   "`medusa-bench` leaves out of later benchmarks of these heads on that file.", ""]
     elif calibrated_on:  # questions read from a pipe: no file to leave them out of

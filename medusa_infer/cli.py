@@ -154,11 +154,13 @@ def decode_utf8(data: bytes, where: str | Path, line: int = 1, offset: int = 0) 
     """``data`` decoded as UTF-8; ``ValueError`` naming ``where``'s line (``line``: that of ``data``'s first byte) and
     byte (``offset``: ``data``'s first byte's in the file) where it is not (the codec's own message named neither).
     A byte order mark that opens a file (``offset`` 0: Notepad and PowerShell write one) is left out."""
+    skip = 3 if offset == 0 and data.startswith(b"\xef\xbb\xbf") else 0  # (utf-8-sig counted from after it)
     try:
-        return data.decode("utf-8-sig" if offset == 0 else "utf-8")
+        return data[skip:].decode("utf-8")
     except UnicodeDecodeError as err:
-        at = line + data[: err.start].count(b"\n")
-        raise ValueError(f"{where}:{at} is not UTF-8 text ({err.reason} at byte {offset + err.start}): save it as "
+        start = skip + err.start
+        at = line + data[:start].count(b"\n")
+        raise ValueError(f"{where}:{at} is not UTF-8 text ({err.reason} at byte {offset + start}): save it as "
                          "UTF-8") from None
 
 
@@ -407,6 +409,8 @@ def generate_from_args(args: argparse.Namespace) -> int:
             sys.stdin.reconfigure(errors="surrogateescape")
         except (io.UnsupportedOperation, ValueError):  # read from already: left as it is
             pass
+    if sys.stdin is None:  # (started with stdin closed, pythonw)
+        raise ValueError("--chat reads its prompts from stdin, which is closed: give the prompt as an argument")
     interactive = sys.stdin.isatty()  # (piped lines: no "> " written into the answers)
     while True:
         try:

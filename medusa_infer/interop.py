@@ -465,7 +465,7 @@ def write_medusa_layout(
                     "everything", path)
     # (a card: the Hub's page of an upload said nothing of the base model, the figures or the training data, and
     # one of the heads uploaded there before stayed)
-    card = model_card(config, chat=chat) + (
+    card = model_card(config, chat=chat, exported=True) + (
         f"\nThis folder holds the heads in the FasterDecoding/Medusa layout (`config.json`, `{WEIGHTS_NAMES[fmt]}`, "
         f"version {version}), which " + ("TGI and TensorRT-LLM read" if version == "1" else
                                          "TGI reads (with one block a head; TensorRT-LLM reads version 1 only)")

@@ -1165,7 +1165,7 @@ def _summarise(accelerator: Any, window: dict[str, torch.Tensor], measured: Mapp
             value = accelerator.reduce(value, reduction="mean")
         out[key] = [round(float(x), 5) for x in value.tolist()] if value.dim() else _digits(float(value))
     units_total = units * world
-    out["units_per_s"] = round(units_total / max(time.perf_counter() - started, 1e-9), 1)
+    out["units_per_s"] = _digits(units_total / max(time.perf_counter() - started, 1e-9))
     return out
 
 

@@ -571,3 +571,17 @@ def test_lookup_max_tokens_bounds_the_grafted_chain_and_is_refused_where_nothing
                           (["--heads", "h", "--lookup-tokens", "2", "--lookup-max-tokens", "0", "hi"],
                            "--lookup-max-tokens must be at least 1, got 0")):
         assert message in parse_error(capsys, argv)
+
+
+def test_a_chat_with_stdin_closed_is_said_not_a_traceback(tmp_path):
+    """Started with stdin closed (or under pythonw), sys.stdin is None: an AttributeError traceback."""
+    from medusa_infer.serving.testing import word_tokenizer
+    from tiny import tiny_model
+
+    tokenizer = word_tokenizer()
+    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    done = subprocess.run(["bash", "-c", f"{sys.executable} -m medusa_infer --model {tmp_path / 'base'} --chat --raw "
+                           "0<&-"], capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 2, done.stderr[-1500:]
+    assert "medusa-generate: error: --chat reads its prompts from stdin, which is closed" in done.stderr

@@ -1795,6 +1795,10 @@ def test_files_saved_with_a_byte_order_mark_are_read_whole(tmp_path, model_dir, 
     assert [row["id"] for row in read_prompts(tmp_path / "prompts.jsonl")] == ["p0"]
     assert [row["id"] for row in read_rows(tmp_path / "rows.jsonl")] == ["p0"]
     assert [row["id"] for row in read_questions(tmp_path / "questions.jsonl")] == [1]
+    from medusa_infer.cli import decode_utf8
+
+    with pytest.raises(ValueError, match=r"^x:2 is not UTF-8 text \(invalid start byte at byte 6\)"):
+        decode_utf8(bom + b"ab\n\xff", "x")  # (counted from after the mark: byte 3 of line 1)
     (tmp_path / "bad.jsonl").write_text('{"id": "p0"}\n{"id": "p1",}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2 is not valid JSON"):
         read_ids(tmp_path / "bad.jsonl")
