@@ -141,6 +141,36 @@ def main_process_says(accelerator: Any, value: Any) -> Any:
     return broadcast_object_list([value], from_process=0)[0]
 
 
+LOCK_NAME = ".train_heads.lock"
+"""The file a run's main process holds locked in its output_dir while it runs (``hold_output_dir``)."""
+
+
+def hold_output_dir(root: Path) -> tuple[Any, str | None]:
+    """``(held, None)``: ``root``'s lock file, locked by this process (kept open for the run: the lock goes with
+    it), or ``(None, why)`` where another process holds it. Two runs in one output_dir wrote the same checkpoints,
+    log and heads at once (a launcher killed with SIGKILL leaves its workers training; a relaunch joined them).
+    Where the system has no ``fcntl`` (Windows), nothing is locked."""
+    try:
+        import fcntl
+    except ImportError:
+        return None, None
+    root.mkdir(parents=True, exist_ok=True)
+    handle = open(root / LOCK_NAME, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        return None, (f"{root} is in use by another train_heads.py run (process {holder}), which writes its "
+                      "checkpoints, log and heads: wait for it to end or stop it, or give this run another output_dir")
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle, None
+
+
 def _atomic_folder(final: Path) -> Path:
     partial = final.with_name(final.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
@@ -859,101 +889,109 @@ def main(argv: list[str] | None = None) -> int:
     paths = run_paths(config)
     if args.heldout_only:
         return report_heldout(config, accelerator)
-    reused: set[str] = set()  # stages whose outputs exist before this run (main process)
-    if accelerator.is_main_process:
-        for folder in (paths.data, paths.checkpoints, paths.logs):
-            folder.mkdir(parents=True, exist_ok=True)
-        save_config(config, paths.root / "config.yaml")
-        print(layout.summary(), flush=True)  # (planned for the processes accelerate counts: checked above)
-        reused = {STAGE_TIMING.get(stage.name, stage.name) for stage in layout.stages if stage.done}
-    accelerator.wait_for_everyone()
+    held, busy = hold_output_dir(paths.root) if accelerator.is_main_process else (None, None)
+    busy = main_process_says(accelerator, busy)
+    if busy is not None:
+        raise SystemExit(f"train_heads.py: error: {busy}")
+    try:
+        reused: set[str] = set()  # stages whose outputs exist before this run (main process)
+        if accelerator.is_main_process:
+            for folder in (paths.data, paths.checkpoints, paths.logs):
+                folder.mkdir(parents=True, exist_ok=True)
+            save_config(config, paths.root / "config.yaml")
+            print(layout.summary(), flush=True)  # (planned for the processes accelerate counts: checked above)
+            reused = {STAGE_TIMING.get(stage.name, stage.name) for stage in layout.stages if stage.done}
+        accelerator.wait_for_everyone()
 
-    timings: dict[str, float] = {}
+        timings: dict[str, float] = {}
 
-    def note_stages() -> None:  # after each stage: a run stopped later keeps the seconds of those it did
-        if accelerator.is_main_process:  # written aside, then renamed: never read half-written
-            record = stage_record(paths.logs / "stages.json", timings, reused)
-            aside = paths.logs / "stages.json.partial"
-            aside.write_text(json.dumps(record, indent=2) + "\n")
-            os.replace(aside, paths.logs / "stages.json")
+        def note_stages() -> None:  # after each stage: a run stopped later keeps the seconds of those it did
+            if accelerator.is_main_process:  # written aside, then renamed: never read half-written
+                record = stage_record(paths.logs / "stages.json", timings, reused)
+                aside = paths.logs / "stages.json.partial"
+                aside.write_text(json.dumps(record, indent=2) + "\n")
+                os.replace(aside, paths.logs / "stages.json")
 
-    started = time.perf_counter()
-    with script_errors():
-        train, heldout = stage_data(config, accelerator, pending)
-        from medusa_train.dataset import check_head_positions
-
-        check_head_positions(train, heldout)
-        check_examples_fit(config, train + heldout)
-    timings["data"] = round(time.perf_counter() - started, 1)
-    note_stages()
-    say(accelerator, f"data: {len(train)} train and {len(heldout)} held-out examples ({timings['data']} s)")
-    from medusa_train.features import examples_hash
-    from medusa_train.trainer import check_finished_examples
-
-    with script_errors():
-        check_finished_examples(paths, examples_hash(train))
-
-    folders = None
-    # decided once, by the main process, for all: a process that looked later could find the heads the
-    # main process had just written, skip evaluating, and leave it waiting at the evaluation's barrier
-    trained, evaluated = main_process_says(accelerator, ((paths.final / "config.json").is_file(),
-                                                         heads_from_final(paths)))
-    finished = trained and evaluated
-    if config.uses_feature_cache and not finished:  # only training and evaluation read the features
         started = time.perf_counter()
-        # trained heads are evaluated on the held-out split alone (whose seconds are no extraction's)
+        with script_errors():
+            train, heldout = stage_data(config, accelerator, pending)
+            from medusa_train.dataset import check_head_positions
+
+            check_head_positions(train, heldout)
+            check_examples_fit(config, train + heldout)
+        timings["data"] = round(time.perf_counter() - started, 1)
+        note_stages()
+        say(accelerator, f"data: {len(train)} train and {len(heldout)} held-out examples ({timings['data']} s)")
+        from medusa_train.features import examples_hash
+        from medusa_train.trainer import check_finished_examples
+
+        with script_errors():
+            check_finished_examples(paths, examples_hash(train))
+
+        folders = None
+        # decided once, by the main process, for all: a process that looked later could find the heads the
+        # main process had just written, skip evaluating, and leave it waiting at the evaluation's barrier
+        trained, evaluated = main_process_says(accelerator, ((paths.final / "config.json").is_file(),
+                                                             heads_from_final(paths)))
+        finished = trained and evaluated
+        if config.uses_feature_cache and not finished:  # only training and evaluation read the features
+            started = time.perf_counter()
+            # trained heads are evaluated on the held-out split alone (whose seconds are no extraction's)
+            if trained:
+                reused.add("features")
+            folders = stage_features(config, accelerator, None if trained else train, heldout, reused)
+            timings["features"] = round(time.perf_counter() - started, 1)
+            say(accelerator, f"features ready ({timings['features']} s)")
+            note_stages()
+
+        started = time.perf_counter()
         if trained:
-            reused.add("features")
-        folders = stage_features(config, accelerator, None if trained else train, heldout, reused)
-        timings["features"] = round(time.perf_counter() - started, 1)
-        say(accelerator, f"features ready ({timings['features']} s)")
+            say(accelerator, f"train: {paths.final} exists, skipping")
+        else:
+            with script_errors():  # e.g. fewer cached positions than the plan's upper bound fill a batch
+                stage_train(config, accelerator, train, folders)
+        timings["train"] = round(time.perf_counter() - started, 1)
         note_stages()
 
-    started = time.perf_counter()
-    if trained:
-        say(accelerator, f"train: {paths.final} exists, skipping")
-    else:
-        with script_errors():  # e.g. fewer cached positions than the plan's upper bound fill a batch
-            stage_train(config, accelerator, train, folders)
-    timings["train"] = round(time.perf_counter() - started, 1)
-    note_stages()
+        started = time.perf_counter()
+        if evaluated:
+            say(accelerator, f"evaluate: {paths.heads} exists, skipping")
+            from medusa_train.trainer import heads_base_name, same_folder
 
-    started = time.perf_counter()
-    if evaluated:
-        say(accelerator, f"evaluate: {paths.heads} exists, skipping")
-        from medusa_train.trainer import heads_base_name, same_folder
+            named, wanted = json.loads((paths.heads / "config.json").read_text()).get("base_model_name_or_path"), \
+                heads_base_name(config)
+            if not same_folder(named, wanted):  # model.hub_id set or changed after the heads were made
+                say(accelerator, f"note: {paths.heads} names its base model {named!r}, not {wanted!r} (model.hub_id): "
+                                 f"remove {paths.heads} to evaluate again and name it so")
+        else:  # the heads' record of the stages this run reused is a previous run's, not the seconds it took to find
+            # them (the main process's: it alone writes the heads, and stages.json, which others might read mid-write)
+            recorded = stage_record(paths.logs / "stages.json", timings, reused) if accelerator.is_main_process else {}
+            recorded.pop("evaluate", None)  # a previous evaluation's: this one is being timed
+            with script_errors():
+                stage_evaluate(config, accelerator, train, heldout, folders, recorded)
+        timings["evaluate"] = round(time.perf_counter() - started, 1)
+        note_stages()
+        if accelerator.is_main_process:
+            say(accelerator, "stage seconds: " + ", ".join(f"{k} {v}" for k, v in timings.items()))
+            if config.eval.push_to_hub:
+                from medusa_infer.models import is_path_like
+                from medusa_train.evaluate import push_to_hub
+                from medusa_train.trainer import heads_base_name
 
-        named, wanted = json.loads((paths.heads / "config.json").read_text()).get("base_model_name_or_path"), \
-            heads_base_name(config)
-        if not same_folder(named, wanted):  # model.hub_id set or changed after the heads were made
-            say(accelerator, f"note: {paths.heads} names its base model {named!r}, not {wanted!r} (model.hub_id): "
-                             f"remove {paths.heads} to evaluate again and name it so")
-    else:  # the heads' record of the stages this run reused is a previous run's, not the seconds it took to find them
-        # (the main process's: it alone writes the heads, and stages.json, which others might read mid-write)
-        recorded = stage_record(paths.logs / "stages.json", timings, reused) if accelerator.is_main_process else {}
-        recorded.pop("evaluate", None)  # a previous evaluation's: this one is being timed
-        with script_errors():
-            stage_evaluate(config, accelerator, train, heldout, folders, recorded)
-    timings["evaluate"] = round(time.perf_counter() - started, 1)
-    note_stages()
-    if accelerator.is_main_process:
-        say(accelerator, "stage seconds: " + ", ".join(f"{k} {v}" for k, v in timings.items()))
-        if config.eval.push_to_hub:
-            from medusa_infer.models import is_path_like
-            from medusa_train.evaluate import push_to_hub
-            from medusa_train.trainer import heads_base_name
+                named = heads_base_name(config)
+                if is_path_like(named) or Path(named).expanduser().is_dir():
+                    say(accelerator, f"note: the uploaded heads name their base model {named!r}, a local folder that "
+                                     "does not travel: others load them with base_model=; set model.hub_id to its "
+                                     "Hub id (and remove the heads folder to evaluate again) to name it so")
 
-            named = heads_base_name(config)
-            if is_path_like(named) or Path(named).expanduser().is_dir():
-                say(accelerator, f"note: the uploaded heads name their base model {named!r}, a local folder that "
-                                 "does not travel: others load them with base_model=; set model.hub_id to its "
-                                 "Hub id (and remove the heads folder to evaluate again) to name it so")
-
-            with script_errors():  # e.g. a private upload to a repo made public since the run began
-                url = push_to_hub(paths.heads, config.eval.push_to_hub, config.eval.private)
-            say(accelerator, f"uploaded to {url}")
-    accelerator.end_training()
-    return 0
+                with script_errors():  # e.g. a private upload to a repo made public since the run began
+                    url = push_to_hub(paths.heads, config.eval.push_to_hub, config.eval.private)
+                say(accelerator, f"uploaded to {url}")
+        accelerator.end_training()
+        return 0
+    finally:  # (an error's traceback, kept by a caller, kept the file open: a rerun in that process was refused)
+        if held is not None:
+            held.close()
 
 
 STAGE_TIMING = {"distill": "data"}

@@ -2946,3 +2946,35 @@ def test_closing_the_metric_logger_finishes_its_trackers_and_keeps_the_process_g
     logger = tr.MetricLogger(config, run_paths(config), accelerator, 0)
     logger.close()
     assert calls == ["finish"] and accelerator.trackers == []
+
+
+def test_a_second_run_in_an_output_dir_in_use_is_refused(tiny_dir, tmp_path, monkeypatch):
+    """A launcher killed with SIGKILL leaves its workers training; a relaunch on the same output_dir joined them,
+    two runs writing the same checkpoints, log and heads at once. The lock is let go at the run's end, and where
+    the run fails (a caller keeping its traceback kept it held: a rerun in that process was refused)."""
+    import fcntl
+
+    import train_heads
+
+    out = tmp_path / "run"
+    path = write_recipe(tmp_path / "r.yaml", recipe(tiny_dir, out, training={"max_steps": 1, "batch_tokens": 64}))
+    out.mkdir()
+    with open(out / train_heads.LOCK_NAME, "w") as other:
+        other.write("4242\n")
+        other.flush()
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another run, holding it
+        with pytest.raises(SystemExit, match=f"{out} is in use by another train_heads.py run \\(process 4242\\)"):
+            train_heads.main(["--config", str(path)])
+    assert not (out / "checkpoints").exists()  # refused before anything was written
+    def fails(*args, **kwargs):
+        raise ValueError("the data stage failed")
+
+    monkeypatch.setattr(train_heads, "stage_data", fails)
+    with pytest.raises(SystemExit, match="the data stage failed") as failed:  # a run that fails lets it go
+        train_heads.main(["--config", str(path)])
+    with open(out / train_heads.LOCK_NAME) as probe:  # (while its traceback is kept)
+        fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    del failed
+    monkeypatch.undo()
+    assert train_heads.main(["--config", str(path)]) == 0 and (out / "heads" / "config.json").is_file()
+    assert train_heads.main(["--config", str(path)]) == 0  # (finished: done again at once, the lock let go)
