@@ -31,10 +31,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default="lookup,medusa-lookup")
     parser.add_argument("--output", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
+    unread = [m for m in args.methods.split(",") if m.strip() not in ("lookup", "medusa-lookup")]
+    if unread:  # (their with/without ratio was noise, reported as the store's effect)
+        parser.error(f"--methods {','.join(unread)} never search the datastore: give lookup and/or medusa-lookup")
 
     bench_args = bench.parse_args(["--heads", args.heads, "--questions", args.questions, "--limit", str(args.limit),
                                    "--max-new-tokens", str(args.max_new_tokens), "--methods", args.methods])
-    name = base_model_name(args.heads)  # (a FasterDecoding folder's too, as medusa-bench reads it)
+    try:
+        name = base_model_name(args.heads)  # (a FasterDecoding folder's too, as medusa-bench reads it)
+    except ValueError as err:  # (no folder, no config.json: a traceback)
+        parser.error(str(err))
     if not name:
         parser.error(f"{args.heads}/config.json names no base model (base_model_name_or_path)")
     model = MedusaModel.from_pretrained(args.heads, base_model=load_base_model(name), tokenizer=load_tokenizer(name))

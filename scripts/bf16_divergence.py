@@ -38,8 +38,9 @@ def main() -> None:
         if value < 1:
             parser.error(f"{flag} must be at least 1, got {value}")
 
-    config = json.load(open(f"{args.heads}/config.json"))
-    name = config["base_model_name_or_path"]
+    from medusa_infer.interop import base_model_name  # (an export's medusa_forge_base_model: the model loaded)
+
+    name = base_model_name(args.heads)
     base = load_base_model(name, dtype=torch.bfloat16, device=args.device)
     # the tokenizer through from_pretrained: it gets the chat template the heads were trained on, if they carry one
     model = MedusaModel.from_pretrained(args.heads, base_model=base, tokenizer=load_tokenizer(name))

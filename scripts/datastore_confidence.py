@@ -12,10 +12,8 @@ tokens accepted per draft (a chain is accepted up to its first wrong token).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import defaultdict
-from pathlib import Path
 
 from medusa_infer.model import MedusaModel
 from medusa_infer.models import load_base_model, load_tokenizer
@@ -34,7 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-tokens", type=int, default=LOOKUP_MAX_TOKENS)
     args = parser.parse_args(argv)
 
-    name = json.loads((Path(args.heads) / "config.json").read_text())["base_model_name_or_path"]
+    from medusa_infer.interop import base_model_name  # (an export's medusa_forge_base_model: the model loaded)
+
+    name = base_model_name(args.heads)
     model = MedusaModel.from_pretrained(args.heads, base_model=load_base_model(name), tokenizer=load_tokenizer(name))
     store = model.datastore
     if store is None:

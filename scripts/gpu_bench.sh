@@ -167,8 +167,8 @@ if [[ $TESTS == 1 ]]; then
 fi
 
 say "2. base model"
-MODEL=${MODEL:-$("$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1]))["base_model_name_or_path"])' \
-    "$HEADS_DIR/config.json")}
+MODEL=${MODEL:-$("$PYTHON" -c 'import sys; from medusa_infer.interop import base_model_name; print(base_model_name(sys.argv[1]))' \
+    "$HEADS_DIR")}
 CACHE=${MEDUSA_FORGE_CACHE:-$HOME/.cache/medusa-forge}
 echo "model: $MODEL; model cache: $CACHE (MEDUSA_FORGE_CACHE)"
 FOLDER=$CACHE/models/$MODEL

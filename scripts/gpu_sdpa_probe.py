@@ -47,8 +47,9 @@ def main() -> None:
         torch.backends.cuda.enable_cudnn_sdp(False)
     else:  # PyTorch's own choice in our forwards too
         model_module.decoding_attention = lambda device: contextlib.nullcontext()
-    config = json.load(open(f"{args.heads}/config.json"))
-    name = config["base_model_name_or_path"]
+    from medusa_infer.interop import base_model_name  # (an export's medusa_forge_base_model: the model loaded)
+
+    name = base_model_name(args.heads)
     base = load_base_model(name, dtype=torch.bfloat16, device="cuda")
     # the tokenizer through from_pretrained: it gets the chat template the heads were trained on, if they carry one
     model = MedusaModel.from_pretrained(args.heads, base_model=base, tokenizer=load_tokenizer(name))

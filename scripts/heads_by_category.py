@@ -110,7 +110,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         if len(folders) > 1 and (folder / ADAPTER_DIR).is_dir():
             parser.error(f"{folder} holds a LoRA adapter (Medusa-2), which would change the base model the "
                          "other heads are measured on: give it alone to --heads")
-    bases = {json.loads((f / "config.json").read_text()).get("base_model_name_or_path") for f in folders}
+    from medusa_infer.interop import base_model_name  # (an export's medusa_forge_base_model: the model loaded)
+
+    bases = {base_model_name(f) for f in folders}
     base_name = args.model or (bases.pop() if len(bases) == 1 else None)
     if not base_name:
         parser.error(f"the heads name {sorted(map(str, bases))} as base_model_name_or_path, not one model: "

@@ -1020,3 +1020,38 @@ def test_left_out_names_a_single_position(tmp_path):
     config = config_from_dict({"output_dir": str(tmp_path / "run"), "data": {"prompts": str(tmp_path / "p.jsonl")},
                                "training": {"batch_tokens": 100, "epochs": 1}})
     assert left_out(config, 1001, 1).startswith("each epoch leaves out 1 of its 1001 positions")
+
+
+def test_scripts_load_the_base_model_an_export_names(tmp_path, capsys):
+    """Five scripts read config.json's base_model_name_or_path, which in an export of a default model's heads is
+    the original Hub id, not the GGUF-derived model medusa-forge loads (medusa_forge_base_model): offline they
+    failed, online they would have measured the heads on other weights. bench_datastore took methods that never
+    search its datastore, and reported their noise as its effect."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    from medusa_infer.model import MedusaModel
+    from tiny import tiny_model
+
+    model = MedusaModel.from_base(tiny_model("llama"), num_heads=2)
+    model.config.base_model_name_or_path = "smollm2-135m-instruct"
+    folder = model.export_medusa_layout(tmp_path / "fd")
+    assert json.loads((folder / "config.json").read_text())["base_model_name_or_path"] != "smollm2-135m-instruct"
+    script = (ROOT / "scripts" / "gpu_bench.sh").read_text()
+    line = next(line for line in script.splitlines() if line.startswith("MODEL=${MODEL:-$("))
+    command = line.removeprefix("MODEL=${MODEL:-$(").rstrip("\\ ") + f' "{folder}"'
+    named = subprocess.run(["bash", "-c", command.replace('"$PYTHON"', sys.executable)], capture_output=True,
+                           text=True, timeout=120)
+    assert named.stdout.strip() == "smollm2-135m-instruct", named.stderr[-1000:]
+    for name in ("bf16_divergence", "gpu_sdpa_probe", "datastore_confidence", "heads_by_category"):
+        assert "base_model_name(" in (ROOT / "scripts" / f"{name}.py").read_text(), name
+    spec = importlib.util.spec_from_file_location("bench_datastore", ROOT / "scripts" / "bench_datastore.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit):
+        module.main(["--heads", str(folder), "--methods", "hf,lookup"])
+    assert "--methods hf never search the datastore" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        module.main(["--heads", str(tmp_path / "none")])
+    assert f"{tmp_path / 'none'}" in capsys.readouterr().err  # (named, not a traceback)
