@@ -33,7 +33,7 @@ from medusa_infer.decoding import generate
 from medusa_infer.model import MedusaModel
 from medusa_infer.proposers import AutoregressiveProposer
 from medusa_infer.trees import greedy_tree
-from medusa_train.benchmark import calibration_question_ids, load_questions
+from medusa_train.benchmark import calibration_question_ids, load_questions, read_questions
 
 METHODS = ("ar", "adaptive", "learned", "fixed")
 
@@ -52,6 +52,10 @@ def main() -> None:
                              "(default: the stored tree)")
     parser.add_argument("--lookup-tokens", type=int, default=0, help="graft a prompt-lookup chain (medusa-lookup)")
     args = parser.parse_args()
+    try:  # (a traceback once the model was loaded)
+        ids = [int(i) for i in args.ids.split(",")] if args.ids else None
+    except ValueError:
+        parser.error(f"--ids takes comma-separated whole numbers (question ids), got {args.ids!r}")
     model = MedusaModel.from_pretrained(args.heads)
     # the calibration's questions: as the heads record them (medusa-bench --calibrate), else as its report names them
     calibration = Path(args.heads).parent / "calibration.json"
@@ -68,9 +72,9 @@ def main() -> None:
                          f"{args.heads} does not hold: calibrate the heads (medusa-bench --calibrate) first")
     tree = None if args.tree_nodes is None else greedy_tree(model.config.acceptance_model(), args.tree_nodes)
     step_costs = StepCosts()
-    questions = [json.loads(line) for line in Path(args.questions).read_text().splitlines() if line.strip()]
-    if args.ids:
-        wanted = [int(i) for i in args.ids.split(",")]
+    questions = read_questions(args.questions)  # (checked, as medusa-bench reads them)
+    if ids is not None:
+        wanted = ids
     elif calibrated and args.questions_from == "calibration":
         wanted = calibrated
     elif calibrated:  # the others, balanced across categories as medusa-bench takes them

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         rows = build(read_prompts(args.source), read_prompts(args.include) if args.include else [],
                      dict(args.quota), args.seed)
-    except ValueError as err:
+    except (ValueError, OSError) as err:  # (a missing --source: a FileNotFoundError traceback)
         parser.error(str(err))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     with args.output.open("w", encoding="utf-8") as handle:

@@ -1055,3 +1055,18 @@ def test_scripts_load_the_base_model_an_export_names(tmp_path, capsys):
     with pytest.raises(SystemExit):
         module.main(["--heads", str(tmp_path / "none")])
     assert f"{tmp_path / 'none'}" in capsys.readouterr().err  # (named, not a traceback)
+
+
+def test_scripts_name_bad_arguments_not_a_traceback(prompt_set, tmp_path, capsys):
+    """make_prompt_set's missing --source was a FileNotFoundError traceback; bench_fallback's --ids of no number a
+    ValueError once the model was loaded."""
+    import subprocess
+    import sys
+
+    with pytest.raises(SystemExit):
+        prompt_set.main(["--source", str(tmp_path / "none.jsonl"), "--quota", "a=1", "--output", str(tmp_path / "o")])
+    assert f"error: [Errno 2] No such file or directory: '{tmp_path / 'none.jsonl'}'" in capsys.readouterr().err
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_fallback.py"), "--heads", str(tmp_path),
+                           "--ids", "82,x"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--ids takes comma-separated whole numbers (question ids), got '82,x'" in \
+        done.stderr, done.stderr[-1000:]
