@@ -84,6 +84,9 @@ def main() -> None:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    if min(args.sizes) < 1 or max(args.sizes) > min(args.contexts) or args.threads < 1:  # (a RuntimeError of shapes)
+        parser.error(f"--sizes must be at least 1 and at most the smallest of --contexts ({min(args.contexts)}), and "
+                     f"--threads at least 1; got --sizes {args.sizes}, --threads {args.threads}")
     torch.set_num_threads(args.threads)
     model = MedusaModel.without_heads(load_base_model(args.model))
     one_layer(model.base_model.config, args.contexts, args.sizes, args.repeats)

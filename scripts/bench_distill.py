@@ -51,6 +51,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = parser.parse_args()
+    for flag, value in (("--n", args.n), ("--batch-size", args.batch_size), ("--max-new-tokens", args.max_new_tokens)):
+        if value < 1:  # (tracebacks: an empty max(), a ValueError of the config)
+            parser.error(f"{flag} must be at least 1, got {value}")
     if args.threads:
         torch.set_num_threads(args.threads)
     config = DistillConfig(prompts=args.prompts, output="unused.jsonl", model=args.model,

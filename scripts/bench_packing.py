@@ -45,6 +45,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
+    for flag, value in (("--batch-size", args.batch_size), ("--batches", args.batches)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -66,6 +69,8 @@ def main() -> None:
     tasks = {pack: tr.Medusa2Task(configs[pack], tr.JointModule(medusa, peft_model, 0), examples, None,
                                   pad_id=tokenizer.pad_token_id or 0) for pack in (False, True)}
 
+    if args.batch_size > len(examples):  # (random.sample's "Sample larger than population")
+        parser.error(f"--batch-size {args.batch_size} is more than the {len(examples)} examples of {args.rows}")
     rng = random.Random(args.seed)
     seconds, tokens = {False: 0.0, True: 0.0}, {False: 0, True: 0}
     print(f"{len(examples)} examples from {args.rows}; {args.batches} micro-batches of {args.batch_size}")

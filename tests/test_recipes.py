@@ -1070,3 +1070,10 @@ def test_scripts_name_bad_arguments_not_a_traceback(prompt_set, tmp_path, capsys
                            "--ids", "82,x"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--ids takes comma-separated whole numbers (question ids), got '82,x'" in \
         done.stderr, done.stderr[-1000:]
+    for argv, said in ((["bench_distill.py", "--n", "0"], "--n must be at least 1, got 0"),
+                       (["bench_attention.py", "--contexts", "2", "--sizes", "3"],
+                        "--sizes must be at least 1 and at most the smallest of --contexts (2)"),
+                       (["bench_packing.py", "--rows", "x", "--batches", "0"], "--batches must be at least 1, got 0")):
+        done = subprocess.run([sys.executable, str(ROOT / "scripts" / argv[0]), *argv[1:]], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 2 and said in done.stderr, (argv, done.stderr[-1000:])
