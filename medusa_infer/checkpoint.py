@@ -286,8 +286,8 @@ PLACEHOLDER = "<this repo or folder>"
 def _published(folder: Path, stage: Path, repo_id: str, config: MedusaConfig | None) -> Path:
     """``stage`` made a copy of ``folder`` by links, whose card names ``repo_id`` where it says ``PLACEHOLDER``
     (made from ``config`` by ``model_card`` where the folder has none and ``config`` is known: the repo's page
-    would say nothing of its base model or figures) and whose config.json shows local paths of the training record (a home folder, a
-    user's name) by their last part."""
+    would say nothing of its base model or figures) and whose config.json shows local paths of the training
+    record (a home folder, a user's name) by their last part."""
     settings = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))
     training = settings.get("training")
     for path in folder.rglob("*"):  # (files linked one by one: a linked folder's files may not be walked)
@@ -491,10 +491,10 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None, chat: boo
         "```python",
         "from medusa_infer.model import MedusaModel",
         "",
-        *(['model = MedusaModel.from_pretrained("<this repo or folder>")'] if not _local_base(config) else [
+        *([f'model = MedusaModel.from_pretrained("{PLACEHOLDER}")'] if not _local_base(config) else [
             f"# config.json names the base model by a local folder ({_public(config.base_model_name_or_path, 'path')}):"
             " give it",
-            f'model = MedusaModel.from_pretrained("<this repo or folder>", base_model="'
+            f'model = MedusaModel.from_pretrained("{PLACEHOLDER}", base_model="'
             f'{base if _looks_like_hub_id(base) else "<base model folder or Hub id>"}")']),
         *(["# a chat, rendered with the chat template as the heads' training data was (prompt= takes text as it is)",
            'out = model.generate(messages=[{"role": "user", "content": "What is the capital of France?"}], '
@@ -508,9 +508,9 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None, chat: boo
         "",
         "```bash",
         *([] if not _local_base(config) else ["# add --model <base model folder or Hub id>, as above"]),
-        'medusa-generate --heads "<this repo or folder>" ' + ("--chat" if chat else '"The capital of France is"')
+        f'medusa-generate --heads "{PLACEHOLDER}" ' + ("--chat" if chat else '"The capital of France is"')
         + "  # " + ("an interactive chat" if chat else "text as it is"),
-        'medusa-serve --heads "<this repo or folder>"  # an OpenAI-compatible server on 127.0.0.1:8000',
+        f'medusa-serve --heads "{PLACEHOLDER}"  # an OpenAI-compatible server on 127.0.0.1:8000',
         "```",
         "",
         *([] if exported else [

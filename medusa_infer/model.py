@@ -1123,9 +1123,10 @@ def _load_named_base(base_model: PreTrainedModel | str, tokenizer: Any, director
     except (OSError, ValueError) as err:
         if not named:
             raise
-        raise (OSError if isinstance(err, OSError) else ValueError)(f"the base model {str(base_model)!r} that {directory}/config.json names could not be loaded: "
-                        f"{err or repr(err)}\n(where it cannot be had here, give the base model the heads were trained "
-                        "on: base_model=, or the command lines' --model)") from err
+        kind = OSError if isinstance(err, OSError) else ValueError
+        raise kind(f"the base model {str(base_model)!r} that {directory}/config.json names could not be loaded: "
+                   f"{err or repr(err)}\n(where it cannot be had here, give the base model the heads were trained "
+                   "on: base_model=, or the command lines' --model)") from err
 
 
 def _load_base(
