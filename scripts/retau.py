@@ -65,7 +65,10 @@ def main(argv: list[str] | None = None) -> None:
         print("| method | tokens | turns | tau then (per forward) | tau now (per step) |")
         print("|---|---|---|---|---|")
         for method, row in report["methods"].items():
-            turns = row.get("turns", report["settings"]["turns"])
+            turns = row.get("turns", report["settings"].get("turns"))
+            if turns is None:  # neither the method nor the run kept its turns: the steps cannot be recovered
+                print(f"| {method} | {row['tokens']} | ? | {row.get('tau')} | ? (the report keeps no turns) |")
+                continue
             if row.get("tau") is None:  # no step: nothing to convert
                 print(f"| {method} | {row['tokens']} | {turns} | - | - |")
                 continue

@@ -1574,6 +1574,10 @@ def test_retau_leaves_reports_that_record_their_tau_definition_alone(tmp_path, c
     # the stored report made after the definition changed, before reports recorded it: left alone too
     script.main([str(Path(__file__).resolve().parents[1] / "docs" / "demo-ec1ff2d" / "report.json")])
     assert "already tokens per decoding step" in capsys.readouterr().out
+    # neither the method nor the run kept its turns: a KeyError before, now the row says it cannot be converted
+    old.write_text(json.dumps({"settings": {}, "methods": {"medusa": {"tokens": 300, "tau": 2.5}}}))
+    script.main([str(old)])
+    assert "| medusa | 300 | ? | 2.5 | ? (the report keeps no turns) |" in capsys.readouterr().out
 
 
 def test_a_methods_peak_memory_does_not_count_what_an_earlier_one_freed():
