@@ -695,6 +695,8 @@ def check_resumable(rows: Sequence[dict[str, Any]], config: DistillConfig) -> No
         generation = {"chat_template": None, "system_prompt": None, **(row.get("generation") or {})}
         generation["chat_template"] = recorded_template(generation["chat_template"])
         found = (row.get("model"), generation)
+        if found[0] != expected[0] and row.get("model_weights") is not None and weights and weights[0] is not None:
+            found = (expected[0], generation)  # the same weights by another name or path spelling: the same model
         if found != expected:
             differ = [("model", found[0], expected[0])] if found[0] != expected[0] else []
             differ += [(key, generation.get(key), value) for key, value in expected[1].items()

@@ -660,6 +660,10 @@ def test_rows_of_other_weights_under_the_same_name_are_refused(tmp_path, model_d
     shutil.copytree(folder, tmp_path / "copy")  # a copy elsewhere (other file times) is the same weights
     distill(make_config(tmp_path / "copy", prompts_file, tmp_path / "copy.jsonl", n=2))
     assert read_rows(tmp_path / "copy.jsonl")[0]["model_weights"] == read_rows(output)[0]["model_weights"]
+    # resumed from the copy, or by another spelling of the same folder: the same weights (refused by name before)
+    distill(make_config(folder, prompts_file, tmp_path / "copy.jsonl", n=3))
+    distill(make_config(f"{tmp_path}/./copy/", prompts_file, tmp_path / "copy.jsonl", n=4))
+    assert len(read_rows(tmp_path / "copy.jsonl")) == 4
     other = tiny_model("llama", seed=7, vocab_size=len(tokenizer))
     other.save_pretrained(folder)
     with pytest.raises(ValueError, match=r"already holds row .* answered by other weights under the name"):
