@@ -734,8 +734,12 @@ def _prepare_inputs(model, tokenizer, input_ids, attention_mask, prompt, message
                              "pass token ids as input_ids=")
         # padded here: a tokenizer without a pad token (GPT-2's, Llama 2's) refuses to pad
         rows = tokenizer(list(texts), add_special_tokens=messages is None)["input_ids"] if texts else []
-        if not rows or any(not row for row in rows):  # "" is a prompt where the tokenizer adds a BOS (Gemma's)
+        if not rows:
             raise ValueError("empty prompt: give at least one token of input")
+        empty = [i for i, row in enumerate(rows) if not row]  # "" is a prompt where the tokenizer adds a BOS (Gemma's)
+        if empty:
+            raise ValueError(f"empty prompt: row {empty[0]} ({texts[empty[0]]!r}) tokenises to no token; give every "
+                             "row at least one token of input")
         input_ids, attention_mask = left_pad(rows, padding_id(model, tokenizer))
     def is_text(value: Any) -> bool:  # a string, or (nested) lists of them
         return isinstance(value, str) or (isinstance(value, (list, tuple)) and bool(value) and all(map(is_text, value)))
@@ -779,10 +783,16 @@ def _prepare_inputs(model, tokenizer, input_ids, attention_mask, prompt, message
     if attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != "
                          f"input_ids shape {tuple(input_ids.shape)}")
-    if input_ids.numel() == 0 or bool((attention_mask.sum(1) == 0).any()):
+    if input_ids.numel() == 0:
         raise ValueError("empty prompt: every row needs at least one token of input")
+    if bool((attention_mask.sum(1) == 0).any()):
+        row = int((attention_mask.sum(1) == 0).nonzero()[0])
+        raise ValueError(f"empty prompt: row {row}'s attention_mask is all 0; every row needs at least one token "
+                         "of input")
     if bool((attention_mask[:, -1] == 0).any()):
-        raise ValueError("input is right-padded; pad on the left (tokenizer.padding_side = 'left')")
+        row = int((attention_mask[:, -1] == 0).nonzero()[0])
+        raise ValueError(f"input is right-padded (row {row} ends in padding); pad on the left "
+                         "(tokenizer.padding_side = 'left')")
     limit = context_length(model)
     gaps = (attention_mask[:, 1:] < attention_mask[:, :-1]).any(1)  # a 0 after a 1: not left padding
     windows = [w for w in AttentionLayout.from_config(model.base_model.config).windows.values() if w is not None]
@@ -1127,6 +1137,7 @@ def eos_ids(model, tokenizer, eos_token_id=None) -> tuple[int, ...]:
         ids = [eos_token_id] if isinstance(eos_token_id, numbers.Integral) else eos_token_id
         vocab = model.base_model.get_output_embeddings().weight.shape[0]
         listed = not isinstance(ids, (str, bytes)) and isinstance(ids, Iterable)  # a list, tuple, numpy array
+        ids = list(ids) if listed else ids  # once: an iterator read by the check was empty after it (no EOS at all)
         if not listed or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and 0 <= i < vocab
                                  for i in ids):
             raise ValueError(f"eos_token_id must be a token id in [0, {vocab}) or a list of them, got "

@@ -364,6 +364,9 @@ def test_stops_at_any_eos_and_at_max_new_tokens():
     eos_a, eos_b = free[6], free[3]
     out = generate(model, prompt[None], max_new_tokens=30, eos_token_id=[eos_a, eos_b])
     assert out.new_tokens[0] == free[: free.index(eos_b) + 1] and out.finish_reasons == ["eos"]
+    # given as an iterator (map, a generator): the check read it empty, and no row stopped on any end token
+    out = generate(model, prompt[None], max_new_tokens=30, eos_token_id=iter([eos_a, eos_b]))
+    assert out.new_tokens[0] == free[: free.index(eos_b) + 1] and out.finish_reasons == ["eos"]
     out = generate(model, prompt[None], max_new_tokens=9, eos_token_id=NO_EOS)
     assert out.new_tokens[0] == free[:9] and out.finish_reasons == ["length"]
 
@@ -438,6 +441,8 @@ def test_context_limit_is_a_clean_stop():
         (dict(input_ids=torch.tensor([[True, False]])), "integer token ids, got dtype torch.bool"),
         (dict(input_ids=torch.ones(1, 2, 3, dtype=torch.long)),
          r"\[batch, length\] or \[length\], got shape \(1, 2, 3\)"),
+        (dict(input_ids=[[3, 4], [5, 6]], attention_mask=[[1, 1], [1, 0]]), r"right-padded \(row 1 ends in padding\)"),
+        (dict(input_ids=[[3, 4], [5, 6]], attention_mask=[[1, 1], [0, 0]]), r"row 1's attention_mask is all 0"),
         (dict(attention_mask=torch.tensor([[2, 2, 2]])), r"only 0 \(padding\) and 1 \(token\), got values \[2\]"),
         (dict(max_new_tokens=True), "max_new_tokens must be a positive integer, got True"),
         (dict(tree=3), "tree must be a preset name"),
@@ -520,6 +525,7 @@ def test_an_empty_prompt_text_a_tokenizer_gives_a_bos_is_a_prompt():
 
 @pytest.mark.parametrize("prompt, message", [
     ([], "empty prompt"),
+    (["the cat", ""], r"row 1 \(''\) tokenises to no token"),  # (which row was not said)
     (5, "prompt must be a string or a list of strings, got int"),
     (["the cat", 5], "prompt must be a string or a list of strings, got list"),
 ])
