@@ -438,11 +438,14 @@ def _gguf_note(config: MedusaConfig) -> list[str]:
 
 
 def _local_base(config: MedusaConfig) -> bool:
-    """Whether the config names its base model by a local folder, which a copy of the heads elsewhere lacks."""
+    """Whether the config names its base model by a local folder, which a copy of the heads elsewhere lacks, or
+    names none (heads on a model built from a config): either way ``from_pretrained`` needs ``base_model=``."""
     from medusa_infer.models import is_path_like, names_default_model
 
     name = config.base_model_name_or_path
-    if not name or names_default_model(name):  # loaded by its name wherever the heads go
+    if not name:
+        return True
+    if names_default_model(name):  # loaded by its name wherever the heads go
         return False
     return is_path_like(name) or Path(name).expanduser().is_dir()
 
@@ -493,7 +496,7 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None, chat: boo
         "",
         *([f'model = MedusaModel.from_pretrained("{PLACEHOLDER}")'] if not _local_base(config) else [
             f"# config.json names the base model by a local folder ({_public(config.base_model_name_or_path, 'path')}):"
-            " give it",
+            " give it" if config.base_model_name_or_path else "# config.json names no base model: give it",
             f'model = MedusaModel.from_pretrained("{PLACEHOLDER}", base_model="'
             f'{base if _looks_like_hub_id(base) else "<base model folder or Hub id>"}")']),
         *(["# a chat, rendered with the chat template as the heads' training data was (prompt= takes text as it is)",

@@ -945,8 +945,9 @@ def stream(
 ) -> GenerationStream:
     """Start a generation whose tokens (and text, with a tokenizer) are yielded as they are
     accepted. Arguments as ``generate``; nothing runs until the stream is iterated."""
-    from medusa_infer.model import _warn_processors
+    from medusa_infer.model import _warn_processors, check_tokenizer
 
+    check_tokenizer(tokenizer)  # (a name: "'str' object is not callable" at the first prompt)
     _warn_processors(model.base_model)  # a generation config changed since the model was wrapped: said once
     flag = torch.is_tensor(do_sample) and do_sample.dtype == torch.bool and do_sample.dim() == 0  # (a 0-d bool)
     if do_sample is not None and type(do_sample).__name__ not in ("bool", "bool_") and not flag \

@@ -298,6 +298,7 @@ class MedusaModel(nn.Module):
 
     def __init__(self, base_model: PreTrainedModel, heads: MedusaHeads | None, tokenizer: Any = None) -> None:
         super().__init__()
+        check_tokenizer(tokenizer)
         check_supported(base_model)
         _warn_longrope(base_model)
         _warn_processors(base_model)
@@ -426,7 +427,9 @@ class MedusaModel(nn.Module):
 
         Heads whose config records a ``chat_template`` (trained on a template other than the
         tokenizer's own) install it on the tokenizer, a ``tokenizer`` given as an object included,
-        so that chats are rendered as in training.
+        so that chats are rendered as in training; heads without one loaded later on that tokenizer
+        put its own template back (``install_chat_template``). ``tokenizer`` may also be a name or
+        folder to load it from.
 
         ``datastore=False`` leaves the folder's ``datastore.safetensors`` unread (``datastore`` None: no lookup
         draft searches it), an unreadable one included (``save_pretrained`` then writes the heads without it).
@@ -543,9 +546,9 @@ class MedusaModel(nn.Module):
         model.datastore = store
         if not datastore and (directory / DATASTORE_NAME).is_file():
             model.skipped_datastore = directory / DATASTORE_NAME
-        if config.chat_template and tokenizer is not None:
-            tokenizer.chat_template = config.chat_template
-        elif config.chat_template:
+        if tokenizer is not None:
+            install_chat_template(tokenizer, config.chat_template)
+        if config.chat_template and tokenizer is None:
             logger.warning("the heads in %s were trained on their own chat template (model.config.chat_template) "
                            "and no tokenizer was given to install it on; pass tokenizer=, or render chats with "
                            "model.config.chat_template", directory)
@@ -1054,6 +1057,25 @@ def _unnamed(name: str, content: bytes) -> bytes:
     return json.dumps({k: v for k, v in settings.items() if k not in ADAPTER_NAMING_KEYS}, sort_keys=True).encode()
 
 
+_OWN_TEMPLATE = "_medusa_forge_chat_templates"
+"""A tokenizer attribute: (its own chat template, the one heads installed), kept by ``install_chat_template``."""
+
+
+def install_chat_template(tokenizer: Any, template: str | None) -> None:
+    """Render chats on ``tokenizer`` as heads were trained: their own ``template`` is installed in place; with
+    None (heads trained on the tokenizer's own), a template heads installed before is taken back, unless it was
+    changed since (one set by hand stays)."""
+    own, installed = getattr(tokenizer, _OWN_TEMPLATE, (tokenizer.chat_template, None))
+    if template:
+        if installed is None or tokenizer.chat_template != installed:
+            own = tokenizer.chat_template  # (a template set by hand since is the one to come back to)
+        tokenizer.chat_template = template
+        setattr(tokenizer, _OWN_TEMPLATE, (own, template))
+    elif installed is not None and tokenizer.chat_template == installed:
+        tokenizer.chat_template = own
+        setattr(tokenizer, _OWN_TEMPLATE, (own, None))
+
+
 def heads_folder(path_or_repo_id: str | os.PathLike, revision: str | None = None) -> Path:
     """A heads folder on disk: the path itself, or a Hub repo's snapshot (downloaded when not cached).
 
@@ -1062,6 +1084,10 @@ def heads_folder(path_or_repo_id: str | os.PathLike, revision: str | None = None
     """
     from medusa_infer.models import is_path_like
 
+    if not isinstance(path_or_repo_id, (str, os.PathLike)):
+        raise TypeError(f"the heads must be a folder or a Hub repo id, got a {type(path_or_repo_id).__name__}: "
+                        "MedusaModel.from_pretrained(heads, base_model=model) takes the heads first and the base model "
+                        "as base_model=")
     path = Path(path_or_repo_id).expanduser()
     if path.is_dir():  # absolute: an adapter merged from it is copied from there after a chdir too
         return path.absolute()
@@ -1118,6 +1144,7 @@ def _load_named_base(base_model: PreTrainedModel | str, tokenizer: Any, director
                      named: bool) -> tuple[PreTrainedModel, Any, str | None]:
     """``_load_base``; where the heads' config.json named the base model (``named``), a failure to load it says so,
     and the fix (offline, a Hub id never downloaded, or a folder moved since: the error named neither)."""
+    tokenizer = _given_tokenizer(tokenizer)  # (its failure is not the base model's)
     try:
         return _load_base(base_model, tokenizer)
     except (OSError, ValueError) as err:
@@ -1129,11 +1156,32 @@ def _load_named_base(base_model: PreTrainedModel | str, tokenizer: Any, director
                    "on: base_model=, or the command lines' --model)") from err
 
 
+def _given_tokenizer(tokenizer: Any) -> Any:
+    """A tokenizer object passes through; a name or folder is loaded; anything else is a ``ValueError``."""
+    if isinstance(tokenizer, (str, os.PathLike)):
+        from medusa_infer.models import load_tokenizer
+
+        return load_tokenizer(str(tokenizer))
+    check_tokenizer(tokenizer)
+    return tokenizer
+
+
+def check_tokenizer(tokenizer: Any) -> None:
+    """``ValueError`` for a ``tokenizer=`` that is no tokenizer (None is none given)."""
+    if tokenizer is not None and not callable(tokenizer):
+        raise ValueError(f"tokenizer must be a tokenizer (AutoTokenizer.from_pretrained(...)) or, where a model is "
+                         f"loaded, its name or folder; got a {type(tokenizer).__name__}: {tokenizer!r:.60}")
+
+
 def _load_base(
     base_model: PreTrainedModel | str, tokenizer: Any
 ) -> tuple[PreTrainedModel, Any, str | None]:
     """An already loaded model passes through, in eval mode (one built from a config is in training mode,
-    whose dropout made greedy decoding random); a name is resolved and loaded with its tokenizer."""
+    whose dropout made greedy decoding random); a name is resolved and loaded with its tokenizer. A tokenizer
+    given by name or folder is loaded from there."""
+    from medusa_infer.models import load_base_model, load_tokenizer
+
+    tokenizer = _given_tokenizer(tokenizer)
     if isinstance(base_model, PreTrainedModel):
         check_supported(base_model)  # before its weights are read (a bare decoder has no lm_head)
         # weights changed through .data since its last forward (peft's merge_and_unload, which check_supported
@@ -1145,8 +1193,6 @@ def _load_base(
             check_supported(base_model)  # a peft wrapper is named there, with the ways to pass it
         raise ValueError(f"base_model is a {type(base_model).__name__}, not a transformers PreTrainedModel: pass the "
                          "model itself (for a torch.compile'd one, its _orig_mod) or its name")
-    from medusa_infer.models import load_base_model, load_tokenizer
-
     name = str(base_model)
     model = load_base_model(name)
     return model, tokenizer if tokenizer is not None else load_tokenizer(name), name

@@ -497,6 +497,10 @@ def test_the_card_names_a_base_model_in_its_front_matter_only_when_it_can_be_a_h
     (tmp_path / "smollm2-135m-instruct").mkdir()  # a folder named like a default model, which loads by name
     config.base_model_name_or_path = "smollm2-135m-instruct"
     assert 'from_pretrained("<this repo or folder>")\n' in model_card(config)
+    config.base_model_name_or_path = None  # heads on a model built from a config: from_pretrained refused the usage
+    card = model_card(config)
+    assert "# config.json names no base model: give it\n" in card
+    assert 'base_model="<base model folder or Hub id>")' in card and "# add --model <base model folder" in card
 
 
 def test_the_uploaded_card_names_the_repo_as_created(tmp_path, monkeypatch):

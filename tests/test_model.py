@@ -399,6 +399,35 @@ def test_heads_trained_on_a_recipes_chat_template_bring_it_to_the_tokenizer(tmp_
     loaded.save_pretrained(tmp_path / "reset")
     again = MedusaModel.from_pretrained(tmp_path / "reset", base_model=model.base_model, tokenizer=other)
     assert again.config.chat_template is None and other.chat_template == "{{ messages[0]['content'] }}"
+    # one tokenizer for several heads: those on its own template took the template earlier heads installed
+    MedusaModel.from_pretrained(tmp_path, base_model=model.base_model, tokenizer=other)
+    assert other.chat_template == QA_TEMPLATE
+    MedusaModel.from_pretrained(tmp_path / "own", base_model=model.base_model, tokenizer=other)
+    assert other.chat_template == "{{ messages[0]['content'] }}"
+    MedusaModel.from_pretrained(tmp_path, base_model=model.base_model, tokenizer=other)
+    other.chat_template = "{{ 'by hand' }}"  # a template set since is the user's: kept
+    MedusaModel.from_pretrained(tmp_path / "own", base_model=model.base_model, tokenizer=other)
+    assert other.chat_template == "{{ 'by hand' }}"
+
+
+def test_a_tokenizer_given_by_name_is_loaded_and_anything_else_refused(tmp_path):
+    """tokenizer="name" was kept as it was, and the first prompt failed with "'str' object is not callable"; the
+    heads and the base model swapped failed on a path type error naming neither."""
+    from medusa_infer.decoding import generate
+
+    model = medusa(base_model("llama"))
+    word_tokenizer().save_pretrained(tmp_path / "tok")
+    loaded = MedusaModel.from_base(model.base_model, tokenizer=str(tmp_path / "tok"), num_heads=2)
+    assert callable(loaded.tokenizer) and loaded.tokenizer("w5 w6")["input_ids"]
+    for bad in (5, ["w5"]):
+        with pytest.raises(ValueError, match=f"tokenizer must be a tokenizer .*got a {type(bad).__name__}"):
+            MedusaModel.from_base(model.base_model, tokenizer=bad, num_heads=2)
+    with pytest.raises(ValueError, match="tokenizer must be a tokenizer .*got a str"):
+        generate(model, prompt="w5", tokenizer="smollm2-135m-instruct", max_new_tokens=2)
+    model.save_pretrained(tmp_path / "heads")
+    with pytest.raises(TypeError, match=r"the heads must be a folder or a Hub repo id, got a LlamaForCausalLM: "
+                                        r"MedusaModel.from_pretrained\(heads, base_model=model\)"):
+        MedusaModel.from_pretrained(model.base_model, str(tmp_path / "heads"))
 
 
 # ----- FasterDecoding layout
