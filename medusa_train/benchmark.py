@@ -282,7 +282,9 @@ def read_questions(path: str | Path) -> list[dict]:
     each of a duplicated id's questions was left out with the one named."""
     rows, lines = [], {}
     text = decode_utf8(Path(path).read_bytes(), path)
-    for number, line in enumerate(text.splitlines(), start=1):
+    # lines end at "\n" alone: JSON keeps U+2028, U+2029 and U+0085 in strings, which splitlines() ends lines at
+    # (a question whose text held one was refused as invalid JSON); "\r" of CRLF is whitespace to json.loads
+    for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
@@ -347,14 +349,20 @@ def question_problem(row: Any) -> str | None:
     return None
 
 
+SEARCH_SETTINGS = ("num_beams", "num_beam_groups", "diversity_penalty", "penalty_alpha", "dola_layers")
+"""``GenerationConfig`` fields that pick another search than greedy (beam, diverse beam, contrastive, DoLa): a
+model's ``generation_config.json`` setting one made the ``hf`` baseline another decoding (or fail: beam search
+takes no streamer), which no method of ours follows."""
+
+
 @contextlib.contextmanager
 def plain_greedy(base) -> Iterator[None]:
     """Within the block, ``base.generate`` decodes plain greedy: its ``generation_config`` without the
-    ``PROCESSOR_SETTINGS`` (``generate`` fills a setting its arguments leave unset from the model's
+    ``PROCESSOR_SETTINGS`` and ``SEARCH_SETTINGS`` (``generate`` fills a setting its arguments leave unset from the model's
     config, so passing a neutral config or value cannot remove them all). Restored on exit."""
     own = base.generation_config
     plain = copy.deepcopy(own)
-    for name in PROCESSOR_SETTINGS:
+    for name in PROCESSOR_SETTINGS + SEARCH_SETTINGS:
         if hasattr(plain, name):
             setattr(plain, name, None)
     base.generation_config = plain
@@ -683,7 +691,8 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
             "batch_size": args.batch_size, "speculation_gate": args.speculation_gate,
             "step_costs": args.step_costs, "fallback": args.fallback,
             "lookup_tokens": args.lookup_tokens, "lookup_max_tokens": args.lookup_max_tokens,
-            "datastore_tokens": len(model.datastore) if args.datastore and model.datastore is not None else 0,
+            "datastore_tokens": len(model.datastore) if args.datastore and model.datastore is not None
+            and searches_datastore(args.methods) else 0,
             "time_budget_s": args.time_budget, "questions_answered": len(questions), "stopped_by": stopped_by,
             "questions_left_out_for_context": too_long,
             "device": str(model.device), "dtype": str(model.dtype).replace("torch.", ""), "cpu": cpu_name(),
@@ -825,6 +834,11 @@ TAU_DEFINITION = "tokens per decoding step, the prefill's token no step's"
 """``settings.tau_definition`` of a report: how its tau counts (``scripts/retau.py`` converts older ones)."""
 
 
+def searches_datastore(methods: Sequence[str]) -> bool:
+    """Whether any of ``methods`` searches the heads' datastore (ours with lookup drafts)."""
+    return any(m in ("lookup", "medusa-lookup") for m in methods)
+
+
 def warm_up(runner: Runner, methods: Sequence[str], questions: list[dict], batch_size: int,
             max_new_tokens: int = 8) -> None:
     """Each method answers the first question's first turn once, ``batch_size`` times over, untimed,
@@ -842,7 +856,12 @@ def warm_up(runner: Runner, methods: Sequence[str], questions: list[dict], batch
             pack_planned(model)
     batch = [[{"role": "user", "content": questions[0]["turns"][0]}]] * batch_size
     for method in methods:
-        runner.run_batch(method, batch, max_new_tokens=max_new_tokens)
+        try:
+            runner.run_batch(method, batch, max_new_tokens=max_new_tokens)
+        except Exception as error:  # named as answer_group's are (a method failing on every input fails here)
+            with contextlib.suppress(AttributeError):
+                error.benchmark_method = method
+            raise
 
 
 def interleave_categories(questions: list[dict]) -> list[dict]:
@@ -1303,7 +1322,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                      "tokenizer)")
     # settings no method run reads: refused, as --lookup-tokens, --tree and --no-fallback are (the report
     # recorded them as if they had applied, and a --draft-model that does not exist was never opened)
-    looked_up = any(m in ("lookup", "medusa-lookup") for m in args.methods)  # ours, which search the datastore
+    looked_up = searches_datastore(args.methods)
     for flag, given, read, readers in (
             ("--draft-model", args.draft_model, bool(drafted), DRAFT_METHODS),
             ("--no-datastore", not args.datastore, looked_up, ("lookup", "medusa-lookup")),
@@ -1327,6 +1346,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         ("--calibrate-context", args.calibrate_context)):
         if value is not None and not args.calibrate:
             parser.error(f"{flag} sets the calibration: add --calibrate or drop {flag}")
+    args.lookup_max_tokens_given = args.lookup_max_tokens is not None  # (read once the heads are loaded)
     if args.lookup_max_tokens is None:
         args.lookup_max_tokens = LOOKUP_MAX_TOKENS
     if args.temperature is None:
@@ -1410,6 +1430,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def check_profile_flags(model, args: argparse.Namespace) -> None:
+    """``ValueError`` for flags that set what calibrated heads' cost profile does, on heads that carry none (they
+    were recorded in the report as if they had applied): ``--lookup-max-tokens`` and ``--step-costs profile``."""
+    from medusa_infer.decoding import fallback_paths, resolve_tree
+
+    if model.heads is None:
+        return
+    where = f"the heads in {args.heads} carry no cost profile (not calibrated)"
+    if getattr(args, "lookup_max_tokens_given", False) and not model.config.cost_profile:
+        raise ValueError(f"--lookup-max-tokens bounds the drafts a cost profile chooses, and {where}: calibrate them "
+                         "(--calibrate) or drop it (without a profile, lookup drafts --lookup-tokens)")
+    if args.step_costs != "learned" and fallback_paths(model, resolve_tree(model, args.tree), None) is None:
+        raise ValueError(f"--step-costs {args.step_costs} sets what the adaptive fallback learns, and no fallback "
+                         f"runs on these heads ({where}, or their tree gives none): calibrate them (--calibrate) "
+                         "or drop it")
+
+
 def _benchmark_questions(questions: Sequence[dict], args: argparse.Namespace, exclude: Sequence[Any],
                          calibrated: bool) -> list[dict]:
     """The questions to benchmark (``--limit`` of them, ``exclude`` left out); ``ValueError`` when none is left."""
@@ -1444,9 +1481,11 @@ def run(args: argparse.Namespace, started: float) -> int:
         if not base_name:
             raise ValueError(f"{heads}/config.json names no base_model_name_or_path; pass --model")
         base = load_base_model(base_name, dtype=dtype, device=device, cpu_kernels=args.cpu_kernels)
-        # --no-datastore leaves the store unread, unless --calibrate saves the heads (which keeps what it holds)
+        # read where a method searches it (a store that does not load stopped every method, --no-datastore refused
+        # beside those), and where --calibrate saves the heads, which keep what it holds
         model = MedusaModel.from_pretrained(heads, base_model=base, tokenizer=load_tokenizer(base_name),
-                                            datastore=args.datastore or args.calibrate)
+                                            datastore=(args.datastore and searches_datastore(args.methods))
+                                            or args.calibrate)
     else:
         base_name = args.model or "smollm2-135m-instruct"
         model = MedusaModel.without_heads(load_base_model(base_name, dtype=dtype, device=device,
@@ -1485,6 +1524,10 @@ def run(args: argparse.Namespace, started: float) -> int:
     if not all_questions:
         raise ValueError(f"{args.questions} holds no question; each line holds one: "
                          '{"id": 1, "category": "writing", "turns": ["first turn", ...]}')
+    unknown = sorted(set(given_excluded) - {str(q["id"]) for q in all_questions})
+    if unknown:  # a mistyped id left the question meant in, and the report said it was left out
+        raise ValueError(f"--exclude-ids names {', '.join(unknown)}, which no question of {args.questions} has "
+                         "(ids as the file writes them); check them")
     questions, runner = None, None
     if args.calibrate:
         calib_questions = pick_questions(all_questions, args.calibrate_questions, seed=args.seed + 1,
@@ -1524,6 +1567,7 @@ def run(args: argparse.Namespace, started: float) -> int:
               f"expected speedup {result['expected_speedup']:.2f}x; saved into {saved}", file=sys.stderr)
     if questions is None:
         questions = _benchmark_questions(all_questions, args, exclude, bool(calibrated_on))
+    check_profile_flags(model, args)
     report = benchmark(model, questions, args, started=started, runner=runner)
     # the questions drawn from were these less those left out: recorded, or --limit and --seed drew another set
     report["settings"]["left_out_ids"] = {

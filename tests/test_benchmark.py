@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import copy
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -382,6 +383,53 @@ def test_a_system_prompt_the_template_refuses_and_a_first_group_failure_are_name
     assert "Traceback" in err and "None + 1" in err
     assert "failed (method ar on question(s) 3: TypeError: unsupported operand" in err
 
+    def fails_always(self, method, conversations, **kwargs):  # (warm-up included: it failed there, unnamed)
+        if method == "ar":
+            raise ValueError("shape mismatch in tree verify")
+        return real(self, method, conversations, **kwargs)
+
+    monkeypatch.setattr(bench.Runner, "run_batch", fails_always)
+    assert main(common) == 2
+    assert "medusa-bench: error: method ar: shape mismatch in tree verify" in capsys.readouterr().err
+
+
+def test_flags_the_heads_do_not_use_and_unknown_excluded_ids_are_refused(model, tmp_path, monkeypatch, capsys):
+    """A datastore that does not load stopped methods that never search it (and --no-datastore was refused for
+    them); --lookup-max-tokens and --step-costs profile on heads with no cost profile were recorded as if they had
+    applied; an --exclude-ids id no question has left the one meant in, the report saying it was left out."""
+    monkeypatch.setattr(model.config, "cost_profile", None)  # uncalibrated heads (an earlier test may calibrate)
+    monkeypatch.setattr(model.config, "head_accuracies", None)
+    heads, questions = cli_files(model, tmp_path, monkeypatch)
+    questions = questions.rename(tmp_path / "named.jsonl")
+    (heads / "datastore.safetensors").write_bytes(b"cut short")
+    common = ["--heads", str(heads), "--questions", str(questions), "--limit", "1", "--max-new-tokens", "3",
+              "--output", str(tmp_path / "out")]
+    assert main([*common, "--methods", "hf,medusa"]) == 0
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["settings"]["datastore_tokens"] == 0
+    assert main([*common, "--methods", "hf,lookup"]) == 2
+    assert "is not a readable datastore" in capsys.readouterr().err
+    assert main([*common, "--methods", "hf,lookup", "--no-datastore"]) == 0
+    (heads / "datastore.safetensors").unlink()
+    for flags, message in (
+            (["--methods", "hf,lookup", "--lookup-max-tokens", "1"],
+             "--lookup-max-tokens bounds the drafts a cost profile chooses, and the heads in .* carry no cost profile"),
+            (["--methods", "hf,medusa", "--step-costs", "profile"],
+             "--step-costs profile sets what the adaptive fallback learns, and no fallback runs on these heads"),
+            (["--methods", "hf,ar", "--exclude-ids", f"{QUESTIONS[0]['id']},8l"],
+             "--exclude-ids names 8l, which no question of .*named.jsonl has")):
+        assert main([*common, *flags]) == 2, flags
+        assert re.search(message, capsys.readouterr().err), flags
+
+
+def test_questions_whose_text_holds_line_separators_are_read(tmp_path):
+    """JSON keeps U+2028, U+2029 and U+0085 unescaped in strings (ensure_ascii=False writes them so): the lines
+    were split there, and such a question refused as invalid JSON."""
+    path = tmp_path / "q.jsonl"
+    text = "a\u2028b\u2029c\x85d"
+    path.write_text("".join(json.dumps({"id": i, "category": "w", "turns": [text]}, ensure_ascii=False) + "\r\n"
+                            for i in (1, 2)), encoding="utf-8")
+    assert [q["turns"] for q in bench.read_questions(path)] == [[text], [text]]
+
 
 def test_calibration_that_finds_plain_decoding_fastest_keeps_it_through_saving(model, monkeypatch, tmp_path):
     """A calibrated empty tree means plain decoding; it must not read back as "no tree stored",
@@ -626,10 +674,10 @@ def test_no_question_left_to_benchmark_is_an_error_not_an_empty_report(model, tm
                  "1,2,3,4,5", "--output", str(tmp_path / "out")])
     assert code == 2 and "no question of" in capsys.readouterr().err
     assert not (tmp_path / "out" / "report.json").exists()
-    # ids as written: "01" is no question here ("01" had been read as 1)
+    # ids as written: "01" is no question here ("01" had been read as 1), and an id no question has is refused
     code = main(["--heads", str(heads), "--questions", str(questions), "--methods", "ar", "--exclude-ids",
                  "01,02,03,04,05", "--limit", "1", "--max-new-tokens", "2", "--output", str(tmp_path / "out")])
-    assert code == 0 and (tmp_path / "out" / "report.json").exists()
+    assert code == 2 and "--exclude-ids names 01, 02, 03, 04, 05, which no question" in capsys.readouterr().err
 
 
 def test_questions_and_calibration_are_checked_before_the_work_they_would_waste(model, tmp_path, monkeypatch,
@@ -1043,15 +1091,16 @@ def test_the_hf_baseline_decodes_plain_greedy_whatever_the_models_generation_con
     penalty): `generate` applied them, so the baseline was not plain decoding (hf not exact, and the
     speedup measured against other text). The model's config is left as it was."""
     config = model.base_model.generation_config
-    before = config.repetition_penalty, config.no_repeat_ngram_size
-    config.repetition_penalty, config.no_repeat_ngram_size = 1.3, 2
+    before = config.repetition_penalty, config.no_repeat_ngram_size, config.num_beams
+    # num_beams=2: another search (it failed: beam search takes no streamer); contrastive and DoLa the same
+    config.repetition_penalty, config.no_repeat_ngram_size, config.num_beams = 1.3, 2, 2
     try:
         report = benchmark(model, QUESTIONS[:2], args(methods=["hf", "ar"]))
         assert report["methods"]["hf"]["exact"] is True
-        assert (config.repetition_penalty, config.no_repeat_ngram_size) == (1.3, 2)
+        assert (config.repetition_penalty, config.no_repeat_ngram_size, config.num_beams) == (1.3, 2, 2)
         assert model.base_model.generation_config is config
     finally:
-        config.repetition_penalty, config.no_repeat_ngram_size = before
+        config.repetition_penalty, config.no_repeat_ngram_size, config.num_beams = before
 
 
 def test_questions_that_could_outgrow_the_context_are_left_out_before_any_method_runs(model):
