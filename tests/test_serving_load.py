@@ -91,16 +91,18 @@ def test_32_concurrent_streams_are_batched_and_match_single_requests(model):
 
 
 def test_full_queue_answers_503_and_the_queued_requests_still_finish(model):
+    """--max-queue places beyond the rows free: on an idle engine with one row, three requests are taken (the
+    row's and two waiting places), the fourth refused."""
     with serve(model, "medusa", max_batch=1, max_queue=2) as (server, engine):
         url = server.base_url + "/v1/completions"
         body = {"model": "tiny", "prompt": "the cat", "max_tokens": 4, "temperature": 0}
         answers: list[httpx.Response] = []
         with engine.hold():
             threads = [threading.Thread(target=lambda: answers.append(httpx.post(url, json=body, timeout=60)))
-                       for _ in range(2)]
+                       for _ in range(3)]
             for thread in threads:
                 thread.start()
-            wait_until(lambda: engine.snapshot()["waiting"] == 2, message="two requests should be queued")
+            wait_until(lambda: engine.snapshot()["waiting"] == 3, message="three requests should be queued")
             full = httpx.post(url, json=body, timeout=10)
             assert full.status_code == 503
             assert full.json()["error"]["code"] == "queue_full" and full.json()["error"]["type"] == "server_error"
@@ -109,8 +111,34 @@ def test_full_queue_answers_503_and_the_queued_requests_still_finish(model):
                     client.completions.create(**body)
         for thread in threads:
             thread.join(60)
-        assert [a.status_code for a in answers] == [200, 200]
+        assert [a.status_code for a in answers] == [200, 200, 200]
         assert metric_value(_metrics(server), "medusa:http_requests_total", status="503") == 2
+
+
+def test_a_burst_the_free_rows_take_is_not_refused_as_a_full_queue(model):
+    """Requests arriving within one turn all counted against --max-queue: on an idle engine with 8 free rows and
+    one waiting place, the second was refused."""
+    from medusa_infer.decoding import SamplingConfig, StopConfig
+    from medusa_infer.serving.scheduler import Engine, QueueFull, Request
+
+    engine = Engine(model, model.tokenizer, "medusa", max_batch=8, max_queue=1)
+    ids = model.tokenizer("the cat")["input_ids"]
+    finished: list[str] = []
+
+    def make() -> Request:
+        return Request(ids, SamplingConfig("greedy"), StopConfig(max_new_tokens=3),
+                       lambda update: finished.append(update.finish) if update.finish else None)
+
+    engine.start()
+    try:
+        with engine.hold():  # the burst arrives within one turn
+            for _ in range(9):  # 8 free rows and 1 waiting place
+                engine.submit(make())
+            with pytest.raises(QueueFull, match=r"9 requests are already queued for 8 free rows \(--max-batch 8\)"):
+                engine.submit(make())
+        wait_until(lambda: len(finished) == 9, message="the burst should finish")
+    finally:
+        engine.stop()
 
 
 def test_the_engine_never_decodes_more_rows_than_max_batch(model):

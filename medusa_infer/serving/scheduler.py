@@ -158,7 +158,8 @@ class Engine:
         method: a proposer method of ``medusa_infer.proposers.METHODS``.
         options: the method's settings (see ``build_proposer``).
         max_batch: at most this many rows are decoded at once, all batches together.
-        max_queue: at most this many requests wait; ``submit`` raises ``QueueFull`` beyond.
+        max_queue: at most this many requests wait beyond those the rows free now take at the next turn;
+            ``submit`` raises ``QueueFull`` beyond.
         max_prefill_tokens: prompt tokens a turn prefills at most (a longer prompt alone): a burst of
             long prompts is prefilled over several turns, each followed by a step of the running
             batches and by the cancellations and timeouts that came in, instead of in one long turn
@@ -257,8 +258,13 @@ class Engine:
         with self._lock:
             if not self.alive:
                 raise EngineStopped("the engine is not running")
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFull(f"{len(self._waiting)} requests are already waiting (--max-queue {self.max_queue})")
+            # the rows free now take their share of a burst at the next turn: those requests never wait (a burst
+            # on an idle server was refused past --max-queue with every row free)
+            free = max(0, self.max_batch - int(self.metrics.running.value()))
+            if len(self._waiting) >= self.max_queue + free:
+                raise QueueFull(f"{len(self._waiting)} requests are already queued for {free} free rows "
+                                f"(--max-batch {self.max_batch}) and {self.max_queue} waiting places "
+                                f"(--max-queue {self.max_queue})")
             self._waiting.append(request)
             self.metrics.waiting.set(len(self._waiting))
             self._wake.notify_all()
