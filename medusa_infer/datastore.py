@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 DATASTORE_NAME = "datastore.safetensors"
 SEPARATOR = -1
 _MODULUS = 2_147_483_647  # a prime: (h * _BASE + token) stays inside int64
-MAX_NGRAM = 64  # an index is built per n-gram length on first use: 300 lengths took 21 s on 20k tokens
+MAX_NGRAM = 64  # an index is built per n-gram length on first use, 16 bytes per stored token each
 _SAVED_SETTINGS = ("min_ngram", "max_ngram", "max_occurrences", "min_share")  # what save writes, load reads
 _BASE = 1_000_003
 
@@ -146,22 +146,30 @@ class Datastore:
             flat.append(SEPARATOR)
         return cls(torch.tensor(flat, dtype=torch.long), **kwargs)
 
-    def _build(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(sorted hashes, ends)``: for every n-gram followed by a token of its sequence, its hash
-        and the position after it."""
-        tokens = self.tokens
-        if len(tokens) <= n:
-            return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)
-        ends = torch.arange(n, len(tokens))
-        h = torch.zeros(len(ends), dtype=torch.long)
-        clean = tokens[ends] != SEPARATOR  # a continuation exists
-        for i in range(n):
-            window = tokens[ends - n + i]
-            clean &= window != SEPARATOR
-            h = (h * _BASE + window + 1) % self.modulus
-        h, ends = h[clean], ends[clean]
-        order = torch.sort(h, stable=True).indices  # stable: equal hashes stay in text order
-        return h[order], ends[order]
+    def _build(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Per n-gram length of ``min_ngram..max_ngram``, ``(sorted hashes, ends)``: for every n-gram followed
+        by a token of its sequence, its hash (``ngram_hash``) and the position after it. Each length's
+        hashes roll from the shorter one's (one multiply-add per position: hashing every window afresh cost
+        O(n) per position, 23 s for the first lookup of a 357k-token store at max_ngram 64)."""
+        tokens, empty = self.tokens, torch.empty(0, dtype=torch.long)
+        index = {}
+        # for n-grams ending before position e = n..len: their hash, and whether they hold no separator
+        h, whole = tokens + 1, tokens != SEPARATOR
+        for n in range(1, self.max_ngram + 1):
+            if n > 1:
+                h = (h[:-1] * _BASE + tokens[n - 1 :] + 1) % self.modulus
+                whole = whole[:-1] & (tokens[n - 1 :] != SEPARATOR)
+            if n < self.min_ngram:
+                continue
+            if len(tokens) <= n:
+                index[n] = (empty, empty)
+                continue
+            ends = torch.arange(n, len(tokens))
+            clean = whole[:-1] & (tokens[n:] != SEPARATOR)  # a continuation exists
+            keys, ends = h[:-1][clean], ends[clean]
+            order = torch.sort(keys, stable=True).indices  # stable: equal hashes stay in text order
+            index[n] = (keys[order], ends[order])
+        return index
 
     def __len__(self) -> int:
         """Tokens stored (separators excluded)."""
@@ -174,7 +182,7 @@ class Datastore:
         if not self.min_ngram <= n <= self.max_ngram:
             raise ValueError(f"this datastore indexes n-grams of {self.min_ngram}..{self.max_ngram} tokens, not {n}")
         if self._index is None:
-            self._index = {k: self._build(k) for k in range(self.min_ngram, self.max_ngram + 1)}
+            self._index = self._build()
         keys, ends = self._index[n]
         key = ngram_hash(ngram, self.modulus)
         lo = int(torch.searchsorted(keys, key, side="left"))
@@ -228,7 +236,8 @@ class Datastore:
                 tokenizer, self.tokenizer_size) != self.tokenizer:
             raise ValueError(f"{where} was built with another tokenizer than this model's: its token ids stand for "
                              "other text (or, for a store that records no tokenizer size, tokens were added since)"
-                             "; rebuild it with `python -m medusa_train.datastore` or delete it")
+                             "; rebuild it with `python -m medusa_train.datastore` or delete it (--no-datastore, or "
+                             "from_pretrained's datastore=False, leaves it unread)")
 
     def check_vocabulary(self, vocab_size: int, where: str | Path) -> None:
         """``ValueError`` when the store holds a token id outside a vocabulary of ``vocab_size``: it was built
@@ -237,7 +246,7 @@ class Datastore:
         if largest >= vocab_size:
             raise ValueError(f"{where} holds token id {largest}, outside this model's vocabulary of {vocab_size}: "
                              "it was built with another tokenizer; rebuild it with `python -m medusa_train.datastore` "
-                             "or delete it")
+                             "or delete it (--no-datastore, or from_pretrained's datastore=False, leaves it unread)")
 
     def save(self, path: str | Path) -> Path:
         """Write the tokens and settings to ``path`` (safetensors)."""

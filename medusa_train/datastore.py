@@ -5,6 +5,9 @@ prompts and the model's own answers). This command adds or replaces it for exist
 
     python -m medusa_train.datastore --heads runs/demo/heads --rows runs/demo/data/distilled.jsonl
 
+Ready examples (``input_ids`` and ``labels`` per line, a recipe's ``data.tokenized``) are stored as they are,
+cut to the maximum length as training cuts them.
+
 The conversations are rendered as training rendered them: the chat template, system prompt and
 maximum length default to those of the recipe recorded in the heads' config, and distilled rows
 that record another template or system prompt are refused (their tokens would not be the text
@@ -41,7 +44,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", required=True, help="the heads folder to write datastore.safetensors into")
     parser.add_argument("--rows", required=True, nargs="+",
-                        help="distilled JSONL files (prompt and response per line) or datasets folders")
+                        help="distilled JSONL files (prompt and response, or messages, per line), ready examples "
+                             "(input_ids and labels per line, as data.tokenized) or datasets folders")
     parser.add_argument("--model", help="the model whose tokenizer and chat template to use "
                                         "(default: the heads' base_model_name_or_path)")
     parser.add_argument("--chat-template", metavar="FILE",
@@ -55,13 +59,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="load a tokenizer that runs its repository's code (default: the heads' recipe's "
                              "model.trust_remote_code)")
     args = parser.parse_args(argv)
+    if args.max_length is not None and args.max_length < 2:
+        parser.error(f"--max-length must be at least 2 tokens, got {args.max_length}")
 
     from jinja2 import TemplateError
 
     from medusa_infer.checkpoint import foreign_config
     from medusa_infer.interop import base_model_name
     from medusa_infer.models import load_tokenizer
-    from medusa_train.dataset import BuildStats, build_examples, read_rows
+    from medusa_train.dataset import BuildStats, build_examples, read_rows, truncate_examples
 
     heads = Path(args.heads)
     if not (heads / "config.json").is_file():
@@ -98,11 +104,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     stats = BuildStats()
     try:  # a missing or bad rows file, a tokenizer that does not load, a template that fails: the message alone
         rows = [row for path in args.rows for row in read_rows(path)]
-        check_rows(rows, chat_template, system_prompt)
+        ready = [isinstance(row, dict) and "input_ids" in row and not {"messages", "prompt"} & set(row)
+                 for row in rows]
+        if any(ready):
+            if not all(ready):
+                raise ValueError(f"{' '.join(args.rows)} mix ready examples (input_ids; row {ready.index(True) + 1}) "
+                                 f"with conversations (row {ready.index(False) + 1}): give one kind")
+            for flag, given in (("--chat-template", args.chat_template), ("--system-prompt", args.system_prompt)):
+                if given is not None:  # the examples' text was rendered when they were tokenised
+                    raise ValueError(f"{flag} renders conversations, and {' '.join(args.rows)} hold ready examples "
+                                     f"(input_ids), stored as they are: drop {flag}")
+            examples, stats.truncated, stats.dropped_too_long = truncate_examples(rows, max_length)
+        else:
+            check_rows(rows, chat_template, system_prompt)
         tokenizer = load_tokenizer(model, trust_remote_code=remote)
-        if chat_template:
-            tokenizer.chat_template = chat_template
-        examples = build_examples(rows, tokenizer, max_length, system_prompt, stats)
+        if not any(ready):
+            if chat_template:
+                tokenizer.chat_template = chat_template
+            examples = build_examples(rows, tokenizer, max_length, system_prompt, stats)
     except (OSError, ValueError, TemplateError) as err:
         parser.error(str(err))
     if not examples:
@@ -124,7 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         parser.error(f"{err} (the heads decode with {named or 'their base model'}; drop --model or give that "
                      "model's tokenizer; nothing was written)")
-    store.origin = ("written by `python -m medusa_train.datastore` from the conversations in "
+    store.origin = ("written by `python -m medusa_train.datastore` from the "
+                    + ("ready examples" if any(ready) else "conversations") + " in "
                     + ", ".join(Path(p).name for p in args.rows))
     path = store.save(heads / DATASTORE_NAME)
     note_datastore(heads, len(store), store.origin)

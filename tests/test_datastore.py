@@ -156,6 +156,24 @@ def test_settings_are_checked_and_files_round_trip(tmp_path):
             Datastore.load(tmp_path / f"{name}.safetensors")
 
 
+def test_every_lengths_index_holds_each_ngrams_own_hash_and_nothing_across_a_separator():
+    """The rolled index (each length's hashes from the shorter one's) against each n-gram hashed alone."""
+    from medusa_infer.datastore import ngram_hash
+
+    generator = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 6, (240,), generator=generator)
+    tokens[torch.rand(240, generator=generator) < 0.08] = SEPARATOR
+    store = Datastore(tokens, min_ngram=2, max_ngram=12)
+    index = store._build()
+    assert sorted(index) == list(range(2, 13))
+    listed = tokens.tolist()
+    for n, (keys, ends) in index.items():
+        wanted = sorted((ngram_hash(listed[e - n : e], store.modulus), e) for e in range(n, len(listed))
+                        if SEPARATOR not in listed[e - n : e + 1])
+        assert sorted(zip(keys.tolist(), ends.tolist())) == wanted, n
+        assert keys.tolist() == sorted(keys.tolist())
+
+
 def test_build_datastore_keeps_whole_conversations():
     store = build_datastore([{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}, {"input_ids": [4, 5]}])
     assert store.tokens.tolist() == [1, 2, 3, SEPARATOR, 4, 5, SEPARATOR]
@@ -240,6 +258,28 @@ def test_the_builder_renders_rows_as_the_heads_recipe_did(tmp_path, capsys):
         assert re.search("no conversation to build a datastore from: " + says, capsys.readouterr().err.strip())
 
 
+def test_the_builder_stores_ready_examples_as_they_are(tmp_path, capsys):
+    """Heads trained on a recipe's data.tokenized got their store from those examples, and the builder refused
+    them ("row '?' has neither 'messages' nor 'prompt'"), naming no way to rebuild it."""
+    MedusaConfig(num_heads=1, hidden_size=576, vocab_size=49152, base_model_name_or_path="smollm2-135m-instruct",
+                 training={"recipe": {"data": {"max_length": 4}}}).save(tmp_path / "config.json")
+    ready = tmp_path / "examples.jsonl"
+    ready.write_text(json.dumps({"input_ids": [1, 2, 3, 4, 5], "labels": [-100, -100, 3, 4, 5]}) + "\n"
+                     + json.dumps({"input_ids": [7, 8, 9], "labels": [-100, 8, 9]}) + "\n")
+    assert main(["--heads", str(tmp_path), "--rows", str(ready)]) == 0
+    store = Datastore.load(tmp_path / DATASTORE_NAME)
+    assert store.tokens.tolist() == [1, 2, 3, 4, SEPARATOR, 7, 8, 9, SEPARATOR]  # cut to the recipe's max_length
+    assert store.origin.startswith("written by `python -m medusa_train.datastore` from the ready examples in")
+    assert "2 conversations of 2 rows (1 cut to --max-length=4 tokens)" in capsys.readouterr().out
+    conversation = tmp_path / "mixed.jsonl"
+    conversation.write_text(ready.read_text() + json.dumps({"prompt": "Name a colour.", "response": "Blue."}) + "\n")
+    for arguments, says in (([str(conversation)], "mix ready examples (input_ids; row 1) with conversations (row 3)"),
+                            ([str(ready), "--system-prompt", "Be brief."], "drop --system-prompt")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--heads", str(tmp_path), "--rows", *arguments])
+        assert exit_info.value.code == 2 and says in capsys.readouterr().err
+
+
 def test_the_builders_bad_inputs_are_usage_errors_and_it_loads_the_recipes_remote_code(tmp_path, capsys,
                                                                                         monkeypatch):
     """A missing or bad rows file and a bad --max-length were tracebacks; a tokenizer needing its repository's
@@ -254,7 +294,7 @@ def test_the_builders_bad_inputs_are_usage_errors_and_it_loads_the_recipes_remot
     bad.write_text("{not json\n")
     rows.write_text(json.dumps({"prompt": "Name a colour.", "response": "Blue."}) + "\n")
     for arguments, says in (([str(tmp_path / "missing.jsonl")], "No such file"), ([str(bad)], "bad.jsonl:1"),
-                            ([str(rows), "--max-length", "0"], "max_length must be >= 2"),
+                            ([str(rows), "--max-length", "0"], "--max-length must be at least 2 tokens, got 0"),
                             ([str(rows), "--chat-template", str(tmp_path / "missing.jinja")], "missing.jinja")):
         with pytest.raises(SystemExit) as exit_info:
             main(["--heads", str(tmp_path), "--rows", *arguments])
