@@ -494,6 +494,7 @@ def test_a_draft_model_object_without_a_tokenizer_is_said_to_go_unchecked(caplog
     with caplog.at_level("WARNING", logger="medusa_infer.proposers.draft"):
         DraftProposer(target, bare, draft_tokenizer=word_tokenizer(words))
         DraftProposer(target, target)  # self-drafting: the target's own tokenizer
+        DraftProposer(target, target.base_model)  # the target's own model too (it warned)
     assert "came without a tokenizer" not in caplog.text
     # the other way round: a target without a tokenizer (without_heads of a model object) said nothing
     caplog.clear()

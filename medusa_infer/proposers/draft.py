@@ -224,7 +224,7 @@ class DraftProposer:
 def as_draft_model(draft: Any, tokenizer: Any = None, target: Any = None):
     """A ``MedusaModel`` wrapping ``draft`` (a ``MedusaModel``, a causal LM, or a name to load: on
     ``target``'s device and in its dtype when given, else on the CPU in float32), with ``tokenizer``
-    (default: the draft's own)."""
+    (default: the draft's own; for ``target``'s own model, ``target``'s: its vocabulary is the target's)."""
     from transformers import PreTrainedModel
 
     from medusa_infer.model import MedusaModel
@@ -234,6 +234,8 @@ def as_draft_model(draft: Any, tokenizer: Any = None, target: Any = None):
         return draft if tokenizer is None or tokenizer is draft.tokenizer else MedusaModel(draft.base_model, None,
                                                                                            tokenizer)
     if isinstance(draft, PreTrainedModel):  # (as without_heads takes one: copies packed before a merge dropped)
+        if tokenizer is None and target is not None and draft is target.base_model:  # (warned "not checked")
+            tokenizer = target.tokenizer
         return MedusaModel.without_heads(draft, tokenizer)
     if isinstance(draft, str):
         placed = {} if target is None else {"device": target.device, "dtype": target.dtype}
