@@ -192,6 +192,7 @@ class DistillConfig:
         if self.chat_template == "":  # --chat-template '': the tokenizer's own (a digest of '' was recorded)
             self.chat_template = None
         if isinstance(self.exclude_ids, (str, Path)):  # a file of ids, as --exclude-ids takes (a name taken
+            self.exclude_ids = Path(self.exclude_ids).expanduser()  # (~ as the recipe's other paths take it)
             if not Path(self.exclude_ids).is_file():  # as ids would exclude nothing, character by character)
                 raise ValueError(f"exclude_ids={str(self.exclude_ids)!r} is not a file: give a file of ids (JSONL "
                                  "rows with an 'id', or one id a line) or a list of ids")

@@ -211,6 +211,10 @@ def test_recipe_files_overrides_and_paths_read_as_a_user_means_them(tmp_path, mo
                                 "heads.init_from=~/heads"])
     assert (config.data.prompts, config.output_dir, config.features.dir, config.heads.init_from) == (
         str(tmp_path / "p.jsonl"), str(tmp_path / "run"), str(tmp_path / "features"), str(tmp_path / "heads"))
+    from medusa_train.distill import DistillConfig  # distillation's file of ids to leave out too (not a file)
+
+    (tmp_path / "ids.txt").write_text("q7\n")
+    assert DistillConfig(prompts="p.jsonl", exclude_ids="~/ids.txt").exclude_ids == ["q7"]
 
 
 def test_model_checks_take_the_names_the_loader_takes_and_the_model_it_loads(tmp_path, monkeypatch):
