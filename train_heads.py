@@ -209,7 +209,11 @@ def stage_data(config: TrainConfig, accelerator: Any, pending: int | None,
             say(accelerator, f"data: {cut} of {len(examples) + dropped} examples in {d.tokenized} cut to "
                              f"data.max_length={d.max_length} tokens; {dropped} dropped with no labelled token "
                              "(left)")
-        dataset = ds.to_dataset([{"input_ids": e["input_ids"], "labels": e["labels"]} for e in examples])
+        # ids kept where given: the examples of one prompt are held out together (tokenized_split draws the same)
+        named = any("id" in e for e in examples)
+        dataset = ds.to_dataset([{"input_ids": e["input_ids"], "labels": e["labels"],
+                                  **({"id": None if e.get("id") is None else str(e["id"])} if named else {})}
+                                 for e in examples])
     else:
         rows = rows_path(config)
         if not rows.is_file() and not d.prompts:
@@ -582,6 +586,11 @@ def stage_features(config: TrainConfig, accelerator: Any, train: list[dict] | No
     options = [caches(topk)] + ([caches(f.topk)] if topk == 0 and f.topk else [])
     folders = next((found for found in options if complete(found)), options[0])
     if complete(folders):  # into ``reused``: no stage seconds of this run's for them (stage_record)
+        if accelerator.is_main_process:  # a killed extraction's shard-sized temporary, finished by a later run
+            from medusa_train.features import remove_dead_temporaries
+
+            for folder in folders.values():
+                remove_dead_temporaries(folder)
         say(accelerator, f"features: reusing {', '.join(str(p) for p in folders.values())}")
         if reused is not None:
             reused.add("features")
@@ -605,8 +614,10 @@ def stage_features(config: TrainConfig, accelerator: Any, train: list[dict] | No
     if accelerator.is_main_process and train is not None:
         index = run_paths(config).features
         index.mkdir(parents=True, exist_ok=True)
-        (index / "index.json").write_text(json.dumps({**{k: v.name for k, v in folders.items()},
-                                                      "settings": feature_settings(config)}, indent=2) + "\n")
+        # aside, then renamed: a half-written index (killed, or a full disk) stopped every later run and --plan
+        (index / "index.json.partial").write_text(json.dumps({**{k: v.name for k, v in folders.items()},
+                                                              "settings": feature_settings(config)}, indent=2) + "\n")
+        os.replace(index / "index.json.partial", index / "index.json")
     return folders
 
 
@@ -917,7 +928,7 @@ def main(argv: list[str] | None = None) -> int:
             train, heldout = stage_data(config, accelerator, pending)
             from medusa_train.dataset import check_head_positions
 
-            check_head_positions(train, heldout)
+            check_head_positions(train, heldout, config.heads.num_heads)
             check_examples_fit(config, train + heldout)
         timings["data"] = round(time.perf_counter() - started, 1)
         note_stages()

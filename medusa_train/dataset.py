@@ -806,9 +806,27 @@ def head_positions(labels: Sequence[int]) -> int:
     return sum(a != IGNORE_INDEX and b != IGNORE_INDEX for a, b in zip(labels[1:], labels[2:]))
 
 
-def check_head_positions(train: Sequence[dict[str, Any]], heldout: Sequence[dict[str, Any]]) -> None:
+def heads_with_targets(examples: Sequence[dict[str, Any]]) -> int:
+    """How many heads (from head 1) have a target in ``examples`` at most: head ``k`` at a position ``t`` the
+    heads run at (``labels[t + 1]`` and ``labels[t + 2]`` answer tokens) predicts ``labels[t + k + 1]``, so the
+    first such ``t`` of an example reaches head ``last - t - 1``, ``last`` its last answer token."""
+    most = 0
+    for example in examples:
+        labels = example["labels"]
+        answer = [i for i, label in enumerate(labels) if label != IGNORE_INDEX]
+        labelled = set(answer)
+        first = next((t for t in range(len(labels) - 2) if t + 1 in labelled and t + 2 in labelled), None)
+        if first is not None:
+            most = max(most, answer[-1] - first - 1)
+    return most
+
+
+def check_head_positions(train: Sequence[dict[str, Any]], heldout: Sequence[dict[str, Any]],
+                         num_heads: int | None = None) -> None:
     """``ValueError`` where a split's examples hold no position the heads learn from or are scored at
-    (``head_positions``: answers of one token), before training: the evaluation failed after it."""
+    (``head_positions``: answers of one token), before training: the evaluation failed after it; with
+    ``num_heads``, also where the last heads would learn from nothing (``heads_with_targets``), which were
+    trained on no position and saved untrained without a word."""
     for name, split, use, fix in (
         ("training", train, "learn from", "distil longer answers (data.max_new_tokens) or give more rows"),
         ("held-out", heldout, "are scored at", "hold out more (data.heldout_fraction) or distil longer answers "
@@ -817,17 +835,32 @@ def check_head_positions(train: Sequence[dict[str, Any]], heldout: Sequence[dict
         if split and not any(head_positions(example["labels"]) for example in split):
             raise ValueError(f"none of the {len(split)} {name} examples has two answer tokens in a row, the positions "
                              f"the heads {use} (head 1 predicts the token after the base model's next one): {fix}")
+    if num_heads is None:
+        return
+    for name, split, use, fix in (
+            ("training", train, "would learn from", "give longer answers (data.max_new_tokens, data.max_length)"),
+            # (scored 0.000 in config.json and the card, and left out of every fitted tree, as if measured)
+            ("held-out", heldout, "would be scored at", "hold out more (data.heldout_fraction) or give longer "
+                                                        "answers (data.max_new_tokens)")):
+        reached = heads_with_targets(split)
+        if split and 0 < reached < num_heads:  # (none: refused above)
+            raise ValueError(f"heads {reached + 1}..{num_heads} {use} no position: no {name} example's answer "
+                             f"reaches {reached + 2} tokens (head k predicts the answer's token k + 1 after the "
+                             f"next one); lower heads.num_heads to {reached}, or {fix}")
 
 
 def split_heldout(dataset: Dataset, fraction: float, seed: int = 0) -> tuple[Dataset, Dataset]:
     """``(train, heldout)``: a deterministic random split by example, each keeping file order.
 
     ``heldout`` gets ``train_config.split_sizes``' count: ``round(fraction * len(dataset))``
-    examples, at least one when ``fraction > 0``; ``ValueError`` when that leaves a split empty.
+    examples, at least one when ``fraction > 0``; ``ValueError`` when that leaves a split empty. Examples
+    that share a prompt ``id`` (several answers to one prompt) stay on one side, counted by id
+    (``split_indices``).
     """
     from medusa_train.train_config import split_indices
 
     if not 0.0 <= fraction < 1.0:
         raise ValueError(f"held-out fraction must be in [0, 1), got {fraction}")
-    train, heldout = split_indices(len(dataset), fraction, seed)
+    ids = dataset["id"] if "id" in dataset.column_names else None
+    train, heldout = split_indices(len(dataset), fraction, seed, ids)
     return dataset.select(train), dataset.select(heldout)

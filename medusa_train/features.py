@@ -547,7 +547,7 @@ def build_feature_cache(
     folder = Path(root) / cache_key(model_info, examples_hash(examples), topk, dtype, captured is not None,
                                     shard_examples)
     if folder.is_dir():  # (also once complete: a run restarted within DEAD_TEMPORARY_S of a kill finished it)
-        _remove_dead_temporaries(folder)
+        remove_dead_temporaries(folder)
     if cache_complete(folder):
         return folder
     (folder / MANIFEST).unlink(missing_ok=True)  # damaged since: built again below, the intact shards kept
@@ -607,7 +607,7 @@ written is touched as it grows, and moved into place at once: another container 
 processes this one does not see, writes none this long)."""
 
 
-def _remove_dead_temporaries(folder: Path) -> None:
+def remove_dead_temporaries(folder: Path) -> None:
     """Remove the temporary files of this machine's processes that are gone (killed mid-write: a shard's is as large
     as the shard), and those an earlier release named ``shard-NNNNN.tmp`` and ``manifest.json.tmp``; those of live
     processes, of other machines sharing the folder, and any touched in the last ``DEAD_TEMPORARY_S``, are left."""

@@ -782,6 +782,9 @@ def _save_checkpoint(accelerator: Any, folder: Path, state: dict[str, Any], keep
         complete = _complete_checkpoints(folder)
         for old in complete[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
+        # a killed run's side folder of a step this run does not save again (save_every changed on resume)
+        for stale in folder.glob(f"{CHECKPOINT_PREFIX}*{PARTIAL_SUFFIX}"):
+            shutil.rmtree(stale, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
 

@@ -412,6 +412,24 @@ def test_head_positions_count_where_the_next_token_and_head_1s_are_both_answer_t
     check_head_positions([{"labels": [IGNORE_INDEX, 5, 6]}], [{"labels": [IGNORE_INDEX, 5, 6]}])
 
 
+def test_heads_no_training_example_reaches_are_refused_before_training():
+    """heads.num_heads 40 over examples of 12 tokens: 32 heads trained on no position, saved untrained, exit 0."""
+    from medusa_train.dataset import check_head_positions, heads_with_targets
+
+    four = {"labels": [IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX, 5, 6, 7, 8]}  # at t = 2, heads 1..3 have targets
+    assert heads_with_targets([four]) == 3
+    assert heads_with_targets([{"labels": [IGNORE_INDEX, 5, IGNORE_INDEX, 6, 7, 8]}, four]) == 3
+    assert heads_with_targets([{"labels": [1, 5, 6, 7, 8, 9]}]) == 4  # (t = 0 reaches the last, index 5)
+    check_head_positions([four], [four], num_heads=3)
+    with pytest.raises(ValueError, match=r"heads 4..5 would learn from no position: no training example's answer "
+                                         r"reaches 5 tokens .* lower heads.num_heads to 3"):
+        check_head_positions([four], [four], num_heads=5)
+    long = {"labels": [IGNORE_INDEX] + list(range(5, 12))}
+    with pytest.raises(ValueError, match=r"heads 4..5 would be scored at no position: no held-out example's answer"):
+        check_head_positions([long], [four], num_heads=5)  # (a 0.000 in the card, as if measured)
+    check_head_positions([long], [four, long], num_heads=5)
+
+
 def test_load_or_build_dataset_caches(tmp_path, smol, monkeypatch):
     rows_path = tmp_path / "rows.jsonl"
     rows = [{"id": str(i), "prompt": f"Q{i}?", "response": f"A{i}."} for i in range(6)]
@@ -453,6 +471,17 @@ def test_split_heldout_deterministic():
         split_heldout(data.select([0]), 0.1)
     with pytest.raises(ValueError, match="fraction"):
         split_heldout(data, 1.0)
+
+
+def test_the_answers_of_one_prompt_stay_on_one_side_of_the_heldout_split():
+    """Rows answering one prompt several times (data.rows read as they are) were split apart: every held-out
+    prompt was trained on too, and the held-out accuracies and the tree fitted on them read high."""
+    data = to_dataset([{"id": f"p{i % 10}", "input_ids": [i], "labels": [i]} for i in range(20)])
+    for seed in range(5):
+        train, heldout = split_heldout(data, 0.2, seed=seed)
+        assert set(train["id"]).isdisjoint(heldout["id"]), seed
+        assert len(set(heldout["id"])) == 2 and len(heldout) == 4  # 2 of the 10 prompts, both answers of each
+        assert train["input_ids"] == sorted(train["input_ids"])  # file order kept
 
 
 def test_ready_examples_are_cut_to_max_length_like_built_ones(tmp_path, capsys):

@@ -533,8 +533,44 @@ def test_a_cache_folder_whose_dead_temporaries_cannot_be_removed_is_still_read(t
 
     monkeypatch.setattr(PathType, "unlink", refuse)
     with caplog.at_level("WARNING", logger="medusa_train.features"):
-        features._remove_dead_temporaries(tmp_path)
+        features.remove_dead_temporaries(tmp_path)
     assert stale.exists() and "could not be removed" in caplog.text
+
+
+def test_what_a_killed_run_leaves_half_written_is_cleared_by_the_next(tiny_dir, tmp_path):
+    """A half-written features/index.json (killed, or a full disk) stopped every later run and --plan with a bare
+    JSON error; a killed extraction's shard-sized temporary stayed for good once a later run finished the cache
+    (reuse never cleaned); a checkpoint side folder of a step not saved again (save_every changed) was never
+    removed."""
+    import socket
+
+    import train_heads
+
+    out = tmp_path / "run"
+    config_file = str(write_recipe(tmp_path / "r.yaml", recipe(tiny_dir, out, training={
+        "max_steps": 6, "save_every": 2, "seed": 3, "keep_checkpoints": 2})))
+    assert train_heads.main(["--config", config_file]) == 0
+    index = out / "features" / "index.json"
+    cache = out / "features" / json.loads(index.read_text())["train"]
+    index.write_text(index.read_text()[:20])
+    (cache / "manifest.json").write_text("")
+    dead = cache / f"shard-00000.safetensors.{socket.gethostname()}-999999999.tmp"
+    dead.write_bytes(b"x" * 64)
+    os.utime(dead, (time.time() - 3600, time.time() - 3600))
+    stale = out / "checkpoints" / "step-00000003.partial"
+    stale.mkdir()
+    for done in (out / "heads", out / "checkpoints" / "final", out / "checkpoints" / "step-00000004"):
+        shutil.rmtree(done)  # (resumed from step 2: step 4 saved again)
+    assert train_heads.main(["--config", config_file, "--plan"]) == 0
+    assert train_heads.main(["--config", config_file]) == 0
+    assert json.loads(index.read_text())["train"] == cache.name and json.loads((cache / "manifest.json").read_text())
+    assert not stale.exists() and (out / "checkpoints" / "step-00000004").is_dir()
+    dead.write_bytes(b"x" * 64)  # left by a killed extraction that a later run finished: gone at the next reuse
+    os.utime(dead, (time.time() - 3600, time.time() - 3600))
+    shutil.rmtree(out / "heads")
+    shutil.rmtree(out / "checkpoints" / "final")  # (resumed from step 4: the features are read)
+    assert train_heads.main(["--config", config_file]) == 0
+    assert not dead.exists()
 
 
 def test_two_runs_building_one_shared_feature_cache_at_once_both_finish(tmp_path):
