@@ -73,7 +73,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=None, help="with --do-sample (default 0: off)")
     parser.add_argument("--acceptance", choices=("greedy", "typical", "lossless"), default=None,
                         help="acceptance rule (default: greedy, or lossless with --do-sample; typical and "
-                             "lossless need --do-sample)")
+                             "lossless need --do-sample; typical accepts more, but its samples do not follow "
+                             "the model's distribution, lossless's do)")
     parser.add_argument("--seed", type=int, default=None, help="with --do-sample: seed of the sampling")
     parser.add_argument("--system", help="system prompt for the chat template (not with --raw)")
     parser.add_argument("--raw", action="store_true",

@@ -1043,7 +1043,8 @@ def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> Generati
             ``top_k=50`` to sample as it does.
         acceptance: ``"greedy"`` (default without sampling; output identical to greedy
             decoding; with ``do_sample=True`` a ``ValueError``), ``"typical"`` (Medusa-2 typical
-            acceptance) or ``"lossless"`` (default with sampling; the output has exactly the
+            acceptance: more tokens accepted, but its samples do not follow the model's sampling
+            distribution) or ``"lossless"`` (default with sampling; the output has exactly the
             model's sampling distribution).
         tree: a preset name, ``fitted-N`` (the N-node tree fitted to the heads' measured
             accuracies, ``resolve_tree``) or a list of paths (an empty list: plain decoding, which

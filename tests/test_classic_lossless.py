@@ -150,3 +150,22 @@ def test_a_mixed_batch_with_a_rule_that_ignores_one_settings_rows_fails_the_law(
     finally:
         decoding.accept_rows = original
     assert chi_square_p(tokens[1::2], exact_law(target, 3, 0.5, 0, 1.0)) < 1e-6
+
+
+def test_a_seed_gives_the_same_sample_with_every_proposer_on_a_ragged_batch(target, draft):
+    """Each proposer's sampled answers are the seed's (the same twice, another seed's differ), with rows of
+    different lengths left-padded into one batch."""
+    from medusa_infer.proposers import LayerSkipProposer
+
+    ids = torch.tensor([[0, 0, 0, 1, 4], [5, 1, 4, 1, 5], [0, 0, 0, 0, 2]])
+    mask = (torch.arange(5) >= torch.tensor([[3], [0], [4]])).long()
+    makers = {"draft": lambda: DraftProposer(target, draft, num_tokens=3),
+              "layerskip": lambda: LayerSkipProposer(target, 1, num_tokens=3),
+              "lookup": lambda: LookupProposer(target, num_tokens=3, min_ngram=1)}
+    for name, make in makers.items():
+        def run(seed: int) -> list[list[int]]:
+            return generate(target, ids, attention_mask=mask, max_new_tokens=12, do_sample=True, temperature=1.0,
+                            proposer=make(), seed=seed, eos_token_id=[]).new_tokens
+
+        first = run(5)
+        assert run(5) == first and run(6) != first, name

@@ -54,7 +54,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--request-timeout", type=float, default=120.0,
                         help="seconds a request may take, queued and decoding (0: no limit)")
     parser.add_argument("--acceptance", choices=("lossless", "typical"), default="lossless",
-                        help="acceptance rule of sampled requests (greedy requests are exact anyway)")
+                        help="acceptance rule of sampled requests (greedy requests are exact anyway); typical "
+                             "accepts more, but its samples do not follow the model's distribution, lossless's do")
     add_tree_arguments(parser)
     parser.add_argument("--lookup-tokens", type=int, default=0,
                         help="--method medusa: also graft a prompt-lookup chain of up to N tokens onto the tree "
