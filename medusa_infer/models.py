@@ -209,6 +209,7 @@ def fetch_default_model(model: DefaultModel, cache_dir: str | Path | None = None
             lock.acquire()
         try:
             if not _is_complete(target, model):
+                _check_not_damaged(target, model)
                 _build(model, target)
         finally:
             lock.release()
@@ -225,11 +226,23 @@ def fetch_default_model(model: DefaultModel, cache_dir: str | Path | None = None
                 lock.release()
     # every file the conversion wrote, at its size: a copy without tokenizer.json loaded a 5-token tokenizer
     # without a word (a folder converted before the list was kept is not checked so)
-    missing = _missing_files(target, json.loads((target / SOURCE_NAME).read_text()))
-    if missing is not None:
-        raise RuntimeError(f"{target}, this machine's converted copy of {model.name}, is damaged ({missing}); delete "
-                           "that folder and the next load builds it again")
+    _check_not_damaged(target, model)
     return target
+
+
+def _check_not_damaged(target: Path, model: DefaultModel) -> None:
+    """``RuntimeError`` naming the file where ``target`` is a finished conversion of ``model`` (its record names
+    the GGUF file) missing one of the files it lists: such a copy was downloaded and converted again without a
+    word (offline, a pip error said nothing of the copy), where one missing another file named the folder."""
+    try:
+        source = json.loads((target / SOURCE_NAME).read_text())
+    except (OSError, ValueError):  # no record: a build that never finished, made again
+        return
+    if isinstance(source, dict) and source.get("gguf_sha256") == model.sha256:
+        missing = _missing_files(target, source)
+        if missing is not None:
+            raise RuntimeError(f"{target}, this machine's converted copy of {model.name}, is damaged ({missing}); "
+                               "delete that folder and the next load builds it again")
 
 
 def default_model_folder(model: DefaultModel, cache_dir: str | Path | None = None) -> Path:
@@ -731,10 +744,6 @@ def _heads_folder_refusal(folder: Path) -> str | None:
     return None
 
 
-if __name__ == "__main__":
-    main()
-
-
 def weights_identity(name_or_path: str) -> str | None:
     """What tells a model's weights apart in records that travel with a run (distilled rows, trained heads): for
     a default model, the GGUF file its weights are dequantized from (by its SHA-256: nothing is fetched); for a
@@ -798,3 +807,7 @@ def model_weight_files(folder: Path) -> list[Path] | None:
             files = [folder / name for name in names]
             return files if files and all(f.is_file() for f in files) else None
     return None
+
+
+if __name__ == "__main__":  # last: main() reads functions defined above (a folder's check failed on a NameError)
+    main()

@@ -267,6 +267,13 @@ def test_a_cached_copy_missing_a_file_is_named_with_the_fix(
     (folder / "tokenizer.json").unlink()
     with pytest.raises(RuntimeError, match="is damaged \\(tokenizer.json is missing\\)"):
         models.load_tokenizer(TINY_NAME)
+    # a file the completeness check reads (config.json): downloaded and converted again without a word (offline,
+    # a pip error that said nothing of the copy)
+    config = (folder / "config.json").read_bytes()
+    (folder / "config.json").unlink()
+    with pytest.raises(RuntimeError, match="is damaged \\(config.json is missing\\); delete that folder"):
+        models.resolve_model(TINY_NAME)
+    (folder / "config.json").write_bytes(config)
     with pytest.raises(SystemExit):
         models.main([TINY_NAME])
     assert "is damaged (tokenizer.json is missing)" in capsys.readouterr().err
@@ -382,6 +389,14 @@ def test_loaders_on_a_local_folder(tmp_path: Path) -> None:
     assert tokenizer.pad_token == "</s>"
     (Path(folder) / "train_log.json").write_text('{"step": 1}\n{"step": 2}\n')  # a log beside it is no damage
     models.main([folder])
+    # as scripts/gpu_bench.sh checks MODEL=<a folder>: `python -m` ran main() before the functions it reads were
+    # defined (a NameError, every time)
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "medusa_infer.models", folder], capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0 and done.stdout.strip() == str(Path(folder).resolve()), done.stderr[-2000:]
     batch = tokenizer(["hello", "hello world paris"], padding=True, return_tensors="pt")
     assert batch["attention_mask"][0].tolist() == [0, 0, 1]
 
