@@ -1065,13 +1065,14 @@ def install_chat_template(tokenizer: Any, template: str | None) -> None:
     """Render chats on ``tokenizer`` as heads were trained: their own ``template`` is installed in place; with
     None (heads trained on the tokenizer's own), a template heads installed before is taken back, unless it was
     changed since (one set by hand stays)."""
-    own, installed = getattr(tokenizer, _OWN_TEMPLATE, (tokenizer.chat_template, None))
+    now = getattr(tokenizer, "chat_template", None)
+    own, installed = getattr(tokenizer, _OWN_TEMPLATE, (now, None))
     if template:
-        if installed is None or tokenizer.chat_template != installed:
-            own = tokenizer.chat_template  # (a template set by hand since is the one to come back to)
+        if installed is None or now != installed:
+            own = now  # (a template set by hand since is the one to come back to)
         tokenizer.chat_template = template
         setattr(tokenizer, _OWN_TEMPLATE, (own, template))
-    elif installed is not None and tokenizer.chat_template == installed:
+    elif installed is not None and now == installed:
         tokenizer.chat_template = own
         setattr(tokenizer, _OWN_TEMPLATE, (own, None))
 
