@@ -358,8 +358,8 @@ takes no streamer), which no method of ours follows."""
 @contextlib.contextmanager
 def plain_greedy(base) -> Iterator[None]:
     """Within the block, ``base.generate`` decodes plain greedy: its ``generation_config`` without the
-    ``PROCESSOR_SETTINGS`` and ``SEARCH_SETTINGS`` (``generate`` fills a setting its arguments leave unset from the model's
-    config, so passing a neutral config or value cannot remove them all). Restored on exit."""
+    ``PROCESSOR_SETTINGS`` and ``SEARCH_SETTINGS`` (``generate`` fills a setting its arguments leave unset from the
+    model's config, so passing a neutral config or value cannot remove them all). Restored on exit."""
     own = base.generation_config
     plain = copy.deepcopy(own)
     for name in PROCESSOR_SETTINGS + SEARCH_SETTINGS:

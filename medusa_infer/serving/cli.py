@@ -47,7 +47,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--api-key", default=None,
                         help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV})")
     parser.add_argument("--max-batch", type=int, default=16, help="rows decoded at once, all batches together")
-    parser.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a row beyond those the free rows take (--max-batch); more get HTTP 503")
+    parser.add_argument("--max-queue", type=int, default=64,
+                        help="requests that may wait for a row beyond those the free rows take (--max-batch); more "
+                             "get HTTP 503")
     parser.add_argument("--max-prefill-tokens", type=int, default=2048,
                         help="prompt tokens prefilled between two decoding steps at most (a longer prompt alone), "
                              "so a burst of long prompts does not stall running streams (default 2048)")
