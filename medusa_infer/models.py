@@ -168,9 +168,11 @@ def resolve_model(name_or_path: str, cache_dir: str | Path | None = None) -> str
         if heads is not None:
             raise ValueError(heads)
         return str(path)
-    if path.exists() or is_path_like(name_or_path):
+    if path.exists() or is_path_like(name_or_path) or name_or_path.endswith("/"):  # (no Hub id ends in "/")
+        meant = name_or_path.rstrip("/")
+        hint = f" (the default model is named {meant!r}, without the /)" if meant in DEFAULT_MODELS else ""
         raise ValueError(
-            f"{name_or_path!r} is not a model folder. Pass a folder holding config.json and the "
+            f"{name_or_path!r} is not a model folder{hint}. Pass a folder holding config.json and the "
             f"weights, a Hub id such as 'org/model', or one of: {', '.join(DEFAULT_MODELS)}."
         )
     if "/" not in name_or_path:

@@ -116,6 +116,10 @@ def test_unknown_short_name_lists_known_names(tmp_path: Path) -> None:
 def test_missing_path_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="is not a model folder"):
         models.resolve_model(str(tmp_path / "no" / "such" / "model"))
+    # a default model's name with a trailing / (a shell's completion): it went to the Hub as a repo id
+    with pytest.raises(ValueError, match="'smollm2-135m-instruct/' is not a model folder \\(the default model is "
+                                         "named 'smollm2-135m-instruct', without the /\\)"):
+        models.resolve_model("smollm2-135m-instruct/")
 
 
 def test_local_folder_passes_through(tmp_path: Path) -> None:
