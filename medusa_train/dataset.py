@@ -409,7 +409,8 @@ def build_examples(
         stats.tokens += len(input_ids)
         stats.label_tokens += n_label
         examples.append(
-            {"id": str(row.get("id", index)), "input_ids": input_ids, "labels": labels}
+            # a row without an id has none (its index as its id joined it with another row's id "0" in the split)
+            {"id": None if row.get("id") is None else str(row["id"]), "input_ids": input_ids, "labels": labels}
         )
     if stats.ids_unused:
         logger.warning(

@@ -870,21 +870,32 @@ def split_indices(n: int, fraction: float, seed: int,
     """``(train, heldout)`` indices of ``n`` examples, each in file order, as ``dataset.split_heldout`` draws them
     (``split_sizes``' counts, a permutation by ``seed``). With ``ids`` (one per example, None for none) that repeat
     (rows answering one prompt several times), the examples of one id go to one side together: split apart, the
-    held-out prompts were trained on, and their accuracies read high; the counts are then of ids."""
+    held-out prompts were trained on, and their accuracies read high. The ids are then drawn in a permutation,
+    each held out whose answers still fit ``split_sizes``' count of held-out examples (where none fits, the
+    first whose answers leave training some)."""
     import numpy as np
 
     groups: dict[Any, list[int]] = {}
     for index, key in enumerate(ids if ids is not None else [None] * n):
         groups.setdefault(("id", str(key)) if key is not None else ("row", index), []).append(index)
+    n_heldout = split_sizes(n, fraction)[1]
     if len(groups) == n:  # every example its own: drawn as before ids were read
-        n_heldout = split_sizes(n, fraction)[1]
         order = np.random.default_rng(seed).permutation(n)
         return sorted(order[n_heldout:].tolist()), sorted(order[:n_heldout].tolist())
     members = list(groups.values())
-    n_heldout = split_sizes(len(members), fraction)[1]
-    order = np.random.default_rng(seed).permutation(len(members))
-    heldout = sorted(i for g in order[:n_heldout].tolist() for i in members[g])
-    return sorted(i for g in order[n_heldout:].tolist() for i in members[g]), heldout
+    if n_heldout and len(members) < 2:
+        raise ValueError(f"the {n} examples all answer one prompt (id {str(ids[0])!r}), and the held-out split keeps "
+                         f"one prompt's answers together (data.heldout_fraction={fraction}): give rows of at least 2 "
+                         "prompts")
+    order = np.random.default_rng(seed).permutation(len(members)).tolist()
+    heldout: list[int] = []
+    for group in order:
+        if len(heldout) + len(members[group]) <= n_heldout:
+            heldout += members[group]
+    if n_heldout and not heldout:  # every id has more answers than the held-out count
+        heldout = list(members[next(g for g in order if len(members[g]) < n)])
+    chosen = set(heldout)
+    return [i for i in range(n) if i not in chosen], sorted(heldout)
 
 
 def tokenized_split(config: TrainConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]] | None:
@@ -986,10 +997,21 @@ def _feature_rows(config: TrainConfig) -> int | None:
     return rows if isinstance(rows, int) else None
 
 
+def _built_ids(folder: Path) -> list[Any] | None:
+    """The prompt ids of a tokenised dataset folder (its ``id`` column, memory-mapped), None where unreadable."""
+    try:
+        from datasets import load_from_disk
+
+        dataset = load_from_disk(str(folder))
+        return list(dataset["id"]) if "id" in dataset.column_names else None
+    except (OSError, ValueError, ImportError):
+        return None
+
+
 def _dataset_built(config: TrainConfig) -> dict[str, Any] | None:
     """The record (``BUILD_STATS_NAME``: its counts, settings and format) of the tokenised dataset of these settings
-    (``example_settings``) and of this cache format in the run's data folder; None where there is none (one of an
-    earlier format is built again: the plan said done)."""
+    (``example_settings``) and of this cache format in the run's data folder, with its prompt ``ids``
+    (``_built_ids``); None where there is none (one of an earlier format is built again: the plan said done)."""
     from medusa_train.dataset import BUILD_STATS_NAME, CACHE_FORMAT_VERSION
 
     wanted = json.loads(json.dumps(example_settings(config)))
@@ -997,7 +1019,7 @@ def _dataset_built(config: TrainConfig) -> dict[str, Any] | None:
         try:
             saved = json.loads((folder / BUILD_STATS_NAME).read_text())
             if saved.get("settings") == wanted and saved.get("format") == CACHE_FORMAT_VERSION:
-                return saved
+                return {**saved, "ids": _built_ids(folder)}
         except (OSError, ValueError):
             continue
     return None
@@ -1067,7 +1089,7 @@ def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | Non
     t, d = config.training, config.data
     paths = run_paths(config)
     rows_file = rows_path(config)
-    exact, labelled, positions = False, None, None
+    exact, labelled, positions, split = False, None, None, None
     built = None if distill_pending or d.tokenized else _dataset_built(config)
     if d.tokenized and Path(d.tokenized).is_file():  # counted as the run keeps them (data.max_length)
         from medusa_train.dataset import IGNORE_INDEX, check_head_positions, head_positions, read_rows, \
@@ -1100,6 +1122,11 @@ def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | Non
     else:
         examples = 0
     train_examples, heldout_examples = split_sizes(examples, d.heldout_fraction)
+    if split is not None:  # drawn as the run draws it (by prompt id where ids repeat)
+        train_examples, heldout_examples = len(split[0]), len(split[1])
+    elif built is not None and built.get("ids") is not None:  # (the built dataset's prompt ids, as the run splits)
+        drawn = split_indices(len(built["ids"]), d.heldout_fraction, t.seed, built["ids"])
+        train_examples, heldout_examples = len(drawn[0]), len(drawn[1])
     # answers this run distils are at most max_new_tokens long; rows or examples made otherwise, max_length
     est_tokens = train_examples * (min(d.max_new_tokens, d.max_length) if owns_rows(config) else d.max_length)
     if labelled is not None:

@@ -473,7 +473,7 @@ def test_split_heldout_deterministic():
         split_heldout(data, 1.0)
 
 
-def test_the_answers_of_one_prompt_stay_on_one_side_of_the_heldout_split():
+def test_the_answers_of_one_prompt_stay_on_one_side_of_the_heldout_split(smol):
     """Rows answering one prompt several times (data.rows read as they are) were split apart: every held-out
     prompt was trained on too, and the held-out accuracies and the tree fitted on them read high."""
     data = to_dataset([{"id": f"p{i % 10}", "input_ids": [i], "labels": [i]} for i in range(20)])
@@ -482,6 +482,25 @@ def test_the_answers_of_one_prompt_stay_on_one_side_of_the_heldout_split():
         assert set(train["id"]).isdisjoint(heldout["id"]), seed
         assert len(set(heldout["id"])) == 2 and len(heldout) == 4  # 2 of the 10 prompts, both answers of each
         assert train["input_ids"] == sorted(train["input_ids"])  # file order kept
+    # one prompt with most of the answers: drawn as a count of ids, half the seeds held out 33 of 40 at 0.3
+    from medusa_train.train_config import split_indices
+
+    ids = ["p0"] * 31 + [f"p{i}" for i in range(1, 10)]
+    for seed in range(10):
+        train, heldout = split_indices(40, 0.3, seed, ids)
+        # the 9 other prompts fit the 12 held-out places, p0's 31 answers do not
+        assert len(heldout) == 9 and "p0" not in {ids[i] for i in heldout}, seed
+        assert not {ids[i] for i in train} & {ids[i] for i in heldout}, seed
+    # 2 held-out places fit neither prompt's answers: one prompt's all the same, training keeps the other's
+    assert {len(split_indices(7, 0.3, seed, ["a"] * 3 + ["b"] * 4)[1]) for seed in range(4)} == {3, 4}
+    with pytest.raises(ValueError, match="the 4 examples all answer one prompt \\(id 'a'\\).*at least 2 prompts"):
+        split_indices(4, 0.5, 0, ["a"] * 4)  # (it said "1 example(s) cannot be split")
+    # rows without an id have none: their index as an id joined row 0 with the row whose id is "0"
+    from medusa_train.dataset import build_examples
+
+    rows = [{"prompt": f"Q{i}?", "response": f"A{i}."} for i in range(6)] + [{"id": "0", "prompt": "Z?",
+                                                                              "response": "Z."}]
+    assert [e["id"] for e in build_examples(rows, smol, 64)] == [None] * 6 + ["0"]
 
 
 def test_ready_examples_are_cut_to_max_length_like_built_ones(tmp_path, capsys):

@@ -384,6 +384,26 @@ def test_plan_says_done_for_a_tokenised_dataset_of_these_settings_only(tmp_path,
     assert [s.done for s in plan(config).stages if s.name == "dataset"] == [False]
 
 
+def test_the_plan_splits_ready_examples_by_prompt_id_as_the_run_does(tmp_path):
+    """Ready examples answering one prompt several times: the run holds one prompt's answers out together, and
+    the plan counted the split per example (Medusa-2's steps are counted in sequences: 28 planned, 37 run)."""
+    from medusa_train.train_config import tokenized_split
+
+    ready = tmp_path / "ready.jsonl"
+    ids = ["p0"] * 31 + [f"p{i}" for i in range(1, 10)]
+    ready.write_text("".join(json.dumps({"id": i, "input_ids": list(range(12)), "labels": [-100] * 4
+                                         + list(range(4, 12))}) + "\n" for i in ids))
+    for mode in ("medusa1", "medusa2"):
+        config = config_from_dict({"output_dir": str(tmp_path / "run"), "heads": {"num_heads": 3},
+                                   "data": {"tokenized": str(ready), "heldout_fraction": 0.3},
+                                   "training": {"mode": mode, "batch_tokens": 16, "batch_size": 2,
+                                                **({"stage1_steps": 0} if mode == "medusa2" else {})}})
+        train, heldout = tokenized_split(config)
+        laid = plan(config)
+        assert (laid.train_examples, laid.heldout_examples) == (len(train), len(heldout)), mode
+        assert not {e["id"] for e in train} & {e["id"] for e in heldout}
+
+
 def test_plan_bounds_ready_examples_by_their_length_and_counts_them_as_kept(tmp_path):
     """data.tokenized: the estimate took data.max_new_tokens per example (their length is max_length's), so
     a plan refused long examples that fill a batch; it counted examples max_length leaves unlabelled, and
