@@ -123,8 +123,9 @@ class MedusaHeads(nn.Module):
             head's projection is initialised from it (rows ``token_map`` with a reduced vocabulary).
         lm_head_bias: the base ``lm_head``'s bias, if any: ``own`` projections have none, which a
             non-zero one is warned about.
-        token_map: ``[reduced_vocab]`` token ids the heads score, required when
-            ``config.reduced_vocab_size`` is set.
+        token_map: ``[reduced_vocab]`` token ids the heads score, where ``config.reduced_vocab_size``
+            is set (integers: floats or a boolean mask are refused, not cut or read as ids); without
+            one, ids ``0..reduced_vocab-1`` stand in until a state dict holding the real map is loaded.
     """
 
     def __init__(
@@ -145,7 +146,13 @@ class MedusaHeads(nn.Module):
         if config.reduced_vocab_size is not None:
             if token_map is None:
                 token_map = torch.arange(config.reduced_vocab_size)
-            token_map = torch.as_tensor(token_map, dtype=torch.long)
+            given = torch.as_tensor(token_map)
+            if given.dtype == torch.bool or given.is_floating_point() or given.is_complex():
+                mask = " (a mask of the ids to keep: mask.nonzero().squeeze(1) gives them)" \
+                    if given.dtype == torch.bool else ""
+                raise ValueError(f"token_map must hold integer token ids, got dtype {given.dtype}{mask}: "
+                                 "floats were cut to integers, other ids than meant")
+            token_map = given.long()
             check_token_map(token_map, config)
             self.register_buffer("token_map", token_map)
         elif token_map is not None:

@@ -1122,6 +1122,13 @@ def test_a_token_map_of_booleans_is_refused():
     expected = {"token_map": torch.arange(4)}
     with pytest.raises(ValueError, match="token_map: bool, where token ids are integers"):
         check_state_dict(expected, {"token_map": torch.tensor([True, False, True, True])}, "x")
+    # given to from_base: floats were cut to integers (3.9 to 3) without a word, a mask read as ids 0 and 1
+    base = base_model("llama")
+    with pytest.raises(ValueError, match="token_map must hold integer token ids, got dtype torch.float32"):
+        MedusaModel.from_base(base, num_heads=2, token_map=torch.tensor([3.9, 10.2]))
+    with pytest.raises(ValueError, match=r"dtype torch.bool \(a mask of the ids to keep: mask.nonzero"):
+        MedusaModel.from_base(base, num_heads=2, token_map=torch.arange(base.config.vocab_size) < 40)
+    assert MedusaModel.from_base(base, num_heads=2, token_map=[3, 10]).heads.token_map.tolist() == [3, 10]
 
 
 def test_a_training_runs_folder_given_for_its_heads_is_named(tmp_path):
