@@ -24,8 +24,16 @@ DEMO_METHODS ?= hf,hf-lookup,ar,medusa,medusa-lookup,lookup
 DEMO_MINUTES ?= 45
 DEMO_MIN_BENCH ?= 480
 DEMO_STARTED := $(shell date +%s)
+ifneq ($(filter demo $(DEMO)/%,$(or $(MAKECMDGOALS),install)),)
+ifeq ($(shell [ "$(DEMO_MINUTES)" -ge 1 ] 2>/dev/null && [ "$(DEMO_MIN_BENCH)" -ge 1 ] 2>/dev/null && echo ok),)
+$(error DEMO_MINUTES and DEMO_MIN_BENCH must be whole numbers >= 1 (minutes, seconds), got $(DEMO_MINUTES) and $(DEMO_MIN_BENCH))
+endif
+endif
 
 .PHONY: install demo test test-fast clean-venv FORCE
+# a stage that fails leaves no target behind: a benchmark stopped by an error after some questions wrote
+# report.json (report.md keeps what it measured), and the next `make demo` showed it as the finished one
+.DELETE_ON_ERROR:
 
 install: $(STAMP)
 
@@ -40,8 +48,21 @@ demo: $(DEMO)/report.json
 	@cat $(DEMO)/report.md
 	@echo "heads: $(DEMO)/heads   report: $(DEMO)/report.json, report.md, report.png"
 
-$(DEMO)/heads/config.json: $(DEMO_RECIPE) | $(STAMP)
+# The recipe's path, rewritten only when it changes: another DEMO_RECIPE trains again (a clone's recipes are
+# older than heads trained since, and the old heads and report were shown as the new recipe's; train_heads.py
+# refuses a finished run of other settings, naming the folders to remove).
+$(DEMO)/recipe.txt: FORCE
+	@mkdir -p $(DEMO)
+	@echo '$(DEMO_RECIPE)' | cmp -s - $@ || echo '$(DEMO_RECIPE)' > $@
+
+# A stamp: train_heads.py skips the stages whose outputs exist, so an edit it reads nothing of (a comment)
+# runs it once, not at every `make demo`; the heads' config.json changes only where it trains again.
+$(DEMO)/.trained: $(DEMO_RECIPE) $(DEMO)/recipe.txt | $(STAMP)
 	$(PY) train_heads.py --config $(DEMO_RECIPE) output_dir=$(DEMO)
+	touch $@
+
+$(DEMO)/heads/config.json: $(DEMO)/.trained
+	@test -f $@ || $(PY) train_heads.py --config $(DEMO_RECIPE) output_dir=$(DEMO)
 
 # The benchmark's settings, rewritten only when they change: another DEMO_LIMIT, DEMO_TOKENS, DEMO_METHODS
 # or QUESTIONS benchmarks again (the trained heads are kept).
