@@ -807,12 +807,15 @@ def head_positions(labels: Sequence[int]) -> int:
     return sum(a != IGNORE_INDEX and b != IGNORE_INDEX for a, b in zip(labels[1:], labels[2:]))
 
 
-def heads_with_targets(examples: Sequence[dict[str, Any]]) -> int:
+def heads_with_targets(examples: Sequence[dict[str, Any]], enough: int | None = None) -> int:
     """How many heads (from head 1) have a target in ``examples`` at most: head ``k`` at a position ``t`` the
     heads run at (``labels[t + 1]`` and ``labels[t + 2]`` answer tokens) predicts ``labels[t + k + 1]``, so the
-    first such ``t`` of an example reaches head ``last - t - 1``, ``last`` its last answer token."""
+    first such ``t`` of an example reaches head ``last - t - 1``, ``last`` its last answer token. With
+    ``enough``, the count once it reaches that (the examples after are not read)."""
     most = 0
     for example in examples:
+        if enough is not None and most >= enough:
+            break
         labels = example["labels"]
         answer = [i for i, label in enumerate(labels) if label != IGNORE_INDEX]
         labelled = set(answer)
@@ -843,7 +846,7 @@ def check_head_positions(train: Sequence[dict[str, Any]], heldout: Sequence[dict
             # (scored 0.000 in config.json and the card, and left out of every fitted tree, as if measured)
             ("held-out", heldout, "would be scored at", "hold out more (data.heldout_fraction) or give longer "
                                                         "answers (data.max_new_tokens)")):
-        reached = heads_with_targets(split)
+        reached = heads_with_targets(split, num_heads)
         if split and 0 < reached < num_heads:  # (none: refused above)
             raise ValueError(f"heads {reached + 1}..{num_heads} {use} no position: no {name} example's answer "
                              f"reaches {reached + 2} tokens (head k predicts the answer's token k + 1 after the "

@@ -420,6 +420,7 @@ def test_heads_no_training_example_reaches_are_refused_before_training():
     assert heads_with_targets([four]) == 3
     assert heads_with_targets([{"labels": [IGNORE_INDEX, 5, IGNORE_INDEX, 6, 7, 8]}, four]) == 3
     assert heads_with_targets([{"labels": [1, 5, 6, 7, 8, 9]}]) == 4  # (t = 0 reaches the last, index 5)
+    assert heads_with_targets([{"labels": [1, 5, 6, 7, 8, 9]}, "not read"], enough=4) == 4  # (25k examples: one)
     check_head_positions([four], [four], num_heads=3)
     with pytest.raises(ValueError, match=r"heads 4..5 would learn from no position: no training example's answer "
                                          r"reaches 5 tokens .* lower heads.num_heads to 3"):
