@@ -225,6 +225,7 @@ class Engine:
         self._admitted: list[Request] = []  # engine thread only: taken from the queue this turn, batched or not yet
         self._active: dict[int, Request] = {}  # engine thread only: id -> request, waiting or decoding
         self._num_batches = 0
+        self._num_running = 0  # rows decoding or being prefilled, as last published (under the lock)
         self._thread = threading.Thread(target=self._run, name="medusa-engine", daemon=True)
 
     # -- the public surface (any thread) ------------------------------------------------------
@@ -260,7 +261,7 @@ class Engine:
                 raise EngineStopped("the engine is not running")
             # the rows free now take their share of a burst at the next turn: those requests never wait (a burst
             # on an idle server was refused past --max-queue with every row free)
-            free = max(0, self.max_batch - int(self.metrics.running.value()))
+            free = max(0, self.max_batch - self._num_running)
             if len(self._waiting) >= self.max_queue + free:
                 raise QueueFull(f"{len(self._waiting)} requests are already queued for {free} free rows "
                                 f"(--max-batch {self.max_batch}) and {self.max_queue} waiting places "
@@ -563,7 +564,7 @@ class Engine:
         running.update(request.id for request in self._admitted if not request.done)  # batched or being prefilled
         self.metrics.running.set(len(running))
         self.metrics.waiting.set(len(self._waiting))
-        self._num_batches = len(live)
+        self._num_batches, self._num_running = len(live), len(running)
 
 
 def _notify(request: Request, update: Update) -> None:
