@@ -91,7 +91,8 @@ class KernelPlan:
 
     Attributes:
         rows: ascending row counts; ``kernels[i]`` serves ``rows[i]`` up to ``rows[i + 1] - 1``
-            rows, the last one every count above.
+            rows, the last one every count above (``"mkl-packed"`` up to ``MKL_PACKED_MAX_ROWS``: past it
+            ``F.linear``, see ``kernel``).
         kernels: one of ``KERNELS`` per entry of ``rows``.
         seconds: per entry, the measured seconds of each kernel (``{kernel: s}``), empty when the
             plan was not measured (not compared: plans are equal when they choose alike).
@@ -123,14 +124,18 @@ class KernelPlan:
         return cls((1,), (kernel,))
 
     def kernel(self, rows: int) -> str:
-        """The kernel for a product with ``rows`` rows."""
-        return self.kernels[max(bisect.bisect_right(self.rows, rows) - 1, 0)]
+        """The kernel a product with ``rows`` rows runs on: ``"default"`` past ``MKL_PACKED_MAX_ROWS`` rows
+        where the plan names ``"mkl-packed"`` (which serves no more)."""
+        kernel = self.kernels[max(bisect.bisect_right(self.rows, rows) - 1, 0)]
+        return "default" if kernel == "mkl-packed" and rows > MKL_PACKED_MAX_ROWS else kernel
 
     def describe(self) -> str:
-        """For example ``"default for 1-2 rows, onednn for 3+"``."""
+        """For example ``"default for 1-2 rows, onednn for 3+"``: the kernels ``kernel`` runs on."""
         spans: list[tuple[int, int | None, str]] = []
-        for i, (start, kernel) in enumerate(zip(self.rows, self.kernels)):
-            end = self.rows[i + 1] - 1 if i + 1 < len(self.rows) else None
+        starts = sorted(set(self.rows) | {MKL_PACKED_MAX_ROWS + 1})
+        for i, start in enumerate(starts):
+            kernel = self.kernel(start)
+            end = starts[i + 1] - 1 if i + 1 < len(starts) else None
             if spans and spans[-1][2] == kernel:
                 spans[-1] = (spans[-1][0], end, kernel)
             else:
@@ -333,7 +338,8 @@ def measure_kernel_plan(layers: Iterable[nn.Linear], rows: Sequence[int] = PLAN_
     ``budget_bytes`` of weights, in order) for each count in ``rows``, interleaved within each
     repeat so that a noisy machine slows them alike, and keep the fastest (median) per count.
     ``"mkl-packed"`` competes where ``mkl_packed_works`` and for at most ``MKL_PACKED_MAX_ROWS``
-    rows. The first round warms up and is discarded."""
+    rows (a plan where it wins up to that count is measured one row further too: the counts past it run on
+    the faster of the others). The first round warms up and is discarded."""
     chosen: list[nn.Linear] = []
     held = 0
     for layer in layers:
@@ -347,10 +353,10 @@ def measure_kernel_plan(layers: Iterable[nn.Linear], rows: Sequence[int] = PLAN_
     if len(shapes) > 1:
         raise ValueError(f"measure_kernel_plan times layers of one weight shape, got {sorted(shapes)}: "
                          "group them by shape_key (use_cpu_kernels does)")
-    rows = sorted(set(int(r) for r in rows) | {1})
     caches: list[dict[str, Any]] = [{} for _ in chosen]
     weights = [(layer.weight.detach(), None if layer.bias is None else layer.bias.detach()) for layer in chosen]
     packed_ok = mkl_packed_works(*weights[0])
+    rows = sorted(set(int(r) for r in rows) | {1} | ({MKL_PACKED_MAX_ROWS + 1} if packed_ok else set()))
     candidates = {r: [k for k in KERNELS if k != "mkl-packed" or (packed_ok and r <= MKL_PACKED_MAX_ROWS)]
                   for r in rows}
     generator = torch.Generator().manual_seed(0)  # not the global one: train_heads seeds it before loading

@@ -319,6 +319,12 @@ def test_a_plan_names_a_kernel_for_every_row_count():
     assert MIXED.describe() == "default for 1-2 rows, onednn for 3-4 rows, mkl-packed for 5-8 rows, default for 9+ rows"
     assert KernelPlan((1, 2, 4), ("default", "onednn", "onednn")).describe() == "default for 1 row, onednn for 2+ rows"
     assert KernelPlan.uniform("onednn").describe() == "onednn for every row count"
+    # MKL's packed kernel serves at most MKL_PACKED_MAX_ROWS rows: a plan's span past them runs (and names) F.linear
+    packed = KernelPlan((1, 32), ("onednn", "mkl-packed"))
+    last = MKL_PACKED_MAX_ROWS
+    assert [packed.kernel(n) for n in (31, 32, last, last + 1, 500)] == ["onednn"] + ["mkl-packed"] * 2 + ["default"] * 2
+    assert packed.describe() == f"onednn for 1-31 rows, mkl-packed for 32-{last} rows, default for {last + 1}+ rows"
+    assert KernelPlan.uniform("mkl-packed").describe() == f"mkl-packed for 1-{last} rows, default for {last + 1}+ rows"
     with pytest.raises(ValueError, match="must start at 1"):
         KernelPlan((2,), ("onednn",))
     with pytest.raises(ValueError, match="ascending distinct rows"):
@@ -568,6 +574,9 @@ def test_mkl_packed_serves_exactly_up_to_its_largest_row_count():
     assert layer._kernel_cache["mkl-packed"][2] is not None  # 64 rows still take the packed kernel
     plan = measure_kernel_plan([nn.Linear(48, 80)], rows=(MKL_PACKED_MAX_ROWS, MKL_PACKED_MAX_ROWS + 1), repeats=1)
     assert [set(s) for s in plan.seconds][1:] == [{"default", "onednn", "mkl-packed"}, {"default", "onednn"}]
+    # the counts past it are measured without it even where none were asked for: they run on the faster of the others
+    plan = measure_kernel_plan([nn.Linear(48, 80)], rows=(8,), repeats=1)
+    assert plan.rows == (1, 8, MKL_PACKED_MAX_ROWS + 1) and set(plan.seconds[-1]) == {"default", "onednn"}
 
 
 @pytest.mark.parametrize("kernel", ["onednn", "mkl-packed"])
