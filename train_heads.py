@@ -33,6 +33,7 @@ from medusa_train.train_config import (
     RunPaths,
     TrainConfig,
     example_settings,
+    feature_indexes,
     feature_settings,
     features_root,
     heads_from_final,
@@ -612,12 +613,15 @@ def stage_features(config: TrainConfig, accelerator: Any, train: list[dict] | No
                                  "from the hidden states kept while distilling, the rest by a forward pass")
         del model, captured
     if accelerator.is_main_process and train is not None:
-        index = run_paths(config).features
-        index.mkdir(parents=True, exist_ok=True)
-        # aside, then renamed: a half-written index (killed, or a full disk) stopped every later run and --plan
-        (index / "index.json.partial").write_text(json.dumps({**{k: v.name for k, v in folders.items()},
-                                                              "settings": feature_settings(config)}, indent=2) + "\n")
-        os.replace(index / "index.json.partial", index / "index.json")
+        text = json.dumps({**{k: v.name for k, v in folders.items()}, "settings": feature_settings(config)},
+                          indent=2) + "\n"
+        for index in feature_indexes(config):  # the run's, and a shared features.dir's (another run's --plan reads it)
+            index.parent.mkdir(parents=True, exist_ok=True)
+            # aside, then renamed: a half-written index (killed, or a full disk) stopped every later run and --plan;
+            # named by process and time, as runs sharing features.dir may write the shared one at once
+            aside = index.with_name(f"{index.name}.{os.getpid()}-{time.time_ns()}.partial")
+            aside.write_text(text)
+            os.replace(aside, index)
     return folders
 
 

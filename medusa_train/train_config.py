@@ -159,7 +159,8 @@ class FeaturesSection:
     Attributes:
         enabled: train from cached hidden states (else run the backbone every step).
         dir: where caches live (``<dir>/<key>/``, key = model + data + settings); share it
-            between runs. Default ``<output_dir>/features``.
+            between runs (``<dir>/indexes/`` tells a run's ``--plan`` which caches the others built).
+            Default ``<output_dir>/features``.
         topk: base-model candidates kept per position for soft labels (0: none; ``loss: kl``
             needs them). Only ``loss: kl`` reads them, so with ``loss: ce`` none are computed
             (``TrainConfig.soft_label_topk``): that saves a projection onto the whole vocabulary
@@ -969,10 +970,33 @@ def feature_settings(config: TrainConfig) -> dict[str, Any]:
             "from_distillation": config.keeps_distillation_hidden}
 
 
+def feature_indexes(config: TrainConfig, settings: dict[str, Any] | None = None) -> list[Path]:
+    """Where the feature index of a run of ``settings`` (default: ``config``'s, ``feature_settings``) is written
+    and looked for: the run folder's ``features/index.json`` and, with a shared ``features.dir``, one there named
+    by the settings, which another run (another ``output_dir``) sharing the caches finds as well."""
+    paths = [run_paths(config).features / "index.json"]
+    if config.features.dir:
+        wanted = feature_settings(config) if settings is None else settings
+        digest = hashlib.sha256(json.dumps(wanted, sort_keys=True).encode()).hexdigest()[:20]
+        paths.append(Path(config.features.dir) / "indexes" / f"{digest}.json")
+    return paths
+
+
 def _feature_rows(config: TrainConfig) -> int | None:
     """Cached positions of the training split, when a run of these settings (``feature_settings``)
-    already wrote its feature index."""
-    index = run_paths(config).features / "index.json"
+    already wrote its feature index (this run's, or one sharing ``features.dir``)."""
+    found = feature_indexes(config)[1:]
+    if config.soft_label_topk == 0 and config.features.topk:  # a kl run's caches serve loss ce (below)
+        found += feature_indexes(config, {**feature_settings(config), "topk": config.features.topk})[1:]
+    for index in [run_paths(config).features / "index.json", *found]:
+        rows = _indexed_rows(config, index)
+        if rows is not None:
+            return rows
+    return None
+
+
+def _indexed_rows(config: TrainConfig, index: Path) -> int | None:
+    """``_feature_rows`` of the feature index at ``index``."""
     try:  # damaged (a run killed mid-write before it was renamed into place): extracted again, as unmatched
         written = json.loads(index.read_text())
     except (OSError, ValueError):

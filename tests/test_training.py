@@ -573,6 +573,29 @@ def test_what_a_killed_run_leaves_half_written_is_cleared_by_the_next(tiny_dir, 
     assert not dead.exists()
 
 
+def test_a_run_sharing_features_dir_is_planned_with_the_caches_another_run_built(tiny_dir, tmp_path, capsys):
+    """--plan read only the run folder's feature index: a run sharing features.dir with one that had built its
+    caches was planned to extract them again, its steps given as a bound, while the run reused them."""
+    import train_heads
+    from medusa_train.train_config import plan
+
+    shared = {"topk": 5, "batch_size": 8, "dir": str(tmp_path / "features")}
+    first = recipe(tiny_dir, tmp_path / "a", features=shared)
+    assert train_heads.main(["--config", str(write_recipe(tmp_path / "a.yaml", first))]) == 0
+    second = recipe(tiny_dir, tmp_path / "b", features=shared)
+    planned = plan(config_from_dict(second))
+    assert [s.done for s in planned.stages if s.name == "features"] == [True] and planned.exact
+    assert planned.train_units == plan(config_from_dict(first)).train_units
+    # the run did reuse them, as planned
+    capsys.readouterr()
+    assert train_heads.main(["--config", str(write_recipe(tmp_path / "b.yaml", second))]) == 0
+    assert "features: reusing" in capsys.readouterr().out
+    # another run's settings (another split) are not this one's
+    other = plan(config_from_dict(second, ["training.seed=9"]))
+    assert [s.done for s in other.stages if s.name == "features"] == [False]
+    assert not list((tmp_path / "features").rglob("*.partial"))
+
+
 def test_two_runs_building_one_shared_feature_cache_at_once_both_finish(tmp_path):
     """Runs sharing features.dir (a sweep started together) wrote one temporary file per shard and moved each
     other's away: the later run failed (FileNotFoundError)."""
