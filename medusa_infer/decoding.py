@@ -22,6 +22,7 @@ import math
 import numbers
 import re
 import time
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
@@ -880,6 +881,12 @@ class GenerationStream:
         self._texts = _TextTracker(state.tokenizer, len(state.rows))
         self._chunks = self._run()
         self._output: GenerationOutput | None = None
+        self._ended: BaseException | None = None  # what ended the generation before it finished (result())
+
+    @property
+    def running(self) -> bool:
+        """Whether the generation may still go on: not finished, failed, or closed (``close()`` of its iterator)."""
+        return self._chunks.gi_frame is not None
 
     def __iter__(self) -> Iterator[StreamChunk]:
         return self._chunks
@@ -890,6 +897,13 @@ class GenerationStream:
         self._texts = _TextTracker(None, 0)
 
     def _run(self) -> Iterator[StreamChunk]:
+        try:
+            yield from self._steps()
+        except BaseException as error:  # (GeneratorExit: closed) kept for result() to name
+            self._ended = error
+            raise
+
+    def _steps(self) -> Iterator[StreamChunk]:
         state, start = self.state, time.perf_counter()
         away = 0.0  # spent by the consumer between chunks (writing them out, say): not the generation's time
         with torch.inference_mode():
@@ -910,10 +924,17 @@ class GenerationStream:
         self._output = state.output(self.pad_token_id)
 
     def result(self) -> GenerationOutput:
+        """The finished generation: iterates what is left of it first. ``RuntimeError`` for a stream closed or
+        failed before it finished (its output is lost: start another)."""
         self._without_text()  # the chunks drained here are read by no one
         for _ in self._chunks:
             pass
-        assert self._output is not None
+        if self._output is None:
+            ended = self._ended
+            how = ("was closed" if ended is None or isinstance(ended, GeneratorExit)
+                   else f"failed ({type(ended).__name__}: {ended})")
+            raise RuntimeError(f"this stream {how} before it finished, so it has no result; call result() instead "
+                               "of closing a stream whose output is wanted, or start another stream()") from ended
         return self._output
 
 
@@ -1007,6 +1028,11 @@ def stream(
     elif lookup_tokens:
         raise ValueError("lookup_tokens= grafts prompt lookup onto the Medusa tree; it does not apply to a "
                          "proposer passed in (use the lookup proposer's own num_tokens)")
+    live = _PROPOSER_STREAMS.get(id(proposer))
+    if live is not None and live.running:  # (its state is a call's: the other stream failed with a shape error)
+        raise ValueError(f"this proposer ({type(proposer).__name__}) drives another stream that has not finished; "
+                         "pass a proposer per call (proposers.build_proposer), or finish that stream (result()) or "
+                         "close it first")
     generator = None
     if seed is not None:
         generator = torch.Generator(device=model.device).manual_seed(generator_seed(seed))
@@ -1019,7 +1045,14 @@ def stream(
         speculation_gate = None  # plain decoding: nothing to gate
     elif speculation_gate is True:
         speculation_gate = SpeculationGate()
-    return GenerationStream(state, _pad_id(model, tokenizer, stop), speculation_gate or None)
+    chunks = GenerationStream(state, _pad_id(model, tokenizer, stop), speculation_gate or None)
+    _PROPOSER_STREAMS[id(proposer)] = chunks
+    return chunks
+
+
+_PROPOSER_STREAMS: "weakref.WeakValueDictionary[int, GenerationStream]" = weakref.WeakValueDictionary()
+"""The stream each proposer was last given to, by ``id`` (the stream holds its proposer: the id is not reused
+while the entry lives): a proposer keeps one call's state, so a second stream is refused it while the first runs."""
 
 
 def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> GenerationOutput:
@@ -1073,7 +1106,8 @@ def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> Generati
             alone; pass the same object to many calls so that it keeps learning. The trees then
             depend on timings: greedy output does not change, but a seeded sample is no longer
             reproducible from its seed alone. Default: none.
-        proposer: another proposer (draft model, prompt lookup, plain decoding). ``tree``,
+        proposer: another proposer (draft model, prompt lookup, plain decoding), which keeps one
+            call's state: a ``ValueError`` while a stream it was given to runs. ``tree``,
             ``adaptive``, ``step_costs`` and ``lookup_tokens`` shape the Medusa proposer built when
             none is passed; with one passed in, or on a model without heads, giving any of them is
             a ``ValueError``.
@@ -1081,7 +1115,10 @@ def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> Generati
         stop_strings: stop a row once its generated text contains one of these (one string: that
             string). Matched in the generated text alone, as OpenAI's ``stop`` is: a string that
             begins in the prompt does not stop the row (Hugging Face's ``stop_strings`` would). The text
-            leaves special tokens out: one whose text is a stop string stops the row itself.
+            leaves special tokens out: one whose text is a stop string stops the row itself. It is the
+            generated text as it reads after the prompt, as the server's completion gives it: with a
+            SentencePiece tokenizer the first word keeps its leading space there, which the answer decoded
+            alone (and a stream's chunks) leave out, so ``" world"`` may stop a row whose text is ``"world"``.
         seed: seed for sampling (with ``do_sample=False`` a ``ValueError``, as is any sampling
             setting: nothing given is silently ignored). A row's sample depends on the seed, on the
             batch it is drawn in and on ``max_new_tokens`` (the last steps' trees are cut to the tokens
@@ -1109,9 +1146,16 @@ def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> Generati
 class _TextTracker:
     """Incremental detokenisation: the text a row's new tokens add (empty without a tokenizer)."""
 
+    CLEANUP_SPAN = 4
+    """The most characters a pattern of transformers' ``clean_up_tokenization`` spans (``" n't"``): each begins
+    with a space that it removes once the tokens after it show."""
+
     def __init__(self, tokenizer: Any, rows: int) -> None:
         self.tokenizer, self.sent = tokenizer, [""] * rows
         self.runs = [ByteRun(tokenizer) for _ in range(rows)]
+        # decode then cleans spaces up (WordPiece, Unigram and WordLevel tokenizers asking for it): a text's end
+        # may yet change, "it '" becoming "it's"
+        self.cleans = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
 
     def update(self, row: int, tokens: list[int], final: bool = False) -> str:
         """The text ``tokens`` (the row's new tokens so far) add; ``final``: the row ends with them, so
@@ -1123,6 +1167,11 @@ class _TextTracker:
         end = len(tokens) if final else self.runs[row](tokens)
         text = self.tokenizer.decode(tokens[:end], skip_special_tokens=True)
         if text.endswith("\ufffd") and not final:  # an incomplete multi-byte character: wait for the rest
+            return ""
+        if self.cleans and not final:  # held back from a space a cleanup pattern may yet remove
+            cut = text.find(" ", max(len(text) - self.CLEANUP_SPAN, 0))
+            text = text if cut < 0 else text[:cut]
+        if len(text) <= len(self.sent[row]):
             return ""
         new, self.sent[row] = text[len(self.sent[row]):], text
         return new

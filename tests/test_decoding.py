@@ -1060,6 +1060,70 @@ def test_streamed_text_joins_to_the_answer_when_a_row_ends_inside_a_character():
     assert cut_inside  # the case this test is about occurred
 
 
+def test_streamed_text_joins_to_the_answer_with_a_tokenizer_that_cleans_up_spaces():
+    """decode's clean_up_tokenization_spaces (WordPiece, Unigram, WordLevel tokenizers) rewrites a text's end once
+    the next tokens show ("it '" becomes "it's"): the chunks lost the characters it removed ("it ' fine")."""
+    from medusa_infer.serving.testing import word_tokenizer
+    from tiny import scripted_model
+
+    tokenizer = word_tokenizer(("hello", "it", "'", "s", "fine", "do", "n't", "."))
+    tokenizer.clean_up_tokenization_spaces = True
+    script = tokenizer("hello it ' s fine do n't .", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    model = scripted_model(tokenizer, script)
+    for limit in range(1, len(script)):
+        chunks = stream(model, torch.tensor([script[:1]]), max_new_tokens=limit)
+        streamed = [chunk.text for chunk in chunks]
+        answer = tokenizer.decode(chunks.result().new_tokens[0], skip_special_tokens=True)
+        assert "".join(streamed) == answer, (limit, streamed)
+    assert answer == "it's fine don't." and len([text for text in streamed if text]) > 2  # (streamed, not at the end)
+
+
+def test_a_stream_closed_or_failed_before_it_finished_says_so_in_result():
+    """result() of a closed stream was a bare AssertionError (None under python -O); a failed one lost its error."""
+    model = word_medusa()
+    chunks = stream(model, prompt="the party is", max_new_tokens=12, eos_token_id=[])
+    iterator = iter(chunks)
+    next(iterator)
+    assert chunks.running
+    iterator.close()
+    assert not chunks.running
+    with pytest.raises(RuntimeError, match="stream was closed before it finished"):
+        chunks.result()
+    failing = stream(model, prompt="the party is", max_new_tokens=12, eos_token_id=[])
+    with mock.patch.object(type(failing.state), "step", side_effect=OSError("disk gone")):
+        with pytest.raises(OSError, match="disk gone"):
+            list(failing)
+    with pytest.raises(RuntimeError, match=r"failed \(OSError: disk gone\)") as raised:
+        failing.result()
+    assert isinstance(raised.value.__cause__, OSError)
+    assert len(stream(model, prompt="the party is", max_new_tokens=3, eos_token_id=[]).result().new_tokens[0]) == 3
+
+
+def test_a_proposer_driving_an_unfinished_stream_is_refused_to_another():
+    """A proposer keeps one call's state: a second call given it while a first stream ran broke the first
+    (a shape error from its next step)."""
+    from medusa_infer.proposers import build_proposer
+
+    model = word_medusa()
+    for name in ("medusa", "lookup"):
+        proposer = build_proposer(name, model, {})
+        first = stream(model, prompt="the party is", max_new_tokens=20, eos_token_id=[], proposer=proposer)
+        next(iter(first))
+        with pytest.raises(ValueError, match="drives another stream that has not finished"):
+            generate(model, prompt="hello world", max_new_tokens=20, eos_token_id=[], proposer=proposer)
+        alone = generate(model, prompt="the party is", max_new_tokens=20, eos_token_id=[],
+                         proposer=build_proposer(name, model, {}))
+        assert first.result().new_tokens == alone.new_tokens
+        # one call after another takes it, as does a stream closed before it finished
+        again = generate(model, prompt="the party is", max_new_tokens=20, eos_token_id=[], proposer=proposer)
+        assert again.new_tokens == alone.new_tokens
+        closed = stream(model, prompt="hello world", max_new_tokens=20, eos_token_id=[], proposer=proposer)
+        iterator = iter(closed)
+        next(iterator)
+        iterator.close()
+        generate(model, prompt="hello world", max_new_tokens=4, eos_token_id=[], proposer=proposer)
+
+
 def test_numpy_and_torch_numbers_are_taken_as_sampling_settings():
     import numpy as np
 
