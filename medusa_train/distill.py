@@ -85,6 +85,9 @@ from medusa_train.train_config import TrainConfig, convert_value, read_recipe, r
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("local", "openai")
+BACKEND_SETTINGS = {"local": ("device", "threads"),
+                    "openai": ("api_key_env", "concurrency", "request_timeout_s", "max_retries", "retry_backoff_s")}
+"""The settings that backend alone reads (``endpoint``, ``endpoint_model`` and ``save_hidden`` are checked apart)."""
 FORMATS = ("jsonl", "arrow")
 OVERFLOW = ("skip", "truncate")
 FINISH_REASONS = {"stop": "eos", "eos": "eos", "eos_token": "eos", "length": "length"}
@@ -249,6 +252,15 @@ class DistillConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        # another backend's settings, given (not their defaults) and never read: silently dropped
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        other = {"local": "openai", "openai": "local"}.get(self.backend)
+        unread = [name for name in BACKEND_SETTINGS.get(other, ()) if getattr(self, name) != defaults[name]]
+        if unread:
+            fix = ("add --backend openai (data.distill_options.backend=openai), or drop them" if other == "openai"
+                   else "drop them (the server runs the model where and as it was started)")
+            raise ValueError(f"{', '.join(f'{name}={getattr(self, name)!r}' for name in unread)}: read by backend "
+                             f"{other!r} only, and the backend is {self.backend!r}: {fix}")
 
     @property
     def model_label(self) -> str:
@@ -1742,7 +1754,11 @@ def config_from_args(args: argparse.Namespace) -> DistillConfig:
         section = loaded.get("distill", loaded)
         if not isinstance(section, dict):  # an empty "distill:" was a TypeError traceback
             raise ValueError(f"{args.recipe}: its distill section must be a mapping of settings, got {section!r}")
-        values.update(section)
+        # each to its type, as a training recipe's are (do_sample: "false" sampled, a quoted number a TypeError);
+        # an unknown key is named by from_dict
+        hints = typing.get_type_hints(DistillConfig)
+        values.update({key: convert_value(value, hints[key], f"{args.recipe}: {key}") if key in hints else value
+                       for key, value in section.items()})
     skip = {"recipe", "log_level", "exclude_ids", "per_source"}
     values.update({k: v for k, v in vars(args).items() if k not in skip and v is not None})
     if args.per_source:

@@ -858,6 +858,42 @@ def test_cli_with_recipe(tmp_path, model_dir, prompts_file, capsys):
     assert all(r["generation"]["max_new_tokens"] == 4 for r in rows)
 
 
+def test_a_distill_recipes_values_are_taken_as_their_types(tmp_path, prompts_file):
+    """--recipe's values went in as YAML read them: do_sample: "false" sampled (and the rows recorded the string),
+    a quoted number failed with a TypeError traceback."""
+    recipe = tmp_path / "r.yaml"
+
+    def config(text: str) -> DistillConfig:
+        recipe.write_text(text)
+        args = distill_module.build_parser().parse_args(["--recipe", str(recipe), "--prompts", str(prompts_file)])
+        return distill_module.config_from_args(args)
+
+    with pytest.raises(ValueError, match="temperature set the sampling, but do_sample is off"):
+        config('distill:\n  do_sample: "false"\n  temperature: 0.5\n')
+    assert config('distill:\n  do_sample: "false"\n').do_sample is False
+    sampled = config('distill:\n  do_sample: "true"\n  temperature: "0.5"\n  n: "4"\n')
+    assert (sampled.do_sample, sampled.temperature, sampled.n) == (True, 0.5, 4)
+    with pytest.raises(ValueError, match="r.yaml: n"):
+        config("distill:\n  n: many\n")
+    with pytest.raises(ValueError, match="unknown distill settings"):
+        config("distill:\n  temprature: 0.5\n")
+
+
+def test_a_setting_only_the_other_backend_reads_is_refused(tmp_path):
+    """The local backend took concurrency, max_retries, request_timeout_s, retry_backoff_s and api_key_env, the
+    openai one threads and device, and read none of them."""
+    with pytest.raises(ValueError, match=r"concurrency=64, max_retries=9: read by backend 'openai' only, and the "
+                                         r"backend is 'local': add --backend openai"):
+        DistillConfig(prompts="p.jsonl", concurrency=64, max_retries=9)
+    with pytest.raises(ValueError, match=r"api_key_env='NOPE': read by backend 'openai'"):
+        DistillConfig(prompts="p.jsonl", api_key_env="NOPE")
+    with pytest.raises(ValueError, match=r"device='cuda:3', threads=4: read by backend 'local' only, and the backend "
+                                         r"is 'openai': drop them"):
+        DistillConfig(prompts="p.jsonl", backend="openai", endpoint="http://127.0.0.1:9", threads=4, device="cuda:3")
+    DistillConfig(prompts="p.jsonl", threads=2, device="cpu")  # each backend's own
+    DistillConfig(prompts="p.jsonl", backend="openai", endpoint="http://127.0.0.1:9", concurrency=2, max_retries=0)
+
+
 # ---------------------------------------------------------------------------------------------
 # OpenAI-compatible backend against a loopback server
 
