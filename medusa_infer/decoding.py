@@ -1123,7 +1123,9 @@ def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> Generati
             setting: nothing given is silently ignored). A row's sample depends on the seed, on the
             batch it is drawn in and on ``max_new_tokens`` (the last steps' trees are cut to the tokens
             left, which changes the random numbers a step draws: a lower limit's text agrees with the
-            longer one up to its last few tokens, and is in general not a prefix of it).
+            longer one up to its last few tokens, and is in general not a prefix of it), and on what a
+            ``proposer`` passed in learned in earlier calls (a draft's length, a lookup gate's rates):
+            a fresh one repeats a sample.
         streamer: an object with ``put(token_ids)`` / ``end()`` (e.g. transformers'
             ``TextStreamer``); batch size 1. The prompt is put first, as transformers does.
 

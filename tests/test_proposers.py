@@ -583,6 +583,34 @@ def test_layerskip_greedy_exact_on_more_architectures(arch):
     assert out.new_tokens == [reference(target, p, 20) for p in prompts]
 
 
+def test_layerskip_runs_the_text_layers_of_a_multimodal_gemma3():
+    """Gemma-3 4B-27B load as Gemma3ForConditionalGeneration, whose config holds the text model's under
+    text_config: layerskip failed with an AttributeError traceback (num_hidden_layers) where plain decoding ran,
+    and a draft of such a model computed the prompts' keys and values again instead of taking the target's."""
+    from transformers import Gemma3Config, SiglipVisionConfig
+
+    text = tiny_config("gemma3_text")
+    text.num_hidden_layers, text.layer_types = 3, ["sliding_attention", "full_attention", "sliding_attention"]
+    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                          image_token_index=VOCAB - 6, boi_token_index=VOCAB - 5, eoi_token_index=VOCAB - 4)
+    torch.manual_seed(0)
+    target = MedusaModel.without_heads(AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval())
+    assert not hasattr(target.base_model.config, "num_hidden_layers")  # (the case: a composite config)
+    prompts = prompts_of((3, 9), seed=2)
+    ids, mask = left_pad(prompts)
+    plain = generate(target, ids, attention_mask=mask, max_new_tokens=10, eos_token_id=NO_EOS)
+    for layers in (1, 2, 3):
+        proposer = LayerSkipProposer(target, num_layers=layers, num_tokens=3)
+        assert proposer.num_layers == layers and proposer.shared_layers == layers
+        out = generate(target, ids, attention_mask=mask, max_new_tokens=10, eos_token_id=NO_EOS, proposer=proposer)
+        assert out.new_tokens == plain.new_tokens
+    assert target.base_model.config.get_text_config().num_hidden_layers == 3  # the target's config left alone
+    with pytest.raises(ValueError, match="layerskip needs 1 <= layers <= 3"):
+        LayerSkipProposer(target, num_layers=4)
+
+
 def drafts_prefilled(target, prompts, proposer):
     """``proposer`` started on the left-padded ``prompts`` after the target's prefill, and the calls its draft's
     first layer took in ``start`` (the target's first layer is the draft's own)."""

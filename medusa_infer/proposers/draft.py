@@ -84,7 +84,7 @@ class DraftProposer:
         self.context_length = context_length(self.draft)
         self.layout = AttentionLayout.from_config(self.draft.base_model.config)
         self.shared_layers = shared_layers(target, self.draft)
-        self.target_layers = getattr(target.base_model.config, "num_hidden_layers", None)
+        self.target_layers = getattr(target.base_model.config.get_text_config(), "num_hidden_layers", None)
         self.generator: torch.Generator | None = None
         self.kv = KVState.empty(0, self.layout, self.device)
         self.cached: list[int] = []  # per row: history tokens in the draft's cache
@@ -248,30 +248,35 @@ def shared_layers(target, draft) -> int:
     """How many first decoder layers ``draft`` runs that are ``target``'s own, over its own embedding,
     so that their keys and values are the target's (all of them for the target itself, N for a
     layerskip view of N layers); 0 for any other draft."""
-    mine, theirs = _decoder_layers(target.base_model), _decoder_layers(draft.base_model)
+    name, mine = _decoder_layers(target.base_model)
+    try:  # the draft's at the target's name: another list of as many layers (a vision tower's) is no decoder's
+        theirs = list(draft.base_model.base_model.get_submodule(name)) if mine else []
+    except AttributeError:
+        theirs = []
     same_input = target.base_model.get_input_embeddings() is draft.base_model.get_input_embeddings()
     if not (same_input and mine and theirs) or len(theirs) > len(mine):
         return 0
     return len(theirs) if all(a is b for a, b in zip(mine, theirs)) else 0
 
 
-def _decoder_layers(model) -> list[Any]:
-    """``model``'s decoder layers (its ``num_hidden_layers`` of them), or [] where it holds no such list."""
+def _decoder_layers(model) -> tuple[str, list[Any]]:
+    """The name (in ``model.base_model``) and the modules of ``model``'s decoder layers (its ``num_hidden_layers``
+    of them), or ``("", [])`` where it holds no such list."""
     from medusa_infer.proposers.layerskip import decoder_layers
 
-    decoder, total = model.base_model, getattr(model.config, "num_hidden_layers", None)
+    decoder, total = model.base_model, getattr(model.config.get_text_config(), "num_hidden_layers", None)
     if decoder is model or not isinstance(total, int):
-        return []
+        return "", []
     try:
         name = decoder_layers(decoder, total)
     except ValueError:
-        return []
-    return list(decoder.get_submodule(name))
+        return "", []
+    return name, list(decoder.get_submodule(name))
 
 
 def _same_model(a, b) -> bool:
     """Same weights and depth (two layerskip views of one target are the same draft)."""
-    config_a, config_b = a.base_model.config, b.base_model.config
+    config_a, config_b = a.base_model.config.get_text_config(), b.base_model.config.get_text_config()
     return a.lm_head.weight is b.lm_head.weight and config_a.num_hidden_layers == config_b.num_hidden_layers
 
 

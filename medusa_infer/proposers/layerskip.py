@@ -54,7 +54,8 @@ def truncated_model(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
     """A view of causal LM ``model`` that runs only its first ``num_layers`` decoder layers (then
     its final norm and ``lm_head``), sharing every parameter tensor with ``model``."""
     config = model.config
-    total = config.num_hidden_layers
+    text = config.get_text_config()
+    total = text.num_hidden_layers
     num_layers = whole_number("layerskip layers", num_layers, 1, f" and at most {total} ({type(model).__name__} has "
                               f"{total} layers)")
     if not 1 <= num_layers <= total:
@@ -69,17 +70,19 @@ def truncated_model(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
         raise ValueError(f"{type(model).__name__} has no separate decoder module; layerskip needs a *ForCausalLM model")
     name = decoder_layers(decoder, total)
     view_config = copy.deepcopy(config)
-    view_config.num_hidden_layers = num_layers
-    if getattr(view_config, "layer_types", None) is not None:
-        view_config.layer_types = list(view_config.layer_types[:num_layers])
+    view_text = view_config.get_text_config()
+    view_text.num_hidden_layers = num_layers
+    if getattr(view_text, "layer_types", None) is not None:
+        view_text.layer_types = list(view_text.layer_types[:num_layers])
+    configs = {id(config): view_config, id(text): view_text}
     view_decoder = _shallow_copy(decoder)
     view_decoder.config = view_config
     *parents, last = name.split(".")
     holder = view_decoder
     for part in parents:  # OPT's decoder.layers: a view of each module on the way
         inner = _shallow_copy(getattr(holder, part))
-        if hasattr(inner, "config"):
-            inner.config = view_config
+        if id(getattr(inner, "config", None)) in configs:
+            inner.config = configs[id(inner.config)]
         setattr(holder, part, inner)
         holder = inner
     setattr(holder, last, getattr(holder, last)[:num_layers])
@@ -102,8 +105,8 @@ class LayerSkipProposer(DraftProposer):
                  max_tokens: int | None = None) -> None:
         from medusa_infer.model import MedusaModel, said_as
 
-        total = target.base_model.config.num_hidden_layers
+        total = target.base_model.config.get_text_config().num_hidden_layers
         view = truncated_model(target.base_model, default_num_layers(total) if num_layers is None else num_layers)
-        self.num_layers = view.config.num_hidden_layers
+        self.num_layers = view.config.get_text_config().num_hidden_layers
         said_as(view, target.base_model)  # the view's generation config is the target's: said once, not per build
         super().__init__(target, MedusaModel(view, None, target.tokenizer), num_tokens, schedule, max_tokens)
