@@ -507,6 +507,9 @@ class DecodeBatch:
             # a row that stopped on a draft (no token of the step's own after it) could use none deeper
             reachable = [count if self.finish[row] is not None and emitted_n <= count else left
                          for row, count, emitted_n, left in zip(stepped, drafts, tokens, room)]
+            if proposal.row_depths is not None:  # nor past its own draft: the padding of a shorter one, unless taken
+                reachable = [min(reach, max(own, count))
+                             for reach, own, count in zip(reachable, proposal.row_depths, drafts)]
             metrics.record_step(drafts, tree.max_depth, n, proposal.fallback, tokens, reachable)
         return emitted
 

@@ -1046,6 +1046,31 @@ def test_build_proposer_keeps_falsy_settings_given():
     assert build_proposer("lookup", target, SimpleNamespace()).datastore is target.datastore
 
 
+def test_a_rows_padded_lookup_chain_is_not_counted_as_offered():
+    """Rows of a batch share one chain length: a row with no match (or a shorter one) is padded, and the padding was
+    counted as offered in acceptance_by_depth (a perfect chain beside a row with no match read 0.5 at every depth
+    past the heads'); tau and the output were right."""
+    from medusa_infer.serving.testing import word_tokenizer
+    from tiny import scripted_model
+
+    tokenizer = word_tokenizer()
+    script = list(range(10, 40))
+    model = scripted_model(tokenizer, script)
+    matching = torch.tensor(script[:22] + script[:1])  # each draft is the script's next four tokens: all accepted
+    unmatched = torch.tensor(script[14:15])  # never matches
+    ids, mask = left_pad([matching, unmatched])
+    plain = generate(model, ids, attention_mask=mask, max_new_tokens=12, eos_token_id=NO_EOS)
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=12, eos_token_id=NO_EOS,
+                   proposer=LookupProposer(model, num_tokens=4, cost=None))
+    assert out.new_tokens == plain.new_tokens and out.metrics.acceptance_by_depth == [1.0] * 4
+    torch.manual_seed(0)
+    heads = MedusaModel.from_base(model.base_model, num_heads=1, tokenizer=tokenizer)  # a head each row drafts with
+    grafted = generate(heads, ids, attention_mask=mask, max_new_tokens=12, eos_token_id=NO_EOS, lookup_tokens=4,
+                       tree=[[0]])
+    assert grafted.new_tokens == plain.new_tokens
+    assert grafted.metrics.acceptance_by_depth[1:] == [1.0] * 3  # past the head's depth, the matching row's chain
+
+
 def test_grafted_lookup_chain_respects_max_depth_and_its_ngram_bounds():
     # E15: the grafted chain's limit not clamped to max_depth (a chain past max_new_tokens / the context's end);
     # E11: lookup_ngram=(1, 3) (min above max) accepted, and lookup then silently never matched

@@ -40,12 +40,16 @@ class Proposal:
             from, for stochastic drafts verified with ``min(1, p/q)``; None for deterministic ones.
         fallback: an adaptive controller chose plain decoding for this step (counted in
             ``GenerationMetrics.fallback_steps``).
+        row_depths: per row, the deepest node holding a candidate of its own, where rows of a batch drafted
+            chains of other lengths, padded to one (``lookup.pad_drafts``): the padding is verified, but counted
+            as offered (``GenerationMetrics.offered_by_depth``) only where accepted. None: the tree's depth.
     """
 
     tokens: torch.Tensor
     tree: TreeBuffers
     draft_probs: torch.Tensor | None = None
     fallback: bool = False
+    row_depths: list[int] | None = None
 
 
 @dataclass

@@ -209,7 +209,7 @@ class LookupProposer:
         if depth == 0:
             return Proposal(roots[:, None], tree)
         chain = torch.tensor(pad_drafts(drafts, roots.tolist(), depth), dtype=torch.long, device=roots.device)
-        return Proposal(torch.cat([roots[:, None], chain], dim=1), tree)
+        return Proposal(torch.cat([roots[:, None], chain], dim=1), tree, row_depths=[len(d) for d in drafts])
 
     def observe(self, accepted: list[list[int]], hidden: torch.Tensor, context: StepContext) -> None:
         record_matches(self.gate, self.matches, accepted)

@@ -259,19 +259,20 @@ class MedusaProposer:
         tree = cache.at_depth(depth, chain)
         k, batch = cache.top_k, roots.shape[0]
         draft = torch.tensor(pad_drafts(drafts, roots.tolist(), chain), dtype=torch.long, device=roots.device)
+        heads_depth = tree_depth(p for p in cache.paths if len(p) <= depth)
+        row_depths = [max(heads_depth, len(d)) for d in drafts]  # past the heads' nodes, a row's own chain's
         if self.path_heads:
             tokens = self._expand(cache, depth, chain, roots)
             tokens[:, cache.chain_nodes(depth, chain)] = draft
             self.grafted_tokens = tokens
-            return Proposal(tokens, tree)
+            return Proposal(tokens, tree, row_depths=row_depths)
         grid = torch.zeros(batch, tree.max_depth, k + 1, dtype=torch.long, device=roots.device)
-        heads_depth = tree_depth(p for p in cache.paths if len(p) <= depth)
         if heads_depth:
             grid[:, :heads_depth, :k] = self._candidates(cache, heads_depth, roots).view(batch, heads_depth, k)
         grid[:, :chain, k] = draft
         flat = torch.cat([roots[:, None], grid.flatten(1)], dim=1)
         self.grafted_tokens = flat[:, tree.candidate_index]
-        return Proposal(self.grafted_tokens, tree)
+        return Proposal(self.grafted_tokens, tree, row_depths=row_depths)
 
     def observe(self, accepted: list[list[int]], hidden: torch.Tensor, context: StepContext) -> None:
         self.hidden = hidden
