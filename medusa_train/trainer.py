@@ -911,7 +911,7 @@ class MetricLogger:
         if self.path is not None:
             with self.path.open("a") as handle:
                 handle.write(json.dumps(record) + "\n")
-        heads = " ".join(f"{a:.2f}" for a in record["head_top1"])
+        heads = " ".join("-" if a is None else f"{a:.2f}" for a in record["head_top1"])
         line = (f"step {record['step']}/{record['total_steps']} epoch {record['epoch']:.2f} "
                 f"loss {record['loss']:.4f} lr {record['lr']:.2e}"
                 + (f" heads_lr {record['heads_lr']:.2e}" if "heads_lr" in record else "") + f" top1 [{heads}]")
@@ -925,7 +925,8 @@ class MetricLogger:
         if self.trackers:
             scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
             for k, acc in enumerate(record["head_top1"]):
-                scalars[f"head{k + 1}_top1"] = acc
+                if acc is not None:
+                    scalars[f"head{k + 1}_top1"] = acc
             for k, loss in enumerate(record.get("head_loss") or []):
                 if loss is not None:
                     scalars[f"head{k + 1}_loss"] = loss
@@ -1157,7 +1158,7 @@ def _summarise(accelerator: Any, window: dict[str, torch.Tensor], measured: Mapp
 
     out: dict[str, Any] = {}
     hits, totals = pooled("top1_hits"), pooled("top1_total")
-    out["head_top1"] = [round(float(x), 4) for x in (hits / totals.clamp(min=1)).tolist()]
+    out["head_top1"] = [round(float(h / t), 4) if t > 0 else None for h, t in zip(hits.tolist(), totals.tolist())]
     if "head_loss_sum" in window:
         sums, counts = pooled("head_loss_sum"), pooled("head_loss_count")
         out["head_loss"] = [round(float(s), 5) if c > 0 else None for s, c in zip((sums / counts.clamp(min=1)).tolist(),

@@ -267,7 +267,7 @@ def test_a_log_window_across_the_heads_only_stage_averages_base_kl_over_joint_st
 
 def test_a_log_windows_head_loss_is_pooled_over_its_positions():
     """A step without positions for head 2 adds none to its loss (its mean of 0 halved the window's mean),
-    and a head the window gave no positions is logged as None, not 0."""
+    and a head the window gave no positions is logged as None, not 0 (its loss, and its top-1 accuracy)."""
     from types import SimpleNamespace
 
     window, measured = {}, {}
@@ -279,7 +279,7 @@ def test_a_log_windows_head_loss_is_pooled_over_its_positions():
         tr.add_to_window(window, measured, metrics, "cpu")
     record = tr._summarise(SimpleNamespace(num_processes=1), window, measured, 4, 0.0)
     assert record["head_loss"] == [2.0, 3.0, None]
-    assert record["head_top1"] == [0.5, 0.0, 0.0]
+    assert record["head_top1"] == [0.5, 0.0, None]
 
 
 def test_heldout_accuracy_counts_only_positions_where_decoding_runs_the_heads():
