@@ -787,14 +787,17 @@ class Plan:
     warnings: list[str] = field(default_factory=list)  # settings that do not do what they say in this run
 
     def summary(self) -> str:
+        accumulation = self.global_batch // (self.micro_batch * self.num_processes)
+        # steps run on across epochs: 17 micro-batches an epoch at accumulation 2 are 8.5 steps, not 8
+        per_epoch = round(self.micro_steps_per_epoch / accumulation, 2)
         rows = [
             ("mode", f"{self.mode} on {self.num_processes} process(es)"),
             ("examples", f"{self.examples} ({self.train_examples} train, {self.heldout_examples} held out)"),
             ("train tokens", f"{'' if self.tokens_exact else '<= '}{self.est_train_tokens:,} assistant tokens"),
             ("batch", f"{self.micro_batch} {self.unit} x {self.num_processes} process(es) x "
-                      f"{self.global_batch // (self.micro_batch * self.num_processes)} accumulation = "
+                      f"{accumulation} accumulation = "
                       f"{self.global_batch} {self.unit} per step"),
-            ("steps", f"{'' if self.exact else '<= '}{self.total_steps} ({self.steps_per_epoch} per epoch, "
+            ("steps", f"{'' if self.exact else '<= '}{self.total_steps} ({per_epoch:g} per epoch, "
                       + (f"{self.stage1_steps} heads-only; warm-up {self.warmup_steps} for the heads, "
                          f"{self.joint_warmup_steps} for the adapter after the heads-only steps)" if self.stage1_steps
                          else f"{self.warmup_steps} warm-up)")),

@@ -341,6 +341,20 @@ def test_plan_counts_existing_data_and_features(tmp_path):
     assert plan(other).train_units != 1000
 
 
+def test_plan_gives_the_steps_an_epoch_takes_when_accumulation_runs_across_epochs(tmp_path):
+    """Optimizer steps run on across epochs: 15 micro-batches an epoch at accumulation 2 are 7.5 steps an epoch
+    (the run's 15 steps in 2 epochs), which the plan printed as 7."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"id": i, "prompt": "p", "response": "r"}) + "\n" for i in range(50)))
+    config = config_from_dict({"output_dir": str(tmp_path / "run"), "data": {"rows": str(rows), "heldout_fraction": 0.1},
+                               "features": {"enabled": False},
+                               "training": {"batch_size": 3, "grad_accum": 2, "epochs": 2}})
+    planned = plan(config)
+    assert (planned.micro_steps_per_epoch, planned.total_steps) == (15, 15)
+    [steps] = [line for line in planned.summary().splitlines() if line.split()[:1] == ["steps"]]
+    assert "15 (7.5 per epoch," in steps
+
+
 def test_plan_says_done_for_a_tokenised_dataset_of_these_settings_only(tmp_path, capsys):
     import train_heads
 
