@@ -683,13 +683,15 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
     overall = summarise(totals)
     for method, interval in speedup_intervals(groups, methods).items():
         overall[method]["speedup_ci95"] = interval
+    # what ran: heads without a calibration run no fallback whatever the flag (the report said fallback: true)
+    fallback = bool(args.fallback and any(m.startswith("medusa") for m in methods) and runner.adaptive)
 
     return {
         "settings": {
             "model": args.model, "heads": args.heads, "questions": str(args.questions), "limit": args.limit,
             "turns": sum(len(q["turns"]) for q in questions), "max_new_tokens": args.max_new_tokens,
             "batch_size": args.batch_size, "speculation_gate": args.speculation_gate,
-            "step_costs": args.step_costs, "fallback": args.fallback,
+            "step_costs": args.step_costs if fallback else None, "fallback": fallback,
             "lookup_tokens": args.lookup_tokens, "lookup_max_tokens": args.lookup_max_tokens,
             "datastore_tokens": len(model.datastore) if args.datastore and model.datastore is not None
             and searches_datastore(args.methods) else 0,

@@ -1253,6 +1253,17 @@ def test_medusa_methods_learn_step_costs_across_questions(model, monkeypatch):
     assert "Cost ratios" not in report_markdown(off)
 
 
+def test_the_report_says_no_fallback_ran_on_heads_without_a_calibration(model, monkeypatch):
+    """Heads without measured accuracies and a cost profile run no fallback: the report's settings said
+    fallback: true and step_costs: learned (docs/tau40-xl-s52/report.json), as the flag's default."""
+    monkeypatch.setattr(model.config, "cost_profile", None)  # (the module's model may have been calibrated)
+    report = benchmark(model, QUESTIONS[:1], args(methods=["hf", "medusa"]))
+    assert report["settings"]["fallback"] is False and report["settings"]["step_costs"] is None
+    assert report["step_costs"] == {}
+    plain = benchmark(model, QUESTIONS[:1], args(methods=["hf", "ar"]))  # no medusa method: nothing to fall back from
+    assert plain["settings"]["fallback"] is False
+
+
 def test_no_fallback_keeps_every_medusa_method_on_the_tree_asked_for(model, monkeypatch):
     """``--no-fallback``: on calibrated heads, whose fallback would otherwise adapt the tree, no
     medusa method gets a fallback controller, and each decodes on the tree ``--tree`` names
