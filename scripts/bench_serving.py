@@ -119,7 +119,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the speculative server's --speculation-gate: measured, off, or both in turn "
                              "(default: both)")
     parser.add_argument("--server-arg", action="append", default=[],
-                        help="extra argument for medusa-serve (repeatable), e.g. --server-arg=--draft-tokens=4")
+                        help="extra argument for the speculative servers' medusa-serve (repeatable), e.g. "
+                             "--server-arg=--draft-tokens=4 or --server-arg=--draft-model=NAME")
+    parser.add_argument("--baseline-arg", action="append", default=[],
+                        help="extra argument for the plain-decoding server's medusa-serve (repeatable): give one "
+                             "that both should take (say --max-prefill-tokens) to both flags")
     parser.add_argument("--output", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     if args.method is None:
@@ -133,7 +137,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [t for t in args.temperatures if not 0 <= t <= 2]  # (OpenAI's range; NaN is not in it)
     if bad:
         parser.error(f"--temperatures {bad[0]} is outside OpenAI's range, 0 to 2 (0: greedy)")
+    from medusa_infer.serving.cli import parse_args as serve_args
+
+    for method, gate in runs(args):  # each server's command, checked before any starts (a baseline given the
+        try:  # speculative servers' --draft-tokens exited after their runs had taken their time)
+            serve_args(server_command(args, method, gate, port=1)[3:])
+        except SystemExit:
+            flag = "--baseline-arg" if method == "autoregressive" else "--server-arg"
+            parser.error(f"the {method} server's medusa-serve refuses its arguments (above): mend its {flag}")
     return args
+
+
+def runs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The servers measured, ``(method, gate)``, in turn: the method's (under each gate asked for), then plain
+    decoding's, the baseline."""
+    gates = ("measured", "off") if args.gate == "both" else (args.gate,)
+    if args.method == "autoregressive":
+        return [("autoregressive", "off")]
+    return [(args.method, gate) for gate in gates] + [("autoregressive", "off")]
 
 
 def served_model(args: argparse.Namespace) -> str:
@@ -157,27 +178,32 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def server_command(args: argparse.Namespace, method: str, gate: str, port: int) -> list[str]:
+    """The command line of the ``method`` server (``gate``: its --speculation-gate) on ``port``."""
+    command = [sys.executable, "-m", "medusa_infer.serving", "--method", method, "--host", "127.0.0.1",
+               "--port", str(port), "--max-batch", str(max(args.concurrency)),
+               "--max-queue", str(args.requests + 8), "--request-timeout", "0", "--log-level", "warning",
+               "--served-model-name", "bench"]
+    if args.model:
+        command += ["--model", args.model]
+    if args.heads:  # (the baseline on the bare base model compared Medusa-2 heads against another model)
+        command += ["--heads", args.heads]
+    if not args.datastore and method != "autoregressive":  # (the baseline refuses it: it drafts nothing)
+        command += ["--no-datastore"]
+    if args.threads:
+        command += ["--threads", str(args.threads)]
+    if method != "autoregressive":
+        return command + ["--speculation-gate", gate] + args.server_arg
+    return command + args.baseline_arg
+
+
 class Server:
     """``python -m medusa_infer.serving`` on a free loopback port, its output in a log file."""
 
     def __init__(self, args: argparse.Namespace, method: str, log_dir: Path, gate: str = "measured") -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "medusa_infer.serving", "--method", method, "--host", "127.0.0.1",
-                   "--port", str(self.port), "--max-batch", str(max(args.concurrency)),
-                   "--max-queue", str(args.requests + 8), "--request-timeout", "0", "--log-level", "warning",
-                   "--served-model-name", "bench"]
-        if args.model:
-            command += ["--model", args.model]
-        if args.heads:  # (the baseline on the bare base model compared Medusa-2 heads against another model)
-            command += ["--heads", args.heads]
-        if not args.datastore and method != "autoregressive":  # (the baseline refuses it: it drafts nothing)
-            command += ["--no-datastore"]
-        if args.threads:
-            command += ["--threads", str(args.threads)]
-        if method != "autoregressive":
-            command += ["--speculation-gate", gate]
-        command += args.server_arg
+        command = server_command(args, method, gate, self.port)
         self.log_path = log_dir / f"server-{method}-{gate}.log"
         self.log = self.log_path.open("w")
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
@@ -355,12 +381,9 @@ def markdown(levels: list[LevelResult], baseline: dict[int, LevelResult],
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model = args.model or served_model(args)  # (before the servers: a failure here lost the whole run's report)
-    gates = ["measured", "off"] if args.gate == "both" else [args.gate]
-    runs = [("autoregressive", "off")] if args.method == "autoregressive" else (
-        [(args.method, gate) for gate in gates] + [("autoregressive", "off")])
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
         try:
-            levels = [level for method, gate in runs for level in bench_method(args, method, Path(tmp), gate)]
+            levels = [level for method, gate in runs(args) for level in bench_method(args, method, Path(tmp), gate)]
         except RuntimeError as error:
             print(f"bench_serving: error: {error}", file=sys.stderr)
             return 1

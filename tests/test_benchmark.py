@@ -1856,6 +1856,32 @@ def test_bench_serving_compares_greedy_requests_only_and_refuses_temperatures_ou
         assert f"--temperatures {float(bad)} is outside" in capsys.readouterr().err
 
 
+def test_bench_serving_gives_the_baseline_its_own_arguments_and_checks_every_servers_first(capsys):
+    """--server-arg went to the plain-decoding server too, which refuses a method's flags: its own help's
+    --server-arg=--draft-tokens=4, and --draft-model (--method draft had no other way in), stopped the baseline
+    after the speculative runs had taken their time, and no table came out."""
+    from medusa_infer.serving.cli import parse_args as serve_args
+
+    script = _bench_serving_script()
+    args = script.parse_args(["--method", "draft", "--server-arg=--draft-model=smollm2-135m-instruct",
+                              "--server-arg=--draft-tokens=4", "--baseline-arg=--max-prefill-tokens=512"])
+    assert script.runs(args) == [("draft", "measured"), ("draft", "off"), ("autoregressive", "off")]
+    for method, gate in script.runs(args):
+        command = script.server_command(args, method, gate, port=8000)
+        served = serve_args(command[3:])
+        assert served.method == method
+        assert (served.draft_model, served.draft_tokens) == (("smollm2-135m-instruct", 4) if method == "draft"
+                                                             else (None, None))
+        assert served.max_prefill_tokens == (512 if method == "autoregressive" else serve_args([]).max_prefill_tokens)
+    with pytest.raises(SystemExit):  # refused before any server starts
+        script.parse_args(["--method", "lookup", "--baseline-arg=--draft-tokens=4"])
+    assert "the autoregressive server's medusa-serve refuses its arguments (above): mend its --baseline-arg" \
+        in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        script.parse_args(["--method", "lookup", "--server-arg=--layerskip-layers=2"])
+    assert "mend its --server-arg" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_bench_serving_runs_mixed_temperatures_end_to_end(tmp_path):
     """scripts/bench_serving.py on the default model, a greedy and a sampled request at once: both methods'
