@@ -93,6 +93,34 @@ def test_the_servers_flags_reach_the_app_and_its_engine(monkeypatch):
     assert engine.max_prefill_tokens == 300 and engine.gate is None  # off: no gate, speculating every step
 
 
+def test_the_draft_schedule_reaches_the_served_drafts():
+    """medusa-serve had no --draft-schedule, and its --draft-tokens help said "tokens a step": a draft or
+    layerskip server's k grew from it to 16 while its drafts were accepted (trees of 3, 5, ... 13 nodes for 2)."""
+    import httpx
+
+    from medusa_infer.serving.testing import serve
+    from tiny import word_medusa
+
+    model = word_medusa()
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--method", "lookup", "--draft-schedule", "constant"])  # lookup has no schedule
+    for schedule, grows in (("constant", False), ("heuristic", True)):
+        args = cli.parse_args(["--method", "layerskip", "--layerskip-layers", "2", "--draft-tokens", "2",
+                               "--draft-schedule", schedule])  # (the tiny model's 2 layers: drafts always agree)
+        with serve(model, args.method, options=args, speculation_gate=False) as (server, engine):
+            sizes, step = [], engine._step
+
+            def counted(running, step=step, sizes=sizes):
+                step(running)
+                sizes.append(running.batch.metrics.recent_tree_sizes[-1])
+
+            engine._step = counted
+            reply = httpx.post(server.base_url + "/v1/completions", timeout=60, json=dict(
+                model="tiny", prompt="the cat", max_tokens=30, temperature=0, ignore_eos=True)).json()
+        assert reply["usage"]["completion_tokens"] == 30
+        assert (sizes[0], max(sizes) > 3) == (3, grows), sizes  # the root and k = 2 drafts, then k kept or grown
+
+
 def test_the_served_model_name_is_the_one_asked_for():
     """Clients must send the name served (another gets a 404): --served-model-name first, then --model as given
     (not the path a default-model name was loaded from), then the loaded model's own name."""

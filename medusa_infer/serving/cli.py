@@ -24,6 +24,7 @@ from typing import Any, Sequence
 from medusa_infer.cli import (DRAFT_INSTEAD, HEADS_INSTEAD, MAX_THREADS, MODEL_INSTEAD, add_tree_arguments,
                                check_method_flags, reads_datastore, refuse_empty)
 from medusa_infer.proposers import METHODS
+from medusa_infer.proposers.draft import SCHEDULES
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 API_KEY_ENV = "MEDUSA_SERVE_API_KEY"
@@ -70,8 +71,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "times and acceptance say it is faster; off: speculate on every step")
     parser.add_argument("--draft-model", help="draft model for --method draft (only)")
     parser.add_argument("--draft-tokens", type=int, default=None,
-                        help="draft / lookup tokens a step (lookup with a cost profile: the length that pays, "
-                             "up to this, or 16 when not given)")
+                        help="tokens proposed a step by draft, layerskip (the first k: --draft-schedule adapts it, "
+                             "up to 16 or this) and lookup (default 4; lookup with a cost profile: the length that "
+                             "pays, up to this, or 16 when not given)")
+    parser.add_argument("--draft-schedule", choices=SCHEDULES, default=None,
+                        help="draft and layerskip: adapt k to the acceptance (heuristic, the default) or keep "
+                             "it (constant)")
     parser.add_argument("--layerskip-layers", type=int, default=None,
                         help="target layers used as the draft by --method layerskip")
     parser.add_argument("--trust-remote-code", action="store_true",
