@@ -879,6 +879,8 @@ def test_build_proposer_reads_settings_given_as_a_mapping():
     """Settings were read as attributes only: a dict's were all dropped (draft_tokens 9 drafted 4, a
     draft_model given was "needed")."""
     target = target_model("llama")
+    with pytest.raises(ValueError, match=r"unknown proposer settings \['draft_token'\]"):  # (dropped silently)
+        build_proposer("lookup", target, {"draft_token": 2})
     lookup = build_proposer("lookup", target, {"draft_tokens": 9, "lookup_max_ngram": 5})
     assert (lookup.num_tokens, lookup.max_ngram) == (9, 5)
     assert build_proposer("draft", target, {"draft_model": target, "draft_tokens": 2}).k == 2

@@ -46,6 +46,14 @@ def running_engine(model, method: str = "autoregressive"):
         engine.stop()
 
 
+def test_an_engines_misspelled_proposer_setting_is_refused(model):
+    """Settings given as a mapping (build_app's and serve()'s options=) that no method reads were dropped without
+    a word: {"draft_token": 2} drafted 4 tokens a step."""
+    with pytest.raises(ValueError, match=r"unknown proposer settings \['draft_token'\]"):
+        Engine(model, model.tokenizer, "lookup", {"draft_token": 2})
+    assert Engine(model, model.tokenizer, "lookup", {"draft_tokens": 2}).options.draft_tokens == 2
+
+
 def test_a_body_of_exactly_the_size_limit_is_read(client):
     body = json.dumps(OK).encode()
     padded = body[:-1] + b" " * (protocol.MAX_BODY_BYTES - len(body)) + b"}"

@@ -24,6 +24,24 @@ chooses each draft's length up to ``lookup_max_tokens``): on CPU, verifying 2 to
 about the same (1.7x one token), 9 tokens about 2x (docs/NOTES), so short chains pay off first."""
 
 
+SETTINGS = ("adaptive", "datastore", "draft_model", "draft_schedule", "draft_tokens", "layerskip_layers",
+            "lookup_max_ngram", "lookup_max_tokens", "lookup_min_ngram", "lookup_tokens", "step_costs", "tree")
+"""The settings ``build_proposer`` reads, one method's or another's."""
+
+
+def proposer_options(options: Any) -> Any:
+    """``options`` as ``build_proposer`` reads them: a mapping's entries as attributes (they were read as
+    attributes: every setting given was dropped). ``ValueError`` naming a mapping's key that no method reads
+    (a misspelled one was silently dropped); an object's other attributes are left alone (command-line
+    arguments hold more than these)."""
+    if not isinstance(options, Mapping):
+        return options
+    unknown = sorted(set(options) - set(SETTINGS))
+    if unknown:
+        raise ValueError(f"unknown proposer settings {unknown}: the methods read {', '.join(SETTINGS)}")
+    return SimpleNamespace(**options)
+
+
 def build_proposer(method: str, model: Any, options: Any = None) -> Proposer:
     """A fresh proposer (one per generation call) for ``method``.
 
@@ -47,8 +65,7 @@ def build_proposer(method: str, model: Any, options: Any = None) -> Proposer:
     refuses them by name.
     """
 
-    if isinstance(options, Mapping):  # its entries were read as attributes: every setting given was dropped
-        options = SimpleNamespace(**options)
+    options = proposer_options(options)
 
     def option(name: str, default: Any = None) -> Any:
         value = getattr(options, name, None)
@@ -94,4 +111,5 @@ __all__ = [
     "Proposer",
     "StepContext",
     "build_proposer",
+    "proposer_options",
 ]

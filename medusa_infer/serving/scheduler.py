@@ -32,7 +32,6 @@ import threading
 import time
 import types
 from collections import deque
-from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterator
@@ -51,7 +50,7 @@ from medusa_infer.decoding import (
     token_outside,
 )
 from medusa_infer.metrics import GenerationMetrics
-from medusa_infer.proposers import build_proposer
+from medusa_infer.proposers import build_proposer, proposer_options
 from medusa_infer.proposers.draft import as_draft_model
 from medusa_infer.serving.metrics import ServingMetrics
 from medusa_infer.speculation_gate import SpeculationGate, gated_step
@@ -188,8 +187,7 @@ class Engine:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         self.max_prefill_tokens = max_prefill_tokens
         self.step_costs: StepCosts | None = None
-        if isinstance(options, Mapping):  # as build_proposer takes them (its attributes were read: a crash)
-            options = types.SimpleNamespace(**options)
+        options = proposer_options(options)  # as build_proposer takes them (its attributes were read: a crash)
         if method == "draft" and getattr(options, "draft_model", None) is not None:
             # loaded once (a name), not for every batch: batches join only batches with the same draft
             options = copy.copy(options)
