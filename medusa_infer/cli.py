@@ -43,13 +43,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--method", choices=METHODS, default=None,
                         help="how candidates are proposed (default: medusa with --heads, else autoregressive)")
     parser.add_argument("--draft-model", help="draft model for --method draft (same tokenizer as the model)")
-    parser.add_argument("--draft-tokens", type=int, default=None,
-                        help="tokens proposed a step by draft, layerskip (the first k) and lookup (default 4; lookup "
-                             "with heads that carry a cost profile: the length that pays, up to this, or 16 when not "
-                             "given)")
-    parser.add_argument("--draft-schedule", choices=SCHEDULES, default=None,
-                        help="draft and layerskip: adapt k to the acceptance (heuristic, the default) or keep "
-                             "it (constant)")
+    add_draft_arguments(parser)
     parser.add_argument("--lookup-max-ngram", type=int, default=None,
                         help="longest n-gram lookup drafts search for in the conversation, then shorter ones "
                              "(--method lookup, or medusa with --lookup-tokens; default 3; the heads' datastore "
@@ -189,6 +183,18 @@ def load(args: argparse.Namespace):
         return MedusaModel.from_pretrained(args.heads, base_model=args.model,
                                            datastore=args.datastore and reads_datastore(args))
     return MedusaModel.without_heads(args.model or DEFAULT_MODEL)
+
+
+def add_draft_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--draft-tokens`` and ``--draft-schedule`` (draft, layerskip, lookup), shared by ``medusa-generate`` and
+    ``medusa-serve``."""
+    parser.add_argument("--draft-tokens", type=int, default=None,
+                        help="tokens proposed a step by draft, layerskip (the first k: --draft-schedule adapts it, "
+                             "up to 16 or this) and lookup (default 4; lookup with heads that carry a cost profile: "
+                             "the length that pays, up to this, or 16 when not given)")
+    parser.add_argument("--draft-schedule", choices=SCHEDULES, default=None,
+                        help="draft and layerskip: adapt k to the acceptance (heuristic, the default) or keep "
+                             "it (constant)")
 
 
 def add_tree_arguments(parser: argparse.ArgumentParser) -> None:

@@ -21,10 +21,9 @@ import socket
 import sys
 from typing import Any, Sequence
 
-from medusa_infer.cli import (DRAFT_INSTEAD, HEADS_INSTEAD, MAX_THREADS, MODEL_INSTEAD, add_tree_arguments,
-                               check_method_flags, reads_datastore, refuse_empty)
+from medusa_infer.cli import (DRAFT_INSTEAD, HEADS_INSTEAD, MAX_THREADS, MODEL_INSTEAD, add_draft_arguments,
+                               add_tree_arguments, check_method_flags, reads_datastore, refuse_empty)
 from medusa_infer.proposers import METHODS
-from medusa_infer.proposers.draft import SCHEDULES
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 API_KEY_ENV = "MEDUSA_SERVE_API_KEY"
@@ -70,13 +69,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="measured (default): speculate only at batch sizes where the measured step "
                              "times and acceptance say it is faster; off: speculate on every step")
     parser.add_argument("--draft-model", help="draft model for --method draft (only)")
-    parser.add_argument("--draft-tokens", type=int, default=None,
-                        help="tokens proposed a step by draft, layerskip (the first k: --draft-schedule adapts it, "
-                             "up to 16 or this) and lookup (default 4; lookup with a cost profile: the length that "
-                             "pays, up to this, or 16 when not given)")
-    parser.add_argument("--draft-schedule", choices=SCHEDULES, default=None,
-                        help="draft and layerskip: adapt k to the acceptance (heuristic, the default) or keep "
-                             "it (constant)")
+    add_draft_arguments(parser)
     parser.add_argument("--layerskip-layers", type=int, default=None,
                         help="target layers used as the draft by --method layerskip")
     parser.add_argument("--trust-remote-code", action="store_true",
