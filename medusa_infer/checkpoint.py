@@ -47,7 +47,7 @@ def foreign_config(directory: Path, layout: str) -> str | None:
     if weights:
         return f"a model's weights ({weights[0]}) and their config.json"
     try:
-        data = json.loads((directory / CONFIG_NAME).read_text())
+        data = json.loads((directory / CONFIG_NAME).read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as err:
@@ -85,7 +85,7 @@ def save_heads(
         base_model_id: Hub id for the card's ``base_model`` field (defaults to the config's).
         chat: whether the base model's tokenizer renders chats (the card's example then does).
     """
-    directory = Path(directory).expanduser()
+    directory = heads_path(directory)
     check_heads_target(directory)
     # everything made before anything is written, each file written beside and moved into place (a failure
     # while making the card left a new config.json beside the old weights)
@@ -98,8 +98,8 @@ def save_heads(
     # One metadata key: safetensors writes the metadata map in random order, and identical heads
     # must give identical bytes (the Hub skips unchanged files by their hash).
     write_in_place(directory, [(WEIGHTS_NAME, lambda path: save_file(tensors, str(path), metadata={"format": "pt"})),
-                               (CONFIG_NAME, lambda path: path.write_text(settings)),
-                               (CARD_NAME, lambda path: path.write_text(card))])
+                               (CONFIG_NAME, lambda path: path.write_text(settings, encoding="utf-8")),
+                               (CARD_NAME, lambda path: path.write_text(card, encoding="utf-8"))])
     return directory
 
 
@@ -113,6 +113,8 @@ def write_in_place(directory: Path, files: Sequence[tuple[str, Callable[[Path], 
     try:
         for writing, (_, write) in zip(partials, files):
             write(writing)
+        for partial, (name, _) in zip(partials, files):
+            os.replace(partial, directory / name)
     except BaseException as err:
         for partial in partials:
             if partial.is_file():
@@ -120,8 +122,14 @@ def write_in_place(directory: Path, files: Sequence[tuple[str, Callable[[Path], 
         if isinstance(err, SafetensorError):
             raise OSError(f"{writing} could not be written: {err}") from err
         raise
-    for partial, (name, _) in zip(partials, files):
-        os.replace(partial, directory / name)
+
+
+def heads_path(directory: str | os.PathLike) -> Path:
+    """``directory`` as the heads folder to write (``~`` expanded); ``ValueError`` for an empty string (an unset
+    variable: the heads were written into the working directory)."""
+    if not str(directory).strip():
+        raise ValueError("the heads folder is an empty string: give a folder path")
+    return Path(directory).expanduser()
 
 
 def first_existing(path: Path) -> Path | None:
@@ -134,7 +142,7 @@ def check_heads_target(directory: str | Path) -> None:
     """``ValueError`` where ``save_heads`` would refuse ``directory``: it is (or lies under) a file, cannot be
     written by this user, or holds heads in the FasterDecoding layout or another config.json (``foreign_config``).
     For a caller to check before work that ends in a save."""
-    directory = Path(directory).expanduser()
+    directory = heads_path(directory)
     existing = first_existing(directory)
     if existing is not None and not existing.is_dir():  # (the folder itself, or one on its way)
         raise ValueError(f"{existing} is a file, not a folder: save the heads into a folder")
@@ -334,7 +342,7 @@ def _upload(api: Any, folder: Path, repo_id: str, revision: str | None, commit_m
     stale = [ADAPTER_DIR + "/*", DATASTORE_NAME, *FASTERDECODING_WEIGHTS, WEIGHTS_NAME, CARD_NAME]
     info = api.upload_folder(  # (a save cut short leaves *.partial files: not the heads')
         repo_id=repo_id, folder_path=str(folder), revision=revision, commit_message=commit_message,
-        delete_patterns=[*stale, "*.partial"], ignore_patterns=["*.partial"],
+        delete_patterns=[*stale, "*.partial", "*.partial/*"], ignore_patterns=["*.partial", "*.partial/*"],
     )
     return str(getattr(info, "commit_url", info))
 

@@ -89,6 +89,10 @@ class MedusaConfig:
             if not isinstance(value, kind) or (int in kinds and isinstance(value, bool)):
                 names = " or ".join(k.__name__ for k in kinds)
                 raise ValueError(f"heads config {name} must be {names.replace('NoneType', 'null')}, got {value!r}")
+        for name in ("acceptance", "cost_profile", "training"):  # (JSON keys: an integer one failed the save)
+            keys = [key for key in getattr(self, name) or {} if not isinstance(key, str)]
+            if keys:
+                raise ValueError(f"heads config {name} keys must be strings (JSON's), got {keys[0]!r}")
         if self.num_heads < 1:
             raise ValueError(f"num_heads must be >= 1, got {self.num_heads}")
         for name in ("hidden_size", "vocab_size"):  # 0: not known yet (filled in from the base model)
@@ -271,17 +275,19 @@ class MedusaConfig:
         return cls(**{**data, "format_version": FORMAT_VERSION})
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
 
     @classmethod
     def load(cls, path: str | Path) -> "MedusaConfig":
         """A heads folder's ``config.json``: ``ValueError`` naming the file where it is no JSON, or lacks a key
-        every saved config holds (``num_heads``, ``hidden_size``: their defaults would be blamed on the weights)."""
+        every saved config holds (``num_heads``, ``hidden_size``, ``num_layers``, ``vocab_size``, ``projection``:
+        their defaults would be blamed on the weights, or on the base model)."""
         try:
             data = json.loads(Path(path).read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
             raise ValueError(f"{path} is not valid JSON ({err}): re-save or re-export the heads") from None
-        missing = [key for key in ("num_heads", "hidden_size") if isinstance(data, dict) and key not in data]
+        missing = [key for key in ("num_heads", "hidden_size", "num_layers", "vocab_size", "projection")
+                   if isinstance(data, dict) and key not in data]
         if missing:
             raise ValueError(f"{path} has no {' and no '.join(missing)}, which every saved heads config holds: it is "
                              "damaged or not a heads config; re-save or re-export the heads")

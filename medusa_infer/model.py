@@ -36,6 +36,7 @@ from medusa_infer.checkpoint import (
     card_section,
     check_heads_target,
     check_state_dict,
+    heads_path,
     load_heads_state,
     note_datastore,
     push_folder_to_hub,
@@ -580,7 +581,7 @@ class MedusaModel(nn.Module):
                          "self.heads back, or the config (self.heads.config) with them")
         if heads_state is not None:
             check_state_dict(own, dict(heads_state), "heads_state")
-        directory = Path(directory).expanduser()
+        directory = heads_path(directory)
         self.check_save_target(directory)
         target = directory / ADAPTER_DIR
         if self.skipped_adapter is not None:
@@ -594,23 +595,42 @@ class MedusaModel(nn.Module):
             if unread and (directory / CARD_NAME).is_file() else ""  # (a card edited in another encoding: kept)
         span = card_section(text, DATASTORE_HEADING)
         section = text[span[0]:span[1]] if span else ""
-        out = save_heads(directory, config, dict(heads_state) if heads_state is not None else own,
-                         base_model_id, renders_chats(config, self.tokenizer))
-        if self.merged_adapter is not None and (not target.exists()
-                                                or not os.path.samefile(target, self.merged_adapter)):
-            if target.exists():  # another adapter's files would mix with this one's
-                shutil.rmtree(target)
-            shutil.copytree(self.merged_adapter, target)
+        # The datastore and the adapter are written beside their places before the heads go in, then moved in:
+        # a save that failed there (a full disk) had left the new heads beside the old heads' store or adapter,
+        # which loaded without a word
+        staged: list[tuple[Path, Path]] = []
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            if self.datastore is not None:
+                staged.append((self.datastore.save(directory / (DATASTORE_NAME + ".partial")), store))
+            if self.merged_adapter is not None and (not target.exists()
+                                                    or not os.path.samefile(target, self.merged_adapter)):
+                copy = directory / (ADAPTER_DIR + ".partial")
+                shutil.rmtree(copy, ignore_errors=True)
+                shutil.copytree(self.merged_adapter, copy)
+                staged.append((copy, target))
+            if self.datastore is None and not unread and store.is_file():  # an earlier save's store is not these
+                store.unlink()  # heads': gone first (the earlier heads work without it)
+            out = save_heads(directory, config, dict(heads_state) if heads_state is not None else own,
+                             base_model_id, renders_chats(config, self.tokenizer))
+        except BaseException:
+            for made, _ in staged:
+                if made.is_dir():
+                    shutil.rmtree(made)
+                else:
+                    made.unlink(missing_ok=True)
+            raise
+        for made, place in staged:  # moves only, once the heads are in place
+            if place.is_dir():  # another adapter's files would mix with this one's
+                shutil.rmtree(place)
+            os.replace(made, place)
         if self.datastore is not None:
-            self.datastore.save(out / DATASTORE_NAME)
             note_datastore(out, len(self.datastore), self.datastore.origin)
-        elif unread:  # the card written anew says what it holds again
-            if section:
-                card = out / CARD_NAME
-                card.write_text(card.read_text(encoding="utf-8").rstrip("\n") + "\n\n" + section, encoding="utf-8")
+        elif unread and section:  # the card written anew says what it holds again
+            card = out / CARD_NAME
+            card.write_text(card.read_text(encoding="utf-8").rstrip("\n") + "\n\n" + section, encoding="utf-8")
+        if unread:
             logger.info("%s was left as it is: loaded with datastore=False from there", store)
-        elif (out / DATASTORE_NAME).is_file():  # an earlier save's store is not these heads'
-            (out / DATASTORE_NAME).unlink()
         return out
 
     def check_save_target(self, directory: str | os.PathLike) -> None:
@@ -618,7 +638,7 @@ class MedusaModel(nn.Module):
         caller to check before work that ends in a save (``medusa-bench --calibrate``). The folder holds another
         layout's heads or another config (``checkpoint.check_heads_target``), cannot be written, or holds an
         adapter these heads have none of; the adapter merged at load time is gone, or changed since."""
-        directory = Path(directory).expanduser()
+        directory = heads_path(directory)
         check_heads_target(directory)
         if self.merged_adapter is not None and not Path(self.merged_adapter).is_dir():
             raise ValueError(f"the Medusa-2 adapter merged into the base model at load time ({self.merged_adapter}) "
@@ -1089,6 +1109,8 @@ def heads_folder(path_or_repo_id: str | os.PathLike, revision: str | None = None
         raise TypeError(f"the heads must be a folder or a Hub repo id, got a {type(path_or_repo_id).__name__}: "
                         "MedusaModel.from_pretrained(heads, base_model=model) takes the heads first and the base model "
                         "as base_model=")
+    if not str(path_or_repo_id).strip():  # (an unset variable: the working directory was read as the heads)
+        raise ValueError("the heads folder is an empty string: give a folder path or a Hub repo id")
     path = Path(path_or_repo_id).expanduser()
     if path.is_dir():  # absolute: an adapter merged from it is copied from there after a chdir too
         return path.absolute()

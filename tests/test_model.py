@@ -549,12 +549,15 @@ def test_heads_are_not_written_over_a_models_config(tmp_path, monkeypatch):
         patch.setattr(checkpoint.os, "access", lambda path, mode: False)
         with pytest.raises(ValueError, match="ours cannot be written by this user: save the heads into another"):
             model.save_pretrained(tmp_path / "ours")
-    # a write that fails leaves no partial files (a copy of the weights stayed), and the heads there as they were
+    # a write that fails leaves no partial files (a copy of the weights stayed), and the heads there as they were:
+    # other heads' (other weights and tree), whose card fails to be written, leave every byte of them
+    before = {p.name: p.read_bytes() for p in (tmp_path / "ours").iterdir()}
+    other = MedusaModel.from_base(model.base_model, num_heads=model.config.num_heads, tree=[[0], [1]])
     (tmp_path / "ours" / "README.md.partial").mkdir()
     with pytest.raises(IsADirectoryError):
-        model.save_pretrained(tmp_path / "ours")
+        other.save_pretrained(tmp_path / "ours")
     (tmp_path / "ours" / "README.md.partial").rmdir()
-    assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ours").iterdir()} == before
     (tmp_path / "ours" / "config.json").write_text("{ damaged")  # said how to save over it
     with pytest.raises(ValueError, match=r"cannot read \(JSONDecodeError; if it is these heads' own, damaged, "
                                          r"delete it and save again\)"):
@@ -910,6 +913,90 @@ def test_a_save_that_fails_writes_nothing(saved, tmp_path):
     model.save_pretrained(tmp_path / "again")
     assert "Calibrated on 0 questions of `q.jsonl`" in (tmp_path / "again" / "README.md").read_text()
     assert not list((tmp_path / "again").glob("*.partial"))
+
+
+def test_a_save_that_fails_leaves_no_heads_beside_another_saves_datastore_or_rename(tmp_path, monkeypatch):
+    """The datastore was saved (and a stale one removed) after the new heads were in place: a full disk there left
+    the new heads beside the old heads' store, which loaded without a word; a rename that failed left the new
+    weights beside the old config.json. Now a save that fails leaves the folder's files as they were."""
+    import shutil
+
+    from medusa_infer import checkpoint
+    from medusa_infer.datastore import Datastore
+
+    base = tiny_model("llama")
+    first = MedusaModel.from_base(base, num_heads=2)
+    first.datastore = Datastore.from_sequences([[5, 6, 7, 8, 9, 10]])
+    folder = tmp_path / "heads"
+    first.save_pretrained(folder)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    torch.manual_seed(3)
+    second = MedusaModel.from_base(base, num_heads=2, tree=[[0], [1], [0, 0]])
+    second.datastore = Datastore.from_sequences([[11, 12, 13, 14]])
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Datastore, "save", full_disk)
+        with pytest.raises(OSError, match="No space left"):
+            second.save_pretrained(folder)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    replace, calls = checkpoint.os.replace, []
+
+    def cut(*args):  # the second rename (config.json, after the weights) fails
+        calls.append(args)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        replace(*args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint.os, "replace", cut)
+        with pytest.raises(KeyboardInterrupt):
+            second.save_pretrained(folder)
+    assert not list(folder.glob("*.partial"))  # (the weights, moved in, are the new ones: config.json the old)
+    second.save_pretrained(folder)  # saved again, whole
+    loaded = MedusaModel.from_pretrained(folder, base_model=base)
+    assert loaded.config.tree == [[0], [1], [0, 0]] and loaded.datastore.tokens.tolist()[:4] == [11, 12, 13, 14]
+    shutil.rmtree(folder)
+
+
+def test_heads_files_are_utf8_and_their_keys_and_folder_checked(tmp_path, monkeypatch):
+    """README.md and config.json were written in the locale's encoding (an ASCII locale failed the save of a
+    data source named in French); a config.json without num_layers, vocab_size or projection was blamed on the
+    weights or the base model ("trained for a vocabulary of 0 tokens"); an integer key in acceptance failed the
+    save with a bare TypeError; an empty folder name saved into (and loaded from) the working directory."""
+    import os
+    import subprocess
+    import sys
+
+    base = tiny_model("llama")
+    model = MedusaModel.from_base(base, num_heads=2)
+    model.config.training = {"data_sources": {"données_été.jsonl": 10}}
+    folder = tmp_path / "heads"
+    script = ("import sys, torch; sys.path.insert(0, 'tests'); from tiny import tiny_model; "
+              "from medusa_infer.model import MedusaModel; m = MedusaModel.from_base(tiny_model('llama'), num_heads=2); "
+              "m.config.training = {'data_sources': {'donn\\u00e9es_\\u00e9t\\u00e9.jsonl': 10}}; "
+              f"m.save_pretrained({str(folder)!r})")
+    ascii_locale = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0",
+                    "PYTHONIOENCODING": "ascii"}
+    done = subprocess.run([sys.executable, "-c", script], env=ascii_locale, capture_output=True, text=True,
+                          cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "données_été.jsonl" in (folder / "README.md").read_text(encoding="utf-8")
+    saved = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    for key in ("num_layers", "vocab_size", "projection"):
+        (folder / "config.json").write_text(json.dumps({k: v for k, v in saved.items() if k != key}))
+        with pytest.raises(ValueError, match=f"config.json has no {key}, which every saved heads config holds"):
+            MedusaModel.from_pretrained(folder, base_model=base)
+    with pytest.raises(ValueError, match="heads config acceptance keys must be strings \\(JSON's\\), got 3"):
+        MedusaConfig(num_heads=1, hidden_size=8, acceptance={3: 1.0})
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="the heads folder is an empty string"):
+        model.save_pretrained("")
+    with pytest.raises(ValueError, match="the heads folder is an empty string"):
+        MedusaModel.from_pretrained("", base_model=base)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["heads"]
 
 
 def test_a_hand_edited_tree_with_duplicates_is_kept_normalised(saved, tmp_path):
