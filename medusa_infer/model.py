@@ -599,6 +599,7 @@ class MedusaModel(nn.Module):
         # a save that failed there (a full disk) had left the new heads beside the old heads' store or adapter,
         # which loaded without a word
         staged: list[tuple[Path, Path]] = []
+        aside = directory / (DATASTORE_NAME + ".old.partial")  # an earlier save's store, kept until the heads are in
         try:
             directory.mkdir(parents=True, exist_ok=True)
             if self.datastore is not None:
@@ -610,7 +611,7 @@ class MedusaModel(nn.Module):
                 shutil.copytree(self.merged_adapter, copy)
                 staged.append((copy, target))
             if self.datastore is None and not unread and store.is_file():  # an earlier save's store is not these
-                store.unlink()  # heads': gone first (the earlier heads work without it)
+                os.replace(store, aside)  # heads': out of the way first (the earlier heads work without it)
             out = save_heads(directory, config, dict(heads_state) if heads_state is not None else own,
                              base_model_id, renders_chats(config, self.tokenizer))
         except BaseException:
@@ -619,7 +620,10 @@ class MedusaModel(nn.Module):
                     shutil.rmtree(made)
                 else:
                     made.unlink(missing_ok=True)
+            if aside.is_file():
+                os.replace(aside, store)
             raise
+        aside.unlink(missing_ok=True)
         for made, place in staged:  # moves only, once the heads are in place
             if place.is_dir():  # another adapter's files would mix with this one's
                 shutil.rmtree(place)

@@ -942,6 +942,12 @@ def test_a_save_that_fails_leaves_no_heads_beside_another_saves_datastore_or_ren
         with pytest.raises(OSError, match="No space left"):
             second.save_pretrained(folder)
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    plain = MedusaModel.from_base(base, num_heads=2, tree=[[0]])  # no store: the folder's goes with a save, and
+    (folder / "README.md.partial").mkdir()  # stays with one that fails
+    with pytest.raises(IsADirectoryError):
+        plain.save_pretrained(folder)
+    (folder / "README.md.partial").rmdir()
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
     replace, calls = checkpoint.os.replace, []
 
     def cut(*args):  # the second rename (config.json, after the weights) fails
