@@ -881,10 +881,10 @@ class GenerationStream:
     def __init__(self, state: "DecodeBatch", pad_token_id: int, gate: SpeculationGate | None = None) -> None:
         self.state, self.pad_token_id, self.gate = state, pad_token_id, gate
         self.input_ids = state.input_ids
-        self._texts = _TextTracker(state.tokenizer, len(state.rows))
-        self._chunks = self._run()
-        self._output: GenerationOutput | None = None
-        self._ended: BaseException | None = None  # what ended the generation before it finished (result())
+        self._run = _StreamRun(_TextTracker(state.tokenizer, len(state.rows)))
+        # (the generator holds no reference to the stream: a stream dropped unfinished, a loop over it left with
+        # break, is freed at once, with its generator, not at the next garbage collection)
+        self._chunks = _stream_chunks(state, gate, pad_token_id, self._run)
 
     @property
     def running(self) -> bool:
@@ -897,34 +897,7 @@ class GenerationStream:
     def _without_text(self) -> None:
         """Chunks from here on carry their tokens only: each chunk's text re-decodes its row's whole answer,
         work quadratic in its length (generate() and medusa-bench's timings paid for it unread)."""
-        self._texts = _TextTracker(None, 0)
-
-    def _run(self) -> Iterator[StreamChunk]:
-        try:
-            yield from self._steps()
-        except BaseException as error:  # (GeneratorExit: closed) kept for result() to name
-            self._ended = error
-            raise
-
-    def _steps(self) -> Iterator[StreamChunk]:
-        state, start = self.state, time.perf_counter()
-        away = 0.0  # spent by the consumer between chunks (writing them out, say): not the generation's time
-        with torch.inference_mode():
-            emitted = state.prefill()
-        while True:
-            for row, tokens in emitted.items():
-                if tokens:
-                    chunk = StreamChunk(row, tokens, self._texts.update(row, state.generated[row],
-                                                                        final=state.finish[row] is not None))
-                    handed = time.perf_counter()
-                    yield chunk
-                    away += time.perf_counter() - handed
-            if state.done:
-                break
-            with torch.inference_mode():
-                emitted, _ = gated_step(state, self.gate)
-        state.metrics.total_s = time.perf_counter() - start - away
-        self._output = state.output(self.pad_token_id)
+        self._run.texts = _TextTracker(None, 0)
 
     def result(self) -> GenerationOutput:
         """The finished generation: iterates what is left of it first. ``RuntimeError`` for a stream closed or
@@ -932,13 +905,49 @@ class GenerationStream:
         self._without_text()  # the chunks drained here are read by no one
         for _ in self._chunks:
             pass
-        if self._output is None:
-            ended = self._ended
+        if self._run.output is None:
+            ended = self._run.ended
             how = ("was closed" if ended is None or isinstance(ended, GeneratorExit)
                    else f"failed ({type(ended).__name__}: {ended})")
             raise RuntimeError(f"this stream {how} before it finished, so it has no result; call result() instead "
                                "of closing a stream whose output is wanted, or start another stream()") from ended
-        return self._output
+        return self._run.output
+
+
+@dataclass
+class _StreamRun:
+    """What a stream's generator and the stream share: the text tracker, and how the generation ended."""
+
+    texts: "_TextTracker"
+    output: GenerationOutput | None = None
+    ended: BaseException | None = None  # what ended it before it finished (GeneratorExit: closed)
+
+
+def _stream_chunks(state: "DecodeBatch", gate: SpeculationGate | None, pad_token_id: int,
+                   run: _StreamRun) -> Iterator[StreamChunk]:
+    """The chunks of ``GenerationStream``, its output left in ``run``."""
+    try:
+        start = time.perf_counter()
+        away = 0.0  # spent by the consumer between chunks (writing them out, say): not the generation's time
+        with torch.inference_mode():
+            emitted = state.prefill()
+        while True:
+            for row, tokens in emitted.items():
+                if tokens:
+                    chunk = StreamChunk(row, tokens, run.texts.update(row, state.generated[row],
+                                                                      final=state.finish[row] is not None))
+                    handed = time.perf_counter()
+                    yield chunk
+                    away += time.perf_counter() - handed
+            if state.done:
+                break
+            with torch.inference_mode():
+                emitted, _ = gated_step(state, gate)
+        state.metrics.total_s = time.perf_counter() - start - away
+        run.output = state.output(pad_token_id)
+    except BaseException as error:
+        run.ended = error
+        raise
 
 
 def stream(
@@ -1031,8 +1040,9 @@ def stream(
     elif lookup_tokens:
         raise ValueError("lookup_tokens= grafts prompt lookup onto the Medusa tree; it does not apply to a "
                          "proposer passed in (use the lookup proposer's own num_tokens)")
-    live = _PROPOSER_STREAMS.get(id(proposer))
-    if live is not None and live.running:  # (its state is a call's: the other stream failed with a shape error)
+    live = _PROPOSER_RUNS.get(id(proposer))
+    if live is not None and live.gi_frame is not None:  # (its state is a call's: the other stream failed with a
+        # shape error)
         raise ValueError(f"this proposer ({type(proposer).__name__}) drives another stream that has not finished; "
                          "pass a proposer per call (proposers.build_proposer), or finish that stream (result()) or "
                          "close it first")
@@ -1049,13 +1059,14 @@ def stream(
     elif speculation_gate is True:
         speculation_gate = SpeculationGate()
     chunks = GenerationStream(state, _pad_id(model, tokenizer, stop), speculation_gate or None)
-    _PROPOSER_STREAMS[id(proposer)] = chunks
+    _PROPOSER_RUNS[id(proposer)] = chunks._chunks
     return chunks
 
 
-_PROPOSER_STREAMS: "weakref.WeakValueDictionary[int, GenerationStream]" = weakref.WeakValueDictionary()
-"""The stream each proposer was last given to, by ``id`` (the stream holds its proposer: the id is not reused
-while the entry lives): a proposer keeps one call's state, so a second stream is refused it while the first runs."""
+_PROPOSER_RUNS: "weakref.WeakValueDictionary[int, Iterator[StreamChunk]]" = weakref.WeakValueDictionary()
+"""The generator of the stream each proposer was last given to, by ``id`` (it holds the proposer: the id is not
+reused while the entry lives): a proposer keeps one call's state, so a second stream is refused it while the first
+runs. A stream dropped unfinished (a loop left with break) frees its generator, and the proposer, at once."""
 
 
 def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> GenerationOutput:

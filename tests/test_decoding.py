@@ -1122,6 +1122,23 @@ def test_a_proposer_driving_an_unfinished_stream_is_refused_to_another():
         next(iterator)
         iterator.close()
         generate(model, prompt="hello world", max_new_tokens=4, eos_token_id=[], proposer=proposer)
+        # a loop left with break, or a stream never iterated, dropped: taken at once, not at the next garbage
+        # collection (the stream and its generator referred to each other)
+        import gc
+
+        gc.disable()
+        try:
+            for _ in stream(model, prompt="hello world", max_new_tokens=20, eos_token_id=[], proposer=proposer):
+                break
+            generate(model, prompt="hello world", max_new_tokens=4, eos_token_id=[], proposer=proposer)
+            stream(model, prompt="hello world", max_new_tokens=20, eos_token_id=[], proposer=proposer)
+            generate(model, prompt="hello world", max_new_tokens=4, eos_token_id=[], proposer=proposer)
+            # while a loop runs, its generator holds the proposer, the stream dropped or not
+            with pytest.raises(ValueError, match="drives another stream that has not finished"):
+                for _ in stream(model, prompt="hello world", max_new_tokens=20, eos_token_id=[], proposer=proposer):
+                    generate(model, prompt="hello world", max_new_tokens=4, eos_token_id=[], proposer=proposer)
+        finally:
+            gc.enable()
 
 
 def test_numpy_and_torch_numbers_are_taken_as_sampling_settings():
