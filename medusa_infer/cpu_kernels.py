@@ -338,8 +338,8 @@ def measure_kernel_plan(layers: Iterable[nn.Linear], rows: Sequence[int] = PLAN_
     ``budget_bytes`` of weights, in order) for each count in ``rows``, interleaved within each
     repeat so that a noisy machine slows them alike, and keep the fastest (median) per count.
     ``"mkl-packed"`` competes where ``mkl_packed_works`` and for at most ``MKL_PACKED_MAX_ROWS``
-    rows (a plan where it wins up to that count is measured one row further too: the counts past it run on
-    the faster of the others). The first round warms up and is discarded."""
+    rows (where it works, one row past that count is measured too, without it: the counts past it run on the
+    faster of the others). The first round warms up and is discarded."""
     chosen: list[nn.Linear] = []
     held = 0
     for layer in layers:

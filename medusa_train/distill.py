@@ -1757,8 +1757,8 @@ def config_from_args(args: argparse.Namespace) -> DistillConfig:
         # each to its type, as a training recipe's are (do_sample: "false" sampled, a quoted number a TypeError);
         # an unknown key is named by from_dict
         hints = typing.get_type_hints(DistillConfig)
-        values.update({key: convert_value(value, hints[key], f"{args.recipe}: {key}") if key in hints else value
-                       for key, value in section.items()})
+        values.update({key: value if key not in hints or (key, value) == ("chat_template", "")  # '': the tokenizer's
+                       else convert_value(value, hints[key], f"{args.recipe}: {key}") for key, value in section.items()})
     skip = {"recipe", "log_level", "exclude_ids", "per_source"}
     values.update({k: v for k, v in vars(args).items() if k not in skip and v is not None})
     if args.per_source:

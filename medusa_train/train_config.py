@@ -988,25 +988,28 @@ def feature_indexes(config: TrainConfig, settings: dict[str, Any] | None = None)
 def _feature_rows(config: TrainConfig) -> int | None:
     """Cached positions of the training split, when a run of these settings (``feature_settings``)
     already wrote its feature index (this run's, or one sharing ``features.dir``)."""
-    found = feature_indexes(config)[1:]
+    if not config.features.dir and not (run_paths(config).features / "index.json").is_file():
+        return None  # (nothing to read: the settings, which hash the training data, are not made)
+    settings = feature_settings(config)  # once
+    found = feature_indexes(config, settings)
     if config.soft_label_topk == 0 and config.features.topk:  # a kl run's caches serve loss ce (below)
-        found += feature_indexes(config, {**feature_settings(config), "topk": config.features.topk})[1:]
-    for index in [run_paths(config).features / "index.json", *found]:
-        rows = _indexed_rows(config, index)
+        found += feature_indexes(config, {**settings, "topk": config.features.topk})[1:]
+    for index in found:
+        rows = _indexed_rows(config, index, settings)
         if rows is not None:
             return rows
     return None
 
 
-def _indexed_rows(config: TrainConfig, index: Path) -> int | None:
-    """``_feature_rows`` of the feature index at ``index``."""
+def _indexed_rows(config: TrainConfig, index: Path, settings: dict[str, Any]) -> int | None:
+    """``_feature_rows`` of the feature index at ``index``, ``settings`` being ``feature_settings(config)``."""
     try:  # damaged (a run killed mid-write before it was renamed into place): extracted again, as unmatched
         written = json.loads(index.read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(written, dict):
         return None
-    wanted = json.loads(json.dumps(feature_settings(config)))
+    wanted = json.loads(json.dumps(settings))
     recorded = written.get("settings")
     if isinstance(recorded, dict) and "seed" not in recorded and "heldout_fraction" not in recorded:
         wanted = {k: v for k, v in wanted.items() if k not in ("seed", "heldout_fraction")}  # (an index from before

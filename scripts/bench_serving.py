@@ -137,6 +137,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [t for t in args.temperatures if not 0 <= t <= 2]  # (OpenAI's range; NaN is not in it)
     if bad:
         parser.error(f"--temperatures {bad[0]} is outside OpenAI's range, 0 to 2 (0: greedy)")
+    if args.method == "autoregressive" and args.server_arg:  # (no speculative server to take them)
+        parser.error("--method autoregressive runs the plain-decoding server alone: give its arguments with "
+                     "--baseline-arg, not --server-arg")
     from medusa_infer.serving.cli import parse_args as serve_args
 
     for method, gate in runs(args):  # each server's command, checked before any starts (a baseline given the
@@ -144,7 +147,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             serve_args(server_command(args, method, gate, port=1)[3:])
         except SystemExit:
             flag = "--baseline-arg" if method == "autoregressive" else "--server-arg"
-            parser.error(f"the {method} server's medusa-serve refuses its arguments (above): mend its {flag}")
+            given = args.baseline_arg if method == "autoregressive" else args.server_arg
+            parser.error(f"the {method} server's medusa-serve refuses its arguments (above): mend "
+                         + (f"its {flag}" if given else "the setting named there"))
     return args
 
 

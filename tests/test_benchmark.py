@@ -1880,6 +1880,13 @@ def test_bench_serving_gives_the_baseline_its_own_arguments_and_checks_every_ser
     with pytest.raises(SystemExit):
         script.parse_args(["--method", "lookup", "--server-arg=--layerskip-layers=2"])
     assert "mend its --server-arg" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # bench_serving's own setting, passed on: not blamed on --server-arg
+        script.parse_args(["--method", "lookup", "--threads", "100000"])
+    err = capsys.readouterr().err
+    assert "--threads must be at most" in err and err.splitlines()[-1].endswith("mend the setting named there")
+    with pytest.raises(SystemExit):  # plain decoding alone: its server takes --baseline-arg (--server-arg dropped)
+        script.parse_args(["--method", "autoregressive", "--server-arg=--max-prefill-tokens=7"])
+    assert "give its arguments with --baseline-arg, not --server-arg" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -877,6 +877,7 @@ def test_a_distill_recipes_values_are_taken_as_their_types(tmp_path, prompts_fil
         config("distill:\n  n: many\n")
     with pytest.raises(ValueError, match="unknown distill settings"):
         config("distill:\n  temprature: 0.5\n")
+    assert config('distill:\n  chat_template: ""\n').chat_template is None  # the tokenizer's own, as on the command line
 
 
 def test_a_setting_only_the_other_backend_reads_is_refused(tmp_path):
