@@ -1159,19 +1159,31 @@ def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> Generati
     return chunks.result()
 
 
+CLEANUP_SPAN = 4
+"""The most characters a pattern of transformers' ``clean_up_tokenization`` spans (``" n't"``): each begins with a
+space that it removes once the tokens after it show."""
+
+
+def cleans_spaces(tokenizer: Any) -> bool:
+    """Whether ``tokenizer.decode`` may clean up spaces (WordPiece, Unigram and WordLevel tokenizers asking for it):
+    a text's end may then change as tokens come, "it '" becoming "it's"."""
+    return bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
+
+
+def cleanup_settled(text: str) -> int:
+    """How much of ``text``, decoded with space cleanup, more tokens after it cannot change: up to the first space
+    among its last ``CLEANUP_SPAN`` characters."""
+    cut = text.find(" ", max(len(text) - CLEANUP_SPAN, 0))
+    return len(text) if cut < 0 else cut
+
+
 class _TextTracker:
     """Incremental detokenisation: the text a row's new tokens add (empty without a tokenizer)."""
-
-    CLEANUP_SPAN = 4
-    """The most characters a pattern of transformers' ``clean_up_tokenization`` spans (``" n't"``): each begins
-    with a space that it removes once the tokens after it show."""
 
     def __init__(self, tokenizer: Any, rows: int) -> None:
         self.tokenizer, self.sent = tokenizer, [""] * rows
         self.runs = [ByteRun(tokenizer) for _ in range(rows)]
-        # decode then cleans spaces up (WordPiece, Unigram and WordLevel tokenizers asking for it): a text's end
-        # may yet change, "it '" becoming "it's"
-        self.cleans = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
+        self.cleans = cleans_spaces(tokenizer)
 
     def update(self, row: int, tokens: list[int], final: bool = False) -> str:
         """The text ``tokens`` (the row's new tokens so far) add; ``final``: the row ends with them, so
@@ -1185,8 +1197,7 @@ class _TextTracker:
         if text.endswith("\ufffd") and not final:  # an incomplete multi-byte character: wait for the rest
             return ""
         if self.cleans and not final:  # held back from a space a cleanup pattern may yet remove
-            cut = text.find(" ", max(len(text) - self.CLEANUP_SPAN, 0))
-            text = text if cut < 0 else text[:cut]
+            text = text[: cleanup_settled(text)]
         if len(text) <= len(self.sent[row]):
             return ""
         new, self.sent[row] = text[len(self.sent[row]):], text

@@ -251,6 +251,25 @@ def test_text_assembler_holds_back_what_may_become_a_stop_string(model):
     assert flushed.add([ids("the"), ids("cat")]) == "the " and flushed.add([], final=True) == "cat"
 
 
+def test_text_assembler_joins_to_the_decoded_answer_with_a_tokenizer_that_cleans_up_spaces():
+    """decode's clean_up_tokenization_spaces (WordPiece, Unigram, WordLevel tokenizers) rewrites a text's end once
+    later tokens show; decoded a window at a time, the server's text was cleaned within windows and not across
+    them ("hello it ' s fine don't.")."""
+    from medusa_infer.serving.testing import word_tokenizer
+
+    tokenizer = word_tokenizer(("hello", "it", "'", "s", "fine", "do", "n't", "."))
+    tokenizer.clean_up_tokenization_spaces = True
+    ids = tokenizer("hello it ' s fine do n't .", add_special_tokens=False)["input_ids"]
+    for context in (0, 1):  # after a prompt, the text reads as it does there: with the space before "it"
+        text = TextAssembler(tokenizer, (), ids[:context])
+        chunks = [text.add([token], final=n == len(ids) - context - 1) for n, token in enumerate(ids[context:])]
+        whole = tokenizer.decode(ids, skip_special_tokens=True)
+        assert "".join(chunks) == whole[len(tokenizer.decode(ids[:context])):], chunks
+        assert len([chunk for chunk in chunks if chunk]) > 3  # (streamed, not all at the end)
+    stopped = TextAssembler(tokenizer, ("'s",), ids[:1])
+    assert "".join(stopped.add([token]) for token in ids[1:]) == " it" and stopped.stopped
+
+
 def test_text_after_a_prompt_ending_inside_byte_tokens_is_whole_and_its_stop_strings_found():
     """A byte-fallback tokenizer (Llama-2, Mistral) with a prompt ending in emoji: the last prompt tokens
     decoded as context started inside a character, so the generated emoji continuing their run of byte

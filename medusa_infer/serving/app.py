@@ -32,6 +32,8 @@ from medusa_infer.decoding import (
     ByteRun,
     SamplingConfig,
     StopConfig,
+    cleans_spaces,
+    cleanup_settled,
     context_start,
     special_stop_ids,
     text_start,
@@ -361,7 +363,7 @@ class _Answer:
 
 class TextAssembler:
     """A request's text as its tokens arrive, decoded incrementally (a window of recent tokens,
-    not the whole output each time). The text is cut before the first stop string; until the
+    not the whole output each time, bar a tokenizer whose decode cleans up spaces). The text is cut before the first stop string; until the
     request ends, text that may be the start of a stop string or of a multi-byte character (or a
     run of byte tokens: ``ByteRun``) is held back, so a stream never shows what the final
     text will not contain."""
@@ -380,6 +382,10 @@ class TextAssembler:
         self.text = ""  # decoded so far
         self.sent = 0  # characters of ``text`` handed out
         self.stopped = False
+        # decode cleans spaces up: across windows it did not ("it ' s"), so the text is decoded whole, from the
+        # context on, and its end held back while a cleanup pattern may still change it
+        self.cleans = cleans_spaces(tokenizer)
+        self.context, self.context_text = len(self.tokens), before
 
     def add(self, token_ids: list[int], final: bool = False) -> str:
         """The new text these tokens complete; ``final`` flushes everything held back."""
@@ -396,12 +402,20 @@ class TextAssembler:
                 self.stopped = True
         if not self.stopped and not final:
             end -= _partial_stop(self.text, self.stops)
+            if self.cleans:
+                end = min(end, cleanup_settled(self.text))
         delta = self.text[self.sent:end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return delta
 
     def _decode(self, final: bool) -> None:
         decode = self.tokenizer.decode
+        if self.cleans:  # whole (quadratic in the answer's length, for these tokenizers alone)
+            whole = decode(self.tokens, skip_special_tokens=True)
+            text = whole[len(self.context_text):] if whole.startswith(self.context_text) else \
+                decode(self.tokens[self.context:], skip_special_tokens=True)  # (cleaned at the seam)
+            self.text = text if final or not text.endswith("\ufffd") else self.text
+            return
         end = len(self.tokens) if final else self.byte_run(self.tokens)
         before = decode(self.tokens[self.prefix_offset : self.read_offset], skip_special_tokens=True)
         after = decode(self.tokens[self.prefix_offset : end], skip_special_tokens=True)
