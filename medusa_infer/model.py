@@ -598,18 +598,19 @@ class MedusaModel(nn.Module):
         # The datastore and the adapter are written beside their places before the heads go in, then moved in:
         # a save that failed there (a full disk) had left the new heads beside the old heads' store or adapter,
         # which loaded without a word
-        staged: list[tuple[Path, Path]] = []
+        staged: list[tuple[Path, Path]] = []  # each listed before it is written: one cut short is removed too
         aside = directory / (DATASTORE_NAME + ".old.partial")  # an earlier save's store, kept until the heads are in
+        made_folders = [folder for folder in (directory, *directory.parents) if not folder.exists()]
         try:
             directory.mkdir(parents=True, exist_ok=True)
             if self.datastore is not None:
-                staged.append((self.datastore.save(directory / (DATASTORE_NAME + ".partial")), store))
+                staged.append((directory / (DATASTORE_NAME + ".partial"), store))
+                self.datastore.save(staged[-1][0])
             if self.merged_adapter is not None and (not target.exists()
                                                     or not os.path.samefile(target, self.merged_adapter)):
-                copy = directory / (ADAPTER_DIR + ".partial")
-                shutil.rmtree(copy, ignore_errors=True)
-                shutil.copytree(self.merged_adapter, copy)
-                staged.append((copy, target))
+                staged.append((directory / (ADAPTER_DIR + ".partial"), target))
+                shutil.rmtree(staged[-1][0], ignore_errors=True)
+                shutil.copytree(self.merged_adapter, staged[-1][0])
             if self.datastore is None and not unread and store.is_file():  # an earlier save's store is not these
                 os.replace(store, aside)  # heads': out of the way first (the earlier heads work without it)
             out = save_heads(directory, config, dict(heads_state) if heads_state is not None else own,
@@ -622,6 +623,9 @@ class MedusaModel(nn.Module):
                     made.unlink(missing_ok=True)
             if aside.is_file():
                 os.replace(aside, store)
+            for folder in made_folders:  # (a save refused by save_heads's checks left the new folder, empty)
+                if folder.is_dir() and not any(folder.iterdir()):
+                    folder.rmdir()
             raise
         aside.unlink(missing_ok=True)
         for made, place in staged:  # moves only, once the heads are in place

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import io
 import json
 import os
 import socket
@@ -147,9 +149,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             serve_args(server_command(args, method, gate, port=1)[3:])
         except SystemExit:
             flag = "--baseline-arg" if method == "autoregressive" else "--server-arg"
-            given = args.baseline_arg if method == "autoregressive" else args.server_arg
-            parser.error(f"the {method} server's medusa-serve refuses its arguments (above): mend "
-                         + (f"its {flag}" if given else "the setting named there"))
+            alone = argparse.Namespace(**{**vars(args), "server_arg": [], "baseline_arg": []})
+            try:  # the extra arguments to blame only where the command without them is taken
+                with contextlib.redirect_stderr(io.StringIO()):
+                    serve_args(server_command(alone, method, gate, port=1)[3:])
+                blame = f"its {flag}"
+            except SystemExit:
+                blame = "the setting named there"
+            parser.error(f"the {method} server's medusa-serve refuses its arguments (above): mend {blame}")
     return args
 
 

@@ -1884,6 +1884,9 @@ def test_bench_serving_gives_the_baseline_its_own_arguments_and_checks_every_ser
         script.parse_args(["--method", "lookup", "--threads", "100000"])
     err = capsys.readouterr().err
     assert "--threads must be at most" in err and err.splitlines()[-1].endswith("mend the setting named there")
+    with pytest.raises(SystemExit):  # nor on a good --server-arg beside it
+        script.parse_args(["--method", "lookup", "--threads", "100000", "--server-arg=--max-prefill-tokens=64"])
+    assert capsys.readouterr().err.splitlines()[-1].endswith("mend the setting named there")
     with pytest.raises(SystemExit):  # plain decoding alone: its server takes --baseline-arg (--server-arg dropped)
         script.parse_args(["--method", "autoregressive", "--server-arg=--max-prefill-tokens=7"])
     assert "give its arguments with --baseline-arg, not --server-arg" in capsys.readouterr().err

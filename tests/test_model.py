@@ -967,6 +967,44 @@ def test_a_save_that_fails_leaves_no_heads_beside_another_saves_datastore_or_ren
     shutil.rmtree(folder)
 
 
+def test_a_failed_adapter_copy_or_a_refused_save_leaves_the_folders_as_they_were(tmp_path, monkeypatch):
+    """The adapter copied beside its place was removed on a failure only once it was whole: a copy cut short by a
+    full disk stayed (adapter.partial/); a save its own checks refused left the new folder made, empty."""
+    import shutil
+
+    from peft import LoraConfig, get_peft_model
+
+    from medusa_infer.checkpoint import ADAPTER_DIR
+
+    source = tmp_path / "medusa2"
+    MedusaModel.from_base(tiny_model("llama"), num_heads=2).save_pretrained(source)
+    get_peft_model(tiny_model("llama"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"])) \
+        .save_pretrained(str(source / ADAPTER_DIR))
+    model = MedusaModel.from_pretrained(source, base_model=tiny_model("llama"))
+    target = tmp_path / "out"
+    MedusaModel.from_base(tiny_model("llama"), num_heads=2, tree=[[0]]).save_pretrained(target)
+    before = {str(p.relative_to(target)): p.read_bytes() for p in target.rglob("*") if p.is_file()}
+    real, copied = shutil.copy2, []
+
+    def full_disk(src, dst, **kwargs):  # the adapter's second file finds the disk full
+        if copied:
+            raise OSError(28, "No space left on device")
+        copied.append(src)
+        return real(src, dst, **kwargs)
+
+    copytree = shutil.copytree
+    with monkeypatch.context() as patch:
+        patch.setattr(shutil, "copytree", lambda src, dst, **kw: copytree(src, dst, copy_function=full_disk, **kw))
+        with pytest.raises(OSError, match="No space left"):
+            model.save_pretrained(target)
+    assert {str(p.relative_to(target)): p.read_bytes() for p in target.rglob("*") if p.is_file()} == before
+    refused = MedusaModel.from_base(tiny_model("llama"), num_heads=2)
+    refused.config.tree = [[0], [0, 0], [0, 0, 0]]  # deeper than the heads: refused by the save's checks
+    with pytest.raises(ValueError, match="has depth 3 but there are only 2 heads"):
+        refused.save_pretrained(tmp_path / "new" / "heads")
+    assert not (tmp_path / "new").exists()
+
+
 def test_heads_files_are_utf8_and_their_keys_and_folder_checked(tmp_path, monkeypatch):
     """README.md and config.json were written in the locale's encoding (an ASCII locale failed the save of a
     data source named in French); a config.json without num_layers, vocab_size or projection was blamed on the

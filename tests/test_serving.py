@@ -268,6 +268,13 @@ def test_text_assembler_joins_to_the_decoded_answer_with_a_tokenizer_that_cleans
         assert len([chunk for chunk in chunks if chunk]) > 3  # (streamed, not all at the end)
     stopped = TextAssembler(tokenizer, ("'s",), ids[:1])
     assert "".join(stopped.add([token]) for token in ids[1:]) == " it" and stopped.stopped
+    # a stop string only in text the cleanup then rewrites ("don '" of "don ' t", "don't") does not stop it
+    tokenizer = word_tokenizer(("don", "'", "t", "go"))
+    tokenizer.clean_up_tokenization_spaces = True
+    ids = tokenizer("don ' t go", add_special_tokens=False)["input_ids"]
+    rewritten = TextAssembler(tokenizer, ("don '",))
+    chunks = [rewritten.add([token], final=n == len(ids) - 1) for n, token in enumerate(ids)]
+    assert "".join(chunks) == "don't go" and not rewritten.stopped
 
 
 def test_text_after_a_prompt_ending_inside_byte_tokens_is_whole_and_its_stop_strings_found():

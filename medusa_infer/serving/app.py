@@ -395,15 +395,15 @@ class TextAssembler:
         self._decode(final)
         end = len(self.text)
         longest = max((len(s) for s in self.stops), default=0)
+        settled = len(self.text) if final or not self.cleans else cleanup_settled(self.text)
         for stop in self.stops:
             found = self.text.find(stop, max(0, self.sent - longest))
-            if found >= 0:
+            if found >= 0 and found + len(stop) <= settled:  # (not in text a cleanup may yet rewrite)
                 end = min(end, found)
                 self.stopped = True
         if not self.stopped and not final:
             end -= _partial_stop(self.text, self.stops)
-            if self.cleans:
-                end = min(end, cleanup_settled(self.text))
+            end = min(end, settled)
         delta = self.text[self.sent:end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return delta
