@@ -143,6 +143,8 @@ def assistant_char_spans(
             continue
         before = render_chat(tokenizer, messages[:i], add_generation_prompt=True)
         through = _through_turn(tokenizer, messages[: i + 1])
+        if i == len(messages) - 1 and len(through) > len(full) and through.startswith(full):
+            full = through  # the end of turn a template writes only where another turn follows (_through_turn)
         for name, text in (("up to", before), ("through", through)):
             if not full.startswith(text):
                 raise TemplateError(
@@ -168,14 +170,23 @@ def _through_turn(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[st
     conversation's end: Phi-3's templates, say, end one with the EOS token after the last turn's
     ``<|end|>\n``, which no turn followed by another holds (it was labelled as the answer's, and made such
     templates fail on multi-turn rows as not prefix-stable). Found as the tokens the rendering shares
-    with one where a user turn follows; the rendering itself where that one continues it (most templates),
-    or where the tokenizer gives no character offsets."""
+    with one where a user turn follows, up to the first EOS token after the turn's content (a template that
+    writes the generation prompt after every turn, an assistant's too, shares the next header's first token);
+    the rendering itself where that one continues it (most templates), or where the tokenizer gives no
+    character offsets. Where the one a user turn follows continues it with the EOS token, a template writing a
+    turn's end only before another turn (``{% if not loop.last %}<|im_end|>{% endif %}``), the rendering through
+    that token: the model ends its answers with it (as its distilled ``response_ids`` hold), and was never
+    taught to."""
     through = render_chat(tokenizer, messages)
     try:
         following = render_chat(tokenizer, [*messages, {"role": "user", "content": _MARK}])
     except jinja2.TemplateError:  # a template that takes no user turn there: the rendering as it is
         return through
+    eos = tokenizer.eos_token if isinstance(tokenizer.eos_token, str) and tokenizer.eos_token else None
     if following.startswith(through):
+        rest = following[len(through):]
+        if eos is not None and rest.lstrip().startswith(eos):
+            return following[: len(following) - len(rest.lstrip()) + len(eos)]
         return through
     ids, offsets = _with_offsets(tokenizer, through)
     shared = _shared_prefix(ids, tokenizer(following, add_special_tokens=False)["input_ids"])
@@ -190,7 +201,10 @@ def _through_turn(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[st
     start = len(render_chat(tokenizer, messages[:-1], add_generation_prompt=True))
     content = str(messages[-1].get("content") or "").strip()
     found = through.find(content, start)
-    return through[:cut] if found >= 0 and cut >= found + len(content) and cut > start else through
+    if not (found >= 0 and cut >= found + len(content) and cut > start):
+        return through
+    end = through.find(eos, found + len(content)) if eos is not None else -1  # the turn ends with the EOS token
+    return through[: min(cut, end + len(eos))] if end >= 0 else through[:cut]
 
 
 def _with_offsets(tokenizer: PreTrainedTokenizerBase, text: str) -> tuple[list[int], list[tuple[int, int]] | None]:

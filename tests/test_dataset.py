@@ -199,6 +199,34 @@ def test_a_template_writing_the_last_turn_otherwise_keeps_its_labels(smol):
         "<think>\n\n</think>\n\nHello.<|im_end|>"]
 
 
+END_ONLY_BEFORE_A_TURN = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                          "{% if not (loop.last and m['role'] == 'assistant') %}<|im_end|>\n{% endif %}{% endfor %}"
+                          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+PROMPT_AFTER_EVERY_TURN = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                           "{% endfor %}<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("template, first", [(END_ONLY_BEFORE_A_TURN, ""), (PROMPT_AFTER_EVERY_TURN, "\n")],
+                         ids=["end-only-before-a-turn", "prompt-after-every-turn"])
+def test_an_answers_end_of_turn_is_labelled_and_nothing_of_the_next_turn(smol, template, first):
+    """A template writing <|im_end|> only where another turn follows: no answer's end was labelled (the last
+    one's was not even in the example), so the heads never learnt where answers end. One writing the
+    generation prompt after every conversation: each answer's labels ran on into the next turn's
+    <|im_start|>, taken then as the end-of-turn token."""
+    tokenizer = with_template(smol, template)
+    check_template(tokenizer)
+    chat = [{"role": "user", "content": "A?"}, {"role": "assistant", "content": "One."},
+            {"role": "user", "content": "B?"}, {"role": "assistant", "content": "Two."}]
+    rows = [{"id": "m", "messages": chat}, {"id": "r", "prompt": "A?", "response": "One."}]
+    multi, single = build_examples(rows, tokenizer, 512)
+    assert labelled_runs(tokenizer, multi["input_ids"], multi["labels"]) == [f"{first}One.<|im_end|>",
+                                                                             f"{first}Two.<|im_end|>"]
+    assert labelled_runs(tokenizer, single["input_ids"], single["labels"]) == [f"{first}One.<|im_end|>"]
+    assert build_examples(rows, NoOffsets(tokenizer), 512) == [multi, single]
+    cut = build_examples([{**rows[1], "finish_reason": "length"}], tokenizer, 512)[0]  # no end where none was written
+    assert labelled_runs(tokenizer, cut["input_ids"], cut["labels"]) == [f"{first}One."]
+
+
 def test_short_and_empty_answers_under_a_template_ending_conversations_with_eos(smol):
     """An answer found inside the template's own closing text ("end" in <|im_end|>) or an empty one was not
     cut from the EOS after it: labelled again, or, in an earlier turn, the whole build failed as not
