@@ -174,7 +174,7 @@ penalty); medusa-forge decodes plain greedy or samples the model's distribution,
 
 def processor_settings(base_model: Any) -> dict[str, Any]:
     """The ``PROCESSOR_SETTINGS`` that ``base_model``'s generation config sets to something other than
-    a neutral value (None, off, 0, 1 for the multiplicative ones, empty)."""
+    a neutral value (None, off, 0 but for a token id, 1 for the multiplicative ones, empty)."""
     config = getattr(base_model, "generation_config", None)
     found = {}
     for name in PROCESSOR_SETTINGS:
@@ -182,6 +182,9 @@ def processor_settings(base_model: Any) -> dict[str, Any]:
             continue
         value = getattr(config, name, None)
         if value is None or value is False or (isinstance(value, (list, tuple, dict)) and not value):
+            continue
+        if name.endswith("_token_id"):  # a token id: 0 is a token (transformers forces any but None)
+            found[name] = value
             continue
         if isinstance(value, (int, float)) and value == (1 if name in ("repetition_penalty",
                                                                        "encoder_repetition_penalty",
@@ -437,6 +440,9 @@ class MedusaModel(nn.Module):
         """
         from medusa_infer import interop
 
+        for flag, value in (("adapter", adapter), ("datastore", datastore)):  # ("false" merged the adapter)
+            if not isinstance(value, bool):
+                raise ValueError(f"{flag} must be True or False, got {value!r}")
         directory = heads_folder(heads_path_or_repo_id, revision)
         exported_digest = None  # the adapter a FasterDecoding-layout export of Medusa-2 heads was trained with
         exported = interop.is_medusa_layout(directory)
@@ -449,7 +455,7 @@ class MedusaModel(nn.Module):
                 if not base_model:
                     raise ValueError(f"{directory}/config.json names no base_model_name_or_path; give the base model "
                                      "(base_model=, or the command lines' --model)")
-            base_model, tokenizer, name = _load_named_base(base_model, tokenizer, directory, named)
+            base_model, tokenizer, name = _load_base(base_model, tokenizer, directory if named else None)
             lm_head = base_model.get_output_embeddings()
             lm_weight = lm_head.weight
             config, state = interop.read_medusa_layout(
@@ -468,8 +474,9 @@ class MedusaModel(nn.Module):
                     "or the command lines' --model)"
                 )
             named = base_model is None
-            base_model, tokenizer, name = _load_named_base(base_model or config.base_model_name_or_path, tokenizer,
-                                                           directory, named)
+            # (an empty string given is refused as such, not taken for "the config's")
+            base_model, tokenizer, name = _load_base(config.base_model_name_or_path if named else base_model,
+                                                     tokenizer, directory if named else None)
         adapter_folder = directory / ADAPTER_DIR
         merge = adapter and adapter_folder.is_dir()
         digests = adapter_digests(adapter_folder) if merge else ()  # (this digest, and as recorded before README.md
@@ -1120,6 +1127,9 @@ def heads_folder(path_or_repo_id: str | os.PathLike, revision: str | None = None
     if not str(path_or_repo_id).strip():  # (an unset variable: the working directory was read as the heads)
         raise ValueError("the heads folder is an empty string: give a folder path or a Hub repo id")
     path = Path(path_or_repo_id).expanduser()
+    if path.is_dir() and revision is not None:  # (it was read as it is, whatever revision was asked for)
+        raise ValueError(f"revision={revision!r} picks a version of a Hub repo, and {path_or_repo_id} is a local "
+                         "folder: drop revision=, or name the repo where no folder of that name is here")
     if path.is_dir():  # absolute: an adapter merged from it is copied from there after a chdir too
         return path.absolute()
     if path.exists():
@@ -1136,7 +1146,12 @@ def heads_folder(path_or_repo_id: str | os.PathLike, revision: str | None = None
         raise ValueError(f"no such heads folder: {path_or_repo_id} ({path.absolute()} does not exist), and it "
                          f"cannot be a Hub repo id either ({err}); check the path") from err
     except (LocalEntryNotFoundError, RepositoryNotFoundError) as err:
-        raise ValueError(f"{path_or_repo_id} is no local folder, and fetching it as a Hub repo failed: {err}") from err
+        at = "" if revision is None else f" at revision {revision!r}"
+        offline = (" (where the Hub cannot be reached, a repo is read from the cache: download it once online, "
+                   "with that revision)"
+                   if isinstance(err, LocalEntryNotFoundError) else "")
+        raise ValueError(f"{path_or_repo_id} is no local folder, and fetching it as a Hub repo{at} failed{offline}: "
+                         f"{err}") from err
 
 
 def _check_trained_weights(config: MedusaConfig, name: str | None, directory: Path, adapting: bool = False) -> None:
@@ -1171,22 +1186,6 @@ def _check_trained_weights(config: MedusaConfig, name: str | None, directory: Pa
                    recorded, now, effect)
 
 
-def _load_named_base(base_model: PreTrainedModel | str, tokenizer: Any, directory: Path,
-                     named: bool) -> tuple[PreTrainedModel, Any, str | None]:
-    """``_load_base``; where the heads' config.json named the base model (``named``), a failure to load it says so,
-    and the fix (offline, a Hub id never downloaded, or a folder moved since: the error named neither)."""
-    tokenizer = _given_tokenizer(tokenizer)  # (its failure is not the base model's)
-    try:
-        return _load_base(base_model, tokenizer)
-    except (OSError, ValueError) as err:
-        if not named:
-            raise
-        kind = OSError if isinstance(err, OSError) else ValueError
-        raise kind(f"the base model {str(base_model)!r} that {directory}/config.json names could not be loaded: "
-                   f"{err or repr(err)}\n(where it cannot be had here, give the base model the heads were trained "
-                   "on: base_model=, or the command lines' --model)") from err
-
-
 def _given_tokenizer(tokenizer: Any) -> Any:
     """A tokenizer object passes through; a name or folder is loaded; anything else is a ``ValueError``."""
     if isinstance(tokenizer, (str, os.PathLike)):
@@ -1198,21 +1197,25 @@ def _given_tokenizer(tokenizer: Any) -> Any:
 
 
 def check_tokenizer(tokenizer: Any) -> None:
-    """``ValueError`` for a ``tokenizer=`` that is no tokenizer (None is none given)."""
-    if tokenizer is not None and not callable(tokenizer):
+    """``ValueError`` for a ``tokenizer=`` that is no tokenizer (None is none given): a tokenizer class or a
+    function was taken, and failed at the first ``generate`` naming neither."""
+    if tokenizer is not None and (not callable(tokenizer) or isinstance(tokenizer, type)
+                                  or not hasattr(tokenizer, "decode")):
         raise ValueError(f"tokenizer must be a tokenizer (AutoTokenizer.from_pretrained(...)) or, where a model is "
                          f"loaded, its name or folder; got a {type(tokenizer).__name__}: {tokenizer!r:.60}")
 
 
 def _load_base(
-    base_model: PreTrainedModel | str, tokenizer: Any
+    base_model: PreTrainedModel | str, tokenizer: Any, named_by: Path | None = None
 ) -> tuple[PreTrainedModel, Any, str | None]:
     """An already loaded model passes through, in eval mode (one built from a config is in training mode,
     whose dropout made greedy decoding random); a name is resolved and loaded with its tokenizer. A tokenizer
-    given by name or folder is loaded from there."""
+    given by name or folder is loaded from there. A name that does not load raises an error naming it and the
+    fix, and ``named_by`` (the heads folder whose config.json named it), where given: offline, a Hub id never
+    downloaded, or a folder moved since, transformers' error named neither."""
     from medusa_infer.models import load_base_model, load_tokenizer
 
-    tokenizer = _given_tokenizer(tokenizer)
+    tokenizer = _given_tokenizer(tokenizer)  # (its failure is not the base model's)
     if isinstance(base_model, PreTrainedModel):
         check_supported(base_model)  # before its weights are read (a bare decoder has no lm_head)
         # weights changed through .data since its last forward (peft's merge_and_unload, which check_supported
@@ -1225,5 +1228,17 @@ def _load_base(
         raise ValueError(f"base_model is a {type(base_model).__name__}, not a transformers PreTrainedModel: pass the "
                          "model itself (for a torch.compile'd one, its _orig_mod) or its name")
     name = str(base_model)
-    model = load_base_model(name)
-    return model, tokenizer if tokenizer is not None else load_tokenizer(name), name
+    try:
+        model = load_base_model(name)
+        return model, tokenizer if tokenizer is not None else load_tokenizer(name), name
+    except (OSError, ValueError) as err:
+        if named_by is None and isinstance(err, ValueError):  # (ours, naming the value and the fix)
+            raise
+        kind = OSError if isinstance(err, OSError) else ValueError
+        if named_by is None:
+            raise kind(f"the base model {name!r} could not be loaded: {err or repr(err)}\n(a Hub id is read from the "
+                       "cache offline: download it once online; or give a local folder, a default-model name, or a "
+                       "loaded model)") from err
+        raise kind(f"the base model {name!r} that {named_by}/config.json names could not be loaded: "
+                   f"{err or repr(err)}\n(where it cannot be had here, give the base model the heads were trained "
+                   "on: base_model=, or the command lines' --model)") from err

@@ -160,6 +160,9 @@ def resolve_model(name_or_path: str, cache_dir: str | Path | None = None) -> str
         ValueError: a path that is not a folder, or a bare name that is not a default model.
         RuntimeError: a default model's wheels could not be downloaded or did not check out.
     """
+    if not str(name_or_path).strip():  # (an unset variable: Path("") is the working directory, loaded as the model)
+        raise ValueError(f"the model name is an empty string ({name_or_path!r}): give a model folder, a Hub id such as "
+                         f"'org/model', or one of: {', '.join(DEFAULT_MODELS)}")
     path = Path(name_or_path).expanduser()
     if names_default_model(name_or_path):
         return str(fetch_default_model(DEFAULT_MODELS[name_or_path], cache_dir))

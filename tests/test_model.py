@@ -422,6 +422,10 @@ def test_a_tokenizer_given_by_name_is_loaded_and_anything_else_refused(tmp_path)
     for bad in (5, ["w5"]):
         with pytest.raises(ValueError, match=f"tokenizer must be a tokenizer .*got a {type(bad).__name__}"):
             MedusaModel.from_base(model.base_model, tokenizer=bad, num_heads=2)
+    # a tokenizer class or a function was taken, and the first generate failed naming neither
+    for bad in (PreTrainedTokenizerFast, word_tokenizer):
+        with pytest.raises(ValueError, match=f"tokenizer must be a tokenizer .*got a {type(bad).__name__}"):
+            MedusaModel.from_base(model.base_model, tokenizer=bad, num_heads=2)
     with pytest.raises(ValueError, match="tokenizer must be a tokenizer .*got a str"):
         generate(model, prompt="w5", tokenizer="smollm2-135m-instruct", max_new_tokens=2)
     model.save_pretrained(tmp_path / "heads")
@@ -836,6 +840,60 @@ def test_heads_loaded_onto_other_weights_than_they_were_trained_on_say_so(tmp_pa
                                       r"trained on: base_model=") as err:
         MedusaModel.from_pretrained(tmp_path / "heads", tokenizer=words)
     assert str(err.value.__cause__) in str(err.value)  # whole: a gated repo's access link, a login hint, kept
+    # given by the caller, not the config: transformers' "couldn't connect ... cached files" named neither
+    for load in (lambda: MedusaModel.without_heads("no-org/none", tokenizer=words),
+                 lambda: MedusaModel.from_pretrained(tmp_path / "heads", base_model="no-org/none")):
+        with pytest.raises(OSError, match=r"the base model 'no-org/none' could not be loaded: (.|\n)*\n\(a Hub id is "
+                                          r"read from the cache offline: download it once online; or give a local "
+                                          r"folder"):
+            load()
+
+
+def test_an_empty_model_name_is_refused_not_read_as_the_working_folder(tmp_path, monkeypatch):
+    """An unset variable's "": the base model and the tokenizer loaded from the working folder, or (from_pretrained's
+    base_model="") from the one the heads' config named, without a word."""
+    tiny_model("llama").save_pretrained(tmp_path / "base")
+    word_tokenizer().save_pretrained(tmp_path / "base")
+    model = medusa(base_model("llama"))
+    model.config.base_model_name_or_path = str(tmp_path / "base")
+    model.save_pretrained(tmp_path / "heads")
+    model.export_medusa_layout(tmp_path / "exported")
+    monkeypatch.chdir(tmp_path / "base")  # a model folder: "" loaded it
+    empty = "the model name is an empty string \\(''\\): give a model folder"
+    for load in (lambda: MedusaModel.without_heads(""), lambda: MedusaModel.from_base("", num_heads=2),
+                 lambda: MedusaModel.from_pretrained(tmp_path / "heads", base_model=""),
+                 lambda: MedusaModel.from_pretrained(tmp_path / "exported", base_model="")):
+        with pytest.raises(ValueError, match=empty):
+            load()
+    with pytest.raises(ValueError, match=empty):
+        MedusaModel.from_base(model.base_model, tokenizer="", num_heads=2)
+    with pytest.raises(ValueError, match=empty):
+        MedusaModel.from_pretrained(tmp_path / "heads", tokenizer="")
+
+
+def test_a_revision_is_refused_with_a_local_heads_folder(saved, tmp_path, monkeypatch):
+    """revision= was dropped without a word where the heads were a folder here (one shadowing the repo meant); a
+    repo not cached at that revision, offline, failed naming neither the revision nor the fix."""
+    directory, base = saved
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(ValueError, match="no-org/heads is no local folder, and fetching it as a Hub repo at revision "
+                                         "'v2' failed \\(where the Hub cannot be reached, a repo is read from the "
+                                         "cache: download it once online, with that revision\\)"):
+        MedusaModel.from_pretrained("no-org/heads", base_model=base, revision="v2")
+    with pytest.raises(ValueError, match=f"revision='v2' picks a version of a Hub repo, and {directory} is a local "
+                                         "folder: drop revision="):
+        MedusaModel.from_pretrained(directory, base_model=base, revision="v2")
+    assert MedusaModel.from_pretrained(directory, base_model=base).config.num_heads == HEADS
+
+
+def test_the_adapter_and_datastore_flags_must_be_booleans(saved):
+    """adapter="false" merged the adapter (any truthy value did)."""
+    directory, base = saved
+    for flag in ("adapter", "datastore"):
+        for bad in ("false", 0, None):
+            with pytest.raises(ValueError, match=f"{flag} must be True or False, got {bad!r}"):
+                MedusaModel.from_pretrained(directory, base_model=base, **{flag: bad})
 
 
 def test_medusa2_heads_copied_without_their_adapter_are_named_when_loaded(saved, caplog):
@@ -1163,6 +1221,9 @@ def test_logits_processors_a_generation_config_asks_for_are_named_when_loaded(ca
     MedusaModel.without_heads(base)
     assert "LlamaForCausalLM's generation_config sets repetition_penalty=1.05, which medusa-forge does not apply" \
         in caplog.text
+    # a forced token id 0 is a token transformers forces (any but None), not a neutral value
+    base.generation_config.repetition_penalty, base.generation_config.forced_eos_token_id = 1.0, 0
+    assert processor_settings(base) == {"forced_eos_token_id": 0}
 
 
 def test_sampling_defaults_a_generation_config_sets_are_named_and_a_later_change_too(caplog):
