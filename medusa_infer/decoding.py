@@ -257,6 +257,17 @@ class ByteRun:
         return token_id in self._special
 
 
+def ends_in_byte_token(tokenizer: Any, ids: Sequence[int]) -> bool:
+    """Whether ``ids`` end in a byte-fallback ``<0xNN>`` token (special tokens after it, which decode to nothing,
+    skipped): whose tokenizer reads every byte of a run cut inside a character as U+FFFD (``ByteRun``)."""
+    specials = special_ids(tokenizer)
+    for token_id in reversed(ids):
+        if int(token_id) not in specials:
+            token = tokenizer.convert_ids_to_tokens(int(token_id))
+            return isinstance(token, str) and _BYTE_TOKEN.fullmatch(token) is not None
+    return False
+
+
 def whole_text(tokenizer: Any, context: Sequence[int], text: str) -> str:
     """The text of ``context``'s tokens up to its last whole character, ``text`` being theirs: ``text`` unless
     it ends in U+FFFD (tokens cut inside a character's bytes), else that of up to 3 fewer tokens, special tokens
@@ -355,6 +366,12 @@ class StopConfig:
         strings = (self.stop_strings,) if isinstance(self.stop_strings, str) else tuple(self.stop_strings)
         if any(not isinstance(text, str) for text in strings):
             raise ValueError(f"stop_strings must be a string or a list of strings, got {self.stop_strings!r}")
+        for text in strings:  # (a lone surrogate failed the engine step, and every request batched with it)
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise ValueError(f"stop string {text!r} is not valid Unicode (a lone surrogate at {err.start}): "
+                                 "give whole characters (a surrogate pair read from JSON is one)") from err
         if "" in strings:
             raise ValueError(f"stop_strings={list(strings)!r} holds an empty stop string, which every text "
                              "contains (the row would stop after one token); remove it")

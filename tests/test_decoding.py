@@ -12,7 +12,7 @@ import torch
 
 from medusa_infer import acceptance as rules
 from medusa_infer.adaptive import StepCosts
-from medusa_infer.decoding import encode_chat, generate, generator_seed, resolve_tree, stream
+from medusa_infer.decoding import StopConfig, encode_chat, generate, generator_seed, resolve_tree, stream
 from medusa_infer.kv_cache import AttentionLayout, KVState
 from medusa_infer.metrics import GenerationMetrics
 from medusa_infer.model import MedusaModel
@@ -809,6 +809,17 @@ def test_a_stop_string_given_as_one_str_is_one_stop_string():
                             stop_strings=(text for text in [stop]))
     assert as_generator.new_tokens == as_str.new_tokens and as_generator.finish_reasons == ["stop"]
     assert model.tokenizer.decode(as_str.new_tokens[0]).endswith(stop)
+
+
+def test_a_stop_string_that_is_not_valid_unicode_is_refused_before_decoding():
+    """A lone surrogate (half a JSON escape pair) was taken, then failed the engine step that encoded it, and every
+    request batched with it; generate() failed with a UnicodeEncodeError naming no argument."""
+    for stops in ("\ud83d", ["fox", "a\udc00"]):
+        with pytest.raises(ValueError, match="is not valid Unicode \\(a lone surrogate at [01]\\): give whole"):
+            StopConfig(5, (), stops)
+        with pytest.raises(ValueError, match="is not valid Unicode"):
+            generate(word_medusa(0), prompt="the cat", max_new_tokens=4, stop_strings=stops)
+    assert StopConfig(5, (), "\U0001F389").stop_strings == ("\U0001F389",)
 
 
 def test_a_special_tokens_text_written_as_plain_pieces_still_stops_as_a_stop_string():

@@ -396,6 +396,20 @@ def test_a_stop_string_ending_a_run_of_byte_tokens_longer_than_the_window_is_fou
     assert generated_text_tail(tokenizer, prompt + tokens, len(prompt), window).endswith("\u7174")
 
 
+def test_a_byte_level_answer_ending_in_stray_bytes_keeps_each_replacement_character():
+    """A byte-level tokenizer (SmolLM2) decodes each stray byte to a U+FFFD of its own: the server's final text
+    squashed them into one (the byte-fallback tokenizers' case below), unlike the tokens' decode, generate()'s
+    text and the text the engine matched stop strings in."""
+    from medusa_infer.models import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    lead, tail = tokenizer.convert_tokens_to_ids("\u00f0"), tokenizer.convert_tokens_to_ids("\u0142")  # F0, A0
+    the = tokenizer("The", add_special_tokens=False)["input_ids"]
+    for answer in (the + [lead, lead], the + [tail, tail, lead], the + [lead]):
+        served = TextAssembler(tokenizer, (), tokenizer("Hello")["input_ids"]).add(answer, final=True)
+        assert served == tokenizer.decode(answer, skip_special_tokens=True), answer
+
+
 def test_streamed_text_of_a_run_of_byte_tokens_joins_to_the_decoded_answer():
     """A byte-fallback tokenizer (Gemma, Llama-2) decodes a run of byte tokens as one, every byte U+FFFD
     while it ends inside a character, characters it completed before included: a character sent as

@@ -35,6 +35,7 @@ from medusa_infer.decoding import (
     cleans_spaces,
     cleanup_settled,
     context_start,
+    ends_in_byte_token,
     special_stop_ids,
     text_start,
     whole_text,
@@ -419,9 +420,11 @@ class TextAssembler:
         end = len(self.tokens) if final else self.byte_run(self.tokens)
         before = decode(self.tokens[self.prefix_offset : self.read_offset], skip_special_tokens=True)
         after = decode(self.tokens[self.prefix_offset : end], skip_special_tokens=True)
-        if final and after.endswith("\ufffd"):  # the answer ends inside a character: the characters before it
-            # whole (a byte-fallback tokenizer read all its run of byte tokens as U+FFFD: an answer cut inside
-            # a run of 20 CJK characters lost them all), then one U+FFFD, as a byte-level tokenizer reads it
+        if final and after.endswith("\ufffd") and ends_in_byte_token(self.tokenizer, self.tokens[:end]):
+            # the answer ends inside a character: the characters before it whole (a byte-fallback tokenizer read
+            # all its run of byte tokens as U+FFFD: an answer cut inside a run of 20 CJK characters lost them
+            # all), then one U+FFFD, as a byte-level tokenizer reads it (whose own text is kept: one U+FFFD for
+            # each stray byte, as its decode gives)
             whole = whole_text(self.tokenizer, self.tokens[self.prefix_offset : end], after)
             after = max(after.rstrip("\ufffd"), whole, key=len) + "\ufffd"
         at = text_start(before, before if self.whole is None else self.whole, after)
