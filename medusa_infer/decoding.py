@@ -21,6 +21,7 @@ import json
 import math
 import numbers
 import re
+import threading
 import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
@@ -1057,16 +1058,6 @@ def stream(
     elif lookup_tokens:
         raise ValueError("lookup_tokens= grafts prompt lookup onto the Medusa tree; it does not apply to a "
                          "proposer passed in (use the lookup proposer's own num_tokens)")
-    live = _PROPOSER_RUNS.get(id(proposer))
-    if live is not None and live.gi_frame is not None:  # (its state is a call's: the other stream failed with a
-        # shape error)
-        raise ValueError(f"this proposer ({type(proposer).__name__}) drives another stream that has not finished; "
-                         "pass a proposer per call (proposers.build_proposer), or finish that stream (result()) or "
-                         "close it first")
-    generator = None
-    if seed is not None:
-        generator = torch.Generator(device=model.device).manual_seed(generator_seed(seed))
-    state = DecodeBatch(model, input_ids, attention_mask, proposer, sampling, stop, tokenizer, generator)
     if not (speculation_gate is None or isinstance(speculation_gate, (bool, SpeculationGate))):
         raise ValueError(f"speculation_gate must be True, False, None or a SpeculationGate, got {speculation_gate!r}")
     if speculation_gate is None:  # greedy batches: the output is the same whichever steps speculate
@@ -1075,8 +1066,20 @@ def stream(
         speculation_gate = None  # plain decoding: nothing to gate
     elif speculation_gate is True:
         speculation_gate = SpeculationGate()
-    chunks = GenerationStream(state, _pad_id(model, tokenizer, stop), speculation_gate or None)
-    _PROPOSER_RUNS[id(proposer)] = chunks._chunks
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=model.device).manual_seed(generator_seed(seed))
+    with _PROPOSER_LOCK:  # checked and taken at once: two threads given one proposer both passed the check, and
+        # shared it (a shape error, or a draft's generator replaced by the other call's)
+        live = _PROPOSER_RUNS.get(id(proposer))
+        if live is not None and live.gi_frame is not None:  # (its state is a call's: the other stream failed with a
+            # shape error)
+            raise ValueError(f"this proposer ({type(proposer).__name__}) drives another stream that has not finished; "
+                             "pass a proposer per call (proposers.build_proposer), or finish that stream (result()) "
+                             "or close it first")
+        state = DecodeBatch(model, input_ids, attention_mask, proposer, sampling, stop, tokenizer, generator)
+        chunks = GenerationStream(state, _pad_id(model, tokenizer, stop), speculation_gate or None)
+        _PROPOSER_RUNS[id(proposer)] = chunks._chunks
     return chunks
 
 
@@ -1084,6 +1087,9 @@ _PROPOSER_RUNS: "weakref.WeakValueDictionary[int, Iterator[StreamChunk]]" = weak
 """The generator of the stream each proposer was last given to, by ``id`` (it holds the proposer: the id is not
 reused while the entry lives): a proposer keeps one call's state, so a second stream is refused it while the first
 runs. A stream dropped unfinished (a loop left with break) frees its generator, and the proposer, at once."""
+
+_PROPOSER_LOCK = threading.Lock()
+"""Held while a stream checks that its proposer is free and takes it (``_PROPOSER_RUNS``)."""
 
 
 def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> GenerationOutput:

@@ -1152,6 +1152,50 @@ def test_a_proposer_driving_an_unfinished_stream_is_refused_to_another():
             gc.enable()
 
 
+def test_a_proposer_two_threads_are_given_at_once_is_refused_to_the_second():
+    """The check that a proposer is free and its taking were apart, with the stream's set-up between: two threads
+    given one proposer both passed the check and shared it (a shape error, or one draft's generator replaced by the
+    other's). The first call here is held inside its set-up (its proposer's configure) until the second has set
+    up too, or a second has passed."""
+    import threading
+
+    from medusa_infer.proposers import build_proposer
+
+    model = word_medusa()
+    proposer = build_proposer("lookup", model, {})
+    first_in, second_in, calls = threading.Event(), threading.Event(), []
+
+    def configure(generator) -> None:
+        calls.append(generator)
+        if len(calls) == 1:
+            first_in.set()
+            second_in.wait(1.0)
+        else:
+            second_in.set()
+
+    proposer.configure = configure
+    streams, errors = {}, {}
+
+    def open_stream(name: str) -> None:
+        try:
+            streams[name] = stream(model, prompt="the party is", max_new_tokens=8, eos_token_id=[], proposer=proposer)
+        except ValueError as error:
+            errors[name] = error
+
+    first = threading.Thread(target=open_stream, args=("first",))
+    first.start()
+    assert first_in.wait(5.0)
+    second = threading.Thread(target=open_stream, args=("second",))
+    second.start()
+    first.join(10.0)
+    second.join(10.0)
+    assert list(streams) == ["first"] and list(errors) == ["second"], (streams, errors)
+    assert "drives another stream that has not finished" in str(errors["second"]) and len(calls) == 1
+    alone = generate(model, prompt="the party is", max_new_tokens=8, eos_token_id=[],
+                     proposer=build_proposer("lookup", model, {}))
+    assert streams["first"].result().new_tokens == alone.new_tokens
+
+
 def test_numpy_and_torch_numbers_are_taken_as_sampling_settings():
     import numpy as np
 
