@@ -92,11 +92,14 @@ def sdpa_gqa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     ``key`` and ``value`` ``[batch, kv_heads, slots, dim]``), except that a masked CPU inference
     forward of grouped-query attention reads each key/value head in place (``enable_gqa``) instead
     of copying it once per query head (see the module docstring). Returns ``([batch, new, heads,
-    dim], None)``."""
+    dim], None)``. Attention soft-capping is refused, as transformers' ``sdpa`` does since 5.18 (5.17's dropped the
+    cap without a word)."""
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"{SDPA_GQA} attention has no soft-capping (softcap={kwargs['softcap']}), which would be "
+                         "dropped: load the model with attn_implementation='eager'")
     if (query.device.type != "cpu" or attention_mask is None or torch.is_grad_enabled()
             or getattr(module, "num_key_value_groups", 1) <= 1 or key.shape[-1] != value.shape[-1]
-            or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
-            or kwargs.get("output_attentions", False)):
+            or kwargs.get("position_bias") is not None or kwargs.get("output_attentions", False)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     # a mask is given, so transformers' sdpa would not pass is_causal either

@@ -172,13 +172,17 @@ def test_every_decoding_forward_runs_inside_the_choice(monkeypatch):
 
 
 def test_sdpa_gqa_refuses_soft_capping_as_sdpa_does():
-    """A masked CPU inference forward with attention soft-capping is left to transformers' sdpa, which
-    refuses it: read in place with enable_gqa, the cap would be silently dropped."""
+    """A forward with attention soft-capping is refused: read in place with enable_gqa, or left to transformers'
+    sdpa (which refuses it since 5.18, and dropped it in 5.17, the oldest this project takes), the cap would be
+    silently dropped."""
     from torch import nn
 
     module = nn.Module()
     module.num_key_value_groups = 2
     query, key = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8)
     mask = torch.zeros(1, 1, 3, 5)
-    with torch.no_grad(), pytest.raises(ValueError, match="softcap"):
+    with torch.no_grad(), pytest.raises(ValueError, match="has no soft-capping \\(softcap=50.0\\), which would be "
+                                                          "dropped: load the model with attn_implementation='eager'"):
+        sdpa_gqa_attention(module, query, key, key, mask, softcap=50.0)
+    with pytest.raises(ValueError, match="softcap=50.0"):  # with gradients: transformers' own sdpa
         sdpa_gqa_attention(module, query, key, key, mask, softcap=50.0)
