@@ -110,7 +110,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"{', '.join(shaping)} shape sampling, and --temperature 0 decodes greedily: give a temperature "
                      "above 0, or drop them")
     # first: a rule the method does not use is refused as such, not for the settings it would refuse
-    check_method_flags(parser, args, "train some with train_heads.py or `make demo`")
+    check_method_flags(parser, args, "train some with train_heads.py or `make demo` (in the medusa-forge repository)")
     if args.do_sample:  # the sampling settings, checked as generation will (before the model loads)
         from medusa_infer.decoding import SamplingConfig
 

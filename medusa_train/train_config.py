@@ -612,7 +612,8 @@ def read_recipe(path: str | Path) -> dict[str, Any]:
     """A recipe file's mapping (``read_yaml``); ``ValueError`` when it is missing, no YAML or no mapping."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"recipe {path} does not exist; see recipes/ for the shipped ones")
+        raise ValueError(f"recipe {path} does not exist; see recipes/ in the medusa-forge repository for the shipped "
+                         "ones")
     from medusa_infer.cli import decode_utf8
 
     try:
