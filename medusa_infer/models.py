@@ -573,7 +573,8 @@ def load_base_model(
     ``"default"`` keeps PyTorch's own). With ``attn_implementation=None``, a model that transformers
     gives ``sdpa`` gets ``attention_kernels.SDPA_GQA`` instead, where its type is one of
     ``SDPA_GQA_MODEL_TYPES``: the same attention, without copying shared key/value heads under a
-    tree mask.
+    tree mask; a model that soft-caps its attention scores (Gemma 2) gets ``eager``, which applies the cap
+    (transformers 5.17's ``sdpa`` dropped it).
     """
     from medusa_infer.attention_kernels import SDPA_GQA, SDPA_GQA_MODEL_TYPES
     from medusa_infer.cpu_kernels import CPU_KERNELS, apply_cpu_kernels
@@ -594,6 +595,10 @@ def load_base_model(
         model.name_or_path = name_or_path
     elif name_or_path in DEFAULT_MODELS:  # a model folder of that name won: heads record where it is, not the
         model.name_or_path = str(Path(folder).expanduser().resolve())  # name, which elsewhere is the default
+    if (attn_implementation is None and model.config._attn_implementation == "sdpa"
+            and getattr(model.config.get_text_config(), "attn_logit_softcapping", None)):
+        # (Gemma 2: transformers 5.17 gives it sdpa, which drops the cap without a word; later ones give eager)
+        model.set_attn_implementation("eager")
     if (attn_implementation is None and model.config._attn_implementation == "sdpa"
             and model.config.model_type in SDPA_GQA_MODEL_TYPES):
         model.set_attn_implementation(SDPA_GQA)

@@ -238,3 +238,28 @@ def test_layerskip_drafts_with_opts_nested_layers():
     assert out.new_tokens == [reference(model, p, 16) for p in prompts]
     with torch.no_grad():  # the view runs one layer: other logits than the whole model's
         assert not torch.allclose(view(ids).logits, base(ids).logits)
+
+
+def test_a_model_that_soft_caps_attention_is_loaded_with_attention_that_applies_the_cap(tmp_path, monkeypatch):
+    """transformers 5.17 (the oldest this project takes) gave Gemma 2 sdpa, which dropped its attention soft-cap
+    without a word (later ones give it eager): its logits were another model's. Where transformers gives it sdpa
+    (as 5.17 does, done here by hand), it is loaded with eager attention, and its logits are the eager ones."""
+    from medusa_infer import models
+
+    gemma2 = tiny("gemma2", {**CONFIGS["gemma2"], "attn_logit_softcapping": 0.5})  # (a cap that changes the scores)
+    gemma2.save_pretrained(tmp_path / "gemma2")
+    loader = AutoModelForCausalLM.from_pretrained
+
+    def as_in_5_17(*args, **kwargs):
+        model = loader(*args, **kwargs)
+        if kwargs.get("attn_implementation") is None:  # (later ones refuse to set it: the config's field, set)
+            model.config._attn_implementation = "sdpa"
+        return model
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", as_in_5_17)
+    assert as_in_5_17(tmp_path / "gemma2").config._attn_implementation == "sdpa"
+    model = models.load_base_model(str(tmp_path / "gemma2"), cpu_kernels="default")
+    assert model.config._attn_implementation == "eager"
+    ids = torch.tensor([[5, 9, 14, 3, 7, 11]])
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, gemma2(ids).logits, atol=1e-5)
