@@ -213,6 +213,13 @@ def test_metric_value_sums_the_samples_whose_labels_match():
     assert metric_value(text, "vllm:request_success_total", finished_reason="length", model_name="tiny") == 4.0
     assert metric_value(text, "vllm:request_success_total", finished_reason="abort") == 0.0
     assert metric_value(text, "vllm:request_success_total") == 107.0
+    # label values as the server writes them: escaped, and a "}" in one ended the labels (every lookup gave 0)
+    from medusa_infer.serving.metrics import ServingMetrics
+
+    for name in ("org/m{v2}", 'a"b', "back\\slash", "two\nlines"):
+        metrics = ServingMetrics(name)
+        metrics.generation_tokens.inc(5)
+        assert metric_value(metrics.render(), "vllm:generation_tokens_total", model_name=name) == 5.0, name
 
 
 def test_lookup_max_tokens_reaches_the_servers_options_and_is_refused_without_the_chain(capsys):

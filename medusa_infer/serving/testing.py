@@ -73,7 +73,9 @@ class ServerThread:
         self.socket.close()
 
 
-_SAMPLE = re.compile(r"^([^\s{]+)(\{[^}]*\})?\s+(\S+)$")
+_SAMPLE = re.compile(r'^([^\s{]+)(\{(?:[^"}]|"(?:[^"\\]|\\.)*")*\})?\s+(\S+)$')  # (a "}" in a quoted value)
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+_UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:
@@ -84,7 +86,8 @@ def metric_value(text: str, name: str, **labels: str) -> float:
         match = _SAMPLE.match(line)
         if not match or match.group(1) != name:
             continue
-        found = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', match.group(2) or ""))
+        found = {key: re.sub(r'\\[\\"n]', lambda m: _UNESCAPE[m.group(0)], value)  # (as written: escaped)
+                 for key, value in _LABEL.findall(match.group(2) or "")}
         if all(found.get(k) == str(v) for k, v in labels.items()):
             total += float(match.group(3))
     return total
