@@ -21,6 +21,7 @@ Each rule returns an :class:`Acceptance`. Three rules are offered:
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from dataclasses import dataclass
 
@@ -68,9 +69,20 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 # Argument checks
 # ---------------------------------------------------------------------------------------------
 
+def _number(name: str, value: float) -> float:
+    """``value`` as a float; ``ValueError`` naming ``name`` for anything but a real number (a bool was taken as 1,
+    and a string or None failed on a comparison naming neither)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
 def _check_sampling_args(temperature: float, top_k: int, top_p: float) -> int:
     """Raise ``ValueError`` naming the value when a sampling setting is out of range; ``top_k`` as an int (numpy's
     integers are taken, as ``SamplingConfig`` takes them)."""
+    temperature, top_p = _number("temperature", temperature), _number("top_p", top_p)
     if not 0.0 <= temperature < math.inf:
         raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature!r}")
     try:
@@ -209,6 +221,7 @@ def accept_greedy(logits: torch.Tensor, tokens: torch.Tensor, buffers: TreeBuffe
 
 def check_typical_thresholds(epsilon: float, delta: float) -> None:
     """``ValueError`` naming a typical-acceptance threshold out of range (:func:`accept_typical`)."""
+    epsilon, delta = _number("epsilon (posterior threshold)", epsilon), _number("delta (posterior alpha)", delta)
     if not 0.0 < epsilon <= 1.0:
         raise ValueError(f"epsilon (posterior threshold) must lie in (0, 1], got {epsilon!r}")
     if not 0.0 < delta < math.inf:

@@ -92,7 +92,7 @@ def save_heads(
     tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in state_dict.items()}
     # read back as a load reads it: settings changed after the config was made (a tree deeper than the heads)
     # were saved, and the folder then failed to load
-    settings = json.dumps(MedusaConfig.from_dict(config.to_dict()).to_dict(), indent=2) + "\n"
+    settings = MedusaConfig.from_dict(config.to_dict()).to_json()
     card = model_card(config, base_model_id, chat)
     directory.mkdir(parents=True, exist_ok=True)
     # One metadata key: safetensors writes the metadata map in random order, and identical heads

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,10 +90,10 @@ class MedusaConfig:
             if not isinstance(value, kind) or (int in kinds and isinstance(value, bool)):
                 names = " or ".join(k.__name__ for k in kinds)
                 raise ValueError(f"heads config {name} must be {names.replace('NoneType', 'null')}, got {value!r}")
-        for name in ("acceptance", "cost_profile", "training"):  # (JSON keys: an integer one failed the save)
-            keys = [key for key in getattr(self, name) or {} if not isinstance(key, str)]
-            if keys:
-                raise ValueError(f"heads config {name} keys must be strings (JSON's), got {keys[0]!r}")
+        for name in ("acceptance", "cost_profile", "training"):  # (JSON keys: an integer one failed the save, and
+            key = _non_string_key(getattr(self, name))  # a nested one came back a string)
+            if key is not None:
+                raise ValueError(f"heads config {name} keys must be strings (JSON's), got {key!r}")
         if self.num_heads < 1:
             raise ValueError(f"num_heads must be >= 1, got {self.num_heads}")
         for name in ("hidden_size", "vocab_size"):  # 0: not known yet (filled in from the base model)
@@ -254,9 +255,12 @@ class MedusaConfig:
             )
         unknown = sorted(set(data) - known)
         if unknown:
+            close = {key: difflib.get_close_matches(key, known, n=1) for key in unknown}
+            meant = "; ".join(f"{key!r}: did you mean {match[0]!r}?" for key, match in close.items() if match)
             raise ValueError(
-                f"unknown keys {unknown} in a medusa-forge heads config; known keys: {sorted(known)}. "
-                "Written by a newer medusa-forge, it needs an upgrade. Nor is it the FasterDecoding/Medusa layout "
+                f"unknown keys {unknown} in a medusa-forge heads config{f' ({meant})' if meant else ''}; known keys: "
+                f"{sorted(known)}. Misspelt, or written by a newer medusa-forge (which needs an upgrade). Nor is it "
+                "the FasterDecoding/Medusa layout "
                 "(a config.json with medusa_num_heads and medusa_num_layers, which MedusaModel.from_pretrained "
                 "reads too); heads in another layout (vLLM's, EAGLE's) need converting to one of the two."
             )
@@ -274,8 +278,20 @@ class MedusaConfig:
             data = {**data, "chat_template": _recipe_model(data.get("training")).get("chat_template")}
         return cls(**{**data, "format_version": FORMAT_VERSION})
 
+    def to_json(self) -> str:
+        """``config.json``'s text: strict JSON (NaN and infinities, which other readers refuse, are a
+        ``ValueError`` naming the field, as a value JSON has no form for is)."""
+        data = self.to_dict()
+        for name, value in data.items():
+            try:
+                json.dumps(value, allow_nan=False)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"heads config {name} cannot be written as JSON ({err}): give finite numbers, "
+                                 "strings, booleans, null, and lists and string-keyed dicts of them") from None
+        return json.dumps(data, indent=2) + "\n"
+
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+        Path(path).write_text(self.to_json(), encoding="utf-8")
 
     @classmethod
     def load(cls, path: str | Path) -> "MedusaConfig":
@@ -308,3 +324,18 @@ def _recipe_model(training: Any) -> dict[str, Any]:
 def _capped(total: Any) -> Any:
     """A sum of version 1's per-rank accuracies, each rounded to 5 digits: 1.00002 where the truth is 1."""
     return 1.0 if isinstance(total, float) and 1.0 < total <= 1.0 + 1e-4 else total
+
+
+def _non_string_key(value: Any) -> Any:
+    """The first dict key in ``value`` (dicts and lists, nested) that is not a string, or None."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = key if not isinstance(key, str) else _non_string_key(item)
+            if found is not None:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            found = _non_string_key(item)
+            if found is not None:
+                return found
+    return None

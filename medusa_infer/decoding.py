@@ -42,6 +42,8 @@ from medusa_infer.tree_fit import CostProfile, fit_tree, warn_if_measured_elsewh
 from medusa_infer.trees import TREE_PRESETS, get_tree, greedy_tree, tree_depth
 
 ACCEPTANCE_RULES = ("greedy", "typical", "lossless")
+TYPICAL_EPSILON, TYPICAL_DELTA = 0.09, 0.3
+"""Typical acceptance's defaults: Medusa's ``posterior_threshold`` and ``posterior_alpha`` (its sqrt)."""
 
 
 def _real(value: Any) -> float | None:
@@ -85,8 +87,8 @@ class SamplingConfig:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
-    typical_epsilon: float = 0.09
-    typical_delta: float = 0.3
+    typical_epsilon: float = TYPICAL_EPSILON
+    typical_delta: float = TYPICAL_DELTA
 
     def __post_init__(self) -> None:
         if self.acceptance not in ACCEPTANCE_RULES:
@@ -102,19 +104,24 @@ class SamplingConfig:
         object.__setattr__(self, "temperature", temperature)
         object.__setattr__(self, "top_p", top_p)
         object.__setattr__(self, "top_k", top_k)
-        if self.acceptance == "typical":
-            epsilon, delta = _real(self.typical_epsilon), _real(self.typical_delta)
-            if epsilon is None or delta is None:  # a string or a bool: named, not a bare TypeError later
-                bad = ("typical_epsilon", self.typical_epsilon) if epsilon is None else ("typical_delta",
-                                                                                          self.typical_delta)
-                raise ValueError(f"{bad[0]} must be a number, got {bad[1]!r}")
-            try:
-                rules.check_typical_thresholds(epsilon, delta)  # before any prefill
-            except ValueError as err:
-                raise ValueError(f"typical_epsilon={self.typical_epsilon!r}, typical_delta={self.typical_delta!r}: "
-                                 f"{err}") from None
-            object.__setattr__(self, "typical_epsilon", epsilon)
-            object.__setattr__(self, "typical_delta", delta)
+        # checked whatever the rule (kept unchecked, a list failed the first step, and an unused value made rows of
+        # equal settings two groups)
+        epsilon, delta = _real(self.typical_epsilon), _real(self.typical_delta)
+        if epsilon is None or delta is None:  # a string or a bool: named, not a bare TypeError later
+            bad = ("typical_epsilon", self.typical_epsilon) if epsilon is None else ("typical_delta",
+                                                                                      self.typical_delta)
+            raise ValueError(f"{bad[0]} must be a number, got {bad[1]!r}")
+        try:
+            rules.check_typical_thresholds(epsilon, delta)  # before any prefill
+        except ValueError as err:
+            raise ValueError(f"typical_epsilon={self.typical_epsilon!r}, typical_delta={self.typical_delta!r}: "
+                             f"{err}") from None
+        if self.acceptance != "typical" and (epsilon, delta) != (TYPICAL_EPSILON, TYPICAL_DELTA):
+            raise ValueError(f"typical_epsilon={self.typical_epsilon!r} and typical_delta={self.typical_delta!r} set "
+                             f"typical acceptance, and this config accepts by {self.acceptance!r}; pass "
+                             f"acceptance='typical', or leave them at {TYPICAL_EPSILON} and {TYPICAL_DELTA}")
+        object.__setattr__(self, "typical_epsilon", epsilon)
+        object.__setattr__(self, "typical_delta", delta)
         if self.acceptance == "typical" and (self.top_k or self.top_p < 1):
             given = [f"top_k={self.top_k!r}"] if self.top_k else []
             given += [f"top_p={self.top_p!r}"] if self.top_p < 1 else []
@@ -845,16 +852,15 @@ def _check_unused_sampling(do_sample: bool, acceptance: str, temperature: Any, t
             raise ValueError(f"{', '.join(given)} shape sampling, but do_sample=False decodes greedily; pass "
                              "do_sample=True, or drop them")
     if do_sample and _real(temperature) == 0:  # greedy: the settings that shape sampling would do nothing
-        typical = (("typical_epsilon", typical_epsilon, (SamplingConfig.typical_epsilon,)),
-                   ("typical_delta", typical_delta, (SamplingConfig.typical_delta,))) if acceptance == "typical" else ()
+        typical = (("typical_epsilon", typical_epsilon, (TYPICAL_EPSILON,)),
+                   ("typical_delta", typical_delta, (TYPICAL_DELTA,))) if acceptance == "typical" else ()
         given = [f"{name}={value!r}" for name, value, neutral in (
             ("top_k", top_k, (None, 0)), ("top_p", top_p, (None, 1)), ("seed", seed, (None,)), *typical)
             if value not in neutral]
         if given:
             raise ValueError(f"{', '.join(given)} shape sampling, but temperature=0 decodes greedily; give a "
                              "temperature above 0, or drop them")
-    if acceptance != "typical" and (typical_epsilon, typical_delta) != (SamplingConfig.typical_epsilon,
-                                                                       SamplingConfig.typical_delta):
+    if acceptance != "typical" and (typical_epsilon, typical_delta) != (TYPICAL_EPSILON, TYPICAL_DELTA):
         raise ValueError(f"typical_epsilon={typical_epsilon!r} and typical_delta={typical_delta!r} set typical "
                          f"acceptance, and this call accepts by {acceptance!r}; pass acceptance='typical', or drop them")
 
@@ -987,8 +993,8 @@ def stream(
     stop_strings: str | Sequence[str] = (),
     seed: int | None = None,
     tokenizer: Any = None,
-    typical_epsilon: float = 0.09,
-    typical_delta: float = 0.3,
+    typical_epsilon: float | None = TYPICAL_EPSILON,
+    typical_delta: float | None = TYPICAL_DELTA,
     adaptive: bool | None = None,
     lookup_tokens: int = 0,
     speculation_gate: SpeculationGate | bool | None = None,
@@ -1011,6 +1017,8 @@ def stream(
     top_k, top_p = (0 if top_k is None else top_k), (1.0 if top_p is None else top_p)
     stop_strings = () if stop_strings is None else stop_strings
     lookup_tokens = 0 if lookup_tokens is None else lookup_tokens
+    typical_epsilon = TYPICAL_EPSILON if typical_epsilon is None else typical_epsilon
+    typical_delta = TYPICAL_DELTA if typical_delta is None else typical_delta
     if acceptance is None:
         acceptance = "lossless" if do_sample else "greedy"
     if acceptance not in ACCEPTANCE_RULES:  # before what it implies (a typo was told to pass do_sample=True)
@@ -1116,6 +1124,11 @@ def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> Generati
             acceptance: more tokens accepted, but its samples do not follow the model's sampling
             distribution) or ``"lossless"`` (default with sampling; the output has exactly the
             model's sampling distribution).
+        typical_epsilon, typical_delta: typical acceptance's thresholds (with ``acceptance="typical"``
+            alone; None: the default): a draft token x is accepted where its probability under the
+            model's tempered distribution p exceeds ``min(typical_epsilon, typical_delta * exp(-H(p)))``,
+            epsilon in (0, 1], delta > 0. Medusa's ``posterior_threshold`` and ``posterior_alpha``;
+            default ``TYPICAL_EPSILON`` (0.09) and ``TYPICAL_DELTA`` (0.3).
         tree: a preset name, ``fitted-N`` (the N-node tree fitted to the heads' measured
             accuracies, ``resolve_tree``) or a list of paths (an empty list: plain decoding, which
             the adaptive fallback may leave for a tree where it runs: with ``adaptive=True``, or by
@@ -1163,6 +1176,8 @@ def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> Generati
             longer one up to its last few tokens, and is in general not a prefix of it), and on what a
             ``proposer`` passed in learned in earlier calls (a draft's length, a lookup gate's rates):
             a fresh one repeats a sample.
+        tokenizer: the tokenizer ``prompt``, ``messages`` and ``stop_strings`` are read with, and the
+            chunks' text decoded with (a tokenizer object); default: the model's.
         streamer: an object with ``put(token_ids)`` / ``end()`` (e.g. transformers'
             ``TextStreamer``); batch size 1. The prompt is put first, as transformers does.
 

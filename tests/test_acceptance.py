@@ -276,6 +276,13 @@ def test_a_top_p_below_float32s_smallest_keeps_the_best_token():
     ({"temperature": 1.0, "epsilon": 0.0}, r"epsilon .* got 0.0"),
     ({"temperature": 1.0, "epsilon": 1.5}, r"epsilon .* got 1.5"),
     ({"temperature": 1.0, "delta": 0.0}, r"delta .* got 0.0"),
+    # a bool was taken as 1, a string or None failed on a comparison naming neither
+    ({"temperature": True}, r"temperature must be a number, got True"),
+    ({"temperature": None}, r"temperature must be a number, got None"),
+    ({"temperature": "1"}, r"temperature must be a number, got '1'"),
+    ({"temperature": 1.0, "epsilon": True}, r"epsilon \(posterior threshold\) must be a number, got True"),
+    ({"temperature": 1.0, "epsilon": "x"}, r"epsilon \(posterior threshold\) must be a number, got 'x'"),
+    ({"temperature": 1.0, "delta": None}, r"delta \(posterior alpha\) must be a number, got None"),
 ])
 def test_typical_argument_errors(example, kwargs, message):
     with pytest.raises(ValueError, match=message):

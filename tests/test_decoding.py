@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import re
 import time
 from unittest import mock
 
@@ -809,6 +810,38 @@ def test_a_stop_string_given_as_one_str_is_one_stop_string():
                             stop_strings=(text for text in [stop]))
     assert as_generator.new_tokens == as_str.new_tokens and as_generator.finish_reasons == ["stop"]
     assert model.tokenizer.decode(as_str.new_tokens[0]).endswith(stop)
+
+
+def test_generate_documents_every_argument_stream_takes():
+    """typical_epsilon and typical_delta, the only way to set typical acceptance's thresholds, were named nowhere a
+    user would look."""
+    import inspect
+
+    documented = generate.__doc__
+    for name in inspect.signature(stream).parameters:
+        assert name == "model" or re.search(rf"\b{name}\b[^\n]*:", documented), name
+
+
+def test_typical_thresholds_are_checked_and_none_is_not_set():
+    """None is "not set" for every sampling argument but the typical thresholds, whose None was refused (and, under
+    lossless, said to choose typical acceptance); SamplingConfig kept any threshold under another rule unchecked
+    (a list failed the first step; an unused value split rows of equal settings into two groups)."""
+    from medusa_infer.decoding import SamplingConfig
+
+    model = word_medusa(0)
+    for acceptance in ("typical", None):
+        generate(model, prompt="the cat", max_new_tokens=3, do_sample=True, seed=0, acceptance=acceptance,
+                 typical_epsilon=None, typical_delta=None)
+    with pytest.raises(ValueError, match="typical_epsilon=0.5 and typical_delta=0.3 set typical acceptance, and this "
+                                         "config accepts by 'lossless'; pass acceptance='typical', or leave them"):
+        SamplingConfig("lossless", 0.7, typical_epsilon=0.5)
+    with pytest.raises(ValueError, match=r"typical_delta must be a number, got \[0.3\]"):
+        SamplingConfig("greedy", typical_delta=[0.3])
+    with pytest.raises(ValueError, match="epsilon \\(posterior threshold\\) must lie in \\(0, 1\\], got 5.0"):
+        SamplingConfig("typical", 0.7, typical_epsilon=5.0)
+    import numpy as np
+
+    assert SamplingConfig("lossless", 0.7, typical_epsilon=np.float64(0.09)) == SamplingConfig("lossless", 0.7)
 
 
 def test_a_stop_string_that_is_not_valid_unicode_is_refused_before_decoding():

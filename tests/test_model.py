@@ -1168,6 +1168,9 @@ def test_truncated_weights_file_is_reported(saved):
     # a newer release's config: told to upgrade (it was told its heads came from vLLM or EAGLE)
     (lambda c: {**c, "format_version": 3, "draft_temperature": 0.5}, "is newer than this medusa-forge supports"),
     (lambda c: {**c, "draft_temperature": 0.5}, r"unknown keys \['draft_temperature'\].*newer medusa-forge"),
+    # a misspelt key: it was told to upgrade, and top_k kept its default
+    (lambda c: {**c, "topk": 5}, r"unknown keys \['topk'\] in a medusa-forge heads config \('topk': did you mean "
+                                 r"'top_k'\?\); .*Misspelt, or written by a newer"),
     # read as their defaults, and blamed on the weights (missing tensors, shapes (0, 0))
     (lambda c: {k: v for k, v in c.items() if k != "num_heads"}, "has no num_heads, which every saved heads config"),
     (lambda c: {k: v for k, v in c.items() if k != "hidden_size"}, "has no hidden_size, which every saved heads"),
@@ -1184,6 +1187,24 @@ def test_a_config_of_the_wrong_shape_is_named(saved, edit, message):
             MedusaModel.from_pretrained(directory, base_model=base)
     finally:
         path.write_text(original)
+
+
+def test_a_config_that_is_no_strict_json_is_refused_naming_the_field(tmp_path):
+    """NaN was written as NaN, which strict JSON readers refuse; a nested integer key came back a string; a value
+    JSON has no form for failed with a TypeError naming no field."""
+    import numpy as np
+
+    model = medusa(base_model("llama"))
+    for field, value, message in (("acceptance", {"tau": float("nan")}, "Out of range float values"),
+                                  ("training", {"loss": float("inf")}, "Out of range float values"),
+                                  ("training", {"accuracy": np.float32(0.5)}, "Object of type float32 is not JSON serializable")):
+        setattr(model.config, field, value)
+        with pytest.raises(ValueError, match=f"heads config {field} cannot be written as JSON \\({message}"):
+            model.save_pretrained(tmp_path / "heads")
+        assert not (tmp_path / "heads").exists()
+        setattr(model.config, field, None if field == "acceptance" else {})
+    with pytest.raises(ValueError, match="heads config training keys must be strings \\(JSON's\\), got 1"):
+        MedusaConfig(num_heads=2, training={"counts": [{1: 2}]})
 
 
 def test_a_free_form_training_record_saves_and_loads(tmp_path):
