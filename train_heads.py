@@ -598,6 +598,10 @@ def stage_features(config: TrainConfig, accelerator: Any, train: list[dict] | No
     else:
         from medusa_train.captured import CapturedHidden
 
+        if reused is not None and train is not None:  # the training split extracted: the stage is this run's (the
+            # plan found it done by an index whose model or template changed since: the record kept the earlier
+            # extraction's seconds as this run's; the held-out split alone, for an evaluation, is not the stage)
+            reused.discard("features")
         model = MedusaModel.from_base(load_base(config, accelerator, whole=True), num_heads=1)
         captured = CapturedHidden.load(kept, info) if kept is not None else None
         for name, examples in splits.items():
@@ -615,13 +619,22 @@ def stage_features(config: TrainConfig, accelerator: Any, train: list[dict] | No
     if accelerator.is_main_process and train is not None:
         text = json.dumps({**{k: v.name for k, v in folders.items()}, "settings": feature_settings(config)},
                           indent=2) + "\n"
-        for index in feature_indexes(config):  # the run's, and a shared features.dir's (another run's --plan reads it)
-            index.parent.mkdir(parents=True, exist_ok=True)
-            # aside, then renamed: a half-written index (killed, or a full disk) stopped every later run and --plan;
-            # named by process and time, as runs sharing features.dir may write the shared one at once
-            aside = index.with_name(f"{index.name}.{os.getpid()}-{time.time_ns()}.partial")
-            aside.write_text(text)
-            os.replace(aside, index)
+        own, *shared = feature_indexes(config)  # the run's, and a shared features.dir's (another run's --plan reads it)
+        for index in (own, *shared):
+            try:
+                if index is not own and index.is_file() and index.read_text() == text:
+                    continue  # (as is: a shared folder this user only reads stopped the run here)
+                index.parent.mkdir(parents=True, exist_ok=True)
+                # aside, then renamed: a half-written index (killed, or a full disk) stopped every later run and
+                # --plan; named by process and time, as runs sharing features.dir may write the shared one at once
+                aside = index.with_name(f"{index.name}.{os.getpid()}-{time.time_ns()}.partial")
+                aside.write_text(text)
+                os.replace(aside, index)
+            except OSError as err:
+                if index is own:
+                    raise
+                say(accelerator, f"features: the shared index {index} could not be written ({err}): the caches are "
+                                 "used all the same; another run's --plan will not find them by it")
     return folders
 
 

@@ -102,14 +102,15 @@ def examples_hash(examples: Sequence[Mapping[str, Any]]) -> str:
 def model_fingerprint(name_or_path: str, dtype: str | None = None,
                       attn_implementation: str | None = None) -> dict[str, Any]:
     """What identifies a base model without loading it: its name (a local folder's path, normalised) and,
-    for a local folder, its ``config.json`` and each weight file's size, modification time and first and last MiB (the
+    for a local folder, its ``config.json`` and each weight file's (those ``from_pretrained`` loads) size,
+    modification time and first and last MiB (the
     time catches weights saved again over the same folder, changed only in the middle: hashing
     every byte would read the whole model at every run); for a Hub id, the revision its ``main``
     points to (``hub_revision``: the id alone reused old features after weights were pushed again
     under it); with ``dtype``, also the dtype and attention implementation it is loaded with (None:
     transformers' choice), which change its hidden states (``build_feature_cache`` checks them
     against the model it runs)."""
-    from medusa_infer.models import names_default_model, resolve_model
+    from medusa_infer.models import model_weight_files, names_default_model, resolve_model
 
     resolved = Path(resolve_model(name_or_path))
     # a local folder's path normalised (m, ./m and m/ are one folder: kept distillation states and feature
@@ -129,7 +130,10 @@ def model_fingerprint(name_or_path: str, dtype: str | None = None,
             digest.update(config.read_bytes())
         for code in sorted(resolved.glob("*.py")):  # a trust_remote_code model's modeling code decides its states
             digest.update(code.name.encode() + b":" + code.read_bytes())  # (none in most folders: their key is kept)
-        for weights in sorted(resolved.glob("*.safetensors")) + sorted(resolved.glob("*.bin")):
+        # the files from_pretrained loads (a training_args.bin or an adapter's file dropped beside them changed the
+        # key: extracted again, a killed run refused its resume, distillation's kept states set aside)
+        loaded = model_weight_files(resolved)
+        for weights in loaded or sorted(resolved.glob("*.safetensors")) + sorted(resolved.glob("*.bin")):
             stat = weights.stat()
             size = stat.st_size
             digest.update(f"{weights.name}:{size}:{stat.st_mtime_ns}".encode())
@@ -550,6 +554,10 @@ def build_feature_cache(
         remove_dead_temporaries(folder)
     if cache_complete(folder):
         return folder
+    vocab = model.base_model.get_output_embeddings().weight.shape[0]
+    if topk > vocab:  # (a RuntimeError "selected index k out of range" after the first forward, naming neither)
+        raise ValueError(f"features.topk={topk} soft-label candidates exceed the model's vocabulary of {vocab} "
+                         f"tokens; set features.topk to at most {vocab}")
     (folder / MANIFEST).unlink(missing_ok=True)  # damaged since: built again below, the intact shards kept
     if pack:
         check_packed_attention(model)

@@ -958,9 +958,29 @@ def example_settings(config: TrainConfig) -> dict[str, Any]:
 
     m, d = config.model, config.data
     source = Path(d.tokenized) if d.tokenized else rows_path(config)
-    return {"model": m.name, "chat_template": m.chat_template, "max_length": d.max_length,
-            "system_prompt": d.system_prompt, "source": str(source),
-            "source_sha256": content_hash(source) if source.exists() else None}
+    return {"model": m.name, "tokenizer_files": local_model_digest(m.name, "tokenizer"),
+            "chat_template": m.chat_template, "max_length": d.max_length, "system_prompt": d.system_prompt,
+            "source": str(source), "source_sha256": content_hash(source) if source.exists() else None}
+
+
+def local_model_digest(name: str, part: str) -> str | None:
+    """For a local model folder (not a default model's name), a digest of its ``part``: ``"tokenizer"``, its
+    tokenizer's and chat template's files (which shape the examples), or ``"weights"``, its weights and config
+    (``features.model_fingerprint``'s: which shape the hidden states); None otherwise. An edited template, or
+    weights saved again in place, were planned as done by an index recorded before, and built again by the run."""
+    from medusa_infer.models import TOKENIZER_FILES, names_default_model
+    from medusa_train.features import model_fingerprint
+
+    folder = Path(name).expanduser()
+    if names_default_model(name) or not folder.is_dir():
+        return None
+    if part == "weights":
+        return str(model_fingerprint(name).get("content"))[:20]
+    digest = hashlib.sha256()
+    for file in sorted({*TOKENIZER_FILES, "chat_template.jinja", "chat_template.json", "special_tokens_map.json"}):
+        if (folder / file).is_file():
+            digest.update(file.encode() + b":" + (folder / file).read_bytes())
+    return digest.hexdigest()[:20]
 
 
 def feature_settings(config: TrainConfig) -> dict[str, Any]:
@@ -968,7 +988,8 @@ def feature_settings(config: TrainConfig) -> dict[str, Any]:
     the model's weights and the examples' content excepted), as ``features/index.json`` records them."""
     f = config.features
     # the split too: an index of another split's training examples gave their positions as exact
-    return {**example_settings(config), "heldout_fraction": config.data.heldout_fraction, "seed": config.training.seed,
+    return {**example_settings(config), "model_weights": local_model_digest(config.model.name, "weights"),
+            "heldout_fraction": config.data.heldout_fraction, "seed": config.training.seed,
             "dtype": config.model.dtype, "attn": config.model.attn_implementation,
             "features_dtype": f.dtype, "topk": config.soft_label_topk, "shard_examples": f.shard_examples,
             "from_distillation": config.keeps_distillation_hidden}

@@ -454,6 +454,10 @@ def test_feature_cache_round_trip_equals_live_forward(tiny_dir, tmp_path):
     # The same model and data find the same cache again without running the model.
     again = build_feature_cache(None, examples, tmp_path, info, topk=4, shard_examples=5, progress=False)
     assert again == folder
+    # more soft-label candidates than the vocabulary: a RuntimeError after the first forward, naming neither
+    with pytest.raises(ValueError, match=f"features.topk={VOCAB + 1} soft-label candidates exceed the model's "
+                                         f"vocabulary of {VOCAB} tokens; set features.topk to at most {VOCAB}"):
+        build_feature_cache(model, examples, tmp_path, info, topk=VOCAB + 1, progress=False)
     # a build cut off before its manifest, with a shard left damaged (a power loss between its write and
     # its rename): the damaged shard is built again, the others kept (it stopped every later build)
     from safetensors.torch import load_file
@@ -594,6 +598,27 @@ def test_a_run_sharing_features_dir_is_planned_with_the_caches_another_run_built
     other = plan(config_from_dict(second, ["training.seed=9"]))
     assert [s.done for s in other.stages if s.name == "features"] == [False]
     assert not list((tmp_path / "features").rglob("*.partial"))
+    # a shared folder this user only reads: the run ended in a traceback writing the index it holds as is
+    from pathlib import Path as PathType
+
+    write = PathType.write_text
+
+    def read_only(self, *args, **kwargs):
+        if str(self).startswith(str(tmp_path / "features")):
+            raise PermissionError(13, "Permission denied", str(self))
+        return write(self, *args, **kwargs)
+
+    capsys.readouterr()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PathType, "write_text", read_only)
+        third = recipe(tiny_dir, tmp_path / "c", features=shared)
+        assert train_heads.main(["--config", str(write_recipe(tmp_path / "c.yaml", third))]) == 0
+        assert "could not be written" not in capsys.readouterr().out  # (the same index: not written again)
+        (tmp_path / "features" / "indexes").rename(tmp_path / "features" / "indexes-aside")
+        fourth = recipe(tiny_dir, tmp_path / "d", features=shared)
+        assert train_heads.main(["--config", str(write_recipe(tmp_path / "d.yaml", fourth))]) == 0
+        out = capsys.readouterr().out
+    assert "features: reusing" in out and "could not be written (" in out and "Permission denied" in out
 
 
 def test_two_runs_building_one_shared_feature_cache_at_once_both_finish(tmp_path):
@@ -703,6 +728,12 @@ def test_model_fingerprint_changes_with_weights_saved_again_over_the_same_folder
     edited = model_fingerprint(str(folder))
     (folder / "modeling_mine.py").write_text("SCALE = 2.0\n")
     assert len({before["content"], edited["content"], model_fingerprint(str(folder))["content"]}) == 3
+    # a file from_pretrained does not load (a Trainer's training_args.bin, an adapter's weights) is no other model:
+    # it changed the key (extracted again, a killed run's resume refused as "the model's weights" differing)
+    before = model_fingerprint(str(folder))
+    torch.save({"lr": 1e-3}, folder / "training_args.bin")
+    save_file({"lora_A": torch.zeros(4)}, folder / "adapter_model.safetensors")
+    assert model_fingerprint(str(folder)) == before
 
 
 def test_a_hub_models_fingerprint_is_the_revision_its_main_points_to(tmp_path, monkeypatch):
@@ -3037,3 +3068,31 @@ def test_a_second_run_in_an_output_dir_in_use_is_refused(tiny_dir, tmp_path, mon
     monkeypatch.undo()
     assert train_heads.main(["--config", str(path)]) == 0 and (out / "heads" / "config.json").is_file()
     assert train_heads.main(["--config", str(path)]) == 0  # (finished: done again at once, the lock let go)
+
+
+def test_features_planned_done_follow_weights_saved_again_over_the_model_folder(tiny_dir, tmp_path):
+    """--plan matched the feature index on the model's name alone: weights saved again over its folder were planned
+    as done (their steps as exact), and the run extracted again, its stage record keeping the earlier extraction's
+    seconds as its own."""
+    import train_heads
+    from medusa_train.train_config import plan
+
+    model_dir = tmp_path / "model"
+    tiny_model("llama").save_pretrained(model_dir)
+    values = recipe(tiny_dir, tmp_path / "run", model={"name": str(model_dir)})
+    config_file = str(write_recipe(tmp_path / "r.yaml", values))
+    assert train_heads.main(["--config", config_file]) == 0
+
+    def features_done() -> list[bool]:
+        return [stage.done for stage in plan(config_from_dict(values)).stages if stage.name == "features"]
+
+    assert features_done() == [True]
+    stages = tmp_path / "run" / "logs" / "stages.json"
+    stages.write_text(json.dumps({**json.loads(stages.read_text()), "features": 999.0}))
+    tiny_model("llama", seed=1).save_pretrained(model_dir)
+    assert features_done() == [False]
+    for done in ("heads", "checkpoints"):
+        shutil.rmtree(tmp_path / "run" / done)
+    assert train_heads.main(["--config", config_file]) == 0
+    assert json.loads(stages.read_text())["features"] != 999.0
+    assert features_done() == [True]
