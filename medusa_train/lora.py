@@ -38,7 +38,12 @@ def check_lora_targets(base_model: nn.Module, target_modules: list[str]) -> None
     a module LoRA cannot adapt (a block, an attention module, a norm), or its input or output embeddings.
     Needs only the module tree (a meta-device model will do)."""
     paths = [name for name, _ in base_model.named_modules() if name]
-    linear = sorted({n.rsplit(".", 1)[-1] for n, m in base_model.named_modules() if isinstance(m, nn.Linear)})
+    # the layers to name as targets: linear ones (GPT-2's Conv1D too: it was left out, and the list offered lm_head,
+    # then refused it), the embeddings the heads read excepted
+    read = [getattr(base_model, get)() for get in ("get_input_embeddings", "get_output_embeddings")
+            if hasattr(base_model, get)]
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in base_model.named_modules()
+                     if (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D") and not any(m is e for e in read)})
     unmatched = [t for t in target_modules if not any(lora_selects([t], p) for p in paths)]
     if unmatched:
         raise ValueError(f"lora.target_modules {unmatched} match no module of {type(base_model).__name__}; "
@@ -58,4 +63,4 @@ def check_lora_targets(base_model: nn.Module, target_modules: list[str]) -> None
         raise ValueError(f"lora.target_modules {list(target_modules)} select {embeddings}, the embeddings the "
                          "heads read directly (trained against the unadapted weight, decoded with the merged "
                          "one; tied embeddings would change the input too): leave them out, e.g. "
-                         "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]")
+                         f"lora.target_modules=[{','.join(linear[:4])}]")

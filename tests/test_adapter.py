@@ -470,6 +470,13 @@ def test_add_lora_names_each_target_that_matches_nothing_and_takes_dotted_suffix
     adapted = lora.add_lora(tiny_model("llama"), 4, 8, 0.0, ["self_attn.q_proj"])
     names = [n for n, m in adapted.named_modules() if hasattr(m, "lora_A") and n.endswith("q_proj")]
     assert names and not any(n.endswith("k_proj") for n, m in adapted.named_modules() if hasattr(m, "lora_A"))
+    # GPT-2's projections are Conv1D layers: the list named lm_head alone, which the next check refused (suggesting
+    # Llama's q_proj,k_proj,v_proj,o_proj); the embeddings the heads read are no target to offer
+    with pytest.raises(ValueError, match=r"match no module of GPT2LMHeadModel; its linear layers are named "
+                                         r"\['c_attn', 'c_fc', 'c_proj'\]$"):
+        lora.check_lora_targets(tiny_model("gpt2"), ["q_proj", "v_proj"])
+    with pytest.raises(ValueError, match=r"leave them out, e.g. lora.target_modules=\[c_attn,c_fc,c_proj\]$"):
+        lora.check_lora_targets(tiny_model("gpt2"), ["c_attn", "lm_head"])
 
 
 def test_a_base_model_object_takes_its_adapter_once(heads_folder, tmp_path):
