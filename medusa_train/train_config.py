@@ -984,8 +984,9 @@ def local_model_digest(name: str, part: str) -> str | None:
 
 
 def feature_settings(config: TrainConfig) -> dict[str, Any]:
-    """``example_settings`` and the settings that shape the feature caches (``features.cache_key``'s,
-    the model's weights and the examples' content excepted), as ``features/index.json`` records them."""
+    """``example_settings`` and the settings that shape the feature caches (``features.cache_key``'s, the
+    examples' content excepted; the model's weights as ``local_model_digest`` reads them), as
+    ``features/index.json`` records them."""
     f = config.features
     # the split too: an index of another split's training examples gave their positions as exact
     return {**example_settings(config), "model_weights": local_model_digest(config.model.name, "weights"),
