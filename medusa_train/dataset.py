@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-import numpy as np
 from datasets import Dataset, load_from_disk
 from transformers import PreTrainedTokenizerBase
 
