@@ -318,9 +318,12 @@ def generated_text_tail(tokenizer: Any, history: Sequence[int], prompt_length: i
         after = decode(context + list(history[start:]))
         at = text_start(before, whole_text(tokenizer, context, before), after)
         tail = after[at:] if at is not None else decode(list(history[start:]))
-        if start <= prompt_length or not tail.startswith("\ufffd") or after.endswith("\ufffd"):
+        if start <= prompt_length or ((at is not None or not cleans_spaces(tokenizer))
+                                      and (not tail.startswith("\ufffd") or after.endswith("\ufffd"))):
             # (a byte-fallback tokenizer read all the run as U+FFFD: a stop string in it was missed; while the
-            # history ends inside a character it reads so from any start: 47 decodes a call found nothing more)
+            # history ends inside a character it reads so from any start: 47 decodes a call found nothing more.
+            # A cleanup that rewrote the window's seam, "x n" and "' t" read "xn't": the window's text alone,
+            # "' t", held a stop string the text never did; from a token earlier the seam is inside the window)
             break
         start -= 1
     return tail
@@ -1204,8 +1207,14 @@ space that it removes once the tokens after it show."""
 
 def cleans_spaces(tokenizer: Any) -> bool:
     """Whether ``tokenizer.decode`` may clean up spaces (WordPiece, Unigram and WordLevel tokenizers asking for it):
-    a text's end may then change as tokens come, "it '" becoming "it's"."""
-    return bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
+    a text's end may then change as tokens come, "it '" becoming "it's". A BPE tokenizer asking for it (Llama 3's
+    config does) does not: transformers skips the cleanup there unless told otherwise (its text was taken through
+    the cleaning tokenizers' path, which lost a character a prompt cut inside of and the answer completed)."""
+    if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return False
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return not (backend is not None and type(backend.model).__name__ == "BPE" and not getattr(
+        tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False))
 
 
 def cleanup_settled(text: str) -> int:

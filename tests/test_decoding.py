@@ -1122,6 +1122,24 @@ def test_streamed_text_joins_to_the_answer_with_a_tokenizer_that_cleans_up_space
     assert answer == "it's fine don't." and len([text for text in streamed if text]) > 2  # (streamed, not at the end)
 
 
+def test_a_stop_string_only_in_the_uncleaned_seam_of_the_stop_window_does_not_stop():
+    """The stop-string window's text, where the cleanup rewrote its seam with the text before ("x n" and "' t" read
+    "xn't"), was the window decoded alone ("' t do ..."): a stop string the answer never held ("' t") stopped the row
+    some tokens later, its answer cut."""
+    from medusa_infer.serving.testing import word_tokenizer
+    from tiny import scripted_model
+
+    tokenizer = word_tokenizer(("x", "n", "'", "t", "do", "it", "s", "m", "ve", "re", "don", "?", "!", ",", "."))
+    tokenizer.clean_up_tokenization_spaces = True
+    script = tokenizer("x n ' t do it s m ve re don ? ! , .", add_special_tokens=False)["input_ids"]
+    model = scripted_model(tokenizer, script)
+    prompt = torch.tensor([script[:1]])
+    plain = generate(model, prompt, max_new_tokens=14, eos_token_id=[])
+    assert "' t" not in tokenizer.decode(plain.new_tokens[0]) and len(plain.new_tokens[0]) == 14
+    stopped = generate(model, prompt, max_new_tokens=14, eos_token_id=[], stop_strings=["' t"])
+    assert stopped.new_tokens == plain.new_tokens and stopped.finish_reasons == ["length"]
+
+
 def test_a_stream_closed_or_failed_before_it_finished_says_so_in_result():
     """result() of a closed stream was a bare AssertionError (None under python -O); a failed one lost its error."""
     model = word_medusa()

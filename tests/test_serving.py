@@ -275,6 +275,36 @@ def test_text_assembler_joins_to_the_decoded_answer_with_a_tokenizer_that_cleans
     rewritten = TextAssembler(tokenizer, ("don '",))
     chunks = [rewritten.add([token], final=n == len(ids) - 1) for n, token in enumerate(ids)]
     assert "".join(chunks) == "don't go" and not rewritten.stopped
+    # a stop string the cleanup makes ("it '" and "s" read "it's"): "it" was sent before it showed, as the end that
+    # may begin a stop was looked for in text the cleanup then rewrote
+    tokenizer = word_tokenizer(("do", "it", "'", "s", "x"))
+    tokenizer.clean_up_tokenization_spaces = True
+    ids = tokenizer("do it ' s x", add_special_tokens=False)["input_ids"]
+    made = TextAssembler(tokenizer, ("it's",), ids[:1])
+    assert "".join(made.add([token]) for token in ids[1:]) == " " and made.stopped
+
+
+def test_a_bpe_tokenizer_asking_for_space_cleanup_is_not_taken_for_one_that_cleans():
+    """transformers skips clean_up_tokenization_spaces for BPE tokenizers (Llama 3's config asks for it): such a
+    tokenizer was taken through the cleaning tokenizers' whole-text path, which lost a character a prompt ended
+    inside of and the answer completed."""
+    import copy
+
+    from medusa_infer.decoding import cleans_spaces
+    from medusa_infer.models import load_tokenizer
+    from medusa_infer.serving.testing import word_tokenizer
+
+    tokenizer = copy.deepcopy(load_tokenizer("smollm2-135m-instruct"))
+    tokenizer.clean_up_tokenization_spaces = True
+    ids = tokenizer(" it 's", add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == " it 's" and not cleans_spaces(tokenizer)  # (transformers' decode: no cleanup)
+    cat = tokenizer(" \u732b", add_special_tokens=False)["input_ids"]  # a space and a CJK character, bytes apart
+    assert len(cat) > 1
+    text = TextAssembler(tokenizer, (), cat[:-1])  # the prompt ends inside the character, the answer completes it
+    assert text.add(cat[-1:], final=True) == "\u732b"
+    words = word_tokenizer(("it", "'", "s"))
+    words.clean_up_tokenization_spaces = True
+    assert cleans_spaces(words)
 
 
 def test_text_after_a_prompt_ending_inside_byte_tokens_is_whole_and_its_stop_strings_found():

@@ -402,9 +402,11 @@ class TextAssembler:
             if found >= 0 and found + len(stop) <= settled:  # (not in text a cleanup may yet rewrite)
                 end = min(end, found)
                 self.stopped = True
-        if not self.stopped and not final:
-            end -= _partial_stop(self.text, self.stops)
+        if not self.stopped and not final:  # held back: text a cleanup may yet rewrite, then the end of what is
+            # settled that may begin a stop string ("it" of "it '", which the next token read "it's", a stop, was
+            # sent: the partial stop was looked for in text the cleanup then rewrote)
             end = min(end, settled)
+            end -= _partial_stop(self.text[:end], self.stops)
         delta = self.text[self.sent:end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return delta
