@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -17,6 +19,11 @@ FORMAT_VERSION = 2
 # Version 1 stored, in a calibrated config (one with a cost profile), per-rank accuracies in
 # head_accuracies; version 2 always stores cumulative top-k accuracies there.
 
+
+logger = logging.getLogger(__name__)
+
+FREE_FORM_RECORDS = ("acceptance", "cost_profile", "training")
+"""The heads config's fields that hold records (measured or a run's) rather than settings."""
 
 @dataclass
 class MedusaConfig:
@@ -90,7 +97,7 @@ class MedusaConfig:
             if not isinstance(value, kind) or (int in kinds and isinstance(value, bool)):
                 names = " or ".join(k.__name__ for k in kinds)
                 raise ValueError(f"heads config {name} must be {names.replace('NoneType', 'null')}, got {value!r}")
-        for name in ("acceptance", "cost_profile", "training"):  # (JSON keys: an integer one failed the save, and
+        for name in FREE_FORM_RECORDS:  # (JSON keys: an integer one failed the save, and
             key = _non_string_key(getattr(self, name))  # a nested one came back a string)
             if key is not None:
                 raise ValueError(f"heads config {name} keys must be strings (JSON's), got {key!r}")
@@ -279,9 +286,18 @@ class MedusaConfig:
         return cls(**{**data, "format_version": FORMAT_VERSION})
 
     def to_json(self) -> str:
-        """``config.json``'s text: strict JSON (NaN and infinities, which other readers refuse, are a
-        ``ValueError`` naming the field, as a value JSON has no form for is)."""
+        """``config.json``'s text: strict JSON (NaN and infinities, which other readers refuse, were written as
+        ``NaN``). In the free-form records (``training``, ``acceptance``, ``cost_profile``: a diverged run's last
+        loss, say) a NaN or an infinity is written as null, and said; a value JSON has no form for is a
+        ``ValueError`` naming where it is."""
         data = self.to_dict()
+        nonfinite: list[str] = []
+        for name in FREE_FORM_RECORDS:
+            data[name] = _plain(data[name], name, nonfinite)
+        if nonfinite:
+            logger.warning("heads config %s %s not a finite number, written as null (JSON has no NaN or infinity)",
+                           ", ".join(nonfinite[:5]) + (f" and {len(nonfinite) - 5} more" if len(nonfinite) > 5 else ""),
+                           "is" if len(nonfinite) == 1 else "are")
         for name, value in data.items():
             try:
                 json.dumps(value, allow_nan=False)
@@ -324,6 +340,22 @@ def _recipe_model(training: Any) -> dict[str, Any]:
 def _capped(total: Any) -> Any:
     """A sum of version 1's per-rank accuracies, each rounded to 5 digits: 1.00002 where the truth is 1."""
     return 1.0 if isinstance(total, float) and 1.0 < total <= 1.0 + 1e-4 else total
+
+
+def _plain(value: Any, path: str, nonfinite: list[str]) -> Any:
+    """``value`` (a free-form record's) with each NaN or infinity replaced by None, its path added to
+    ``nonfinite``; ``ValueError`` naming the path of a value JSON has no form for (a numpy float32, a Path)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        nonfinite.append(path)
+        return None
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, dict):
+        return {key: _plain(item, f"{path}.{key}", nonfinite) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item, f"{path}[{i}]", nonfinite) for i, item in enumerate(value)]
+    raise ValueError(f"heads config {path} is a {type(value).__name__} ({value!r:.60}), which JSON has no form for: "
+                     "give numbers, strings, booleans, null, and lists and string-keyed dicts of them")
 
 
 def _non_string_key(value: Any) -> Any:

@@ -184,7 +184,8 @@ def _through_turn(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[st
     eos = tokenizer.eos_token if isinstance(tokenizer.eos_token, str) and tokenizer.eos_token else None
     if following.startswith(through):
         rest = following[len(through):]
-        if eos is not None and rest.lstrip().startswith(eos):
+        # (not where the turn ends with it already: the next turn's BOS, where BOS and EOS are one token)
+        if eos is not None and rest.lstrip().startswith(eos) and not through.rstrip().endswith(eos):
             return following[: len(following) - len(rest.lstrip()) + len(eos)]
         return through
     ids, offsets = _with_offsets(tokenizer, through)

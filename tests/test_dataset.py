@@ -227,6 +227,21 @@ def test_an_answers_end_of_turn_is_labelled_and_nothing_of_the_next_turn(smol, t
     assert labelled_runs(tokenizer, cut["input_ids"], cut["labels"]) == [f"{first}One."]
 
 
+def test_a_next_turns_bos_that_is_the_eos_token_is_not_labelled(smol):
+    """Where BOS and EOS are one token (GPT-2's <|endoftext|>) under a template opening each user turn with BOS
+    (Llama 2's), the next turn's BOS was taken for an end of turn written only before another turn: each answer
+    was labelled to end with EOS twice, and the last example had one appended."""
+    template = ("{% for m in messages %}{% if m['role'] == 'user' %}{{ bos_token }}[INST] {{ m['content'] }} [/INST]"
+                "{% else %} {{ m['content'] }} {{ eos_token }}{% endif %}{% endfor %}")
+    tokenizer = with_template(smol, template)
+    tokenizer.bos_token = tokenizer.eos_token
+    chat = [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "More?"}, {"role": "assistant", "content": "Sure."}]
+    input_ids, labels = tokenize_chat(tokenizer, chat)
+    assert tokenizer.decode(input_ids) == render_chat(tokenizer, chat)
+    assert labelled_runs(tokenizer, input_ids, labels) == [" Hello. <|im_end|>", " Sure. <|im_end|>"]
+
+
 def test_short_and_empty_answers_under_a_template_ending_conversations_with_eos(smol):
     """An answer found inside the template's own closing text ("end" in <|im_end|>) or an empty one was not
     cut from the EOS after it: labelled again, or, in an earlier turn, the whole build failed as not

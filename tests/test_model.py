@@ -1189,20 +1189,28 @@ def test_a_config_of_the_wrong_shape_is_named(saved, edit, message):
         path.write_text(original)
 
 
-def test_a_config_that_is_no_strict_json_is_refused_naming_the_field(tmp_path):
-    """NaN was written as NaN, which strict JSON readers refuse; a nested integer key came back a string; a value
-    JSON has no form for failed with a TypeError naming no field."""
+def test_a_config_is_written_as_strict_json(tmp_path, caplog):
+    """NaN was written as NaN, which strict JSON readers refuse: in a record (a diverged run's last loss) it is
+    written as null, and said (refused, the run's heads were lost at its end); a nested integer key came back a
+    string; a value JSON has no form for failed with a TypeError naming no field."""
     import numpy as np
 
     model = medusa(base_model("llama"))
-    for field, value, message in (("acceptance", {"tau": float("nan")}, "Out of range float values"),
-                                  ("training", {"loss": float("inf")}, "Out of range float values"),
-                                  ("training", {"accuracy": np.float32(0.5)}, "Object of type float32 is not JSON serializable")):
-        setattr(model.config, field, value)
-        with pytest.raises(ValueError, match=f"heads config {field} cannot be written as JSON \\({message}"):
-            model.save_pretrained(tmp_path / "heads")
-        assert not (tmp_path / "heads").exists()
-        setattr(model.config, field, None if field == "acceptance" else {})
+    model.config.training = {"final_train_record": {"step": 9, "loss": float("nan"), "head_top1": [0.5, float("inf")]}}
+    model.config.acceptance = {"tau": float("nan")}
+    with caplog.at_level("WARNING", logger="medusa_infer.config"):
+        model.save_pretrained(tmp_path / "heads")
+    assert "heads config acceptance.tau, training.final_train_record.loss, training.final_train_record.head_top1[1] " \
+           "are not a finite number, written as null" in caplog.text
+    json.loads((tmp_path / "heads" / "config.json").read_text(), parse_constant=pytest.fail)  # (strict: no NaN)
+    again = MedusaConfig.load(tmp_path / "heads" / "config.json")
+    assert again.training["final_train_record"] == {"step": 9, "loss": None, "head_top1": [0.5, None]}
+    assert again.acceptance == {"tau": None}
+    model.config.training = {"final_train_record": {"accuracy": np.float32(0.5)}}
+    with pytest.raises(ValueError, match="heads config training.final_train_record.accuracy is a float32 \\(np.float32\\(0.5\\)\\), "
+                                         "which JSON has no form for"):
+        model.save_pretrained(tmp_path / "other")
+    assert not (tmp_path / "other").exists()
     with pytest.raises(ValueError, match="heads config training keys must be strings \\(JSON's\\), got 1"):
         MedusaConfig(num_heads=2, training={"counts": [{1: 2}]})
 
