@@ -103,7 +103,8 @@ def check_supported(base_model: PreTrainedModel) -> None:
     layers), no key/value cache (RWKV's recurrent state, GPT-1), positions numbered from the cache's
     length rather than taken as ids (BART's and TrOCR's decoders), an output projection applied
     after a transform of the final hidden states (BERT-style LM heads, ModernBERT's decoder) or none at
-    all (a bare decoder), or attention scaled by cache slot (Llama 4's no-RoPE layers' temperature)."""
+    all (a bare decoder), attention scaled by cache slot (Llama 4's no-RoPE layers' temperature), or
+    soft-capped attention under sdpa, which drops the cap."""
     name = type(base_model).__name__
     if hasattr(base_model, "peft_config") and hasattr(base_model, "get_base_model"):
         raise NotImplementedError(f"{name} is a peft wrapper: pass the model it wraps (get_base_model()), with "
@@ -146,6 +147,11 @@ def check_supported(base_model: PreTrainedModel) -> None:
                                   "slot, not position, so once the cache's slots pass the window (256 in "
                                   "EleutherAI's models) tree steps would not decode as the model does; medusa-forge "
                                   f"supports {' and '.join(TREE_LAYER_TYPES)} layers")
+    if getattr(text, "attn_logit_softcapping", None) and "sdpa" in str(getattr(base_model.config,
+                                                                               "_attn_implementation", "")):
+        raise NotImplementedError(f"{name} soft-caps its attention scores (attn_logit_softcapping="
+                                  f"{text.attn_logit_softcapping}), which sdpa attention drops (transformers 5.17 "
+                                  "without a word): load it with attn_implementation='eager' (load_base_model does)")
     if "flex" in str(getattr(base_model.config, "_attn_implementation", "")):
         raise NotImplementedError(f"{name} is loaded with flex attention, to which tree steps' 4D masks go as a score "
                                   "function that PyTorch's CPU kernels fail on (an index error, or an abort in a "

@@ -263,3 +263,8 @@ def test_a_model_that_soft_caps_attention_is_loaded_with_attention_that_applies_
     ids = torch.tensor([[5, 9, 14, 3, 7, 11]])
     with torch.no_grad():
         assert torch.allclose(model(ids).logits, gemma2(ids).logits, atol=1e-5)
+    # given as an object with sdpa attention (as 5.17 loads it): refused by name, before any decoding
+    given = as_in_5_17(tmp_path / "gemma2")
+    with pytest.raises(NotImplementedError, match=r"Gemma2ForCausalLM soft-caps its attention scores "
+                                                  r"\(attn_logit_softcapping=0.5\), which sdpa attention drops"):
+        MedusaModel.without_heads(given)
