@@ -1159,7 +1159,11 @@ def _retry_after(headers: Any) -> float | None:
 
 class EndpointError(RuntimeError):
     """The endpoint itself is wrong (HTTP 401, 403, 404, 405: its address, the key or the model name), not a
-    prompt: no prompt is asked again."""
+    prompt: no prompt is asked again. ``status``: the HTTP status, where one came."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class DistillError(RuntimeError):
@@ -1210,7 +1214,8 @@ def post_json(url: str, body: dict[str, Any], headers: dict[str, str], timeout: 
             raise RuntimeError(f"HTTP {err.code} from {url}: the endpoint moved to "
                                f"{err.headers.get('Location')!r}; set endpoint to its new address") from err
         if err.code in ENDPOINT_FIXES:  # the endpoint, key or model name is wrong, not the prompt
-            raise EndpointError(f"HTTP {err.code} from {url}: {detail}; {ENDPOINT_FIXES[err.code]}") from err
+            raise EndpointError(f"HTTP {err.code} from {url}: {detail}; {ENDPOINT_FIXES[err.code]}",
+                                err.code) from err
         raise RejectedError(f"HTTP {err.code} from {url}: {detail}") from err
     except http.client.InvalidURL as err:  # an address no request can go to: each prompt was retried
         raise EndpointError(f"{url} is no address a request can be sent to ({err})") from None
@@ -1476,9 +1481,11 @@ def run_openai(
                     try:
                         reply = future.result()
                     except EndpointError as err:
-                        if not answered:  # the address, key or model: no other prompt would get through
+                        if not answered or err.status != 403:  # the address, key or model: no other prompt would
+                            # get through (after an answer too: a key revoked, a server restarted under another model
+                            # name; taken as this prompt's refusal, every later prompt was recorded refused)
                             raise
-                        # after an answer those are right: this prompt's own (a provider's moderation answers 403)
+                        # after an answer, a 403 is this prompt's own (a provider's moderation answers 403)
                         raise RejectedError(str(err)) from err
                     row = completion_row(prompt, text, reply, config, tokenizer)
                     if "served_model" in row and row["served_model"] not in served_others:
@@ -1530,9 +1537,11 @@ def run_openai(
         stopping.set()  # requests waiting to retry give up
         bar.close()
     # recorded, so that a rerun does not ask them again (a finished run's rerun, its endpoint stopped to free the
-    # GPU for training, failed on them); not where every prompt was refused and no row is there: a setting every
-    # request carries, most likely, which a rerun should try again once fixed
-    if refused and not (len(refused) == len(jobs) and not stats.already_done):
+    # GPU for training, failed on them); not where every prompt asked was refused (more than one, or one and no row
+    # is there): a setting every request carries, most likely, which a rerun should try again once fixed (beside
+    # an earlier run's rows they were recorded, and the rerun asked nothing)
+    recorded = bool(refused) and not (len(refused) == len(jobs) and (len(jobs) > 1 or not stats.already_done))
+    if recorded:
         for prompt, reason in refused:
             record_refusal(config, stats.rank, prompt, reason)
         logger.warning("%d prompts the endpoint refused are recorded in %s and not asked again by a rerun (delete "
@@ -1558,10 +1567,11 @@ def run_openai(
             "Check the settings every request carries: max_new_tokens past the served model's context, or a "
             "parameter the endpoint does not take"
         )
-    logger.warning("the endpoint refused all %d prompts asked (first: %s); the %d rows already there are kept. "
-                   "If it refuses them all for a setting every request carries (max_new_tokens past its "
-                   "context, a parameter it does not take), fix that and run again", len(jobs), first,
-                   stats.already_done)
+    again = (f"it is recorded as that prompt's refusal: delete {refusals_path(config.output, stats.rank)} to ask it "
+             "again" if recorded else "If it refuses them all for a setting every request carries (max_new_tokens "
+             "past its context, a parameter it does not take), fix that and run again: they are asked again")
+    logger.warning("the endpoint refused all %d prompts asked (first: %s); the %d rows already there are kept. %s",
+                   len(jobs), first, stats.already_done, again)
 
 
 # ---------------------------------------------------------------------------------------------

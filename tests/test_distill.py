@@ -908,6 +908,7 @@ class FakeServer:
 
     def __init__(self, flaky: set[str] = frozenset()):
         self.flaky = set(flaky)
+        self.down: tuple[int, dict] | None = None  # a status and body every request gets, once set
         self.requests: list[dict] = []
         self.headers: list[dict] = []
         self.times: list[float] = []
@@ -945,6 +946,8 @@ class FakeServer:
                     return self.reply(301, {}, headers={"Location": "/v1/chat/completions"})
                 if self.path != "/v1/chat/completions":
                     return self.reply(404, {"error": "not found"})
+                if server.down is not None:
+                    return self.reply(*server.down)
                 if fail:
                     return self.reply(503, {"error": "overloaded"})
                 if "forbidden" in prompt:
@@ -1241,6 +1244,43 @@ def test_openai_backend_fails_when_the_endpoint_refuses_every_prompt(tmp_path, c
             distill(config)
     assert [row["id"] for row in read_rows(tmp_path / "rows.jsonl")] == ["ok"]
     assert "the endpoint refused all 3 prompts asked" in caplog.text and "the 1 rows already there are kept" in caplog.text
+    # all of them refused beside earlier rows (a parameter every request carries): not recorded, so that a rerun
+    # once it is fixed asks them (they were recorded, and the rerun asked nothing)
+    assert "fix that and run again: they are asked again" in caplog.text
+    assert not list(tmp_path.glob("rows.jsonl.refused.*"))
+
+
+def test_openai_backend_stops_on_a_key_or_model_name_gone_wrong_after_answers(tmp_path, caplog):
+    """A 401 (a key revoked) or a 404 (a server restarted under another model name) after an answer was taken for
+    that prompt's refusal, as a moderation's 403 is: every later prompt was recorded refused, the run passed, and a
+    rerun once fixed asked nothing."""
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"id": str(i), "source": "s", "prompt": f"hello {i}"}) + "\n"
+                                    for i in range(4)))
+    for status, body in ((401, {"error": {"message": "Incorrect API key provided"}}),
+                         (404, {"error": {"message": "The model does not exist"}})):
+        rows = tmp_path / f"rows-{status}.jsonl"
+        with FakeServer() as server:
+            config = openai_config(prompts_file, rows, server.url, n=None, concurrency=1)
+            original, armed = distill_module.request_completion, [True]
+
+            def then_down(*args, **kwargs):
+                reply = original(*args, **kwargs)
+                if armed:  # after the first answer: the key or the model name gone (once: a request the failed run
+                    armed.clear()  # abandoned in flight may be answered after the fix below)
+                    server.down = (status, body)
+                return reply
+
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(distill_module, "request_completion", then_down)
+                with pytest.raises(distill_module.DistillError, match=f"HTTP {status} from .*rows written so far are "
+                                                                      "kept"):
+                    distill(config)
+            assert not list(tmp_path.glob(f"rows-{status}.jsonl.refused.*"))
+            assert [len(read_rows(kept)) for kept in tmp_path.glob(f"rows-{status}.jsonl.rank*")] == [1]
+            server.down = None
+            distill(config)  # fixed: every prompt asked
+            assert sorted(row["id"] for row in read_rows(rows)) == ["0", "1", "2", "3"]
 
 
 # ---------------------------------------------------------------------------------------------
