@@ -1451,6 +1451,10 @@ def run_openai(
     # requests that failed for good one after another, none answered between: past this many the endpoint
     # is taken for down (each prompt would otherwise wait out its own retries, hours for a large sample)
     failing, give_up_after, sent = 0, max(2, config.concurrency), 0
+    # 403s after answers, one after another with no answer between, are taken for a key that expired or lost the
+    # model past this many, not for that many prompts' moderations (which a rerun once fixed would never ask)
+    forbidden: list[int] = []  # their places in refused
+    forbidden_limit = max(5, 2 * config.concurrency)
     stopping = threading.Event()
     in_flight: dict[Future, tuple[dict[str, Any], str]] = {}
     try:
@@ -1476,7 +1480,6 @@ def run_openai(
             done, _ = wait(list(in_flight), return_when=FIRST_COMPLETED)
             for future in done:
                 prompt, text = in_flight.pop(future)
-                submit_next()
                 try:
                     try:
                         reply = future.result()
@@ -1498,12 +1501,26 @@ def run_openai(
                     stats.rejected += 1
                     refused.append((prompt, str(err)))
                     logger.error("prompt %s refused by the endpoint, left out: %s", prompt["id"], err)
+                    if isinstance(err.__cause__, EndpointError):  # a 403 after answers
+                        forbidden.append(len(refused) - 1)
+                        if len(forbidden) >= forbidden_limit and fatal is None:
+                            stopping.set()  # not recorded: asked again once the key is right
+                            refused = [r for i, r in enumerate(refused) if i not in set(forbidden)]
+                            stats.rejected -= len(forbidden)
+                            fatal = DistillError(
+                                f"the endpoint answered HTTP 403 to {len(forbidden)} prompts in a row after answering "
+                                f"others: a key that expired or lost access to the model, more likely than that many "
+                                f"moderations; check the key in the variable api_key_env names, then run again (those "
+                                f"prompts are not recorded as refused; rows written so far are kept). Last: {err}")
                     continue
                 except EndpointError as err:
                     stopping.set()  # no new request; the refusals so far are recorded below, then it is raised
-                    fatal = DistillError(f"prompt {prompt['id']}: {err} (rows written so far are kept)")
-                    in_flight.clear()
-                    break
+                    hint = (f"; where the endpoint answers other prompts, a 403 is this prompt's own refusal (a "
+                            f"provider's moderation): leave it out with exclude_ids=[{prompt['id']!r}]"
+                            if err.status == 403 else "")
+                    # the first one: replies that came with it are still written, or recorded, below
+                    fatal = fatal or DistillError(f"prompt {prompt['id']}: {err}{hint} (rows written so far are kept)")
+                    continue
                 except RuntimeError as err:
                     stats.failed += 1
                     errors.append(f"{prompt['id']}: {err}")
@@ -1514,6 +1531,7 @@ def run_openai(
                         stopping.set()  # no new request; those waiting to retry give up
                     continue
                 failing, answered = 0, True
+                forbidden.clear()
                 writer.write(row)
                 stats.add(row)
                 batch.append(row)
@@ -1523,6 +1541,11 @@ def run_openai(
                     if on_batch is not None:
                         on_batch(batch_index, batch)
                     batch, batch_index = [], batch_index + 1
+            if fatal is not None:  # (after every reply that came with it: those in flight are abandoned)
+                in_flight.clear()
+                break
+            while len(in_flight) < config.concurrency and submit_next():  # (after the replies: none once stopping)
+                pass
             stats.seconds = time.perf_counter() - start
             bar.set_postfix(tok_s=f"{stats.tokens / max(stats.seconds, 1e-9):.1f}")
         writer.sync()
@@ -1540,7 +1563,8 @@ def run_openai(
     # GPU for training, failed on them); not where every prompt asked was refused (more than one, or one and no row
     # is there): a setting every request carries, most likely, which a rerun should try again once fixed (beside
     # an earlier run's rows they were recorded, and the rerun asked nothing)
-    recorded = bool(refused) and not (len(refused) == len(jobs) and (len(jobs) > 1 or not stats.already_done))
+    # (and not where nothing was answered: the others failed, the endpoint down after refusing for a setting)
+    recorded = bool(refused) and (answered or (len(jobs) == 1 and stats.already_done > 0))
     if recorded:
         for prompt, reason in refused:
             record_refusal(config, stats.rank, prompt, reason)
@@ -1567,7 +1591,7 @@ def run_openai(
             "Check the settings every request carries: max_new_tokens past the served model's context, or a "
             "parameter the endpoint does not take"
         )
-    again = (f"it is recorded as that prompt's refusal: delete {refusals_path(config.output, stats.rank)} to ask it "
+    again = (f"It is recorded as that prompt's refusal: delete {refusals_path(config.output, stats.rank)} to ask it "
              "again" if recorded else "If it refuses them all for a setting every request carries (max_new_tokens "
              "past its context, a parameter it does not take), fix that and run again: they are asked again")
     logger.warning("the endpoint refused all %d prompts asked (first: %s); the %d rows already there are kept. %s",

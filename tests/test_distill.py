@@ -1253,12 +1253,14 @@ def test_openai_backend_fails_when_the_endpoint_refuses_every_prompt(tmp_path, c
 def test_openai_backend_stops_on_a_key_or_model_name_gone_wrong_after_answers(tmp_path, caplog):
     """A 401 (a key revoked) or a 404 (a server restarted under another model name) after an answer was taken for
     that prompt's refusal, as a moderation's 403 is: every later prompt was recorded refused, the run passed, and a
-    rerun once fixed asked nothing."""
+    rerun once fixed asked nothing. So were 403s to every later prompt (a key expired): past 5 in a row they stop the
+    run, unrecorded."""
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text("".join(json.dumps({"id": str(i), "source": "s", "prompt": f"hello {i}"}) + "\n"
-                                    for i in range(4)))
+                                    for i in range(8)))
     for status, body in ((401, {"error": {"message": "Incorrect API key provided"}}),
-                         (404, {"error": {"message": "The model does not exist"}})):
+                         (404, {"error": {"message": "The model does not exist"}}),
+                         (403, {"error": {"message": "key expired"}})):
         rows = tmp_path / f"rows-{status}.jsonl"
         with FakeServer() as server:
             config = openai_config(prompts_file, rows, server.url, n=None, concurrency=1)
@@ -1274,13 +1276,43 @@ def test_openai_backend_stops_on_a_key_or_model_name_gone_wrong_after_answers(tm
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(distill_module, "request_completion", then_down)
                 with pytest.raises(distill_module.DistillError, match=f"HTTP {status} from .*rows written so far are "
-                                                                      "kept"):
+                                                                      "kept" if status != 403 else
+                                   "the endpoint answered HTTP 403 to 5 prompts in a row after answering others: a "
+                                   "key that expired .* not recorded as refused"):
                     distill(config)
             assert not list(tmp_path.glob(f"rows-{status}.jsonl.refused.*"))
             assert [len(read_rows(kept)) for kept in tmp_path.glob(f"rows-{status}.jsonl.rank*")] == [1]
             server.down = None
             distill(config)  # fixed: every prompt asked
-            assert sorted(row["id"] for row in read_rows(rows)) == ["0", "1", "2", "3"]
+            assert sorted(row["id"] for row in read_rows(rows)) == [str(i) for i in range(8)]
+
+
+def test_openai_backend_refusals_with_no_answer_are_not_recorded_and_a_first_403_names_exclude_ids(tmp_path):
+    """Refusals in a run that answered nothing (the others failed: an endpoint refusing for a setting, then down)
+    were recorded, and a rerun once fixed skipped them; a 403 before any answer (a moderated prompt left alone to a
+    rerun) failed every rerun blaming the key, naming no way to leave the prompt out."""
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"id": p, "source": "s", "prompt": p}) + "\n"
+                                    for p in ("refused", "failed")))
+    config = openai_config(prompts_file, tmp_path / "rows.jsonl", "http://127.0.0.1:9/v1", n=None, concurrency=1)
+
+    def reply(url, body, *args, **kwargs):
+        if body["messages"][-1]["content"] == "refused":
+            raise RejectedError("HTTP 400: max_tokens too large")
+        raise RuntimeError("connection refused")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(distill_module, "request_completion", reply)
+        with pytest.raises(distill_module.DistillError, match="1 of 2 requests failed"):
+            distill(config)
+    assert not list(tmp_path.glob("rows.jsonl.refused.*"))
+    with FakeServer() as server:
+        prompts_file.write_text(json.dumps({"id": "2", "source": "s", "prompt": "moderated words"}) + "\n")
+        config = openai_config(prompts_file, tmp_path / "moderated.jsonl", server.url, n=None)
+        with pytest.raises(distill_module.DistillError, match=r"HTTP 403 .*; where the endpoint answers other prompts, "
+                                                              r"a 403 is this prompt's own refusal \(a provider's "
+                                                              r"moderation\): leave it out with exclude_ids=\['2'\]"):
+            distill(config)
 
 
 # ---------------------------------------------------------------------------------------------
