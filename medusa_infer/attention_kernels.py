@@ -77,6 +77,17 @@ DECODING_SDPA_BACKENDS: tuple[SDPBackend, ...] = (
 )
 
 
+SOFT_CAPPED_ATTENTION_TYPES = frozenset({"gemma2", "vaultgemma", "t5gemma"})
+"""The model types whose attention applies ``attn_logit_softcapping`` (transformers passes it as ``softcap``),
+which sdpa drops: Gemma 3's config holds the field, and its attention ignores it."""
+
+
+def soft_caps_attention(config: Any) -> bool:
+    """Whether a model of ``config`` soft-caps its attention scores (``SOFT_CAPPED_ATTENTION_TYPES``)."""
+    text = config.get_text_config()
+    return text.model_type in SOFT_CAPPED_ATTENTION_TYPES and bool(getattr(text, "attn_logit_softcapping", None))
+
+
 def decoding_attention(device: torch.device | str) -> ContextManager[None]:
     """The attention kernels for an inference forward on ``device`` (see the module docstring):
     ``DECODING_SDPA_BACKENDS`` on a CUDA device with gradients off, else PyTorch's own choice."""

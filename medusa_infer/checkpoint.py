@@ -21,7 +21,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from medusa_infer.config import MedusaConfig
+from medusa_infer.config import FREE_FORM_RECORDS, MedusaConfig, plain_record
 from medusa_infer.datastore import DATASTORE_NAME
 
 CONFIG_NAME = "config.json"
@@ -93,7 +93,9 @@ def save_heads(
     # read back as a load reads it: settings changed after the config was made (a tree deeper than the heads)
     # were saved, and the folder then failed to load
     settings = MedusaConfig.from_dict(config.to_dict()).to_json()
-    card = model_card(config, base_model_id, chat)
+    # the card from the config as written (a NaN there is null: the card showed NaN and inf where config.json held
+    # null, until saved again)
+    card = model_card(MedusaConfig.from_dict(json.loads(settings)), base_model_id, chat)
     directory.mkdir(parents=True, exist_ok=True)
     # One metadata key: safetensors writes the metadata map in random order, and identical heads
     # must give identical bytes (the Hub skips unchanged files by their hash).
@@ -297,6 +299,9 @@ def _published(folder: Path, stage: Path, repo_id: str, config: MedusaConfig | N
     would say nothing of its base model or figures) and whose config.json shows local paths of the training
     record (a home folder, a user's name) by their last part."""
     settings = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))
+    nonfinite: list[str] = []  # a folder an earlier release wrote NaN into: published as strict JSON, null there
+    plain = {key: plain_record(value, key, nonfinite) if key in FREE_FORM_RECORDS and isinstance(value, dict) else value
+             for key, value in settings.items()}
     training = settings.get("training")
     for path in folder.rglob("*"):  # (files linked one by one: a linked folder's files may not be walked)
         if path.is_file():
@@ -305,10 +310,10 @@ def _published(folder: Path, stage: Path, repo_id: str, config: MedusaConfig | N
                 (stage / path.relative_to(folder)).symlink_to(path.resolve())
             except OSError:  # no links here (Windows without developer mode, some file systems): a copy
                 shutil.copy2(path, stage / path.relative_to(folder))
-    if isinstance(training, dict) and _public(training) != training:
+    if nonfinite or (isinstance(training, dict) and _public(training) != training):
         (stage / CONFIG_NAME).unlink()
-        (stage / CONFIG_NAME).write_text(json.dumps({**settings, "training": _public(training)}, indent=2) + "\n",
-                                         encoding="utf-8")
+        published = {**plain, "training": _public(plain["training"])} if isinstance(training, dict) else plain
+        (stage / CONFIG_NAME).write_text(json.dumps(published, indent=2) + "\n", encoding="utf-8")
     card = (folder / CARD_NAME).read_text(encoding="utf-8", errors="replace") if (folder / CARD_NAME).is_file() \
         else model_card(config) if config is not None else None
     if card is not None:  # (a copy of its own: the repo's full id is named in it once the repo is made)

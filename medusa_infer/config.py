@@ -293,7 +293,7 @@ class MedusaConfig:
         data = self.to_dict()
         nonfinite: list[str] = []
         for name in FREE_FORM_RECORDS:
-            data[name] = _plain(data[name], name, nonfinite)
+            data[name] = plain_record(data[name], name, nonfinite)
         if nonfinite:
             logger.warning("heads config %s %s not a finite number, written as null (JSON has no NaN or infinity)",
                            ", ".join(nonfinite[:5]) + (f" and {len(nonfinite) - 5} more" if len(nonfinite) > 5 else ""),
@@ -342,18 +342,19 @@ def _capped(total: Any) -> Any:
     return 1.0 if isinstance(total, float) and 1.0 < total <= 1.0 + 1e-4 else total
 
 
-def _plain(value: Any, path: str, nonfinite: list[str]) -> Any:
-    """``value`` (a free-form record's) with each NaN or infinity replaced by None, its path added to
-    ``nonfinite``; ``ValueError`` naming the path of a value JSON has no form for (a numpy float32, a Path)."""
+def plain_record(value: Any, path: str, nonfinite: list[str]) -> Any:
+    """``value`` (a free-form record's, ``FREE_FORM_RECORDS``) with each NaN or infinity replaced by None, its path
+    added to ``nonfinite``; ``ValueError`` naming the path of a value JSON has no form for (a numpy float32, a
+    Path)."""
     if isinstance(value, float) and not math.isfinite(value):
         nonfinite.append(path)
         return None
     if value is None or isinstance(value, (str, bool, int, float)):
         return value
     if isinstance(value, dict):
-        return {key: _plain(item, f"{path}.{key}", nonfinite) for key, item in value.items()}
+        return {key: plain_record(item, f"{path}.{key}", nonfinite) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(item, f"{path}[{i}]", nonfinite) for i, item in enumerate(value)]
+        return [plain_record(item, f"{path}[{i}]", nonfinite) for i, item in enumerate(value)]
     raise ValueError(f"heads config {path} is a {type(value).__name__} ({value!r:.60}), which JSON has no form for: "
                      "give numbers, strings, booleans, null, and lists and string-keyed dicts of them")
 

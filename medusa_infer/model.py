@@ -43,7 +43,7 @@ from medusa_infer.checkpoint import (
     renders_chats,
     save_heads,
 )
-from medusa_infer.attention_kernels import decoding_attention
+from medusa_infer.attention_kernels import decoding_attention, soft_caps_attention
 from medusa_infer.cpu_kernels import forget_packed, match_kernels
 from medusa_infer.config import MedusaConfig
 from medusa_infer.datastore import DATASTORE_NAME, Datastore
@@ -147,8 +147,8 @@ def check_supported(base_model: PreTrainedModel) -> None:
                                   "slot, not position, so once the cache's slots pass the window (256 in "
                                   "EleutherAI's models) tree steps would not decode as the model does; medusa-forge "
                                   f"supports {' and '.join(TREE_LAYER_TYPES)} layers")
-    if getattr(text, "attn_logit_softcapping", None) and "sdpa" in str(getattr(base_model.config,
-                                                                               "_attn_implementation", "")):
+    if soft_caps_attention(base_model.config) and "sdpa" in str(getattr(base_model.config, "_attn_implementation",
+                                                                         "")):
         raise NotImplementedError(f"{name} soft-caps its attention scores (attn_logit_softcapping="
                                   f"{text.attn_logit_softcapping}), which sdpa attention drops (transformers 5.17 "
                                   "without a word): load it with attn_implementation='eager' (load_base_model does)")

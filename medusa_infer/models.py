@@ -576,7 +576,7 @@ def load_base_model(
     tree mask; a model that soft-caps its attention scores (Gemma 2) gets ``eager``, which applies the cap
     (transformers 5.17's ``sdpa`` dropped it).
     """
-    from medusa_infer.attention_kernels import SDPA_GQA, SDPA_GQA_MODEL_TYPES
+    from medusa_infer.attention_kernels import SDPA_GQA, SDPA_GQA_MODEL_TYPES, soft_caps_attention
     from medusa_infer.cpu_kernels import CPU_KERNELS, apply_cpu_kernels
 
     if cpu_kernels not in CPU_KERNELS:  # before a load that can take minutes
@@ -596,7 +596,7 @@ def load_base_model(
     elif name_or_path in DEFAULT_MODELS:  # a model folder of that name won: heads record where it is, not the
         model.name_or_path = str(Path(folder).expanduser().resolve())  # name, which elsewhere is the default
     if (attn_implementation is None and model.config._attn_implementation == "sdpa"
-            and getattr(model.config.get_text_config(), "attn_logit_softcapping", None)):
+            and soft_caps_attention(model.config)):
         # (Gemma 2: transformers 5.17 gives it sdpa, which drops the cap without a word; later ones give eager)
         model.set_attn_implementation("eager")
     if (attn_implementation is None and model.config._attn_implementation == "sdpa"

@@ -268,3 +268,13 @@ def test_a_model_that_soft_caps_attention_is_loaded_with_attention_that_applies_
     with pytest.raises(NotImplementedError, match=r"Gemma2ForCausalLM soft-caps its attention scores "
                                                   r"\(attn_logit_softcapping=0.5\), which sdpa attention drops"):
         MedusaModel.without_heads(given)
+    # Gemma 3's config holds the field and its attention ignores it: taken under sdpa (and sdpa_gqa given it)
+    from tiny import tiny_config
+
+    config = tiny_config("gemma3_text")
+    config.attn_logit_softcapping = 50.0
+    gemma3 = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    MedusaModel.without_heads(gemma3)
+    gemma3.save_pretrained(tmp_path / "gemma3")
+    monkeypatch.undo()
+    assert models.load_base_model(str(tmp_path / "gemma3")).config._attn_implementation == "sdpa_gqa"

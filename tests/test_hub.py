@@ -343,6 +343,24 @@ def test_a_new_upload_deletes_what_an_earlier_one_left_that_would_load_with_the_
     assert sorted(hub.files[(REPO_ID, "main")]) == ["README.md", "config.json", "model.safetensors", "notes.txt"]
 
 
+def test_a_folder_an_earlier_release_wrote_nan_into_is_uploaded_as_strict_json(hub, monkeypatch, tmp_path):
+    """An earlier release wrote a diverged run's NaN loss into config.json as NaN, which strict JSON readers refuse:
+    uploaded as it was (linked, or its paths shown by their last part). The staged copy holds null there."""
+    from medusa_infer.checkpoint import push_folder_to_hub
+
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    folder = tmp_path / "old"
+    tiny_heads().save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["training"] = {"final_train_record": {"loss": float("nan")}}
+    (folder / "config.json").write_text(json.dumps(config))  # (NaN, as json.dumps writes it)
+    assert "NaN" in (folder / "config.json").read_text()
+    push_folder_to_hub(folder, REPO_ID, token=TOKEN)
+    uploaded = hub.files[(REPO_ID, "main")]["config.json"].decode()
+    assert json.loads(uploaded, parse_constant=pytest.fail)["training"] == {"final_train_record": {"loss": None}}
+    assert "NaN" in (folder / "config.json").read_text()  # (the folder itself as it was)
+
+
 def test_a_fasterdecoding_export_has_a_card_and_its_upload_over_ours_leaves_none_of_ours(hub, monkeypatch, tmp_path):
     """An upload in the FasterDecoding layout over heads pushed in ours left our model.safetensors (which loads
     first) and card (of the earlier heads: their count, accuracies and tree) in the repo; the export wrote none."""

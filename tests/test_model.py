@@ -1206,9 +1206,11 @@ def test_a_config_is_written_as_strict_json(tmp_path, caplog):
     again = MedusaConfig.load(tmp_path / "heads" / "config.json")
     assert again.training["final_train_record"] == {"step": 9, "loss": None, "head_top1": [0.5, None]}
     assert again.acceptance == {"tau": None}
+    card = (tmp_path / "heads" / "README.md").read_text()  # (as config.json holds it: it showed NaN and inf)
+    assert not re.search(r"\b(NaN|inf)\b", card) and '"loss": null' in card
     model.config.training = {"final_train_record": {"accuracy": np.float32(0.5)}}
-    with pytest.raises(ValueError, match="heads config training.final_train_record.accuracy is a float32 \\(np.float32\\(0.5\\)\\), "
-                                         "which JSON has no form for"):
+    with pytest.raises(ValueError, match="heads config training.final_train_record.accuracy is a float32 "
+                                         "\\(np.float32\\(0.5\\)\\), which JSON has no form for"):
         model.save_pretrained(tmp_path / "other")
     assert not (tmp_path / "other").exists()
     with pytest.raises(ValueError, match="heads config training keys must be strings \\(JSON's\\), got 1"):
