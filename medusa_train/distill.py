@@ -1455,6 +1455,7 @@ def run_openai(
     # model past this many, not for that many prompts' moderations (which a rerun once fixed would never ask)
     forbidden: list[int] = []  # their places in refused
     forbidden_limit = max(5, 2 * config.concurrency)
+    key_gone = False  # that many came: every later 403 of the run (a reply of the same wake-up) is the key's too
     stopping = threading.Event()
     in_flight: dict[Future, tuple[dict[str, Any], str]] = {}
     try:
@@ -1503,12 +1504,16 @@ def run_openai(
                     logger.error("prompt %s refused by the endpoint, left out: %s", prompt["id"], err)
                     if isinstance(err.__cause__, EndpointError):  # a 403 after answers
                         forbidden.append(len(refused) - 1)
-                        if len(forbidden) >= forbidden_limit and fatal is None:
+                        if len(forbidden) >= forbidden_limit or key_gone:
                             stopping.set()  # not recorded: asked again once the key is right
-                            refused = [r for i, r in enumerate(refused) if i not in set(forbidden)]
-                            stats.rejected -= len(forbidden)
-                            fatal = DistillError(
-                                f"the endpoint answered HTTP 403 to {len(forbidden)} prompts in a row after answering "
+                            count, drop = len(forbidden), set(forbidden)
+                            refused = [r for i, r in enumerate(refused) if i not in drop]
+                            stats.rejected -= len(drop)
+                            forbidden.clear()
+                            first, key_gone = not key_gone, True
+                            # (another fatal error in the same wake-up first: its message stands, the 403s unrecorded)
+                            fatal = fatal if fatal is not None or not first else DistillError(
+                                f"the endpoint answered HTTP 403 to {count} prompts in a row after answering "
                                 f"others: a key that expired or lost access to the model, more likely than that many "
                                 f"moderations; check the key in the variable api_key_env names, then run again (those "
                                 f"prompts are not recorded as refused; rows written so far are kept). Last: {err}")

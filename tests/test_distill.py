@@ -925,9 +925,15 @@ class FakeServer:
                 with server.lock:
                     server.in_flight += 1
                     server.peak = max(server.peak, server.in_flight)
+                self.counted = True
                 try:
                     self.answer()
                 finally:
+                    self.uncount()
+
+            def uncount(self):  # before the reply is written: the client's next request may come as it is read
+                if self.counted:
+                    self.counted = False
                     with server.lock:
                         server.in_flight -= 1
 
@@ -994,6 +1000,7 @@ class FakeServer:
                 })
 
             def reply(self, status, payload, raw=None, headers=None, length=None):
+                self.uncount()
                 data = raw if raw is not None else json.dumps(payload).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -1285,6 +1292,39 @@ def test_openai_backend_stops_on_a_key_or_model_name_gone_wrong_after_answers(tm
             server.down = None
             distill(config)  # fixed: every prompt asked
             assert sorted(row["id"] for row in read_rows(rows)) == [str(i) for i in range(8)]
+
+
+def test_a_403_streak_reached_among_replies_of_one_wake_up_records_none_of_them(tmp_path, monkeypatch):
+    """With requests in flight together, the 403s that came in the same wake-up after the streak reached its limit
+    were recorded as those prompts' refusals (the run had stopped for the key): a rerun once fixed skipped them."""
+    import concurrent.futures
+
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"id": str(i), "source": "s", "prompt": f"hello {i}"}) + "\n"
+                                    for i in range(10)))
+    # the replies of both requests in flight come in one wake-up (a main thread slower than the endpoint)
+    monkeypatch.setattr(distill_module, "wait", lambda futures, return_when=None: concurrent.futures.wait(
+        futures, return_when=concurrent.futures.ALL_COMPLETED))
+    rows = tmp_path / "rows.jsonl"
+    with FakeServer() as server:
+        config = openai_config(prompts_file, rows, server.url, n=None, concurrency=2)
+        original, answered = distill_module.request_completion, []
+
+        def then_expired(*args, **kwargs):
+            reply = original(*args, **kwargs)
+            answered.append(reply)
+            if len(answered) == 2:  # the first wake-up's two answers, then the key expires
+                server.down = (403, {"error": {"message": "key expired"}})
+            return reply
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(distill_module, "request_completion", then_expired)
+            with pytest.raises(distill_module.DistillError, match="403 to 5 prompts in a row"):
+                distill(config)
+        assert not list(tmp_path.glob("rows.jsonl.refused.*"))  # (the sixth 403, of the fifth's wake-up, was)
+        server.down = None
+        distill(config)
+    assert sorted(row["id"] for row in read_rows(rows)) == [str(i) for i in range(10)]
 
 
 def test_openai_backend_refusals_with_no_answer_are_not_recorded_and_a_first_403_names_exclude_ids(tmp_path):
