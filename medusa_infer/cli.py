@@ -310,10 +310,10 @@ def run_turn(model, args: argparse.Namespace, messages: list[dict] | None, promp
 
 def prompt_tokens(tokenizer, messages: list[dict] | None, prompt: str | None) -> int:
     """The tokens of a turn's prompt, as ``decoding.generate`` encodes ``messages=`` or ``prompt=``."""
-    from medusa_infer.decoding import encode_chat
+    from medusa_infer.decoding import chat_prompt_ids
 
     if messages is not None:
-        return len(tokenizer(encode_chat(tokenizer, messages)[0], add_special_tokens=False)["input_ids"])
+        return len(chat_prompt_ids(tokenizer, messages)[0])
     return len(tokenizer(prompt)["input_ids"])
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import json
 import math
 import numbers
@@ -765,7 +766,10 @@ def _prepare_inputs(model, tokenizer, input_ids, attention_mask, prompt, message
             raise ValueError(f"prompt must be a string or a list of strings, got {type(prompt).__name__}; "
                              "pass token ids as input_ids=")
         # padded here: a tokenizer without a pad token (GPT-2's, Llama 2's) refuses to pad
-        rows = tokenizer(list(texts), add_special_tokens=messages is None)["input_ids"] if texts else []
+        if messages is not None:
+            rows = chat_prompt_ids(tokenizer, messages, texts)
+        else:
+            rows = tokenizer(list(texts), add_special_tokens=True)["input_ids"] if texts else []
         if not rows:
             raise ValueError("empty prompt: give at least one token of input")
         empty = [i for i, row in enumerate(rows) if not row]  # "" is a prompt where the tokenizer adds a BOS (Gemma's)
@@ -887,6 +891,78 @@ def encode_chat(tokenizer, messages) -> list[str]:
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this tokenizer has no chat template; pass prompt= or input_ids= instead")
     return [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
+
+
+class ChatTextError(ValueError):
+    """A message holds the text of a control token that cannot be encoded as text (``message``: its index
+    in the conversation, ``token``: the control token)."""
+
+    def __init__(self, text: str, message: int, token: str) -> None:
+        super().__init__(text)
+        self.message, self.token = message, token
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """The strings in a message's values (content as a string or as parts), depth first."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _strings(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _strings(item)
+
+
+def _control_token_written(tokenizer, chat: Sequence[Mapping[str, Any]]) -> tuple[int, str] | None:
+    """The first message (its index) holding the text of one of the tokenizer's control tokens (its special
+    tokens, and added tokens the chat template writes: ``<|im_end|>``, ``<start_of_turn>``...), and that token."""
+    template = getattr(tokenizer, "chat_template", None)
+    template = template if isinstance(template, str) else ""
+    added = (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()
+    tokens = sorted({str(token) for token in added if getattr(token, "special", False) or str(token) in template},
+                    key=len, reverse=True)
+    for index, message in enumerate(chat):
+        for text in _strings({key: value for key, value in message.items() if key != "role"}):
+            found = next((token for token in tokens if token and token in text), None)
+            if found is not None:
+                return index, found
+    return None
+
+
+def chat_prompt_ids(tokenizer, messages, texts: Sequence[str] | None = None) -> list[list[int]]:
+    """Token ids of ``messages`` (a chat or a list of chats) rendered with the chat template (``texts``: what
+    ``encode_chat`` rendered, when the caller has it), a message's text read as text, as OpenAI's API reads
+    it: a control token written in a message (``<|im_end|>``, ``<|im_start|>system``...) is encoded as its
+    characters, so that no message can end its turn or open another role's (transformers' chat templates
+    read it as the token). ``ChatTextError`` (a ``ValueError``) where that cannot be done: transformers
+    before 5.20 (no ``sanitize_control_tokens``), or a tokenizer whose plain text makes that token."""
+    texts = list(encode_chat(tokenizer, messages) if texts is None else texts)
+    conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
+    rows = [list(row) for row in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    for row, chat in enumerate(conversations):
+        written = _control_token_written(tokenizer, chat)
+        if written is None:
+            continue
+        index, token = written
+        where = f"message {index}" + (f" of chat {row}" if len(conversations) > 1 else "")
+        if "sanitize_control_tokens" not in inspect.signature(tokenizer.apply_chat_template).parameters:
+            import transformers
+
+            raise ChatTextError(
+                f"{where} holds {token!r}, the text of one of this tokenizer's control tokens, which transformers "
+                f"{transformers.__version__} would read as that token (ending the turn, or opening another role's), "
+                "not as text: upgrade transformers to 5.20 or later, which encodes it as text, or take it out of "
+                "the message", index, token)
+        try:
+            ids = tokenizer.apply_chat_template(list(chat), tokenize=True, return_dict=False,
+                                                add_generation_prompt=True, sanitize_control_tokens=True)
+        except ValueError as error:  # a tokenizer whose plain text makes the token ("</s>" a word of its own)
+            raise ChatTextError(f"{where} holds {token!r}, which this tokenizer cannot encode as text ({error}), "
+                                "and would read as its control token: take it out of the message", index,
+                                token) from None
+        rows[row] = [int(i) for i in ids]
+    return rows
 
 
 def generator_seed(seed: int) -> int:

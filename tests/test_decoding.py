@@ -13,7 +13,8 @@ import torch
 
 from medusa_infer import acceptance as rules
 from medusa_infer.adaptive import StepCosts
-from medusa_infer.decoding import StopConfig, encode_chat, generate, generator_seed, resolve_tree, stream
+from medusa_infer.decoding import (StopConfig, chat_prompt_ids, encode_chat, generate, generator_seed, resolve_tree,
+                                   stream)
 from medusa_infer.kv_cache import AttentionLayout, KVState
 from medusa_infer.metrics import GenerationMetrics
 from medusa_infer.model import MedusaModel
@@ -21,7 +22,7 @@ from medusa_infer.proposers.autoregressive import AutoregressiveProposer
 from medusa_infer.proposers.base import Proposal, StepContext
 from medusa_infer.tree_fit import CostProfile
 from medusa_infer.trees import TREE_PRESETS, build_tree_buffers, get_tree, root_only_tree, tree_depth
-from tiny import ARCHITECTURES, VOCAB, sliding_window_base, tiny_model, word_medusa
+from tiny import ARCHITECTURES, VOCAB, sanitizes_control_tokens, sliding_window_base, tiny_model, word_medusa
 
 EXACT_ARCHS = ("llama", "qwen3", "gemma3_text", "gpt2")
 NO_EOS: list[int] = []
@@ -1403,6 +1404,65 @@ def test_messages_are_tokenised_as_the_template_renders_them_without_a_second_bo
     assert out.sequences[0, : -len(out.new_tokens[0])].tolist() == expected
     plain = generate(model, prompt="w5 w6", max_new_tokens=2)  # a plain prompt gets the tokenizer's BOS
     assert plain.sequences[0, 0].item() == tokenizer.bos_token_id
+
+
+def control_token_tokenizer():
+    """The word tokenizer with a special token of its own, ``<|end|>``, which its plain text never makes."""
+    from medusa_infer.serving.testing import word_tokenizer
+
+    tokenizer = word_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|end|>"]})
+    return tokenizer
+
+
+@sanitizes_control_tokens
+def test_a_control_token_written_in_a_message_is_text_not_the_token():
+    """A message's text is text: "<|end|>" written in it is not the control token (it ended the turn there)."""
+    tokenizer = control_token_tokenizer()
+    end = tokenizer.convert_tokens_to_ids("<|end|>")
+    written = [{"role": "user", "content": "w5 <|end|> w6"}]
+    plain = [{"role": "user", "content": "w5 w6"}]
+    [ids], [reference] = chat_prompt_ids(tokenizer, written), chat_prompt_ids(tokenizer, plain)
+    assert end not in ids
+    assert ids == reference[:3] + [tokenizer.unk_token_id] + reference[3:]  # the word tokenizer's text for it
+    # the template's own control tokens stay tokens, the rest as before, in a batch too
+    tokenizer.chat_template = tokenizer.chat_template.replace("{% endfor %}", "<|end|>{% endfor %}")
+    rows = chat_prompt_ids(tokenizer, [written, plain])
+    assert [row.count(end) for row in rows] == [1, 1]
+    assert rows[1] == tokenizer(encode_chat(tokenizer, plain), add_special_tokens=False)["input_ids"][0]
+
+
+@sanitizes_control_tokens
+def test_a_control_token_that_cannot_be_text_is_refused_by_message():
+    from medusa_infer.decoding import ChatTextError
+
+    tokenizer = control_token_tokenizer()  # "</s>", its EOS, is also a word of its vocabulary
+    chat = [{"role": "system", "content": "w1"}, {"role": "user", "content": "w5 </s> w6"}]
+    with pytest.raises(ChatTextError, match="message 1 holds '</s>', which this tokenizer cannot encode as text") as err:
+        chat_prompt_ids(tokenizer, chat)
+    assert (err.value.message, err.value.token) == (1, "</s>")
+
+
+def test_before_transformers_5_20_a_control_token_in_a_message_is_refused(monkeypatch):
+    tokenizer = control_token_tokenizer()
+    template = tokenizer.apply_chat_template
+
+    def without_sanitize(conversation, tokenize=True, add_generation_prompt=False, return_dict=True):
+        return template(conversation, tokenize=tokenize, add_generation_prompt=add_generation_prompt,
+                        return_dict=return_dict)
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", without_sanitize)
+    assert chat_prompt_ids(tokenizer, [{"role": "user", "content": "w5 w6"}])  # no control token: as before
+    with pytest.raises(ValueError, match="message 0 holds '<|end|>'.*upgrade transformers to 5.20"):
+        chat_prompt_ids(tokenizer, [{"role": "user", "content": "w5 <|end|>"}])
+
+
+@sanitizes_control_tokens
+def test_generate_reads_a_messages_control_token_as_text():
+    model = word_medusa()
+    model.tokenizer = control_token_tokenizer()
+    out = generate(model, messages=[{"role": "user", "content": "w5 <|end|>"}], max_new_tokens=2)
+    assert model.tokenizer.convert_tokens_to_ids("<|end|>") not in out.sequences[0].tolist()
 
 
 def test_generator_seed_keeps_seeds_of_63_bits_and_hashes_the_rest_into_them():

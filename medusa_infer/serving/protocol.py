@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from medusa_infer.decoding import token_outside
+from medusa_infer.decoding import ChatTextError, chat_prompt_ids, token_outside
 from medusa_infer.serving import parameters
 
 MAX_BODY_BYTES = 8 << 20
@@ -158,7 +158,11 @@ def parse_chat(body: dict[str, Any], model: ModelInfo) -> GenerationParams:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception as error:  # a template may refuse a conversation (e.g. roles not alternating)
         raise invalid(f"the chat template refused these messages: {_short(error)}", "messages") from None
-    prompt_ids = _tokenize(model, text, False, "messages")
+    _check_length(model, text, "messages")
+    try:  # a message's text is text: a control token written in it is not read as that token
+        prompt_ids = chat_prompt_ids(tokenizer, messages, [text])[0]
+    except ChatTextError as error:
+        raise invalid(str(error), f"messages[{error.message}].content") from None
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     if name == "max_completion_tokens":  # the older name, sent too, is checked as when sent alone
         _integer(body, "max_tokens", None, 1, None)
@@ -270,11 +274,16 @@ def _prompt_ids(body: dict[str, Any], model: ModelInfo) -> list[int]:
 
 def _tokenize(model: ModelInfo, text: str, add_special_tokens: bool, param: str) -> list[int]:
     """Token ids of ``text``; text far too long for the context is refused before tokenising it."""
+    _check_length(model, text, param)
+    return list(model.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def _check_length(model: ModelInfo, text: str, param: str) -> None:
+    """Refuse text far too long for the context before tokenising it."""
     if len(text) > model.context_length * MAX_CHARS_PER_TOKEN:
         raise invalid(f"This model's maximum context length is {model.context_length} tokens, and the prompt "
                       f"has {len(text)} characters, far more than fit; shorten the prompt.", param,
                       "context_length_exceeded")
-    return list(model.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
 def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
@@ -310,13 +319,23 @@ def _content(content: Any, param: str) -> str:
     if isinstance(content, list) and content:
         texts = []
         for index, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise invalid(f"{param}: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported", param)
+            where = f"{param}[{index}]"
+            if not isinstance(part, dict):
+                raise invalid(f"{where} must be a content part object ({{\"type\": \"text\", \"text\": ...}}), got "
+                              f"{_type(part)}", where)
+            if part.get("type") != "text":
+                kind = part.get("type")
+                shown = f"a part of type {kind!r}" if isinstance(kind, str) else "a part without a type"
+                raise invalid(f"{where} is {_clip(shown, 60)}; this server serves a text-only model: send only text "
+                              "parts ({\"type\": \"text\", \"text\": ...}) or a string", where,
+                              "unsupported_parameter" if isinstance(kind, str) else None)
+            if not isinstance(part.get("text"), str):
+                raise invalid(f"{where}.text must be a string, got {_type(part.get('text'))}", f"{where}.text")
             for key, value in part.items():  # cache_control and the like: refused as a message's other fields are
                 if key not in ("type", "text") and value is not None:
-                    where = f"{param}[{index}].{_clip(key, 40)}"
-                    raise invalid(f"{where} is not supported by this server (only a text part's type and text "
-                                  "reach the chat template); leave it out", where, "unsupported_parameter")
+                    field = f"{where}.{_clip(key, 40)}"
+                    raise invalid(f"{field} is not supported by this server (only a text part's type and text "
+                                  "reach the chat template); leave it out", field, "unsupported_parameter")
             texts.append(part["text"])
         return "\n".join(texts)
     if content == []:
