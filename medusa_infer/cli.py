@@ -106,6 +106,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.top_k = 0 if args.top_k is None else args.top_k
     shaping = [flag for flag, unused in (("--top-p", args.top_p != 1.0), ("--top-k", args.top_k != 0),
                                          ("--seed", args.seed is not None)) if unused]
+    if args.acceptance in ("typical", "lossless"):  # (named: both decode greedily at temperature 0)
+        shaping.append(f"--acceptance {args.acceptance}")
     if args.do_sample and args.temperature == 0 and shaping:  # as generation refuses it, before the model loads
         parser.error(f"{', '.join(shaping)} shape sampling, and --temperature 0 decodes greedily: give a temperature "
                      "above 0, or drop them")
@@ -277,6 +279,19 @@ def check_method_flags(parser: argparse.ArgumentParser, args: argparse.Namespace
                          f"--lookup-tokens N or drop {flag}")
 
 
+def check_loaded_flags(model, args: argparse.Namespace) -> None:
+    """Refuse, once the heads are loaded, a flag they would leave unused: ``--lookup-max-tokens`` bounds the
+    lookup chain a cost profile chooses, and heads without one graft chains of ``--lookup-tokens`` (shared by
+    ``medusa-generate`` and ``medusa-serve``, as ``medusa-bench`` refuses it)."""
+    from medusa_infer.proposers.lookup import model_cost
+
+    if args.method == "medusa" and getattr(args, "lookup_max_tokens", None) is not None and model_cost(model) is None:
+        raise ValueError(f"--lookup-max-tokens bounds the lookup chain a cost profile chooses, and the heads in "
+                         f"{args.heads} carry no cost profile (not calibrated): the chain is --lookup-tokens "
+                         f"{args.lookup_tokens} long; drop --lookup-max-tokens, or calibrate the heads "
+                         "(medusa-bench --calibrate)")
+
+
 def run_turn(model, args: argparse.Namespace, messages: list[dict] | None, prompt: str | None):
     from medusa_infer.decoding import stream
 
@@ -384,6 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def generate_from_args(args: argparse.Namespace) -> int:
     """Load the model and answer the prompt, or chat; ``ValueError`` for what the model refuses."""
     model = load(args)
+    check_loaded_flags(model, args)
     if args.method == "draft":
         args.draft_model = as_draft_model(args.draft_model, target=model)  # loaded once, shared by the turns
     build_proposer(args.method, model, args)  # checks the options against the model
@@ -395,10 +411,12 @@ def generate_from_args(args: argparse.Namespace) -> int:
     if args.system is not None:  # a template that refuses a system role (Gemma 2's, Mistral-Instruct's): a traceback
         from jinja2 import TemplateError
 
-        from medusa_infer.decoding import encode_chat
+        from medusa_infer.decoding import ChatTextError, chat_prompt_ids
 
         try:
-            encode_chat(tokenizer, [{"role": "system", "content": args.system}, {"role": "user", "content": "hi"}])
+            chat_prompt_ids(tokenizer, [{"role": "system", "content": args.system}, {"role": "user", "content": "hi"}])
+        except ChatTextError as err:  # (refused at every turn)
+            raise ValueError(f"--system: {err}") from None
         except TemplateError as err:
             raise ValueError(f"--system: this model's chat template refuses a system message ({err}): drop --system "
                              "(or put it at the start of the prompt)") from err
@@ -419,6 +437,12 @@ def generate_from_args(args: argparse.Namespace) -> int:
     if sys.stdin is None:  # (started with stdin closed, pythonw)
         raise ValueError("--chat reads its prompts from stdin, which is closed: give the prompt as an argument")
     interactive = sys.stdin.isatty()  # (piped lines: no "> " written into the answers)
+    if interactive:  # line editing and history: without it the terminal read lines itself, arrow keys reached the
+        try:  # model as escape codes and a pasted line was cut at 4095 characters
+            import readline  # noqa: F401
+        except ImportError:  # (Windows)
+            pass
+    first = True
     while True:
         try:
             line = input("> " if interactive else "").strip()
@@ -426,17 +450,22 @@ def generate_from_args(args: argparse.Namespace) -> int:
             if interactive:
                 print()
             break
+        if first:  # a file saved by Notepad or PowerShell starts with a byte order mark, which is no text of its
+            line, first = line.removeprefix("\ufeff").strip(), False
         if not line:
+            if not interactive:  # a prompts file with blank lines between prompts: the rest was left unread, unsaid
+                print("[note] the chat ended at an empty line (an empty line or the input's end ends it)",
+                      file=sys.stderr)
             break
         if not is_text(line):
             print(f"medusa-generate: error: that line is not UTF-8 text ({ascii(line)[:60]}); it was left out, the "
                   "conversation kept", file=sys.stderr)
             continue
-        # the session ended with "does not fit the model's context" once the conversation outgrew it
-        turn, dropped = fit_history(model, history + [{"role": "user", "content": line}], use_template,
-                                    args.max_new_tokens)
-        text = None if use_template else raw_text(turn)
         try:
+            # the session ended with "does not fit the model's context" once the conversation outgrew it
+            turn, dropped = fit_history(model, history + [{"role": "user", "content": line}], use_template,
+                                        args.max_new_tokens)
+            text = None if use_template else raw_text(turn)
             if dropped and turn_tokens(model, turn, use_template) < context_length(model):
                 print(f"[note] the conversation outgrew the model's context ({context_length(model)} tokens): its "
                       f"{dropped} oldest exchange{'s' if dropped > 1 else ''} left out", file=sys.stderr)

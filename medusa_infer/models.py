@@ -646,7 +646,7 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTra
         if damaged is not None:
             raise damaged
         raise ValueError(f"{folder} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save the model's "
-                         "tokenizer beside its weights (tokenizer.save_pretrained(DIR)), or pass tokenizer=")
+                         "tokenizer beside its weights (tokenizer.save_pretrained(DIR)), or, from Python, pass tokenizer=")
     with _cached_copy_errors(name_or_path, resolved):
         tokenizer = AutoTokenizer.from_pretrained(resolved, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:

@@ -499,13 +499,18 @@ def get_tree(name_or_paths: str | Iterable[Sequence[int]], num_heads: int, top_k
                          "fitted to the heads' measured accuracies)")
     _check_sizes(num_heads, top_k)
     num_heads, top_k = int(num_heads), int(top_k)
+    def needs(paths: list[Path]) -> tuple[int, int]:  # (heads, top_k)
+        return tree_depth(paths), 1 + max(max(path) for path in paths)
+
     preset = TREE_PRESETS[name_or_paths]
-    needed_heads = tree_depth(preset)
-    needed_top_k = 1 + max(max(path) for path in preset)
-    if num_heads < needed_heads or top_k < needed_top_k:
-        raise ValueError(f"tree preset {name_or_paths!r} needs {needed_heads} heads and "
-                         f"top_k >= {needed_top_k}, got num_heads={num_heads}, top_k={top_k}; "
-                         "pick a smaller preset or raise top_k")
+    needed_heads, needed_top_k = needs(preset)
+    if num_heads < needed_heads or top_k < needed_top_k:  # only what is unmet is named (top_k has no flag)
+        unmet = [f"{needed_heads} heads, got num_heads={num_heads}"] if num_heads < needed_heads else []
+        unmet += [f"top_k >= {needed_top_k}, got top_k={top_k}"] if top_k < needed_top_k else []
+        fitting = [name for name, paths in TREE_PRESETS.items()
+                   if needs(paths)[0] <= num_heads and needs(paths)[1] <= top_k]
+        raise ValueError(f"tree preset {name_or_paths!r} needs {' and '.join(unmet)}; presets that fit these heads: "
+                         f"{', '.join(fitting) or 'none'} (or fitted-N, the N-node tree fitted to their accuracies)")
     return validate_tree(preset, num_heads, top_k)
 
 

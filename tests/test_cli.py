@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -497,6 +498,9 @@ def test_a_huge_max_new_tokens_keeps_the_chat_history():
      "--lookup-min-ngram must lie in [1, --lookup-max-ngram=3], got 0"),
     (["--do-sample", "--temperature", "0", "--top-p", "0.9", "hi"],
      "--top-p shape sampling, and --temperature 0 decodes greedily"),
+    # from a review: typical acceptance at temperature 0 decodes greedily, as greedy acceptance with --do-sample
+    (["--heads", "h", "--do-sample", "--temperature", "0", "--acceptance", "typical", "hi"],
+     "--acceptance typical shape sampling, and --temperature 0 decodes greedily"),
     # the draft proposer reads no --layerskip-layers: it was taken and ignored
     (["--method", "draft", "--draft-model", "x", "--layerskip-layers", "3", "hi"],
      "--layerskip-layers is read by --method layerskip, not --method draft"),
@@ -530,6 +534,91 @@ def test_a_chat_line_too_long_for_the_context_says_no_exchange_was_left_out(monk
     err = capsys.readouterr().err
     assert "that line was left out, the conversation kept" in err
     assert "oldest exchange" not in err, err
+
+
+def test_piped_chat_lines_a_bom_a_control_token_and_the_empty_line_that_ends_it(monkeypatch, capsys):
+    """From a review: a byte order mark (a file saved by Notepad) reached the model as the first line's text; a
+    line writing the tokenizer's EOS as text is its own error, the chat goes on; an empty line ended a piped chat
+    without a word (a prompts file with blank lines between prompts: the rest went unread)."""
+    import types
+
+    import medusa_infer.cli as cli
+    from tiny import word_medusa
+
+    model = word_medusa()
+    turns = []
+
+    def fake_turn(model, args, messages, prompt):
+        turns.append(messages[-1]["content"])
+        return types.SimpleNamespace(new_tokens=[[model.tokenizer.eos_token_id]])
+
+    lines = iter(["\ufeffthe cat", "the </s> sun", "the dog", "", "never read"])
+    monkeypatch.setattr(cli, "load", lambda args: model)
+    monkeypatch.setattr(cli, "run_turn", fake_turn)
+    monkeypatch.setattr("builtins.input", lambda _: next(lines))
+    assert cli.main(["--chat", "--heads", "h", "--max-new-tokens", "3"]) == 0
+    assert turns == ["the cat", "the dog"]
+    err = capsys.readouterr().err
+    assert "message 2 holds '</s>'" in err and "that line was left out, the conversation kept" in err
+    assert "[note] the chat ended at an empty line" in err
+    assert next(lines) == "never read"
+
+
+@pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
+def test_a_chat_in_a_terminal_reads_long_lines_whole_with_line_editing(tmp_path):
+    """From a review: nothing imported readline, so the terminal read the lines itself: a pasted line was cut at
+    4095 characters without a word, and the Up arrow reached the model as the text "\\x1b[A"."""
+    import pty
+    import select
+    import time
+
+    from medusa_infer.serving.testing import word_tokenizer
+    from tiny import tiny_model
+
+    tokenizer = word_tokenizer()
+    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    spy = ("import json, sys, medusa_infer.cli as cli; run = cli.run_turn\n"
+           "def spy(model, args, messages, prompt):\n"
+           "    print('TURN' + json.dumps(messages[-1]['content']), file=sys.stderr, flush=True)\n"
+           "    return run(model, args, messages, prompt)\n"
+           "cli.run_turn = spy; sys.exit(cli.main(sys.argv[1:]))\n")
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: stdin, stdout and stderr on the terminal
+        os.execvpe(sys.executable, [sys.executable, "-c", spy, "--model", str(tmp_path / "base"), "--chat",
+                                    "--max-new-tokens", "1"], {**os.environ, "HF_HUB_OFFLINE": "1"})
+    seen = b""
+
+    def read_until(wanted: bytes, count: int, seconds: float = 240) -> None:
+        nonlocal seen
+        end = time.monotonic() + seconds
+        while seen.count(wanted) < count and time.monotonic() < end:
+            if select.select([fd], [], [], 0.5)[0]:
+                try:
+                    seen += os.read(fd, 65536)
+                except OSError:  # the child has exited
+                    return
+
+    try:
+        read_until(b"> ", 1)
+        os.write(fd, b"the cat " * 700 + b"\r")  # 5600 characters, as a paste
+        read_until(b"TURN", 1)
+        read_until(b"> ", 2)
+        os.write(fd, b"the sun\r")
+        read_until(b"TURN", 2)
+        read_until(b"> ", 3)
+        os.write(fd, b"\x1b[A\r")  # Up: the last line again
+        read_until(b"TURN", 3)
+        read_until(b"> ", 4)
+        os.write(fd, b"\x04")  # Ctrl-D
+        read_until(b"\x00", 1, 30)
+    finally:
+        _, status = os.waitpid(pid, 0)
+        os.close(fd)
+    text = seen.decode(errors="replace").replace("\r", "")
+    turns = [json.loads(line[4:]) for line in text.splitlines() if line.startswith("TURN")]
+    assert [len(turn) for turn in turns] == [len("the cat " * 700) - 1, 7, 7], text[-2000:]
+    assert turns[1:] == ["the sun", "the sun"] and os.waitstatus_to_exitcode(status) == 0
 
 
 def test_chat_history_holds_the_answer_without_special_tokens(monkeypatch, capsys):
@@ -571,6 +660,24 @@ def test_lookup_max_tokens_bounds_the_grafted_chain_and_is_refused_where_nothing
                           (["--heads", "h", "--lookup-tokens", "2", "--lookup-max-tokens", "0", "hi"],
                            "--lookup-max-tokens must be at least 1, got 0")):
         assert message in parse_error(capsys, argv)
+
+
+def test_lookup_max_tokens_on_heads_without_a_cost_profile_is_refused(monkeypatch, capsys):
+    """From a review: heads with no cost profile graft chains of --lookup-tokens, and --lookup-max-tokens was taken
+    and left unused (chains of 3 under a bound of 2), where medusa-bench refuses it."""
+    import medusa_infer.cli as cli
+    from medusa_infer.tree_fit import CostProfile
+    from tiny import word_medusa
+
+    model = word_medusa()
+    monkeypatch.setattr(cli, "load", lambda args: model)
+    argv = ["--heads", "h", "--lookup-tokens", "3", "--lookup-max-tokens", "2", "--max-new-tokens", "2", "--raw",
+            "the cat"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--lookup-max-tokens bounds the lookup chain a cost profile chooses, and the heads in h carry" in err
+    model.config.cost_profile = CostProfile([1, 2, 4, 8, 16], [1.0, 1.1, 1.3, 1.6, 2.2], "cpu").to_dict()
+    assert cli.main(argv) == 0, capsys.readouterr().err
 
 
 def test_a_chat_with_stdin_closed_is_said_not_a_traceback(tmp_path):

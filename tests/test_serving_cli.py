@@ -228,3 +228,14 @@ def test_lookup_max_tokens_reaches_the_servers_options_and_is_refused_without_th
     with pytest.raises(SystemExit):
         cli.parse_args(["--heads", "h", "--lookup-max-tokens", "4"])
     assert "add --lookup-tokens N" in capsys.readouterr().err
+
+
+def test_lookup_max_tokens_on_heads_without_a_cost_profile_stops_the_server_at_start(monkeypatch, capsys):
+    """As medusa-generate and medusa-bench: heads with no cost profile graft chains of --lookup-tokens, and the
+    bound was taken and left unused."""
+    from tiny import word_medusa
+
+    monkeypatch.setattr(cli, "load_model", lambda args: word_medusa())
+    assert cli.main(["--heads", "h", "--lookup-tokens", "2", "--lookup-max-tokens", "4", "--port",
+                     str(free_port())]) == 1
+    assert "--lookup-max-tokens bounds the lookup chain a cost profile chooses" in capsys.readouterr().err

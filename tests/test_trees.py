@@ -195,10 +195,17 @@ def test_get_tree_unknown_name_lists_presets():
 
 
 def test_get_tree_preset_too_big_for_model():
-    with pytest.raises(ValueError, match=r"'tree-32' needs 4 heads and top_k >= 10.*top_k=5"):
+    with pytest.raises(ValueError, match=r"'tree-32' needs top_k >= 10, got top_k=5; presets that fit these heads: "
+                                         r"chain-1, chain-2, chain-3, chain-4, tree-8 \(or fitted-N"):
         get_tree("tree-32", num_heads=4, top_k=5)
-    with pytest.raises(ValueError, match=r"'chain-4' needs 4 heads.*num_heads=3"):
-        get_tree("chain-4", num_heads=3, top_k=10)
+    # from a review: 3 heads scoring 10 candidates were told to raise top_k, which met tree-16's need already
+    with pytest.raises(ValueError) as err:
+        get_tree("tree-16", num_heads=3, top_k=10)
+    assert str(err.value).startswith("tree preset 'tree-16' needs 4 heads, got num_heads=3; presets that fit these "
+                                     "heads: chain-1, chain-2, chain-3, tree-8")
+    with pytest.raises(ValueError, match=r"'tree-8' needs 3 heads, got num_heads=2 and top_k >= 4, got top_k=3; "
+                                         r"presets that fit these heads: chain-1, chain-2 \("):
+        get_tree("tree-8", num_heads=2, top_k=3)
 
 
 def test_get_tree_accepts_explicit_paths():

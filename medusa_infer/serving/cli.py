@@ -22,7 +22,8 @@ import sys
 from typing import Any, Sequence
 
 from medusa_infer.cli import (DRAFT_INSTEAD, HEADS_INSTEAD, MAX_THREADS, MODEL_INSTEAD, add_draft_arguments,
-                               add_tree_arguments, check_method_flags, reads_datastore, refuse_empty)
+                               add_tree_arguments, check_loaded_flags, check_method_flags, reads_datastore,
+                               refuse_empty)
 from medusa_infer.proposers import METHODS
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -227,6 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     try:
         model = load_model(args)
+        check_loaded_flags(model, args)
         warm_up(model, args.method, args)  # options the model refuses (a tree, layers, a draft's vocabulary) too
     except (ValueError, RuntimeError, OSError) as error:
         print(f"medusa-serve: error: {error}", file=sys.stderr)
