@@ -90,6 +90,7 @@ def save_heads(
     # everything made before anything is written, each file written beside and moved into place (a failure
     # while making the card left a new config.json beside the old weights)
     tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in state_dict.items()}
+    check_finite(tensors, f"the heads to save in {directory}")
     # read back as a load reads it: settings changed after the config was made (a tree deeper than the heads)
     # were saved, and the folder then failed to load
     settings = MedusaConfig.from_dict(config.to_dict()).to_json()
@@ -381,6 +382,16 @@ def _wrong_type(name: str, tensor: Any) -> str | None:
     return None if tensor.is_floating_point() else f"{name}: {dtype}, where weights are floating point"
 
 
+def check_finite(tensors: dict[str, torch.Tensor], source: str) -> None:
+    """``ValueError`` naming the floating-point tensors that hold NaN or infinity: heads trained while the numbers
+    overflowed (float16), which decoding would load and run at tau 1.0 without a word."""
+    bad = sorted(name for name, t in tensors.items()
+                 if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()))
+    if bad:
+        raise ValueError(f"{source}: tensors holding NaN or infinity: {_listed(bad)}; these heads were trained while "
+                         "the numbers overflowed (float16?): train them again in bfloat16 or float32")
+
+
 def check_state_dict(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor], source: str,
                      fix: str = "The checkpoint is incomplete or was written for another configuration; re-export "
                                 "it.") -> None:
@@ -389,6 +400,7 @@ def check_state_dict(expected: dict[str, torch.Tensor], found: dict[str, torch.T
     kinds = [problem for name, t in found.items() if (problem := _wrong_type(name, t))]
     if kinds:
         raise ValueError(f"{source}: tensors of the wrong type: {'; '.join(kinds)}; re-export the heads")
+    check_finite(found, source)
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected))
     shapes = [

@@ -477,6 +477,10 @@ class DecodeBatch:
         out = self.model(ids, attention_mask=attn, position_ids=positions, cache=self.kv.cache,
                          logits_positions=slice(-1, None))
         self.kv.append(mask, positions)
+        if not bool(torch.isfinite(out.logits[:, -1]).all()):  # (greedy took token 0 from a NaN row, every step)
+            raise ValueError(f"the model's logits after the prompt hold NaN or infinity: its numbers overflowed in "
+                             f"{str(self.model.dtype).removeprefix('torch.')}; load it in bfloat16 or float32 (float16 "
+                             "overflows inside models such as Gemma 3)")
         self.roots = first_tokens([self.samplings[r] for r in self.rows], out.logits[:, -1], self.generator)
         self.metrics.prefill_s = time.perf_counter() - start
         context = self._context()
@@ -1199,7 +1203,8 @@ def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> Generati
             Hugging Face's ``generate`` keeps the 50 likeliest tokens unless something sets it: pass
             ``top_k=50`` to sample as it does.
         acceptance: ``"greedy"`` (default without sampling; output identical to greedy
-            decoding; with ``do_sample=True`` a ``ValueError``), ``"typical"`` (Medusa-2 typical
+            decoding in float32, in bfloat16 or float16 parting where two tokens nearly tie; with
+            ``do_sample=True`` a ``ValueError``), ``"typical"`` (Medusa-2 typical
             acceptance: more tokens accepted, but its samples do not follow the model's sampling
             distribution) or ``"lossless"`` (default with sampling; the output has exactly the
             model's sampling distribution).

@@ -1116,9 +1116,13 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
             if len(used_lrs) > 1:  # Medusa-2: lr is the adapter's (training.lr), the heads have their own
                 record["heads_lr"] = _digits(used_lrs[0])
             logger.log(record, bar)
+            check_finite_loss(config, record["loss"], step)
             bar.set_postfix(loss=f"{record['loss']:.3f}")
             window, measured, window_units, window_start = {}, {}, 0, time.perf_counter()
         if t.save_every and step % t.save_every == 0 and step < total:
+            if "loss" in window:  # (a window under way: no checkpoint of heads that overflowed since its last line)
+                pending = accelerator.reduce(window["loss"], reduction="sum") if world > 1 else window["loss"]
+                check_finite_loss(config, float(pending), step)
             _save_checkpoint(accelerator, paths.checkpoints, {
                 "step": step, "epoch": (step * t.grad_accum) // micro_per_epoch,
                 "micro_step": step * t.grad_accum, "micro_steps_per_epoch": micro_per_epoch,
@@ -1171,6 +1175,18 @@ def _summarise(accelerator: Any, window: dict[str, torch.Tensor], measured: Mapp
     units_total = units * world
     out["units_per_s"] = _digits(units_total / max(time.perf_counter() - started, 1e-9))
     return out
+
+
+def check_finite_loss(config: TrainConfig, loss: float, step: int) -> None:
+    """``ValueError`` for a loss that is no finite number: the weights overflowed (NaN once, NaN at every later
+    step), and the run went on to save NaN heads, fit a tree to them and report their accuracy."""
+    if not math.isfinite(loss):
+        t = config.training
+        raise ValueError(f"the training loss is {loss} at step {step}: the numbers overflowed, and every later step "
+                         f"and the saved heads would be {loss} too (model.dtype={config.model.dtype}, "
+                         f"training.mixed_precision={t.mixed_precision}, training.lr={t.lr}): train in bfloat16 or "
+                         "float32 (model.dtype; float16 overflows inside models such as Gemma 3), or lower "
+                         "training.lr")
 
 
 def _digits(value: float) -> float:

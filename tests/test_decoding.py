@@ -1406,6 +1406,19 @@ def test_messages_are_tokenised_as_the_template_renders_them_without_a_second_bo
     assert plain.sequences[0, 0].item() == tokenizer.bos_token_id
 
 
+@pytest.mark.parametrize("sampled", [False, True])
+def test_logits_that_overflowed_are_refused_naming_the_dtype(sampled):
+    """From a review: a model whose numbers overflow in float16 (Gemma 3's do) gave NaN logits, which greedy
+    decoding read as token 0 at every step (sampling: torch's "probability tensor contains either inf, nan")."""
+    base = tiny_model("llama")
+    with torch.no_grad():
+        base.get_input_embeddings().weight.mul_(1e6)  # past float16's 65504
+    model = MedusaModel.from_base(base.to(torch.float16), num_heads=3)
+    with pytest.raises(ValueError, match="logits after the prompt hold NaN or infinity: its numbers overflowed in "
+                                         "float16; load it in bfloat16 or float32"):
+        generate(model, torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=sampled, seed=0 if sampled else None)
+
+
 def control_token_tokenizer():
     """The word tokenizer with a special token of its own, ``<|end|>``, which its plain text never makes."""
     from medusa_infer.serving.testing import word_tokenizer

@@ -128,8 +128,14 @@ def test_version_1_copies_of_the_base_lm_head_are_read_as_shared_heads(tmp_path)
     MedusaHeads(read_config).load_state_dict(read_state)
     # not the base's lm_head (another weight, one the copies round, a bias it adds): own projections
     rounded = lm_head.float() + 1e-3 * torch.rand(VOCAB, HIDDEN)  # bfloat16 copies of it are not exact
-    for weight, bias in [(lm_head + 1, None), (rounded, None), (lm_head, torch.ones(VOCAB))]:
+    other = rounded + 0.1  # a weight the copies are not a rounding of
+    for weight, bias in [(lm_head + 1, None), (other, None), (lm_head, torch.ones(VOCAB))]:
         assert read_medusa_layout(tmp_path, lm_head_weight=weight, lm_head_bias=bias)[0].projection == "own"
+    # a float32 model's copies exported from its bfloat16 load, read onto its float32 load: the weight rounds to
+    # them (from a review: own heads, a vocabulary projection per head more, 328 MiB on SmolLM2, without a word)
+    near = lm_head.float() * (1 + 1e-4 * torch.rand(VOCAB, HIDDEN))  # within half a bfloat16 step: rounds to lm_head
+    assert torch.equal(near.to(torch.bfloat16), lm_head)
+    assert read_medusa_layout(tmp_path, lm_head_weight=near)[0].projection == "shared"
     assert read_medusa_layout(tmp_path, lm_head_weight=lm_head, lm_head_bias=torch.zeros(VOCAB))[0].projection == "shared"
     # the same numbers in float32 (the bfloat16 model's weights loaded in float32, as a base named by its id is)
     assert read_medusa_layout(tmp_path, lm_head_weight=lm_head.float())[0].projection == "shared"

@@ -949,6 +949,27 @@ def test_weights_of_the_wrong_type_are_named(saved):
         MedusaModel.from_pretrained(directory / "reduced", base_model=base_model("llama"))
 
 
+def test_heads_holding_nan_are_neither_saved_nor_loaded(saved):
+    """From a review: heads trained while float16 overflowed were saved NaN, then loaded and run at tau 1.0 without
+    a word."""
+    from medusa_infer.checkpoint import save_heads
+
+    directory, base = saved
+    model = MedusaModel.from_pretrained(directory, base_model=base)
+    with torch.no_grad():
+        model.heads.heads[1].blocks[0].linear.weight[0, 0] = float("nan")
+    before = {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()}
+    with pytest.raises(ValueError, match=r"tensors holding NaN or infinity: \['heads\.1\.blocks\.0\.linear\.weight'\]"
+                                         r"; these heads were trained while the numbers overflowed"):
+        model.save_pretrained(directory)
+    with pytest.raises(ValueError, match="tensors holding NaN or infinity"):
+        save_heads(directory, model.config, model.heads.state_dict())
+    assert {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()} == before
+    edit_weights(directory, lambda t: t.update({"heads.0.blocks.0.linear.bias": torch.full((32,), float("inf"))}))
+    with pytest.raises(ValueError, match=r"tensors holding NaN or infinity: \['heads\.0\.blocks\.0\.linear\.bias'\]"):
+        MedusaModel.from_pretrained(directory, base_model=base)
+
+
 def test_a_save_that_fails_writes_nothing(saved, tmp_path):
     """The config was written before the tensors and the card were made: a heads_state of numpy arrays
     failed after a new config.json sat beside the old weights."""

@@ -1190,6 +1190,29 @@ def test_a_split_with_no_position_for_the_heads_is_refused_before_training(tiny_
     assert not (tmp_path / "run" / "checkpoints" / "final").exists() and not (tmp_path / "run" / "features").exists()
 
 
+@pytest.mark.parametrize("log_every, stopped_at", [(1, 1), (5, 2)])  # at a log line, or at a checkpoint before one
+def test_a_loss_that_overflows_stops_the_run_before_any_heads_are_saved(tmp_path, log_every, stopped_at):
+    """From a review: a backbone whose numbers overflow in float16 (Gemma 3's do) trained NaN heads at a loss of
+    nan, exited 0, fitted a tree to them and reported their accuracy."""
+    import train_heads
+
+    base = tiny_model("llama")
+    with torch.no_grad():
+        base.get_input_embeddings().weight.mul_(1e6)  # past float16's 65504
+    base.save_pretrained(tmp_path / "tiny" / "model")
+    with (tmp_path / "tiny" / "examples.jsonl").open("w") as handle:
+        handle.writelines(json.dumps(example) + "\n" for example in counting_examples(32))
+    values = recipe(tmp_path / "tiny", tmp_path / "run", model={"dtype": "float16"},
+                    training={"max_steps": 3, "save_every": 2}, log={"every": log_every, "progress": False})
+    config_file = str(write_recipe(tmp_path / "r.yaml", values))
+    with pytest.raises(SystemExit) as err:
+        train_heads.main(["--config", config_file])
+    assert re.search(rf"the training loss is nan at step {stopped_at}: the numbers overflowed.*model.dtype=float16.*train in "
+                     r"bfloat16 or float32", str(err.value))
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
+    assert not (tmp_path / "run" / "heads").exists()
+
+
 def test_heads_of_a_run_whose_final_heads_are_gone_are_evaluated_again(tiny_dir, tmp_path, capsys):
     """checkpoints/ removed (heads/ kept), the examples changed: the rerun trains on the new examples, and
     heads/ was kept as the old training's ("evaluate: heads exists, skipping"), the plan saying done."""
