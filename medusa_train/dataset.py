@@ -41,6 +41,31 @@ CACHE_FORMAT_VERSION = 6  # 6: distilled rows' examples from their response_ids
 
 ROLES = ("system", "user", "assistant")
 
+#: ShareGPT's turn authors (``{"from": ..., "value": ...}``, the layout of FasterDecoding/Medusa's and Vicuna's
+#: training data) and the chat roles they are
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "system": "system"}
+
+
+def sharegpt_messages(row: dict[str, Any]) -> list[dict[str, str]]:
+    """A ShareGPT row's ``conversations`` (``[{"from": "human" | "gpt" | "system", "value": ...}]``) as chat
+    messages; ``ValueError`` naming the row and the turn for anything else."""
+    name, turns = row.get("id", "?"), row["conversations"]
+    if not isinstance(turns, list) or not turns:
+        raise ValueError(f"row {name!r}: 'conversations' must be a non-empty list of ShareGPT turns "
+                         f"({{\"from\": \"human\", \"value\": ...}}), got {turns!r:.80}")
+    messages = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict) or not isinstance(turn.get("from"), str) or not isinstance(turn.get("value"), str):
+            raise ValueError(f"row {name!r}: conversations[{i}] must have a string 'from' and 'value' (ShareGPT), "
+                             f"got {turn!r:.80}")
+        role = SHAREGPT_ROLES.get(turn["from"].lower())
+        if role is None:
+            raise ValueError(f"row {name!r}: conversations[{i}] is from {turn['from']!r:.40}, which is no ShareGPT "
+                             f"author this reads ({', '.join(SHAREGPT_ROLES)}); drop the row or rename it")
+        messages.append({"role": role, "content": turn["value"]})
+    return messages
+
 
 class TemplateError(ValueError):
     """The tokenizer's chat template cannot be used to find the assistant tokens."""
@@ -55,7 +80,8 @@ def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
 
 
 def row_messages(row: dict[str, Any], system_prompt: str | None = None) -> list[dict[str, str]]:
-    """The chat messages of a row: its ``messages``, or ``prompt`` (+ ``response`` if present).
+    """The chat messages of a row: its ``messages``, its ShareGPT ``conversations``, or ``prompt`` (+ ``response``
+    if present).
 
     ``system_prompt`` is put first unless the conversation already starts with a system message.
     """
@@ -69,6 +95,8 @@ def row_messages(row: dict[str, Any], system_prompt: str | None = None) -> list[
                 raise ValueError(f"row {name!r}: messages[{i}] must have a string 'role' and 'content', "
                                  f"got {m!r:.80}")
         messages = [{"role": m["role"], "content": m["content"]} for m in given]
+    elif row.get("conversations") is not None:
+        messages = sharegpt_messages(row)
     elif "prompt" in row:
         for key, may_be_null in (("prompt", False), ("response", True)):
             if not isinstance(row.get(key), str) and not (may_be_null and row.get(key) is None):
@@ -79,7 +107,8 @@ def row_messages(row: dict[str, Any], system_prompt: str | None = None) -> list[
             messages.append({"role": "assistant", "content": row["response"]})
     else:
         raise ValueError(
-            f"row {row.get('id', '?')!r} has neither 'messages' nor 'prompt' (keys: {sorted(row)})"
+            f"row {row.get('id', '?')!r} has neither 'messages', 'conversations' (ShareGPT) nor 'prompt' (keys: "
+            f"{sorted(row)})"
         )
     for i, message in enumerate(messages):
         if message["role"] not in ROLES:
@@ -559,8 +588,15 @@ def to_dataset(examples: Sequence[dict[str, Any]]) -> Dataset:
     return Dataset.from_list(list(examples))
 
 
+def is_json_array(path: Path) -> bool:
+    """Whether the file ``path`` holds one JSON array (ShareGPT's ``.json`` files) rather than JSON lines."""
+    with path.open("rb") as handle:
+        return handle.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
+
+
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a JSONL file, or of a ``datasets`` folder saved with ``save_to_disk``."""
+    """Rows of a JSONL file, of a file holding one JSON array of them (ShareGPT's ``.json``), or of a ``datasets``
+    folder saved with ``save_to_disk``."""
     path = Path(path)
     if path.is_dir():
         loaded = load_from_disk(str(path))
@@ -569,6 +605,17 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
             raise ValueError(f"{path} holds the splits {splits}, not one set of rows: give one split's folder "
                              f"({path}/{splits[0] if splits else 'train'}) or save that split alone")
         return list(loaded)
+    if is_json_array(path):
+        with utf8_errors(path), path.open(encoding="utf-8-sig") as handle:
+            try:
+                rows = json.load(handle)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path} is not valid JSON ({err})") from err
+        bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
+        if bad is not None:
+            raise ValueError(f"{path}: element {bad} of its array is a JSON {type(rows[bad]).__name__}, not an "
+                             "object: each element is one row")
+        return rows
     rows = []
     with utf8_errors(path), path.open(encoding="utf-8-sig") as handle:  # (a byte order mark: left out)
         for number, line in enumerate(handle, 1):
@@ -609,8 +656,8 @@ def row_sources(path: str | Path) -> Iterator[Any]:
     """The ``source`` of each row of ``path`` (as ``read_rows`` reads it; None where a row has none), a row at a
     time: the answers and token ids are not kept (the rows file of a large run is gigabytes once parsed)."""
     path = Path(path)
-    if path.is_dir():
-        loaded = load_from_disk(str(path))
+    if path.is_dir() or is_json_array(path):
+        loaded = load_from_disk(str(path)) if path.is_dir() else None
         if isinstance(loaded, Dataset) and "source" in loaded.column_names:
             yield from loaded["source"]
         else:

@@ -52,7 +52,7 @@ import typing
 import urllib.error
 import urllib.request
 import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +71,7 @@ from medusa_train.dataset import (
     check_prompt_template,
     encode_rendered,
     has_chat_template,
+    is_json_array,
     recorded_template,
     render_prompt,
     rendering_digest,
@@ -340,12 +341,17 @@ def _encodable(text: str) -> bool:
     return True
 
 
-def read_prompts(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a prompts JSONL file; each needs ``id`` (a string or an integer, unique in the file) and
-    ``prompt`` (a string); ``source`` is a string, "" when missing or null. ``ValueError`` names the line."""
-    path = Path(path)
-    rows = []
-    seen: dict[str, int] = {}
+def _prompt_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    """``(where, row)`` for each row of a prompts file: JSON lines (``path:line``), or one JSON array of rows
+    (ShareGPT's ``.json``: ``path[index]``)."""
+    if is_json_array(path):
+        with utf8_errors(path), path.open(encoding="utf-8-sig") as handle:
+            try:
+                rows = json.load(handle)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path} is not valid JSON ({err})") from err
+        yield from ((f"{path}[{index}]", row) for index, row in enumerate(rows))
+        return
     with utf8_errors(path), path.open(encoding="utf-8-sig") as handle:  # (a byte order mark: left out)
         for number, line in enumerate(handle, 1):
             if not line.strip():
@@ -353,27 +359,63 @@ def read_prompts(path: str | Path) -> list[dict[str, Any]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                hint = (": a prompts file holds one JSON object per line (JSONL), not a JSON list"
-                        if line.lstrip().startswith("[") else "")
+                hint = (": a prompts file holds one JSON object per line (JSONL), or one JSON array of them in "
+                        "all" if line.lstrip().startswith("[") else "")
                 raise ValueError(f"{path}:{number} is not valid JSON ({err}){hint}") from err
-            if not isinstance(row, dict) or "id" not in row or "prompt" not in row:
-                found = sorted(row) if isinstance(row, dict) else type(row).__name__
-                raise ValueError(f"{path}:{number} needs an object with 'id' and 'prompt', has {found}")
-            source = row.get("source") or ""
-            checks = (("id", row["id"], (str, int), "a string or an integer"),
-                      ("prompt", row["prompt"], str, "a string"), ("source", source, str, "a string or null"))
-            for key, value, kinds, kind in checks:
-                if not isinstance(value, kinds) or isinstance(value, bool):
-                    raise ValueError(f"{path}:{number}: '{key}' must be {kind}, got {value!r}")
-                if isinstance(value, str) and not _encodable(value):
-                    raise ValueError(f"{path}:{number}: '{key}' holds a lone surrogate (an escape such as "
-                                     "\\ud83d without its pair), which is no text a model can be given; fix the line")
-            key = str(row["id"])
-            if key in seen:
-                raise ValueError(f"{path}:{number}: id {key!r} is already on line {seen[key]}; "
-                                 "give every prompt its own id (the answers are kept by id)")
-            seen[key] = number
-            rows.append({"id": key, "source": source, "prompt": row["prompt"]})
+            yield f"{path}:{number}", row
+
+
+def _first_question(row: dict[str, Any], where: str) -> tuple[str, bool]:
+    """The first user turn of a conversation row (ShareGPT ``conversations``, or ``messages``), and whether the
+    conversation holds more than it (a system message, later turns), which distillation does not ask."""
+    try:
+        messages = row_messages(row)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+    first = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+    if first is None:
+        raise ValueError(f"{where}: the conversation has no user turn to ask (a ShareGPT turn from 'human')")
+    return messages[first]["content"], len(messages) > 1
+
+
+def read_prompts(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a prompts JSONL file; each needs ``id`` (a string or an integer, unique in the file) and
+    ``prompt`` (a string), or instead of ``prompt`` a conversation (ShareGPT's ``conversations``, or
+    ``messages``), whose first user turn is the prompt (the rest is not asked: a warning counts such rows);
+    ``source`` is a string, "" when missing or null. A file of one JSON array of rows (ShareGPT's ``.json``) is
+    read too. ``ValueError`` names the line (or the array's element)."""
+    path = Path(path)
+    rows = []
+    seen: dict[str, str] = {}
+    longer = 0
+    for number, row in _prompt_rows(path):
+        conversation = isinstance(row, dict) and "prompt" not in row and (
+            row.get("conversations") is not None or row.get("messages") is not None)
+        if not isinstance(row, dict) or "id" not in row or ("prompt" not in row and not conversation):
+            found = sorted(row) if isinstance(row, dict) else type(row).__name__
+            raise ValueError(f"{number} needs an object with 'id' and 'prompt' (or a conversation: ShareGPT's "
+                             f"'conversations', or 'messages'), has {found}")
+        if conversation:
+            prompt, more = _first_question(row, number)
+            row, longer = {**row, "prompt": prompt}, longer + more
+        source = row.get("source") or ""
+        checks = (("id", row["id"], (str, int), "a string or an integer"),
+                  ("prompt", row["prompt"], str, "a string"), ("source", source, str, "a string or null"))
+        for key, value, kinds, kind in checks:
+            if not isinstance(value, kinds) or isinstance(value, bool):
+                raise ValueError(f"{number}: '{key}' must be {kind}, got {value!r}")
+            if isinstance(value, str) and not _encodable(value):
+                raise ValueError(f"{number}: '{key}' holds a lone surrogate (an escape such as "
+                                 "\\ud83d without its pair), which is no text a model can be given; fix the line")
+        key = str(row["id"])
+        if key in seen:
+            raise ValueError(f"{number}: id {key!r} is already at {seen[key]}; "
+                             "give every prompt its own id (the answers are kept by id)")
+        seen[key] = number
+        rows.append({"id": key, "source": source, "prompt": row["prompt"]})
+    if longer:
+        logger.warning("%d of the conversations in %s hold more than their first user turn (a system message, later "
+                       "turns): the model is asked that first turn alone, and answers it itself", longer, path)
     return rows
 
 

@@ -865,7 +865,12 @@ def features_root(config: TrainConfig) -> Path:
     return Path(config.features.dir) if config.features.dir else run_paths(config).features
 
 
-def _count_lines(path: Path) -> int:
+def _count_rows(path: Path) -> int:
+    """The rows of a rows file: its lines, or the elements of its one JSON array (ShareGPT's ``.json``)."""
+    from medusa_train.dataset import is_json_array, read_rows
+
+    if is_json_array(path):
+        return len(read_rows(path))
     with path.open("rb") as handle:
         return sum(1 for line in handle if line.strip())
 
@@ -1161,7 +1166,7 @@ def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | Non
     elif built is not None and isinstance(built.get("examples"), int):  # the dataset this run built: its
         examples, exact = built["examples"], True  # examples, not the rows it dropped some of
     elif rows_file.is_file():
-        examples = _count_lines(rows_file) + (distill_pending or 0)
+        examples = _count_rows(rows_file) + (distill_pending or 0)
     elif owns_rows(config) and Path(d.prompts).is_file():  # the prompts the run samples: data.n, cut by the
         from medusa_train.distill import recipe_config, sample_prompts  # quotas and the file (their sources named)
 

@@ -156,13 +156,16 @@ def test_a_quota_whose_source_is_all_excluded_says_so(prompts_file, caplog):
 
 
 @pytest.mark.parametrize("line, says", [
-    ('{"id": "a", "prompt": "again"}', "id 'a' is already on line 1"),
+    ('{"id": "a", "prompt": "again"}', "id 'a' is already at "),
     ('{"id": "b", "prompt": ["hi"]}', "'prompt' must be a string"),
     ('{"id": "b", "prompt": "hi", "source": 3}', "'source' must be a string or null"),
     ('{"id": 1.5, "prompt": "hi"}', "'id' must be a string or an integer, got 1.5"),
     ('["b", "hi"]', "needs an object with 'id' and 'prompt'"),
     ('{"id": "b", "prompt": "half an emoji \\ud83d"}', "'prompt' holds a lone surrogate"),
-    ('[{"id": "b", "prompt": "hi"},', "a prompts file holds one JSON object per line (JSONL), not a JSON list"),
+    ('[{"id": "b", "prompt": "hi"},', "a prompts file holds one JSON object per line (JSONL), or one JSON array"),
+    ('{"id": "b", "conversations": [{"from": "system", "value": "hello"}]}', "has no user turn to ask"),
+    ('{"id": "b", "conversations": [{"from": "gpt", "value": "hello"}]}', "an assistant turn with no user turn"),
+    ('{"id": "b", "conversations": [{"from": "tool", "value": "{}"}]}', "is from 'tool', which is no ShareGPT author"),
 ])
 def test_prompts_file_rows_are_checked_by_line(tmp_path, line, says):
     path = tmp_path / "prompts.jsonl"
@@ -172,6 +175,36 @@ def test_prompts_file_rows_are_checked_by_line(tmp_path, line, says):
     assert says in str(err.value)
     path.write_text('{"id": 7, "prompt": "first", "source": null}\n')
     assert read_prompts(path) == [{"id": "7", "source": "", "prompt": "first"}]
+
+
+def test_sharegpt_conversations_are_read_as_prompts_and_as_training_rows(tmp_path, caplog):
+    """The layout FasterDecoding/Medusa and Vicuna trained on (ShareGPT's .json: one array of
+    {"id", "conversations": [{"from": "human" | "gpt" | "system", "value"}]}) was refused by both readers."""
+    from medusa_train.dataset import read_rows, row_messages
+
+    rows = [{"id": "s1", "conversations": [{"from": "human", "value": "Hi there"}, {"from": "gpt", "value": "Hello!"},
+                                           {"from": "human", "value": "And?"}, {"from": "gpt", "value": "Bye."}]},
+            {"id": 2, "conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Why?"}]},
+            {"id": "m", "messages": [{"role": "user", "content": "Say yes"}]}]
+    path = tmp_path / "sharegpt.json"
+    path.write_text("\ufeff" + json.dumps(rows, indent=1), encoding="utf-8")
+    with caplog.at_level(logging.WARNING, logger="medusa_train.distill"):
+        prompts = read_prompts(path)
+    assert prompts == [{"id": "s1", "source": "", "prompt": "Hi there"}, {"id": "2", "source": "", "prompt": "Why?"},
+                       {"id": "m", "source": "", "prompt": "Say yes"}]
+    assert "2 of the conversations in" in caplog.text and "the model is asked that first turn alone" in caplog.text
+    assert read_rows(path) == rows
+    assert row_messages(rows[0]) == [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"},
+                                     {"role": "user", "content": "And?"}, {"role": "assistant", "content": "Bye."}]
+    assert row_messages(rows[1])[0] == {"role": "system", "content": "Be brief."}
+    lines = tmp_path / "sharegpt.jsonl"  # as JSON lines too
+    lines.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert read_rows(lines) == rows and read_prompts(lines) == prompts
+    path.write_text(json.dumps([rows[0], ["not", "a", "row"]]))
+    with pytest.raises(ValueError, match=r"sharegpt.json\[1\] needs an object with 'id' and 'prompt'"):
+        read_prompts(path)
+    with pytest.raises(ValueError, match="element 1 of its array is a JSON list, not an object"):
+        read_rows(path)
 
 
 def test_a_prompts_file_that_is_not_utf8_is_named_by_line(tmp_path):
