@@ -277,7 +277,8 @@ def load_questions(path: str | Path, limit: int | None = None, seed: int = 0,
 
 
 def read_questions(path: str | Path) -> list[dict]:
-    """Every Spec-Bench-format question of ``path``, checked (read once: it may be a pipe); ``ValueError`` naming
+    """Every Spec-Bench-format question of ``path``, checked (read once: it may be a pipe; ``question_id``, as
+    Spec-Bench's and MT-Bench's own ``question.jsonl`` name it, is read as ``id``); ``ValueError`` naming
     two lines of one id (81 and "81" alike): questions are left out by id (calibration's, ``--exclude-ids``), and
     each of a duplicated id's questions was left out with the one named."""
     rows, lines = [], {}
@@ -291,6 +292,8 @@ def read_questions(path: str | Path) -> list[dict]:
             row = json.loads(line)
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}:{number}: not valid JSON ({err}); each line holds one question") from err
+        if isinstance(row, dict) and "id" not in row and "question_id" in row:  # Spec-Bench's and MT-Bench's files
+            row = {"id": row["question_id"], **{k: v for k, v in row.items() if k != "question_id"}}
         problem = question_problem(row)
         if problem:
             raise ValueError(f"{path}:{number}: {problem}; a question is "

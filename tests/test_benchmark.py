@@ -431,6 +431,17 @@ def test_questions_whose_text_holds_line_separators_are_read(tmp_path):
     assert [q["turns"] for q in bench.read_questions(path)] == [[text], [text]]
 
 
+def test_spec_bench_own_question_file_names_its_ids_question_id(tmp_path):
+    """Spec-Bench's data/spec_bench/question.jsonl (and MT-Bench's) name a question's id question_id: the file was
+    refused as "missing ['id']"."""
+    path = tmp_path / "question.jsonl"
+    path.write_text(json.dumps({"question_id": 81, "category": "writing", "turns": ["Compose a post.", "Again."]})
+                    + "\n" + json.dumps({"question_id": 82, "category": "math", "turns": ["2 + 2?"]}) + "\n")
+    assert bench.read_questions(path) == [{"id": 81, "category": "writing", "turns": ["Compose a post.", "Again."]},
+                                          {"id": 82, "category": "math", "turns": ["2 + 2?"]}]
+    assert [q["id"] for q in bench.load_questions(path, exclude_ids=[81])] == [82]
+
+
 def test_calibration_that_finds_plain_decoding_fastest_keeps_it_through_saving(model, monkeypatch, tmp_path):
     """A calibrated empty tree means plain decoding; it must not read back as "no tree stored",
     which would decode with a default preset, the opposite of what calibration measured. (With a
