@@ -442,6 +442,9 @@ def generate_from_args(args: argparse.Namespace) -> int:
             import readline  # noqa: F401
         except ImportError:  # (Windows)
             pass
+        if not sys.stdout.isatty():  # input() edits lines only where stdout is a terminal too
+            print("[note] stdout is not a terminal (piped, as to tee): no line editing, and a line longer than 4095 "
+                  "characters is cut", file=sys.stderr)
     first = True
     while True:
         try:

@@ -37,6 +37,9 @@ _MODULUS = 2_147_483_647  # a prime: (h * _BASE + token) stays inside int64
 MAX_NGRAM = 64  # an index is built per n-gram length on first use, 16 bytes per stored token each
 _SAVED_SETTINGS = ("min_ngram", "max_ngram", "max_occurrences", "min_share")  # what save writes, load reads
 _BASE = 1_000_003
+#: what a stale store's refusal at load advises (``Datastore.check_tokenizer``, ``check_vocabulary``)
+STALE_STORE_FIX = ("; rebuild it with `python -m medusa_train.datastore` or delete it (--no-datastore, or "
+                   "from_pretrained's datastore=False, leaves it unread)")
 
 
 def tokenizer_digest(tokenizer: Any, below: int | None = None) -> str:
@@ -229,24 +232,23 @@ class Datastore:
 
     # ------------------------------------------------------------------ files
 
-    def check_tokenizer(self, tokenizer: Any, where: str | Path) -> None:
+    def check_tokenizer(self, tokenizer: Any, where: str | Path, fix: str = STALE_STORE_FIX) -> None:
         """``ValueError`` when the store records a tokenizer (``tokenizer_digest``) other than ``tokenizer``:
-        its ids would stand for other text, and its drafts would never be accepted."""
+        its ids would stand for other text, and its drafts would never be accepted (``fix``: what to do, the
+        message's end)."""
         if self.tokenizer is not None and tokenizer is not None and tokenizer_digest(
                 tokenizer, self.tokenizer_size) != self.tokenizer:
             raise ValueError(f"{where} was built with another tokenizer than this model's: its token ids stand for "
                              "other text (or, for a store that records no tokenizer size, tokens were added since)"
-                             "; rebuild it with `python -m medusa_train.datastore` or delete it (--no-datastore, or "
-                             "from_pretrained's datastore=False, leaves it unread)")
+                             f"{fix}")
 
-    def check_vocabulary(self, vocab_size: int, where: str | Path) -> None:
+    def check_vocabulary(self, vocab_size: int, where: str | Path, fix: str = STALE_STORE_FIX) -> None:
         """``ValueError`` when the store holds a token id outside a vocabulary of ``vocab_size``: it was built
         with another tokenizer (and its drafts would fail in the model's embedding)."""
         largest = self._largest
         if largest >= vocab_size:
             raise ValueError(f"{where} holds token id {largest}, outside this model's vocabulary of {vocab_size}: "
-                             "it was built with another tokenizer; rebuild it with `python -m medusa_train.datastore` "
-                             "or delete it (--no-datastore, or from_pretrained's datastore=False, leaves it unread)")
+                             f"it was built with another tokenizer{fix}")
 
     def save(self, path: str | Path) -> Path:
         """Write the tokens and settings to ``path`` (safetensors)."""

@@ -478,9 +478,12 @@ class DecodeBatch:
                          logits_positions=slice(-1, None))
         self.kv.append(mask, positions)
         if not bool(torch.isfinite(out.logits[:, -1]).all()):  # (greedy took token 0 from a NaN row, every step)
-            raise ValueError(f"the model's logits after the prompt hold NaN or infinity: its numbers overflowed in "
-                             f"{str(self.model.dtype).removeprefix('torch.')}; load it in bfloat16 or float32 (float16 "
-                             "overflows inside models such as Gemma 3)")
+            dtype = str(self.model.dtype).removeprefix("torch.")
+            raise ValueError("the model's logits after the prompt hold NaN or infinity: " + (
+                "its numbers overflowed in float16; load it in bfloat16 or float32 (float16 overflows inside models "
+                "such as Gemma 3)" if dtype == "float16" else
+                f"in {dtype} its weights (or a heads' adapter merged into them) hold NaN or infinity: a damaged or "
+                "diverged checkpoint, to download or train again"))
         self.roots = first_tokens([self.samplings[r] for r in self.rows], out.logits[:, -1], self.generator)
         self.metrics.prefill_s = time.perf_counter() - start
         context = self._context()
@@ -907,35 +910,44 @@ class ChatTextError(ValueError):
 
 
 def _strings(value: Any) -> Iterator[str]:
-    """The strings in a message's values (content as a string or as parts), depth first."""
+    """The strings in a message's values (content as a string or as parts), depth first (a part's ``type`` left
+    out: "text" is no text of the message)."""
     if isinstance(value, str):
         yield value
     elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from _strings(item)
+        for key, item in value.items():
+            if key != "type":
+                yield from _strings(item)
     elif isinstance(value, (list, tuple)):
         for item in value:
             yield from _strings(item)
 
 
-_CONTROL_IDS: "weakref.WeakKeyDictionary[Any, tuple[tuple[str, int], dict[int, str]]]" = weakref.WeakKeyDictionary()
+_CONTROL_IDS: "weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], dict[int, str]]]" = weakref.WeakKeyDictionary()
 
 
 def _control_ids(tokenizer) -> dict[int, str]:
-    """The tokenizer's control tokens by id: its special tokens, and the added tokens its chat template writes
-    (``<|im_end|>``, ``<start_of_turn>``...); kept per tokenizer and template (Gemma's has 6384 added tokens)."""
+    """The tokenizer's control tokens by id, as transformers' ``sanitize_control_tokens`` takes them: its special
+    tokens, and the added tokens named by ``tokenizer.chat_control_tokens`` where set, else those its chat template
+    writes (``<|im_end|>``, ``<start_of_turn>``...) but whitespace (Gemma's added ``"\n"``, which a template holds
+    as text); kept per tokenizer and template (Gemma's has 6384 added tokens)."""
     template = getattr(tokenizer, "chat_template", None)
     template = template if isinstance(template, str) else ""
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    key = (template, len(added))
+    named = getattr(tokenizer, "chat_control_tokens", None)
+    named = None if named is None else frozenset(map(str, named))
+    key = (template, len(added), named)
     try:
         cached = _CONTROL_IDS.get(tokenizer)
     except TypeError:  # (an object no weak reference can be made to)
         cached = None
     if cached is not None and cached[0] == key:
         return cached[1]
-    ids = {int(i): str(token) for i, token in added.items()
-           if getattr(token, "special", False) or (str(token) and str(token) in template)}
+
+    def control(text: str) -> bool:
+        return text in named if named is not None else bool(text) and text in template and not text.isspace()
+
+    ids = {int(i): str(token) for i, token in added.items() if getattr(token, "special", False) or control(str(token))}
     try:
         _CONTROL_IDS[tokenizer] = (key, ids)
     except TypeError:
@@ -943,22 +955,28 @@ def _control_ids(tokenizer) -> dict[int, str]:
     return ids
 
 
-def _control_token_written(tokenizer, chat: Sequence[Mapping[str, Any]]) -> tuple[int, str] | None:
+def _control_token_written(tokenizer, chat: Sequence[Mapping[str, Any]]) -> tuple[int, str, bool] | None:
     """The first message (its index) holding the text of one of the tokenizer's control tokens (``_control_ids``),
-    and that token: found by tokenising the messages' strings alone, as the tokenizer matches added tokens (a
-    substring search of each of Gemma's 6384 took 24 ms a message of 12,000 characters)."""
+    that token, and whether only the message's parts joined form it: found by tokenising the messages' strings
+    alone, as the tokenizer matches added tokens (a substring search of each of Gemma's 6384 took 24 ms a message
+    of 12,000 characters)."""
     control = _control_ids(tokenizer)
     if not control:
         return None
-    strings = [(index, text) for index, message in enumerate(chat)
-               for text in _strings({key: value for key, value in message.items() if key != "role"}) if text]
+    strings = []
+    for index, message in enumerate(chat):
+        parts = [text for text in _strings({key: value for key, value in message.items() if key != "role"}) if text]
+        # each string, and a message's parts joined (a template joining them with nothing between, as Qwen's
+        # do, made "<|im_" and "end|>" the token)
+        strings += [(index, text, False) for text in parts] + ([(index, "".join(parts), True)] if len(parts) > 1
+                                                                 else [])
     if not strings:
         return None
-    rows = tokenizer([text for _, text in strings], add_special_tokens=False)["input_ids"]
-    for (index, text), ids in zip(strings, rows):  # (written in the text: not an unknown word's <unk>)
+    rows = tokenizer([text for _, text, _ in strings], add_special_tokens=False)["input_ids"]
+    for (index, text, joined), ids in zip(strings, rows):  # (written in the text: not an unknown word's <unk>)
         found = next((control[i] for i in ids if i in control and control[i] in text), None)
         if found is not None:
-            return index, found
+            return index, found, joined
     return None
 
 
@@ -976,8 +994,12 @@ def chat_prompt_ids(tokenizer, messages, texts: Sequence[str] | None = None) -> 
         written = _control_token_written(tokenizer, chat)
         if written is None:
             continue
-        index, token = written
+        index, token, joined = written
         where = f"message {index}" + (f" of chat {row}" if len(conversations) > 1 else "")
+        if joined:  # (sanitize_control_tokens reads each part alone: the template's join made the token)
+            raise ChatTextError(f"{where}'s text parts, joined, form {token!r}, which the chat template would read "
+                                "as that control token: send the message's text as one string, or take it out",
+                                index, token)
         if "sanitize_control_tokens" not in inspect.signature(tokenizer.apply_chat_template).parameters:
             import transformers
 

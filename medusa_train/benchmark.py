@@ -411,11 +411,11 @@ class Runner:
         """The next turn of each conversation, decoded together as one left-padded batch; one
         ``Turn`` per conversation, in order. ``max_new_tokens`` overrides ``args.max_new_tokens``."""
         limit = max_new_tokens or self.args.max_new_tokens
-        from medusa_infer.decoding import encode_chat, left_pad
+        from medusa_infer.decoding import chat_prompt_ids, left_pad
 
         opening = system_turn(getattr(self.args, "system_prompt", None))
-        rows = [self.tokenizer(text, add_special_tokens=False)["input_ids"]
-                for text in encode_chat(self.tokenizer, [opening + chat for chat in conversations])]
+        # as generate(messages=) and the server encode them: a control token written in a question is its text
+        rows = chat_prompt_ids(self.tokenizer, [opening + chat for chat in conversations])
         ids, mask = left_pad(rows, padding_id(self.model, self.tokenizer))  # (a tokenizer without one: None failed)
         ids, mask = ids.to(self.model.device), mask.to(self.model.device)
         with _PeakMemory(self.model.device) as memory:
@@ -569,7 +569,7 @@ def fitting_questions(model, tokenizer, questions: list[dict], max_new_tokens: i
     with empty answers (after ``system_prompt``'s message), plus ``max_new_tokens`` a turn fit the model's
     context. One that does not could fail a method midway (a prompt past the context) or end some methods'
     answers early at its end while others go on, after the methods before had answered it."""
-    from medusa_infer.decoding import encode_chat
+    from medusa_infer.decoding import chat_prompt_ids
 
     limit = context_length(model)
     fits, too_long = [], []
@@ -577,7 +577,7 @@ def fitting_questions(model, tokenizer, questions: list[dict], max_new_tokens: i
         chat: list[dict] = system_turn(system_prompt)
         for turn in question["turns"]:
             chat += [{"role": "user", "content": turn}, {"role": "assistant", "content": ""}]
-        rendered = tokenizer(encode_chat(tokenizer, chat[:-1])[0], add_special_tokens=False)["input_ids"]
+        rendered = chat_prompt_ids(tokenizer, chat[:-1])[0]
         (fits if len(rendered) + len(question["turns"]) * max_new_tokens <= limit else too_long).append(question)
     return fits, [q["id"] for q in too_long]
 
@@ -1158,13 +1158,12 @@ def first_turn_answers(model, questions: Sequence[dict], max_new_tokens: int, sy
     as the verification forward computes it)."""
     from tqdm import tqdm
 
-    from medusa_infer.decoding import encode_chat, generate
+    from medusa_infer.decoding import chat_prompt_ids, generate
 
     sequences = []
     for question in tqdm(questions, desc="first-turn answers", unit="question", file=sys.stderr, leave=False):
         chat = system_turn(system_prompt) + [{"role": "user", "content": question["turns"][0]}]
-        text = encode_chat(model.tokenizer, chat)[0]
-        ids = model.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        ids = torch.tensor([chat_prompt_ids(model.tokenizer, chat)[0]])
         out = generate(model, ids, max_new_tokens=max_new_tokens, tree="chain-1", adaptive=False)
         sequences.append((out.sequences[0], ids.shape[1]))
     return sequences
@@ -1500,10 +1499,12 @@ def run(args: argparse.Namespace, started: float) -> int:
     if args.system_prompt is not None:  # before any answer: a template that refuses a system role (Gemma's)
         from jinja2 import TemplateError
 
-        from medusa_infer.decoding import encode_chat
+        from medusa_infer.decoding import ChatTextError, chat_prompt_ids
 
         try:
-            encode_chat(model.tokenizer, system_turn(args.system_prompt) + [{"role": "user", "content": "hi"}])
+            chat_prompt_ids(model.tokenizer, system_turn(args.system_prompt) + [{"role": "user", "content": "hi"}])
+        except ChatTextError as err:  # (refused at every question)
+            raise ValueError(f"--system-prompt: {err}") from None
         except TemplateError as err:
             raise ValueError(f"--system-prompt: the chat template of {base_name} refuses a system message ({err}); "
                              "leave --system-prompt out") from err

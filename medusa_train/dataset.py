@@ -384,6 +384,7 @@ def build_examples(
     max_length: int,
     system_prompt: str | None = None,
     stats: BuildStats | None = None,
+    fixes: tuple[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """Tokenise rows into examples with assistant-only labels.
 
@@ -398,16 +399,16 @@ def build_examples(
             left, is dropped (counted apart: ``dropped_no_assistant``, ``dropped_too_long``).
         system_prompt: put first in conversations that have no system message.
         stats: filled with the counts when given.
+        fixes: the advice for a tokenizer without a chat template and for rows another template rendered
+            (default ``RECIPE_TEMPLATE_FIXES``, a recipe's keys; ``CLI_TEMPLATE_FIXES``: ``--chat-template``).
 
     Raises:
         TemplateError: the tokenizer has no chat template, or it is not prefix-stable.
         ValueError: a distilled row's prompt was rendered by another template (``check_prompt_template``).
     """
+    no_template, changed = fixes or RECIPE_TEMPLATE_FIXES
     if not has_chat_template(tokenizer):
-        raise TemplateError(
-            f"tokenizer {tokenizer.name_or_path!r} has no chat template; set "
-            "`tokenizer.chat_template` to a jinja template before building examples"
-        )
+        raise TemplateError(f"tokenizer {tokenizer.name_or_path!r} has no chat template; {no_template}")
     if max_length < 2:
         raise ValueError(f"max_length must be >= 2, got {max_length}")
     stats = stats if stats is not None else BuildStats()
@@ -415,7 +416,7 @@ def build_examples(
     rendering = rendering_digest(tokenizer)  # once: the template is hashed, not per row
     for index, row in enumerate(rows):
         stats.rows += 1
-        check_prompt_template([row], tokenizer, TEMPLATE_CHANGED, rendering)
+        check_prompt_template([row], tokenizer, changed, rendering)
         messages = row_messages(row, system_prompt)
         if not any(m["role"] == "assistant" for m in messages):
             stats.dropped_no_assistant += 1
@@ -760,8 +761,14 @@ def check_rows(rows: Sequence[dict[str, Any]], chat_template: str | None, system
                              f"would be built with {system_prompt!r}; {fix}")
 
 
-TEMPLATE_CHANGED = ("distil the rows again with the template as it is now (into another output path), or install "
-                    "the one that rendered them (model.chat_template in a recipe)")
+#: ``build_examples``' advice (no chat template; rows another template rendered) where a recipe builds the examples,
+#: and where a command line does (``python -m medusa_train.datastore``)
+RECIPE_TEMPLATE_FIXES = (
+    "set `tokenizer.chat_template` to a jinja template before building examples (model.chat_template in a recipe)",
+    "distil the rows again with the template as it is now (into another output path), or install the one that "
+    "rendered them (model.chat_template in a recipe)")
+CLI_TEMPLATE_FIXES = ("give the template to render the conversations with: --chat-template FILE",
+                      "give the template that rendered them: --chat-template FILE")
 
 
 def template_digest(template: str | None) -> str | None:

@@ -41,7 +41,8 @@ def build_datastore(examples: Iterable[Mapping[str, Any]], tokenizer: Any = None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m medusa_train.datastore", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", required=True, help="the heads folder to write datastore.safetensors into")
     parser.add_argument("--rows", required=True, nargs="+",
                         help="distilled JSONL files (prompt and response, or messages, per line), ready examples "
@@ -67,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from medusa_infer.checkpoint import foreign_config
     from medusa_infer.interop import base_model_name
     from medusa_infer.models import load_tokenizer
-    from medusa_train.dataset import BuildStats, build_examples, read_rows, truncate_examples
+    from medusa_train.dataset import CLI_TEMPLATE_FIXES, BuildStats, build_examples, read_rows, truncate_examples
 
     heads = Path(args.heads)
     if not (heads / "config.json").is_file():
@@ -104,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stats = BuildStats()
     try:  # a missing or bad rows file, a tokenizer that does not load, a template that fails: the message alone
         rows = [row for path in args.rows for row in read_rows(path)]
-        ready = [isinstance(row, dict) and "input_ids" in row and not {"messages", "prompt"} & set(row)
+        ready = [isinstance(row, dict) and "input_ids" in row and not {"messages", "prompt", "conversations"} & set(row)
                  for row in rows]
         if any(ready):
             if not all(ready):
@@ -121,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not any(ready):
             if chat_template:
                 tokenizer.chat_template = chat_template
-            examples = build_examples(rows, tokenizer, max_length, system_prompt, stats)
+            examples = build_examples(rows, tokenizer, max_length, system_prompt, stats, CLI_TEMPLATE_FIXES)
     except (OSError, ValueError, TemplateError) as err:
         parser.error(str(err))
     if not examples:
@@ -137,12 +138,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 own = load_tokenizer(named, trust_remote_code=remote)
             except (OSError, ValueError):  # (offline, a Hub id not downloaded: not compared)
                 own = None
-            store.check_tokenizer(own, f"the store built with --model {args.model}'s tokenizer")
+            store.check_tokenizer(own, f"the store built with --model {args.model}'s tokenizer", "")
         if isinstance(config.get("vocab_size"), int):
-            store.check_vocabulary(config["vocab_size"], f"the store built with {model}'s tokenizer")
-    except ValueError as err:
-        parser.error(f"{err} (the heads decode with {named or 'their base model'}; drop --model or give that "
-                     "model's tokenizer; nothing was written)")
+            store.check_vocabulary(config["vocab_size"], f"the store built with {model}'s tokenizer", "")
+    except ValueError as err:  # (this command's own fix: a load's advice, to rebuild or leave it unread, is not it)
+        instead = "drop --model or give that model's tokenizer" if args.model else \
+            "give --model, the model whose tokenizer they decode with"
+        parser.error(f"{err} (the heads decode with {named or 'their base model'}; {instead}; nothing was written)")
     store.origin = ("written by `python -m medusa_train.datastore` from the "
                     + ("ready examples" if any(ready) else "conversations") + " in "
                     + ", ".join(Path(p).name for p in args.rows))

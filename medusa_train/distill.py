@@ -1049,7 +1049,7 @@ def run_local(
 
     tokenizer = load_distill_tokenizer(config)
     check_prompt_template(done, tokenizer, "use another output path, or install the template that rendered them "
-                                           "(chat_template)")
+                                           "(--chat-template, or model.chat_template in a recipe)")
     if not has_chat_template(tokenizer):
         logger.info("tokenizer of %s has no chat template: prompts are given as plain text", config.model)
     limits = prompt_limits(config)
@@ -1797,8 +1797,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _no_id(where: str) -> str:
+    raise ValueError(f"{where} is a row without an 'id' key; give rows with an 'id', or one id a line")
+
+
 def read_ids(path: str | Path) -> list[str]:
-    """Ids from a JSONL file with an ``id`` key per row, or a text file with one id per line."""
+    """Ids from a JSONL file with an ``id`` key per row, a file of one JSON array of such rows (ShareGPT's
+    ``.json``, as prompts files may be), or a text file with one id per line."""
+    if is_json_array(Path(path)):  # (read a line at a time, its whole first line was taken for one id)
+        return [str(row["id"]) if isinstance(row, dict) and "id" in row else _no_id(where)
+                for where, row in _prompt_rows(Path(path))]
     ids = []
     # (utf-8-sig: a byte order mark, as Notepad and PowerShell write, made the first id one no prompt has, and that
     # held-out prompt was distilled and trained on)

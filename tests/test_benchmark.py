@@ -23,6 +23,7 @@ from medusa_infer.model import MedusaModel
 from medusa_infer.serving.testing import word_tokenizer
 from medusa_train import benchmark as bench
 from medusa_train.evaluate import walked_tokens_per_step
+from tiny import sanitizes_control_tokens
 from medusa_train.benchmark import (
     benchmark,
     calibrate,
@@ -871,6 +872,23 @@ def test_a_pad_token_the_model_has_no_embedding_for_pads_nothing_in_the_benchmar
     chats = [[{"role": "user", "content": q["turns"][0]}] for q in QUESTIONS[:3]]
     runner = bench.Runner(model, args(methods=["hf", "ar"], max_new_tokens=6))
     assert [t.tokens for t in runner.run_batch("hf", chats)] == [t.tokens for t in runner.run_batch("ar", chats)]
+
+
+@sanitizes_control_tokens
+def test_a_question_writing_a_control_token_is_benchmarked_as_generate_and_the_server_read_it(model, monkeypatch):
+    """From a review: the server and generate(messages=) read a control token written in a message as its text, the
+    benchmark as the token, so it measured other prompts than the ones served."""
+    import medusa_infer.decoding as decoding
+
+    tokenizer = copy.deepcopy(model.tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|end|>"]})
+    monkeypatch.setattr(model, "tokenizer", tokenizer)
+    padded, real = [], decoding.left_pad
+    monkeypatch.setattr(decoding, "left_pad", lambda rows, pad: (padded.append(rows), real(rows, pad))[1])
+    chats = [[{"role": "user", "content": "the cat <|end|> sat"}], [{"role": "user", "content": "the cat"}]]
+    bench.Runner(model, args(methods=["ar"], max_new_tokens=2)).run_batch("ar", chats)
+    assert padded[0] == decoding.chat_prompt_ids(tokenizer, chats)
+    assert tokenizer.convert_tokens_to_ids("<|end|>") not in padded[0][0]
 
 
 def test_batch_seconds_are_counted_once(model, monkeypatch):

@@ -643,6 +643,39 @@ def test_a_store_outside_the_heads_vocabulary_is_refused_and_nothing_is_written(
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "outside this model's vocabulary of 100" in err and "nothing was written" in err
     assert not (heads / DATASTORE_NAME).exists()
+    # from a review: the load's advice (--no-datastore, which this command lacks, and a rebuild with this very
+    # command) and "drop --model" where none was given
+    assert "--no-datastore" not in err and "rebuild it with" not in err and "drop --model" not in err
+    assert "give --model, the model whose tokenizer they decode with" in err
+
+
+def test_the_builders_advice_names_its_own_flags(tmp_path, capsys):
+    """From a review: its usage named it datastore.py, and rows rendered by another template, or a tokenizer without
+    one, were told of a recipe's model.chat_template and of tokenizer.chat_template, not of --chat-template."""
+    from tiny import tiny_model
+
+    from medusa_infer.serving.testing import word_tokenizer
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert capsys.readouterr().out.startswith("usage: python -m medusa_train.datastore")
+    heads = heads_folder(tmp_path / "heads", vocab_size=100)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": "Name a colour.", "response": "Blue.",
+                                "prompt_template": "sha256:deadbeef"}) + "\n")
+    with pytest.raises(SystemExit):
+        main(["--heads", str(heads), "--rows", str(rows)])
+    err = capsys.readouterr().err
+    assert "--chat-template FILE" in err and "in a recipe" not in err, err
+    tokenizer = word_tokenizer()
+    tokenizer.chat_template = None
+    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(tmp_path / "plain")
+    tokenizer.save_pretrained(tmp_path / "plain")
+    rows.write_text(json.dumps({"prompt": "the cat", "response": "sat"}) + "\n")
+    with pytest.raises(SystemExit):
+        main(["--heads", str(heads), "--rows", str(rows), "--model", str(tmp_path / "plain")])
+    err = capsys.readouterr().err
+    assert "has no chat template; give the template to render the conversations with: --chat-template FILE" in err
 
 
 def test_an_empty_chat_template_selects_the_tokenizers_own(tmp_path):

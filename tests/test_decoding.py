@@ -1417,6 +1417,11 @@ def test_logits_that_overflowed_are_refused_naming_the_dtype(sampled):
     with pytest.raises(ValueError, match="logits after the prompt hold NaN or infinity: its numbers overflowed in "
                                          "float16; load it in bfloat16 or float32"):
         generate(model, torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=sampled, seed=0 if sampled else None)
+    damaged = tiny_model("llama")  # float32 with a NaN weight: no advice to load it in float32
+    with torch.no_grad():
+        damaged.model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="in float32 its weights .* hold NaN or infinity: a damaged or diverged"):
+        generate(MedusaModel.from_base(damaged, num_heads=1), torch.tensor([[5, 6, 7]]), max_new_tokens=4)
 
 
 def control_token_tokenizer():
@@ -1471,6 +1476,25 @@ def test_before_transformers_5_20_a_control_token_in_a_message_is_refused(monkey
 
 
 @sanitizes_control_tokens
+def test_whitespace_added_tokens_and_parts_that_join_into_a_control_token(monkeypatch):
+    """From a review: Gemma's added "\\n" token, which its template holds, was taken for a control token (before
+    transformers 5.20 every message holding a newline was refused), and parts a template joins with nothing between
+    ("<|en" and "d|>") formed the token that no part held."""
+    tokenizer = control_token_tokenizer()
+    tokenizer.add_tokens(["\n"])
+    tokenizer.chat_template = tokenizer.chat_template.replace("{% endfor %}", "\n{% endfor %}")
+    template = tokenizer.apply_chat_template
+    monkeypatch.setattr(tokenizer, "apply_chat_template", lambda conversation, tokenize=True, add_generation_prompt=False,
+                        return_dict=True: template(conversation, tokenize=tokenize, return_dict=return_dict,
+                                                   add_generation_prompt=add_generation_prompt))
+    assert chat_prompt_ids(tokenizer, [{"role": "user", "content": "w5\nw6"}])
+    tokenizer.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|> {% for p in m['content'] %}{{ p['text'] }}"
+                               "{% endfor %} {% endfor %}<|assistant|>")
+    parts = [{"role": "user", "content": [{"type": "text", "text": "w5 <|en"}, {"type": "text", "text": "d|> w6"}]}]
+    with pytest.raises(ValueError, match="message 0's text parts, joined, form '<|end|>'.*as one string"):
+        chat_prompt_ids(tokenizer, parts)
+
+
 def test_generate_reads_a_messages_control_token_as_text():
     model = word_medusa()
     model.tokenizer = control_token_tokenizer()

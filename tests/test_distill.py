@@ -200,6 +200,7 @@ def test_sharegpt_conversations_are_read_as_prompts_and_as_training_rows(tmp_pat
     lines = tmp_path / "sharegpt.jsonl"  # as JSON lines too
     lines.write_text("".join(json.dumps(row) + "\n" for row in rows))
     assert read_rows(lines) == rows and read_prompts(lines) == prompts
+    assert read_ids(path) == ["s1", "2", "m"]  # exclude_ids from such a file (its first line was taken for one id)
     path.write_text(json.dumps([rows[0], ["not", "a", "row"]]))
     with pytest.raises(ValueError, match=r"sharegpt.json\[1\] needs an object with 'id' and 'prompt'"):
         read_prompts(path)
