@@ -1822,6 +1822,7 @@ def test_category_speedups_divide_by_the_categorys_own_hf_speed(model):
     """A category's speedup is its tokens/s over hf's tokens/s on that category's questions (paired), not over
     hf's overall speed: hf itself scores 1.0 in every category."""
     report = benchmark(model, QUESTIONS, args(methods=["hf", "ar"], max_new_tokens=6))
+    assert set(report["categories"]) == {q["category"] for q in QUESTIONS}  # (an empty report passed the loop)
     for category, rows in report["categories"].items():
         assert rows["hf"]["speedup"] == 1.0, category
         # the speedup is rounded to 3 decimals: 5e-4 off at most, more than rel=2e-3 of a speedup below 0.25 (a
