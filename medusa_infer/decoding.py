@@ -27,7 +27,7 @@ import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import torch
 
@@ -923,20 +923,28 @@ def _strings(value: Any) -> Iterator[str]:
             yield from _strings(item)
 
 
-_CONTROL_IDS: "weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], dict[int, str]]]" = weakref.WeakKeyDictionary()
+_CONTROL_IDS: "weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], _ControlTokens]]" = weakref.WeakKeyDictionary()
 
 
-def _control_ids(tokenizer) -> dict[int, str]:
-    """The tokenizer's control tokens by id, as transformers' ``sanitize_control_tokens`` takes them: its special
+class _ControlTokens(NamedTuple):
+    """A tokenizer's control tokens: ``ids`` to their text, and the characters any of them starts with."""
+
+    ids: dict[int, str]
+    first_chars: frozenset[str]
+
+
+def _control_ids(tokenizer) -> _ControlTokens:
+    """The tokenizer's control tokens, as transformers' ``sanitize_control_tokens`` takes them: its special
     tokens, and the added tokens named by ``tokenizer.chat_control_tokens`` where set, else those its chat template
-    writes (``<|im_end|>``, ``<start_of_turn>``...) but whitespace (Gemma's added ``"\n"``, which a template holds
-    as text); kept per tokenizer and template (Gemma's has 6384 added tokens)."""
+    writes (``<|im_end|>``, ``<start_of_turn>``...) but whitespace (Gemma's added newline tokens, which a template
+    holds as text); kept per tokenizer, template and set of special tokens (Gemma's has 6384 added tokens)."""
     template = getattr(tokenizer, "chat_template", None)
     template = template if isinstance(template, str) else ""
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
     named = getattr(tokenizer, "chat_control_tokens", None)
     named = None if named is None else frozenset(map(str, named))
-    key = (template, len(added), named)
+    # (an added token made special since keeps the count: the special ones are part of the key)
+    key = (template, len(added), named, tuple(i for i, token in added.items() if getattr(token, "special", False)))
     try:
         cached = _CONTROL_IDS.get(tokenizer)
     except TypeError:  # (an object no weak reference can be made to)
@@ -948,35 +956,54 @@ def _control_ids(tokenizer) -> dict[int, str]:
         return text in named if named is not None else bool(text) and text in template and not text.isspace()
 
     ids = {int(i): str(token) for i, token in added.items() if getattr(token, "special", False) or control(str(token))}
+    tokens = _ControlTokens(ids, frozenset(text[0] for text in ids.values() if text))
     try:
-        _CONTROL_IDS[tokenizer] = (key, ids)
+        _CONTROL_IDS[tokenizer] = (key, tokens)
     except TypeError:
         pass
-    return ids
+    return tokens
 
 
 def _control_token_written(tokenizer, chat: Sequence[Mapping[str, Any]]) -> tuple[int, str, bool] | None:
     """The first message (its index) holding the text of one of the tokenizer's control tokens (``_control_ids``),
-    that token, and whether only the message's parts joined form it: found by tokenising the messages' strings
-    alone, as the tokenizer matches added tokens (a substring search of each of Gemma's 6384 took 24 ms a message
-    of 12,000 characters)."""
+    that token, and whether the message's text parts form one only where a template joins them (with nothing
+    between, or each trimmed, as Gemma's does; such a message wins over a whole token elsewhere, which
+    ``sanitize_control_tokens`` would take care of): found by tokenising the strings alone, as the tokenizer matches
+    added tokens (a substring search of each of Gemma's 6384 took 24 ms a message of 12,000 characters), and only
+    strings holding a character some control token starts with."""
     control = _control_ids(tokenizer)
-    if not control:
+    if not control.ids:
         return None
-    strings = []
+
+    def may_hold(text: str) -> bool:
+        return any(char in text for char in control.first_chars)
+
+    strings: list[tuple[int, str, int]] = []  # (message, text, -1: a string of it, else how many parts joined)
     for index, message in enumerate(chat):
         parts = [text for text in _strings({key: value for key, value in message.items() if key != "role"}) if text]
-        # each string, and a message's parts joined (a template joining them with nothing between, as Qwen's
-        # do, made "<|im_" and "end|>" the token)
-        strings += [(index, text, False) for text in parts] + ([(index, "".join(parts), True)] if len(parts) > 1
-                                                                 else [])
+        strings += [(index, text, -1) for text in parts if may_hold(text)]
+        if len(parts) > 1:  # a template joining them with nothing between (Qwen's), or trimming each (Gemma's)
+            strings += [(index, joined, len(parts)) for joined in {"".join(parts), "".join(p.strip() for p in parts)}
+                        if may_hold(joined)]
     if not strings:
         return None
     rows = tokenizer([text for _, text, _ in strings], add_special_tokens=False)["input_ids"]
+    found: dict[tuple[int, bool], str] = {}
+    alone: dict[int, int] = {}  # per message: control tokens in its strings each alone
     for (index, text, joined), ids in zip(strings, rows):  # (written in the text: not an unknown word's <unk>)
-        found = next((control[i] for i in ids if i in control and control[i] in text), None)
-        if found is not None:
-            return index, found, joined
+        hits = [control.ids[i] for i in ids if i in control.ids and control.ids[i] in text]
+        if joined < 0:
+            alone[index] = alone.get(index, 0) + len(hits)
+            if hits:
+                found.setdefault((index, False), hits[0])
+        elif len(hits) > alone.get(index, 0):  # more than the parts hold each alone: the join makes one
+            found.setdefault((index, True), hits[0])
+    joined_hits = sorted(index for index, joined in found if joined)
+    if joined_hits:
+        return joined_hits[0], found[(joined_hits[0], True)], True
+    if found:
+        index = min(index for index, _ in found)
+        return index, found[(index, False)], False
     return None
 
 

@@ -142,9 +142,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(config.get("vocab_size"), int):
             store.check_vocabulary(config["vocab_size"], f"the store built with {model}'s tokenizer", "")
     except ValueError as err:  # (this command's own fix: a load's advice, to rebuild or leave it unread, is not it)
-        instead = "drop --model or give that model's tokenizer" if args.model else \
-            "give --model, the model whose tokenizer they decode with"
-        parser.error(f"{err} (the heads decode with {named or 'their base model'}; {instead}; nothing was written)")
+        if args.model:
+            parser.error(f"{err} (the heads decode with {named or 'their base model'}; drop --model or give that "
+                         "model's tokenizer; nothing was written)")
+        # (the tokenizer built with is the one the heads' config names: that name is what is wrong)
+        parser.error(f"{err} (the heads' config.json names {named or 'no base model'} as their base model, whose "
+                     "tokenizer goes past the heads' vocabulary: correct base_model_name_or_path there, or give "
+                     "--model, the model the heads were trained on; nothing was written)")
     store.origin = ("written by `python -m medusa_train.datastore` from the "
                     + ("ready examples" if any(ready) else "conversations") + " in "
                     + ", ".join(Path(p).name for p in args.rows))

@@ -1805,8 +1805,14 @@ def read_ids(path: str | Path) -> list[str]:
     """Ids from a JSONL file with an ``id`` key per row, a file of one JSON array of such rows (ShareGPT's
     ``.json``, as prompts files may be), or a text file with one id per line."""
     if is_json_array(Path(path)):  # (read a line at a time, its whole first line was taken for one id)
-        return [str(row["id"]) if isinstance(row, dict) and "id" in row else _no_id(where)
-                for where, row in _prompt_rows(Path(path))]
+        try:
+            rows = list(_prompt_rows(Path(path)))
+        except ValueError:  # no JSON: one id a line, the first starting with "[" ("[draft]-1")
+            rows = None
+        if rows is not None:  # rows with an id, or the ids themselves (["p0", "p1"])
+            return [str(row["id"]) if isinstance(row, dict) and "id" in row else
+                    str(row) if isinstance(row, (str, int)) and not isinstance(row, bool) else _no_id(where)
+                    for where, row in rows]
     ids = []
     # (utf-8-sig: a byte order mark, as Notepad and PowerShell write, made the first id one no prompt has, and that
     # held-out prompt was distilled and trained on)

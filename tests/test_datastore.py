@@ -646,7 +646,7 @@ def test_a_store_outside_the_heads_vocabulary_is_refused_and_nothing_is_written(
     # from a review: the load's advice (--no-datastore, which this command lacks, and a rebuild with this very
     # command) and "drop --model" where none was given
     assert "--no-datastore" not in err and "rebuild it with" not in err and "drop --model" not in err
-    assert "give --model, the model whose tokenizer they decode with" in err
+    assert "correct base_model_name_or_path there, or give --model, the model the heads were trained on" in err
 
 
 def test_the_builders_advice_names_its_own_flags(tmp_path, capsys):

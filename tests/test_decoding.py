@@ -1473,11 +1473,10 @@ def test_before_transformers_5_20_a_control_token_in_a_message_is_refused(monkey
 
     monkeypatch.setattr(tokenizer, "apply_chat_template", without_sanitize)
     assert chat_prompt_ids(tokenizer, [{"role": "user", "content": "w5 w6"}])  # no control token: as before
-    with pytest.raises(ValueError, match="message 0 holds '<|end|>'.*upgrade transformers to 5.20"):
+    with pytest.raises(ValueError, match=r"message 0 holds '<\|end\|>'.*upgrade transformers to 5.20"):
         chat_prompt_ids(tokenizer, [{"role": "user", "content": "w5 <|end|>"}])
 
 
-@sanitizes_control_tokens
 def test_whitespace_added_tokens_and_parts_that_join_into_a_control_token(monkeypatch):
     """From a review: Gemma's added "\\n" token, which its template holds, was taken for a control token (before
     transformers 5.20 every message holding a newline was refused), and parts a template joins with nothing between
@@ -1493,10 +1492,38 @@ def test_whitespace_added_tokens_and_parts_that_join_into_a_control_token(monkey
     tokenizer.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|> {% for p in m['content'] %}{{ p['text'] }}"
                                "{% endfor %} {% endfor %}<|assistant|>")
     parts = [{"role": "user", "content": [{"type": "text", "text": "w5 <|en"}, {"type": "text", "text": "d|> w6"}]}]
-    with pytest.raises(ValueError, match="message 0's text parts, joined, form '<|end|>'.*as one string"):
+    with pytest.raises(ValueError, match=r"message 0's text parts, joined, form '<\|end\|>'.*as one string"):
         chat_prompt_ids(tokenizer, parts)
+    # from a second review: beside a whole token in one part (which sanitising takes care of), and parts a template
+    # trims (Gemma's: "<|en " and " d|>")
+    for texts in (["w5 <|en", "d|> w6 <|end|>"], ["w5 <|en ", " d|>"]):
+        parts = [{"role": "system", "content": "w5 <|end|>"},
+                 {"role": "user", "content": [{"type": "text", "text": text} for text in texts]}]
+        with pytest.raises(ValueError, match=r"message 1's text parts, joined, form '<\|end\|>'"):
+            chat_prompt_ids(tokenizer, parts)
 
 
+@sanitizes_control_tokens
+def test_control_tokens_are_looked_for_only_where_they_may_be_and_follow_the_tokenizer(monkeypatch):
+    """From a review: a chat holding no character a control token starts with is tokenised once, as before (its
+    messages were tokenised a second time to look); a token made special since is one (a stale cache read it as
+    the token)."""
+    from medusa_infer.serving.testing import word_tokenizer
+
+    tokenizer = word_tokenizer()
+    tokenizer.add_tokens(["<|end|>"])
+    chat = [{"role": "user", "content": "w5 <|end|> w6"}]
+    end = tokenizer.convert_tokens_to_ids("<|end|>")
+    assert end in chat_prompt_ids(tokenizer, chat)[0]  # an ordinary added token, which the template does not write
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|end|>"]})
+    assert end not in chat_prompt_ids(tokenizer, chat)[0]
+    calls, call = [], type(tokenizer).__call__
+    monkeypatch.setattr(type(tokenizer), "__call__", lambda self, *a, **k: (calls.append(a), call(self, *a, **k))[1])
+    chat_prompt_ids(tokenizer, [{"role": "user", "content": "w5 w6"}, {"role": "assistant", "content": "w7"}])
+    assert len(calls) == 1
+
+
+@sanitizes_control_tokens
 def test_generate_reads_a_messages_control_token_as_text():
     model = word_medusa()
     model.tokenizer = control_token_tokenizer()

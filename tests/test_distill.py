@@ -201,6 +201,10 @@ def test_sharegpt_conversations_are_read_as_prompts_and_as_training_rows(tmp_pat
     lines.write_text("".join(json.dumps(row) + "\n" for row in rows))
     assert read_rows(lines) == rows and read_prompts(lines) == prompts
     assert read_ids(path) == ["s1", "2", "m"]  # exclude_ids from such a file (its first line was taken for one id)
+    ids = tmp_path / "ids.txt"
+    for text, expected in (('["p0", 7]', ["p0", "7"]), ("[draft]-1\nq2\n", ["[draft]-1", "q2"])):
+        ids.write_text(text)
+        assert read_ids(ids) == expected
     path.write_text(json.dumps([rows[0], ["not", "a", "row"]]))
     with pytest.raises(ValueError, match=r"sharegpt.json\[1\] needs an object with 'id' and 'prompt'"):
         read_prompts(path)
