@@ -595,6 +595,16 @@ def is_json_array(path: Path) -> bool:
         return handle.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
 
 
+def read_json_array(path: Path) -> list[Any]:
+    """The elements of a file holding one JSON array (``is_json_array``); ``ValueError`` naming the file where it
+    is no valid JSON."""
+    with utf8_errors(path), path.open(encoding="utf-8-sig") as handle:
+        try:
+            return json.load(handle)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON ({err})") from err
+
+
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
     """Rows of a JSONL file, of a file holding one JSON array of them (ShareGPT's ``.json``), or of a ``datasets``
     folder saved with ``save_to_disk``."""
@@ -607,11 +617,7 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
                              f"({path}/{splits[0] if splits else 'train'}) or save that split alone")
         return list(loaded)
     if is_json_array(path):
-        with utf8_errors(path), path.open(encoding="utf-8-sig") as handle:
-            try:
-                rows = json.load(handle)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path} is not valid JSON ({err})") from err
+        rows = read_json_array(path)
         bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
         if bad is not None:
             raise ValueError(f"{path}: element {bad} of its array is a JSON {type(rows[bad]).__name__}, not an "

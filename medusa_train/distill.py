@@ -72,6 +72,7 @@ from medusa_train.dataset import (
     encode_rendered,
     has_chat_template,
     is_json_array,
+    read_json_array,
     recorded_template,
     render_prompt,
     rendering_digest,
@@ -345,12 +346,7 @@ def _prompt_rows(path: Path) -> Iterator[tuple[str, Any]]:
     """``(where, row)`` for each row of a prompts file: JSON lines (``path:line``), or one JSON array of rows
     (ShareGPT's ``.json``: ``path[index]``)."""
     if is_json_array(path):
-        with utf8_errors(path), path.open(encoding="utf-8-sig") as handle:
-            try:
-                rows = json.load(handle)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path} is not valid JSON ({err})") from err
-        yield from ((f"{path}[{index}]", row) for index, row in enumerate(rows))
+        yield from ((f"{path}[{index}]", row) for index, row in enumerate(read_json_array(path)))
         return
     with utf8_errors(path), path.open(encoding="utf-8-sig") as handle:  # (a byte order mark: left out)
         for number, line in enumerate(handle, 1):
