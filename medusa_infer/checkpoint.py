@@ -130,6 +130,9 @@ def write_in_place(directory: Path, files: Sequence[tuple[str, Callable[[Path], 
 def heads_path(directory: str | os.PathLike) -> Path:
     """``directory`` as the heads folder to write (``~`` expanded); ``ValueError`` for an empty string (an unset
     variable: the heads were written into the working directory)."""
+    if not isinstance(directory, (str, os.PathLike)):  # (pathlib's "expected str, bytes or os.PathLike object")
+        raise ValueError(f"the heads folder must be a path (a str or os.PathLike), got {type(directory).__name__}: "
+                         f"{directory!r:.60}")
     if not str(directory).strip():
         raise ValueError("the heads folder is an empty string: give a folder path")
     return Path(directory).expanduser()

@@ -1165,6 +1165,13 @@ def stream(
     from medusa_infer.model import _warn_processors, check_tokenizer
 
     check_tokenizer(tokenizer)  # (a name: "'str' object is not callable" at the first prompt)
+    if proposer is not None and not all(callable(getattr(proposer, name, None))
+                                        for name in ("start", "propose", "observe", "select_rows")):
+        # (a method's name, as --method takes it: an AttributeError after the prompt's forward, or at iteration)
+        hint = f"; for the method {proposer!r}: proposers.build_proposer({proposer!r}, model)" \
+            if isinstance(proposer, str) else ""
+        raise ValueError(f"proposer= must be a Proposer (proposers.build_proposer(method, model)), got "
+                         f"{type(proposer).__name__}{hint}")
     _warn_processors(model.base_model)  # a generation config changed since the model was wrapped: said once
     flag = torch.is_tensor(do_sample) and do_sample.dtype == torch.bool and do_sample.dim() == 0  # (a 0-d bool)
     if do_sample is not None and type(do_sample).__name__ not in ("bool", "bool_") and not flag \
@@ -1260,7 +1267,7 @@ _PROPOSER_LOCK = threading.Lock()
 """Held while a stream checks that its proposer is free and takes it (``_PROPOSER_RUNS``)."""
 
 
-def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> GenerationOutput:
+def generate(model: Any, *args: Any, streamer: Any = None, **kwargs: Any) -> GenerationOutput:
     """Speculative generation, shaped like Hugging Face's ``generate``.
 
     Args:
@@ -1345,6 +1352,9 @@ def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> Generati
     Returns:
         ``GenerationOutput`` with ``sequences`` as ``model.generate`` returns them and ``metrics``.
     """
+    if streamer is not None and not all(callable(getattr(streamer, name, None)) for name in ("put", "end")):
+        raise ValueError(f"streamer= needs put(token_ids) and end(), as transformers' TextStreamer has, got "
+                         f"{type(streamer).__name__}")
     chunks = stream(model, *args, **kwargs)
     if streamer is None:
         return chunks.result()
@@ -1356,6 +1366,14 @@ def generate(model, *args: Any, streamer: Any = None, **kwargs: Any) -> Generati
         streamer.put(torch.tensor(chunk.token_ids))
     streamer.end()
     return chunks.result()
+
+
+# generate's signature, as help() and editors show it: stream()'s parameters, their defaults, and streamer= (it
+# forwards them, which showed (model, *args, streamer=None, **kwargs) alone)
+generate.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [*inspect.signature(stream).parameters.values(),
+     inspect.Parameter("streamer", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Any")],
+    return_annotation="GenerationOutput")
 
 
 CLEANUP_SPAN = 4

@@ -377,9 +377,22 @@ class MedusaModel(nn.Module):
         base_model_name_or_path: str | None = None,
         **config_kwargs: Any,
     ) -> "MedusaModel":
-        """Fresh (untrained) heads on a base model given as an object, a default-model name, a
-        local folder or a Hub id. ``token_map`` (``[n]`` token ids) selects a reduced vocabulary;
-        ``base_model_name_or_path`` overrides the name recorded for the base model."""
+        """Fresh (untrained) heads on a base model.
+
+        Args:
+            base_model: a causal LM object, a default-model name, a local folder or a Hub id.
+            num_heads: heads, each predicting one token further ahead.
+            num_layers: residual blocks per head.
+            projection: ``"shared"`` (every head reads its logits through the base model's ``lm_head``) or
+                ``"own"`` (a vocabulary projection per head, initialised from it).
+            token_map: ``[n]`` token ids the heads score (a reduced vocabulary), or None for the whole one.
+            tokenizer: the tokenizer ``prompt=`` and ``messages=`` are read with: an object, or a name to load;
+                None: the base model's own where it is given by name, none where it is an object (``prompt=``
+                and ``messages=`` then need one).
+            base_model_name_or_path: the name recorded for the base model (default: the one it was loaded by).
+            **config_kwargs: other ``MedusaConfig`` fields (``tree``, ``next_token_input``, ...); those taken
+                from the base model or ``token_map`` are refused.
+        """
         owned = {"hidden_size": "the base model's", "vocab_size": "the base model's",
                  "base_model_type": "the base model's", "reduced_vocab_size": "token_map's length"}
         given = sorted(set(config_kwargs) & set(owned))
@@ -1248,3 +1261,16 @@ def _load_base(
         raise kind(f"the base model {name!r} that {named_by}/config.json names could not be loaded: "
                    f"{err or repr(err)}\n(where it cannot be had here, give the base model the heads were trained "
                    "on: base_model=, or the command lines' --model)") from err
+
+
+def _generate_signature() -> inspect.Signature:
+    """``MedusaModel.generate``'s signature, as help() and editors show it: ``decoding.generate``'s, the model its
+    ``self`` (it forwards its arguments, which showed ``(self, *args, **kwargs)`` alone)."""
+    from medusa_infer.decoding import generate
+
+    parameters = list(inspect.signature(generate).parameters.values())
+    return inspect.Signature([inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), *parameters[1:]],
+                             return_annotation="GenerationOutput")
+
+
+MedusaModel.generate.__signature__ = _generate_signature()  # type: ignore[attr-defined]

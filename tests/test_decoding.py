@@ -1426,6 +1426,31 @@ def test_logits_that_overflowed_are_refused_naming_the_dtype(sampled):
         generate(MedusaModel.from_base(damaged, num_heads=1), torch.tensor([[5, 6, 7]]), max_new_tokens=4)
 
 
+def test_a_proposer_or_streamer_of_the_wrong_kind_is_refused_at_the_call():
+    """From a review: proposer="lookup" (a method's name, as --method takes it) failed with an AttributeError after
+    the prompt's forward (stream(): only when iterated), and a streamer without put() with another."""
+    model = word_medusa()
+    with pytest.raises(ValueError, match=r"proposer= must be a Proposer .*got str; for the method 'lookup': "
+                                         r"proposers.build_proposer\('lookup', model\)"):
+        stream(model, torch.tensor([[5, 6, 7]]), proposer="lookup")
+    with pytest.raises(ValueError, match="streamer= needs put\\(token_ids\\) and end\\(\\).*got object"):
+        generate(model, torch.tensor([[5, 6, 7]]), max_new_tokens=2, streamer=object())
+
+
+def test_generate_shows_the_parameters_and_defaults_it_takes():
+    """From a review: help(model.generate) showed (self, *args, **kwargs) alone, and decoding.generate
+    (model, *args, streamer=None, **kwargs): the defaults were on stream()'s signature only."""
+    import inspect
+
+    taken = inspect.signature(stream).parameters
+    for function in (generate, MedusaModel.generate):
+        shown = inspect.signature(function).parameters
+        assert [name for name in shown if name not in ("self", "model", "streamer")] == \
+            [name for name in taken if name != "model"]
+        assert all(shown[name].default == taken[name].default for name in taken if name != "model")
+        assert shown["streamer"].default is None
+
+
 def control_token_tokenizer():
     """The word tokenizer with a special token of its own, ``<|end|>``, which its plain text never makes."""
     from medusa_infer.serving.testing import word_tokenizer

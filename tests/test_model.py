@@ -949,6 +949,13 @@ def test_weights_of_the_wrong_type_are_named(saved):
         MedusaModel.from_pretrained(directory / "reduced", base_model=base_model("llama"))
 
 
+def test_a_heads_folder_that_is_no_path_is_named(saved):
+    """From a review: save_pretrained(123) failed in pathlib, naming neither the argument nor the fix."""
+    directory, base = saved
+    with pytest.raises(ValueError, match="the heads folder must be a path .*got int: 123"):
+        MedusaModel.from_pretrained(directory, base_model=base).save_pretrained(123)
+
+
 def test_heads_holding_nan_are_neither_saved_nor_loaded(saved):
     """From a review: heads trained while float16 overflowed were saved NaN, then loaded and run at tau 1.0 without
     a word."""
