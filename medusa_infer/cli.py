@@ -325,7 +325,7 @@ def run_turn(model, args: argparse.Namespace, messages: list[dict] | None, promp
 
 def prompt_tokens(tokenizer, messages: list[dict] | None, prompt: str | None) -> int:
     """The tokens of a turn's prompt, as ``decoding.generate`` encodes ``messages=`` or ``prompt=``."""
-    from medusa_infer.decoding import chat_prompt_ids
+    from medusa_infer.chat import chat_prompt_ids
 
     if messages is not None:
         return len(chat_prompt_ids(tokenizer, messages)[0])
@@ -411,7 +411,7 @@ def generate_from_args(args: argparse.Namespace) -> int:
     if args.system is not None:  # a template that refuses a system role (Gemma 2's, Mistral-Instruct's): a traceback
         from jinja2 import TemplateError
 
-        from medusa_infer.decoding import ChatTextError, chat_prompt_ids
+        from medusa_infer.chat import ChatTextError, chat_prompt_ids
 
         try:
             chat_prompt_ids(tokenizer, [{"role": "system", "content": args.system}, {"role": "user", "content": "hi"}])

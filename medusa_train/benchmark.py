@@ -411,7 +411,8 @@ class Runner:
         """The next turn of each conversation, decoded together as one left-padded batch; one
         ``Turn`` per conversation, in order. ``max_new_tokens`` overrides ``args.max_new_tokens``."""
         limit = max_new_tokens or self.args.max_new_tokens
-        from medusa_infer.decoding import chat_prompt_ids, left_pad
+        from medusa_infer.chat import chat_prompt_ids
+        from medusa_infer.decoding import left_pad
 
         opening = system_turn(getattr(self.args, "system_prompt", None))
         # as generate(messages=) and the server encode them: a control token written in a question is its text
@@ -569,7 +570,7 @@ def fitting_questions(model, tokenizer, questions: list[dict], max_new_tokens: i
     with empty answers (after ``system_prompt``'s message), plus ``max_new_tokens`` a turn fit the model's
     context. One that does not could fail a method midway (a prompt past the context) or end some methods'
     answers early at its end while others go on, after the methods before had answered it."""
-    from medusa_infer.decoding import chat_prompt_ids
+    from medusa_infer.chat import chat_prompt_ids
 
     limit = context_length(model)
     fits, too_long = [], []
@@ -1158,7 +1159,8 @@ def first_turn_answers(model, questions: Sequence[dict], max_new_tokens: int, sy
     as the verification forward computes it)."""
     from tqdm import tqdm
 
-    from medusa_infer.decoding import chat_prompt_ids, generate
+    from medusa_infer.chat import chat_prompt_ids
+    from medusa_infer.decoding import generate
 
     sequences = []
     for question in tqdm(questions, desc="first-turn answers", unit="question", file=sys.stderr, leave=False):
@@ -1499,7 +1501,7 @@ def run(args: argparse.Namespace, started: float) -> int:
     if args.system_prompt is not None:  # before any answer: a template that refuses a system role (Gemma's)
         from jinja2 import TemplateError
 
-        from medusa_infer.decoding import ChatTextError, chat_prompt_ids
+        from medusa_infer.chat import ChatTextError, chat_prompt_ids
 
         try:
             chat_prompt_ids(model.tokenizer, system_turn(args.system_prompt) + [{"role": "user", "content": "hi"}])

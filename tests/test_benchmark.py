@@ -879,6 +879,7 @@ def test_a_question_writing_a_control_token_is_benchmarked_as_generate_and_the_s
     """From a review: the server and generate(messages=) read a control token written in a message as its text, the
     benchmark as the token, so it measured other prompts than the ones served."""
     import medusa_infer.decoding as decoding
+    from medusa_infer.chat import chat_prompt_ids
 
     tokenizer = copy.deepcopy(model.tokenizer)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|end|>"]})
@@ -887,7 +888,7 @@ def test_a_question_writing_a_control_token_is_benchmarked_as_generate_and_the_s
     monkeypatch.setattr(decoding, "left_pad", lambda rows, pad: (padded.append(rows), real(rows, pad))[1])
     chats = [[{"role": "user", "content": "the cat <|end|> sat"}], [{"role": "user", "content": "the cat"}]]
     bench.Runner(model, args(methods=["ar"], max_new_tokens=2)).run_batch("ar", chats)
-    assert padded[0] == decoding.chat_prompt_ids(tokenizer, chats)
+    assert padded[0] == chat_prompt_ids(tokenizer, chats)
     assert tokenizer.convert_tokens_to_ids("<|end|>") not in padded[0][0]
 
 

@@ -13,8 +13,8 @@ import torch
 
 from medusa_infer import acceptance as rules
 from medusa_infer.adaptive import StepCosts
-from medusa_infer.decoding import (StopConfig, chat_prompt_ids, encode_chat, generate, generator_seed, resolve_tree,
-                                   stream)
+from medusa_infer.chat import chat_prompt_ids
+from medusa_infer.decoding import StopConfig, encode_chat, generate, generator_seed, resolve_tree, stream
 from medusa_infer.kv_cache import AttentionLayout, KVState
 from medusa_infer.metrics import GenerationMetrics
 from medusa_infer.model import MedusaModel
@@ -1479,7 +1479,7 @@ def test_a_control_token_written_in_a_message_is_text_not_the_token():
 
 @sanitizes_control_tokens
 def test_a_control_token_that_cannot_be_text_is_refused_by_message():
-    from medusa_infer.decoding import ChatTextError
+    from medusa_infer.chat import ChatTextError
 
     tokenizer = control_token_tokenizer()  # "</s>", its EOS, is also a word of its vocabulary
     chat = [{"role": "system", "content": "w1"}, {"role": "user", "content": "w5 </s> w6"}]

@@ -18,7 +18,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from medusa_infer.decoding import ChatTextError, chat_prompt_ids, token_outside
+from medusa_infer.chat import ChatTextError, chat_prompt_ids
+from medusa_infer.decoding import token_outside
 from medusa_infer.serving import parameters
 
 MAX_BODY_BYTES = 8 << 20
