@@ -328,11 +328,11 @@ def test_a_system_prompt_opens_every_conversation_calibrations_too(model, monkey
     """Heads trained with a recipe's data.system_prompt were only ever measured without it: --system-prompt opens
     the benchmark's, the warm-up's, the context check's and calibration's conversations, and is recorded; the
     card of heads trained with one names it."""
-    from medusa_infer import decoding
+    from medusa_infer import chat
 
     rendered: list[list[dict]] = []
-    real = decoding.encode_chat
-    monkeypatch.setattr(decoding, "encode_chat", lambda tokenizer, chats, *a, **k: (
+    real = chat.encode_chat  # (every chat the benchmark encodes is rendered by it: chat.chat_prompt_ids)
+    monkeypatch.setattr(chat, "encode_chat", lambda tokenizer, chats, *a, **k: (
         rendered.extend([chats] if isinstance(chats[0], dict) else chats), real(tokenizer, chats, *a, **k))[1])
     model = MedusaModel(model.base_model, copy.deepcopy(model.heads), model.tokenizer)
     calibrate(model, QUESTIONS[:1], args(system_prompt="be brief"))
