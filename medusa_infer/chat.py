@@ -114,33 +114,26 @@ def _control_token_written(tokenizer, chat: Sequence[Mapping[str, Any]]) -> tupl
     def may_hold(text: str) -> bool:
         return any(char in text for char in control.first_chars)
 
-    strings: list[tuple[int, str, int]] = []  # (message, text, -1: a string of it, else how many parts joined)
+    strings: list[tuple[int, str, bool]] = []  # (message, text, whether it is the message's parts joined)
     for index, message in enumerate(chat):
         parts = [text for text in _strings({key: value for key, value in message.items() if key != "role"}) if text]
-        strings += [(index, text, -1) for text in parts if may_hold(text)]
+        strings += [(index, text, False) for text in parts if may_hold(text)]
         if len(parts) > 1:  # a template joining them with nothing between (Qwen's), or trimming each (Gemma's)
-            strings += [(index, joined, len(parts)) for joined in {"".join(parts), "".join(p.strip() for p in parts)}
+            strings += [(index, joined, True) for joined in {"".join(parts), "".join(p.strip() for p in parts)}
                         if may_hold(joined)]
     if not strings:
         return None
     rows = tokenizer([text for _, text, _ in strings], add_special_tokens=False)["input_ids"]
-    found: dict[tuple[int, bool], str] = {}
+    whole = formed = None  # the first message's whole token, and the first formed by a join (strings in order)
     alone: dict[int, int] = {}  # per message: control tokens in its strings each alone
     for (index, text, joined), ids in zip(strings, rows):  # (written in the text: not an unknown word's <unk>)
         hits = [control.ids[i] for i in ids if i in control.ids and control.ids[i] in text]
-        if joined < 0:
+        if not joined:
             alone[index] = alone.get(index, 0) + len(hits)
-            if hits:
-                found.setdefault((index, False), hits[0])
+            whole = whole or ((index, hits[0], False) if hits else None)
         elif len(hits) > alone.get(index, 0):  # more than the parts hold each alone: the join makes one
-            found.setdefault((index, True), hits[0])
-    joined_hits = sorted(index for index, joined in found if joined)
-    if joined_hits:
-        return joined_hits[0], found[(joined_hits[0], True)], True
-    if found:
-        index = min(index for index, _ in found)
-        return index, found[(index, False)], False
-    return None
+            formed = formed or (index, hits[0], True)
+    return formed or whole
 
 
 def chat_prompt_ids(tokenizer, messages, texts: Sequence[str] | None = None) -> list[list[int]]:

@@ -32,8 +32,8 @@ from typing import Any, Iterator
 import torch
 
 from medusa_infer import acceptance as rules
-from medusa_infer.chat import chat_prompt_ids, encode_chat
 from medusa_infer.adaptive import StepCosts, TreeController, frozen_acceptance, thawed_acceptance, tree_ladder
+from medusa_infer.chat import chat_prompt_ids, encode_chat
 from medusa_infer.kv_cache import AttentionLayout, KVState
 from medusa_infer.metrics import GenerationMetrics
 from medusa_infer.proposers.base import Proposal, Proposer, StepContext, row_groups
@@ -999,8 +999,7 @@ def stream(
     from medusa_infer.model import _warn_processors, check_tokenizer
 
     check_tokenizer(tokenizer)  # (a name: "'str' object is not callable" at the first prompt)
-    if proposer is not None and not all(callable(getattr(proposer, name, None))
-                                        for name in ("start", "propose", "observe", "select_rows")):
+    if proposer is not None and not isinstance(proposer, Proposer):
         # (a method's name, as --method takes it: an AttributeError after the prompt's forward, or at iteration)
         hint = f"; for the method {proposer!r}: proposers.build_proposer({proposer!r}, model)" \
             if isinstance(proposer, str) else ""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -90,6 +90,7 @@ def row_groups(settings: Sequence[Setting]) -> list[tuple[Setting, list[int]]]:
     return list(groups.items())
 
 
+@runtime_checkable
 class Proposer(Protocol):
     """What the decoding loop needs from a proposer; all state lives in the proposer object,
     which belongs to one generation call.
