@@ -846,9 +846,12 @@ def _prepare_inputs(model, tokenizer, input_ids, attention_mask, prompt, message
         raise ValueError(f"attention_mask row {int(gaps.nonzero()[0])} has a 0 after a 1 (masked tokens inside the "
                          "prompt), which a model with sliding-window attention cannot decode as transformers does: "
                          "drop those tokens from the row and left-pad it")
-    longest = int(attention_mask.sum(1).max())
-    if longest >= limit:
-        raise ValueError(f"prompt of {longest} tokens does not fit the model's context of {limit} tokens; shorten it")
+    lengths = attention_mask.sum(1)
+    longest = int(lengths.max())
+    if longest >= limit:  # (a prompt of exactly the context leaves no room for a new token)
+        row = f"row {int(lengths.argmax())}'s " if len(lengths) > 1 else ""
+        raise ValueError(f"{row}prompt of {longest} tokens does not fit the model's context of {limit} tokens with room "
+                         f"for a new token; shorten it to at most {limit - 1} tokens")
     vocab = model.base_model.get_output_embeddings().weight.shape[0]
     if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
         raise ValueError(f"input_ids: {token_outside(input_ids.flatten().tolist(), vocab)}")

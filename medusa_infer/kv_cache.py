@@ -119,21 +119,20 @@ class KVState:
         key_positions = torch.cat([self.positions, query_positions], dim=1)
         if new_mask.dim() == 2:
             new_mask = new_mask.expand(batch, new, new)
-        order = torch.cat(
-            [torch.ones(batch, new, self.num_slots, dtype=torch.bool, device=new_mask.device), new_mask], dim=2
-        )
-        allowed = order & key_valid[:, None, :]
-        # A query that may attend nothing (left padding) attends itself, which keeps softmax finite.
-        eye = torch.zeros_like(allowed)
-        eye[:, :, self.num_slots:] = torch.eye(new, dtype=torch.bool, device=allowed.device)
-        allowed = allowed | (eye & ~query_valid[:, :, None])
+        # [batch, new, slots + new] bool tensors only (a long padded prefill's masks are its largest tensors:
+        # an int64 distance of that shape took twice the memory of the float mask returned)
+        allowed = torch.cat([key_valid[:, None, :self.num_slots].expand(batch, new, self.num_slots),
+                             new_mask & query_valid[:, None, :]], dim=2)
+        padding = ~query_valid
+        if bool(padding.any()):  # a query that may attend nothing (left padding) attends itself: softmax stays finite
+            diagonal = torch.arange(new, device=allowed.device)
+            allowed[:, diagonal, self.num_slots + diagonal] |= padding
         masks = {}
         minimum = torch.finfo(dtype).min
         for layer_type, window in self.layout.windows.items():
             ok = allowed
-            if window is not None:
-                distance = query_positions[:, :, None] - key_positions[:, None, :]
-                ok = allowed & ((distance < window) | eye)
+            if window is not None:  # keys less than `window` positions behind the query (itself always among them)
+                ok = allowed & (key_positions[:, None, :] > (query_positions - window)[:, :, None])
             mask = torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill_(~ok, minimum)
             masks[layer_type] = mask[:, None]
         return masks if self.layout.as_dict else next(iter(masks.values()))

@@ -66,6 +66,10 @@ CHECKPOINT_PREFIX = "step-"
 PARTIAL_SUFFIX = ".partial"  # a checkpoint being written
 # Keys whose change would make a resumed run differ from an uninterrupted one.
 _RESUME_IGNORES = ("save_every", "keep_checkpoints", "cpu")
+_MEMORY_ONLY = ("training.gradient_checkpointing",)
+"""Settings that trade memory for time and leave the trained weights as they are (recorded by checkpoints and
+finished runs, yet not compared: a Medusa-2 run out of memory at its first joint step resumes with gradient
+checkpointing turned on)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -580,7 +584,8 @@ def check_finished_run(config: TrainConfig, paths: RunPaths) -> None:
             wanted.update(eval_settings(config))
         if found is None:
             continue
-        found, wanted = _without(found, unread_settings(config)), _without(wanted, unread_settings(config))
+        ignored = unread_settings(config) + _MEMORY_ONLY
+        found, wanted = _without(found, ignored), _without(wanted, ignored)
         for settings in (found, wanted):  # recorded only when set (finished_settings): a refusal says False, not None
             settings.setdefault("data.pack", False)
         if "init_from_sha256" not in wanted:  # the starting heads are gone: their content cannot be compared
@@ -671,7 +676,8 @@ def _resume_settings(config: TrainConfig, state: dict[str, Any], world: int) -> 
         settings.setdefault("data.pack", False)
     if "features.shard_examples" not in found:  # a checkpoint from before it was recorded: the cache's hash decides
         expected.pop("features.shard_examples", None)
-    return _without(expected, unread_settings(config)), _without(found, unread_settings(config))
+    ignored = unread_settings(config) + _MEMORY_ONLY
+    return _without(expected, ignored), _without(found, ignored)
 
 
 def _skip_unknown_weights(found: dict[str, Any], wanted: dict[str, Any]) -> None:

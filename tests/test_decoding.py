@@ -422,7 +422,11 @@ def test_context_limit_is_a_clean_stop():
     "kwargs, message",
     [
         (dict(input_ids=torch.zeros(1, 0, dtype=torch.long)), "empty prompt"),
-        (dict(input_ids=torch.full((1, 300), 5)), "does not fit the model's context of 256"),
+        (dict(input_ids=torch.full((1, 300), 5)), "^prompt of 300 tokens does not fit the model's context of 256 .*at most 255"),
+        (dict(input_ids=torch.full((1, 256), 5)), "^prompt of 256 tokens does not fit .*at most 255 tokens"),
+        (dict(input_ids=torch.full((3, 256), 5), attention_mask=torch.tensor([[0] * 250 + [1] * 6, [1] * 256,
+                                                                            [0] * 200 + [1] * 56])),
+         "^row 1's prompt of 256 tokens does not fit .*at most 255 tokens"),
         (dict(tree=[(0,), (0, 0, 0, 0)]), "no parent"),
         (dict(tree=[(0, 0, 0, 0, 0)]), "depth 5 but there are only 4 heads"),
         (dict(do_sample=True, temperature=-0.5), "temperature must be a finite number >= 0"),

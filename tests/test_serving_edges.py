@@ -287,7 +287,7 @@ def test_a_prompt_filling_the_whole_context_is_refused_with_a_400(client, model)
                  {"model": "tiny", "prompt": [5] * context, "max_tokens": 1}):
         answer = client.post("/v1/completions", json=body)
         assert answer.status_code == 400, answer.text
-        assert "shorten the prompt" in answer.json()["error"]["message"]
+        assert f"shorten the prompt to at most {context - 1} tokens" in answer.json()["error"]["message"]
 
 
 def test_a_histogram_ignores_values_that_are_not_finite():

@@ -1140,6 +1140,34 @@ def test_kill_9_then_resume_a_medusa2_run_equals_uninterrupted_run(tiny_dir, tmp
     assert [x["loss"] for x in train_log(whole)] == pytest.approx([y["loss"] for y in train_log(killed)], rel=1e-5)
 
 
+def test_a_medusa2_run_resumes_and_reruns_with_gradient_checkpointing_switched(tiny_dir, tmp_path):
+    """Gradient checkpointing trades memory for time and trains the same weights: a run out of memory at its first
+    joint step resumes its last heads-only checkpoint with it turned on (refused: "was written by a different
+    run"), and a finished run re-run with it turned off keeps its heads (refused: "made with other settings")."""
+    import train_heads
+    from safetensors.torch import load_file
+
+    values = {"training": {"mode": "medusa2", "batch_size": 4, "max_steps": 6, "stage1_steps": 2,
+                           "save_every": 2, "keep_checkpoints": 5, "seed": 3, "loss": "ce"},
+              "lora": {"r": 4, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"]}}
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    train_heads.main(["--config", str(write_recipe(tmp_path / "a.yaml", recipe(tiny_dir, whole, **values)))])
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(whole / "checkpoints" / "step-00000002", resumed / "checkpoints" / "step-00000002")
+    second = str(write_recipe(tmp_path / "b.yaml", recipe(tiny_dir, resumed, **values)))
+    train_heads.main(["--config", second, "training.gradient_checkpointing=true"])
+    final = json.loads((resumed / "checkpoints" / "final" / "config.json").read_text())["training"]
+    assert final["resumed_from_step"] == 2
+    adapter = Path("checkpoints") / "final" / "adapter" / "adapter_model.safetensors"
+    for a, b in ((final_heads(whole), final_heads(resumed)), (load_file(whole / adapter), load_file(resumed / adapter))):
+        assert a.keys() == b.keys()
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=1e-6)
+    kept = (resumed / "heads" / "model.safetensors").stat().st_mtime_ns
+    train_heads.main(["--config", second, "training.gradient_checkpointing=false"])
+    assert (resumed / "heads" / "model.safetensors").stat().st_mtime_ns == kept
+
+
 def test_a_checkpoint_is_not_resumed_on_other_examples(tiny_dir, tmp_path, capsys):
     """Killed, then the training examples rewritten under the same recipe: the steps before the kill
     trained on the old ones, so the checkpoint is refused rather than continued on the new ones."""

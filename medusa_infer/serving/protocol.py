@@ -234,7 +234,8 @@ def _params(kind: str, body: dict[str, Any], model: ModelInfo, prompt_ids: list[
     room = model.context_length - len(prompt_ids)
     if room < 1:
         raise invalid(f"This model's maximum context length is {model.context_length} tokens, and the prompt "
-                      f"has {len(prompt_ids)} tokens; shorten the prompt.", "messages" if kind == "chat" else "prompt",
+                      f"has {len(prompt_ids)} tokens, which leaves no room for a completion; shorten the prompt to at most "
+                      f"{model.context_length - 1} tokens.", "messages" if kind == "chat" else "prompt",
                       "context_length_exceeded")
     max_tokens = _integer(body, max_tokens_name, None, 1, None)
     if max_tokens is None:
