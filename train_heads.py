@@ -404,6 +404,18 @@ def check_vocabulary_settings(config: TrainConfig) -> None:
             raise ValueError(f"{key}={value} is past the model's vocabulary of {vocab} tokens; lower it")
 
 
+def check_training_steps(config: TrainConfig, train: list[dict], num_processes: int) -> None:
+    """``step_counts``' refusal (batches the training split cannot fill, no optimizer step, no joint stage) as soon
+    as the examples are known, before the features stage: with rows the plan could only estimate (``data.rows``),
+    the refusal came after the backbone had run over all of them. The positions counted are those the feature
+    cache keeps (``head_positions``)."""
+    from medusa_train.dataset import head_positions
+    from medusa_train.train_config import step_counts
+
+    units = sum(head_positions(e["labels"]) for e in train) if config.uses_feature_cache else len(train)
+    step_counts(config, units, num_processes)
+
+
 def check_examples_fit(config: TrainConfig, examples: list[dict]) -> None:
     """Examples longer than the model's context, or holding a token id past its vocabulary (where its config is
     on disk), refused before any feature or training step: past it a model of learned positions (GPT-2) failed
@@ -947,6 +959,7 @@ def main(argv: list[str] | None = None) -> int:
 
             check_head_positions(train, heldout, config.heads.num_heads)
             check_examples_fit(config, train + heldout)
+            check_training_steps(config, train, accelerator.num_processes)
         timings["data"] = round(time.perf_counter() - started, 1)
         note_stages()
         say(accelerator, f"data: {len(train)} train and {len(heldout)} held-out examples ({timings['data']} s)")

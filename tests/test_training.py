@@ -1660,6 +1660,31 @@ def test_examples_past_the_models_context_are_refused_before_features_are_extrac
         train_heads.main(["--config", str(write_recipe(tmp_path / "grown.yaml", grown))])
 
 
+def test_rows_too_few_for_one_batch_are_refused_before_the_features(tmp_path, capsys):
+    """data.rows are counted by the plan as estimates (max_length tokens a row: it promised 18 steps for rows that
+    fill no micro-batch), so the refusal of batches the data cannot fill came only after the backbone had run over
+    every example for the feature cache; it comes once the rows are tokenised, and --plan still plans."""
+    import train_heads
+    from medusa_infer.serving.testing import word_tokenizer
+
+    words = word_tokenizer()
+    tiny_model("llama", vocab_size=len(words)).save_pretrained(tmp_path / "model")
+    words.save_pretrained(tmp_path / "model")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"id": str(i), "prompt": "the cat sat", "response": "the dog ran on the mat"})
+                            + "\n" for i in range(6)))
+    values = {"output_dir": str(tmp_path / "run"), "model": {"name": str(tmp_path / "model")},
+              "data": {"rows": str(rows), "heldout_fraction": 0.34}, "heads": {"num_heads": 2, "num_layers": 1},
+              "training": {"epochs": 1, "batch_tokens": 1024}}
+    config_file = str(write_recipe(tmp_path / "r.yaml", values))
+    assert train_heads.main(["--config", config_file, "--plan"]) == 0
+    assert "steps" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"training positions do not fill one micro-batch of 1024 x 1 process"):
+        train_heads.main(["--config", config_file])
+    assert not (tmp_path / "run" / "features").exists() or not any((tmp_path / "run" / "features").iterdir())
+    assert train_heads.main(["--config", config_file, "training.batch_tokens=8"]) == 0
+
+
 def test_training_pieces_a_bug_passed_are_pinned_by_hand(tiny_dir, tmp_path):
     """Mutations the suite let through, each changing what a run trains on or with: the base KL taken the other way
     (KL(student || teacher)); the adapter's scale without lora.alpha; path tokens one place on (a head reading its
