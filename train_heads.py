@@ -284,8 +284,9 @@ def warn_heldout_beside_start(config: TrainConfig, accelerator: Any, train: list
 def check_inputs(config: TrainConfig) -> None:
     """What the run reads and where it uploads, checked before anything runs (``--plan`` too):
     ``ValueError`` for a model name that is neither a folder, a default model nor a Hub id (or is a heads
-    folder), a data file that is not there, Medusa-2 LoRA targets the model cannot take (``check_lora_targets_early``),
-    a logger whose package is missing, or an upload that cannot happen (offline, or no Hub login)."""
+    folder), a data file that is not there, a model medusa-forge cannot decode or Medusa-2 LoRA targets it cannot
+    take (``check_model_early``), a logger whose package is missing, or an upload that cannot happen (offline, or no
+    Hub login)."""
     from medusa_infer.checkpoint import first_existing
     from medusa_infer.models import names_default_model, resolve_model
 
@@ -315,8 +316,7 @@ def check_inputs(config: TrainConfig) -> None:
         recipe_config(dataclasses.replace(config, data=dataclasses.replace(d, prompts=stand_in)))
     check_attn_implementation(config.model.attn_implementation)
     check_vocabulary_settings(config)
-    if config.training.mode == "medusa2":
-        check_lora_targets_early(config)
+    check_model_early(config)
     from accelerate.utils import is_tensorboard_available, is_wandb_available
 
     for tracker, available in (("tensorboard", is_tensorboard_available), ("wandb", is_wandb_available)):
@@ -451,22 +451,30 @@ def check_examples_fit(config: TrainConfig, examples: list[dict]) -> None:
                          f"data.max_length={context} or lower")
 
 
-def check_lora_targets_early(config: TrainConfig) -> None:
-    """``lora.target_modules`` checked on the model's module tree, built on the meta device from its
-    config, where that config is on disk (a folder, or a default model already fetched); a Hub model's
-    are checked when it loads, after distillation."""
+def check_model_early(config: TrainConfig) -> None:
+    """The model checked on its module tree, built on the meta device from its config, where that config is on
+    disk (a folder, or a default model already fetched): one medusa-forge cannot decode (``check_supported``:
+    logits scaled after the lm_head, ALiBi, ...) refused before distillation (it was refused with a traceback
+    at the features stage, after every prompt was distilled, through a paid endpoint too), and Medusa-2's
+    ``lora.target_modules`` checked. A Hub model's are checked when it loads, after distillation."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from medusa_infer.model import check_supported
     from medusa_train.lora import check_lora_targets
 
     folder = _model_folder(config)
     if folder is None:
         return
     trust = config.model.trust_remote_code
-    with torch.device("meta"):
+    with torch.device("meta"):  # eager attention: the attention a load picks is the load's to check
         skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, trust_remote_code=trust),
-                                                    trust_remote_code=trust)
-    check_lora_targets(skeleton, config.lora.target_modules)
+                                                    trust_remote_code=trust, attn_implementation="eager")
+    try:
+        check_supported(skeleton)
+    except NotImplementedError as err:
+        raise ValueError(f"model.name={config.model.name!r}: {err}") from None
+    if config.training.mode == "medusa2":
+        check_lora_targets(skeleton, config.lora.target_modules)
 
 
 @contextmanager

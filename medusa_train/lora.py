@@ -64,3 +64,33 @@ def check_lora_targets(base_model: nn.Module, target_modules: list[str]) -> None
                          "heads read directly (trained against the unadapted weight, decoded with the merged "
                          "one; tied embeddings would change the input too): leave them out, e.g. "
                          f"lora.target_modules=[{','.join(linear[:4])}]")
+    check_peft_conversion(base_model, target_modules, linear)
+
+
+def check_peft_conversion(base_model: nn.Module, target_modules: list[str], linear: list[str]) -> None:
+    """``ValueError`` where peft would move targets elsewhere: on MoE models whose experts transformers 5 fuses
+    into one parameter (DeepSeek, GLM-4-MoE, Qwen3-MoE, OLMoE, Mixtral, ...), peft maps ``gate_proj`` / ``up_proj`` /
+    ``down_proj`` onto the routed experts' fused weights, not the dense or shared-expert linear layers of that name
+    that this check found: the run failed after its data stage ("ParamWrapper does not work with lora_dropout !=
+    0"), or with dropout 0 trained other weights than the ones named, without a word."""
+    try:
+        from peft import LoraConfig
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    except ImportError:  # a peft from before transformers 5's fused experts: it adapts the modules named
+        return
+    probe = LoraConfig(r=1, target_modules=list(target_modules), task_type="CAUSAL_LM")
+    kind = getattr(getattr(base_model, "config", None), "model_type", type(base_model).__name__)
+    try:
+        convert_peft_config_for_transformers(probe, base_model, None)
+    except ValueError as err:
+        raise ValueError(f"lora.target_modules {list(target_modules)} cannot be adapted on {kind} as named: {err} "
+                         "(peft); name attention layers only, e.g. lora.target_modules=[q_proj,k_proj,v_proj,o_proj]"
+                         ) from None
+    kept = set(probe.target_modules or ())
+    moved = [t for t in target_modules if t not in kept]
+    if probe.target_parameters:
+        others = [t for t in target_modules if t in kept]
+        raise ValueError(f"lora.target_modules {moved} are mapped by peft, on {kind}, onto the routed experts' fused "
+                         f"parameters {sorted(probe.target_parameters)}, not the dense or shared-expert linear layers "
+                         "of that name (and need lora.dropout=0); leave them out, e.g. "
+                         f"lora.target_modules=[{','.join(others or linear[:4])}]")

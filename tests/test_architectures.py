@@ -278,3 +278,25 @@ def test_a_model_that_soft_caps_attention_is_loaded_with_attention_that_applies_
     gemma3.save_pretrained(tmp_path / "gemma3")
     monkeypatch.undo()
     assert models.load_base_model(str(tmp_path / "gemma3")).config._attn_implementation == "sdpa_gqa"
+
+
+def test_lora_targets_that_peft_moves_onto_fused_experts_are_refused_by_name():
+    """On MoE models whose routed experts transformers 5 fuses, peft maps gate_proj / up_proj / down_proj onto the
+    experts' fused parameters, not the dense (first layer) or shared-expert linear layers of that name the check
+    found: a Medusa-2 run failed after its data stage ("ParamWrapper does not work with lora_dropout != 0") or, with
+    dropout 0, trained other weights than those named. Refused before anything runs; attention targets pass."""
+    from medusa_train.lora import check_lora_targets
+
+    glm = tiny("glm4_moe", {"head_dim": 8, "moe_intermediate_size": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                            "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "partial_rotary_factor": 0.5})
+    assert any(name.endswith("shared_experts.gate_proj") for name, _ in glm.named_modules())
+    with pytest.raises(ValueError, match=r"\['gate_proj', 'up_proj', 'down_proj'\] are mapped by peft, on glm4_moe, "
+                                         r"onto the routed experts' fused parameters .*lora.target_modules=\[q_proj,"):
+        check_lora_targets(glm, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    with pytest.raises(ValueError, match=r"cannot be adapted on glm4_moe as named: .*gate_proj"):
+        check_lora_targets(glm, ["q_proj", "gate_proj"])
+    check_lora_targets(glm, ["q_proj", "k_proj", "v_proj", "o_proj"])
+    deepseek = tiny("deepseek_v3", CONFIGS["deepseek_v3"])
+    with pytest.raises(ValueError, match=r"\['gate_proj', 'up_proj'\] are mapped by peft, on deepseek_v3"):
+        check_lora_targets(deepseek, ["q_a_proj", "kv_a_proj_with_mqa", "gate_proj", "up_proj"])
+    check_lora_targets(deepseek, ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"])

@@ -1660,6 +1660,33 @@ def test_examples_past_the_models_context_are_refused_before_features_are_extrac
         train_heads.main(["--config", str(write_recipe(tmp_path / "grown.yaml", grown))])
 
 
+def test_a_model_that_cannot_decode_here_is_refused_before_anything_runs(tiny_dir, tmp_path, capsys):
+    """Granite-3's logits_scaling (logits scaled after the lm_head) passed --plan and every check, and was refused
+    with a NotImplementedError traceback at the features stage, after every prompt was distilled (through a paid
+    endpoint too); refused up front, for --plan and a run, in one line. Soft-capped attention (Gemma 2, which the
+    load gives eager attention) is not refused."""
+    import train_heads
+    from test_architectures import CONFIGS, tiny
+
+    tiny("granite", {**CONFIGS["granite"], "logits_scaling": 8.0}).save_pretrained(tmp_path / "granite")
+    tiny("gemma2", CONFIGS["gemma2"]).save_pretrained(tmp_path / "gemma2")
+    for mode in ("medusa1", "medusa2"):
+        values = recipe(tiny_dir, tmp_path / f"run-{mode}", model={"name": str(tmp_path / "granite")},
+                        training={"mode": mode, "max_steps": 2, **({"stage1_steps": 1} if mode == "medusa2" else {})})
+        config_file = str(write_recipe(tmp_path / f"{mode}.yaml", values))
+        for plan_only in (["--plan"], []):
+            capsys.readouterr()
+            with pytest.raises(SystemExit) as exit_info:
+                train_heads.main(["--config", config_file, *plan_only])
+            said = capsys.readouterr().err + str(exit_info.value)
+            assert re.search(r"error: model.name=.*granite'?: GraniteForCausalLM scales its logits "
+                             r"\(logits_scaling=8.0\)", said), said[-2000:]
+            assert "Traceback" not in said
+        assert not (tmp_path / f"run-{mode}" / "features").exists()
+    values = recipe(tiny_dir, tmp_path / "run-gemma2", model={"name": str(tmp_path / "gemma2")})
+    assert train_heads.main(["--config", str(write_recipe(tmp_path / "gemma2.yaml", values)), "--plan"]) == 0
+
+
 def test_rows_too_few_for_one_batch_are_refused_before_the_features(tmp_path, capsys):
     """data.rows are counted by the plan as estimates (max_length tokens a row: it promised 18 steps for rows that
     fill no micro-batch), so the refusal of batches the data cannot fill came only after the backbone had run over
