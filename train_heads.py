@@ -863,6 +863,18 @@ def stage_evaluate(config: TrainConfig, accelerator: Any, train: list[dict], hel
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the recipe's stages; Ctrl-C ends the run with a line saying how to go on (exit status 130), not a
+    traceback."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        print("\ntrain_heads.py: interrupted; run the same command again to go on (distilled rows, finished "
+              "stages and step checkpoints are kept)", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="recipe YAML (recipes/*.yaml); default: built-in defaults")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, e.g. training.lr=3e-4")

@@ -43,6 +43,7 @@ import functools
 import itertools
 import json
 import math
+import os
 import platform
 import random
 import re
@@ -1429,6 +1430,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         return run(args, started)
+    except KeyboardInterrupt:  # Ctrl-C: no traceback
+        sys.stdout.flush()
+        print("\nmedusa-bench: interrupted; a report is written when a run ends (the folder holds an earlier run's, "
+              "if any)", file=sys.stderr)
+        return 130
     except (ValueError, OSError, NotImplementedError) as error:  # NotImplementedError: an unsupported model
         sys.stdout.flush()
         method = getattr(error, "benchmark_method", None)  # (answer_group's: which method failed)
@@ -1584,7 +1590,11 @@ def run(args: argparse.Namespace, started: float) -> int:
         "calibrated_here": bool(args.calibrate)}
     if not args.calibrate:  # an earlier run's would pass for this one's (removed with this run's report only)
         (output / "calibration.json").unlink(missing_ok=True)
-    (output / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    for earlier in ("report.png", "report.md"):  # an earlier run's, beside this one's report.json if stopped between
+        (output / earlier).unlink(missing_ok=True)
+    aside = output / "report.json.partial"  # renamed into place: never read half-written
+    aside.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(aside, output / "report.json")
     markdown = report_markdown(report)
     (output / "report.md").write_text(markdown)
     print(markdown)

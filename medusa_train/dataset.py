@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -861,6 +862,7 @@ def load_or_build_dataset(
                          f"{', '.join(stats.left_out('data.max_length', max_length)) or 'none given'}; {fix}")
     dataset = to_dataset(examples)
     target.parent.mkdir(parents=True, exist_ok=True)
+    remove_killed_builds(target)
     work = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
     try:
         dataset.save_to_disk(str(work / "data"))
@@ -872,6 +874,24 @@ def load_or_build_dataset(
         shutil.rmtree(work, ignore_errors=True)
     logger.info("saved tokenised dataset (%d rows) to %s", len(dataset), target)
     return load_from_disk(str(target))
+
+
+KILLED_BUILD_AGE_S = 60.0
+"""A work folder of a build of the tokenised dataset untouched this long is a killed build's (a build writes its
+files within seconds of each other)."""
+
+
+def remove_killed_builds(target: Path) -> None:
+    """Remove the hidden work folders (``.<target>.partial-*``, each a whole copy of the dataset) that builds of
+    ``target`` killed by SIGTERM or SIGKILL left (an interrupt's ``finally`` removes its own); nothing read them."""
+    for leftover in target.parent.glob(f".{target.name}.partial-*"):
+        try:
+            if time.time() - leftover.stat().st_mtime < KILLED_BUILD_AGE_S:
+                continue
+        except OSError:  # gone meanwhile
+            continue
+        shutil.rmtree(leftover, ignore_errors=True)
+        logger.info("removed %s, left by a killed build of the tokenised dataset", leftover)
 
 
 def head_positions(labels: Sequence[int]) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,17 @@ def build_datastore(examples: Iterable[Mapping[str, Any]], tokenizer: Any = None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Build the datastore; Ctrl-C ends with a line, not a traceback (exit status 130)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        print("\npython -m medusa_train.datastore: interrupted; run it again to build the datastore",
+              file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="python -m medusa_train.datastore", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", required=True, help="the heads folder to write datastore.safetensors into")

@@ -78,19 +78,31 @@ def check_peft_conversion(base_model: nn.Module, target_modules: list[str], line
         from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
     except ImportError:  # a peft from before transformers 5's fused experts: it adapts the modules named
         return
-    probe = LoraConfig(r=1, target_modules=list(target_modules), task_type="CAUSAL_LM")
+    def converted(names: list[str]) -> LoraConfig:  # (peft's conversion changes the config alone)
+        probe = LoraConfig(r=1, target_modules=list(names), task_type="CAUSAL_LM")
+        convert_peft_config_for_transformers(probe, base_model, None)
+        return probe
+
+    def as_named(name: str) -> bool:
+        try:
+            probe = converted([name])
+        except ValueError:
+            return False
+        return not probe.target_parameters and name in (probe.target_modules or ())
+
+    def example() -> str:  # targets that pass as named: those given, else the model's own linear layers
+        safe = [t for t in target_modules if as_named(t)] or [n for n in linear if as_named(n)][:4]
+        return f"lora.target_modules=[{','.join(safe)}]"
+
     kind = getattr(getattr(base_model, "config", None), "model_type", type(base_model).__name__)
     try:
-        convert_peft_config_for_transformers(probe, base_model, None)
+        probe = converted(target_modules)
     except ValueError as err:
         raise ValueError(f"lora.target_modules {list(target_modules)} cannot be adapted on {kind} as named: {err} "
-                         "(peft); name attention layers only, e.g. lora.target_modules=[q_proj,k_proj,v_proj,o_proj]"
-                         ) from None
-    kept = set(probe.target_modules or ())
-    moved = [t for t in target_modules if t not in kept]
+                         f"(peft); leave the experts' projections out, e.g. {example()}") from None
     if probe.target_parameters:
-        others = [t for t in target_modules if t in kept]
+        kept = set(probe.target_modules or ())
+        moved = [t for t in target_modules if t not in kept]
         raise ValueError(f"lora.target_modules {moved} are mapped by peft, on {kind}, onto the routed experts' fused "
                          f"parameters {sorted(probe.target_parameters)}, not the dense or shared-expert linear layers "
-                         "of that name (and need lora.dropout=0); leave them out, e.g. "
-                         f"lora.target_modules=[{','.join(others or linear[:4])}]")
+                         f"of that name (and need lora.dropout=0); leave them out, e.g. {example()}")

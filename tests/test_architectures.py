@@ -285,8 +285,11 @@ def test_lora_targets_that_peft_moves_onto_fused_experts_are_refused_by_name():
     experts' fused parameters, not the dense (first layer) or shared-expert linear layers of that name the check
     found: a Medusa-2 run failed after its data stage ("ParamWrapper does not work with lora_dropout != 0") or, with
     dropout 0, trained other weights than those named. Refused before anything runs; attention targets pass."""
+    import re
+
     from medusa_train.lora import check_lora_targets
 
+    pytest.importorskip("peft.utils.transformers_weight_conversion")  # (peft 0.19: earlier ones adapt them as named)
     glm = tiny("glm4_moe", {"head_dim": 8, "moe_intermediate_size": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
                             "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "partial_rotary_factor": 0.5})
     assert any(name.endswith("shared_experts.gate_proj") for name, _ in glm.named_modules())
@@ -300,3 +303,9 @@ def test_lora_targets_that_peft_moves_onto_fused_experts_are_refused_by_name():
     with pytest.raises(ValueError, match=r"\['gate_proj', 'up_proj'\] are mapped by peft, on deepseek_v3"):
         check_lora_targets(deepseek, ["q_a_proj", "kv_a_proj_with_mqa", "gate_proj", "up_proj"])
     check_lora_targets(deepseek, ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"])
+    for model, targets in ((glm, ["down_proj"]), (glm, ["gate_proj", "up_proj"]), (glm, ["q_proj", "gate_proj"]),
+                           (deepseek, ["gate_proj", "up_proj", "down_proj"]), (deepseek, ["q_a_proj", "gate_proj"])):
+        with pytest.raises(ValueError) as refused:  # the targets the refusal offers pass
+            check_lora_targets(model, targets)
+        offered = re.search(r"lora.target_modules=\[([^\]]+)\]", str(refused.value)).group(1).split(",")
+        check_lora_targets(model, offered)

@@ -515,6 +515,32 @@ def test_cli_writes_the_report_files(model, tmp_path, monkeypatch):
     assert (out / "report.png").stat().st_size > 1000
 
 
+def test_an_interrupted_report_leaves_no_earlier_plot_and_ctrl_c_says_one_line(model, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """Stopped between its report.json and its plot, a run left the earlier run's report.png (of other questions)
+    beside the new report; Ctrl-C ended medusa-bench with a traceback."""
+    heads, questions = cli_files(model, tmp_path, monkeypatch)
+    out = tmp_path / "bench"
+    out.mkdir()
+    (out / "report.png").write_bytes(b"an earlier run's plot")
+    (out / "report.md").write_text("an earlier run's table")
+
+    def interrupted(report, path):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "report_png", interrupted)
+    capsys.readouterr()
+    try:
+        assert main(["--heads", str(heads), "--questions", str(questions), "--limit", "1", "--max-new-tokens", "3",
+                     "--methods", "hf,ar", "--output", str(out)]) == 130
+    except KeyboardInterrupt:  # (escaping, it would stop the whole test session)
+        pytest.fail("Ctrl-C escaped main() as a traceback")
+    err = capsys.readouterr().err
+    assert "medusa-bench: interrupted" in err and "Traceback" not in err
+    assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md"]
+    assert json.loads((out / "report.json").read_text())["settings"]["questions_answered"] == 1
+
+
 def test_cli_names_an_unsupported_model_without_a_traceback(model, tmp_path, monkeypatch, capsys):
     """check_supported's NotImplementedError (ALiBi, no KV cache, ...) escaped as a traceback, status 1."""
     def unsupported(args, started):

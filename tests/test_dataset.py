@@ -442,6 +442,30 @@ def test_no_example_left_names_why_and_the_fix(tmp_path, smol):
         load_or_build_dataset(rows_path, smol, 40, tmp_path / "cache")
 
 
+def test_a_killed_builds_work_folder_is_removed_by_the_next_build(tmp_path, smol):
+    """SIGTERM or SIGKILL during a build left its hidden work folder (a whole copy of the dataset), which no run
+    read or removed; one touched in the last minute (a build under way) is left."""
+    import os
+    import shutil
+    import time
+
+    rows_path = tmp_path / "rows.jsonl"
+    rows_path.write_text("".join(json.dumps({"id": str(i), "prompt": f"Q{i}?", "response": f"A{i}."}) + "\n"
+                                 for i in range(4)))
+    cache = tmp_path / "cache"
+    load_or_build_dataset(rows_path, smol, 128, cache)
+    [target] = cache.glob("tokenized-*")
+    shutil.rmtree(target)
+    killed, live = cache / f".{target.name}.partial-killed", cache / f".{target.name}.partial-live"
+    for folder in (killed, live):
+        (folder / "data").mkdir(parents=True)
+        (folder / "data" / "data-00000-of-00001.arrow").write_bytes(b"x" * 100)
+    old = time.time() - 3600
+    os.utime(killed, (old, old))
+    load_or_build_dataset(rows_path, smol, 128, cache)
+    assert not killed.exists() and live.exists() and target.is_dir()
+
+
 def test_head_positions_count_where_the_next_token_and_head_1s_are_both_answer_tokens():
     """Counted one place early, a fully labelled 2-token example passed the check that refuses runs no head
     position trains (the evaluation failed after training)."""

@@ -196,6 +196,26 @@ def test_rows_distilled_with_another_template_or_system_prompt_are_refused():
         check_rows(vicuna, None, "Be brief.")
 
 
+def test_ctrl_c_ends_the_builder_with_a_line(tmp_path, capsys, monkeypatch):
+    """Ctrl-C ended python -m medusa_train.datastore with a traceback."""
+    import medusa_train.datastore as builder
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(builder, "build_datastore", interrupted)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"id": 1, "input_ids": [5, 6, 7, 8], "labels": [-100, 6, 7, 8]}) + "\n")
+    MedusaConfig(num_heads=1, hidden_size=576, vocab_size=49152,
+                 base_model_name_or_path="smollm2-135m-instruct").save(tmp_path / "config.json")
+    try:
+        assert main(["--heads", str(tmp_path), "--rows", str(rows)]) == 130
+    except KeyboardInterrupt:  # (escaping, it would stop the whole test session)
+        pytest.fail("Ctrl-C escaped main() as a traceback")
+    assert "medusa_train.datastore: interrupted" in capsys.readouterr().err
+    assert not (tmp_path / DATASTORE_NAME).exists()
+
+
 def test_the_builder_renders_rows_as_the_heads_recipe_did(tmp_path, capsys):
     recipe = {"model": {"chat_template": None}, "data": {"system_prompt": "Be brief.", "max_length": 64}}
     MedusaConfig(num_heads=1, hidden_size=576, vocab_size=49152, base_model_name_or_path="smollm2-135m-instruct",

@@ -1999,3 +1999,23 @@ def test_files_saved_with_a_byte_order_mark_are_read_whole(tmp_path, model_dir, 
               "--no-progress"])
     assert str(exit_info.value.code).startswith("python -m medusa_train.distill: error: ")
     assert "p.jsonl:2 is not valid JSON" in str(exit_info.value.code)
+
+
+def test_ctrl_c_ends_the_distill_command_with_a_line(tmp_path, model_dir, capsys, monkeypatch):
+    """Ctrl-C ended python -m medusa_train.distill with a traceback (after its in-flight requests' warning)."""
+    from medusa_train.distill import main
+
+    (tmp_path / "p.jsonl").write_text('{"id": "a", "prompt": "x"}\n')
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(distill_module, "distill", interrupted)
+    with pytest.raises(SystemExit) as exit_info:
+        try:
+            main(["--model", str(model_dir), "--prompts", str(tmp_path / "p.jsonl"), "--output",
+                  str(tmp_path / "o.jsonl"), "--no-progress"])
+        except KeyboardInterrupt:  # (escaping, it would stop the whole test session)
+            pytest.fail("Ctrl-C escaped main() as a traceback")
+    assert exit_info.value.code == 130
+    assert "medusa_train.distill: interrupted; the rows written are kept" in capsys.readouterr().err

@@ -148,6 +148,19 @@ def test_listening_beyond_loopback_without_an_api_key_is_warned(host, warned, ca
     assert ("without --api-key" in caplog.text) == warned, caplog.text
 
 
+def test_ctrl_c_while_loading_ends_without_a_traceback(monkeypatch, capsys):
+    """Ctrl-C while the model loads or warms up (minutes for a large model) printed a 50-line traceback."""
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "load_model", interrupted)
+    try:
+        assert cli.main(["--method", "lookup", "--port", str(free_port())]) == 130
+    except KeyboardInterrupt:  # (escaping, it would stop the whole test session)
+        pytest.fail("Ctrl-C escaped main() as a traceback")
+    assert "Traceback" not in capsys.readouterr().err
+
+
 def test_threads_sets_torchs_threads_before_loading(monkeypatch):
     import torch
 

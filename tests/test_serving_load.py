@@ -696,6 +696,36 @@ def test_shutdown_answers_the_requests_still_open_with_the_shutdown_error(model)
     assert '"code":"shutdown"' in lines[-2].replace(" ", "") and lines[-1] == "data: [DONE]", lines
 
 
+def test_a_second_ctrl_c_still_ends_open_streams_with_the_shutdown_error(model):
+    """A second Ctrl-C (uvicorn's force_exit) stopped waiting and ended the process: the streams still open were cut
+    off mid-chunk, without the shutdown error event or [DONE]; they get them, within a second."""
+    body = {"model": "tiny", "prompt": "the cat", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    served = serve(model, "medusa", max_batch=1)
+    server, engine = served.__enter__()
+    url = server.base_url + "/v1/completions"
+    answers: dict[str, list[str]] = {}
+
+    def streamed() -> None:
+        with httpx.Client(timeout=60) as client, client.stream("POST", url, json=body) as reply:
+            answers["stream"] = [line for line in reply.iter_lines() if line]
+
+    with engine.hold():  # queued past the drain time
+        client = threading.Thread(target=streamed)
+        client.start()
+        wait_until(lambda: engine.snapshot()["waiting"] == 1, message="the request should be queued")
+        start = time.monotonic()
+        server.server.should_exit = True  # the first Ctrl-C, then the second
+        time.sleep(0.3)
+        server.server.force_exit = True
+        client.join(30)
+        server.thread.join(15)
+        server.socket.close()
+    assert time.monotonic() - start < 2.0 + 1.0  # (not the drain's 2 s and the answering time's 5)
+    lines = answers["stream"]
+    assert '"code":"shutdown"' in lines[-2].replace(" ", "") and lines[-1] == "data: [DONE]", lines
+
+
 def test_shutdown_answers_the_requests_of_an_engine_turn_that_outlasts_it(model):
     """An engine turn longer than the shutdown's grace (a long prefill on a CPU): the engine could not answer
     the requests it held, and uvicorn cancelled them at its graceful timeout: a stream cut off without its

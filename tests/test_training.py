@@ -1687,6 +1687,25 @@ def test_a_model_that_cannot_decode_here_is_refused_before_anything_runs(tiny_di
     assert train_heads.main(["--config", str(write_recipe(tmp_path / "gemma2.yaml", values)), "--plan"]) == 0
 
 
+def test_ctrl_c_ends_a_run_with_a_line_saying_how_to_go_on(tiny_dir, tmp_path, monkeypatch, capsys):
+    """Ctrl-C ended train_heads.py with a 28-line traceback from wherever it was (accelerate's save_state)."""
+    import train_heads
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_heads, "stage_features", interrupted)
+    config_file = str(write_recipe(tmp_path / "r.yaml", recipe(tiny_dir, tmp_path / "run", training={"max_steps": 2})))
+    try:
+        assert train_heads.main(["--config", config_file]) == 130
+    except KeyboardInterrupt:  # (escaping, it would stop the whole test session)
+        pytest.fail("Ctrl-C escaped main() as a traceback")
+    err = capsys.readouterr().err
+    assert "train_heads.py: interrupted; run the same command again to go on" in err and "Traceback" not in err
+    monkeypatch.undo()
+    assert train_heads.main(["--config", config_file]) == 0
+
+
 def test_rows_too_few_for_one_batch_are_refused_before_the_features(tmp_path, capsys):
     """data.rows are counted by the plan as estimates (max_length tokens a row: it promised 18 steps for rows that
     fill no micro-batch), so the refusal of batches the data cannot fill came only after the backbone had run over

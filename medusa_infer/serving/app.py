@@ -80,6 +80,10 @@ STOP_WAIT_S = ANSWER_S / 2
 """Of those, the seconds it waits for the engine's thread to end its turn; past them the requests it still
 holds are answered from here (a turn can take longer on a CPU: a long prefill)."""
 
+FORCED_ANSWER_S = 1.0
+"""After a second Ctrl-C, how long the requests still open get to send their shutdown error before the process
+ends."""
+
 
 def uvicorn_server(app: FastAPI, drain_s: float = 5.0, **config: Any):
     """A ``uvicorn.Server`` for ``app`` (of ``create_app``) whose shutdown (SIGTERM, Ctrl-C) stops
@@ -105,9 +109,14 @@ def uvicorn_server(app: FastAPI, drain_s: float = 5.0, **config: Any):
             try:
                 await super().shutdown(sockets)
             finally:
-                if self.force_exit:  # a second Ctrl-C: no more waiting
-                    drained.cancel()
-                    engine.stop(timeout=0)
+                if self.force_exit:  # a second Ctrl-C: no more waiting for the engine, and the requests still open
+                    drained.cancel()  # answered "shutdown" at once (their streams were cut off mid-chunk, without
+                    engine.stop(timeout=0)  # the error event or [DONE]), with a moment to send it
+                    for answer in list(app.state.answers):
+                        answer.shut_down()
+                    deadline = time.monotonic() + FORCED_ANSWER_S
+                    while self.server_state.tasks and time.monotonic() < deadline:
+                        await asyncio.sleep(0.02)
                 await asyncio.gather(drained, return_exceptions=True)
 
     return DrainingServer(uvicorn.Config(app, timeout_graceful_shutdown=drain_s + ANSWER_S, **config))

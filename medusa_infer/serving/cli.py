@@ -233,6 +233,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, RuntimeError, OSError) as error:
         print(f"medusa-serve: error: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C while loading or warming up (minutes for a large model): no traceback
+        listener.close()
+        print(file=sys.stderr)
+        return 130
     name = served_name(args, model)
     app, _ = build_app(model, name, args.method, options=args, api_key=args.api_key, max_batch=args.max_batch,
                        max_queue=args.max_queue, max_prefill_tokens=args.max_prefill_tokens,
