@@ -1432,8 +1432,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run(args, started)
     except KeyboardInterrupt:  # Ctrl-C: no traceback
         sys.stdout.flush()
-        print("\nmedusa-bench: interrupted; a report is written when a run ends (the folder holds an earlier run's, "
-              "if any)", file=sys.stderr)
+        print("\nmedusa-bench: interrupted (a run's report.json is written once all its questions are answered)",
+              file=sys.stderr)
         return 130
     except (ValueError, OSError, NotImplementedError) as error:  # NotImplementedError: an unsupported model
         sys.stdout.flush()
