@@ -101,8 +101,7 @@ def check_peft_conversion(base_model: nn.Module, target_modules: list[str], line
         raise ValueError(f"lora.target_modules {list(target_modules)} cannot be adapted on {kind} as named: {err} "
                          f"(peft); leave the experts' projections out, e.g. {example()}") from None
     if probe.target_parameters:
-        kept = set(probe.target_modules or ())
-        moved = [t for t in target_modules if t not in kept]
+        moved = [t for t in target_modules if not as_named(t)]  # (peft 0.22 keeps them among target_modules too)
         raise ValueError(f"lora.target_modules {moved} are mapped by peft, on {kind}, onto the routed experts' fused "
                          f"parameters {sorted(probe.target_parameters)}, not the dense or shared-expert linear layers "
                          f"of that name (and need lora.dropout=0); leave them out, e.g. {example()}")
