@@ -78,6 +78,7 @@ def check_peft_conversion(base_model: nn.Module, target_modules: list[str], line
         from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
     except ImportError:  # a peft from before transformers 5's fused experts: it adapts the modules named
         return
+
     def converted(names: list[str]) -> LoraConfig:  # (peft's conversion changes the config alone)
         probe = LoraConfig(r=1, target_modules=list(names), task_type="CAUSAL_LM")
         convert_peft_config_for_transformers(probe, base_model, None)
