@@ -1706,6 +1706,30 @@ def test_ctrl_c_ends_a_run_with_a_line_saying_how_to_go_on(tiny_dir, tmp_path, m
     assert train_heads.main(["--config", config_file]) == 0
 
 
+def test_the_plan_splits_rows_that_share_a_prompt_id_as_the_run_does(tmp_path):
+    """Several answers to one prompt stay on one side of the split, so fewer rows can be held out: the plan counted
+    the split by rows alone (22 trained, 6 held out) and promised <= 11 steps to a run that took 12 (24 and 4)."""
+    import train_heads
+    from medusa_infer.serving.testing import word_tokenizer
+    from medusa_train.train_config import load_config, plan
+
+    words = word_tokenizer()
+    tiny_model("llama", vocab_size=len(words)).save_pretrained(tmp_path / "model")
+    words.save_pretrained(tmp_path / "model")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"id": f"q{i // 4}", "prompt": "the cat sat", "response": "the dog ran on the mat"})
+                            + "\n" for i in range(28)))
+    values = {"output_dir": str(tmp_path / "run"), "model": {"name": str(tmp_path / "model")},
+              "data": {"rows": str(rows), "heldout_fraction": 0.2}, "heads": {"num_heads": 2, "num_layers": 1},
+              "training": {"mode": "medusa2", "batch_size": 2, "epochs": 1, "stage1_steps": 1},
+              "lora": {"r": 2, "target_modules": ["q_proj", "v_proj"]}, "log": {"every": 1, "progress": False}}
+    config_file = write_recipe(tmp_path / "r.yaml", values)
+    planned = plan(load_config(config_file))
+    assert (planned.train_examples, planned.heldout_examples) == (24, 4)
+    assert train_heads.main(["--config", str(config_file)]) == 0
+    assert len(train_log(tmp_path / "run")) <= planned.total_steps
+
+
 def test_rows_too_few_for_one_batch_are_refused_before_the_features(tmp_path, capsys):
     """data.rows are counted by the plan as estimates (max_length tokens a row: it promised 18 steps for rows that
     fill no micro-batch), so the refusal of batches the data cannot fill came only after the backbone had run over
