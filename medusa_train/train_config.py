@@ -875,18 +875,16 @@ def _count_rows(path: Path) -> int:
         return sum(1 for line in handle if line.strip())
 
 
-def _repeated_ids(path: Path) -> list[Any] | None:
-    """The ``id`` of every row of a rows file (None for a row without one), where some id repeats (several answers
-    to one prompt, which the run's split keeps on one side: ``split_sizes``' counts then promised fewer training
-    examples, and fewer steps, than the run took); None where none repeats or the file does not read."""
+def _row_ids(path: Path) -> list[Any] | None:
+    """The ``id`` of every row of a rows file (None for a row without one), which the run's split reads (several
+    answers to one prompt stay on one side: ``split_sizes``' counts alone promised fewer training examples, and
+    fewer steps, than the run took); None where the file does not read."""
     from medusa_train.dataset import read_rows
 
     try:
-        ids = [None if row.get("id") is None else str(row["id"]) for row in read_rows(path)]
+        return [None if row.get("id") is None else str(row["id"]) for row in read_rows(path)]
     except (OSError, ValueError, AttributeError):  # (the run names what is wrong with the file)
         return None
-    named = [i for i in ids if i is not None]
-    return ids if len(set(named)) < len(named) else None
 
 
 def split_indices(n: int, fraction: float, seed: int,
@@ -1181,8 +1179,8 @@ def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | Non
         examples, exact = built["examples"], True  # examples, not the rows it dropped some of
     elif rows_file.is_file():
         examples = _count_rows(rows_file) + (distill_pending or 0)
-        if not distill_pending:  # rows answering one prompt several times: split by prompt id, as the run does
-            row_ids = _repeated_ids(rows_file)
+        if not distill_pending:  # (rows still to distil: ids not known yet)
+            row_ids = _row_ids(rows_file)
     elif owns_rows(config) and Path(d.prompts).is_file():  # the prompts the run samples: data.n, cut by the
         from medusa_train.distill import recipe_config, sample_prompts  # quotas and the file (their sources named)
 
@@ -1198,12 +1196,12 @@ def plan(config: TrainConfig, num_processes: int = 1, distill_pending: int | Non
     train_examples, heldout_examples = split_sizes(examples, d.heldout_fraction)
     if split is not None:  # drawn as the run draws it (by prompt id where ids repeat)
         train_examples, heldout_examples = len(split[0]), len(split[1])
-    elif built is not None and built.get("ids") is not None:  # (the built dataset's prompt ids, as the run splits)
-        drawn = split_indices(len(built["ids"]), d.heldout_fraction, t.seed, built["ids"])
-        train_examples, heldout_examples = len(drawn[0]), len(drawn[1])
-    elif row_ids is not None:  # (rows the tokenising drops may change which prompts fit the held-out share)
-        drawn = split_indices(len(row_ids), d.heldout_fraction, t.seed, row_ids)
-        train_examples, heldout_examples = len(drawn[0]), len(drawn[1])
+    else:  # the built dataset's prompt ids, else the rows' (those the tokenising drops may change which prompts
+        ids = (built or {}).get("ids")  # fit the held-out share), split by prompt as the run splits them
+        ids = row_ids if ids is None else ids
+        if ids is not None:
+            drawn = split_indices(len(ids), d.heldout_fraction, t.seed, ids)
+            train_examples, heldout_examples = len(drawn[0]), len(drawn[1])
     # answers this run distils are at most max_new_tokens long; rows or examples made otherwise, max_length
     est_tokens = train_examples * (min(d.max_new_tokens, d.max_length) if owns_rows(config) else d.max_length)
     if labelled is not None:
