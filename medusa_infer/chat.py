@@ -33,7 +33,53 @@ def encode_chat(tokenizer, messages) -> list[str]:
             raise ValueError(shape(f"an element {str(chat)[:80]!r}"))
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this tokenizer has no chat template; pass prompt= or input_ids= instead")
-    return [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
+    return [render_template(tokenizer, c, add_generation_prompt=True) for c in conversations]
+
+
+class ChatTemplateError(ValueError):
+    """A chat template refused a conversation with its own ``raise_exception`` (a system message it wants
+    first, roles that do not alternate, a role it takes none of), or could not be read; ``reason``: its words."""
+
+    def __init__(self, text: str, reason: str) -> None:
+        super().__init__(text)
+        self.reason = reason
+
+
+def render_template(tokenizer, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
+    """``messages`` rendered as text with the tokenizer's chat template; ``ChatTemplateError`` (a ``ValueError``)
+    where the template refuses them (jinja2's ``TemplateError`` was a traceback in every command line tool)."""
+    import jinja2
+
+    try:
+        return tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    except jinja2.TemplateError as error:
+        roles = ", ".join(str(m.get("role")) for m in messages)
+        raise ChatTemplateError(f"the chat template refuses a conversation of {roles} ({error})", str(error)) \
+            from error
+
+
+def check_conversation(tokenizer, system: str | None, flag: str) -> None:
+    """Raise ``ValueError`` naming ``flag`` (the option that gives a system message) where the chat template
+    refuses a question, with ``system`` first where given, before any answer is asked for: a template that
+    wants a system message first (and renders the question with one), one that takes no system role (Gemma's),
+    and a system message whose text spells a control token."""
+    first = [{"role": "system", "content": system}] if system is not None else []
+    question = [{"role": "user", "content": "hi"}]
+    try:
+        chat_prompt_ids(tokenizer, first + question)
+    except ChatTextError as error:  # (refused at every question)
+        raise ValueError(f"{flag}: {error}") from None
+    except ChatTemplateError as error:
+        if system is not None:
+            raise ValueError(f"{flag}: the chat template refuses a system message ({error.reason}): leave {flag} "
+                             "out (or put it at the start of the prompt)") from None
+        try:
+            render_template(tokenizer, [{"role": "system", "content": "You are a helpful assistant."}] + question,
+                            add_generation_prompt=True)
+        except ChatTemplateError:
+            raise ValueError(f"{error}: the model's tokenizer cannot render a question") from None
+        raise ValueError(f"the chat template wants a system message first ({error.reason}): give {flag}") from None
 
 
 class ChatTextError(ValueError):

@@ -408,18 +408,10 @@ def generate_from_args(args: argparse.Namespace) -> int:
     if args.system is not None and not use_template:
         raise ValueError("--system goes into the chat template, and this model's tokenizer has none: drop --system "
                          "(or put it at the start of the prompt)")
-    if args.system is not None:  # a template that refuses a system role (Gemma 2's, Mistral-Instruct's): a traceback
-        from jinja2 import TemplateError
+    if use_template:  # a template that refuses a system role (Gemma 2's, Mistral-Instruct's), or wants one
+        from medusa_infer.chat import check_conversation
 
-        from medusa_infer.chat import ChatTextError, chat_prompt_ids
-
-        try:
-            chat_prompt_ids(tokenizer, [{"role": "system", "content": args.system}, {"role": "user", "content": "hi"}])
-        except ChatTextError as err:  # (refused at every turn)
-            raise ValueError(f"--system: {err}") from None
-        except TemplateError as err:
-            raise ValueError(f"--system: this model's chat template refuses a system message ({err}): drop --system "
-                             "(or put it at the start of the prompt)") from err
+        check_conversation(tokenizer, args.system, "--system")
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system is not None else []
     if not args.chat:
         if use_template:

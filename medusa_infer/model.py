@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
 
 from medusa_infer.checkpoint import (
     ADAPTER_DIR,
@@ -208,9 +208,21 @@ temperature 0.7, top_p 0.8, top_k 20)."""
 UNSUPPORTED_SAMPLING = {"min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None}
 """``GenerationConfig`` truncation fields (with their neutral values) that sampling here has no counterpart for."""
 
-SEARCH_SETTINGS = {"num_beams": 1, "num_beam_groups": 1, "max_new_tokens": None}
+SEARCH_SETTINGS = {"num_beams": 1, "num_beam_groups": 1, "max_new_tokens": None, "max_length": None}
 """``GenerationConfig`` fields (with their neutral values) of the search ``model.generate`` takes from a model's
-config and ``generate`` here does not: beam search, and a length (``max_new_tokens`` is 128 when not given)."""
+config and decoding here does not: beam search, and a length (``max_length`` counts the prompt's tokens too; its
+neutral value is the installed ``GenerationConfig``'s own default, 20 in some releases)."""
+
+DEFAULTS_HERE = ("generate() and medusa-generate decode greedily unless asked to sample (do_sample=True, --do-sample) "
+                 "at the temperature, top_k and top_p they are given (1, none, none when not given); medusa-serve "
+                 "samples a request at the temperature and top_p it sends (OpenAI's 1 and 1 when left out) and "
+                 "medusa-bench at its --temperature")
+"""What each entry point decodes with where a model's generation config asks for other sampling settings."""
+
+LENGTHS_HERE = ("each prompt gets one sequence (no beam search) of the new tokens it is given: generate()'s "
+                "max_new_tokens (128 when not given), medusa-generate's --max-new-tokens, a request's "
+                "max_tokens in medusa-serve")
+"""How long each entry point decodes where a model's generation config asks for a length or a beam search."""
 
 
 def sampling_settings(base_model: Any) -> dict[str, Any]:
@@ -250,19 +262,19 @@ def _warn_processors(base_model: PreTrainedModel) -> None:
     if found:
         settings = ", ".join(f"{key}={value!r}" for key, value in found.items())
         unsupported = [key for key in found if key in UNSUPPORTED_SAMPLING]
-        messages.append(f"{name}'s generation_config sets {settings}, which generate() here does not take from it: "
-                        "it decodes greedily unless given do_sample=True, and samples at the temperature, top_k and "
-                        "top_p it is given (1, none, none when not given; model.generate takes the config's)"
+        messages.append(f"{name}'s generation_config sets {settings}, which medusa-forge does not take from it "
+                        f"(model.generate does): {DEFAULTS_HERE}"
                         + (f"; {', '.join(unsupported)} has no counterpart here" if unsupported else "")
-                        + ": pass the settings to generate() to sample as the model's authors set it")
+                        + ": pass the settings to sample as the model's authors set it")
     config = getattr(base_model, "generation_config", None)
+    neutral_length = GenerationConfig().max_length
     found = {key: getattr(config, key, None) for key, neutral in SEARCH_SETTINGS.items()
-             if getattr(config, key, None) not in (None, neutral)}
+             if getattr(config, key, None) not in (None, neutral)
+             and not (key == "max_length" and getattr(config, key) == neutral_length)}
     if found:
         settings = ", ".join(f"{key}={value!r}" for key, value in found.items())
-        messages.append(f"{name}'s generation_config sets {settings}, which generate() here does not take from it: "
-                        "it decodes one sequence per prompt (no beam search) for the max_new_tokens it is given "
-                        "(128 when not given; model.generate takes the config's)")
+        messages.append(f"{name}'s generation_config sets {settings}, which medusa-forge does not take from it "
+                        f"(model.generate does): {LENGTHS_HERE}")
     given = _WARNED.setdefault(base_model, set())
     for message in messages:
         if message not in given:

@@ -1504,18 +1504,14 @@ def run(args: argparse.Namespace, started: float) -> int:
                                                           cpu_kernels=args.cpu_kernels),
                                           tokenizer=load_tokenizer(base_name))
     args.model = base_name
-    if args.system_prompt is not None:  # before any answer: a template that refuses a system role (Gemma's)
-        from jinja2 import TemplateError
+    # before any answer: a template that refuses a system role (Gemma's), or wants one (a traceback at the first)
+    if getattr(model.tokenizer, "chat_template", None) is None:
+        raise ValueError(f"medusa-bench asks its questions in the chat template, and {base_name}'s tokenizer has "
+                         "none: give --heads trained with model.chat_template (the recipe's template comes with "
+                         "them), or a model with a chat template")
+    from medusa_infer.chat import check_conversation
 
-        from medusa_infer.chat import ChatTextError, chat_prompt_ids
-
-        try:
-            chat_prompt_ids(model.tokenizer, system_turn(args.system_prompt) + [{"role": "user", "content": "hi"}])
-        except ChatTextError as err:  # (refused at every question)
-            raise ValueError(f"--system-prompt: {err}") from None
-        except TemplateError as err:
-            raise ValueError(f"--system-prompt: the chat template of {base_name} refuses a system message ({err}); "
-                             "leave --system-prompt out") from err
+    check_conversation(model.tokenizer, args.system_prompt, "--system-prompt")
     fitted_later = args.calibrate and isinstance(args.tree, str) and args.tree.startswith("fitted-")
     if args.tree and heads is not None and not fitted_later:
         from medusa_infer.decoding import resolve_tree

@@ -30,9 +30,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import jinja2
 from datasets import Dataset, load_from_disk
 from transformers import PreTrainedTokenizerBase
+
+from medusa_infer.chat import ChatTemplateError, render_template
 
 logger = logging.getLogger(__name__)
 
@@ -127,10 +128,8 @@ def render_chat(
     messages: Sequence[dict[str, str]],
     add_generation_prompt: bool = False,
 ) -> str:
-    """The chat template applied to ``messages``, as text."""
-    return tokenizer.apply_chat_template(
-        list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
-    )
+    """The chat template applied to ``messages``, as text (``ChatTemplateError`` where it refuses them)."""
+    return render_template(tokenizer, messages, add_generation_prompt)
 
 
 def render_prompt(
@@ -209,7 +208,7 @@ def _through_turn(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[st
     through = render_chat(tokenizer, messages)
     try:
         following = render_chat(tokenizer, [*messages, {"role": "user", "content": _MARK}])
-    except jinja2.TemplateError:  # a template that takes no user turn there: the rendering as it is
+    except ChatTemplateError:  # a template that takes no user turn there: the rendering as it is
         return through
     eos = tokenizer.eos_token if isinstance(tokenizer.eos_token, str) and tokenizer.eos_token else None
     if following.startswith(through):
@@ -435,8 +434,8 @@ def build_examples(
                     stats.cut_off_unfound += 1
                     cut_off = False
                     input_ids, labels = tokenize_chat(tokenizer, messages)
-        except (TemplateError, jinja2.TemplateError) as error:  # one row's: name it, in a file of thousands
-            # (jinja2's: the template's own raise_exception, e.g. Gemma's and Mistral's on roles that do not
+        except (TemplateError, ChatTemplateError) as error:  # one row's: name it, in a file of thousands
+            # (the template's own raise_exception, e.g. Gemma's and Mistral's on roles that do not
             # alternate)
             raise TemplateError(f"row {row.get('id', index)!r}: {error}") from error
         input_ids, labels, cut = cut_example(input_ids, labels, max_length)
@@ -516,6 +515,12 @@ def check_template(tokenizer: PreTrainedTokenizerBase, system_prompt: str | None
     try:
         examples = build_examples([row], tokenizer, 10**6, system_prompt)
     except TemplateError as error:
+        if system_prompt is None and has_chat_template(tokenizer):  # one that wants a system message first
+            try:
+                build_examples([row], tokenizer, 10**6, "You are a helpful assistant.")
+                fix = " (it renders them with a system message first: set data.system_prompt)"
+            except TemplateError:
+                pass
         raise TemplateError(
             f"{tokenizer.name_or_path!r}: the training examples cannot be built from distilled answers "
             f"({error}); set model.chat_template to one that can{fix}"
@@ -752,6 +757,11 @@ def check_rows(rows: Sequence[dict[str, Any]], chat_template: str | None, system
     heads learn answers to a prompt the model was never shown. ``fixes`` words the advice (``CLI_FIXES``)."""
     digest = template_digest(chat_template)
     for row in rows:
+        if "prompt_template" in row and row["prompt_template"] is None:  # (endpoint rows record none)
+            raise ValueError(f"row {row.get('id')!r} was distilled with its prompt as plain text (the tokenizer had "
+                             "no chat template), and examples are chats: distil the rows again in a chat template "
+                             "(--chat-template FILE to medusa_train.distill, model.chat_template in a recipe), into "
+                             "another output path")
         generation = row.get("generation")
         if not isinstance(generation, dict):
             continue

@@ -962,7 +962,10 @@ def eos_token_ids(model: Any, tokenizer: PreTrainedTokenizerBase) -> list[int]:
 
     ids = list(eos_ids(model, tokenizer))
     if not ids:
-        raise ValueError("neither the model nor the tokenizer defines an EOS token id")
+        raise ValueError(f"neither the model (eos_token_id in generation_config.json or config.json) nor the tokenizer "
+                         f"(eos_token in tokenizer_config.json) of {getattr(tokenizer, 'name_or_path', '?')!r} names "
+                         "an end-of-sequence token, so no answer could end before max_new_tokens: set one of them to "
+                         "the token the model ends its turns with")
     return ids
 
 
@@ -1046,8 +1049,10 @@ def run_local(
     tokenizer = load_distill_tokenizer(config)
     check_prompt_template(done, tokenizer, "use another output path, or install the template that rendered them "
                                            "(--chat-template, or model.chat_template in a recipe)")
-    if not has_chat_template(tokenizer):
-        logger.info("tokenizer of %s has no chat template: prompts are given as plain text", config.model)
+    if not has_chat_template(tokenizer):  # (said where it could still be stopped: train_heads refuses such rows)
+        logger.warning("the tokenizer of %s has no chat template: prompts are given as plain text, and train_heads.py "
+                       "cannot train on such rows (its examples are chats): give --chat-template (model.chat_template "
+                       "in a recipe) to distil in one", config.model)
     limits = prompt_limits(config)
     prepared = []
     for prompt in pending:

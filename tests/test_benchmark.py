@@ -362,8 +362,20 @@ def test_a_system_prompt_the_template_refuses_and_a_first_group_failure_are_name
     monkeypatch.setattr(model.tokenizer, "chat_template", "{% for m in messages %}{% if m['role'] == 'system' %}"
                         "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }} {% endfor %}")
     assert main(common + ["--system-prompt", "be brief"]) == 2
-    assert "--system-prompt: the chat template of tiny-llama refuses a system message (System role not supported); " \
+    assert "--system-prompt: the chat template refuses a system message (System role not supported): " \
            "leave --system-prompt out" in capsys.readouterr().err
+    # one that wants a system message first, and a tokenizer with no template (advice for library callers)
+    monkeypatch.setattr(model.tokenizer, "chat_template", "{% if messages[0]['role'] != 'system' %}{{ raise_exception("
+                        "'a system message must come first') }}{% endif %}{% for m in messages %}{{ m['content'] }} "
+                        "{% endfor %}")
+    assert main(common) == 2
+    assert "the chat template wants a system message first (a system message must come first): give " \
+           "--system-prompt" in capsys.readouterr().err
+    monkeypatch.setattr(model.tokenizer, "chat_template", None)
+    assert main(common) == 2
+    err = capsys.readouterr().err
+    assert "medusa-bench asks its questions in the chat template, and tiny-llama's tokenizer has none" in err
+    assert "prompt=" not in err
     monkeypatch.setattr(model.tokenizer, "chat_template", template)
     real = bench.Runner.run_batch
 

@@ -211,8 +211,18 @@ def test_what_a_model_folder_or_template_refuses_is_said_not_a_traceback(tmp_pat
     monkeypatch.setattr(cli, "load", lambda args: model)
     for chat in ([], ["--chat"]):
         assert cli.main(["--system", "be brief", "--max-new-tokens", "2", *(chat or ["the cat"])]) == 2
-        assert ("medusa-generate: error: --system: this model's chat template refuses a system message (System role "
-                "not supported): drop --system") in capsys.readouterr().err
+        assert ("medusa-generate: error: --system: the chat template refuses a system message (System role "
+                "not supported): leave --system out") in capsys.readouterr().err
+    # one that wants a system message first: jinja2's TemplateError was a traceback, at the first answer
+    model.tokenizer.chat_template = ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message "
+                                     "must come first') }}{% endif %}{% for m in messages %}{{ m['content'] }} "
+                                     "{% endfor %}")
+    for chat in ([], ["--chat"]):
+        assert cli.main(["--max-new-tokens", "2", *(chat or ["the cat"])]) == 2
+        assert ("medusa-generate: error: the chat template wants a system message first (a system message must come "
+                "first): give --system") in capsys.readouterr().err
+    assert cli.main(["--system", "be brief", "--max-new-tokens", "2", "the cat"]) == 0
+    capsys.readouterr()
     monkeypatch.undo()
     tokenizer = word_tokenizer()
     tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(tmp_path / "base")

@@ -289,6 +289,13 @@ def test_check_template_refuses_a_template_that_labels_no_answer(smol):
         check_template(with_template(smol, user_only))
     with pytest.raises(TemplateError, match=r"'recipes/vicuna.jinja' has no \{\{ or \{% in it: give the template itself"):
         check_template(with_template(smol, "recipes/vicuna.jinja"))
+    # one that wants a system message first: the fix is a system prompt, not another template
+    wants_system = with_template(smol, "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message "
+                                       "must come first') }}{% endif %}" + smol.chat_template)
+    with pytest.raises(TemplateError, match=r"a system message must come first.*renders them with a system message "
+                                            r"first: set data.system_prompt\)$"):
+        check_template(wants_system)
+    check_template(wants_system, "Be brief.")
 
 
 def test_truncation_and_dropping(smol, caplog):
@@ -713,12 +720,13 @@ def test_a_row_the_template_itself_refuses_is_named(smol):
     rows = [{"id": "fine", "prompt": "Hi", "response": "Hello."},
             {"id": "two-users", "messages": [{"role": "user", "content": "Hi"}, {"role": "user", "content": "Hey"},
                                              {"role": "assistant", "content": "Hello."}]}]
-    with pytest.raises(TemplateError, match=r"^row 'two-users': roles must alternate user/assistant"):
+    with pytest.raises(TemplateError, match=r"^row 'two-users': the chat template refuses a conversation of user, "
+                                            r"user, assistant \(roles must alternate user/assistant\)"):
         build_examples(rows, strict, 64)
     # a distilled row's prompt is rendered for its response_ids: that refusal escaped with no row named
     distilled = {"id": "ids", "messages": None, "prompt": "Hi", "response": "Hello.", "finish_reason": "length",
                  "response_ids": strict("Hello.", add_special_tokens=False)["input_ids"]}
-    with pytest.raises(TemplateError, match=r"^row 'ids': roles must alternate user/assistant"):
+    with pytest.raises(TemplateError, match=r"^row 'ids': the chat template refuses .*roles must alternate"):
         build_examples([distilled], strict, 64, system_prompt="Be brief.")
 
 

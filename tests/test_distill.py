@@ -26,7 +26,7 @@ from datasets import load_from_disk
 
 from medusa_infer.models import load_base_model, load_tokenizer
 from medusa_train import distill as distill_module
-from medusa_train.dataset import encode_rendered, render_prompt
+from medusa_train.dataset import check_rows, encode_rendered, render_prompt
 from medusa_train.distill import (
     DistillConfig,
     RejectedError,
@@ -872,12 +872,18 @@ def test_plain_prompt_without_chat_template(tmp_path, model_dir, prompts_file, t
     assert render_prompt(plain, "Hello there") == "Hello there"
     with pytest.raises(ValueError, match="system_prompt is set, but the tokenizer of .* has no chat template"):
         distill(make_config(folder, prompts_file, tmp_path / "rows.jsonl", n=2, system_prompt="Be brief."))
-    with caplog.at_level(logging.INFO, logger="medusa_train.distill"):
+    with caplog.at_level(logging.WARNING, logger="medusa_train.distill"):
         distill(make_config(folder, prompts_file, tmp_path / "rows.jsonl", n=2))
-    assert "no chat template" in caplog.text
-    assert [r["prompt"] for r in read_rows(tmp_path / "rows.jsonl")] == [
-        p["prompt"] for p in sample_prompts(prompts_file, 2)
-    ]
+    # said as a warning, with what training makes of such rows (an info line; training then refused them with
+    # advice to set the template, and under one, advice to set none: each message pointed at the other)
+    assert "no chat template: prompts are given as plain text, and train_heads.py cannot train on such rows" \
+        in caplog.text and "give --chat-template" in caplog.text
+    rows = read_rows(tmp_path / "rows.jsonl")
+    assert [r["prompt"] for r in rows] == [p["prompt"] for p in sample_prompts(prompts_file, 2)]
+    for template in (None, "{{ messages }}"):
+        with pytest.raises(ValueError, match=r"distilled with its prompt as plain text .* distil the rows again in "
+                                             r"a chat template \(--chat-template FILE"):
+            check_rows(rows, template, None)
 
 
 def test_cli_with_recipe(tmp_path, model_dir, prompts_file, capsys):
@@ -1507,8 +1513,6 @@ def test_chat_template_flag_takes_a_file_or_the_template(tmp_path, prompts_file)
     config = config_from_args(args)
     assert config.chat_template is None and config.generation_record()["chat_template"] is None
     # rows an earlier release recorded so (the digest of '') resume, and train, as the tokenizer's own template's
-    from medusa_train.dataset import check_rows
-
     old = {"id": "x", "model": config.model_label, "generation": {**config.generation_record(),
                                                                   "chat_template": distill_module.template_digest("")}}
     distill_module.check_resumable([old], config)
@@ -1714,6 +1718,15 @@ def test_distillation_stops_at_the_end_tokens_decoding_stops_at(model_dir, token
     base = AutoModelForCausalLM.from_pretrained(model_dir)
     base.config.eos_token_id = [2, 50]
     assert sorted(distill_module.eos_token_ids(MedusaModel.without_heads(base, tokenizer), tokenizer)) == [2, 50]
+    # none named anywhere: refused with where to name one (it named no file, nor the fix)
+    import copy
+
+    plain = copy.deepcopy(tokenizer)
+    plain.eos_token = None
+    base.config.eos_token_id = base.generation_config.eos_token_id = None
+    with pytest.raises(ValueError, match=r"eos_token_id in generation_config.json or config.json.*eos_token in "
+                                         r"tokenizer_config.json.*set one of them to the token the model ends"):
+        distill_module.eos_token_ids(MedusaModel.without_heads(base, plain), plain)
 
 
 def write_prompts(path, rows):

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
-from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel, PreTrainedTokenizerFast
 
 from medusa_infer.checkpoint import accuracy_table, check_heads_target, foreign_config
 from medusa_infer.config import MedusaConfig
@@ -1299,8 +1299,11 @@ def test_sampling_defaults_a_generation_config_sets_are_named_and_a_later_change
                                        "min_p": 0.2}
     model = MedusaModel.without_heads(base)
     assert ("LlamaForCausalLM's generation_config sets do_sample=True, temperature=0.7, top_k=20, top_p=0.8, "
-            "min_p=0.2, which generate() here does not take from it") in caplog.text
+            "min_p=0.2, which medusa-forge does not take from it (model.generate does)") in caplog.text
     assert "min_p has no counterpart here" in caplog.text
+    # what each entry point samples with instead, the server's OpenAI defaults too (it named generate()'s alone,
+    # and a server sampled at 1 where its log said greedy)
+    assert "medusa-serve samples a request at the temperature and top_p it sends (OpenAI's 1 and 1" in caplog.text
     caplog.clear()
     model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2)
     assert caplog.text == ""  # said once
@@ -1318,8 +1321,18 @@ def test_sampling_defaults_a_generation_config_sets_are_named_and_a_later_change
     caplog.clear()
     config.num_beams, config.max_new_tokens = 3, 5
     generate(model, torch.tensor([[3, 4, 5]]), max_new_tokens=2)
-    assert ("sets num_beams=3, max_new_tokens=5, which generate() here does not take from it: it decodes one "
-            "sequence per prompt (no beam search)") in caplog.text
+    assert ("sets num_beams=3, max_new_tokens=5, which medusa-forge does not take from it (model.generate does): "
+            "each prompt gets one sequence (no beam search)") in caplog.text
+    assert "medusa-generate's --max-new-tokens, a request's max_tokens in medusa-serve" in caplog.text
+    # a max_length (prompt included, as Llama-2's configs set 4096) too: it was left out without a word
+    caplog.clear()
+    config.num_beams, config.max_new_tokens, config.max_length = 1, None, 6
+    generate(model, torch.tensor([[3, 4, 5]]), max_new_tokens=2)
+    assert "sets max_length=6, which medusa-forge does not take from it" in caplog.text
+    caplog.clear()
+    config.max_length = GenerationConfig().max_length  # the default of the installed release says nothing
+    generate(model, torch.tensor([[3, 4, 5]]), max_new_tokens=2)
+    assert caplog.text == ""
 
 
 def test_unknown_config_key_is_named(saved):
