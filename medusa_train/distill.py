@@ -875,6 +875,10 @@ def load_distill_tokenizer(config: DistillConfig) -> PreTrainedTokenizerBase:
     if config.backend == "local" and config.system_prompt is not None and not has_chat_template(tokenizer):
         raise ValueError(f"system_prompt is set, but the tokenizer of {config.model} has no chat template to put it "
                          "in (prompts would go as plain text without it): set chat_template, or drop system_prompt")
+    if config.backend == "local" and has_chat_template(tokenizer):  # one that refuses a question: before the model
+        from medusa_infer.chat import check_conversation  # loads (a traceback at the first batch)
+
+        check_conversation(tokenizer, config.system_prompt, "system_prompt (--system-prompt)")
     return tokenizer
 
 

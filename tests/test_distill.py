@@ -872,6 +872,18 @@ def test_plain_prompt_without_chat_template(tmp_path, model_dir, prompts_file, t
     assert render_prompt(plain, "Hello there") == "Hello there"
     with pytest.raises(ValueError, match="system_prompt is set, but the tokenizer of .* has no chat template"):
         distill(make_config(folder, prompts_file, tmp_path / "rows.jsonl", n=2, system_prompt="Be brief."))
+    # a template that wants a system message first, or takes none: said before the model loads, with the option
+    # (jinja2's TemplateError was a traceback at the first batch)
+    wants = ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message must come first') }}"
+             "{% endif %}{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    with pytest.raises(ValueError, match=r"wants a system message first \(a system message must come first\): give "
+                                         r"system_prompt \(--system-prompt\)"):
+        distill(make_config(folder, prompts_file, tmp_path / "rows.jsonl", n=2, chat_template=wants))
+    refuses = "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+    with pytest.raises(ValueError, match=r"refuses a system message \(no system role\): leave system_prompt"):
+        distill(make_config(folder, prompts_file, tmp_path / "rows.jsonl", n=2, chat_template=refuses + "{% endfor %}",
+                            system_prompt="Be brief."))
+    assert not (tmp_path / "rows.jsonl").exists()
     with caplog.at_level(logging.WARNING, logger="medusa_train.distill"):
         distill(make_config(folder, prompts_file, tmp_path / "rows.jsonl", n=2))
     # said as a warning, with what training makes of such rows (an info line; training then refused them with
