@@ -81,11 +81,15 @@ $(DEMO)/report.json: $(DEMO)/heads/config.json $(DEMO)/bench-settings.txt
 		--limit $(DEMO_LIMIT) --max-new-tokens $(DEMO_TOKENS) --methods $(DEMO_METHODS) --output $(DEMO) \
 		--time-budget $$budget
 
+# Tests run in TEST_WORKERS processes (pytest-xdist; 0: in this one): most wait on subprocesses or run tiny models
+# on one thread, and two took 712 s where one took 923 on a 2-core machine.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -ra -m "not slow"
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) -m "not slow"
 
 clean-venv:
 	rm -rf $(VENV)
