@@ -869,8 +869,9 @@ def main(argv: list[str] | None = None) -> int:
         return _main(argv)
     except KeyboardInterrupt:
         sys.stdout.flush()
-        print("\ntrain_heads.py: interrupted; run the same command again to go on (distilled rows, finished "
-              "stages and step checkpoints are kept)", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # Ctrl-C reaches every process a launcher started: said once
+            print("\ntrain_heads.py: interrupted; run the same command again to go on (distilled rows, finished "
+                  "stages and step checkpoints are kept)", file=sys.stderr)
         return 130
 
 

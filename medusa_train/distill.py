@@ -1894,9 +1894,10 @@ def main(argv: list[str] | None = None) -> None:
     except (DistillError, ValueError) as err:  # the endpoint's failures, a prompts file's bad line, a resume of
         # rows made otherwise: said with what to do (a traceback said it too)
         sys.exit(f"{parser.prog}: error: {err}")
-    except KeyboardInterrupt:  # Ctrl-C: no traceback
-        print(f"\n{parser.prog}: interrupted; the rows written are kept: run the same command again to distil the "
-              "rest", file=sys.stderr)
+    except KeyboardInterrupt:  # Ctrl-C: no traceback, said once (it reaches every process a launcher started)
+        if state.is_main_process:
+            print(f"\n{parser.prog}: interrupted; the rows written are kept: run the same command again to distil "
+                  "the rest", file=sys.stderr)
         sys.exit(130)
     if state.is_main_process:
         print(output)

@@ -1702,6 +1702,13 @@ def test_ctrl_c_ends_a_run_with_a_line_saying_how_to_go_on(tiny_dir, tmp_path, m
         pytest.fail("Ctrl-C escaped main() as a traceback")
     err = capsys.readouterr().err
     assert "train_heads.py: interrupted; run the same command again to go on" in err and "Traceback" not in err
+    # the other processes of a launch say nothing (Ctrl-C reaches each of them: the line came once per process)
+    monkeypatch.setenv("RANK", "1")
+    try:
+        assert train_heads.main(["--config", config_file]) == 130
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped main() as a traceback")
+    assert capsys.readouterr().err == ""
     monkeypatch.undo()
     assert train_heads.main(["--config", config_file]) == 0
 
