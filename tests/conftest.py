@@ -3,7 +3,8 @@
 file of their own (not the user's cache, whose plans they would join).
 
 Tiny models run fastest on one thread (thread start-up dominates their matrix products, and on a
-busy 2-core machine two threads wait on each other); the real default model uses two.
+busy 2-core machine two threads wait on each other); the real default model uses two where its process has
+two cores to itself.
 """
 
 from __future__ import annotations
@@ -30,9 +31,14 @@ os.environ.setdefault("MEDUSA_FORGE_KERNEL_PLANS",
                       os.path.join(tempfile.mkdtemp(prefix="medusa-forge-tests-"), "cpu-kernel-plans.json"))
 
 
+#: the cores each test process has: all of them, or their share among pytest-xdist's workers (``make test`` runs
+#: two): a real-model test on two threads beside another worker's test waited on its descheduled thread (8x slower)
+CORES = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+
 @pytest.fixture(autouse=True)
 def _torch_threads(request):
     previous = torch.get_num_threads()
-    torch.set_num_threads(min(2, os.cpu_count() or 1) if request.node.get_closest_marker("slow") else 1)
+    torch.set_num_threads(min(2, CORES) if request.node.get_closest_marker("slow") else 1)
     yield
     torch.set_num_threads(previous)
