@@ -59,26 +59,32 @@ def render_template(tokenizer, messages: Sequence[Mapping[str, Any]], add_genera
             from error
 
 
-def check_conversation(tokenizer, system: str | None, flag: str) -> None:
+def check_conversation(tokenizer, system: str | None, flag: str, as_text: bool = True, instead: str = "") -> None:
     """Raise ``ValueError`` naming ``flag`` (the option that gives a system message) where the chat template
     refuses a question, with ``system`` first where given, before any answer is asked for: a template that
     wants a system message first (and renders the question with one), one that takes no system role (Gemma's),
-    and a system message whose text spells a control token."""
+    one that renders no question at all, and (``as_text``: messages encoded as ``chat_prompt_ids`` encodes
+    them, not as the template reads them, as distillation does) a system message whose text spells a control
+    token. ``instead``: advice beside leaving ``flag`` out."""
     first = [{"role": "system", "content": system}] if system is not None else []
     question = [{"role": "user", "content": "hi"}]
     try:
-        chat_prompt_ids(tokenizer, first + question)
+        if as_text:
+            chat_prompt_ids(tokenizer, first + question)
+        else:
+            render_template(tokenizer, first + question, add_generation_prompt=True)
     except ChatTextError as error:  # (refused at every question)
         raise ValueError(f"{flag}: {error}") from None
     except ChatTemplateError as error:
+        other = question if system is not None else [{"role": "system", "content": "You are a helpful assistant."}] \
+            + question
+        try:
+            render_template(tokenizer, other, add_generation_prompt=True)
+        except ChatTemplateError:
+            raise ValueError(f"the chat template cannot render a question ({error.reason})") from None
         if system is not None:
             raise ValueError(f"{flag}: the chat template refuses a system message ({error.reason}): leave {flag} "
-                             "out (or put it at the start of the prompt)") from None
-        try:
-            render_template(tokenizer, [{"role": "system", "content": "You are a helpful assistant."}] + question,
-                            add_generation_prompt=True)
-        except ChatTemplateError:
-            raise ValueError(f"{error}: the model's tokenizer cannot render a question") from None
+                             f"out{instead}") from None
         raise ValueError(f"the chat template wants a system message first ({error.reason}): give {flag}") from None
 
 

@@ -411,7 +411,7 @@ def generate_from_args(args: argparse.Namespace) -> int:
     if use_template:  # a template that refuses a system role (Gemma 2's, Mistral-Instruct's), or wants one
         from medusa_infer.chat import check_conversation
 
-        check_conversation(tokenizer, args.system, "--system")
+        check_conversation(tokenizer, args.system, "--system", instead=" (or put it at the start of the prompt)")
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system is not None else []
     if not args.chat:
         if use_template:

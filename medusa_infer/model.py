@@ -215,13 +215,14 @@ neutral value is the installed ``GenerationConfig``'s own default, 20 in some re
 
 DEFAULTS_HERE = ("generate() and medusa-generate decode greedily unless asked to sample (do_sample=True, --do-sample) "
                  "at the temperature, top_k and top_p they are given (1, none, none when not given); medusa-serve "
-                 "samples a request at the temperature and top_p it sends (OpenAI's 1 and 1 when left out) and "
-                 "medusa-bench at its --temperature")
+                 "samples a request at the temperature and top_p it sends (OpenAI's 1 and 1 when left out), "
+                 "medusa-bench at its --temperature, and distillation (medusa_train.distill) greedily unless given "
+                 "--do-sample, then at its --temperature and --top-p (no top_k)")
 """What each entry point decodes with where a model's generation config asks for other sampling settings."""
 
 LENGTHS_HERE = ("each prompt gets one sequence (no beam search) of the new tokens it is given: generate()'s "
-                "max_new_tokens (128 when not given), medusa-generate's --max-new-tokens, a request's "
-                "max_tokens in medusa-serve")
+                "max_new_tokens (128 when not given), the --max-new-tokens of medusa-generate, medusa-bench and "
+                "medusa_train.distill, a request's max_tokens in medusa-serve")
 """How long each entry point decodes where a model's generation config asks for a length or a beam search."""
 
 
@@ -265,7 +266,8 @@ def _warn_processors(base_model: PreTrainedModel) -> None:
         messages.append(f"{name}'s generation_config sets {settings}, which medusa-forge does not take from it "
                         f"(model.generate does): {DEFAULTS_HERE}"
                         + (f"; {', '.join(unsupported)} has no counterpart here" if unsupported else "")
-                        + ": pass the settings to sample as the model's authors set it")
+                        + ": pass the settings where the entry point takes them to sample as the model's authors "
+                        "set it")
     config = getattr(base_model, "generation_config", None)
     neutral_length = GenerationConfig().max_length
     found = {key: getattr(config, key, None) for key, neutral in SEARCH_SETTINGS.items()

@@ -878,7 +878,7 @@ def load_distill_tokenizer(config: DistillConfig) -> PreTrainedTokenizerBase:
     if config.backend == "local" and has_chat_template(tokenizer):  # one that refuses a question: before the model
         from medusa_infer.chat import check_conversation  # loads (a traceback at the first batch)
 
-        check_conversation(tokenizer, config.system_prompt, "system_prompt (--system-prompt)")
+        check_conversation(tokenizer, config.system_prompt, "system_prompt (--system-prompt)", as_text=False)
     return tokenizer
 
 

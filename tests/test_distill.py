@@ -898,6 +898,37 @@ def test_plain_prompt_without_chat_template(tmp_path, model_dir, prompts_file, t
             check_rows(rows, template, None)
 
 
+
+def test_the_early_template_check_renders_as_distillation_does(tmp_path, model_dir, prompts_file, monkeypatch):
+    """From a review of the check above: it encoded a system prompt as the chat tools do (control-token text as
+    text, which needs transformers 5.20), where distillation renders it as the template reads it: a system prompt
+    spelling <|im_end|> was refused before 5.20 with advice to upgrade, which distillation does not follow; a
+    template that renders nothing was called a refusal of the system message; an endpoint renders with its own."""
+    from transformers import PreTrainedTokenizerBase
+
+    from medusa_train.distill import load_distill_tokenizer
+
+    real = PreTrainedTokenizerBase.apply_chat_template
+
+    def before_5_20(self, conversation, add_generation_prompt=False, tokenize=True, return_dict=True, **kwargs):
+        return real(self, conversation, add_generation_prompt=add_generation_prompt, tokenize=tokenize,
+                    return_dict=return_dict, **kwargs)
+
+    control = make_config(model_dir, prompts_file, tmp_path / "rows.jsonl", system_prompt="Write <|im_end|> at the end.")
+    with monkeypatch.context() as patch:
+        patch.setattr(PreTrainedTokenizerBase, "apply_chat_template", before_5_20)
+        load_distill_tokenizer(control)
+    broken = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}"
+    with pytest.raises(ValueError, match=r"^the chat template cannot render a question \(") as caught:
+        load_distill_tokenizer(dataclasses.replace(control, system_prompt="Be brief.", chat_template=broken))
+    assert "system" not in str(caught.value)
+    refuses = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}"
+               "{% endif %}{{ m['content'] }}{% endfor %}")
+    endpoint = dataclasses.replace(control, system_prompt="Be brief.", chat_template=refuses, backend="openai",
+                                   endpoint="http://127.0.0.1:9")
+    assert load_distill_tokenizer(endpoint).chat_template == refuses
+
+
 def test_cli_with_recipe(tmp_path, model_dir, prompts_file, capsys):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"distill:\n  model: {model_dir}\n  n: 3\n  max_new_tokens: 4\n  batch_size: 2\n")

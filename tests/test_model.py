@@ -1285,7 +1285,7 @@ def test_logits_processors_a_generation_config_asks_for_are_named_when_loaded(ca
     assert processor_settings(base) == {"forced_eos_token_id": 0}
 
 
-def test_sampling_defaults_a_generation_config_sets_are_named_and_a_later_change_too(caplog):
+def test_sampling_defaults_a_generation_config_sets_are_named_and_a_later_change_too(caplog, monkeypatch):
     """model.generate samples at the temperature, top_k and top_p of a model's generation config (Qwen2.5's
     0.7 / 20 / 0.8); generate() here takes what it is given: loading said nothing of them, nor of a
     repetition penalty set on the generation config after loading."""
@@ -1304,6 +1304,7 @@ def test_sampling_defaults_a_generation_config_sets_are_named_and_a_later_change
     # what each entry point samples with instead, the server's OpenAI defaults too (it named generate()'s alone,
     # and a server sampled at 1 where its log said greedy)
     assert "medusa-serve samples a request at the temperature and top_p it sends (OpenAI's 1 and 1" in caplog.text
+    assert "distillation (medusa_train.distill) greedily unless given --do-sample" in caplog.text
     caplog.clear()
     model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2)
     assert caplog.text == ""  # said once
@@ -1323,16 +1324,27 @@ def test_sampling_defaults_a_generation_config_sets_are_named_and_a_later_change
     generate(model, torch.tensor([[3, 4, 5]]), max_new_tokens=2)
     assert ("sets num_beams=3, max_new_tokens=5, which medusa-forge does not take from it (model.generate does): "
             "each prompt gets one sequence (no beam search)") in caplog.text
-    assert "medusa-generate's --max-new-tokens, a request's max_tokens in medusa-serve" in caplog.text
+    assert "the --max-new-tokens of medusa-generate, medusa-bench and medusa_train.distill, a request's max_tokens " \
+        "in medusa-serve" in caplog.text
     # a max_length (prompt included, as Llama-2's configs set 4096) too: it was left out without a word
     caplog.clear()
     config.num_beams, config.max_new_tokens, config.max_length = 1, None, 6
     generate(model, torch.tensor([[3, 4, 5]]), max_new_tokens=2)
     assert "sets max_length=6, which medusa-forge does not take from it" in caplog.text
-    caplog.clear()
-    config.max_length = GenerationConfig().max_length  # the default of the installed release says nothing
-    generate(model, torch.tensor([[3, 4, 5]]), max_new_tokens=2)
-    assert caplog.text == ""
+    # the default of the installed release says nothing: None in 5.25, 20 in releases whose every config held it
+    import medusa_infer.model as model_module
+
+    class Releases20(GenerationConfig):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.max_length = kwargs.get("max_length", 20)
+
+    for default, release in ((GenerationConfig().max_length, GenerationConfig), (20, Releases20)):
+        monkeypatch.setattr(model_module, "GenerationConfig", release)
+        caplog.clear()
+        config.max_length = default
+        generate(model, torch.tensor([[3, 4, 5]]), max_new_tokens=2)
+        assert caplog.text == "", default
 
 
 def test_unknown_config_key_is_named(saved):
