@@ -946,7 +946,9 @@ def _main(argv: list[str] | None) -> int:
                   if os.environ.get(f"ACCELERATE_USE_{name}", "false").lower() == "true"), None)
     if asked and accelerator.distributed_type.value != asked:
         say(accelerator, f"note: the launch config asks for {asked}, which accelerate does not run here "
-                         f"(training.cpu={config.training.cpu}, CUDA available: {torch.cuda.is_available()})")
+                         f"({'it runs FSDP on GPUs only; ' if asked == 'FSDP' else ''}CUDA available: "
+                         f"{torch.cuda.is_available()}, training.cpu={config.training.cpu}): training as "
+                         f"{accelerator.distributed_type.value}, nothing sharded")
     paths = run_paths(config)
     if args.heldout_only:
         return report_heldout(config, accelerator)

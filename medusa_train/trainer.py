@@ -705,7 +705,33 @@ def _refuse_other_run(checkpoint: Path, expected: dict[str, Any], found: dict[st
         )
 
 
-def _unloadable(checkpoint: Path, paths: RunPaths, err: Exception) -> ValueError:
+def _load_errors() -> tuple[type[BaseException], ...]:
+    """What a damaged checkpoint raises while it loads: an ``Exception``, or (an FSDP checkpoint's)
+    ``torch.distributed.checkpoint``'s ``CheckpointException``, a ``BaseException`` (a traceback on every rank)."""
+    try:
+        from torch.distributed.checkpoint.api import CheckpointException
+    except ImportError:  # (a torch built without distributed)
+        return (Exception,)
+    return (Exception, CheckpointException)
+
+
+def _fill_adam_state(optimizer: Any) -> None:
+    """Give every trainable weight without AdamW state the state its first step would make (step 0, zero
+    moments): under FSDP, a checkpoint of Medusa-2's heads-only stage (the adapter not stepped yet) lacked the
+    adapter's, and torch.distributed.checkpoint's loader, which asks for every weight's, refused it. Decoding the
+    same: AdamW reads these as the state it would have made, and skips weights without a gradient."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # (accelerate's wrapper)
+    for group in inner.param_groups:
+        for weight in group["params"]:
+            if weight.requires_grad and not inner.state.get(weight):
+                state = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(weight),
+                         "exp_avg_sq": torch.zeros_like(weight)}
+                if group.get("amsgrad"):
+                    state["max_exp_avg_sq"] = torch.zeros_like(weight)
+                inner.state[weight] = state
+
+
+def _unloadable(checkpoint: Path, paths: RunPaths, err: BaseException) -> ValueError:
     """The error for a step checkpoint that could not be loaded, naming the older one to resume from."""
     older = [p.name for p in _complete_checkpoints(paths.checkpoints) if p != checkpoint]
     fallback = f" to resume from {older[-1]}, the one before it" if older else " to train from the start"
@@ -1044,6 +1070,8 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
         _trainable_checkpointing(accelerator, module)
     module, optimizer = accelerator.prepare(module, optimizer)
     accelerator.register_for_checkpointing(scheduler)
+    if accelerator.distributed_type.value == "FSDP":
+        _fill_adam_state(optimizer)
 
     start_step, seconds_before = 0, 0.0  # (the training seconds of the runs before a resume)
     checkpoint = latest_checkpoint(paths.checkpoints)
@@ -1060,7 +1088,7 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
             accelerator.load_state(str(checkpoint), **_deepspeed_kwargs(accelerator, custom_load_fn=load_trainable))
         except ValueError:  # load_trainable's own, naming what does not fit
             raise
-        except Exception as err:  # a file damaged after it was written (the writer renames complete folders)
+        except _load_errors() as err:  # a file damaged after it was written (the writer renames complete folders)
             raise _unloadable(checkpoint, paths, err) from err
         start_step = state["step"]
         if accelerator.is_main_process:

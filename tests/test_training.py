@@ -2279,6 +2279,86 @@ def test_heads_config_records_the_recipes_chat_template():
 
 
 
+def test_an_fsdp_launch_without_a_gpu_names_what_runs_instead(tiny_dir, tmp_path, monkeypatch, capsys):
+    """accelerate runs FSDP on GPUs only: a launch with fsdp.yaml on a CPU trains as plain data parallel, which
+    the run says (its note named training.cpu, which is not what decides it)."""
+    import train_heads
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what `accelerate launch --config_file fsdp.yaml` sets
+    values = recipe(tiny_dir, tmp_path / "run", training={"max_steps": 1})
+    assert train_heads.main(["--config", str(write_recipe(tmp_path / "r.yaml", values))]) == 0
+    assert ("note: the launch config asks for FSDP, which accelerate does not run here (it runs FSDP on GPUs only; "
+            "CUDA available: False, training.cpu=False): training as NO, nothing sharded") in capsys.readouterr().out
+
+
+#: accelerate made FSDP on the CPU: it maps an FSDP launch config to FSDP on GPU-like devices only (MULTI_CPU, plain
+#: data parallel, here), where torch's FSDP2 runs on the CPU over gloo; then KILL_SCRIPT
+FSDP_ON_THE_CPU = """
+from accelerate import state
+from accelerate.utils import DistributedType
+
+init = state.AcceleratorState.__init__
+
+def fsdp_on_the_cpu(self, *args, fsdp_plugin=None, **kwargs):
+    init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+    if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+        self.distributed_type = state.PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        self.fsdp_plugin = fsdp_plugin
+
+state.AcceleratorState.__init__ = fsdp_on_the_cpu
+""" + KILL_SCRIPT
+
+
+@pytest.mark.slow
+def test_an_fsdp_medusa2_run_resumes_from_its_heads_only_stage_and_names_a_damaged_checkpoint(tiny_dir, tmp_path):
+    """From a review of FSDP on the CPU (accelerate forced into it, two processes; tests/test_cuda.py runs
+    fsdp.yaml on a GPU, one process, never resuming): a Medusa-2 checkpoint of the heads-only stage held no AdamW
+    state for the adapter, which torch.distributed.checkpoint's loader asks for: resuming from it failed
+    ("Missing key in checkpoint state_dict: optimizer.state....lora_A...step"); and a damaged shard raised
+    CheckpointException, a BaseException, as a traceback on every rank (not the message naming the one before)."""
+    from safetensors.torch import load_file
+
+    env = quiet_env(tmp_path)
+    config = tmp_path / "fsdp.yaml"  # the GPU launch config, for 2 processes
+    config.write_text((REPO / "recipes/accelerate/fsdp.yaml").read_text().replace("num_processes: 8",
+                                                                                   "num_processes: 2"))
+    script = tmp_path / "fsdp_cpu.py"
+    script.write_text(FSDP_ON_THE_CPU)
+
+    def launch(kill_at: int, recipe_file: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+                               "--main_process_port", str(free_port()), str(script), str(kill_at), "--config",
+                               recipe_file], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+    values = {"training": {"mode": "medusa2", "batch_size": 4, "max_steps": 4, "stage1_steps": 2,
+                           "heads_warmup_steps": 2, "loss": "ce", "seed": 1, "save_every": 2},
+              "lora": {"r": 4, "target_modules": ["q_proj", "v_proj"], "dropout": 0.0},
+              "heads": {"reduced_vocab_size": 30}}
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    whole_recipe = str(write_recipe(tmp_path / "whole.yaml", recipe(tiny_dir, whole, **values)))
+    done = launch(0, whole_recipe)
+    assert done.returncode == 0 and "accelerate: FSDP on cpu, 2 process(es)" in done.stdout, \
+        (done.stdout + done.stderr)[-3000:]
+    killed_recipe = str(write_recipe(tmp_path / "killed.yaml", recipe(tiny_dir, killed, **values)))
+    died = launch(3, killed_recipe)  # after step 3: its last checkpoint is step 2's, of the heads-only stage
+    assert died.returncode != 0 and (killed / "checkpoints" / "step-00000002").is_dir(), died.stderr[-3000:]
+    assert not (killed / "checkpoints" / "step-00000004").exists()
+    resumed = launch(0, killed_recipe)
+    assert resumed.returncode == 0 and "resuming from" in resumed.stdout, (resumed.stdout + resumed.stderr)[-3000:]
+    for name in ("model.safetensors", "adapter/adapter_model.safetensors"):
+        a, b = (load_file(run / "checkpoints" / "final" / name) for run in (whole, killed))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    # a damaged shard of the step checkpoint left (the last step's is the final one): named, with what to do
+    shutil.rmtree(whole / "checkpoints" / "final")
+    shard = whole / "checkpoints" / "step-00000002" / "pytorch_model_fsdp_0" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    broken = launch(0, whole_recipe)
+    said = broken.stdout + broken.stderr
+    assert broken.returncode != 0 and f"{shard.parents[1]} could not be loaded" in said, said[-3000:]
+    # (torchrun's own traceback follows, as after any rank that failed; none of a rank's through the trainer)
+    assert "to train from the start" in said and 'medusa_train/trainer.py", line' not in said, said[-3000:]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stage, mode", [(2, "medusa1"), (2, "medusa2"), (3, "medusa2")])
 def test_deepspeed_launch_configs_train_heads_on_the_cpu(tiny_dir, tmp_path, stage, mode):
