@@ -718,7 +718,7 @@ def _load_errors() -> tuple[type[BaseException], ...]:
 def _fill_adam_state(optimizer: Any) -> None:
     """Give every trainable weight without AdamW state the state its first step would make (step 0, zero
     moments): under FSDP, a checkpoint of Medusa-2's heads-only stage (the adapter not stepped yet) lacked the
-    adapter's, and torch.distributed.checkpoint's loader, which asks for every weight's, refused it. Decoding the
+    adapter's, and torch.distributed.checkpoint's loader, which asks for every weight's, refused it. Training the
     same: AdamW reads these as the state it would have made, and skips weights without a gradient."""
     inner = getattr(optimizer, "optimizer", optimizer)  # (accelerate's wrapper)
     for group in inner.param_groups:
