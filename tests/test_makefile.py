@@ -55,8 +55,11 @@ def tree(tmp_path: Path) -> Path:
 
 def make_demo(tree: Path, *settings: str, **env: str) -> tuple[int, str]:
     """``make demo`` with ``settings``; its exit status and the stand-ins' calls, cleared for the next."""
+    # (not the settings of a make running the tests: `make test VENV=...` passed VENV to this make in MAKEFLAGS)
+    outer = {key: value for key, value in os.environ.items()
+             if key not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "GNUMAKEFLAGS")}
     done = subprocess.run(["make", "demo", "DEMO_MIN_BENCH=60", *settings], cwd=tree, capture_output=True,
-                          text=True, env={**os.environ, **env}, timeout=120)
+                          text=True, env={**outer, **env}, timeout=120)
     log = tree / "calls.log"
     calls = log.read_text() if log.exists() else ""
     log.write_text("")
@@ -95,6 +98,12 @@ def test_a_benchmark_that_failed_runs_again(tree: Path) -> None:
     shutil.rmtree(tree / "runs" / "demo" / "heads")  # deleted to train again: trained again
     code, calls = make_demo(tree, "DEMO_RECIPE=recipes/a.yaml")
     assert code == 0 and "train " in calls and "bench " in calls
+
+
+def test_the_settings_of_a_make_running_the_tests_do_not_reach_the_demo(tree: Path, monkeypatch) -> None:
+    monkeypatch.setenv("MAKEFLAGS", " -- VENV=/nonexistent")  # as `make test VENV=/opt/venv` runs the tests
+    code, calls = make_demo(tree, "DEMO_RECIPE=recipes/a.yaml")
+    assert code == 0 and "train " in calls and "bench " in calls, calls
 
 
 @pytest.mark.parametrize("setting", ["DEMO_MINUTES=0.5", "DEMO_MIN_BENCH=0"])
