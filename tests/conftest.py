@@ -27,8 +27,9 @@ for _name in ("no_proxy", "NO_PROXY"):
 for _name in ("all_proxy", "ALL_PROXY"):
     if os.environ.get(_name, "").lower().startswith("socks"):
         del os.environ[_name]
-os.environ.setdefault("MEDUSA_FORGE_KERNEL_PLANS",
-                      os.path.join(tempfile.mkdtemp(prefix="medusa-forge-tests-"), "cpu-kernel-plans.json"))
+if "MEDUSA_FORGE_KERNEL_PLANS" not in os.environ:  # (pytest-xdist's workers take the one the first process made)
+    os.environ["MEDUSA_FORGE_KERNEL_PLANS"] = os.path.join(tempfile.mkdtemp(prefix="medusa-forge-tests-"),
+                                                           "cpu-kernel-plans.json")
 
 
 #: the cores each test process has: all of them, or their share among pytest-xdist's workers (``make test`` runs
