@@ -825,10 +825,12 @@ def stage_evaluate(config: TrainConfig, accelerator: Any, train: list[dict], hel
             tokenizer = None
         from medusa_infer.checkpoint import renders_chats
 
+        extra = {"stage_seconds": timings, "evaluated_with": tr.eval_settings(config)}
+        if isinstance(mconfig.training.get("recipe"), dict):  # the recipe as evaluated (evaluated again with other
+            # eval settings, the card's recipe named the first evaluation's beside the evaluated_with of this one)
+            extra["recipe"] = {**mconfig.training["recipe"], "eval": config.to_dict()["eval"]}
         ev.finalize(partial, mconfig, heads.state_dict(), accuracy, config.eval.tree_size,
-                    base_model_id=config.model.hub_id,
-                    extra={"stage_seconds": timings, "evaluated_with": tr.eval_settings(config)},
-                    chat=renders_chats(mconfig, tokenizer))
+                    base_model_id=config.model.hub_id, extra=extra, chat=renders_chats(mconfig, tokenizer))
         if config.training.mode == "medusa2":
             from medusa_train.lora import ADAPTER_DIR
 
