@@ -871,7 +871,9 @@ def main(argv: list[str] | None = None) -> int:
         return _main(argv)
     except KeyboardInterrupt:
         sys.stdout.flush()
-        if os.environ.get("RANK", "0") == "0":  # Ctrl-C reaches every process a launcher started: said once
+        rank = next((os.environ[name].strip() for name in LAUNCH_VARIABLES["rank"] if os.environ.get(name, "").strip()),
+                    "0")  # (mpirun's too: Ctrl-C in its rendezvous, before accelerate sets RANK)
+        if rank == "0":  # Ctrl-C reaches every process a launcher started: said once
             print("\ntrain_heads.py: interrupted; run the same command again to go on (distilled rows, finished "
                   "stages and step checkpoints are kept)", file=sys.stderr)
         return 130

@@ -1888,14 +1888,15 @@ def main(argv: list[str] | None = None) -> None:
 
     # On a machine without CUDA, processes started by torchrun or `accelerate launch` only form a
     # group (over gloo) when asked for CPU explicitly.
-    state = PartialState(cpu=not torch.cuda.is_available())
-    try:
+    state = None
+    try:  # (Ctrl-C in a launch's rendezvous, while the state forms, too)
+        state = PartialState(cpu=not torch.cuda.is_available())
         output = distill(config, state)  # on the state's device (a GPU where there is one), one process or several
     except (DistillError, ValueError) as err:  # the endpoint's failures, a prompts file's bad line, a resume of
         # rows made otherwise: said with what to do (a traceback said it too)
         sys.exit(f"{parser.prog}: error: {err}")
     except KeyboardInterrupt:  # Ctrl-C: no traceback, said once (it reaches every process a launcher started)
-        if state.is_main_process:
+        if state.is_main_process if state is not None else os.environ.get("RANK", "0").strip() in ("", "0"):
             print(f"\n{parser.prog}: interrupted; the rows written are kept: run the same command again to distil "
                   "the rest", file=sys.stderr)
         sys.exit(130)

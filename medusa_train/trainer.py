@@ -734,6 +734,10 @@ def _fill_adam_state(optimizer: Any) -> None:
 def _unloadable(checkpoint: Path, paths: RunPaths, err: BaseException) -> ValueError:
     """The error for a step checkpoint that could not be loaded, naming the older one to resume from."""
     older = [p.name for p in _complete_checkpoints(paths.checkpoints) if p != checkpoint]
+    failures = getattr(err, "failures", None)  # torch.distributed.checkpoint's: every failing rank's traceback in
+    if isinstance(failures, dict) and failures:  # its text; the first rank's own error is the line to say
+        rank = min(failures)
+        err = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
     fallback = f" to resume from {older[-1]}, the one before it" if older else " to train from the start"
     return ValueError(f"{checkpoint} could not be loaded ({type(err).__name__}: {err}): a file in it is damaged "
                       f"or missing (or it was saved under another kind of launch: DeepSpeed, FSDP or DDP, which "

@@ -2067,11 +2067,27 @@ def test_ctrl_c_ends_the_distill_command_with_a_line(tmp_path, model_dir, capsys
         raise KeyboardInterrupt
 
     monkeypatch.setattr(distill_module, "distill", interrupted)
-    with pytest.raises(SystemExit) as exit_info:
-        try:
-            main(["--model", str(model_dir), "--prompts", str(tmp_path / "p.jsonl"), "--output",
-                  str(tmp_path / "o.jsonl"), "--no-progress"])
-        except KeyboardInterrupt:  # (escaping, it would stop the whole test session)
-            pytest.fail("Ctrl-C escaped main() as a traceback")
-    assert exit_info.value.code == 130
-    assert "medusa_train.distill: interrupted; the rows written are kept" in capsys.readouterr().err
+
+    def run() -> str:
+        with pytest.raises(SystemExit) as exit_info:
+            try:
+                main(["--model", str(model_dir), "--prompts", str(tmp_path / "p.jsonl"), "--output",
+                      str(tmp_path / "o.jsonl"), "--no-progress"])
+            except KeyboardInterrupt:  # (escaping, it would stop the whole test session)
+                pytest.fail("Ctrl-C escaped main() as a traceback")
+        assert exit_info.value.code == 130
+        return capsys.readouterr().err
+
+    assert "medusa_train.distill: interrupted; the rows written are kept" in run()
+    # the other processes of a launch say nothing (Ctrl-C reaches each of them), nor while the state forms (a
+    # launch's rendezvous: it escaped as a traceback there)
+    import types
+
+    import accelerate
+
+    monkeypatch.setattr(accelerate, "PartialState", lambda cpu: types.SimpleNamespace(is_main_process=False))
+    assert run() == ""
+    monkeypatch.setattr(accelerate, "PartialState", interrupted)
+    assert "medusa_train.distill: interrupted" in run()
+    monkeypatch.setenv("RANK", "1")
+    assert run() == ""
