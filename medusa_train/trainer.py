@@ -794,17 +794,21 @@ def latest_checkpoint(folder: Path) -> Path | None:
 
 
 def _save_checkpoint(accelerator: Any, folder: Path, state: dict[str, Any], keep: int,
-                     log_window: dict[str, Any] | None = None) -> Path:
+                     log_window: dict[str, Any] | None = None, fsdp: FsdpParts | None = None) -> Path:
     """``save_state`` into a side folder, then rename: a killed run never leaves a half checkpoint.
     ``log_window``: this process's metrics since its last log line (``_window_file``), so that a resumed
-    run's next line averages the same steps as an uninterrupted run's."""
+    run's next line averages the same steps as an uninterrupted run's. ``fsdp``: under FSDP, what
+    ``_save_fsdp_state`` writes instead of ``save_state``."""
     final = folder / f"{CHECKPOINT_PREFIX}{state['step']:08d}"
     partial = final.with_name(final.name + PARTIAL_SUFFIX)
     if accelerator.is_main_process:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(partial), **_deepspeed_kwargs(accelerator, exclude_frozen_parameters=True))
+    if fsdp is not None:
+        _save_fsdp_state(accelerator, fsdp, partial)
+    else:
+        accelerator.save_state(str(partial), **_deepspeed_kwargs(accelerator, exclude_frozen_parameters=True))
     if log_window is not None:
         torch.save(log_window, partial / _window_file(accelerator.process_index))
     accelerator.wait_for_everyone()
@@ -823,6 +827,72 @@ def _save_checkpoint(accelerator: Any, folder: Path, state: dict[str, Any], keep
             shutil.rmtree(stale, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+@dataclass
+class FsdpParts:
+    """What an FSDP step checkpoint holds, written by ``_save_fsdp_state`` and read by ``_load_fsdp_state``."""
+
+    module: nn.Module
+    optimizer: Any  # (accelerate's wrapper)
+    scheduler: Any
+
+
+#: the folder of an FSDP step checkpoint's trainable weights and their optimizer state (torch.distributed.checkpoint)
+FSDP_TRAINABLE = "trainable"
+
+
+def _fsdp_state_dicts(parts: FsdpParts) -> dict[str, Any]:
+    """The module's trainable weights (and its buffers) and the optimizer's state, sharded, keyed by name."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model, optim = get_state_dict(parts.module, getattr(parts.optimizer, "optimizer", parts.optimizer),
+                                  options=StateDictOptions(ignore_frozen_params=True))
+    return {"model": model, "optimizer": optim}
+
+
+def _save_fsdp_state(accelerator: Any, parts: FsdpParts, folder: Path) -> None:
+    """An FSDP step checkpoint without the frozen weights: accelerate's ``save_state`` saves an FSDP module
+    whole (its save hooks see no weights there: a Medusa-2 step checkpoint held the whole backbone, ~16 GB
+    for an 8B model), so the trainable weights and the optimizer go through torch.distributed.checkpoint
+    here, and the rest (RNG states, gradient scaler, accelerate's step, the scheduler) through accelerate's
+    own writers, in the files ``save_state`` names."""
+    import torch.distributed.checkpoint as dcp
+    from accelerate.checkpointing import save_accelerator_state, save_custom_state
+
+    dcp.save(_fsdp_state_dicts(parts), checkpoint_id=str(folder / FSDP_TRAINABLE))
+    save_accelerator_state(str(folder), [], [], [], [], accelerator.process_index, accelerator.step,
+                           accelerator.scaler)
+    save_custom_state(parts.scheduler, str(folder), 0)
+
+
+def _load_fsdp_state(accelerator: Any, parts: FsdpParts, checkpoint: Path) -> None:
+    """Load what ``_save_fsdp_state`` wrote (the frozen weights are this run's, loaded as the base model):
+    ``ValueError`` when the checkpoint holds a weight this module does not train (a trainable one missing
+    fails in torch.distributed.checkpoint's loader)."""
+    import torch.distributed.checkpoint as dcp
+    from accelerate.checkpointing import load_accelerator_state, load_custom_state
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    if not (checkpoint / FSDP_TRAINABLE).is_dir() and (checkpoint / "pytorch_model_fsdp_0").is_dir():
+        accelerator.load_state(str(checkpoint))  # (an earlier release's: accelerate's layout, the module whole)
+        return
+    folder = str(checkpoint / FSDP_TRAINABLE)
+    state = _fsdp_state_dicts(parts)
+    saved = {k[len("model."):] for k in dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+             if k.startswith("model.")}
+    unexpected = sorted(saved - set(state["model"]))
+    if unexpected:
+        raise ValueError(f"the checkpoint does not fit this run: tensors it does not have {unexpected[:5]}; it "
+                         "was written by another configuration")
+    dcp.load(state, checkpoint_id=folder)
+    inner = getattr(parts.optimizer, "optimizer", parts.optimizer)
+    set_state_dict(parts.module, inner, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
+    load_custom_state(parts.scheduler, str(checkpoint), 0)
+    override = load_accelerator_state(str(checkpoint), [], [], [], [], accelerator.process_index,
+                                      accelerator.scaler)
+    accelerator.step = override.get("step", accelerator.step)
 
 
 def _window_file(rank: int) -> str:
@@ -1074,8 +1144,10 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
         _trainable_checkpointing(accelerator, module)
     module, optimizer = accelerator.prepare(module, optimizer)
     accelerator.register_for_checkpointing(scheduler)
+    fsdp = None
     if accelerator.distributed_type.value == "FSDP":
         _fill_adam_state(optimizer)
+        fsdp = FsdpParts(module, optimizer, scheduler)
 
     start_step, seconds_before = 0, 0.0  # (the training seconds of the runs before a resume)
     checkpoint = latest_checkpoint(paths.checkpoints)
@@ -1089,7 +1161,11 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
                 expected[key], found[key] = value, state[key]
         _refuse_other_run(checkpoint, expected, found, paths)
         try:
-            accelerator.load_state(str(checkpoint), **_deepspeed_kwargs(accelerator, custom_load_fn=load_trainable))
+            if fsdp is not None:
+                _load_fsdp_state(accelerator, fsdp, checkpoint)
+            else:
+                accelerator.load_state(str(checkpoint),
+                                       **_deepspeed_kwargs(accelerator, custom_load_fn=load_trainable))
         except ValueError:  # load_trainable's own, naming what does not fit
             raise
         except _load_errors() as err:  # a file damaged after it was written (the writer renames complete folders)
@@ -1169,7 +1245,7 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
                 "features_cache": features_cache,
                 "train_seconds": seconds_before + time.perf_counter() - start_time,
             }, t.keep_checkpoints, {"sums": window, "measured": measured, "units": window_units,
-                                    "seconds": time.perf_counter() - window_start})
+                                    "seconds": time.perf_counter() - window_start}, fsdp)
     bar.close()
     logger.close()
     heads_state = {k: v.detach().cpu().clone() for k, v in task.heads_state(accelerator, module).items()}

@@ -2350,9 +2350,19 @@ def test_an_fsdp_medusa2_run_resumes_from_its_heads_only_stage_and_names_a_damag
     for name in ("model.safetensors", "adapter/adapter_model.safetensors"):
         a, b = (load_file(run / "checkpoints" / "final" / name) for run in (whole, killed))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    # the step checkpoint holds what trains (heads, adapter) and its optimizer state, not the frozen backbone
+    # (accelerate's save_state saved the FSDP module whole: ~16 GB a checkpoint for an 8B model)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    step = whole / "checkpoints" / "step-00000002"
+    saved = FileSystemReader(str(step / "trainable")).read_metadata().state_dict_metadata
+    weights = [k for k in saved if k.startswith("model.")]
+    assert weights and all(".heads." in k or "lora_" in k for k in weights), sorted(saved)
+    assert any("lora_" in k for k in saved if k.startswith("optimizer.state.")), sorted(saved)
+    assert not (step / "pytorch_model_fsdp_0").exists() and not (step / "optimizer_0").exists()
     # a damaged shard of the step checkpoint left (the last step's is the final one): named, with what to do
     shutil.rmtree(whole / "checkpoints" / "final")
-    shard = whole / "checkpoints" / "step-00000002" / "pytorch_model_fsdp_0" / "__0_0.distcp"
+    shard = step / "trainable" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:100])
     broken = launch(0, whole_recipe)
     said = broken.stdout + broken.stderr
