@@ -887,6 +887,8 @@ def _load_fsdp_state(accelerator: Any, parts: FsdpParts, checkpoint: Path) -> No
                          "was written by another configuration")
     dcp.load(state, checkpoint_id=folder)
     inner = getattr(parts.optimizer, "optimizer", parts.optimizer)
+    # (not strict: the frozen weights are left out on purpose; a weight of the checkpoint's this module lacks is
+    # refused above, and one this module trains that the checkpoint lacks, by dcp.load)
     set_state_dict(parts.module, inner, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                    options=StateDictOptions(ignore_frozen_params=True, strict=False))
     load_custom_state(parts.scheduler, str(checkpoint), 0)
