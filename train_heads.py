@@ -951,8 +951,9 @@ def _main(argv: list[str] | None) -> int:
     if asked and accelerator.distributed_type.value != asked:
         say(accelerator, f"note: the launch config asks for {asked}, which accelerate does not run here "
                          f"({'it runs FSDP on GPUs only; ' if asked == 'FSDP' else ''}CUDA available: "
-                         f"{torch.cuda.is_available()}, training.cpu={config.training.cpu}): training as "
-                         f"{accelerator.distributed_type.value}, nothing sharded")
+                         f"{torch.cuda.is_available()}, training.cpu={config.training.cpu}): training "
+                         + ("in one process" if accelerator.num_processes == 1 else
+                            f"as plain data parallel ({accelerator.distributed_type.value})") + ", nothing sharded")
     paths = run_paths(config)
     if args.heldout_only:
         return report_heldout(config, accelerator)

@@ -2290,7 +2290,8 @@ def test_an_fsdp_launch_without_a_gpu_names_what_runs_instead(tiny_dir, tmp_path
     values = recipe(tiny_dir, tmp_path / "run", training={"max_steps": 1})
     assert train_heads.main(["--config", str(write_recipe(tmp_path / "r.yaml", values))]) == 0
     assert ("note: the launch config asks for FSDP, which accelerate does not run here (it runs FSDP on GPUs only; "
-            "CUDA available: False, training.cpu=False): training as NO, nothing sharded") in capsys.readouterr().out
+            "CUDA available: False, training.cpu=False): training in one process, nothing sharded") \
+        in capsys.readouterr().out
 
 
 #: accelerate made FSDP on the CPU: it maps an FSDP launch config to FSDP on GPU-like devices only (MULTI_CPU, plain
