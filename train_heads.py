@@ -30,12 +30,14 @@ from typing import Any, Iterator
 import torch
 
 from medusa_train.train_config import (
+    LAUNCH_VARIABLES,
     RunPaths,
     TrainConfig,
     example_settings,
     feature_indexes,
     feature_settings,
     features_root,
+    first_launch_process,
     heads_from_final,
     load_config,
     owns_rows,
@@ -45,12 +47,6 @@ from medusa_train.train_config import (
     save_config,
 )
 
-
-LAUNCH_VARIABLES = {"size": ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"),
-                    "rank": ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")}
-"""Where a launch's number of processes and this process's rank are read, in accelerate's order: torchrun's
-(``accelerate launch``), then MPI's (``mpirun``, which sets no WORLD_SIZE until accelerate's state does), which
-accelerate reads on the CPU only."""
 
 
 def deepspeed_launch() -> bool:
@@ -871,9 +867,7 @@ def main(argv: list[str] | None = None) -> int:
         return _main(argv)
     except KeyboardInterrupt:
         sys.stdout.flush()
-        rank = next((os.environ[name].strip() for name in LAUNCH_VARIABLES["rank"] if os.environ.get(name, "").strip()),
-                    "0")  # (mpirun's too: Ctrl-C in its rendezvous, before accelerate sets RANK)
-        if rank == "0":  # Ctrl-C reaches every process a launcher started: said once
+        if first_launch_process():  # Ctrl-C reaches every process a launcher started: said once
             print("\ntrain_heads.py: interrupted; run the same command again to go on (distilled rows, finished "
                   "stages and step checkpoints are kept)", file=sys.stderr)
         return 130

@@ -82,7 +82,7 @@ from medusa_train.dataset import (
 )
 from medusa_infer.models import weights_identity
 from medusa_train.features import model_fingerprint
-from medusa_train.train_config import TrainConfig, convert_value, read_recipe, rows_path
+from medusa_train.train_config import TrainConfig, convert_value, first_launch_process, read_recipe, rows_path
 
 logger = logging.getLogger(__name__)
 
@@ -1896,7 +1896,7 @@ def main(argv: list[str] | None = None) -> None:
         # rows made otherwise: said with what to do (a traceback said it too)
         sys.exit(f"{parser.prog}: error: {err}")
     except KeyboardInterrupt:  # Ctrl-C: no traceback, said once (it reaches every process a launcher started)
-        if state.is_main_process if state is not None else os.environ.get("RANK", "0").strip() in ("", "0"):
+        if state.is_main_process if state is not None else first_launch_process():
             print(f"\n{parser.prog}: interrupted; the rows written are kept: run the same command again to distil "
                   "the rest", file=sys.stderr)
         sys.exit(130)

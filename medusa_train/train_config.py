@@ -36,6 +36,20 @@ SCHEDULERS = ("cosine", "linear", "constant")
 HEADS_WEIGHT_SCHEDULES = ("linear", "sine", "constant")
 DTYPES = ("float32", "bfloat16", "float16")
 PROJECTIONS = ("shared", "own")
+LAUNCH_VARIABLES = {"size": ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"),
+                    "rank": ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")}
+"""Where a launch's number of processes and this process's rank are read, in accelerate's order: torchrun's
+(``accelerate launch``), then MPI's (``mpirun``, which sets no WORLD_SIZE until accelerate's state does), which
+accelerate reads on the CPU only."""
+
+
+def first_launch_process() -> bool:
+    """Whether this process is a launch's first, or in no launch: the first of its rank variables set
+    (``LAUNCH_VARIABLES``) is 0. Read where no state has formed yet: Ctrl-C in a launcher's rendezvous reaches
+    every process, and mpirun sets no RANK until accelerate's state does."""
+    rank = next((os.environ[name].strip() for name in LAUNCH_VARIABLES["rank"] if os.environ.get(name, "").strip()),
+                "0")
+    return rank == "0"
 
 
 def _home(path: str | None) -> str | None:
