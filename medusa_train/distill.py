@@ -1395,8 +1395,11 @@ def _refusal_key(config: DistillConfig, prompt: dict[str, Any]) -> dict[str, Any
 def record_refusal(config: DistillConfig, rank: int, prompt: dict[str, Any], reason: str) -> None:
     """Append a prompt the endpoint refused (HTTP 400, a content filter, no answer) to ``refusals_path``, with what
     it was refused for (``_refusal_key``): a rerun does not ask it again (it asked, and a finished run's rerun, the
-    endpoint stopped to free the GPU for training, failed on it)."""
-    with refusals_path(config.output, rank).open("a", encoding="utf-8") as handle:
+    endpoint stopped to free the GPU for training, failed on it). A half-written last line (a write cut short: a
+    full disk, a kill) is cut off first: appended to, it made the next line undecodable, and the file unreadable."""
+    path = refusals_path(config.output, rank)
+    read_jsonl_tolerant(path, repair=True)
+    with path.open("a", encoding="utf-8") as handle:
         handle.write(json.dumps({"id": str(prompt["id"]), "reason": reason[:500],
                                  **_refusal_key(config, prompt)}) + "\n")
 

@@ -1224,6 +1224,21 @@ def test_openai_backend_prompts_the_endpoint_refuses_are_left_out_and_counted(tm
     assert "the answer is not UTF-8 text (a lone surrogate)" in caplog.text
 
 
+def test_a_refusal_written_after_a_half_written_one_is_kept_and_the_file_stays_readable(tmp_path, prompts_file):
+    """A refusal cut short (a full disk, a kill) left half a line: the next refusal was glued onto it (lost without
+    a word), and once one more followed, every run stopped on the file ("damaged beyond a killed write")."""
+    config = openai_config(prompts_file, tmp_path / "rows.jsonl", "http://127.0.0.1:9")
+    prompts = sample_prompts(prompts_file, 4)
+    distill_module.record_refusal(config, 0, prompts[0], "HTTP 400")
+    path = distill_module.refusals_path(config.output, 0)
+    with path.open("a", encoding="utf-8") as handle:
+        handle.write('{"id": "' + prompts[1]["id"] + '", "rea')
+    for prompt in prompts[2:]:
+        distill_module.record_refusal(config, 0, prompt, "HTTP 400")
+    assert distill_module.refused_ids(config, prompts) == {prompts[0]["id"], prompts[2]["id"], prompts[3]["id"]}
+    assert len(path.read_text().splitlines()) == 3
+
+
 def test_openai_backend_stops_on_a_wrong_endpoint(tmp_path, prompts_file):
     with FakeServer() as server:
         config = openai_config(prompts_file, tmp_path / "rows.jsonl", server.url + "/v2/chat/completions", n=2)
