@@ -1442,6 +1442,48 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def check_output_folder(output: Path) -> None:
+    """Make ``output`` and check that files can be written there, before any question is answered: ``OSError``
+    naming the folder (a read-only one failed once every question was answered)."""
+    import tempfile
+
+    output.mkdir(parents=True, exist_ok=True)
+    try:
+        with tempfile.NamedTemporaryFile(dir=output, prefix=".write-check-"):
+            pass
+    except OSError as err:
+        raise OSError(f"--output {output}: no file can be written there ({err.strerror or err}); give a folder "
+                      "this user can write") from None
+
+
+def write_report(report: dict[str, Any], markdown: str, output: Path, calibrated: bool) -> bool:
+    """Write ``report.json``, ``report.md`` and ``report.png`` into ``output`` (whether the plot was drawn), leaving
+    no earlier run's file beside them. ``OSError`` naming the file that could not be written (a full disk's
+    "[Errno 27] File too large" named none), after removing what of it was written."""
+    if not calibrated:  # an earlier run's would pass for this one's (removed with this run's report only)
+        (output / "calibration.json").unlink(missing_ok=True)
+    for earlier in ("report.png", "report.md"):  # an earlier run's, beside this one's report.json if stopped between
+        (output / earlier).unlink(missing_ok=True)
+    aside = output / "report.json.partial"  # renamed into place: never read half-written
+    target = aside
+    try:
+        aside.write_text(json.dumps(report, indent=2) + "\n")
+        os.replace(aside, output / "report.json")
+        target = output / "report.md"
+        target.write_text(markdown)
+        target = output / "report.png"
+        drawn = report_png(report, target)
+        if not drawn:  # a plot of an earlier run in this folder would pass for this one's
+            target.unlink(missing_ok=True)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            target.unlink(missing_ok=True)  # (half written)
+        name = "report.json" if target == aside else target.name
+        raise OSError(f"{output / name} could not be written ({err.strerror or err}): the disk may be full; the "
+                      "report's table is printed above") from None
+    return drawn
+
+
 def check_profile_flags(model, args: argparse.Namespace) -> None:
     """``ValueError`` for flags that set what calibrated heads' cost profile does, on heads that carry none (they
     were recorded in the report as if they had applied): ``--lookup-max-tokens`` and ``--step-costs profile``."""
@@ -1522,7 +1564,7 @@ def run(args: argparse.Namespace, started: float) -> int:
     given_excluded = [x.strip() for x in args.exclude_ids.split(",") if x.strip()]  # as written: "007" is not 7
     exclude = list(given_excluded)
     output = Path(args.output)
-    output.mkdir(parents=True, exist_ok=True)
+    check_output_folder(output)  # (a folder it cannot write failed once every question was answered)
     if args.calibrate:  # the folder calibration saves into, checked before the answers (refused only then)
         model.check_save_target(args.calibrated_heads or heads)
     calibrated_on = calibration_question_ids(model, args.questions)
@@ -1584,19 +1626,9 @@ def run(args: argparse.Namespace, started: float) -> int:
         "exclude_ids": given_excluded,
         "calibration": (result["question_ids"] if args.calibrate else list(calibrated_on or [])),
         "calibrated_here": bool(args.calibrate)}
-    if not args.calibrate:  # an earlier run's would pass for this one's (removed with this run's report only)
-        (output / "calibration.json").unlink(missing_ok=True)
-    for earlier in ("report.png", "report.md"):  # an earlier run's, beside this one's report.json if stopped between
-        (output / earlier).unlink(missing_ok=True)
-    aside = output / "report.json.partial"  # renamed into place: never read half-written
-    aside.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(aside, output / "report.json")
     markdown = report_markdown(report)
-    (output / "report.md").write_text(markdown)
-    print(markdown)
-    drawn = report_png(report, output / "report.png")
-    if not drawn:  # a plot of an earlier run in this folder would pass for this one's
-        (output / "report.png").unlink(missing_ok=True)
+    print(markdown)  # (first: a report that cannot be written leaves its table)
+    drawn = write_report(report, markdown, output, calibrated=args.calibrate)
     print(f"wrote {output}/report.json, report.md" + (", report.png" if drawn else ""), file=sys.stderr)
     if report["settings"]["stopped_by"]:
         print(f"medusa-bench: error: the benchmark stopped early ({report['settings']['stopped_by']}); the report "

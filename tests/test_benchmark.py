@@ -553,6 +553,55 @@ def test_an_interrupted_report_leaves_no_earlier_plot_and_ctrl_c_says_one_line(m
     assert json.loads((out / "report.json").read_text())["settings"]["questions_answered"] == 1
 
 
+def test_an_output_folder_that_cannot_be_written_is_refused_before_any_question(model, tmp_path, monkeypatch,
+                                                                                capsys):
+    """A read-only --output failed once every question was answered (hours, on a large model), naming
+    calibration.json, a file the run never wrote."""
+    import errno
+    import tempfile
+
+    heads, questions = cli_files(model, tmp_path, monkeypatch)
+    answered = []
+    monkeypatch.setattr(bench, "benchmark", lambda *a, **k: answered.append(1))
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "NamedTemporaryFile", read_only)
+    capsys.readouterr()
+    assert main(["--heads", str(heads), "--questions", str(questions), "--limit", "1", "--max-new-tokens", "3",
+                 "--methods", "hf,ar", "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert answered == [] and "Traceback" not in err
+    assert f"--output {tmp_path / 'out'}: no file can be written there (Read-only file system)" in err
+
+
+def test_a_report_that_cannot_be_written_names_its_file_and_leaves_its_table(model, tmp_path, monkeypatch, capsys):
+    """A full disk ended the run with "[Errno 27] File too large", naming no file, before the table was printed
+    (every answer lost), and left report.json.partial."""
+    import errno
+
+    heads, questions = cli_files(model, tmp_path, monkeypatch)
+    out = tmp_path / "bench"
+    write_text = Path.write_text
+
+    def full_disk(self, *args, **kwargs):
+        if self.name == "report.json.partial":
+            write_text(self, "{\"half")
+            raise OSError(errno.EFBIG, "File too large")
+        return write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    capsys.readouterr()
+    assert main(["--heads", str(heads), "--questions", str(questions), "--limit", "1", "--max-new-tokens", "3",
+                 "--methods", "hf,ar", "--output", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert "| ar |" in captured.out  # the table
+    assert f"medusa-bench: error: {out / 'report.json'} could not be written (File too large): the disk may be full" \
+        in captured.err and "Traceback" not in captured.err
+    assert list(out.iterdir()) == []
+
+
 def test_cli_names_an_unsupported_model_without_a_traceback(model, tmp_path, monkeypatch, capsys):
     """check_supported's NotImplementedError (ALiBi, no KV cache, ...) escaped as a traceback, status 1."""
     def unsupported(args, started):
