@@ -1305,6 +1305,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                                     "runs/bench (. for the working folder)"),
                           ("--calibrated-heads", args.calibrated_heads, "name a folder, or leave "
                                                                         "--calibrated-heads out")])
+    # ~ as --heads takes it (--output=~/x, which no shell expands, wrote into a folder named ~ in the working one)
+    args.output, args.questions = os.path.expanduser(args.output), os.path.expanduser(args.questions)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not args.methods:
         parser.error(f"--methods is empty; choose from {', '.join(ALL_METHODS)} (default {','.join(DEFAULT_METHODS)})")

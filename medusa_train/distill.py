@@ -196,6 +196,9 @@ class DistillConfig:
     def __post_init__(self) -> None:
         if self.chat_template == "":  # --chat-template '': the tokenizer's own (a digest of '' was recorded)
             self.chat_template = None
+        # ~ as a recipe's paths take it (--output=~/x, which no shell expands, wrote into a folder named ~ here)
+        self.prompts, self.output = (os.path.expanduser(p) if isinstance(p, str) else p
+                                     for p in (self.prompts, self.output))
         if isinstance(self.exclude_ids, (str, Path)):  # a file of ids, as --exclude-ids takes (a name taken
             self.exclude_ids = Path(self.exclude_ids).expanduser()  # (~ as the recipe's other paths take it)
             if not Path(self.exclude_ids).is_file():  # as ids would exclude nothing, character by character)
@@ -1867,10 +1870,10 @@ def config_from_args(args: argparse.Namespace) -> DistillConfig:
     if args.per_source:
         values["per_source"] = dict(args.per_source)
     if args.exclude_ids:
-        values["exclude_ids"] = read_ids(args.exclude_ids)
+        values["exclude_ids"] = read_ids(os.path.expanduser(args.exclude_ids))
     template = values.get("chat_template")
-    if template and _is_file(template):
-        values["chat_template"] = Path(template).read_text(encoding="utf-8")
+    if template and _is_file(os.path.expanduser(template)):
+        values["chat_template"] = Path(template).expanduser().read_text(encoding="utf-8")
     if values.get("max_prompt_tokens") == 0:
         values["max_prompt_tokens"] = None
     return DistillConfig.from_dict(values)

@@ -1831,6 +1831,13 @@ def test_the_warm_up_decodes_no_further_than_the_questions_were_checked_to_fit()
     assert report["settings"]["questions_answered"] == 1 and report["methods"]["hf"]["exact"] is True
 
 
+def test_the_output_and_questions_take_a_leading_tilde_as_the_home_folder(tmp_path, monkeypatch):
+    """--output=~/bench (no shell expands ~ after "=") wrote into a folder named ~ in the working folder."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    args = parse_args(["--questions=~/q.jsonl", "--methods", "ar", "--output=~/bench"])
+    assert (args.questions, args.output) == (str(tmp_path / "q.jsonl"), str(tmp_path / "bench"))
+
+
 def test_an_output_that_is_a_file_is_refused_by_its_flag(tmp_path, capsys):
     """It failed after loading the model, as "[Errno 17] File exists", naming no flag."""
     taken = tmp_path / "report"

@@ -610,6 +610,21 @@ def test_train_heads_distils_on_its_accelerators_device(tmp_path, model_dir, pro
     assert seen["device"] == torch.device("meta")
 
 
+def test_the_commands_paths_take_a_leading_tilde_as_the_home_folder(tmp_path, prompts_file, monkeypatch):
+    """--output=~/rows.jsonl (no shell expands ~ after "=") wrote into a folder named ~ in the working folder."""
+    from medusa_train.distill import build_parser, config_from_args
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copy(prompts_file, tmp_path / "p.jsonl")
+    (tmp_path / "ids.txt").write_text("a\nb\n")
+    (tmp_path / "t.jinja").write_text("{{ messages[0]['content'] }}")
+    args = build_parser().parse_args(["--model", "m", "--prompts=~/p.jsonl", "--output=~/rows.jsonl",
+                                      "--exclude-ids=~/ids.txt", "--chat-template=~/t.jinja"])
+    config = config_from_args(args)
+    assert (config.prompts, config.output) == (str(tmp_path / "p.jsonl"), str(tmp_path / "rows.jsonl"))
+    assert config.exclude_ids == ["a", "b"] and config.chat_template == "{{ messages[0]['content'] }}"
+
+
 def test_exclude_ids_given_as_a_file_in_a_recipe(tmp_path, prompts_file):
     (tmp_path / "held.txt").write_text("big:0\nbig:1\nmid:0\n")
     parser = build_parser()
