@@ -168,16 +168,30 @@ def hold_output_dir(root: Path) -> tuple[Any, str | None]:
     return handle, None
 
 
+def _real_folder(final: Path) -> Path:
+    """``final``, or the folder it points to where it is a symbolic link (``output_dir/heads`` linked to another
+    disk): that folder is replaced, and the link kept (rmtree of a link failed without a word, and renaming the
+    new folder onto the link failed every evaluation after training)."""
+    return final.resolve() if final.is_symlink() else final
+
+
+def _partial_folder(final: Path) -> Path:
+    """Where ``final`` is written before ``_commit_folder`` renames it into place (beside ``_real_folder``)."""
+    real = _real_folder(final)
+    return real.with_name(real.name + ".partial")
+
+
 def _atomic_folder(final: Path) -> Path:
-    partial = final.with_name(final.name + ".partial")
+    partial = _partial_folder(final)
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     return partial
 
 
 def _commit_folder(partial: Path, final: Path) -> None:
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(partial, final)
+    real = _real_folder(final)
+    shutil.rmtree(real, ignore_errors=True)
+    os.replace(partial, real)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -736,7 +750,7 @@ def stage_train(config: TrainConfig, accelerator: Any, train: list[dict], folder
     sources = data_sources(config) if accelerator.is_main_process else None  # (only the main process saves)
     if sources:
         info["data_sources"] = sources
-    partial = paths.final.with_name(paths.final.name + ".partial")
+    partial = _partial_folder(paths.final)
     if accelerator.is_main_process:
         _atomic_folder(paths.final)
     accelerator.wait_for_everyone()

@@ -1687,6 +1687,28 @@ def test_a_model_that_cannot_decode_here_is_refused_before_anything_runs(tiny_di
     assert train_heads.main(["--config", str(write_recipe(tmp_path / "gemma2.yaml", values)), "--plan"]) == 0
 
 
+def test_heads_and_final_folders_linked_elsewhere_are_written_there(tiny_dir, tmp_path):
+    """output_dir/heads as a symbolic link (to another disk): removing the link failed without a word, and
+    renaming the new heads onto it failed every evaluation (NotADirectoryError)."""
+    import train_heads
+    from medusa_infer.checkpoint import load_heads_state
+
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    links = {"heads": run / "heads", "final": run / "checkpoints" / "final"}
+    for name, link in links.items():
+        (elsewhere / name).mkdir(parents=True)
+        (elsewhere / name / "stale.txt").write_text("an earlier run's")
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(elsewhere / name)
+    config_file = str(write_recipe(tmp_path / "r.yaml", recipe(tiny_dir, run, training={"max_steps": 2})))
+    assert train_heads.main(["--config", config_file]) == 0
+    for name, link in links.items():
+        assert link.is_symlink() and not (elsewhere / name / "stale.txt").exists()
+        assert (elsewhere / name / "config.json").is_file()
+    assert load_heads_state(run / "heads")[1]  # (through the link)
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["final", "heads"]  # (no side folder left)
+
+
 def test_ctrl_c_ends_a_run_with_a_line_saying_how_to_go_on(tiny_dir, tmp_path, monkeypatch, capsys):
     """Ctrl-C ended train_heads.py with a 28-line traceback from wherever it was (accelerate's save_state)."""
     import train_heads
