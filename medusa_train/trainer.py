@@ -744,6 +744,15 @@ def _unloadable(checkpoint: Path, paths: RunPaths, err: BaseException) -> ValueE
                       f"resumes under the same one only); remove that folder{fallback}")
 
 
+def _check_random_states(checkpoint: Path, process_index: int) -> None:
+    """Read this process's random states in ``checkpoint`` as accelerate's loader reads them, which leaves out a
+    file that does not load with an INFO line: a cut or missing one resumed with the run's RNG where it stood (LoRA
+    dropout then differs from an uninterrupted run's). Raises what the read raises."""
+    from accelerate.utils import RNG_STATE_NAME, load
+
+    load(checkpoint / f"{RNG_STATE_NAME}_{process_index}.pkl")
+
+
 def _checkpoint_state(checkpoint: Path, paths: RunPaths) -> dict[str, Any]:
     """A step checkpoint's ``trainer_state.json``; a damaged one is named like its other files."""
     try:
@@ -1163,6 +1172,7 @@ def train(config: TrainConfig, task: Medusa1Task | Medusa2Task, accelerator: Any
                 expected[key], found[key] = value, state[key]
         _refuse_other_run(checkpoint, expected, found, paths)
         try:
+            _check_random_states(checkpoint, accelerator.process_index)
             if fsdp is not None:
                 _load_fsdp_state(accelerator, fsdp, checkpoint)
             else:

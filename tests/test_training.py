@@ -1397,6 +1397,18 @@ def test_a_damaged_checkpoint_is_named_with_the_one_to_resume_from(tiny_dir, tmp
     with pytest.raises(SystemExit) as exit_info:
         train_heads.main(["--config", config_file])
     assert f"{newest} could not be loaded (EOFError" in str(exit_info.value) + capsys.readouterr().err
+    window.write_bytes((newest.parent / "step-00000002" / window.name).read_bytes())
+    # the random states: accelerate's loader left out a cut or missing file with an INFO line, and the run
+    # resumed with its RNG where it stood (LoRA dropout then drew otherwise than an uninterrupted run)
+    rng = newest / "random_states_0.pkl"
+    kept = rng.read_bytes()
+    for damage in ("cut", "missing"):
+        rng.write_bytes(kept[:len(kept) // 2]) if damage == "cut" else rng.unlink()
+        with pytest.raises(SystemExit) as exit_info:
+            train_heads.main(["--config", config_file])
+        said = str(exit_info.value) + capsys.readouterr().err
+        assert f"{newest} could not be loaded (" in said and "resume from step-00000002" in said, damage
+    rng.write_bytes(kept)
     state = newest / "trainer_state.json"  # read before any stage: a bare JSON error naming no checkpoint
     state.write_text(state.read_text()[:20])
     with pytest.raises(SystemExit) as exit_info:
