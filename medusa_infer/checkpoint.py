@@ -649,7 +649,8 @@ def card_section(text: str, heading: str) -> tuple[int, int] | None:
 def note_datastore(directory: str | Path, tokens: int, origin: str | None) -> None:
     """Say in the folder's model card what its ``datastore.safetensors`` holds: text others can read
     back from the upload. ``origin`` (``Datastore.origin``): where the text comes from, in words; None:
-    not recorded. A section an earlier store left is replaced."""
+    not recorded. A section an earlier store left is replaced. The card is replaced whole (``write_in_place``): a
+    write cut short (a full disk) left it cut, after the heads were saved."""
     card = Path(directory) / CARD_NAME
     text = card.read_text(encoding="utf-8") if card.is_file() else ""
     span = card_section(text, DATASTORE_HEADING)
@@ -659,7 +660,13 @@ def note_datastore(directory: str | Path, tokens: int, origin: str | None) -> No
     section = (f"{DATASTORE_HEADING}\n\n`{DATASTORE_NAME}` holds {tokens} tokens of text that lookup drafts search: "
                f"{source}, as token ids, which anyone with the folder can decode; it shares that text's licence "
                "and privacy.\n")
-    card.write_text(text.rstrip("\n") + "\n\n" + section, encoding="utf-8")
+    append_card(Path(directory), text, section)
+
+
+def append_card(directory: Path, text: str, section: str) -> None:
+    """Write the folder's model card as ``text`` followed by ``section``, replaced whole (``write_in_place``)."""
+    whole = text.rstrip("\n") + "\n\n" + section
+    write_in_place(directory, [(CARD_NAME, lambda path: path.write_text(whole, encoding="utf-8"))])
 
 
 def renders_chats(config: MedusaConfig, tokenizer: Any) -> bool:

@@ -33,6 +33,7 @@ from medusa_infer.checkpoint import (
     CONFIG_NAME,
     DATASTORE_HEADING,
     DEFAULT_COMMIT_MESSAGE,
+    append_card,
     card_section,
     check_heads_target,
     check_state_dict,
@@ -675,8 +676,7 @@ class MedusaModel(nn.Module):
         if self.datastore is not None:
             note_datastore(out, len(self.datastore), self.datastore.origin)
         elif unread and section:  # the card written anew says what it holds again
-            card = out / CARD_NAME
-            card.write_text(card.read_text(encoding="utf-8").rstrip("\n") + "\n\n" + section, encoding="utf-8")
+            append_card(out, (out / CARD_NAME).read_text(encoding="utf-8"), section)
         if unread:
             logger.info("%s was left as it is: loaded with datastore=False from there", store)
         return out

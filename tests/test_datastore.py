@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -742,3 +743,30 @@ def test_a_model_folder_or_a_broken_config_is_a_usage_error_and_nothing_is_writt
             main(["--heads", str(folder), "--rows", str(rows), "--model", "unused"])
         assert exit_info.value.code == 2 and said in capsys.readouterr().err
         assert sorted(p.name for p in folder.iterdir()) == ["config.json"]
+
+
+def test_a_card_note_cut_short_leaves_the_card_as_it_was(tmp_path, monkeypatch):
+    """The datastore's section was appended by rewriting the card in place, after the heads were saved: a full disk
+    left the card cut mid-line."""
+    import errno
+
+    from medusa_infer.checkpoint import note_datastore
+
+    card = tmp_path / "README.md"
+    card.write_text("# Heads\n\nWhat they are, at length.\n" * 20, encoding="utf-8")
+    before = card.read_bytes()
+    write_text = Path.write_text
+
+    def full_disk(self, data, *args, **kwargs):
+        if self.name.startswith("README.md"):
+            write_text(self, data[:len(data) // 2], *args, **kwargs)
+            raise OSError(errno.EFBIG, "File too large")
+        return write_text(self, data, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    with pytest.raises(OSError, match="File too large"):
+        note_datastore(tmp_path, 100, "some text")
+    assert card.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["README.md"]
+    monkeypatch.undo()
+    note_datastore(tmp_path, 100, "some text")
+    assert card.read_text(encoding="utf-8").startswith(before.decode()) and "holds 100 tokens" in card.read_text()
