@@ -876,9 +876,18 @@ def stage_evaluate(config: TrainConfig, accelerator: Any, train: list[dict], hel
 
 def main(argv: list[str] | None = None) -> int:
     """Run the recipe's stages; Ctrl-C ends the run with a line saying how to go on (exit status 130), not a
-    traceback."""
+    traceback, as does a write the machine refused (``checkpoint.write_failure``: a full disk, a read-only
+    folder; exit status 1)."""
     try:
         return _main(argv)
+    except (OSError, RuntimeError) as err:  # a traceback from wherever it wrote (torch.save's "unexpected pos")
+        from medusa_infer.checkpoint import write_failure
+
+        advice = write_failure(err)
+        if advice is None:
+            raise
+        raise SystemExit(f"train_heads.py: error: {str(err).splitlines()[0]}: {advice}, then run the same command "
+                         "again to go on (distilled rows, finished stages and step checkpoints are kept)") from err
     except KeyboardInterrupt:
         sys.stdout.flush()
         if first_launch_process():  # Ctrl-C reaches every process a launcher started: said once

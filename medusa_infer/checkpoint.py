@@ -8,6 +8,7 @@ inside the folder; ``MedusaModel.from_pretrained`` merges it into the base model
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -106,11 +107,29 @@ def save_heads(
     return directory
 
 
+FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+TORCH_WRITE_FAILURES = ("inline_container", "PytorchStreamWriter", "iostream error", "file write failed")
+"""What ``torch.save`` says (a ``RuntimeError``) when a write fails, a full disk's included."""
+
+
+def write_failure(err: BaseException) -> str | None:
+    """What to do about ``err`` where it says that a file could not be written for the machine's sake (a full disk,
+    a read-only or forbidden folder), not the program's: a clause for the error line, None for any other error
+    (whose traceback is the bug report)."""
+    if isinstance(err, OSError) and err.errno in FULL_DISK_ERRNOS or isinstance(err, RuntimeError) and any(
+            mark in str(err) for mark in TORCH_WRITE_FAILURES):
+        return "the disk is full (or the file too large for it): free space"
+    if isinstance(err, OSError) and err.errno in (errno.EROFS, errno.EACCES, errno.EPERM) and err.filename:
+        return f"{err.filename} cannot be written by this user: give a place that can be, or change its permissions"
+    return None
+
+
 def write_in_place(directory: Path, files: Sequence[tuple[str, Callable[[Path], Any]]]) -> None:
     """Write each of ``files`` (a name and what writes it to a path) beside its place (``NAME.partial``), then move
     them all in, in order: a write that fails leaves no partial file behind (a copy of the weights stayed) and the
     folder's files as they were (other heads' config.json stayed beside new weights when stopped between). A
-    safetensors error is an ``OSError`` naming the file (its own type: a traceback where OSError is said)."""
+    safetensors error, or torch.save's failed write, is an ``OSError`` naming the file (their own types: a
+    traceback where OSError is said)."""
     partials = [directory / (name + ".partial") for name, _ in files]
     writing = partials[0]
     try:
@@ -122,8 +141,8 @@ def write_in_place(directory: Path, files: Sequence[tuple[str, Callable[[Path], 
         for partial in partials:
             if partial.is_file():
                 partial.unlink()
-        if isinstance(err, SafetensorError):
-            raise OSError(f"{writing} could not be written: {err}") from err
+        if isinstance(err, SafetensorError) or isinstance(err, RuntimeError) and write_failure(err):  # (torch.save's)
+            raise OSError(f"{writing} could not be written: {str(err).splitlines()[0]}") from err
         raise
 
 

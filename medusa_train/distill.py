@@ -199,6 +199,11 @@ class DistillConfig:
         # ~ as a recipe's paths take it (--output=~/x, which no shell expands, wrote into a folder named ~ here)
         self.prompts, self.output = (os.path.expanduser(p) if isinstance(p, str) else p
                                      for p in (self.prompts, self.output))
+        if not str(self.output).strip():
+            raise ValueError("output is empty: give the path of the rows' file (JSONL), such as rows.jsonl")
+        if Path(self.output).is_dir():  # (an IsADirectoryError traceback once the first answers were in)
+            raise ValueError(f"output={str(self.output)!r} is a folder: give the path of the rows' file (JSONL), "
+                             f"such as {Path(self.output) / 'rows.jsonl'}")
         if isinstance(self.exclude_ids, (str, Path)):  # a file of ids, as --exclude-ids takes (a name taken
             self.exclude_ids = Path(self.exclude_ids).expanduser()  # (~ as the recipe's other paths take it)
             if not Path(self.exclude_ids).is_file():  # as ids would exclude nothing, character by character)
@@ -1901,6 +1906,14 @@ def main(argv: list[str] | None = None) -> None:
     except (DistillError, ValueError) as err:  # the endpoint's failures, a prompts file's bad line, a resume of
         # rows made otherwise: said with what to do (a traceback said it too)
         sys.exit(f"{parser.prog}: error: {err}")
+    except (OSError, RuntimeError) as err:  # a full disk, a read-only folder: a traceback from the writer
+        from medusa_infer.checkpoint import write_failure
+
+        advice = write_failure(err)
+        if advice is None:
+            raise
+        sys.exit(f"{parser.prog}: error: {str(err).splitlines()[0]}: {advice}, then run the same command again (the "
+                 "rows written are kept)")
     except KeyboardInterrupt:  # Ctrl-C: no traceback, said once (it reaches every process a launcher started)
         if state.is_main_process if state is not None else first_launch_process():
             print(f"\n{parser.prog}: interrupted; the rows written are kept: run the same command again to distil "

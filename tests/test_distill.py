@@ -2087,6 +2087,35 @@ def test_files_saved_with_a_byte_order_mark_are_read_whole(tmp_path, model_dir, 
     assert "p.jsonl:2 is not valid JSON" in str(exit_info.value.code)
 
 
+def test_the_distill_command_names_a_full_disk_and_an_output_that_is_a_folder(tmp_path, model_dir, monkeypatch):
+    """A full disk (or a read-only folder) was a traceback from the shard writer; a folder given as --output an
+    IsADirectoryError traceback once the first answers were in."""
+    import errno
+
+    from medusa_train.distill import main
+
+    (tmp_path / "p.jsonl").write_text('{"id": "a", "prompt": "x"}\n')
+    command = ["--model", str(model_dir), "--prompts", str(tmp_path / "p.jsonl"), "--no-progress"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--output", str(tmp_path)])
+    assert exit_info.value.code == 2
+    asked = []
+    monkeypatch.setattr(distill_module, "distill", lambda *a, **k: asked.append(1))
+    with pytest.raises(SystemExit):
+        main([*command, "--output", ""])
+    assert asked == []
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "o.jsonl.rank0.jsonl"))
+
+    monkeypatch.setattr(distill_module, "distill", full)
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--output", str(tmp_path / "o.jsonl")])
+    assert str(exit_info.value.code).startswith("python -m medusa_train.distill: error: [Errno 28] No space left")
+    assert "the disk is full (or the file too large for it): free space, then run the same command again" in \
+        str(exit_info.value.code)
+
+
 def test_ctrl_c_ends_the_distill_command_with_a_line(tmp_path, model_dir, capsys, monkeypatch):
     """Ctrl-C ended python -m medusa_train.distill with a traceback (after its in-flight requests' warning)."""
     from medusa_train.distill import main

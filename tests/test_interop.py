@@ -611,3 +611,24 @@ def test_an_old_releases_bare_pickle_reads(tmp_path):
     assert (folder / "medusa_lm_head.pt").read_bytes()[:1] == b"\x80"
     config, state = read_medusa_layout(folder)
     assert config.num_heads == HEADS
+
+
+def test_a_failed_torch_save_names_its_file_and_leaves_no_partial_file(tmp_path):
+    """The FasterDecoding export's .pt weights go through torch.save, whose failed write (a full disk) is a bare
+    RuntimeError naming no file ("PytorchStreamWriter failed writing file data/0: file write failed")."""
+    from medusa_infer.checkpoint import write_in_place
+
+    (tmp_path / "medusa_lm_head.pt").write_bytes(b"the earlier export")
+
+    def cut_short(path):
+        path.write_bytes(b"half")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file "
+                           "data/0: file write failed\nframe #0: c10::ThrowEnforceNotMet")
+
+    with pytest.raises(OSError, match=r"medusa_lm_head\.pt\.partial could not be written: \[enforce fail") as raised:
+        write_in_place(tmp_path, [("medusa_lm_head.pt", cut_short)])
+    assert "frame #0" not in str(raised.value)
+    assert [p.name for p in tmp_path.iterdir()] == ["medusa_lm_head.pt"]
+    assert (tmp_path / "medusa_lm_head.pt").read_bytes() == b"the earlier export"
+    with pytest.raises(RuntimeError, match="a bug"):  # any other error as it is
+        write_in_place(tmp_path, [("medusa_lm_head.pt", lambda path: (_ for _ in ()).throw(RuntimeError("a bug")))])

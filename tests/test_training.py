@@ -1699,6 +1699,38 @@ def test_a_model_that_cannot_decode_here_is_refused_before_anything_runs(tiny_di
     assert train_heads.main(["--config", str(write_recipe(tmp_path / "gemma2.yaml", values)), "--plan"]) == 0
 
 
+def test_a_write_the_machine_refuses_ends_the_run_with_what_to_do(tiny_dir, tmp_path, monkeypatch):
+    """A full disk ended a run with a traceback from wherever it wrote (torch.save's "[enforce fail at
+    inline_container.cc:672] . unexpected pos 92608 vs 92496", or "[Errno 27] File too large"), a read-only folder
+    too; any other error keeps its traceback."""
+    import errno
+
+    import train_heads
+    from medusa_infer.checkpoint import write_failure
+
+    assert write_failure(OSError(errno.ENOSPC, "No space left on device")) and write_failure(
+        RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 92608 vs 92496"))
+    assert "/ro/x cannot be written by this user" in write_failure(OSError(errno.EROFS, "Read-only", "/ro/x"))
+    assert write_failure(FileNotFoundError(errno.ENOENT, "No such file", "/x")) is None
+    assert write_failure(RuntimeError("shape mismatch")) is None
+    config_file = str(write_recipe(tmp_path / "r.yaml", recipe(tiny_dir, tmp_path / "run", training={"max_steps": 2})))
+    failures = [OSError(errno.EFBIG, "File too large", str(tmp_path / "run" / "x")),
+                RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 92608 vs 92496\nframe #0")]
+    for failure in failures:
+        def refused(*args, **kwargs):
+            raise failure
+
+        monkeypatch.setattr(train_heads, "stage_train", refused)
+        with pytest.raises(SystemExit) as exit_info:
+            train_heads.main(["--config", config_file])
+        said = str(exit_info.value)
+        assert said.startswith("train_heads.py: error: ") and "free space, then run the same command again" in said
+        assert "frame #0" not in said
+    monkeypatch.setattr(train_heads, "stage_train", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):
+        train_heads.main(["--config", config_file])
+
+
 def test_heads_and_final_folders_linked_elsewhere_are_written_there(tiny_dir, tmp_path):
     """output_dir/heads as a symbolic link (to another disk): removing the link failed without a word, and
     renaming the new heads onto it failed every evaluation (NotADirectoryError)."""
