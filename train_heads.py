@@ -144,27 +144,19 @@ LOCK_NAME = ".train_heads.lock"
 
 def hold_output_dir(root: Path) -> tuple[Any, str | None]:
     """``(held, None)``: ``root``'s lock file, locked by this process (kept open for the run: the lock goes with
-    it), or ``(None, why)`` where another process holds it. Two runs in one output_dir wrote the same checkpoints,
+    it), or ``(None, why)`` where another process holds it, or the folder cannot be made or written. Two runs in one output_dir wrote the same checkpoints,
     log and heads at once (a launcher killed with SIGKILL leaves its workers training; a relaunch joined them).
     Where the system has no ``fcntl`` (Windows), nothing is locked."""
+    from medusa_train.locks import try_lock
+
     try:
-        import fcntl
-    except ImportError:
-        return None, None
-    root.mkdir(parents=True, exist_ok=True)
-    handle = open(root / LOCK_NAME, "a+")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.seek(0)
-        holder = handle.read().strip() or "unknown"
-        handle.close()
+        handle, holder = try_lock(root / LOCK_NAME)
+    except OSError as err:  # (a traceback: a folder under /proc, a read-only disk, another user's folder)
+        return None, (f"output_dir {root} cannot be made or written ({err.strerror or err}"
+                      + (f": {err.filename}" if err.filename else "") + "): give a folder this user can write")
+    if holder is not None:
         return None, (f"{root} is in use by another train_heads.py run (process {holder}), which writes its "
                       "checkpoints, log and heads: wait for it to end or stop it, or give this run another output_dir")
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"{os.getpid()}\n")
-    handle.flush()
     return handle, None
 
 
@@ -909,6 +901,11 @@ def _main(argv: list[str] | None) -> int:
                         help="print the trained heads' held-out accuracy and exit (reuses the run's data and "
                              "features, extracting the held-out split's where missing; trains and saves nothing)")
     args = parser.parse_intermixed_args(argv)  # overrides before and after the flags
+    from medusa_infer.cli import refuse_empty
+
+    refuse_empty(parser, [("--push-to-hub", args.push_to_hub, "give the Hub repo to upload to (user/name), or leave "
+                                                              "--push-to-hub out")])  # (read as not given: the
+    # recipe's eval.push_to_hub uploaded)
     if args.plan and args.heldout_only:
         parser.error("--plan and --heldout-only each print something and exit: give one")
     if args.heldout_only and (args.push_to_hub or args.private):

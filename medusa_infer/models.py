@@ -553,6 +553,11 @@ def _check_device(device: str | torch.device) -> None:
                          "'cpu'")
     if kind == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
         raise ValueError(f"device {device!r}: MPS is not available here; use 'cpu'")
+    backend = getattr(torch, kind, None)  # (xpu, and the accelerators plugins add: torch.npu, torch.hpu)
+    if kind not in ("cpu", "cuda", "mps") and not (callable(getattr(backend, "is_available", None))
+                                                    and backend.is_available()):  # xla, meta: a traceback later
+        raise ValueError(f"device {device!r}: this PyTorch has no {kind} device to run a model on (torch "
+                         f"{torch.__version__}); use 'cpu'")
 
 
 def load_base_model(

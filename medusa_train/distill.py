@@ -63,6 +63,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from medusa_infer.attention_kernels import decoding_attention
+from medusa_infer.cli import MAX_NEW_TOKENS, MAX_THREADS
 from medusa_infer.decoding import generate, left_pad, padding_id
 from medusa_infer.model import MedusaModel
 from medusa_infer.proposers import AutoregressiveProposer
@@ -223,7 +224,8 @@ class DistillConfig:
             (self.format in FORMATS, f"format must be one of {FORMATS}, got {self.format!r}"),
             (self.prompt_overflow in OVERFLOW,
              f"prompt_overflow must be one of {OVERFLOW}, got {self.prompt_overflow!r}"),
-            (self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}"),
+            (1 <= self.max_new_tokens <= MAX_NEW_TOKENS,  # (past it: "Overflow when unpacking long", after loading)
+             f"max_new_tokens must be in [1, {MAX_NEW_TOKENS}], got {self.max_new_tokens}"),
             (self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}"),
             (self.system_prompt != "", "system_prompt is empty: give text, or leave it out (the chat template's own "
              "default); rows with an empty one could not be trained on (a recipe's data.system_prompt takes none)"),
@@ -235,8 +237,9 @@ class DistillConfig:
              f"chat_template {self.chat_template!r:.100} has no {{{{ or {{%, so it is no template: every prompt would "
              "render as that text; give the template's text (a recipe's model.chat_template), or a file that "
              "exists (--chat-template reads one)"),
-            (self.threads is None or self.threads >= 1, f"threads must be >= 1, got {self.threads}"),
-            (self.n is None or self.n >= 0, f"n must be >= 0, got {self.n}"),
+            (self.threads is None or 1 <= self.threads <= MAX_THREADS,
+             f"threads must be in [1, {MAX_THREADS}], got {self.threads}"),
+            (self.n is None or self.n >= 1, f"n must be >= 1 (or left out: every prompt), got {self.n}"),
             (all(isinstance(q, int) and not isinstance(q, bool) and q >= 1 for q in (self.per_source or {}).values()),
              f"per_source quotas must be whole numbers >= 1, got {self.per_source}"),
             (not self.do_sample or self.temperature > 0,
@@ -1222,8 +1225,8 @@ class EndpointError(RuntimeError):
 
 
 class DistillError(RuntimeError):
-    """Distillation through an endpoint ended with prompts unanswered (the rows written are kept); the message
-    says why and what to do."""
+    """Distillation through an endpoint ended with prompts unanswered (the rows written are kept), or could not
+    start (another run writes the same rows); the message says why and what to do."""
 
 
 ENDPOINT_FIXES = {
@@ -1722,10 +1725,52 @@ def distill(
     """
     rank = accelerator.process_index if accelerator is not None else 0
     world_size = accelerator.num_processes if accelerator is not None else 1
-    device = config.device or (accelerator.device if accelerator is not None else "cpu")
     Path(config.output).parent.mkdir(parents=True, exist_ok=True)
+    held = hold_output(config.output, rank, world_size)
+    try:
+        return _distill(config, accelerator, on_batch, rank, world_size)
+    finally:
+        if held is not None:
+            held.close()
+
+
+def output_lock(output: str | Path, rank: int) -> Path:
+    """The file rank ``rank`` of a run holds locked while it distils into ``output`` (``hold_output``)."""
+    output = Path(output)
+    return output.with_name(f".{output.name}.rank{rank}.lock")
+
+
+def hold_output(output: str | Path, rank: int, world_size: int) -> Any:
+    """Lock ``output_lock(output, rank)`` for this process (the handle to keep open; None where the system has no
+    locks), or raise ``DistillError`` where another run holds any rank's: two runs into one output wrote every
+    answer twice into the same shard, or (of other settings) a merged file of both runs' rows, each run saying it
+    had written its own."""
+    from medusa_train.locks import try_lock
+
+    held, holder = try_lock(output_lock(output, rank))
+    holders = [holder]
+    if world_size > 1:  # (every rank refuses, or none: one refused alone left the others at a barrier)
+        from accelerate.utils import gather_object
+
+        holders = gather_object([holder])
+    busy = next((h for h in holders if h is not None), None)
+    if busy is not None:
+        if held is not None:
+            held.close()
+        raise DistillError(f"{output} is being written by another distillation (process {busy}): wait for it to end "
+                           "or stop it, or give this one another output")
+    return held
+
+
+def _distill(config: DistillConfig, accelerator: Any, on_batch: BatchHook | None, rank: int,
+             world_size: int) -> Path:
+    """``distill``, its output held."""
+    device = config.device or (accelerator.device if accelerator is not None else "cpu")
     done = existing_rows(config.output)
     prompts = run_prompts(config, done)
+    if not prompts:  # (an empty output file, and status 0)
+        raise ValueError(f"{config.prompts} gives no prompt to distil: it holds none, or exclude_ids or per_source "
+                         "leave none out of it")
     check_empty_prompts(prompts, done, config.prompts)
     if rank == 0:
         sources: dict[str, int] = {}
@@ -1873,9 +1918,18 @@ def config_from_args(args: argparse.Namespace) -> DistillConfig:
     skip = {"recipe", "log_level", "exclude_ids", "per_source"}
     values.update({k: v for k, v in vars(args).items() if k not in skip and v is not None})
     if args.per_source:
+        named = [source for source, _ in args.per_source]
+        twice = sorted({source for source in named if named.count(source) > 1})
+        if twice:  # (the last quota was kept, where a repeat reads as adding)
+            raise ValueError(f"--per-source names {', '.join(map(repr, twice))} more than once: give each source one "
+                             "quota")
         values["per_source"] = dict(args.per_source)
     if args.exclude_ids:
         values["exclude_ids"] = read_ids(os.path.expanduser(args.exclude_ids))
+    prompts = Path(os.path.expanduser(values.get("prompts") or "."))
+    if values.get("prompts") and (not prompts.exists() or prompts.is_dir()):  # (a traceback; a pipe is read)
+        raise ValueError(f"--prompts {values['prompts']}: " + ("is a folder" if prompts.exists() else "no such file")
+                         + ": give a JSONL file of {id, source, prompt} rows")
     template = values.get("chat_template")
     if template and _is_file(os.path.expanduser(template)):
         values["chat_template"] = Path(template).expanduser().read_text(encoding="utf-8")
@@ -1910,10 +1964,12 @@ def main(argv: list[str] | None = None) -> None:
         from medusa_infer.checkpoint import write_failure
 
         advice = write_failure(err)
-        if advice is None:
-            raise
-        sys.exit(f"{parser.prog}: error: {str(err).splitlines()[0]}: {advice}, then run the same command again (the "
-                 "rows written are kept)")
+        if advice is not None:
+            sys.exit(f"{parser.prog}: error: {str(err).splitlines()[0]}: {advice}, then run the same command again "
+                     "(the rows written are kept)")
+        if isinstance(err, OSError) and err.filename:  # a path that cannot be read or made (--output under /proc)
+            sys.exit(f"{parser.prog}: error: {err}")
+        raise
     except KeyboardInterrupt:  # Ctrl-C: no traceback, said once (it reaches every process a launcher started)
         if state.is_main_process if state is not None else first_launch_process():
             print(f"\n{parser.prog}: interrupted; the rows written are kept: run the same command again to distil "

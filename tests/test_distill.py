@@ -122,6 +122,26 @@ def reference_rows(tmp_path_factory, model_dir, prompts_file) -> list[dict]:
     return read_rows(output)
 
 
+def test_a_second_distillation_into_the_same_output_is_refused_while_the_first_runs(tmp_path, model_dir,
+                                                                                    prompts_file, reference_rows):
+    """Two runs into one output wrote every answer twice into the same shard, or (of other settings) a merged file
+    of both runs' rows, both ending with status 0. The lock goes with the run: a finished or failed one lets go."""
+    output = tmp_path / "rows.jsonl"
+    refused = []
+
+    def second_run(batch_index, rows):  # (a lock is the open file's: a second one in this process is refused too)
+        with pytest.raises(distill_module.DistillError) as raised:
+            distill(make_config(model_dir, prompts_file, output, max_new_tokens=15))
+        refused.append(str(raised.value))
+
+    distill(make_config(model_dir, prompts_file, output), on_batch=second_run)
+    assert refused and refused[0].startswith(f"{output} is being written by another distillation (process "
+                                             f"{os.getpid()}): wait for it to end")
+    assert read_rows(output) == reference_rows
+    assert not distill_module.shard_files(output)
+    distill(make_config(model_dir, prompts_file, output, n=14))  # let go: a later run goes on
+
+
 def test_sample_prompts_balanced_and_deterministic(prompts_file):
     sample = sample_prompts(prompts_file, 9)
     counts = {s: sum(r["source"] == s for r in sample) for s in SOURCES}
@@ -2114,6 +2134,37 @@ def test_the_distill_command_names_a_full_disk_and_an_output_that_is_a_folder(tm
     assert str(exit_info.value.code).startswith("python -m medusa_train.distill: error: [Errno 28] No space left")
     assert "the disk is full (or the file too large for it): free space, then run the same command again" in \
         str(exit_info.value.code)
+
+
+def test_the_distill_command_refuses_what_it_would_drop_or_fail_on_late(tmp_path, model_dir, monkeypatch, capsys):
+    """A missing prompts file (or a folder) was a FileNotFoundError traceback; --n 0, an empty prompts file or every
+    prompt excluded wrote an empty file with status 0; a source given two --per-source quotas kept the last; a
+    --max-new-tokens or --threads past a C long failed after loading with "Overflow when unpacking long"."""
+    from medusa_train.distill import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "source": "s", "prompt": "x"}\n')
+    (tmp_path / "empty.jsonl").write_text("")
+    asked = []
+    monkeypatch.setattr(distill_module, "run_local", lambda *a, **k: asked.append(1))
+
+    def refused(*flags: str) -> str:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--model", str(model_dir), "--output", str(tmp_path / "o.jsonl"), "--no-progress", *flags])
+        return str(exit_info.value.code) + capsys.readouterr().err
+
+    assert "--prompts " + str(tmp_path / "missing.jsonl") + ": no such file: give a JSONL file" in refused(
+        "--prompts", str(tmp_path / "missing.jsonl"))
+    assert f"--prompts {tmp_path}: is a folder" in refused("--prompts", str(tmp_path))
+    assert "n must be >= 1 (or left out: every prompt), got 0" in refused("--prompts", str(prompts), "--n", "0")
+    assert "gives no prompt to distil" in refused("--prompts", str(tmp_path / "empty.jsonl"))
+    (tmp_path / "ids.txt").write_text("a\n")
+    assert "gives no prompt to distil" in refused("--prompts", str(prompts), "--exclude-ids", str(tmp_path / "ids.txt"))
+    assert "--per-source names 's' more than once" in refused("--prompts", str(prompts), "--per-source", "s=1",
+                                                              "--per-source", "s=3")
+    for flag in ("--max-new-tokens", "--threads"):
+        assert f"{flag[2:].replace('-', '_')} must be in [1, " in refused("--prompts", str(prompts), flag, str(10**20))
+    assert asked == [] and not (tmp_path / "o.jsonl").exists()
 
 
 def test_ctrl_c_ends_the_distill_command_with_a_line(tmp_path, model_dir, capsys, monkeypatch):

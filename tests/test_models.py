@@ -687,6 +687,9 @@ def test_the_cli_refuses_empty_names(argv, message, capsys, monkeypatch):
     ({"dtype": torch.float8_e4m3fn}, "dtype must be one of"),  # (passed, then a TypeError loading it)
     ({"dtype": "float8_e5m2"}, "dtype must be one of"),
     ({"device": "gpu"}, "device 'gpu' is no device"),
+    # devices torch names but this PyTorch cannot run a model on: a RuntimeError traceback after the load
+    ({"device": "xla"}, "device 'xla': this PyTorch has no xla device to run a model on"),
+    ({"device": "meta"}, "device 'meta': this PyTorch has no meta device"),
 ])
 def test_load_options_are_checked_before_anything_loads(options, message, monkeypatch):
     """An unknown dtype was an AttributeError after the fetch, a missing CUDA an AssertionError after the load."""

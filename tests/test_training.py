@@ -2117,6 +2117,10 @@ def test_push_to_hub_after_training_takes_private(tiny_dir, tmp_path, monkeypatc
     def public(repo_id, token=None):
         raise ValueError(f"{repo_id} exists and is public")
 
+    # an empty --push-to-hub read as not given: a recipe's eval.push_to_hub uploaded all the same
+    with pytest.raises(SystemExit):
+        train_heads.main(["--config", config, "--push-to-hub", ""])
+    assert "--push-to-hub is empty (''): give the Hub repo" in capsys.readouterr().err
     # a private upload into a public repo is refused before any work (it failed after training)
     monkeypatch.setattr(checkpoint, "check_private_upload", public)
     with pytest.raises(SystemExit):
@@ -3382,6 +3386,10 @@ def test_a_second_run_in_an_output_dir_in_use_is_refused(tiny_dir, tmp_path, mon
     monkeypatch.undo()
     assert train_heads.main(["--config", str(path)]) == 0 and (out / "heads" / "config.json").is_file()
     assert train_heads.main(["--config", str(path)]) == 0  # (finished: done again at once, the lock let go)
+    # an output_dir that cannot be made: a FileNotFoundError traceback (a read-only disk's, another user's too)
+    with pytest.raises(SystemExit, match=r"output_dir /proc/medusa-test/run cannot be made or written \(No such "
+                                         r"file or directory: /proc/medusa-test\): give a folder this user can write"):
+        train_heads.main(["--config", str(path), "output_dir=/proc/medusa-test/run"])
 
 
 def test_features_planned_done_follow_weights_saved_again_over_the_model_folder(tiny_dir, tmp_path):

@@ -62,7 +62,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_tree_arguments(parser)
     parser.add_argument("--lookup-tokens", type=int, default=0,
                         help="--method medusa: also graft a prompt-lookup chain of up to N tokens onto the tree "
-                             "(with heads that carry a cost profile, the length that pays, up to 16)")
+                             "(0: heads only; with a cost profile, the length that pays, up to --lookup-max-tokens)")
     parser.add_argument("--no-datastore", dest="datastore", action="store_false",
                         help="lookup drafts search only the conversation, not the heads' datastore of the "
                              "model's own answers (datastore.safetensors, used when the heads folder has one)")
