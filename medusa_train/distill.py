@@ -1926,16 +1926,17 @@ def config_from_args(args: argparse.Namespace) -> DistillConfig:
         values["per_source"] = dict(args.per_source)
     if args.exclude_ids:
         values["exclude_ids"] = read_ids(os.path.expanduser(args.exclude_ids))
-    prompts = Path(os.path.expanduser(values.get("prompts") or "."))
-    if values.get("prompts") and (not prompts.exists() or prompts.is_dir()):  # (a traceback; a pipe is read)
-        raise ValueError(f"--prompts {values['prompts']}: " + ("is a folder" if prompts.exists() else "no such file")
-                         + ": give a JSONL file of {id, source, prompt} rows")
     template = values.get("chat_template")
     if template and _is_file(os.path.expanduser(template)):
         values["chat_template"] = Path(template).expanduser().read_text(encoding="utf-8")
     if values.get("max_prompt_tokens") == 0:
         values["max_prompt_tokens"] = None
-    return DistillConfig.from_dict(values)
+    config = DistillConfig.from_dict(values)
+    prompts = Path(config.prompts)
+    if not prompts.exists() or prompts.is_dir():  # (a FileNotFoundError traceback; a pipe is read)
+        raise ValueError(f"--prompts {config.prompts}: " + ("is a folder" if prompts.exists() else "no such file")
+                         + ": give a JSONL file of {id, source, prompt} rows")
+    return config
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1720,9 +1720,11 @@ def test_an_answer_cut_inside_a_character_keeps_its_whole_characters(tokenizer):
         assert answer_text(tokenizer, written + character[:k], "length") == (written, "Sure \ufffd")
 
 
-def test_recipe_settings_reach_distillation():
+def test_recipe_settings_reach_distillation(tmp_path, monkeypatch):
     from medusa_train.train_config import config_from_dict
 
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.jsonl").write_text('{"id": "a", "prompt": "x"}\n')
     recipe = config_from_dict({"model": {"name": "org/custom-model", "trust_remote_code": True},
                                "data": {"prompts": "p.jsonl"}, "output_dir": "out"})
     assert distill_module.recipe_config(recipe).trust_remote_code is True
@@ -1884,6 +1886,7 @@ def test_a_truncated_prompt_fills_max_prompt_tokens(tokenizer):  # S10
 def test_max_prompt_tokens_0_on_the_command_line_means_no_limit(tmp_path):  # S20
     from medusa_train.distill import build_parser, config_from_args
 
+    (tmp_path / "p.jsonl").write_text('{"id": "a", "prompt": "x"}\n')
     args = build_parser().parse_args(["--prompts", str(tmp_path / "p.jsonl"), "--max-prompt-tokens", "0"])
     assert config_from_args(args).max_prompt_tokens is None
 
