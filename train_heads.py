@@ -872,7 +872,7 @@ def main(argv: list[str] | None = None) -> int:
     folder; exit status 1)."""
     try:
         return _main(argv)
-    except (OSError, RuntimeError) as err:  # a traceback from wherever it wrote (torch.save's "unexpected pos")
+    except Exception as err:  # a traceback from wherever it wrote (torch.save's "unexpected pos", safetensors')
         from medusa_infer.checkpoint import write_failure
 
         advice = write_failure(err)

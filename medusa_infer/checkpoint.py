@@ -112,15 +112,34 @@ TORCH_WRITE_FAILURES = ("inline_container", "PytorchStreamWriter", "iostream err
 """What ``torch.save`` says (a ``RuntimeError``) when a write fails, a full disk's included."""
 
 
+def _failed_errno(err: BaseException) -> int | None:
+    """The system's error number ``err`` carries: an ``OSError``'s, the one safetensors writes into its message
+    ("I/O error: No space left on device (os error 28)"), ENOSPC for torch.save's failed write (it says no more)."""
+    if isinstance(err, OSError):
+        return err.errno
+    if isinstance(err, SafetensorError):
+        found = re.search(r"\(os error (\d+)\)", str(err))
+        return int(found.group(1)) if found else None
+    if isinstance(err, RuntimeError) and any(mark in str(err) for mark in TORCH_WRITE_FAILURES):
+        return errno.ENOSPC
+    return None
+
+
 def write_failure(err: BaseException) -> str | None:
-    """What to do about ``err`` where it says that a file could not be written for the machine's sake (a full disk,
-    a read-only or forbidden folder), not the program's: a clause for the error line, None for any other error
-    (whose traceback is the bug report)."""
-    if isinstance(err, OSError) and err.errno in FULL_DISK_ERRNOS or isinstance(err, RuntimeError) and any(
-            mark in str(err) for mark in TORCH_WRITE_FAILURES):
-        return "the disk is full (or the file too large for it): free space"
-    if isinstance(err, OSError) and err.errno in (errno.EROFS, errno.EACCES, errno.EPERM) and err.filename:
-        return f"{err.filename} cannot be written by this user: give a place that can be, or change its permissions"
+    """What to do about ``err`` (or the error it was raised from) where it says that a file could not be written or
+    opened for the machine's sake (a full disk, a read-only disk, permissions), not the program's: a clause for the
+    error line, None for any other error (whose traceback is the bug report)."""
+    cause: BaseException | None = err
+    while cause is not None:
+        code = _failed_errno(cause)
+        if code in FULL_DISK_ERRNOS:
+            return "the disk is full (or the file too large for it): free space"
+        name = getattr(cause, "filename", None)
+        if code == errno.EROFS:
+            return f"{name or 'the file'} is on a read-only disk: give a place that can be written"
+        if code in (errno.EACCES, errno.EPERM) and name:
+            return f"this user may not open {name}: change its permissions, or give another place"
+        cause = cause.__cause__
     return None
 
 
@@ -142,7 +161,8 @@ def write_in_place(directory: Path, files: Sequence[tuple[str, Callable[[Path], 
             if partial.is_file():
                 partial.unlink()
         if isinstance(err, SafetensorError) or isinstance(err, RuntimeError) and write_failure(err):  # (torch.save's)
-            raise OSError(f"{writing} could not be written: {str(err).splitlines()[0]}") from err
+            raise OSError(f"{writing} could not be written: {str(err).splitlines()[0]}") from err  # (write_failure
+            # reads the cause's)
         raise
 
 

@@ -1933,9 +1933,10 @@ def config_from_args(args: argparse.Namespace) -> DistillConfig:
         values["max_prompt_tokens"] = None
     config = DistillConfig.from_dict(values)
     prompts = Path(config.prompts)
-    if not prompts.exists() or prompts.is_dir():  # (a FileNotFoundError traceback; a pipe is read)
-        raise ValueError(f"--prompts {config.prompts}: " + ("is a folder" if prompts.exists() else "no such file")
-                         + ": give a JSONL file of {id, source, prompt} rows")
+    if not prompts.is_file():  # (a FileNotFoundError traceback; a pipe, read twice, gave no prompt or hung)
+        why = ("no such file" if not prompts.exists() else "is a folder" if prompts.is_dir() else
+               "is no regular file (a pipe or a device), and its prompts are read more than once")
+        raise ValueError(f"--prompts {config.prompts}: {why}: give a JSONL file of {{id, source, prompt}} rows")
     return config
 
 
@@ -1961,7 +1962,7 @@ def main(argv: list[str] | None = None) -> None:
     except (DistillError, ValueError) as err:  # the endpoint's failures, a prompts file's bad line, a resume of
         # rows made otherwise: said with what to do (a traceback said it too)
         sys.exit(f"{parser.prog}: error: {err}")
-    except (OSError, RuntimeError) as err:  # a full disk, a read-only folder: a traceback from the writer
+    except Exception as err:  # a full disk, a read-only folder: a traceback from the writer
         from medusa_infer.checkpoint import write_failure
 
         advice = write_failure(err)

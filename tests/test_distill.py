@@ -142,6 +142,26 @@ def test_a_second_distillation_into_the_same_output_is_refused_while_the_first_r
     distill(make_config(model_dir, prompts_file, output, n=14))  # let go: a later run goes on
 
 
+def test_a_filesystem_without_locks_is_no_run_in_progress(tmp_path, monkeypatch, caplog):
+    """flock failing for want of locks (NFS without its lock daemon: ENOLCK) was taken for another run holding the
+    file: every run refused, naming the pid a finished run left there."""
+    import errno
+    import fcntl
+
+    from medusa_train.locks import try_lock
+
+    path = tmp_path / ".lock"
+    path.write_text("6781\n")
+
+    def no_locks(handle, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with caplog.at_level(logging.WARNING, logger="medusa_train.locks"):
+        assert try_lock(path) == (None, None)
+    assert "cannot be locked (No locks available): this filesystem takes no locks" in caplog.text
+
+
 def test_sample_prompts_balanced_and_deterministic(prompts_file):
     sample = sample_prompts(prompts_file, 9)
     counts = {s: sum(r["source"] == s for r in sample) for s in SOURCES}
@@ -2110,7 +2130,8 @@ def test_files_saved_with_a_byte_order_mark_are_read_whole(tmp_path, model_dir, 
     assert "p.jsonl:2 is not valid JSON" in str(exit_info.value.code)
 
 
-def test_the_distill_command_names_a_full_disk_and_an_output_that_is_a_folder(tmp_path, model_dir, monkeypatch):
+def test_the_distill_command_names_a_full_disk_and_an_output_that_is_a_folder(tmp_path, model_dir, monkeypatch,
+                                                                              capsys):
     """A full disk (or a read-only folder) was a traceback from the shard writer; a folder given as --output an
     IsADirectoryError traceback once the first answers were in."""
     import errno
@@ -2122,11 +2143,12 @@ def test_the_distill_command_names_a_full_disk_and_an_output_that_is_a_folder(tm
     with pytest.raises(SystemExit) as exit_info:
         main([*command, "--output", str(tmp_path)])
     assert exit_info.value.code == 2
+    assert f"output={str(tmp_path)!r} is a folder: give the path of the rows' file" in capsys.readouterr().err
     asked = []
     monkeypatch.setattr(distill_module, "distill", lambda *a, **k: asked.append(1))
     with pytest.raises(SystemExit):
         main([*command, "--output", ""])
-    assert asked == []
+    assert asked == [] and "output is empty: give the path of the rows' file" in capsys.readouterr().err
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "o.jsonl.rank0.jsonl"))
@@ -2159,6 +2181,8 @@ def test_the_distill_command_refuses_what_it_would_drop_or_fail_on_late(tmp_path
     assert "--prompts " + str(tmp_path / "missing.jsonl") + ": no such file: give a JSONL file" in refused(
         "--prompts", str(tmp_path / "missing.jsonl"))
     assert f"--prompts {tmp_path}: is a folder" in refused("--prompts", str(tmp_path))
+    os.mkfifo(tmp_path / "fifo")  # (read twice: it hung, waiting for a second writer; a shell's pipe gave no prompt)
+    assert "is no regular file (a pipe or a device)" in refused("--prompts", str(tmp_path / "fifo"))
     assert "n must be >= 1 (or left out: every prompt), got 0" in refused("--prompts", str(prompts), "--n", "0")
     assert "gives no prompt to distil" in refused("--prompts", str(tmp_path / "empty.jsonl"))
     (tmp_path / "ids.txt").write_text("a\n")

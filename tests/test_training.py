@@ -1708,14 +1708,28 @@ def test_a_write_the_machine_refuses_ends_the_run_with_what_to_do(tiny_dir, tmp_
     import train_heads
     from medusa_infer.checkpoint import write_failure
 
+    from safetensors import SafetensorError
+
+    from medusa_infer.checkpoint import write_in_place
+
+    full = SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
     assert write_failure(OSError(errno.ENOSPC, "No space left on device")) and write_failure(
-        RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 92608 vs 92496"))
-    assert "/ro/x cannot be written by this user" in write_failure(OSError(errno.EROFS, "Read-only", "/ro/x"))
+        RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 92608 vs 92496")) and \
+        write_failure(full)
+    with pytest.raises(OSError) as named:  # (write_in_place names the file, raising from safetensors' error)
+        write_in_place(tmp_path, [("model.safetensors", lambda path: (_ for _ in ()).throw(full))])
+    assert "model.safetensors.partial could not be written" in str(named.value) and write_failure(named.value)
+    assert "/ro/x is on a read-only disk" in write_failure(OSError(errno.EROFS, "Read-only", "/ro/x"))
+    # (a file that cannot be read is not called unwritable)
+    assert "this user may not open /x: change its permissions" in write_failure(PermissionError(
+        errno.EACCES, "Permission denied", "/x"))
     assert write_failure(FileNotFoundError(errno.ENOENT, "No such file", "/x")) is None
     assert write_failure(RuntimeError("shape mismatch")) is None
+    assert write_failure(SafetensorError("Error while deserializing header: HeaderTooLarge")) is None
     config_file = str(write_recipe(tmp_path / "r.yaml", recipe(tiny_dir, tmp_path / "run", training={"max_steps": 2})))
     failures = [OSError(errno.EFBIG, "File too large", str(tmp_path / "run" / "x")),
-                RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 92608 vs 92496\nframe #0")]
+                RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 92608 vs 92496\nframe #0"),
+                full]  # (the features' shards, saved by safetensors)
     for failure in failures:
         def refused(*args, **kwargs):
             raise failure
