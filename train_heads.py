@@ -144,9 +144,10 @@ LOCK_NAME = ".train_heads.lock"
 
 def hold_output_dir(root: Path) -> tuple[Any, str | None]:
     """``(held, None)``: ``root``'s lock file, locked by this process (kept open for the run: the lock goes with
-    it), or ``(None, why)`` where another process holds it, or the folder cannot be made or written. Two runs in one output_dir wrote the same checkpoints,
-    log and heads at once (a launcher killed with SIGKILL leaves its workers training; a relaunch joined them).
-    Where the system has no ``fcntl`` (Windows), nothing is locked."""
+    it), or ``(None, why)`` where another process holds it, or the folder cannot be made or written. Two runs in
+    one output_dir wrote the same checkpoints, log and heads at once (a launcher killed with SIGKILL leaves its
+    workers training; a relaunch joined them). Where the system (Windows) or the filesystem takes no locks, nothing
+    is locked (``locks.try_lock``)."""
     from medusa_train.locks import try_lock
 
     try:
