@@ -690,14 +690,17 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
         overall[method]["speedup_ci95"] = interval
     # what ran: heads without a calibration run no fallback whatever the flag (the report said fallback: true)
     fallback = bool(args.fallback and any(m.startswith("medusa") for m in methods) and runner.adaptive)
+    # settings no method ran with are None (recorded, they read as applied: the heads' tree beside hf and ar)
+    gated = args.batch_size > 1 and any(m in OUR_METHODS and m != "ar" and m not in SAMPLING_METHODS for m in methods)
+    profiled = searches_datastore(methods) and model.heads is not None and bool(model.config.cost_profile)
 
     return {
         "settings": {
             "model": args.model, "heads": args.heads, "questions": str(args.questions), "limit": args.limit,
             "turns": sum(len(q["turns"]) for q in questions), "max_new_tokens": args.max_new_tokens,
-            "batch_size": args.batch_size, "speculation_gate": args.speculation_gate,
+            "batch_size": args.batch_size, "speculation_gate": args.speculation_gate if gated else None,
             "step_costs": args.step_costs if fallback else None, "fallback": fallback,
-            "lookup_tokens": args.lookup_tokens, "lookup_max_tokens": args.lookup_max_tokens,
+            "lookup_tokens": args.lookup_tokens, "lookup_max_tokens": args.lookup_max_tokens if profiled else None,
             "datastore_tokens": len(model.datastore) if args.datastore and model.datastore is not None
             and searches_datastore(args.methods) else 0,
             "time_budget_s": args.time_budget, "questions_answered": len(questions), "stopped_by": stopped_by,
@@ -707,7 +710,7 @@ def benchmark(model, questions: list[dict], args: argparse.Namespace,
             "attention": model.base_model.config._attn_implementation,
             "kernel_plans": {shape: plan.to_dict() for shape, plan in kernel_plans(model.base_model).items()},
             "torch_threads": torch.get_num_threads(), "methods": methods, "method_order": "rotated per group",
-            "tree": _tree_note(model, args.tree),
+            "tree": _tree_note(model, args.tree) if any(m.startswith("medusa") for m in methods) else None,
             # what exact compares with (its own exact: true) and speedup divides by; None: not measured
             "exact_reference": reference, "speedup_baseline": "hf" if "hf" in methods else None,
             # which questions, drawn how, with what: enough to run the same benchmark again
@@ -1056,7 +1059,8 @@ def report_png(report: dict[str, Any], path: Path) -> bool:
     for i, method in enumerate(methods):
         xs = [g + (i - (len(methods) - 1) / 2) * width for g in range(len(groups))]
         axes[0].bar(xs, [rows[method]["tokens_per_s"] for _, rows in groups], width, label=method)
-        axes[1].bar(xs, [rows[method]["tau"] or 0.0 for _, rows in groups], width, label=method)
+        # (NaN: no bar where no step was measured; 0 drew one below plain decoding's 1)
+        axes[1].bar(xs, [_or(rows[method]["tau"], math.nan) for _, rows in groups], width, label=method)
     for ax, title in zip(axes, ("tokens/s", "tau (tokens per decoding step)")):
         ax.set_xticks(range(len(groups)), [label for label, _ in groups], rotation=30, ha="right")
         ax.set_title(title)

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import copy
 import json
+import math
 import re
 import sys
 import time
@@ -551,6 +552,39 @@ def test_an_interrupted_report_leaves_no_earlier_plot_and_ctrl_c_says_one_line(m
     assert "medusa-bench: interrupted" in err and "Traceback" not in err
     assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md"]
     assert json.loads((out / "report.json").read_text())["settings"]["questions_answered"] == 1
+
+
+def test_settings_no_method_ran_with_are_recorded_as_none_and_an_unmeasured_tau_draws_no_bar(model, tmp_path,
+                                                                                            monkeypatch):
+    """hf and ar alone recorded the heads' tree, the speculation gate and lookup_max_tokens as if they had applied;
+    the plot drew a tau no step measured (every turn ending at its first token: null in report.json, - in the
+    table) as a bar at 0, below plain decoding's 1."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.axes import Axes
+
+    heads, questions = cli_files(model, tmp_path, monkeypatch)
+    heights = []
+    bar = Axes.bar
+
+    def recorded(self, xs, values, *args, **kwargs):
+        heights.append(list(values))
+        return bar(self, xs, values, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "bar", recorded)
+    out = tmp_path / "bench"
+    assert main(["--heads", str(heads), "--questions", str(questions), "--limit", "1", "--max-new-tokens", "1",
+                 "--methods", "hf,ar", "--output", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    settings = report["settings"]
+    assert settings["tree"] is None and settings["speculation_gate"] is None and settings["lookup_max_tokens"] is None
+    assert report["methods"]["ar"]["tau"] is None
+    tau_bars = heights[1::2]  # (per method: its tokens/s, then its tau)
+    assert tau_bars and all(math.isnan(h) for row in tau_bars for h in row)
+    assert main(["--heads", str(heads), "--questions", str(questions), "--limit", "1", "--max-new-tokens", "3",
+                 "--methods", "hf,medusa", "--output", str(out)]) == 0
+    assert json.loads((out / "report.json").read_text())["settings"]["tree"]  # (medusa ran on it)
 
 
 def test_an_output_folder_that_cannot_be_written_is_refused_before_any_question(model, tmp_path, monkeypatch,
