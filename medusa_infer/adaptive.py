@@ -19,7 +19,10 @@ has recovered. Likewise every ``probe_every`` steps on a tree shallower than the
 it takes one step on the smallest tree that reaches a level further: only such steps measure the
 depths below, whose scales would otherwise keep a low mark for good.
 
-The cost ratios come from the calibration's profile, measured once in a few seconds; on a shared
+The cost ratios come from the calibration's profile, measured once in a few seconds, at the context
+each step attends over where the profile measured a long context beside the typical one (on a CPU
+a tree's cost over one token's grows with the context: an 11-node tree that cost 1.37 plain steps
+over 256 cached tokens cost 1.8 over 2000, where heads that paid at the first no longer pay). On a shared
 machine one noisy moment there can make a bigger tree look cheap (docs/bench80-large-s25). Given a
 ``StepCosts``, a batch-1 controller also learns them from the steps it takes: every
 ``explore_every`` steps it takes one step on a neighbouring rung, compares that step's seconds with
@@ -100,6 +103,10 @@ def tree_ladder(paths: Sequence[Path], sizes: Sequence[int] = (1, 2, 4, 8, 16, 3
     if ordered:
         ladder.append(ordered)
     return ladder
+
+
+CONTEXT_STEP = 64
+"""Contexts within one step of this many tokens share their cost ratios (``TreeController.cost_ratios``)."""
 
 
 RungKey = tuple[int, int]
@@ -188,6 +195,8 @@ class TreeController:
             ``StepCosts.window`` is full).
 
     Attributes:
+        context: tokens the last step chosen attends over (``choose``), at which rungs are priced;
+            None: the profile's own context.
         history: the rung chosen at each of the last ``RECENT_STEPS`` steps, oldest first.
         reach_cal: per rung, ``reach_probabilities`` of its tree under the calibration.
         scales: per depth d, the observed over the calibrated share of steps whose accepted path
@@ -202,6 +211,7 @@ class TreeController:
     step_costs: StepCosts | None = None
     explore_every: int = 8
     rung: int = field(init=False)
+    context: int | None = field(default=None, init=False)
     history: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     _since_probe: int = 0
     _since_explore: int = 0
@@ -223,7 +233,7 @@ class TreeController:
         self.first_level_ranks: list[int] = sorted(p[0] for p in first)
         # how often the largest tree's first level holds the next token, under the calibration
         self.first_level_cal = expected_accept_length(first, self.head_topk_acc) - 1.0 if first else 0.0
-        self._cost_ratios: dict[int, list[float]] = {}
+        self._cost_ratios: dict[tuple[int, int | None], list[float]] = {}
         if self.explore_every < 2:
             raise ValueError(f"explore_every must be >= 2 steps, got {self.explore_every}")
         if not 0 < self.smoothing <= 1:  # (above 1 turned a scale negative: plain decoding for good; NaN too)
@@ -233,41 +243,54 @@ class TreeController:
         self.keys = [rung_key(t) for t in self.ladder]
         self.depths = [tree_depth(t) for t in self.ladder]
         self._recent: deque[tuple[int, float]] = deque(maxlen=self.explore_every)  # (rung, seconds)
-        self._step_cost_ratios: tuple[int, list[float]] = (-1, [])  # (StepCosts.version, ratios)
+        self._step_cost_ratios: tuple[tuple[int, int | None], list[float]] = ((-1, None), [])  # ((StepCosts.version,
+        # context bucket), ratios)
         self.rung = self._best()
 
-    def cost_ratios(self, batch: int) -> list[float]:
-        """Per rung, ``t(batch * (nodes + 1)) / t(batch)`` plus the heads its tree runs (rung 0: 1).
-        The heads' share is the one measured at one row (``CostProfile.head_ratio``): taken to grow
-        with the rows as the backbone's forward does, both being linear layers (not measured at
-        more than one row)."""
+    def _context_bucket(self, context: int | None) -> int | None:
+        """``context`` rounded down to ``CONTEXT_STEP`` tokens; None where the profile prices every context
+        alike (no long context measured, or ``context`` within the profile's own)."""
+        if self.cost.longer is None or context is None or context <= self.cost.context:
+            return None
+        return context // CONTEXT_STEP * CONTEXT_STEP
+
+    def cost_ratios(self, batch: int, context: int | None = None) -> list[float]:
+        """Per rung, ``t(batch * (nodes + 1)) / t(batch)`` over ``context`` cached tokens (None: the
+        profile's own; ``CostProfile.ratio``) plus the heads its tree runs (rung 0: 1). The heads'
+        share is the one measured at one row (``CostProfile.head_ratio``): taken to grow with the
+        rows as the backbone's forward does, both being linear layers (not measured at more than one
+        row); a batch's forward is priced as one row of all its tokens (attention over the context
+        grows with the tokens either way)."""
         if batch < 1:
             raise ValueError(f"batch size must be >= 1, got {batch}")
-        if batch not in self._cost_ratios:
-            plain = self.cost.ratio(batch)
-            self._cost_ratios[batch] = [1.0] + [
-                max(self.cost.ratio(batch * (len(t) + 1)) / plain, 1.0) + self.cost.head_ratio(tree_depth(t))
+        key = batch, self._context_bucket(context)
+        if key not in self._cost_ratios:
+            at = key[1]
+            plain = self.cost.ratio(batch, at)
+            self._cost_ratios[key] = [1.0] + [
+                max(self.cost.ratio(batch * (len(t) + 1), at) / plain, 1.0) + self.cost.head_ratio(tree_depth(t), at)
                 for t in self.ladder[1:]]
-        return self._cost_ratios[batch]
+        return self._cost_ratios[key]
 
     def step_cost_ratios(self) -> list[float]:
-        """Per rung, the cost of a batch-1 step against a plain one: the profile's
-        (``cost_ratios(1)``), with each neighbouring pair's ratio as ``step_costs`` measured it, and none below
-        1 (a tree step costs at least a plain one, as ``CostProfile`` holds its t(n) to t(1): one noisy sample
-        below it made a tree expected to accept nothing look faster than plain decoding)."""
-        prior = self.cost_ratios(1)
+        """Per rung, the cost of a batch-1 step against a plain one at ``context``: the profile's
+        (``cost_ratios(1, context)``), with each neighbouring pair's ratio as ``step_costs`` measured it, and none
+        below 1 (a tree step costs at least a plain one, as ``CostProfile`` holds its t(n) to t(1): one noisy
+        sample below it made a tree expected to accept nothing look faster than plain decoding)."""
+        prior = self.cost_ratios(1, self.context)
         if self.step_costs is None:
             return prior
-        if self._step_cost_ratios[0] != self.step_costs.version:  # recomputed only after a new sample
+        key = self.step_costs.version, self._context_bucket(self.context)
+        if self._step_cost_ratios[0] != key:  # recomputed only after a new sample, or at another context
             costs = [1.0]
             for r in range(1, len(self.ladder)):
                 step = self.step_costs.log_ratio(self.keys[r - 1], self.keys[r], math.log(prior[r] / prior[r - 1]))
                 costs.append(max(costs[-1] * math.exp(step), 1.0))
-            self._step_cost_ratios = (self.step_costs.version, costs)
+            self._step_cost_ratios = (key, costs)
         return self._step_cost_ratios[1]
 
     def _best(self, batch: int = 1) -> int:
-        costs = self.step_cost_ratios() if batch == 1 else self.cost_ratios(batch)
+        costs = self.step_cost_ratios() if batch == 1 else self.cost_ratios(batch, self.context)
         speeds = [(1 + self.expected_accepted(r)) / c for r, c in enumerate(costs)]
         return max(range(len(speeds)), key=speeds.__getitem__)
 
@@ -301,8 +324,15 @@ class TreeController:
         self._since_probe = 0
         return deeper
 
-    def choose(self, batch: int = 1) -> int:
-        """The rung for the next step of a batch of ``batch`` rows (records it in ``history``)."""
+    def choose(self, batch: int = 1, context: int | None = None) -> int:
+        """The rung for the next step of a batch of ``batch`` rows over ``context`` cached tokens (None: the
+        cost profile's own context; recorded as ``context``), recorded in ``history``."""
+        if context is not None and context < 0:
+            raise ValueError(f"context must be >= 0 cached tokens (or None), got {context}")
+        moved = self._context_bucket(context) != self._context_bucket(self.context)
+        self.context = context
+        if moved and batch == 1:  # the costs changed: the rung observe() chose at the last context may not be best
+            self.rung = self._best()
         rung = self.rung if batch == 1 else self._best(batch)
         self._explored_from = None
         if batch != 1:  # steps of one row after it are compared with one-row steps after it, not before

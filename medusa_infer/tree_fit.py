@@ -5,7 +5,9 @@ Two measurements decide the best tree on a device:
 * the heads' measured acceptance (from training's held-out evaluation or a calibration run): how
   often each path of ranks is right at once, which gives, for each tree, the expected tokens per
   step (``trees.expected_accept_length``);
-* the device's verification cost ``t(n)``: one forward of ``n`` tokens at a typical context length.
+* the device's verification cost ``t(n)``: one forward of ``n`` tokens at a typical context length
+  (and, where measured, at a longer one: on a CPU a tree's cost grows with the context it attends
+  over faster than one token's, so the adaptive fallback prices a step at its own context).
 
 The tree of each size that maximises the expected tokens is built greedily (``trees.greedy_tree``);
 the size chosen maximises expected tokens per second, ``tau(n) / t(n + 1)``, against plain
@@ -44,6 +46,16 @@ the linear kernels chosen per row count: t(5) / t(1) 1.42, t(7) 1.61, t(8) 1.45;
 docs/step-costs/sizes.log), then a few larger ones to interpolate between."""
 
 
+LONG_CONTEXT_SIZES = (1, 2, 3, 5, 9, 12, 17, 32, 64)
+"""The forward sizes measured at the long context (``measure_verify_cost(long_context=...)``): what grows with
+the context is attention over it, smooth in the number of new tokens, so fewer sizes than at the typical context
+(whose unevenness between sizes, the linear kernels', does not change with the context) price every size."""
+
+LONG_CONTEXT = 2048
+"""The long context a calibration measures forwards over, where the model attends that far (``long_context``):
+on the default model and a 2-core CPU t(11) / t(1) is 1.37 over 256 cached tokens and 1.72 to 1.80 over 2000."""
+
+
 EXTRAPOLATION_FLOOR = 1 / 16
 """Past the largest size measured, a token costs at least this share of a token's mean time at that size
 (``CostProfile.ratio``): a profile that measured flat prices larger forwards as rising, and one a little
@@ -63,6 +75,9 @@ class CostProfile:
         head_seconds: median seconds of running the first ``d`` Medusa heads (and their top-k) at
             one position, at index ``d - 1``: a tree of depth ``d`` runs only those (empty: not
             measured, the heads cost nothing).
+        longer: the same forwards measured over a longer context (its ``context``), at fewer sizes;
+            None: not measured, every context priced as ``context``. Past ``context`` a size's
+            seconds follow the line through its two measurements (``forward_seconds``).
     """
 
     sizes: list[int]
@@ -70,6 +85,7 @@ class CostProfile:
     device: str = ""
     context: int = 0
     head_seconds: list[float] = field(default_factory=list)
+    longer: CostProfile | None = None
 
     def __post_init__(self) -> None:
         whole = all(isinstance(n, int) and not isinstance(n, bool) for n in self.sizes)  # (a NaN or an infinity,
@@ -89,20 +105,42 @@ class CostProfile:
         # running deeper heads costs no less than running fewer (measure_head_seconds measures so; a profile written
         # by hand or another tool may not say so, and the fit, which takes it so, then missed the fastest tree)
         self.head_seconds = list(itertools.accumulate(self.head_seconds, max))
+        if self.longer is not None:
+            longer = self.longer
+            if not isinstance(longer, CostProfile) or longer.longer is not None or longer.context <= self.context:
+                raise ValueError(f"longer must be one cost profile measured over more than {self.context} cached "
+                                 f"tokens, measured at one context itself; got {longer!r:.200}")
 
-    def ratio(self, n: int) -> float:
-        """``t(n) / t(1)``, linearly interpolated (extrapolated past the largest size, never
-        decreasing)."""
-        sizes, secs = self.sizes, self.seconds
+    def forward_seconds(self, n: int, context: int | None = None) -> float:
+        """Seconds of one forward of ``n`` new tokens over ``context`` cached ones (None: ``self.context``):
+        linearly interpolated between the sizes measured (extrapolated past the largest, never decreasing);
+        past ``context``, with a ``longer`` profile, moved along the line through the two contexts' times
+        (extrapolated past the longer one: attention's cost grows in proportion to the context), never
+        below the time at ``context`` (a noisy longer measurement can read faster)."""
+        near = self._interpolated(n)
+        longer = self.longer
+        if longer is None or context is None or context <= self.context:
+            return near
+        slope = max(longer._interpolated(n) - near, 0.0) / (longer.context - self.context)
+        return near + slope * (context - self.context)
+
+    def ratio(self, n: int, context: int | None = None) -> float:
+        """``t(n) / t(1)`` over ``context`` cached tokens (``forward_seconds``)."""
         if n <= 1:
             return 1.0
+        return self.forward_seconds(n, context) / self.forward_seconds(1, context)
+
+    def _interpolated(self, n: int) -> float:
+        """``forward_seconds(n)`` at this profile's own context."""
+        sizes, secs = self.sizes, self.seconds
+        if n <= 1:
+            return secs[0]
         for i in range(1, len(sizes)):
             if n <= sizes[i]:
                 lo, hi = sizes[i - 1], sizes[i]
-                t = secs[i - 1] + (secs[i] - secs[i - 1]) * (n - lo) / (hi - lo)
-                return t / secs[0]
+                return secs[i - 1] + (secs[i] - secs[i - 1]) * (n - lo) / (hi - lo)
         if len(sizes) == 1:
-            return float(n)
+            return secs[0] * n
         # never flat: a noisy profile's last slope can be < 0, and a tie at its end (common, as
         # measure_verify_cost raises each time to the smaller sizes') is 0, which would make ever larger
         # forwards (a batch's tree step prices batch * nodes tokens) look free; the slope over the whole
@@ -113,20 +151,23 @@ class CostProfile:
         last = (secs[-1] - secs[-2]) / (sizes[-1] - sizes[-2])
         overall = (secs[-1] - secs[0]) / (sizes[-1] - sizes[0])
         slope = max(last, overall, secs[-1] / sizes[-1] * EXTRAPOLATION_FLOOR)
-        return (secs[-1] + slope * (n - sizes[-1])) / secs[0]
+        return secs[-1] + slope * (n - sizes[-1])
 
-    def head_ratio(self, depth: int) -> float:
-        """Cost of running the heads a tree of ``depth`` needs, as a fraction of ``t(1)`` (0 for
-        depth 0 or when not measured; past the measured depths, the deepest measured)."""
+    def head_ratio(self, depth: int, context: int | None = None) -> float:
+        """Cost of running the heads a tree of ``depth`` needs, as a fraction of ``t(1)`` over ``context``
+        cached tokens (0 for depth 0 or when not measured; past the measured depths, the deepest
+        measured). The heads read one position: their seconds do not grow with the context."""
         if depth <= 0 or not self.head_seconds:
             return 0.0
-        return self.head_seconds[min(depth, len(self.head_seconds)) - 1] / self.seconds[0]
+        return self.head_seconds[min(depth, len(self.head_seconds)) - 1] / self.forward_seconds(1, context)
 
     def to_dict(self) -> dict:
         data = {"sizes": list(self.sizes), "seconds": list(self.seconds), "device": self.device,
                 "context": self.context}
         if self.head_seconds:
             data["head_seconds"] = list(self.head_seconds)
+        if self.longer is not None:
+            data["longer"] = self.longer.to_dict()
         return data
 
     @classmethod
@@ -137,8 +178,9 @@ class CostProfile:
         head_seconds = data.get("head_seconds")
         if head_seconds is None and data.get("head_overhead") is not None and seconds:  # (none: refused below)
             head_seconds = [float(data["head_overhead"]) * seconds[0]]
+        longer = data.get("longer")
         return cls(list(data["sizes"]), seconds, data.get("device", ""), data.get("context", 0),
-                   list(head_seconds or []))
+                   list(head_seconds or []), cls.from_dict(longer) if longer is not None else None)
 
 
 @torch.inference_mode()
@@ -147,8 +189,11 @@ def measure_verify_cost(
     sizes: Sequence[int] = DEFAULT_SIZES,
     context: int = 256,
     repeats: int = 20,
+    long_context: int | None = None,
+    long_sizes: Sequence[int] = LONG_CONTEXT_SIZES,
 ) -> CostProfile:
-    """Time one forward of ``n`` new tokens over ``context`` cached ones, for each ``n`` in ``sizes``.
+    """Time one forward of ``n`` new tokens over ``context`` cached ones, for each ``n`` in ``sizes``;
+    with ``long_context``, also over that many for each of ``long_sizes`` (the profile's ``longer``).
 
     The sizes are interleaved within each repeat (so a noisy machine slows them alike) and the
     median is kept, raised to the largest median of the smaller sizes (the profile never decreases).
@@ -157,35 +202,44 @@ def measure_verify_cost(
     read t(4) / t(1) 1.37 to 1.46, three of 20 repeats 1.43 to 1.46
     (docs/bench80-large-s25/cost_noise.log). 20 repeats of the powers of two up to 64 took about 10 s
     there (the default sizes, 21 of them, take longer). ``model`` is a ``MedusaModel``; a causal mask
-    stands in for the tree mask (the cost does not depend on the mask's pattern).
+    stands in for the tree mask (the cost does not depend on the mask's pattern). The long context's
+    forwards are interleaved with the others, so that the line through the two contexts' times
+    (``CostProfile.forward_seconds``) compares times of one moment.
     """
-    if repeats < 1 or any(int(n) < 1 for n in sizes):  # (a median of nothing, or a reshape error, after warm-up)
-        raise ValueError(f"repeats must be >= 1 and sizes >= 1 token, got repeats={repeats}, sizes={list(sizes)}")
-    sizes = sorted(set(int(n) for n in sizes) | {1})
-    check_cost_context(model, context, sizes)
+    if repeats < 1 or any(int(n) < 1 for n in [*sizes, *long_sizes]):  # (a median of nothing, or a reshape error,
+        # after warm-up)
+        raise ValueError(f"repeats must be >= 1 and sizes >= 1 token, got repeats={repeats}, sizes={list(sizes)}, "
+                         f"long_sizes={list(long_sizes)}")
+    plan = {context: sorted(set(int(n) for n in sizes) | {1})}
+    check_cost_context(model, context, plan[context])
+    if long_context is not None:
+        if long_context <= context:
+            raise ValueError(f"long_context must exceed context ({context} cached tokens), got {long_context}")
+        plan[long_context] = sorted(set(int(n) for n in long_sizes) | {1})
+        check_cost_context(model, long_context, plan[long_context])
     device, dtype = model.device, model.dtype
     vocab = model.lm_head.weight.shape[0]
     generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, vocab, (1, context), generator=generator).to(device)
     layout = AttentionLayout.from_config(model.base_model.config)
 
-    def prefilled() -> KVState:
+    def prefilled(length: int) -> KVState:
+        prompt = torch.randint(0, vocab, (1, length), generator=generator).to(device)
         kv = KVState.empty(1, layout, device)
-        positions = torch.arange(context, device=device)[None]
+        positions = torch.arange(length, device=device)[None]
         valid = torch.ones_like(positions, dtype=torch.bool)
-        causal = torch.ones(context, context, dtype=torch.bool, device=device).tril()
+        causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
         model(prompt, attention_mask=kv.attention_mask(positions, valid, causal, dtype), position_ids=positions,
               cache=kv.cache, logits_positions=slice(-1, None))
         kv.append(valid, positions)
         return kv
 
-    base = prefilled()
-    times: dict[int, list[float]] = {n: [] for n in sizes}
+    bases = {length: prefilled(length) for length in plan}
+    times: dict[tuple[int, int], list[float]] = {(length, n): [] for length, ns in plan.items() for n in ns}
     for repeat in range(repeats + 1):  # the first round warms up and is discarded
-        for n in sizes:
-            kv = base.copy()
+        for length, n in times:
+            kv = bases[length].copy()
             tokens = torch.randint(0, vocab, (1, n), generator=generator).to(device)
-            positions = context + torch.arange(n, device=device)[None]
+            positions = length + torch.arange(n, device=device)[None]
             valid = torch.ones_like(positions, dtype=torch.bool)
             causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
             mask = kv.attention_mask(positions, valid, causal, dtype)
@@ -194,11 +248,25 @@ def measure_verify_cost(
             model(tokens, attention_mask=mask, position_ids=positions, cache=kv.cache)
             _sync(device)
             if repeat:
-                times[n].append(time.perf_counter() - start)
-    # A forward of more tokens never needs to cost less than one of fewer (it could pad them): a median
-    # below a smaller size's is noise, and would promise a speedup above the tokens a step yields.
-    seconds = list(itertools.accumulate((statistics.median(times[n]) for n in sizes), max))
-    return CostProfile(sizes, seconds, device_label(device, dtype), context)
+                times[length, n].append(time.perf_counter() - start)
+
+    def profile(length: int, longer: CostProfile | None = None) -> CostProfile:
+        # A forward of more tokens never needs to cost less than one of fewer (it could pad them): a median
+        # below a smaller size's is noise, and would promise a speedup above the tokens a step yields.
+        seconds = list(itertools.accumulate((statistics.median(times[length, n]) for n in plan[length]), max))
+        return CostProfile(plan[length], seconds, device_label(device, dtype), length, longer=longer)
+
+    return profile(context, profile(long_context) if long_context is not None else None)
+
+
+def long_context(model, context: int, preferred: int = LONG_CONTEXT) -> int | None:
+    """The long context a calibration over ``context`` cached tokens also measures ``model``'s forwards over:
+    ``preferred``, or as far as the model attends (less the largest of ``LONG_CONTEXT_SIZES``); None where that
+    is less than twice ``context`` (too near it to tell a slope from noise)."""
+    from medusa_infer.decoding import context_length  # decoding imports this module
+
+    length = min(preferred, context_length(model) - max(LONG_CONTEXT_SIZES))
+    return length if length >= 2 * context else None
 
 
 def device_label(device: torch.device, dtype: torch.dtype) -> str:

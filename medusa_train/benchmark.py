@@ -1092,15 +1092,23 @@ def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[st
     tree's expected tau is greedy decoding walked over those answers (``evaluate.walked_tokens_per_step``, as
     training's held-out figure: the average over every position runs high), its expected speedup that tau
     over the tree's cost; the fit keeps the fastest (plain decoding where none beats it)."""
-    from medusa_infer.tree_fit import check_cost_context, fit_tree, measure_verify_cost
+    from medusa_infer.tree_fit import (LONG_CONTEXT_SIZES, check_cost_context, fit_tree, long_context,
+                                       measure_verify_cost)
 
     if model.heads is None:
         raise ValueError("calibrate() needs a model with heads (medusa-bench --calibrate --heads FOLDER)")
     check_cost_context(model, args.calibrate_context)  # before the answers, which take the time
+    longer = getattr(args, "calibrate_long_context", None)
+    longer = long_context(model, args.calibrate_context) if longer is None else longer or None
+    if longer is not None:
+        if longer <= args.calibrate_context:
+            raise ValueError(f"--calibrate-long-context {longer} must exceed --calibrate-context "
+                             f"{args.calibrate_context}, or be 0 (no long context measured)")
+        check_cost_context(model, longer, LONG_CONTEXT_SIZES)
     sequences = first_turn_answers(model, questions, args.max_new_tokens, getattr(args, "system_prompt", None))
     accuracy = head_topk_accuracy(model, sequences, top_k=model.config.top_k)
     paths = accuracy.paths()
-    cost = measure_verify_cost(model, context=args.calibrate_context)
+    cost = measure_verify_cost(model, context=args.calibrate_context, long_context=longer)
     cost.head_seconds = measure_head_seconds(model)
     # each candidate's tau walked over the answers, as decoding walks them (the fit's default, the average over
     # positions, runs high: a tree it kept could walk slower than plain decoding)
@@ -1296,6 +1304,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--calibrate-questions", type=int, default=None, help="with --calibrate (default 16)")
     parser.add_argument("--calibrate-context", type=int, default=None,
                         help="with --calibrate: cached tokens before each timed forward (default 256)")
+    parser.add_argument("--calibrate-long-context", type=int, default=None,
+                        help="with --calibrate: also time forwards over this many cached tokens, so that the adaptive "
+                             "fallback prices a step at its own context (default 2048, or as far as the model "
+                             "attends; 0: none)")
     parser.add_argument("--calibrated-heads", metavar="DIR",
                         help="with --calibrate: save the calibrated heads (medusa-forge's layout) into DIR instead of "
                              "the --heads folder; needed for --heads in the FasterDecoding layout "
@@ -1356,7 +1368,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--no-datastore leaves out the datastore of a heads folder (its datastore.safetensors), and no "
                      "--heads is given: drop --no-datastore")
     for flag, value in (("--calibrate-questions", args.calibrate_questions),
-                        ("--calibrate-context", args.calibrate_context)):
+                        ("--calibrate-context", args.calibrate_context),
+                        ("--calibrate-long-context", args.calibrate_long_context)):
         if value is not None and not args.calibrate:
             parser.error(f"{flag} sets the calibration: add --calibrate or drop {flag}")
     args.lookup_max_tokens_given = args.lookup_max_tokens is not None  # (read once the heads are loaded)
@@ -1409,13 +1422,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             args.tree[len("fitted-"):].isdigit() and int(args.tree[len("fitted-"):]) >= 1):
         parser.error(f"--tree {args.tree!r}: a fitted tree is fitted-N, N >= 1 nodes")
     for flag, value, least in (("--threads", args.threads, 1), ("--calibrate-questions", args.calibrate_questions, 1),
-                               ("--calibrate-context", args.calibrate_context, 1)):
+                               ("--calibrate-context", args.calibrate_context, 1),
+                               ("--calibrate-long-context", args.calibrate_long_context, 0)):
         if value is not None and value < least:
             parser.error(f"{flag} must be at least {least}, got {value}")
     if args.threads is not None and args.threads > MAX_THREADS:
         parser.error(f"--threads must be at most {MAX_THREADS}, got {args.threads}")
     args.calibrate_questions = 16 if args.calibrate_questions is None else args.calibrate_questions
     args.calibrate_context = 256 if args.calibrate_context is None else args.calibrate_context
+    if args.calibrate_long_context and args.calibrate_long_context <= args.calibrate_context:
+        parser.error(f"--calibrate-long-context {args.calibrate_long_context} must exceed --calibrate-context "
+                     f"{args.calibrate_context}, or be 0 (no long context measured)")
     if Path(args.output).exists() and not Path(args.output).is_dir():
         parser.error(f"--output {args.output} is a file: give a folder for report.json, report.md and report.png")
     if args.device is not None:

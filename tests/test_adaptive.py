@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import math
 
 import pytest
@@ -1017,3 +1018,124 @@ def test_calibration_review_a_dip_a_useless_tree_and_head_costs_falling_with_dep
         tree_depth(tree))) for n in range(1, 7) for tree in itertools.combinations(paths, n)
         if all(len(p) == 1 or p[:-1] in tree for p in tree))
     assert fit_tree(accuracies, falling, sizes=range(1, 7)).expected_speedup >= brute - 1e-9
+
+
+# a CPU-like profile over 256 cached tokens, and over 2048, where attention over the context makes a tree's forward
+# dearer against one token's (the default model on a 2-core CPU: t(11) / t(1) 1.37 over 256, 1.72 to 1.80 over 2000)
+LONG = CostProfile([1, 4, 16, 32], [1.1, 1.9, 3.9, 6.7], "cpu", 2048)
+NEAR_AND_LONG = CostProfile([1, 2, 4, 8, 16, 32], [1.0, 1.05, 1.1, 1.2, 1.4, 2.0], "cpu", 256, [0.1], longer=LONG)
+
+
+def test_a_long_context_profile_prices_each_forward_at_its_context():
+    profile = NEAR_AND_LONG
+    for context in (None, 0, 100, 256):  # up to its own context, as measured there
+        assert profile.ratio(8, context) == pytest.approx(1.2)
+    # on the line through the two measurements: t(8) 1.2 -> 1.2 + 0.7 * 4 / 12 (LONG interpolated at 8), t(1) 1.0 -> 1.1
+    t8_long = 1.9 + (3.9 - 1.9) * 4 / 12
+    assert profile.forward_seconds(8, 2048) == pytest.approx(t8_long)
+    assert profile.ratio(8, 2048) == pytest.approx(t8_long / 1.1)
+    assert profile.forward_seconds(8, 1152) == pytest.approx((1.2 + t8_long) / 2)
+    assert profile.ratio(8, 1152) == pytest.approx((1.2 + t8_long) / 2 / 1.05)
+    # past the long context, extrapolated along that line (attention's cost grows in proportion to the context)
+    assert profile.forward_seconds(8, 3840) == pytest.approx(1.2 + 2 * (t8_long - 1.2))
+    assert profile.ratio(8, 3840) > profile.ratio(8, 2048) > profile.ratio(8, 1152) > profile.ratio(8)
+    # the heads read one position: their seconds stay, a share of a dearer plain step
+    assert profile.head_ratio(1) == pytest.approx(0.1) and profile.head_ratio(1, 2048) == pytest.approx(0.1 / 1.1)
+    alone = CostProfile(NEAR_AND_LONG.sizes, NEAR_AND_LONG.seconds, "cpu", 256)  # no long context measured
+    assert alone.ratio(8, 3840) == alone.ratio(8) == pytest.approx(1.2)
+    # a long measurement that reads faster than the near one (noise) never prices a forward below the near time
+    noisy = CostProfile([1, 2], [1.0, 1.3], "cpu", 256, longer=CostProfile([1, 2], [1.2, 1.25], "cpu", 2048))
+    assert noisy.forward_seconds(2, 4000) == pytest.approx(1.3) and noisy.forward_seconds(1, 2048) == 1.2
+
+
+def test_a_long_context_profile_round_trips_and_a_malformed_one_is_refused():
+    data = json.loads(json.dumps(NEAR_AND_LONG.to_dict()))
+    assert data["longer"] == {"sizes": [1, 4, 16, 32], "seconds": [1.1, 1.9, 3.9, 6.7], "device": "cpu",
+                              "context": 2048}
+    assert CostProfile.from_dict(data) == NEAR_AND_LONG
+    assert CostProfile.from_dict({k: v for k, v in data.items() if k != "longer"}).longer is None  # older profiles
+    for longer, says in (({**data["longer"], "context": 256}, "longer must be one cost profile measured over more "
+                                                              "than 256 cached tokens"),
+                         ({**data["longer"], "longer": data["longer"]}, "measured at one context itself"),
+                         ({**data["longer"], "seconds": [1.0, float("nan"), 2.0, 3.0]}, "seconds must hold one")):
+        with pytest.raises(ValueError, match=says):
+            CostProfile.from_dict({**data, "longer": longer})
+    from medusa_infer.config import MedusaConfig
+
+    with pytest.raises(ValueError, match="heads config cost_profile .* is not a cost profile .*more than 256 cached"):
+        MedusaConfig(num_heads=2, cost_profile={**data, "longer": {**data["longer"], "context": 100}})
+
+
+def test_a_measurement_over_a_long_context_is_interleaved_with_the_typical_one(monkeypatch):
+    import medusa_infer.tree_fit as tree_fit
+
+    model = MedusaModel.without_heads(tiny_model("llama"))  # attends over 256 positions
+    assert tree_fit.long_context(model, 16) == 256 - max(tree_fit.LONG_CONTEXT_SIZES)
+    assert tree_fit.long_context(model, 100) is None  # 192 is too near 100 to tell a slope from noise
+    assert tree_fit.long_context(model, 16, preferred=64) == 64
+    order = []
+    forward = type(model).forward
+    monkeypatch.setattr(type(model), "forward", lambda self, ids, **kw: (
+        order.append((kw["position_ids"].shape[1], int(kw["position_ids"][0, 0]))), forward(self, ids, **kw))[1])
+    profile = measure_verify_cost(model, sizes=(1, 4), context=8, repeats=1, long_context=32, long_sizes=(2,))
+    assert profile.context == 8 and profile.sizes == [1, 4]
+    assert profile.longer.context == 32 and profile.longer.sizes == [1, 2] and profile.longer.device == profile.device
+    timed = [(n, start) for n, start in order if start in (8, 32)]  # the prefills start at 0
+    assert timed == [(1, 8), (4, 8), (1, 32), (2, 32)] * 2  # each round times both contexts (the first warms up)
+    with pytest.raises(ValueError, match="long_context must exceed context .8 cached tokens., got 8"):
+        measure_verify_cost(model, sizes=(1,), context=8, repeats=1, long_context=8)
+    with pytest.raises(ValueError, match=r"needs 250 \+ 64 positions, but the model attends over 256"):
+        measure_verify_cost(model, sizes=(1,), context=8, repeats=1, long_context=250)
+
+
+def test_the_fallback_prices_a_step_at_the_context_it_attends_over():
+    ladder = tree_ladder(greedy_tree(REFERENCE_HEAD_ACCURACY, 16))
+    control = TreeController(ladder, REFERENCE_HEAD_ACCURACY, NEAR_AND_LONG)
+    near = control.choose(1, 300)
+    assert len(ladder[near]) == 8 and control.context == 300
+    # over 4000 cached tokens an 8-node tree costs 3.7 plain steps: the controller shrinks it at once
+    assert control.cost_ratios(1, 4032)[near] == pytest.approx(NEAR_AND_LONG.ratio(9, 4032)
+                                                               + NEAR_AND_LONG.head_ratio(1, 4032))
+    assert control.cost_ratios(1, 4032)[near] > 3.6 > control.cost_ratios(1, 300)[near] + 2
+    far = control.choose(1, 4000)
+    assert len(ladder[far]) == 1 and control.rung == far
+    control.observe(far, [1.0])  # observations at the long context keep to its prices
+    assert control.rung == far
+    assert control.choose(1, 300) == near  # and back
+    assert control.choose(1) == near  # None: the profile's own context
+    # contexts within CONTEXT_STEP tokens share their prices (computed once for them)
+    assert control.cost_ratios(1, 4000) is control.cost_ratios(1, 4001)
+    learned = TreeController(ladder, REFERENCE_HEAD_ACCURACY, NEAR_AND_LONG, step_costs=StepCosts())
+    assert learned.step_cost_ratios() == learned.cost_ratios(1)
+    learned.choose(1, 4000)
+    assert learned.step_cost_ratios() == pytest.approx(learned.cost_ratios(1, 4000))
+    alone = TreeController(ladder, REFERENCE_HEAD_ACCURACY, CostProfile(NEAR_AND_LONG.sizes, NEAR_AND_LONG.seconds))
+    assert alone.choose(1, 4000) == alone.choose(1, 300)
+    with pytest.raises(ValueError, match="context must be >= 0 cached tokens"):
+        control.choose(1, -1)
+
+
+def test_generation_prices_each_step_over_the_longest_rows_history(monkeypatch):
+    base = tiny_model("llama")
+    model = MedusaModel.from_base(base, num_heads=4)
+    model.config.head_accuracies = [list(itertools.accumulate(row)) for row in REFERENCE_HEAD_ACCURACY]
+    model.config.cost_profile = CostProfile([1, 2, 4, 8, 16, 32], NEAR_AND_LONG.seconds, "cpu", 8,
+                                            longer=CostProfile(LONG.sizes, LONG.seconds, "cpu", 64)).to_dict()
+    seen = []
+    choose = TreeController.choose
+    monkeypatch.setattr(TreeController, "choose", lambda self, batch=1, context=None: (
+        seen.append((batch, context)), choose(self, batch, context))[1])
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g) for n in (5, 40)]
+    ids = torch.zeros(2, 40, dtype=torch.long)
+    mask = torch.zeros(2, 40, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, 40 - len(prompt):], mask[row, 40 - len(prompt):] = prompt, 1
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=12, tree="tree-16", eos_token_id=[],
+                   speculation_gate=False)
+    assert seen[0] == (2, 41)  # the longer row's prompt and the step's root, the prefill's token
+    contexts = [context for _, context in seen]
+    assert all(batch == 2 for batch, _ in seen) and contexts == sorted(set(contexts)) and contexts[-1] < 40 + 12
+    for prompt, row in zip(prompts, out.new_tokens):
+        reference = base.generate(prompt[None], max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert row == reference[0, len(prompt):].tolist()

@@ -257,6 +257,8 @@ def test_calibration_measures_accuracy_and_cost_and_fits_a_tree(model):
     assert len(config.head_accuracies) == 4 and len(config.head_accuracies[0]) == config.top_k
     assert all(0 <= a <= b <= 1 for row in config.head_accuracies for a, b in zip(row, row[1:]))  # cumulative
     assert config.cost_profile["sizes"][0] == 1
+    # forwards over a long context too, as far as the tiny model attends (256 positions) less the largest size timed
+    assert config.cost_profile["longer"]["context"] == 256 - 64 and config.cost_profile["context"] == 16
     head_seconds = config.cost_profile["head_seconds"]  # running the first d heads, d = 1..4
     assert len(head_seconds) == 4 and all(t > 0 for t in head_seconds)
     assert result["table"][0]["nodes"] == 0
@@ -277,6 +279,13 @@ def test_calibration_measures_accuracy_and_cost_and_fits_a_tree(model):
     calibrate(model, QUESTIONS[2:4], args())
     assert "heldout_head_accuracies" not in config.training and "heldout_path_accuracies" not in config.training
     assert "end of training" not in model_card(config) and config.head_accuracies is not first
+
+    calibrate(model, QUESTIONS[:1], args(calibrate_long_context=0))  # none asked for
+    assert "longer" not in config.cost_profile
+    calibrate(model, QUESTIONS[:1], args(calibrate_long_context=100))
+    assert config.cost_profile["longer"]["context"] == 100
+    with pytest.raises(ValueError, match=r"needs 250 \+ 64 positions, but the model attends over 256"):
+        calibrate(model, QUESTIONS[:1], args(calibrate_long_context=250))
 
 
 def test_calibrated_expected_tau_is_greedy_decodings_over_the_calibration_answers(model):
@@ -708,6 +717,12 @@ def test_heads_from_the_hub_name_their_base_model(model, tmp_path, monkeypatch):
          "--calibrate-context must be at least 1, got 0"),
         (["--methods", "ar", "--heads", "h", "--calibrate", "--calibrated-heads", "out", "--calibrate-questions", "0"],
          "--calibrate-questions must be at least 1, got 0"),
+        (["--methods", "ar", "--heads", "h", "--calibrate", "--calibrated-heads", "out", "--calibrate-long-context",
+          "-1"], "--calibrate-long-context must be at least 0, got -1"),
+        (["--methods", "ar", "--heads", "h", "--calibrate", "--calibrated-heads", "out", "--calibrate-long-context",
+          "256"], "--calibrate-long-context 256 must exceed --calibrate-context 256, or be 0"),
+        (["--methods", "ar", "--heads", "h", "--calibrate-long-context", "1024"],
+         "--calibrate-long-context sets the calibration: add --calibrate"),
         # these were found only after loading the model, or not at all (a NaN budget was no budget, in
         # report.json as NaN, which is no JSON)
         (["--methods", "medusa-lossless", "--heads", "h", "--temperature", "-1"],

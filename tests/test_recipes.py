@@ -1111,7 +1111,9 @@ def test_scripts_name_bad_arguments_not_a_traceback(prompt_set, tmp_path, capsys
     for argv, said in ((["bench_distill.py", "--n", "0"], "--n must be at least 1, got 0"),
                        (["bench_attention.py", "--contexts", "2", "--sizes", "3"],
                         "--sizes must be at least 1 and at most the smallest of --contexts (2)"),
-                       (["bench_packing.py", "--rows", "x", "--batches", "0"], "--batches must be at least 1, got 0")):
+                       (["bench_packing.py", "--rows", "x", "--batches", "0"], "--batches must be at least 1, got 0"),
+                       (["bench_fallback.py", "--heads", "h", "--methods", "adaptive,nope"],
+                        "--methods: unknown nope; choose from ar, adaptive, one-context, learned, fixed")):
         done = subprocess.run([sys.executable, str(ROOT / "scripts" / argv[0]), *argv[1:]], capture_output=True,
                               text=True, timeout=120)
         assert done.returncode == 2 and said in done.stderr, (argv, done.stderr[-1000:])

@@ -205,7 +205,8 @@ class MedusaProposer:
         # a step held to its root (a serving gate's plain step, the context's last token) is not the
         # controller's to choose: it would spend the probe or neighbour step due on it, cut to nothing
         chosen = self.controller is not None and context.max_depth > 0
-        self.rung = self.controller.choose(len(context.sequences)) if chosen else 0
+        # priced over the longest row's history, which the batch's cache holds for every row
+        self.rung = self.controller.choose(len(context.sequences), max(map(len, context.sequences))) if chosen else 0
         proposal = self._propose(roots, context)
         proposal.fallback = chosen and self.rung == 0
         if not chosen:  # nor does it teach the controller anything (no step time; no shadow: _propose)
