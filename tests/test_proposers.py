@@ -976,6 +976,28 @@ def test_gated_matches_charge_the_draft_for_every_row():
     assert gated_matches([history] * 16, 3, 1, 4, gate) == [(("prompt", 3), [])] * 16  # t(80) / t(16) = 4.4
 
 
+def test_lookup_drafts_are_priced_over_the_context_the_step_attends_over():
+    """A profile with a long context's times prices a draft there (a CPU's attention over 2000 cached tokens makes
+    every token of a forward dearer against one): a draft that pays after a short history does not after a long one."""
+    from medusa_infer.proposers.lookup import LookupGate, gated_matches
+    from medusa_infer.tree_fit import CostProfile
+
+    cost = CostProfile([1, 2, 4, 8], [1.0, 1.1, 1.2, 1.4], "cpu-like", 8,
+                       longer=CostProfile([1, 2, 4, 8], [1.1, 1.9, 2.6, 4.0], "cpu-like", 64))
+    gate = LookupGate(cost, probe_every=1000)
+    for _ in range(6):
+        gate.record(("prompt", 3), 1, 4)
+    short = [1, 2, 3, 4, 5, 6, 1, 2, 3]
+    long = list(range(10, 110)) + short  # 109 tokens, past the longer profile's 64
+    assert gate.best(("prompt", 3), 4)[1] > 1 > gate.best(("prompt", 3), 4, context=len(long))[1]
+    assert gated_matches([short], 3, 1, 4, gate)[0][1] != []
+    assert gated_matches([long], 3, 1, 4, gate)[0][1] == []
+    # a batch is priced over its longest row's history: shorter drafts than for two short rows
+    assert gated_matches([short, short], 3, 1, 4, gate) == [(("prompt", 3), [4, 5])] * 2
+    assert gated_matches([short, long], 3, 1, 4, gate) == gated_matches([long, long], 3, 1, 4, gate) == [
+        (("prompt", 3), [4])] * 2
+
+
 def test_merged_lookup_proposers_keep_both_gates_counts():
     # L16: LookupProposer.merge dropped the joining batch's gate counts
 

@@ -77,7 +77,8 @@ class LookupGate:
     from an optimistic prior (``prior_rate``, weighted as ``prior_weight`` tokens). A draft of
     ``L`` tokens is then expected to add ``E(L) = p + p^2 + ... + p^L`` tokens to the step's one;
     added to a forward of ``base`` tokens per row, in a batch of ``B`` rows, it costs
-    ``t(B * (base + L)) / t(B * base)`` (the rows share one forward). The gate verifies the ``L``
+    ``t(B * (base + L)) / t(B * base)`` (the rows share one forward) over the cached tokens the step
+    attends over (``CostProfile.ratio``). The gate verifies the ``L``
     (up to the match's length) with the most expected tokens per unit of cost, when that is at least
     plain decoding's: long drafts where matches keep being right, short ones or none where they are
     not. A refused n-gram length is still tried every ``probe_every``-th time, so the estimate
@@ -109,34 +110,37 @@ class LookupGate:
         return sum(p ** i for i in range(1, length + 1))
 
     def best(self, n: Hashable, available: int, base: int = 1, batch: int = 1,
-             heads: float = 0.0) -> tuple[int, float]:
+             heads: float = 0.0, context: int | None = None) -> tuple[int, float]:
         """``(length, gain)``: the length (1 to ``available``) of a draft after an ``n`` match with
         the most expected tokens per unit of cost, and that ratio relative to verifying ``base``
-        tokens per row of a batch of ``batch`` rows without it (>= 1: the draft pays).
+        tokens per row of a batch of ``batch`` rows without it (>= 1: the draft pays), over
+        ``context`` cached tokens (None: the profile's own).
 
         ``heads``: the tokens the rest of the tree (Medusa heads) is expected to add a step beyond
         the root. A step with the draft is credited ``1 + E(L) + (1 - p) * heads`` tokens, the
         heads' tokens only where the draft's first token fails (a lower bound: where the draft is
         right the heads may still go further), against ``1 + heads`` without it."""
-        p, plain = self.rate(n), self.cost.ratio(batch * base)
+        p, plain = self.rate(n), self.cost.ratio(batch * base, context)
         without = 1 + heads
         best, best_gain, expected, power = 1, 0.0, 0.0, 1.0
         for length in range(1, available + 1):
             power *= p
             expected += power
-            gain = (1 + expected + (1 - p) * heads) / without * plain / self.cost.ratio(batch * (base + length))
+            cost = self.cost.ratio(batch * (base + length), context)
+            gain = (1 + expected + (1 - p) * heads) / without * plain / cost
             if gain >= best_gain:
                 best, best_gain = length, gain
         return best, best_gain
 
-    def length(self, n: Hashable, available: int, base: int = 1, batch: int = 1, heads: float = 0.0) -> int:
+    def length(self, n: Hashable, available: int, base: int = 1, batch: int = 1, heads: float = 0.0,
+               context: int | None = None) -> int:
         """How many leading tokens of a draft of ``available`` tokens after an ``n`` match to
         verify (0: none), for a batch of ``batch`` rows verifying ``base`` tokens each without it
-        (``heads`` as in ``best``). A refused kind of match is still verified every
+        (``heads`` and ``context`` as in ``best``). A refused kind of match is still verified every
         ``probe_every``-th time it is refused."""
         if available <= 0:
             return 0
-        best, gain = self.best(n, available, base, batch, heads)
+        best, gain = self.best(n, available, base, batch, heads, context)
         if gain >= 1.0:
             return best
         self.refused[n] = self.refused.get(n, 0) + 1
@@ -251,7 +255,8 @@ def gated_matches(sequences: list[list[int]], max_ngram: int, min_ngram: int, li
     """Per row ``(key, draft)``: the lookup draft of at most ``limit`` tokens, cut to the length
     ``gate`` chooses (``[]`` when it refuses it) for a batch of ``len(sequences)`` rows, each
     verifying ``base`` tokens without the draft, whose heads are expected to add ``heads`` tokens
-    a step (``LookupGate.length``). ``key`` is ``("prompt", n)`` for a match of the row's own last
+    a step (``LookupGate.length``), over the longest row's history (which the batch's cache holds for every
+    row). ``key`` is ``("prompt", n)`` for a match of the row's own last
     ``n`` tokens earlier in it, ``("datastore", n, confidence)`` for one in ``datastore``
     (``DatastoreMatch.confidence``: how strongly the store's occurrences agree on the first token),
     followed by the row's kind where ``kinds`` gives one per row (``row_kinds``: its acceptance rule, as a
@@ -260,6 +265,7 @@ def gated_matches(sequences: list[list[int]], max_ngram: int, min_ngram: int, li
     With both, the gate takes the draft whose best length pays better (``LookupGate.best``) and
     cuts it as it would alone; without a gate the longer match wins (the prompt's on a tie)."""
     out: list[tuple[Hashable, list[int]]] = []
+    context = max(map(len, sequences), default=0)
     for row, history in enumerate(sequences):
         found, kind = [], () if kinds is None else (kinds[row],)
         n, draft = find_match(history, max_ngram, min_ngram, limit)
@@ -272,10 +278,10 @@ def gated_matches(sequences: list[list[int]], max_ngram: int, min_ngram: int, li
         if gate is None:
             found.sort(key=lambda m: -m[0][1])  # n
         elif len(found) > 1:  # the source that pays better; only its refusal counts towards a probe
-            found.sort(key=lambda m: -gate.best(m[0], len(m[1]), base, len(sequences), heads)[1])
+            found.sort(key=lambda m: -gate.best(m[0], len(m[1]), base, len(sequences), heads, context)[1])
         if found and gate is not None:
             key, draft = found[0]
-            found = [(key, draft[: gate.length(key, len(draft), base, len(sequences), heads)])]
+            found = [(key, draft[: gate.length(key, len(draft), base, len(sequences), heads, context)])]
         out.append(found[0] if found else (("prompt", 0, *kind), []))
     return out
 
