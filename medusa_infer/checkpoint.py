@@ -645,8 +645,11 @@ def model_card(config: MedusaConfig, base_model_id: str | None = None, chat: boo
             lines.append("")
             profile = config.cost_profile or {}
             if figures is estimated and profile.get("device"):  # a CPU's speedup is not a GPU's
+                longer = profile.get("longer") if isinstance(profile.get("longer"), dict) else None
+                also = (f" (also {longer.get('context', 0)}, by which decoding prices steps over longer contexts; "
+                        "the estimates are at the first)") if longer else ""
                 lines += [f"The cost model was measured on {profile['device']}, {profile.get('context', 0)} cached "
-                          "tokens before each forward: speedups estimated elsewhere differ.", ""]
+                          f"tokens before each forward{also}: speedups estimated elsewhere differ.", ""]
     lines += _data_sources_section(config.training.get("data_sources"))
     if config.training:  # (local paths by their last part: a home folder's name, a dataset's place, published)
         lines += ["## Training", "", "```json", json.dumps(_public(config.training), indent=2), "```", ""]

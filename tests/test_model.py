@@ -716,7 +716,13 @@ def test_model_card_tells_trained_untrained_and_estimated_figures_apart(tmp_path
     model.save_pretrained(tmp_path / "trained")  # a CPU's estimated speedup read as any device's
     card = (tmp_path / "trained" / "README.md").read_text()
     estimated = card.split("## Expected acceptance (estimated", 1)[1].split("## ", 1)[0]
-    assert "The cost model was measured on cpu float32, 64 cached tokens before each forward" in estimated
+    assert "The cost model was measured on cpu float32, 64 cached tokens before each forward:" in estimated
+    model.config.cost_profile["longer"] = {"sizes": [1, 2], "seconds": [1.1, 1.5], "device": "cpu float32",
+                                           "context": 512}
+    model.save_pretrained(tmp_path / "trained")
+    card = (tmp_path / "trained" / "README.md").read_text()
+    assert ("The cost model was measured on cpu float32, 64 cached tokens before each forward (also 512, by which "
+            "decoding prices steps over longer contexts; the estimates are at the first): speedups") in card
     model.config.cost_profile = None
     model.config.training = {"heldout_head_accuracies": [[0.5]]}  # calibration's record, not training's
     model.save_pretrained(tmp_path / "calibrated")
