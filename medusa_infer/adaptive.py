@@ -122,12 +122,16 @@ class StepCosts:
     """Measured cost ratios of batch-1 steps on neighbouring trees, learned while decoding.
 
     Step times drift with the machine's load and the context's length, so only comparisons made
-    close in time are kept: a ``TreeController`` that probes a neighbouring rung reports
-    ``log(probe seconds / median of the steps just before it on the rung it came from)``, one
-    sample of that pair's log cost ratio. A pair keeps its last ``window`` samples; its estimate
-    is their median, shrunk towards the calibration profile's ratio by ``prior_weight``
-    pseudo-samples. Pass one object to many generations (``generate(step_costs=...)``) and what
-    it learns carries across them; a generation of a few dozen steps alone takes only a few probes.
+    close in time are kept: a ``TreeController`` that probes a neighbouring rung measures
+    ``log(probe seconds / median of the steps just before it on the rung it came from)`` and
+    reports how far that is from the calibration profile's log cost ratio of the pair at the
+    step's context, one sample of the pair's log residual. A pair keeps its last ``window``
+    samples; its estimate at a context is the profile's there plus their median, shrunk towards
+    0 by ``prior_weight`` pseudo-samples. So what steps over short prompts measured moves the
+    profile's prices for long ones by as much, and not to the short ones' ratios (where a tree's
+    cost against a plain step's is lower on a CPU). Pass one object to many generations
+    (``generate(step_costs=...)``) and what it learns carries across them; a generation of a few
+    dozen steps alone takes only a few probes.
 
     Args:
         window: samples kept per pair of trees.
@@ -144,11 +148,12 @@ class StepCosts:
         self._priors: dict[tuple[RungKey, RungKey], float] = {}  # the profile's, as last asked
         self.version = 0  # counts the samples recorded, so that estimates can be cached between them
 
-    def record(self, smaller: RungKey, larger: RungKey, log_ratio: float) -> None:
-        """One measured ``log(seconds on larger / seconds on smaller)``."""
-        if not math.isfinite(log_ratio):
-            raise ValueError(f"log_ratio must be finite, got {log_ratio}")
-        self._samples.setdefault((smaller, larger), deque(maxlen=self.window)).append(log_ratio)
+    def record(self, smaller: RungKey, larger: RungKey, log_residual: float) -> None:
+        """One measured ``log(seconds on larger / seconds on smaller)`` less the profile's log ratio of the two
+        at that step's context."""
+        if not math.isfinite(log_residual):
+            raise ValueError(f"log_residual must be finite, got {log_residual}")
+        self._samples.setdefault((smaller, larger), deque(maxlen=self.window)).append(log_residual)
         self.version += 1
 
     def samples(self, smaller: RungKey, larger: RungKey) -> int:
@@ -156,21 +161,28 @@ class StepCosts:
         return len(self._samples.get((smaller, larger), ()))
 
     def log_ratio(self, smaller: RungKey, larger: RungKey, prior: float) -> float:
-        """The pair's estimated ``log(t(larger) / t(smaller))``; ``prior``: the profile's."""
+        """The pair's estimated ``log(t(larger) / t(smaller))``, ``prior`` being the profile's at the context
+        asked about: ``prior`` plus the samples' median residual, shrunk towards 0."""
         self._priors[smaller, larger] = prior
         measured = self._samples.get((smaller, larger))
         if not measured:
             return prior
         n = len(measured)
-        return (n * median(measured) + self.prior_weight * prior) / (n + self.prior_weight)
+        return prior + n * median(measured) / (n + self.prior_weight)
 
     def summary(self) -> dict[str, dict[str, float | None]]:
-        """Per measured pair (``"5->9 tokens, depth 2->3"``): the measured cost ratio (median of the
-        samples), the sample count and the profile's ratio (None if no controller has asked for it)."""
-        return {f"{a[0]}->{b[0]} tokens, depth {a[1]}->{b[1]}": {
-            "ratio": round(math.exp(median(s)), 4), "samples": len(s),
-            "profile": round(math.exp(self._priors[a, b]), 4) if (a, b) in self._priors else None,
-        } for (a, b), s in sorted(self._samples.items()) if s}
+        """Per measured pair (``"5->9 tokens, depth 2->3"``): the measured cost ratio at the context last
+        asked about (the profile's ratio there times the samples' median measured over profile ratio; None
+        if no controller has asked), that median (``over_profile``), the sample count and the profile's
+        ratio there (None likewise)."""
+        def entry(pair: tuple[RungKey, RungKey], samples: deque[float]) -> dict[str, float | None]:
+            prior = self._priors.get(pair)
+            return {"ratio": None if prior is None else round(math.exp(prior + median(samples)), 4),
+                    "over_profile": round(math.exp(median(samples)), 4), "samples": len(samples),
+                    "profile": None if prior is None else round(math.exp(prior), 4)}
+
+        return {f"{a[0]}->{b[0]} tokens, depth {a[1]}->{b[1]}": entry((a, b), s)
+                for (a, b), s in sorted(self._samples.items()) if s}
 
 
 @dataclass
@@ -372,7 +384,8 @@ class TreeController:
     def observe_seconds(self, rung: int, seconds: float) -> None:
         """Record how long a batch-1 step on ``rung`` took, its whole tree verified (no-op without
         ``step_costs``). A step on a neighbouring rung (``choose`` explored) becomes one sample of
-        the pair's cost ratio against the median of the recent steps on the rung it came from."""
+        the pair's cost ratio against the median of the recent steps on the rung it came from, recorded
+        as its excess over the profile's ratio at the step's context (``StepCosts``)."""
         if self.step_costs is None:
             return
         if seconds <= 0:
@@ -386,7 +399,9 @@ class TreeController:
             return
         log_ratio = math.log(seconds / median(before))
         lower, upper = sorted((start, rung))
-        self.step_costs.record(self.keys[lower], self.keys[upper], log_ratio if rung == upper else -log_ratio)
+        prior = self.cost_ratios(1, self.context)  # the profile's at this step's context: the sample is the excess
+        excess = (log_ratio if rung == upper else -log_ratio) - math.log(prior[upper] / prior[lower])
+        self.step_costs.record(self.keys[lower], self.keys[upper], excess)
         self.rung = self._best()
 
     def observe_shadow(self, hit_rate: float) -> None:

@@ -115,14 +115,16 @@ class CostProfile:
         """Seconds of one forward of ``n`` new tokens over ``context`` cached ones (None: ``self.context``):
         linearly interpolated between the sizes measured (extrapolated past the largest, never decreasing);
         past ``context``, with a ``longer`` profile, moved along the line through the two contexts' times
-        (extrapolated past the longer one: attention's cost grows in proportion to the context), never
-        below the time at ``context`` (a noisy longer measurement can read faster)."""
+        (extrapolated past the longer one: attention's cost grows in proportion to the context), growing
+        no less than one token's forward does (attention over the context grows with the tokens that
+        attend; a noisy longer measurement of ``n`` tokens that grew less, or read faster, would price
+        ``n`` tokens below one token far past it)."""
         near = self._interpolated(n)
         longer = self.longer
         if longer is None or context is None or context <= self.context:
             return near
-        slope = max(longer._interpolated(n) - near, 0.0) / (longer.context - self.context)
-        return near + slope * (context - self.context)
+        growth = max(longer._interpolated(n) - near, longer._interpolated(1) - self._interpolated(1), 0.0)
+        return near + growth * (context - self.context) / (longer.context - self.context)
 
     def ratio(self, n: int, context: int | None = None) -> float:
         """``t(n) / t(1)`` over ``context`` cached tokens (``forward_seconds``)."""
@@ -216,7 +218,7 @@ def measure_verify_cost(
         if long_context <= context:
             raise ValueError(f"long_context must exceed context ({context} cached tokens), got {long_context}")
         plan[long_context] = sorted(set(int(n) for n in long_sizes) | {1})
-        check_cost_context(model, long_context, plan[long_context])
+        check_cost_context(model, long_context, plan[long_context], "--calibrate-long-context")
     device, dtype = model.device, model.dtype
     vocab = model.lm_head.weight.shape[0]
     generator = torch.Generator().manual_seed(0)
@@ -296,9 +298,11 @@ def warn_if_measured_elsewhere(model) -> None:
                        "(medusa-bench --calibrate --calibrated-heads DIR)", measured, here)
 
 
-def check_cost_context(model, context: int, sizes: Sequence[int] = DEFAULT_SIZES) -> None:
+def check_cost_context(model, context: int, sizes: Sequence[int] = DEFAULT_SIZES,
+                       flag: str = "--calibrate-context") -> None:
     """Raise ``ValueError`` unless ``measure_verify_cost(model, sizes, context)`` fits the model's context
-    (a model with learned positions failed with an IndexError past its last position)."""
+    (a model with learned positions failed with an IndexError past its last position); the message names
+    medusa-bench's ``flag`` that sets ``context``."""
     from medusa_infer.decoding import context_length  # decoding imports this module
 
     limit, largest = context_length(model), max(sizes, default=1)
@@ -306,7 +310,7 @@ def check_cost_context(model, context: int, sizes: Sequence[int] = DEFAULT_SIZES
         raise ValueError(
             f"a cost profile measured over {context} cached tokens needs {context} + {largest} positions, but "
             f"the model attends over {limit}: measure over a context between 1 and {limit - largest} "
-            "(medusa-bench --calibrate-context)"
+            f"(medusa-bench {flag})"
         )
 
 

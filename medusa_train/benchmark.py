@@ -1104,7 +1104,7 @@ def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[st
         if longer <= args.calibrate_context:
             raise ValueError(f"--calibrate-long-context {longer} must exceed --calibrate-context "
                              f"{args.calibrate_context}, or be 0 (no long context measured)")
-        check_cost_context(model, longer, LONG_CONTEXT_SIZES)
+        check_cost_context(model, longer, LONG_CONTEXT_SIZES, "--calibrate-long-context, or 0 for none")
     sequences = first_turn_answers(model, questions, args.max_new_tokens, getattr(args, "system_prompt", None))
     accuracy = head_topk_accuracy(model, sequences, top_k=model.config.top_k)
     paths = accuracy.paths()

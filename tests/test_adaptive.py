@@ -573,8 +573,9 @@ def test_step_costs_pair_a_neighbour_step_with_the_steps_just_before_it():
     assert down == start - 1
     control.observe_seconds(down, 0.008)
     assert costs.samples(control.keys[down], control.keys[start]) == 1
+    profile = math.log(control.cost_ratios(1)[start] / control.cost_ratios(1)[down])
     assert costs.log_ratio(control.keys[down], control.keys[start], prior=0.0) == pytest.approx(
-        math.log(0.010 / 0.008) / (1 + costs.prior_weight))  # one sample, shrunk towards the prior
+        (math.log(0.010 / 0.008) - profile) / (1 + costs.prior_weight))  # one sample's excess, shrunk towards 0
     # a neighbour step with fewer than two steps before it on its rung teaches nothing
     fresh = TreeController(ladder, REFERENCE_HEAD_ACCURACY, CPU, step_costs=StepCosts(), explore_every=2)
     fresh.observe_seconds(fresh.choose(), 0.010)
@@ -630,7 +631,7 @@ def test_step_costs_reject_bad_settings_and_keep_a_window():
     small, large = (1, 0), (2, 1)
     for value in (0.1, 0.2, 0.9, 0.3):
         costs.record(small, large, value)
-    assert costs.samples(small, large) == 3 and costs.log_ratio(small, large, prior=5.0) == pytest.approx(0.3)
+    assert costs.samples(small, large) == 3 and costs.log_ratio(small, large, prior=5.0) == pytest.approx(5.3)
     assert costs.log_ratio(large, (3, 1), prior=0.25) == 0.25  # nothing measured: the profile's
     with pytest.raises(ValueError, match="window"):
         StepCosts(window=0)
@@ -1043,9 +1044,14 @@ def test_a_long_context_profile_prices_each_forward_at_its_context():
     assert profile.head_ratio(1) == pytest.approx(0.1) and profile.head_ratio(1, 2048) == pytest.approx(0.1 / 1.1)
     alone = CostProfile(NEAR_AND_LONG.sizes, NEAR_AND_LONG.seconds, "cpu", 256)  # no long context measured
     assert alone.ratio(8, 3840) == alone.ratio(8) == pytest.approx(1.2)
-    # a long measurement that reads faster than the near one (noise) never prices a forward below the near time
+    # a long measurement of 2 tokens that reads faster than the near one (noise) while one token's grew: 2 tokens grow
+    # as one does (t(2) fell below t(1) past 2048: 0.70 t(1) at 8000, and a lookup draft right 5% of the time paid)
     noisy = CostProfile([1, 2], [1.0, 1.3], "cpu", 256, longer=CostProfile([1, 2], [1.2, 1.25], "cpu", 2048))
-    assert noisy.forward_seconds(2, 4000) == pytest.approx(1.3) and noisy.forward_seconds(1, 2048) == 1.2
+    assert noisy.forward_seconds(1, 2048) == 1.2 and noisy.forward_seconds(2, 2048) == pytest.approx(1.5)
+    assert all(noisy.ratio(2, context) >= 1 for context in (2048, 4000, 8000, 10**6))
+    from medusa_infer.proposers.lookup import LookupGate
+
+    assert all(LookupGate(noisy, prior_rate=0.05).length("k", 1, context=c) == 0 for c in (256, 2048, 4000, 8000))
 
 
 def test_a_long_context_profile_round_trips_and_a_malformed_one_is_refused():
@@ -1084,7 +1090,8 @@ def test_a_measurement_over_a_long_context_is_interleaved_with_the_typical_one(m
     assert timed == [(1, 8), (4, 8), (1, 32), (2, 32)] * 2  # each round times both contexts (the first warms up)
     with pytest.raises(ValueError, match="long_context must exceed context .8 cached tokens., got 8"):
         measure_verify_cost(model, sizes=(1,), context=8, repeats=1, long_context=8)
-    with pytest.raises(ValueError, match=r"needs 250 \+ 64 positions, but the model attends over 256"):
+    with pytest.raises(ValueError, match=r"needs 250 \+ 64 positions, but the model attends over 256: measure over a "
+                                         r"context between 1 and 192 \(medusa-bench --calibrate-long-context\)"):
         measure_verify_cost(model, sizes=(1,), context=8, repeats=1, long_context=250)
 
 
@@ -1109,6 +1116,31 @@ def test_the_fallback_prices_a_step_at_the_context_it_attends_over():
     assert learned.step_cost_ratios() == learned.cost_ratios(1)
     learned.choose(1, 4000)
     assert learned.step_cost_ratios() == pytest.approx(learned.cost_ratios(1, 4000))
+    # step costs learned over short prompts, agreeing with the profile there, keep the long context's prices (they
+    # were samples of the short context's ratios, which then priced an 8-node tree at 1.4 plain steps over 4000)
+    learned.choose(1, 300)
+    prior = learned.cost_ratios(1, 300)
+    for r in range(len(ladder) - 1):
+        for _ in range(learned.step_costs.window):
+            learned._recent.extend([(r, 0.01)] * 2)
+            learned._explored_from = r
+            learned.observe_seconds(r + 1, 0.01 * prior[r + 1] / prior[r])
+    assert learned.step_costs.samples(learned.keys[0], learned.keys[1]) == learned.step_costs.window
+    assert learned.step_cost_ratios() == pytest.approx(prior)
+    assert learned.choose(1, 4000) == far and learned.step_cost_ratios() == pytest.approx(control.cost_ratios(1, 4000))
+    at_4000 = control.cost_ratios(1, 4000)[1]  # the summary's ratios are at the context last asked about
+    assert learned.step_costs.summary()["1->2 tokens, depth 0->1"] == {
+        "ratio": pytest.approx(at_4000, abs=1e-4), "over_profile": 1.0, "samples": 32,
+        "profile": pytest.approx(at_4000, abs=1e-4)}
+    # and a step measured dearer than the profile's, there, is dearer by as much elsewhere
+    learned.choose(1, 300)
+    for _ in range(learned.step_costs.window):
+        learned._recent.extend([(0, 0.01)] * 2)
+        learned._explored_from = 0
+        learned.observe_seconds(1, 0.01 * prior[1] * 1.5)
+    assert learned.step_cost_ratios()[1] == pytest.approx(prior[1] * 1.5 ** (32 / 34))
+    learned.choose(1, 4000)
+    assert learned.step_cost_ratios()[1] == pytest.approx(at_4000 * 1.5 ** (32 / 34))
     alone = TreeController(ladder, REFERENCE_HEAD_ACCURACY, CostProfile(NEAR_AND_LONG.sizes, NEAR_AND_LONG.seconds))
     assert alone.choose(1, 4000) == alone.choose(1, 300)
     with pytest.raises(ValueError, match="context must be >= 0 cached tokens"):

@@ -284,7 +284,9 @@ def test_calibration_measures_accuracy_and_cost_and_fits_a_tree(model):
     assert "longer" not in config.cost_profile
     calibrate(model, QUESTIONS[:1], args(calibrate_long_context=100))
     assert config.cost_profile["longer"]["context"] == 100
-    with pytest.raises(ValueError, match=r"needs 250 \+ 64 positions, but the model attends over 256"):
+    with pytest.raises(ValueError, match=r"needs 250 \+ 64 positions, but the model attends over 256: measure over a "
+                                         r"context between 1 and 192 \(medusa-bench --calibrate-long-context, or 0 "
+                                         r"for none\)"):
         calibrate(model, QUESTIONS[:1], args(calibrate_long_context=250))
 
 
