@@ -197,7 +197,14 @@ class TreeController:
             depth needs (``CostProfile.head_ratio``). Plain steps count as 1: head 1, which they
             run to watch acceptance (``observe_shadow``), is left out, so the comparison leans
             towards plain decoding by that much (about 1% of a step on a 2-core CPU).
-        smoothing: weight of the newest observation in the moving average.
+        smoothing: weight of the newest observation in the moving average. A plain step's shadow report
+            (``observe_shadow``) of a first level calibrated at rate ``q`` below 0.5 weighs
+            ``smoothing * q / (1 - q)``: a moving average of ratios of a yes/no event of rate ``q`` varies,
+            relative to its mean, as ``(1 - q) / q`` times the weight, and with weak heads (head 1's
+            candidates right on 1 step in 12) one hit on a plain step moved the scale by 2.4 and bought
+            three or four tree steps that accepted nothing (docs/long-context-s72/trace.txt). So leaving
+            plain decoding takes as much evidence at every rate; on a tree, where a step that accepts
+            nothing costs more than a plain one, each observation weighs ``smoothing``, to come back fast.
         probe_every: steps between probes while on a tree shallower than the ladder's deepest
             (plain decoding included, where shadow reports replace them).
         step_costs: learn batch-1 cost ratios from the steps taken (``StepCosts``; reported with
@@ -412,8 +419,9 @@ class TreeController:
             raise ValueError(f"hit_rate must be a share in [0, 1], got {hit_rate!r}")
         self._since_probe = 0
         if self.first_level_cal > 0:
-            ratio = hit_rate / self.first_level_cal
-            self.scale = (1 - self.smoothing) * self.scale + self.smoothing * ratio
+            rate = self.first_level_cal  # below 0.5, its reports weigh less (``smoothing``)
+            weight = self.smoothing * min(1.0, rate / (1.0 - rate)) if rate < 1.0 else self.smoothing
+            self.scale = (1 - weight) * self.scale + weight * hit_rate / rate
         self.rung = self._best()
 
     @property

@@ -1171,3 +1171,34 @@ def test_generation_prices_each_step_over_the_longest_rows_history(monkeypatch):
     for prompt, row in zip(prompts, out.new_tokens):
         reference = base.generate(prompt[None], max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
         assert row == reference[0, len(prompt):].tolist()
+
+
+def test_rare_hits_of_weak_heads_do_not_buy_tree_steps_and_frequent_ones_still_do():
+    """Weak heads (head 1's five candidates right on 1 step in 12) on a tree that pays only if they beat that:
+    each hit on a plain step moved head 1's scale by 0.2 / 0.085 = 2.4 and bought three or four tree steps that
+    accepted nothing (27% of a long answer's steps, docs/long-context-s72/trace.txt). Observations of rare events
+    now weigh in proportion to their rate; when the heads turn good, the tree still comes back within a few dozen
+    steps."""
+    import random
+
+    acc = [[0.03, 0.02, 0.015, 0.01, 0.01], [0.01] * 5]
+    ladder = tree_ladder(greedy_tree(acc, 5), sizes=(5,), acceptance=acc)
+    profile = CostProfile([1, 2, 8], [1.0, 1.2, 1.25], "cpu, a long context")
+    control = TreeController(ladder, acc, profile)
+    assert control.first_level_cal == pytest.approx(0.085) and control.rung == 0  # plain decoding pays best
+    rng = random.Random(0)
+
+    def step(rate: float) -> int:
+        rung, hit = control.choose(), float(rng.random() < rate)
+        if rung == 0:
+            control.observe_shadow(hit)
+        else:
+            control.observe(rung, [hit] + [0.0] * (len(control.reach_cal[rung]) - 1))
+        return rung
+
+    as_calibrated = [step(0.085) for _ in range(2000)]
+    assert sum(r > 0 for r in as_calibrated) < 0.03 * 2000  # (the rule before: 11%)
+    turned_good = [step(0.6) for _ in range(100)]
+    assert next(i for i, r in enumerate(turned_good) if r > 0) < 40 and all(r > 0 for r in turned_good[-30:])
+    turned_bad = [step(0.085) for _ in range(100)]  # on a tree each observation weighs in full: back down fast
+    assert turned_bad.index(0) < 20 and not any(turned_bad[-50:])
