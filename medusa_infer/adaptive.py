@@ -21,8 +21,9 @@ depths below, whose scales would otherwise keep a low mark for good.
 
 The cost ratios come from the calibration's profile, measured once in a few seconds, at the context
 each step attends over where the profile measured a long context beside the typical one (on a CPU
-a tree's cost over one token's grows with the context: an 11-node tree that cost 1.37 plain steps
-over 256 cached tokens cost 1.8 over 2000, where heads that paid at the first no longer pay). On a shared
+a tree's cost over one token's grows with the context: the demo's 10-node tree cost 1.05 plain steps
+over 256 cached tokens and 1.46 over 2048, docs/long-context-s72/demo_calibration.json, where heads that
+paid at the first no longer pay). On a shared
 machine one noisy moment there can make a bigger tree look cheap (docs/bench80-large-s25). Given a
 ``StepCosts``, a batch-1 controller also learns them from the steps it takes: every
 ``explore_every`` steps it takes one step on a neighbouring rung, compares that step's seconds with

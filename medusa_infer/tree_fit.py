@@ -53,7 +53,8 @@ the context is attention over it, smooth in the number of new tokens, so fewer s
 
 LONG_CONTEXT = 2048
 """The long context a calibration measures forwards over, where the model attends that far (``long_context``):
-on the default model and a 2-core CPU t(11) / t(1) is 1.37 over 256 cached tokens and 1.72 to 1.80 over 2000."""
+on the default model and a 2-core CPU t(11) / t(1) is 1.05 over 256 cached tokens, 1.34 over 1500 and 1.46 over 2048
+(docs/long-context-s72/demo_calibration.json)."""
 
 
 EXTRAPOLATION_FLOOR = 1 / 16

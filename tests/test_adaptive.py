@@ -1022,7 +1022,7 @@ def test_calibration_review_a_dip_a_useless_tree_and_head_costs_falling_with_dep
 
 
 # a CPU-like profile over 256 cached tokens, and over 2048, where attention over the context makes a tree's forward
-# dearer against one token's (the default model on a 2-core CPU: t(11) / t(1) 1.37 over 256, 1.72 to 1.80 over 2000)
+# dearer against one token's (the default model on a 2-core CPU: t(11) / t(1) 1.05 over 256, 1.46 over 2048)
 LONG = CostProfile([1, 4, 16, 32], [1.1, 1.9, 3.9, 6.7], "cpu", 2048)
 NEAR_AND_LONG = CostProfile([1, 2, 4, 8, 16, 32], [1.0, 1.05, 1.1, 1.2, 1.4, 2.0], "cpu", 256, [0.1], longer=LONG)
 
