@@ -198,14 +198,15 @@ class TreeController:
             depth needs (``CostProfile.head_ratio``). Plain steps count as 1: head 1, which they
             run to watch acceptance (``observe_shadow``), is left out, so the comparison leans
             towards plain decoding by that much (about 1% of a step on a 2-core CPU).
-        smoothing: weight of the newest observation in the moving average. A plain step's shadow report
-            (``observe_shadow``) of a first level calibrated at rate ``q`` below 0.5 weighs
-            ``smoothing * q / (1 - q)``: a moving average of ratios of a yes/no event of rate ``q`` varies,
-            relative to its mean, as ``(1 - q) / q`` times the weight, and with weak heads (head 1's
-            candidates right on 1 step in 12) one hit on a plain step moved the scale by 2.4 and bought
-            three or four tree steps that accepted nothing (docs/long-context-s72/trace.txt). So leaving
-            plain decoding takes as much evidence at every rate; on a tree, where a step that accepts
-            nothing costs more than a plain one, each observation weighs ``smoothing``, to come back fast.
+        smoothing: weight of the newest observation in the moving average. An observation of the first
+            level (a plain step's shadow report, or a tree step's depth 1) calibrated at rate ``q`` below
+            0.5 weighs ``smoothing * q / (1 - q)`` (``first_level_weight``): a moving average of ratios
+            of a yes/no event of rate ``q`` varies, relative to its mean, as ``(1 - q) / q`` times the
+            weight, and with weak heads (head 1's candidates right on 1 step in 14) one hit on a plain
+            step moved the scale by about 2.7 and bought three or four tree steps that accepted nothing
+            (docs/long-context-s72/trace.txt). Both kinds of step weigh alike, so that the scale is no
+            more likely to sit low than high (plain steps alone weighed less: moderately weak heads
+            then decoded plainly half the time where a tree paid).
         probe_every: steps between probes while on a tree shallower than the ladder's deepest
             (plain decoding included, where shadow reports replace them).
         step_costs: learn batch-1 cost ratios from the steps taken (``StepCosts``; reported with
@@ -384,8 +385,9 @@ class TreeController:
         for d, (share, expected) in enumerate(zip(shares, calibrated)):
             if above <= 0 or expected <= 0:
                 break
-            ratio = (share / above) / (expected / above_cal)
-            self.scales[d] = (1 - self.smoothing) * self.scales[d] + self.smoothing * ratio
+            rate = expected / above_cal
+            weight = self.first_level_weight(rate) if d == 0 else self.smoothing
+            self.scales[d] = (1 - weight) * self.scales[d] + weight * (share / above) / rate
             above, above_cal = share, expected
         self.rung = self._best()
 
@@ -420,10 +422,14 @@ class TreeController:
             raise ValueError(f"hit_rate must be a share in [0, 1], got {hit_rate!r}")
         self._since_probe = 0
         if self.first_level_cal > 0:
-            rate = self.first_level_cal  # below 0.5, its reports weigh less (``smoothing``)
-            weight = self.smoothing * min(1.0, rate / (1.0 - rate)) if rate < 1.0 else self.smoothing
-            self.scale = (1 - weight) * self.scale + weight * hit_rate / rate
+            weight = self.first_level_weight(self.first_level_cal)
+            self.scale = (1 - weight) * self.scale + weight * hit_rate / self.first_level_cal
         self.rung = self._best()
+
+    def first_level_weight(self, rate: float) -> float:
+        """The moving average's weight of an observation of the first level calibrated at ``rate`` (``smoothing``,
+        less below 0.5)."""
+        return self.smoothing * min(1.0, rate / (1.0 - rate)) if rate < 1.0 else self.smoothing
 
     @property
     def scale(self) -> float:
