@@ -198,15 +198,17 @@ class TreeController:
             depth needs (``CostProfile.head_ratio``). Plain steps count as 1: head 1, which they
             run to watch acceptance (``observe_shadow``), is left out, so the comparison leans
             towards plain decoding by that much (about 1% of a step on a 2-core CPU).
-        smoothing: weight of the newest observation in the moving average. An observation of the first
-            level (a plain step's shadow report, or a tree step's depth 1) calibrated at rate ``q`` below
-            0.5 weighs ``smoothing * q / (1 - q)`` (``first_level_weight``): a moving average of ratios
-            of a yes/no event of rate ``q`` varies, relative to its mean, as ``(1 - q) / q`` times the
-            weight, and with weak heads (head 1's candidates right on 1 step in 14) one hit on a plain
-            step moved the scale by about 2.7 and bought three or four tree steps that accepted nothing
-            (docs/long-context-s72/trace.txt). Both kinds of step weigh alike, so that the scale is no
-            more likely to sit low than high (plain steps alone weighed less: moderately weak heads
-            then decoded plainly half the time where a tree paid).
+        smoothing: weight of the newest observation in the moving average. Where the ladder's largest
+            tree's first level is calibrated at rate ``q`` below 0.5 (``first_level_cal``), an observation
+            of the first level (a plain step's shadow report, or a tree step's depth 1) weighs
+            ``smoothing * q / (1 - q)`` (``first_level_weight``): a moving average of ratios of a yes/no
+            event of rate ``q`` varies, relative to its mean, as ``(1 - q) / q`` times the weight, and with
+            weak heads (head 1's candidates right on 1 step in 14) one hit on a plain step moved the scale
+            by about 2.7 and bought three or four tree steps that accepted nothing
+            (docs/long-context-s72/trace.txt). Every first-level observation weighs alike, whatever the
+            rung, so that the scale's mean is the observed over the calibrated rate (plain steps alone
+            weighing less left moderately weak heads on plain decoding half the time where a tree paid;
+            each rung's own rate biased the mean by 6-13%).
         probe_every: steps between probes while on a tree shallower than the ladder's deepest
             (plain decoding included, where shadow reports replace them).
         step_costs: learn batch-1 cost ratios from the steps taken (``StepCosts``; reported with
@@ -386,7 +388,9 @@ class TreeController:
             if above <= 0 or expected <= 0:
                 break
             rate = expected / above_cal
-            weight = self.first_level_weight(rate) if d == 0 else self.smoothing
+            # every first-level observation weighs alike, by the largest tree's rate (as a plain step's report
+            # does): weights that differed by rung, which the scale itself chooses, biased its mean (by 6-13%)
+            weight = self.first_level_weight(self.first_level_cal) if d == 0 else self.smoothing
             self.scales[d] = (1 - weight) * self.scales[d] + weight * (share / above) / rate
             above, above_cal = share, expected
         self.rung = self._best()
