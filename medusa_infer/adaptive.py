@@ -208,7 +208,7 @@ class TreeController:
             (docs/long-context-s72/trace.txt). Every first-level observation weighs alike, whatever the
             rung, so that the scale's mean is the observed over the calibrated rate (plain steps alone
             weighing less left moderately weak heads on plain decoding half the time where a tree paid;
-            each rung's own rate biased the mean by 6-13%).
+            each rung's own rate biased the mean by 5-7%: docs/long-context-s72/weightings.txt).
         probe_every: steps between probes while on a tree shallower than the ladder's deepest
             (plain decoding included, where shadow reports replace them).
         step_costs: learn batch-1 cost ratios from the steps taken (``StepCosts``; reported with
@@ -389,7 +389,7 @@ class TreeController:
                 break
             rate = expected / above_cal
             # every first-level observation weighs alike, by the largest tree's rate (as a plain step's report
-            # does): weights that differed by rung, which the scale itself chooses, biased its mean (by 6-13%)
+            # does): weights that differed by rung, which the scale itself chooses, biased its mean (by 5-7%)
             weight = self.first_level_weight(self.first_level_cal) if d == 0 else self.smoothing
             self.scales[d] = (1 - weight) * self.scales[d] + weight * (share / above) / rate
             above, above_cal = share, expected

@@ -1098,7 +1098,7 @@ def calibrate(model, questions: list[dict], args: argparse.Namespace) -> dict[st
     if model.heads is None:
         raise ValueError("calibrate() needs a model with heads (medusa-bench --calibrate --heads FOLDER)")
     check_cost_context(model, args.calibrate_context)  # before the answers, which take the time
-    longer = getattr(args, "calibrate_long_context", None)
+    longer = args.calibrate_long_context
     longer = long_context(model, args.calibrate_context) if longer is None else longer or None
     if longer is not None:
         if longer <= args.calibrate_context:

@@ -26,5 +26,8 @@ c = [e for e in events if e[0] == "choose"]
 print("steps", len(c), "tree steps", sum(e[1] > 0 for e in c))
 line = []
 for e in events:
-    line.append("H" if e == ("shadow", 1.0) else "." if e[0] == "shadow" else f"T{e[1]}{'+' if e[2] and e[2][0] else '-'}" if e[0] == "tree" else "")
+    if e[0] == "shadow":
+        line.append("H" if e[1] == 1.0 else ".")
+    elif e[0] == "tree":
+        line.append(f"T{e[1]}{'+' if e[2] and e[2][0] else '-'}")
 print("".join(x if len(x) < 2 else f"[{x}]" for x in line))
